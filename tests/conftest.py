@@ -1,0 +1,32 @@
+"""Test-session wiring shared by every tier.
+
+Markers are registered (strictly) in pyproject.toml. Tests marked `gpu` run only where
+CUDA exists; elsewhere they are deselected with the reason printed, never silently.
+The local cluster and MinIO fixtures live in tests/fixtures/ and are session-scoped:
+one cluster per test session, stopped when the session ends, failures included.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+pytest_plugins = ["tests.fixtures.cluster", "tests.fixtures.minio"]
+
+
+def _cuda_available() -> bool:
+    if importlib.util.find_spec("torch") is None:
+        return False
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_items or _cuda_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA; this machine has no GPU")
+    for item in gpu_items:
+        item.add_marker(skip)
