@@ -1,0 +1,187 @@
+"""The FineTuneJob status: what the operator writes and `kubectl get ftj`, Flux and Argo read.
+
+Every field here is declared in the CRD (the API server prunes anything else), and the unit
+test that compares the CRD with spec/job.py compares this model too. The operator builds a
+FineTuneJobStatus and patches `status_patch(...)`; it never writes free-form dicts.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+__all__ = [
+    "PHASES",
+    "Condition",
+    "FineTuneJobStatus",
+    "OutputStatus",
+    "Phase",
+    "PlanBottleneck",
+    "PlanStatus",
+    "PlannedStage",
+    "ProgressStatus",
+    "StageStatus",
+    "status_patch",
+]
+
+Phase = Literal["Pending", "Planning", "Running", "Recovering", "Succeeded", "Failed", "Suspended"]
+PHASES: tuple[str, ...] = Phase.__args__  # type: ignore[attr-defined]
+
+
+class _Status(BaseModel):
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        validate_by_name=True,
+        validate_by_alias=True,
+        serialize_by_alias=True,
+        extra="forbid",
+        use_attribute_docstrings=True,
+    )
+
+
+class Condition(_Status):
+    """A Kubernetes-style condition (the shape of metav1.Condition)."""
+
+    type: str
+    """`Ready` (every stage pod ready and training progressing, or Succeeded) or `Progressing`
+    (the operator is moving the job forward: planning, starting, recovering)."""
+    status: Literal["True", "False", "Unknown"]
+    """Whether the condition holds."""
+    reason: str
+    """One CamelCase word: e.g. Planned, Unschedulable, StageRestarting, Suspended, Succeeded,
+    BackoffLimitExceeded, InvalidSpec."""
+    message: str = ""
+    """What happened, for people."""
+    last_transition_time: str
+    """When status last changed (RFC 3339)."""
+    observed_generation: int | None = None
+    """The metadata.generation this condition was computed for."""
+
+
+class PlannedStage(_Status):
+    """One stage of the plan."""
+
+    index: int
+    """Stage number, 0 first."""
+    pool: str
+    """Pool (value of the placement gpuLabel) that runs this stage."""
+    layer_start: int
+    """First decoder layer (inclusive)."""
+    layer_end: int
+    """Last decoder layer (exclusive)."""
+    predicted_step_seconds: float | None = None
+    """Predicted time of this stage per optimizer step (compute plus its outgoing link)."""
+    predicted_memory_bytes: int | None = None
+    """Predicted peak GPU memory of this stage."""
+    available_memory_bytes: int | None = None
+    """GPU memory the pool's GPUs have."""
+
+
+class PlanBottleneck(_Status):
+    """What limits the step time."""
+
+    stage: int
+    """The stage that is slowest."""
+    resource: Literal["compute", "memory", "link"]
+    """What limits it."""
+
+
+class PlanStatus(_Status):
+    """The planner's result for this job."""
+
+    stages: list[PlannedStage] = Field(default_factory=list)
+    """Stages in pipeline order."""
+    predicted_step_seconds: float | None = None
+    """Predicted time per optimizer step."""
+    predicted_tokens_per_second: float | None = None
+    """Predicted training throughput."""
+    bubble_fraction: float | None = None
+    """Predicted share of time stages wait in the pipeline's fill and drain."""
+    bottleneck: PlanBottleneck | None = None
+    """The stage and resource that limit throughput."""
+
+
+class StageStatus(_Status):
+    """One stage's pod as the operator last saw it."""
+
+    index: int
+    """Stage number."""
+    pod: str | None = None
+    """Name of the stage's current pod."""
+    node: str | None = None
+    """Node the pod runs on."""
+    pool: str | None = None
+    """Pool of that node."""
+    phase: str | None = None
+    """The pod's phase (Pending, Running, Succeeded, Failed) or Replacing."""
+    ready: bool = False
+    """Whether the pod is ready."""
+    restarts: int = 0
+    """How many times this stage's pod was replaced."""
+    restored_from_step: int | None = None
+    """Checkpoint step the current pod restored from."""
+    last_failure: str | None = None
+    """Why the previous pod of this stage ended."""
+
+
+class ProgressStatus(_Status):
+    """Training progress, from the workers' progress record."""
+
+    step: int = 0
+    """Last finished optimizer step."""
+    total_steps: int | None = None
+    """Steps the job will run."""
+    step_of_total: str | None = None
+    """`step/totalSteps`, for the printer column."""
+    loss: float | None = None
+    """Training loss at the last step."""
+    tokens_per_second: float | None = None
+    """Measured throughput."""
+    last_committed_step: int | None = None
+    """Newest committed checkpoint step."""
+    eta: str | None = None
+    """Estimated finish time (RFC 3339)."""
+    updated_at: str | None = None
+    """When the workers last reported (RFC 3339)."""
+
+
+class OutputStatus(_Status):
+    """Where the result is."""
+
+    uri: str
+    """The adapter (PEFT format) or full weights."""
+
+
+class FineTuneJobStatus(_Status):
+    """The observed state of a FineTuneJob."""
+
+    phase: Phase = "Pending"
+    """Pending, Planning, Running, Recovering, Succeeded, Failed or Suspended."""
+    observed_generation: int | None = None
+    """The metadata.generation the operator last acted on."""
+    conditions: list[Condition] = Field(default_factory=list)
+    """Ready and Progressing, with reasons."""
+    start_time: str | None = None
+    """When the first stage pod was created (RFC 3339); from then on model, dataset, method,
+    pipeline and training may no longer change."""
+    completion_time: str | None = None
+    """When the job Succeeded or Failed (RFC 3339)."""
+    plan: PlanStatus | None = None
+    """The stage plan."""
+    stages: list[StageStatus] = Field(default_factory=list)
+    """Per-stage pods."""
+    ready_stages: str | None = None
+    """`ready/total` stage pods, for the printer column."""
+    restarts: int = 0
+    """Stage pod replacements, all stages together."""
+    progress: ProgressStatus | None = None
+    """Training progress."""
+    output: OutputStatus | None = None
+    """Where the result is, once Succeeded."""
+
+
+def status_patch(status: FineTuneJobStatus) -> dict[str, object]:
+    """The status as a JSON-ready dict in manifest terms (camelCase, unset fields dropped)."""
+    return status.model_dump(mode="json", by_alias=True, exclude_none=True)
