@@ -206,7 +206,9 @@ class PlacementSpec(_Model):
     """Tolerations added to every stage pod."""
     priority_class_name: Annotated[str, Field(min_length=1, max_length=253)] | None = None
     """PriorityClass of the stage pods."""
-    node_selector: dict[str, Annotated[str, Field(max_length=63)]] = Field(default_factory=dict)
+    node_selector: dict[str, Annotated[str, Field(max_length=63)]] = Field(
+        default_factory=dict, max_length=32
+    )
     """Extra node labels every stage node must carry."""
 
     @model_validator(mode="after")
