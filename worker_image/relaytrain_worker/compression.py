@@ -1,0 +1,161 @@
+"""Lossy compression of the tensors that cross a stage boundary.
+
+Activations (forward) and their gradients (backward) are the only thing stages send each
+other, so their size sets the step time on a slow link. Four modes, chosen per job:
+
+- ``none``: the tensor's own bytes (fp32 activations cost 2x bf16).
+- ``bf16``: cast to bfloat16; 2 bytes per value.
+- ``int8``: blockwise absmax. Every block of ``BLOCK`` consecutive values gets one bf16
+  scale ``s = absmax / 127`` and the values become ``round(x / s)`` in [-127, 127].
+  1 byte + 2/64 byte per value = 0.516x bf16.
+- ``int4``: the same with 15 levels ([-7, 7]), two values packed per byte.
+  0.5 byte + 2/64 byte per value = 0.266x bf16.
+
+Error bound (per value, x in a block whose largest magnitude is ``a``): int8
+``|x - decode(x)| <= a / 254 * 1.004``, int4 ``<= a / 14 * 1.004`` (the 0.4% is the
+bf16 rounding of the scale, which is applied before quantising so that it stays exact).
+``bf16`` has a relative error of at most 2**-9. NaN in a block makes the whole decoded
+block NaN, so a diverging run stays visibly broken instead of being silently clipped.
+
+Only floating tensors are compressed; integer and bool tensors (labels, masks, position
+ids) always travel unchanged. Everything is vectorised torch and deterministic: the same
+input gives the same bytes on every run and every machine (round-half-to-even).
+
+The codec is hand-written because it has to be a pure, self-describing byte format that
+both ends decode without a shared library state; bitsandbytes' blockwise quantisation is
+CUDA-first and keeps its state in Python objects, not bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+import torch
+
+Compression = Literal["none", "bf16", "int8", "int4"]
+COMPRESSIONS: tuple[str, ...] = get_args(Compression)
+
+#: Values per quantisation block. 64 keeps int8 under 0.52x and int4 under 0.27x of bf16
+#: with a bf16 scale per block, while keeping one outlier from flattening many values.
+BLOCK = 64
+_QMAX = {"int8": 127, "int4": 7}
+
+
+@dataclass(frozen=True)
+class EncodedTensor:
+    """One tensor in wire form: ``data`` (and ``scales`` for int8/int4) plus what decode needs."""
+
+    mode: Compression
+    """The mode actually used: ``none`` for non-floating tensors whatever was asked."""
+    dtype: torch.dtype
+    """dtype of the original tensor; decode returns this dtype."""
+    shape: tuple[int, ...]
+    """Shape of the original tensor."""
+    data: torch.Tensor
+    """1-D contiguous CPU tensor: raw values (none/bf16), int8 codes, or packed uint8 nibbles."""
+    scales: torch.Tensor | None = None
+    """1-D contiguous bf16 CPU tensor, one scale per block (int8/int4 only)."""
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this tensor occupies on the wire (payload only, no framing)."""
+        n = self.data.numel() * self.data.element_size()
+        if self.scales is not None:
+            n += self.scales.numel() * self.scales.element_size()
+        return n
+
+    @property
+    def numel(self) -> int:
+        """Number of values of the original tensor."""
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def check_mode(mode: str) -> Compression:
+    """Return ``mode`` typed as a Compression, or raise ValueError naming the valid ones."""
+    if mode not in COMPRESSIONS:
+        raise ValueError(f"unknown compression {mode!r}; valid: {', '.join(COMPRESSIONS)}")
+    return mode  # type: ignore[return-value]
+
+
+def encode(t: torch.Tensor, mode: Compression | str) -> EncodedTensor:
+    """Encode ``t`` (any device, any shape) for the wire with ``mode``.
+
+    Non-floating tensors always use ``none``. The result lives on the CPU.
+    """
+    mode = check_mode(mode)
+    shape = tuple(t.shape)
+    if not t.is_floating_point() or mode == "none" or t.numel() == 0:
+        return EncodedTensor("none", t.dtype, shape, _flat_cpu(t))
+    if mode == "bf16":
+        return EncodedTensor("bf16", t.dtype, shape, _flat_cpu(t.to(torch.bfloat16)))
+    codes, scales = _quantise(t.detach().reshape(-1), _QMAX[mode])
+    if mode == "int4":
+        codes = _pack_nibbles(codes)
+    return EncodedTensor(mode, t.dtype, shape, _flat_cpu(codes), _flat_cpu(scales))
+
+
+def decode(enc: EncodedTensor, device: torch.device | str | None = None) -> torch.Tensor:
+    """Rebuild a tensor of the original shape and dtype (on ``device``, default CPU)."""
+    data = enc.data if device is None else enc.data.to(device)
+    if enc.mode == "none":
+        return data.view(enc.dtype).reshape(enc.shape)
+    if enc.mode == "bf16":
+        return data.view(torch.bfloat16).to(enc.dtype).reshape(enc.shape)
+    if enc.scales is None:
+        raise ValueError(f"{enc.mode} tensor without scales")
+    scales = enc.scales if device is None else enc.scales.to(device)
+    codes = _unpack_nibbles(data) if enc.mode == "int4" else data.view(torch.int8)
+    blocks = codes.reshape(-1, BLOCK).to(torch.float32) * scales.to(torch.float32)[:, None]
+    return blocks.reshape(-1)[: enc.numel].to(enc.dtype).reshape(enc.shape)
+
+
+def wire_bytes_per_value(mode: Compression, dtype: torch.dtype = torch.float32) -> float:
+    """Asymptotic wire bytes per floating value for ``mode`` (for planning and reports)."""
+    if mode == "none":
+        return float(torch.empty((), dtype=dtype).element_size())
+    if mode == "bf16":
+        return 2.0
+    code_bytes = 1.0 if mode == "int8" else 0.5
+    return code_bytes + 2.0 / BLOCK
+
+
+def _flat_cpu(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1).contiguous().cpu()
+
+
+def _quantise(flat: torch.Tensor, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blockwise absmax quantisation: int8 codes in [-qmax, qmax] and one bf16 scale per block."""
+    n = flat.numel()
+    pad = (-n) % BLOCK
+    x = flat.to(torch.float32)
+    if pad:
+        x = torch.nn.functional.pad(x, (0, pad))
+    blocks = x.reshape(-1, BLOCK)
+    absmax = blocks.abs().amax(dim=1)
+    # Round the scale to bf16 first and quantise with the rounded value, so the decoder
+    # multiplies by exactly the scale the encoder divided by.
+    scales = (absmax / qmax).to(torch.bfloat16)
+    divisor = scales.to(torch.float32)
+    divisor = torch.where(divisor == 0, torch.ones_like(divisor), divisor)
+    codes = torch.round(blocks / divisor[:, None]).clamp_(-qmax, qmax)
+    # NaN survives round/clamp; make the whole block NaN on decode through its scale.
+    scales = torch.where(torch.isnan(absmax), torch.full_like(scales, float("nan")), scales)
+    codes = torch.nan_to_num(codes, nan=0.0)
+    return codes.to(torch.int8).reshape(-1), scales
+
+
+def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """Pack int8 codes in [-7, 7] two per byte (even index in the low nibble)."""
+    u = (codes.to(torch.int16) + 8).to(torch.uint8).reshape(-1, 2)
+    return (u[:, 0] | (u[:, 1] << 4)).contiguous()
+
+
+def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    p = packed.view(torch.uint8)
+    lo = (p & 0x0F).to(torch.int16) - 8
+    hi = (p >> 4).to(torch.int16) - 8
+    return torch.stack((lo, hi), dim=1).reshape(-1)

@@ -1,0 +1,229 @@
+"""Object stores for checkpoints, progress and outputs: a local directory or S3 (MinIO).
+
+Keys are ``/``-separated relative paths (``ns/job/step-20/stage-1/adapter.safetensors``).
+Every ``put`` is atomic: a reader sees the old object, or the new one, never half of one.
+That is what lets the checkpoint manifest, written last, act as the commit.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import tempfile
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+from urllib.parse import urlparse
+
+
+class StoreError(Exception):
+    """A store operation failed (the message names the store and key)."""
+
+
+class ObjectNotFound(StoreError, KeyError):  # noqa: N818 - reads like KeyError
+    """``get`` of a key that does not exist."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+@runtime_checkable
+class Store(Protocol):
+    """What checkpoints and progress need from a store."""
+
+    def put(self, key: str, data: bytes) -> None:
+        """Write ``data`` under ``key`` atomically (replacing any previous object)."""
+
+    def get(self, key: str) -> bytes:
+        """Read ``key``; ObjectNotFound if it does not exist."""
+
+    def exists(self, key: str) -> bool:
+        """Whether ``key`` exists."""
+
+    def list(self, prefix: str) -> list[str]:
+        """Every key under ``prefix`` (recursively), sorted."""
+
+    def delete(self, key: str) -> None:
+        """Delete ``key``; a missing key is fine."""
+
+
+def _check_key(key: str) -> str:
+    parts = key.split("/")
+    if not key or key.startswith("/") or any(p in ("", ".", "..") for p in parts):
+        raise ValueError(f"invalid store key {key!r}: use a relative a/b/c path")
+    return key
+
+
+class LocalStore:
+    """A directory on the local filesystem; atomic writes via a temp file + os.replace."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def __repr__(self) -> str:
+        return f"LocalStore({str(self.root)!r})"
+
+    def _path(self, key: str) -> Path:
+        return self.root / _check_key(key)
+
+    def put(self, key: str, data: bytes) -> None:
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def get(self, key: str) -> bytes:
+        try:
+            return self._path(key).read_bytes()
+        except FileNotFoundError:
+            raise ObjectNotFound(f"{key} not found in {self.root}") from None
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).is_file()
+
+    def list(self, prefix: str) -> list[str]:
+        prefix = prefix.lstrip("/")
+        base = self.root / prefix.rsplit("/", 1)[0] if "/" in prefix else self.root
+        if not base.is_dir():
+            return []
+        keys = []
+        for dirpath, _, filenames in os.walk(base):
+            for name in filenames:
+                if name.startswith(".") and name.endswith(".tmp"):
+                    continue  # an in-flight atomic write
+                key = Path(dirpath, name).relative_to(self.root).as_posix()
+                if key.startswith(prefix):
+                    keys.append(key)
+        return sorted(keys)
+
+    def delete(self, key: str) -> None:
+        path = self._path(key)
+        path.unlink(missing_ok=True)
+        # Drop now-empty directories up to the root so pruned steps leave nothing behind.
+        for parent in path.parents:
+            if parent == self.root or not parent.is_relative_to(self.root):
+                break
+            try:
+                parent.rmdir()
+            except OSError:
+                break
+
+
+class S3Store:
+    """A bucket/prefix on S3 or MinIO through the minio client (which does multipart)."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        bucket: str,
+        prefix: str = "",
+        *,
+        access_key: str | None = None,
+        secret_key: str | None = None,
+        secure: bool = False,
+    ) -> None:
+        from minio import Minio
+
+        self.endpoint = endpoint
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        self._client = Minio(endpoint, access_key=access_key, secret_key=secret_key, secure=secure)
+        try:
+            if not self._client.bucket_exists(bucket):
+                self._client.make_bucket(bucket)
+        except Exception as e:
+            if _s3_code(e) not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+                raise StoreError(f"cannot open bucket {bucket!r} at {endpoint}: {e}") from e
+
+    def __repr__(self) -> str:
+        return f"S3Store({self.endpoint!r}, {self.bucket!r}, {self.prefix!r})"
+
+    def _name(self, key: str) -> str:
+        _check_key(key)
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def put(self, key: str, data: bytes) -> None:
+        self._client.put_object(self.bucket, self._name(key), io.BytesIO(data), len(data))
+
+    def get(self, key: str) -> bytes:
+        response = None
+        try:
+            response = self._client.get_object(self.bucket, self._name(key))
+            return bytes(response.read())
+        except Exception as e:
+            if _s3_code(e) in ("NoSuchKey", "NoSuchObject"):
+                raise ObjectNotFound(
+                    f"{key} not found in s3://{self.bucket}/{self.prefix}"
+                ) from None
+            raise
+        finally:
+            if response is not None:
+                response.close()
+                response.release_conn()
+
+    def exists(self, key: str) -> bool:
+        try:
+            self._client.stat_object(self.bucket, self._name(key))
+        except Exception as e:
+            if _s3_code(e) in ("NoSuchKey", "NoSuchObject", "ResponseCode"):
+                return False
+            raise
+        return True
+
+    def list(self, prefix: str) -> list[str]:
+        # A raw prefix, not a key: "ns/job/step-" must match "ns/job/step-20/...".
+        full = f"{self.prefix}/{prefix.lstrip('/')}" if self.prefix else prefix.lstrip("/")
+        strip = len(self.prefix) + 1 if self.prefix else 0
+        names = (
+            obj.object_name
+            for obj in self._client.list_objects(self.bucket, prefix=full, recursive=True)
+        )
+        return sorted(name[strip:] for name in names if name is not None)
+
+    def delete(self, key: str) -> None:
+        self._client.remove_object(self.bucket, self._name(key))
+
+
+def _s3_code(e: Exception) -> str:
+    return str(getattr(e, "code", ""))
+
+
+def open_store(
+    uri: str,
+    endpoint: str | None = None,
+    access_key: str | None = None,
+    secret_key: str | None = None,
+) -> Store:
+    """Open ``s3://bucket/prefix`` (with ``endpoint``, e.g. ``http://minio:9000``) or a local path.
+
+    ``file://`` URIs and plain paths give a LocalStore. An endpoint with ``https://`` is
+    reached over TLS; ``http://`` or no scheme over plain HTTP.
+    """
+    parsed = urlparse(uri)
+    if parsed.scheme == "s3":
+        if not parsed.netloc:
+            raise ValueError(f"{uri!r} names no bucket; use s3://bucket/prefix")
+        if not endpoint:
+            raise ValueError(f"{uri!r} needs an S3 endpoint (checkpoint.endpoint)")
+        ep = urlparse(endpoint if "://" in endpoint else f"http://{endpoint}")
+        return S3Store(
+            ep.netloc,
+            parsed.netloc,
+            parsed.path.strip("/"),
+            access_key=access_key,
+            secret_key=secret_key,
+            secure=ep.scheme == "https",
+        )
+    if parsed.scheme == "file":
+        return LocalStore(parsed.path)
+    if parsed.scheme == "" or len(parsed.scheme) == 1:  # plain path (or a Windows drive)
+        return LocalStore(uri)
+    raise ValueError(f"unsupported store URI {uri!r}; use s3://bucket/prefix or a local path")

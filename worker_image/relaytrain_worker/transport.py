@@ -1,0 +1,422 @@
+"""Authenticated, encrypted links that carry tensor frames between neighbouring stages.
+
+Stage k listens, stage k-1 connects (``listen`` / ``connect``); after the handshake of
+``linkauth`` a ``Link`` sends and receives ``Frame``s: a kind, the step and micro-batch
+ids, named tensors (floating ones compressed with the job's mode) and a little JSON.
+
+Hand-written on plain TCP sockets because no library does authenticated tensor framing
+over a pre-shared key: torch.distributed and gloo carry no authentication, gRPC/ZeroMQ
+would need TLS certificates (or CURVE keys) and still copy every tensor through their own
+message types. This stays small: length-prefixed AEAD records, one copy per direction.
+
+Wire format after the handshake: a sequence of records ``u32 length | AES-GCM(record)``
+(the length is the AEAD's associated data). A frame is one header record (JSON: kind,
+step, micro, meta and the layout of every tensor part) followed by each tensor part's
+bytes in records of at most ``RECORD_BYTES``.
+
+Errors: ``LinkBroken`` when the peer is gone (EOF, reset, stalled mid-frame, closed) –
+this is how neighbours notice a dead stage; ``FrameRejected`` (a LinkBroken) when a
+record fails authentication; ``AuthError`` when the peer cannot prove it belongs to the
+job; ``TimeoutError`` from ``recv``/``accept`` when nothing arrived in time (the link
+stays usable).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import select
+import socket
+import struct
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from relaytrain_worker.compression import Compression, EncodedTensor, decode, encode
+from relaytrain_worker.linkauth import (
+    AuthError,
+    FrameRejected,
+    Identity,
+    LinkBroken,
+    LinkError,
+    RecordCipher,
+    client_handshake,
+    server_handshake,
+)
+
+__all__ = [
+    "AuthError",
+    "Frame",
+    "FrameRejected",
+    "Link",
+    "LinkBroken",
+    "LinkError",
+    "Listener",
+    "connect",
+    "listen",
+]
+
+log = logging.getLogger("relaytrain.links")
+
+RECORD_BYTES = 4 << 20
+"""Largest plaintext per AEAD record; bounds memory per record and keeps records streaming."""
+_MAX_HEADER = 1 << 20
+_TAG = 16
+_LEN = struct.Struct(">I")
+HANDSHAKE_TIMEOUT = 10.0
+STALL_TIMEOUT = 120.0
+"""A frame that has started must keep arriving; a peer silent this long mid-frame is gone."""
+
+_DTYPES: dict[str, torch.dtype] = {
+    str(d): d
+    for d in (
+        torch.float64, torch.float32, torch.float16, torch.bfloat16,
+        torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+    )
+}  # fmt: skip
+
+
+@dataclass
+class Frame:
+    """One message between stages."""
+
+    kind: str
+    """What it is: ``activation``, ``gradient`` or ``control`` (free-form; the worker decides)."""
+    step: int
+    """Optimizer step the frame belongs to."""
+    micro: int
+    """Micro-batch index within the step (-1 for control frames)."""
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Named tensors; floating ones are compressed with the mode given to ``send``."""
+    meta: dict[str, Any] = field(default_factory=dict)
+    """Small JSON-serialisable extras."""
+
+
+class Link:
+    """An authenticated, encrypted, ordered duplex connection to one neighbour.
+
+    ``send`` and ``recv`` may run on two different threads at once (each direction has its
+    own lock); ``close`` from any thread wakes a blocked ``recv`` with LinkBroken.
+    """
+
+    def __init__(
+        self, sock: socket.socket, sender: RecordCipher, receiver: RecordCipher,
+        peer: str, peer_stage: int,
+    ) -> None:  # fmt: skip
+        self._sock = sock
+        self._sender = sender
+        self._receiver = receiver
+        self.peer = peer
+        """The peer's address, for messages."""
+        self.peer_stage = peer_stage
+        """The peer's stage index (proven by the handshake)."""
+        self.bytes_sent = 0
+        """Bytes written to the socket, framing and tags included."""
+        self.bytes_received = 0
+        """Bytes read from the socket, framing and tags included."""
+        self.raw_bytes_sent = 0
+        """Bytes the sent tensors occupy uncompressed (for the compression ratio)."""
+        self.payload_bytes_sent = 0
+        """Bytes the sent tensors occupy after compression."""
+        self.frames_sent = 0
+        self.frames_received = 0
+        self._send_lock = threading.Lock()
+        self._recv_lock = threading.Lock()
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def send(self, frame: Frame, compression: Compression | str = "none") -> None:
+        """Send ``frame``; floating tensors are encoded with ``compression``."""
+        encoded = {name: encode(t, compression) for name, t in frame.tensors.items()}
+        parts: list[memoryview] = []
+        layout = []
+        for name, enc in encoded.items():
+            entry: dict[str, Any] = {
+                "name": name, "mode": enc.mode, "dtype": str(enc.dtype),
+                "shape": list(enc.shape), "data": _nbytes(enc.data),
+                "scales": None if enc.scales is None else _nbytes(enc.scales),
+            }  # fmt: skip
+            layout.append(entry)
+            parts.append(_bytes_view(enc.data))
+            if enc.scales is not None:
+                parts.append(_bytes_view(enc.scales))
+        header = {
+            "kind": frame.kind, "step": frame.step, "micro": frame.micro,
+            "meta": frame.meta, "tensors": layout,
+        }  # fmt: skip
+        head = json.dumps(header, separators=(",", ":")).encode()
+        if len(head) > _MAX_HEADER:
+            raise ValueError(f"frame header is {len(head)} bytes; meta must stay small")
+        with self._send_lock:
+            self._check_open()
+            try:
+                self._send_record(head)
+                for part in parts:
+                    for off in range(0, len(part), RECORD_BYTES):
+                        self._send_record(part[off : off + RECORD_BYTES])
+            except OSError as e:
+                self._fail()
+                raise LinkBroken(f"link to {self.peer} broke while sending: {e}") from e
+            self.frames_sent += 1
+            self.raw_bytes_sent += sum(t.numel() * t.element_size() for t in frame.tensors.values())
+            self.payload_bytes_sent += sum(e.nbytes for e in encoded.values())
+
+    def recv(self, timeout: float | None = None) -> Frame:
+        """Receive the next frame; TimeoutError if none starts within ``timeout`` seconds."""
+        with self._recv_lock:
+            self._check_open()
+            if not self._wait_readable(timeout):
+                raise TimeoutError(f"no frame from {self.peer} within {timeout} s")
+            try:
+                header = json.loads(self._recv_record(_MAX_HEADER))
+                tensors: dict[str, torch.Tensor] = {}
+                for entry in header["tensors"]:
+                    data = self._recv_part(entry["data"], torch.uint8)
+                    scales = None
+                    if entry["scales"] is not None:
+                        scales = self._recv_part(entry["scales"], torch.bfloat16)
+                    enc = EncodedTensor(
+                        entry["mode"], _dtype(entry["dtype"]), tuple(entry["shape"]),
+                        data, scales,
+                    )  # fmt: skip
+                    tensors[entry["name"]] = decode(enc)
+            except LinkBroken:
+                self._fail()
+                raise
+            except OSError as e:
+                self._fail()
+                raise LinkBroken(f"link to {self.peer} broke while receiving: {e}") from e
+            except (ValueError, KeyError, TypeError) as e:
+                self._fail()
+                raise LinkBroken(f"malformed frame from {self.peer}: {e}") from e
+            self.frames_received += 1
+            return Frame(header["kind"], header["step"], header["micro"], tensors, header["meta"])
+
+    def close(self) -> None:
+        """Close the link; the peer sees LinkBroken on its next recv. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
+
+    def __enter__(self) -> Link:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    # -- internals -------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise LinkBroken(f"link to {self.peer} is closed")
+
+    def _fail(self) -> None:
+        self.close()
+
+    def _send_record(self, plaintext: bytes | memoryview) -> None:
+        prefix = _LEN.pack(len(plaintext) + _TAG)
+        sealed = self._sender.seal(plaintext, prefix)
+        _sendv(self._sock, prefix, sealed)
+        self.bytes_sent += len(prefix) + len(sealed)
+
+    def _recv_record(self, limit: int) -> bytes:
+        prefix = self._recv_exact(_LEN.size)
+        n = _LEN.unpack(prefix)[0]
+        if n < _TAG or n > limit + _TAG:
+            raise FrameRejected(f"record of {n} bytes from {self.peer} is out of bounds")
+        sealed = self._recv_exact(n)
+        return self._receiver.open(sealed, bytes(prefix))
+
+    def _recv_part(self, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
+        if nbytes == 0:
+            return torch.empty(0, dtype=dtype)
+        buf = bytearray(nbytes)
+        for off in range(0, nbytes, RECORD_BYTES):
+            want = min(RECORD_BYTES, nbytes - off)
+            plain = self._recv_record(RECORD_BYTES)
+            if len(plain) != want:
+                raise FrameRejected(f"record of {len(plain)} bytes, expected {want}")
+            buf[off : off + want] = plain
+        return torch.frombuffer(buf, dtype=dtype)
+
+    def _recv_exact(self, n: int) -> memoryview:
+        buf = bytearray(n)
+        view = memoryview(buf)
+        got = 0
+        while got < n:
+            if not self._wait_readable(STALL_TIMEOUT):
+                raise LinkBroken(f"{self.peer} stalled for {STALL_TIMEOUT:.0f} s mid-frame")
+            k = self._sock.recv_into(view[got:])
+            if k == 0:
+                raise LinkBroken(f"{self.peer} closed the link (stage gone?)")
+            got += k
+        self.bytes_received += n
+        return view
+
+    def _wait_readable(self, timeout: float | None) -> bool:
+        if self._closed:
+            raise LinkBroken(f"link to {self.peer} is closed")
+        poller = select.poll()
+        poller.register(self._sock, select.POLLIN | select.POLLERR | select.POLLHUP)
+        return bool(poller.poll(None if timeout is None else max(0, int(timeout * 1000))))
+
+
+class Listener:
+    """A listening socket of stage k; ``accept`` returns authenticated links from stage k-1."""
+
+    def __init__(self, sock: socket.socket, me: Identity) -> None:
+        self._sock = sock
+        self._me = me
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """The bound (host, port); useful with port 0."""
+        host, port = self._sock.getsockname()[:2]
+        return str(host), int(port)
+
+    def accept(self, timeout: float | None = None) -> Link:
+        """Wait for a peer that proves it belongs to the job; refused peers are logged and skipped.
+
+        Raises TimeoutError when no good peer arrived within ``timeout`` seconds.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            self._sock.settimeout(left)
+            try:
+                conn, addr = self._sock.accept()
+            except TimeoutError:
+                raise TimeoutError(f"no peer connected within {timeout} s") from None
+            peer = _fmt_addr(addr)
+            _tune(conn)
+            conn.settimeout(HANDSHAKE_TIMEOUT)
+            try:
+                session = server_handshake(conn, self._me, peer)
+            except AuthError as e:
+                log.warning("Refused link: %s", e)
+                conn.close()
+                continue
+            except (OSError, LinkBroken) as e:
+                log.warning("Dropped connection from %s during the handshake: %s", peer, e)
+                conn.close()
+                continue
+            conn.settimeout(None)
+            log.info("Accepted link from stage %d at %s", session.peer_stage, peer)
+            return Link(conn, session.sender, session.receiver, peer, session.peer_stage)
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def __enter__(self) -> Listener:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+
+def listen(addr: str, *, secret: bytes, job_id: str, stage: int) -> Listener:
+    """Listen on ``host:port`` as stage ``stage`` (this process's own index)."""
+    me = Identity(secret, job_id, stage)
+    host, port = _parse_addr(addr)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(8)
+    return Listener(sock, me)
+
+
+def connect(addr: str, *, secret: bytes, job_id: str, stage: int, retry_for: float = 60.0) -> Link:
+    """Connect as stage ``stage`` (this process's own index) to stage ``stage + 1`` at ``addr``.
+
+    Unreachable or not-yet-resolvable peers are retried with exponential back-off (0.1 s
+    doubling to 5 s) for ``retry_for`` seconds, then LinkBroken. AuthError is not retried.
+    """
+    me = Identity(secret, job_id, stage)
+    host, port = _parse_addr(addr)
+    deadline = time.monotonic() + retry_for
+    delay = 0.1
+    while True:
+        sock = None
+        try:
+            sock = socket.create_connection((host, port), timeout=HANDSHAKE_TIMEOUT)
+            _tune(sock)
+            session = client_handshake(sock, me, f"stage at {addr}")
+            sock.settimeout(None)
+            log.info("Connected to stage %d at %s", session.peer_stage, addr)
+            return Link(sock, session.sender, session.receiver, addr, session.peer_stage)
+        except AuthError as e:
+            if sock is not None:
+                sock.close()
+            log.error("Link refused: %s", e)
+            raise
+        except (OSError, LinkBroken) as e:
+            if sock is not None:
+                sock.close()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise LinkBroken(f"could not reach {addr} within {retry_for:.0f} s: {e}") from e
+            log.debug("Connecting to %s failed (%s); retrying in %.1f s", addr, e, delay)
+            time.sleep(min(delay, left))
+            delay = min(delay * 2, 5.0)
+
+
+def _parse_addr(addr: str) -> tuple[str, int]:
+    host, sep, port = addr.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"link address {addr!r} is not host:port")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+def _fmt_addr(addr: Any) -> str:
+    return f"{addr[0]}:{addr[1]}"
+
+
+def _tune(sock: socket.socket) -> None:
+    """Small frames go out at once; a silently dead host is noticed within about a minute."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for opt, val in (("TCP_KEEPIDLE", 15), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 6)):
+        if hasattr(socket, opt):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), val)
+
+
+def _sendv(sock: socket.socket, *bufs: bytes) -> None:
+    """Send several buffers without joining them (one syscall in the common case)."""
+    views = [memoryview(b) for b in bufs]
+    while views:
+        sent = sock.sendmsg(views)
+        while views and sent >= len(views[0]):
+            sent -= len(views[0])
+            views.pop(0)
+        if views and sent:
+            views[0] = views[0][sent:]
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _bytes_view(t: torch.Tensor) -> memoryview:
+    """The tensor's bytes without a copy (CPU, contiguous, 1-D)."""
+    if t.numel() == 0:
+        return memoryview(b"")
+    array: Any = t.view(torch.uint8).numpy()
+    return memoryview(array).cast("B")
+
+
+def _dtype(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {name!r} in frame") from None
