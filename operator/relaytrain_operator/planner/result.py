@@ -1,0 +1,139 @@
+"""What the planner returns: the stages, their predicted cost, and the bottleneck."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Resource = Literal["compute", "memory", "link"]
+
+
+class PlanError(ValueError):
+    """The job cannot be planned on these pools; the message says why and what would help."""
+
+    def __init__(self, message: str, suggestions: list[str] | None = None) -> None:
+        self.reason = message
+        self.suggestions = list(suggestions or [])
+        text = message
+        if self.suggestions:
+            text += " It would fit with: " + "; or ".join(self.suggestions) + "."
+        super().__init__(text)
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One pipeline stage: where it runs, which layers, and its predicted cost."""
+
+    index: int
+    """Stage number, 0 first."""
+    pool: str
+    """Pool whose GPU runs the stage."""
+    gpu_product: str
+    """GPU product label of that pool."""
+    layer_start: int
+    """First decoder layer (global index, inclusive)."""
+    layer_end: int
+    """One past the last decoder layer (exclusive)."""
+    compute_seconds: float
+    """Forward + backward compute per micro-batch (layers, and the head on the last stage)."""
+    link_seconds: float
+    """Time to send this stage's boundary tensors per micro-batch."""
+    memory_bytes: int
+    """Predicted peak memory."""
+    memory_available_bytes: int
+    """Memory the plan may use on that GPU (after margin and reserve)."""
+    in_flight: int
+    """Micro-batches whose activations the stage holds at once under 1F1B."""
+
+    @property
+    def seconds(self) -> float:
+        """Predicted time per micro-batch (compute plus sends)."""
+        return self.compute_seconds + self.link_seconds
+
+    @property
+    def layers(self) -> int:
+        return self.layer_end - self.layer_start
+
+
+@dataclass(frozen=True)
+class Bottleneck:
+    """The stage that sets the pace, and what makes it slow."""
+
+    stage: int
+    """Index of the slowest stage."""
+    resource: Resource
+    """``compute`` or ``link`` (what dominates its time), or ``memory`` when memory limits
+    elsewhere forced extra layers onto it (without them the plan would be faster)."""
+    detail: str
+    """One sentence for people."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """An ordered pipeline with predicted throughput."""
+
+    stages: tuple[StagePlan, ...]
+    micro_batches: int
+    """Micro-batches per optimizer step (M)."""
+    tokens_per_micro_batch: int
+    bottleneck: Bottleneck
+    search: Literal["exhaustive", "heuristic", "fixed"]
+    """How the sequence of pools was chosen."""
+    sequences_evaluated: int
+    notes: tuple[str, ...] = field(default=())
+    """Things the user should know (pools left out, and why)."""
+
+    @property
+    def micro_batch_seconds(self) -> float:
+        """Time of the slowest stage per micro-batch: the pipeline's beat."""
+        return max(s.seconds for s in self.stages)
+
+    @property
+    def step_seconds(self) -> float:
+        """Predicted optimizer step under 1F1B: (M + P - 1) beats."""
+        return (self.micro_batches + len(self.stages) - 1) * self.micro_batch_seconds
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.micro_batches * self.tokens_per_micro_batch / self.step_seconds
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Share of the step a stage idles in fill and drain: (P - 1) / (M + P - 1)."""
+        p = len(self.stages)
+        return (p - 1) / (self.micro_batches + p - 1)
+
+    def to_status(self) -> dict[str, Any]:
+        """The plan as the FineTuneJob's ``status.plan`` (camelCase; see docs/planner.md)."""
+        return {
+            "stageCount": len(self.stages),
+            "stages": [
+                {
+                    "index": s.index,
+                    "pool": s.pool,
+                    "gpuProduct": s.gpu_product,
+                    "layerStart": s.layer_start,
+                    "layerEnd": s.layer_end,
+                    "predictedMicroBatchSeconds": _round(s.seconds),
+                    "predictedComputeSeconds": _round(s.compute_seconds),
+                    "predictedLinkSeconds": _round(s.link_seconds),
+                    "memoryBytes": s.memory_bytes,
+                    "memoryAvailableBytes": s.memory_available_bytes,
+                }
+                for s in self.stages
+            ],
+            "predictedStepSeconds": _round(self.step_seconds),
+            "predictedTokensPerSecond": _round(self.tokens_per_second),
+            "bubbleFraction": _round(self.bubble_fraction),
+            "bottleneck": {
+                "stage": self.bottleneck.stage,
+                "resource": self.bottleneck.resource,
+                "detail": self.bottleneck.detail,
+            },
+            "search": self.search,
+        }
+
+
+def _round(value: float) -> float:
+    """Four significant digits: predictions are not more precise, and status stays readable."""
+    return float(f"{value:.4g}")
