@@ -104,34 +104,55 @@ class Plan:
         return (p - 1) / (self.micro_batches + p - 1)
 
     def to_status(self) -> dict[str, Any]:
-        """The plan as the FineTuneJob's ``status.plan`` (camelCase; see docs/planner.md)."""
+        """The plan as the FineTuneJob's ``status.plan`` (camelCase; see docs/planner.md).
+
+        Exactly the fields the CRD declares (the API server prunes others). A stage's
+        ``predictedStepSeconds`` is its busy time per optimizer step: M micro-batches of
+        compute plus sends; the plan's is the whole 1F1B step, bubble included.
+        """
+        m = self.micro_batches
         return {
-            "stageCount": len(self.stages),
             "stages": [
                 {
                     "index": s.index,
                     "pool": s.pool,
-                    "gpuProduct": s.gpu_product,
                     "layerStart": s.layer_start,
                     "layerEnd": s.layer_end,
-                    "predictedMicroBatchSeconds": _round(s.seconds),
-                    "predictedComputeSeconds": _round(s.compute_seconds),
-                    "predictedLinkSeconds": _round(s.link_seconds),
-                    "memoryBytes": s.memory_bytes,
-                    "memoryAvailableBytes": s.memory_available_bytes,
+                    "predictedStepSeconds": _round(m * s.seconds),
+                    "predictedMemoryBytes": s.memory_bytes,
+                    "availableMemoryBytes": s.memory_available_bytes,
                 }
                 for s in self.stages
             ],
             "predictedStepSeconds": _round(self.step_seconds),
             "predictedTokensPerSecond": _round(self.tokens_per_second),
             "bubbleFraction": _round(self.bubble_fraction),
-            "bottleneck": {
-                "stage": self.bottleneck.stage,
-                "resource": self.bottleneck.resource,
-                "detail": self.bottleneck.detail,
-            },
-            "search": self.search,
+            "bottleneck": {"stage": self.bottleneck.stage, "resource": self.bottleneck.resource},
         }
+
+    def to_dict(self) -> dict[str, Any]:
+        """Everything the plan says, camelCase, for ``relaytrain plan --json`` and scripts."""
+        status = self.to_status()
+        for stage, s in zip(status["stages"], self.stages, strict=True):
+            stage.update(
+                gpuProduct=s.gpu_product,
+                layers=s.layers,
+                microBatchesInFlight=s.in_flight,
+                predictedMicroBatchSeconds=_round(s.seconds),
+                predictedComputeSeconds=_round(s.compute_seconds),
+                predictedLinkSeconds=_round(s.link_seconds),
+            )
+        status["bottleneck"]["detail"] = self.bottleneck.detail
+        status.update(
+            stageCount=len(self.stages),
+            microBatches=self.micro_batches,
+            tokensPerMicroBatch=self.tokens_per_micro_batch,
+            predictedMicroBatchSeconds=_round(self.micro_batch_seconds),
+            search=self.search,
+            sequencesEvaluated=self.sequences_evaluated,
+            notes=list(self.notes),
+        )
+        return status
 
 
 def _round(value: float) -> float:

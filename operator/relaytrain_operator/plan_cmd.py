@@ -1,0 +1,242 @@
+"""`relaytrain plan JOB.yaml --nodes NODES.yaml`: show how a FineTuneJob would be split.
+
+Reads the job (validated by ``relaytrain_operator.spec.parse_job``), the model's
+config.json (``--model-config``, or ``<spec.model.uri>/config.json`` when the uri is a local
+path), and the GPU pools (``--nodes``: a NodeList or hack/pools.yaml; ``--kubeconfig``: the
+live cluster's nodes, minus GPUs that pods already hold). Prints a table, or with ``--json``
+the plan as a JSON object. Exit status: 0 planned, 1 the job does not fit, 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from relaytrain_operator.planner import (
+    DEFAULT_CATALOG,
+    Catalog,
+    ModelShape,
+    ModelShapeError,
+    Plan,
+    PlanError,
+    Pool,
+    PoolError,
+    TrainingShape,
+    plan,
+    pools_from_file,
+    pools_from_nodes,
+)
+from relaytrain_operator.planner.cost import GIB
+
+EXIT_INFEASIBLE = 1
+EXIT_BAD_INPUT = 2
+
+
+class InputError(Exception):
+    """Input the command cannot use; the message says which and why."""
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    """Register `plan` on the `relaytrain` subcommand parsers."""
+    parser: argparse.ArgumentParser = sub.add_parser(
+        "plan",
+        help="show the stage plan for a FineTuneJob on a set of GPU nodes",
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+    )
+    parser.add_argument("job", type=Path, help="FineTuneJob manifest (YAML)")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument(
+        "--nodes", type=Path, help="nodes file: NodeList/List YAML or JSON, or hack/pools.yaml"
+    )
+    source.add_argument("--kubeconfig", type=Path, help="read the live nodes of this cluster")
+    parser.add_argument("--catalog", type=Path, help="GPU catalog overrides (YAML or JSON)")
+    parser.add_argument("--model-config", type=Path, help="the model's config.json")
+    parser.add_argument(
+        "--default-link",
+        metavar="MBPS,MS",
+        help="link to assume for nodes without link annotations, e.g. 1000,10",
+    )
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.set_defaults(func=run)
+    return parser
+
+
+def _load(path: Path, what: str) -> Any:
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise InputError(f"cannot read {what} {str(path)!r}: {err.strerror}") from None
+    try:
+        docs = [d for d in yaml.safe_load_all(text) if d is not None]
+    except yaml.YAMLError as err:
+        raise InputError(f"{what} {str(path)!r} is not YAML/JSON: {err}") from None
+    if len(docs) != 1:
+        raise InputError(f"{what} {str(path)!r} must hold one document, found {len(docs)}")
+    return docs[0]
+
+
+def _model_config_path(uri: str, given: Path | None) -> Path:
+    if given is not None:
+        return given
+    local = uri.removeprefix("file://")
+    if "://" in local:
+        raise InputError(
+            f"spec.model.uri {uri!r} is not a local path; pass --model-config with its config.json"
+        )
+    return Path(local) / "config.json"
+
+
+def _live_nodes(kubeconfig: Path, label_key: str, default_link: Any) -> list[Pool]:
+    # Imported here: `relaytrain plan --nodes` must work without the kubernetes client.
+    from kubernetes import client, config
+
+    from relaytrain_operator.pools import free_nodes
+
+    api = config.new_client_from_config(config_file=str(kubeconfig))  # type: ignore[no-untyped-call]
+    core = client.CoreV1Api(api)
+    nodes = api.sanitize_for_serialization(core.list_node())["items"]
+    pods = api.sanitize_for_serialization(core.list_pod_for_all_namespaces())["items"]
+    return pools_from_nodes(
+        free_nodes(nodes, pods, label_key), label_key, default_link=default_link
+    )
+
+
+def _default_link(raw: str | None) -> tuple[float, float] | None:
+    if raw is None:
+        return None
+    try:
+        mbps, ms = (float(x) for x in raw.split(","))
+    except ValueError:
+        raise InputError(f"--default-link must be MBPS,MS (e.g. 1000,10), got {raw!r}") from None
+    if mbps <= 0 or ms < 0:
+        raise InputError(f"--default-link needs bandwidth > 0 and latency >= 0, got {raw!r}")
+    return mbps, ms
+
+
+@dataclass(frozen=True)
+class _Inputs:
+    """What `plan` needs, read from the command line's files."""
+
+    name: str
+    model: ModelShape
+    training: TrainingShape
+    pools: list[Pool]
+    catalog: Catalog
+    stages: int | None
+
+
+def _inputs(args: argparse.Namespace) -> _Inputs:
+    """Read and check the job, the model config, the pools and the catalog."""
+    from relaytrain_operator.spec import SpecError, parse_job
+
+    manifest = _load(args.job, "job")
+    try:
+        job = parse_job(manifest, default_checkpoint_uri="checkpoints")
+    except SpecError as err:
+        raise InputError(f"job {str(args.job)!r}: {err}") from None
+    spec = job.spec
+    config_path = _model_config_path(spec.model.uri, args.model_config)
+    model = ModelShape.from_hf_config(_load(config_path, "model config"))
+    training = TrainingShape(
+        micro_batch_size=spec.training.micro_batch_size,
+        micro_batches=spec.training.micro_batches,
+        sequence_length=spec.dataset.sequence_length,
+        method=spec.method.type,
+        lora_rank=spec.method.rank,
+        lora_targets=tuple(spec.method.target_modules),
+        compression=spec.pipeline.compression,
+        dtype=spec.model.dtype,
+    )
+    label_key = spec.placement.gpu_label
+    default_link = _default_link(args.default_link)
+    if args.nodes is not None:
+        pools = pools_from_file(
+            _load(args.nodes, "nodes file"), label_key, default_link=default_link
+        )
+    else:
+        pools = _live_nodes(args.kubeconfig, label_key, default_link)
+    allowed = set(spec.placement.pools)
+    if allowed:
+        kept = [p for p in pools if p.name in allowed or p.product in allowed]
+        if not kept:
+            names = ", ".join(sorted({p.name for p in pools}))
+            raise PlanError(
+                f"spec.placement.pools {sorted(allowed)} matches none of the pools: {names}."
+            )
+        pools = kept
+    catalog: Catalog = DEFAULT_CATALOG
+    if args.catalog is not None:
+        catalog = DEFAULT_CATALOG.with_overrides(_load(args.catalog, "catalog"))
+    stages = spec.pipeline.stages
+    return _Inputs(
+        job.metadata.name,
+        model,
+        training,
+        pools,
+        catalog,
+        None if stages == "auto" else int(stages),
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of `relaytrain plan`."""
+    try:
+        inputs = _inputs(args)
+        result = plan(
+            inputs.model, inputs.training, inputs.pools, inputs.catalog, stages=inputs.stages
+        )
+    except PlanError as err:
+        print(f"relaytrain plan: the job does not fit: {err}", file=sys.stderr)
+        return EXIT_INFEASIBLE
+    except (InputError, PoolError, ModelShapeError, ValueError) as err:
+        print(f"relaytrain plan: error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if args.json:
+        print(json.dumps({"job": inputs.name, **result.to_dict()}, indent=2))
+    else:
+        print(format_table(inputs.name, inputs.training, result))
+    return 0
+
+
+def format_table(name: str, training: TrainingShape, result: Plan) -> str:
+    """The plan as a readable table."""
+    header = (
+        f"Plan for {name}: {len(result.stages)} stage(s), 1F1B, {result.micro_batches} "
+        f"micro-batches of {training.micro_batch_size}x{training.sequence_length} tokens "
+        f"({training.method}, {training.dtype}, compression {training.compression})"
+    )
+    rows = [("STAGE", "POOL", "GPU", "LAYERS", "N", "COMPUTE", "LINK", "PER-MB", "MEMORY")]
+    for s in result.stages:
+        used, avail = s.memory_bytes / GIB, s.memory_available_bytes / GIB
+        rows.append(
+            (
+                str(s.index),
+                s.pool,
+                s.gpu_product,
+                f"{s.layer_start}-{s.layer_end - 1}",
+                str(s.layers),
+                f"{s.compute_seconds:.3g}s",
+                f"{s.link_seconds:.3g}s",
+                f"{s.seconds:.3g}s",
+                f"{used:.1f}/{avail:.1f} GiB ({100 * used / avail:.0f}%)",
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = [header, ""]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    b = result.bottleneck
+    lines += [
+        "",
+        f"Step {result.step_seconds:.3g}s, {result.tokens_per_second:,.0f} tokens/s, "
+        f"bubble {100 * result.bubble_fraction:.0f}%.",
+        f"Bottleneck: stage {b.stage} ({b.resource}). {b.detail}",
+        f"Search: {result.search} ({result.sequences_evaluated} sequences evaluated).",
+    ]
+    lines += [f"Note: {n}" for n in result.notes]
+    return "\n".join(lines)
