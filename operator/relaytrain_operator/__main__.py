@@ -1,0 +1,31 @@
+"""`python -m relaytrain_operator`: run the operator (kopf with our handlers)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Sequence
+
+import kopf
+
+from relaytrain_operator import options
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    opts = options.parse_options(argv)
+    options.use(opts)
+    kopf.configure(log_format=kopf.LogFormat.PLAIN, verbose=False)
+    logging.getLogger("kubernetes").setLevel(logging.WARNING)
+    # Registers the handlers; imported after the options are set (the timer reads them).
+    import relaytrain_operator.handlers  # noqa: F401
+
+    kopf.run(
+        clusterwide=not opts.namespaces,
+        namespaces=list(opts.namespaces),
+        liveness_endpoint=opts.liveness_endpoint,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

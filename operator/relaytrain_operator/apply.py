@@ -1,0 +1,178 @@
+"""The one module that talks to the API server for the operator's own work.
+
+Everything else builds plain dicts (builders/), decides (recovery.py, status.py) or
+plans (planner/); this module reads and writes them. Reads return plain JSON dicts, not
+the client's generated model classes: the builders and the status code work on dicts,
+and skipping the client's deserialisation keeps a 1,000-node listing cheap.
+
+Creates are idempotent: an object that already exists (409) is fine, because state is
+derived from the cluster and a restarted operator re-applies what it may already have
+created. Deletes of objects that are already gone (404) are fine for the same reason.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from relaytrain_operator.builders.labels import JOB_LABEL
+
+GROUP = "relaytrain.io"
+VERSION = "v1alpha1"
+PLURAL = "finetunejobs"
+
+logger = logging.getLogger(__name__)
+
+JsonDict = dict[str, Any]
+
+
+def _json(response: Any) -> JsonDict:
+    """Decode a response that was requested with `_preload_content=False`."""
+    data: JsonDict = json.loads(response.data)
+    return data
+
+
+@dataclass
+class ClusterApi:
+    """Thin, typed access to the few API calls the operator makes."""
+
+    api_client: client.ApiClient
+
+    @property
+    def _core(self) -> client.CoreV1Api:
+        return client.CoreV1Api(self.api_client)
+
+    @property
+    def _custom(self) -> client.CustomObjectsApi:
+        return client.CustomObjectsApi(self.api_client)
+
+    # --- the job itself -------------------------------------------------------------
+
+    def get_job(self, namespace: str, name: str) -> JsonDict | None:
+        """The job as stored now (None once it is gone)."""
+        try:
+            return _json(
+                self._custom.get_namespaced_custom_object(
+                    GROUP, VERSION, namespace, PLURAL, name, _preload_content=False
+                )
+            )
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def patch_job_status(self, namespace: str, name: str, status: JsonDict) -> None:
+        """Merge-patch the status subresource (fields set to None are removed)."""
+        try:
+            self._custom.patch_namespaced_custom_object_status(
+                GROUP, VERSION, namespace, PLURAL, name, {"status": status}
+            )
+        except ApiException as exc:
+            if exc.status != 404:  # the job was deleted meanwhile: nothing to report on
+                raise
+
+    # --- children -------------------------------------------------------------------
+
+    def create(self, obj: JsonDict) -> bool:
+        """Create a Pod, Service or Secret; True if created, False if it already existed."""
+        kind = obj["kind"]
+        namespace = obj["metadata"]["namespace"]
+        create: Any = {
+            "Pod": self._core.create_namespaced_pod,
+            "Service": self._core.create_namespaced_service,
+            "Secret": self._core.create_namespaced_secret,
+        }[kind]
+        try:
+            create(namespace, obj, _preload_content=False)
+        except ApiException as exc:
+            if exc.status == 409:
+                return False
+            raise
+        logger.info("Created %s %s/%s.", kind, namespace, obj["metadata"]["name"])
+        return True
+
+    def delete_pod(
+        self, namespace: str, name: str, uid: str | None = None, force: bool = False
+    ) -> None:
+        """Delete one pod; with `uid`, only that incarnation (never a successor).
+
+        `force` skips the grace period: for a pod whose node is gone or not ready, where no
+        kubelet will ever confirm the deletion.
+        """
+        body = client.V1DeleteOptions(
+            preconditions=client.V1Preconditions(uid=uid) if uid else None,
+            propagation_policy="Background",
+            grace_period_seconds=0 if force else None,
+        )
+        try:
+            self._core.delete_namespaced_pod(name, namespace, body=body, _preload_content=False)
+        except ApiException as exc:
+            # 404: already gone; 409: the uid precondition failed, i.e. a successor
+            # already holds the name and must not be touched.
+            if exc.status not in (404, 409):
+                raise
+            return
+        logger.info("Deleted Pod %s/%s.", namespace, name)
+
+    def list_stage_pods(self, namespace: str, job_name: str) -> list[JsonDict]:
+        """The job's stage pods (label-selected), terminating ones included."""
+        response = self._core.list_namespaced_pod(
+            namespace, label_selector=f"{JOB_LABEL}={job_name}", _preload_content=False
+        )
+        items: list[JsonDict] = _json(response)["items"]
+        return items
+
+    def get_secret_value(self, namespace: str, name: str, key: str) -> str | None:
+        """One key of a Secret, decoded; None if the Secret or key is missing."""
+        import base64
+
+        try:
+            secret = _json(
+                self._core.read_namespaced_secret(name, namespace, _preload_content=False)
+            )
+        except ApiException as exc:
+            if exc.status in (403, 404):
+                return None
+            raise
+        raw = (secret.get("data") or {}).get(key)
+        return base64.b64decode(raw).decode() if raw is not None else None
+
+    # --- the cluster around the job -------------------------------------------------
+
+    def list_nodes(self) -> list[JsonDict]:
+        """Every node, as plain dicts (paged, so a large cluster is not one response)."""
+        return list(self._paged(self._core.list_node))
+
+    def list_active_pods(self) -> list[JsonDict]:
+        """Every pod in the cluster that may hold a GPU (not Succeeded or Failed)."""
+        return list(
+            self._paged(
+                self._core.list_pod_for_all_namespaces,
+                field_selector="status.phase!=Succeeded,status.phase!=Failed",
+            )
+        )
+
+    def get_node(self, name: str) -> JsonDict | None:
+        """One node, or None when it no longer exists."""
+        try:
+            return _json(self._core.read_node(name, _preload_content=False))
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    @staticmethod
+    def _paged(call: Any, **kwargs: Any) -> Iterator[JsonDict]:
+        token: str | None = None
+        while True:
+            page = _json(call(limit=500, _continue=token, _preload_content=False, **kwargs))
+            yield from page["items"]
+            token = page["metadata"].get("continue")
+            if not token:
+                return

@@ -1,0 +1,75 @@
+"""Names and labels shared by the builders, the applier and the pod watch."""
+
+from __future__ import annotations
+
+from typing import Any
+
+JOB_LABEL = "relaytrain.io/job"
+"""Label on every child of a job: the job's name (the pod watch and the Service select it)."""
+STAGE_LABEL = "relaytrain.io/stage"
+"""Label on a stage pod: its 0-based stage index."""
+POOL_ANNOTATION = "relaytrain.io/pool"
+"""Annotation on a stage pod: the GPU pool (label value) it was pinned to."""
+MANAGED_BY = "relaytrain-operator"
+
+API_VERSION = "relaytrain.io/v1alpha1"
+KIND = "FineTuneJob"
+
+LINK_PORT = 29500
+"""Port on which stage k listens for stage k-1 (docs/stage-contract.md)."""
+METRICS_PORT = 9400
+"""Port of each stage's /metrics and /healthz."""
+LINK_SECRET_KEY = "secret"
+"""Key inside the per-job link Secret."""
+
+# A pod's hostname is one DNS label: at most 63 characters.
+MAX_DNS_LABEL = 63
+
+
+def stage_pod_name(job_name: str, index: int) -> str:
+    """Pod name and hostname of stage `index`: stable across replacements."""
+    return f"{job_name}-stage-{index}"
+
+
+def link_secret_name(job_name: str) -> str:
+    """The per-job Secret holding the link-authentication key."""
+    return f"{job_name}-link"
+
+
+def stage_dns_name(job_name: str, namespace: str, index: int) -> str:
+    """The stable DNS name of stage `index` under the job's headless Service."""
+    return f"{stage_pod_name(job_name, index)}.{job_name}.{namespace}.svc"
+
+
+def job_labels(job_name: str) -> dict[str, str]:
+    """Labels every child of the job carries."""
+    return {
+        JOB_LABEL: job_name,
+        "app.kubernetes.io/name": "relaytrain-worker",
+        "app.kubernetes.io/instance": job_name,
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+    }
+
+
+def owner_reference(job: dict[str, Any]) -> dict[str, Any]:
+    """The controller reference that makes the garbage collector delete a child with its job."""
+    meta = job["metadata"]
+    return {
+        "apiVersion": job.get("apiVersion", API_VERSION),
+        "kind": job.get("kind", KIND),
+        "name": meta["name"],
+        "uid": meta["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def child_metadata(job: dict[str, Any], name: str) -> dict[str, Any]:
+    """Metadata of a child object: namespace, labels and owner taken from the job."""
+    meta = job["metadata"]
+    return {
+        "name": name,
+        "namespace": meta["namespace"],
+        "labels": job_labels(meta["name"]),
+        "ownerReferences": [owner_reference(job)],
+    }

@@ -1,0 +1,71 @@
+"""The operator's Prometheus metrics: jobs by phase, stage restarts, reconcile errors/latency.
+
+Served by prometheus-client's own HTTP server (started in the startup handler) on the
+port given by `--metrics-port`; 0 turns it off.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
+PHASES = ("Pending", "Planning", "Running", "Recovering", "Succeeded", "Failed", "Suspended")
+
+JOBS = Gauge("relaytrain_jobs", "FineTuneJobs this operator sees, by phase.", ["phase"])
+STAGE_RESTARTS = Counter(
+    "relaytrain_stage_restarts_total", "Stage pods replaced after a failure.", ["namespace"]
+)
+RECONCILE_ERRORS = Counter(
+    "relaytrain_reconcile_errors_total", "Reconciliations that raised an unexpected error."
+)
+RECONCILE_SECONDS = Histogram(
+    "relaytrain_reconcile_duration_seconds",
+    "Wall time of one reconciliation of one job.",
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
+)
+
+# The phase of every job last reconciled, so the gauge counts jobs, not transitions.
+# It is a view of the cluster for reporting only; nothing decides from it.
+_phases: dict[tuple[str, str], str] = {}
+_lock = threading.Lock()
+
+
+def _publish() -> None:
+    counts = dict.fromkeys(PHASES, 0)
+    for phase in _phases.values():
+        counts[phase] = counts.get(phase, 0) + 1
+    for phase, count in counts.items():
+        JOBS.labels(phase=phase).set(count)
+
+
+def record_phase(namespace: str, name: str, phase: str | None) -> None:
+    """Remember a job's phase (None: the job is gone) and update the gauge."""
+    with _lock:
+        if phase is None:
+            _phases.pop((namespace, name), None)
+        else:
+            _phases[(namespace, name)] = phase
+        _publish()
+
+
+@contextmanager
+def timed_reconcile() -> Iterator[None]:
+    """Time one reconciliation; count it as an error if it raises."""
+    start = time.perf_counter()
+    try:
+        yield
+    except Exception:
+        RECONCILE_ERRORS.inc()
+        raise
+    finally:
+        RECONCILE_SECONDS.observe(time.perf_counter() - start)
+
+
+def serve(port: int) -> None:
+    """Start the /metrics endpoint in a daemon thread (port 0: do nothing)."""
+    if port:
+        start_http_server(port)

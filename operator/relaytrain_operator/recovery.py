@@ -1,0 +1,115 @@
+"""What to do with each stage's pod: keep it, create it, or replace it (pure).
+
+The decision reads only what the cluster holds, so a restarted operator decides the same:
+the stage pods (with the `relaytrain.io/incarnation` annotation each carries), their
+nodes, and `status.stages` (restart counts and whether a successor is due).
+
+Incarnations make restart counting exact across operator restarts. A stage's pod is
+created with incarnation = the stage's restart count at that moment. When a pod of the
+current incarnation fails, the failure is new: count it (restarts + 1, which also makes
+the failed pod a past incarnation), then delete the pod. A pod of a past incarnation was
+already counted and is only deleted. So a crash between counting and deleting can
+neither count twice nor lose the failure.
+
+A pod that is missing (or terminating) is either not created yet (its stage status says
+`Replacing`, or has no phase: never started, or suspended) or was deleted by someone else
+(its stage status shows it was seen alive), which counts as a failure of its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from relaytrain_operator.pools import node_ready
+
+INCARNATION_ANNOTATION = "relaytrain.io/incarnation"
+REPLACING = "Replacing"
+"""Stage phase while its successor pod is due (the failure is counted)."""
+
+JsonDict = dict[str, Any]
+Action = Literal["keep", "create", "delete", "wait"]
+
+
+@dataclass(frozen=True)
+class StageRecord:
+    """What status.stages says of one stage."""
+
+    index: int
+    restarts: int = 0
+    phase: str | None = None
+    pool: str | None = None
+
+    @classmethod
+    def from_status(cls, entry: JsonDict) -> StageRecord:
+        """From one entry of status.stages (camelCase, as stored)."""
+        return cls(
+            index=int(entry.get("index", 0)),
+            restarts=int(entry.get("restarts", 0)),
+            phase=entry.get("phase"),
+            pool=entry.get("pool"),
+        )
+
+
+@dataclass(frozen=True)
+class StageDecision:
+    """The verdict for one stage."""
+
+    action: Action
+    """keep: leave the pod; create: create its (successor) pod; delete: delete the pod
+    (an old incarnation or a failed one); wait: the pod is terminating, do nothing yet."""
+    failure: str | None = None
+    """Set when a new failure of this stage was seen: why (Failed, Evicted, Deleted,
+    NodeLost). The caller counts it (or fails the job when the policy allows no more)."""
+    force: bool = False
+    """Delete without grace: the pod's node is gone or not ready, no kubelet will confirm."""
+
+
+def incarnation(pod: JsonDict) -> int:
+    """The restart count a pod was created at (0 for a pod without the annotation)."""
+    raw = ((pod.get("metadata") or {}).get("annotations") or {}).get(INCARNATION_ANNOTATION, "0")
+    try:
+        return int(raw)
+    except ValueError:
+        return 0
+
+
+def pod_failure(pod: JsonDict, node: JsonDict | None) -> str | None:
+    """Why a live (not terminating) pod counts as failed, or None if it is fine."""
+    status = pod.get("status") or {}
+    if status.get("phase") == "Failed":
+        return str(status.get("reason") or "Failed")
+    node_name = (pod.get("spec") or {}).get("nodeName")
+    if node_name and (node is None or not node_ready(node)):
+        return "NodeLost"
+    return None
+
+
+def decide(record: StageRecord, pod: JsonDict | None, node: JsonDict | None) -> StageDecision:
+    """Decide what to do with one stage, given its pod (None if absent) and that pod's node
+    (None if the pod is unscheduled or its node is gone)."""
+    seen_alive = record.phase not in (None, REPLACING)
+    if pod is None:
+        return StageDecision("create", failure="Deleted" if seen_alive else None)
+    current = incarnation(pod) >= record.restarts
+    if (pod.get("metadata") or {}).get("deletionTimestamp"):
+        # Someone (a drain, the eviction API, a person) is deleting the current pod: a
+        # failure; we wait for it to go before its successor may start.
+        # On a lost node no kubelet will finish the deletion: force it.
+        lost = pod_failure(pod, node) == "NodeLost"
+        action: Action = "delete" if lost else "wait"
+        if current and seen_alive:
+            return StageDecision(action, failure="NodeLost" if lost else "Deleted", force=lost)
+        return StageDecision(action, force=lost)
+    failure = pod_failure(pod, node)
+    if failure is None:
+        if current:
+            return StageDecision("keep")
+        # A past incarnation that still runs cannot happen unless the count moved on
+        # without it (a failure recorded, then the pod recovered): replace it anyway, it
+        # was already counted.
+        return StageDecision("delete")
+    force = failure == "NodeLost"
+    if current:
+        return StageDecision("delete", failure=failure, force=force)
+    return StageDecision("delete", force=force)
