@@ -12,10 +12,12 @@ other, so their size sets the step time on a slow link. Four modes, chosen per j
   0.5 byte + 2/64 byte per value = 0.266x bf16.
 
 Error bound (per value, x in a block whose largest magnitude is ``a``): int8
-``|x - decode(x)| <= a / 254 * 1.004``, int4 ``<= a / 14 * 1.004`` (the 0.4% is the
-bf16 rounding of the scale, which is applied before quantising so that it stays exact).
-``bf16`` has a relative error of at most 2**-9. NaN in a block makes the whole decoded
-block NaN, so a diverging run stays visibly broken instead of being silently clipped.
+``|x - decode(x)| <= a / 254 * (1 + 2**-7)``, int4 ``<= a / 14 * (1 + 2**-7)`` (the
+factor is the bf16 rounding-up of the scale, applied before quantising so that the
+decoder multiplies by exactly the scale the encoder divided by).
+``bf16`` has a relative error of at most 2**-8 (8 significant bits, round to nearest).
+NaN in a block makes the whole decoded block NaN, so a diverging run stays visibly broken
+instead of being silently clipped.
 
 Only floating tensors are compressed; integer and bool tensors (labels, masks, position
 ids) always travel unchanged. Everything is vectorised torch and deterministic: the same
@@ -136,9 +138,13 @@ def _quantise(flat: torch.Tensor, qmax: int) -> tuple[torch.Tensor, torch.Tensor
         x = torch.nn.functional.pad(x, (0, pad))
     blocks = x.reshape(-1, BLOCK)
     absmax = blocks.abs().amax(dim=1)
-    # Round the scale to bf16 first and quantise with the rounded value, so the decoder
-    # multiplies by exactly the scale the encoder divided by.
-    scales = (absmax / qmax).to(torch.bfloat16)
+    # Round the scale up to bf16 first and quantise with the rounded value, so the decoder
+    # multiplies by exactly the scale the encoder divided by and the block's largest value
+    # is never clipped (rounding down would shrink it by up to 2**-9, always the same way).
+    exact = absmax / qmax
+    scales = exact.to(torch.bfloat16)
+    low = scales.to(torch.float32) < exact
+    scales = torch.where(low, (scales.view(torch.int16) + 1).view(torch.bfloat16), scales)
     divisor = scales.to(torch.float32)
     divisor = torch.where(divisor == 0, torch.ones_like(divisor), divisor)
     codes = torch.round(blocks / divisor[:, None]).clamp_(-qmax, qmax)
