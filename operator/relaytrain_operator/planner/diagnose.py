@@ -22,6 +22,9 @@ MAX_EXTRA_GPUS = 1024
 
 
 def _gib(nbytes: float) -> str:
+    """Bytes for people: GiB, or MiB below one GiB."""
+    if abs(nbytes) < GIB:
+        return f"{nbytes / (1 << 20):.1f} MiB"
     return f"{nbytes / GIB:.1f} GiB"
 
 

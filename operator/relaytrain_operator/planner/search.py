@@ -111,9 +111,10 @@ class Evaluator:
         self.calls += 1
         terms = self.stage_terms(seq)
         caps = [min(cap, self.num_layers) for _, _, cap in terms]
-        short = sum(1 for c in caps if c < 1) + max(0, self.num_layers - sum(caps))
-        if short or len(seq) > self.num_layers:
-            return Candidate(tuple(seq), max(short, 1), (), (), self.micro_batches)
+        if min(caps) < 1 or sum(caps) < self.num_layers or len(seq) > self.num_layers:
+            # Layers left over; at least 1 when every layer has room but some stage has none.
+            short = max(self.num_layers - sum(caps), 1)
+            return Candidate(tuple(seq), short, (), (), self.micro_batches)
         counts = [1] * len(seq)
         heap = [(a * 2 + c, k) for k, (a, c, _) in enumerate(terms) if caps[k] > 1]
         heapq.heapify(heap)

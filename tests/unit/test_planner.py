@@ -1,0 +1,278 @@
+"""The planner finds the best plan, keeps every stage within memory, and explains itself.
+
+Optimality is checked against a brute force that tries every stage count, every sequence of
+GPUs and every contiguous layer split, priced by the same cost model.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from relaytrain_operator.planner import (
+    DEFAULT_CATALOG,
+    Catalog,
+    CostSettings,
+    GpuSpec,
+    ModelShape,
+    Plan,
+    PlanError,
+    Pool,
+    TrainingShape,
+    plan,
+)
+from relaytrain_operator.planner.cost import LinkCost, pool_cost
+
+pytestmark = pytest.mark.unit
+
+# Small GPUs so that memory binds on small models; no margin or reserve to keep sizes tiny.
+TINY = CostSettings(memory_margin=0.0, reserved_mib=0)
+
+
+@st.composite
+def instances(
+    draw, max_layers=7, max_gpus_per_pool=2, huge_memory=False, same_links=False, min_m=2
+):
+    hidden = draw(st.sampled_from([128, 256]))
+    model = ModelShape(
+        num_layers=draw(st.integers(2, max_layers)),
+        hidden_size=hidden,
+        intermediate_size=draw(st.sampled_from([512, 1024, 2048])),
+        num_heads=4,
+        num_kv_heads=draw(st.sampled_from([1, 2, 4])),
+        head_dim=hidden // 4,
+        # Small vocabularies: a large head would make the last stage the bottleneck always.
+        vocab_size=draw(st.sampled_from([64, 256, 1024, 4096])),
+        tie_word_embeddings=draw(st.booleans()),
+    )
+    training = TrainingShape(
+        micro_batch_size=draw(st.integers(1, 4)),
+        micro_batches=draw(st.integers(min_m, 24)),
+        sequence_length=draw(st.sampled_from([32, 64, 128, 256])),
+        method=draw(st.sampled_from(["lora", "qlora", "full"])),
+        lora_rank=draw(st.sampled_from([4, 16])),
+        compression=draw(st.sampled_from(["none", "bf16", "int8", "int4"])),
+        dtype=draw(st.sampled_from(["bfloat16", "float32"])),
+    )
+    n_pools = draw(st.integers(2, 3))
+    gpus = {}
+    pools = []
+    # Slow GPUs and quick links, so that splitting often pays and all three resources bind.
+    link = (draw(st.floats(20, 100_000)), draw(st.floats(0, 0.3)))
+    for i in range(n_pools):
+        name = f"g{i}"
+        memory = 1 << 20 if huge_memory else draw(st.integers(4, 300))
+        gpus[name] = GpuSpec(
+            product=name,
+            tflops=draw(st.floats(0.2, 2)),
+            fp32_tflops=draw(st.floats(0.1, 1)),
+            memory_mib=memory,
+            memory_bandwidth_gbs=draw(st.floats(100, 5000)),
+            bf16=True,
+        )
+        bw, lat = link if same_links else (draw(st.floats(20, 100_000)), draw(st.floats(0, 0.3)))
+        pools.append(Pool(name, name, draw(st.integers(1, max_gpus_per_pool)), bw, lat))
+    return model, training, pools, Catalog(gpus)
+
+
+def brute_force(model, training, pools, catalog) -> float | None:
+    """Smallest step time over every stage count, GPU sequence and contiguous split."""
+    costs = [pool_cost(model, training, p, catalog[p.product], TINY) for p in pools]
+    link = LinkCost.of(model, training)
+    layers, m = model.num_layers, training.micro_batches
+    best = None
+    for p in range(1, min(sum(x.gpus for x in pools), layers) + 1):
+        for seq in itertools.product(range(len(pools)), repeat=p):
+            if any(seq.count(i) > pool.gpus for i, pool in enumerate(pools)):
+                continue
+            for cuts in itertools.combinations(range(1, layers), p - 1):
+                bounds = (0, *cuts, layers)
+                worst = 0.0
+                for k in range(p):
+                    c, n = costs[seq[k]], bounds[k + 1] - bounds[k]
+                    first, last = k == 0, k == p - 1
+                    if c.stage_bytes(n, first, last, min(p - k, m)) > c.available_bytes:
+                        break
+                    prev = costs[seq[k - 1]] if k else None
+                    nxt = costs[seq[k + 1]] if k < p - 1 else None
+                    t = n * c.layer_seconds + c.fixed_seconds(first, last)
+                    worst = max(worst, t + link.stage_seconds(prev, c, nxt))
+                else:
+                    step = (m + p - 1) * worst
+                    best = step if best is None else min(best, step)
+    return best
+
+
+def assert_valid(result: Plan, model: ModelShape) -> None:
+    """Stages cover every layer once, in order, and each fits its GPU."""
+    assert result.stages[0].layer_start == 0
+    assert result.stages[-1].layer_end == model.num_layers
+    for a, b in itertools.pairwise(result.stages):
+        assert a.layer_end == b.layer_start
+    for s in result.stages:
+        assert s.layers >= 1
+        assert s.memory_bytes <= s.memory_available_bytes
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(instances())
+def test_plan_step_time_equals_brute_force(instance):
+    model, training, pools, catalog = instance
+    optimum = brute_force(model, training, pools, catalog)
+    if optimum is None:
+        event("infeasible")
+        with pytest.raises(PlanError, match=r"do not fit|No GPU can hold"):
+            plan(model, training, pools, catalog, settings=TINY)
+        return
+    result = plan(model, training, pools, catalog, settings=TINY)
+    event(f"{len(result.stages)} stage(s), bottleneck {result.bottleneck.resource}")
+    assert result.search == "exhaustive"
+    assert result.step_seconds == pytest.approx(optimum, rel=1e-9)
+    assert_valid(result, model)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(instances(max_layers=12, max_gpus_per_pool=4))
+def test_heuristic_plans_always_fit_memory(instance):
+    model, training, pools, catalog = instance
+    try:
+        result = plan(model, training, pools, catalog, settings=TINY, exhaustive_limit=0)
+    except PlanError:
+        return
+    assert result.search == "heuristic"
+    assert_valid(result, model)
+
+
+@settings(max_examples=150, deadline=None)
+@given(instances(max_layers=16, max_gpus_per_pool=3, huge_memory=True, same_links=True, min_m=16))
+def test_faster_gpu_never_gets_fewer_layers(instance):
+    """Among stages with the same fixed costs (the interior ones when every link is alike),
+    a stage on a faster GPU holds at least as many layers as one on a slower GPU."""
+    model, training, pools, catalog = instance
+    result = plan(model, training, pools, catalog, settings=TINY)
+    assert not any(s.memory_bytes * 2 > s.memory_available_bytes for s in result.stages)
+    speed = {p.name: catalog[p.product].peak_flops(training.dtype) for p in pools}
+    interior = result.stages[1:-1]
+    event(f"{len({s.pool for s in interior})} GPU kind(s) among interior stages")
+    for a, b in itertools.permutations(interior, 2):
+        if speed[a.pool] > speed[b.pool]:
+            assert a.layers >= b.layers, (a, b)
+
+
+LLAMA_8B = ModelShape.from_hf_config(
+    {
+        "model_type": "llama",
+        "num_hidden_layers": 32,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "vocab_size": 128256,
+        "max_position_embeddings": 131072,
+    }
+)
+
+
+def test_h100_gets_more_layers_than_v100():
+    pools = [
+        Pool("h100", "NVIDIA-H100-80GB-HBM3", 2, 1000, 10),
+        Pool("v100", "Tesla-V100-SXM2-32GB", 2, 1000, 10),
+    ]
+    training = TrainingShape(1, 16, 1024, method="qlora", dtype="float16")
+    result = plan(LLAMA_8B, training, pools, stages=4)
+    h100 = [s.layers for s in result.stages if s.pool == "h100"]
+    v100 = [s.layers for s in result.stages if s.pool == "v100"]
+    assert len(h100) == len(v100) == 2
+    assert min(h100) > max(v100)
+
+
+def test_24gb_card_is_never_given_more_than_it_holds():
+    """An 8B model in bf16 (16 GB of weights plus activations) needs several 24 GB cards."""
+    pools = [Pool("rtx4090", "NVIDIA-GeForce-RTX-4090", 6, 1000, 10)]
+    result = plan(LLAMA_8B, TrainingShape(2, 8, 2048, method="lora"), pools)
+    assert_valid(result, LLAMA_8B)
+    assert len(result.stages) >= 2
+    assert all(s.memory_available_bytes < 24 * 2**30 for s in result.stages)
+    # The plan is tight somewhere: otherwise fewer stages would have been cheaper.
+    assert max(s.memory_bytes / s.memory_available_bytes for s in result.stages) > 0.5
+
+
+def test_a_slow_link_counts():
+    """Two equal GPU pools; behind 10 Mbps the boundary tensors dominate, so the plan
+    keeps the model on one GPU of the fast pool instead of splitting across the slow link."""
+    pools = [
+        Pool("fast", "NVIDIA-A100-SXM4-80GB", 2, 10_000, 1),
+        Pool("slow", "NVIDIA-A100-SXM4-80GB", 2, 10, 1),
+    ]
+    training = TrainingShape(4, 8, 2048, method="lora", compression="none")
+    result = plan(LLAMA_8B, training, pools, stages=2)
+    assert [s.pool for s in result.stages] == ["fast", "fast"]
+    forced = plan(
+        LLAMA_8B,
+        training,
+        [pools[1], Pool("one", "NVIDIA-A100-SXM4-80GB", 1, 10_000, 1)],
+        stages=2,
+    )
+    assert forced.bottleneck.resource == "link"
+    assert forced.step_seconds > 10 * result.step_seconds
+
+
+def test_step_time_tokens_and_bubble_follow_1f1b():
+    pools = [Pool("a100", "NVIDIA-A100-SXM4-80GB", 4, 1000, 10)]
+    training = TrainingShape(2, 8, 1024, method="qlora")
+    result = plan(LLAMA_8B, training, pools, stages=4)
+    p, m = 4, 8
+    assert result.step_seconds == pytest.approx((m + p - 1) * result.micro_batch_seconds)
+    assert result.bubble_fraction == pytest.approx((p - 1) / (m + p - 1))
+    assert result.tokens_per_second == pytest.approx(m * 2 * 1024 / result.step_seconds)
+    slowest = max(result.stages, key=lambda s: s.seconds)
+    assert result.bottleneck.stage == slowest.index
+
+
+def test_memory_is_reported_as_the_bottleneck_when_it_forces_layers_elsewhere():
+    """A fast small GPU and a slow big one: compute alone would give the fast GPU most layers,
+    but its memory caps it, so the slow GPU carries the rest and memory is to blame."""
+    catalog = DEFAULT_CATALOG.with_overrides(
+        {
+            "tiny-fast": {
+                "tflops": 2000,
+                "fp32Tflops": 100,
+                "memoryMiB": 12_000,
+                "memoryBandwidthGBs": 3000,
+                "bf16": True,
+            }
+        }
+    )
+    pools = [
+        Pool("fast", "tiny-fast", 1, 10_000, 1),
+        Pool("big", "NVIDIA-A100-SXM4-80GB", 1, 10_000, 1),
+    ]
+    result = plan(LLAMA_8B, TrainingShape(1, 4, 512, method="lora"), pools, catalog, stages=2)
+    assert result.bottleneck.resource == "memory"
+    fast = next(s for s in result.stages if s.pool == "fast")
+    assert fast.memory_bytes + fast.memory_bytes // fast.layers > fast.memory_available_bytes
+
+
+def test_fixed_stage_count_is_honoured_and_checked():
+    pools = [Pool("a100", "NVIDIA-A100-SXM4-80GB", 3, 1000, 10)]
+    training = TrainingShape(1, 8, 512, method="qlora")
+    assert len(plan(LLAMA_8B, training, pools, stages=3).stages) == 3
+    with pytest.raises(PlanError, match=r"pipeline\.stages is 4, but there are only 3 usable GPUs"):
+        plan(LLAMA_8B, training, pools, stages=4)
+
+
+def test_status_plan_is_what_the_crd_declares():
+    from relaytrain_operator.spec import PlanStatus
+
+    pools = [
+        Pool("h100", "NVIDIA-H100-80GB-HBM3", 1, 1000, 10),
+        Pool("rtx4090", "NVIDIA-GeForce-RTX-4090", 2, 500, 30),
+    ]
+    result = plan(LLAMA_8B, TrainingShape(1, 8, 1024, method="qlora"), pools, stages=3)
+    status = result.to_status()
+    parsed = PlanStatus.model_validate(status)
+    assert parsed.model_dump(by_alias=True, exclude_none=True) == status
+    assert [s["layerStart"] for s in status["stages"]] == [s.layer_start for s in result.stages]
+    assert status["bottleneck"]["resource"] in ("compute", "memory", "link")
