@@ -1,0 +1,194 @@
+"""Invalid FineTuneJobs: each is refused by parse_job with the bad field named.
+
+INVALID_CASES is shared with tests/k8s/test_crd_api.py, where the API server must refuse the
+same manifests (schema or CEL) naming the same field, so both gates agree.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, NamedTuple
+
+import pytest
+from relaytrain_operator.spec import SpecError, parse_job
+
+pytestmark = pytest.mark.unit
+
+DELETE = object()
+
+
+def base_manifest(name: str = "valid-job") -> dict[str, Any]:
+    """The smallest valid FineTuneJob."""
+    return {
+        "apiVersion": "relaytrain.io/v1alpha1",
+        "kind": "FineTuneJob",
+        "metadata": {"name": name},
+        "spec": {
+            "model": {"uri": "s3://models/smollm2-135m/"},
+            "dataset": {"uri": "s3://datasets/train.jsonl"},
+            "training": {"steps": 100},
+            "checkpoint": {"uri": "s3://relaytrain/checkpoints"},
+        },
+    }
+
+
+class Case(NamedTuple):
+    id: str
+    path: str  # dotted path from the manifest root, e.g. "spec.training.steps"
+    value: Any  # DELETE removes the field
+    field: str  # the field the error must name
+
+
+def apply_case(manifest: dict[str, Any], case: Case) -> dict[str, Any]:
+    out = copy.deepcopy(manifest)
+    *parents, last = case.path.split(".")
+    node = out
+    for key in parents:
+        node = node.setdefault(key, {})
+    if case.value is DELETE:
+        del node[last]
+    else:
+        node[last] = case.value
+    return out
+
+
+INVALID_CASES = [
+    Case("missing-model", "spec.model", DELETE, "spec.model"),
+    Case("missing-dataset", "spec.dataset", DELETE, "spec.dataset"),
+    Case("missing-training", "spec.training", DELETE, "spec.training"),
+    Case("missing-checkpoint", "spec.checkpoint", DELETE, "spec.checkpoint"),
+    Case("missing-model-uri", "spec.model.uri", DELETE, "spec.model.uri"),
+    Case("negative-steps", "spec.training.steps", -5, "spec.training.steps"),
+    Case("zero-steps", "spec.training.steps", 0, "spec.training.steps"),
+    Case("steps-as-string", "spec.training.steps", "100", "spec.training.steps"),
+    Case("steps-and-epochs", "spec.training.epochs", 2, "spec.training.steps"),
+    Case("neither-steps-nor-epochs", "spec.training", {"microBatches": 4}, "spec.training.steps"),
+    Case("warmup-exceeds-steps", "spec.training.warmupSteps", 500, "spec.training.warmupSteps"),
+    Case("zero-learning-rate", "spec.training.learningRate", 0, "spec.training.learningRate"),
+    Case("unknown-lr-schedule", "spec.training.schedule", "step", "spec.training.schedule"),
+    Case("unknown-compression", "spec.pipeline.compression", "zstd", "spec.pipeline.compression"),
+    Case("zero-stages", "spec.pipeline.stages", 0, "spec.pipeline.stages"),
+    Case("stages-word", "spec.pipeline.stages", "three", "spec.pipeline.stages"),
+    Case("unknown-pipeline-schedule", "spec.pipeline.schedule", "gpipe", "spec.pipeline.schedule"),
+    Case("lora-rank-zero", "spec.method.rank", 0, "spec.method.rank"),
+    Case("dropout-1.5", "spec.method.dropout", 1.5, "spec.method.dropout"),
+    Case("dropout-exactly-1", "spec.method.dropout", 1.0, "spec.method.dropout"),
+    Case("unknown-method", "spec.method.type", "dora", "spec.method.type"),
+    Case("no-target-modules", "spec.method.targetModules", [], "spec.method.targetModules"),
+    Case(
+        "repeated-target-module",
+        "spec.method.targetModules",
+        ["q_proj", "q_proj"],
+        "spec.method.targetModules",
+    ),
+    Case("unknown-field", "spec.learningRate", 0.1, "spec.learningRate"),
+    Case("unknown-nested-field", "spec.training.batchSize", 8, "spec.training.batchSize"),
+    Case("bad-s3-bucket", "spec.model.uri", "s3://My_Models/smol", "spec.model.uri"),
+    Case("s3-without-bucket", "spec.checkpoint.uri", "s3://", "spec.checkpoint.uri"),
+    Case("http-model-uri", "spec.model.uri", "https://example.com/model", "spec.model.uri"),
+    Case("hf-dataset-uri", "spec.dataset.uri", "hf://org/data", "spec.dataset.uri"),
+    Case("unknown-dtype", "spec.model.dtype", "int8", "spec.model.dtype"),
+    Case("unknown-data-format", "spec.dataset.format", "csv", "spec.dataset.format"),
+    Case("tiny-sequence", "spec.dataset.sequenceLength", 4, "spec.dataset.sequenceLength"),
+    Case(
+        "endpoint-without-scheme",
+        "spec.checkpoint.endpoint",
+        "minio:9000",
+        "spec.checkpoint.endpoint",
+    ),
+    Case(
+        "endpoint-on-local-store",
+        "spec.checkpoint",
+        {"uri": "/var/ckpt", "endpoint": "http://minio:9000"},
+        "spec.checkpoint.endpoint",
+    ),
+    Case(
+        "secret-without-name",
+        "spec.checkpoint.credentialsSecret",
+        {"accessKeyKey": "k"},
+        "spec.checkpoint.credentialsSecret.name",
+    ),
+    Case("keep-zero", "spec.checkpoint.keep", 0, "spec.checkpoint.keep"),
+    Case(
+        "negative-restarts",
+        "spec.failurePolicy.maxStageRestarts",
+        -1,
+        "spec.failurePolicy.maxStageRestarts",
+    ),
+    Case(
+        "bad-toleration-effect",
+        "spec.placement.tolerations",
+        [{"key": "gpu", "operator": "Exists", "effect": "Sometimes"}],
+        "spec.placement.tolerations[0].effect",
+    ),
+    Case("repeated-pool", "spec.placement.pools", ["a100", "a100"], "spec.placement.pools"),
+    Case("suspend-as-string", "spec.suspend", "yes", "spec.suspend"),
+    Case("name-too-long", "metadata.name", "a" * 51, "metadata.name"),
+    Case("name-with-dot", "metadata.name", "smol.lora", "metadata.name"),
+]
+
+
+def test_there_are_at_least_twenty_distinct_cases() -> None:
+    assert len({c.id for c in INVALID_CASES}) == len(INVALID_CASES) >= 20
+
+
+@pytest.mark.parametrize("case", INVALID_CASES, ids=[c.id for c in INVALID_CASES])
+def test_parse_job_refuses_and_names_the_field(case: Case) -> None:
+    manifest = apply_case(base_manifest(), case)
+    with pytest.raises(SpecError) as info:
+        parse_job(manifest)
+    assert case.field in info.value.paths, str(info.value)
+    assert case.field in str(info.value)
+
+
+def test_the_base_manifest_is_valid() -> None:
+    # Otherwise every case above would pass for the wrong reason.
+    job = parse_job(base_manifest())
+    assert job.spec.training.steps == 100
+
+
+def test_unknown_field_error_lists_the_valid_names() -> None:
+    case = Case("typo", "spec.training.setps", 100, "spec.training.setps")
+    with pytest.raises(SpecError) as info:
+        parse_job(apply_case(base_manifest(), case))
+    assert "valid fields here:" in str(info.value)
+    assert "steps" in str(info.value)
+
+
+def test_enum_error_says_what_is_valid() -> None:
+    case = Case("x", "spec.pipeline.compression", "zstd", "")
+    with pytest.raises(SpecError) as info:
+        parse_job(apply_case(base_manifest(), case))
+    message = dict(info.value.problems)["spec.pipeline.compression"]
+    assert all(mode in message for mode in ("none", "bf16", "int8", "int4"))
+    assert "zstd" in message
+
+
+def test_uri_error_explains_the_accepted_forms() -> None:
+    case = Case("x", "spec.model.uri", "gs://bucket/model", "")
+    with pytest.raises(SpecError) as info:
+        parse_job(apply_case(base_manifest(), case))
+    message = dict(info.value.problems)["spec.model.uri"]
+    assert "s3://bucket/prefix" in message and "hf://org/name" in message
+
+
+def test_every_problem_is_reported_at_once() -> None:
+    manifest = base_manifest()
+    manifest["spec"]["method"] = {"rank": 0, "dropout": 2.0}
+    manifest["spec"]["pipeline"] = {"compression": "zip"}
+    with pytest.raises(SpecError) as info:
+        parse_job(manifest)
+    assert set(info.value.paths) == {
+        "spec.method.rank",
+        "spec.method.dropout",
+        "spec.pipeline.compression",
+    }
+
+
+def test_wrong_kind_and_non_mapping_are_refused() -> None:
+    manifest = base_manifest()
+    manifest["kind"] = "Job"
+    with pytest.raises(SpecError, match="kind"):
+        parse_job(manifest)
+    with pytest.raises(SpecError, match="mapping"):
+        parse_job(["not", "a", "job"])  # type: ignore[arg-type]

@@ -1,0 +1,130 @@
+"""build_stage_configs: the documents each stage is started with (docs/stage-contract.md)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import pytest
+from relaytrain_operator.spec import parse_job
+from relaytrain_operator.stage_config import (
+    LINK_SECRET_ENV,
+    build_stage_configs,
+    layer_ranges,
+    local_endpoints,
+    output_uri,
+    pod_endpoints,
+)
+
+from tests.unit.test_spec_invalid import base_manifest
+
+pytestmark = pytest.mark.unit
+
+RANGES = [(0, 10), (10, 20), (20, 30)]
+
+
+def job(**spec_updates: object):  # type: ignore[no-untyped-def]
+    manifest = base_manifest("smollm-lora")
+    manifest["metadata"].update(namespace="team-a", uid="u-1")
+    manifest["spec"].update(spec_updates)
+    return parse_job(manifest)
+
+
+def test_pods_chain_through_stable_dns_names() -> None:
+    docs = build_stage_configs(job(), RANGES, pod_endpoints("smollm-lora", "team-a", 3))
+    assert [d["links"]["listen"] for d in docs] == [None, "0.0.0.0:29500", "0.0.0.0:29500"]
+    assert [d["links"]["next"] for d in docs] == [
+        "smollm-lora-stage-1.smollm-lora.team-a.svc:29500",
+        "smollm-lora-stage-2.smollm-lora.team-a.svc:29500",
+        None,
+    ]
+    assert all(d["links"]["secretEnv"] == LINK_SECRET_ENV for d in docs)
+
+
+def test_stage_numbers_and_layers_follow_the_plan() -> None:
+    docs = build_stage_configs(job(), RANGES, pod_endpoints("smollm-lora", "team-a", 3))
+    assert [d["stage"] for d in docs] == [
+        {"index": k, "count": 3, "layerStart": s, "layerEnd": e} for k, (s, e) in enumerate(RANGES)
+    ]
+    assert docs[0]["job"] == {"namespace": "team-a", "name": "smollm-lora", "uid": "u-1"}
+
+
+def test_spec_reaches_the_worker_in_contract_names() -> None:
+    docs = build_stage_configs(
+        job(method={"type": "qlora", "rank": 4}, pipeline={"compression": "int4"}),
+        [*RANGES[:1], (10, 30)],
+        local_endpoints(2, 29500, 9400),
+    )
+    doc = docs[1]
+    assert doc["method"]["type"] == "qlora" and doc["method"]["rank"] == 4
+    assert doc["pipeline"] == {"schedule": "1f1b", "compression": "int4"}
+    assert doc["training"]["microBatchSize"] == 1 and doc["training"]["steps"] == 100
+    assert doc["checkpoint"]["accessKeyEnv"] == "AWS_ACCESS_KEY_ID"
+    assert doc["checkpoint"]["endpoint"] is None
+    # Documents are JSON, and hold no secret values (only env var names).
+    json.dumps(doc)
+
+
+def test_local_processes_get_distinct_ports() -> None:
+    docs = build_stage_configs(job(), RANGES, local_endpoints(3, 31000, 9500))
+    assert [d["links"]["listen"] for d in docs] == [None, "127.0.0.1:31001", "127.0.0.1:31002"]
+    assert [d["links"]["next"] for d in docs] == ["127.0.0.1:31001", "127.0.0.1:31002", None]
+    assert [d["observability"]["port"] for d in docs] == [9500, 9501, 9502]
+
+
+def test_output_defaults_under_the_checkpoint_store() -> None:
+    assert output_uri(job()) == "s3://relaytrain/checkpoints/team-a/smollm-lora/output/"
+    explicit = job(output={"uri": "s3://adapters/smol/"})
+    assert output_uri(explicit) == "s3://adapters/smol/"
+
+
+def test_documents_are_independent() -> None:
+    docs = build_stage_configs(job(), RANGES, pod_endpoints("smollm-lora", "team-a", 3))
+    docs[0]["method"]["targetModules"].append("gate_proj")
+    assert docs[1]["method"]["targetModules"] == ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+@dataclass
+class _Stage:
+    layer_start: int
+    layer_end: int
+
+
+@dataclass
+class _Plan:
+    stages: list[_Stage]
+
+
+def test_plan_shapes_accepted() -> None:
+    want = [(0, 5), (5, 12)]
+    assert layer_ranges(want) == want
+    assert layer_ranges(_Plan([_Stage(0, 5), _Stage(5, 12)])) == want
+    assert (
+        layer_ranges(
+            {"stages": [{"layerStart": 0, "layerEnd": 5}, {"layerStart": 5, "layerEnd": 12}]}
+        )
+        == want
+    )
+
+
+@pytest.mark.parametrize(
+    ("ranges", "message"),
+    [
+        ([(0, 10), (11, 20)], "contiguous"),
+        ([(1, 10), (10, 20)], "contiguous"),
+        ([(0, 10), (10, 10)], "non-empty"),
+        ([], "no stages"),
+    ],
+)
+def test_broken_plans_are_refused(ranges: list[tuple[int, int]], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        build_stage_configs(job(), ranges, pod_endpoints("smollm-lora", "team-a", len(ranges)))
+
+
+def test_stage_count_must_match_spec_and_endpoints() -> None:
+    with pytest.raises(ValueError, match=r"pipeline\.stages is 2"):
+        build_stage_configs(
+            job(pipeline={"stages": 2}), RANGES, pod_endpoints("smollm-lora", "team-a", 3)
+        )
+    with pytest.raises(ValueError, match="2 endpoints for 3 stages"):
+        build_stage_configs(job(), RANGES, pod_endpoints("smollm-lora", "team-a", 2))
