@@ -17,7 +17,7 @@ mkdir -p "$bin_root" "$work_root"
 # wrapper_module DIR MODULE@VERSION [REPLACES]: a throwaway module that requires MODULE.
 wrapper_module() {
   local dir=$1 req=$2 replaces=${3:-}
-  mkdir -p "$dir"
+  mkdir -p "$dir" || return 1
   printf 'module relaytrain.local/build\n\ngo 1.26.0\n\n%s\n' "$replaces" >"$dir/go.mod"
   (cd "$dir" && go mod edit -require="$req")
 }
@@ -30,15 +30,16 @@ build_kubernetes() {
   # one at its published v0.X.Y twin.
   local modfile replaces
   modfile=$(go mod download -json "k8s.io/kubernetes@$v" | python3 -c 'import json,sys; print(json.load(sys.stdin)["GoMod"])')
-  replaces=$(grep -oE '^\s*k8s\.io/[A-Za-z0-9._/-]+ v0\.0\.0' "$modfile" | awk -v m="$minor" -v p="${v##*.}" '{printf "replace %s => %s v0.%s.%s\n", $1, $1, m, p}')
+  replaces=$(grep -E '^\s*k8s\.io/[A-Za-z0-9._/-]+ v0\.0\.0\s*$' "$modfile" | awk -v m="$minor" -v p="${v##*.}" '{printf "replace %s => %s v0.%s.%s\n", $1, $1, m, p}')
   wrapper_module "$dir" "k8s.io/kubernetes@$v" "$replaces"
   local ld="-s -w"
   for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
     ld+=" -X $pkg.gitVersion=$v -X $pkg.gitMajor=1 -X $pkg.gitMinor=$minor -X $pkg.gitTreeState=clean -X $pkg.buildDate=1970-01-01T00:00:00Z"
   done
-  (cd "$dir" && go get "k8s.io/kubernetes/cmd/kube-apiserver@$v" && go mod tidy >/dev/null 2>&1 || true)
-  for cmd in kube-apiserver kube-controller-manager kube-scheduler kubectl; do
-    (cd "$dir" && go build -trimpath -ldflags "$ld" -o "$out.tmp/$cmd" "k8s.io/kubernetes/cmd/$cmd")
+  local cmds=(kube-apiserver kube-controller-manager kube-scheduler kubectl)
+  (cd "$dir" && go get "${cmds[@]/#/k8s.io/kubernetes/cmd/}") || return 1
+  for cmd in "${cmds[@]}"; do
+    (cd "$dir" && go build -trimpath -ldflags "$ld" -o "$out.tmp/$cmd" "k8s.io/kubernetes/cmd/$cmd") || return 1
   done
   mv "$out.tmp" "$out"
 }
@@ -47,7 +48,7 @@ build_etcd() {
   local out="$bin_root/etcd-$ETCD_VERSION" dir="$work_root/etcd-$ETCD_VERSION"
   wrapper_module "$dir" "go.etcd.io/etcd/server/v3@$ETCD_VERSION"
   (cd "$dir" && go get "go.etcd.io/etcd/server/v3@$ETCD_VERSION" \
-     && go build -trimpath -ldflags "-s -w" -o "$out.tmp/etcd" go.etcd.io/etcd/server/v3)
+     && go build -trimpath -ldflags "-s -w" -o "$out.tmp/etcd" go.etcd.io/etcd/server/v3) || return 1
   mv "$out.tmp" "$out"
 }
 
@@ -57,7 +58,7 @@ build_kwok() {
   local ld="-s -w -X sigs.k8s.io/kwok/pkg/consts.Version=${KWOK_VERSION#v} -X sigs.k8s.io/kwok/pkg/consts.KubeVersion=$KUBERNETES_VERSION"
   (cd "$dir" && go get "sigs.k8s.io/kwok/cmd/kwok@$KWOK_VERSION" "sigs.k8s.io/kwok/cmd/kwokctl@$KWOK_VERSION" \
      && go build -trimpath -ldflags "$ld" -o "$out.tmp/kwok" sigs.k8s.io/kwok/cmd/kwok \
-     && go build -trimpath -ldflags "$ld" -o "$out.tmp/kwokctl" sigs.k8s.io/kwok/cmd/kwokctl)
+     && go build -trimpath -ldflags "$ld" -o "$out.tmp/kwokctl" sigs.k8s.io/kwok/cmd/kwokctl) || return 1
   mv "$out.tmp" "$out"
 }
 
@@ -65,7 +66,7 @@ build_minio() {
   local out="$bin_root/minio-$MINIO_VERSION" dir="$work_root/minio-$MINIO_VERSION"
   wrapper_module "$dir" "github.com/minio/minio@$MINIO_VERSION"
   (cd "$dir" && go get "github.com/minio/minio@$MINIO_VERSION" \
-     && go build -trimpath -ldflags "-s -w" -o "$out.tmp/minio" github.com/minio/minio)
+     && go build -trimpath -ldflags "-s -w" -o "$out.tmp/minio" github.com/minio/minio) || return 1
   mv "$out.tmp" "$out"
 }
 
@@ -73,7 +74,7 @@ build_helm() {
   local out="$bin_root/helm-$HELM_VERSION" dir="$work_root/helm-$HELM_VERSION"
   wrapper_module "$dir" "helm.sh/helm/v3@$HELM_VERSION"
   (cd "$dir" && go get "helm.sh/helm/v3/cmd/helm@$HELM_VERSION" \
-     && go build -trimpath -ldflags "-s -w -X helm.sh/helm/v3/internal/version.version=$HELM_VERSION" -o "$out.tmp/helm" helm.sh/helm/v3/cmd/helm)
+     && go build -trimpath -ldflags "-s -w -X helm.sh/helm/v3/internal/version.version=$HELM_VERSION" -o "$out.tmp/helm" helm.sh/helm/v3/cmd/helm) || return 1
   mv "$out.tmp" "$out"
 }
 

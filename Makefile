@@ -1,0 +1,72 @@
+# relaytrain — start here: `make demo` runs the main job, `make test` runs every test.
+# Both install what they need first (`make deps`), idempotently.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?=
+export RELAYTRAIN_CACHE ?= $(HOME)/.cache/relaytrain
+
+.PHONY: help deps deps-python deps-binaries deps-model test test-unit test-contract test-k8s test-e2e \
+        lint format demo bench cluster-up cluster-down kubeconfig chart-crds
+
+help:
+	@echo "make demo          run the main job (installs what it needs first)"
+	@echo "make test          run every test tier (installs what it needs first)"
+	@echo "make cluster-up    start the local cluster; prints its kubeconfig path"
+	@echo "make -s kubeconfig print that path alone (export KUBECONFIG=\$$(make -s kubeconfig))"
+	@echo "make cluster-down  stop everything cluster-up started"
+	@echo "make bench         run the benchmarks in bench/"
+	@echo "make lint          ruff, mypy and import-linter"
+
+deps:
+	@bash hack/bootstrap.sh all
+deps-python:
+	@bash hack/bootstrap.sh python
+deps-binaries:
+	@bash hack/bootstrap.sh binaries
+deps-model: deps-python
+	@bash hack/bootstrap.sh model
+
+# Every tier in one pytest session, so the k8s and e2e tiers share one cluster and one
+# MinIO. Tests marked gpu are reported as skipped where no CUDA exists.
+test: deps
+	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+test-unit: deps-python
+	$(PY) -m pytest tests -m "unit" $(PYTEST_ARGS)
+test-contract: deps-python
+	$(PY) -m pytest tests -m "contract" $(PYTEST_ARGS)
+test-k8s: deps
+	$(PY) -m pytest tests -m "k8s" $(PYTEST_ARGS)
+test-e2e: deps
+	$(PY) -m pytest tests -m "e2e" $(PYTEST_ARGS)
+
+lint: deps-python
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy
+
+format: deps-python
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+cluster-up: deps
+	@bash hack/cluster.sh up
+
+cluster-down:
+	@bash hack/cluster.sh down
+
+kubeconfig:
+	@bash hack/cluster.sh kubeconfig
+
+chart-crds:
+	mkdir -p charts/relaytrain/crds
+	cp crds/*.yaml charts/relaytrain/crds/
+
+demo: deps
+	@bash hack/demo.sh
+
+bench: deps
+	@for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done

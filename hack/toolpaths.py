@@ -1,0 +1,47 @@
+"""Where the bootstrap put the pinned binaries: one function for tests, benchmarks and scripts."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+HACK = Path(__file__).resolve().parent
+
+# binary name -> (versions.env key, folder prefix in the cache)
+_BINARIES = {
+    "kube-apiserver": ("KUBERNETES_VERSION", "kubernetes"),
+    "kube-controller-manager": ("KUBERNETES_VERSION", "kubernetes"),
+    "kube-scheduler": ("KUBERNETES_VERSION", "kubernetes"),
+    "kubectl": ("KUBERNETES_VERSION", "kubernetes"),
+    "etcd": ("ETCD_VERSION", "etcd"),
+    "kwok": ("KWOK_VERSION", "kwok"),
+    "kwokctl": ("KWOK_VERSION", "kwok"),
+    "minio": ("MINIO_VERSION", "minio"),
+    "helm": ("HELM_VERSION", "helm"),
+}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("RELAYTRAIN_CACHE", Path.home() / ".cache" / "relaytrain"))
+
+
+def versions() -> dict[str, str]:
+    """The pins of hack/versions.env."""
+    pins: dict[str, str] = {}
+    for raw in (HACK / "versions.env").read_text().splitlines():
+        line = raw.strip()
+        if line and not line.startswith("#") and "=" in line:
+            key, value = line.split("=", 1)
+            pins[key] = value
+    return pins
+
+
+def binary(name: str) -> Path:
+    """The cached binary `name`; a clear error says how to build it when it is missing."""
+    key, folder = _BINARIES[name]
+    path = cache_dir() / "bin" / f"{folder}-{versions()[key]}" / name
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path} is missing: run `make deps` (or hack/build-go-binaries.sh)"
+        )
+    return path
