@@ -1,0 +1,117 @@
+"""What trains on a stage: LoRA or QLoRA adapters through peft, or the slice's own weights.
+
+LoRA weights are initialised from a generator seeded by (job seed, global parameter
+name), not from the process's RNG stream: every split of the model (and the unsplit
+reference) then starts from the same adapter, which is what makes a P-stage pipeline
+reproduce single-process training exactly.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from typing import Literal
+
+import torch
+from peft import LoraConfig, inject_adapter_in_model
+from torch import nn
+
+from relaytrain_worker.model_slice import StageModel
+
+ADAPTER = "default"
+TIED_NAME = "model.embed_tokens.weight"
+"""Global name of the weight that tied models share between embedding and head."""
+
+
+def lora_config(
+    rank: int, alpha: float, dropout: float, targets: tuple[str, ...] | list[str]
+) -> LoraConfig:
+    """The peft LoRA config of a job (also written into adapter_config.json)."""
+    return LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        lora_dropout=dropout,
+        target_modules=list(targets),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+
+
+def apply_lora(
+    model: nn.Module, config: LoraConfig, seed: int, quantized: bool = False
+) -> list[tuple[str, nn.Parameter]]:
+    """Inject LoRA into `model` (a slice or the full model); return (global name, param)."""
+    inject_adapter_in_model(config, model, adapter_name=ADAPTER)
+    if quantized:
+        _fix_cpu_4bit(model)
+    init_lora(model, seed)
+    trainable = []
+    for name, param in model.named_parameters():
+        is_lora = ".lora_" in name
+        param.requires_grad_(is_lora)
+        if is_lora:
+            trainable.append((name, param))
+    return trainable
+
+
+def init_lora(model: nn.Module, seed: int) -> None:
+    """Re-initialise lora_A (kaiming-uniform, peft's default) and zero lora_B, by name."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".lora_A." in name:
+                gen = torch.Generator().manual_seed(_name_seed(seed, name))
+                nn.init.kaiming_uniform_(param, a=math.sqrt(5), generator=gen)
+            elif ".lora_B." in name:
+                param.zero_()
+
+
+def _name_seed(seed: int, name: str) -> int:
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
+
+
+def _fix_cpu_4bit(model: nn.Module) -> None:
+    """bitsandbytes' CPU path drops gradients unless the avx512-bf16 kernel is off."""
+    import bitsandbytes as bnb
+
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit) and hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+
+
+def full_trainable(stage: StageModel) -> list[tuple[str, nn.Parameter]]:
+    """Every weight of the slice trains; a tied head is named after the embedding it shares."""
+    out = []
+    for name, param in stage.model.named_parameters():
+        param.requires_grad_(True)
+        out.append((_tied_name(stage, name), param))
+    return out
+
+
+def _tied_name(stage: StageModel, name: str) -> str:
+    tied = bool(getattr(stage.config, "tie_word_embeddings", False))
+    if tied and name == "lm_head.weight":
+        return TIED_NAME
+    return name
+
+
+def setup_method(
+    stage: StageModel,
+    method: Literal["lora", "qlora", "full"],
+    lora: LoraConfig | None,
+    seed: int,
+) -> list[tuple[str, nn.Parameter]]:
+    """Make the slice trainable per the job's method; return its trainable parameters."""
+    if method == "full":
+        return full_trainable(stage)
+    if lora is None:
+        raise ValueError(f"method {method} needs a LoRA config")
+    if method == "qlora":
+        from relaytrain_worker.quant import quantize_slice
+
+        quantize_slice(stage)
+    return apply_lora(stage.model, lora, seed, quantized=method == "qlora")
+
+
+def peft_key(name: str) -> str:
+    """A slice parameter name as PEFT writes it in adapter_model.safetensors."""
+    return "base_model.model." + name.replace(f".{ADAPTER}.", ".")

@@ -1,0 +1,241 @@
+"""One optimizer step of a stage: 1F1B over M micro-batches, then a step-end exchange.
+
+Per micro-batch, activations (with the attention mask, position ids and labels, which
+the later stages need) flow downstream and the gradient of the boundary activation
+flows upstream. Stage k of P runs min(P-k-1, M) forwards first, then alternates one
+forward and one backward, then drains the remaining backwards: at most P-k
+micro-batches of activations are alive on stage k at any time.
+
+The loss is the token-mean cross-entropy over the whole step: every micro-batch's
+summed token loss is divided by the number of label tokens in the step (which stage 0
+knows before the first forward and sends along), exactly as single-process gradient
+accumulation with `num_items_in_batch` does.
+
+After the last backward the stages exchange what needs a global view, in one pass down
+and one pass up the chain:
+- the per-parameter gradient norms (for clipping by the global norm across stages, the
+  same arithmetic as `torch.nn.utils.clip_grad_norm_` over the unsplit model);
+- with `full` training of a tied model, the two halves of the shared weight's gradient
+  (embedding on stage 0, head on the last stage); both ends add them (a + b == b + a in
+  IEEE arithmetic) and so apply the identical update.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional
+
+from relaytrain_worker.model_slice import StageModel
+from relaytrain_worker.peers import Peers
+from relaytrain_worker.transport import Frame
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch as stage 0 feeds it; later stages get the same fields by link."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    position_ids: torch.Tensor
+    labels: torch.Tensor
+
+
+@dataclass
+class StepResult:
+    """What one step produced on this stage."""
+
+    loss: float | None
+    """Token-mean loss of the step (last stage only)."""
+    tokens: int
+    """Label tokens in the step."""
+    grad_norm: float
+    """Global gradient norm before clipping."""
+
+
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed next-token cross-entropy (fp32), positions labelled -100 ignored."""
+    shift_logits = logits[:, :-1, :].float().reshape(-1, logits.shape[-1])
+    shift_labels = labels[:, 1:].reshape(-1)
+    return functional.cross_entropy(shift_logits, shift_labels, ignore_index=-100, reduction="sum")
+
+
+def count_items(micros: list[MicroBatch]) -> int:
+    """Label tokens of a step (what the loss is averaged over)."""
+    return int(sum(int((m.labels[:, 1:] != -100).sum()) for m in micros))
+
+
+def one_f_one_b(stage_index: int, stages: int, micro_batches: int) -> list[tuple[str, int]]:
+    """The order of ("F"|"B", micro) this stage runs in one step."""
+    warmup = min(stages - stage_index - 1, micro_batches)
+    order: list[tuple[str, int]] = [("F", m) for m in range(warmup)]
+    backward = 0
+    for m in range(warmup, micro_batches):
+        order.append(("F", m))
+        order.append(("B", backward))
+        backward += 1
+    order.extend(("B", m) for m in range(backward, micro_batches))
+    return order
+
+
+class StepRunner:
+    """Runs steps of one stage over its links."""
+
+    def __init__(
+        self,
+        stage: StageModel,
+        *,
+        index: int,
+        count: int,
+        peers: Peers,
+        trainable: list[tuple[str, nn.Parameter]],
+        compression: str,
+        max_grad_norm: float,
+        tied_name: str | None = None,
+    ) -> None:
+        self.stage = stage
+        self.index = index
+        self.count = count
+        self.peers = peers
+        self.trainable = trainable
+        self.compression = compression
+        self.max_grad_norm = max_grad_norm
+        self.tied_name = tied_name
+        """Global name of a weight shared by stage 0 and the last stage (full + tied), else None."""
+        self.on_micro: Callable[[], None] | None = None
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.count - 1
+
+    def run(self, step: int, micros: list[MicroBatch] | None, n_micro: int) -> StepResult:
+        """Forward and backward every micro-batch; leaves clipped grads on the parameters."""
+        items = count_items(micros) if micros is not None else -1
+        saved: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        for kind, m in one_f_one_b(self.index, self.count, n_micro):
+            if kind == "F":
+                out, inp, items, part = self._forward(step, m, micros, items)
+                saved[m] = (out, inp)
+                if part is not None:
+                    loss_sum += part
+            else:
+                out, inp = saved.pop(m)
+                self._backward(step, m, out, inp)
+        norm = self._finish(step)
+        loss = float(loss_sum / items) if self.last and items > 0 else None
+        return StepResult(loss=loss, tokens=items, grad_norm=norm)
+
+    def _forward(
+        self, step: int, m: int, micros: list[MicroBatch] | None, items: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None, int, float | None]:
+        if self.first:
+            assert micros is not None
+            mb = micros[m]
+            x, inp = mb.input_ids, None
+            mask, pos, labels = mb.attention_mask, mb.position_ids, mb.labels
+        else:
+            assert self.peers.prev is not None
+            frame = self.peers.prev.recv("activation", step, m)
+            items = int(frame.meta["items"])
+            inp = frame.tensors["hidden"].requires_grad_(True)
+            x = inp
+            mask = frame.tensors["attention_mask"]
+            pos = frame.tensors["position_ids"]
+            labels = frame.tensors["labels"]
+        out = self.stage(x, mask, pos)
+        if self.last:
+            total = token_loss_sum(out, labels)
+            scaled = total / items
+            return scaled, inp, items, float(total.detach())
+        assert self.peers.next is not None
+        tensors = {
+            "hidden": out.detach(),
+            "attention_mask": mask,
+            "position_ids": pos,
+            "labels": labels,
+        }
+        frame = Frame("activation", step, m, tensors, {"items": items})
+        self.peers.next.send(frame, self.compression)
+        return out, inp, items, None
+
+    def _backward(self, step: int, m: int, out: torch.Tensor, inp: torch.Tensor | None) -> None:
+        if self.last:
+            out.backward()
+        else:
+            assert self.peers.next is not None
+            grad = self.peers.next.recv("gradient", step, m).tensors["grad"]
+            torch.autograd.backward(out, grad)
+        if not self.first:
+            assert self.peers.prev is not None and inp is not None
+            assert inp.grad is not None
+            self.peers.prev.send(Frame("gradient", step, m, {"grad": inp.grad}), self.compression)
+        if self.on_micro is not None:
+            self.on_micro()
+
+    # -- step end: global norm and tied weight ---------------------------------------
+
+    def _grads(self) -> list[tuple[str, torch.Tensor]]:
+        out = []
+        for name, param in self.trainable:
+            grad = param.grad if param.grad is not None else torch.zeros_like(param)
+            out.append((name, grad))
+        return out
+
+    def _finish(self, step: int) -> float:
+        grads = self._grads()
+        sharing = self.tied_name is not None and self.count > 1
+        own = [(n, g) for n, g in grads if n != self.tied_name] if sharing else grads
+        mine = next((g for n, g in grads if n == self.tied_name), None) if sharing else None
+        norms = (
+            torch.stack(torch._foreach_norm([g for _, g in own], 2.0)) if own else torch.zeros(0)
+        )
+        relay = mine  # stage 0's half of the shared gradient, travelling down
+        if not self.first:
+            assert self.peers.prev is not None
+            frame = self.peers.prev.recv("norms", step)
+            norms = torch.cat([frame.tensors["norms"], norms])
+            relay = frame.tensors.get("tied")
+        summed = None
+        if self.last:
+            if sharing:
+                assert mine is not None and relay is not None
+                summed = mine + relay
+                # Counted once, at the front: where the unsplit model lists the embedding.
+                norms = torch.cat([torch.linalg.vector_norm(summed, 2.0).reshape(1), norms])
+            total = torch.linalg.vector_norm(norms, 2.0)
+            up = mine  # the head's half, travelling up
+        else:
+            assert self.peers.next is not None
+            down = {"norms": norms}
+            if sharing and relay is not None:
+                down["tied"] = relay
+            self.peers.next.send(Frame("norms", step, -1, down), "none")
+            frame = self.peers.next.recv("step_end", step)
+            total = frame.tensors["total_norm"]
+            up = frame.tensors.get("tied")
+            if self.first and sharing:
+                assert mine is not None and up is not None
+                summed = mine + up
+        if not self.first:
+            assert self.peers.prev is not None
+            tensors = {"total_norm": total}
+            if sharing and up is not None:
+                tensors["tied"] = up
+            self.peers.prev.send(Frame("step_end", step, -1, tensors), "none")
+        if summed is not None:
+            self._param(self.tied_name).grad = summed
+        if self.max_grad_norm > 0:
+            params = [p for _, p in self.trainable]
+            torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, total)
+        return float(total)
+
+    def _param(self, name: str | None) -> nn.Parameter:
+        return next(p for n, p in self.trainable if n == name)
