@@ -41,7 +41,7 @@ build_kubernetes() {
   for cmd in "${cmds[@]}"; do
     (cd "$dir" && go build -trimpath -ldflags "$ld" -o "$out.tmp/$cmd" "k8s.io/kubernetes/cmd/$cmd") || return 1
   done
-  mv "$out.tmp" "$out"
+  mv -T "$out.tmp" "$out"
 }
 
 build_etcd() {
@@ -49,7 +49,7 @@ build_etcd() {
   wrapper_module "$dir" "go.etcd.io/etcd/server/v3@$ETCD_VERSION"
   (cd "$dir" && go get "go.etcd.io/etcd/server/v3@$ETCD_VERSION" \
      && go build -trimpath -ldflags "-s -w" -o "$out.tmp/etcd" go.etcd.io/etcd/server/v3) || return 1
-  mv "$out.tmp" "$out"
+  mv -T "$out.tmp" "$out"
 }
 
 build_kwok() {
@@ -59,7 +59,7 @@ build_kwok() {
   (cd "$dir" && go get "sigs.k8s.io/kwok/cmd/kwok@$KWOK_VERSION" "sigs.k8s.io/kwok/cmd/kwokctl@$KWOK_VERSION" \
      && go build -trimpath -ldflags "$ld" -o "$out.tmp/kwok" sigs.k8s.io/kwok/cmd/kwok \
      && go build -trimpath -ldflags "$ld" -o "$out.tmp/kwokctl" sigs.k8s.io/kwok/cmd/kwokctl) || return 1
-  mv "$out.tmp" "$out"
+  mv -T "$out.tmp" "$out"
 }
 
 build_minio() {
@@ -67,7 +67,7 @@ build_minio() {
   wrapper_module "$dir" "github.com/minio/minio@$MINIO_VERSION"
   (cd "$dir" && go get "github.com/minio/minio@$MINIO_VERSION" \
      && go build -trimpath -ldflags "-s -w" -o "$out.tmp/minio" github.com/minio/minio) || return 1
-  mv "$out.tmp" "$out"
+  mv -T "$out.tmp" "$out"
 }
 
 build_helm() {
@@ -75,10 +75,14 @@ build_helm() {
   wrapper_module "$dir" "helm.sh/helm/v3@$HELM_VERSION"
   (cd "$dir" && go get "helm.sh/helm/v3/cmd/helm@$HELM_VERSION" \
      && go build -trimpath -ldflags "-s -w -X helm.sh/helm/v3/internal/version.version=$HELM_VERSION" -o "$out.tmp/helm" helm.sh/helm/v3/cmd/helm) || return 1
-  mv "$out.tmp" "$out"
+  mv -T "$out.tmp" "$out"
 }
 
 only=${1:-all}
+# One build at a time per cache (two test runs may bootstrap at once); the loser of the
+# race finds the binaries cached when it gets the lock.
+exec 9>"$bin_root/.lock"
+flock 9
 for name in etcd kwok kubernetes minio helm; do
   [[ $only == all || $only == "$name" ]] || continue
   ver_var=$(echo "${name}_VERSION" | tr a-z A-Z)
