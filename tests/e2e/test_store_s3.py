@@ -1,0 +1,80 @@
+"""The S3 store and committed checkpoints against a real MinIO server."""
+
+from __future__ import annotations
+
+import os
+import secrets
+
+import pytest
+from relaytrain_worker import checkpoint as ckpt
+from relaytrain_worker.checkpoint import CorruptCheckpoint
+from relaytrain_worker.progress import Progress, read_progress, write_progress
+from relaytrain_worker.store import ObjectNotFound, S3Store, open_store
+
+from tests.fixtures.minio import MinioServer
+
+pytestmark = pytest.mark.e2e
+
+JOB = "default/smollm-lora"
+
+
+def _store(minio: MinioServer, bucket: str | None = None) -> S3Store:
+    prefix = "checkpoints-" + secrets.token_hex(4)  # every test starts from an empty prefix
+    store = open_store(
+        f"s3://{bucket or minio.bucket}/{prefix}",
+        endpoint=minio.url,
+        access_key=minio.access_key,
+        secret_key=minio.secret_key,
+    )
+    assert isinstance(store, S3Store)
+    return store
+
+
+def test_s3_store_put_get_list_delete_and_multipart(minio_server: MinioServer) -> None:
+    store = _store(minio_server)
+    big = os.urandom(12 << 20)  # above the client's 5 MiB part size: a multipart upload
+    store.put(f"{JOB}/step-1/stage-0/big.bin", big)
+    store.put(f"{JOB}/step-10/manifest.json", b"{}")
+    assert store.get(f"{JOB}/step-1/stage-0/big.bin") == big
+    assert store.exists(f"{JOB}/step-10/manifest.json")
+    assert not store.exists(f"{JOB}/step-2/manifest.json")
+    assert store.list(f"{JOB}/step-1/") == [f"{JOB}/step-1/stage-0/big.bin"]
+    assert store.list(f"{JOB}/step-1") == [
+        f"{JOB}/step-1/stage-0/big.bin",
+        f"{JOB}/step-10/manifest.json",
+    ]
+    store.delete(f"{JOB}/step-1/stage-0/big.bin")
+    store.delete(f"{JOB}/step-1/stage-0/big.bin")  # missing is fine
+    with pytest.raises(ObjectNotFound, match=r"big\.bin not found"):
+        store.get(f"{JOB}/step-1/stage-0/big.bin")
+    # The prefix isolates stores in one bucket.
+    assert _store(minio_server).list("") == []
+
+
+def test_s3_store_creates_a_missing_bucket(minio_server: MinioServer) -> None:
+    bucket = "rt-new-" + secrets.token_hex(4)
+    store = _store(minio_server, bucket)
+    store.put("a/b", b"hello")
+    assert minio_server.client().bucket_exists(bucket)
+    assert store.get("a/b") == b"hello"
+
+
+def test_checkpoints_commit_fall_back_and_prune_on_s3(minio_server: MinioServer) -> None:
+    store = _store(minio_server)
+    for step in (10, 20, 30):
+        for k in range(2):
+            ckpt.save_stage(store, JOB, step, k, {"adapter.safetensors": f"{step}/{k}".encode()})
+        assert not ckpt.try_commit(store, JOB, step, 3)
+        ckpt.save_stage(store, JOB, step, 2, {"adapter.safetensors": f"{step}/2".encode()})
+        assert ckpt.try_commit(store, JOB, step, 3)
+    store.put(f"{JOB}/step-30/stage-1/adapter.safetensors", b"bit rot")
+    with pytest.raises(CorruptCheckpoint, match=r"step-30/stage-1/adapter\.safetensors is corrupt"):
+        ckpt.load_stage(store, JOB, 30, 1)
+    assert ckpt.latest_committed(store, JOB, verify_files=True) == 20
+    assert ckpt.load_stage(store, JOB, 20, 1) == {"adapter.safetensors": b"20/1"}
+    assert ckpt.prune(store, JOB, keep=2) == [10]
+    assert ckpt.list_steps(store, JOB) == [20, 30]
+
+    write_progress(store, JOB, Progress(30, 100, 1.5, 99.0, 20))
+    progress = read_progress(store, JOB)
+    assert progress is not None and progress.last_committed_step == 20
