@@ -183,7 +183,7 @@ def build_stage_configs(
                 "model": spec.model.model_dump(mode="json"),
                 "dataset": spec.dataset.model_dump(mode="json"),
                 "method": spec.method.model_dump(mode="json"),
-                "training": spec.training.model_dump(mode="json"),
+                "training": _training(job),
                 "pipeline": {
                     "schedule": spec.pipeline.schedule,
                     "compression": spec.pipeline.compression,
@@ -202,3 +202,12 @@ def build_stage_configs(
             }
         )
     return documents
+
+
+def _training(job: FineTuneJob) -> dict[str, Any]:
+    # `epochs` travels only when the job counts epochs (then `steps` is null), so a
+    # steps-based document carries no field a worker might not know.
+    training = job.spec.training.model_dump(mode="json")
+    if training["epochs"] is None:
+        del training["epochs"]
+    return training
