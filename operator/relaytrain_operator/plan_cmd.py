@@ -28,6 +28,7 @@ from relaytrain_operator.planner import (
     Pool,
     PoolError,
     TrainingShape,
+    UnknownGpuError,
     plan,
     pools_from_file,
     pools_from_nodes,
@@ -191,6 +192,9 @@ def run(args: argparse.Namespace) -> int:
         result = plan(
             inputs.model, inputs.training, inputs.pools, inputs.catalog, stages=inputs.stages
         )
+    except UnknownGpuError as err:
+        print(f"relaytrain plan: error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     except PlanError as err:
         print(f"relaytrain plan: the job does not fit: {err}", file=sys.stderr)
         return EXIT_INFEASIBLE

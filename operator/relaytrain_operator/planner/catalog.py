@@ -24,12 +24,14 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from relaytrain_operator.planner.result import PlanError
+
 #: GFD appends this to the product when GPUs are time-sliced; the hardware is the same.
 _SHARED_SUFFIX = "-SHARED"
 
 
-class UnknownGpuError(ValueError):
-    """A GPU product label that the catalog does not know."""
+class UnknownGpuError(PlanError):
+    """A GPU product label that the catalog does not know (a PlanError: nothing to plan on)."""
 
 
 @dataclass(frozen=True)

@@ -81,7 +81,7 @@ def build_problem(
         try:
             gpu = catalog[pool.product]
         except UnknownGpuError as err:
-            raise PlanError(f"Pool {pool.name!r}: {err}") from err
+            raise UnknownGpuError(f"Pool {pool.name!r}: {err}") from err
         if not gpu.supports(training.dtype):
             notes.append(
                 f"Pool {pool.name!r} ({pool.product}) was left out: it has no native "
