@@ -71,13 +71,21 @@ def test_quantisation_error_is_small_relative_to_the_signal(mode: str) -> None:
 
 @pytest.mark.parametrize("mode", COMPRESSIONS)
 def test_integer_and_bool_tensors_travel_losslessly(mode: str) -> None:
-    labels = torch.tensor([[-100, 5, 32000, 2**40]], dtype=torch.int64)
-    mask = torch.tensor([[True, False, True, True]])
-    pos = torch.arange(17, dtype=torch.int32).reshape(1, 17)
-    for t in (labels, mask, pos):
+    labels = torch.tensor([[-100, 5, 49151, 7]], dtype=torch.int64)
+    huge = torch.tensor([[-100, 5, 2**40]], dtype=torch.int64)
+    mask = torch.tensor([[1, 0, 1, 1]], dtype=torch.int64)
+    bools = torch.tensor([[True, False, True, True]])
+    pos = torch.arange(300, dtype=torch.int32).reshape(1, 300)
+    for t in (labels, huge, mask, bools, pos):
         enc = encode(t, mode)
         assert enc.mode == "none"
-        assert torch.equal(decode(enc), t)
+        back = decode(enc)
+        assert torch.equal(back, t) and back.dtype == t.dtype
+    if mode != "none":  # narrowed on the wire: int32 labels, uint8 masks, int16 positions
+        assert encode(labels, mode).nbytes == 4 * 4
+        assert encode(mask, mode).nbytes == 4
+        assert encode(pos, mode).nbytes == 2 * 300
+        assert encode(huge, mode).nbytes == 8 * 3
 
 
 def test_wire_size_against_bf16_meets_the_targets() -> None:

@@ -108,8 +108,11 @@ def test_compressed_frames_shrink_on_the_wire_and_decode_close(listener: Listene
         sizes = {}
         for mode in ("bf16", "int8", "int4"):
             before = up.bytes_sent
-            up.send(Frame("activation", 0, 0, {"h": h}), mode)
-            got = down.recv(timeout=5).tensors["h"]
+            labels = torch.randint(-100, 49152, (4, 128))
+            up.send(Frame("activation", 0, 0, {"h": h, "labels": labels}), mode)
+            got_frame = down.recv(timeout=5)
+            assert torch.equal(got_frame.tensors["labels"], labels)
+            got = got_frame.tensors["h"]
             sizes[mode] = up.bytes_sent - before
             assert got.dtype == torch.float32 and got.shape == h.shape
             assert ((got - h).norm() / h.norm()).item() < {

@@ -142,6 +142,7 @@ class Link:
                 "name": name, "mode": enc.mode, "dtype": str(enc.dtype),
                 "shape": list(enc.shape), "data": _nbytes(enc.data),
                 "scales": None if enc.scales is None else _nbytes(enc.scales),
+                "wire": None if enc.wire_dtype is None else str(enc.wire_dtype),
             }  # fmt: skip
             layout.append(entry)
             parts.append(_bytes_view(enc.data))
@@ -182,9 +183,10 @@ class Link:
                     scales = None
                     if entry["scales"] is not None:
                         scales = self._recv_part(entry["scales"], torch.bfloat16)
+                    wire = entry.get("wire")
                     enc = EncodedTensor(
                         entry["mode"], _dtype(entry["dtype"]), tuple(entry["shape"]),
-                        data, scales,
+                        data, scales, None if wire is None else _dtype(wire),
                     )  # fmt: skip
                     tensors[entry["name"]] = decode(enc)
             except LinkBroken:
