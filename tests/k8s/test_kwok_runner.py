@@ -1,0 +1,91 @@
+"""The e2e harness that plays kubelet for kwok pods: runs, reports and kills real processes."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kubernetes import client
+
+from hack.kwok_runner import KwokProcessRunner
+
+pytestmark = pytest.mark.k8s
+
+
+def wait_for(what: str, probe: Callable[[], Any], timeout: float = 60.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if result := probe():
+            return result
+        time.sleep(0.3)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+def ns(kube_cluster: Any) -> Iterator[tuple[client.CoreV1Api, str]]:
+    core = client.CoreV1Api(kube_cluster.api_client())
+    name = f"runner-{uuid.uuid4().hex[:6]}"
+    core.create_namespace({"metadata": {"name": name}})
+    yield core, name
+    core.delete_namespace(name)
+
+
+def pod(name: str, code: str, env: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "metadata": {"name": name, "labels": {"relaytrain.io/job": "runner"}},
+        "spec": {
+            "hostname": name,
+            "subdomain": "runner",
+            "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
+            "restartPolicy": "Never",
+            "containers": [
+                {"name": "worker", "image": "x", "args": ["python", "-c", code], "env": env}
+            ],
+        },
+    }
+
+
+def test_runs_pod_as_process_and_posts_its_exit(kube_cluster: Any, ns: Any, tmp_path: Path) -> None:
+    core, namespace = ns
+    core.create_namespaced_secret(
+        namespace, {"metadata": {"name": "s"}, "stringData": {"token": "sekrit"}}
+    )
+    code = "import os,sys; print('token', os.environ['TOKEN'], os.environ['ME']); sys.exit(3)"
+    env = [
+        {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "s", "key": "token"}}},
+        {"name": "ME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+    ]
+    runner = KwokProcessRunner(kube_cluster.api_client(), tmp_path, namespace)
+    runner.start()
+    try:
+        core.create_namespaced_pod(namespace, pod("exits", code, env))
+
+        def failed() -> Any:
+            p = core.read_namespaced_pod("exits", namespace)
+            return p if p.status.phase == "Failed" else None
+
+        p = wait_for("the pod to be reported Failed", failed)
+        assert p.status.container_statuses[0].state.terminated.exit_code == 3
+        logs = list(tmp_path.glob(f"{namespace}/exits/*/container.log"))
+        assert logs and "token sekrit exits" in logs[0].read_text()
+    finally:
+        runner.stop()
+    assert not runner.errors
+
+
+def test_deleting_the_pod_kills_its_process(kube_cluster: Any, ns: Any, tmp_path: Path) -> None:
+    core, namespace = ns
+    runner = KwokProcessRunner(kube_cluster.api_client(), tmp_path, namespace)
+    runner.start()
+    try:
+        core.create_namespaced_pod(namespace, pod("sleeper", "import time; time.sleep(600)", []))
+        local = wait_for("the process to start", lambda: runner.local_pod(namespace, "sleeper"))
+        assert local.process.poll() is None
+        core.delete_namespaced_pod("sleeper", namespace, grace_period_seconds=0)
+        wait_for("the process to end", lambda: local.process.poll() is not None)
+    finally:
+        runner.stop()
