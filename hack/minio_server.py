@@ -1,0 +1,100 @@
+"""A real MinIO server on loopback, built from github.com/minio/minio by the bootstrap.
+
+Started with a data folder and generated credentials; used by the test session's
+`minio_server` fixture and by `make demo`.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import subprocess
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hack import toolpaths
+
+
+@dataclass
+class MinioServer:
+    endpoint: str  # host:port, no scheme
+    access_key: str
+    secret_key: str
+    bucket: str
+    data_dir: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.endpoint}"
+
+    def client(self) -> Any:
+        from minio import Minio
+
+        return Minio(
+            self.endpoint, access_key=self.access_key, secret_key=self.secret_key, secure=False
+        )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def start_minio(data_dir: Path, log_path: Path) -> tuple[subprocess.Popen[bytes], MinioServer]:
+    """Starts the server and waits until it answers its health check."""
+    port, console = _free_port(), _free_port()
+    access, secret = "rt" + secrets.token_hex(6), secrets.token_hex(20)
+    env = {
+        **os.environ,
+        "MINIO_ROOT_USER": access,
+        "MINIO_ROOT_PASSWORD": secret,
+        "MINIO_BROWSER": "off",
+        "MINIO_UPDATE": "off",
+    }
+    # The server keeps its own copy of the log's file descriptor; ours closes at once.
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            [
+                str(toolpaths.binary("minio")),
+                "server",
+                str(data_dir),
+                "--address",
+                f"127.0.0.1:{port}",
+                "--console-address",
+                f"127.0.0.1:{console}",
+                "--quiet",
+            ],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    server = MinioServer(f"127.0.0.1:{port}", access, secret, "relaytrain-test", data_dir)
+    deadline = time.monotonic() + 60
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"minio exited with {proc.returncode}; log: {log_path}")
+        try:
+            with urllib.request.urlopen(f"{server.url}/minio/health/live", timeout=2):
+                break
+        except OSError:
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise TimeoutError(
+                    f"minio did not become healthy in 60 s; log: {log_path}"
+                ) from None
+            time.sleep(0.2)
+    return proc, server
+
+
+def stop_minio(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
