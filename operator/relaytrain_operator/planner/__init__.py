@@ -10,7 +10,7 @@ Public API (stable; the operator and `relaytrain plan` call it)::
 See docs/planner.md for the cost model, the search and the ``status.plan`` shape.
 """
 
-from relaytrain_operator.planner.api import plan
+from relaytrain_operator.planner.api import assess, plan
 from relaytrain_operator.planner.catalog import (
     BUILTIN_GPUS,
     DEFAULT_CATALOG,
@@ -40,6 +40,7 @@ __all__ = [
     "StagePlan",
     "TrainingShape",
     "UnknownGpuError",
+    "assess",
     "plan",
     "pools_from_file",
     "pools_from_nodes",

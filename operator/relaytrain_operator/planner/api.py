@@ -11,7 +11,7 @@ from relaytrain_operator.planner.diagnose import infeasible_error
 from relaytrain_operator.planner.model_shape import ModelShape
 from relaytrain_operator.planner.pools import Pool
 from relaytrain_operator.planner.problem import Problem, build_problem, solve
-from relaytrain_operator.planner.result import Bottleneck, Plan, StagePlan
+from relaytrain_operator.planner.result import Bottleneck, Plan, PlanError, StagePlan
 from relaytrain_operator.planner.search import DEFAULT_EXHAUSTIVE_LIMIT, Candidate
 from relaytrain_operator.planner.training import TrainingShape
 
@@ -38,6 +38,42 @@ def plan(
     if best.deficit:
         raise infeasible_error(problem, best, catalog, settings)
     return _to_plan(problem, best, search, evaluated)
+
+
+def assess(
+    model: ModelShape,
+    training: TrainingShape,
+    pools: Sequence[Pool],
+    stages: Sequence[tuple[str, int]],
+    catalog: Catalog | None = None,
+    *,
+    settings: CostSettings | None = None,
+) -> Plan:
+    """Predict a given split: ``stages`` is ``[(pool name, decoder layers), ...]`` in order.
+
+    For comparing with other splits (benchmarks) and with measured runs. Memory is not
+    enforced: check ``Plan.fits``.
+    """
+    problem = build_problem(model, training, pools, catalog, settings)
+    index = {cost.pool.name: i for i, cost in enumerate(problem.costs)}
+    unknown = sorted({name for name, _ in stages} - set(index))
+    if unknown:
+        raise PlanError(f"Split names pools that are not usable here: {', '.join(unknown)}.")
+    names = [name for name, _ in stages]
+    over = sorted(c.pool.name for c in problem.costs if names.count(c.pool.name) > c.pool.gpus)
+    if over:
+        raise PlanError(f"Split uses more GPUs than these pools have: {', '.join(over)}.")
+    counts = tuple(n for _, n in stages)
+    if min(counts, default=0) < 1 or sum(counts) != model.num_layers:
+        raise PlanError(
+            f"Split must give every stage at least one layer and {model.num_layers} in all, "
+            f"got {list(counts)}."
+        )
+    seq = tuple(index[name] for name, _ in stages)
+    terms = problem.evaluator(ignore_memory=True).stage_terms(seq)
+    seconds = tuple(a * n + c for (a, c, _), n in zip(terms, counts, strict=True))
+    candidate = Candidate(seq, 0, counts, seconds, training.micro_batches)
+    return _to_plan(problem, candidate, "fixed", 1)
 
 
 def _to_plan(problem: Problem, best: Candidate, search: str, evaluated: int) -> Plan:

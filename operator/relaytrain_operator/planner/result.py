@@ -84,6 +84,11 @@ class Plan:
     """Things the user should know (pools left out, and why)."""
 
     @property
+    def fits(self) -> bool:
+        """Whether every stage fits its GPU's memory (always true for planned results)."""
+        return all(s.memory_bytes <= s.memory_available_bytes for s in self.stages)
+
+    @property
     def micro_batch_seconds(self) -> float:
         """Time of the slowest stage per micro-batch: the pipeline's beat."""
         return max(s.seconds for s in self.stages)
