@@ -1,0 +1,238 @@
+"""`make demo`: a real fine-tune on the local cluster, with one stage killed on the way.
+
+1. starts the local cluster (real control plane, kwok GPU pools) and a MinIO server;
+2. uploads SmolLM2-135M-Instruct and a small data set to MinIO;
+3. installs the CRD, starts the operator (`python -m relaytrain_operator`) and the kwok
+   process runner, which runs each stage pod's container as a real local process;
+4. applies examples/demo/finetunejob-demo.yaml and follows its status;
+5. kills one stage's process mid-run (as a GPU dying would), and shows the operator
+   replacing that pod alone while the other stages keep their processes;
+6. prints where the adapter went, and stops everything it started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from hack import demo_data, toolpaths  # noqa: E402
+from hack.kwok_runner import KwokProcessRunner  # noqa: E402
+from hack.minio_server import start_minio, stop_minio  # noqa: E402
+
+GROUP, VERSION, PLURAL = "relaytrain.io", "v1alpha1", "finetunejobs"
+
+
+def say(msg: str) -> None:
+    print(f"[demo] {msg}", flush=True)
+
+
+def upload_dir(mc: Any, bucket: str, prefix: str, folder: Path) -> int:
+    count = 0
+    for path in sorted(folder.rglob("*")):
+        if path.is_file():
+            mc.fput_object(bucket, f"{prefix}{path.relative_to(folder)}", str(path))
+            count += 1
+    return count
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--kill-stage", type=int, default=1, help="-1 kills none")
+    parser.add_argument("--kill-at-step", type=int, default=12)
+    parser.add_argument("--timeout", type=float, default=1500)
+    parser.add_argument("--keep", action="store_true", help="leave cluster and MinIO running")
+    args = parser.parse_args()
+
+    cache = toolpaths.cache_dir()
+    model_dir = cache / "models" / "smollm2-135m-instruct"
+    if not (model_dir / "config.json").exists():
+        say(f"{model_dir} is missing: run `make deps` first")
+        return 1
+    workdir = cache / "demo" / time.strftime("%Y%m%d-%H%M%S")
+    workdir.mkdir(parents=True)
+    say(f"Working folder: {workdir}")
+    stack: list[Any] = []
+    try:
+        return run(args, model_dir, workdir, stack)
+    finally:
+        if not args.keep:
+            for undo in reversed(stack):
+                undo()
+            say("Stopped the operator, the stage processes, MinIO and the cluster.")
+
+
+def run(args: argparse.Namespace, model_dir: Path, workdir: Path, stack: list[Any]) -> int:
+    from kubernetes import client, config
+
+    env = {**os.environ, "RELAYTRAIN_CLUSTER": "relaytrain-demo", "KWOK_WORKDIR": str(workdir)}
+    t0 = time.monotonic()
+    up = subprocess.run(
+        ["bash", str(REPO / "hack" / "cluster.sh"), "up"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if up.returncode != 0:
+        say(f"cluster start failed:\n{up.stderr}")
+        return 1
+    stack.append(
+        lambda: subprocess.run(
+            ["bash", str(REPO / "hack" / "cluster.sh"), "down"],
+            env=env,
+            capture_output=True,
+            check=False,
+        )
+    )
+    kubeconfig = up.stdout.strip().splitlines()[-1]
+    say(f"Cluster up in {time.monotonic() - t0:.0f}s; KUBECONFIG={kubeconfig}")
+    api = config.new_client_from_config(kubeconfig)
+    core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
+
+    (workdir / "minio").mkdir()
+    minio_proc, minio = start_minio(workdir / "minio", workdir / "minio.log")
+    stack.append(lambda: stop_minio(minio_proc))
+    mc = minio.client()
+    mc.make_bucket("relaytrain")
+    n = upload_dir(mc, "relaytrain", "models/smollm2-135m-instruct/", model_dir)
+    data = demo_data.write(workdir / "reverse-words.jsonl")
+    mc.fput_object("relaytrain", "datasets/reverse-words.jsonl", str(data))
+    say(f"MinIO at {minio.url}: uploaded the model ({n} files) and the data set")
+
+    kubectl = [str(toolpaths.binary("kubectl")), "--kubeconfig", kubeconfig]
+    subprocess.run([*kubectl, "apply", "-f", str(REPO / "crds")], check=True, capture_output=True)
+    subprocess.run(
+        [*kubectl, "wait", "--for=condition=Established", "crd/finetunejobs.relaytrain.io"],
+        check=True,
+        capture_output=True,
+    )
+    job = yaml.safe_load((REPO / "examples" / "demo" / "finetunejob-demo.yaml").read_text())
+    ns, name = job["metadata"]["namespace"], job["metadata"]["name"]
+    job["spec"]["checkpoint"]["endpoint"] = minio.url
+    job["spec"]["training"]["steps"] = args.steps
+    core.create_namespace({"metadata": {"name": ns}})
+    core.create_namespaced_secret(
+        ns,
+        {
+            "metadata": {"name": "s3-credentials"},
+            "stringData": {
+                "AWS_ACCESS_KEY_ID": minio.access_key,
+                "AWS_SECRET_ACCESS_KEY": minio.secret_key,
+            },
+        },
+    )
+
+    op_log = (workdir / "operator.log").open("wb")
+    operator = subprocess.Popen(
+        [sys.executable, "-m", "relaytrain_operator"],
+        env={**os.environ, "KUBECONFIG": kubeconfig, "PYTHONUNBUFFERED": "1"},
+        stdout=op_log,
+        stderr=subprocess.STDOUT,
+        cwd=REPO,
+    )
+    stack.append(lambda: (operator.terminate(), operator.wait(30), op_log.close()))
+    runner = KwokProcessRunner(api, workdir / "pods", ns)
+    runner.start()
+    stack.append(runner.stop)
+    say(f"Operator started (log: {workdir / 'operator.log'}); stage pods run as local processes")
+
+    custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, job)
+    say(f"Applied FineTuneJob {ns}/{name}: {args.steps} steps, 3 stages, int8 links")
+    return follow(args, custom, core, runner, ns, name, workdir, mc)
+
+
+def follow(
+    args: argparse.Namespace,
+    custom: Any,
+    core: Any,
+    runner: KwokProcessRunner,
+    ns: str,
+    name: str,
+    workdir: Path,
+    mc: Any,
+) -> int:
+    deadline = time.monotonic() + args.timeout
+    last_line, killed_at, first_loss = "", None, None
+    survivors: dict[str, tuple[str, int]] = {}
+    resumed_after: float | None = None
+    kill_step = None
+    while time.monotonic() < deadline:
+        obj = custom.get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name)
+        status = obj.get("status") or {}
+        phase = status.get("phase", "Pending")
+        prog = status.get("progress") or {}
+        step, loss = prog.get("step"), prog.get("loss")
+        if loss is not None and first_loss is None:
+            first_loss = loss
+        line = (
+            f"phase={phase} step={step}/{prog.get('totalSteps')} loss={loss} "
+            f"tokens/s={prog.get('tokensPerSecond')} "
+            f"checkpoint={prog.get('lastCommittedStep')}"
+        )
+        if line != last_line:
+            say(line)
+            last_line = line
+        if (
+            killed_at is not None
+            and resumed_after is None
+            and step is not None
+            and kill_step is not None
+            and step > kill_step
+        ):
+            resumed_after = time.monotonic() - killed_at
+            say(f"Training resumed {resumed_after:.1f}s after the stage died")
+        if (
+            args.kill_stage >= 0
+            and killed_at is None
+            and step is not None
+            and step >= args.kill_at_step
+        ):
+            victim = f"{name}-stage-{args.kill_stage}"
+            local = runner.local_pod(ns, victim)
+            if local is not None:
+                for pod in core.list_namespaced_pod(ns, label_selector="relaytrain.io/job").items:
+                    lp = runner.local_pod(ns, pod.metadata.name)
+                    if pod.metadata.name != victim and lp:
+                        survivors[pod.metadata.name] = (pod.metadata.uid, lp.process.pid)
+                os.kill(local.process.pid, signal.SIGKILL)
+                killed_at, kill_step = time.monotonic(), step
+                say(f"Killed stage {args.kill_stage} (pid {local.process.pid}) at step {step}")
+        if phase in ("Succeeded", "Failed"):
+            break
+        time.sleep(1)
+    else:
+        say("Timed out waiting for the job")
+        return 1
+
+    say(f"Job {phase}: {json.dumps(status.get('conditions', []))[:400]}")
+    for pname, (uid, pid) in survivors.items():
+        say(f"  survivor {pname}: uid {uid[:8]} pid {pid} (unchanged through the recovery)")
+    for st in status.get("stages", []):
+        say(
+            f"  stage {st.get('index')}: restarts={st.get('restarts')} "
+            f"restoredFrom={st.get('restoredFromStep')}"
+        )
+    if phase != "Succeeded":
+        say(f"See {workdir} for the operator's and each stage's log")
+        return 1
+    out = status.get("output") or {}
+    say(f"Adapter: {out}")
+    say(f"Loss: first reported {first_loss}, last {loss}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
