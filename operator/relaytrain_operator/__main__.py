@@ -16,6 +16,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     options.use(opts)
     kopf.configure(log_format=kopf.LogFormat.PLAIN, verbose=False)
     logging.getLogger("kubernetes").setLevel(logging.WARNING)
+    # kopf logs every handler run at INFO; ours log what they change.
+    logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     # Registers the handlers; imported after the options are set (the timer reads them).
     import relaytrain_operator.handlers  # noqa: F401
 

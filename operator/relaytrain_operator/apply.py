@@ -93,6 +93,9 @@ class ClusterApi:
         except ApiException as exc:
             if exc.status == 409:
                 return False
+            if exc.status == 403 and "NamespaceTerminating" in str(exc.body):
+                # The namespace (and the job with it) is going away: nothing to create.
+                return False
             raise
         logger.info("Created %s %s/%s.", kind, namespace, obj["metadata"]["name"])
         return True

@@ -2,10 +2,10 @@
 
 The planner works on pools; this module chooses which nodes count (ready, carrying the
 job's GPU label and extra node selector, in its allowed pools), takes away the GPUs
-other pods hold (`pools.free_nodes`), calls the planner, and writes the result in the
-shape the CRD declares for status.plan. The plan is made once, when the job starts;
-afterwards status.plan is the record every replacement pod is built from, so a stage
-keeps its layers whatever happens to the cluster meanwhile.
+other pods hold (`pools.free_nodes`), calls the planner, and returns its result as
+status.plan (`Plan.to_status()`, the shape the CRD declares). The plan is made once,
+when the job starts; afterwards status.plan is the record every replacement pod is built
+from, so a stage keeps its layers whatever happens to the cluster meanwhile.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from typing import Any
 from relaytrain_operator.planner import (
     Catalog,
     ModelShape,
-    Plan,
     PlanError,
     PoolError,
     TrainingShape,
@@ -28,7 +27,7 @@ from relaytrain_operator.spec import FineTuneJob
 
 JsonDict = dict[str, Any]
 
-__all__ = ["PlanError", "make_plan", "plan_status", "training_shape"]
+__all__ = ["PlanError", "eligible_nodes", "make_plan", "training_shape"]
 
 
 def training_shape(job: FineTuneJob) -> TrainingShape:
@@ -44,34 +43,6 @@ def training_shape(job: FineTuneJob) -> TrainingShape:
         compression=spec.pipeline.compression,
         dtype=spec.model.dtype,
     )
-
-
-def plan_status(result: Plan) -> JsonDict:
-    """`result` as status.plan (the CRD's PlanStatus: camelCase, per-stage step time and
-    memory, throughput, bubble and bottleneck)."""
-    step = result.micro_batches
-    return {
-        "stages": [
-            {
-                "index": s.index,
-                "pool": s.pool,
-                "layerStart": s.layer_start,
-                "layerEnd": s.layer_end,
-                "predictedStepSeconds": _round(s.seconds * step),
-                "predictedMemoryBytes": s.memory_bytes,
-                "availableMemoryBytes": s.memory_available_bytes,
-            }
-            for s in result.stages
-        ],
-        "predictedStepSeconds": _round(result.step_seconds),
-        "predictedTokensPerSecond": _round(result.tokens_per_second),
-        "bubbleFraction": _round(result.bubble_fraction),
-        "bottleneck": {"stage": result.bottleneck.stage, "resource": result.bottleneck.resource},
-    }
-
-
-def _round(value: float) -> float:
-    return float(f"{value:.4g}")
 
 
 def eligible_nodes(job: FineTuneJob, nodes: Iterable[JsonDict]) -> list[JsonDict]:
@@ -134,4 +105,4 @@ def make_plan(
         catalog=catalog,
         stages=None if stages == "auto" else stages,
     )
-    return plan_status(result)
+    return result.to_status()

@@ -32,7 +32,7 @@ from relaytrain_operator.nodecache import NodeSnapshot
 from relaytrain_operator.objectstore import StoreAccess, StoreError, read_json
 from relaytrain_operator.options import OperatorOptions
 from relaytrain_operator.planner import Catalog
-from relaytrain_operator.planning import PlanError, make_plan
+from relaytrain_operator.planning import PlanError, make_plan, training_shape
 from relaytrain_operator.pools import choose_pool, free_nodes, pool_rooms, pool_selector
 from relaytrain_operator.progress import read_progress
 from relaytrain_operator.recovery import (
@@ -191,7 +191,10 @@ class _Pass:
     def execute(self) -> None:
         try:
             parsed = parse_job(self.job)
-        except SpecError as err:
+            # Valid for the API server, but not something the planner and worker can run
+            # (e.g. a LoRA target that is no linear layer of a Llama-family model).
+            training_shape(parsed)
+        except (SpecError, ValueError) as err:
             self.settle(Verdict("Failed", False, False, "InvalidSpec", str(err)))
             return
         if is_terminal(self.old):
@@ -361,7 +364,9 @@ class _Pass:
         configs = build_stage_configs(
             job, plan, pod_endpoints(self.name, self.namespace, len(plan["stages"]))
         )
-        nodes = self.owner.nodes.all()
+        # A replacement looks at the nodes as they are now (one may just have joined).
+        replacing = any(int(entries[k].get("restarts", 0)) for k in due)
+        nodes = self.owner.nodes.refresh() if replacing else self.owner.nodes.all()
         label = job.spec.placement.gpu_label
         rooms = None
         for k in due:

@@ -1,0 +1,674 @@
+"""The operator against the real control plane with kwok GPU pools.
+
+One operator process per module, started as users start it (`python -m
+relaytrain_operator`), watching only namespaces named `rtop-*` so other tests' objects are
+not its business. Each test works in its own namespace. kwok marks pods Running on its
+nodes; a test "fails" a stage pod by setting its status phase to Failed (what a kubelet
+reports for a crashed container with restartPolicy Never), deletes it, or deletes its node.
+
+RBAC: the operator runs with the cluster's admin kubeconfig here; the chart's
+least-privilege ServiceAccount is exercised by the chart tests (tests/k8s/test_chart*.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kubernetes import client
+from kubernetes.client.rest import ApiException
+
+from hack import kwok_nodes
+
+pytestmark = pytest.mark.k8s
+
+REPO = Path(__file__).resolve().parents[2]
+GROUP, VERSION, PLURAL = "relaytrain.io", "v1alpha1", "finetunejobs"
+JOB_LABEL = "relaytrain.io/job"
+# SmolLM2-135M's shape: 30 decoder layers, small enough for any pool.
+MODEL_CONFIG = {
+    "model_type": "llama",
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "vocab_size": 49152,
+    "tie_word_embeddings": True,
+    "max_position_embeddings": 8192,
+}
+
+
+def wait_for(what: str, probe: Callable[[], Any], timeout: float = 30.0) -> Any:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = probe()
+        if last:
+            return last
+        time.sleep(0.25)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; last: {last!r}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class OperatorProcess:
+    """`python -m relaytrain_operator` as a child process."""
+
+    def __init__(self, kubeconfig: Path, log: Path) -> None:
+        self.kubeconfig = kubeconfig
+        self.log = log
+        self.metrics_port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        env = {
+            **os.environ,
+            "KUBECONFIG": str(self.kubeconfig),
+            "PYTHONPATH": os.pathsep.join([str(REPO / "operator"), str(REPO)]),
+        }
+        args = [
+            sys.executable,
+            "-m",
+            "relaytrain_operator",
+            "--namespace",
+            "rtop-*",
+            "--metrics-port",
+            str(self.metrics_port),
+            "--resync-seconds",
+            "1",
+        ]
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT)
+        wait_for("the operator's metrics endpoint", self._metrics_up, timeout=30)
+
+    def _metrics_up(self) -> bool:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise AssertionError(f"the operator exited ({self.proc.returncode}):\n{self.tail()}")
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=1)
+        except OSError:
+            return False
+        return True
+
+    def kill(self) -> None:
+        """SIGKILL: no chance to clean up, as when a node dies under the operator."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics") as r:
+            return str(r.read().decode())
+
+    def tail(self, lines: int = 60) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+
+@pytest.fixture(scope="module")
+def api(kube_cluster: Any) -> client.ApiClient:
+    return kube_cluster.api_client()
+
+
+@pytest.fixture(scope="module")
+def crd(kube_cluster: Any, api: client.ApiClient) -> None:
+    kube_cluster.kubectl("apply", "--server-side", "-f", str(REPO / "crds"))
+    ext = client.ApiextensionsV1Api(api)
+
+    def established() -> bool:
+        crd = ext.read_custom_resource_definition(f"{PLURAL}.{GROUP}")
+        return any(
+            c.type == "Established" and c.status == "True" for c in crd.status.conditions or []
+        )
+
+    wait_for("the FineTuneJob CRD", established)
+
+
+@pytest.fixture(scope="module")
+def operator(
+    kube_cluster: Any, crd: None, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[OperatorProcess]:
+    log = tmp_path_factory.mktemp("operator") / "operator.log"
+    proc = OperatorProcess(kube_cluster.kubeconfig, log)
+    proc.start()
+    yield proc
+    proc.stop()
+    print(f"\nOperator log ({log}):\n{proc.tail(40)}")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("model")
+    (path / "config.json").write_text(json.dumps(MODEL_CONFIG))
+    return path
+
+
+@pytest.fixture
+def ns(api: client.ApiClient) -> Iterator[str]:
+    core = client.CoreV1Api(api)
+    name = f"rtop-{uuid.uuid4().hex[:6]}"
+    core.create_namespace({"metadata": {"name": name}})
+    yield name
+    core.delete_namespace(name)
+    # Stage pods hold GPUs until they are gone; the next test plans on what is free.
+    wait_for(f"the pods of {name} to go", lambda: not core.list_namespaced_pod(name).items)
+
+
+def job_manifest(name: str, model_path: Path | str, **spec: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {
+        "model": {"uri": str(model_path), "dtype": "bfloat16"},
+        "dataset": {"uri": "s3://data/train.jsonl", "sequenceLength": 256},
+        "training": {"steps": 100, "microBatchSize": 1, "microBatches": 8},
+        "pipeline": {"stages": 3},
+        "checkpoint": {"uri": "/var/tmp/relaytrain-checkpoints"},
+        "failurePolicy": {"maxStageRestarts": 3, "backoffSeconds": 0},
+    }
+    for key, value in spec.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            base[key] = {**base[key], **value}
+        else:
+            base[key] = value
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "FineTuneJob",
+        "metadata": {"name": name},
+        "spec": base,
+    }
+
+
+class Cluster:
+    """Short reads and writes the tests repeat."""
+
+    def __init__(self, api: client.ApiClient, ns: str) -> None:
+        self.ns = ns
+        self.core = client.CoreV1Api(api)
+        self.custom = client.CustomObjectsApi(api)
+
+    def create_job(self, manifest: dict[str, Any]) -> dict[str, Any]:
+        result: dict[str, Any] = self.custom.create_namespaced_custom_object(
+            GROUP, VERSION, self.ns, PLURAL, manifest
+        )
+        return result
+
+    def job(self, name: str) -> dict[str, Any]:
+        result: dict[str, Any] = self.custom.get_namespaced_custom_object(
+            GROUP, VERSION, self.ns, PLURAL, name
+        )
+        return result
+
+    def patch_spec(self, name: str, spec: dict[str, Any]) -> None:
+        self.custom.patch_namespaced_custom_object(
+            GROUP, VERSION, self.ns, PLURAL, name, {"spec": spec}
+        )
+
+    def status(self, name: str) -> dict[str, Any]:
+        return dict(self.job(name).get("status") or {})
+
+    def condition(self, name: str, kind: str = "Ready") -> dict[str, Any]:
+        for c in self.status(name).get("conditions") or []:
+            if c["type"] == kind:
+                return dict(c)
+        return {}
+
+    def pods(self, job: str) -> dict[str, client.V1Pod]:
+        items = self.core.list_namespaced_pod(self.ns, label_selector=f"{JOB_LABEL}={job}").items
+        return {p.metadata.name: p for p in items}
+
+    def uids(self, job: str) -> dict[str, str]:
+        return {name: p.metadata.uid for name, p in self.pods(job).items()}
+
+    def running(self, job: str, count: int) -> dict[str, client.V1Pod] | None:
+        pods = self.pods(job)
+        live = {
+            n: p
+            for n, p in pods.items()
+            if p.status.phase == "Running" and not p.metadata.deletion_timestamp
+        }
+        return live if len(live) == count and len(pods) == count else None
+
+    def fail_pod(self, name: str, reason: str = "Error") -> None:
+        self.core.patch_namespaced_pod_status(
+            name, self.ns, {"status": {"phase": "Failed", "reason": reason}}
+        )
+
+    def events(self, job: str, reason: str) -> list[client.CoreV1Event]:
+        items = self.core.list_namespaced_event(
+            self.ns, field_selector=f"involvedObject.name={job},reason={reason}"
+        ).items
+        return list(items)
+
+
+@pytest.fixture
+def kube(api: client.ApiClient, ns: str, operator: OperatorProcess) -> Cluster:
+    return Cluster(api, ns)
+
+
+def test_three_stage_job_runs_on_its_planned_pools(kube: Cluster, model_dir: Path) -> None:
+    from relaytrain_worker.config import StageConfig
+
+    kube.create_job(job_manifest("llm", model_dir))
+    pods = wait_for("3 running stage pods", lambda: kube.running("llm", 3))
+    status = wait_for(
+        "phase Running", lambda: (s := kube.status("llm")).get("phase") == "Running" and s
+    )
+    plan = status["plan"]["stages"]
+    assert [s["index"] for s in plan] == [0, 1, 2]
+    assert plan[0]["layerStart"] == 0 and plan[-1]["layerEnd"] == 30
+    assert kube.condition("llm")["status"] == "True"
+    assert status["observedGeneration"] == kube.job("llm")["metadata"]["generation"]
+
+    for stage in plan:
+        k = stage["index"]
+        pod = pods[f"llm-stage-{k}"]
+        node = kube.core.read_node(pod.spec.node_name)
+        # Pinned to the pool its plan names, and it landed there.
+        assert pod.spec.node_selector["relaytrain.io/pool"] == stage["pool"]
+        assert node.metadata.labels["relaytrain.io/pool"] == stage["pool"]
+        assert pod.spec.hostname == f"llm-stage-{k}" and pod.spec.subdomain == "llm"
+        assert pod.spec.restart_policy == "Never"
+        assert pod.spec.automount_service_account_token is False
+        container = pod.spec.containers[0]
+        assert container.resources.requests["nvidia.com/gpu"] == "1"
+        assert "memory" in container.resources.requests
+        assert container.security_context.read_only_root_filesystem is True
+        assert container.security_context.run_as_non_root is True
+        assert container.security_context.capabilities.drop == ["ALL"]
+        assert pod.metadata.owner_references[0].kind == "FineTuneJob"
+        env = {e.name: e for e in container.env}
+        assert env["RELAYTRAIN_LINK_SECRET"].value_from.secret_key_ref.name == "llm-link"
+        # The worker parses what the operator wrote, with this stage's layers.
+        config = StageConfig.from_json(env["RELAYTRAIN_STAGE_CONFIG"].value)
+        assert (config.stage.index, config.stage.layerStart, config.stage.layerEnd) == (
+            k,
+            stage["layerStart"],
+            stage["layerEnd"],
+        )
+        if k < 2:
+            assert config.links.next == f"llm-stage-{k + 1}.llm.{kube.ns}.svc:29500"
+
+    service = kube.core.read_namespaced_service("llm", kube.ns)
+    assert service.spec.cluster_ip == "None"
+    assert service.spec.selector == {JOB_LABEL: "llm"}
+    assert service.spec.publish_not_ready_addresses is True
+    secret = kube.core.read_namespaced_secret("llm-link", kube.ns)
+    assert len(secret.data["secret"]) >= 32
+    assert kube.events("llm", "Planned")
+
+
+def test_a_failed_or_deleted_stage_is_replaced_alone(kube: Cluster, model_dir: Path) -> None:
+    kube.create_job(job_manifest("rep", model_dir))
+    wait_for("3 running stage pods", lambda: kube.running("rep", 3))
+    before = kube.uids("rep")
+
+    kube.fail_pod("rep-stage-1")
+    after = wait_for(
+        "stage 1 replaced",
+        lambda: (
+            (u := kube.uids("rep")).get("rep-stage-1") not in (None, before["rep-stage-1"])
+            and kube.running("rep", 3)
+            and u
+        ),
+    )
+    assert after["rep-stage-0"] == before["rep-stage-0"]
+    assert after["rep-stage-2"] == before["rep-stage-2"]
+
+    kube.core.delete_namespaced_pod("rep-stage-2", kube.ns)
+    final = wait_for(
+        "stage 2 replaced",
+        lambda: (
+            (u := kube.uids("rep")).get("rep-stage-2") not in (None, after["rep-stage-2"])
+            and kube.running("rep", 3)
+            and u
+        ),
+    )
+    assert final["rep-stage-0"] == before["rep-stage-0"]
+    assert final["rep-stage-1"] == after["rep-stage-1"]
+
+    status = wait_for(
+        "Running again", lambda: (s := kube.status("rep"))["phase"] == "Running" and s
+    )
+    assert [s["restarts"] for s in status["stages"]] == [0, 1, 1]
+    assert status["restarts"] == 2
+    assert [s.get("lastFailure") for s in status["stages"]] == [None, "Error", "Deleted"]
+    assert len(kube.events("rep", "StageRestarting")) == 2
+
+
+def test_repeated_failures_fail_the_job_exactly_at_the_policy(
+    kube: Cluster, model_dir: Path
+) -> None:
+    kube.create_job(job_manifest("flaky", model_dir, failurePolicy={"maxStageRestarts": 2}))
+    wait_for("3 running stage pods", lambda: kube.running("flaky", 3))
+    for restart in (1, 2):
+        uid = kube.uids("flaky")["flaky-stage-0"]
+        kube.fail_pod("flaky-stage-0")
+        wait_for(
+            f"replacement {restart}",
+            lambda uid=uid: kube.running("flaky", 3) and kube.uids("flaky")["flaky-stage-0"] != uid,
+        )
+        status = kube.status("flaky")
+        assert status["phase"] != "Failed"
+        assert status["stages"][0]["restarts"] == restart
+    kube.fail_pod("flaky-stage-0")
+    wait_for("phase Failed", lambda: kube.status("flaky").get("phase") == "Failed")
+    ready = kube.condition("flaky")
+    assert (ready["status"], ready["reason"]) == ("False", "BackoffLimitExceeded")
+    assert "maxStageRestarts is 2" in ready["message"]
+    wait_for("the stage pods removed", lambda: not kube.pods("flaky"))
+    assert kube.events("flaky", "BackoffLimitExceeded")
+    time.sleep(2)  # several periodic checks later: a Failed job stays failed, with no pods
+    assert kube.status("flaky")["phase"] == "Failed" and not kube.pods("flaky")
+
+
+def test_an_unschedulable_job_gets_a_condition_and_no_pods(kube: Cluster, model_dir: Path) -> None:
+    # The local fleet has two V100s; a three-stage job limited to them cannot fit.
+    kube.create_job(
+        job_manifest("big", model_dir, placement={"pools": ["v100"]}, model={"dtype": "float16"})
+    )
+    ready = wait_for(
+        "Unschedulable", lambda: (c := kube.condition("big")).get("reason") == "Unschedulable" and c
+    )
+    assert ready["status"] == "False"
+    assert "3" in ready["message"] and "GPU" in ready["message"]
+    assert kube.events("big", "Unschedulable")
+    time.sleep(2)
+    assert not kube.pods("big")
+    assert kube.status("big")["phase"] == "Pending"
+
+
+def test_suspend_removes_pods_and_resume_brings_them_back(kube: Cluster, model_dir: Path) -> None:
+    kube.create_job(job_manifest("sus", model_dir))
+    wait_for("3 running stage pods", lambda: kube.running("sus", 3))
+    plan = kube.status("sus")["plan"]
+
+    kube.patch_spec("sus", {"suspend": True})
+    wait_for("pods removed", lambda: not kube.pods("sus"))
+    wait_for("phase Suspended", lambda: kube.status("sus").get("phase") == "Suspended")
+    assert kube.condition("sus", "Progressing")["status"] == "False"
+
+    kube.patch_spec("sus", {"suspend": False})
+    wait_for("3 running stage pods", lambda: kube.running("sus", 3))
+    status = wait_for("Running", lambda: (s := kube.status("sus"))["phase"] == "Running" and s)
+    # Resumed on the same plan (same layers), and a suspension is no failure.
+    assert status["plan"] == plan
+    assert status["restarts"] == 0
+
+
+def test_deleting_the_job_removes_everything_it_owns(kube: Cluster, model_dir: Path) -> None:
+    kube.create_job(job_manifest("gone", model_dir))
+    wait_for("3 running stage pods", lambda: kube.running("gone", 3))
+    kube.custom.delete_namespaced_custom_object(GROUP, VERSION, kube.ns, PLURAL, "gone")
+
+    def all_gone() -> bool:
+        services = kube.core.list_namespaced_service(kube.ns).items
+        secrets = [
+            s
+            for s in kube.core.list_namespaced_secret(kube.ns).items
+            if s.metadata.name == "gone-link"
+        ]
+        jobs = kube.custom.list_namespaced_custom_object(GROUP, VERSION, kube.ns, PLURAL)
+        return not (kube.pods("gone") or services or secrets or jobs["items"])
+
+    wait_for("the job and its children gone", all_gone, timeout=60)
+
+
+def test_a_lost_node_moves_its_stage_to_a_pool_with_room(
+    kube: Cluster, model_dir: Path, api: client.ApiClient
+) -> None:
+    tag = kube.ns
+    lost = {
+        "name": f"{tag}-a",
+        "product": "NVIDIA-GeForce-RTX-4090",
+        "gpuMemoryMiB": 24564,
+        "cpu": "16",
+        "memory": "64Gi",
+        "linkBandwidthMbps": 500,
+        "linkLatencyMs": 30,
+    }
+    spare = {**lost, "name": f"{tag}-b", "product": "NVIDIA-A100-SXM4-40GB", "gpuMemoryMiB": 40960}
+    nodes = [kwok_nodes.node_manifest(lost, i) for i in range(2)]
+    kwok_nodes.create_nodes(api, nodes)
+    created = [n["metadata"]["name"] for n in nodes]
+    try:
+        kube.create_job(
+            job_manifest(
+                "mv",
+                model_dir,
+                pipeline={"stages": 2},
+                placement={"pools": [lost["name"], spare["name"]]},
+            )
+        )
+        pods = wait_for("2 running stage pods", lambda: kube.running("mv", 2))
+        before = kube.uids("mv")
+        # A larger-memory pool appears; then the node under stage 1 disappears while
+        # stage 0 holds the pool's only other GPU.
+        spare_node = kwok_nodes.node_manifest(spare, 0)
+        kwok_nodes.create_nodes(api, [spare_node])
+        created.append(spare_node["metadata"]["name"])
+        kube.core.delete_node(pods["mv-stage-1"].spec.node_name)
+
+        moved = wait_for(
+            "stage 1 on the spare pool",
+            lambda: (
+                (p := kube.running("mv", 2))
+                and p["mv-stage-1"].spec.node_name == spare_node["metadata"]["name"]
+                and p
+            ),
+            timeout=45,
+        )
+        assert kube.uids("mv")["mv-stage-0"] == before["mv-stage-0"]
+        assert moved["mv-stage-1"].spec.node_selector["relaytrain.io/pool"] == spare["name"]
+        status = wait_for(
+            "status shows the move",
+            lambda: (
+                (s := kube.status("mv"))["stages"][1].get("pool") == spare["name"]
+                and s["phase"] == "Running"
+                and s
+            ),
+        )
+        assert status["stages"][1]["restarts"] == 1
+        assert status["stages"][1]["lastFailure"] == "NodeLost"
+    finally:
+        for name in created:
+            try:
+                kube.core.delete_node(name)
+            except ApiException as exc:
+                if exc.status != 404:
+                    raise
+
+
+def test_operator_restart_creates_no_duplicates_and_keeps_status(
+    kube: Cluster, model_dir: Path, operator: OperatorProcess
+) -> None:
+    kube.create_job(job_manifest("keep", model_dir))
+    wait_for("3 running stage pods", lambda: kube.running("keep", 3))
+    kube.fail_pod("keep-stage-2")
+    wait_for(
+        "stage 2 replaced",
+        lambda: kube.status("keep")["stages"][2]["restarts"] == 1 and kube.running("keep", 3),
+    )
+    status = kube.status("keep")
+
+    operator.kill()
+    try:
+        # While the operator is down: a stage fails, and a new job arrives.
+        kube.fail_pod("keep-stage-0")
+        kube.create_job(job_manifest("late", model_dir, pipeline={"stages": 2}))
+    finally:
+        operator.start()
+    wait_for(
+        "stage 0 replaced",
+        lambda: kube.status("keep")["stages"][0]["restarts"] == 1 and kube.running("keep", 3),
+    )
+    wait_for("the new job's pods", lambda: kube.running("late", 2))
+
+    # Killed again in the middle of creating a job's pods.
+    kube.create_job(job_manifest("mid", model_dir, pipeline={"stages": 2}))
+    wait_for("a first pod", lambda: kube.pods("mid"), timeout=15)
+    operator.kill()
+    operator.start()
+    wait_for("the job's pods", lambda: kube.running("mid", 2))
+
+    time.sleep(3)  # several periodic checks with the restarted operator
+    after = kube.status("keep")
+    assert after["plan"] == status["plan"] and after["startTime"] == status["startTime"]
+    assert [s["restarts"] for s in after["stages"]] == [1, 0, 1]
+    assert len(kube.events("keep", "StageRestarting")) == 2
+    for job, count in (("keep", 3), ("late", 2), ("mid", 2)):
+        assert len(kube.pods(job)) == count, job
+
+
+def test_metrics_report_jobs_restarts_and_no_errors(
+    kube: Cluster, model_dir: Path, operator: OperatorProcess
+) -> None:
+    kube.create_job(job_manifest("met", model_dir))
+    wait_for("Running", lambda: kube.status("met").get("phase") == "Running")
+    text = wait_for(
+        "the metric", lambda: 'relaytrain_jobs{phase="Running"}' in (t := operator.metrics()) and t
+    )
+    values = {
+        line.split(" ")[0]: float(line.split(" ")[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
+    assert values['relaytrain_jobs{phase="Running"}'] >= 1
+    assert values["relaytrain_reconcile_errors_total"] == 0
+    assert values["relaytrain_reconcile_duration_seconds_count"] > 0
+    assert operator.alive()
+
+
+def _drop(*path: str) -> Callable[[dict[str, Any]], None]:
+    def edit(spec: dict[str, Any]) -> None:
+        target = spec
+        for key in path[:-1]:
+            target = target[key]
+        del target[path[-1]]
+
+    return edit
+
+
+def _set(*path: str, value: Any) -> Callable[[dict[str, Any]], None]:
+    def edit(spec: dict[str, Any]) -> None:
+        target = spec
+        for key in path[:-1]:
+            target = target.setdefault(key, {})
+        target[path[-1]] = value
+
+    return edit
+
+
+# (case, edit of a valid spec, who refuses it: "api" = the API server answers 422, else the
+# reason of the Ready=False condition the operator sets).
+INVALID = [
+    ("missing-model", _drop("model"), "api"),
+    ("missing-dataset", _drop("dataset"), "api"),
+    ("negative-steps", _set("training", "steps", value=-5), "api"),
+    ("unknown-compression", _set("pipeline", "compression", value="zstd"), "api"),
+    ("lora-rank-0", _set("method", "rank", value=0), "api"),
+    ("dataset-format-csv", _set("dataset", "format", value="csv"), "api"),
+    ("steps-and-epochs", _set("training", "epochs", value=2), "api"),
+    ("neither-steps-nor-epochs", _drop("training", "steps"), "api"),
+    ("warmup-beyond-steps", _set("training", "warmupSteps", value=500), "api"),
+    ("zero-stages", _set("pipeline", "stages", value=0), "api"),
+    ("stages-not-a-number", _set("pipeline", "stages", value="many"), "api"),
+    ("http-model-uri", _set("model", "uri", value="http://example.com/m"), "api"),
+    ("endpoint-for-local-store", _set("checkpoint", "endpoint", value="http://m:9000"), "api"),
+    ("dropout-above-one", _set("method", "dropout", value=1.5), "api"),
+    ("zero-learning-rate", _set("training", "learningRate", value=0), "api"),
+    ("zero-micro-batch", _set("training", "microBatchSize", value=0), "api"),
+    ("int8-dtype", _set("model", "dtype", value="int8"), "api"),
+    ("no-target-modules", _set("method", "targetModules", value=[]), "api"),
+    ("repeated-target-module", _set("method", "targetModules", value=["q_proj"] * 2), "api"),
+    ("keep-no-checkpoints", _set("checkpoint", "keep", value=0), "api"),
+    ("negative-restarts", _set("failurePolicy", "maxStageRestarts", value=-1), "api"),
+    ("unknown-method", _set("method", "type", value="prefix"), "api"),
+    ("unknown-schedule", _set("pipeline", "schedule", value="gpipe"), "api"),
+    (
+        "bad-toleration-effect",
+        _set("placement", "tolerations", value=[{"key": "a", "effect": "Sometimes"}]),
+        "api",
+    ),
+    # Accepted by the API server, refused by the operator:
+    (
+        "target-not-a-linear-layer",
+        _set("method", "targetModules", value=["lm_head"]),
+        "InvalidSpec",
+    ),
+    ("hub-model-without-hub", _set("model", "uri", value="hf://org/name"), "ModelUnavailable"),
+    ("model-without-config", _set("model", "uri", value="/nonexistent/model"), "ModelUnavailable"),
+    ("more-stages-than-layers", _set("pipeline", "stages", value=40), "Unschedulable"),
+    ("unknown-pool", _set("placement", "pools", value=["tpu-v5"]), "Unschedulable"),
+]
+
+
+@pytest.mark.parametrize(("case", "edit", "refused_by"), INVALID, ids=[c[0] for c in INVALID])
+def test_an_invalid_job_is_refused_without_pods(
+    kube: Cluster,
+    model_dir: Path,
+    operator: OperatorProcess,
+    case: str,
+    edit: Callable[[dict[str, Any]], None],
+    refused_by: str,
+) -> None:
+    manifest = job_manifest(case, model_dir)
+    edit(manifest["spec"])
+    if refused_by == "api":
+        with pytest.raises(ApiException) as refused:
+            kube.create_job(manifest)
+        assert refused.value.status == 422
+    else:
+        kube.create_job(manifest)
+        ready = wait_for(
+            refused_by, lambda: (c := kube.condition(case)).get("reason") == refused_by and c
+        )
+        assert ready["status"] == "False" and ready["message"]
+        assert kube.events(case, refused_by)
+        time.sleep(1.5)  # a periodic check later, still no pods
+    assert not kube.pods(case)
+    assert operator.alive()
+
+
+def test_the_model_and_pipeline_of_a_started_job_cannot_change(
+    kube: Cluster, model_dir: Path
+) -> None:
+    kube.create_job(job_manifest("fixed", model_dir))
+    wait_for("3 running stage pods", lambda: kube.running("fixed", 3))
+    before = kube.uids("fixed")
+    for change in (
+        {"model": {"uri": "/other/model"}},
+        {"pipeline": {"stages": 2}},
+        {"dataset": {"uri": "s3://data/other.jsonl"}},
+    ):
+        with pytest.raises(ApiException) as refused:
+            kube.patch_spec("fixed", change)
+        assert refused.value.status == 422, change
+    time.sleep(1.5)
+    assert kube.uids("fixed") == before
