@@ -71,6 +71,7 @@ class KwokProcessRunner:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.namespace = namespace
         self.pods: dict[str, LocalPod] = {}  # by pod uid
+        self.history: list[LocalPod] = []  # every process started, in order
         self.finished: dict[str, int] = {}  # pod uid -> exit code
         self.ports: dict[str, int] = {}  # stable DNS address -> loopback port
         self.errors: list[str] = []
@@ -156,15 +157,17 @@ class KwokProcessRunner:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
+        local = LocalPod(
+            pod.metadata.namespace,
+            pod.metadata.name,
+            pod.metadata.uid,
+            process,
+            log_path,
+            metrics_port,
+        )
         with self._lock:
-            self.pods[pod.metadata.uid] = LocalPod(
-                pod.metadata.namespace,
-                pod.metadata.name,
-                pod.metadata.uid,
-                process,
-                log_path,
-                metrics_port,
-            )
+            self.pods[pod.metadata.uid] = local
+            self.history.append(local)
 
     def _finish(self, pod: Any, local: LocalPod) -> None:
         code = local.process.returncode

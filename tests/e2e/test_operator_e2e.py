@@ -1,0 +1,236 @@
+"""A FineTuneJob end to end: operator, real control plane, MinIO and real worker processes.
+
+The kwok process runner (hack/kwok_runner.py) runs each stage pod's container as a local
+process, so the stages really train a (tiny) Llama and talk over authenticated links.
+One job runs to completion while one stage's process is killed with SIGKILL mid-run, as
+a dying GPU would: the operator replaces that pod alone, the surviving stage processes
+keep running (same PIDs, same pod UIDs), roll back to the last committed checkpoint, and
+the job finishes with an adapter in MinIO.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kubernetes import client
+
+from hack.kwok_runner import KwokProcessRunner
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[2]
+GROUP, VERSION, PLURAL = "relaytrain.io", "v1alpha1", "finetunejobs"
+STEPS, EVERY = 12, 3
+
+
+def wait_for(what: str, probe: Callable[[], Any], timeout: float = 120.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if result := probe():
+            return result
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def env(
+    kube_cluster: Any, minio_server: Any, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Any]:
+    from relaytrain_worker.testing import tiny_model_dir
+
+    api = kube_cluster.api_client()
+    core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
+    kube_cluster.kubectl("apply", "--server-side", "-f", str(REPO / "crds"))
+    kube_cluster.kubectl(
+        "wait", "--for=condition=Established", "crd/finetunejobs.relaytrain.io", "--timeout=60s"
+    )
+    work = tmp_path_factory.mktemp("e2e")
+    model = tiny_model_dir(work / "model", layers=6, hidden=64, max_positions=64)
+    mc = minio_server.client()
+    for path in sorted(model.rglob("*")):
+        if path.is_file():
+            mc.fput_object(minio_server.bucket, f"models/tiny/{path.relative_to(model)}", str(path))
+    rows = [
+        {"prompt": f"add {a} {b} =", "completion": f" {a + b}"}
+        for a in range(12)
+        for b in range(12)
+    ]
+    data = work / "sums.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    mc.fput_object(minio_server.bucket, "data/sums.jsonl", str(data))
+
+    ns = f"rte2e-{uuid.uuid4().hex[:6]}"
+    core.create_namespace({"metadata": {"name": ns}})
+    core.create_namespaced_secret(
+        ns,
+        {
+            "metadata": {"name": "s3"},
+            "stringData": {
+                "AWS_ACCESS_KEY_ID": minio_server.access_key,
+                "AWS_SECRET_ACCESS_KEY": minio_server.secret_key,
+            },
+        },
+    )
+    log = (work / "operator.log").open("wb")
+    operator = subprocess.Popen(
+        [sys.executable, "-m", "relaytrain_operator", "--namespace", ns],
+        env={
+            **os.environ,
+            "KUBECONFIG": str(kube_cluster.kubeconfig),
+            "PYTHONPATH": os.pathsep.join([str(REPO / "operator"), str(REPO)]),
+            "PYTHONUNBUFFERED": "1",
+        },
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    runner = KwokProcessRunner(api, work / "pods", ns)
+    runner.start()
+    try:
+        yield {
+            "core": core,
+            "custom": custom,
+            "ns": ns,
+            "runner": runner,
+            "work": work,
+            "minio": minio_server,
+            "operator": operator,
+        }
+    finally:
+        runner.stop()
+        operator.terminate()
+        operator.wait(30)
+        log.close()
+        core.delete_namespace(ns)
+
+
+def job_manifest(name: str, minio: Any) -> dict[str, Any]:
+    bucket = minio.bucket
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "FineTuneJob",
+        "metadata": {"name": name},
+        "spec": {
+            "model": {"uri": f"s3://{bucket}/models/tiny/", "dtype": "float32"},
+            "dataset": {
+                "uri": f"s3://{bucket}/data/sums.jsonl",
+                "format": "prompt-completion",
+                "sequenceLength": 16,
+            },
+            "method": {"type": "lora", "rank": 4, "alpha": 8},
+            "training": {
+                "steps": STEPS,
+                "microBatchSize": 2,
+                "microBatches": 3,
+                "learningRate": 0.01,
+                "warmupSteps": 1,
+                "seed": 3,
+            },
+            "pipeline": {"stages": 3, "compression": "int8"},
+            "checkpoint": {
+                "uri": f"s3://{bucket}/ckpt",
+                "endpoint": minio.url,
+                "credentialsSecret": {"name": "s3"},
+                "everySteps": EVERY,
+                "keep": 2,
+            },
+            "output": {"uri": f"s3://{bucket}/adapters/{name}/"},
+            "failurePolicy": {"maxStageRestarts": 2, "backoffSeconds": 0},
+        },
+    }
+
+
+def stage_pods(core: Any, ns: str, job: str) -> dict[str, Any]:
+    pods = core.list_namespaced_pod(ns, label_selector=f"relaytrain.io/job={job}").items
+    return {p.metadata.name: p for p in pods if p.metadata.deletion_timestamp is None}
+
+
+def diagnostics(e: dict[str, Any]) -> str:
+    logs = [f"--- {p}\n{p.read_text()[-3000:]}" for p in sorted(e["work"].rglob("*.log"))]
+    return "\n".join(logs)
+
+
+def test_job_survives_a_stage_killed_mid_run(env: dict[str, Any]) -> None:
+    e = env
+    core, custom, ns, runner = e["core"], e["custom"], e["ns"], e["runner"]
+    name = "tiny-lora"
+    custom.create_namespaced_custom_object(
+        GROUP, VERSION, ns, PLURAL, job_manifest(name, e["minio"])
+    )
+
+    def status() -> dict[str, Any]:
+        return (
+            custom.get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name).get("status")
+            or {}
+        )
+
+    def progressed_past_a_commit() -> Any:
+        prog = status().get("progress") or {}
+        committed = prog.get("lastCommittedStep")
+        return committed is not None and committed >= EVERY and prog
+
+    try:
+        before = wait_for("a committed checkpoint", progressed_past_a_commit, timeout=400)
+    except AssertionError as err:
+        raise AssertionError(f"{err}\n{diagnostics(e)}") from None
+
+    pods = stage_pods(core, ns, name)
+    assert sorted(pods) == [f"{name}-stage-{k}" for k in range(3)]
+    victim = f"{name}-stage-1"
+    survivors = {
+        n: (p.metadata.uid, runner.local_pod(ns, n).process.pid)
+        for n, p in pods.items()
+        if n != victim
+    }
+    victim_pid = runner.local_pod(ns, victim).process.pid
+    os.kill(victim_pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+
+    def replaced() -> Any:
+        now = stage_pods(core, ns, name)
+        new = now.get(victim)
+        return new is not None and new.metadata.uid != pods[victim].metadata.uid and new
+
+    wait_for("the killed stage's pod to be replaced", replaced, timeout=120)
+
+    def finished() -> Any:
+        st = status()
+        return st.get("phase") in ("Succeeded", "Failed") and st
+
+    try:
+        final = wait_for("the job to finish", finished, timeout=600)
+    except AssertionError as err:
+        raise AssertionError(f"{err}\n{diagnostics(e)}") from None
+    took = time.monotonic() - killed_at
+    assert final["phase"] == "Succeeded", f"{final}\n{diagnostics(e)}"
+    print(f"\nJob finished {took:.1f}s after the kill; last step before it {before.get('step')}")
+
+    # Survivors: one pod and one process each, from before the kill to a clean exit.
+    for n, (uid, pid) in survivors.items():
+        started = [(lp.uid, lp.process.pid) for lp in runner.history if lp.name == n]
+        assert started == [(uid, pid)], f"{n} was restarted: {started}"
+        assert runner.finished.get(uid) == 0, f"{n} exited with {runner.finished.get(uid)}"
+    assert [lp.name for lp in runner.history].count(victim) == 2
+    history = {s["index"]: s for s in final.get("stages", [])}
+    assert history[1]["restarts"] == 1
+    assert history[0]["restarts"] == 0 and history[2]["restarts"] == 0
+
+    events = core.list_namespaced_event(ns).items
+    assert any(ev.reason == "StageRestarting" and victim in (ev.message or "") for ev in events)
+
+    out = final.get("output") or {}
+    mc = e["minio"].client()
+    files = {
+        o.object_name.rsplit("/", 1)[-1]
+        for o in mc.list_objects(e["minio"].bucket, f"adapters/{name}/", recursive=True)
+    }
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= files, (out, files)
