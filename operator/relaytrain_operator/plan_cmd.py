@@ -134,6 +134,7 @@ class _Inputs:
 
 def _inputs(args: argparse.Namespace) -> _Inputs:
     """Read and check the job, the model config, the pools and the catalog."""
+    from relaytrain_operator.planning import training_shape
     from relaytrain_operator.spec import SpecError, parse_job
 
     manifest = _load(args.job, "job")
@@ -144,16 +145,7 @@ def _inputs(args: argparse.Namespace) -> _Inputs:
     spec = job.spec
     config_path = _model_config_path(spec.model.uri, args.model_config)
     model = ModelShape.from_hf_config(_load(config_path, "model config"))
-    training = TrainingShape(
-        micro_batch_size=spec.training.micro_batch_size,
-        micro_batches=spec.training.micro_batches,
-        sequence_length=spec.dataset.sequence_length,
-        method=spec.method.type,
-        lora_rank=spec.method.rank,
-        lora_targets=tuple(spec.method.target_modules),
-        compression=spec.pipeline.compression,
-        dtype=spec.model.dtype,
-    )
+    training = training_shape(job)
     label_key = spec.placement.gpu_label
     default_link = _default_link(args.default_link)
     if args.nodes is not None:
