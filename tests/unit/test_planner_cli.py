@@ -224,3 +224,54 @@ def test_bad_input_exits_2_naming_the_problem(tmp_path, model_config, change, me
     extra = ["--model-config", str(model_config)] if change else []
     assert relaytrain("plan", str(manifest), "--nodes", nodes, *extra) == 2
     assert message in capsys.readouterr().err
+
+
+def test_kubeconfig_reads_live_nodes_and_leaves_out_gpus_pods_hold(
+    tmp_path, model_config, capsys, monkeypatch
+):
+    """The API objects the kubernetes client returns go through the same pools code; a pod
+    bound to a node takes its GPU away. (The API server itself is faked: unit tier.)"""
+    from kubernetes import client, config
+
+    api = client.ApiClient()
+    fleet = yaml.safe_load(MIXED_NODES.read_text())
+    for item in fleet["items"]:
+        item["status"]["conditions"] = [{"type": "Ready", "status": "True"}]
+    busy = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "other-job", "namespace": "default"},
+        "spec": {
+            "nodeName": "h100-0",
+            "containers": [{"name": "c", "resources": {"requests": {"nvidia.com/gpu": "2"}}}],
+        },
+        "status": {"phase": "Running"},
+    }
+
+    class FakeCore:
+        def __init__(self, api_client):
+            assert api_client is api
+
+        def list_node(self):
+            return api._ApiClient__deserialize(fleet, "V1NodeList")
+
+        def list_pod_for_all_namespaces(self):
+            return api._ApiClient__deserialize({"items": [busy]}, "V1PodList")
+
+    seen = []
+    monkeypatch.setattr(
+        config, "new_client_from_config", lambda config_file: seen.append(config_file) or api
+    )
+    monkeypatch.setattr(client, "CoreV1Api", FakeCore)
+    rc = relaytrain(
+        "plan",
+        str(job(tmp_path)),
+        "--kubeconfig",
+        str(tmp_path / "kc.yaml"),
+        "--model-config",
+        str(model_config),
+        "--json",
+    )
+    assert rc == 0 and seen == [str(tmp_path / "kc.yaml")]
+    pools = {s["pool"] for s in json.loads(capsys.readouterr().out)["stages"]}
+    assert "h100" not in pools  # both H100s are held by another job's pod
