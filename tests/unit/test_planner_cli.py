@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 from pathlib import Path
 
 import pytest
 import yaml
-from relaytrain_operator import plan_cmd
+from relaytrain_operator import cli
 
 pytestmark = pytest.mark.unit
 
@@ -30,12 +29,8 @@ LLAMA3_8B = {
 
 
 def relaytrain(*argv: str) -> int:
-    """Run `relaytrain plan ...` through the subcommand parser the CLI registers."""
-    parser = argparse.ArgumentParser(prog="relaytrain")
-    plan_cmd.add_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(list(argv))
-    result: int = args.func(args)
-    return result
+    """Run `relaytrain ...` through the real entry point."""
+    return cli.main(list(argv))
 
 
 @pytest.fixture
