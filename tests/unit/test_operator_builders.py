@@ -1,0 +1,146 @@
+"""The pure builders: what a stage pod, the Service and the link Secret look like."""
+
+from __future__ import annotations
+
+import base64
+import json
+from typing import Any
+
+import pytest
+from relaytrain_operator.builders.labels import JOB_LABEL, STAGE_LABEL, stage_dns_name
+from relaytrain_operator.builders.pod import CredentialsRef, StagePodInputs, build_stage_pod
+from relaytrain_operator.builders.secret import build_link_secret
+from relaytrain_operator.builders.service import build_service
+from relaytrain_operator.spec import parse_job
+from relaytrain_operator.stage_config import build_stage_configs, pod_endpoints
+
+pytestmark = pytest.mark.unit
+
+JOB: dict[str, Any] = {
+    "apiVersion": "relaytrain.io/v1alpha1",
+    "kind": "FineTuneJob",
+    "metadata": {"name": "smol", "namespace": "team-a", "uid": "u-1", "generation": 1},
+    "spec": {
+        "model": {"uri": "s3://models/smol/"},
+        "dataset": {"uri": "s3://data/train.jsonl"},
+        "training": {"steps": 10},
+        "pipeline": {"stages": 2},
+        "checkpoint": {
+            "uri": "s3://relaytrain/ckpt",
+            "endpoint": "http://minio:9000",
+            "credentialsSecret": {"name": "s3-creds", "accessKeyKey": "id", "secretKeyKey": "key"},
+        },
+    },
+}
+PLAN = {
+    "stages": [
+        {"index": 0, "pool": "h100", "layerStart": 0, "layerEnd": 20},
+        {"index": 1, "pool": "a100", "layerStart": 20, "layerEnd": 30},
+    ]
+}
+
+
+def pod_for(stage: int, **overrides: Any) -> dict[str, Any]:
+    job = parse_job(JOB)
+    configs = build_stage_configs(job, PLAN, pod_endpoints("smol", "team-a", 2))
+    inputs = StagePodInputs(
+        index=stage,
+        pool=PLAN["stages"][stage]["pool"],
+        node_selector={"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
+        memory_bytes=3 * 1024**3 + 1,
+        stage_config=configs[stage],
+        image="registry.example/worker:1",
+        credentials=CredentialsRef("s3-creds", "id", "key"),
+        **overrides,
+    )
+    return build_stage_pod(JOB, inputs)
+
+
+def test_stage_pod_has_a_stable_dns_name_under_the_job_service() -> None:
+    pod = pod_for(1)
+    assert pod["metadata"]["name"] == "smol-stage-1"
+    assert pod["spec"]["hostname"] == "smol-stage-1"
+    assert pod["spec"]["subdomain"] == "smol"
+    assert pod["metadata"]["labels"][JOB_LABEL] == "smol"
+    assert pod["metadata"]["labels"][STAGE_LABEL] == "1"
+    assert stage_dns_name("smol", "team-a", 1) == "smol-stage-1.smol.team-a.svc"
+    # The service selects exactly the job's pods by the label every stage pod carries.
+    service = build_service(JOB)
+    assert service["spec"]["selector"] == {JOB_LABEL: "smol"}
+    assert service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["publishNotReadyAddresses"] is True
+    assert service["metadata"]["name"] == pod["spec"]["subdomain"]
+
+
+def test_stage_pod_is_pinned_and_requests_one_gpu_and_the_planned_memory() -> None:
+    pod = pod_for(0)
+    spec = pod["spec"]
+    assert spec["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+    resources = spec["containers"][0]["resources"]
+    assert resources["requests"]["nvidia.com/gpu"] == "1"
+    assert resources["limits"]["nvidia.com/gpu"] == "1"
+    assert resources["requests"]["memory"] == "3073Mi"  # rounded up, never under the plan
+    assert spec["restartPolicy"] == "Never"
+
+
+def test_stage_pod_is_locked_down() -> None:
+    spec = pod_for(0)["spec"]
+    container = spec["containers"][0]
+    assert spec["automountServiceAccountToken"] is False
+    assert spec["securityContext"]["runAsNonRoot"] is True
+    assert spec["securityContext"]["runAsUser"] != 0
+    ctx = container["securityContext"]
+    assert ctx == {
+        "runAsNonRoot": True,
+        "readOnlyRootFilesystem": True,
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+    }
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert "emptyDir" in volumes[mounts["/tmp"]]
+
+
+def test_secrets_reach_the_pod_only_by_reference() -> None:
+    pod = pod_for(0)
+    env = {e["name"]: e for e in pod["spec"]["containers"][0]["env"]}
+    config = json.loads(env["RELAYTRAIN_STAGE_CONFIG"]["value"])
+    assert config["stage"]["index"] == 0 and config["stage"]["layerEnd"] == 20
+    for name, (secret, key) in {
+        "AWS_ACCESS_KEY_ID": ("s3-creds", "id"),
+        "AWS_SECRET_ACCESS_KEY": ("s3-creds", "key"),
+        "RELAYTRAIN_LINK_SECRET": ("smol-link", "secret"),
+    }.items():
+        assert "value" not in env[name]
+        assert env[name]["valueFrom"]["secretKeyRef"] == {"name": secret, "key": key}
+    # No literal value anywhere in the pod looks like a credential.
+    assert "s3-creds" not in env["RELAYTRAIN_STAGE_CONFIG"]["value"]
+
+
+def test_every_child_is_owned_by_the_job() -> None:
+    secret = build_link_secret(JOB, "k3y")
+    for child in (pod_for(0), build_service(JOB), secret):
+        (owner,) = child["metadata"]["ownerReferences"]
+        assert owner == {
+            "apiVersion": "relaytrain.io/v1alpha1",
+            "kind": "FineTuneJob",
+            "name": "smol",
+            "uid": "u-1",
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+        assert child["metadata"]["namespace"] == "team-a"
+    assert base64.b64decode(secret["data"]["secret"]) == b"k3y"
+
+
+def test_tolerations_and_priority_are_copied() -> None:
+    toleration = {"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}
+    pod = pod_for(0, tolerations=[toleration], priority_class_name="training")
+    assert pod["spec"]["tolerations"] == [toleration]
+    assert pod["spec"]["priorityClassName"] == "training"
+    assert "tolerations" not in pod_for(0)["spec"]
+
+
+def test_builders_are_pure() -> None:
+    assert pod_for(1) == pod_for(1)
+    assert build_service(JOB) == build_service(JOB)

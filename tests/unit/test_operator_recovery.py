@@ -1,0 +1,162 @@
+"""Which stage pods to keep, create or replace, and where a replacement goes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from relaytrain_operator.pools import PoolRoom, choose_pool, free_nodes, pool_rooms
+from relaytrain_operator.recovery import (
+    INCARNATION_ANNOTATION,
+    REPLACING,
+    StageDecision,
+    StageRecord,
+    decide,
+)
+
+pytestmark = pytest.mark.unit
+
+READY_NODE = {
+    "metadata": {"name": "n1"},
+    "status": {"conditions": [{"type": "Ready", "status": "True"}]},
+}
+NOT_READY = {
+    "metadata": {"name": "n1"},
+    "status": {"conditions": [{"type": "Ready", "status": "False"}]},
+}
+
+
+def pod(
+    phase: str = "Running",
+    incarnation: int = 0,
+    node: str | None = "n1",
+    deleting: bool = False,
+    reason: str | None = None,
+) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "name": "j-stage-0",
+        "uid": "u",
+        "annotations": {INCARNATION_ANNOTATION: str(incarnation)},
+    }
+    if deleting:
+        meta["deletionTimestamp"] = "2026-11-22T00:00:00Z"
+    status: dict[str, Any] = {"phase": phase}
+    if reason:
+        status["reason"] = reason
+    return {"metadata": meta, "spec": {"nodeName": node}, "status": status}
+
+
+def test_a_healthy_pod_is_kept() -> None:
+    assert decide(StageRecord(0, phase="Running"), pod(), READY_NODE) == StageDecision("keep")
+
+
+def test_a_stage_never_started_is_created_without_counting_a_failure() -> None:
+    assert decide(StageRecord(0), None, None) == StageDecision("create")
+    assert decide(StageRecord(0, restarts=1, phase=REPLACING), None, None) == StageDecision(
+        "create"
+    )
+
+
+def test_a_pod_deleted_by_someone_else_counts_as_a_failure() -> None:
+    assert decide(StageRecord(0, phase="Running"), None, None) == StageDecision(
+        "create", failure="Deleted"
+    )
+
+
+@pytest.mark.parametrize("reason", [None, "Evicted", "OOMKilled"])
+def test_a_failed_pod_of_the_current_incarnation_is_counted_and_deleted(reason: str | None) -> None:
+    decision = decide(StageRecord(0, phase="Running"), pod("Failed", reason=reason), READY_NODE)
+    assert decision == StageDecision("delete", failure=reason or "Failed")
+
+
+def test_a_failed_pod_already_counted_is_deleted_without_counting_again() -> None:
+    # The count moved to 1 (restart recorded) before the delete; the operator died between.
+    record = StageRecord(0, restarts=1, phase=REPLACING)
+    assert decide(record, pod("Failed", incarnation=0), READY_NODE) == StageDecision("delete")
+
+
+def test_a_successor_that_fails_before_it_was_seen_is_still_counted() -> None:
+    record = StageRecord(0, restarts=1, phase=REPLACING)
+    decision = decide(record, pod("Failed", incarnation=1), READY_NODE)
+    assert decision.failure == "Failed"
+
+
+def test_a_pod_whose_node_is_gone_or_not_ready_is_force_deleted() -> None:
+    for node in (None, NOT_READY):
+        decision = decide(StageRecord(0, phase="Running"), pod(), node)
+        assert decision == StageDecision("delete", failure="NodeLost", force=True)
+
+
+def test_a_terminating_pod_is_waited_for_and_counted_once() -> None:
+    first = decide(StageRecord(0, phase="Running"), pod(deleting=True), READY_NODE)
+    assert first == StageDecision("wait", failure="Deleted")
+    again = decide(StageRecord(0, restarts=1, phase=REPLACING), pod(deleting=True), READY_NODE)
+    assert again == StageDecision("wait")
+    # A pod still terminating from before a suspension is no failure.
+    assert decide(StageRecord(0), pod(deleting=True), READY_NODE) == StageDecision("wait")
+
+
+def node(name: str, pool: str, gpus: int, memory: int, ready: bool = True) -> dict[str, Any]:
+    return {
+        "metadata": {
+            "name": name,
+            "labels": {"nvidia.com/gpu.product": pool, "nvidia.com/gpu.memory": str(memory)},
+        },
+        "status": {
+            "allocatable": {"nvidia.com/gpu": str(gpus)},
+            "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+        },
+    }
+
+
+def gpu_pod(
+    node_name: str | None, job: str = "other", pool: str | None = None, phase: str = "Running"
+) -> dict[str, Any]:
+    meta: dict[str, Any] = {"namespace": "ns", "labels": {"relaytrain.io/job": job}}
+    if pool:
+        meta["annotations"] = {"relaytrain.io/pool": pool}
+    return {
+        "metadata": meta,
+        "status": {"phase": phase},
+        "spec": {
+            "nodeName": node_name,
+            "containers": [{"resources": {"requests": {"nvidia.com/gpu": "1"}}}],
+        },
+    }
+
+
+def test_free_gpus_exclude_what_other_pods_hold() -> None:
+    nodes = [
+        node("a", "A100", 2, 40960),
+        node("b", "A100", 1, 40960),
+        node("c", "H100", 1, 81559, ready=False),
+    ]
+    pods = [
+        gpu_pod("a"),
+        gpu_pod("b", job="mine"),
+        gpu_pod("a", phase="Succeeded"),
+        gpu_pod(None, pool="A100"),
+    ]
+    free = free_nodes(nodes, pods, "nvidia.com/gpu.product", exclude_job=("ns", "mine"))
+    # a: 2 - 1 bound; b: 1 (its pod is the job's own); the unbound pod pinned to A100
+    # takes one more; c is not ready.
+    rooms = pool_rooms(free, "nvidia.com/gpu.product")
+    assert rooms == {"A100": PoolRoom(free_gpus=1, memory_mib=40960)}
+
+
+def test_a_replacement_stays_on_its_pool_when_it_has_room() -> None:
+    rooms = {"A100": PoolRoom(1, 40960), "H100": PoolRoom(4, 81559)}
+    assert choose_pool("A100", 30000, rooms) == "A100"
+
+
+def test_a_replacement_moves_to_the_smallest_pool_whose_memory_fits() -> None:
+    rooms = {
+        "A100": PoolRoom(0, 40960),
+        "RTX4090": PoolRoom(3, 24564),
+        "L40": PoolRoom(1, 46068),
+        "H100": PoolRoom(2, 81559),
+    }
+    assert choose_pool("A100", 30000, rooms) == "L40"
+    assert choose_pool("A100", 30000, rooms, allowed=["A100", "H100"]) == "H100"
+    # Nowhere fits: it waits on its own pool.
+    assert choose_pool("A100", 90000, rooms) == "A100"
