@@ -25,6 +25,7 @@ import pytest
 from kubernetes import client
 
 from hack.kwok_runner import KwokProcessRunner
+from tests.fixtures.rbac import chart_rbac_kubeconfig
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -81,12 +82,20 @@ def env(
             },
         },
     )
+    # The operator runs with the chart's least-privilege RBAC, bound to this namespace.
+    kubeconfig = chart_rbac_kubeconfig(
+        kube_cluster,
+        work / "operator.kubeconfig",
+        release="rte2e",
+        namespace="rte2e-system",
+        watch=[ns],
+    )
     log = (work / "operator.log").open("wb")
     operator = subprocess.Popen(
         [sys.executable, "-m", "relaytrain_operator", "--namespace", ns],
         env={
             **os.environ,
-            "KUBECONFIG": str(kube_cluster.kubeconfig),
+            "KUBECONFIG": str(kubeconfig),
             "PYTHONPATH": os.pathsep.join([str(REPO / "operator"), str(REPO)]),
             "PYTHONUNBUFFERED": "1",
         },
