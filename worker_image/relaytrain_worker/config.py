@@ -148,8 +148,8 @@ class MethodSpec:
 class TrainingSpec:
     """Optimisation settings, identical on every stage."""
 
-    steps: int
-    """Optimizer steps to run."""
+    steps: int | None
+    """Optimizer steps to run (null when `epochs` is given)."""
     microBatchSize: int  # noqa: N815
     """Sequences per micro-batch."""
     microBatches: int  # noqa: N815
@@ -166,11 +166,19 @@ class TrainingSpec:
     """Global gradient-norm clip across all stages; 0 turns clipping off."""
     seed: int
     """Seed of data order, adapter initialisation and dropout."""
+    epochs: int | None = None
+    """Passes over the dataset instead of `steps` (optional; exactly one of the two)."""
 
     def __post_init__(self) -> None:
-        for key in ("steps", "microBatchSize", "microBatches"):
+        if (self.steps is None) == (self.epochs is None):
+            raise ConfigError("training.steps: set exactly one of steps and epochs")
+        if self.epochs is not None and self.epochs < 1:
+            raise ConfigError(f"training.epochs: must be >= 1, got {self.epochs}")
+        for key in ("microBatchSize", "microBatches"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"training.{key}: must be >= 1, got {getattr(self, key)}")
+        if self.steps is not None and self.steps < 1:
+            raise ConfigError(f"training.steps: must be >= 1, got {self.steps}")
         if self.learningRate <= 0:
             raise ConfigError(f"training.learningRate: must be > 0, got {self.learningRate}")
         if self.warmupSteps < 0:
@@ -286,8 +294,11 @@ class StageConfig:
         return _build(cls, document, "")
 
     def to_dict(self) -> dict[str, Any]:
-        """The contract's JSON form (tuples become lists)."""
-        return json.loads(json.dumps(dataclasses.asdict(self)))  # type: ignore[no-any-return]
+        """The contract's JSON form (tuples become lists; an unset optional epochs is left out)."""
+        doc: dict[str, Any] = json.loads(json.dumps(dataclasses.asdict(self)))
+        if doc["training"]["epochs"] is None:
+            del doc["training"]["epochs"]
+        return doc
 
 
 T = TypeVar("T")

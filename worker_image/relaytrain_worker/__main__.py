@@ -1,0 +1,67 @@
+"""`python -m relaytrain_worker --config PATH` (or the document in RELAYTRAIN_STAGE_CONFIG)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+ENV = "RELAYTRAIN_STAGE_CONFIG"
+
+
+def _terminate(_signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m relaytrain_worker")
+    parser.add_argument("--config", type=Path, help=f"stage config JSON (default: ${ENV})")
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=os.environ.get("RELAYTRAIN_LOG_LEVEL", "INFO"),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    from relaytrain_worker.config import ConfigError, StageConfig
+
+    if args.config is not None:
+        document = args.config.read_text()
+    elif os.environ.get(ENV):
+        document = os.environ[ENV]
+    else:
+        parser.error(f"give --config PATH or set {ENV}")
+    try:
+        cfg = StageConfig.from_json(document)
+    except ConfigError as exc:
+        print(f"relaytrain-worker: invalid stage config: {exc}", file=sys.stderr)
+        return 2
+    # SIGTERM (pod deletion, Ctrl-C of `relaytrain run --local`) exits like Ctrl-C.
+    signal.signal(signal.SIGTERM, _terminate)
+
+    from relaytrain_worker.data import DataError
+    from relaytrain_worker.linkauth import AuthError
+    from relaytrain_worker.shards import ModelLoadError
+    from relaytrain_worker.stage import StageRuntime
+
+    try:
+        runtime = StageRuntime(cfg)
+    except (ModelLoadError, DataError) as exc:
+        print(f"relaytrain-worker: stage {cfg.stage.index}: {exc}", file=sys.stderr)
+        return 3
+    try:
+        return runtime.run()
+    except AuthError as exc:
+        print(f"relaytrain-worker: stage {cfg.stage.index}: link refused: {exc}", file=sys.stderr)
+        return 4
+    except KeyboardInterrupt:
+        logging.getLogger("relaytrain.stage").info("Stage %d stopped", cfg.stage.index)
+        return 130
+    finally:
+        runtime.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""The job's output, merged from every stage's part of the final committed checkpoint.
+
+LoRA/QLoRA: `adapter_config.json` + `adapter_model.safetensors` exactly as
+`PeftModel.save_pretrained` writes them, with global layer numbers (the slices kept
+them), so `PeftModel.from_pretrained(unsplit_base, DIR)` loads it.
+
+Full: one safetensors shard per stage plus `model.safetensors.index.json` and the
+base model's `config.json`, i.e. a Hugging Face checkpoint that
+`AutoModelForCausalLM.from_pretrained(DIR)` loads (a tied weight is stored once).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import safetensors.torch
+import torch
+
+from relaytrain_worker.checkpoint import load_stage, tensors_from_bytes
+from relaytrain_worker.config import StageConfig
+from relaytrain_worker.methods import TIED_NAME, lora_config, peft_key
+from relaytrain_worker.store import Store
+
+TRAINABLE_FILE = "trainable.safetensors"
+
+
+def export_output(
+    cfg: StageConfig,
+    ckpt: Store,
+    job_prefix: str,
+    *,
+    step: int,
+    out: Store,
+    model_dir: Path,
+) -> list[str]:
+    """Write the job's output from committed `step`; returns the object names written."""
+    parts = [
+        tensors_from_bytes(load_stage(ckpt, job_prefix, step, k)[TRAINABLE_FILE])
+        for k in range(cfg.stage.count)
+    ]
+    if cfg.method.type == "full":
+        return _export_full(parts, out, model_dir)
+    return _export_adapter(cfg, parts, out, model_dir)
+
+
+def _export_adapter(
+    cfg: StageConfig, parts: list[dict[str, torch.Tensor]], out: Store, model_dir: Path
+) -> list[str]:
+    merged: dict[str, torch.Tensor] = {}
+    for part in parts:
+        for name, tensor in part.items():
+            merged[peft_key(name)] = tensor.contiguous()
+    config = lora_config(
+        cfg.method.rank, cfg.method.alpha, cfg.method.dropout, cfg.method.targetModules
+    )
+    config.base_model_name_or_path = str(cfg.model.uri)
+    doc: dict[str, Any] = config.to_dict()
+    doc = json.loads(json.dumps(doc, default=_jsonable))
+    # Written last: a reader that sees adapter_config.json sees a complete adapter.
+    out.put("adapter_model.safetensors", safetensors.torch.save(merged, {"format": "pt"}))
+    out.put("adapter_config.json", json.dumps(doc, indent=2, sort_keys=True).encode())
+    return ["adapter_model.safetensors", "adapter_config.json"]
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, set | frozenset):
+        return sorted(value)
+    return str(value)
+
+
+def _export_full(parts: list[dict[str, torch.Tensor]], out: Store, model_dir: Path) -> list[str]:
+    names = []
+    weight_map: dict[str, str] = {}
+    total = 0
+    seen: set[str] = set()
+    for k, part in enumerate(parts):
+        shard = f"model-{k + 1:05d}-of-{len(parts):05d}.safetensors"
+        tensors = {n: t.contiguous() for n, t in part.items() if n not in seen}
+        seen.update(tensors)
+        out.put(shard, safetensors.torch.save(tensors, {"format": "pt"}))
+        names.append(shard)
+        for name, tensor in tensors.items():
+            weight_map[name] = shard
+            total += tensor.numel() * tensor.element_size()
+    config = json.loads((model_dir / "config.json").read_text())
+    if TIED_NAME in weight_map and "lm_head.weight" not in weight_map:
+        config["tie_word_embeddings"] = True
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    out.put("config.json", json.dumps(config, indent=2).encode())
+    out.put("model.safetensors.index.json", json.dumps(index, indent=2).encode())
+    return [*names, "config.json", "model.safetensors.index.json"]

@@ -1,0 +1,369 @@
+"""A stage process: links, the step loop, checkpoints, progress, metrics and recovery.
+
+Life of a stage:
+1. Load its slice of the base model once (and, on stage 0, the tokenizer and data).
+2. Restore the latest committed checkpoint from the store, if any (a replacement pod
+   starts here).
+3. Connect: accept the previous stage, connect to the next; then a handshake down and
+   up the chain agrees on the step to resume from (the newest committed step any
+   stage saw); a stage that holds another step restores the agreed one.
+4. Train step after step. Every `everySteps` (and after the last step) each stage saves
+   its trainable weights, optimizer/schedule/RNG state and data position; a "saved"
+   token runs down the chain and the last stage, which then knows every stage has
+   saved, writes the commit manifest and prunes old steps.
+5. When a link breaks, the stage closes its other link (so the break reaches every
+   stage), restores the latest committed step from the store — weights, optimizer,
+   RNG and data position only; the process and the base model stay — and goes back
+   to 3.
+6. After the last step the last stage merges every stage's part of the final commit
+   into the output (PEFT adapter or full weights) and marks progress.json done.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import time
+from typing import Any
+
+import safetensors.torch
+import torch
+
+from relaytrain_worker import checkpoint as ckpt
+from relaytrain_worker.config import StageConfig
+from relaytrain_worker.export import TRAINABLE_FILE, export_output
+from relaytrain_worker.linkauth import AuthError, LinkBroken
+from relaytrain_worker.methods import TIED_NAME, init_lora, lora_config, setup_method
+from relaytrain_worker.metrics import StageMetrics, serve
+from relaytrain_worker.model_slice import SliceSpec, build_stage_model
+from relaytrain_worker.modelfiles import resolve_model_dir
+from relaytrain_worker.peers import Peers
+from relaytrain_worker.progress import Progress, write_progress
+from relaytrain_worker.schedule import StepRunner
+from relaytrain_worker.store import ObjectNotFound, Store, open_store
+from relaytrain_worker.training import load_state_bytes, make_optimizer, optimizer_step, state_bytes
+from relaytrain_worker.transport import Frame, Link, Listener, connect, listen
+
+log = logging.getLogger("relaytrain.stage")
+
+STATE_FILE = "state.pt"
+META_FILE = "meta.json"
+LOSSES = "loss-history.json"
+CONNECT_FOR = 600.0
+"""How long a stage keeps trying to reach its next stage (a replacement pod takes time)."""
+
+
+class StageRuntime:
+    """One stage process."""
+
+    def __init__(self, cfg: StageConfig) -> None:
+        self.cfg = cfg
+        self.k = cfg.stage.index
+        self.count = cfg.stage.count
+        secret = os.environ.get(cfg.links.secretEnv, "")
+        if not secret:
+            raise RuntimeError(
+                f"links.secretEnv: environment variable {cfg.links.secretEnv} is empty"
+            )
+        self.secret = secret.encode()
+        self.job_id = f"{cfg.job.namespace}/{cfg.job.name}/{cfg.job.uid}"
+        self.prefix = f"{cfg.job.namespace}/{cfg.job.name}"
+        self.store = self._open(cfg.checkpoint.uri)
+        self.model_dir = resolve_model_dir(cfg, self._open)
+        spec = SliceSpec(
+            cfg.stage.layerStart, cfg.stage.layerEnd, cfg.stage.is_first, cfg.stage.is_last
+        )
+        self.stage = build_stage_model(self.model_dir, spec, cfg.model.dtype)
+        self.lora = (
+            None
+            if cfg.method.type == "full"
+            else lora_config(
+                cfg.method.rank, cfg.method.alpha, cfg.method.dropout, cfg.method.targetModules
+            )
+        )
+        self.trainable = setup_method(self.stage, cfg.method.type, self.lora, cfg.training.seed)
+        # With `epochs` every stage reads the dataset to derive the same step count.
+        need_data = cfg.stage.is_first or cfg.training.steps is None
+        self.data = self._load_data() if need_data else None
+        steps = cfg.training.steps
+        if steps is None:
+            assert self.data is not None and cfg.training.epochs is not None
+            steps = self.data.steps_for_epochs(cfg.training.epochs)
+        self.training = dataclasses.replace(cfg.training, steps=steps, epochs=None)
+        self.total_steps = steps
+        self.optimizer, self.scheduler = make_optimizer(self.trainable, self.training)
+        self.metrics = StageMetrics(cfg.job.name, self.k)
+        self.metrics.total_steps.set(self.total_steps)
+        self.server = serve(self.metrics, cfg.observability.port)
+        self.listener: Listener | None = None
+        if cfg.links.listen is not None:
+            self.listener = listen(
+                cfg.links.listen, secret=self.secret, job_id=self.job_id, stage=self.k
+            )
+        self.losses: list[dict[str, Any]] = []
+        self.last_committed: int | None = None
+        self.step = 0
+
+    # -- setup -----------------------------------------------------------------------
+
+    def _open(self, uri: str) -> Store:
+        c = self.cfg.checkpoint
+        return open_store(
+            uri, c.endpoint, os.environ.get(c.accessKeyEnv), os.environ.get(c.secretKeyEnv)
+        )
+
+    def _load_data(self) -> Any:
+        from transformers import AutoTokenizer
+
+        from relaytrain_worker.data import load_step_data
+
+        tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+        t = self.cfg.training
+        max_pos = getattr(self.stage.config, "max_position_embeddings", None)
+        return load_step_data(
+            self.cfg.dataset,
+            tokenizer,
+            max_positions=max_pos,
+            micro_batch_size=t.microBatchSize,
+            micro_batches=t.microBatches,
+            seed=t.seed,
+            opener=self._open,
+        )
+
+    # -- checkpoint state ------------------------------------------------------------
+
+    def _files(self, step: int) -> dict[str, bytes]:
+        tensors = {name: p.detach().contiguous() for name, p in self.trainable}
+        meta = {"step": step, "dataStep": step, "stage": self.k}
+        return {
+            TRAINABLE_FILE: safetensors.torch.save(tensors),
+            STATE_FILE: state_bytes(self.optimizer, self.scheduler),
+            META_FILE: json.dumps(meta).encode(),
+        }
+
+    def restore(self, step: int | None) -> int:
+        """Roll this stage back to committed `step` (None: the initial state); returns it."""
+        self.metrics.restores.inc()
+        if step is None:
+            self._reset()
+            return 0
+        files = ckpt.load_stage(self.store, self.prefix, step, self.k)
+        tensors = safetensors.torch.load(files[TRAINABLE_FILE])
+        with torch.no_grad():
+            for name, param in self.trainable:
+                param.copy_(tensors[name])
+        load_state_bytes(files[STATE_FILE], self.optimizer, self.scheduler)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.last_committed = step
+        log.info("Stage %d restored committed step %d", self.k, step)
+        return step
+
+    def _reset(self) -> None:
+        """The state before step 0: fresh adapter (or base weights), optimizer and RNG."""
+        if self.cfg.method.type == "full":
+            fresh = build_stage_model(self.model_dir, self.stage.spec, self.cfg.model.dtype)
+            fresh_params = dict(fresh.model.named_parameters())
+            with torch.no_grad():
+                for name, param in self.stage.model.named_parameters():
+                    param.copy_(fresh_params[name])
+        else:
+            init_lora(self.stage.model, self.cfg.training.seed)
+        self.optimizer, self.scheduler = make_optimizer(self.trainable, self.training)
+        torch.manual_seed(self.cfg.training.seed * 131 + self.k)
+
+    def _latest(self) -> int | None:
+        return ckpt.latest_committed(self.store, self.prefix)
+
+    # -- links -----------------------------------------------------------------------
+
+    def _connect(self) -> Peers:
+        prev: Link | None = None
+        nxt: Link | None = None
+        try:
+            if self.cfg.links.next is not None:
+                nxt = connect(
+                    self.cfg.links.next, secret=self.secret, job_id=self.job_id, stage=self.k,
+                    retry_for=CONNECT_FOR,
+                )  # fmt: skip
+            if self.listener is not None:
+                prev = self.listener.accept(timeout=CONNECT_FOR)
+        except BaseException:
+            for link in (prev, nxt):
+                if link is not None:
+                    link.close()
+            raise
+        return Peers(prev, nxt)
+
+    def _handshake(self, peers: Peers, mine: int | None) -> int | None:
+        """Agree on the resume step: the newest committed step any stage saw."""
+        agreed = mine
+        if peers.prev is not None:
+            seen = peers.prev.recv("hello", -1).meta["resume"]
+            agreed = _newest(agreed, seen)
+        if peers.next is not None:
+            peers.next.send(Frame("hello", -1, -1, {}, {"resume": agreed}))
+            agreed = peers.next.recv("resume", -1).meta["resume"]
+        else:
+            # The coordinator drops anything newer than the agreed step (partial saves).
+            ckpt.discard_after(self.store, self.prefix, agreed)
+        if peers.prev is not None:
+            peers.prev.send(Frame("resume", -1, -1, {}, {"resume": agreed}))
+        return agreed
+
+    # -- the loop --------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Train to the end, recovering from broken links; returns the exit code."""
+        restored = self._latest()
+        self.step = self.restore(restored)
+        self._load_losses()
+        attempt = 0
+        while self.step < self.total_steps:
+            peers: Peers | None = None
+            try:
+                self.metrics.set_health("ready", step=self.step)
+                peers = self._connect()
+                agreed = self._handshake(peers, restored)
+                if agreed != restored:
+                    restored = agreed
+                    self.step = self.restore(agreed)
+                self.losses = [e for e in self.losses if e["step"] <= self.step]
+                self.metrics.set_health("training", step=self.step)
+                self._train(peers)
+                for link in (peers.prev, peers.next):
+                    if link is not None:
+                        link.flush()
+                break
+            except (LinkBroken, TimeoutError) as exc:
+                attempt += 1
+                self.metrics.set_health("recovering", reason=str(exc))
+                log.warning("Stage %d lost a link at step %d: %s", self.k, self.step, exc)
+                if peers is not None:
+                    peers.close()
+                time.sleep(min(2.0 * attempt, 10.0))
+                restored = self._latest()
+                self.step = self.restore(restored)
+            except AuthError:
+                if peers is not None:
+                    peers.close()
+                raise
+        if self.cfg.stage.is_last:
+            self._finish()
+        if peers is not None:
+            peers.close()
+        self.metrics.set_health("done", step=self.step)
+        return 0
+
+    def _train(self, peers: Peers) -> None:
+        t = self.training
+        runner = StepRunner(
+            self.stage,
+            index=self.k,
+            count=self.count,
+            peers=peers,
+            trainable=self.trainable,
+            compression=self.cfg.pipeline.compression,
+            max_grad_norm=t.maxGradNorm,
+            tied_name=self._tied_name(),
+        )
+        while self.step < self.total_steps:
+            started = time.monotonic()
+            micros = self.data.step(self.step) if self.cfg.stage.is_first else None
+            result = runner.run(self.step, micros, t.microBatches)
+            optimizer_step(self.optimizer, self.scheduler)
+            self.step += 1
+            rate = result.tokens / max(time.monotonic() - started, 1e-9)
+            self._report(peers, result.loss, rate)
+            if self.step % self.cfg.checkpoint.everySteps == 0 or self.step == self.total_steps:
+                self._checkpoint(peers, self.step)
+
+    def _tied_name(self) -> str | None:
+        tied = bool(getattr(self.stage.config, "tie_word_embeddings", False))
+        return TIED_NAME if self.cfg.method.type == "full" and tied else None
+
+    def _report(self, peers: Peers, loss: float | None, rate: float) -> None:
+        self.metrics.step.set(self.step)
+        self.metrics.tokens_per_second.set(rate)
+        for name, link in (("prev", peers.prev), ("next", peers.next)):
+            if link is not None:
+                self.metrics.update_link(name, link.link)  # type: ignore[arg-type]
+        if loss is None:
+            return
+        self.metrics.loss.set(loss)
+        self.losses.append({"step": self.step, "loss": loss, "tokensPerSecond": rate})
+        self.store.put(f"{self.prefix}/{LOSSES}", json.dumps(self.losses).encode())
+        write_progress(
+            self.store,
+            self.prefix,
+            Progress(self.step, self.total_steps, loss, rate, self.last_committed),
+        )
+
+    def _load_losses(self) -> None:
+        if not self.cfg.stage.is_last:
+            return
+        try:
+            self.losses = json.loads(self.store.get(f"{self.prefix}/{LOSSES}"))
+        except ObjectNotFound:
+            self.losses = []
+
+    def _checkpoint(self, peers: Peers, step: int) -> None:
+        started = time.monotonic()
+        ckpt.save_stage(self.store, self.prefix, step, self.k, self._files(step))
+        self.metrics.checkpoint_seconds.observe(time.monotonic() - started)
+        if peers.prev is not None:
+            peers.prev.recv("saved", step)
+        if peers.next is not None:
+            peers.next.send(Frame("saved", step, -1))
+            return
+        if ckpt.try_commit(self.store, self.prefix, step, self.count):
+            self.last_committed = step
+            self.metrics.last_committed_step.set(step)
+            ckpt.prune(self.store, self.prefix, self.cfg.checkpoint.keep)
+            last = self.losses[-1] if self.losses else {"loss": None, "tokensPerSecond": 0.0}
+            write_progress(
+                self.store,
+                self.prefix,
+                Progress(self.step, self.total_steps, last["loss"], last["tokensPerSecond"], step),
+            )
+
+    def _finish(self) -> None:
+        """Export the final commit and mark the job done (last stage only)."""
+        out = self._open(self.cfg.output.uri)
+        export_output(
+            self.cfg,
+            self.store,
+            self.prefix,
+            step=self.total_steps,
+            out=out,
+            model_dir=self.model_dir,
+        )
+        last = self.losses[-1] if self.losses else {"loss": None, "tokensPerSecond": 0.0}
+        write_progress(
+            self.store,
+            self.prefix,
+            Progress(
+                self.total_steps,
+                self.total_steps,
+                last["loss"],
+                last["tokensPerSecond"],
+                self.total_steps,
+                done=True,
+                output=self.cfg.output.uri,
+            ),
+        )
+        log.info("Stage %d wrote the output to %s", self.k, self.cfg.output.uri)
+
+    def close(self) -> None:
+        self.server.stop()
+        if self.listener is not None:
+            self.listener.close()
+
+
+def _newest(a: int | None, b: int | None) -> int | None:
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return max(a, b)
