@@ -216,7 +216,7 @@ class LocalRun:
             return json.loads(path.read_text()) if path.is_file() else None
         except (OSError, ValueError):
             return None
-        except Exception:  # noqa: BLE001 - S3 not ready yet: try again next poll
+        except Exception:  # S3 not ready yet: try again next poll
             return None
 
     def stop(self) -> None:
