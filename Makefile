@@ -61,9 +61,11 @@ cluster-down:
 kubeconfig:
 	@bash hack/cluster.sh kubeconfig
 
+# The chart installs its CRD from files/crds/ through a template (so crds.enabled and
+# crds.keep apply); a chart-level crds/ folder would be installed unconditionally.
 chart-crds:
-	mkdir -p charts/relaytrain/crds
-	cp crds/*.yaml charts/relaytrain/crds/
+	mkdir -p charts/relaytrain/files/crds
+	cp crds/*.yaml charts/relaytrain/files/crds/
 
 demo: deps
 	@bash hack/demo.sh
