@@ -45,7 +45,9 @@ def test_a_middle_stage_opens_only_the_shards_of_its_layers(
     assert len(wanted) < len(set(wm.values()))
     assert [i for i, _ in stage.layer_items()] == [2, 3]
     names = {n for n, _ in stage.model.named_parameters()}
-    assert not any("embed_tokens" in n or "lm_head" in n or n.startswith("model.norm") for n in names)
+    assert not any(
+        "embed_tokens" in n or "lm_head" in n or n.startswith("model.norm") for n in names
+    )
 
 
 def test_the_last_stage_of_a_tied_model_reads_the_embedding_as_its_head(model_dir: Path) -> None:
@@ -122,9 +124,7 @@ def test_peak_memory_of_a_stage_tracks_its_share(tmp_path: Path) -> None:
     model_dir = tiny_model_dir(
         tmp_path, layers=8, hidden=512, intermediate=1376, max_shard_size="20MB", tied=False
     )
-    layer_bytes = sum(
-        p.stat().st_size for p in model_dir.glob("*.safetensors")
-    ) / 8
+    layer_bytes = sum(p.stat().st_size for p in model_dir.glob("*.safetensors")) / 8
 
     def grow(start: int, end: int) -> float:
         out = subprocess.run(

@@ -1,0 +1,83 @@
+"""The worker's reading of the stage contract (docs/stage-contract.md)."""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+import pytest
+
+from relaytrain_worker.config import ConfigError, StageConfig
+
+pytestmark = pytest.mark.unit
+
+DOC: dict[str, Any] = {
+    "apiVersion": "relaytrain.io/v1alpha1",
+    "kind": "StageConfig",
+    "job": {"namespace": "default", "name": "smollm-lora", "uid": "u1"},
+    "stage": {"index": 1, "count": 3, "layerStart": 10, "layerEnd": 20},
+    "model": {"uri": "s3://models/smollm2-135m/", "dtype": "float32"},
+    "dataset": {"uri": "s3://data/train.jsonl", "format": "prompt-completion",
+                "textField": "text", "promptField": "prompt", "completionField": "completion",
+                "messagesField": "messages", "sequenceLength": 256, "packing": False},
+    "method": {"type": "lora", "rank": 8, "alpha": 16, "dropout": 0.0,
+               "targetModules": ["q_proj", "k_proj", "v_proj", "o_proj"]},
+    "training": {"steps": 100, "microBatchSize": 4, "microBatches": 8, "learningRate": 0.0002,
+                 "schedule": "cosine", "warmupSteps": 10, "weightDecay": 0.0,
+                 "maxGradNorm": 1.0, "seed": 42},
+    "pipeline": {"schedule": "1f1b", "compression": "int8"},
+    "links": {"listen": "0.0.0.0:29500", "next": "job-stage-2.job.default.svc:29500",
+              "secretEnv": "RELAYTRAIN_LINK_SECRET"},
+    "checkpoint": {"uri": "s3://relaytrain/checkpoints", "endpoint": "http://minio:9000",
+                   "accessKeyEnv": "AWS_ACCESS_KEY_ID", "secretKeyEnv": "AWS_SECRET_ACCESS_KEY",
+                   "everySteps": 20, "keep": 2},
+    "output": {"uri": "s3://relaytrain/adapters/smollm-lora/"},
+    "observability": {"port": 9400},
+}  # fmt: skip
+
+
+def test_the_contract_example_round_trips() -> None:
+    cfg = StageConfig.from_json(json.dumps(DOC))
+    assert cfg.stage.layerStart == 10 and cfg.method.targetModules[0] == "q_proj"
+    assert cfg.to_dict() == json.loads(json.dumps(DOC))
+
+
+def _with(path: str, value: Any) -> dict[str, Any]:
+    doc = copy.deepcopy(DOC)
+    *parents, leaf = path.split(".")
+    node = doc
+    for p in parents:
+        node = node[p]
+    if value is KeyError:
+        del node[leaf]
+    else:
+        node[leaf] = value
+    return doc
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "message"),
+    [
+        ("training.extra", 1, r"training.extra: unknown field"),
+        ("method.rank", KeyError, r"method.rank: required field is missing"),
+        ("pipeline.compression", "zstd", r"pipeline.compression: must be one of"),
+        ("training.steps", "100", r"training.steps: expected an integer"),
+        ("stage.layerEnd", 5, r"stage.layerStart/layerEnd"),
+        ("links.listen", None, r"links.listen: must be null on stage 0 and set"),
+        ("apiVersion", "relaytrain.io/v2", r"apiVersion: expected"),
+        ("dataset.packing", "yes", r"dataset.packing: expected true or false"),
+    ],
+)
+def test_bad_documents_name_the_field(path: str, value: Any, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        StageConfig.from_json(_with(path, value))
+
+
+def test_epochs_instead_of_steps() -> None:
+    doc = _with("training.steps", None)
+    doc["training"]["epochs"] = 2
+    assert StageConfig.from_json(doc).training.epochs == 2
+    doc["training"]["steps"] = 5
+    with pytest.raises(ConfigError, match="exactly one of steps and epochs"):
+        StageConfig.from_json(doc)
