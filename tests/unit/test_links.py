@@ -128,11 +128,14 @@ def test_large_frames_span_several_records(listener: Listener) -> None:
     up, down = _pair(listener)
     with up, down:
         big = torch.randn(3, 1024, 1024)  # 12 MiB > one 4 MiB record
+        empty = torch.empty(0, 4, dtype=torch.bfloat16)
         t, out = _in_thread(lambda: down.recv(timeout=30))
-        up.send(Frame("activation", 7, 1, {"h": big}))
+        up.send(Frame("activation", 7, 1, {"empty": empty, "h": big, "s": torch.tensor(2.5)}))
         t.join(30)
         got = out["value"]
         assert isinstance(got, Frame) and torch.equal(got.tensors["h"], big)
+        assert got.tensors["empty"].shape == (0, 4) and got.tensors["empty"].dtype == torch.bfloat16
+        assert got.tensors["s"].shape == () and got.tensors["s"].item() == 2.5
 
 
 def test_wrong_secret_is_refused_with_a_clear_message_and_logged(

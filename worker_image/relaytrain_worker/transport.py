@@ -34,6 +34,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from relaytrain_worker.compression import Compression, EncodedTensor, decode, encode
@@ -127,6 +128,7 @@ class Link:
         self._send_lock = threading.Lock()
         self._recv_lock = threading.Lock()
         self._closed = False
+        self._rbuf = bytearray(64 << 10)
 
     @property
     def closed(self) -> bool:
@@ -232,28 +234,29 @@ class Link:
         self.bytes_sent += len(prefix) + len(sealed)
 
     def _recv_record(self, limit: int) -> bytes:
-        prefix = self._recv_exact(_LEN.size)
+        prefix = bytes(self._recv_exact(_LEN.size))
         n = _LEN.unpack(prefix)[0]
         if n < _TAG or n > limit + _TAG:
             raise FrameRejected(f"record of {n} bytes from {self.peer} is out of bounds")
         sealed = self._recv_exact(n)
-        return self._receiver.open(sealed, bytes(prefix))
+        return self._receiver.open(sealed, prefix)
 
     def _recv_part(self, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
-        if nbytes == 0:
-            return torch.empty(0, dtype=dtype)
-        buf = bytearray(nbytes)
+        out = torch.empty(nbytes, dtype=torch.uint8)  # not zero-filled: every byte is written
+        array: Any = out.numpy()
         for off in range(0, nbytes, RECORD_BYTES):
             want = min(RECORD_BYTES, nbytes - off)
             plain = self._recv_record(RECORD_BYTES)
             if len(plain) != want:
                 raise FrameRejected(f"record of {len(plain)} bytes, expected {want}")
-            buf[off : off + want] = plain
-        return torch.frombuffer(buf, dtype=dtype)
+            array[off : off + want] = np.frombuffer(plain, dtype=np.uint8)
+        return out.view(dtype)
 
     def _recv_exact(self, n: int) -> memoryview:
-        buf = bytearray(n)
-        view = memoryview(buf)
+        """Read n bytes into the link's reusable buffer; valid until the next call."""
+        if len(self._rbuf) < n:
+            self._rbuf = bytearray(n)
+        view = memoryview(self._rbuf)[:n]
         got = 0
         while got < n:
             if not self._wait_readable(STALL_TIMEOUT):
