@@ -349,3 +349,17 @@ def test_recv_timeout_leaves_the_link_usable(listener: Listener) -> None:
 def test_short_secrets_are_refused_before_anything_is_sent() -> None:
     with pytest.raises(ValueError, match="at least 16"):
         listen("127.0.0.1:0", secret=b"short", job_id=JOB, stage=1)
+
+
+def test_closing_a_listener_wakes_a_blocked_accept() -> None:
+    lst = listen("127.0.0.1:0", secret=SECRET, job_id=JOB, stage=1)
+    t, out = _in_thread(lst.accept)
+    time.sleep(0.2)
+    lst.close()
+    t.join(5)
+    assert isinstance(out.get("error"), LinkBroken)
+    with (
+        listen("127.0.0.1:0", secret=SECRET, job_id=JOB, stage=1) as idle,
+        pytest.raises(TimeoutError),
+    ):
+        idle.accept(timeout=0)

@@ -282,6 +282,7 @@ class Listener:
     def __init__(self, sock: socket.socket, me: Identity) -> None:
         self._sock = sock
         self._me = me
+        self._closed = False
 
     @property
     def address(self) -> tuple[str, int]:
@@ -296,12 +297,18 @@ class Listener:
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise TimeoutError(f"no peer connected within {timeout} s")
             self._sock.settimeout(left)
             try:
                 conn, addr = self._sock.accept()
             except TimeoutError:
                 raise TimeoutError(f"no peer connected within {timeout} s") from None
+            except OSError as e:
+                if self._closed:
+                    raise LinkBroken("the listener was closed") from None
+                raise LinkBroken(f"accepting a link failed: {e}") from e
             peer = _fmt_addr(addr)
             _tune(conn)
             conn.settimeout(HANDSHAKE_TIMEOUT)
@@ -320,6 +327,10 @@ class Listener:
             return Link(conn, session.sender, session.receiver, peer, session.peer_stage)
 
     def close(self) -> None:
+        """Stop listening; an ``accept`` blocked in another thread raises LinkBroken."""
+        self._closed = True
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes a blocked accept() on Linux
         self._sock.close()
 
     def __enter__(self) -> Listener:
