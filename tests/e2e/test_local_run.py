@@ -1,0 +1,161 @@
+"""`relaytrain run --local` with real stage processes: recovery, corrupt checkpoints, secrets.
+
+Tiny random Llama models (no downloads); every stage is its own `python -m
+relaytrain_worker` process on loopback links, supervised by local_run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from relaytrain_worker.testing import CORPUS, tiny_model_dir
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[2]
+EVERY = 3
+STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("local")
+    tiny_model_dir(root / "model", layers=4)
+    with (root / "data.jsonl").open("w") as f:
+        for i in range(48):
+            record = {"prompt": f"q{i}: {CORPUS[i % 5][:12]}", "completion": CORPUS[(i + 1) % 5]}
+            f.write(json.dumps(record) + "\n")
+    return root
+
+
+def _job(root: Path, name: str, **training: Any) -> Path:
+    manifest = {
+        "apiVersion": "relaytrain.io/v1alpha1",
+        "kind": "FineTuneJob",
+        "metadata": {"name": name},
+        "spec": {
+            "model": {"uri": str(root / "model"), "dtype": "float32"},
+            "dataset": {"uri": str(root / "data.jsonl"), "format": "prompt-completion",
+                        "sequenceLength": 24},
+            "method": {"type": "lora", "rank": 4, "alpha": 8, "targetModules": ["q_proj", "v_proj"]},
+            "training": {"steps": STEPS, "microBatchSize": 2, "microBatches": 2,
+                         "learningRate": 0.01, "warmupSteps": 1, **training},
+            "pipeline": {"stages": 2, "compression": "none"},
+            "checkpoint": {"uri": str(root / "ckpt"), "everySteps": EVERY, "keep": 2},
+            "failurePolicy": {"maxStageRestarts": 2, "backoffSeconds": 0},
+        },
+    }  # fmt: skip
+    path = root / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(manifest))
+    return path
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "operator"), str(REPO / "worker_image")])
+    return env
+
+
+def _run(job: Path, workdir: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "relaytrain_operator.cli", "run", str(job), "--local",
+         "--workdir", str(workdir), "--no-progress"],
+        env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+
+
+def _losses(ckpt: Path, name: str) -> list[float]:
+    history = json.loads((ckpt / "default" / name / "loss-history.json").read_text())
+    return [e["loss"] for e in history]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(workspace: Path) -> list[float]:
+    proc = _run(_job(workspace, "calm"), workspace / "wd-calm")
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out
+    assert "finalLoss" in out and (workspace / "wd-calm" / "loss.png").is_file()
+    return _losses(workspace / "ckpt", "calm")
+
+
+def test_kill_9_of_a_stage_is_survived(workspace: Path, uninterrupted: list[float]) -> None:
+    workdir = workspace / "wd-kill"
+    proc = _run(_job(workspace, "kill"), workdir)
+    progress = workspace / "ckpt" / "default" / "kill" / "progress.json"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if progress.is_file() and json.loads(progress.read_text())["step"] >= EVERY + 2:
+            break
+        time.sleep(0.2)
+    else:
+        proc.kill()
+        pytest.fail("the run never reached the step to kill at")
+    before = json.loads((workdir / "state.json").read_text())["stages"]
+    victim = before[1]["pid"]
+    os.kill(victim, signal.SIGKILL)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out
+    after = json.loads((workdir / "state.json").read_text())["stages"]
+    assert after[0]["pid"] == before[0]["pid"]  # the survivor kept its process
+    assert after[1]["pid"] != victim and after[1]["restarts"] == 1
+    log0 = (workdir / "stages" / "stage-0.log").read_text()
+    lost = int(re.search(r"lost a link at step (\d+)", log0).group(1))  # type: ignore[union-attr]
+    restored = [int(s) for s in re.findall(r"restored committed step (\d+)", log0)]
+    assert restored and lost - restored[-1] <= EVERY  # at most one interval redone
+    # Same seed, same data positions, restored optimizer and RNG: the curve after the
+    # rollback is the uninterrupted one (tolerance only for float summation order).
+    losses = _losses(workspace / "ckpt", "kill")
+    assert len(losses) == STEPS
+    assert losses[-1] == pytest.approx(uninterrupted[-1], rel=1e-6)
+    adapter = workspace / "ckpt" / "default" / "kill" / "output" / "adapter_model.safetensors"
+    assert adapter.is_file()
+
+
+def test_a_corrupt_manifest_is_never_restored(workspace: Path, uninterrupted: list[float]) -> None:
+    job_dir = workspace / "ckpt" / "default" / "calm"
+    manifest = job_dir / f"step-{STEPS}" / "manifest.json"
+    manifest.write_text(manifest.read_text()[:-20] + "garbage")
+    (job_dir / "output" / "adapter_model.safetensors").unlink()
+    proc = _run(_job(workspace, "calm"), workspace / "wd-calm")
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out
+    logs = "".join(p.read_text() for p in (workspace / "wd-calm" / "stages").glob("*.log"))
+    assert f"Skipped checkpoint step {STEPS}" in logs
+    assert f"restored committed step {STEPS - EVERY}" in logs
+    assert (job_dir / "output" / "adapter_model.safetensors").is_file()
+    assert _losses(workspace / "ckpt", "calm")[-1] == pytest.approx(uninterrupted[-1], rel=1e-6)
+
+
+def test_a_peer_with_the_wrong_secret_is_refused(workspace: Path) -> None:
+    from relaytrain_operator.local_run import LocalRun
+    from relaytrain_operator.spec import parse_job
+
+    manifest = yaml.safe_load(_job(workspace, "secret").read_text())
+    run = LocalRun(parse_job(manifest), workspace / "wd-secret", None)
+    env_a = {**_env(), "RELAYTRAIN_LINK_SECRET": "a" * 64}
+    env_b = {**_env(), "RELAYTRAIN_LINK_SECRET": "b" * 64}
+    cmd = [sys.executable, "-m", "relaytrain_worker", "--config"]
+    listener = subprocess.Popen([*cmd, str(run.stages[1].config_path)], env=env_a,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        intruder = subprocess.run([*cmd, str(run.stages[0].config_path)], env=env_b,
+                                  capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert intruder.returncode == 4, intruder.stderr
+        assert "link refused" in intruder.stderr
+        assert listener.poll() is None  # the listening stage is unharmed and still waiting
+    finally:
+        listener.kill()
+        out = listener.communicate()[0]
+    assert "Refused link" in out
+    assert not (workspace / "ckpt" / "default" / "secret").exists()  # nothing half-written
