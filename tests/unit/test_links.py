@@ -104,11 +104,11 @@ def test_frames_arrive_in_order_with_ids_tensors_and_meta(listener: Listener) ->
 def test_compressed_frames_shrink_on_the_wire_and_decode_close(listener: Listener) -> None:
     up, down = _pair(listener)
     with up, down:
-        h = torch.randn(4, 128, 576)
+        h = torch.randn(4, 512, 576)  # a micro-batch of 4 x 512 tokens at SmolLM2's width
         sizes = {}
         for mode in ("bf16", "int8", "int4"):
             before = up.bytes_sent
-            labels = torch.randint(-100, 49152, (4, 128))
+            labels = torch.randint(-100, 49152, (4, 512))
             up.send(Frame("activation", 0, 0, {"h": h, "labels": labels}), mode)
             got_frame = down.recv(timeout=5)
             assert torch.equal(got_frame.tensors["labels"], labels)

@@ -145,11 +145,13 @@ class Link:
                 "shape": list(enc.shape), "data": _nbytes(enc.data),
                 "scales": None if enc.scales is None else _nbytes(enc.scales),
                 "wire": None if enc.wire_dtype is None else str(enc.wire_dtype),
+                "channels": None if enc.channel_scales is None else _nbytes(enc.channel_scales),
             }  # fmt: skip
             layout.append(entry)
             parts.append(_bytes_view(enc.data))
-            if enc.scales is not None:
-                parts.append(_bytes_view(enc.scales))
+            for extra in (enc.scales, enc.channel_scales):
+                if extra is not None:
+                    parts.append(_bytes_view(extra))
         header = {
             "kind": frame.kind, "step": frame.step, "micro": frame.micro,
             "meta": frame.meta, "tensors": layout,
@@ -185,10 +187,13 @@ class Link:
                     scales = None
                     if entry["scales"] is not None:
                         scales = self._recv_part(entry["scales"], torch.bfloat16)
+                    channels = None
+                    if entry.get("channels") is not None:
+                        channels = self._recv_part(entry["channels"], torch.bfloat16)
                     wire = entry.get("wire")
                     enc = EncodedTensor(
                         entry["mode"], _dtype(entry["dtype"]), tuple(entry["shape"]),
-                        data, scales, None if wire is None else _dtype(wire),
+                        data, scales, None if wire is None else _dtype(wire), channels,
                     )  # fmt: skip
                     tensors[entry["name"]] = decode(enc)
             except LinkBroken:
