@@ -56,6 +56,14 @@ def test_a_step_commits_only_once_every_stage_has_saved(store: LocalStore) -> No
     assert all(len(f["sha256"]) == 64 for f in listed.values())
 
 
+def test_a_survivor_can_check_its_own_copy_against_the_commit(store: LocalStore) -> None:
+    _save_all(store, 10)
+    assert ckpt.matches_commit(store, JOB, 10, 1, _files(10, 1))
+    assert not ckpt.matches_commit(store, JOB, 10, 1, _files(10, 2))
+    assert not ckpt.matches_commit(store, JOB, 10, 1, {**_files(10, 1), "extra": b""})
+    assert not ckpt.matches_commit(store, JOB, 10, 7, _files(10, 1))
+
+
 def test_partial_newer_step_is_ignored(store: LocalStore) -> None:
     _save_all(store, 10)
     ckpt.save_stage(store, JOB, 20, 0, _files(20, 0))  # stage 1 and 2 died before saving

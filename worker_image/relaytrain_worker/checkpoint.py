@@ -247,6 +247,23 @@ def load_stage(store: Store, job_prefix: str, step: int, stage: int) -> dict[str
     return out
 
 
+def matches_commit(
+    store: Store, job_prefix: str, step: int, stage: int, files: Mapping[str, bytes]
+) -> bool:
+    """Whether an in-memory copy of a stage's files is exactly what ``step`` committed.
+
+    Lets a surviving stage roll back from the copy it kept when it saved, without
+    downloading its own files again (only the small manifest is read).
+    """
+    entry = read_manifest(store, job_prefix, step)["stages"].get(str(stage))
+    if entry is None or set(entry["files"]) != set(files):
+        return False
+    return all(
+        len(files[name]) == meta["size"] and _sha256(files[name]) == meta["sha256"]
+        for name, meta in entry["files"].items()
+    )
+
+
 def _delete_step(store: Store, job_prefix: str, step: int) -> None:
     store.delete(manifest_key(job_prefix, step))  # uncommit first
     for key in store.list(step_key(job_prefix, step) + "/"):
