@@ -18,7 +18,6 @@ from typing import Any
 
 import pytest
 import yaml
-
 from relaytrain_worker.testing import CORPUS, tiny_model_dir
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -48,7 +47,8 @@ def _job(root: Path, name: str, **training: Any) -> Path:
             "model": {"uri": str(root / "model"), "dtype": "float32"},
             "dataset": {"uri": str(root / "data.jsonl"), "format": "prompt-completion",
                         "sequenceLength": 24},
-            "method": {"type": "lora", "rank": 4, "alpha": 8, "targetModules": ["q_proj", "v_proj"]},
+            "method": {"type": "lora", "rank": 4, "alpha": 8,
+                       "targetModules": ["q_proj", "v_proj"]},
             "training": {"steps": STEPS, "microBatchSize": 2, "microBatches": 2,
                          "learningRate": 0.01, "warmupSteps": 1, **training},
             "pipeline": {"stages": 2, "compression": "none"},
@@ -146,11 +146,15 @@ def test_a_peer_with_the_wrong_secret_is_refused(workspace: Path) -> None:
     env_a = {**_env(), "RELAYTRAIN_LINK_SECRET": "a" * 64}
     env_b = {**_env(), "RELAYTRAIN_LINK_SECRET": "b" * 64}
     cmd = [sys.executable, "-m", "relaytrain_worker", "--config"]
-    listener = subprocess.Popen([*cmd, str(run.stages[1].config_path)], env=env_a,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    listener = subprocess.Popen(
+        [*cmd, str(run.stages[1].config_path)],
+        env=env_a, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
     try:
-        intruder = subprocess.run([*cmd, str(run.stages[0].config_path)], env=env_b,
-                                  capture_output=True, text=True, timeout=300)  # fmt: skip
+        intruder = subprocess.run(
+            [*cmd, str(run.stages[0].config_path)],
+            env=env_b, capture_output=True, text=True, timeout=300, check=False,
+        )  # fmt: skip
         assert intruder.returncode == 4, intruder.stderr
         assert "link refused" in intruder.stderr
         assert listener.poll() is None  # the listening stage is unharmed and still waiting

@@ -7,7 +7,6 @@ import json
 from typing import Any
 
 import pytest
-
 from relaytrain_worker.config import ConfigError, StageConfig
 
 pytestmark = pytest.mark.unit

@@ -7,11 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer
-
 from relaytrain_worker.config import DatasetSpec
 from relaytrain_worker.data import IGNORE, DataError, load_step_data
 from relaytrain_worker.testing import save_tokenizer
+from transformers import AutoTokenizer
 
 pytestmark = pytest.mark.unit
 
@@ -103,7 +102,8 @@ def test_a_sequence_longer_than_the_model_allows_is_refused(
     path = _write(tmp_path, [{"prompt": "p", "completion": "c"}])
     with pytest.raises(
         DataError,
-        match=r"dataset.sequenceLength 4096 is longer than the model allows \(max_position_embeddings 128\)",
+        match=r"dataset.sequenceLength 4096 is longer than the model allows "
+        r"\(max_position_embeddings 128\)",
     ):
         _load(_spec(path, length=4096), tokenizer)
 

@@ -9,7 +9,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 from relaytrain_worker import model_slice
 from relaytrain_worker.model_slice import SliceSpec, build_stage_model
 from relaytrain_worker.shards import ModelLoadError
@@ -90,7 +89,7 @@ def test_a_truncated_shard_is_named(model_dir: Path, tmp_path: Path) -> None:
 
 
 def test_a_directory_without_a_model_is_named(tmp_path: Path) -> None:
-    with pytest.raises(ModelLoadError, match="no config.json"):
+    with pytest.raises(ModelLoadError, match=r"no config\.json"):
         build_stage_model(tmp_path, SliceSpec(0, 1, True, True))
 
 

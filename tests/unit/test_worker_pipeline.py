@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from relaytrain_worker.config import TrainingSpec
 from relaytrain_worker.model_slice import SliceSpec, build_stage_model
 from relaytrain_worker.schedule import MicroBatch, one_f_one_b
@@ -143,7 +142,6 @@ def test_one_f_one_b_order_bounds_activations_in_flight() -> None:
 
 def test_qlora_trains_adapters_on_a_4bit_base(llama_dir: Path) -> None:
     import bitsandbytes as bnb
-
     from relaytrain_worker.quant import quantize_slice
 
     stage = build_stage_model(llama_dir, SliceSpec(0, 2, True, False))

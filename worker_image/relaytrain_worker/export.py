@@ -56,7 +56,7 @@ def _export_adapter(
         cfg.method.rank, cfg.method.alpha, cfg.method.dropout, cfg.method.targetModules
     )
     config.base_model_name_or_path = str(cfg.model.uri)
-    doc: dict[str, Any] = config.to_dict()
+    doc: dict[str, Any] = config.to_dict()  # type: ignore[no-untyped-call]
     doc = json.loads(json.dumps(doc, default=_jsonable))
     # Written last: a reader that sees adapter_config.json sees a complete adapter.
     out.put("adapter_model.safetensors", safetensors.torch.save(merged, {"format": "pt"}))

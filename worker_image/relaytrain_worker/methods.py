@@ -29,7 +29,7 @@ def lora_config(
     """The peft LoRA config of a job (also written into adapter_config.json)."""
     return LoraConfig(
         r=rank,
-        lora_alpha=alpha,
+        lora_alpha=alpha,  # type: ignore[arg-type] # peft scales by alpha/r; floats work
         lora_dropout=dropout,
         target_modules=list(targets),
         bias="none",
@@ -73,8 +73,9 @@ def _fix_cpu_4bit(model: nn.Module) -> None:
     """bitsandbytes' CPU path drops gradients unless the avx512-bf16 kernel is off."""
     import bitsandbytes as bnb
 
+    linear4bit = bnb.nn.Linear4bit  # type: ignore[attr-defined]
     for module in model.modules():
-        if isinstance(module, bnb.nn.Linear4bit) and hasattr(module, "support_avx512bf16_for_cpu"):
+        if isinstance(module, linear4bit) and hasattr(module, "support_avx512bf16_for_cpu"):
             module.support_avx512bf16_for_cpu = False
 
 

@@ -53,7 +53,7 @@ def load_config(model_dir: Path) -> PretrainedConfig:
     """Read config.json; the error names the directory when it is not a model."""
     if not (model_dir / "config.json").is_file():
         raise ModelLoadError(f"{model_dir}: no config.json (is this a Hugging Face model?)")
-    config = AutoConfig.from_pretrained(str(model_dir))
+    config: PretrainedConfig = AutoConfig.from_pretrained(str(model_dir))
     # sdpa is transformers' default; pin it so every stage and the reference agree.
     config._attn_implementation = "sdpa"
     return config
@@ -94,7 +94,8 @@ class StageModel(nn.Module):
             )
         if self.spec.last:
             hidden = inner.norm(hidden)
-            return self.model.lm_head(hidden)  # type: ignore[no-any-return]
+            head: Any = self.model.lm_head
+            return head(hidden)  # type: ignore[no-any-return]
         return hidden
 
 
@@ -148,7 +149,7 @@ def _build_stage_model(model_dir: Path, spec: SliceSpec, dtype: str) -> StageMod
         )
     tied = bool(getattr(config, "tie_word_embeddings", False))
     with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])
+        model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])  # type: ignore[no-untyped-call]
     inner = model.model
     inner.layers = nn.ModuleDict(
         {str(i): inner.layers[i] for i in range(spec.layer_start, spec.layer_end)}

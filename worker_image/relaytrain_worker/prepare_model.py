@@ -57,7 +57,7 @@ def prepare(out: Path) -> Path:
     config = model.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    clean = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    clean = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
     clean.load_state_dict(model.state_dict())
     clean.save_pretrained(str(tmp), max_shard_size=SHARD_SIZE)
     tokenizer.save_pretrained(str(tmp))

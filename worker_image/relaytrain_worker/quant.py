@@ -25,7 +25,7 @@ def quantize_slice(stage: StageModel, device: str | None = None) -> int:
                 if not isinstance(child, nn.Linear):
                     continue
                 dtype = child.weight.dtype
-                q = bnb.nn.Linear4bit(
+                q = bnb.nn.Linear4bit(  # type: ignore[attr-defined,no-untyped-call]
                     child.in_features,
                     child.out_features,
                     bias=child.bias is not None,
@@ -33,7 +33,7 @@ def quantize_slice(stage: StageModel, device: str | None = None) -> int:
                     quant_type="nf4",
                     device="meta",
                 )
-                q.weight = bnb.nn.Params4bit(
+                q.weight = bnb.nn.Params4bit(  # type: ignore[attr-defined]
                     child.weight.data.to(torch.float32 if dtype == torch.float32 else dtype),
                     requires_grad=False,
                     quant_type="nf4",

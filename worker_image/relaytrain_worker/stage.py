@@ -270,7 +270,10 @@ class StageRuntime:
         )
         while self.step < self.total_steps:
             started = time.monotonic()
-            micros = self.data.step(self.step) if self.cfg.stage.is_first else None
+            micros = None
+            if self.cfg.stage.is_first:
+                assert self.data is not None
+                micros = self.data.step(self.step)
             result = runner.run(self.step, micros, t.microBatches)
             optimizer_step(self.optimizer, self.scheduler)
             self.step += 1
@@ -325,7 +328,13 @@ class StageRuntime:
             write_progress(
                 self.store,
                 self.prefix,
-                Progress(self.step, self.total_steps, last["loss"], last["tokensPerSecond"], step),
+                Progress(
+                    self.step,
+                    self.total_steps,
+                    last["loss"],
+                    float(last["tokensPerSecond"] or 0.0),
+                    step,
+                ),
             )
 
     def _finish(self) -> None:
@@ -347,7 +356,7 @@ class StageRuntime:
                 self.total_steps,
                 self.total_steps,
                 last["loss"],
-                last["tokensPerSecond"],
+                float(last["tokensPerSecond"] or 0.0),
                 self.total_steps,
                 done=True,
                 output=self.cfg.output.uri,

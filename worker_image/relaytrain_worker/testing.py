@@ -56,7 +56,7 @@ def save_tokenizer(out: Path, vocab_size: int = 320) -> int:
         show_progress=False,
     )
     tok.train_from_iterator(CORPUS * 4, trainer)
-    fast = PreTrainedTokenizerFast(
+    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=tok,
         bos_token="<|endoftext|>",
         eos_token="<|endoftext|>",
@@ -100,7 +100,7 @@ def tiny_model_dir(
         eos_token_id=0,
     )
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
+    model = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
     model.save_pretrained(str(out), max_shard_size=max_shard_size)
     return out
 
@@ -254,7 +254,7 @@ def run_reference(
             ).logits
             part = token_loss_sum(logits, mb.labels)
             total += float(part.detach())
-            (part / items).backward()
+            (part / items).backward()  # type: ignore[no-untyped-call]
         if training.maxGradNorm > 0:
             torch.nn.utils.clip_grad_norm_([p for _, p in trainable], training.maxGradNorm)
         run.losses.append(float(total / items))

@@ -30,7 +30,7 @@ def make_optimizer(
         num_warmup_steps=spec.warmupSteps,
         num_training_steps=spec.steps,
     )
-    return optimizer, scheduler  # type: ignore[return-value]
+    return optimizer, scheduler
 
 
 def optimizer_step(
