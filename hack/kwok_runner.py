@@ -172,7 +172,6 @@ class KwokProcessRunner:
     def _finish(self, pod: Any, local: LocalPod) -> None:
         code = local.process.returncode
         self._forget(local, kill=False)
-        self.finished[local.uid] = code
         phase = "Succeeded" if code == 0 else "Failed"
         reason = "Completed" if code == 0 else ("OOMKilled" if code == -9 else "Error")
         now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -219,6 +218,9 @@ class KwokProcessRunner:
             _kill(local.process)
         with self._lock:
             self.pods.pop(local.uid, None)
+        # The exit code stays readable: 0 when the process ended by itself, -15 when the
+        # pod's deletion stopped it, as a kubelet's SIGTERM would.
+        self.finished[local.uid] = local.process.returncode
 
     # -- env and addresses ------------------------------------------------------------
     def _resolve_env(self, pod: Any, env: list[Any]) -> dict[str, str]:
