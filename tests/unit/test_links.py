@@ -363,3 +363,38 @@ def test_closing_a_listener_wakes_a_blocked_accept() -> None:
         pytest.raises(TimeoutError),
     ):
         idle.accept(timeout=0)
+
+
+def test_both_directions_carry_large_frames_at_once(listener: Listener) -> None:
+    # 1F1B: activations go down while gradients come up; each side sends on its own thread.
+    up, down = _pair(listener)
+    with up, down:
+        fwd = [torch.randn(2, 512, 1024) for _ in range(3)]  # 4 MiB each, > socket buffers
+        bwd = [torch.randn(2, 512, 1024) for _ in range(3)]
+        t1, _ = _in_thread(
+            lambda: [up.send(Frame("activation", 0, i, {"h": h})) for i, h in enumerate(fwd)]
+        )
+        t2, _ = _in_thread(
+            lambda: [down.send(Frame("gradient", 0, i, {"g": g})) for i, g in enumerate(bwd)]
+        )
+        got_fwd = [down.recv(timeout=30) for _ in fwd]
+        got_bwd = [up.recv(timeout=30) for _ in bwd]
+        t1.join(30)
+        t2.join(30)
+        assert all(torch.equal(f.tensors["h"], h) for f, h in zip(got_fwd, fwd, strict=True))
+        assert all(torch.equal(f.tensors["g"], g) for f, g in zip(got_bwd, bwd, strict=True))
+
+
+def test_a_peer_that_stalls_mid_frame_is_declared_gone(
+    listener: Listener, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import relaytrain_worker.transport as transport
+
+    monkeypatch.setattr(transport, "STALL_TIMEOUT", 0.5)
+    up, down = _pair(listener)
+    with up, down:
+        up._sock.sendall(struct.pack(">I", 100) + b"x" * 10)  # a record that never completes
+        start = time.monotonic()
+        with pytest.raises(LinkBroken, match="stalled"):
+            down.recv(timeout=5)
+        assert time.monotonic() - start < 3
