@@ -76,22 +76,22 @@ class StageMetrics:
         ).labels(**labels)
         self._health_gauge = gauge("relaytrain_healthy", "1 if the stage is healthy, else 0")
         self._lock = threading.Lock()
-        self._seen: dict[tuple[str, int], tuple[int, int]] = {}
+        # Per link name: the link object last seen (kept, so a new one can never be mistaken
+        # for it by a reused id()) and its counters then.
+        self._seen: dict[str, tuple[LinkCounters, int, int]] = {}
         self._health: Health = "starting"
         self._detail: dict[str, Any] = {}
         self.set_health("starting")
 
     def update_link(self, name: str, link: LinkCounters) -> None:
         """Add what ``link`` moved since the last call (new links after a reconnect are fine)."""
+        sent, received = link.bytes_sent, link.bytes_received
         with self._lock:
-            key = (name, id(link))
-            sent0, recv0 = self._seen.get(key, (0, 0))
-            self._seen = {k: v for k, v in self._seen.items() if k[0] != name}
-            self._seen[key] = (link.bytes_sent, link.bytes_received)
-        self._bytes_sent.labels(**self._labels, link=name).inc(max(0, link.bytes_sent - sent0))
-        self._bytes_received.labels(**self._labels, link=name).inc(
-            max(0, link.bytes_received - recv0)
-        )
+            last = self._seen.get(name)
+            sent0, recv0 = (last[1], last[2]) if last is not None and last[0] is link else (0, 0)
+            self._seen[name] = (link, sent, received)
+        self._bytes_sent.labels(**self._labels, link=name).inc(max(0, sent - sent0))
+        self._bytes_received.labels(**self._labels, link=name).inc(max(0, received - recv0))
         if link.raw_bytes_sent:
             ratio = link.payload_bytes_sent / link.raw_bytes_sent
             self._ratio.labels(**self._labels, link=name).set(ratio)
