@@ -113,6 +113,9 @@ def test_kill_9_of_a_stage_is_survived(workspace: Path, uninterrupted: list[floa
     lost = int(re.search(r"lost a link at step (\d+)", log0).group(1))  # type: ignore[union-attr]
     restored = [int(s) for s in re.findall(r"restored committed step (\d+)", log0)]
     assert restored and lost - restored[-1] <= EVERY  # at most one interval redone
+    # The survivor rolled back from its own copy (checked against the manifest), without
+    # restarting or reloading the base model.
+    assert f"Stage 0 rolls back from its own copy of step {restored[-1]}" in log0
     # Same seed, same data positions, restored optimizer and RNG: the curve after the
     # rollback is the uninterrupted one (tolerance only for float summation order).
     losses = _losses(workspace / "ckpt", "kill")

@@ -105,6 +105,8 @@ class StageRuntime:
         self.losses: list[dict[str, Any]] = []
         self.last_committed: int | None = None
         self.step = 0
+        self.kept: tuple[int, dict[str, bytes]] | None = None
+        """(step, files) of this stage's last save, to roll back without a download."""
 
     # -- setup -----------------------------------------------------------------------
 
@@ -149,7 +151,7 @@ class StageRuntime:
         if step is None:
             self._reset()
             return 0
-        files = ckpt.load_stage(self.store, self.prefix, step, self.k)
+        files = self._committed_files(step)
         tensors = safetensors.torch.load(files[TRAINABLE_FILE])
         with torch.no_grad():
             for name, param in self.trainable:
@@ -159,6 +161,18 @@ class StageRuntime:
         self.last_committed = step
         log.info("Stage %d restored committed step %d", self.k, step)
         return step
+
+    def _committed_files(self, step: int) -> dict[str, bytes]:
+        """A surviving stage's own copy when it is what `step` committed, else the store's."""
+        kept = self.kept
+        if (
+            kept is not None
+            and kept[0] == step
+            and ckpt.matches_commit(self.store, self.prefix, step, self.k, kept[1])
+        ):
+            log.info("Stage %d rolls back from its own copy of step %d", self.k, step)
+            return kept[1]
+        return ckpt.load_stage(self.store, self.prefix, step, self.k)
 
     def _reset(self) -> None:
         """The state before step 0: fresh adapter (or base weights), optimizer and RNG."""
@@ -313,7 +327,10 @@ class StageRuntime:
 
     def _checkpoint(self, peers: Peers, step: int) -> None:
         started = time.monotonic()
-        ckpt.save_stage(self.store, self.prefix, step, self.k, self._files(step))
+        files = self._files(step)
+        ckpt.save_stage(self.store, self.prefix, step, self.k, files)
+        # Adapters are small: keep the copy for a rollback. Full weights are not kept twice.
+        self.kept = (step, files) if self.cfg.method.type != "full" else None
         self.metrics.checkpoint_seconds.observe(time.monotonic() - started)
         if peers.prev is not None:
             peers.prev.recv("saved", step)
