@@ -9,7 +9,9 @@ Run: .venv/bin/python bench/bench_compression.py [--quick] [--json OUT]
 2. Encode and decode throughput of each mode (MB/s of fp32 input) on this CPU (best of N).
 3. Link throughput over loopback for `none` and `int8` (MB/s of fp32 tensor data moved, and
    of bytes on the wire), a sender and a receiver thread, AES-GCM included.
-4. Loss after a fixed run: a tiny random Llama (4 layers, hidden 256) LoRA-trained for a
+4. A 200 Mbit/s link (emulated by pacing the sender): activations moved per second per
+   mode, and the wire rate achieved as a share of the link's rate.
+5. Loss after a fixed run: a tiny random Llama (4 layers, hidden 256) LoRA-trained for a
    fixed number of steps on a small repeated data set through 2 stages (threads, real
    links), once per mode; the final loss of each mode against `none`.
 """
@@ -146,6 +148,28 @@ def link_throughput(hidden: int, batch: int, seq: int, frames: int) -> dict[str,
     return out
 
 
+def slow_link(mbit: float, frames: int) -> dict[str, Any]:
+    up, down = _pair()
+    rate = mbit * 1e6 / 8
+    up.limit_rate(rate)
+    h = _micro_batch(4, 512, 576)["hidden"]  # one SmolLM2 micro-batch of 2048 tokens
+    out = {}
+    for mode in COMPRESSIONS:
+        _exchange(up, down, Frame("activation", 0, -1, {"h": h}), mode)  # warm-up
+        wire0 = up.bytes_sent
+        start = time.perf_counter()
+        for i in range(frames):
+            _exchange(up, down, Frame("activation", 0, i, {"h": h}), mode)
+        secs = time.perf_counter() - start
+        out[mode] = {
+            "tokens_per_s": 2048 * frames / secs,
+            "link_use": (up.bytes_sent - wire0) / secs / rate,
+        }
+    up.close()
+    down.close()
+    return out
+
+
 def loss_after_fixed_run(quick: bool) -> dict[str, Any]:
     import tempfile
 
@@ -216,6 +240,15 @@ def main() -> None:
             f"  {mode:>5}: {r['tensor_MBps']:8.0f} MB/s of tensors, "
             f"{r['wire_MBps']:8.0f} MB/s on the wire ({r['frame_MB']:.1f} MB frames)"
         )
+    print("\nA 200 Mbit/s link: boundary tokens per second (SmolLM2 width, fp32 activations)")
+    slow = slow_link(200, frames=3 if args.quick else 8)
+    results["slow_link"] = slow
+    for mode, r in slow.items():
+        print(
+            f"  {mode:>5}: {r['tokens_per_s']:9.0f} tokens/s  "
+            f"({100 * r['link_use']:.1f}% of the link's rate used)"
+        )
+
     print("\nLoss after a fixed LoRA run (tiny Llama, 2 stages), final loss vs none")
     losses = loss_after_fixed_run(args.quick)
     results["loss"] = losses

@@ -398,3 +398,22 @@ def test_a_peer_that_stalls_mid_frame_is_declared_gone(
         with pytest.raises(LinkBroken, match="stalled"):
             down.recv(timeout=5)
         assert time.monotonic() - start < 3
+
+
+def test_a_rate_limited_link_emulates_a_slow_network(listener: Listener) -> None:
+    up, down = _pair(listener)
+    with up, down:
+        up.limit_rate(20e6)  # 20 MB/s, i.e. a 160 Mbit/s link
+        h = torch.randn(2_000_000)  # 8 MB -> at least 0.4 s on the wire
+        t, out = _in_thread(lambda: down.recv(timeout=30))
+        start = time.monotonic()
+        up.send(Frame("activation", 0, 0, {"h": h}))
+        t.join(30)
+        elapsed = time.monotonic() - start
+        assert isinstance(out.get("value"), Frame)
+        assert 0.39 <= elapsed < 3.0
+        up.limit_rate(None)
+        start = time.monotonic()
+        up.send(Frame("control", 1, -1))
+        assert down.recv(timeout=5).step == 1
+        assert time.monotonic() - start < 0.3

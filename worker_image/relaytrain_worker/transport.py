@@ -127,12 +127,22 @@ class Link:
         self.frames_received = 0
         self._send_lock = threading.Lock()
         self._recv_lock = threading.Lock()
+        self._rate: float | None = None
+        self._paced_until = 0.0
         self._closed = False
         self._rbuf = bytearray(64 << 10)
 
     @property
     def closed(self) -> bool:
         return self._closed
+
+    def limit_rate(self, bytes_per_second: float | None) -> None:
+        """Cap what this end sends (None: no cap), to emulate a slow link in benchmarks and
+        tests on one machine (loopback moves GB/s; the links relaytrain targets 25-125 MB/s)."""
+        if bytes_per_second is not None and bytes_per_second <= 0:
+            raise ValueError("rate must be positive")
+        self._rate = bytes_per_second
+        self._paced_until = time.monotonic()
 
     def send(self, frame: Frame, compression: Compression | str = "none") -> None:
         """Send ``frame``; floating tensors are encoded with ``compression``."""
@@ -236,6 +246,14 @@ class Link:
         prefix = _LEN.pack(len(plaintext) + _TAG)
         sealed = self._sender.seal(plaintext, prefix)
         _sendv(self._sock, prefix, sealed)
+        if self._rate is not None:
+            # Token-bucket pacing: each record may leave only when the link would be free.
+            now = time.monotonic()
+            self._paced_until = (
+                max(self._paced_until, now) + (len(prefix) + len(sealed)) / self._rate
+            )
+            if self._paced_until > now:
+                time.sleep(self._paced_until - now)
         self.bytes_sent += len(prefix) + len(sealed)
 
     def _recv_record(self, limit: int) -> bytes:
