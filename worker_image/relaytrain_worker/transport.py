@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from relaytrain_worker.compression import Compression, EncodedTensor, decode, encode
+from relaytrain_worker.compression import Compression, EncodedTensor, check_mode, decode, encode
 from relaytrain_worker.linkauth import (
     AuthError,
     FrameRejected,
@@ -179,6 +179,9 @@ class Link:
             except OSError as e:
                 self._fail()
                 raise LinkBroken(f"link to {self.peer} broke while sending: {e}") from e
+            except BaseException:
+                self._fail()  # a half-sent frame cannot be taken back: the link is unusable
+                raise
             self.frames_sent += 1
             self.raw_bytes_sent += sum(t.numel() * t.element_size() for t in frame.tensors.values())
             self.payload_bytes_sent += sum(e.nbytes for e in encoded.values())
@@ -202,7 +205,7 @@ class Link:
                         channels = self._recv_part(entry["channels"], torch.bfloat16)
                     wire = entry.get("wire")
                     enc = EncodedTensor(
-                        entry["mode"], _dtype(entry["dtype"]), tuple(entry["shape"]),
+                        check_mode(entry["mode"]), _dtype(entry["dtype"]), tuple(entry["shape"]),
                         data, scales, None if wire is None else _dtype(wire), channels,
                     )  # fmt: skip
                     tensors[entry["name"]] = decode(enc)
@@ -212,9 +215,12 @@ class Link:
             except OSError as e:
                 self._fail()
                 raise LinkBroken(f"link to {self.peer} broke while receiving: {e}") from e
-            except (ValueError, KeyError, TypeError) as e:
+            except (ValueError, KeyError, TypeError, RuntimeError) as e:
                 self._fail()
                 raise LinkBroken(f"malformed frame from {self.peer}: {e}") from e
+            except BaseException:
+                self._fail()  # interrupted mid-frame: the stream position is lost
+                raise
             self.frames_received += 1
             return Frame(header["kind"], header["step"], header["micro"], tensors, header["meta"])
 
