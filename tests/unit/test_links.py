@@ -26,6 +26,7 @@ from relaytrain_worker.transport import (
     Listener,
     connect,
     listen,
+    prepare,
 )
 
 pytestmark = pytest.mark.unit
@@ -417,3 +418,18 @@ def test_a_rate_limited_link_emulates_a_slow_network(listener: Listener) -> None
         up.send(Frame("control", 1, -1))
         assert down.recv(timeout=5).step == 1
         assert time.monotonic() - start < 0.3
+
+
+def test_frames_prepared_ahead_go_out_in_send_order(listener: Listener) -> None:
+    # Encoding frame i+1 on one thread while frame i is on the wire keeps a slow link busy.
+    up, down = _pair(listener)
+    with up, down:
+        hs = [torch.randn(256, 64) for _ in range(3)]
+        prepared = [prepare(Frame("activation", 0, i, {"h": h}), "int8") for i, h in enumerate(hs)]
+        for p in prepared:
+            up.send_prepared(p)
+        for i, h in enumerate(hs):
+            got = down.recv(timeout=5)
+            assert got.micro == i
+            assert torch.allclose(got.tensors["h"], h, atol=h.abs().max().item() / 100)
+        assert up.payload_bytes_sent < up.raw_bytes_sent / 3

@@ -57,8 +57,10 @@ __all__ = [
     "LinkBroken",
     "LinkError",
     "Listener",
+    "PreparedFrame",
     "connect",
     "listen",
+    "prepare",
 ]
 
 log = logging.getLogger("relaytrain.links")
@@ -95,6 +97,53 @@ class Frame:
     """Named tensors; floating ones are compressed with the mode given to ``send``."""
     meta: dict[str, Any] = field(default_factory=dict)
     """Small JSON-serialisable extras."""
+
+
+@dataclass(frozen=True)
+class PreparedFrame:
+    """A frame encoded for the wire, not yet sent (see ``prepare``)."""
+
+    head: bytes
+    """The JSON header record."""
+    parts: list[memoryview]
+    """Every tensor part's bytes, in header order."""
+    raw_bytes: int
+    """Bytes of the tensors before compression."""
+    payload_bytes: int
+    """Bytes of the tensors after compression."""
+
+
+def prepare(frame: Frame, compression: Compression | str = "none") -> PreparedFrame:
+    """Encode ``frame`` (compression included) without touching any link."""
+    encoded = {name: encode(t, compression) for name, t in frame.tensors.items()}
+    parts: list[memoryview] = []
+    layout = []
+    for name, enc in encoded.items():
+        entry: dict[str, Any] = {
+            "name": name, "mode": enc.mode, "dtype": str(enc.dtype),
+            "shape": list(enc.shape), "data": _nbytes(enc.data),
+            "scales": None if enc.scales is None else _nbytes(enc.scales),
+            "wire": None if enc.wire_dtype is None else str(enc.wire_dtype),
+            "channels": None if enc.channel_scales is None else _nbytes(enc.channel_scales),
+        }  # fmt: skip
+        layout.append(entry)
+        parts.append(_bytes_view(enc.data))
+        for extra in (enc.scales, enc.channel_scales):
+            if extra is not None:
+                parts.append(_bytes_view(extra))
+    header = {
+        "kind": frame.kind, "step": frame.step, "micro": frame.micro,
+        "meta": frame.meta, "tensors": layout,
+    }  # fmt: skip
+    head = json.dumps(header, separators=(",", ":")).encode()
+    if len(head) > _MAX_HEADER:
+        raise ValueError(f"frame header is {len(head)} bytes; meta must stay small")
+    return PreparedFrame(
+        head,
+        parts,
+        raw_bytes=sum(t.numel() * t.element_size() for t in frame.tensors.values()),
+        payload_bytes=sum(e.nbytes for e in encoded.values()),
+    )
 
 
 class Link:
@@ -146,34 +195,16 @@ class Link:
 
     def send(self, frame: Frame, compression: Compression | str = "none") -> None:
         """Send ``frame``; floating tensors are encoded with ``compression``."""
-        encoded = {name: encode(t, compression) for name, t in frame.tensors.items()}
-        parts: list[memoryview] = []
-        layout = []
-        for name, enc in encoded.items():
-            entry: dict[str, Any] = {
-                "name": name, "mode": enc.mode, "dtype": str(enc.dtype),
-                "shape": list(enc.shape), "data": _nbytes(enc.data),
-                "scales": None if enc.scales is None else _nbytes(enc.scales),
-                "wire": None if enc.wire_dtype is None else str(enc.wire_dtype),
-                "channels": None if enc.channel_scales is None else _nbytes(enc.channel_scales),
-            }  # fmt: skip
-            layout.append(entry)
-            parts.append(_bytes_view(enc.data))
-            for extra in (enc.scales, enc.channel_scales):
-                if extra is not None:
-                    parts.append(_bytes_view(extra))
-        header = {
-            "kind": frame.kind, "step": frame.step, "micro": frame.micro,
-            "meta": frame.meta, "tensors": layout,
-        }  # fmt: skip
-        head = json.dumps(header, separators=(",", ":")).encode()
-        if len(head) > _MAX_HEADER:
-            raise ValueError(f"frame header is {len(head)} bytes; meta must stay small")
+        self.send_prepared(prepare(frame, compression))
+
+    def send_prepared(self, prepared: PreparedFrame) -> None:
+        """Send a frame encoded earlier by ``prepare`` (possibly on another thread, so that
+        encoding the next frame overlaps sending this one)."""
         with self._send_lock:
             self._check_open()
             try:
-                self._send_record(head)
-                for part in parts:
+                self._send_record(prepared.head)
+                for part in prepared.parts:
                     for off in range(0, len(part), RECORD_BYTES):
                         self._send_record(part[off : off + RECORD_BYTES])
             except OSError as e:
@@ -183,8 +214,8 @@ class Link:
                 self._fail()  # a half-sent frame cannot be taken back: the link is unusable
                 raise
             self.frames_sent += 1
-            self.raw_bytes_sent += sum(t.numel() * t.element_size() for t in frame.tensors.values())
-            self.payload_bytes_sent += sum(e.nbytes for e in encoded.values())
+            self.raw_bytes_sent += prepared.raw_bytes
+            self.payload_bytes_sent += prepared.payload_bytes
 
     def recv(self, timeout: float | None = None) -> Frame:
         """Receive the next frame; TimeoutError if none starts within ``timeout`` seconds."""
