@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import faulthandler
 import logging
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -13,11 +15,14 @@ from relaytrain_operator import options
 
 def main(argv: Sequence[str] | None = None) -> int:
     opts = options.parse_options(argv)
+    # `kill -USR1 <pid>` prints every thread's stack: how to see what a stuck operator waits on.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     options.use(opts)
-    kopf.configure(log_format=kopf.LogFormat.PLAIN, verbose=False)
-    logging.getLogger("kubernetes").setLevel(logging.WARNING)
-    # kopf logs every handler run at INFO; ours log what they change.
-    logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+    kopf.configure(log_format=kopf.LogFormat.FULL, verbose=False, debug=opts.debug)
+    if not opts.debug:
+        logging.getLogger("kubernetes").setLevel(logging.WARNING)
+        # kopf logs every handler run at INFO; ours log what they change.
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     # Registers the handlers; imported after the options are set (the timer reads them).
     import relaytrain_operator.handlers  # noqa: F401
 

@@ -30,6 +30,9 @@ PLURAL = "finetunejobs"
 logger = logging.getLogger(__name__)
 
 JsonDict = dict[str, Any]
+# Every call: raw JSON back (no model classes), and a deadline, so that a stuck connection
+# fails the pass (which is retried) instead of holding a handler thread forever.
+_RAW: dict[str, Any] = {"_preload_content": False, "_request_timeout": (5, 30)}
 
 
 def _json(response: Any) -> JsonDict:
@@ -59,7 +62,7 @@ class ClusterApi:
         try:
             return _json(
                 self._custom.get_namespaced_custom_object(
-                    GROUP, VERSION, namespace, PLURAL, name, _preload_content=False
+                    GROUP, VERSION, namespace, PLURAL, name, **_RAW
                 )
             )
         except ApiException as exc:
@@ -71,7 +74,7 @@ class ClusterApi:
         """Merge-patch the status subresource (fields set to None are removed)."""
         try:
             self._custom.patch_namespaced_custom_object_status(
-                GROUP, VERSION, namespace, PLURAL, name, {"status": status}
+                GROUP, VERSION, namespace, PLURAL, name, {"status": status}, **_RAW
             )
         except ApiException as exc:
             if exc.status != 404:  # the job was deleted meanwhile: nothing to report on
@@ -89,7 +92,7 @@ class ClusterApi:
             "Secret": self._core.create_namespaced_secret,
         }[kind]
         try:
-            create(namespace, obj, _preload_content=False)
+            create(namespace, obj, **_RAW)
         except ApiException as exc:
             if exc.status == 409:
                 return False
@@ -114,7 +117,7 @@ class ClusterApi:
             grace_period_seconds=0 if force else None,
         )
         try:
-            self._core.delete_namespaced_pod(name, namespace, body=body, _preload_content=False)
+            self._core.delete_namespaced_pod(name, namespace, body=body, **_RAW)
         except ApiException as exc:
             # 404: already gone; 409: the uid precondition failed, i.e. a successor
             # already holds the name and must not be touched.
@@ -126,7 +129,7 @@ class ClusterApi:
     def list_stage_pods(self, namespace: str, job_name: str) -> list[JsonDict]:
         """The job's stage pods (label-selected), terminating ones included."""
         response = self._core.list_namespaced_pod(
-            namespace, label_selector=f"{JOB_LABEL}={job_name}", _preload_content=False
+            namespace, label_selector=f"{JOB_LABEL}={job_name}", **_RAW
         )
         items: list[JsonDict] = _json(response)["items"]
         return items
@@ -136,9 +139,7 @@ class ClusterApi:
         import base64
 
         try:
-            secret = _json(
-                self._core.read_namespaced_secret(name, namespace, _preload_content=False)
-            )
+            secret = _json(self._core.read_namespaced_secret(name, namespace, **_RAW))
         except ApiException as exc:
             if exc.status in (403, 404):
                 return None
@@ -164,7 +165,7 @@ class ClusterApi:
     def get_node(self, name: str) -> JsonDict | None:
         """One node, or None when it no longer exists."""
         try:
-            return _json(self._core.read_node(name, _preload_content=False))
+            return _json(self._core.read_node(name, **_RAW))
         except ApiException as exc:
             if exc.status == 404:
                 return None
@@ -174,7 +175,7 @@ class ClusterApi:
     def _paged(call: Any, **kwargs: Any) -> Iterator[JsonDict]:
         token: str | None = None
         while True:
-            page = _json(call(limit=500, _continue=token, _preload_content=False, **kwargs))
+            page = _json(call(limit=500, _continue=token, **_RAW, **kwargs))
             yield from page["items"]
             token = page["metadata"].get("continue")
             if not token:

@@ -33,6 +33,10 @@ class OperatorOptions:
     """Link bandwidth assumed for GPU nodes without the relaytrain.io link annotations."""
     default_link_latency_ms: float = 10.0
     """Link latency assumed for GPU nodes without the relaytrain.io link annotations."""
+    node_lost_seconds: float = 60.0
+    """How long a node may be NotReady before its stage pods are replaced elsewhere."""
+    debug: bool = False
+    """Log every handler run and API request (kopf's debug logging)."""
     max_workers: int = 8
     """Threads running handlers (each reconciles one job at a time)."""
 
@@ -83,10 +87,23 @@ def parse_options(argv: Sequence[str] | None = None) -> OperatorOptions:
         help="default worker image (env RELAYTRAIN_WORKER_IMAGE)",
     )
     parser.add_argument(
+        "--node-lost-seconds",
+        type=float,
+        default=float(_env("NODE_LOST_SECONDS", str(defaults.node_lost_seconds))),
+        help="NotReady time after which a node's stages are replaced "
+        "(env RELAYTRAIN_NODE_LOST_SECONDS)",
+    )
+    parser.add_argument(
         "--max-workers",
         type=int,
         default=int(_env("MAX_WORKERS", str(defaults.max_workers))),
         help="handler threads (env RELAYTRAIN_MAX_WORKERS)",
+    )
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        default=_env("DEBUG", "") not in ("", "0", "false"),
+        help="debug logging (env RELAYTRAIN_DEBUG=1)",
     )
     args = parser.parse_args(argv)
     if args.resync_seconds <= 0:
@@ -98,7 +115,9 @@ def parse_options(argv: Sequence[str] | None = None) -> OperatorOptions:
         liveness_endpoint=args.liveness,
         resync_seconds=args.resync_seconds,
         worker_image=args.worker_image,
+        node_lost_seconds=max(0.0, args.node_lost_seconds),
         max_workers=max(1, args.max_workers),
+        debug=args.debug,
     )
 
 

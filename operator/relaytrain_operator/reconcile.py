@@ -109,9 +109,11 @@ class Reconciler:
         self.options = options
         self.catalog = catalog
         self.nodes = NodeSnapshot(
-            api.list_nodes, api.get_node, ttl=max(1.0, options.resync_seconds / 2)
+            api.list_nodes, api.get_node, ttl=max(1.0, options.resync_seconds)
         )
-        self.planning = threading.Lock()
+        # Re-entrant: a first pass holds it through planning and creating its pods, and
+        # creating pods takes it again (for replacements, harmlessly).
+        self.planning = threading.RLock()
         self._locks: dict[tuple[str, str], threading.Lock] = {}
         self._locks_guard = threading.Lock()
         # Model configs by URI: small, immutable in practice, and re-read after a restart.
@@ -227,7 +229,9 @@ class _Pass:
         except StoreError as err:
             self.settle(Verdict("Pending", False, False, "ModelUnavailable", str(err)))
             return False
-        nodes = self.owner.nodes.refresh()
+        # Nodes may be a few seconds old (they change slowly); pods must be fresh, they
+        # say which GPUs the jobs planned just before this one hold.
+        nodes = self.owner.nodes.all()
         pods = self.api.list_active_pods()
         options = self.owner.options
         try:
@@ -243,6 +247,12 @@ class _Pass:
             self.status.pop("plan", None)
             self.settle(Verdict("Pending", False, False, "Unschedulable", str(err)))
             return False
+        logger.info(
+            "Planned FineTuneJob %s/%s: %d stages.",
+            self.namespace,
+            self.name,
+            len(planned["stages"]),
+        )
         self.status["plan"] = planned
         self.status["startTime"] = rfc3339(self.now)
         self.status["stages"] = [
@@ -264,6 +274,7 @@ class _Pass:
         pods = self._pods_by_stage()
         records = {int(e["index"]): e for e in self.status.get("stages") or [] if "index" in e}
         limit = job.spec.failure_policy.max_stage_restarts
+        grace = timedelta(seconds=self.owner.options.node_lost_seconds)
         decisions: dict[int, StageDecision] = {}
         entries: dict[int, JsonDict] = {}
         counted = False
@@ -274,7 +285,7 @@ class _Pass:
             pod = pods.get(k)
             node_name = ((pod or {}).get("spec") or {}).get("nodeName")
             node = self.owner.nodes.get(node_name) if node_name else None
-            decision = decide(record, pod, node)
+            decision = decide(record, pod, node, now=self.now, node_grace=grace)
             if decision.failure is not None:
                 if record.restarts >= limit:
                     self.fail(k, decision.failure, record.restarts, limit)
@@ -360,13 +371,25 @@ class _Pass:
             return
         self.api.create(build_link_secret(self.job, secrets.token_urlsafe(32)))
         self.api.create(build_service(self.job))
+        # A replacement looks at the nodes as they are now (one may just have joined), and
+        # takes the planning lock: choosing its pool and creating its pod must not
+        # interleave with another job being planned onto the same free GPUs.
+        replacing = any(int(entries[k].get("restarts", 0)) for k in due)
+        with self.owner.planning if replacing else nullcontext():
+            nodes = self.owner.nodes.refresh() if replacing else self.owner.nodes.all()
+            self._create_pods(job, due, entries, nodes)
+
+    def _create_pods(
+        self,
+        job: FineTuneJob,
+        due: list[int],
+        entries: dict[int, JsonDict],
+        nodes: list[JsonDict],
+    ) -> None:
         plan = self.status["plan"]
         configs = build_stage_configs(
             job, plan, pod_endpoints(self.name, self.namespace, len(plan["stages"]))
         )
-        # A replacement looks at the nodes as they are now (one may just have joined).
-        replacing = any(int(entries[k].get("restarts", 0)) for k in due)
-        nodes = self.owner.nodes.refresh() if replacing else self.owner.nodes.all()
         label = job.spec.placement.gpu_label
         rooms = None
         for k in due:

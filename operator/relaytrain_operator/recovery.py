@@ -19,9 +19,8 @@ A pod that is missing (or terminating) is either not created yet (its stage stat
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from typing import Any, Literal
-
-from relaytrain_operator.pools import node_ready
 
 INCARNATION_ANNOTATION = "relaytrain.io/incarnation"
 REPLACING = "Replacing"
@@ -74,20 +73,49 @@ def incarnation(pod: JsonDict) -> int:
         return 0
 
 
-def pod_failure(pod: JsonDict, node: JsonDict | None) -> str | None:
+def node_lost(node: JsonDict | None, now: datetime, grace: timedelta) -> bool:
+    """The node is gone, or has not been Ready for `grace` (a short blip is no loss:
+    replacing a stage costs a checkpoint restore)."""
+    if node is None:
+        return True
+    for condition in (node.get("status") or {}).get("conditions") or []:
+        if condition.get("type") != "Ready":
+            continue
+        if condition.get("status") == "True":
+            return False
+        raw = condition.get("lastTransitionTime")
+        try:
+            since = datetime.fromisoformat(str(raw).replace("Z", "+00:00"))
+        except ValueError:
+            return True
+        return now - since >= grace
+    return False
+
+
+def pod_failure(
+    pod: JsonDict, node: JsonDict | None, now: datetime, grace: timedelta
+) -> str | None:
     """Why a live (not terminating) pod counts as failed, or None if it is fine."""
     status = pod.get("status") or {}
     if status.get("phase") == "Failed":
         return str(status.get("reason") or "Failed")
     node_name = (pod.get("spec") or {}).get("nodeName")
-    if node_name and (node is None or not node_ready(node)):
+    if node_name and node_lost(node, now, grace):
         return "NodeLost"
     return None
 
 
-def decide(record: StageRecord, pod: JsonDict | None, node: JsonDict | None) -> StageDecision:
+def decide(
+    record: StageRecord,
+    pod: JsonDict | None,
+    node: JsonDict | None,
+    *,
+    now: datetime,
+    node_grace: timedelta = timedelta(0),
+) -> StageDecision:
     """Decide what to do with one stage, given its pod (None if absent) and that pod's node
-    (None if the pod is unscheduled or its node is gone)."""
+    (None if the pod is unscheduled or its node is gone). A node NotReady for
+    `node_grace` counts as lost."""
     seen_alive = record.phase not in (None, REPLACING)
     if pod is None:
         return StageDecision("create", failure="Deleted" if seen_alive else None)
@@ -96,12 +124,12 @@ def decide(record: StageRecord, pod: JsonDict | None, node: JsonDict | None) -> 
         # Someone (a drain, the eviction API, a person) is deleting the current pod: a
         # failure; we wait for it to go before its successor may start.
         # On a lost node no kubelet will finish the deletion: force it.
-        lost = pod_failure(pod, node) == "NodeLost"
+        lost = pod_failure(pod, node, now, node_grace) == "NodeLost"
         action: Action = "delete" if lost else "wait"
         if current and seen_alive:
             return StageDecision(action, failure="NodeLost" if lost else "Deleted", force=lost)
         return StageDecision(action, force=lost)
-    failure = pod_failure(pod, node)
+    failure = pod_failure(pod, node, now, node_grace)
     if failure is None:
         if current:
             return StageDecision("keep")

@@ -6,8 +6,9 @@ not its business. Each test works in its own namespace. kwok marks pods Running 
 nodes; a test "fails" a stage pod by setting its status phase to Failed (what a kubelet
 reports for a crashed container with restartPolicy Never), deletes it, or deletes its node.
 
-RBAC: the operator runs with the cluster's admin kubeconfig here; the chart's
-least-privilege ServiceAccount is exercised by the chart tests (tests/k8s/test_chart*.py).
+RBAC: the operator authenticates as the Helm chart's ServiceAccount, bound by the chart's
+own (Cluster)Roles (tests/fixtures/rbac.py), so it can do what the chart grants and no more.
+The tests themselves use the admin kubeconfig.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from hack import kwok_nodes
+from tests.fixtures.rbac import chart_rbac_kubeconfig
 
 pytestmark = pytest.mark.k8s
 
@@ -152,13 +154,31 @@ def crd(kube_cluster: Any, api: client.ApiClient) -> None:
 
     wait_for("the FineTuneJob CRD", established)
 
+    def served() -> bool:
+        # Established comes before the API server's storage for the new kind is ready.
+        try:
+            client.CustomObjectsApi(api).list_cluster_custom_object(GROUP, VERSION, PLURAL)
+        except ApiException:
+            return False
+        return True
+
+    wait_for("FineTuneJobs to be served", served)
+
 
 @pytest.fixture(scope="module")
 def operator(
     kube_cluster: Any, crd: None, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[OperatorProcess]:
-    log = tmp_path_factory.mktemp("operator") / "operator.log"
-    proc = OperatorProcess(kube_cluster.kubeconfig, log)
+    workdir = tmp_path_factory.mktemp("operator")
+    kubeconfig = chart_rbac_kubeconfig(
+        kube_cluster,
+        workdir / "operator.kubeconfig",
+        release="rtop",
+        namespace="relaytrain-optest",
+        watch=[],
+    )
+    log = workdir / "operator.log"
+    proc = OperatorProcess(kubeconfig, log)
     proc.start()
     yield proc
     proc.stop()
@@ -321,7 +341,7 @@ def test_three_stage_job_runs_on_its_planned_pools(kube: Cluster, model_dir: Pat
     assert service.spec.publish_not_ready_addresses is True
     secret = kube.core.read_namespaced_secret("llm-link", kube.ns)
     assert len(secret.data["secret"]) >= 32
-    assert kube.events("llm", "Planned")
+    wait_for("a {} event".format("Planned"), lambda: kube.events("llm", "Planned"))
 
 
 def test_a_failed_or_deleted_stage_is_replaced_alone(kube: Cluster, model_dir: Path) -> None:
@@ -359,7 +379,7 @@ def test_a_failed_or_deleted_stage_is_replaced_alone(kube: Cluster, model_dir: P
     assert [s["restarts"] for s in status["stages"]] == [0, 1, 1]
     assert status["restarts"] == 2
     assert [s.get("lastFailure") for s in status["stages"]] == [None, "Error", "Deleted"]
-    assert len(kube.events("rep", "StageRestarting")) == 2
+    wait_for("2 events", lambda: len(kube.events("rep", "StageRestarting")) == 2)
 
 
 def test_repeated_failures_fail_the_job_exactly_at_the_policy(
@@ -383,7 +403,10 @@ def test_repeated_failures_fail_the_job_exactly_at_the_policy(
     assert (ready["status"], ready["reason"]) == ("False", "BackoffLimitExceeded")
     assert "maxStageRestarts is 2" in ready["message"]
     wait_for("the stage pods removed", lambda: not kube.pods("flaky"))
-    assert kube.events("flaky", "BackoffLimitExceeded")
+    wait_for(
+        "a {} event".format("BackoffLimitExceeded"),
+        lambda: kube.events("flaky", "BackoffLimitExceeded"),
+    )
     time.sleep(2)  # several periodic checks later: a Failed job stays failed, with no pods
     assert kube.status("flaky")["phase"] == "Failed" and not kube.pods("flaky")
 
@@ -398,7 +421,7 @@ def test_an_unschedulable_job_gets_a_condition_and_no_pods(kube: Cluster, model_
     )
     assert ready["status"] == "False"
     assert "3" in ready["message"] and "GPU" in ready["message"]
-    assert kube.events("big", "Unschedulable")
+    wait_for("a {} event".format("Unschedulable"), lambda: kube.events("big", "Unschedulable"))
     time.sleep(2)
     assert not kube.pods("big")
     assert kube.status("big")["phase"] == "Pending"
@@ -541,7 +564,7 @@ def test_operator_restart_creates_no_duplicates_and_keeps_status(
     after = kube.status("keep")
     assert after["plan"] == status["plan"] and after["startTime"] == status["startTime"]
     assert [s["restarts"] for s in after["stages"]] == [1, 0, 1]
-    assert len(kube.events("keep", "StageRestarting")) == 2
+    wait_for("2 events", lambda: len(kube.events("keep", "StageRestarting")) == 2)
     for job, count in (("keep", 3), ("late", 2), ("mid", 2)):
         assert len(kube.pods(job)) == count, job
 
@@ -650,7 +673,7 @@ def test_an_invalid_job_is_refused_without_pods(
             refused_by, lambda: (c := kube.condition(case)).get("reason") == refused_by and c
         )
         assert ready["status"] == "False" and ready["message"]
-        assert kube.events(case, refused_by)
+        wait_for(f"a {refused_by} event", lambda: kube.events(case, refused_by))
         time.sleep(1.5)  # a periodic check later, still no pods
     assert not kube.pods(case)
     assert operator.alive()

@@ -2,28 +2,43 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+from relaytrain_operator import recovery
 from relaytrain_operator.pools import PoolRoom, choose_pool, free_nodes, pool_rooms
 from relaytrain_operator.recovery import (
     INCARNATION_ANNOTATION,
     REPLACING,
     StageDecision,
     StageRecord,
-    decide,
 )
 
 pytestmark = pytest.mark.unit
 
+NOW = datetime(2026, 11, 22, 10, 0, 0, tzinfo=UTC)
 READY_NODE = {
     "metadata": {"name": "n1"},
     "status": {"conditions": [{"type": "Ready", "status": "True"}]},
 }
 NOT_READY = {
     "metadata": {"name": "n1"},
-    "status": {"conditions": [{"type": "Ready", "status": "False"}]},
+    "status": {
+        "conditions": [
+            {"type": "Ready", "status": "False", "lastTransitionTime": "2026-11-22T09:59:00Z"}
+        ]
+    },
 }
+
+
+def decide(
+    record: StageRecord,
+    pod: dict[str, Any] | None,
+    node: dict[str, Any] | None,
+    grace: float = 30,
+) -> StageDecision:
+    return recovery.decide(record, pod, node, now=NOW, node_grace=timedelta(seconds=grace))
 
 
 def pod(
@@ -85,6 +100,15 @@ def test_a_pod_whose_node_is_gone_or_not_ready_is_force_deleted() -> None:
     for node in (None, NOT_READY):
         decision = decide(StageRecord(0, phase="Running"), pod(), node)
         assert decision == StageDecision("delete", failure="NodeLost", force=True)
+
+
+def test_a_short_not_ready_blip_is_no_node_loss() -> None:
+    # NotReady for 60 s; with a grace of 5 minutes the stage keeps its pod.
+    assert decide(StageRecord(0, phase="Running"), pod(), NOT_READY, grace=300) == (
+        StageDecision("keep")
+    )
+    cordoned = {**READY_NODE, "spec": {"unschedulable": True}}
+    assert decide(StageRecord(0, phase="Running"), pod(), cordoned) == StageDecision("keep")
 
 
 def test_a_terminating_pod_is_waited_for_and_counted_once() -> None:
