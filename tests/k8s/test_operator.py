@@ -341,7 +341,7 @@ def test_three_stage_job_runs_on_its_planned_pools(kube: Cluster, model_dir: Pat
     assert service.spec.publish_not_ready_addresses is True
     secret = kube.core.read_namespaced_secret("llm-link", kube.ns)
     assert len(secret.data["secret"]) >= 32
-    wait_for("a {} event".format("Planned"), lambda: kube.events("llm", "Planned"))
+    wait_for("a Planned event", lambda: kube.events("llm", "Planned"))
 
 
 def test_a_failed_or_deleted_stage_is_replaced_alone(kube: Cluster, model_dir: Path) -> None:
@@ -404,7 +404,7 @@ def test_repeated_failures_fail_the_job_exactly_at_the_policy(
     assert "maxStageRestarts is 2" in ready["message"]
     wait_for("the stage pods removed", lambda: not kube.pods("flaky"))
     wait_for(
-        "a {} event".format("BackoffLimitExceeded"),
+        "a BackoffLimitExceeded event",
         lambda: kube.events("flaky", "BackoffLimitExceeded"),
     )
     time.sleep(2)  # several periodic checks later: a Failed job stays failed, with no pods
@@ -421,7 +421,7 @@ def test_an_unschedulable_job_gets_a_condition_and_no_pods(kube: Cluster, model_
     )
     assert ready["status"] == "False"
     assert "3" in ready["message"] and "GPU" in ready["message"]
-    wait_for("a {} event".format("Unschedulable"), lambda: kube.events("big", "Unschedulable"))
+    wait_for("an Unschedulable event", lambda: kube.events("big", "Unschedulable"))
     time.sleep(2)
     assert not kube.pods("big")
     assert kube.status("big")["phase"] == "Pending"
@@ -586,6 +586,104 @@ def test_metrics_report_jobs_restarts_and_no_errors(
     assert values["relaytrain_reconcile_errors_total"] == 0
     assert values["relaytrain_reconcile_duration_seconds_count"] > 0
     assert operator.alive()
+
+
+def put_json(minio: Any, key: str, value: dict[str, Any]) -> None:
+    import io
+
+    data = json.dumps(value).encode()
+    minio.client().put_object(minio.bucket, key, io.BytesIO(data), len(data))
+
+
+def test_progress_from_the_store_is_reported_and_completion_succeeds(
+    kube: Cluster, minio_server: Any
+) -> None:
+    minio = minio_server
+    kube.core.create_namespaced_secret(
+        kube.ns,
+        {
+            "metadata": {"name": "s3"},
+            "stringData": {
+                "AWS_ACCESS_KEY_ID": minio.access_key,
+                "AWS_SECRET_ACCESS_KEY": minio.secret_key,
+            },
+        },
+    )
+    # The operator plans from the model's config.json in the store, read with the job's keys.
+    put_json(minio, f"models/{kube.ns}/config.json", MODEL_CONFIG)
+    manifest = job_manifest(
+        "prog",
+        f"s3://{minio.bucket}/models/{kube.ns}/",
+        checkpoint={
+            "uri": f"s3://{minio.bucket}/ckpt",
+            "endpoint": minio.url,
+            "credentialsSecret": {"name": "s3"},
+        },
+    )
+    kube.create_job(manifest)
+    pods = wait_for("3 running stage pods", lambda: kube.running("prog", 3))
+    env = {e.name: e for e in pods["prog-stage-0"].spec.containers[0].env}
+    assert env["AWS_SECRET_ACCESS_KEY"].value_from.secret_key_ref.name == "s3"
+    assert minio.secret_key not in json.dumps(
+        kube.core.api_client.sanitize_for_serialization(pods["prog-stage-0"])
+    )
+
+    key = f"ckpt/{kube.ns}/prog/progress.json"
+    put_json(
+        minio,
+        key,
+        {
+            "step": 10,
+            "totalSteps": 100,
+            "loss": 2.5,
+            "tokensPerSecond": 800.0,
+            "lastCommittedStep": 10,
+            "updatedAt": "2026-11-22T10:00:00Z",
+            "done": False,
+        },
+    )
+    progress = wait_for(
+        "progress in status",
+        lambda: (p := kube.status("prog").get("progress") or {}).get("step") == 10 and p,
+    )
+    assert progress["stepOfTotal"] == "10/100"
+    assert (progress["loss"], progress["tokensPerSecond"]) == (2.5, 800.0)
+    assert progress["lastCommittedStep"] == 10 and progress["eta"] > "2026-11-22T10:00:00Z"
+
+    # A replaced stage restores from the last committed step.
+    kube.fail_pod("prog-stage-1")
+    stage = wait_for(
+        "stage 1 replaced",
+        lambda: (
+            (s := kube.status("prog")["stages"][1]).get("restarts") == 1
+            and kube.running("prog", 3)
+            and s
+        ),
+    )
+    assert stage["restoredFromStep"] == 10
+
+    put_json(
+        minio,
+        key,
+        {
+            "step": 100,
+            "totalSteps": 100,
+            "loss": 1.9,
+            "tokensPerSecond": 810.0,
+            "lastCommittedStep": 100,
+            "updatedAt": "2026-11-22T10:30:00Z",
+            "done": True,
+            "output": f"s3://{minio.bucket}/adapters/prog/",
+        },
+    )
+    status = wait_for("Succeeded", lambda: (s := kube.status("prog"))["phase"] == "Succeeded" and s)
+    assert status["output"]["uri"] == f"s3://{minio.bucket}/adapters/prog/"
+    assert status["progress"]["step"] == 100 and "completionTime" in status
+    ready = kube.condition("prog")
+    assert (ready["status"], ready["reason"]) == ("True", "Succeeded")
+    assert kube.condition("prog", "Progressing")["status"] == "False"
+    wait_for("the stage pods removed", lambda: not kube.pods("prog"))
+    wait_for("a Succeeded event", lambda: kube.events("prog", "Succeeded"))
 
 
 def _drop(*path: str) -> Callable[[dict[str, Any]], None]:
