@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -114,6 +115,8 @@ class Reconciler:
         # Re-entrant: a first pass holds it through planning and creating its pods, and
         # creating pods takes it again (for replacements, harmlessly).
         self.planning = threading.RLock()
+        # Threads that create a job's stage pods side by side.
+        self.pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="create")
         self._locks: dict[tuple[str, str], threading.Lock] = {}
         self._locks_guard = threading.Lock()
         # Model configs by URI: small, immutable in practice, and re-read after a restart.
@@ -392,6 +395,7 @@ class _Pass:
         )
         label = job.spec.placement.gpu_label
         rooms = None
+        built: dict[int, tuple[str, JsonDict]] = {}
         for k in due:
             entry = entries[k]
             planned = plan["stages"][k]
@@ -411,13 +415,25 @@ class _Pass:
                 ),
             )
             pod["metadata"]["annotations"][INCARNATION_ANNOTATION] = str(restarts)
-            if self.api.create(pod):
-                entry.update(pool=pool, phase="Pending", pod=pod["metadata"]["name"])
-                entry.pop("node", None)
-                entry["ready"] = False
-                committed = (self.status.get("progress") or {}).get("lastCommittedStep")
-                if restarts and committed is not None:
-                    entry["restoredFromStep"] = committed
+            built[k] = (pool, pod)
+        # The stages' pods are independent: create them side by side (a job's pods then
+        # appear in one round trip, not one per stage).
+        created = dict(
+            zip(
+                built,
+                self.owner.pool.map(self.api.create, [p for _, p in built.values()]),
+                strict=True,
+            )
+        )
+        committed = (self.status.get("progress") or {}).get("lastCommittedStep")
+        for k, (pool, pod) in built.items():
+            if not created[k]:
+                continue
+            entry = entries[k]
+            entry.update(pool=pool, phase="Pending", pod=pod["metadata"]["name"], ready=False)
+            entry.pop("node", None)
+            if int(entry.get("restarts", 0)) and committed is not None:
+                entry["restoredFromStep"] = committed
 
     def _pod_inputs(
         self,
