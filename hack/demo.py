@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import subprocess
@@ -165,73 +164,170 @@ def follow(
     mc: Any,
 ) -> int:
     deadline = time.monotonic() + args.timeout
-    last_line, killed_at, first_loss = "", None, None
+    last_line, first_loss = "", None
+    losses: dict[int, float] = {}
     survivors: dict[str, tuple[str, int]] = {}
-    resumed_after: float | None = None
-    kill_step = None
+    killed_at: float | None = None
+    peak = 0  # the furthest step reported since the kill
+    rolled_back = resumed = False
+    status: dict[str, Any] = {}
+    phase = "Pending"
     while time.monotonic() < deadline:
         obj = custom.get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name)
         status = obj.get("status") or {}
         phase = status.get("phase", "Pending")
         prog = status.get("progress") or {}
         step, loss = prog.get("step"), prog.get("loss")
-        if loss is not None and first_loss is None:
-            first_loss = loss
+        if step is not None and loss is not None:
+            losses[step] = loss
+            first_loss = loss if first_loss is None else first_loss
         line = (
             f"phase={phase} step={step}/{prog.get('totalSteps')} loss={loss} "
-            f"tokens/s={prog.get('tokensPerSecond')} "
-            f"checkpoint={prog.get('lastCommittedStep')}"
+            f"tokens/s={prog.get('tokensPerSecond')} checkpoint={prog.get('lastCommittedStep')}"
         )
         if line != last_line:
             say(line)
             last_line = line
-        if (
-            killed_at is not None
-            and resumed_after is None
-            and step is not None
-            and kill_step is not None
-            and step > kill_step
-        ):
-            resumed_after = time.monotonic() - killed_at
-            say(f"Training resumed {resumed_after:.1f}s after the stage died")
+        if killed_at is not None and step is not None and not resumed:
+            # Back to where it was: the pipeline rolled back to the last commit, redid the
+            # steps after it, and now reports a step it had not reached before the kill.
+            rolled_back = rolled_back or step < peak
+            if rolled_back and step > peak:
+                resumed = True
+                say(
+                    f"Training passed step {peak} again {time.monotonic() - killed_at:.1f}s "
+                    "after the stage died"
+                )
+            peak = max(peak, step) if not rolled_back else peak
         if (
             args.kill_stage >= 0
             and killed_at is None
             and step is not None
             and step >= args.kill_at_step
         ):
-            victim = f"{name}-stage-{args.kill_stage}"
-            local = runner.local_pod(ns, victim)
-            if local is not None:
-                for pod in core.list_namespaced_pod(ns, label_selector="relaytrain.io/job").items:
-                    lp = runner.local_pod(ns, pod.metadata.name)
-                    if pod.metadata.name != victim and lp:
-                        survivors[pod.metadata.name] = (pod.metadata.uid, lp.process.pid)
-                os.kill(local.process.pid, signal.SIGKILL)
-                killed_at, kill_step = time.monotonic(), step
-                say(f"Killed stage {args.kill_stage} (pid {local.process.pid}) at step {step}")
+            killed_at = kill_stage(args.kill_stage, core, runner, ns, name, survivors)
+            peak = step
         if phase in ("Succeeded", "Failed"):
             break
         time.sleep(1)
     else:
         say("Timed out waiting for the job")
         return 1
+    return summarise(status, phase, runner, survivors, losses, first_loss, workdir, mc)
 
-    say(f"Job {phase}: {json.dumps(status.get('conditions', []))[:400]}")
-    for pname, (uid, pid) in survivors.items():
-        say(f"  survivor {pname}: uid {uid[:8]} pid {pid} (unchanged through the recovery)")
-    for st in status.get("stages", []):
-        say(
-            f"  stage {st.get('index')}: restarts={st.get('restarts')} "
-            f"restoredFrom={st.get('restoredFromStep')}"
+
+def kill_stage(
+    index: int,
+    core: Any,
+    runner: KwokProcessRunner,
+    ns: str,
+    name: str,
+    survivors: dict[str, tuple[str, int]],
+) -> float | None:
+    victim = f"{name}-stage-{index}"
+    local = runner.local_pod(ns, victim)
+    if local is None:
+        return None
+    for pod in core.list_namespaced_pod(ns, label_selector="relaytrain.io/job").items:
+        lp = runner.local_pod(ns, pod.metadata.name)
+        if pod.metadata.name != victim and lp:
+            survivors[pod.metadata.name] = (pod.metadata.uid, lp.process.pid)
+    os.kill(local.process.pid, signal.SIGKILL)
+    say(f"Killed stage {index}'s process (pid {local.process.pid}) with SIGKILL")
+    return time.monotonic()
+
+
+def summarise(
+    status: dict[str, Any],
+    phase: str,
+    runner: KwokProcessRunner,
+    survivors: dict[str, tuple[str, int]],
+    losses: dict[int, float],
+    first_loss: float | None,
+    workdir: Path,
+    mc: Any,
+) -> int:
+    say(
+        f"Job {phase}: "
+        + "; ".join(
+            f"{c['type']}={c['status']} ({c.get('reason')})" for c in status.get("conditions", [])
         )
+    )
+    for st in status.get("stages", []):
+        say(f"  stage {st.get('index')} on {st.get('pool')}: restarts={st.get('restarts')}")
+    ok = phase == "Succeeded"
+    for pname, (uid, pid) in survivors.items():
+        starts = [(lp.uid, lp.process.pid) for lp in runner.history if lp.name == pname]
+        same = starts == [(uid, pid)]
+        ok = ok and same
+        say(
+            f"  {pname}: {'kept its pod and process' if same else 'WAS RESTARTED'} "
+            f"(uid {uid[:8]}, pid {pid})"
+        )
+    if losses:
+        plot = plot_losses(losses, workdir / "loss.png")
+        say(f"Loss: step 1 {first_loss}, step {max(losses)} {losses[max(losses)]}; curve: {plot}")
     if phase != "Succeeded":
         say(f"See {workdir} for the operator's and each stage's log")
         return 1
-    out = status.get("output") or {}
-    say(f"Adapter: {out}")
-    say(f"Loss: first reported {first_loss}, last {loss}")
-    return 0
+    uri = (status.get("output") or {}).get("uri", "")
+    say(f"Adapter: {uri}")
+    try_adapter(mc, uri, workdir)
+    return 0 if ok else 1
+
+
+def plot_losses(losses: dict[int, float], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = sorted(losses)
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(steps, [losses[s] for s in steps], marker="o")
+    ax.set(xlabel="step", ylabel="training loss", title="smollm-demo (LoRA, 3 stages, int8 links)")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def try_adapter(mc: Any, uri: str, workdir: Path) -> None:
+    """Loads the adapter with PeftModel on the unsplit base model and answers a held-out prompt."""
+    import logging
+    import warnings
+
+    # Quiet the libraries' own chatter (optional CPU kernels, deprecations, progress bars).
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+    bucket, _, prefix = uri.removeprefix("s3://").partition("/")
+    local = workdir / "adapter"
+    for obj in mc.list_objects(bucket, prefix, recursive=True):
+        mc.fget_object(bucket, obj.object_name, str(local / obj.object_name[len(prefix) :]))
+    base_dir = toolpaths.cache_dir() / "models" / "smollm2-135m-instruct"
+    tok = AutoTokenizer.from_pretrained(base_dir)
+    held_out = demo_data.examples(1, seed=12345)[0]
+    ids = tok(held_out["prompt"], return_tensors="pt").input_ids
+
+    def answer(model: Any) -> str:
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=12, do_sample=False)
+        return tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True).split("\n")[0]
+
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    before = answer(base)
+    tuned = PeftModel.from_pretrained(base, local)
+    say(f"Held-out prompt: {held_out['prompt']!r}, expected {held_out['completion']!r}")
+    say(f"  base model:         {before!r}")
+    say(f"  with the adapter:   {answer(tuned)!r}  (PeftModel.from_pretrained on the full model)")
 
 
 if __name__ == "__main__":
