@@ -17,7 +17,8 @@ import json
 import subprocess
 import sys
 import tempfile
-import time
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -25,6 +26,7 @@ from relaytrain_worker.config import TrainingSpec
 from relaytrain_worker.prepare_model import default_dir, is_prepared
 from relaytrain_worker.schedule import MicroBatch
 from relaytrain_worker.testing import (
+    PipelineRun,
     even_splits,
     run_pipeline_threads,
     run_reference,
@@ -64,6 +66,16 @@ def batches(steps: int, m: int, mbs: int, seq: int, vocab: int) -> list[list[Mic
     return out
 
 
+def _in_thread(fn: Callable[[], PipelineRun]) -> PipelineRun:
+    """Run `fn` on a fresh thread, as each pipeline stage runs: torch's intra-op thread
+    settings are per thread, and the comparison must not favour either side."""
+    box: list[PipelineRun] = []
+    thread = threading.Thread(target=lambda: box.append(fn()))
+    thread.start()
+    thread.join()
+    return box[0]
+
+
 def throughput(quick: bool) -> list[dict[str, object]]:
     root = Path(tempfile.mkdtemp())
     layers = 6
@@ -76,17 +88,15 @@ def throughput(quick: bool) -> list[dict[str, object]]:
         schedule="constant", warmupSteps=0, weightDecay=0.0, maxGradNorm=1.0, seed=0,
     )  # fmt: skip
     rows = []
-    started = time.perf_counter()
-    run_reference(model, data, training)
-    single = tokens / (time.perf_counter() - started)
+    run_reference(model, data[:1], training)  # warm-up: lazy imports, first-call costs
+    single = tokens / _in_thread(lambda: run_reference(model, data, training)).seconds
     rows.append({"setup": "single-process peft", "tokens_per_s": round(single, 1), "ratio": 1.0})
     for stages in (2, 3):
         for compression in ("none", "int8"):
-            started = time.perf_counter()
-            run_pipeline_threads(
+            run = run_pipeline_threads(
                 model, even_splits(layers, stages), data, training, compression=compression
             )
-            rate = tokens / (time.perf_counter() - started)
+            rate = tokens / run.seconds
             rows.append({
                 "setup": f"pipeline P={stages} {compression}",
                 "tokens_per_s": round(rate, 1),

@@ -159,7 +159,7 @@ class LocalRun:
         ]
         self.documents = build_stage_configs(job, ranges, endpoints)
         self.ranges = ranges
-        self.env = self._env()
+        self.env = self._env(count)
         (self.workdir / "stages").mkdir(parents=True, exist_ok=True)
         self.stages = []
         for k, doc in enumerate(self.documents):
@@ -170,9 +170,12 @@ class LocalRun:
         self.job_dir = f"{ckpt.rstrip('/')}/{job.metadata.namespace}/{job.metadata.name}"
         self.output = self.documents[0]["output"]["uri"]
 
-    def _env(self) -> dict[str, str]:
+    def _env(self, count: int) -> dict[str, str]:
         env = dict(os.environ)
         env[LINK_SECRET_ENV] = secrets.token_hex(32)
+        # The stages share this machine's cores: without a cap each one starts a thread per
+        # core and they spin against each other (several times slower on a small machine).
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // count)))
         spec = importlib.util.find_spec("relaytrain_worker")
         if spec is not None and spec.submodule_search_locations:
             root = str(Path(next(iter(spec.submodule_search_locations))).parent)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import secrets
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -121,6 +122,8 @@ class PipelineRun:
     params: dict[str, torch.Tensor] = field(default_factory=dict)
     """Trainable parameters after the run (global names; a tied weight once per holder)."""
     stage_params: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    seconds: float = 0.0
+    """Wall time of the training steps alone (no model loading or link set-up)."""
 
 
 def run_pipeline_threads(
@@ -180,6 +183,7 @@ def run_pipeline_threads(
                 max_grad_norm=training.maxGradNorm,
                 tied_name=TIED_NAME if method == "full" and tied else None,
             )
+            started = time.perf_counter()
             for s, micros in enumerate(steps):
                 result = runner.run(s, micros if k == 0 else None, len(micros))
                 with lock:
@@ -190,6 +194,7 @@ def run_pipeline_threads(
                             run.grads[s][name] = p.grad.detach().clone()
                 optimizer_step(optimizer, scheduler)
             with lock:
+                run.seconds = max(run.seconds, time.perf_counter() - started)
                 for name, p in trainable:
                     run.params[name] = p.detach().clone()
                     run.stage_params[k][name] = p.detach().clone()
@@ -242,6 +247,7 @@ def run_reference(
         trainable = apply_lora(model, cfg, training.seed)
     optimizer, scheduler = make_optimizer(trainable, training)
     run = PipelineRun()
+    started = time.perf_counter()
     for micros in steps:
         items = count_items(micros)
         total = torch.zeros((), dtype=torch.float64)
@@ -260,5 +266,6 @@ def run_reference(
         run.losses.append(float(total / items))
         run.grads.append({n: p.grad.detach().clone() for n, p in trainable if p.grad is not None})
         optimizer_step(optimizer, scheduler)
+    run.seconds = time.perf_counter() - started
     run.params = {n: p.detach().clone() for n, p in trainable}
     return run
