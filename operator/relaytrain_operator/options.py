@@ -35,6 +35,8 @@ class OperatorOptions:
     """Link latency assumed for GPU nodes without the relaytrain.io link annotations."""
     node_lost_seconds: float = 60.0
     """How long a node may be NotReady before its stage pods are replaced elsewhere."""
+    gpu_catalog: str | None = None
+    """YAML/JSON file of GPU catalog overrides (the chart mounts one from its values)."""
     debug: bool = False
     """Log every handler run and API request (kopf's debug logging)."""
     max_workers: int = 8
@@ -100,6 +102,11 @@ def parse_options(argv: Sequence[str] | None = None) -> OperatorOptions:
         help="handler threads (env RELAYTRAIN_MAX_WORKERS)",
     )
     parser.add_argument(
+        "--gpu-catalog",
+        default=_env("GPU_CATALOG", "") or None,
+        help="GPU catalog overrides, YAML or JSON (env RELAYTRAIN_GPU_CATALOG)",
+    )
+    parser.add_argument(
         "--debug",
         action="store_true",
         default=_env("DEBUG", "") not in ("", "0", "false"),
@@ -117,6 +124,7 @@ def parse_options(argv: Sequence[str] | None = None) -> OperatorOptions:
         worker_image=args.worker_image,
         node_lost_seconds=max(0.0, args.node_lost_seconds),
         max_workers=max(1, args.max_workers),
+        gpu_catalog=args.gpu_catalog,
         debug=args.debug,
     )
 

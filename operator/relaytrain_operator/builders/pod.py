@@ -21,8 +21,11 @@ STAGE_CONFIG_ENV = "RELAYTRAIN_STAGE_CONFIG"
 """Environment variable holding the stage contract JSON (docs/stage-contract.md)."""
 GPU_RESOURCE = "nvidia.com/gpu"
 MIB = 1024 * 1024
-# A numeric non-root user, so `runAsNonRoot` can be verified without trusting the image.
-RUN_AS_USER = 65532
+# The worker image's numeric non-root user (worker_image/Dockerfile), so `runAsNonRoot`
+# is verified without trusting the image's metadata.
+RUN_AS_USER = 10001
+CACHE_DIR = "/cache"
+"""Writable scratch for downloaded model shards (the root filesystem is read-only)."""
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,7 @@ def _env(job_name: str, inputs: StagePodInputs) -> list[dict[str, Any]]:
         # The root filesystem is read-only: caches go to the /tmp emptyDir.
         {"name": "HOME", "value": "/tmp"},
         {"name": "HF_HOME", "value": "/tmp/hf"},
+        {"name": "RELAYTRAIN_CACHE", "value": CACHE_DIR},
     ]
     links = config.get("links") or {}
     if links.get("secretEnv"):
@@ -116,7 +120,7 @@ def build_stage_pod(job: dict[str, Any], inputs: StagePodInputs) -> dict[str, An
         "name": "worker",
         "image": inputs.image,
         "imagePullPolicy": inputs.image_pull_policy,
-        "args": ["python", "-m", "relaytrain_worker"],
+        "command": ["python", "-m", "relaytrain_worker"],
         "env": _env(job_name, inputs),
         "ports": [
             {"name": "link", "containerPort": LINK_PORT, "protocol": "TCP"},
@@ -133,7 +137,10 @@ def build_stage_pod(job: dict[str, Any], inputs: StagePodInputs) -> dict[str, An
             "allowPrivilegeEscalation": False,
             "capabilities": {"drop": ["ALL"]},
         },
-        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+        "volumeMounts": [
+            {"name": "tmp", "mountPath": "/tmp"},
+            {"name": "cache", "mountPath": CACHE_DIR},
+        ],
     }
     spec: dict[str, Any] = {
         "hostname": name,
@@ -150,7 +157,7 @@ def build_stage_pod(job: dict[str, Any], inputs: StagePodInputs) -> dict[str, An
             "seccompProfile": {"type": "RuntimeDefault"},
         },
         "containers": [container],
-        "volumes": [{"name": "tmp", "emptyDir": {}}],
+        "volumes": [{"name": "tmp", "emptyDir": {}}, {"name": "cache", "emptyDir": {}}],
         "terminationGracePeriodSeconds": 30,
     }
     if inputs.tolerations:

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 import kopf
+import yaml
 from kubernetes import config
 
 from relaytrain_operator import metrics, options
 from relaytrain_operator.apply import ClusterApi
 from relaytrain_operator.builders.labels import JOB_LABEL
+from relaytrain_operator.planner import DEFAULT_CATALOG, Catalog
 from relaytrain_operator.reconcile import Reconciler
 
 FINALIZER = "relaytrain.io/finalizer"
@@ -27,6 +30,14 @@ def _api_client() -> Any:
         return client.ApiClient()
     except config.ConfigException:
         return config.new_client_from_config()  # type: ignore[no-untyped-call]
+
+
+def _catalog(path: str | None) -> Catalog | None:
+    """The built-in GPU catalog with the file's overrides (None: the built-in one)."""
+    if not path:
+        return None
+    doc = yaml.safe_load(Path(path).read_text())
+    return DEFAULT_CATALOG.with_overrides(doc or {})
 
 
 @kopf.on.startup()
@@ -56,5 +67,5 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.execution.max_workers = opts.max_workers
     # An unexpected error is retried soon: state comes from the cluster, so a retry is safe.
     settings.execution.default_backoff = max(1.0, opts.resync_seconds)
-    memo.reconciler = Reconciler(ClusterApi(_api_client()), opts)
+    memo.reconciler = Reconciler(ClusterApi(_api_client()), opts, _catalog(opts.gpu_catalog))
     metrics.serve(opts.metrics_port)
