@@ -25,7 +25,8 @@ MIB = 1024 * 1024
 # is verified without trusting the image's metadata.
 RUN_AS_USER = 10001
 CACHE_DIR = "/cache"
-"""Writable scratch for downloaded model shards (the root filesystem is read-only)."""
+"""Writable scratch for downloaded model shards (the root filesystem is read-only); the
+worker image points RELAYTRAIN_CACHE here."""
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,6 @@ def _env(job_name: str, inputs: StagePodInputs) -> list[dict[str, Any]]:
         # The root filesystem is read-only: caches go to the /tmp emptyDir.
         {"name": "HOME", "value": "/tmp"},
         {"name": "HF_HOME", "value": "/tmp/hf"},
-        {"name": "RELAYTRAIN_CACHE", "value": CACHE_DIR},
     ]
     links = config.get("links") or {}
     if links.get("secretEnv"):
