@@ -80,3 +80,21 @@ def test_epochs_instead_of_steps() -> None:
     doc["training"]["steps"] = 5
     with pytest.raises(ConfigError, match="exactly one of steps and epochs"):
         StageConfig.from_json(doc)
+
+
+def test_the_worker_refuses_a_bad_document_at_start_up(tmp_path: Any) -> None:
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    worker_root = Path(__file__).resolve().parents[2] / "worker_image"
+    env = {**os.environ, "PYTHONPATH": str(worker_root)}
+    path = tmp_path / "stage.json"
+    path.write_text(json.dumps(_with("method.rank", 0)))
+    done = subprocess.run(
+        [sys.executable, "-m", "relaytrain_worker", "--config", str(path)],
+        capture_output=True, text=True, check=False, timeout=60, env=env,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "invalid stage config: method.rank: must be >= 1, got 0" in done.stderr
