@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +105,7 @@ def test_kill_9_of_a_stage_is_survived(workspace: Path, uninterrupted: list[floa
     before = json.loads((workdir / "state.json").read_text())["stages"]
     victim = before[1]["pid"]
     os.kill(victim, signal.SIGKILL)
+    killed_at = time.time()
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out
     after = json.loads((workdir / "state.json").read_text())["stages"]
@@ -116,6 +118,13 @@ def test_kill_9_of_a_stage_is_survived(workspace: Path, uninterrupted: list[floa
     # The survivor rolled back from its own copy (checked against the manifest), without
     # restarting or reloading the base model.
     assert f"Stage 0 rolls back from its own copy of step {restored[-1]}" in log0
+    # Time from the kill to the replacement stage holding the restored state and its links
+    # agreed (training resumes right after): a fresh process, imports and its slice load.
+    log1 = (workdir / "stages" / "stage-1.log").read_text()
+    stamp = re.findall(r"^(\S+ \S+) INFO relaytrain.stage: Stage 1 restored", log1, re.M)[-1]
+    resumed = datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    print(f"recovery: kill -9 to restored replacement in {resumed - killed_at:.1f} s")
+    assert 0 < resumed - killed_at < 120
     # Same seed, same data positions, restored optimizer and RNG: the curve after the
     # rollback is the uninterrupted one (tolerance only for float summation order).
     losses = _losses(workspace / "ckpt", "kill")
@@ -166,3 +175,25 @@ def test_a_peer_with_the_wrong_secret_is_refused(workspace: Path) -> None:
         out = listener.communicate()[0]
     assert "Refused link" in out
     assert not (workspace / "ckpt" / "default" / "secret").exists()  # nothing half-written
+
+
+def test_full_training_writes_weights_that_load_as_a_model(workspace: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    manifest = yaml.safe_load(_job(workspace, "full", steps=4).read_text())
+    manifest["spec"]["method"] = {"type": "full"}
+    manifest["spec"]["training"]["learningRate"] = 1e-3
+    job = workspace / "full.yaml"
+    job.write_text(yaml.safe_dump(manifest))
+    proc = _run(job, workspace / "wd-full")
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out
+    output = workspace / "ckpt" / "default" / "full" / "output"
+    tuned = AutoModelForCausalLM.from_pretrained(str(output))
+    base = AutoModelForCausalLM.from_pretrained(str(workspace / "model"))
+    tuned_sd, base_sd = tuned.state_dict(), base.state_dict()
+    assert set(tuned_sd) == set(base_sd)
+    assert all(not torch.equal(tuned_sd[n], base_sd[n]) for n in base_sd if "layers.0.mlp" in n)
+    # The tied weight was updated identically on both ends: the head is the embedding.
+    assert torch.equal(tuned.lm_head.weight, tuned.model.embed_tokens.weight)
