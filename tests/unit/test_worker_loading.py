@@ -137,3 +137,26 @@ def test_peak_memory_of_a_stage_tracks_its_share(tmp_path: Path) -> None:
     whole = grow(0, 8)
     assert quarter < 0.4 * whole, (quarter, whole)
     assert quarter < 3.5 * layer_bytes * 2, (quarter, layer_bytes)
+
+
+def test_from_s3_a_stage_fetches_only_the_shards_of_its_layers(model_dir: Path) -> None:
+    from relaytrain_worker.config import StageConfig
+    from relaytrain_worker.modelfiles import stage_shards
+
+    from tests.unit.test_worker_config import DOC
+
+    wm = _weight_map(model_dir)
+
+    def holding(*prefixes: str) -> set[str]:
+        return {shard for name, shard in wm.items() if name.startswith(prefixes)}
+
+    doc = {**DOC, "stage": {"index": 1, "count": 3, "layerStart": 2, "layerEnd": 4}}
+    middle = stage_shards(wm, StageConfig.from_json(doc), tied=True)
+    assert middle == holding("model.layers.2.", "model.layers.3.")
+    last = {**doc, "stage": {"index": 2, "count": 3, "layerStart": 4, "layerEnd": 6},
+            "links": {**DOC["links"], "next": None}}  # fmt: skip
+    shards = stage_shards(wm, StageConfig.from_json(last), tied=True)
+    # The tied head reads the embedding; nothing of layers 0-3 unless it shares a shard.
+    assert shards == holding("model.layers.4.", "model.layers.5.", "model.norm.",
+                             "model.embed_tokens.")  # fmt: skip
+    assert len(shards) < len(set(wm.values()))
