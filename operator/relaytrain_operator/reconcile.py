@@ -25,7 +25,7 @@ from typing import Any
 
 from relaytrain_operator import metrics
 from relaytrain_operator.apply import ClusterApi
-from relaytrain_operator.builders.labels import POOL_ANNOTATION, STAGE_LABEL
+from relaytrain_operator.builders.labels import POOL_ANNOTATION, STAGE_LABEL, stage_pod_name
 from relaytrain_operator.builders.pod import CredentialsRef, StagePodInputs, build_stage_pod
 from relaytrain_operator.builders.secret import build_link_secret
 from relaytrain_operator.builders.service import build_service
@@ -302,7 +302,7 @@ class _Pass:
                     JobEvent(
                         "Warning",
                         "StageRestarting",
-                        f"Stage {k} pod {(pod or {}).get('metadata', {}).get('name', '')} ended "
+                        f"Stage {k} pod {stage_pod_name(self.name, k)} ended "
                         f"({decision.failure}); replacing it (restart {record.restarts + 1} of "
                         f"{limit}).",
                     )
