@@ -197,3 +197,31 @@ def test_full_training_writes_weights_that_load_as_a_model(workspace: Path) -> N
     assert all(not torch.equal(tuned_sd[n], base_sd[n]) for n in base_sd if "layers.0.mlp" in n)
     # The tied weight was updated identically on both ends: the head is the embedding.
     assert torch.equal(tuned.lm_head.weight, tuned.model.embed_tokens.weight)
+
+
+def test_metrics_while_running_and_ctrl_c_stops_every_stage(workspace: Path) -> None:
+    import urllib.request
+
+    workdir = workspace / "wd-ctrlc"
+    proc = _run(_job(workspace, "ctrlc", steps=200), workdir)
+    progress = workspace / "ckpt" / "default" / "ctrlc" / "progress.json"
+    deadline = time.monotonic() + 300
+    while not progress.is_file() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert progress.is_file(), "no step finished"
+    stages = json.loads((workdir / "state.json").read_text())["stages"]
+    for k in range(2):
+        port = json.loads((workdir / "stages" / f"stage-{k}.json").read_text())["observability"][
+            "port"
+        ]
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+        assert b"relaytrain_step{" in metrics and b"relaytrain_link_sent_bytes_total" in metrics
+        health = urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=10)
+        assert health.status == 200 and json.loads(health.read())["state"] == "training"
+    proc.send_signal(signal.SIGINT)  # what Ctrl-C delivers
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out
+    assert "stopping every stage" in out
+    for stage in stages:  # every stage process is gone
+        with pytest.raises(ProcessLookupError):
+            os.kill(stage["pid"], 0)
