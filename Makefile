@@ -70,5 +70,6 @@ chart-crds:
 demo: deps
 	@bash hack/demo.sh
 
+# `make bench BENCH_ARGS=--quick` for the short variants.
 bench: deps
-	@for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+	@bash hack/bench.sh
