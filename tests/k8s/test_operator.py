@@ -657,6 +657,9 @@ def test_progress_from_the_store_is_reported_and_completion_succeeds(
         lambda: (
             (s := kube.status("prog")["stages"][1]).get("restarts") == 1
             and kube.running("prog", 3)
+            # The count is patched before the pod is replaced, the restore step with the
+            # replacement: wait for the pass that created it.
+            and "restoredFromStep" in s
             and s
         ),
     )
