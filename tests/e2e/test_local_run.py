@@ -149,6 +149,38 @@ def test_a_corrupt_manifest_is_never_restored(workspace: Path, uninterrupted: li
     assert _losses(workspace / "ckpt", "calm")[-1] == pytest.approx(uninterrupted[-1], rel=1e-6)
 
 
+def test_a_corrupt_stage_file_is_never_restored(
+    workspace: Path, uninterrupted: list[float]
+) -> None:
+    # Stage 1's weights of the newest commit rot in the store; its manifest is intact.
+    job_dir = workspace / "ckpt" / "default" / "calm"
+    weights = job_dir / f"step-{STEPS}" / "stage-1" / "trainable.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-8:] = bytes(8)
+    weights.write_bytes(bytes(data))
+    (job_dir / "output" / "adapter_model.safetensors").unlink()
+    stages = workspace / "wd-calm" / "stages"
+    # Stage logs are appended to by every run of this job: read only this run's part.
+    before = {p.name: p.stat().st_size for p in stages.glob("*.log")}
+    proc = _run(_job(workspace, "calm"), workspace / "wd-calm")
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out
+    logs = {p.name: p.read_bytes()[before.get(p.name, 0) :].decode() for p in stages.glob("*.log")}
+    # Stage 1 found its own file bad and says which step it skipped and why; stage 0,
+    # whose files of that step are fine, is sent back too by the handshake.
+    assert re.search(
+        rf"Stage 1 skipped checkpoint step {STEPS}: checkpoint file \S+trainable.safetensors "
+        r"is corrupt",
+        logs["stage-1.log"],
+    ), logs["stage-1.log"]
+    for name, log in logs.items():
+        restored = re.findall(r"restored committed step (\d+)", log)
+        assert restored and int(restored[-1]) == STEPS - EVERY, (name, log)
+    # The steps after the good commit are redone: same final loss, a fresh output.
+    assert (job_dir / "output" / "adapter_model.safetensors").is_file()
+    assert _losses(workspace / "ckpt", "calm")[-1] == pytest.approx(uninterrupted[-1], rel=1e-6)
+
+
 def test_a_peer_with_the_wrong_secret_is_refused(workspace: Path) -> None:
     from relaytrain_operator.local_run import LocalRun
     from relaytrain_operator.spec import parse_job

@@ -206,13 +206,17 @@ def verify_step(store: Store, job_prefix: str, step: int) -> None:
         load_stage(store, job_prefix, step, stage)
 
 
-def latest_committed(store: Store, job_prefix: str, verify_files: bool = False) -> int | None:
-    """The newest committed step that verifies, or None.
+def latest_committed(
+    store: Store, job_prefix: str, verify_files: bool = False, at_most: int | None = None
+) -> int | None:
+    """The newest committed step (no newer than ``at_most``) that verifies, or None.
 
     With ``verify_files`` every file of every stage is re-read and checked, so all stages
     that call this on the same store agree on a step whose data is intact.
     """
     for step in reversed(committed_steps(store, job_prefix)):
+        if at_most is not None and step > at_most:
+            continue
         if not verify_files:
             return step
         try:

@@ -146,7 +146,10 @@ class StageRuntime:
         }
 
     def restore(self, step: int | None) -> int:
-        """Roll this stage back to committed `step` (None: the initial state); returns it."""
+        """Roll this stage back to committed `step` (None: the initial state); returns it.
+
+        Raises CorruptCheckpoint when this stage's files of `step` do not verify.
+        """
         self.metrics.restores.inc()
         if step is None:
             self._reset()
@@ -161,6 +164,21 @@ class StageRuntime:
         self.last_committed = step
         log.info("Stage %d restored committed step %d", self.k, step)
         return step
+
+    def restore_newest(self) -> int | None:
+        """Restore the newest committed step whose files of this stage verify; returns it.
+
+        A commit with a corrupt or missing file of this stage is skipped (and logged) for
+        the one before it; the handshake then makes every stage agree on a step whose
+        files all verify (see `_handshake`).
+        """
+        for step in reversed(ckpt.committed_steps(self.store, self.prefix)):
+            try:
+                return self.restore(step)
+            except ckpt.CorruptCheckpoint as exc:
+                log.warning("Stage %d skipped checkpoint step %d: %s", self.k, step, exc)
+        self.restore(None)
+        return None
 
     def _committed_files(self, step: int) -> dict[str, bytes]:
         """A surviving stage's own copy when it is what `step` committed, else the store's."""
@@ -186,9 +204,6 @@ class StageRuntime:
             init_lora(self.stage.model, self.cfg.training.seed)
         self.optimizer, self.scheduler = make_optimizer(self.trainable, self.training)
         torch.manual_seed(self.cfg.training.seed * 131 + self.k)
-
-    def _latest(self) -> int | None:
-        return ckpt.latest_committed(self.store, self.prefix)
 
     # -- links -----------------------------------------------------------------------
 
@@ -220,7 +235,14 @@ class StageRuntime:
             peers.next.send(Frame("hello", -1, -1, {}, {"resume": agreed}))
             agreed = peers.next.recv("resume", -1).meta["resume"]
         else:
-            # The coordinator drops anything newer than the agreed step (partial saves).
+            # Each stage checked only its own files. The coordinator re-reads every stage's
+            # files of the agreed step (once per start or recovery) and falls back to the
+            # newest commit that is intact throughout, so no stage restores a corrupt file.
+            if agreed is not None:
+                agreed = ckpt.latest_committed(
+                    self.store, self.prefix, verify_files=True, at_most=agreed
+                )
+            # It drops anything newer (partial saves, corrupt commits) so reruns can write it.
             ckpt.discard_after(self.store, self.prefix, agreed)
         if peers.prev is not None:
             peers.prev.send(Frame("resume", -1, -1, {}, {"resume": agreed}))
@@ -230,11 +252,13 @@ class StageRuntime:
 
     def run(self) -> int:
         """Train to the end, recovering from broken links; returns the exit code."""
-        restored = self._latest()
-        self.step = self.restore(restored)
+        restored = self.restore_newest()
+        self.step = restored or 0
         self._load_losses()
         attempt = 0
-        while self.step < self.total_steps:
+        # Even a stage that restored the final step joins one handshake: another stage may
+        # have found a file of that commit corrupt, and then every stage redoes the end.
+        while True:
             peers: Peers | None = None
             try:
                 self.metrics.set_health("ready", step=self.step)
@@ -257,8 +281,8 @@ class StageRuntime:
                 if peers is not None:
                     peers.close()
                 time.sleep(min(2.0 * attempt, 10.0))
-                restored = self._latest()
-                self.step = self.restore(restored)
+                restored = self.restore_newest()
+                self.step = restored or 0
             except AuthError:
                 if peers is not None:
                     peers.close()
