@@ -426,6 +426,14 @@ class _Pass:
             )
         )
         committed = (self.status.get("progress") or {}).get("lastCommittedStep")
+        if any(int(entries[k].get("restarts", 0)) for k in built) and is_s3(
+            job.spec.checkpoint.uri
+        ):
+            # A replacement restores the newest commit in the store, which can be newer
+            # than the progress this job's status last folded in.
+            fresh = read_progress(job, self.owner.store_access(job), self.now)
+            if fresh is not None:
+                committed = fresh.status.get("lastCommittedStep", committed)
         for k, (pool, pod) in built.items():
             if not created[k]:
                 continue
@@ -553,4 +561,5 @@ class _Pass:
 
 def _idle(entry: JsonDict) -> JsonDict:
     """A stage entry with no pod (suspended, finished or failed job)."""
-    return {k: v for k, v in entry.items() if k in ("index", "pool", "restarts", "lastFailure")}
+    kept = ("index", "pool", "restarts", "lastFailure", "restoredFromStep")
+    return {k: v for k, v in entry.items() if k in kept}
