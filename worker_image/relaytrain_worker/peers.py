@@ -2,19 +2,25 @@
 
 In 1F1B a stage sends activations downstream while its neighbour sends gradients
 upstream over the same TCP connection; with blocking sends of large frames both could
-wait for the other to read. Every send therefore goes through a per-link sender thread
-(one queue, order kept); `recv` stays on the calling thread. A failed send is raised
-as LinkBroken from the next call on that link, so the schedule notices at once.
+wait for the other to read. Every send therefore goes through per-link threads (order
+kept); `recv` stays on the calling thread. A failed send is raised as LinkBroken from
+the next call on that link, so the schedule notices at once.
+
+Each link has two threads in a row: an encoder (`transport.prepare`: compression and
+framing) and a sender (`Link.send_prepared`: encryption and the socket). On a slow link
+the next frame is compressed while the current one is on the wire, so compression costs
+no link time; encoding on the sender thread would leave the link idle for every encode.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+import time
 from typing import Protocol
 
 from relaytrain_worker.linkauth import LinkBroken
-from relaytrain_worker.transport import Frame
+from relaytrain_worker.transport import Frame, PreparedFrame, prepare
 
 RECV_TIMEOUT = 900.0
 """Longest wait for a neighbour's frame; a live stage never takes this long per frame."""
@@ -23,7 +29,7 @@ RECV_TIMEOUT = 900.0
 class LinkLike(Protocol):
     """What the schedule needs from a transport link."""
 
-    def send(self, frame: Frame, compression: str = "none") -> None: ...
+    def send_prepared(self, prepared: PreparedFrame) -> None: ...
 
     def recv(self, timeout: float | None = None) -> Frame: ...
 
@@ -31,28 +37,60 @@ class LinkLike(Protocol):
 
 
 class AsyncLink:
-    """A link whose sends run on a background thread, in order."""
+    """A link whose sends are encoded and sent on two background threads, in order."""
 
-    def __init__(self, link: LinkLike, name: str) -> None:
+    def __init__(self, link: LinkLike, name: str, *, overlap_encode: bool = True) -> None:
         self.link = link
         self.name = name
-        self._queue: queue.Queue[tuple[Frame, str] | None] = queue.Queue()
+        self.overlap_encode = overlap_encode
+        """False encodes on the sender thread (no overlap; kept for the benchmark)."""
+        self._frames: queue.Queue[tuple[Frame, str] | None] = queue.Queue()
+        self._prepared: queue.Queue[PreparedFrame | _Deferred | None] = queue.Queue()
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name=f"send-{name}", daemon=True)
-        self._thread.start()
+        self._threads: list[threading.Thread] = []
+        self._start()
 
-    def _run(self) -> None:
+    def _start(self) -> None:
+        self._threads = [
+            threading.Thread(target=self._encode_loop, name=f"encode-{self.name}", daemon=True),
+            threading.Thread(target=self._send_loop, name=f"send-{self.name}", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def _encode_loop(self) -> None:
         while True:
-            item = self._queue.get()
+            item = self._frames.get()
+            if item is None:
+                self._prepared.put(None)
+                return
+            if self._error is not None:
+                continue
+            if not self.overlap_encode:
+                self._prepared.put(_Deferred(*item))
+                continue
+            try:
+                self._prepared.put(prepare(item[0], item[1]))
+            except BaseException as exc:
+                self._fail(exc)
+
+    def _send_loop(self) -> None:
+        while True:
+            item = self._prepared.get()
             if item is None:
                 return
             if self._error is not None:
                 continue
             try:
-                self.link.send(item[0], item[1])
+                if isinstance(item, _Deferred):
+                    item = prepare(item.frame, item.compression)
+                self.link.send_prepared(item)
             except BaseException as exc:
-                self._error = exc
-                self.link.close()
+                self._fail(exc)
+
+    def _fail(self, exc: BaseException) -> None:
+        self._error = exc
+        self.link.close()
 
     def _check(self) -> None:
         if self._error is not None:
@@ -61,7 +99,7 @@ class AsyncLink:
     def send(self, frame: Frame, compression: str = "none") -> None:
         """Queue `frame`; returns at once."""
         self._check()
-        self._queue.put((frame, compression))
+        self._frames.put((frame, compression))
 
     def recv(self, kind: str, step: int, micro: int = -1) -> Frame:
         """Receive the next frame and check it is the one the schedule expects."""
@@ -78,24 +116,38 @@ class AsyncLink:
 
     def flush(self, timeout: float = 60.0) -> None:
         """Wait until every queued frame has been handed to the socket."""
-        self._queue.put(None)
-        self._thread.join(timeout)
+        self._frames.put(None)
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
         self._check()
-        self._thread = threading.Thread(target=self._run, name=self._thread.name, daemon=True)
-        self._thread.start()
+        self._start()
 
     def close(self) -> None:
         """Close the link (the peer sees LinkBroken) and stop the sender thread."""
         self.link.close()
-        self._queue.put(None)
+        self._frames.put(None)
+
+
+class _Deferred:
+    """A frame the sender thread encodes itself (``overlap_encode=False``)."""
+
+    def __init__(self, frame: Frame, compression: str) -> None:
+        self.frame = frame
+        self.compression = compression
 
 
 class Peers:
     """The previous and next links of one stage (either may be None at the ends)."""
 
-    def __init__(self, prev: LinkLike | None, next_: LinkLike | None) -> None:
-        self.prev = AsyncLink(prev, "previous") if prev is not None else None
-        self.next = AsyncLink(next_, "next") if next_ is not None else None
+    def __init__(
+        self, prev: LinkLike | None, next_: LinkLike | None, *, overlap_encode: bool = True
+    ) -> None:
+        def wrap(link: LinkLike | None, name: str) -> AsyncLink | None:
+            return None if link is None else AsyncLink(link, name, overlap_encode=overlap_encode)
+
+        self.prev = wrap(prev, "previous")
+        self.next = wrap(next_, "next")
 
     def close(self) -> None:
         for link in (self.prev, self.next):

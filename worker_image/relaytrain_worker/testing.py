@@ -124,6 +124,8 @@ class PipelineRun:
     stage_params: list[dict[str, torch.Tensor]] = field(default_factory=list)
     seconds: float = 0.0
     """Wall time of the training steps alone (no model loading or link set-up)."""
+    boundary_bytes: list[list[int]] = field(default_factory=list)
+    """Per boundary k (stage k to k+1): [bytes sent down, bytes sent up], on the wire."""
 
 
 def run_pipeline_threads(
@@ -135,8 +137,14 @@ def run_pipeline_threads(
     method: Literal["lora", "qlora", "full"] = "lora",
     compression: str = "none",
     lora: dict[str, Any] | None = None,
+    link_rate: float | None = None,
+    overlap_encode: bool = True,
 ) -> PipelineRun:
-    """Run a P-stage pipeline as P threads over real loopback links (tests, benches)."""
+    """Run a P-stage pipeline as P threads over real loopback links (tests, benches).
+
+    ``link_rate`` (bytes per second, each direction) paces every link to emulate a slow
+    network; ``overlap_encode`` is passed to `Peers`.
+    """
     count = len(splits)
     secret = secrets.token_bytes(32)
     listeners = [
@@ -144,7 +152,11 @@ def run_pipeline_threads(
         for k in range(count)
     ]
     addrs = [f"127.0.0.1:{lst.address[1]}" if lst else None for lst in listeners]
-    run = PipelineRun(grads=[{} for _ in steps], stage_params=[{} for _ in splits])
+    run = PipelineRun(
+        grads=[{} for _ in steps],
+        stage_params=[{} for _ in splits],
+        boundary_bytes=[[0, 0] for _ in splits[1:]],
+    )
     errors: list[BaseException] = []
     lock = threading.Lock()
     built = threading.Barrier(count)
@@ -172,12 +184,15 @@ def run_pipeline_threads(
             listener = listeners[k]
             if listener is not None:
                 prev = listener.accept(timeout=60)
+            for link in (prev, nxt):
+                if link is not None:
+                    link.limit_rate(link_rate)
             tied = getattr(stage.config, "tie_word_embeddings", False)
             runner = StepRunner(
                 stage,
                 index=k,
                 count=count,
-                peers=Peers(prev, nxt),
+                peers=Peers(prev, nxt, overlap_encode=overlap_encode),
                 trainable=trainable,
                 compression=compression,
                 max_grad_norm=training.maxGradNorm,
@@ -193,8 +208,15 @@ def run_pipeline_threads(
                         if p.grad is not None:
                             run.grads[s][name] = p.grad.detach().clone()
                 optimizer_step(optimizer, scheduler)
+            for queued in (runner.peers.prev, runner.peers.next):
+                if queued is not None:
+                    queued.flush()
             with lock:
                 run.seconds = max(run.seconds, time.perf_counter() - started)
+                if nxt is not None:
+                    run.boundary_bytes[k][0] = nxt.bytes_sent
+                if prev is not None:
+                    run.boundary_bytes[k - 1][1] = prev.bytes_sent
                 for name, p in trainable:
                     run.params[name] = p.detach().clone()
                     run.stage_params[k][name] = p.detach().clone()
