@@ -9,7 +9,7 @@ lora or full; compression none or int8):
    shaped like the model's linears (forward x·Wᵀ and input gradient g·W, T = batch x sequence
    rows), one thread per stream, P streams at once, timed in each thread's CPU seconds — what
    one core does when it is the stage's alone, as a GPU is. The wall-clock rate of the same
-   streams says how much of a core the machine's other work left (the "share" column).
+   streams says how much of a core the machine's other work left ("share", reported only).
    Memory is the machine's; memory bandwidth a single-thread copy. The link is the stages'
    own transport (authenticated, encrypted frames) over loopback: throughput of
    activation-sized frames, and half the round trip of an empty one.
@@ -25,10 +25,12 @@ lora or full; compression none or int8):
    median of every step after the first (first-call costs) with its range; and each stage's
    CPU seconds per step (/proc/<pid>/stat between the end of step 1 and the end of the run),
    which the machine's other load does not inflate — the planner's per-stage busy time
-   (M x (compute + sends)) is compared with it.
+   (M x (compute + sends)) is compared with it. "1F1B@busy" applies the planner's schedule,
+   (M + P - 1) beats of the busiest stage, to those measured busy times: against the measured
+   step it isolates the schedule and the machine's contention from the compute model.
 4. Fit what the default misses on the per-stage CPU times: an efficiency, and an overhead per
-   layer and micro-batch (the framework's per-operator cost, which a FLOP count cannot see);
-   the step time those two predict is scored leave-one-case-out.
+   layer and micro-batch (the framework's per-operator cost, which a FLOP count cannot see),
+   scored leave-one-case-out, on busy times and on the step times they predict.
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ from relaytrain_operator.planner import (  # noqa: E402
 from relaytrain_operator.planner.model_shape import LINEAR_NAMES  # noqa: E402
 
 PRODUCT = "CPU-local-stage"
-"""The catalog entry calibrated here (one stage's share of this machine's CPU)."""
+"""The catalog entry calibrated here: one core of this machine, as one stage uses it."""
 POOL = "cpu"
 THREADS_PER_STAGE = 1
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -288,7 +290,7 @@ class Calibration:
 
     flops_per_s: float
     """The entry's matmul rate: FLOPs per CPU second of one stage's thread (a core of its
-    own), or that times ``share`` (the part of a core the stages could get)."""
+    own, as a stage has its own GPU)."""
     share: float
     """Wall rate / CPU rate while P streams ran (mean of before and after the run)."""
     memory_mib: int
@@ -448,8 +450,11 @@ class Terms:
     """Measured step seconds."""
     busy: tuple[float, ...]
     """Measured CPU seconds per step of each stage."""
-    share: float
-    """The part of a core a stage could get around the run (calibrated)."""
+
+    @property
+    def beats(self) -> int:
+        """M + P - 1."""
+        return self.micro_batches + len(self.compute) - 1
 
     def stage_busy(self, efficiency: float, layer_overhead: float) -> list[float]:
         """Per-stage busy time per step with an overhead per layer and micro-batch."""
@@ -459,10 +464,8 @@ class Terms:
         ]
 
     def step_time(self, efficiency: float, layer_overhead: float) -> float:
-        """Step seconds on the calibrated share of a core."""
-        beats = self.micro_batches + len(self.compute) - 1
-        busiest = max(self.stage_busy(efficiency, layer_overhead))
-        return beats * busiest / self.micro_batches / self.share
+        """Step seconds under 1F1B: (M + P - 1) beats of the busiest stage."""
+        return self.beats * max(self.stage_busy(efficiency, layer_overhead)) / self.micro_batches
 
 
 def error_pct(predicted: float, measured: float) -> float:
@@ -522,9 +525,7 @@ def measure_case(
         (before[1] / before[0] + after[1] / after[0]) / 2,
         machine_memory_mib(), memory_gbs(), mbps, one_way,
     )  # fmt: skip
-    shared = replace(core, flops_per_s=core.flops_per_s * core.share)
     predicted = predict(case, shape, measured.split, core)
-    on_share = predict(case, shape, measured.split, shared).step_seconds
     at_1 = predict(case, shape, measured.split, core, CostSettings(efficiency=1.0))
     step = statistics.median(measured.steps)
     terms = Terms(
@@ -534,7 +535,6 @@ def measure_case(
         tuple(x.link_seconds for x in at_1.stages),
         step,
         tuple(measured.busy),
-        core.share,
     )
     pred_busy = [case.micro_batches * x.seconds for x in predicted.stages]
     return {
@@ -548,11 +548,12 @@ def measure_case(
         "link": f"{core.link_mbps:.0f} Mbit/s, {core.link_one_way_ms:.2f} ms one way",
         "load_before": round(load, 1),
         "predicted_s": predicted.step_seconds,
-        "predicted_on_share_s": on_share,
         "measured_s": step,
         "measured_range": (min(measured.steps), max(measured.steps)),
         "error_pct": error_pct(predicted.step_seconds, step),
-        "error_on_share_pct": error_pct(on_share, step),
+        # The planner's schedule applied to the measured busy times: what the step would be
+        # if every stage had its core to itself and waited only as 1F1B says.
+        "schedule_on_busy_s": terms.beats * max(measured.busy) / case.micro_batches,
         "predicted_busy_s": pred_busy,
         "measured_busy_s": measured.busy,
         "busy_error_pct": [error_pct(p, m) for p, m in zip(pred_busy, measured.busy, strict=True)],
@@ -564,31 +565,33 @@ def terms_from_row(row: dict[str, Any]) -> Terms:
     t = row["terms"]
     return Terms(
         t["micro_batches"], tuple(t["compute"]), tuple(t["layers"]), tuple(t["link"]),
-        t["step"], tuple(t["busy"]), t["share"],
+        t["step"], tuple(t["busy"]),
     )  # fmt: skip
 
 
 def print_tables(rows: list[dict[str, Any]]) -> None:
     print(
-        "Step time (s): planner (efficiency 0.45) on a calibrated core, and on the share of a\n"
-        "core the stages could get (other work on this machine), vs relaytrain run --local"
+        "Step time (s): planner (efficiency 0.45) on a calibrated core vs relaytrain run --local;\n"
+        "share: the part of a core a stage got (calibration, mean of before and after the run);\n"
+        "1F1B@busy: the planner's schedule on the measured CPU seconds of each stage"
     )
     print(
-        f"{'configuration':38} {'split':13} {'GF/s':>5} {'share':>5} {'pred':>6} {'p@sh':>6} "
-        f"{'meas':>6} {'range':>11} {'error':>7} {'err@sh':>7}"
+        f"{'configuration':38} {'split':13} {'GF/s':>5} {'share':>5} {'pred':>6} {'meas':>6} "
+        f"{'range':>11} {'error':>7} {'1F1B@busy':>9} {'error':>7}"
     )
     for r in rows:
         lo, hi = r["measured_range"]
         mark = " *" if r["oversubscribed"] else ""
+        sched = r["schedule_on_busy_s"]
         print(
             f"{r['case']:38} {','.join(r['split']):13} {r['gflops_per_core']:5.1f} "
-            f"{r['share']:5.2f} {r['predicted_s']:6.3f} {r['predicted_on_share_s']:6.3f} "
-            f"{r['measured_s']:6.3f} {f'{lo:.2f}-{hi:.2f}':>11} {r['error_pct']:+6.1f}% "
-            f"{r['error_on_share_pct']:+6.1f}%{mark}"
+            f"{r['share']:5.2f} {r['predicted_s']:6.3f} {r['measured_s']:6.3f} "
+            f"{f'{lo:.2f}-{hi:.2f}':>11} {r['error_pct']:+6.1f}% {sched:9.3f} "
+            f"{error_pct(sched, r['measured_s']):+6.1f}%{mark}"
         )
     core = statistics.fmean(abs(r["error_pct"]) for r in rows)
-    share = statistics.fmean(abs(r["error_on_share_pct"]) for r in rows)
-    print(f"mean absolute error: {core:.1f}% on a core, {share:.1f}% on the share")
+    sched = statistics.fmean(abs(error_pct(r["schedule_on_busy_s"], r["measured_s"])) for r in rows)
+    print(f"mean absolute error: {core:.1f}% (planner), {sched:.1f}% (1F1B on measured busy)")
     if any(r["oversubscribed"] for r in rows):
         print("* more stages than cores: the stages share cores the planner counts as separate")
     print()
@@ -615,10 +618,10 @@ def print_fits(rows: list[dict[str, Any]]) -> None:
         what = f"efficiency {params[0]:.2f}" + (
             f" + {params[1] * 1e3:.2f} ms per layer and micro-batch" if with_overhead else ""
         )
-        line = f"fit {what}: busy {busy:.1f}%, step@share {step:.1f}% mean abs. error in-sample"
+        line = f"fit {what}: busy {busy:.1f}%, step {step:.1f}% mean abs. error in-sample"
         if len(terms) > 2:
             loo_busy, loo_step = leave_one_out(terms, with_overhead)
-            line += f"; leave-one-case-out busy {loo_busy:.1f}%, step@share {loo_step:.1f}%"
+            line += f"; leave-one-case-out busy {loo_busy:.1f}%, step {loo_step:.1f}%"
         print(line)
 
 

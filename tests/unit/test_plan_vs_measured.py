@@ -63,9 +63,9 @@ def test_cpu_seconds_reads_this_process_from_proc() -> None:
 def _terms(
     compute: float, layers: int, stages: int, efficiency: float, overhead: float
 ) -> pvm.Terms:
-    t = pvm.Terms(8, (compute,) * stages, (layers,) * stages, (0.0,) * stages, 1.0, (), 1.0)
+    t = pvm.Terms(8, (compute,) * stages, (layers,) * stages, (0.0,) * stages, 1.0, ())
     busy = tuple(t.stage_busy(efficiency, overhead))
-    return pvm.Terms(8, t.compute, t.layers, t.link, t.step_time(efficiency, overhead), busy, 1.0)
+    return pvm.Terms(8, t.compute, t.layers, t.link, t.step_time(efficiency, overhead), busy)
 
 
 def test_fit_recovers_efficiency_and_per_layer_overhead() -> None:
