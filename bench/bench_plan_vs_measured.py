@@ -1,6 +1,6 @@
 """Predicted against measured step time: the planner's cost model against real local runs.
 
-    .venv/bin/python bench/bench_plan_vs_measured.py [--quick] [--json OUT]
+    .venv/bin/python bench/bench_plan_vs_measured.py [--quick] [--json OUT] [--keep]
 
 For each configuration (a tiny random Llama built from a config; P stages; M micro-batches;
 lora or full; compression none or int8):
@@ -40,6 +40,7 @@ import contextlib
 import itertools
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -629,6 +630,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--quick", action="store_true", help="two small cases (< 2 minutes)")
     parser.add_argument("--json", type=Path, help="also write the rows here")
+    parser.add_argument("--keep", action="store_true", help="keep the workdir (runs, logs)")
     args = parser.parse_args()
     from relaytrain_worker.testing import tiny_model_dir
 
@@ -664,6 +666,8 @@ def main() -> None:
     print(f"total {time.monotonic() - began:.0f} s")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
+    if not args.keep:  # models and full-training checkpoints: hundreds of MB
+        shutil.rmtree(root)
 
 
 if __name__ == "__main__":
