@@ -159,3 +159,16 @@ def test_qlora_trains_adapters_on_a_4bit_base(llama_dir: Path) -> None:
     # NF4 quantisation error of random weights moves the loss by well under 1%.
     for got, want in zip(run.losses, ref.losses, strict=True):
         assert abs(got - want) / want < 0.01
+
+
+def test_tokens_per_second_counts_non_padding_input_tokens(llama_dir: Path) -> None:
+    # progress.json's tokensPerSecond is the last stage's count over the step's wall time;
+    # it must count what the pipeline processes (every non-padding input token), not only
+    # the tokens the loss is taken over (masked prompts and the shifted first position).
+    steps = _steps(300, n_steps=1)
+    run = run_pipeline_threads(llama_dir, even_splits(4, 2), steps, TRAINING)
+    padded = sum(mb.input_ids.numel() for mb in steps[0])
+    real = sum(int(mb.attention_mask.sum()) for mb in steps[0])
+    label = sum(int((mb.labels[:, 1:] != -100).sum()) for mb in steps[0])
+    assert label < real < padded  # the data has prompts and padding
+    assert run.input_tokens == [real]

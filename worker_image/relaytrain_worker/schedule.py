@@ -51,7 +51,10 @@ class StepResult:
     loss: float | None
     """Token-mean loss of the step (last stage only)."""
     tokens: int
-    """Label tokens in the step."""
+    """Label tokens in the step (what the loss is averaged over)."""
+    input_tokens: int
+    """Non-padding input tokens this stage processed in the step (attention mask ones):
+    what tokens/s counts. Padding is not counted; masked prompt tokens are."""
     grad_norm: float
     """Global gradient norm before clipping."""
 
@@ -106,6 +109,7 @@ class StepRunner:
         self.tied_name = tied_name
         """Global name of a weight shared by stage 0 and the last stage (full + tied), else None."""
         self.on_micro: Callable[[], None] | None = None
+        self._input_tokens = 0
 
     @property
     def first(self) -> bool:
@@ -120,6 +124,7 @@ class StepRunner:
         items = count_items(micros) if micros is not None else -1
         saved: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         loss_sum = torch.zeros((), dtype=torch.float64)
+        self._input_tokens = 0
         for kind, m in one_f_one_b(self.index, self.count, n_micro):
             if kind == "F":
                 out, inp, items, part = self._forward(step, m, micros, items)
@@ -131,7 +136,7 @@ class StepRunner:
                 self._backward(step, m, out, inp)
         norm = self._finish(step)
         loss = float(loss_sum / items) if self.last and items > 0 else None
-        return StepResult(loss=loss, tokens=items, grad_norm=norm)
+        return StepResult(loss=loss, tokens=items, input_tokens=self._input_tokens, grad_norm=norm)
 
     def _forward(
         self, step: int, m: int, micros: list[MicroBatch] | None, items: int
@@ -150,6 +155,7 @@ class StepRunner:
             mask = frame.tensors["attention_mask"]
             pos = frame.tensors["position_ids"]
             labels = frame.tensors["labels"]
+        self._input_tokens += int(mask.sum())
         out = self.stage(x, mask, pos)
         if self.last:
             total = token_loss_sum(out, labels)

@@ -306,8 +306,10 @@ class StageRuntime:
             max_grad_norm=t.maxGradNorm,
             tied_name=self._tied_name(),
         )
+        # tokens/s: non-padding input tokens per second of wall time, measured from one
+        # step's end to the next, so optimizer steps and checkpoint saves count too.
+        mark = time.monotonic()
         while self.step < self.total_steps:
-            started = time.monotonic()
             micros = None
             if self.cfg.stage.is_first:
                 assert self.data is not None
@@ -315,7 +317,9 @@ class StageRuntime:
             result = runner.run(self.step, micros, t.microBatches)
             optimizer_step(self.optimizer, self.scheduler)
             self.step += 1
-            rate = result.tokens / max(time.monotonic() - started, 1e-9)
+            now = time.monotonic()
+            rate = result.input_tokens / max(now - mark, 1e-9)
+            mark = now
             self._report(peers, result.loss, rate)
             if self.step % self.cfg.checkpoint.everySteps == 0 or self.step == self.total_steps:
                 self._checkpoint(peers, self.step)

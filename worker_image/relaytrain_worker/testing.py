@@ -124,6 +124,8 @@ class PipelineRun:
     stage_params: list[dict[str, torch.Tensor]] = field(default_factory=list)
     seconds: float = 0.0
     """Wall time of the training steps alone (no model loading or link set-up)."""
+    input_tokens: list[int] = field(default_factory=list)
+    """Per step: non-padding input tokens the last stage counted (what tokens/s counts)."""
     boundary_bytes: list[list[int]] = field(default_factory=list)
     """Per boundary k (stage k to k+1): [bytes sent down, bytes sent up], on the wire."""
 
@@ -204,6 +206,7 @@ def run_pipeline_threads(
                 with lock:
                     if result.loss is not None:
                         run.losses.append(result.loss)
+                        run.input_tokens.append(result.input_tokens)
                     for name, p in trainable:
                         if p.grad is not None:
                             run.grads[s][name] = p.grad.detach().clone()
