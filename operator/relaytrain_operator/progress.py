@@ -70,12 +70,20 @@ def fold(record: JsonDict, job: FineTuneJob, now: datetime) -> Progress:
     if updated is not None:
         status["updatedAt"] = rfc3339(updated)
     done = bool(record.get("done"))
-    if total is not None and tokens_per_second and not done:
-        training = job.spec.training
-        tokens_per_step = (
-            training.micro_batch_size * training.micro_batches * job.spec.dataset.sequence_length
-        )
-        remaining = max(0, total - step) * tokens_per_step / tokens_per_second
+    step_seconds = _number(record.get("stepSeconds"))
+    if total is not None and not done and (step_seconds or tokens_per_second):
+        if step_seconds:
+            remaining = max(0, total - step) * step_seconds
+        else:
+            # An older worker reports no step time: assume full rows (an upper bound when
+            # the data is padded).
+            training = job.spec.training
+            tokens_per_step = (
+                training.micro_batch_size
+                * training.micro_batches
+                * job.spec.dataset.sequence_length
+            )
+            remaining = max(0, total - step) * tokens_per_step / (tokens_per_second or 1.0)
         status["eta"] = rfc3339((updated or now) + timedelta(seconds=remaining))
     output = record.get("output") if isinstance(record.get("output"), str) else None
     return Progress(status=status, done=done, output=output)

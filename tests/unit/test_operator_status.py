@@ -137,3 +137,30 @@ def test_progress_record_becomes_status_progress_with_an_eta() -> None:
     assert done.done and done.output == "s3://out/a/"
     assert "eta" not in done.status
     finalize({"phase": "Running", "progress": progress.status})  # declared in the CRD
+
+
+def test_eta_follows_the_reported_step_time_when_there_is_one() -> None:
+    job = parse_job(
+        {
+            "apiVersion": "relaytrain.io/v1alpha1",
+            "kind": "FineTuneJob",
+            "metadata": {"name": "j", "namespace": "n"},
+            "spec": {
+                "model": {"uri": "s3://models/m/"},
+                "dataset": {"uri": "s3://data/d.jsonl", "sequenceLength": 100},
+                "training": {"steps": 100, "microBatchSize": 2, "microBatches": 5},
+                "checkpoint": {"uri": "s3://ckpt/x"},
+            },
+        }
+    )
+    record = {
+        "step": 40,
+        "totalSteps": 100,
+        # Padded data: few tokens per step, so a token-based ETA would be far too long.
+        "tokensPerSecond": 10.0,
+        "stepSeconds": 2.0,
+        "updatedAt": "2026-11-22T10:00:00Z",
+        "done": False,
+    }
+    # 60 steps left x 2 s = 120 s after the record was written.
+    assert fold(record, job, T0).status["eta"] == "2026-11-22T10:02:00Z"

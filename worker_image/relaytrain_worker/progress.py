@@ -37,6 +37,8 @@ class Progress:
     """True once the job finished and its output is written."""
     output: str | None = None
     """Where the final adapter went (only when done)."""
+    step_seconds: float | None = None
+    """Wall seconds the last step took (what the operator's ETA is based on)."""
 
     def __post_init__(self) -> None:
         if self.step < 0 or self.total_steps < 0 or self.step > self.total_steps:
@@ -55,6 +57,8 @@ class Progress:
         }
         if self.output is not None:
             doc["output"] = self.output
+        if self.step_seconds is not None:
+            doc["stepSeconds"] = round(self.step_seconds, 4)
         return doc
 
     @classmethod
@@ -68,6 +72,7 @@ class Progress:
             updated_at=str(doc.get("updatedAt", "")),
             done=bool(doc.get("done", False)),
             output=doc.get("output"),
+            step_seconds=None if doc.get("stepSeconds") is None else float(doc["stepSeconds"]),
         )
 
 

@@ -318,9 +318,10 @@ class StageRuntime:
             optimizer_step(self.optimizer, self.scheduler)
             self.step += 1
             now = time.monotonic()
-            rate = result.input_tokens / max(now - mark, 1e-9)
+            seconds = max(now - mark, 1e-9)
+            rate = result.input_tokens / seconds
             mark = now
-            self._report(peers, result.loss, rate)
+            self._report(peers, result.loss, rate, seconds)
             if self.step % self.cfg.checkpoint.everySteps == 0 or self.step == self.total_steps:
                 self._checkpoint(peers, self.step)
 
@@ -328,7 +329,7 @@ class StageRuntime:
         tied = bool(getattr(self.stage.config, "tie_word_embeddings", False))
         return TIED_NAME if self.cfg.method.type == "full" and tied else None
 
-    def _report(self, peers: Peers, loss: float | None, rate: float) -> None:
+    def _report(self, peers: Peers, loss: float | None, rate: float, seconds: float) -> None:
         self.metrics.step.set(self.step)
         self.metrics.tokens_per_second.set(rate)
         for name, link in (("prev", peers.prev), ("next", peers.next)):
@@ -342,7 +343,9 @@ class StageRuntime:
         write_progress(
             self.store,
             self.prefix,
-            Progress(self.step, self.total_steps, loss, rate, self.last_committed),
+            Progress(
+                self.step, self.total_steps, loss, rate, self.last_committed, step_seconds=seconds
+            ),
         )
 
     def _load_losses(self) -> None:
