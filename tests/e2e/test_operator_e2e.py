@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,21 +27,13 @@ from kubernetes import client
 
 from hack.kwok_runner import KwokProcessRunner
 from tests.fixtures.rbac import chart_rbac_kubeconfig
+from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
 GROUP, VERSION, PLURAL = "relaytrain.io", "v1alpha1", "finetunejobs"
 STEPS, EVERY = 40, 4
-
-
-def wait_for(what: str, probe: Callable[[], Any], timeout: float = 120.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if result := probe():
-            return result
-        time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 @pytest.fixture(scope="module")

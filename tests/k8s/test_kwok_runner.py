@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -12,17 +11,9 @@ import pytest
 from kubernetes import client
 
 from hack.kwok_runner import KwokProcessRunner
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.k8s
-
-
-def wait_for(what: str, probe: Callable[[], Any], timeout: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if result := probe():
-            return result
-        time.sleep(0.3)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture

@@ -32,6 +32,7 @@ from kubernetes.client.rest import ApiException
 
 from hack import kwok_nodes
 from tests.fixtures.rbac import chart_rbac_kubeconfig
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.k8s
 
@@ -50,17 +51,6 @@ MODEL_CONFIG = {
     "tie_word_embeddings": True,
     "max_position_embeddings": 8192,
 }
-
-
-def wait_for(what: str, probe: Callable[[], Any], timeout: float = 30.0) -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = probe()
-        if last:
-            return last
-        time.sleep(0.25)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; last: {last!r}")
 
 
 def free_port() -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pytest
 from relaytrain_operator.progress import fold
@@ -97,8 +98,9 @@ def test_changes_is_empty_when_nothing_changed_and_removes_dropped_fields() -> N
     assert changes(old, new) == {"phase": "Pending", "plan": None}
 
 
-def test_progress_record_becomes_status_progress_with_an_eta() -> None:
-    job = parse_job(
+def progress_job() -> Any:
+    """100 steps of 2 x 5 rows of 100 tokens: 1,000 tokens per full step."""
+    return parse_job(
         {
             "apiVersion": "relaytrain.io/v1alpha1",
             "kind": "FineTuneJob",
@@ -111,6 +113,10 @@ def test_progress_record_becomes_status_progress_with_an_eta() -> None:
             },
         }
     )
+
+
+def test_progress_record_becomes_status_progress_with_an_eta() -> None:
+    job = progress_job()
     record = {
         "step": 40,
         "totalSteps": 100,
@@ -140,19 +146,7 @@ def test_progress_record_becomes_status_progress_with_an_eta() -> None:
 
 
 def test_eta_follows_the_reported_step_time_when_there_is_one() -> None:
-    job = parse_job(
-        {
-            "apiVersion": "relaytrain.io/v1alpha1",
-            "kind": "FineTuneJob",
-            "metadata": {"name": "j", "namespace": "n"},
-            "spec": {
-                "model": {"uri": "s3://models/m/"},
-                "dataset": {"uri": "s3://data/d.jsonl", "sequenceLength": 100},
-                "training": {"steps": 100, "microBatchSize": 2, "microBatches": 5},
-                "checkpoint": {"uri": "s3://ckpt/x"},
-            },
-        }
-    )
+    job = progress_job()
     record = {
         "step": 40,
         "totalSteps": 100,
