@@ -238,6 +238,8 @@ class LocalRun:
     def supervise(self, show_progress: bool) -> int:
         """Run until every stage exits 0 (0), or a stage fails too often (1)."""
         policy = self.job.spec.failure_policy
+        # progress.json of an earlier run of the same job may say done; only this run's counts.
+        started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         for stage in self.stages:
             self.start(stage)
         bar = _progress_bar(show_progress)
@@ -261,7 +263,10 @@ class LocalRun:
                     code = stage.proc.poll()
                     if code is None:
                         continue
-                    if code == 0:
+                    done = bool(progress and progress.get("done"))
+                    if code == 0 or (done and str(progress.get("updatedAt", "")) >= started):
+                        # A stage that dies after the job finished (its output written) is
+                        # not restarted: its peers are gone and nothing is left to do.
                         finished += 1
                         continue
                     if stage.restart_at is None:

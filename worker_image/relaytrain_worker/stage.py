@@ -40,7 +40,7 @@ from relaytrain_worker.metrics import StageMetrics, serve
 from relaytrain_worker.model_slice import SliceSpec, build_stage_model
 from relaytrain_worker.modelfiles import resolve_model_dir
 from relaytrain_worker.peers import Peers
-from relaytrain_worker.progress import Progress, read_progress, write_progress
+from relaytrain_worker.progress import Progress, write_progress
 from relaytrain_worker.schedule import StepRunner
 from relaytrain_worker.store import ObjectNotFound, Store, open_store
 from relaytrain_worker.training import load_state_bytes, make_optimizer, optimizer_step, state_bytes
@@ -252,13 +252,6 @@ class StageRuntime:
 
     def run(self) -> int:
         """Train to the end, recovering from broken links; returns the exit code."""
-        finished = read_progress(self.store, self.prefix)
-        if finished is not None and finished.done:
-            # A stage restarted after the job finished (its output is written) has nothing
-            # to do, and no peer is left to agree with: waiting for one would hang.
-            log.info("Stage %d found the job finished (output %s)", self.k, finished.output)
-            self.metrics.set_health("done", step=finished.step)
-            return 0
         restored = self.restore_newest()
         self.step = restored or 0
         self._load_losses()
