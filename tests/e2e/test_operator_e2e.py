@@ -269,7 +269,10 @@ def test_job_survives_a_stage_killed_mid_run(env: dict[str, Any]) -> None:
     watcher.stop()
     after = [(t, doc) for t, doc in watcher.history if t > killed_at]
     lowest = min(doc["step"] for _, doc in after)
-    assert before["step"] - EVERY <= lowest < before["step"] + EVERY, (before, lowest)
+    # (The watcher may lag the pipeline by a few steps, so `before` is a lower bound of
+    # where training was at the kill: nothing after the kill may go back further than one
+    # interval before it.)
+    assert lowest >= before["step"] - EVERY, (before, lowest)
     respawned = [lp for lp in runner.history if lp.name == victim][-1]
     print(
         f"Stage 1 killed at step {before['step']}; its replacement process started "
