@@ -276,3 +276,26 @@ def test_status_plan_is_what_the_crd_declares():
     assert parsed.model_dump(by_alias=True, exclude_none=True) == status
     assert [s["layerStart"] for s in status["stages"]] == [s.layer_start for s in result.stages]
     assert status["bottleneck"]["resource"] in ("compute", "memory", "link")
+
+
+def test_layer_overhead_adds_a_fixed_time_per_layer_and_micro_batch() -> None:
+    model = ModelShape.from_hf_config(
+        {
+            "model_type": "llama",
+            "hidden_size": 576,
+            "intermediate_size": 1536,
+            "num_hidden_layers": 30,
+            "num_attention_heads": 9,
+            "num_key_value_heads": 3,
+            "vocab_size": 49152,
+            "tie_word_embeddings": True,
+        }
+    )
+    training = TrainingShape(1, 8, 256)
+    pool = Pool("h100", "NVIDIA-H100-80GB-HBM3", 1, 1000, 10)
+    gpu = DEFAULT_CATALOG[pool.product]
+    base = pool_cost(model, training, pool, gpu, CostSettings())
+    slow = pool_cost(model, training, pool, gpu, CostSettings(layer_overhead_seconds=0.003))
+    assert slow.layer_seconds == pytest.approx(base.layer_seconds + 0.003)
+    with pytest.raises(ValueError, match="layer_overhead_seconds must be >= 0"):
+        CostSettings(layer_overhead_seconds=-0.001)
