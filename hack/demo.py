@@ -54,6 +54,8 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=1500)
     parser.add_argument("--keep", action="store_true", help="leave cluster and MinIO running")
     args = parser.parse_args()
+    # A SIGTERM (a CI timeout, `kill`) unwinds like Ctrl-C, so everything started is stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     cache = toolpaths.cache_dir()
     model_dir = cache / "models" / "smollm2-135m-instruct"

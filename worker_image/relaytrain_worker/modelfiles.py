@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import secrets
 from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlparse
@@ -76,7 +77,10 @@ def _fetch(store: Store, name: str, local: Path, required: bool) -> bool:
         if required:
             raise ModelLoadError(f"model file {name} is missing from {store!r}") from None
         return False
-    tmp = target.with_suffix(target.suffix + ".part")
+    # Stages on one machine share the cache and may fetch the same shard at once (the
+    # first and last stage both need a tied embedding's): each writes its own temporary
+    # file, and the atomic rename means a reader only ever sees a whole shard.
+    tmp = target.with_name(f"{target.name}.{os.getpid()}.{secrets.token_hex(4)}.part")
     tmp.write_bytes(data)
     tmp.replace(target)  # atomic: a killed download never looks complete
     return True
