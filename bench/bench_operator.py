@@ -32,20 +32,9 @@ sys.path[:0] = [str(REPO), str(REPO / "operator")]
 from kubernetes import client, config  # noqa: E402
 
 from hack import kwok_nodes  # noqa: E402
+from tests.shapes import SMOLLM2_135M_CONFIG as MODEL_CONFIG  # noqa: E402
 
 GROUP, VERSION, PLURAL = "relaytrain.io", "v1alpha1", "finetunejobs"
-# SmolLM2-135M's shape; the planner only needs the config.
-MODEL_CONFIG = {
-    "model_type": "llama",
-    "hidden_size": 576,
-    "intermediate_size": 1536,
-    "num_hidden_layers": 30,
-    "num_attention_heads": 9,
-    "num_key_value_heads": 3,
-    "vocab_size": 49152,
-    "tie_word_embeddings": True,
-    "max_position_embeddings": 8192,
-}
 # Three GPU types sharing the fleet: 30% H100, 30% A100, 40% RTX 4090 (all do bf16).
 FLEET = [
     ("bench-h100", "NVIDIA-H100-80GB-HBM3", 81559, 0.3, 1000, 10),

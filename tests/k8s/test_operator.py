@@ -32,6 +32,7 @@ from kubernetes.client.rest import ApiException
 
 from hack import kwok_nodes
 from tests.fixtures.rbac import chart_rbac_kubeconfig
+from tests.shapes import SMOLLM2_135M_CONFIG as MODEL_CONFIG
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.k8s
@@ -40,17 +41,6 @@ REPO = Path(__file__).resolve().parents[2]
 GROUP, VERSION, PLURAL = "relaytrain.io", "v1alpha1", "finetunejobs"
 JOB_LABEL = "relaytrain.io/job"
 # SmolLM2-135M's shape: 30 decoder layers, small enough for any pool.
-MODEL_CONFIG = {
-    "model_type": "llama",
-    "hidden_size": 576,
-    "intermediate_size": 1536,
-    "num_hidden_layers": 30,
-    "num_attention_heads": 9,
-    "num_key_value_heads": 3,
-    "vocab_size": 49152,
-    "tie_word_embeddings": True,
-    "max_position_embeddings": 8192,
-}
 
 
 def free_port() -> int:

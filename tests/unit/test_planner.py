@@ -25,6 +25,8 @@ from relaytrain_operator.planner import (
 )
 from relaytrain_operator.planner.cost import LinkCost, pool_cost
 
+from tests.shapes import SMOLLM2_135M_CONFIG
+
 pytestmark = pytest.mark.unit
 
 # Small GPUs so that memory binds on small models; no margin or reserve to keep sizes tiny.
@@ -279,18 +281,7 @@ def test_status_plan_is_what_the_crd_declares():
 
 
 def test_layer_overhead_adds_a_fixed_time_per_layer_and_micro_batch() -> None:
-    model = ModelShape.from_hf_config(
-        {
-            "model_type": "llama",
-            "hidden_size": 576,
-            "intermediate_size": 1536,
-            "num_hidden_layers": 30,
-            "num_attention_heads": 9,
-            "num_key_value_heads": 3,
-            "vocab_size": 49152,
-            "tie_word_embeddings": True,
-        }
-    )
+    model = ModelShape.from_hf_config(SMOLLM2_135M_CONFIG)
     training = TrainingShape(1, 8, 256)
     pool = Pool("h100", "NVIDIA-H100-80GB-HBM3", 1, 1000, 10)
     gpu = DEFAULT_CATALOG[pool.product]
