@@ -29,27 +29,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
 from relaytrain_worker.config import TrainingSpec
 from relaytrain_worker.schedule import MicroBatch
-from relaytrain_worker.testing import run_pipeline_threads, tiny_model_dir
+from relaytrain_worker.testing import random_batches, run_pipeline_threads, tiny_model_dir
 
 MBIT = 1e6 / 8
 """Bytes per second in one Mbit/s."""
-
-
-def batches(steps: int, m: int, mbs: int, seq: int, vocab: int) -> list[list[MicroBatch]]:
-    """Random full-length rows (no padding: every token is a processed token)."""
-    gen = torch.Generator().manual_seed(0)
-    out = []
-    for _ in range(steps):
-        micros = []
-        for _ in range(m):
-            ids = torch.randint(0, vocab, (mbs, seq), generator=gen)
-            pos = torch.arange(seq).expand(mbs, -1).contiguous()
-            micros.append(MicroBatch(ids, torch.ones_like(ids), pos, ids.clone()))
-        out.append(micros)
-    return out
 
 
 def measure(
@@ -89,7 +74,7 @@ def main() -> None:
         intermediate=args.hidden,
     )  # fmt: skip
     steps, m, mbs, seq = (2, 4, 2, 128) if args.quick else (3, 8, 4, 128)
-    data = batches(steps + 1, m, mbs, seq, 300)
+    data = random_batches(steps + 1, m, mbs, seq, 300)
     training = TrainingSpec(
         steps=steps, microBatchSize=mbs, microBatches=m, learningRate=1e-3,
         schedule="constant", warmupSteps=0, weightDecay=0.0, maxGradNorm=1.0, seed=0,

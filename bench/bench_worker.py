@@ -24,10 +24,10 @@ from pathlib import Path
 import torch
 from relaytrain_worker.config import TrainingSpec
 from relaytrain_worker.prepare_model import default_dir, is_prepared
-from relaytrain_worker.schedule import MicroBatch
 from relaytrain_worker.testing import (
     PipelineRun,
     even_splits,
+    random_batches,
     run_pipeline_threads,
     run_reference,
     tiny_model_dir,
@@ -52,20 +52,6 @@ print(json.dumps({"grow": status("VmHWM") - base}))
 """
 
 
-def batches(steps: int, m: int, mbs: int, seq: int, vocab: int) -> list[list[MicroBatch]]:
-    gen = torch.Generator().manual_seed(0)
-    out = []
-    for _ in range(steps):
-        micros = []
-        for _ in range(m):
-            ids = torch.randint(0, vocab, (mbs, seq), generator=gen)
-            mask = torch.ones_like(ids)
-            pos = torch.arange(seq).expand(mbs, -1).contiguous()
-            micros.append(MicroBatch(ids, mask, pos, ids.clone()))
-        out.append(micros)
-    return out
-
-
 def _in_thread(fn: Callable[[], PipelineRun]) -> PipelineRun:
     """Run `fn` on a fresh thread, as each pipeline stage runs: torch's intra-op thread
     settings are per thread, and the comparison must not favour either side."""
@@ -81,7 +67,7 @@ def throughput(quick: bool) -> list[dict[str, object]]:
     layers = 6
     model = tiny_model_dir(root / "m", layers=layers, hidden=256, max_shard_size="2MB")
     steps, m, mbs, seq = (3, 4, 2, 64) if quick else (4, 8, 4, 128)
-    data = batches(steps, m, mbs, seq, 300)
+    data = random_batches(steps, m, mbs, seq, 300)
     tokens = steps * m * mbs * seq
     training = TrainingSpec(
         steps=steps, microBatchSize=mbs, microBatches=m, learningRate=1e-3,

@@ -106,6 +106,23 @@ def tiny_model_dir(
     return out
 
 
+def random_batches(
+    steps: int, m: int, mbs: int, seq: int, vocab: int, *, seed: int = 0
+) -> list[list[MicroBatch]]:
+    """`steps` lists of `m` micro-batches of random full-length rows (no padding, so every
+    token is a processed token; labels are the inputs), for benchmarks."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        micros = []
+        for _ in range(m):
+            ids = torch.randint(0, vocab, (mbs, seq), generator=gen)
+            pos = torch.arange(seq).expand(mbs, -1).contiguous()
+            micros.append(MicroBatch(ids, torch.ones_like(ids), pos, ids.clone()))
+        out.append(micros)
+    return out
+
+
 def even_splits(layers: int, stages: int) -> list[tuple[int, int]]:
     """[start, end) per stage, as even as possible."""
     bounds = [round(i * layers / stages) for i in range(stages + 1)]
