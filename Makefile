@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 export RELAYTRAIN_CACHE ?= $(HOME)/.cache/relaytrain
 
 .PHONY: help deps deps-python deps-binaries deps-model test test-unit test-contract test-k8s test-e2e \
-        lint format demo bench cluster-up cluster-down kubeconfig chart-crds
+        lint format demo bench cluster-up cluster-down kubeconfig chart-crds lock go-modules
 
 help:
 	@echo "make demo          run the main job (installs what it needs first)"
@@ -18,6 +18,8 @@ help:
 	@echo "make cluster-down  stop everything cluster-up started"
 	@echo "make bench         run the benchmarks in bench/"
 	@echo "make lint          ruff, mypy and import-linter"
+	@echo "make lock          refresh uv.lock after editing pyproject.toml"
+	@echo "make go-modules    regenerate hack/gomod/ after editing a pin in hack/versions.env"
 
 deps:
 	@bash hack/bootstrap.sh all
@@ -47,6 +49,12 @@ lint: deps-python
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/mypy
+
+# The two commands that change what a fresh machine installs; review and commit their diff.
+lock:
+	@bash hack/bootstrap.sh lock
+go-modules:
+	@bash hack/update-go-modules.sh
 
 format: deps-python
 	$(VENV)/bin/ruff format .

