@@ -44,7 +44,8 @@ component_ldflags() {
   v=$(component_version "$1")
   case $1 in
     kubernetes)
-      local minor=${v#v1.}; minor=${minor%%.*} pkg
+      local minor pkg
+      minor=${v#v1.}; minor=${minor%%.*}
       for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
         printf -- '-X %s.gitVersion=%s -X %s.gitMajor=1 -X %s.gitMinor=%s -X %s.gitTreeState=clean -X %s.buildDate=1970-01-01T00:00:00Z ' \
           "$pkg" "$v" "$pkg" "$pkg" "$minor" "$pkg" "$pkg"
@@ -75,7 +76,9 @@ component_version_checks() {
       echo "kube-apiserver|--version|Kubernetes $v"
       echo "kube-controller-manager|--version|Kubernetes $v"
       echo "kube-scheduler|--version|Kubernetes $v"
-      echo "kubectl|version --client|Client Version: $v" ;;
+      echo "kubectl|version --client|Client Version: $v"
+      local minor=${v#v1.}
+      echo "kubectl|version --client -o json|\"minor\": \"${minor%%.*}\"" ;;
     minio)
       local commit=${v##*-}
       echo "minio|--version|commit-id=$commit" ;;
