@@ -2,13 +2,13 @@
 
 Run: .venv/bin/python bench/bench_compression.py [--quick] [--json OUT]
 
-1. Bytes per token per boundary, measured on a real encrypted loopback link (framing, tags
+1. Bytes per token per boundary, measured on a real TLS loopback link (framing, TLS records
    and headers included): per micro-batch one activation frame forward (hidden states +
    attention mask + position ids + labels, as the worker sends them) and one gradient frame
    backward, for each mode, as a ratio to bf16. Hidden sizes: 576 (SmolLM2-135M), 4096.
 2. Encode and decode throughput of each mode (MB/s of fp32 input) on this CPU (best of N).
 3. Link throughput over loopback for `none` and `int8` (MB/s of fp32 tensor data moved, and
-   of bytes on the wire), a sender and a receiver thread, AES-GCM included.
+   of bytes on the wire), a sender and a receiver thread, TLS (AES-GCM) included.
 4. A 200 Mbit/s link (emulated by pacing the sender): activations moved per second per
    mode, and the wire rate achieved as a share of the link's rate.
 5. Loss after a fixed run: a tiny random Llama (4 layers, hidden 256) LoRA-trained for a
@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import queue
-import secrets
 import sys
 import threading
 import time
@@ -30,10 +29,11 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "worker_image"))
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "operator"), str(REPO / "worker_image")]
 
-from relaytrain_worker.compression import COMPRESSIONS, decode, encode
-from relaytrain_worker.transport import (
+from relaytrain_worker.compression import COMPRESSIONS, decode, encode  # noqa: E402
+from relaytrain_worker.transport import (  # noqa: E402
     Frame,
     Link,
     PreparedFrame,
@@ -42,14 +42,16 @@ from relaytrain_worker.transport import (
     prepare,
 )
 
+from tests.linkcreds import stage_credentials  # noqa: E402
+
 
 def _pair() -> tuple[Link, Link]:
-    secret = secrets.token_bytes(32)
-    lst = listen("127.0.0.1:0", secret=secret, job_id="bench", stage=1)
+    creds = stage_credentials(2, job="bench")
+    lst = listen("127.0.0.1:0", credentials=creds[1], expect=creds[0].identity)
     out: dict[str, Link] = {}
     t = threading.Thread(target=lambda: out.setdefault("down", lst.accept(timeout=30)))
     t.start()
-    up = connect(f"127.0.0.1:{lst.address[1]}", secret=secret, job_id="bench", stage=0)
+    up = connect(f"127.0.0.1:{lst.address[1]}", credentials=creds[0], expect=creds[1].identity)
     t.join()
     lst.close()
     return up, out["down"]
@@ -222,8 +224,9 @@ def loss_after_fixed_run(quick: bool) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for mode in COMPRESSIONS:
         run = run_pipeline_threads(
-            model, even_splits(4, 2), [data] * steps, training, compression=mode, lora=lora
-        )
+            model, even_splits(4, 2), [data] * steps, training,
+            credentials=stage_credentials(2, job="bench"), compression=mode, lora=lora,
+        )  # fmt: skip
         out[mode] = {"first": run.losses[0], "final": run.losses[-1]}
     base = out["none"]["final"]
     for entry in out.values():

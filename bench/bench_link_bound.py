@@ -33,6 +33,9 @@ from relaytrain_worker.config import TrainingSpec
 from relaytrain_worker.schedule import MicroBatch
 from relaytrain_worker.testing import random_batches, run_pipeline_threads, tiny_model_dir
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.linkcreds import stage_credentials
+
 MBIT = 1e6 / 8
 """Bytes per second in one Mbit/s."""
 
@@ -51,6 +54,7 @@ def measure(
         [(0, 1), (1, 2)],
         data,
         training,
+        credentials=stage_credentials(2, job="bench"),
         compression=compression,
         link_rate=rate,
         overlap_encode=overlap,

@@ -49,6 +49,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
@@ -246,14 +247,16 @@ def loopback_link(values: int, frames: int = 8) -> tuple[float, float]:
     """(Mbit/s, one-way ms) of the stages' transport over loopback: throughput of frames of
     ``values`` fp32 activations (uncompressed), and half the round trip of an empty frame."""
     import torch
-    from relaytrain_worker.transport import Frame, connect, listen
+    from relaytrain_operator.linkcerts import mint_link_credentials, stage_pem
+    from relaytrain_worker.transport import Frame, LinkCredentials, connect, listen
 
-    secret = os.urandom(32)
-    listener = listen("127.0.0.1:0", secret=secret, job_id="bench", stage=1)
+    files = mint_link_credentials("bench", "links", [2], now=datetime.now(UTC))
+    creds = [LinkCredentials(*stage_pem(files, 0, k)) for k in range(2)]
+    listener = listen("127.0.0.1:0", credentials=creds[1], expect=creds[0].identity)
     accepted: list[Any] = []
     acceptor = threading.Thread(target=lambda: accepted.append(listener.accept(timeout=30)))
     acceptor.start()
-    a = connect(f"127.0.0.1:{listener.address[1]}", secret=secret, job_id="bench", stage=0)
+    a = connect(f"127.0.0.1:{listener.address[1]}", credentials=creds[0], expect=creds[1].identity)
     acceptor.join()
     b = accepted[0]
     try:

@@ -33,6 +33,9 @@ from relaytrain_worker.testing import (
     tiny_model_dir,
 )
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.linkcreds import stage_credentials
+
 RSS_SCRIPT = """
 import json, sys
 from pathlib import Path
@@ -80,8 +83,9 @@ def throughput(quick: bool) -> list[dict[str, object]]:
     for stages in (2, 3):
         for compression in ("none", "int8"):
             run = run_pipeline_threads(
-                model, even_splits(layers, stages), data, training, compression=compression
-            )
+                model, even_splits(layers, stages), data, training,
+                credentials=stage_credentials(stages, job="bench"), compression=compression,
+            )  # fmt: skip
             rate = tokens / run.seconds
             rows.append({
                 "setup": f"pipeline P={stages} {compression}",

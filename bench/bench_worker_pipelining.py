@@ -4,7 +4,7 @@
 
 Same model (random Llama, 6 layers, hidden 256), same split, same 1F1B schedule, same
 micro-batches, LoRA r=4 on q/v, one process per stage on this machine, each capped at
-cores/stages intra-op threads. relaytrain: authenticated, encrypted TCP links
+cores/stages intra-op threads. relaytrain: mutual-TLS TCP links
 (compression none); torch: gloo point-to-point. Prints tokens/s of each and the ratio.
 Only the training steps after a warm-up step are timed.
 """
@@ -14,16 +14,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import secrets
 import socket
 import tempfile
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from relaytrain_operator.linkcerts import mint_link_credentials, stage_pem
 from relaytrain_worker.config import TrainingSpec
 from relaytrain_worker.methods import lora_config, setup_method
 from relaytrain_worker.model_slice import SliceSpec, StageModel, build_stage_model
@@ -31,7 +32,7 @@ from relaytrain_worker.peers import Peers
 from relaytrain_worker.schedule import MicroBatch, StepRunner, token_loss_sum
 from relaytrain_worker.testing import even_splits, tiny_model_dir
 from relaytrain_worker.training import make_optimizer, optimizer_step
-from relaytrain_worker.transport import connect, listen
+from relaytrain_worker.transport import LinkCredentials, connect, listen
 from torch import nn
 
 LAYERS, MBS, SEQ, M = 6, 4, 128, 8
@@ -68,16 +69,20 @@ def _stage(model_dir: str, rank: int, stages: int) -> tuple[StageModel, list[Any
 
 
 def relaytrain_rank(rank: int, stages: int, model_dir: str, ports: list[int], steps: int,
-                    secret: bytes, results: Any) -> None:  # fmt: skip
+                    pems: list[tuple[str, str, str]], results: Any) -> None:  # fmt: skip
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // stages))
     stage, trainable = _stage(model_dir, rank, stages)
     optimizer, scheduler = make_optimizer(trainable, _training(steps))
+    creds = LinkCredentials(*pems[rank])
+    ids = [LinkCredentials(*p).identity for p in pems]
     listener = (
-        listen(f"127.0.0.1:{ports[rank]}", secret=secret, job_id="b", stage=rank) if rank else None
+        listen(f"127.0.0.1:{ports[rank]}", credentials=creds, expect=ids[rank - 1])
+        if rank
+        else None
     )
     nxt = None
     if rank + 1 < stages:
-        nxt = connect(f"127.0.0.1:{ports[rank + 1]}", secret=secret, job_id="b", stage=rank)
+        nxt = connect(f"127.0.0.1:{ports[rank + 1]}", credentials=creds, expect=ids[rank + 1])
     prev = listener.accept(timeout=120) if listener else None
     runner = StepRunner(stage, index=rank, count=stages, peers=Peers(prev, nxt),
                         trainable=trainable, compression="none", max_grad_norm=0.0)  # fmt: skip
@@ -165,9 +170,10 @@ def main() -> None:
     model_dir = str(tiny_model_dir(Path(tempfile.mkdtemp()) / "m", layers=LAYERS, hidden=256,
                                    max_shard_size="2MB"))  # fmt: skip
     tokens = args.steps * M * MBS * SEQ
-    secret = secrets.token_bytes(32)
+    files = mint_link_credentials("bench", "pipe", [args.stages], now=datetime.now(UTC))
+    pems = [tuple(stage_pem(files, 0, k)) for k in range(args.stages)]
     ours = _spawn(relaytrain_rank, args.stages, model_dir,
-                  [_port() for _ in range(args.stages)], args.steps, secret)  # fmt: skip
+                  [_port() for _ in range(args.stages)], args.steps, pems)  # fmt: skip
     theirs = _spawn(torch_rank, args.stages, model_dir, _port(), args.steps)
     print(json.dumps({"stages": args.stages, "relaytrain_tokens_per_s": round(tokens / ours, 1),
                       "torch_pipelining_tokens_per_s": round(tokens / theirs, 1),

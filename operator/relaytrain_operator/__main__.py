@@ -10,26 +10,27 @@ from collections.abc import Sequence
 
 import kopf
 
-from relaytrain_operator import options
+from relaytrain_operator.options import parse_options
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    opts = options.parse_options(argv)
+    opts = parse_options(argv)
     # `kill -USR1 <pid>` prints every thread's stack: how to see what a stuck operator waits on.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-    options.use(opts)
     kopf.configure(log_format=kopf.LogFormat.FULL, verbose=False, debug=opts.debug)
     if not opts.debug:
         logging.getLogger("kubernetes").setLevel(logging.WARNING)
         # kopf logs every handler run at INFO; ours log what they change.
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
-    # Registers the handlers; imported after the options are set (the timer reads them).
+    # Registers the handlers (importing them needs kopf and the kubernetes client, which
+    # `--help` does not).
     import relaytrain_operator.handlers  # noqa: F401
 
     kopf.run(
         clusterwide=not opts.namespaces,
         namespaces=list(opts.namespaces),
         liveness_endpoint=opts.liveness_endpoint,
+        memo=kopf.Memo(options=opts),
     )
     return 0
 

@@ -1,27 +1,43 @@
 """The one module that talks to the API server for the operator's own work.
 
-Everything else builds plain dicts (builders/), decides (recovery.py, status.py) or
-plans (planner/); this module reads and writes them. Reads return plain JSON dicts, not
-the client's generated model classes: the builders and the status code work on dicts,
-and skipping the client's deserialisation keeps a 1,000-node listing cheap.
+Everything else builds plain dicts (builders/), decides (decide.py, recovery.py,
+status.py) or plans (planner/, placement.py); this module reads and writes them:
+`ClusterApi` holds the few calls, and `Executor` applies a decision's actions in order.
+Reads return plain JSON dicts, not the client's generated model classes: the builders and
+the decisions work on dicts, and skipping the client's deserialisation keeps a large
+listing cheap.
 
-Creates are idempotent: an object that already exists (409) is fine, because state is
+Every action is idempotent: an object that already exists (409) is fine, because state is
 derived from the cluster and a restarted operator re-applies what it may already have
-created. Deletes of objects that are already gone (404) are fine for the same reason.
+created; deletes of objects already gone (404) are fine for the same reason; a status
+patch is sent only for the fields that differ from the stored ones.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
+from relaytrain_operator.actions import (
+    Action,
+    Create,
+    CreateLinkSecret,
+    DeletePod,
+    PatchStatus,
+)
 from relaytrain_operator.builders.labels import JOB_LABEL
+from relaytrain_operator.builders.secret import build_link_secret
+from relaytrain_operator.linkcerts import mint_link_credentials
+from relaytrain_operator.status import changes, to_manifest
 
 GROUP = "relaytrain.io"
 VERSION = "v1alpha1"
@@ -134,24 +150,17 @@ class ClusterApi:
         items: list[JsonDict] = _json(response)["items"]
         return items
 
-    def get_secret_value(self, namespace: str, name: str, key: str) -> str | None:
-        """One key of a Secret, decoded; None if the Secret or key is missing."""
-        import base64
-
+    def get_secret_data(self, namespace: str, name: str) -> dict[str, str]:
+        """A Secret's keys and decoded values; empty if the Secret is missing."""
         try:
             secret = _json(self._core.read_namespaced_secret(name, namespace, **_RAW))
         except ApiException as exc:
             if exc.status in (403, 404):
-                return None
+                return {}
             raise
-        raw = (secret.get("data") or {}).get(key)
-        return base64.b64decode(raw).decode() if raw is not None else None
+        return {k: base64.b64decode(v).decode() for k, v in (secret.get("data") or {}).items()}
 
     # --- the cluster around the job -------------------------------------------------
-
-    def list_nodes(self) -> list[JsonDict]:
-        """Every node, as plain dicts (paged, so a large cluster is not one response)."""
-        return list(self._paged(self._core.list_node))
 
     def list_active_pods(self) -> list[JsonDict]:
         """Every pod in the cluster that may hold a GPU (not Succeeded or Failed)."""
@@ -180,3 +189,60 @@ class ClusterApi:
             token = page["metadata"].get("continue")
             if not token:
                 return
+
+
+EventPoster = Callable[[JsonDict, str, str, str], None]
+"""Posts an Event on a job: (job, type, reason, message)."""
+
+
+class Executor:
+    """Applies a decision's actions to the cluster, in order, each idempotently.
+
+    Stage pods created one after another are created side by side (a job's pods appear in
+    one round trip, not one per stage). An action that fails raises: the rest of the pass
+    is not applied, and the next pass decides again from what the cluster then holds.
+    """
+
+    def __init__(self, api: ClusterApi, post_event: EventPoster, threads: int = 8) -> None:
+        self.api = api
+        self.post_event = post_event
+        self._threads = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="create")
+
+    def run(self, job: JsonDict, actions: Sequence[Action], now: datetime) -> None:
+        """Apply `actions` for `job` (as read at the start of the pass)."""
+        meta = job["metadata"]
+        namespace, name = meta["namespace"], meta["name"]
+        stored: JsonDict = dict(job.get("status") or {})
+        pods: list[JsonDict] = []
+        for action in actions:
+            if isinstance(action, Create) and action.obj["kind"] == "Pod":
+                pods.append(action.obj)
+                continue
+            self._create_pods(pods)
+            if isinstance(action, PatchStatus):
+                new = to_manifest(action.status)
+                patch = changes(stored, new)
+                if patch:
+                    self.api.patch_job_status(namespace, name, patch)
+                stored = new
+            elif isinstance(action, CreateLinkSecret):
+                self._create_link_secret(job, action, now)
+            elif isinstance(action, Create):
+                self.api.create(action.obj)
+            elif isinstance(action, DeletePod):
+                self.api.delete_pod(namespace, action.name, action.uid, force=action.force)
+            else:  # PostEvent
+                self.post_event(job, action.type, action.reason, action.message)
+        self._create_pods(pods)
+
+    def _create_link_secret(self, job: JsonDict, action: CreateLinkSecret, now: datetime) -> None:
+        meta = job["metadata"]
+        pki = mint_link_credentials(
+            meta["namespace"], meta["name"], list(action.stage_counts), now=now
+        )
+        self.api.create(build_link_secret(job, pki))
+
+    def _create_pods(self, pods: list[JsonDict]) -> None:
+        if pods:
+            list(self._threads.map(self.api.create, pods))
+            pods.clear()

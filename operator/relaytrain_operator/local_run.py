@@ -3,9 +3,10 @@
 The same manifest the operator takes; the same stage documents the operator builds
 (`stage_config.build_stage_configs`); the same worker (`python -m relaytrain_worker`).
 What the operator does with pods this does with processes: one per stage on loopback
-ports, a fresh per-job link secret, a local checkpoint directory unless the job names
-S3, and supervision — a stage process that dies is restarted alone, after
-failurePolicy.backoffSeconds, up to failurePolicy.maxStageRestarts times; the
+ports, a fresh link CA and stage certificates (minted as the operator mints them, handed
+to each process in its environment, never written to disk), a local checkpoint directory
+unless the job names S3, and supervision — a stage process that dies is restarted alone,
+after failurePolicy.backoffSeconds, up to failurePolicy.maxStageRestarts times; the
 survivors roll back to the last committed checkpoint by themselves.
 
 Layer split: an even split of the decoder layers over `pipeline.stages` (default 2
@@ -21,22 +22,25 @@ import argparse
 import importlib.util
 import json
 import os
-import secrets
 import signal
 import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from relaytrain_operator.linkcerts import mint_link_credentials, stage_pem
 from relaytrain_operator.spec import FineTuneJob, SpecError, parse_job
 from relaytrain_operator.stage_config import (
     ACCESS_KEY_ENV,
-    LINK_SECRET_ENV,
+    LINK_CA_ENV,
+    LINK_CERT_ENV,
+    LINK_KEY_ENV,
     SECRET_KEY_ENV,
     build_stage_configs,
     local_endpoints,
@@ -133,6 +137,8 @@ class StageProc:
     restarts: int = 0
     pids: list[int] = field(default_factory=list)
     restart_at: float | None = None
+    link_env: dict[str, str] = field(default_factory=dict)
+    """This stage's link certificate, key and the job's CA, by env var name."""
 
 
 class LocalRun:
@@ -161,18 +167,24 @@ class LocalRun:
         self.ranges = ranges
         self.env = self._env(count)
         (self.workdir / "stages").mkdir(parents=True, exist_ok=True)
+        meta = job.metadata
+        pki = mint_link_credentials(meta.namespace, meta.name, [count], now=datetime.now(UTC))
         self.stages = []
         for k, doc in enumerate(self.documents):
             path = self.workdir / "stages" / f"stage-{k}.json"
             path.write_text(json.dumps(doc, indent=2))
-            self.stages.append(StageProc(k, path, self.workdir / "stages" / f"stage-{k}.log"))
+            cert, key, ca = stage_pem(pki, 0, k)
+            link_env = {LINK_CERT_ENV: cert, LINK_KEY_ENV: key, LINK_CA_ENV: ca}
+            stage = StageProc(
+                k, path, self.workdir / "stages" / f"stage-{k}.log", link_env=link_env
+            )
+            self.stages.append(stage)
         ckpt = job.spec.checkpoint.uri
         self.job_dir = f"{ckpt.rstrip('/')}/{job.metadata.namespace}/{job.metadata.name}"
         self.output = self.documents[0]["output"]["uri"]
 
     def _env(self, count: int) -> dict[str, str]:
         env = dict(os.environ)
-        env[LINK_SECRET_ENV] = secrets.token_hex(32)
         # The stages share this machine's cores: without a cap each one starts a thread per
         # core and they spin against each other (several times slower on a small machine).
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // count)))
@@ -186,7 +198,7 @@ class LocalRun:
         with stage.log_path.open("ab") as log:
             stage.proc = subprocess.Popen(
                 [sys.executable, "-m", "relaytrain_worker", "--config", str(stage.config_path)],
-                env=self.env,
+                env={**self.env, **stage.link_env},
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # Ctrl-C reaches us; we stop the stages ourselves

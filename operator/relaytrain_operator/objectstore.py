@@ -2,12 +2,15 @@
 
 The operator reads two things there: the base model's config.json (to plan) and the
 workers' progress.json (to report). Both are tiny; both use the job's own endpoint and
-credential Secret (spec.checkpoint), which the operator reads through `apply`.
+credential Secret (spec.checkpoint), which the operator reads through `apply`. One client
+is kept per endpoint (and replaced when its credentials change), so a periodic read reuses
+its pooled connection instead of building a client each time.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,7 +51,21 @@ def join(prefix: str, *parts: str) -> str:
     return "/".join(p.strip("/") for p in (prefix, *parts) if p.strip("/"))
 
 
+_clients: dict[str | None, tuple[StoreAccess, Minio]] = {}
+_clients_lock = threading.Lock()
+
+
 def _client(access: StoreAccess) -> Minio:
+    """The client of `access.endpoint`, built once per endpoint and credentials."""
+    with _clients_lock:
+        cached = _clients.get(access.endpoint)
+        if cached is None or cached[0] != access:
+            cached = (access, _new_client(access))
+            _clients[access.endpoint] = cached
+        return cached[1]
+
+
+def _new_client(access: StoreAccess) -> Minio:
     if access.endpoint:
         url = urllib.parse.urlparse(access.endpoint)
         host, secure = url.netloc, url.scheme == "https"

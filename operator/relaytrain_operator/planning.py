@@ -1,11 +1,11 @@
 """From a parsed job and the cluster's nodes and pods to `status.plan` (pure).
 
-The planner works on pools; this module chooses which nodes count (ready, carrying the
-job's GPU label and extra node selector, in its allowed pools), takes away the GPUs
-other pods hold (`pools.free_nodes`), calls the planner, and returns its result as
-status.plan (`Plan.to_status()`, the shape the CRD declares). The plan is made once,
-when the job starts; afterwards status.plan is the record every replacement pod is built
-from, so a stage keeps its layers whatever happens to the cluster meanwhile.
+The planner works on pools; `placement.job_pools` says which of them the job may use and
+what is free there (the same rules as a replacement and `relaytrain plan`). This module
+calls the planner and returns its result as status.plan (`Plan.to_status()`, the shape
+the CRD declares). The plan is made once, when the job starts; afterwards status.plan is
+the record every replacement pod is built from, so a stage keeps its layers whatever
+happens to the cluster meanwhile.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from relaytrain_operator.placement import job_pools
 from relaytrain_operator.planner import (
     Catalog,
     ModelShape,
@@ -20,14 +21,12 @@ from relaytrain_operator.planner import (
     PoolError,
     TrainingShape,
     plan,
-    pools_from_nodes,
 )
-from relaytrain_operator.pools import free_nodes, node_pool
 from relaytrain_operator.spec import FineTuneJob
 
 JsonDict = dict[str, Any]
 
-__all__ = ["PlanError", "eligible_nodes", "make_plan", "training_shape"]
+__all__ = ["PlanError", "make_plan", "training_shape"]
 
 
 def training_shape(job: FineTuneJob) -> TrainingShape:
@@ -43,22 +42,6 @@ def training_shape(job: FineTuneJob) -> TrainingShape:
         compression=spec.pipeline.compression,
         dtype=spec.model.dtype,
     )
-
-
-def eligible_nodes(job: FineTuneJob, nodes: Iterable[JsonDict]) -> list[JsonDict]:
-    """Nodes the job may use: in an allowed pool and carrying spec.placement.nodeSelector."""
-    placement = job.spec.placement
-    allowed = set(placement.pools)
-    result = []
-    for node in nodes:
-        labels = (node.get("metadata") or {}).get("labels") or {}
-        pool = node_pool(node, placement.gpu_label)
-        if pool is None or (allowed and pool not in allowed):
-            continue
-        if any(labels.get(k) != v for k, v in placement.node_selector.items()):
-            continue
-        result.append(node)
-    return result
 
 
 def make_plan(
@@ -81,14 +64,15 @@ def make_plan(
         shape = ModelShape.from_hf_config(model_config)
     except ValueError as err:
         raise PlanError(f"The model's config.json cannot be planned: {err}") from err
-    namespace, name = job.metadata.namespace, job.metadata.name
-    free = free_nodes(eligible_nodes(job, nodes), pods, placement.gpu_label, (namespace, name))
     try:
-        pools = pools_from_nodes(free, placement.gpu_label, default_link=default_link)
+        pools = job_pools(job, nodes, pods, default_link=default_link)
     except PoolError as err:
         raise PlanError(f"The GPU nodes cannot be grouped into pools: {err}") from err
     if not pools:
         where = f" in pools {', '.join(placement.pools)}" if placement.pools else ""
+        if placement.node_selector:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(placement.node_selector.items()))
+            where += f" on nodes labelled {labels}"
         raise PlanError(
             f"No free GPU{where}: no ready node with label {placement.gpu_label!r} has an "
             f"unallocated nvidia.com/gpu."

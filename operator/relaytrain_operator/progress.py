@@ -2,9 +2,9 @@
 
 The last stage rewrites `<checkpoint.uri>/<namespace>/<job>/progress.json` after every
 optimizer step (docs/stage-contract.md). The operator reads it on each periodic check
-and reports step, total, loss, tokens/s, the last committed checkpoint and an ETA. A
-record that is missing (training not started yet) or unreadable is no error: the
-progress simply stays as it was.
+(observe.py) and reports step, total, loss, tokens/s, the last committed checkpoint and an
+ETA, folded here (pure). A record that is missing (training not started yet) or
+unreadable is no error: the progress simply stays as it was.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from relaytrain_operator.objectstore import StoreAccess, StoreError, read_json
 from relaytrain_operator.spec import FineTuneJob
 from relaytrain_operator.status import parse_time, rfc3339
 
@@ -87,14 +86,3 @@ def fold(record: JsonDict, job: FineTuneJob, now: datetime) -> Progress:
         status["eta"] = rfc3339((updated or now) + timedelta(seconds=remaining))
     output = record.get("output") if isinstance(record.get("output"), str) else None
     return Progress(status=status, done=done, output=output)
-
-
-def read_progress(job: FineTuneJob, access: StoreAccess | None, now: datetime) -> Progress | None:
-    """The job's progress, or None when there is none yet or the store cannot be read."""
-    try:
-        record = read_json(job_store_uri(job), PROGRESS_FILE, access)
-    except StoreError:
-        return None
-    if record is None:
-        return None
-    return fold(record, job, now)

@@ -39,16 +39,6 @@ class StageRecord:
     phase: str | None = None
     pool: str | None = None
 
-    @classmethod
-    def from_status(cls, entry: JsonDict) -> StageRecord:
-        """From one entry of status.stages (camelCase, as stored)."""
-        return cls(
-            index=int(entry.get("index", 0)),
-            restarts=int(entry.get("restarts", 0)),
-            phase=entry.get("phase"),
-            pool=entry.get("pool"),
-        )
-
 
 @dataclass(frozen=True)
 class StageDecision:

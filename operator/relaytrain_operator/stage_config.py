@@ -6,7 +6,9 @@ plain dicts out. The operator puts a document into each stage pod's environment;
 StageConfig.from_json parses every document built here.
 
 Secrets never enter a document: it names the environment variables that hold them
-(LINK_SECRET_ENV, ACCESS_KEY_ENV, SECRET_KEY_ENV), and whoever starts the stage fills those.
+(LINK_CERT_ENV, LINK_KEY_ENV, LINK_CA_ENV, ACCESS_KEY_ENV, SECRET_KEY_ENV), and whoever
+starts the stage fills those. It does name each stage's link identity and its neighbours'
+(`link_identity`): what their TLS certificates must carry.
 """
 
 from __future__ import annotations
@@ -20,13 +22,16 @@ from relaytrain_operator.spec import FineTuneJob
 __all__ = [
     "ACCESS_KEY_ENV",
     "CONFIG_ENV",
+    "LINK_CA_ENV",
+    "LINK_CERT_ENV",
+    "LINK_KEY_ENV",
     "LINK_PORT",
-    "LINK_SECRET_ENV",
     "METRICS_PORT",
     "SECRET_KEY_ENV",
     "StageEndpoints",
     "build_stage_configs",
     "layer_ranges",
+    "link_identity",
     "local_endpoints",
     "output_uri",
     "pod_endpoints",
@@ -38,8 +43,12 @@ CONTRACT_API_VERSION = "relaytrain.io/v1alpha1"
 CONTRACT_KIND = "StageConfig"
 CONFIG_ENV = "RELAYTRAIN_STAGE_CONFIG"
 """Environment variable that carries a stage's document in a pod."""
-LINK_SECRET_ENV = "RELAYTRAIN_LINK_SECRET"
-"""Environment variable holding the per-job link secret."""
+LINK_CERT_ENV = "RELAYTRAIN_LINK_CERT"
+"""Environment variable holding the stage's link certificate (PEM)."""
+LINK_KEY_ENV = "RELAYTRAIN_LINK_KEY"
+"""Environment variable holding the private key of that certificate (PEM)."""
+LINK_CA_ENV = "RELAYTRAIN_LINK_CA"
+"""Environment variable holding the job's link CA certificate (PEM)."""
 ACCESS_KEY_ENV = "AWS_ACCESS_KEY_ID"
 """Environment variable holding the S3 access key id."""
 SECRET_KEY_ENV = "AWS_SECRET_ACCESS_KEY"
@@ -60,6 +69,15 @@ class StageEndpoints:
     """`host:port` of the next stage; None for the last stage."""
     metrics_port: int = METRICS_PORT
     """Port of this stage's /metrics and /healthz."""
+
+
+def link_identity(namespace: str, job_name: str, pipeline: int, stage: int) -> str:
+    """Who a stage is on the links: the URI SAN of its certificate, checked by its neighbours.
+
+    Pipeline `pipeline` (0 while a job has one) and stage `stage` of the job; see
+    docs/stage-contract.md.
+    """
+    return f"relaytrain://{namespace}/{job_name}/p{pipeline}/s{stage}"
 
 
 def stage_hostname(job_name: str, index: int) -> str:
@@ -166,6 +184,8 @@ def build_stage_configs(
     ranges = layer_ranges(plan)
     _check(job, ranges, endpoints)
     spec = job.spec
+    ns, name = job.metadata.namespace, job.metadata.name
+    count = len(ranges)
     documents: list[dict[str, Any]] = []
     for k, ((start, end), ends) in enumerate(zip(ranges, endpoints, strict=True)):
         # Built afresh per stage (model_dump returns new dicts), so that a caller editing
@@ -174,12 +194,8 @@ def build_stage_configs(
             {
                 "apiVersion": CONTRACT_API_VERSION,
                 "kind": CONTRACT_KIND,
-                "job": {
-                    "namespace": job.metadata.namespace,
-                    "name": job.metadata.name,
-                    "uid": job.metadata.uid or "",
-                },
-                "stage": {"index": k, "count": len(ranges), "layerStart": start, "layerEnd": end},
+                "job": {"namespace": ns, "name": name, "uid": job.metadata.uid or ""},
+                "stage": {"index": k, "count": count, "layerStart": start, "layerEnd": end},
                 "model": spec.model.model_dump(mode="json"),
                 "dataset": spec.dataset.model_dump(mode="json"),
                 "method": spec.method.model_dump(mode="json"),
@@ -188,7 +204,16 @@ def build_stage_configs(
                     "schedule": spec.pipeline.schedule,
                     "compression": spec.pipeline.compression,
                 },
-                "links": {"listen": ends.listen, "next": ends.next, "secretEnv": LINK_SECRET_ENV},
+                "links": {
+                    "listen": ends.listen,
+                    "next": ends.next,
+                    "identity": link_identity(ns, name, 0, k),
+                    "prevIdentity": link_identity(ns, name, 0, k - 1) if k > 0 else None,
+                    "nextIdentity": link_identity(ns, name, 0, k + 1) if k < count - 1 else None,
+                    "certEnv": LINK_CERT_ENV,
+                    "keyEnv": LINK_KEY_ENV,
+                    "caEnv": LINK_CA_ENV,
+                },
                 "checkpoint": {
                     "uri": spec.checkpoint.uri,
                     "endpoint": spec.checkpoint.endpoint,

@@ -1,27 +1,29 @@
 """The job's status, computed (pure): phase, conditions, stages, and what changed.
 
-The operator builds the whole status it wants, validates it against the status model of
-`relaytrain_operator.spec.status` (so every field it writes is one the CRD declares), and
-patches only the top-level fields that differ from what is stored — no write when nothing
-changed, so a quiet job costs the API server nothing.
+The operator reads the stored status into the typed model of
+`relaytrain_operator.spec.status` (the CRD's status schema, so every field it writes is one
+the CRD declares), computes the whole status it wants as that model, and patches only the
+top-level fields that differ from what is stored — no write when nothing changed, so a
+quiet job costs the API server nothing.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Literal
 
 from relaytrain_operator.recovery import REPLACING
-from relaytrain_operator.spec import FineTuneJobStatus, status_patch
+from relaytrain_operator.spec import Condition, FineTuneJobStatus, StageStatus, status_patch
 
 JsonDict = dict[str, Any]
 
 READY = "Ready"
 PROGRESSING = "Progressing"
 
-# Phases after which nothing more happens to the job (except an InvalidSpec "Failed",
-# which a corrected spec clears: see `is_terminal`).
+# Reasons after which nothing more happens to the job (an InvalidSpec "Failed" is not
+# one: a corrected spec clears it).
 TERMINAL_REASONS = ("Succeeded", "BackoffLimitExceeded")
 
 
@@ -40,18 +42,40 @@ def parse_time(text: str | None) -> datetime | None:
         return None
 
 
-def condition(status: JsonDict, kind: str) -> JsonDict | None:
-    """The stored condition of type `kind`, if any."""
-    for entry in status.get("conditions") or []:
-        if entry.get("type") == kind:
-            return dict(entry)
-    return None
+def load_status(stored: Mapping[str, Any] | None) -> FineTuneJobStatus:
+    """The stored status as the typed model (kopf's own `status.kopf`, if any, left out).
+    Raises pydantic's ValidationError (a ValueError) for fields the model does not know."""
+    return FineTuneJobStatus.model_validate(
+        {key: value for key, value in (stored or {}).items() if key != "kopf"}
+    )
 
 
-def is_terminal(status: JsonDict) -> bool:
+def to_manifest(status: FineTuneJobStatus) -> JsonDict:
+    """The status as stored: camelCase, unset fields dropped."""
+    return status_patch(status)
+
+
+def condition(status: FineTuneJobStatus, kind: str) -> Condition | None:
+    """The condition of type `kind`, if any."""
+    return next((c for c in status.conditions if c.type == kind), None)
+
+
+def is_terminal(status: FineTuneJobStatus) -> bool:
     """Succeeded, or Failed for good (restarts exhausted): the job is over."""
-    ready = condition(status, READY) or {}
-    return status.get("phase") in ("Succeeded", "Failed") and ready.get("reason") in (
+    ready = condition(status, READY)
+    return (
+        status.phase in ("Succeeded", "Failed")
+        and ready is not None
+        and ready.reason in TERMINAL_REASONS
+    )
+
+
+def is_finished(stored: Mapping[str, Any] | None) -> bool:
+    """`is_terminal` on the stored status as kopf hands it to a filter (a mapping)."""
+    stored = stored or {}
+    conditions = stored.get("conditions") or []
+    ready: Mapping[str, Any] = next((c for c in conditions if c.get("type") == READY), {})
+    return stored.get("phase") in ("Succeeded", "Failed") and ready.get("reason") in (
         TERMINAL_REASONS
     )
 
@@ -73,7 +97,7 @@ class Verdict:
 
 
 def set_condition(
-    conditions: list[JsonDict],
+    conditions: list[Condition],
     kind: str,
     value: bool,
     *,
@@ -81,28 +105,27 @@ def set_condition(
     message: str,
     now: datetime,
     generation: int | None,
-) -> list[JsonDict]:
+) -> list[Condition]:
     """Conditions with `kind` set; lastTransitionTime moves only when the status flips."""
-    status = "True" if value else "False"
-    old = next((c for c in conditions if c.get("type") == kind), None)
-    moved = old is None or old.get("status") != status
-    entry: JsonDict = {
-        "type": kind,
-        "status": status,
-        "reason": reason,
-        "message": message,
-        "lastTransitionTime": rfc3339(now) if moved else old["lastTransitionTime"],  # type: ignore[index]
-    }
-    if generation is not None:
-        entry["observedGeneration"] = generation
-    return [c for c in conditions if c.get("type") != kind] + [entry]
+    status: Literal["True", "False"] = "True" if value else "False"
+    old = next((c for c in conditions if c.type == kind), None)
+    kept = old is not None and old.status == status
+    entry = Condition(
+        type=kind,
+        status=status,
+        reason=reason,
+        message=message,
+        last_transition_time=old.last_transition_time if kept and old else rfc3339(now),
+        observed_generation=generation,
+    )
+    return [c for c in conditions if c.type != kind] + [entry]
 
 
 def with_verdict(
-    status: JsonDict, verdict: Verdict, now: datetime, generation: int | None
-) -> JsonDict:
+    status: FineTuneJobStatus, verdict: Verdict, now: datetime, generation: int | None
+) -> FineTuneJobStatus:
     """`status` with phase, both conditions and observedGeneration from `verdict`."""
-    conditions = list(status.get("conditions") or [])
+    conditions = list(status.conditions)
     for kind, value in ((READY, verdict.ready), (PROGRESSING, verdict.progressing)):
         conditions = set_condition(
             conditions,
@@ -113,62 +136,74 @@ def with_verdict(
             now=now,
             generation=generation,
         )
-    result = dict(status)
-    result["phase"] = verdict.phase
-    result["conditions"] = sorted(conditions, key=lambda c: str(c["type"]))
+    update: dict[str, Any] = {
+        "phase": verdict.phase,
+        "conditions": sorted(conditions, key=lambda c: c.type),
+    }
     if generation is not None:
-        result["observedGeneration"] = generation
-    if verdict.phase in ("Succeeded", "Failed") and verdict.reason in TERMINAL_REASONS:
-        result.setdefault("completionTime", rfc3339(now))
-    return result
+        update["observed_generation"] = generation
+    if (
+        verdict.phase in ("Succeeded", "Failed")
+        and verdict.reason in TERMINAL_REASONS
+        and status.completion_time is None
+    ):
+        update["completion_time"] = rfc3339(now)
+    return status.model_copy(update=update)
 
 
-def stage_entry(
-    index: int,
-    pod: JsonDict | None,
-    *,
-    pool: str | None,
-    restarts: int,
-    phase: str | None = None,
-    last_failure: str | None = None,
-    restored_from_step: int | None = None,
-) -> JsonDict:
-    """One status.stages entry from the stage's pod as seen (or about to be created)."""
-    entry: JsonDict = {"index": index, "restarts": restarts, "pool": pool, "ready": False}
-    if pod is not None:
-        meta = pod.get("metadata") or {}
-        pod_status = pod.get("status") or {}
-        entry["pod"] = meta.get("name")
-        entry["node"] = (pod.get("spec") or {}).get("nodeName")
-        entry["phase"] = pod_status.get("phase")
-        entry["ready"] = any(
-            c.get("type") == "Ready" and c.get("status") == "True"
-            for c in pod_status.get("conditions") or []
-        )
-    if phase is not None:
-        entry["phase"] = phase
-    if last_failure is not None:
-        entry["lastFailure"] = last_failure
-    if restored_from_step is not None:
-        entry["restoredFromStep"] = restored_from_step
-    return {key: value for key, value in entry.items() if value is not None}
+def observed_stage(entry: StageStatus, pod: Mapping[str, Any], pool: str | None) -> StageStatus:
+    """`entry` with what its (kept) pod shows: name, node, phase, readiness, pool."""
+    meta = pod.get("metadata") or {}
+    pod_status = pod.get("status") or {}
+    seen = {
+        "pod": meta.get("name"),
+        "node": (pod.get("spec") or {}).get("nodeName"),
+        "phase": pod_status.get("phase"),
+        "pool": pool,
+    }
+    update: dict[str, Any] = {key: value for key, value in seen.items() if value is not None}
+    update["ready"] = any(
+        c.get("type") == "Ready" and c.get("status") == "True"
+        for c in pod_status.get("conditions") or []
+    )
+    return entry.model_copy(update=update)
 
 
-def running_verdict(stages: list[JsonDict]) -> Verdict:
-    """Phase and conditions of a started job from its stage entries."""
+def idle_stage(entry: StageStatus) -> StageStatus:
+    """A stage entry with no pod (suspended, finished or failed job)."""
+    return StageStatus(
+        index=entry.index,
+        pool=entry.pool,
+        restarts=entry.restarts,
+        last_failure=entry.last_failure,
+        restored_from_step=entry.restored_from_step,
+    )
+
+
+def running_verdict(stages: list[StageStatus], waiting: Mapping[int, str] | None = None) -> Verdict:
+    """Phase and conditions of a started job from its stage entries. `waiting`: stages
+    whose pod waits on a full pool because no eligible node had a free GPU, and why."""
     total = len(stages)
-    running = [s for s in stages if s.get("phase") == "Running"]
-    recovering = [s for s in stages if s.get("restarts", 0) > 0 and s.get("phase") != "Running"] + [
-        s for s in stages if s.get("phase") == REPLACING
-    ]
+    running = [s for s in stages if s.phase == "Running"]
+    if waiting:
+        first = min(waiting)
+        return Verdict(
+            "Recovering" if any(s.restarts for s in stages) else "Pending",
+            False,
+            False,
+            "Unschedulable",
+            waiting[first],
+        )
+    recovering = sorted(
+        {s.index for s in stages if s.phase == REPLACING or (s.restarts and s.phase != "Running")}
+    )
     if recovering:
-        which = sorted({int(s["index"]) for s in recovering})
         return Verdict(
             "Recovering",
             False,
             True,
             "StageRestarting",
-            f"Replacing stage {', '.join(map(str, which))}; the pipeline resumes from the "
+            f"Replacing stage {', '.join(map(str, recovering))}; the pipeline resumes from the "
             f"last committed checkpoint.",
         )
     if total and len(running) == total:
@@ -178,21 +213,16 @@ def running_verdict(stages: list[JsonDict]) -> Verdict:
     )
 
 
-def ready_stages(stages: list[JsonDict]) -> str:
-    """`ready/total` for the printer column."""
-    return f"{sum(1 for s in stages if s.get('ready'))}/{len(stages)}"
-
-
-def finalize(status: JsonDict) -> JsonDict:
-    """Validate against the CRD's status model and normalise (camelCase, no nulls)."""
-    stages = status.get("stages") or []
-    status = {**status, "restarts": sum(int(s.get("restarts", 0)) for s in stages)}
+def finalize(status: FineTuneJobStatus) -> FineTuneJobStatus:
+    """The printer fields derived from the stages: restarts and readyStages."""
+    stages = status.stages
+    update: dict[str, Any] = {"restarts": sum(s.restarts for s in stages)}
     if stages:
-        status["readyStages"] = ready_stages(stages)
-    return status_patch(FineTuneJobStatus.model_validate(status))
+        update["ready_stages"] = f"{sum(1 for s in stages if s.ready)}/{len(stages)}"
+    return status.model_copy(update=update)
 
 
-def changes(old: JsonDict, new: JsonDict) -> JsonDict:
+def changes(old: Mapping[str, Any], new: Mapping[str, Any]) -> JsonDict:
     """The top-level fields of `new` that differ from `old`; removed ones map to None
     (a JSON merge patch deletes them)."""
     patch: JsonDict = {key: value for key, value in new.items() if old.get(key) != value}

@@ -1,4 +1,4 @@
-"""`relaytrain run --local` with real stage processes: recovery, corrupt checkpoints, secrets.
+"""`relaytrain run --local` with real stage processes: recovery, corrupt checkpoints, link TLS.
 
 Tiny random Llama models (no downloads); every stage is its own `python -m
 relaytrain_worker` process on loopback links, supervised by local_run.
@@ -189,32 +189,38 @@ def test_a_corrupt_stage_file_is_never_restored(
     assert _losses(workspace / "ckpt", "calm")[-1] == pytest.approx(uninterrupted[-1], rel=1e-6)
 
 
-def test_a_peer_with_the_wrong_secret_is_refused(workspace: Path) -> None:
+def test_a_stage_with_another_jobs_certificate_is_refused(workspace: Path) -> None:
     from relaytrain_operator.local_run import LocalRun
     from relaytrain_operator.spec import parse_job
 
-    manifest = yaml.safe_load(_job(workspace, "secret").read_text())
-    run = LocalRun(parse_job(manifest), workspace / "wd-secret", None)
-    env_a = {**_env(), "RELAYTRAIN_LINK_SECRET": "a" * 64}
-    env_b = {**_env(), "RELAYTRAIN_LINK_SECRET": "b" * 64}
+    # Two runs of one job name mint two CAs, as two incarnations of a job would: a stage
+    # holding the other CA's certificate (same identity) must get nowhere.
+    manifest = yaml.safe_load(_job(workspace, "intruded").read_text())
+    run = LocalRun(parse_job(manifest), workspace / "wd-intruded", None)
+    other = LocalRun(parse_job(manifest), workspace / "wd-intruder", None)
+    assert run.stages[0].link_env != other.stages[0].link_env
     cmd = [sys.executable, "-m", "relaytrain_worker", "--config"]
     listener = subprocess.Popen(
         [*cmd, str(run.stages[1].config_path)],
-        env=env_a, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**_env(), **run.stages[1].link_env},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     try:
         intruder = subprocess.run(
             [*cmd, str(run.stages[0].config_path)],
-            env=env_b, capture_output=True, text=True, timeout=300, check=False,
+            env={**_env(), **other.stages[0].link_env},
+            capture_output=True, text=True, timeout=300, check=False,
         )  # fmt: skip
         assert intruder.returncode == 4, intruder.stderr
         assert "link refused" in intruder.stderr
+        assert "does not verify against this job's link CA" in intruder.stderr
+        assert "expected relaytrain://default/intruded/p0/s1" in intruder.stderr
         assert listener.poll() is None  # the listening stage is unharmed and still waiting
     finally:
         listener.kill()
         out = listener.communicate()[0]
-    assert "Refused link" in out
-    assert not (workspace / "ckpt" / "default" / "secret").exists()  # nothing half-written
+    assert "Refused link" in out and "refused this stage's certificate" in out
+    assert not (workspace / "ckpt" / "default" / "intruded").exists()  # nothing half-written
 
 
 def test_full_training_writes_weights_that_load_as_a_model(workspace: Path) -> None:

@@ -304,7 +304,16 @@ def test_three_stage_job_runs_on_its_planned_pools(kube: Cluster, model_dir: Pat
         assert container.security_context.capabilities.drop == ["ALL"]
         assert pod.metadata.owner_references[0].kind == "FineTuneJob"
         env = {e.name: e for e in container.env}
-        assert env["RELAYTRAIN_LINK_SECRET"].value_from.secret_key_ref.name == "llm-link"
+        # Each pod gets the CA and only its own certificate and key from the link Secret.
+        refs = {
+            n: (env[n].value_from.secret_key_ref.name, env[n].value_from.secret_key_ref.key)
+            for n in ("RELAYTRAIN_LINK_CERT", "RELAYTRAIN_LINK_KEY", "RELAYTRAIN_LINK_CA")
+        }
+        assert refs == {
+            "RELAYTRAIN_LINK_CERT": ("llm-link", f"p0-s{k}.crt"),
+            "RELAYTRAIN_LINK_KEY": ("llm-link", f"p0-s{k}.key"),
+            "RELAYTRAIN_LINK_CA": ("llm-link", "ca.crt"),
+        }
         # The worker parses what the operator wrote, with this stage's layers.
         config = StageConfig.from_json(env["RELAYTRAIN_STAGE_CONFIG"].value)
         assert (config.stage.index, config.stage.layerStart, config.stage.layerEnd) == (
@@ -320,7 +329,10 @@ def test_three_stage_job_runs_on_its_planned_pools(kube: Cluster, model_dir: Pat
     assert service.spec.selector == {JOB_LABEL: "llm"}
     assert service.spec.publish_not_ready_addresses is True
     secret = kube.core.read_namespaced_secret("llm-link", kube.ns)
-    assert len(secret.data["secret"]) >= 32
+    assert sorted(secret.data) == [
+        "ca.crt",
+        *(f"p0-s{k}.{e}" for k in range(3) for e in ("crt", "key")),
+    ]
     wait_for("a Planned event", lambda: kube.events("llm", "Planned"))
 
 

@@ -1,4 +1,4 @@
-"""Links between stages over loopback: ordering, authentication, encryption, failures."""
+"""Links between stages over loopback: ordering, mutual TLS, identities, failures."""
 
 from __future__ import annotations
 
@@ -6,40 +6,50 @@ import logging
 import os
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import textwrap
 import threading
 import time
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
 import torch
+from relaytrain_operator.linkcerts import mint_link_credentials, stage_pem
 from relaytrain_worker.transport import (
     AuthError,
     Frame,
     FrameRejected,
     Link,
     LinkBroken,
+    LinkCredentials,
     Listener,
     connect,
     listen,
     prepare,
 )
 
+from tests.linkcreds import stage_credentials
+
 pytestmark = pytest.mark.unit
 
-SECRET = b"0123456789abcdef0123456789abcdef"
-JOB = "default/smollm-lora"
+NS, JOB = "default", "smollm-lora"
+FILES = mint_link_credentials(NS, JOB, [3], now=datetime.now(UTC))
+CREDS = [LinkCredentials(*stage_pem(FILES, 0, k)) for k in range(3)]
+S0, S1, S2 = (f"relaytrain://{NS}/{JOB}/p0/s{k}" for k in range(3))
 
 
 @pytest.fixture
 def listener() -> Iterator[Listener]:
-    lst = listen("127.0.0.1:0", secret=SECRET, job_id=JOB, stage=1)
+    lst = listen("127.0.0.1:0", credentials=CREDS[1], expect=S0)
     yield lst
     lst.close()
+
+
+def _connect(addr: str, creds: LinkCredentials = CREDS[0], expect: str = S1, **kw: float) -> Link:
+    return connect(addr, credentials=creds, expect=expect, retry_for=kw.get("retry_for", 5))
 
 
 def _addr(lst: Listener) -> str:
@@ -63,7 +73,7 @@ def _in_thread(fn: Callable[[], object]) -> tuple[threading.Thread, dict[str, ob
 def _pair(lst: Listener) -> tuple[Link, Link]:
     """(upstream link of stage 0, downstream link of stage 1)."""
     t, out = _in_thread(lambda: lst.accept(timeout=10))
-    up = connect(_addr(lst), secret=SECRET, job_id=JOB, stage=0, retry_for=5)
+    up = _connect(_addr(lst))
     t.join(10)
     down = out["value"]
     assert isinstance(down, Link)
@@ -73,7 +83,8 @@ def _pair(lst: Listener) -> tuple[Link, Link]:
 def test_frames_arrive_in_order_with_ids_tensors_and_meta(listener: Listener) -> None:
     up, down = _pair(listener)
     with up, down:
-        assert down.peer_stage == 0 and up.peer_stage == 1
+        # Each end knows who the other proved to be.
+        assert (down.peer_identity, up.peer_identity) == (S0, S1)
         sent = []
         for step in range(3):
             for micro in range(4):
@@ -125,10 +136,10 @@ def test_compressed_frames_shrink_on_the_wire_and_decode_close(listener: Listene
         assert sizes["int4"] / sizes["bf16"] <= 0.27
 
 
-def test_large_frames_span_several_records(listener: Listener) -> None:
+def test_large_frames_span_many_tls_records(listener: Listener) -> None:
     up, down = _pair(listener)
     with up, down:
-        big = torch.randn(3, 1024, 1024)  # 12 MiB > one 4 MiB record
+        big = torch.randn(3, 1024, 1024)  # 12 MiB: 768 records of 16 KiB
         empty = torch.empty(0, 4, dtype=torch.bfloat16)
         t, out = _in_thread(lambda: down.recv(timeout=30))
         up.send(Frame("activation", 7, 1, {"empty": empty, "h": big, "s": torch.tensor(2.5)}))
@@ -139,75 +150,148 @@ def test_large_frames_span_several_records(listener: Listener) -> None:
         assert got.tensors["s"].shape == () and got.tensors["s"].item() == 2.5
 
 
-def test_wrong_secret_is_refused_with_a_clear_message_and_logged(
+def _refusals(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("Refused link")]
+
+
+def _no_link_within(listener: Listener, seconds: float) -> dict[str, object]:
+    """Run accept in a thread; the caller checks it got no link (it timed out)."""
+    t, out = _in_thread(lambda: listener.accept(timeout=seconds))
+    out["thread"] = t
+    return out
+
+
+def test_a_stage_of_another_job_is_refused_naming_what_was_expected(
+    listener: Listener, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Another job's stage 0: its own CA, the same stage number and job-like identity.
+    other = stage_credentials(3, namespace=NS, job="other-job")
+    t, out = _in_thread(lambda: listener.accept(timeout=10))
+    with caplog.at_level(logging.WARNING, logger="relaytrain.links"):
+        with pytest.raises(AuthError) as refused:
+            _connect(_addr(listener), other[0])
+        # The listener keeps waiting and accepts the right peer afterwards.
+        good = _connect(_addr(listener))
+        t.join(10)
+    # The intruder is told why, and what the listener is expected to be.
+    assert "does not verify against this job's link CA" in str(refused.value)
+    assert f"expected {S1}" in str(refused.value)
+    (logged,) = _refusals(caplog)
+    assert "refused this stage's certificate" in logged and "UNKNOWN_CA" in logged
+    assert f"expected it to be {S0}" in logged
+    down = out["value"]
+    assert isinstance(down, Link) and down.peer_identity == S0
+    good.close()
+    down.close()
+
+
+def test_a_listener_of_another_job_never_gets_a_frame() -> None:
+    impostor_creds = stage_credentials(3, namespace=NS, job=JOB)  # same names, another CA
+    with listen("127.0.0.1:0", credentials=impostor_creds[1], expect=S0) as impostor:
+        out = _no_link_within(impostor, 2)
+        with pytest.raises(AuthError, match=f"does not verify against .*expected {S1}"):
+            _connect(_addr(impostor))
+        out["thread"].join(10)  # type: ignore[attr-defined]
+    assert isinstance(out.get("error"), TimeoutError)  # it never got a link
+
+
+def test_the_right_ca_but_the_wrong_stage_is_refused_both_ways(
+    listener: Listener, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Stage 2 of the same job tries to feed stage 1: only stage 0 may.
+    out = _no_link_within(listener, 2)
+    refusal = f"refused the link: the peer is {S2}, but {S1} accepts only {S0}"
+    with (
+        caplog.at_level(logging.WARNING, logger="relaytrain.links"),
+        pytest.raises(AuthError, match=refusal),
+    ):
+        _connect(_addr(listener), CREDS[2])
+    out["thread"].join(10)  # type: ignore[attr-defined]
+    assert isinstance(out.get("error"), TimeoutError)
+    assert any(f"the peer is {S2}, but {S1} accepts only {S0}" in m for m in _refusals(caplog))
+    # Stage 0 reaches a listener that turns out to be stage 2: it refuses to send to it.
+    with listen("127.0.0.1:0", credentials=CREDS[2], expect=S0) as wrong:
+        out = _no_link_within(wrong, 2)
+        with pytest.raises(AuthError, match=f"the peer is {S2}, but {S0} connects only to {S1}"):
+            _connect(_addr(wrong))
+        out["thread"].join(10)  # type: ignore[attr-defined]
+    assert isinstance(out.get("error"), TimeoutError)
+
+
+def test_an_expired_certificate_is_refused() -> None:
+    old = stage_credentials(2, namespace=NS, job=JOB, now=datetime.now(UTC) - timedelta(days=40))
+    with listen("127.0.0.1:0", credentials=old[1], expect=S0) as lst:
+        out = _no_link_within(lst, 2)
+        with pytest.raises(AuthError, match="certificate has expired"):
+            _connect(_addr(lst), old[0])
+        out["thread"].join(10)  # type: ignore[attr-defined]
+    with pytest.raises(AuthError, match="expired at"):
+        old[0].check_valid()
+
+
+def test_a_plaintext_peer_is_refused_and_the_listener_carries_on(
     listener: Listener, caplog: pytest.LogCaptureFixture
 ) -> None:
     t, out = _in_thread(lambda: listener.accept(timeout=10))
     with caplog.at_level(logging.WARNING, logger="relaytrain.links"):
-        with pytest.raises(AuthError, match="could not prove it holds the secret of job"):
-            connect(_addr(listener), secret=b"x" * 32, job_id=JOB, stage=0, retry_for=5)
-        # The listener keeps waiting and accepts the right peer afterwards.
-        good = connect(_addr(listener), secret=SECRET, job_id=JOB, stage=0, retry_for=5)
+        # Raw TCP: the old link protocol's hello, no TLS.
+        with socket.create_connection(listener.address, timeout=5) as raw:
+            raw.sendall(b"RTL1\x01" + b"\x00" * 32 + b"\x00\x00\x00\x00\x00\x04test")
+            assert raw.recv(4096) == b""  # closed on it, nothing sent back
+        good = _connect(_addr(listener))
         t.join(10)
+    assert any("does not speak TLS" in m for m in _refusals(caplog)), caplog.text
     assert isinstance(out.get("value"), Link)
-    assert any(
-        "Refused link" in r.getMessage() and "secret" in r.getMessage() for r in caplog.records
-    )
     good.close()
-    out_link = out["value"]
-    assert isinstance(out_link, Link)
-    out_link.close()
+    out["value"].close()  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize(
-    ("job", "stage", "message"),
-    [("other/job", 0, "belongs to job 'other/job'"), (JOB, 2, "accepts only stage 0")],
-)
-def test_wrong_job_or_wrong_neighbour_is_refused(
-    listener: Listener, job: str, stage: int, message: str
-) -> None:
-    t, _ = _in_thread(lambda: listener.accept(timeout=0.5))
-    with pytest.raises(AuthError, match=message):
-        connect(_addr(listener), secret=SECRET, job_id=job, stage=stage, retry_for=5)
+def test_a_plaintext_listener_is_refused() -> None:
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def answer_in_plaintext() -> None:
+        conn, _ = server.accept()
+        with conn:
+            conn.recv(4096)
+            conn.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+            time.sleep(1)
+
+    t, _ = _in_thread(answer_in_plaintext)
+    with pytest.raises(AuthError, match=f"does not speak TLS.*expected {S1}"):
+        _connect(f"127.0.0.1:{server.getsockname()[1]}")
     t.join(5)
-
-
-def test_a_listener_with_the_wrong_secret_gets_nothing(caplog: pytest.LogCaptureFixture) -> None:
-    with listen("127.0.0.1:0", secret=b"y" * 32, job_id=JOB, stage=1) as impostor:
-        t, out = _in_thread(lambda: impostor.accept(timeout=1))
-        with pytest.raises(AuthError):
-            connect(_addr(impostor), secret=SECRET, job_id=JOB, stage=0, retry_for=5)
-        t.join(10)
-    assert isinstance(out.get("error"), TimeoutError)  # it never got a link
+    server.close()
 
 
 class _Proxy:
-    """A man in the middle on the upstream->downstream direction, after the handshake."""
+    """A man in the middle between stage 0 and stage 1, forwarding TLS records.
 
-    def __init__(self, target: str, mutate: Callable[[int, bytes], list[bytes]]) -> None:
+    Once ``armed`` is set (after the handshake) the next record from stage 0 is passed to
+    ``mutate``, which returns what to forward instead.
+    """
+
+    def __init__(self, target: tuple[str, int], mutate: Callable[[bytes], list[bytes]]) -> None:
         self.server = socket.create_server(("127.0.0.1", 0))
         self.addr = f"127.0.0.1:{self.server.getsockname()[1]}"
         self.target = target
         self.mutate = mutate
+        self.armed = threading.Event()
         threading.Thread(target=self._run, daemon=True).start()
 
     def _run(self) -> None:
         client, _ = self.server.accept()
-        host, port = self.target.rsplit(":", 1)
-        upstream = socket.create_connection((host, int(port)))
+        upstream = socket.create_connection(self.target)
         threading.Thread(target=self._pipe, args=(upstream, client), daemon=True).start()
-        hello = _read(client, 43)
-        hello += _read(client, struct.unpack(">H", hello[-2:])[0])
-        upstream.sendall(hello)  # hello and proof pass untouched
-        upstream.sendall(_read(client, 32))
-        index = 0
         try:
             while True:
-                prefix = _read(client, 4)
-                record = prefix + _read(client, struct.unpack(">I", prefix)[0])
-                for chunk in self.mutate(index, record):
-                    upstream.sendall(chunk)
-                index += 1
+                head = _read(client, 5)  # TLS record: type, version, u16 length
+                record = head + _read(client, int.from_bytes(head[3:5], "big"))
+                if self.armed.is_set():
+                    self.armed.clear()
+                    for chunk in self.mutate(record):
+                        upstream.sendall(chunk)
+                else:
+                    upstream.sendall(record)
         except OSError:
             pass
         finally:
@@ -233,32 +317,35 @@ def _read(sock: socket.socket, n: int) -> bytes:
     return buf
 
 
-def _flip(index: int, record: bytes) -> list[bytes]:
-    if index == 1:
-        record = record[:10] + bytes([record[10] ^ 0x01]) + record[11:]
-    return [record]
+def _flip(record: bytes) -> list[bytes]:
+    """One bit of ciphertext flipped (the record header is left alone)."""
+    return [record[:12] + bytes([record[12] ^ 0x01]) + record[13:]]
 
 
-def _replay(index: int, record: bytes) -> list[bytes]:
-    return [record, record] if index == 0 else [record]
+def _replay(record: bytes) -> list[bytes]:
+    return [record, record]
 
 
 @pytest.mark.parametrize("mutate", [_flip, _replay])
-def test_tampered_or_replayed_records_are_rejected(
-    listener: Listener, mutate: Callable[[int, bytes], list[bytes]]
+def test_tampered_or_replayed_records_break_the_link(
+    listener: Listener, mutate: Callable[[bytes], list[bytes]]
 ) -> None:
-    proxy = _Proxy(_addr(listener), mutate)
+    proxy = _Proxy(listener.address, mutate)
     t, out = _in_thread(lambda: listener.accept(timeout=10))
-    up = connect(proxy.addr, secret=SECRET, job_id=JOB, stage=0, retry_for=5)
+    up = _connect(proxy.addr)
     t.join(10)
     down = out["value"]
     assert isinstance(down, Link)
     with up, down:
-        up.send(Frame("control", 0, -1, meta={"n": 0}))  # record 0
-        up.send(Frame("control", 1, -1, meta={"n": 1}))  # record 1
+        up.send(Frame("control", 0, -1, meta={"n": 0}))
         assert down.recv(timeout=5).meta == {"n": 0}
-        with pytest.raises(FrameRejected, match="failed authentication"):
-            down.recv(timeout=5)
+        proxy.armed.set()
+        up.send(Frame("control", 1, -1, meta={"n": 1}))
+        delivered = []
+        with pytest.raises(FrameRejected, match=r"failed authentication.*tampered with"):
+            for _ in range(2):  # a replayed copy fails right after the genuine record
+                delivered.append(down.recv(timeout=5).meta)
+        assert delivered == ([{"n": 1}] if mutate is _replay else [])
         assert down.closed  # an untrusted link is dropped, never resynchronised
         with pytest.raises(LinkBroken):
             down.recv(timeout=1)
@@ -284,15 +371,23 @@ def test_a_killed_peer_process_raises_link_broken_promptly(
     script.write_text(
         textwrap.dedent(
             f"""
-            import time, torch
-            from relaytrain_worker.transport import Frame, connect
-            link = connect({_addr(listener)!r}, secret={SECRET!r}, job_id={JOB!r}, stage=0)
+            import os, time, torch
+            from relaytrain_worker.transport import Frame, LinkCredentials, connect
+            creds = LinkCredentials.from_env("CERT", "KEY", "CA")
+            link = connect({_addr(listener)!r}, credentials=creds, expect={S1!r})
             link.send(Frame("activation", 0, 0, {{"h": torch.ones(4)}}))
             time.sleep(60)
             """
         )
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(["worker_image", *sys.path])}
+    cert, key, ca = stage_pem(FILES, 0, 0)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(["worker_image", *sys.path]),
+        "CERT": cert,
+        "KEY": key,
+        "CA": ca,
+    }
     peer = subprocess.Popen([sys.executable, str(script)], env=env)
     try:
         down = listener.accept(timeout=60)
@@ -312,12 +407,10 @@ def test_connect_retries_until_the_listener_appears() -> None:
     probe = socket.create_server(("127.0.0.1", 0))
     port = probe.getsockname()[1]
     probe.close()  # nothing listens there now
-    t, out = _in_thread(
-        lambda: connect(f"127.0.0.1:{port}", secret=SECRET, job_id=JOB, stage=0, retry_for=20)
-    )
+    t, out = _in_thread(lambda: _connect(f"127.0.0.1:{port}", retry_for=20))
     time.sleep(1.0)
     assert t.is_alive()  # still retrying
-    with listen(f"127.0.0.1:{port}", secret=SECRET, job_id=JOB, stage=1) as late:
+    with listen(f"127.0.0.1:{port}", credentials=CREDS[1], expect=S0) as late:
         down = late.accept(timeout=15)
         t.join(15)
         up = out["value"]
@@ -334,7 +427,7 @@ def test_connect_gives_up_after_retry_for() -> None:
     probe.close()
     start = time.monotonic()
     with pytest.raises(LinkBroken, match=f"could not reach 127.0.0.1:{port} within 1 s"):
-        connect(f"127.0.0.1:{port}", secret=SECRET, job_id=JOB, stage=0, retry_for=1.0)
+        _connect(f"127.0.0.1:{port}", retry_for=1.0)
     assert time.monotonic() - start < 3
 
 
@@ -347,20 +440,29 @@ def test_recv_timeout_leaves_the_link_usable(listener: Listener) -> None:
         assert down.recv(timeout=5).step == 4
 
 
-def test_short_secrets_are_refused_before_anything_is_sent() -> None:
-    with pytest.raises(ValueError, match="at least 16"):
-        listen("127.0.0.1:0", secret=b"short", job_id=JOB, stage=1)
+def test_credentials_that_do_not_fit_are_refused_before_anything_is_sent() -> None:
+    cert0, _, ca = stage_pem(FILES, 0, 0)
+    _, key1, _ = stage_pem(FILES, 0, 1)
+    with pytest.raises(AuthError, match="do not load"):
+        LinkCredentials(cert0, key1, ca)  # stage 1's key with stage 0's certificate
+    with pytest.raises(AuthError, match=r"RELAYTRAIN_LINK_KEY .* is empty"):
+        LinkCredentials.from_env(
+            "RELAYTRAIN_LINK_CERT", "RELAYTRAIN_LINK_KEY", "RELAYTRAIN_LINK_CA",
+            environ={"RELAYTRAIN_LINK_CERT": cert0, "RELAYTRAIN_LINK_CA": ca},
+        )  # fmt: skip
+    with pytest.raises(AuthError, match="not a PEM certificate"):
+        LinkCredentials("not a certificate", key1, ca)
 
 
 def test_closing_a_listener_wakes_a_blocked_accept() -> None:
-    lst = listen("127.0.0.1:0", secret=SECRET, job_id=JOB, stage=1)
+    lst = listen("127.0.0.1:0", credentials=CREDS[1], expect=S0)
     t, out = _in_thread(lst.accept)
     time.sleep(0.2)
     lst.close()
     t.join(5)
     assert isinstance(out.get("error"), LinkBroken)
     with (
-        listen("127.0.0.1:0", secret=SECRET, job_id=JOB, stage=1) as idle,
+        listen("127.0.0.1:0", credentials=CREDS[1], expect=S0) as idle,
         pytest.raises(TimeoutError),
     ):
         idle.accept(timeout=0)
@@ -394,7 +496,7 @@ def test_a_peer_that_stalls_mid_frame_is_declared_gone(
     monkeypatch.setattr(transport, "STALL_TIMEOUT", 0.5)
     up, down = _pair(listener)
     with up, down:
-        up._sock.sendall(struct.pack(">I", 100) + b"x" * 10)  # a record that never completes
+        up._sock.sendall(b"\x17\x03\x03\x00\x64" + b"x" * 10)  # a TLS record that never completes
         start = time.monotonic()
         with pytest.raises(LinkBroken, match="stalled"):
             down.recv(timeout=5)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -11,6 +12,7 @@ from relaytrain_operator.builders.labels import JOB_LABEL, STAGE_LABEL, stage_dn
 from relaytrain_operator.builders.pod import CredentialsRef, StagePodInputs, build_stage_pod
 from relaytrain_operator.builders.secret import build_link_secret
 from relaytrain_operator.builders.service import build_service
+from relaytrain_operator.linkcerts import mint_link_credentials
 from relaytrain_operator.spec import parse_job
 from relaytrain_operator.stage_config import build_stage_configs, pod_endpoints
 
@@ -109,16 +111,33 @@ def test_secrets_reach_the_pod_only_by_reference() -> None:
     for name, (secret, key) in {
         "AWS_ACCESS_KEY_ID": ("s3-creds", "id"),
         "AWS_SECRET_ACCESS_KEY": ("s3-creds", "key"),
-        "RELAYTRAIN_LINK_SECRET": ("smol-link", "secret"),
+        "RELAYTRAIN_LINK_CERT": ("smol-link", "p0-s0.crt"),
+        "RELAYTRAIN_LINK_KEY": ("smol-link", "p0-s0.key"),
+        "RELAYTRAIN_LINK_CA": ("smol-link", "ca.crt"),
     }.items():
         assert "value" not in env[name]
         assert env[name]["valueFrom"]["secretKeyRef"] == {"name": secret, "key": key}
     # No literal value anywhere in the pod looks like a credential.
     assert "s3-creds" not in env["RELAYTRAIN_STAGE_CONFIG"]["value"]
+    assert "PRIVATE KEY" not in json.dumps(pod)
+
+
+def test_each_stage_pod_gets_only_its_own_link_key() -> None:
+    refs = {
+        (e["name"], e["valueFrom"]["secretKeyRef"]["key"])
+        for e in pod_for(1)["spec"]["containers"][0]["env"]
+        if e["name"].startswith("RELAYTRAIN_LINK_")
+    }
+    assert refs == {
+        ("RELAYTRAIN_LINK_CERT", "p0-s1.crt"),
+        ("RELAYTRAIN_LINK_KEY", "p0-s1.key"),
+        ("RELAYTRAIN_LINK_CA", "ca.crt"),
+    }
 
 
 def test_every_child_is_owned_by_the_job() -> None:
-    secret = build_link_secret(JOB, "k3y")
+    files = mint_link_credentials("team-a", "smol", [2], now=datetime.now(UTC))
+    secret = build_link_secret(JOB, files)
     for child in (pod_for(0), build_service(JOB), secret):
         (owner,) = child["metadata"]["ownerReferences"]
         assert owner == {
@@ -130,7 +149,9 @@ def test_every_child_is_owned_by_the_job() -> None:
             "blockOwnerDeletion": True,
         }
         assert child["metadata"]["namespace"] == "team-a"
-    assert base64.b64decode(secret["data"]["secret"]) == b"k3y"
+    # The link Secret holds the CA certificate and each stage's certificate and key.
+    assert sorted(secret["data"]) == ["ca.crt", "p0-s0.crt", "p0-s0.key", "p0-s1.crt", "p0-s1.key"]
+    assert {k: base64.b64decode(v).decode() for k, v in secret["data"].items()} == files
 
 
 def test_tolerations_and_priority_are_copied() -> None:

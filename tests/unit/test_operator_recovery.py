@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 from relaytrain_operator import recovery
-from relaytrain_operator.pools import PoolRoom, choose_pool, free_nodes, pool_rooms
+from relaytrain_operator.placement import PoolRoom, choose_pool, free_nodes, pool_rooms
 from relaytrain_operator.recovery import (
     INCARNATION_ANNOTATION,
     REPLACING,
@@ -181,6 +181,42 @@ def test_a_replacement_moves_to_the_smallest_pool_whose_memory_fits() -> None:
         "H100": PoolRoom(2, 81559),
     }
     assert choose_pool("A100", 30000, rooms) == "L40"
-    assert choose_pool("A100", 30000, rooms, allowed=["A100", "H100"]) == "H100"
+    # Pools the job may not use are not in `rooms` at all (placement.place_replacements
+    # builds them from the job's eligible nodes only): with L40 and the RTX 4090s left out,
+    # the H100 takes it.
+    allowed = {pool: room for pool, room in rooms.items() if pool in ("A100", "H100")}
+    assert choose_pool("A100", 30000, allowed) == "H100"
     # Nowhere fits: it waits on its own pool.
     assert choose_pool("A100", 90000, rooms) == "A100"
+
+
+def test_odd_inputs_are_read_safely() -> None:
+    garbled = pod()
+    garbled["metadata"]["annotations"][INCARNATION_ANNOTATION] = "x"
+    assert recovery.incarnation(garbled) == 0
+    # A NotReady node with an unreadable transition time is lost; one that reports no
+    # Ready condition at all is not (nothing says it went away).
+    bad_time = {
+        "status": {
+            "conditions": [
+                {"type": "DiskPressure", "status": "False"},
+                {"type": "Ready", "status": "False", "lastTransitionTime": "yesterday"},
+            ]
+        }
+    }
+    assert recovery.node_lost(bad_time, NOW, timedelta(seconds=30))
+    assert not recovery.node_lost({"status": {}}, NOW, timedelta(seconds=30))
+
+
+def test_a_past_incarnation_still_running_is_replaced_without_counting() -> None:
+    record = StageRecord(0, restarts=1, phase=REPLACING)
+    assert decide(record, pod(incarnation=0), READY_NODE) == StageDecision("delete")
+
+
+def test_a_terminating_pod_on_a_lost_node_is_force_deleted_and_counted_once() -> None:
+    first = decide(StageRecord(0, phase="Running"), pod(deleting=True), None)
+    assert first == StageDecision("delete", failure="NodeLost", force=True)
+    again = decide(StageRecord(0, restarts=1, phase=REPLACING), pod(deleting=True), None)
+    assert again == StageDecision("delete", force=True)
+    failed_again = decide(StageRecord(0, restarts=1, phase=REPLACING), pod(incarnation=0), None)
+    assert failed_again == StageDecision("delete", force=True)

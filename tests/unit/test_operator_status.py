@@ -8,13 +8,17 @@ from typing import Any
 import pytest
 from relaytrain_operator.progress import fold
 from relaytrain_operator.recovery import REPLACING
-from relaytrain_operator.spec import parse_job
+from relaytrain_operator.spec import FineTuneJobStatus, StageStatus, parse_job
 from relaytrain_operator.status import (
     Verdict,
     changes,
+    condition,
     finalize,
+    is_finished,
     is_terminal,
+    load_status,
     running_verdict,
+    to_manifest,
     with_verdict,
 )
 
@@ -23,10 +27,10 @@ pytestmark = pytest.mark.unit
 T0 = datetime(2026, 11, 22, 10, 0, 0, tzinfo=UTC)
 
 
-def stages(*phases: str, restarts: tuple[int, ...] = ()) -> list[dict[str, object]]:
+def stages(*phases: str, restarts: tuple[int, ...] = ()) -> list[StageStatus]:
     restarts = restarts or (0,) * len(phases)
     return [
-        {"index": k, "phase": p, "restarts": r, "ready": p == "Running"}
+        StageStatus(index=k, phase=p, restarts=r, ready=p == "Running")
         for k, (p, r) in enumerate(zip(phases, restarts, strict=True))
     ]
 
@@ -59,43 +63,59 @@ def test_starting_stages_are_pending() -> None:
 
 def test_transition_time_moves_only_when_a_condition_flips() -> None:
     running = Verdict("Running", True, True, "StagesRunning", "ok")
-    first = with_verdict({}, running, T0, generation=3)
+    first = with_verdict(FineTuneJobStatus(), running, T0, generation=3)
     later = with_verdict(first, running, T0 + timedelta(minutes=5), generation=3)
     assert later == first
-    ready = {c["type"]: c for c in first["conditions"]}["Ready"]
-    assert ready["lastTransitionTime"] == "2026-11-22T10:00:00Z"
-    assert ready["observedGeneration"] == 3 and first["observedGeneration"] == 3
+    ready = condition(first, "Ready")
+    assert ready is not None and ready.last_transition_time == "2026-11-22T10:00:00Z"
+    assert ready.observed_generation == 3 and first.observed_generation == 3
     failed = with_verdict(
         first,
         Verdict("Failed", False, False, "BackoffLimitExceeded", "x"),
         T0 + timedelta(minutes=9),
         generation=3,
     )
-    ready = {c["type"]: c for c in failed["conditions"]}["Ready"]
-    assert ready["lastTransitionTime"] == "2026-11-22T10:09:00Z"
-    assert failed["completionTime"] == "2026-11-22T10:09:00Z"
+    ready = condition(failed, "Ready")
+    assert ready is not None and ready.last_transition_time == "2026-11-22T10:09:00Z"
+    assert failed.completion_time == "2026-11-22T10:09:00Z"
     assert is_terminal(finalize(failed))
+    # The stored form says the same to kopf's filter, which sees a plain mapping.
+    assert is_finished(to_manifest(failed)) and not is_finished(to_manifest(first))
+    assert not is_finished(None)
 
 
 def test_an_invalid_spec_is_not_terminal() -> None:
-    invalid = with_verdict({}, Verdict("Failed", False, False, "InvalidSpec", "bad"), T0, 1)
-    assert not is_terminal(invalid)
-    assert "completionTime" not in invalid
+    invalid = with_verdict(
+        FineTuneJobStatus(), Verdict("Failed", False, False, "InvalidSpec", "bad"), T0, 1
+    )
+    assert not is_terminal(invalid) and not is_finished(to_manifest(invalid))
+    assert invalid.completion_time is None
+    assert not is_terminal(FineTuneJobStatus(phase="Failed"))  # no Ready condition at all
 
 
 def test_finalize_fills_printer_fields_and_rejects_undeclared_fields() -> None:
-    status = finalize({"phase": "Running", "stages": stages("Running", "Pending", restarts=(2, 1))})
-    assert status["readyStages"] == "1/2"
-    assert status["restarts"] == 3
+    status = finalize(
+        FineTuneJobStatus(phase="Running", stages=stages("Running", "Pending", restarts=(2, 1)))
+    )
+    assert status.ready_stages == "1/2"
+    assert status.restarts == 3
     with pytest.raises(ValueError, match="notAField"):
-        finalize({"phase": "Running", "notAField": 1})
+        load_status({"phase": "Running", "notAField": 1})
+
+
+def test_stored_status_round_trips_and_kopf_bookkeeping_is_left_out() -> None:
+    stored = to_manifest(finalize(FineTuneJobStatus(phase="Running", stages=stages("Running"))))
+    assert to_manifest(load_status({**stored, "kopf": {"progress": {}}})) == stored
+    assert load_status(None) == FineTuneJobStatus()
 
 
 def test_changes_is_empty_when_nothing_changed_and_removes_dropped_fields() -> None:
-    old = finalize({"phase": "Running", "plan": {"stages": []}})
+    old = to_manifest(finalize(load_status({"phase": "Running", "plan": {"stages": []}})))
     assert changes(old, old) == {}
-    new = finalize({"phase": "Pending"})
+    new = to_manifest(finalize(load_status({"phase": "Pending"})))
     assert changes(old, new) == {"phase": "Pending", "plan": None}
+    # kopf's own bookkeeping in status (if an older operator left it) is not ours to drop.
+    assert changes({**old, "kopf": {}}, old) == {}
 
 
 def progress_job() -> Any:
@@ -142,7 +162,7 @@ def test_progress_record_becomes_status_progress_with_an_eta() -> None:
     done = fold({**record, "step": 100, "done": True, "output": "s3://out/a/"}, job, T0)
     assert done.done and done.output == "s3://out/a/"
     assert "eta" not in done.status
-    finalize({"phase": "Running", "progress": progress.status})  # declared in the CRD
+    load_status({"phase": "Running", "progress": progress.status})  # declared in the CRD
 
 
 def test_eta_follows_the_reported_step_time_when_there_is_one() -> None:
@@ -158,3 +178,18 @@ def test_eta_follows_the_reported_step_time_when_there_is_one() -> None:
     }
     # 60 steps left x 2 s = 120 s after the record was written.
     assert fold(record, job, T0).status["eta"] == "2026-11-22T10:02:00Z"
+
+
+def test_times_parse_back_and_garbage_is_none() -> None:
+    from relaytrain_operator.status import parse_time, rfc3339
+
+    assert parse_time(rfc3339(T0)) == T0
+    assert parse_time(None) is None and parse_time("soon") is None
+
+
+def test_completion_time_is_set_once() -> None:
+    done = Verdict("Succeeded", True, False, "Succeeded", "ok")
+    first = with_verdict(FineTuneJobStatus(), done, T0, None)
+    later = with_verdict(first, done, T0 + timedelta(hours=1), None)
+    assert later.completion_time == first.completion_time == "2026-11-22T10:00:00Z"
+    assert later.observed_generation is None

@@ -8,7 +8,9 @@ from dataclasses import dataclass
 import pytest
 from relaytrain_operator.spec import parse_job
 from relaytrain_operator.stage_config import (
-    LINK_SECRET_ENV,
+    LINK_CA_ENV,
+    LINK_CERT_ENV,
+    LINK_KEY_ENV,
     build_stage_configs,
     layer_ranges,
     local_endpoints,
@@ -38,7 +40,20 @@ def test_pods_chain_through_stable_dns_names() -> None:
         "smollm-lora-stage-2.smollm-lora.team-a.svc:29500",
         None,
     ]
-    assert all(d["links"]["secretEnv"] == LINK_SECRET_ENV for d in docs)
+    for d in docs:
+        assert (d["links"]["certEnv"], d["links"]["keyEnv"], d["links"]["caEnv"]) == (
+            LINK_CERT_ENV,
+            LINK_KEY_ENV,
+            LINK_CA_ENV,
+        )
+
+
+def test_each_stage_knows_its_link_identity_and_its_neighbours() -> None:
+    docs = build_stage_configs(job(), RANGES, pod_endpoints("smollm-lora", "team-a", 3))
+    ids = [f"relaytrain://team-a/smollm-lora/p0/s{k}" for k in range(3)]
+    assert [d["links"]["identity"] for d in docs] == ids
+    assert [d["links"]["prevIdentity"] for d in docs] == [None, ids[0], ids[1]]
+    assert [d["links"]["nextIdentity"] for d in docs] == [ids[1], ids[2], None]
 
 
 def test_stage_numbers_and_layers_follow_the_plan() -> None:

@@ -154,7 +154,7 @@ def test_from_s3_a_stage_fetches_only_the_shards_of_its_layers(model_dir: Path) 
     middle = stage_shards(wm, StageConfig.from_json(doc), tied=True)
     assert middle == holding("model.layers.2.", "model.layers.3.")
     last = {**doc, "stage": {"index": 2, "count": 3, "layerStart": 4, "layerEnd": 6},
-            "links": {**DOC["links"], "next": None}}  # fmt: skip
+            "links": {**DOC["links"], "next": None, "nextIdentity": None}}  # fmt: skip
     shards = stage_shards(wm, StageConfig.from_json(last), tied=True)
     # The tied head reads the embedding; nothing of layers 0-3 unless it shares a shard.
     assert shards == holding("model.layers.4.", "model.layers.5.", "model.norm.",

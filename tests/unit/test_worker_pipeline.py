@@ -16,6 +16,8 @@ from relaytrain_worker.testing import (
     tiny_model_dir,
 )
 
+from tests.linkcreds import stage_credentials
+
 pytestmark = pytest.mark.unit
 
 TRAINING = TrainingSpec(
@@ -64,7 +66,10 @@ def test_lora_pipeline_equals_single_process_bit_for_bit(
     llama_dir: Path, reference: object, stages: int
 ) -> None:
     ref = reference
-    run = run_pipeline_threads(llama_dir, even_splits(4, stages), _steps(300), TRAINING)
+    run = run_pipeline_threads(
+        llama_dir, even_splits(4, stages), _steps(300), TRAINING,
+        credentials=stage_credentials(stages),
+    )  # fmt: skip
     assert run.losses == ref.losses  # type: ignore[attr-defined]
     for step in range(3):
         assert set(run.grads[step]) == set(ref.grads[step])  # type: ignore[attr-defined]
@@ -81,8 +86,9 @@ def test_int8_links_stay_within_tolerance(llama_dir: Path, reference: object) ->
     # way back) stay within 5% in norm.
     ref = reference
     run = run_pipeline_threads(
-        llama_dir, even_splits(4, 2), _steps(300), TRAINING, compression="int8"
-    )
+        llama_dir, even_splits(4, 2), _steps(300), TRAINING,
+        credentials=stage_credentials(2), compression="int8",
+    )  # fmt: skip
     for got, want in zip(run.losses, ref.losses, strict=True):  # type: ignore[attr-defined]
         assert abs(got - want) / want < 1e-3
     assert run.losses != ref.losses  # compression really happened
@@ -96,7 +102,10 @@ def test_full_training_with_tied_embeddings_updates_the_shared_weight_identicall
 ) -> None:
     steps = _steps(300, n_steps=2)
     ref = run_reference(llama_dir, steps, TRAINING, method="full")
-    run = run_pipeline_threads(llama_dir, even_splits(4, 3), steps, TRAINING, method="full")
+    run = run_pipeline_threads(
+        llama_dir, even_splits(4, 3), steps, TRAINING,
+        credentials=stage_credentials(3), method="full",
+    )  # fmt: skip
     tied = "model.embed_tokens.weight"
     # Stage 0 (embedding) and the last stage (head) hold the very same weight afterwards.
     assert torch.equal(run.stage_params[0][tied], run.stage_params[2][tied])
@@ -151,7 +160,10 @@ def test_qlora_trains_adapters_on_a_4bit_base(llama_dir: Path) -> None:
         for m in layer.modules() if isinstance(m, torch.nn.Linear)
     )  # fmt: skip
     steps = _steps(300, n_steps=3)
-    run = run_pipeline_threads(llama_dir, even_splits(4, 2), steps, TRAINING, method="qlora")
+    run = run_pipeline_threads(
+        llama_dir, even_splits(4, 2), steps, TRAINING,
+        credentials=stage_credentials(2), method="qlora",
+    )  # fmt: skip
     ref = run_reference(llama_dir, steps, TRAINING)
     # Gradients reach lora_A once lora_B has moved off zero (after the warm-up step; they
     # stop silently on CPU unless the avx512-bf16 path is switched off).
@@ -166,7 +178,9 @@ def test_tokens_per_second_counts_non_padding_input_tokens(llama_dir: Path) -> N
     # it must count what the pipeline processes (every non-padding input token), not only
     # the tokens the loss is taken over (masked prompts and the shifted first position).
     steps = _steps(300, n_steps=1)
-    run = run_pipeline_threads(llama_dir, even_splits(4, 2), steps, TRAINING)
+    run = run_pipeline_threads(
+        llama_dir, even_splits(4, 2), steps, TRAINING, credentials=stage_credentials(2)
+    )
     padded = sum(mb.input_ids.numel() for mb in steps[0])
     real = sum(int(mb.attention_mask.sum()) for mb in steps[0])
     label = sum(int((mb.labels[:, 1:] != -100).sum()) for mb in steps[0])

@@ -51,6 +51,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ModelLoadError, DataError) as exc:
         print(f"relaytrain-worker: stage {cfg.stage.index}: {exc}", file=sys.stderr)
         return 3
+    except AuthError as exc:
+        print(
+            f"relaytrain-worker: stage {cfg.stage.index}: link credentials: {exc}", file=sys.stderr
+        )
+        return 4
     try:
         return runtime.run()
     except AuthError as exc:

@@ -37,9 +37,10 @@ class JobRef:
     namespace: str
     """Kubernetes namespace of the job (also a path element in the checkpoint store)."""
     name: str
-    """Job name (a path element in the checkpoint store and part of the link handshake)."""
+    """Job name (a path element in the checkpoint store and part of the link identities)."""
     uid: str
-    """The job object's UID; links refuse peers of another incarnation of the job."""
+    """The job object's UID ("" outside Kubernetes). Links need not compare it: each
+    incarnation of a job has its own link CA, so they refuse another incarnation's stages."""
 
     def __post_init__(self) -> None:
         for key in ("namespace", "name"):
@@ -205,8 +206,18 @@ class LinksSpec:
     """host:port to accept the previous stage on; null on stage 0."""
     next: str | None
     """host:port of the next stage; null on the last stage."""
-    secretEnv: str  # noqa: N815
-    """Environment variable holding the per-job link secret."""
+    identity: str
+    """This stage's link identity: the URI its certificate must carry."""
+    prevIdentity: str | None  # noqa: N815
+    """The identity the previous stage must prove (a listener accepts only it); null on stage 0."""
+    nextIdentity: str | None  # noqa: N815
+    """The identity the next stage must prove (we send only to it); null on the last stage."""
+    certEnv: str  # noqa: N815
+    """Environment variable holding this stage's link certificate (PEM)."""
+    keyEnv: str  # noqa: N815
+    """Environment variable holding that certificate's private key (PEM)."""
+    caEnv: str  # noqa: N815
+    """Environment variable holding the job's link CA certificate (PEM)."""
 
 
 @dataclass(frozen=True)
@@ -282,6 +293,10 @@ class StageConfig:
             raise ConfigError("links.listen: must be null on stage 0 and set on every other stage")
         if self.stage.is_last != (self.links.next is None):
             raise ConfigError("links.next: must be null on the last stage and set on the others")
+        if (self.links.prevIdentity is None) != (self.links.listen is None):
+            raise ConfigError("links.prevIdentity: must be set exactly when links.listen is")
+        if (self.links.nextIdentity is None) != (self.links.next is None):
+            raise ConfigError("links.nextIdentity: must be set exactly when links.next is")
 
     @classmethod
     def from_json(cls, document: str | bytes | dict[str, Any]) -> StageConfig:

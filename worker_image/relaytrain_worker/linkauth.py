@@ -1,46 +1,48 @@
-"""Authentication and encryption of the links between stages, with a per-job secret.
+"""Mutual TLS 1.3 on the links between stages (Python's ssl), and the errors links raise.
 
-Every link starts with a mutual challenge-response handshake: both ends send a fresh
-random nonce, and each proves it holds the job's secret with an HMAC over the whole
-hello transcript (both nonces, the job id, both stage indices). Neither the secret nor
-anything replayable crosses the wire. Both ends then derive two session keys (one per
-direction) with HKDF from the secret and the transcript, and every record after that is
-sealed with AES-GCM under a counter nonce: a tampered, replayed, dropped or reordered
-record fails its tag and the link is dropped.
+Every stage holds a certificate issued by its job's CA (minted by the operator, one CA per
+job) whose identity is a URI SAN, `relaytrain://<namespace>/<job>/p<pipeline>/s<stage>`.
+On every link both ends present their certificate and require the other's
+(`CERT_REQUIRED` on both sides), each verifies the other's chain against the job's CA
+alone (no system CAs), and then each checks that the peer's identity is exactly the
+neighbour it expects: the listening stage k accepts only stage k-1, the connecting stage
+k-1 talks only to stage k. A stage of another job fails the chain; a stage of the same job
+in the wrong place fails the identity check. Both ends then tell each other their verdict
+(a refusal carries its reason), so the refused side raises an AuthError that says why.
 
-Why not TLS: a pre-shared-key TLS 1.3 setup is not reachable from Python's ssl module
-(no external PSK API), and certificates per stage would need a CA the operator does not
-have. This is a small, standard construction (HMAC-SHA256 proofs + HKDF + AEAD) built
-from the `cryptography` package's primitives; nothing here invents cryptography.
+Host names are not checked (`check_hostname = False`): a stage is reached by its Service
+DNS name in a cluster and by 127.0.0.1 in local runs, and neither says *which stage of
+which job* answers. The URI SAN does, under a CA that only this job's stages trust.
 
-Wire format of the handshake (all integers big-endian):
-  client hello  MAGIC | u8 version | nonce(32) | i32 stage | u16 n | job id (n bytes)
-  server hello  MAGIC | u8 version | nonce(32) | i32 stage | u8 status | u16 n | reason
-  client proof  HMAC(auth key, "client" | transcript)                       (32 bytes)
-  server finish u8 status | HMAC(auth key, "server" | transcript) or u16 n | reason
+The ssl work runs on memory BIOs (`SSLContext.wrap_bio`), not on an SSLSocket: a link sends
+on one thread while it receives on another, and OpenSSL does not allow one SSL object to
+be used by two threads at once. `TlsSession` makes every call into the SSL object under one
+lock, each on a bounded amount of data in memory; the blocking socket I/O stays with the
+caller, outside the lock.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
+import contextlib
 import os
 import socket
+import ssl
 import struct
-from dataclasses import dataclass
+import tempfile
+import threading
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, cast
 
-from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives import hashes
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+from cryptography import x509
 
-MAGIC = b"RTL1"
-VERSION = 1
-NONCE_BYTES = 32
-MIN_SECRET_BYTES = 16
-_MAX_JOB_ID = 1024
+ALPN = "relaytrain-link/2"
+"""The link protocol (TLS application protocol); a peer that does not speak it is refused."""
+_HANDSHAKE_READ = 16 << 10
+_MAX_REASON = 1024
 _OK = 0
-_REJECTED = 1
+_REFUSED = 1
 
 
 class LinkError(Exception):
@@ -52,177 +54,330 @@ class LinkBroken(LinkError, ConnectionError):  # noqa: N818 - name of the worker
 
 
 class FrameRejected(LinkBroken):
-    """A record failed authentication: tampered, replayed or reordered. The link is closed."""
+    """A TLS record failed authentication (tampered, replayed or reordered). The link is closed."""
 
 
 class AuthError(LinkError):
-    """The peer could not prove it belongs to this job (wrong secret, job or neighbour)."""
+    """The peer could not prove it is the expected stage of this job (or refused us)."""
 
 
-@dataclass(frozen=True)
-class Identity:
-    """Who one end of a link is."""
+class LinkCredentials:
+    """One stage's side of the links: its certificate and key, and the job's CA certificate.
 
-    secret: bytes
-    """The per-job secret shared by every stage of the job."""
-    job_id: str
-    """The job's identity, e.g. ``namespace/name`` or its uid; both ends must agree."""
-    stage: int
-    """This end's own stage index. A listener at stage k accepts only stage k-1."""
+    Raises AuthError when they do not fit together (a key of another certificate, a
+    certificate without exactly one relaytrain identity, PEM that does not parse).
+    """
 
-    def __post_init__(self) -> None:
-        if len(self.secret) < MIN_SECRET_BYTES:
-            raise ValueError(
-                f"link secret has {len(self.secret)} bytes; at least {MIN_SECRET_BYTES} needed"
-            )
-        if not self.job_id or len(self.job_id.encode()) > _MAX_JOB_ID:
-            raise ValueError(f"job id must have 1..{_MAX_JOB_ID} bytes")
-        if self.stage < 0:
-            raise ValueError(f"stage index must be >= 0, got {self.stage}")
-
-
-class RecordCipher:
-    """AES-GCM in one direction with a counter nonce; decrypts only the next record in order."""
-
-    def __init__(self, key: bytes) -> None:
-        self._aead = AESGCM(key)
-        self._counter = 0
-
-    def seal(self, plaintext: bytes | memoryview, aad: bytes) -> bytes:
-        """Encrypt the next record; returns ciphertext + 16-byte tag."""
-        nonce = self._next_nonce()
-        return self._aead.encrypt(nonce, plaintext, aad)
-
-    def open(self, ciphertext: bytes | memoryview, aad: bytes) -> bytes:
-        """Decrypt the next record, or raise FrameRejected if it is not the expected one."""
-        nonce = self._next_nonce()
+    def __init__(self, cert_pem: str, key_pem: str, ca_pem: str) -> None:
         try:
-            return self._aead.decrypt(nonce, ciphertext, aad)
-        except InvalidTag:
-            raise FrameRejected(
-                f"record {self._counter - 1} failed authentication "
-                "(tampered, replayed or reordered); link dropped"
-            ) from None
+            cert = x509.load_pem_x509_certificate(cert_pem.encode())
+        except ValueError as e:
+            raise AuthError(f"the link certificate is not a PEM certificate: {e}") from None
+        self.identity = _identity_of(cert)
+        """This stage's identity: the URI SAN of its certificate."""
+        self.not_after: datetime = cert.not_valid_after_utc
+        """When the certificate expires; no new link can be opened after that."""
+        self.server_context = _context(ssl.PROTOCOL_TLS_SERVER, cert_pem, key_pem, ca_pem)
+        self.client_context = _context(ssl.PROTOCOL_TLS_CLIENT, cert_pem, key_pem, ca_pem)
 
-    def _next_nonce(self) -> bytes:
-        nonce = b"\0\0\0\0" + self._counter.to_bytes(8, "big")
-        self._counter += 1
-        return nonce
+    @classmethod
+    def from_env(
+        cls, cert_env: str, key_env: str, ca_env: str, environ: Mapping[str, str] = os.environ
+    ) -> LinkCredentials:
+        """Load the PEM texts from the three environment variables the stage config names."""
+        values = {}
+        for name in (cert_env, key_env, ca_env):
+            values[name] = environ.get(name, "")
+            if not values[name].strip():
+                raise AuthError(f"environment variable {name} (link credentials) is empty")
+        return cls(values[cert_env], values[key_env], values[ca_env])
+
+    def check_valid(self, now: datetime | None = None) -> None:
+        """AuthError if the certificate has expired (links could no longer be opened)."""
+        now = now or datetime.now(UTC)
+        if now >= self.not_after:
+            raise AuthError(
+                f"the link certificate of {self.identity} expired at "
+                f"{self.not_after:%Y-%m-%d %H:%M} UTC; recreate the job's link Secret and its "
+                "stage pods"
+            )
 
 
-@dataclass
-class Session:
-    """The outcome of a successful handshake."""
+class TlsSession:
+    """An established TLS session over a socket the caller reads and writes.
 
-    sender: RecordCipher
-    receiver: RecordCipher
-    peer_stage: int
+    `seal` turns plaintext into the bytes to write; `feed` takes bytes read from the socket
+    and `read_into` returns the plaintext they held. Only one thread may seal at a time
+    and it must write what `seal` returned before the next `seal` (the link's send lock);
+    another thread may feed and read meanwhile.
+    """
+
+    def __init__(self, obj: ssl.SSLObject, incoming: ssl.MemoryBIO, outgoing: ssl.MemoryBIO,
+                 peer_identity: str) -> None:  # fmt: skip
+        self._obj = obj
+        self._in = incoming
+        self._out = outgoing
+        self._lock = threading.Lock()
+        self.peer_identity = peer_identity
+        """The peer's verified identity (URI SAN)."""
+
+    def seal(self, plaintext: bytes | memoryview) -> bytes:
+        """The TLS records carrying `plaintext` (plus anything else the session must send)."""
+        with self._lock:
+            self._obj.write(plaintext)
+            return self._out.read()
+
+    def feed(self, ciphertext: bytes | memoryview) -> None:
+        """Bytes read from the socket; an empty one means the peer closed the connection."""
+        with self._lock:
+            if ciphertext:
+                self._in.write(ciphertext)
+            else:
+                self._in.write_eof()
+
+    def read_into(self, view: memoryview, peer: str) -> int:
+        """Decrypt buffered records into `view`; 0 when more bytes must be fed first.
+
+        Raises LinkBroken when the peer closed the link, FrameRejected when a record fails
+        authentication (tampering on the wire).
+        """
+        got = 0
+        with self._lock:
+            while got < len(view):
+                try:
+                    # With a buffer, read() returns a count (typeshed says bytes).
+                    n = cast(int, self._obj.read(len(view) - got, view[got:]))
+                except ssl.SSLWantReadError:
+                    break
+                except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
+                    if got:
+                        break
+                    raise LinkBroken(f"{peer} closed the link (stage gone?)") from None
+                except ssl.SSLError as e:
+                    raise _record_error(e, peer) from None
+                if n == 0:
+                    break
+                got += n
+        return got
+
+    def buffered(self) -> bool:
+        """Whether bytes wait inside the session (a recv may find a frame without the socket)."""
+        with self._lock:
+            return self._obj.pending() > 0 or self._in.pending > 0
 
 
-def client_handshake(sock: socket.socket, me: Identity, peer_name: str) -> Session:
-    """Run the connecting side of the handshake on a connected socket."""
-    nonce_c = os.urandom(NONCE_BYTES)
-    job = me.job_id.encode()
-    hello_c = MAGIC + struct.pack(">B", VERSION) + nonce_c + struct.pack(">iH", me.stage, len(job))
-    hello_c += job
-    sock.sendall(hello_c)
+def client_handshake(
+    sock: socket.socket, me: LinkCredentials, expect: str, peer_name: str
+) -> TlsSession:
+    """TLS as the connecting stage; `expect` is the identity the listener must have.
 
-    head = _recv_exact(sock, len(MAGIC) + 1 + NONCE_BYTES + 4 + 1 + 2)
-    if head[:4] != MAGIC:
-        raise AuthError(f"{peer_name} is not a relaytrain stage (bad handshake magic)")
-    nonce_s = head[5 : 5 + NONCE_BYTES]
-    peer_stage, status, n = struct.unpack(">iBH", head[5 + NONCE_BYTES :])
-    reason = _recv_exact(sock, n)
-    if status != _OK:
-        raise AuthError(f"{peer_name} refused the link: {reason.decode(errors='replace')}")
-    hello_s = head + reason
-    transcript = hashlib.sha256(hello_c + hello_s).digest()
-    auth_key = _auth_key(me)
-    sock.sendall(_proof(auth_key, b"client", transcript))
+    AuthError when the peer is not `expect` of this job or refuses us; LinkBroken (or
+    OSError) when the connection failed on the way, which is worth retrying.
+    """
+    return _handshake(sock, me, expect, peer_name, server=False)
 
-    status = _recv_exact(sock, 1)[0]
-    if status != _OK:
-        n = struct.unpack(">H", _recv_exact(sock, 2))[0]
-        why = _recv_exact(sock, n).decode(errors="replace")
-        raise AuthError(f"{peer_name} refused the link: {why}")
-    if not hmac.compare_digest(_recv_exact(sock, 32), _proof(auth_key, b"server", transcript)):
+
+def server_handshake(
+    sock: socket.socket, me: LinkCredentials, expect: str, peer_name: str
+) -> TlsSession:
+    """TLS as the listening stage; `expect` is the identity the connecting stage must have.
+
+    AuthError (the listener logs it and waits for the next peer) when the peer is not
+    `expect` of this job, does not speak this protocol, or refuses us.
+    """
+    return _handshake(sock, me, expect, f"peer {peer_name}", server=True)
+
+
+# -- handshake internals -----------------------------------------------------------------
+
+
+def _handshake(
+    sock: socket.socket, me: LinkCredentials, expect: str, who: str, *, server: bool
+) -> TlsSession:
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    context = me.server_context if server else me.client_context
+    obj = context.wrap_bio(incoming, outgoing, server_side=server)
+    try:
+        _drive(sock, obj, incoming, outgoing)
+    except ssl.SSLCertVerificationError as e:
         raise AuthError(
-            f"{peer_name} could not prove it holds the secret of job {me.job_id!r}; "
-            "refusing to send it anything"
-        )
-    c2s, s2c = _session_keys(me, nonce_c + nonce_s, transcript)
-    return Session(RecordCipher(c2s), RecordCipher(s2c), peer_stage)
-
-
-def server_handshake(sock: socket.socket, me: Identity, peer_name: str) -> Session:
-    """Run the listening side of the handshake on an accepted socket."""
-    head = _recv_exact(sock, len(MAGIC) + 1 + NONCE_BYTES + 4 + 2)
-    if head[:4] != MAGIC:
-        raise AuthError(f"peer {peer_name} is not a relaytrain stage (bad handshake magic)")
-    version = head[4]
-    nonce_c = head[5 : 5 + NONCE_BYTES]
-    peer_stage, n = struct.unpack(">iH", head[5 + NONCE_BYTES :])
-    if n > _MAX_JOB_ID:
-        raise AuthError(f"peer {peer_name} sent an oversized job id")
-    peer_job_raw = _recv_exact(sock, n)
-    hello_c = head + peer_job_raw
-    peer_job = peer_job_raw.decode(errors="replace")
-
-    problem = ""
-    if version != VERSION:
-        problem = f"link protocol version {version} != {VERSION}"
-    elif peer_job != me.job_id:
-        problem = f"peer belongs to job {peer_job!r}, this stage to job {me.job_id!r}"
-    elif peer_stage != me.stage - 1:
-        problem = f"peer is stage {peer_stage}; stage {me.stage} accepts only stage {me.stage - 1}"
-    nonce_s = os.urandom(NONCE_BYTES)
-    reason = problem.encode()
-    hello_s = MAGIC + struct.pack(">B", VERSION) + nonce_s
-    hello_s += struct.pack(">iBH", me.stage, _REJECTED if problem else _OK, len(reason))
-    hello_s += reason
-    sock.sendall(hello_s)
+            f"refused {who}: its certificate does not verify against this job's link CA "
+            f"({e.verify_message}); expected {expect} (a stage of another job, or of an "
+            "earlier link Secret?)"
+        ) from None
+    except ssl.SSLError as e:
+        raise _handshake_error(e, who, me, expect) from None
+    rule = f"{me.identity} {'accepts only' if server else 'connects only to'} {expect}"
+    problem = _check_peer(obj, rule, expect)
+    _send_verdict(sock, obj, outgoing, problem)
     if problem:
-        raise AuthError(f"refused peer {peer_name}: {problem}")
-
-    transcript = hashlib.sha256(hello_c + hello_s).digest()
-    auth_key = _auth_key(me)
-    if not hmac.compare_digest(_recv_exact(sock, 32), _proof(auth_key, b"client", transcript)):
-        why = (
-            f"the connecting stage could not prove it holds the secret of job {me.job_id!r} "
-            "(wrong link secret?)"
-        ).encode()
-        sock.sendall(struct.pack(">BH", _REJECTED, len(why)) + why)
-        raise AuthError(f"refused peer {peer_name}: {why.decode()}")
-    sock.sendall(struct.pack(">B", _OK) + _proof(auth_key, b"server", transcript))
-    c2s, s2c = _session_keys(me, nonce_c + nonce_s, transcript)
-    return Session(RecordCipher(s2c), RecordCipher(c2s), peer_stage)
+        raise AuthError(f"refused {who}: {problem}")
+    why = _recv_verdict(sock, obj, incoming, who, me=me, expect=expect)
+    if why is not None:
+        raise AuthError(f"{who} refused the link: {why}")
+    return TlsSession(obj, incoming, outgoing, expect)
 
 
-def _auth_key(me: Identity) -> bytes:
-    return _hkdf(me.secret, b"relaytrain-link-v1", b"auth|" + me.job_id.encode(), 32)
+def _drive(sock: socket.socket, obj: ssl.SSLObject, inc: ssl.MemoryBIO, out: ssl.MemoryBIO) -> None:
+    """Run the TLS handshake over the socket (which has a timeout set)."""
+    while True:
+        try:
+            obj.do_handshake()
+        except ssl.SSLWantReadError:
+            pass
+        except ssl.SSLError:
+            with contextlib.suppress(OSError):  # tell the peer why (an alert), if it listens
+                _flush(sock, out)
+            raise
+        else:
+            _flush(sock, out)
+            return
+        _flush(sock, out)
+        _pull(sock, inc)
 
 
-def _session_keys(me: Identity, nonces: bytes, transcript: bytes) -> tuple[bytes, bytes]:
-    keys = _hkdf(me.secret, nonces, b"session|" + transcript, 64)
-    return keys[:32], keys[32:]
+def _flush(sock: socket.socket, out: ssl.MemoryBIO) -> None:
+    if out.pending:
+        sock.sendall(out.read())
 
 
-def _hkdf(secret: bytes, salt: bytes, info: bytes, length: int) -> bytes:
-    return HKDF(algorithm=hashes.SHA256(), length=length, salt=salt, info=info).derive(secret)
+def _pull(sock: socket.socket, inc: ssl.MemoryBIO) -> None:
+    data = sock.recv(_HANDSHAKE_READ)
+    if data:
+        inc.write(data)
+    else:
+        inc.write_eof()
 
 
-def _proof(key: bytes, role: bytes, transcript: bytes) -> bytes:
-    return hmac.new(key, role + transcript, hashlib.sha256).digest()
+def _check_peer(obj: ssl.SSLObject, rule: str, expect: str) -> str:
+    """'' when the verified peer is `expect` speaking our protocol, else what is wrong."""
+    if obj.selected_alpn_protocol() != ALPN:
+        return f"the peer does not speak {ALPN} (it offered {obj.selected_alpn_protocol()!r})"
+    names: Any = (obj.getpeercert() or {}).get("subjectAltName", ())
+    uris = [value for kind, value in names if kind == "URI"]
+    got = uris[0] if len(uris) == 1 else f"a certificate with URI names {uris}"
+    return "" if got == expect else f"the peer is {got}, but {rule}"
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    """Read exactly n bytes during the handshake (the socket has a timeout set)."""
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            raise LinkBroken("peer closed the connection during the handshake")
-        got += k
-    return bytes(buf)
+def _send_verdict(
+    sock: socket.socket, obj: ssl.SSLObject, out: ssl.MemoryBIO, problem: str
+) -> None:
+    reason = problem.encode()[:_MAX_REASON]
+    obj.write(struct.pack(">BH", _REFUSED if problem else _OK, len(reason)) + reason)
+    with contextlib.suppress(OSError):  # a peer that already left is found out on reading
+        _flush(sock, out)
+
+
+def _recv_verdict(
+    sock: socket.socket, obj: ssl.SSLObject, inc: ssl.MemoryBIO, peer_name: str, *,
+    me: LinkCredentials, expect: str,
+) -> str | None:  # fmt: skip
+    """None when the peer accepted us, else its reason."""
+    try:
+        status, n = struct.unpack(">BH", _read_exact(sock, obj, inc, 3))
+        if n > _MAX_REASON:
+            raise AuthError(f"{peer_name} sent a malformed verdict")
+        reason = _read_exact(sock, obj, inc, n).decode(errors="replace")
+    except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
+        raise LinkBroken(f"{peer_name} closed the connection during the handshake") from None
+    except ssl.SSLError as e:
+        raise _handshake_error(e, peer_name, me, expect) from None
+    return None if status == _OK else reason
+
+
+def _read_exact(sock: socket.socket, obj: ssl.SSLObject, inc: ssl.MemoryBIO, n: int) -> bytes:
+    """Exactly n bytes of plaintext (what follows, e.g. the peer's first frame, stays put)."""
+    buf = b""
+    while len(buf) < n:
+        try:
+            buf += obj.read(n - len(buf))
+        except ssl.SSLWantReadError:
+            _pull(sock, inc)
+    return buf
+
+
+def _handshake_error(
+    e: ssl.SSLError, peer_name: str, me: LinkCredentials, expect: str
+) -> LinkError:
+    reason = e.reason or str(e)
+    if isinstance(e, ssl.SSLZeroReturnError | ssl.SSLEOFError):
+        return LinkBroken(f"{peer_name} closed the connection during the TLS handshake")
+    if "ALERT" in reason and ("UNKNOWN_CA" in reason or "CERTIFICATE" in reason):
+        return AuthError(
+            f"{peer_name} refused this stage's certificate (TLS alert: {reason}): it does not "
+            f"trust {me.identity} (another job's CA, or an earlier link Secret?); expected "
+            f"it to be {expect}"
+        )
+    if "ALERT" in reason:
+        return AuthError(
+            f"{peer_name} ended the TLS handshake (alert: {reason}); expected {expect}"
+        )
+    if "CERTIFICATE" in reason:  # e.g. PEER_DID_NOT_RETURN_A_CERTIFICATE
+        return AuthError(
+            f"{peer_name} presented no usable certificate ({reason}); expected {expect}"
+        )
+    return AuthError(
+        f"{peer_name} does not speak TLS 1.3 with {ALPN} ({reason}): not a relaytrain stage "
+        f"of this version; expected {expect}"
+    )
+
+
+def _record_error(e: ssl.SSLError, peer: str) -> LinkBroken:
+    reason = e.reason or str(e)
+    if "ALERT" in reason:
+        return LinkBroken(f"{peer} ended the link with a TLS alert ({reason})")
+    return FrameRejected(
+        f"a TLS record from {peer} failed authentication ({reason}): tampered with, replayed "
+        "or reordered on the way; link dropped"
+    )
+
+
+# -- credentials internals ---------------------------------------------------------------
+
+
+def _identity_of(cert: x509.Certificate) -> str:
+    try:
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        san = x509.SubjectAlternativeName([])
+    uris = san.get_values_for_type(x509.UniformResourceIdentifier)
+    if len(uris) != 1 or not uris[0].startswith("relaytrain://"):
+        raise AuthError(f"the link certificate must name exactly one relaytrain:// URI, has {uris}")
+    return uris[0]
+
+
+def _context(protocol: int, cert_pem: str, key_pem: str, ca_pem: str) -> ssl.SSLContext:
+    ctx = ssl.SSLContext(protocol)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    ctx.maximum_version = ssl.TLSVersion.TLSv1_3
+    ctx.check_hostname = False  # identity is the URI SAN, checked after the handshake
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    ctx.verify_flags |= ssl.VERIFY_X509_STRICT
+    ctx.set_alpn_protocols([ALPN])
+    if protocol == ssl.PROTOCOL_TLS_SERVER:
+        ctx.num_tickets = 0  # no resumption: every link proves itself from scratch
+    try:
+        ctx.load_verify_locations(cadata=ca_pem)  # the job's CA is the only trust anchor
+        _load_chain(ctx, cert_pem + "\n" + key_pem)
+    except (ssl.SSLError, ValueError) as e:
+        raise AuthError(f"the link credentials do not load ({e})") from None
+    return ctx
+
+
+def _load_chain(ctx: ssl.SSLContext, pem: str) -> None:
+    """`load_cert_chain` reads only files: hand it an in-memory one where the OS has them,
+    so the private key never touches a disk; else a private temporary file, removed at once."""
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create("relaytrain-link", os.MFD_CLOEXEC)
+        try:
+            with open(fd, "wb", closefd=False) as f:
+                f.write(pem.encode())
+            ctx.load_cert_chain(f"/proc/self/fd/{fd}")
+        finally:
+            os.close(fd)
+        return
+    with tempfile.TemporaryDirectory(prefix="relaytrain-link-") as tmp:  # mode 0700
+        path = Path(tmp) / "link.pem"
+        path.touch(mode=0o600)
+        path.write_text(pem)
+        ctx.load_cert_chain(path)

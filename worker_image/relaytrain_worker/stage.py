@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import safetensors.torch
@@ -34,7 +35,7 @@ import torch
 from relaytrain_worker import checkpoint as ckpt
 from relaytrain_worker.config import StageConfig
 from relaytrain_worker.export import TRAINABLE_FILE, export_output
-from relaytrain_worker.linkauth import AuthError, LinkBroken
+from relaytrain_worker.linkauth import AuthError, LinkBroken, LinkCredentials
 from relaytrain_worker.methods import TIED_NAME, init_lora, lora_config, setup_method
 from relaytrain_worker.metrics import StageMetrics, serve
 from relaytrain_worker.model_slice import SliceSpec, build_stage_model
@@ -55,6 +56,23 @@ CONNECT_FOR = 600.0
 """How long a stage keeps trying to reach its next stage (a replacement pod takes time)."""
 
 
+def link_credentials(cfg: StageConfig, environ: Mapping[str, str] = os.environ) -> LinkCredentials:
+    """This stage's link credentials from the environment variables its config names.
+
+    AuthError, before any model is loaded, when they are missing, do not load, expired, or
+    name another stage than the config says (a Secret wired to the wrong pod).
+    """
+    links = cfg.links
+    tls = LinkCredentials.from_env(links.certEnv, links.keyEnv, links.caEnv, environ)
+    if tls.identity != links.identity:
+        raise AuthError(
+            f"the link certificate in {links.certEnv} is {tls.identity}, but this stage is "
+            f"{links.identity}"
+        )
+    tls.check_valid()
+    return tls
+
+
 class StageRuntime:
     """One stage process."""
 
@@ -62,13 +80,7 @@ class StageRuntime:
         self.cfg = cfg
         self.k = cfg.stage.index
         self.count = cfg.stage.count
-        secret = os.environ.get(cfg.links.secretEnv, "")
-        if not secret:
-            raise RuntimeError(
-                f"links.secretEnv: environment variable {cfg.links.secretEnv} is empty"
-            )
-        self.secret = secret.encode()
-        self.job_id = f"{cfg.job.namespace}/{cfg.job.name}/{cfg.job.uid}"
+        self.tls = link_credentials(cfg)
         self.prefix = f"{cfg.job.namespace}/{cfg.job.name}"
         self.store = self._open(cfg.checkpoint.uri)
         self.model_dir = resolve_model_dir(cfg, self._open)
@@ -99,8 +111,9 @@ class StageRuntime:
         self.server = serve(self.metrics, cfg.observability.port)
         self.listener: Listener | None = None
         if cfg.links.listen is not None:
+            assert cfg.links.prevIdentity is not None  # the config checks both are set
             self.listener = listen(
-                cfg.links.listen, secret=self.secret, job_id=self.job_id, stage=self.k
+                cfg.links.listen, credentials=self.tls, expect=cfg.links.prevIdentity
             )
         self.losses: list[dict[str, Any]] = []
         self.last_committed: int | None = None
@@ -211,9 +224,11 @@ class StageRuntime:
         prev: Link | None = None
         nxt: Link | None = None
         try:
-            if self.cfg.links.next is not None:
+            links = self.cfg.links
+            if links.next is not None:
+                assert links.nextIdentity is not None  # the config checks both are set
                 nxt = connect(
-                    self.cfg.links.next, secret=self.secret, job_id=self.job_id, stage=self.k,
+                    links.next, credentials=self.tls, expect=links.nextIdentity,
                     retry_for=CONNECT_FOR,
                 )  # fmt: skip
             if self.listener is not None:

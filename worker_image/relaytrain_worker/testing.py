@@ -9,9 +9,9 @@ model takes (index, shards, tokenizer, chat template) is exercised.
 from __future__ import annotations
 
 import itertools
-import secrets
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -25,7 +25,7 @@ from relaytrain_worker.model_slice import BUILD_LOCK, SliceSpec, build_stage_mod
 from relaytrain_worker.peers import Peers
 from relaytrain_worker.schedule import MicroBatch, StepRunner
 from relaytrain_worker.training import make_optimizer, optimizer_step
-from relaytrain_worker.transport import Link, connect, listen
+from relaytrain_worker.transport import Link, LinkCredentials, connect, listen
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -153,6 +153,7 @@ def run_pipeline_threads(
     steps: list[list[MicroBatch]],
     training: TrainingSpec,
     *,
+    credentials: Sequence[LinkCredentials],
     method: Literal["lora", "qlora", "full"] = "lora",
     compression: str = "none",
     lora: dict[str, Any] | None = None,
@@ -161,13 +162,16 @@ def run_pipeline_threads(
 ) -> PipelineRun:
     """Run a P-stage pipeline as P threads over real loopback links (tests, benches).
 
-    ``link_rate`` (bytes per second, each direction) paces every link to emulate a slow
-    network; ``overlap_encode`` is passed to `Peers`.
+    ``credentials``: each stage's link credentials, in stage order (tests/linkcreds.py
+    mints them as the operator does). ``link_rate`` (bytes per second, each direction)
+    paces every link to emulate a slow network; ``overlap_encode`` is passed to `Peers`.
     """
     count = len(splits)
-    secret = secrets.token_bytes(32)
+    if len(credentials) != count:
+        raise ValueError(f"{len(credentials)} link credentials for {count} stages")
+    ids = [c.identity for c in credentials]
     listeners = [
-        listen("127.0.0.1:0", secret=secret, job_id="test", stage=k) if k > 0 else None
+        listen("127.0.0.1:0", credentials=credentials[k], expect=ids[k - 1]) if k > 0 else None
         for k in range(count)
     ]
     addrs = [f"127.0.0.1:{lst.address[1]}" if lst else None for lst in listeners]
@@ -199,7 +203,7 @@ def run_pipeline_threads(
             # computes until every stage is built.
             built.wait(timeout=600)
             if k + 1 < count:
-                nxt = connect(str(addrs[k + 1]), secret=secret, job_id="test", stage=k)
+                nxt = connect(str(addrs[k + 1]), credentials=credentials[k], expect=ids[k + 1])
             listener = listeners[k]
             if listener is not None:
                 prev = listener.accept(timeout=60)

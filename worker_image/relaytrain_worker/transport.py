@@ -1,24 +1,25 @@
-"""Authenticated, encrypted links that carry tensor frames between neighbouring stages.
+"""Mutually authenticated TLS links that carry tensor frames between neighbouring stages.
 
-Stage k listens, stage k-1 connects (``listen`` / ``connect``); after the handshake of
-``linkauth`` a ``Link`` sends and receives ``Frame``s: a kind, the step and micro-batch
-ids, named tensors (floating ones compressed with the job's mode) and a little JSON.
+Stage k listens, stage k-1 connects (``listen`` / ``connect``); after the TLS 1.3 handshake
+of ``linkauth`` (both ends present certificates of the job's CA and check that the other
+is exactly the neighbour they expect) a ``Link`` sends and receives ``Frame``s: a kind,
+the step and micro-batch ids, named tensors (floating ones compressed with the job's
+mode) and a little JSON.
 
-Hand-written on plain TCP sockets because no library does authenticated tensor framing
-over a pre-shared key: torch.distributed and gloo carry no authentication, gRPC/ZeroMQ
-would need TLS certificates (or CURVE keys) and still copy every tensor through their own
-message types. This stays small: length-prefixed AEAD records, one copy per direction.
+Hand-written on plain sockets because no library frames tensors without copying them
+through its own message types (gRPC, ZeroMQ), and torch.distributed and gloo carry no
+authentication. This stays small: TLS carries a byte stream, frames are laid on it.
 
-Wire format after the handshake: a sequence of records ``u32 length | AES-GCM(record)``
-(the length is the AEAD's associated data). A frame is one header record (JSON: kind,
-step, micro, meta and the layout of every tensor part) followed by each tensor part's
-bytes in records of at most ``RECORD_BYTES``.
+Wire format inside TLS: a frame is ``u32 length | header`` (JSON: kind, step, micro, meta
+and the layout of every tensor part) followed by each tensor part's bytes. Sends encrypt
+in chunks of ``SEAL_BYTES`` straight from the tensor's memory; receives decrypt straight
+into the output tensor's memory.
 
 Errors: ``LinkBroken`` when the peer is gone (EOF, reset, stalled mid-frame, closed) –
-this is how neighbours notice a dead stage; ``FrameRejected`` (a LinkBroken) when a
-record fails authentication; ``AuthError`` when the peer cannot prove it belongs to the
-job; ``TimeoutError`` from ``recv``/``accept`` when nothing arrived in time (the link
-stays usable).
+this is how neighbours notice a dead stage; ``FrameRejected`` (a LinkBroken) when a TLS
+record fails authentication; ``AuthError`` when the peer is not the expected stage of the
+job (or refuses us); ``TimeoutError`` from ``recv``/``accept`` when nothing arrived in time
+(the link stays usable).
 """
 
 from __future__ import annotations
@@ -34,17 +35,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from relaytrain_worker.compression import Compression, EncodedTensor, check_mode, decode, encode
 from relaytrain_worker.linkauth import (
     AuthError,
     FrameRejected,
-    Identity,
     LinkBroken,
+    LinkCredentials,
     LinkError,
-    RecordCipher,
+    TlsSession,
     client_handshake,
     server_handshake,
 )
@@ -55,6 +55,7 @@ __all__ = [
     "FrameRejected",
     "Link",
     "LinkBroken",
+    "LinkCredentials",
     "LinkError",
     "Listener",
     "PreparedFrame",
@@ -65,10 +66,11 @@ __all__ = [
 
 log = logging.getLogger("relaytrain.links")
 
-RECORD_BYTES = 4 << 20
-"""Largest plaintext per AEAD record; bounds memory per record and keeps records streaming."""
+SEAL_BYTES = 256 << 10
+"""Plaintext encrypted per call (16 TLS records): bounds the ciphertext held in memory and
+how long a send holds the TLS session's lock; pacing (``limit_rate``) works per chunk."""
+_RECV_BYTES = 1 << 20
 _MAX_HEADER = 1 << 20
-_TAG = 16
 _LEN = struct.Struct(">I")
 HANDSHAKE_TIMEOUT = 10.0
 STALL_TIMEOUT = 120.0
@@ -104,7 +106,7 @@ class PreparedFrame:
     """A frame encoded for the wire, not yet sent (see ``prepare``)."""
 
     head: bytes
-    """The JSON header record."""
+    """The JSON header."""
     parts: list[memoryview]
     """Every tensor part's bytes, in header order."""
     raw_bytes: int
@@ -147,27 +149,23 @@ def prepare(frame: Frame, compression: Compression | str = "none") -> PreparedFr
 
 
 class Link:
-    """An authenticated, encrypted, ordered duplex connection to one neighbour.
+    """A mutually authenticated, encrypted, ordered duplex connection to one neighbour.
 
     ``send`` and ``recv`` may run on two different threads at once (each direction has its
     own lock); ``close`` from any thread wakes a blocked ``recv`` with LinkBroken.
     """
 
-    def __init__(
-        self, sock: socket.socket, sender: RecordCipher, receiver: RecordCipher,
-        peer: str, peer_stage: int,
-    ) -> None:  # fmt: skip
+    def __init__(self, sock: socket.socket, tls: TlsSession, peer: str) -> None:
         self._sock = sock
-        self._sender = sender
-        self._receiver = receiver
+        self._tls = tls
         self.peer = peer
         """The peer's address, for messages."""
-        self.peer_stage = peer_stage
-        """The peer's stage index (proven by the handshake)."""
+        self.peer_identity = tls.peer_identity
+        """The peer's identity, proven by its certificate (``relaytrain://…/p<i>/s<k>``)."""
         self.bytes_sent = 0
-        """Bytes written to the socket, framing and tags included."""
+        """Bytes written to the socket (TLS records: framing, headers and tags included)."""
         self.bytes_received = 0
-        """Bytes read from the socket, framing and tags included."""
+        """Bytes read from the socket (TLS records included)."""
         self.raw_bytes_sent = 0
         """Bytes the sent tensors occupy uncompressed (for the compression ratio)."""
         self.payload_bytes_sent = 0
@@ -180,6 +178,7 @@ class Link:
         self._paced_until = 0.0
         self._closed = False
         self._rbuf = bytearray(64 << 10)
+        self._wire = bytearray(_RECV_BYTES)
 
     @property
     def closed(self) -> bool:
@@ -203,10 +202,10 @@ class Link:
         with self._send_lock:
             self._check_open()
             try:
-                self._send_record(prepared.head)
+                self._send_bytes(_LEN.pack(len(prepared.head)) + prepared.head)
                 for part in prepared.parts:
-                    for off in range(0, len(part), RECORD_BYTES):
-                        self._send_record(part[off : off + RECORD_BYTES])
+                    for off in range(0, len(part), SEAL_BYTES):
+                        self._send_bytes(part[off : off + SEAL_BYTES])
             except OSError as e:
                 self._fail()
                 raise LinkBroken(f"link to {self.peer} broke while sending: {e}") from e
@@ -224,7 +223,10 @@ class Link:
             if not self._wait_readable(timeout):
                 raise TimeoutError(f"no frame from {self.peer} within {timeout} s")
             try:
-                header = json.loads(self._recv_record(_MAX_HEADER))
+                size = _LEN.unpack(self._recv_bytes(_LEN.size))[0]
+                if size > _MAX_HEADER:
+                    raise ValueError(f"frame header of {size} bytes is out of bounds")
+                header = json.loads(bytes(self._recv_bytes(size)))
                 tensors: dict[str, torch.Tensor] = {}
                 for entry in header["tensors"]:
                     data = self._recv_part(entry["data"], torch.uint8)
@@ -279,58 +281,52 @@ class Link:
     def _fail(self) -> None:
         self.close()
 
-    def _send_record(self, plaintext: bytes | memoryview) -> None:
-        prefix = _LEN.pack(len(plaintext) + _TAG)
-        sealed = self._sender.seal(plaintext, prefix)
-        _sendv(self._sock, prefix, sealed)
+    def _send_bytes(self, plaintext: bytes | memoryview) -> None:
+        sealed = self._tls.seal(plaintext)
+        self._sock.sendall(sealed)
         if self._rate is not None:
-            # Token-bucket pacing: each record may leave only when the link would be free.
+            # Token-bucket pacing: each chunk may leave only when the link would be free.
             now = time.monotonic()
-            self._paced_until = (
-                max(self._paced_until, now) + (len(prefix) + len(sealed)) / self._rate
-            )
+            self._paced_until = max(self._paced_until, now) + len(sealed) / self._rate
             if self._paced_until > now:
                 time.sleep(self._paced_until - now)
-        self.bytes_sent += len(prefix) + len(sealed)
+        self.bytes_sent += len(sealed)
 
-    def _recv_record(self, limit: int) -> bytes:
-        prefix = bytes(self._recv_exact(_LEN.size))
-        n = _LEN.unpack(prefix)[0]
-        if n < _TAG or n > limit + _TAG:
-            raise FrameRejected(f"record of {n} bytes from {self.peer} is out of bounds")
-        sealed = self._recv_exact(n)
-        return self._receiver.open(sealed, prefix)
-
-    def _recv_part(self, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
-        out = torch.empty(nbytes, dtype=torch.uint8)  # not zero-filled: every byte is written
-        array: Any = out.numpy()
-        for off in range(0, nbytes, RECORD_BYTES):
-            want = min(RECORD_BYTES, nbytes - off)
-            plain = self._recv_record(RECORD_BYTES)
-            if len(plain) != want:
-                raise FrameRejected(f"record of {len(plain)} bytes, expected {want}")
-            array[off : off + want] = np.frombuffer(plain, dtype=np.uint8)
-        return out.view(dtype)
-
-    def _recv_exact(self, n: int) -> memoryview:
+    def _recv_bytes(self, n: int) -> memoryview:
         """Read n bytes into the link's reusable buffer; valid until the next call."""
         if len(self._rbuf) < n:
             self._rbuf = bytearray(n)
         view = memoryview(self._rbuf)[:n]
-        got = 0
-        while got < n:
-            if not self._wait_readable(STALL_TIMEOUT):
-                raise LinkBroken(f"{self.peer} stalled for {STALL_TIMEOUT:.0f} s mid-frame")
-            k = self._sock.recv_into(view[got:])
-            if k == 0:
-                raise LinkBroken(f"{self.peer} closed the link (stage gone?)")
-            got += k
-        self.bytes_received += n
+        self._recv_into(view)
         return view
 
-    def _wait_readable(self, timeout: float | None) -> bool:
+    def _recv_part(self, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
+        out = torch.empty(nbytes, dtype=torch.uint8)  # not zero-filled: every byte is written
+        if nbytes:
+            array: Any = out.numpy()
+            self._recv_into(memoryview(array).cast("B"))
+        return out.view(dtype)
+
+    def _recv_into(self, view: memoryview) -> None:
+        """Fill ``view`` with plaintext, decrypting straight into it."""
+        got = 0
+        while got < len(view):
+            n = self._tls.read_into(view[got:], self.peer)
+            if n:
+                got += n
+                continue
+            # What the session holds is not a whole record: more must come from the socket.
+            if not self._wait_readable(STALL_TIMEOUT, socket_only=True):
+                raise LinkBroken(f"{self.peer} stalled for {STALL_TIMEOUT:.0f} s mid-frame")
+            k = self._sock.recv_into(self._wire)
+            self.bytes_received += k
+            self._tls.feed(memoryview(self._wire)[:k])
+
+    def _wait_readable(self, timeout: float | None, socket_only: bool = False) -> bool:
         if self._closed:
             raise LinkBroken(f"link to {self.peer} is closed")
+        if not socket_only and self._tls.buffered():
+            return True
         poller = select.poll()
         poller.register(self._sock, select.POLLIN | select.POLLERR | select.POLLHUP)
         return bool(poller.poll(None if timeout is None else max(0, int(timeout * 1000))))
@@ -339,9 +335,10 @@ class Link:
 class Listener:
     """A listening socket of stage k; ``accept`` returns authenticated links from stage k-1."""
 
-    def __init__(self, sock: socket.socket, me: Identity) -> None:
+    def __init__(self, sock: socket.socket, me: LinkCredentials, expect: str) -> None:
         self._sock = sock
         self._me = me
+        self._expect = expect
         self._closed = False
 
     @property
@@ -351,7 +348,7 @@ class Listener:
         return str(host), int(port)
 
     def accept(self, timeout: float | None = None) -> Link:
-        """Wait for a peer that proves it belongs to the job; refused peers are logged and skipped.
+        """Wait for the expected peer; refused peers are logged and skipped.
 
         Raises TimeoutError when no good peer arrived within ``timeout`` seconds.
         """
@@ -373,7 +370,7 @@ class Listener:
             _tune(conn)
             conn.settimeout(HANDSHAKE_TIMEOUT)
             try:
-                session = server_handshake(conn, self._me, peer)
+                session = server_handshake(conn, self._me, self._expect, peer)
             except AuthError as e:
                 log.warning("Refused link: %s", e)
                 conn.close()
@@ -383,8 +380,8 @@ class Listener:
                 conn.close()
                 continue
             conn.settimeout(None)
-            log.info("Accepted link from stage %d at %s", session.peer_stage, peer)
-            return Link(conn, session.sender, session.receiver, peer, session.peer_stage)
+            log.info("Accepted link from %s at %s", session.peer_identity, peer)
+            return Link(conn, session, peer)
 
     def close(self) -> None:
         """Stop listening; an ``accept`` blocked in another thread raises LinkBroken."""
@@ -400,25 +397,27 @@ class Listener:
         self.close()
 
 
-def listen(addr: str, *, secret: bytes, job_id: str, stage: int) -> Listener:
-    """Listen on ``host:port`` as stage ``stage`` (this process's own index)."""
-    me = Identity(secret, job_id, stage)
+def listen(addr: str, *, credentials: LinkCredentials, expect: str) -> Listener:
+    """Listen on ``host:port`` with this stage's ``credentials``, for the stage whose
+    identity is ``expect`` (the previous stage of the same pipeline)."""
     host, port = _parse_addr(addr)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     sock.listen(8)
-    return Listener(sock, me)
+    return Listener(sock, credentials, expect)
 
 
-def connect(addr: str, *, secret: bytes, job_id: str, stage: int, retry_for: float = 60.0) -> Link:
-    """Connect as stage ``stage`` (this process's own index) to stage ``stage + 1`` at ``addr``.
+def connect(
+    addr: str, *, credentials: LinkCredentials, expect: str, retry_for: float = 60.0
+) -> Link:
+    """Connect with this stage's ``credentials`` to the stage at ``addr`` whose identity
+    must be ``expect`` (the next stage of the same pipeline).
 
     Unreachable or not-yet-resolvable peers are retried with exponential back-off (0.1 s
     doubling to 5 s) for ``retry_for`` seconds, then LinkBroken. AuthError is not retried.
     """
-    me = Identity(secret, job_id, stage)
     host, port = _parse_addr(addr)
     deadline = time.monotonic() + retry_for
     delay = 0.1
@@ -427,10 +426,10 @@ def connect(addr: str, *, secret: bytes, job_id: str, stage: int, retry_for: flo
         try:
             sock = socket.create_connection((host, port), timeout=HANDSHAKE_TIMEOUT)
             _tune(sock)
-            session = client_handshake(sock, me, f"stage at {addr}")
+            session = client_handshake(sock, credentials, expect, f"stage at {addr}")
             sock.settimeout(None)
-            log.info("Connected to stage %d at %s", session.peer_stage, addr)
-            return Link(sock, session.sender, session.receiver, addr, session.peer_stage)
+            log.info("Connected to %s at %s", session.peer_identity, addr)
+            return Link(sock, session, addr)
         except AuthError as e:
             if sock is not None:
                 sock.close()
@@ -465,18 +464,6 @@ def _tune(sock: socket.socket) -> None:
     for opt, val in (("TCP_KEEPIDLE", 15), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 6)):
         if hasattr(socket, opt):
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), val)
-
-
-def _sendv(sock: socket.socket, *bufs: bytes) -> None:
-    """Send several buffers without joining them (one syscall in the common case)."""
-    views = [memoryview(b) for b in bufs]
-    while views:
-        sent = sock.sendmsg(views)
-        while views and sent >= len(views[0]):
-            sent -= len(views[0])
-            views.pop(0)
-        if views and sent:
-            views[0] = views[0][sent:]
 
 
 def _nbytes(t: torch.Tensor) -> int:

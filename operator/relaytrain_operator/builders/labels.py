@@ -19,8 +19,6 @@ LINK_PORT = 29500
 """Port on which stage k listens for stage k-1 (docs/stage-contract.md)."""
 METRICS_PORT = 9400
 """Port of each stage's /metrics and /healthz."""
-LINK_SECRET_KEY = "secret"
-"""Key inside the per-job link Secret."""
 
 # A pod's hostname is one DNS label: at most 63 characters.
 MAX_DNS_LABEL = 63
@@ -32,7 +30,7 @@ def stage_pod_name(job_name: str, index: int) -> str:
 
 
 def link_secret_name(job_name: str) -> str:
-    """The per-job Secret holding the link-authentication key."""
+    """The per-job Secret holding the links' CA certificate and each stage's cert and key."""
     return f"{job_name}-link"
 
 

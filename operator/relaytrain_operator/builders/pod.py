@@ -8,7 +8,6 @@ from typing import Any
 
 from relaytrain_operator.builders.labels import (
     LINK_PORT,
-    LINK_SECRET_KEY,
     METRICS_PORT,
     POOL_ANNOTATION,
     STAGE_LABEL,
@@ -16,6 +15,7 @@ from relaytrain_operator.builders.labels import (
     link_secret_name,
     stage_pod_name,
 )
+from relaytrain_operator.linkcerts import CA_FILE, cert_file, key_file
 
 STAGE_CONFIG_ENV = "RELAYTRAIN_STAGE_CONFIG"
 """Environment variable holding the stage contract JSON (docs/stage-contract.md)."""
@@ -81,9 +81,17 @@ def _env(job_name: str, inputs: StagePodInputs) -> list[dict[str, Any]]:
         {"name": "HOME", "value": "/tmp"},
         {"name": "HF_HOME", "value": "/tmp/hf"},
     ]
+    # The link Secret holds every stage's key; each pod gets only its own (and the CA's
+    # certificate), by reference.
     links = config.get("links") or {}
-    if links.get("secretEnv"):
-        env.append(_secret_env(links["secretEnv"], link_secret_name(job_name), LINK_SECRET_KEY))
+    link_secret = link_secret_name(job_name)
+    for env_field, file in (
+        ("certEnv", cert_file(0, inputs.index)),
+        ("keyEnv", key_file(0, inputs.index)),
+        ("caEnv", CA_FILE),
+    ):
+        if links.get(env_field):
+            env.append(_secret_env(links[env_field], link_secret, file))
     checkpoint = config.get("checkpoint") or {}
     if inputs.credentials is not None:
         ref = inputs.credentials

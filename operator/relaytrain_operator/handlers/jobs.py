@@ -1,4 +1,10 @@
-"""FineTuneJob handlers: edges (create, resume, update) and the periodic level check."""
+"""FineTuneJob handlers: one daemon per unfinished job, and its doorbell.
+
+The daemon runs the job's reconcile loop (`Runner.run`); kopf starts it when the job
+appears (or the operator starts), and stops it when the job is deleted or finishes — a
+Succeeded or BackoffLimitExceeded job matches no filter and costs nothing. The event
+handler rings the loop when the spec changes and keeps the phase gauge.
+"""
 
 from __future__ import annotations
 
@@ -6,27 +12,58 @@ from typing import Any
 
 import kopf
 
-from relaytrain_operator import options
-from relaytrain_operator.handlers.common import reconcile
-from relaytrain_operator.reconcile import Reconciler
+from relaytrain_operator import metrics
+from relaytrain_operator.runner import Runner
+from relaytrain_operator.status import is_finished
 
 GROUP, VERSION, PLURAL = "relaytrain.io", "v1alpha1", "finetunejobs"
 
 
-@kopf.on.resume(GROUP, VERSION, PLURAL)
-@kopf.on.create(GROUP, VERSION, PLURAL)
-@kopf.on.update(GROUP, VERSION, PLURAL)
-def job_changed(namespace: str | None, name: str, memo: Any, **_: Any) -> None:
-    reconcile(memo, namespace, name)
+def _unfinished(status: kopf.Status, **_: Any) -> bool:
+    return not is_finished(status)
 
 
-@kopf.timer(GROUP, VERSION, PLURAL, interval=options.current().resync_seconds, sharp=False)
-def job_check(namespace: str | None, name: str, memo: Any, **_: Any) -> None:
-    reconcile(memo, namespace, name)
+# kopf hands its indexes over as keyword arguments named after them, which its DaemonFn
+# protocol cannot list.
+@kopf.daemon(GROUP, VERSION, PLURAL, when=_unfinished, cancellation_timeout=60)  # type: ignore[arg-type]
+async def job_daemon(
+    *,
+    namespace: str | None,
+    name: str,
+    stopped: kopf.DaemonStopped,
+    memo: Any,
+    node_index: kopf.Index[str, Any],
+    pod_index: kopf.Index[tuple[str, str], Any],
+    **_: Any,
+) -> None:
+    runner: Runner = memo.runner
+    namespace = namespace or ""  # FineTuneJobs are namespaced
+    try:
+        await runner.run(namespace, name, stopped, node_index, pod_index)
+    except Exception as err:
+        # Any failure of a pass: kopf runs the daemon again after the delay, and the next
+        # pass starts from what the cluster holds.
+        raise kopf.TemporaryError(
+            f"Reconciling FineTuneJob {namespace}/{name} failed: {err}",
+            delay=runner.options.resync_seconds,
+        ) from err
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)
-def job_event(type: str, namespace: str | None, name: str, memo: Any, **_: Any) -> None:
+async def job_event(
+    *,
+    type: str,
+    namespace: str | None,
+    name: str,
+    meta: kopf.Meta,
+    status: kopf.Status,
+    memo: Any,
+    **_: Any,
+) -> None:
+    namespace = namespace or ""
     if type == "DELETED":
-        reconciler: Reconciler = memo.reconciler
-        reconciler.forget(namespace or "", name)
+        metrics.record_phase(namespace, name, None)
+        return
+    metrics.record_phase(namespace, name, status.get("phase"))
+    runner: Runner = memo.runner
+    runner.ring(namespace, name, generation=meta.get("generation"))

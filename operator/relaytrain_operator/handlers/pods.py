@@ -1,5 +1,5 @@
-"""Stage pod watch: a stage pod that failed or is going away triggers its job's pass at
-once, instead of at the next periodic check."""
+"""Stage pod watch: a stage pod that failed, ended or is going away rings its job's loop,
+so the job is reconciled at once instead of at the next periodic check."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from typing import Any
 import kopf
 
 from relaytrain_operator.builders.labels import JOB_LABEL
-from relaytrain_operator.handlers.common import reconcile
+from relaytrain_operator.runner import Runner
 
 
-def _ending(type: str, body: kopf.Body) -> bool:
+def _ending(type: str, body: kopf.Body, **_: Any) -> bool:
     return (
         type == "DELETED"
         or body.status.get("phase") in ("Failed", "Succeeded")
@@ -19,14 +19,9 @@ def _ending(type: str, body: kopf.Body) -> bool:
     )
 
 
-@kopf.on.event("pods", labels={JOB_LABEL: kopf.PRESENT})
-def stage_pod_event(
-    type: str,
-    body: kopf.Body,
-    namespace: str | None,
-    labels: kopf.Labels,
-    memo: Any,
-    **_: Any,
+@kopf.on.event("pods", labels={JOB_LABEL: kopf.PRESENT}, when=_ending)
+async def stage_pod_event(
+    *, namespace: str | None, labels: kopf.Labels, memo: Any, **_: Any
 ) -> None:
-    if _ending(type, body):
-        reconcile(memo, namespace, labels[JOB_LABEL])
+    runner: Runner = memo.runner
+    runner.ring(namespace or "", labels[JOB_LABEL])

@@ -4,20 +4,23 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import kopf
 import yaml
 from kubernetes import config
 
-from relaytrain_operator import metrics, options
+from relaytrain_operator import metrics
 from relaytrain_operator.apply import ClusterApi
 from relaytrain_operator.builders.labels import JOB_LABEL
+from relaytrain_operator.options import OperatorOptions
 from relaytrain_operator.planner import DEFAULT_CATALOG, Catalog
-from relaytrain_operator.reconcile import Reconciler
+from relaytrain_operator.runner import Runner
+
+logger = logging.getLogger(__name__)
 
 FINALIZER = "relaytrain.io/finalizer"
-"""kopf adds a finalizer to jobs because of the periodic check; this is its name."""
+"""kopf adds a finalizer to unfinished jobs because of their daemon; this is its name."""
 ANNOTATION_PREFIX = "relaytrain.io"
 
 
@@ -40,9 +43,19 @@ def _catalog(path: str | None) -> Catalog | None:
     return DEFAULT_CATALOG.with_overrides(doc or {})
 
 
+def post_event(job: dict[str, Any], type: str, reason: str, message: str) -> None:
+    """Post an Event on `job` through kopf (and log a Warning's)."""
+    kopf.event(kopf.Body(cast(kopf.RawBody, job)), type=type, reason=reason, message=message)
+    if type == "Warning":
+        meta = job["metadata"]
+        logger.warning(
+            "FineTuneJob %s/%s: %s: %s", meta["namespace"], meta["name"], reason, message
+        )
+
+
 @kopf.on.startup()
-def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
-    opts = options.current()
+async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    opts: OperatorOptions = memo.options
     settings.persistence.finalizer = FINALIZER
     # Keep kopf's bookkeeping in our own annotations, out of status (which the CRD
     # declares field by field).
@@ -64,8 +77,8 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     if opts.peering is not None:
         settings.peering.name = opts.peering
         settings.peering.mandatory = True
-    settings.execution.max_workers = opts.max_workers
     # An unexpected error is retried soon: state comes from the cluster, so a retry is safe.
     settings.execution.default_backoff = max(1.0, opts.resync_seconds)
-    memo.reconciler = Reconciler(ClusterApi(_api_client()), opts, _catalog(opts.gpu_catalog))
+    api = ClusterApi(_api_client())
+    memo.runner = Runner(api, opts, _catalog(opts.gpu_catalog), post_event)
     metrics.serve(opts.metrics_port)

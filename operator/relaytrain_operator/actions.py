@@ -1,0 +1,67 @@
+"""What one reconciliation asks of the cluster (pure values).
+
+`decide.decide` returns them in the order they must happen; `apply.Executor` carries them
+out, each idempotently (a create of an existing object, a delete of a gone one, a status
+patch that changes nothing: all fine), so a pass cut short by a crash is simply redone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from relaytrain_operator.spec import FineTuneJobStatus
+
+JsonDict = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class PatchStatus:
+    """Write the job's status: only the top-level fields that differ from the stored ones."""
+
+    status: FineTuneJobStatus
+    """The whole status wanted."""
+
+
+@dataclass(frozen=True)
+class CreateLinkSecret:
+    """Create the job's link Secret (kept if it exists: every stage, replacements included,
+    shares the first one)."""
+
+    stage_counts: tuple[int, ...]
+    """Stages of each pipeline (one certificate per stage)."""
+
+
+@dataclass(frozen=True)
+class Create:
+    """Create a child object (the Service, a stage Pod) built by `builders`."""
+
+    obj: JsonDict
+    """The object; an existing one of that name is left as it is."""
+
+
+@dataclass(frozen=True)
+class DeletePod:
+    """Delete one stage pod."""
+
+    name: str
+    """The pod's name."""
+    uid: str | None
+    """Only this incarnation: a successor holding the name is never deleted."""
+    force: bool = False
+    """No grace period: its node is gone or NotReady, no kubelet will confirm."""
+
+
+@dataclass(frozen=True)
+class PostEvent:
+    """Post an Event on the job."""
+
+    type: str
+    """Normal or Warning."""
+    reason: str
+    """CamelCase reason, e.g. StageRestarting."""
+    message: str
+    """What happened, for people."""
+
+
+Action = PatchStatus | CreateLinkSecret | Create | DeletePod | PostEvent

@@ -1,0 +1,114 @@
+"""What a pass reads beyond kopf's indexes: the reads `decide.needs` asks for.
+
+The indexes (handlers/indexes.py) answer the frequent questions without a request: the
+job's stage pods and the nodes. This module fills in the rest through `apply.ClusterApi`
+and the object store, and only when a pass needs it:
+
+- the job's pods, listed when the index lacks a planned stage's pod (one just created may
+  not be indexed yet, and a pod missing by mistake would count as a failure);
+- a node a stage pod is bound to but the index lacks (one that just joined must not look
+  lost), read directly;
+- the cluster's active pods (what holds GPUs), fresh, for a plan or a pod to create;
+- the model's config.json for the first plan (cached by endpoint and URI: small and
+  immutable in practice; a restart reads it again);
+- progress.json of a started job, once per pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import datetime
+from typing import Any
+
+from relaytrain_operator.apply import ClusterApi
+from relaytrain_operator.decide import ModelConfig, Needs, Observed, parse_spec, stage_pods
+from relaytrain_operator.objectstore import StoreAccess, StoreError, read_json
+from relaytrain_operator.progress import PROGRESS_FILE, Progress, fold, job_store_uri
+from relaytrain_operator.spec import FineTuneJob, is_s3
+
+JsonDict = dict[str, Any]
+
+
+class Observer:
+    """Reads for one pass; one instance per operator process (it caches model configs)."""
+
+    def __init__(self, api: ClusterApi) -> None:
+        self.api = api
+        self._model_configs: dict[tuple[str | None, str], JsonDict] = {}
+
+    def stage_pods(self, namespace: str, name: str) -> dict[int, JsonDict]:
+        """The job's stage pods as the API server has them now."""
+        return stage_pods(self.api.list_stage_pods(namespace, name))
+
+    def observe(
+        self,
+        job: JsonDict,
+        pods: Mapping[int, JsonDict],
+        nodes: Mapping[str, JsonDict],
+        wanted: Needs,
+        now: datetime,
+    ) -> Observed:
+        """`Observed` for `job` from the indexed `pods` and `nodes` plus what `wanted` asks.
+
+        `nodes` must hold every node when `wanted.room`; otherwise those of the pods that
+        the index has, and the others are read here.
+        """
+        known = dict(nodes)
+        for pod in pods.values():
+            node_name = (pod.get("spec") or {}).get("nodeName")
+            if node_name and node_name not in known:
+                node = self.api.get_node(node_name)
+                if node is not None:
+                    known[node_name] = node
+        spec = parse_spec(job)
+        observed = Observed(job=job, now=now, pods=pods, nodes=known)
+        if isinstance(spec, str):
+            return observed
+        return Observed(
+            job=job,
+            now=now,
+            pods=pods,
+            nodes=known,
+            cluster_pods=self.api.list_active_pods() if wanted.room else None,
+            model=self.model_config(spec) if wanted.model else None,
+            progress=self.progress(spec, now) if wanted.progress else None,
+        )
+
+    def store_access(self, job: FineTuneJob) -> StoreAccess:
+        """Endpoint and credentials of the job's object store (from its Secret)."""
+        checkpoint = job.spec.checkpoint
+        ref = checkpoint.credentials_secret
+        if ref is None:
+            return StoreAccess(checkpoint.endpoint)
+        data = self.api.get_secret_data(job.metadata.namespace, ref.name)
+        return StoreAccess(
+            checkpoint.endpoint, data.get(ref.access_key_key), data.get(ref.secret_key_key)
+        )
+
+    def model_config(self, job: FineTuneJob) -> ModelConfig:
+        """The base model's config.json, or why it cannot be read."""
+        uri = job.spec.model.uri
+        key = (job.spec.checkpoint.endpoint, uri)
+        if key in self._model_configs:
+            return ModelConfig(self._model_configs[key])
+        if uri.startswith("hf://"):
+            return ModelConfig(
+                error=f"spec.model.uri {uri}: the operator plans from the model's config.json "
+                f"and has no hub access; copy the model to an s3:// prefix"
+            )
+        try:
+            config = read_json(uri, "config.json", self.store_access(job) if is_s3(uri) else None)
+        except StoreError as err:
+            return ModelConfig(error=str(err))
+        if config is None:
+            return ModelConfig(error=f"spec.model.uri {uri} has no config.json")
+        self._model_configs[key] = config
+        return ModelConfig(config)
+
+    def progress(self, job: FineTuneJob, now: datetime) -> Progress | None:
+        """The job's progress, or None when there is none yet or the store cannot be read."""
+        try:
+            record = read_json(job_store_uri(job), PROGRESS_FILE, self.store_access(job))
+        except StoreError:
+            return None
+        return fold(record, job, now) if record is not None else None

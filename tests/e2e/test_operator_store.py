@@ -1,0 +1,115 @@
+"""The operator's observer reads a job's object store (MinIO) with the job's own credentials:
+the Secret that spec.checkpoint.credentialsSecret names, read from the real API server."""
+
+from __future__ import annotations
+
+import io
+import json
+import secrets
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+from kubernetes import client
+from relaytrain_operator.apply import ClusterApi
+from relaytrain_operator.decide import Needs, Observed
+from relaytrain_operator.observe import Observer
+
+from hack.minio_server import MinioServer
+from tests.operator_cases import job_manifest, namespace
+from tests.shapes import SMOLLM2_135M_CONFIG
+
+pytestmark = pytest.mark.e2e
+
+WANTED = Needs(model=True, progress=True)
+
+
+@pytest.fixture
+def admin(kube_cluster: Any) -> client.ApiClient:
+    return kube_cluster.api_client()
+
+
+@pytest.fixture
+def ns(admin: client.ApiClient) -> Iterator[str]:
+    with namespace(admin, "rtstore") as name:
+        yield name
+
+
+def put_json(minio: MinioServer, key: str, value: dict[str, Any]) -> None:
+    data = json.dumps(value).encode()
+    minio.client().put_object(minio.bucket, key, io.BytesIO(data), len(data))
+
+
+def store_job(ns: str, minio: MinioServer, prefix: str, endpoint: str) -> dict[str, Any]:
+    return job_manifest(
+        "j",
+        ns,
+        f"s3://{minio.bucket}/{prefix}/models/smol/",
+        checkpoint={
+            "uri": f"s3://{minio.bucket}/{prefix}/runs",
+            "endpoint": endpoint,
+            "credentialsSecret": {"name": "s3"},
+        },
+    )
+
+
+def test_the_observer_reads_the_store_with_the_job_s_credentials(
+    admin: client.ApiClient, ns: str, minio_server: MinioServer
+) -> None:
+    core = client.CoreV1Api(admin)
+    prefix = "observer-" + secrets.token_hex(4)
+    put_json(minio_server, f"{prefix}/models/smol/config.json", SMOLLM2_135M_CONFIG)
+    record = {"step": 3, "totalSteps": 100, "loss": 1.25, "lastCommittedStep": 2}
+    put_json(minio_server, f"{prefix}/runs/{ns}/j/progress.json", record)
+    job = store_job(ns, minio_server, prefix, minio_server.url)
+    observer = Observer(ClusterApi(admin))
+
+    def observe(of: dict[str, Any] | None = None) -> Observed:
+        return observer.observe(of or job, {}, {}, WANTED, datetime.now(UTC))
+
+    def credentials(access_key: str, secret_key: str) -> dict[str, Any]:
+        return {
+            "metadata": {"name": "s3"},
+            "stringData": {"AWS_ACCESS_KEY_ID": access_key, "AWS_SECRET_ACCESS_KEY": secret_key},
+        }
+
+    # Keys the store does not know: the model cannot be read (and says why); no progress.
+    core.create_namespaced_secret(ns, credentials("nobody", "not-a-secret-key"))
+    refused = observe()
+    assert refused.model is not None and refused.model.config is None
+    assert "InvalidAccessKeyId" in refused.model.error
+    assert refused.progress is None
+
+    # The Secret now holds the store's keys: the next pass reads both with them.
+    core.replace_namespaced_secret(
+        "s3", ns, credentials(minio_server.access_key, minio_server.secret_key)
+    )
+    read = observe()
+    assert read.model is not None and read.model.config == SMOLLM2_135M_CONFIG
+    assert read.progress is not None
+    assert read.progress.status == {
+        "step": 3,
+        "totalSteps": 100,
+        "stepOfTotal": "3/100",
+        "loss": 1.25,
+        "lastCommittedStep": 2,
+    }
+
+    # Without the Secret the store is asked anonymously and refuses: no progress, and the
+    # model config, read before, comes from the cache.
+    core.delete_namespaced_secret("s3", ns)
+    anonymous = observe()
+    assert anonymous.progress is None and anonymous.model == read.model
+
+    # With its keys again, a progress.json that is not there yet is no progress either.
+    core.create_namespaced_secret(ns, credentials(minio_server.access_key, minio_server.secret_key))
+    minio_server.client().remove_object(minio_server.bucket, f"{prefix}/runs/{ns}/j/progress.json")
+    assert observe().progress is None
+
+    # A store that does not answer: the model says so, and the progress stays unknown.
+    down = store_job(ns, minio_server, prefix + "-down", "http://127.0.0.1:9")
+    unreachable = observe(down)
+    assert unreachable.model is not None and unreachable.model.config is None
+    assert "reading config.json under" in unreachable.model.error
+    assert unreachable.progress is None

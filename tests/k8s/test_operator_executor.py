@@ -1,0 +1,457 @@
+"""The operator's effectful half against the real API server: the executor applies a
+decision's actions in order and idempotently, the observer reads what a pass needs, and a
+runner's passes over a new job create its children once and then leave them be.
+
+Everything goes through the real `apply.ClusterApi` over the session cluster's admin
+client, in a namespace of each test's own (named `rtex-*`, which the operator process of
+tests/k8s/test_operator.py does not watch); the assertions are on what the API server then
+holds. The checks of the store (progress.json, the credential Secret) need MinIO and live
+in tests/e2e/test_operator_store.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cryptography import x509
+from kubernetes import client
+from relaytrain_operator.actions import (
+    Action,
+    Create,
+    CreateLinkSecret,
+    DeletePod,
+    PatchStatus,
+    PostEvent,
+)
+from relaytrain_operator.apply import ClusterApi, Executor
+from relaytrain_operator.builders.labels import JOB_LABEL, STAGE_LABEL
+from relaytrain_operator.builders.service import build_service
+from relaytrain_operator.decide import Needs, parse_spec
+from relaytrain_operator.observe import Observer
+from relaytrain_operator.options import OperatorOptions
+from relaytrain_operator.runner import Runner
+from relaytrain_operator.status import load_status, to_manifest
+
+from tests.operator_cases import (
+    GROUP,
+    PLURAL,
+    VERSION,
+    install_crd,
+    job_manifest,
+    namespace,
+    nodes_index,
+    raw,
+)
+from tests.shapes import SMOLLM2_135M_CONFIG
+from tests.unit.test_operator_decide import running_status
+from tests.waiting import wait_for
+
+pytestmark = pytest.mark.k8s
+
+JsonDict = dict[str, Any]
+
+
+@pytest.fixture(scope="module")
+def admin(kube_cluster: Any) -> client.ApiClient:
+    return kube_cluster.api_client()
+
+
+@pytest.fixture(scope="module")
+def crd(kube_cluster: Any, admin: client.ApiClient) -> None:
+    install_crd(kube_cluster, admin)
+
+
+@pytest.fixture
+def ns(admin: client.ApiClient, crd: None) -> Iterator[str]:
+    with namespace(admin, "rtex") as name:
+        yield name
+
+
+@pytest.fixture
+def api(admin: client.ApiClient) -> ClusterApi:
+    return ClusterApi(admin)
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    (tmp_path / "config.json").write_text(json.dumps(SMOLLM2_135M_CONFIG))
+    return tmp_path
+
+
+class Kube:
+    """The test's own reads and writes, as the admin, in the test's namespace."""
+
+    def __init__(self, admin: client.ApiClient, ns: str) -> None:
+        self.ns = ns
+        self.core = client.CoreV1Api(admin)
+        self.custom = client.CustomObjectsApi(admin)
+
+    def create_job(self, manifest: JsonDict, status: JsonDict | None = None) -> JsonDict:
+        self.custom.create_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL, manifest)
+        if status is not None:
+            self.patch_status(manifest["metadata"]["name"], status)
+        return self.job(manifest["metadata"]["name"])
+
+    def patch_status(self, name: str, status: JsonDict) -> None:
+        self.custom.patch_namespaced_custom_object_status(
+            GROUP, VERSION, self.ns, PLURAL, name, {"status": status}
+        )
+
+    def job(self, name: str = "j") -> JsonDict:
+        job: JsonDict = raw(
+            self.custom.get_namespaced_custom_object(
+                GROUP, VERSION, self.ns, PLURAL, name, _preload_content=False
+            )
+        )
+        return job
+
+    def rv(self, name: str = "j") -> str:
+        return str(self.job(name)["metadata"]["resourceVersion"])
+
+    def create_pod(self, pod: JsonDict) -> str:
+        created = raw(self.core.create_namespaced_pod(self.ns, pod, _preload_content=False))
+        return str(created["metadata"]["uid"])
+
+    def pods(self, job: str = "j") -> dict[str, JsonDict]:
+        items = raw(
+            self.core.list_namespaced_pod(
+                self.ns, label_selector=f"{JOB_LABEL}={job}", _preload_content=False
+            )
+        )["items"]
+        return {p["metadata"]["name"]: p for p in items}
+
+    def uids(self, job: str = "j") -> dict[str, str]:
+        return {name: p["metadata"]["uid"] for name, p in self.pods(job).items()}
+
+    def secret(self, name: str) -> JsonDict:
+        secret: JsonDict = raw(
+            self.core.read_namespaced_secret(name, self.ns, _preload_content=False)
+        )
+        return secret
+
+    def service(self, name: str) -> JsonDict:
+        service: JsonDict = raw(
+            self.core.read_namespaced_service(name, self.ns, _preload_content=False)
+        )
+        return service
+
+    def running(self, job: str, count: int) -> dict[str, JsonDict] | None:
+        """The job's pods once exactly `count` are bound and Running (None before)."""
+        pods = self.pods(job)
+        live = [
+            p
+            for p in pods.values()
+            if p["status"].get("phase") == "Running"
+            and p["spec"].get("nodeName")
+            and not p["metadata"].get("deletionTimestamp")
+        ]
+        return pods if len(live) == len(pods) == count else None
+
+
+@pytest.fixture
+def kube(admin: client.ApiClient, ns: str) -> Kube:
+    return Kube(admin, ns)
+
+
+def stage_pod(ns: str, k: int, job: str = "j", node: str | None = None) -> JsonDict:
+    """A small pod that carries a stage's labels (the executor does not look inside)."""
+    spec: JsonDict = {
+        "containers": [{"name": "stage", "image": "relaytrain-worker:test"}],
+        "automountServiceAccountToken": False,
+    }
+    if node is not None:
+        spec["nodeName"] = node
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": f"{job}-stage-{k}",
+            "namespace": ns,
+            "labels": {JOB_LABEL: job, STAGE_LABEL: str(k)},
+        },
+        "spec": spec,
+    }
+
+
+def owner_uid(obj: JsonDict) -> tuple[str, str]:
+    (ref,) = obj["metadata"]["ownerReferences"]
+    return ref["kind"], ref["uid"]
+
+
+# --- the executor -----------------------------------------------------------------------
+
+
+def test_the_executor_applies_actions_in_order_and_patches_only_what_changed(
+    kube: Kube, api: ClusterApi
+) -> None:
+    progress = {"step": 5, "totalSteps": 100, "stepOfTotal": "5/100"}
+    kube.create_job(
+        job_manifest("j", kube.ns, "s3://models/smol/"), running_status(progress=progress)
+    )
+    first_stage_0 = kube.create_pod(stage_pod(kube.ns, 0))
+    stage_1 = kube.create_pod(stage_pod(kube.ns, 1))
+    job = api.get_job(kube.ns, "j")
+    assert job is not None
+    unchanged = load_status(job["status"])
+    # After the pass read the job, another writer moves a field the pass does not change.
+    elsewhere = {"step": 7, "totalSteps": 100, "stepOfTotal": "7/100"}
+    kube.patch_status("j", {"progress": elsewhere})
+    rv = kube.rv()
+    posted: list[tuple[str, str, str, str]] = []
+    executor = Executor(api, lambda j, t, r, m: posted.append((j["metadata"]["name"], t, r, m)))
+    now = datetime.now(UTC)
+
+    # A status equal to the one the pass read is not sent at all: nothing is written, so
+    # the other writer's field stays (a whole-status patch would put back the stale copy).
+    executor.run(job, [PatchStatus(unchanged)], now)
+    assert kube.rv() == rv
+
+    recovering = unchanged.model_copy(update={"phase": "Recovering"})
+    executor.run(
+        job,
+        [
+            DeletePod("j-stage-0", first_stage_0, force=True),
+            CreateLinkSecret((2,)),
+            Create(build_service(job)),
+            Create(stage_pod(kube.ns, 0)),
+            Create(stage_pod(kube.ns, 2)),
+            PatchStatus(recovering),
+            PatchStatus(recovering),
+            PostEvent("Warning", "StageRestarting", "Stage 0 failed."),
+        ],
+        now,
+    )
+    uids = kube.uids()
+    assert set(uids) == {"j-stage-0", "j-stage-1", "j-stage-2"}
+    # Stage 0 was deleted before it was created again: the other way round, the create
+    # would have found the old pod (409) and the delete would have left no stage 0.
+    assert uids["j-stage-0"] != first_stage_0
+    assert uids["j-stage-1"] == stage_1
+    assert owner_uid(kube.service("j")) == ("FineTuneJob", job["metadata"]["uid"])
+    assert owner_uid(kube.secret("j-link")) == ("FineTuneJob", job["metadata"]["uid"])
+    # The patch carried the phase alone: what the other writer stored is still there.
+    assert kube.job()["status"] == {
+        **to_manifest(unchanged),
+        "phase": "Recovering",
+        "progress": elsewhere,
+    }
+    assert posted == [("j", "Warning", "StageRestarting", "Stage 0 failed.")]
+
+
+def test_actions_applied_again_change_nothing_and_a_stale_delete_spares_the_successor(
+    kube: Kube, api: ClusterApi
+) -> None:
+    job = kube.create_job(job_manifest("j", kube.ns, "s3://models/smol/"))
+    first = kube.create_pod(stage_pod(kube.ns, 0))
+    actions: list[Action] = [
+        DeletePod("j-stage-0", first),
+        CreateLinkSecret((2,)),
+        Create(build_service(job)),
+        Create(stage_pod(kube.ns, 0)),
+    ]
+    executor = Executor(api, lambda *a: None)
+    executor.run(job, actions, datetime.now(UTC))
+    successor = kube.uids()["j-stage-0"]
+    assert successor != first
+    secret, service = kube.secret("j-link"), kube.service("j")
+
+    # The same pass again (as after an operator restart): the delete names the old pod's
+    # uid and leaves its successor alone, and every create finds its object (409).
+    executor.run(job, actions, datetime.now(UTC))
+    assert kube.uids() == {"j-stage-0": successor}
+    assert kube.secret("j-link") == secret
+    assert kube.service("j") == service
+    # A pod that is already gone is no error.
+    executor.run(job, [DeletePod("j-stage-9", None, force=True)], datetime.now(UTC))
+
+
+def test_the_link_secret_is_minted_once_for_every_stage(kube: Kube, api: ClusterApi) -> None:
+    job = kube.create_job(job_manifest("j", kube.ns, "s3://models/smol/"))
+    executor = Executor(api, lambda *a: None)
+    executor.run(job, [CreateLinkSecret((2,))], datetime.now(UTC))
+    secret = kube.secret("j-link")
+    assert secret["type"] == "Opaque"
+    assert owner_uid(secret) == ("FineTuneJob", job["metadata"]["uid"])
+    assert secret["metadata"]["labels"][JOB_LABEL] == "j"
+    files = {
+        name: x509.load_pem_x509_certificate(_decoded(secret, name))
+        for name in ("ca.crt", "p0-s0.crt", "p0-s1.crt")
+    }
+    assert set(secret["data"]) == {*files, "p0-s0.key", "p0-s1.key"}
+    for stage in ("p0-s0.crt", "p0-s1.crt"):
+        files[stage].verify_directly_issued_by(files["ca.crt"])
+    # A second mint (a replacement's pass) keeps the first: every stage shares one CA.
+    executor.run(job, [CreateLinkSecret((2,))], datetime.now(UTC))
+    assert kube.secret("j-link") == secret
+
+
+def _decoded(secret: JsonDict, name: str) -> bytes:
+    return base64.b64decode(secret["data"][name])
+
+
+# --- the observer -----------------------------------------------------------------------
+
+
+def test_the_observer_reads_only_what_is_needed(
+    kube: Kube, api: ClusterApi, admin: client.ApiClient
+) -> None:
+    job = kube.create_job(job_manifest("j", kube.ns, "s3://models/smol/"), running_status())
+    kube.create_pod(stage_pod(kube.ns, 0, node="a100-0"))
+    kube.create_pod(stage_pod(kube.ns, 1, node="rtx4090-0"))
+    kube.create_pod(stage_pod(kube.ns, 0, job="other", node="a100-1"))
+    kube.create_pod(stage_pod(kube.ns, 1, job="other", node="a100-1"))
+    wait_for("the other job's pods to run", lambda: kube.running("other", 2))
+    kube.core.patch_namespaced_pod_status(
+        "other-stage-1", kube.ns, {"status": {"phase": "Failed", "reason": "Error"}}
+    )
+    observer = Observer(api)
+    now = datetime.now(UTC)
+
+    # The job's own stage pods, by the job label (not the other job's).
+    pods = observer.stage_pods(kube.ns, "j")
+    assert {k: p["metadata"]["name"] for k, p in pods.items()} == {
+        0: "j-stage-0",
+        1: "j-stage-1",
+    }
+    # rtx4090-0 is not indexed yet: it is read from the API server, and nothing else is.
+    indexed = {"a100-0": nodes_index(admin)["a100-0"][0]}
+    quiet = observer.observe(job, pods, indexed, Needs(), now)
+    assert set(quiet.nodes) == {"a100-0", "rtx4090-0"}
+    assert quiet.nodes["rtx4090-0"]["metadata"]["labels"]["relaytrain.io/pool"] == "rtx4090"
+    assert quiet.cluster_pods is None and quiet.model is None and quiet.progress is None
+
+    # A pod bound to a node the API server no longer has: the node is left out (the
+    # decision reads that as a lost node).
+    lost = {0: {**pods[0], "spec": {**pods[0]["spec"], "nodeName": "vanished-0"}}}
+    assert "vanished-0" not in observer.observe(job, lost, {}, Needs(), now).nodes
+
+    # Room to place pods: the cluster's active pods, fresh; a Failed pod holds no GPU.
+    room = observer.observe(job, pods, indexed, Needs(room=True), now).cluster_pods
+    assert room is not None
+    here = {p["metadata"]["name"] for p in room if p["metadata"]["namespace"] == kube.ns}
+    assert here == {"j-stage-0", "j-stage-1", "other-stage-0"}
+
+
+def test_the_observer_caches_model_configs_and_reports_why_one_cannot_be_read(
+    kube: Kube, api: ClusterApi, model_dir: Path, tmp_path: Path
+) -> None:
+    job = kube.create_job(job_manifest("j", kube.ns, str(model_dir)))
+    observer = Observer(api)
+    wanted = Needs(room=True, model=True)
+    now = datetime.now(UTC)
+    first = observer.observe(job, {}, {}, wanted, now)
+    assert first.model is not None and first.model.config == SMOLLM2_135M_CONFIG
+    assert first.cluster_pods is not None  # read from the API server alongside
+    (model_dir / "config.json").unlink()
+    assert observer.observe(job, {}, {}, wanted, now).model == first.model  # cached
+
+    def model_error(name: str, uri: str, **spec: Any) -> str:
+        other = kube.create_job(job_manifest(name, kube.ns, uri, **spec))
+        model = observer.observe(other, {}, {}, wanted, now).model
+        assert model is not None and model.config is None
+        return model.error
+
+    assert "no hub access" in model_error("hub", "hf://org/name")
+    assert "has no config.json" in model_error("empty", str(tmp_path / "none"))
+    # A spec the API server accepts but the operator cannot run: nothing is read.
+    bad = kube.create_job(
+        job_manifest("bad", kube.ns, str(model_dir), method={"targetModules": ["lm_head"]})
+    )
+    assert isinstance(parse_spec(bad), str)
+    unread = observer.observe(bad, {}, {}, wanted, now)
+    assert unread.model is None and unread.cluster_pods is None
+
+
+# --- a runner's passes --------------------------------------------------------------------
+
+
+def runner_over(api: ClusterApi, posted: list[tuple[str, str]] | None = None) -> Runner:
+    def post(job: JsonDict, kind: str, reason: str, message: str) -> None:
+        if posted is not None:
+            posted.append((kind, reason))
+
+    return Runner(api, OperatorOptions(resync_seconds=30), None, post)
+
+
+def start(
+    kube: Kube, runner: Runner, model_dir: Path, admin: client.ApiClient
+) -> dict[str, JsonDict]:
+    """Create job `j`, run its first pass, wait for its two pods to run, and record them."""
+    kube.create_job(job_manifest("j", kube.ns, str(model_dir)))
+    nodes = nodes_index(admin)
+    first = asyncio.run(runner.reconcile(kube.ns, "j", nodes, {}))
+    assert first.status is not None and first.status.phase == "Pending"
+    pods: dict[str, JsonDict] = wait_for("2 running stage pods", lambda: kube.running("j", 2))
+    index = {(kube.ns, "j"): list(pods.values())}
+    second = asyncio.run(runner.reconcile(kube.ns, "j", nodes, index))
+    assert not [a for a in second.actions if isinstance(a, Create | DeletePod)]
+    return pods
+
+
+def test_a_pass_creates_a_new_job_s_pods_and_a_pass_with_nothing_new_does_nothing(
+    kube: Kube, api: ClusterApi, model_dir: Path, admin: client.ApiClient
+) -> None:
+    posted: list[tuple[str, str]] = []
+    runner = runner_over(api, posted)
+    nodes = nodes_index(admin)
+    kube.create_job(job_manifest("j", kube.ns, str(model_dir)))
+
+    first = asyncio.run(runner.reconcile(kube.ns, "j", nodes, {}))
+    assert first.status is not None and first.status.phase == "Pending"
+    job = kube.job()
+    plan = job["status"]["plan"]["stages"]
+    assert [s["index"] for s in plan] == [0, 1] and plan[-1]["layerEnd"] == 30
+    assert job["status"]["startTime"]
+    created = kube.pods()
+    assert set(created) == {"j-stage-0", "j-stage-1"}
+    for stage in plan:
+        pod = created[f"j-stage-{stage['index']}"]
+        assert pod["spec"]["nodeSelector"]["relaytrain.io/pool"] == stage["pool"]
+        assert owner_uid(pod) == ("FineTuneJob", job["metadata"]["uid"])
+    assert owner_uid(kube.service("j")) == ("FineTuneJob", job["metadata"]["uid"])
+    assert owner_uid(kube.secret("j-link")) == ("FineTuneJob", job["metadata"]["uid"])
+    assert ("Normal", "Planned") in posted
+
+    # Once the pods run, a pass records them; it creates and deletes nothing.
+    pods = wait_for("2 running stage pods", lambda: kube.running("j", 2))
+    index = {(kube.ns, "j"): list(pods.values())}
+    second = asyncio.run(runner.reconcile(kube.ns, "j", nodes, index))
+    assert not [a for a in second.actions if isinstance(a, Create | DeletePod)]
+    assert kube.job()["status"]["phase"] == "Running"
+
+    # Nothing has changed since: the next pass decides nothing and writes nothing.
+    rv, uids = kube.rv(), kube.uids()
+    third = asyncio.run(runner.reconcile(kube.ns, "j", nodes, index))
+    assert third.actions == () and third.restarts == 0
+    assert kube.rv() == rv and kube.uids() == uids
+
+
+def test_an_index_that_lags_a_create_is_confirmed_by_listing_the_pods(
+    kube: Kube, api: ClusterApi, model_dir: Path, admin: client.ApiClient
+) -> None:
+    runner = runner_over(api)
+    pods = start(kube, runner, model_dir, admin)
+    nodes = nodes_index(admin)
+    rv, uids = kube.rv(), kube.uids()
+
+    # The index has only stage 1 (stage 0's create has not reached it yet): the pass
+    # lists the job's pods, finds stage 0, and does not take it for deleted.
+    lagging = {(kube.ns, "j"): [pods["j-stage-1"]]}
+    decision = asyncio.run(runner.reconcile(kube.ns, "j", nodes, lagging))
+    assert decision.restarts == 0 and decision.actions == ()
+    assert kube.rv() == rv and kube.uids() == uids
+
+    # When stage 0 is really gone, the same listing says so: it is counted once.
+    kube.core.delete_namespaced_pod("j-stage-0", kube.ns, grace_period_seconds=0)
+    decision = asyncio.run(runner.reconcile(kube.ns, "j", nodes, lagging))
+    assert decision.restarts == 1
+    stages = kube.job()["status"]["stages"]
+    assert [s["restarts"] for s in stages] == [1, 0]
+    assert stages[0]["lastFailure"] == "Deleted"

@@ -1,0 +1,99 @@
+"""Set-up that tests of the operator's pieces share against the session cluster: the
+FineTuneJob CRD, a namespace of a test's own, a job manifest, and objects as plain JSON
+(what the operator's indexes and `apply.ClusterApi` hand around)."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from tests.waiting import wait_for
+
+REPO = Path(__file__).resolve().parents[1]
+GROUP, VERSION, PLURAL = "relaytrain.io", "v1alpha1", "finetunejobs"
+
+
+def install_crd(cluster: Any, api: client.ApiClient) -> None:
+    """Apply crds/ and wait until FineTuneJobs are served (as tests/k8s/test_operator.py)."""
+    cluster.kubectl("apply", "--server-side", "-f", str(REPO / "crds"))
+    ext = client.ApiextensionsV1Api(api)
+
+    def established() -> bool:
+        crd = ext.read_custom_resource_definition(f"{PLURAL}.{GROUP}")
+        return any(
+            c.type == "Established" and c.status == "True" for c in crd.status.conditions or []
+        )
+
+    wait_for("the FineTuneJob CRD", established)
+
+    def served() -> bool:
+        # Established comes before the API server's storage for the new kind is ready.
+        try:
+            client.CustomObjectsApi(api).list_cluster_custom_object(GROUP, VERSION, PLURAL)
+        except ApiException:
+            return False
+        return True
+
+    wait_for("FineTuneJobs to be served", served)
+
+
+@contextmanager
+def namespace(api: client.ApiClient, prefix: str) -> Iterator[str]:
+    """A new namespace, ready for pods (its default ServiceAccount exists); deleted on
+    exit, and its pods waited out (stage pods hold GPUs that later tests plan on)."""
+    core = client.CoreV1Api(api)
+    name = f"{prefix}-{uuid.uuid4().hex[:6]}"
+    core.create_namespace({"metadata": {"name": name}})
+    try:
+        wait_for(
+            f"the default ServiceAccount of {name}",
+            lambda: (
+                core.list_namespaced_service_account(
+                    name, field_selector="metadata.name=default"
+                ).items
+            ),
+        )
+        yield name
+    finally:
+        # The pods first, without a grace period (no kubelet runs them; the namespace
+        # controller would take seconds more to get to them), then the rest.
+        core.delete_collection_namespaced_pod(name, grace_period_seconds=0)
+        core.delete_namespace(name)
+        wait_for(f"the pods of {name} to go", lambda: not core.list_namespaced_pod(name).items)
+
+
+def job_manifest(name: str, namespace: str, model_uri: str, **spec: Any) -> dict[str, Any]:
+    """A two-stage FineTuneJob; `spec` replaces top-level spec fields."""
+    base: dict[str, Any] = {
+        "model": {"uri": model_uri, "dtype": "bfloat16"},
+        "dataset": {"uri": "s3://data/train.jsonl", "sequenceLength": 256},
+        "training": {"steps": 100, "microBatchSize": 1, "microBatches": 8},
+        "pipeline": {"stages": 2},
+        "checkpoint": {"uri": "/var/tmp/relaytrain-checkpoints"},
+        "failurePolicy": {"maxStageRestarts": 2, "backoffSeconds": 0},
+        **spec,
+    }
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "FineTuneJob",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": base,
+    }
+
+
+def raw(response: Any) -> Any:
+    """The JSON of a call made with `_preload_content=False`."""
+    return json.loads(response.data)
+
+
+def nodes_index(api: client.ApiClient) -> dict[str, list[dict[str, Any]]]:
+    """Every node as the operator's node index holds them: name → [node]."""
+    items = raw(client.CoreV1Api(api).list_node(_preload_content=False))["items"]
+    return {n["metadata"]["name"]: [n] for n in items}

@@ -1,0 +1,162 @@
+"""The per-job link PKI the operator (and `relaytrain run --local`) mints."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime, timedelta
+from itertools import count
+from pathlib import Path
+
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from relaytrain_operator.linkcerts import (
+    CA_FILE,
+    cert_file,
+    key_file,
+    mint_link_credentials,
+)
+from relaytrain_operator.local_run import LocalRun
+from relaytrain_operator.spec import parse_job
+from relaytrain_operator.stage_config import LINK_CA_ENV, LINK_CERT_ENV, LINK_KEY_ENV
+
+from tests.unit.test_spec_invalid import base_manifest
+
+pytestmark = pytest.mark.unit
+
+NOW = datetime(2026, 11, 23, 12, 0, tzinfo=UTC)
+
+
+def _mint_reproducibly() -> dict[str, str]:
+    """Minting with injected randomness: keys and serial numbers from counters."""
+    keys, serials = count(1), count(100)
+    return mint_link_credentials(
+        "team-a", "smol", [2], now=NOW,
+        make_key=lambda: ec.derive_private_key(next(keys) * 7919, ec.SECP256R1()),
+        make_serial=lambda: next(serials),
+    )  # fmt: skip
+
+
+def _cert(pem: str) -> x509.Certificate:
+    return x509.load_pem_x509_certificate(pem.encode())
+
+
+def test_each_stage_gets_a_certificate_for_its_identity_signed_by_the_job_ca() -> None:
+    files = mint_link_credentials("team-a", "smol", [3], now=NOW)
+    assert sorted(files) == sorted(
+        [CA_FILE, *(f(0, k) for k in range(3) for f in (cert_file, key_file))]
+    )
+    ca = _cert(files[CA_FILE])
+    assert ca.extensions.get_extension_for_class(x509.BasicConstraints).value.ca is True
+    for k in range(3):
+        cert = _cert(files[cert_file(0, k)])
+        cert.verify_directly_issued_by(ca)
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        assert san.get_values_for_type(x509.UniformResourceIdentifier) == [
+            f"relaytrain://team-a/smol/p0/s{k}"
+        ]
+        assert cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca is False
+        usages = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+        assert {u._name for u in usages} == {"serverAuth", "clientAuth"}  # listens and connects
+        key = serialization.load_pem_private_key(files[key_file(0, k)].encode(), None)
+        assert isinstance(key, ec.EllipticCurvePrivateKey) and key.curve.name == "secp256r1"
+        assert key.public_key() == cert.public_key()
+
+
+def test_the_ca_key_is_handed_to_nobody() -> None:
+    files = mint_link_credentials("team-a", "smol", [2], now=NOW)
+    ca_public = _cert(files[CA_FILE]).public_key()
+    keys = [v for v in files.values() if "PRIVATE KEY" in v]
+    assert len(keys) == 2  # one per stage, none for the CA
+    for pem in keys:
+        key = serialization.load_pem_private_key(pem.encode(), None)
+        assert isinstance(key, ec.EllipticCurvePrivateKey)
+        assert key.public_key() != ca_public
+    assert "PRIVATE KEY" not in files[CA_FILE]
+
+
+def test_certificates_last_thirty_days_from_a_little_before_minting() -> None:
+    files = mint_link_credentials("team-a", "smol", [1], now=NOW)
+    for name in (CA_FILE, cert_file(0, 0)):
+        cert = _cert(files[name])
+        assert cert.not_valid_before_utc == NOW - timedelta(minutes=5)
+        assert cert.not_valid_after_utc == NOW + timedelta(days=30)
+    longer = mint_link_credentials("team-a", "smol", [1], now=NOW, lifetime=timedelta(days=90))
+    assert _cert(longer[CA_FILE]).not_valid_after_utc == NOW + timedelta(days=90)
+
+
+def test_several_pipelines_each_get_their_stages() -> None:
+    files = mint_link_credentials("team-a", "smol", [2, 3], now=NOW)
+    uris = sorted(
+        _cert(pem)
+        .extensions.get_extension_for_class(x509.SubjectAlternativeName)
+        .value.get_values_for_type(x509.UniformResourceIdentifier)[0]
+        for name, pem in files.items()
+        if name.endswith(".crt") and name != CA_FILE
+    )
+    assert uris == [
+        "relaytrain://team-a/smol/p0/s0",
+        "relaytrain://team-a/smol/p0/s1",
+        "relaytrain://team-a/smol/p1/s0",
+        "relaytrain://team-a/smol/p1/s1",
+        "relaytrain://team-a/smol/p1/s2",
+    ]
+
+
+def test_minting_is_a_function_of_its_inputs() -> None:
+    first, again = _mint_reproducibly(), _mint_reproducibly()
+    # Same keys, serials, names and dates (ECDSA signatures themselves are randomised).
+    assert first.keys() == again.keys()
+    for name in first:
+        if name.endswith(".key"):
+            assert first[name] == again[name]
+        else:
+            a, b = _cert(first[name]), _cert(again[name])
+            assert (a.serial_number, a.subject, list(a.extensions), a.not_valid_after_utc) == (
+                b.serial_number,
+                b.subject,
+                list(b.extensions),
+                b.not_valid_after_utc,
+            )
+    # Without injected randomness every minting makes a new CA.
+    fresh = [mint_link_credentials("team-a", "smol", [2], now=NOW) for _ in range(2)]
+    assert fresh[0][CA_FILE] != fresh[1][CA_FILE]
+
+
+@pytest.mark.parametrize(
+    ("stages", "now", "message"),
+    [
+        ([], NOW, "at least one stage"),
+        ([2, 0], NOW, "at least one stage"),
+        ([2], NOW.replace(tzinfo=None), "timezone-aware"),
+    ],
+)
+def test_bad_inputs_are_refused(stages: list[int], now: datetime, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        mint_link_credentials("team-a", "smol", stages, now=now)
+
+
+def test_a_local_run_hands_each_stage_its_own_credentials_and_writes_no_key(
+    tmp_path: Path,
+) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"num_hidden_layers": 4}))
+    manifest = base_manifest("local-tls")
+    manifest["spec"]["model"] = {"uri": str(model)}
+    manifest["spec"]["pipeline"] = {"stages": 3}
+    manifest["spec"]["checkpoint"] = {"uri": str(tmp_path / "ckpt")}
+    run = LocalRun(parse_job(manifest), tmp_path / "wd", None)
+    cas = {s.link_env[LINK_CA_ENV] for s in run.stages}
+    assert len(cas) == 1  # one CA for the run
+    for stage, doc in zip(run.stages, run.documents, strict=True):
+        cert = _cert(stage.link_env[LINK_CERT_ENV])
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        assert san.get_values_for_type(x509.UniformResourceIdentifier) == [doc["links"]["identity"]]
+        key = serialization.load_pem_private_key(stage.link_env[LINK_KEY_ENV].encode(), None)
+        assert isinstance(key, ec.EllipticCurvePrivateKey)
+        assert key.public_key() == cert.public_key()
+    assert len({s.link_env[LINK_KEY_ENV] for s in run.stages}) == 3
+    written = [p.read_text() for p in (tmp_path / "wd").rglob("*") if p.is_file()]
+    assert written and not any("PRIVATE KEY" in text for text in written)

@@ -1,0 +1,880 @@
+"""Reconcile as a pure decision: observed state in, ordered actions and the new status out.
+
+A table covers the branches a job goes through (first creation, suspend and resume, a stage
+failure and its replacement, a lost node, the back-off and the restart limit, completion,
+deletion); the tests after it check what the table cannot say in one line (pod contents,
+where a replacement goes, what is counted, what is patched).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from relaytrain_operator.actions import Create, CreateLinkSecret, DeletePod, PatchStatus, PostEvent
+from relaytrain_operator.decide import (
+    WAITING_ANNOTATION,
+    Decision,
+    ModelConfig,
+    Needs,
+    Observed,
+    Settings,
+    decide,
+    needs,
+    parse_spec,
+    stage_pods,
+)
+from relaytrain_operator.progress import Progress
+from relaytrain_operator.recovery import INCARNATION_ANNOTATION, REPLACING
+from relaytrain_operator.spec import FineTuneJobStatus, StageStatus
+from relaytrain_operator.status import READY, condition, load_status, to_manifest
+
+from tests.shapes import SMOLLM2_135M_CONFIG
+
+pytestmark = pytest.mark.unit
+
+NOW = datetime(2026, 11, 22, 10, 0, 0, tzinfo=UTC)
+T_RUNNING = "2026-11-22T09:00:00Z"
+GIB = 1024**3
+SETTINGS = Settings(node_lost_seconds=30, worker_image="img:1", default_link=(1000.0, 10.0))
+PRODUCTS = {
+    "a100": ("NVIDIA-A100-SXM4-40GB", 40960),
+    "rtx": ("NVIDIA-GeForce-RTX-4090", 24564),
+    "h100": ("NVIDIA-H100-80GB-HBM3", 81559),
+}
+PLAN = {
+    "stages": [
+        {
+            "index": 0,
+            "pool": "a100",
+            "layerStart": 0,
+            "layerEnd": 15,
+            "predictedMemoryBytes": 20 * GIB,
+        },
+        {
+            "index": 1,
+            "pool": "rtx",
+            "layerStart": 15,
+            "layerEnd": 30,
+            "predictedMemoryBytes": 10 * GIB,
+        },
+    ]
+}
+
+
+def manifest(status: dict[str, Any] | None = None, **spec: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {
+        "model": {"uri": "s3://models/smol/"},
+        "dataset": {"uri": "s3://data/train.jsonl", "sequenceLength": 256},
+        "training": {"steps": 100, "microBatchSize": 1, "microBatches": 8},
+        "pipeline": {"stages": 2},
+        "checkpoint": {
+            "uri": "s3://ckpt/runs",
+            "endpoint": "http://minio:9000",
+            "credentialsSecret": {"name": "s3"},
+        },
+        "failurePolicy": {"maxStageRestarts": 2, "backoffSeconds": 0},
+    }
+    for key, value in spec.items():
+        base[key] = {**base[key], **value} if isinstance(base.get(key), dict) else value
+    job: dict[str, Any] = {
+        "apiVersion": "relaytrain.io/v1alpha1",
+        "kind": "FineTuneJob",
+        "metadata": {"name": "j", "namespace": "ns", "uid": "job-uid", "generation": 4},
+        "spec": base,
+    }
+    if status is not None:
+        job["status"] = status
+    return job
+
+
+def node(
+    name: str,
+    pool: str,
+    *,
+    ready: bool = True,
+    zone: str = "a",
+    gpus: int = 1,
+    since: str = "2026-11-22T09:59:00Z",
+) -> dict[str, Any]:
+    product, memory = PRODUCTS[pool]
+    return {
+        "metadata": {
+            "name": name,
+            "labels": {
+                "nvidia.com/gpu.product": product,
+                "nvidia.com/gpu.memory": str(memory),
+                "relaytrain.io/pool": pool,
+                "zone": zone,
+            },
+            "annotations": {},
+        },
+        "spec": {},
+        "status": {
+            "allocatable": {"nvidia.com/gpu": str(gpus)},
+            "conditions": [
+                {
+                    "type": "Ready",
+                    "status": "True" if ready else "False",
+                    "lastTransitionTime": since,
+                }
+            ],
+        },
+    }
+
+
+NODES = [
+    node("a100-0", "a100"),
+    node("a100-1", "a100"),
+    node("rtx-0", "rtx"),
+    node("h100-0", "h100", zone="b"),
+]
+
+
+def pod(
+    k: int,
+    phase: str = "Running",
+    *,
+    node_name: str | None = None,
+    incarnation: int = 0,
+    deleting: bool = False,
+    reason: str | None = None,
+    pool: str | None = None,
+    job: str = "j",
+    annotations: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    pool = pool or PLAN["stages"][k]["pool"] if k < 2 else "a100"
+    meta: dict[str, Any] = {
+        "name": f"{job}-stage-{k}",
+        "namespace": "ns",
+        "uid": f"uid-{job}-{k}-{incarnation}",
+        "labels": {"relaytrain.io/job": job, "relaytrain.io/stage": str(k)},
+        "annotations": {
+            "relaytrain.io/pool": pool,
+            INCARNATION_ANNOTATION: str(incarnation),
+            **(annotations or {}),
+        },
+    }
+    if deleting:
+        meta["deletionTimestamp"] = "2026-11-22T09:59:30Z"
+    status: dict[str, Any] = {
+        "phase": phase,
+        "conditions": [{"type": "Ready", "status": "True" if phase == "Running" else "False"}],
+    }
+    if reason:
+        status["reason"] = reason
+    default_node = {0: "a100-0", 1: "rtx-0"}.get(k)
+    return {
+        "metadata": meta,
+        "spec": {
+            "nodeName": node_name if node_name is not None else default_node,
+            "containers": [{"resources": {"requests": {"nvidia.com/gpu": "1"}}}],
+        },
+        "status": status,
+    }
+
+
+def unbound(p: dict[str, Any]) -> dict[str, Any]:
+    p = copy.deepcopy(p)
+    p["spec"]["nodeName"] = None
+    return p
+
+
+def stage(k: int, **fields: Any) -> dict[str, Any]:
+    entry = {
+        "index": k,
+        "pool": PLAN["stages"][k]["pool"],
+        "pod": f"j-stage-{k}",
+        "node": {0: "a100-0", 1: "rtx-0"}[k],
+        "phase": "Running",
+        "ready": True,
+        "restarts": 0,
+    }
+    entry.update(fields)
+    return {key: value for key, value in entry.items() if value is not None}
+
+
+def running_status(*stages: dict[str, Any], **fields: Any) -> dict[str, Any]:
+    """A started job's stored status (as the previous pass wrote it)."""
+    entries = list(stages) or [stage(0), stage(1)]
+    ready = all(s.get("ready") for s in entries)
+    reason, message = (
+        ("StagesRunning", "All 2 stages are running.") if ready else ("StagesStarting", "x")
+    )
+    status: dict[str, Any] = {
+        "phase": "Running" if ready else "Pending",
+        "observedGeneration": 4,
+        "conditions": [
+            {
+                "type": kind,
+                "status": "True" if (ready or kind == "Progressing") else "False",
+                "reason": reason,
+                "message": message,
+                "lastTransitionTime": T_RUNNING,
+                "observedGeneration": 4,
+            }
+            for kind in ("Progressing", "Ready")
+        ],
+        "startTime": "2026-11-22T08:00:00Z",
+        "plan": PLAN,
+        "stages": entries,
+        "readyStages": f"{sum(1 for s in entries if s.get('ready'))}/{len(entries)}",
+        "restarts": sum(s.get("restarts", 0) for s in entries),
+    }
+    status.update(fields)
+    return to_manifest(load_status(status))
+
+
+def observed(
+    job: dict[str, Any] | None,
+    pods: list[dict[str, Any]] = (),  # type: ignore[assignment]
+    *,
+    nodes: list[dict[str, Any]] | None = None,
+    cluster_pods: list[dict[str, Any]] | None = None,
+    model: ModelConfig | None = None,
+    progress: Progress | None = None,
+    now: datetime = NOW,
+) -> Observed:
+    """What the observer would hand over: it reads what `needs` asks for."""
+    by_stage = stage_pods(pods)
+    nodes = NODES if nodes is None else nodes
+    wanted = needs(job, by_stage) if job is not None else Needs()
+    return Observed(
+        job=job,
+        now=now,
+        pods=by_stage,
+        nodes={n["metadata"]["name"]: n for n in nodes},
+        cluster_pods=(list(pods) if cluster_pods is None else cluster_pods)
+        if wanted.room
+        else None,
+        model=(model or ModelConfig(SMOLLM2_135M_CONFIG)) if wanted.model else None,
+        progress=progress if wanted.progress else None,
+    )
+
+
+def summary(decision: Decision) -> list[str]:
+    """The actions in order, one short word each."""
+    out = []
+    for a in decision.actions:
+        if isinstance(a, PatchStatus):
+            out.append("patch")
+        elif isinstance(a, CreateLinkSecret):
+            out.append("secret")
+        elif isinstance(a, Create):
+            out.append(f"create:{a.obj['metadata']['name']}")
+        elif isinstance(a, DeletePod):
+            out.append(f"delete:{a.name}" + ("!" if a.force else ""))
+        else:
+            assert isinstance(a, PostEvent)
+            out.append(f"event:{a.reason}")
+    return out
+
+
+def ready_reason(decision: Decision) -> str | None:
+    assert decision.status is not None
+    ready = condition(decision.status, READY)
+    return ready.reason if ready else None
+
+
+def events(decision: Decision) -> list[PostEvent]:
+    return [a for a in decision.actions if isinstance(a, PostEvent)]
+
+
+def created(decision: Decision, name: str) -> dict[str, Any]:
+    return next(
+        a.obj
+        for a in decision.actions
+        if isinstance(a, Create) and a.obj["metadata"]["name"] == name
+    )
+
+
+def patches(decision: Decision) -> list[FineTuneJobStatus]:
+    return [a.status for a in decision.actions if isinstance(a, PatchStatus)]
+
+
+def progress(step: int, committed: int | None = None, **extra: Any) -> Progress:
+    status: dict[str, Any] = {"step": step, "totalSteps": 100, "stepOfTotal": f"{step}/100"}
+    if committed is not None:
+        status["lastCommittedStep"] = committed
+    return Progress(status=status, done=extra.get("done", False), output=extra.get("output"))
+
+
+RUNNING = [pod(0), pod(1)]
+SUCCEEDED = running_status(
+    stage(0, pod=None, node=None, phase=None, ready=None),
+    stage(1, pod=None, node=None, phase=None, ready=None),
+    phase="Succeeded",
+    conditions=[
+        {
+            "type": kind,
+            "status": "True" if kind == "Ready" else "False",
+            "reason": "Succeeded",
+            "message": "done",
+            "lastTransitionTime": T_RUNNING,
+        }
+        for kind in ("Progressing", "Ready")
+    ],
+)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One branch: what was observed, and what the decision must be."""
+
+    id: str
+    observed: Observed
+    actions: list[str]
+    phase: str | None = None
+    reason: str | None = None
+    restarts: list[int] = field(default_factory=list)
+
+
+CASES = [
+    # --- first creation ---
+    Case(
+        "first pass plans, records the plan, then creates the pods",
+        observed(manifest(), nodes=[node("a100-0", "a100"), node("rtx-0", "rtx")]),
+        [
+            "patch",
+            "event:Planned",
+            "secret",
+            "create:j",
+            "create:j-stage-0",
+            "create:j-stage-1",
+            "patch",
+        ],
+        "Pending",
+        "StagesStarting",
+        [0, 0],
+    ),
+    Case(
+        "a model config that cannot be read",
+        observed(manifest(), model=ModelConfig(error="no config.json")),
+        ["patch", "event:ModelUnavailable"],
+        "Pending",
+        "ModelUnavailable",
+    ),
+    Case(
+        "no free GPU anywhere: Unschedulable",
+        observed(manifest(), nodes=[node("a100-0", "a100", ready=False)]),
+        ["patch", "event:Unschedulable"],
+        "Pending",
+        "Unschedulable",
+    ),
+    Case(
+        "an invalid spec",
+        observed(manifest(method={"targetModules": ["lm_head"]})),
+        ["patch", "event:InvalidSpec"],
+        "Failed",
+        "InvalidSpec",
+    ),
+    Case(
+        "pods starting",
+        observed(manifest(running_status()), [pod(0), pod(1, "Pending")]),
+        ["patch"],
+        "Pending",
+        "StagesStarting",
+        [0, 0],
+    ),
+    Case(
+        "all running and nothing changed: no action at all",
+        observed(manifest(running_status()), RUNNING),
+        [],
+        "Running",
+        "StagesRunning",
+        [0, 0],
+    ),
+    # --- suspend / resume ---
+    Case(
+        "suspend removes the pods",
+        observed(manifest(running_status(), suspend=True), RUNNING),
+        ["delete:j-stage-0", "delete:j-stage-1", "patch", "event:Suspended"],
+        "Suspended",
+        "Suspended",
+        [0, 0],
+    ),
+    Case(
+        "resume creates the pods again from the same plan",
+        observed(
+            manifest(
+                running_status(
+                    stage(0, pod=None, node=None, phase=None, ready=None),
+                    stage(1, pod=None, node=None, phase=None, ready=None),
+                )
+            ),
+            [],
+        ),
+        ["secret", "create:j", "create:j-stage-0", "create:j-stage-1", "patch"],
+        "Pending",
+        "StagesStarting",
+        [0, 0],
+    ),
+    # --- stage failure and replacement ---
+    Case(
+        "a failed pod is counted, then deleted",
+        observed(manifest(running_status()), [pod(0, "Failed", reason="OOMKilled"), pod(1)]),
+        ["patch", "event:StageRestarting", "delete:j-stage-0", "patch"],
+        "Recovering",
+        "StageRestarting",
+        [1, 0],
+    ),
+    Case(
+        "a pod deleted by someone else is counted and replaced at once",
+        observed(manifest(running_status()), [pod(1)]),
+        [
+            "patch",
+            "event:StageRestarting",
+            "secret",
+            "create:j",
+            "create:j-stage-0",
+            "patch",
+        ],
+        "Recovering",
+        "StageRestarting",
+        [1, 0],
+    ),
+    Case(
+        "a pod being deleted is counted and waited for",
+        observed(manifest(running_status()), [pod(0, deleting=True), pod(1)]),
+        ["patch", "event:StageRestarting", "patch"],
+        "Recovering",
+        "StageRestarting",
+        [1, 0],
+    ),
+    Case(
+        "the successor of a counted failure is created",
+        observed(
+            manifest(
+                running_status(
+                    stage(0, phase=REPLACING, restarts=1, ready=False, lastFailure="Error"),
+                    stage(1),
+                )
+            ),
+            [pod(1)],
+        ),
+        ["secret", "create:j", "create:j-stage-0", "patch"],
+        "Recovering",
+        "StageRestarting",
+        [1, 0],
+    ),
+    # --- node gone ---
+    Case(
+        "a pod whose node is gone is counted and force-deleted",
+        observed(manifest(running_status()), RUNNING, nodes=[node("rtx-0", "rtx")]),
+        ["patch", "event:StageRestarting", "delete:j-stage-0!", "patch"],
+        "Recovering",
+        "StageRestarting",
+        [1, 0],
+    ),
+    # --- back-off limit ---
+    Case(
+        "a failure past maxStageRestarts fails the job and removes its pods",
+        observed(
+            manifest(running_status(stage(0, restarts=2), stage(1))),
+            [pod(0, "Failed", incarnation=2), pod(1), pod(2, deleting=True)],
+        ),
+        [
+            "delete:j-stage-0",
+            "delete:j-stage-1",
+            "patch",
+            "event:BackoffLimitExceeded",
+        ],
+        "Failed",
+        "BackoffLimitExceeded",
+        [2, 0],
+    ),
+    # --- completion ---
+    Case(
+        "progress.json says done: Succeeded, pods removed",
+        observed(
+            manifest(running_status()),
+            RUNNING,
+            progress=progress(100, 100, done=True, output="s3://out/adapter/"),
+        ),
+        ["delete:j-stage-0", "delete:j-stage-1", "patch", "event:Succeeded"],
+        "Succeeded",
+        "Succeeded",
+        [0, 0],
+    ),
+    Case(
+        "every stage pod Succeeded: Succeeded",
+        observed(manifest(running_status()), [pod(0, "Succeeded"), pod(1, "Succeeded")]),
+        ["delete:j-stage-0", "delete:j-stage-1", "patch", "event:Succeeded"],
+        "Succeeded",
+        "Succeeded",
+        [0, 0],
+    ),
+    Case(
+        "a finished job only has its pods removed",
+        observed(manifest(SUCCEEDED), [pod(0, "Succeeded"), pod(1, deleting=True)]),
+        ["delete:j-stage-0"],
+        "Succeeded",
+        "Succeeded",
+        [0, 0],
+    ),
+    # --- deletion ---
+    Case("the job is gone", observed(None), []),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_decision_table(case: Case) -> None:
+    decision = decide(case.observed, SETTINGS)
+    assert summary(decision) == case.actions
+    if case.phase is None:
+        assert decision.status is None
+        return
+    assert decision.status is not None
+    assert decision.status.phase == case.phase
+    assert ready_reason(decision) == case.reason
+    assert [s.restarts for s in decision.status.stages] == case.restarts
+    # Status is patched only when it changes, and the last patch is the new status.
+    if any(a == "patch" for a in case.actions):
+        assert patches(decision)[-1] == decision.status
+
+
+def test_a_job_being_deleted_gets_no_action() -> None:
+    job = manifest(running_status())
+    job["metadata"]["deletionTimestamp"] = "2026-11-22T09:59:00Z"
+    assert decide(observed(job, RUNNING), SETTINGS) == Decision()
+
+
+def test_needs_reads_only_what_the_decision_uses() -> None:
+    started = manifest(running_status())
+    assert needs(started, stage_pods(RUNNING)) == Needs(progress=True)
+    assert needs(started, stage_pods([pod(1)])) == Needs(pods=True, room=True, progress=True)
+    assert needs(manifest(), {}) == Needs(room=True, model=True)
+    local = manifest(running_status(), checkpoint={"uri": "/ckpt", "endpoint": None})
+    local["spec"]["checkpoint"] = {"uri": "/ckpt"}
+    assert needs(local, stage_pods(RUNNING)) == Needs()
+    # Nothing costly for jobs that do not run: invalid, suspended, finished.
+    assert needs(manifest(method={"targetModules": ["lm_head"]}), {}) == Needs()
+    assert needs(manifest(running_status(), suspend=True), {}) == Needs()
+    assert needs(manifest(SUCCEEDED), {}) == Needs()
+
+
+def test_parse_spec_says_why_a_job_cannot_run() -> None:
+    assert "spec.training" in str(parse_spec(manifest(training={"steps": 0})))
+    assert "lm_head" in str(parse_spec(manifest(method={"targetModules": ["lm_head"]})))
+    assert not isinstance(parse_spec(manifest()), str)
+
+
+def test_stage_pods_are_keyed_by_their_stage_label() -> None:
+    stray = pod(0)
+    stray["metadata"]["labels"]["relaytrain.io/stage"] = "x"
+    assert stage_pods([pod(1), stray]) == {1: pod(1)}
+
+
+# --- the first plan and the pods it creates --------------------------------------------
+
+
+def test_first_pass_records_the_plan_before_any_pod_and_builds_pods_from_it() -> None:
+    decision = decide(
+        observed(manifest(), nodes=[node("a100-0", "a100"), node("rtx-0", "rtx")]), SETTINGS
+    )
+    first = patches(decision)[0]
+    assert first.phase == "Planning" and first.plan is not None and first.start_time
+    assert [s.pool for s in first.stages] == [s.pool for s in first.plan.stages]
+    assert isinstance(decision.actions[2], CreateLinkSecret)
+    assert decision.actions[2].stage_counts == (2,)
+    for k, planned in enumerate(first.plan.stages):
+        p = created(decision, f"j-stage-{k}")
+        assert p["metadata"]["annotations"][INCARNATION_ANNOTATION] == "0"
+        assert p["spec"]["nodeSelector"]["relaytrain.io/pool"] == planned.pool
+        container = p["spec"]["containers"][0]
+        assert container["image"] == "img:1"
+        env = {e["name"]: e for e in container["env"]}
+        assert env["AWS_ACCESS_KEY_ID"]["valueFrom"]["secretKeyRef"]["name"] == "s3"
+    assert [s.phase for s in decision.status.stages] == ["Pending", "Pending"]  # type: ignore[union-attr]
+    assert events(decision)[0].message.startswith("Planned 2 stages: ")
+
+
+def test_a_plan_counts_gpus_other_pods_hold() -> None:
+    nodes = [node("a100-0", "a100"), node("rtx-0", "rtx"), node("rtx-1", "rtx")]
+    busy = pod(0, job="other", node_name="a100-0")
+    decision = decide(observed(manifest(), nodes=nodes, cluster_pods=[busy]), SETTINGS)
+    assert decision.status is not None and decision.status.plan is not None
+    assert {s.pool for s in decision.status.plan.stages} == {"rtx"}
+
+
+def test_unschedulable_clears_a_stale_plan_and_says_why() -> None:
+    job = manifest({"phase": "Pending", "plan": PLAN}, placement={"nodeSelector": {"zone": "z"}})
+    decision = decide(observed(job), SETTINGS)
+    assert decision.status is not None and decision.status.plan is None
+    message = condition(decision.status, READY).message  # type: ignore[union-attr]
+    assert "No free GPU" in message and "zone=z" in message
+    assert [e.reason for e in events(decision)] == ["Unschedulable"]
+    # A later pass that still cannot plan writes nothing and posts no second Event.
+    again = decide(
+        observed(manifest(to_manifest(decision.status), placement={"nodeSelector": {"zone": "z"}})),
+        SETTINGS,
+    )
+    assert summary(again) == []
+
+
+def test_a_job_image_and_no_credentials() -> None:
+    job = manifest(
+        running_status(stage(0, pod=None, node=None, phase=None, ready=None), stage(1)),
+        image="custom:2",
+        checkpoint={"uri": "/ckpt", "endpoint": None, "credentialsSecret": None},
+    )
+    job["spec"]["checkpoint"] = {"uri": "/ckpt"}
+    p = created(decide(observed(job, [pod(1)]), SETTINGS), "j-stage-0")
+    container = p["spec"]["containers"][0]
+    assert container["image"] == "custom:2"
+    assert "AWS_ACCESS_KEY_ID" not in {e["name"] for e in container["env"]}
+
+
+# --- replacements ----------------------------------------------------------------------
+
+
+def replacing_job(**spec: Any) -> dict[str, Any]:
+    """Stage 0 failed (counted: restarts 1, Replacing); its pod is gone."""
+    status = running_status(
+        stage(0, phase=REPLACING, restarts=1, ready=False, lastFailure="NodeLost"), stage(1)
+    )
+    return manifest(status, **spec)
+
+
+def test_a_replacement_never_lands_on_a_node_the_node_selector_excludes() -> None:
+    # Stage 0's pool (a100) is full: its node is gone and the other holds another job's pod.
+    # The only free GPU big enough is an H100 in zone b; the job asks for zone a.
+    job = replacing_job(placement={"nodeSelector": {"zone": "a"}})
+    nodes = [node("a100-1", "a100"), node("rtx-0", "rtx"), node("h100-0", "h100", zone="b")]
+    held = [pod(1), pod(0, job="other", node_name="a100-1")]
+    decision = decide(observed(job, [pod(1)], nodes=nodes, cluster_pods=held), SETTINGS)
+
+    successor = created(decision, "j-stage-0")
+    selector = successor["spec"]["nodeSelector"]
+    assert selector["zone"] == "a" and selector["relaytrain.io/pool"] == "a100"
+    assert successor["metadata"]["annotations"]["relaytrain.io/pool"] == "a100"
+    # ... and the job says why it waits, in its condition and an Event.
+    assert decision.status is not None
+    ready = condition(decision.status, READY)
+    assert ready is not None and ready.reason == "Unschedulable" and ready.status == "False"
+    assert "zone=a" in ready.message and "pool h100" in ready.message
+    assert "pool a100: no free GPU" in ready.message
+    assert decision.status.phase == "Recovering"
+    assert [(e.type, e.reason, e.message) for e in events(decision)] == [
+        ("Warning", "Unschedulable", ready.message)
+    ]
+    assert successor["metadata"]["annotations"][WAITING_ANNOTATION] == ready.message
+
+    # While the successor waits unscheduled, later passes keep saying so, without new Events.
+    waiting = unbound(successor)
+    later = decide(
+        observed(
+            manifest(to_manifest(decision.status), placement={"nodeSelector": {"zone": "a"}}),
+            [waiting, pod(1)],
+            nodes=nodes,
+        ),
+        SETTINGS,
+    )
+    assert ready_reason(later) == "Unschedulable" and events(later) == []
+    # Once scheduled, the job recovers as usual.
+    bound = copy.deepcopy(successor)
+    bound["spec"]["nodeName"] = "a100-1"
+    bound["status"] = {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}
+    after = decide(
+        observed(
+            manifest(to_manifest(later.status), placement={"nodeSelector": {"zone": "a"}}),  # type: ignore[arg-type]
+            [bound, pod(1)],
+            nodes=nodes,
+        ),
+        SETTINGS,
+    )
+    assert ready_reason(after) == "StagesRunning"
+
+
+def test_a_replacement_moves_to_an_eligible_pool_whose_memory_fits() -> None:
+    job = replacing_job(placement={"nodeSelector": {"zone": "a"}})
+    nodes = [
+        node("a100-1", "a100"),
+        node("rtx-0", "rtx"),
+        node("rtx-1", "rtx"),
+        node("h100-0", "h100", zone="b"),
+    ]
+    held = [pod(1), pod(0, job="other", node_name="a100-1")]
+    decision = decide(observed(job, [pod(1)], nodes=nodes, cluster_pods=held), SETTINGS)
+    successor = created(decision, "j-stage-0")
+    assert successor["spec"]["nodeSelector"]["relaytrain.io/pool"] == "rtx"
+    assert decision.status is not None and decision.status.stages[0].pool == "rtx"
+    assert WAITING_ANNOTATION not in successor["metadata"]["annotations"]
+    assert ready_reason(decision) == "StageRestarting"
+
+
+def test_a_replacement_stays_on_its_pool_when_it_has_room() -> None:
+    decision = decide(observed(replacing_job(), [pod(1)]), SETTINGS)
+    successor = created(decision, "j-stage-0")
+    assert successor["spec"]["nodeSelector"]["relaytrain.io/pool"] == "a100"
+    assert successor["metadata"]["annotations"][INCARNATION_ANNOTATION] == "1"
+
+
+def test_a_replacement_records_the_newest_committed_step() -> None:
+    job = replacing_job()
+    job["status"]["progress"] = {"step": 12, "lastCommittedStep": 10}
+    fresh = decide(observed(job, [pod(1)], progress=progress(14, 12)), SETTINGS)
+    assert fresh.status is not None and fresh.status.stages[0].restored_from_step == 12
+    # The store had no newer commit to say: the one status last folded in.
+    stale = decide(observed(job, [pod(1)], progress=progress(14)), SETTINGS)
+    assert stale.status is not None and stale.status.stages[0].restored_from_step == 10
+    # No commit known at all: nothing to say.
+    nothing = decide(observed(replacing_job(), [pod(1)]), SETTINGS)
+    assert nothing.status is not None and nothing.status.stages[0].restored_from_step is None
+
+
+def test_the_backoff_delays_a_replacement_and_asks_to_be_woken() -> None:
+    job = replacing_job(failurePolicy={"backoffSeconds": 30})
+    ready = next(c for c in job["status"]["conditions"] if c["type"] == "Ready")
+    ready.update(reason="StageRestarting", lastTransitionTime="2026-11-22T09:59:50Z")
+    early = decide(observed(job, [pod(1)]), SETTINGS)
+    assert not any(isinstance(a, Create) for a in early.actions)
+    assert early.retry_after == 20.0
+    due = decide(observed(job, [pod(1)], now=NOW + timedelta(seconds=20)), SETTINGS)
+    assert "create:j-stage-0" in summary(due)
+    # A failure counted in this very pass waits the whole back-off.
+    counted = decide(
+        observed(manifest(running_status(), failurePolicy={"backoffSeconds": 30}), [pod(1)]),
+        SETTINGS,
+    )
+    assert counted.retry_after == 30.0 and not any(isinstance(a, Create) for a in counted.actions)
+    # No record of when it failed (the condition is not StageRestarting): from now.
+    ready.update(reason="StagesStarting")
+    unknown = decide(observed(job, [pod(1)]), SETTINGS)
+    assert unknown.retry_after == 30.0
+
+
+def test_two_replacements_do_not_take_one_free_gpu() -> None:
+    status = running_status(
+        stage(0, phase=REPLACING, restarts=1, ready=False),
+        stage(1, phase=REPLACING, restarts=1, ready=False),
+    )
+    # One free A100 (40 GiB) and nothing else: both stages fit it, only one gets it.
+    nodes = [node("a100-0", "a100")]
+    decision = decide(observed(manifest(status), [], nodes=nodes), SETTINGS)
+    zero, one = created(decision, "j-stage-0"), created(decision, "j-stage-1")
+    assert zero["spec"]["nodeSelector"]["relaytrain.io/pool"] == "a100"
+    assert WAITING_ANNOTATION not in zero["metadata"]["annotations"]
+    # The other waits on its own pool (whose nodes are all gone).
+    assert one["metadata"]["annotations"]["relaytrain.io/pool"] == "rtx"
+    assert (
+        "Stage 1 waits for a GPU on pool rtx" in one["metadata"]["annotations"][WAITING_ANNOTATION]
+    )
+
+
+def test_a_failure_counted_before_a_crash_is_not_counted_again() -> None:
+    # The count reached 1 and the operator died before deleting the failed pod.
+    status = running_status(stage(0, phase=REPLACING, restarts=1, ready=False), stage(1))
+    decision = decide(observed(manifest(status), [pod(0, "Failed"), pod(1)]), SETTINGS)
+    assert summary(decision)[0] == "delete:j-stage-0" and events(decision) == []
+    assert decision.restarts == 0
+    assert decision.status is not None and decision.status.stages[0].restarts == 1
+
+
+def test_counting_is_patched_before_the_delete_and_events_follow_the_count() -> None:
+    decision = decide(observed(manifest(running_status()), [pod(0, "Failed"), pod(1)]), SETTINGS)
+    assert decision.restarts == 1
+    counted = patches(decision)[0]
+    assert counted.stages[0].restarts == 1 and counted.stages[0].phase == REPLACING
+    assert counted.restarts == 1
+    assert events(decision)[0].message == (
+        "Stage 0 pod j-stage-0 ended (Failed); replacing it (restart 1 of 2)."
+    )
+
+
+def test_a_pod_of_a_lost_node_in_grace_is_kept() -> None:
+    nodes = [
+        node("a100-0", "a100", ready=False, since="2026-11-22T09:59:50Z"),
+        node("rtx-0", "rtx"),
+    ]
+    decision = decide(observed(manifest(running_status()), RUNNING, nodes=nodes), SETTINGS)
+    assert summary(decision) == []
+
+
+def test_a_kept_pod_reports_its_node_phase_and_pool() -> None:
+    moved = pod(1, pool="h100", node_name="h100-0")
+    decision = decide(observed(manifest(running_status()), [pod(0), moved]), SETTINGS)
+    assert decision.status is not None
+    assert decision.status.stages[1] == StageStatus(
+        index=1, pod="j-stage-1", node="h100-0", pool="h100", phase="Running", ready=True
+    )
+
+
+def test_progress_is_folded_into_status() -> None:
+    decision = decide(
+        observed(manifest(running_status()), RUNNING, progress=progress(7, 5)), SETTINGS
+    )
+    assert decision.status is not None and decision.status.progress is not None
+    assert (decision.status.progress.step, decision.status.progress.last_committed_step) == (7, 5)
+    assert summary(decision) == ["patch"]
+
+
+def test_completion_without_an_output_in_progress_uses_the_default_output() -> None:
+    decision = decide(
+        observed(manifest(running_status()), [pod(0, "Succeeded"), pod(1, "Succeeded")]), SETTINGS
+    )
+    assert decision.status is not None and decision.status.output is not None
+    assert decision.status.output.uri == "s3://ckpt/runs/ns/j/output/"
+    assert decision.status.completion_time == "2026-11-22T10:00:00Z"
+    assert [s.pod for s in decision.status.stages] == [None, None]
+
+
+def test_resuming_a_suspended_job_posts_no_second_suspended_event() -> None:
+    suspended = decide(observed(manifest(running_status(), suspend=True), RUNNING), SETTINGS)
+    assert suspended.status is not None
+    again = decide(
+        observed(manifest(to_manifest(suspended.status), suspend=True), [pod(0, deleting=True)]),
+        SETTINGS,
+    )
+    assert summary(again) == []
+
+
+def test_the_generation_and_transition_times_are_kept_in_status() -> None:
+    decision = decide(observed(manifest(running_status()), [pod(0), pod(1, "Pending")]), SETTINGS)
+    assert decision.status is not None
+    assert decision.status.observed_generation == 4
+    ready = condition(decision.status, READY)
+    # Ready flipped True → False now; Progressing stayed True, its time stays.
+    assert ready is not None and ready.last_transition_time == "2026-11-22T10:00:00Z"
+    progressing = condition(decision.status, "Progressing")
+    assert progressing is not None and progressing.last_transition_time == T_RUNNING
+
+
+def test_a_decision_is_deterministic() -> None:
+    obs = observed(manifest(running_status()), [pod(0, "Failed"), pod(1)])
+    assert decide(obs, SETTINGS) == decide(replace(obs), SETTINGS)
+
+
+@pytest.mark.parametrize(
+    ("model", "settings", "message"),
+    [
+        (
+            ModelConfig({"model_type": "llama"}),
+            SETTINGS,
+            "The model's config.json cannot be planned",
+        ),
+        (
+            ModelConfig(SMOLLM2_135M_CONFIG),
+            replace(SETTINGS, default_link=None),
+            "The GPU nodes cannot be grouped into pools",
+        ),
+    ],
+)
+def test_a_plan_that_cannot_be_made_is_unschedulable_with_the_reason(
+    model: ModelConfig, settings: Settings, message: str
+) -> None:
+    decision = decide(observed(manifest(), model=model), settings)
+    assert ready_reason(decision) == "Unschedulable"
+    assert message in condition(decision.status, READY).message  # type: ignore[arg-type,union-attr]
+
+
+def test_make_plan_refuses_training_settings_it_cannot_price() -> None:
+    from relaytrain_operator.planning import PlanError, make_plan
+    from relaytrain_operator.spec import parse_job
+
+    job = parse_job(manifest(method={"targetModules": ["lm_head"]}))
+    with pytest.raises(PlanError, match="training settings cannot be planned"):
+        make_plan(job, SMOLLM2_135M_CONFIG, NODES, [], default_link=(1000.0, 10.0))

@@ -1,0 +1,47 @@
+"""The operator's settings: one validated model, flags over RELAYTRAIN_* variables."""
+
+from __future__ import annotations
+
+import pytest
+from relaytrain_operator.options import OperatorOptions, parse_options
+
+pytestmark = pytest.mark.unit
+
+
+def test_defaults_come_from_the_model_and_the_environment() -> None:
+    assert parse_options([], {}) == OperatorOptions()
+    env = {
+        "RELAYTRAIN_NAMESPACES": "team-a,ml-*",
+        "RELAYTRAIN_RESYNC_SECONDS": "2.5",
+        "RELAYTRAIN_MAX_WORKERS": "3",
+        "RELAYTRAIN_METRICS_PORT": "0",
+        "RELAYTRAIN_DEBUG": "1",
+        "RELAYTRAIN_PEERING": "",
+    }
+    opts = parse_options([], env)
+    assert opts.namespaces == ("team-a", "ml-*")
+    assert (opts.resync_seconds, opts.max_workers, opts.metrics_port) == (2.5, 3, 0)
+    assert opts.debug and opts.peering is None
+
+
+def test_flags_win_over_the_environment() -> None:
+    opts = parse_options(
+        ["--namespace", "x", "--resync-seconds", "1", "--node-lost-seconds", "5", "--peering", "p"],
+        {"RELAYTRAIN_RESYNC_SECONDS": "30"},
+    )
+    assert (opts.namespaces, opts.resync_seconds, opts.node_lost_seconds) == (("x",), 1.0, 5.0)
+    assert opts.peering == "p"
+
+
+def test_a_bad_value_is_a_usage_error_naming_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        parse_options(["--resync-seconds", "0", "--max-workers", "x"], {})
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "--resync-seconds: Input should be greater than 0" in err
+    assert "--max-workers: Input should be a valid integer" in err
+
+
+def test_options_are_frozen() -> None:
+    with pytest.raises(ValueError, match="frozen"):
+        OperatorOptions().resync_seconds = 1  # type: ignore[misc]
