@@ -40,6 +40,28 @@ healthy() {
   [[ -f $kubeconfig ]] && "$k8s/kubectl" --kubeconfig "$kubeconfig" --request-timeout=5s get --raw /readyz >/dev/null 2>&1
 }
 
+# wait_serving SCHEDULER_PORT CONTROLLER_MANAGER_PORT: kwokctl's --wait checks only that the
+# processes run and the API server answers /healthz. A pod needs more: the scheduler to bind
+# it, and the controller manager's ServiceAccount controller to have made the namespace's
+# `default` ServiceAccount (the API server refuses pods until then). On a cold machine those
+# two can lag the API server by tens of seconds, so wait until each says it is ready.
+wait_serving() {
+  local sched=$1 kcm=$2 deadline=$((SECONDS + 180)) missing
+  while :; do
+    missing=()
+    curl -ksf --max-time 2 "https://127.0.0.1:$sched/readyz" >/dev/null || missing+=("kube-scheduler /readyz")
+    curl -ksf --max-time 2 "https://127.0.0.1:$kcm/healthz" >/dev/null || missing+=("kube-controller-manager /healthz")
+    "$k8s/kubectl" --kubeconfig "$kubeconfig" --request-timeout=5s -n default get serviceaccount default \
+      >/dev/null 2>&1 || missing+=("the default ServiceAccount")
+    [[ ${#missing[@]} -eq 0 ]] && return 0
+    if ((SECONDS > deadline)); then
+      echo "Cluster $name: still waiting for ${missing[*]} after 180s; logs: $cluster_dir/logs/" >&2
+      return 1
+    fi
+    sleep 0.5
+  done
+}
+
 up() {
   if healthy; then
     echo "Cluster $name is already running." >&2
@@ -84,6 +106,7 @@ YAML
       --kwok-controller-binary "$kwok/kwok" \
       --etcd-port "$etcd" --kube-apiserver-port "$api" \
       --kube-controller-manager-port "$kcm" --kube-scheduler-port "$sched" --controller-port "$kwokp" >&2
+    wait_serving "$sched" "$kcm"
     echo "Started cluster $name in $((SECONDS - start))s." >&2
   fi
   "$python" "$here/kwok_nodes.py" "$pools" --kubeconfig "$kubeconfig" >&2

@@ -1,23 +1,28 @@
 """`relaytrain plan JOB.yaml --nodes NODES.yaml`: show how a FineTuneJob would be split.
 
 Reads the job (validated by ``relaytrain_operator.spec.parse_job``), the model's
-config.json (``--model-config``, or ``<spec.model.uri>/config.json`` when the uri is a local
-path), and the GPU pools (``--nodes``: a NodeList or hack/pools.yaml; ``--kubeconfig``: the
-live cluster's nodes, minus GPUs that pods already hold). Prints a table, or with ``--json``
-the plan as a JSON object. Exit status: 0 planned, 1 the job does not fit, 2 bad input.
+architecture (its config.json: ``--model-config``, else ``spec.model.uri`` when it can be
+read from here, else a config shipped for the model the URI names; see
+``relaytrain_operator.model_config``), and the GPU pools (``--nodes``: a NodeList or
+hack/pools.yaml; ``--kubeconfig``: the live cluster's nodes, minus GPUs that pods already
+hold). Prints a table, or with ``--json`` the plan as a JSON object; both say where the
+architecture came from. Exit status: 0 planned, 1 the job does not fit, 2 bad input.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from relaytrain_operator.model_config import ModelConfigError, Resolved, resolve
+from relaytrain_operator.placement import file_pools, job_pools
 from relaytrain_operator.planner import (
     DEFAULT_CATALOG,
     Catalog,
@@ -30,10 +35,11 @@ from relaytrain_operator.planner import (
     TrainingShape,
     UnknownGpuError,
     plan,
-    pools_from_file,
-    pools_from_nodes,
 )
 from relaytrain_operator.planner.cost import GIB
+
+if TYPE_CHECKING:
+    from relaytrain_operator.spec import FineTuneJob
 
 EXIT_INFEASIBLE = 1
 EXIT_BAD_INPUT = 2
@@ -57,7 +63,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     )
     source.add_argument("--kubeconfig", type=Path, help="read the live nodes of this cluster")
     parser.add_argument("--catalog", type=Path, help="GPU catalog overrides (YAML or JSON)")
-    parser.add_argument("--model-config", type=Path, help="the model's config.json")
+    parser.add_argument(
+        "--model-config",
+        type=Path,
+        help="the model's config.json (default: read spec.model.uri, else a shipped config "
+        "for the model it names)",
+    )
     parser.add_argument(
         "--default-link",
         metavar="MBPS,MS",
@@ -82,30 +93,15 @@ def _load(path: Path, what: str) -> Any:
     return docs[0]
 
 
-def _model_config_path(uri: str, given: Path | None) -> Path:
-    if given is not None:
-        return given
-    local = uri.removeprefix("file://")
-    if "://" in local:
-        raise InputError(
-            f"spec.model.uri {uri!r} is not a local path; pass --model-config with its config.json"
-        )
-    return Path(local) / "config.json"
-
-
-def _live_nodes(kubeconfig: Path, label_key: str, default_link: Any) -> list[Pool]:
+def _live_nodes(kubeconfig: Path, job: FineTuneJob, default_link: Any) -> list[Pool]:
     # Imported here: `relaytrain plan --nodes` must work without the kubernetes client.
     from kubernetes import client, config
-
-    from relaytrain_operator.pools import free_nodes
 
     api = config.new_client_from_config(config_file=str(kubeconfig))  # type: ignore[no-untyped-call]
     core = client.CoreV1Api(api)
     nodes = api.sanitize_for_serialization(core.list_node())["items"]
     pods = api.sanitize_for_serialization(core.list_pod_for_all_namespaces())["items"]
-    return pools_from_nodes(
-        free_nodes(nodes, pods, label_key), label_key, default_link=default_link
-    )
+    return job_pools(job, nodes, pods, default_link=default_link)
 
 
 def _default_link(raw: str | None) -> tuple[float, float] | None:
@@ -126,6 +122,7 @@ class _Inputs:
 
     name: str
     model: ModelShape
+    model_source: Resolved
     training: TrainingShape
     pools: list[Pool]
     catalog: Catalog
@@ -143,26 +140,23 @@ def _inputs(args: argparse.Namespace) -> _Inputs:
     except SpecError as err:
         raise InputError(f"job {str(args.job)!r}: {err}") from None
     spec = job.spec
-    config_path = _model_config_path(spec.model.uri, args.model_config)
-    model = ModelShape.from_hf_config(_load(config_path, "model config"))
-    training = training_shape(job)
-    label_key = spec.placement.gpu_label
-    default_link = _default_link(args.default_link)
-    if args.nodes is not None:
-        pools = pools_from_file(
-            _load(args.nodes, "nodes file"), label_key, default_link=default_link
+    try:
+        source = resolve(
+            spec.model.uri,
+            model_config=args.model_config,
+            endpoint=spec.checkpoint.endpoint,
+            environ=os.environ,
         )
+    except ModelConfigError as err:
+        raise InputError(str(err)) from None
+    model = ModelShape.from_hf_config(source.config)
+    training = training_shape(job)
+    default_link = _default_link(args.default_link)
+    # Which nodes the job may use, and what is free there: the operator's own rules.
+    if args.nodes is not None:
+        pools = file_pools(job, _load(args.nodes, "nodes file"), default_link=default_link)
     else:
-        pools = _live_nodes(args.kubeconfig, label_key, default_link)
-    allowed = set(spec.placement.pools)
-    if allowed:
-        kept = [p for p in pools if p.name in allowed or p.product in allowed]
-        if not kept:
-            names = ", ".join(sorted({p.name for p in pools}))
-            raise PlanError(
-                f"spec.placement.pools {sorted(allowed)} matches none of the pools: {names}."
-            )
-        pools = kept
+        pools = _live_nodes(args.kubeconfig, job, default_link)
     catalog: Catalog = DEFAULT_CATALOG
     if args.catalog is not None:
         catalog = DEFAULT_CATALOG.with_overrides(_load(args.catalog, "catalog"))
@@ -170,6 +164,7 @@ def _inputs(args: argparse.Namespace) -> _Inputs:
     return _Inputs(
         job.metadata.name,
         model,
+        source,
         training,
         pools,
         catalog,
@@ -194,19 +189,33 @@ def run(args: argparse.Namespace) -> int:
         print(f"relaytrain plan: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     if args.json:
-        print(json.dumps({"job": inputs.name, **result.to_dict()}, indent=2))
+        model = {**inputs.model_source.to_dict(), "layers": inputs.model.num_layers}
+        print(json.dumps({"job": inputs.name, "model": model, **result.to_dict()}, indent=2))
     else:
-        print(format_table(inputs.name, inputs.training, result))
+        print(format_table(inputs.name, inputs.training, result, inputs.model, inputs.model_source))
     return 0
 
 
-def format_table(name: str, training: TrainingShape, result: Plan) -> str:
-    """The plan as a readable table."""
+def format_table(
+    name: str,
+    training: TrainingShape,
+    result: Plan,
+    model: ModelShape | None = None,
+    source: Resolved | None = None,
+) -> str:
+    """The plan as a readable table; with `model` and `source`, the model and its origin."""
     header = (
         f"Plan for {name}: {len(result.stages)} stage(s), 1F1B, {result.micro_batches} "
         f"micro-batches of {training.micro_batch_size}x{training.sequence_length} tokens "
         f"({training.method}, {training.dtype}, compression {training.compression})"
     )
+    about: list[str] = []
+    if model is not None and source is not None:
+        about.append(
+            f"Model: {source.describe()}: {model.num_layers} layers, hidden {model.hidden_size}, "
+            f"{model.num_heads} heads ({model.num_kv_heads} KV), vocab {model.vocab_size}."
+        )
+        about += [f"Not read: {why}." for why in source.skipped]
     rows = [("STAGE", "POOL", "GPU", "LAYERS", "N", "COMPUTE", "LINK", "PER-MB", "MEMORY")]
     for s in result.stages:
         used, avail = s.memory_bytes / GIB, s.memory_available_bytes / GIB
@@ -224,7 +233,7 @@ def format_table(name: str, training: TrainingShape, result: Plan) -> str:
             )
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = [header, ""]
+    lines = [header, *about, ""]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     b = result.bottleneck
     lines += [

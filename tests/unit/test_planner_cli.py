@@ -182,7 +182,7 @@ def test_model_config_is_read_from_a_local_model_uri(tmp_path, capsys):
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({}, "is not a local path; pass --model-config"),
+        ({"job_model": {"uri": "hf://acme/unknown-model"}}, "none is named 'unknown-model'"),
         ({"nodes": "missing.yaml"}, "cannot read nodes file"),
         ({"job_training": {"microBatches": 0}}, "spec.training.microBatches"),
         (
@@ -209,6 +209,8 @@ def test_model_config_is_read_from_a_local_model_uri(tmp_path, capsys):
 )
 def test_bad_input_exits_2_naming_the_problem(tmp_path, model_config, change, message, capsys):
     spec = {"training": change["job_training"]} if "job_training" in change else {}
+    if "job_model" in change:
+        spec["model"] = change["job_model"]
     manifest = job(tmp_path, **spec)
     nodes = str(HACK_POOLS)
     if "nodes" in change:
@@ -216,7 +218,7 @@ def test_bad_input_exits_2_naming_the_problem(tmp_path, model_config, change, me
     if "nodes_doc" in change:
         nodes = str(tmp_path / "nodes.yaml")
         Path(nodes).write_text(yaml.safe_dump(change["nodes_doc"]))
-    extra = ["--model-config", str(model_config)] if change else []
+    extra = [] if "job_model" in change else ["--model-config", str(model_config)]
     assert relaytrain("plan", str(manifest), "--nodes", nodes, *extra) == 2
     assert message in capsys.readouterr().err
 

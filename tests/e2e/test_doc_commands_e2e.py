@@ -1,0 +1,73 @@
+"""The README's commands that need everything: `make demo` and `relaytrain run --local`,
+each run as written (docs/commands.yaml names these tests)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.doc_commands import REPO, Shell, clean_env, doc_commands
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+
+def _documented(command: str) -> None:
+    """The test runs what the docs show; when the docs change, so must the test."""
+    assert command in {c.text for c in doc_commands()}, f"no doc shows {command!r} any more"
+
+
+def test_run_local_runs_as_written(tmp_path: Path) -> None:
+    """`relaytrain run --local JOB.yaml`, JOB.yaml a tiny random Llama on a small data set."""
+    from relaytrain_worker.testing import CORPUS, tiny_model_dir
+
+    command = "relaytrain run --local JOB.yaml"
+    _documented(command)
+    tiny_model_dir(tmp_path / "model", layers=4)
+    with (tmp_path / "data.jsonl").open("w") as f:
+        for i in range(16):
+            record = {"prompt": f"q{i}: {CORPUS[i % 5][:12]}", "completion": CORPUS[(i + 1) % 5]}
+            f.write(json.dumps(record) + "\n")
+    job = {
+        "apiVersion": "relaytrain.io/v1alpha1",
+        "kind": "FineTuneJob",
+        "metadata": {"name": "doc-local"},
+        "spec": {
+            "model": {"uri": str(tmp_path / "model"), "dtype": "float32"},
+            "dataset": {
+                "uri": str(tmp_path / "data.jsonl"),
+                "format": "prompt-completion",
+                "sequenceLength": 24,
+            },
+            "method": {"type": "lora", "rank": 4, "alpha": 8},
+            "training": {"steps": 3, "microBatchSize": 2, "microBatches": 2},
+            "pipeline": {"stages": 2, "compression": "int8"},
+            "checkpoint": {"uri": str(tmp_path / "checkpoints"), "everySteps": 3},
+        },
+    }
+    (tmp_path / "JOB.yaml").write_text(yaml.safe_dump(job))
+    result = Shell(clean_env(), tmp_path).run(command, timeout=600)
+    assert result.rc == 0, result.output
+    assert "finalLoss" in result.output
+    summary = json.loads((tmp_path / "relaytrain-local" / "summary.json").read_text())
+    assert summary, result.output
+    adapter = tmp_path / "checkpoints" / "default" / "doc-local" / "output"
+    assert (adapter / "adapter_model.safetensors").is_file(), result.output
+
+
+def test_make_demo_runs_as_written() -> None:
+    """`make demo` in the repository, as a user types it (about 3 minutes)."""
+    command = "make demo"
+    _documented(command)
+    result = Shell(clean_env(), REPO).run(command, timeout=1800)
+    assert result.rc == 0, result.output[-20000:]
+    for line in (
+        "[demo] Killed stage 1's process",
+        "[demo] Training passed step",
+        "kept its pod and process",
+        "[demo]   with the adapter:",
+        "[demo] Stopped the operator, the stage processes, MinIO and the cluster.",
+    ):
+        assert line in result.output, result.output[-20000:]

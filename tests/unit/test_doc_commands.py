@@ -1,0 +1,208 @@
+"""Every command the README and docs/ show is registered in docs/commands.yaml with the test
+that runs it, and the unit-tier ones run as written and print what they should."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.doc_commands import (
+    REGISTRY,
+    REPO,
+    SHELL_LANGUAGES,
+    Entry,
+    RegistryError,
+    Result,
+    Shell,
+    block_commands,
+    check,
+    clean_env,
+    doc_blocks,
+    doc_commands,
+    fenced_blocks,
+    load_registry,
+    missing_targets,
+    undocumented,
+    unregistered,
+)
+
+pytestmark = pytest.mark.unit
+
+ENTRIES = load_registry()
+
+
+def _entries(mode: str) -> list[Entry]:
+    return [e for e in ENTRIES if mode in e.run]
+
+
+def _id(entry: Entry) -> str:
+    return entry.command[:70]
+
+
+SAMPLE = """\
+Some prose.
+
+```bash
+make cluster-up   # start it
+# a comment line
+export KUBECONFIG=$(make -s kubeconfig)
+helm template rt charts/relaytrain \\
+  --set a=b \\
+  | kubectl apply -f -
+echo '# not a comment' "# nor this" a#b
+```
+
+```console
+$ kubectl get ftj      # what it shows
+NAME    PHASE
+$ relaytrain plan a.yaml \\
+      --json
+{"not": "a command"}
+```
+
+```text
+$ not a shell block
+```
+"""
+
+
+def test_commands_are_lines_of_shell_blocks_with_continuations_joined_and_comments_dropped():
+    blocks = fenced_blocks(SAMPLE, "SAMPLE.md")
+    assert [b.language for b in blocks] == ["bash", "console", "text"]
+    assert [(c.text, c.line) for b in blocks for c in block_commands(b)] == [
+        ("make cluster-up", 4),
+        ("export KUBECONFIG=$(make -s kubeconfig)", 6),
+        ("helm template rt charts/relaytrain --set a=b | kubectl apply -f -", 7),
+        ("echo '# not a comment' \"# nor this\" a#b", 10),
+        ("kubectl get ftj", 14),
+        ("relaytrain plan a.yaml --json", 16),
+    ]
+
+
+def test_every_fenced_block_names_its_language():
+    """So a command cannot hide in an unlabelled block: shell blocks say bash/sh/shell/console,
+    others text, yaml, json, python..."""
+    unlabelled = [f"{b.path}:{b.line}" for b in doc_blocks() if not b.language]
+    assert unlabelled == [], "give these fenced blocks a language: " + ", ".join(unlabelled)
+
+
+def test_the_docs_have_shell_blocks():
+    assert {b.language for b in doc_blocks()} & SHELL_LANGUAGES
+    assert len(doc_commands()) >= 20
+
+
+def test_every_documented_command_is_registered():
+    missing = unregistered(doc_commands(), ENTRIES)
+    assert missing == [], f"add these to {REGISTRY.relative_to(REPO)}:\n" + "\n".join(
+        f"  {c.where()}: {c.text}" for c in missing
+    )
+
+
+def test_every_registered_command_is_still_in_the_docs():
+    stale = undocumented(doc_commands(), ENTRIES)
+    assert stale == [], "no doc shows these any more; remove them from the registry:\n" + "\n".join(
+        f"  {e.command}" for e in stale
+    )
+
+
+def test_a_command_added_to_a_doc_without_an_entry_fails_the_check(tmp_path):
+    readme = (REPO / "README.md").read_text()
+    page = tmp_path / "README.md"
+    page.write_text(readme + "\n```bash\nrelaytrain plan new.yaml --nodes n.yaml\n```\n")
+    blocks = fenced_blocks(page.read_text(), "README.md")
+    added = [c for b in blocks for c in block_commands(b)]
+    assert [c.text for c in unregistered(added, ENTRIES)] == [
+        "relaytrain plan new.yaml --nodes n.yaml"
+    ]
+
+
+def test_a_malformed_registry_is_refused(tmp_path):
+    bad = tmp_path / "commands.yaml"
+    bad.write_text(
+        "commands:\n"
+        "  - {command: a, run: unit}\n"  # no prints: a check that cannot fail
+        "  - {command: b, run: unit, covered_by: x.py, prints: [x]}\n"
+        "  - {command: c, run: someday}\n"
+        "  - {command: d, covered_by: x.py, colour: red}\n"
+        "  - {command: e, covered_by: x.py}\n"
+        "  - {command: e, covered_by: x.py}\n"
+    )
+    with pytest.raises(RegistryError) as err:
+        load_registry(bad)
+    message = str(err.value)
+    for expected in ("entry 0", "entry 1", "entry 2", "entry 3", "'e' is listed twice"):
+        assert expected in message
+
+
+@pytest.mark.parametrize("entry", [e for e in ENTRIES if e.covered_by], ids=_id)
+def test_covered_by_names_tests_that_exist(entry):
+    assert missing_targets(entry) == []
+
+
+def test_a_missing_covered_by_target_is_reported():
+    entry = Entry("make demo", covered_by=("tests/e2e/test_doc_commands_e2e.py::test_nope",))
+    assert missing_targets(entry) == [
+        "tests/e2e/test_doc_commands_e2e.py::test_nope: no test function test_nope in "
+        "tests/e2e/test_doc_commands_e2e.py"
+    ]
+    assert missing_targets(Entry("x", covered_by=("tests/nope_*.py",))) != []
+
+
+@pytest.mark.parametrize(
+    "entry", [e for e in ENTRIES if "-m pytest" in e.command and e.covered_by], ids=_id
+)
+def test_a_pytest_command_is_covered_by_the_tests_it_names(entry):
+    """A pytest command the test session does not run again is covered by what it names."""
+    named = [a for a in shlex.split(entry.command) if a.startswith("tests/")]
+    assert sorted(entry.covered_by) == sorted(named)
+
+
+@pytest.mark.parametrize("entry", _entries("unit"), ids=_id)
+def test_unit_command_runs_as_written(entry, tmp_path):
+    env = clean_env(HF_HUB_CACHE=str(tmp_path / "empty-hf-cache"))
+    result = Shell(env, REPO).run(entry.command, timeout=120, then=entry.then)
+    assert check(entry, result) == [], result.output
+
+
+@pytest.mark.parametrize("entry", _entries("bench"), ids=_id)
+def test_bench_command_passes_options_the_script_takes(entry, tmp_path):
+    result = Shell(clean_env(), REPO).run(entry.command + " --help", timeout=120)
+    assert result.rc == 0, result.output
+    assert "usage:" in result.output
+    options = re.findall(r"(?<!\S)(--[\w-]+)", entry.command)
+    assert [o for o in options if o not in result.output] == [], result.output
+
+
+def test_make_bench_runs_every_bench_script():
+    """`run: bench` means `make bench` runs it: hack/bench.sh loops over bench/bench_*.py."""
+    script = (REPO / "hack" / "bench.sh").read_text()
+    assert "for b in bench/bench_*.py" in script and "bench/bench_operator.py" in script
+    for entry in _entries("bench"):
+        (path,) = re.findall(r"\bbench/\w+\.py\b", entry.command)
+        assert Path(REPO / path).is_file() and Path(path).name.startswith("bench_")
+
+
+@pytest.mark.parametrize("entry", _entries("dry-run"), ids=_id)
+def test_make_target_would_run_what_the_registry_says(entry):
+    args = shlex.split(entry.command)[1:]
+    done = subprocess.run(
+        ["make", "-n", *args], cwd=REPO, env=clean_env(), capture_output=True, text=True,
+        timeout=60, check=False,
+    )  # fmt: skip
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert [t for t in entry.prints if t not in output] == [], output
+
+
+def test_check_reports_a_wrong_status_missing_and_forbidden_output():
+    entry = Entry("x", run=("unit",), prints=("Plan for",), never_prints=("Traceback",))
+    assert check(entry, Result(0, "Plan for job")) == []
+    assert check(entry, Result(2, "Traceback (most recent call last)")) == [
+        "exit status 2, expected 0",
+        "output lacks 'Plan for'",
+        "output has 'Traceback'",
+    ]
