@@ -21,7 +21,7 @@ GROUP, VERSION, PLURAL = "relaytrain.io", "v1alpha1", "finetunejobs"
 
 
 def install_crd(cluster: Any, api: client.ApiClient) -> None:
-    """Apply crds/ and wait until FineTuneJobs are served (as tests/k8s/test_operator.py)."""
+    """Apply crds/ and wait until FineTuneJobs are served."""
     cluster.kubectl("apply", "--server-side", "-f", str(REPO / "crds"))
     ext = client.ApiextensionsV1Api(api)
 

@@ -32,6 +32,7 @@ from kubernetes.client.rest import ApiException
 
 from hack import kwok_nodes
 from tests.fixtures.rbac import chart_rbac_kubeconfig
+from tests.operator_cases import install_crd
 from tests.shapes import SMOLLM2_135M_CONFIG as MODEL_CONFIG
 from tests.waiting import wait_for
 
@@ -123,26 +124,7 @@ def api(kube_cluster: Any) -> client.ApiClient:
 
 @pytest.fixture(scope="module")
 def crd(kube_cluster: Any, api: client.ApiClient) -> None:
-    kube_cluster.kubectl("apply", "--server-side", "-f", str(REPO / "crds"))
-    ext = client.ApiextensionsV1Api(api)
-
-    def established() -> bool:
-        crd = ext.read_custom_resource_definition(f"{PLURAL}.{GROUP}")
-        return any(
-            c.type == "Established" and c.status == "True" for c in crd.status.conditions or []
-        )
-
-    wait_for("the FineTuneJob CRD", established)
-
-    def served() -> bool:
-        # Established comes before the API server's storage for the new kind is ready.
-        try:
-            client.CustomObjectsApi(api).list_cluster_custom_object(GROUP, VERSION, PLURAL)
-        except ApiException:
-            return False
-        return True
-
-    wait_for("FineTuneJobs to be served", served)
+    install_crd(kube_cluster, api)
 
 
 @pytest.fixture(scope="module")
