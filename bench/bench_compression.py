@@ -202,7 +202,7 @@ def slow_link(mbit: float, frames: int) -> dict[str, Any]:
 def loss_after_fixed_run(quick: bool) -> dict[str, Any]:
     import tempfile
 
-    from relaytrain_worker.config import TrainingSpec
+    from relaytrain_contract import TrainingSpec
     from relaytrain_worker.schedule import MicroBatch
     from relaytrain_worker.testing import even_splits, run_pipeline_threads, tiny_model_dir
 

@@ -29,7 +29,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from relaytrain_worker.config import TrainingSpec
+from relaytrain_contract import TrainingSpec
 from relaytrain_worker.schedule import MicroBatch
 from relaytrain_worker.testing import random_batches, run_pipeline_threads, tiny_model_dir
 

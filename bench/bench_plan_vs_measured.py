@@ -406,6 +406,7 @@ def run_local(case: Case, model: Path, data: Path, root: Path) -> Measured:
     cmd = [sys.executable, "-m", "relaytrain_operator.cli", "run", str(job), "--local",
            "--workdir", str(root / "run"), "--no-progress"]  # fmt: skip
     history_path = root / "ckpt" / "default" / JOB / "loss-history.json"
+    progress_path = root / "ckpt" / "default" / JOB / "progress.json"
     marks: dict[int, list[float]] = {}
     pids: list[int] = []
     with (root / "run.log").open("wb") as log:
@@ -416,7 +417,8 @@ def run_local(case: Case, model: Path, data: Path, root: Path) -> Measured:
                 state = _read_json(root / "run" / "state.json") if not pids else None
                 if state and all(s["pid"] for s in state["stages"]):
                     pids = [s["pid"] for s in state["stages"]]
-                done = len(_read_json(history_path) or [])
+                # loss-history.json is written once at the end; progress.json every step.
+                done = int((_read_json(progress_path) or {}).get("step", 0))
                 if pids and done and done not in marks:
                     # A stage that already exited is past the last step: nothing to sample.
                     with contextlib.suppress(OSError):

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from relaytrain_worker.config import TrainingSpec
+from relaytrain_contract import TrainingSpec
 from relaytrain_worker.prepare_model import default_dir, is_prepared
 from relaytrain_worker.testing import (
     PipelineRun,

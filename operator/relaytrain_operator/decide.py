@@ -49,6 +49,8 @@ from relaytrain_operator.recovery import (
     REPLACING,
     StageDecision,
     StageRecord,
+    after_failure,
+    backoff_left,
 )
 from relaytrain_operator.recovery import decide as decide_stage
 from relaytrain_operator.spec import (
@@ -334,12 +336,13 @@ class _Pass:
             record = StageRecord(k, entry.restarts, entry.phase, entry.pool)
             verdict = decide_stage(record, pod, node, now=self.now, node_grace=grace)
             if verdict.failure is not None:
-                if entry.restarts >= limit:
+                counted = after_failure(entry.restarts, limit)
+                if counted is None:
                     self.fail(k, verdict.failure, entry.restarts, limit)
                     return
                 entry = entry.model_copy(
                     update={
-                        "restarts": entry.restarts + 1,
+                        "restarts": counted,
                         "phase": REPLACING,
                         "last_failure": verdict.failure,
                     }
@@ -405,16 +408,15 @@ class _Pass:
         )
         if counted_now:
             failed_at = self.now
-        due, later = [], []
+        due, waits = [], []
         for k in stages:
-            on_time = entries[k].restarts == 0 or not backoff
-            if on_time or (failed_at is not None and self.now - failed_at >= backoff):
-                due.append(k)
+            left = backoff_left(entries[k].restarts, failed_at, self.now, backoff)
+            if left:
+                waits.append(left)
             else:
-                later.append(k)
-        if later:
-            waited = self.now - failed_at if failed_at is not None else timedelta(0)
-            self.retry_after = (backoff - waited).total_seconds()
+                due.append(k)
+        if waits:
+            self.retry_after = max(waits).total_seconds()
         if not due:
             return
         plan = self.status.plan

@@ -10,7 +10,7 @@ What is minted:
   certificate. Each job has its own CA, minted when its Secret is created, so a stage of
   one job never trusts a stage of another, nor one of an earlier job of the same name.
 - Per pipeline i and stage k, a certificate (EC P-256) whose identity is the URI SAN
-  `relaytrain://<namespace>/<job>/p<i>/s<k>` (`stage_config.link_identity`), for both TLS
+  `relaytrain://<namespace>/<job>/p<i>/s<k>` (`relaytrain_contract.link_identity`), for both TLS
   roles (a stage listens for its predecessor and connects to its successor), and its key.
 
 Why EC P-256 (ECDSA) and not Ed25519: both work with Python's ssl on OpenSSL >= 1.1.1, but
@@ -35,8 +35,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
-from relaytrain_operator.stage_config import link_identity
+from relaytrain_contract import link_identity
 
 __all__ = [
     "CA_FILE",

@@ -6,8 +6,18 @@ What the operator does with pods this does with processes: one per stage on loop
 ports, a fresh link CA and stage certificates (minted as the operator mints them, handed
 to each process in its environment, never written to disk), a local checkpoint directory
 unless the job names S3, and supervision — a stage process that dies is restarted alone,
-after failurePolicy.backoffSeconds, up to failurePolicy.maxStageRestarts times; the
-survivors roll back to the last committed checkpoint by themselves.
+after failurePolicy.backoffSeconds, up to failurePolicy.maxStageRestarts times (the
+operator's own rule: `recovery.after_failure` and `recovery.backoff_left`); the survivors
+roll back to the last committed checkpoint by themselves.
+
+State: one directory per job, `./relaytrain-local/<namespace>/<name>` unless `--workdir`
+says otherwise, holding the stage documents and logs, `state.json` and `run.lock`. The
+lock (`fcntl.flock`, held for the supervisor's life) refuses a second run of the job in
+the same directory while the first is alive, naming its PID.
+
+Stopping: each stage runs in its own process group; SIGTERM or SIGINT to the supervisor
+stops every group it started (SIGTERM, then SIGKILL after a grace period) and restarts
+none, including a stage that was waiting out its back-off.
 
 Layer split: an even split of the decoder layers over `pipeline.stages` (default 2
 for `auto`). The planner models GPU pools; local stages share this machine's CPU (or
@@ -19,6 +29,8 @@ This module never imports torch: it runs in the operator package.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import importlib.util
 import json
 import os
@@ -28,27 +40,41 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import yaml
-
-from relaytrain_operator.linkcerts import mint_link_credentials, stage_pem
-from relaytrain_operator.spec import FineTuneJob, SpecError, parse_job
-from relaytrain_operator.stage_config import (
+from relaytrain_contract import (
     ACCESS_KEY_ENV,
     LINK_CA_ENV,
     LINK_CERT_ENV,
     LINK_KEY_ENV,
+    PROGRESS_FILE,
     SECRET_KEY_ENV,
+    ConfigError,
+    Progress,
+)
+
+from relaytrain_operator.linkcerts import mint_link_credentials, stage_pem
+from relaytrain_operator.recovery import after_failure, backoff_left
+from relaytrain_operator.spec import FineTuneJob, SpecError, parse_job
+from relaytrain_operator.stage_config import (
     build_stage_configs,
     local_endpoints,
 )
 
 DEFAULT_STAGES = 2
+DEFAULT_ROOT = Path("relaytrain-local")
+"""Where a job's state directory goes without --workdir: DEFAULT_ROOT/<namespace>/<name>."""
+LOCK_FILE = "run.lock"
 POLL_SECONDS = 0.5
 STOP_GRACE_SECONDS = 15.0
+
+
+class AlreadyRunning(Exception):  # noqa: N818 - reads as what happened
+    """Another live `relaytrain run --local` holds the job's state directory."""
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -63,13 +89,44 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--workdir",
         type=Path,
-        default=Path("relaytrain-local"),
-        help="where stage configs, logs and (by default) checkpoints go",
+        default=None,
+        help="where stage configs, logs and (by default) checkpoints go "
+        f"(default: ./{DEFAULT_ROOT}/<namespace>/<name>, one directory per job)",
     )
     parser.add_argument("--stages", type=int, help="override pipeline.stages")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(func=run_command)
     return parser
+
+
+def default_workdir(job: FineTuneJob) -> Path:
+    """The job's own state directory when --workdir is not given."""
+    return DEFAULT_ROOT / job.metadata.namespace / job.metadata.name
+
+
+def lock_workdir(workdir: Path, job: FineTuneJob) -> int:
+    """Take `workdir`'s run lock for this process's life; returns the open descriptor.
+
+    Raises AlreadyRunning, naming the holder's PID, while another live run holds it. The
+    kernel drops the lock when its holder exits however it exits, so a crashed run never
+    leaves a stale lock behind.
+    """
+    workdir.mkdir(parents=True, exist_ok=True)
+    path = workdir / LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        meta = job.metadata
+        raise AlreadyRunning(
+            f"job {meta.namespace}/{meta.name} is already running in {workdir} "
+            f"(PID {holder}); stop that run first or give another --workdir"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
 
 
 def even_split(layers: int, stages: int) -> list[tuple[int, int]]:
@@ -136,17 +193,50 @@ class StageProc:
     proc: subprocess.Popen[bytes] | None = None
     restarts: int = 0
     pids: list[int] = field(default_factory=list)
-    restart_at: float | None = None
+    failed_at: datetime | None = None
+    """When its last failure was counted, while its successor waits out the back-off."""
     link_env: dict[str, str] = field(default_factory=dict)
     """This stage's link certificate, key and the job's CA, by env var name."""
 
 
 class LocalRun:
-    """Starts, watches and restarts the stage processes of one job."""
+    """Starts, watches, restarts and stops the stage processes of one job.
 
-    def __init__(self, job: FineTuneJob, workdir: Path, stages: int | None) -> None:
+    `prepare` reads what the run needs (the model's layer count, free ports) and mints the
+    link credentials; `write_stage_files` writes the stage documents (after the caller holds
+    the state directory's lock); `supervise` runs the stages.
+    """
+
+    def __init__(
+        self,
+        job: FineTuneJob,
+        workdir: Path,
+        ranges: list[tuple[int, int]],
+        documents: list[dict[str, Any]],
+        link_envs: list[dict[str, str]],
+    ) -> None:
         self.job = job
         self.workdir = workdir.resolve()
+        self.ranges = ranges
+        self.documents = documents
+        self.env = self._env(len(documents))
+        stages_dir = self.workdir / "stages"
+        self.stages = [
+            StageProc(
+                k, stages_dir / f"stage-{k}.json", stages_dir / f"stage-{k}.log", link_env=env
+            )
+            for k, env in enumerate(link_envs)
+        ]
+        ckpt = job.spec.checkpoint.uri
+        self.job_dir = f"{ckpt.rstrip('/')}/{job.metadata.namespace}/{job.metadata.name}"
+        self.output = self.documents[0]["output"]["uri"]
+        self.stopping = False
+        self.stop_signal: int | None = None
+
+    @classmethod
+    def prepare(cls, job: FineTuneJob, workdir: Path, stages: int | None) -> LocalRun:
+        """Split the model, pick free loopback ports, build the stage documents and mint
+        the link credentials (nothing is written)."""
         layers = _model_layers(job)
         wanted = job.spec.pipeline.stages
         count = stages or (DEFAULT_STAGES if wanted == "auto" else int(wanted))
@@ -163,25 +253,20 @@ class LocalRun:
             )
             for k, e in enumerate(endpoints)
         ]
-        self.documents = build_stage_configs(job, ranges, endpoints)
-        self.ranges = ranges
-        self.env = self._env(count)
-        (self.workdir / "stages").mkdir(parents=True, exist_ok=True)
+        documents = build_stage_configs(job, ranges, endpoints)
         meta = job.metadata
         pki = mint_link_credentials(meta.namespace, meta.name, [count], now=datetime.now(UTC))
-        self.stages = []
-        for k, doc in enumerate(self.documents):
-            path = self.workdir / "stages" / f"stage-{k}.json"
-            path.write_text(json.dumps(doc, indent=2))
+        link_envs = []
+        for k in range(count):
             cert, key, ca = stage_pem(pki, 0, k)
-            link_env = {LINK_CERT_ENV: cert, LINK_KEY_ENV: key, LINK_CA_ENV: ca}
-            stage = StageProc(
-                k, path, self.workdir / "stages" / f"stage-{k}.log", link_env=link_env
-            )
-            self.stages.append(stage)
-        ckpt = job.spec.checkpoint.uri
-        self.job_dir = f"{ckpt.rstrip('/')}/{job.metadata.namespace}/{job.metadata.name}"
-        self.output = self.documents[0]["output"]["uri"]
+            link_envs.append({LINK_CERT_ENV: cert, LINK_KEY_ENV: key, LINK_CA_ENV: ca})
+        return cls(job, workdir, ranges, documents, link_envs)
+
+    def write_stage_files(self) -> None:
+        """Write each stage's document (never its key: that goes in its environment)."""
+        for stage, doc in zip(self.stages, self.documents, strict=True):
+            stage.config_path.parent.mkdir(parents=True, exist_ok=True)
+            stage.config_path.write_text(json.dumps(doc, indent=2))
 
     def _env(self, count: int) -> dict[str, str]:
         env = dict(os.environ)
@@ -195,20 +280,27 @@ class LocalRun:
         return env
 
     def start(self, stage: StageProc) -> None:
+        """Start (or restart) `stage` as the leader of a process group of its own, which
+        `stop` signals whole. Nothing starts once a stop has begun."""
+        if self.stopping or self.stop_signal is not None:
+            return
         with stage.log_path.open("ab") as log:
             stage.proc = subprocess.Popen(
                 [sys.executable, "-m", "relaytrain_worker", "--config", str(stage.config_path)],
                 env={**self.env, **stage.link_env},
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                start_new_session=True,  # Ctrl-C reaches us; we stop the stages ourselves
+                # Its own group: a Ctrl-C in the terminal reaches only us, and stop() can
+                # signal the stage and anything it started at once.
+                start_new_session=True,
             )
         stage.pids.append(stage.proc.pid)
-        stage.restart_at = None
+        stage.failed_at = None
         self._write_state()
 
     def _write_state(self) -> None:
         state = {
+            "pid": os.getpid(),
             "stages": [
                 {
                     "index": s.index,
@@ -218,7 +310,7 @@ class LocalRun:
                     "layers": list(self.ranges[s.index]),
                 }
                 for s in self.stages
-            ]
+            ],
         }
         (self.workdir / "state.json").write_text(json.dumps(state, indent=2))
 
@@ -234,80 +326,120 @@ class LocalRun:
         except Exception:  # S3 not ready yet: try again next poll
             return None
 
+    def read_progress(self) -> Progress | None:
+        """The job's progress.json (None: none yet, or unreadable this poll)."""
+        record = self.read_json(PROGRESS_FILE)
+        try:
+            return Progress.from_json(record) if isinstance(record, dict) else None
+        except ConfigError:
+            return None
+
     def stop(self) -> None:
-        """SIGTERM every live stage, then SIGKILL what is left after a grace period."""
-        live = [s.proc for s in self.stages if s.proc is not None and s.proc.poll() is None]
+        """Stop every stage: SIGTERM to each stage's process group, SIGKILL to what is left
+        after a grace period. No stage is (re)started afterwards."""
+        self.stopping = True
+        # Only stages not yet reaped: until it is waited for, a stage's PID (its group's
+        # ID) cannot be reused by another process, so the signal cannot go astray.
+        live = [s.proc for s in self.stages if s.proc is not None and s.proc.returncode is None]
         for proc in live:
-            proc.send_signal(signal.SIGTERM)
+            _signal_group(proc.pid, signal.SIGTERM)
         deadline = time.monotonic() + STOP_GRACE_SECONDS
+        stuck = []
         for proc in live:
             try:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+                stuck.append(proc)
+        for proc in stuck:  # ignored SIGTERM for the whole grace period
+            _signal_group(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+    def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
+        # Only a flag: raising here could land between a Popen and its bookkeeping and lose
+        # track of a process. The loop notices within one poll.
+        self.stop_signal = signum
 
     def supervise(self, show_progress: bool) -> int:
-        """Run until every stage exits 0 (0), or a stage fails too often (1)."""
-        policy = self.job.spec.failure_policy
-        # progress.json of an earlier run of the same job may say done; only this run's counts.
-        started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        for stage in self.stages:
-            self.start(stage)
+        """Run until every stage exits 0 (0), a stage fails more often than the failure
+        policy allows (1), or SIGINT/SIGTERM stops the run (130/143). Every stage process is
+        gone when this returns."""
+        handlers = {
+            sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)
+        }
         bar = _progress_bar(show_progress)
         try:
-            while True:
-                time.sleep(POLL_SECONDS)
-                progress = self.read_json("progress.json")
-                if bar is not None and progress:
-                    bar.total = progress["totalSteps"]
-                    bar.n = progress["step"]
-                    loss = progress.get("loss")
-                    bar.set_postfix(
-                        loss=f"{loss:.4f}" if loss is not None else "-",
-                        tok_s=f"{progress.get('tokensPerSecond', 0):.0f}",
-                        ckpt=progress.get("lastCommittedStep"),
-                    )
-                    bar.refresh()
-                finished = 0
-                for stage in self.stages:
-                    assert stage.proc is not None
-                    code = stage.proc.poll()
-                    if code is None:
-                        continue
-                    done = bool(progress and progress.get("done"))
-                    if code == 0 or (done and str(progress.get("updatedAt", "")) >= started):
-                        # A stage that dies after the job finished (its output written) is
-                        # not restarted: its peers are gone and nothing is left to do.
-                        finished += 1
-                        continue
-                    if stage.restart_at is None:
-                        if stage.restarts >= policy.max_stage_restarts:
-                            print(
-                                f"stage {stage.index} failed (exit {code}) after "
-                                f"{stage.restarts} restarts; see {stage.log_path}",
-                                file=sys.stderr,
-                            )
-                            self.stop()
-                            return 1
-                        stage.restarts += 1
-                        stage.restart_at = time.monotonic() + policy.backoff_seconds
-                        print(
-                            f"stage {stage.index} exited with {code}; restarting it "
-                            f"({stage.restarts}/{policy.max_stage_restarts})",
-                            file=sys.stderr,
-                        )
-                    elif time.monotonic() >= stage.restart_at:
-                        self.start(stage)
-                if finished == len(self.stages):
-                    return 0
-        except KeyboardInterrupt:
-            print("\nstopping every stage…", file=sys.stderr)
-            self.stop()
-            return 130
+            return self._supervise(bar)
         finally:
+            self.stop()  # after a success nothing is left; after anything else, no orphans
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
             if bar is not None:
                 bar.close()
+
+    def _supervise(self, bar: Any) -> int:
+        policy = self.job.spec.failure_policy
+        backoff = timedelta(seconds=policy.backoff_seconds)
+        # progress.json of an earlier run of the same job may say done; only this run's counts.
+        started = datetime.now(UTC).replace(microsecond=0)
+        for stage in self.stages:
+            self.start(stage)
+        while self.stop_signal is None:
+            time.sleep(POLL_SECONDS)
+            if self.stop_signal is not None:
+                break
+            progress = self.read_progress()
+            if bar is not None and progress is not None:
+                bar.total = progress.totalSteps
+                bar.n = progress.step
+                loss = progress.loss
+                bar.set_postfix(
+                    loss=f"{loss:.4f}" if loss is not None else "-",
+                    tok_s=f"{progress.tokensPerSecond:.0f}",
+                    ckpt=progress.lastCommittedStep,
+                )
+                bar.refresh()
+            finished = 0
+            now = datetime.now(UTC)
+            for stage in self.stages:
+                assert stage.proc is not None
+                code = stage.proc.poll()
+                if code is None:
+                    continue
+                done_at = progress.updatedAt if progress is not None and progress.done else None
+                if code == 0 or (done_at is not None and done_at >= started):
+                    # A stage that dies after the job finished (its output written) is
+                    # not restarted: its peers are gone and nothing is left to do.
+                    finished += 1
+                    continue
+                if stage.failed_at is None:
+                    counted = after_failure(stage.restarts, policy.max_stage_restarts)
+                    if counted is None:
+                        print(
+                            f"stage {stage.index} failed (exit {code}) after "
+                            f"{stage.restarts} restarts; see {stage.log_path}",
+                            file=sys.stderr,
+                        )
+                        return 1
+                    stage.restarts = counted
+                    stage.failed_at = now
+                    print(
+                        f"stage {stage.index} exited with {code}; restarting it "
+                        f"({stage.restarts}/{policy.max_stage_restarts})",
+                        file=sys.stderr,
+                    )
+                    self._write_state()
+                if not backoff_left(stage.restarts, stage.failed_at, now, backoff):
+                    self.start(stage)
+            if finished == len(self.stages):
+                return 0
+        print("\nstopping every stage…", file=sys.stderr)
+        return 128 + self.stop_signal
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    """Signal a stage's process group; one that is gone already is fine."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
 
 
 def _progress_bar(show: bool) -> Any:
@@ -340,7 +472,17 @@ def _loss_png(losses: list[dict[str, Any]], out: Path) -> bool:
 def run_local(job: FineTuneJob, workdir: Path, stages: int | None, progress: bool) -> int:
     """Run `job` locally; returns the exit code."""
     started = time.monotonic()
-    run = LocalRun(job, workdir, stages)
+    run = LocalRun.prepare(job, workdir, stages)
+    lock = lock_workdir(run.workdir, job)  # before anything in the directory is written
+    try:
+        return _run_locked(run, progress, started)
+    finally:
+        os.close(lock)
+
+
+def _run_locked(run: LocalRun, progress: bool, started: float) -> int:
+    job = run.job
+    run.write_stage_files()
     print(
         f"relaytrain: {job.metadata.name}: {len(run.stages)} stages "
         f"(layers {', '.join(f'{a}-{b - 1}' for a, b in run.ranges)}), "
@@ -352,16 +494,16 @@ def run_local(job: FineTuneJob, workdir: Path, stages: int | None, progress: boo
     losses = run.read_json("loss-history.json") or []
     png = run.workdir / "loss.png"
     have_png = bool(losses) and _loss_png(losses, png)
-    final = run.read_json("progress.json") or {}
+    final = run.read_progress()
     summary = {
         "job": job.metadata.name,
         "stages": len(run.stages),
-        "steps": final.get("step"),
-        "finalLoss": final.get("loss"),
+        "steps": final.step if final else None,
+        "finalLoss": final.loss if final else None,
         "firstLoss": losses[0]["loss"] if losses else None,
-        "tokensPerSecond": final.get("tokensPerSecond"),
+        "tokensPerSecond": final.tokensPerSecond if final else None,
         "restarts": {s.index: s.restarts for s in run.stages if s.restarts},
-        "output": final.get("output", run.output),
+        "output": (final.output if final else None) or run.output,
         "lossCurve": str(png) if have_png else None,
         "wallSeconds": round(time.monotonic() - started, 1),
     }
@@ -376,9 +518,11 @@ def run_command(args: argparse.Namespace) -> int:
     """Entry point of `relaytrain run --local`."""
     try:
         manifest = yaml.safe_load(args.job.read_text())
-        default_ckpt = str((args.workdir / "checkpoints").resolve())
+        # The default state directory is named after the job, so read its name first.
+        workdir = args.workdir or default_workdir(parse_job(manifest, default_checkpoint_uri="."))
+        default_ckpt = str((workdir / "checkpoints").resolve())
         job = parse_job(manifest, default_checkpoint_uri=default_ckpt)
-        return run_local(job, args.workdir, args.stages, not args.no_progress)
-    except (OSError, yaml.YAMLError, SpecError, ValueError) as exc:
+        return run_local(job, workdir, args.stages, not args.no_progress)
+    except (OSError, yaml.YAMLError, SpecError, ValueError, AlreadyRunning) as exc:
         print(f"relaytrain run: {exc}", file=sys.stderr)
         return 2

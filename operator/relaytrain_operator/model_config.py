@@ -42,6 +42,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+from relaytrain_contract import ACCESS_KEY_ENV, SECRET_KEY_ENV
+
 JsonDict = dict[str, Any]
 Source = Literal["model-config", "uri", "hf-cache", "shipped"]
 
@@ -221,9 +223,7 @@ def _from_s3(uri: str, endpoint: str | None, env: Mapping[str, str]) -> tuple[Js
         raise _NotHereError(
             f"{key}: the minio client is not installed (relaytrain[operator])"
         ) from None
-    access = StoreAccess(
-        endpoint, env.get("AWS_ACCESS_KEY_ID") or None, env.get("AWS_SECRET_ACCESS_KEY") or None
-    )
+    access = StoreAccess(endpoint, env.get(ACCESS_KEY_ENV) or None, env.get(SECRET_KEY_ENV) or None)
     try:
         config = _within(S3_DEADLINE_SECONDS, lambda: read_json(uri, "config.json", access))
     except StoreError as err:

@@ -10,8 +10,8 @@ its pooled connection instead of building a client each time.
 from __future__ import annotations
 
 import json
+import os
 import threading
-import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +19,7 @@ from typing import Any
 import urllib3
 from minio import Minio
 from minio.error import S3Error
+from relaytrain_contract import s3_endpoint
 
 JsonDict = dict[str, Any]
 
@@ -66,21 +67,18 @@ def _client(access: StoreAccess) -> Minio:
 
 
 def _new_client(access: StoreAccess) -> Minio:
-    if access.endpoint:
-        url = urllib.parse.urlparse(access.endpoint)
-        host, secure = url.netloc, url.scheme == "https"
-    else:
-        host, secure = "s3.amazonaws.com", True
+    endpoint = s3_endpoint(access.endpoint, os.environ)
     # Short timeouts and no retries: a status read must not stall a reconcile; the next
     # one tries again.
     http = urllib3.PoolManager(
         timeout=urllib3.Timeout(connect=2.0, read=5.0), retries=urllib3.Retry(total=0)
     )
     return Minio(
-        host,
+        endpoint.host,
         access_key=access.access_key,
         secret_key=access.secret_key,
-        secure=secure,
+        secure=endpoint.secure,
+        region=endpoint.region,
         http_client=http,
     )
 

@@ -20,10 +20,13 @@ from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
+from relaytrain_contract import PROGRESS_FILE, ConfigError
+from relaytrain_contract import Progress as Record
+
 from relaytrain_operator.apply import ClusterApi
 from relaytrain_operator.decide import ModelConfig, Needs, Observed, parse_spec, stage_pods
 from relaytrain_operator.objectstore import StoreAccess, StoreError, read_json
-from relaytrain_operator.progress import PROGRESS_FILE, Progress, fold, job_store_uri
+from relaytrain_operator.progress import Progress, fold, job_store_uri
 from relaytrain_operator.spec import FineTuneJob, is_s3
 
 JsonDict = dict[str, Any]
@@ -109,6 +112,6 @@ class Observer:
         """The job's progress, or None when there is none yet or the store cannot be read."""
         try:
             record = read_json(job_store_uri(job), PROGRESS_FILE, self.store_access(job))
-        except StoreError:
+            return fold(Record.from_json(record), job, now) if record is not None else None
+        except (StoreError, ConfigError):
             return None
-        return fold(record, job, now) if record is not None else None

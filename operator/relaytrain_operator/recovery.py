@@ -14,6 +14,11 @@ neither count twice nor lose the failure.
 A pod that is missing (or terminating) is either not created yet (its stage status says
 `Replacing`, or has no phase: never started, or suspended) or was deleted by someone else
 (its stage status shows it was seen alive), which counts as a failure of its own.
+
+The failure policy itself (how many restarts `failurePolicy.maxStageRestarts` allows, and
+when `failurePolicy.backoffSeconds` lets a successor start) is two small functions,
+`after_failure` and `backoff_left`, shared by the operator (`decide`) and the local
+supervisor of `relaytrain run --local` (`local_run`), so both apply the same rule.
 """
 
 from __future__ import annotations
@@ -52,6 +57,30 @@ class StageDecision:
     NodeLost). The caller counts it (or fails the job when the policy allows no more)."""
     force: bool = False
     """Delete without grace: the pod's node is gone or not ready, no kubelet will confirm."""
+
+
+def after_failure(restarts: int, max_restarts: int) -> int | None:
+    """A stage failed (again) after `restarts` restarts: its restart count once this failure
+    is counted, or None when `failurePolicy.maxStageRestarts` (`max_restarts`) allows no more
+    and the job fails."""
+    if restarts >= max_restarts:
+        return None
+    return restarts + 1
+
+
+def backoff_left(
+    restarts: int, failed_at: datetime | None, now: datetime, backoff: timedelta
+) -> timedelta:
+    """How long a stage's successor must still wait (zero: start it now).
+
+    The first start of a stage (`restarts` 0) never waits; a successor waits `backoff`
+    (`failurePolicy.backoffSeconds`) from `failed_at`, when the failure was counted. An
+    unknown failure time with a back-off waits the whole back-off."""
+    if restarts == 0 or not backoff:
+        return timedelta(0)
+    if failed_at is None:
+        return backoff
+    return max(timedelta(0), backoff - (now - failed_at))
 
 
 def incarnation(pod: JsonDict) -> int:

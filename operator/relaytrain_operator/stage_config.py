@@ -1,12 +1,13 @@
-"""Build the per-stage JSON documents of docs/stage-contract.md from a job and its plan.
+"""Build the per-stage documents of docs/stage-contract.md from a job and its plan.
 
 Pure: a parsed FineTuneJob, the planner's layer ranges and each stage's link addresses in,
-plain dicts out. The operator puts a document into each stage pod's environment;
-`relaytrain run --local` writes one file per stage. tests/contract/ checks that the worker's
-StageConfig.from_json parses every document built here.
+one `relaytrain_contract.StageConfig` per stage out, as the plain dict that travels. The
+operator puts a document into each stage pod's environment; `relaytrain run --local` writes
+one file per stage; the worker parses it with the same model (tests/contract/ checks it).
 
 Secrets never enter a document: it names the environment variables that hold them
-(LINK_CERT_ENV, LINK_KEY_ENV, LINK_CA_ENV, ACCESS_KEY_ENV, SECRET_KEY_ENV), and whoever
+(LINK_CERT_ENV, LINK_KEY_ENV, LINK_CA_ENV, and ACCESS_KEY_ENV, SECRET_KEY_ENV when the job
+names a credential Secret; without one, null: AWS's standard credential chain), and whoever
 starts the stage fills those. It does name each stage's link identity and its neighbours'
 (`link_identity`): what their TLS certificates must carry.
 """
@@ -15,13 +16,39 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
+from pydantic import BaseModel
+from relaytrain_contract import (
+    ACCESS_KEY_ENV,
+    API_VERSION,
+    LINK_CA_ENV,
+    LINK_CERT_ENV,
+    LINK_KEY_ENV,
+    LINK_PORT,
+    METRICS_PORT,
+    SECRET_KEY_ENV,
+    STAGE_CONFIG_KIND,
+    CheckpointSpec,
+    DatasetSpec,
+    JobRef,
+    LinksSpec,
+    MethodSpec,
+    ModelSpec,
+    ObservabilitySpec,
+    OutputSpec,
+    PipelineSpec,
+    StageConfig,
+    StageRef,
+    TrainingSpec,
+    link_identity,
+)
+
+from relaytrain_operator.builders.labels import stage_dns_name
 from relaytrain_operator.spec import FineTuneJob
 
 __all__ = [
     "ACCESS_KEY_ENV",
-    "CONFIG_ENV",
     "LINK_CA_ENV",
     "LINK_CERT_ENV",
     "LINK_KEY_ENV",
@@ -36,27 +63,11 @@ __all__ = [
     "output_uri",
     "pod_endpoints",
     "stage_address",
-    "stage_hostname",
+    "stage_config",
 ]
 
-CONTRACT_API_VERSION = "relaytrain.io/v1alpha1"
-CONTRACT_KIND = "StageConfig"
-CONFIG_ENV = "RELAYTRAIN_STAGE_CONFIG"
-"""Environment variable that carries a stage's document in a pod."""
-LINK_CERT_ENV = "RELAYTRAIN_LINK_CERT"
-"""Environment variable holding the stage's link certificate (PEM)."""
-LINK_KEY_ENV = "RELAYTRAIN_LINK_KEY"
-"""Environment variable holding the private key of that certificate (PEM)."""
-LINK_CA_ENV = "RELAYTRAIN_LINK_CA"
-"""Environment variable holding the job's link CA certificate (PEM)."""
-ACCESS_KEY_ENV = "AWS_ACCESS_KEY_ID"
-"""Environment variable holding the S3 access key id."""
-SECRET_KEY_ENV = "AWS_SECRET_ACCESS_KEY"
-"""Environment variable holding the S3 secret access key."""
-LINK_PORT = 29500
-"""Port a stage listens on for its predecessor's activations (in pods)."""
-METRICS_PORT = 9400
-"""Port of a stage's /metrics and /healthz (in pods)."""
+
+Part = TypeVar("Part", bound=BaseModel)
 
 
 @dataclass(frozen=True)
@@ -71,23 +82,9 @@ class StageEndpoints:
     """Port of this stage's /metrics and /healthz."""
 
 
-def link_identity(namespace: str, job_name: str, pipeline: int, stage: int) -> str:
-    """Who a stage is on the links: the URI SAN of its certificate, checked by its neighbours.
-
-    Pipeline `pipeline` (0 while a job has one) and stage `stage` of the job; see
-    docs/stage-contract.md.
-    """
-    return f"relaytrain://{namespace}/{job_name}/p{pipeline}/s{stage}"
-
-
-def stage_hostname(job_name: str, index: int) -> str:
-    """The pod hostname of stage `index` (also the pod's name)."""
-    return f"{job_name}-stage-{index}"
-
-
 def stage_address(job_name: str, namespace: str, index: int, port: int = LINK_PORT) -> str:
     """Stable DNS address of stage `index` under the job's headless Service (named as the job)."""
-    return f"{stage_hostname(job_name, index)}.{job_name}.{namespace}.svc:{port}"
+    return f"{stage_dns_name(job_name, namespace, index)}:{port}"
 
 
 def pod_endpoints(
@@ -175,7 +172,7 @@ def _check(
 def build_stage_configs(
     job: FineTuneJob, plan: Any, endpoints: Sequence[StageEndpoints]
 ) -> list[dict[str, Any]]:
-    """One stage-contract document per stage, in stage order.
+    """One stage-contract document per stage, in stage order (each a fresh dict).
 
     `plan`: anything layer_ranges accepts. `endpoints`: one StageEndpoints per stage
     (pod_endpoints for a cluster, local_endpoints for local processes).
@@ -183,56 +180,58 @@ def build_stage_configs(
     """
     ranges = layer_ranges(plan)
     _check(job, ranges, endpoints)
+    count = len(ranges)
+    return [
+        stage_config(job, k, count, layers, ends).to_dict()
+        for k, (layers, ends) in enumerate(zip(ranges, endpoints, strict=True))
+    ]
+
+
+def stage_config(
+    job: FineTuneJob, k: int, count: int, layers: tuple[int, int], ends: StageEndpoints
+) -> StageConfig:
+    """The document of stage `k` of `count`, holding `layers` and reached at `ends`."""
     spec = job.spec
     ns, name = job.metadata.namespace, job.metadata.name
-    count = len(ranges)
-    documents: list[dict[str, Any]] = []
-    for k, ((start, end), ends) in enumerate(zip(ranges, endpoints, strict=True)):
-        # Built afresh per stage (model_dump returns new dicts), so that a caller editing
-        # one stage's document cannot change another's. Key order follows the contract doc.
-        documents.append(
-            {
-                "apiVersion": CONTRACT_API_VERSION,
-                "kind": CONTRACT_KIND,
-                "job": {"namespace": ns, "name": name, "uid": job.metadata.uid or ""},
-                "stage": {"index": k, "count": count, "layerStart": start, "layerEnd": end},
-                "model": spec.model.model_dump(mode="json"),
-                "dataset": spec.dataset.model_dump(mode="json"),
-                "method": spec.method.model_dump(mode="json"),
-                "training": _training(job),
-                "pipeline": {
-                    "schedule": spec.pipeline.schedule,
-                    "compression": spec.pipeline.compression,
-                },
-                "links": {
-                    "listen": ends.listen,
-                    "next": ends.next,
-                    "identity": link_identity(ns, name, 0, k),
-                    "prevIdentity": link_identity(ns, name, 0, k - 1) if k > 0 else None,
-                    "nextIdentity": link_identity(ns, name, 0, k + 1) if k < count - 1 else None,
-                    "certEnv": LINK_CERT_ENV,
-                    "keyEnv": LINK_KEY_ENV,
-                    "caEnv": LINK_CA_ENV,
-                },
-                "checkpoint": {
-                    "uri": spec.checkpoint.uri,
-                    "endpoint": spec.checkpoint.endpoint,
-                    "accessKeyEnv": ACCESS_KEY_ENV,
-                    "secretKeyEnv": SECRET_KEY_ENV,
-                    "everySteps": spec.checkpoint.every_steps,
-                    "keep": spec.checkpoint.keep,
-                },
-                "output": {"uri": output_uri(job)},
-                "observability": {"port": ends.metrics_port},
-            }
-        )
-    return documents
+    # Without a credential Secret the stage uses AWS's standard credential chain.
+    secret = spec.checkpoint.credentials_secret is not None
+    return StageConfig(
+        apiVersion=API_VERSION,
+        kind=STAGE_CONFIG_KIND,
+        job=JobRef(namespace=ns, name=name, uid=job.metadata.uid or ""),
+        stage=StageRef(index=k, count=count, layerStart=layers[0], layerEnd=layers[1]),
+        # These four are the spec's own sections, field for field: read as they travel.
+        model=_as(ModelSpec, spec.model),
+        dataset=_as(DatasetSpec, spec.dataset),
+        method=_as(MethodSpec, spec.method),
+        training=_as(TrainingSpec, spec.training),
+        pipeline=PipelineSpec(
+            schedule=spec.pipeline.schedule, compression=spec.pipeline.compression
+        ),
+        links=LinksSpec(
+            listen=ends.listen,
+            next=ends.next,
+            identity=link_identity(ns, name, 0, k),
+            prevIdentity=link_identity(ns, name, 0, k - 1) if k > 0 else None,
+            nextIdentity=link_identity(ns, name, 0, k + 1) if k < count - 1 else None,
+            certEnv=LINK_CERT_ENV,
+            keyEnv=LINK_KEY_ENV,
+            caEnv=LINK_CA_ENV,
+        ),
+        checkpoint=CheckpointSpec(
+            uri=spec.checkpoint.uri,
+            endpoint=spec.checkpoint.endpoint,
+            accessKeyEnv=ACCESS_KEY_ENV if secret else None,
+            secretKeyEnv=SECRET_KEY_ENV if secret else None,
+            everySteps=spec.checkpoint.every_steps,
+            keep=spec.checkpoint.keep,
+        ),
+        output=OutputSpec(uri=output_uri(job)),
+        observability=ObservabilitySpec(port=ends.metrics_port),
+    )
 
 
-def _training(job: FineTuneJob) -> dict[str, Any]:
-    # `epochs` travels only when the job counts epochs (then `steps` is null), so a
-    # steps-based document carries no field a worker might not know.
-    training = job.spec.training.model_dump(mode="json")
-    if training["epochs"] is None:
-        del training["epochs"]
-    return training
+def _as(part: type[Part], section: BaseModel) -> Part:
+    """A FineTuneJob spec section as the contract's model of the same name (camelCase JSON
+    in, strict parse out); a field one has and the other lacks is an error here."""
+    return part.model_validate_json(section.model_dump_json(by_alias=True))

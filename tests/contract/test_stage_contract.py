@@ -1,8 +1,9 @@
 """What the operator builds, the worker parses: docs/stage-contract.md from both sides.
 
 Every shipped example and a spread of settings go through build_stage_configs (operator)
-and StageConfig.from_json (worker); the worker must accept each document and read back
-exactly what the operator wrote. A field one side adds without the other fails here.
+and StageConfig.from_json (the worker's reading; both are relaytrain_contract's model); the
+worker must accept each document, read back exactly what the operator wrote, and reach the
+stores and links it names. A field one side adds without the other fails here.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from typing import Any
 
 import pytest
 import yaml
-from relaytrain_operator.builders.pod import StagePodInputs, build_stage_pod
+from relaytrain_contract import StageConfig
+from relaytrain_operator.builders.pod import CredentialsRef, StagePodInputs, build_stage_pod
 from relaytrain_operator.builders.secret import build_link_secret
 from relaytrain_operator.linkcerts import mint_link_credentials
 from relaytrain_operator.spec import FineTuneJob, parse_job
@@ -27,8 +29,8 @@ from relaytrain_operator.stage_config import (
     local_endpoints,
     pod_endpoints,
 )
-from relaytrain_worker.config import StageConfig
 from relaytrain_worker.stage import link_credentials
+from relaytrain_worker.store import S3Credentials, S3Store, open_job_store
 from relaytrain_worker.transport import AuthError, Frame, Link, connect, listen
 
 pytestmark = pytest.mark.contract
@@ -109,17 +111,79 @@ def test_worker_refuses_a_document_with_a_field_it_does_not_know() -> None:
         StageConfig.from_json(json.dumps(document))
 
 
+def test_an_aws_job_reaches_aws_s3_from_the_worker(fake_minio: list[dict[str, Any]]) -> None:
+    # spec.checkpoint.endpoint empty means AWS S3: the operator accepts the job, and the
+    # worker's store must be built for AWS from the document, not refuse it.
+    manifest = _example(REPO / "examples" / "finetunejob-lora.yaml")
+    manifest["spec"]["checkpoint"] = {"uri": "s3://team-ckpt/relaytrain"}
+    job = parse_job(manifest)
+    documents = build_stage_configs(job, _split(30, 2), pod_endpoints(job.metadata.name, "ml", 2))
+    cfg = StageConfig.from_json(json.dumps(documents[1]))
+    assert cfg.checkpoint.endpoint is None
+    # No credential Secret: the document names no variables; AWS's standard ones serve.
+    assert (cfg.checkpoint.accessKeyEnv, cfg.checkpoint.secretKeyEnv) == (None, None)
+    aws_env = {
+        "AWS_ACCESS_KEY_ID": "ASIAEXAMPLE",
+        "AWS_SECRET_ACCESS_KEY": "secret",
+        "AWS_SESSION_TOKEN": "session-token",
+        "AWS_REGION": "eu-central-1",
+    }
+    store = open_job_store(cfg.checkpoint.uri, cfg.checkpoint, aws_env)
+    assert isinstance(store, S3Store)
+    assert (store.endpoint, store.secure, store.region) == (
+        "s3.amazonaws.com",
+        True,
+        "eu-central-1",
+    )
+    assert (store.bucket, store.prefix) == ("team-ckpt", "relaytrain")
+    assert store.credentials == S3Credentials("ASIAEXAMPLE", "secret", "session-token")
+    client = fake_minio[-1]
+    assert (client["endpoint"], client["secure"], client["region"]) == (
+        "s3.amazonaws.com", True, "eu-central-1",
+    )  # fmt: skip
+    assert (client["access_key"], client["secret_key"], client["session_token"]) == (
+        "ASIAEXAMPLE", "secret", "session-token",
+    )  # fmt: skip
+    # Nothing in the environment: the pod's IAM role (IRSA, instance metadata), not anonymous.
+    open_job_store(cfg.checkpoint.uri, cfg.checkpoint, {"AWS_REGION": "eu-central-1"})
+    assert type(fake_minio[-1]["credentials"]).__name__ == "IamAwsProvider"
+    # The model, data and output URIs of the job are served the same way.
+    assert isinstance(open_job_store("s3://models/smollm2/", cfg.checkpoint, aws_env), S3Store)
+    assert fake_minio[-1]["endpoint"] == "s3.amazonaws.com"
+
+
+def test_a_credential_secret_reaches_the_worker_by_the_names_in_the_document(
+    fake_minio: list[dict[str, Any]],
+) -> None:
+    manifest = _example(REPO / "examples" / "finetunejob-lora.yaml")
+    manifest["spec"]["checkpoint"] = {
+        "uri": "s3://ckpt/x",
+        "endpoint": "https://minio.example:9000",
+        "credentialsSecret": {"name": "s3"},
+    }
+    manifest["metadata"].setdefault("namespace", "ml")
+    job = parse_job(manifest)
+    ends = pod_endpoints(job.metadata.name, "ml", 1)
+    document = build_stage_configs(job, _split(30, 1), ends)[0]
+    cfg = StageConfig.from_json(document)
+    pod_env = {e["name"] for e in _pod_container(manifest, document, "s3")["env"]}
+    assert {cfg.checkpoint.accessKeyEnv, cfg.checkpoint.secretKeyEnv} <= pod_env
+    store = open_job_store(
+        cfg.checkpoint.uri,
+        cfg.checkpoint,
+        {"AWS_ACCESS_KEY_ID": "minio", "AWS_SECRET_ACCESS_KEY": "pw", "AWS_SESSION_TOKEN": "t"},
+    )
+    assert isinstance(store, S3Store)
+    assert (store.endpoint, store.secure) == ("minio.example:9000", True)
+    # A static key pair from a Secret: a stray session token in the environment is not its.
+    assert store.credentials == S3Credentials("minio", "pw", None)
+
+
 def test_operator_minted_credentials_reach_a_stage_and_open_its_links() -> None:
     # The pod's env (secretKeyRef into the link Secret, resolved as the kubelet does) gives
     # each stage the credentials its document names; neighbours then link up over TLS.
-    manifest = _example(REPO / "examples" / "finetunejob-lora.yaml")
-    manifest["metadata"].setdefault("namespace", "default")
-    job = parse_job(manifest)
-    ns, name = job.metadata.namespace, job.metadata.name
-    documents = build_stage_configs(job, _split(30, 3), pod_endpoints(name, ns, 3))
-    secret = build_link_secret(
-        manifest, mint_link_credentials(ns, name, [3], now=datetime.now(UTC))
-    )
+    manifest, documents, secret = _three_stage_pods()
+    name = manifest["metadata"]["name"]
     creds = [
         link_credentials(StageConfig.from_json(d), _pod_env(manifest, d, secret)) for d in documents
     ]
@@ -141,28 +205,41 @@ def test_operator_minted_credentials_reach_a_stage_and_open_its_links() -> None:
 
 
 def test_a_stage_handed_another_stages_certificate_stops_at_start_up() -> None:
-    manifest = _example(REPO / "examples" / "finetunejob-lora.yaml")
-    manifest["metadata"].setdefault("namespace", "default")
-    job = parse_job(manifest)
-    ns, name = job.metadata.namespace, job.metadata.name
-    documents = build_stage_configs(job, _split(30, 3), pod_endpoints(name, ns, 3))
-    secret = build_link_secret(
-        manifest, mint_link_credentials(ns, name, [3], now=datetime.now(UTC))
-    )
+    manifest, documents, secret = _three_stage_pods()
+    ns, name = manifest["metadata"]["namespace"], manifest["metadata"]["name"]
     env_of_stage_2 = _pod_env(manifest, documents[2], secret)
     with pytest.raises(AuthError, match=f"is relaytrain://{ns}/{name}/p0/s2, but this stage is"):
         link_credentials(StageConfig.from_json(documents[1]), env_of_stage_2)
 
 
-def _pod_env(
-    manifest: dict[str, Any], document: dict[str, Any], secret: dict[str, Any]
-) -> dict[str, str]:
+def _three_stage_pods() -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any]]:
+    """The lora example as three stage pods: its manifest, documents and link Secret."""
+    manifest = _example(REPO / "examples" / "finetunejob-lora.yaml")
+    manifest["metadata"].setdefault("namespace", "default")
+    job = parse_job(manifest)
+    ns, name = job.metadata.namespace, job.metadata.name
+    documents = build_stage_configs(job, _split(30, 3), pod_endpoints(name, ns, 3))
+    minted = mint_link_credentials(ns, name, [3], now=datetime.now(UTC))
+    return manifest, documents, build_link_secret(manifest, minted)
+
+
+def _pod_container(
+    manifest: dict[str, Any], document: dict[str, Any], credentials: str | None = None
+) -> dict[str, Any]:
     inputs = StagePodInputs(
         index=document["stage"]["index"], pool="p", node_selector={}, memory_bytes=1 << 30,
         stage_config=document, image="worker",
+        credentials=CredentialsRef(credentials) if credentials else None,
     )  # fmt: skip
+    container: dict[str, Any] = build_stage_pod(manifest, inputs)["spec"]["containers"][0]
+    return container
+
+
+def _pod_env(
+    manifest: dict[str, Any], document: dict[str, Any], secret: dict[str, Any]
+) -> dict[str, str]:
     env = {}
-    for var in build_stage_pod(manifest, inputs)["spec"]["containers"][0]["env"]:
+    for var in _pod_container(manifest, document)["env"]:
         ref = var.get("valueFrom", {}).get("secretKeyRef")
         if ref and ref["name"] == secret["metadata"]["name"]:
             env[var["name"]] = base64.b64decode(secret["data"][ref["key"]]).decode()

@@ -51,7 +51,8 @@ def test_run_local_runs_as_written(tmp_path: Path) -> None:
     result = Shell(clean_env(), tmp_path).run(command, timeout=600)
     assert result.rc == 0, result.output
     assert "finalLoss" in result.output
-    summary = json.loads((tmp_path / "relaytrain-local" / "summary.json").read_text())
+    state_dir = tmp_path / "relaytrain-local" / "default" / "doc-local"  # one per job
+    summary = json.loads((state_dir / "summary.json").read_text())
     assert summary, result.output
     adapter = tmp_path / "checkpoints" / "default" / "doc-local" / "output"
     assert (adapter / "adapter_model.safetensors").is_file(), result.output

@@ -87,7 +87,16 @@ def uninterrupted(workspace: Path) -> list[float]:
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out
     assert "finalLoss" in out and (workspace / "wd-calm" / "loss.png").is_file()
-    return _losses(workspace / "ckpt", "calm")
+    # The last stage wrote each step's loss record once, one chunk per commit (not the whole
+    # history after every step), and the consolidated array once at the end.
+    chunks = sorted((workspace / "ckpt" / "default" / "calm" / "loss-history").iterdir())
+    ends = list(range(EVERY, STEPS + 1, EVERY))
+    assert [c.name for c in chunks] == [f"{e - EVERY + 1:09d}-{e:09d}.jsonl" for e in ends]
+    lines = [json.loads(line) for c in chunks for line in c.read_text().splitlines()]
+    assert [r["step"] for r in lines] == list(range(1, STEPS + 1))
+    losses = _losses(workspace / "ckpt", "calm")
+    assert losses == [r["loss"] for r in lines]
+    return losses
 
 
 def test_kill_9_of_a_stage_is_survived(workspace: Path, uninterrupted: list[float]) -> None:
@@ -196,8 +205,9 @@ def test_a_stage_with_another_jobs_certificate_is_refused(workspace: Path) -> No
     # Two runs of one job name mint two CAs, as two incarnations of a job would: a stage
     # holding the other CA's certificate (same identity) must get nowhere.
     manifest = yaml.safe_load(_job(workspace, "intruded").read_text())
-    run = LocalRun(parse_job(manifest), workspace / "wd-intruded", None)
-    other = LocalRun(parse_job(manifest), workspace / "wd-intruder", None)
+    run = LocalRun.prepare(parse_job(manifest), workspace / "wd-intruded", None)
+    other = LocalRun.prepare(parse_job(manifest), workspace / "wd-intruder", None)
+    run.write_stage_files()
     assert run.stages[0].link_env != other.stages[0].link_env
     cmd = [sys.executable, "-m", "relaytrain_worker", "--config"]
     listener = subprocess.Popen(

@@ -17,7 +17,7 @@ import pytest
 import safetensors.torch
 import torch
 import yaml
-from relaytrain_worker.config import DatasetSpec
+from relaytrain_contract import DatasetSpec
 from relaytrain_worker.data import load_step_data
 from relaytrain_worker.methods import apply_lora, lora_config, peft_key
 from relaytrain_worker.model_slice import SliceSpec, build_stage_model

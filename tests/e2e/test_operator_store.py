@@ -60,7 +60,13 @@ def test_the_observer_reads_the_store_with_the_job_s_credentials(
     core = client.CoreV1Api(admin)
     prefix = "observer-" + secrets.token_hex(4)
     put_json(minio_server, f"{prefix}/models/smol/config.json", SMOLLM2_135M_CONFIG)
-    record = {"step": 3, "totalSteps": 100, "loss": 1.25, "lastCommittedStep": 2}
+    record = {
+        "step": 3,
+        "totalSteps": 100,
+        "loss": 1.25,
+        "tokensPerSecond": 0.0,
+        "lastCommittedStep": 2,
+    }
     put_json(minio_server, f"{prefix}/runs/{ns}/j/progress.json", record)
     job = store_job(ns, minio_server, prefix, minio_server.url)
     observer = Observer(ClusterApi(admin))
@@ -93,6 +99,7 @@ def test_the_observer_reads_the_store_with_the_job_s_credentials(
         "totalSteps": 100,
         "stepOfTotal": "3/100",
         "loss": 1.25,
+        "tokensPerSecond": 0.0,
         "lastCommittedStep": 2,
     }
 

@@ -75,6 +75,10 @@ def test_checkpoints_commit_fall_back_and_prune_on_s3(minio_server: MinioServer)
     assert ckpt.prune(store, JOB, keep=2) == [10]
     assert ckpt.list_steps(store, JOB) == [20, 30]
 
-    write_progress(store, JOB, Progress(30, 100, 1.5, 99.0, 20))
+    write_progress(
+        store,
+        JOB,
+        Progress(step=30, totalSteps=100, loss=1.5, tokensPerSecond=99.0, lastCommittedStep=20),
+    )
     progress = read_progress(store, JOB)
-    assert progress is not None and progress.last_committed_step == 20
+    assert progress is not None and progress.lastCommittedStep == 20

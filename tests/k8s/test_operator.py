@@ -255,7 +255,7 @@ def kube(api: client.ApiClient, ns: str, operator: OperatorProcess) -> Cluster:
 
 
 def test_three_stage_job_runs_on_its_planned_pools(kube: Cluster, model_dir: Path) -> None:
-    from relaytrain_worker.config import StageConfig
+    from relaytrain_contract import StageConfig
 
     kube.create_job(job_manifest("llm", model_dir))
     pods = wait_for("3 running stage pods", lambda: kube.running("llm", 3))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 from relaytrain_worker.progress import Progress, read_progress, write_progress
@@ -56,8 +57,6 @@ def test_open_store_picks_the_backend(tmp_path: Path) -> None:
     assert isinstance(open_store(str(tmp_path / "a")), LocalStore)
     local = open_store(f"file://{tmp_path}/b")
     assert isinstance(local, LocalStore) and local.root == tmp_path / "b"
-    with pytest.raises(ValueError, match="needs an S3 endpoint"):
-        open_store("s3://bucket/prefix")
     with pytest.raises(ValueError, match="names no bucket"):
         open_store("s3:///prefix", endpoint="localhost:9000")
     with pytest.raises(ValueError, match="unsupported store URI"):
@@ -66,13 +65,19 @@ def test_open_store_picks_the_backend(tmp_path: Path) -> None:
         "access_key": None,
         "secret_key": None,
         "secure": False,
+        "session_token": None,
+        "region": None,
     }
 
 
 def test_progress_round_trip_in_the_contract_format(tmp_path: Path) -> None:
     store = LocalStore(tmp_path)
     assert read_progress(store, "default/job") is None
-    write_progress(store, "default/job", Progress(12, 100, 2.31, 812.5, 10))
+    write_progress(
+        store,
+        "default/job",
+        Progress(step=12, totalSteps=100, loss=2.31, tokensPerSecond=812.5, lastCommittedStep=10),
+    )
     doc = json.loads((tmp_path / "default/job/progress.json").read_text())
     assert set(doc) == {
         "step", "totalSteps", "loss", "tokensPerSecond", "lastCommittedStep", "updatedAt", "done",
@@ -81,9 +86,24 @@ def test_progress_round_trip_in_the_contract_format(tmp_path: Path) -> None:
     back = read_progress(store, "default/job")
     assert back is not None and (back.step, back.loss, back.done) == (12, 2.31, False)
 
-    write_progress(store, "default/job", Progress(100, 100, math.nan, 0.0, 100, done=True,
-                                                  output="s3://out/adapter/"))  # fmt: skip
+    write_progress(store, "default/job", Progress(step=100, totalSteps=100, loss=math.nan,
+                   tokensPerSecond=0.0, lastCommittedStep=100, done=True,
+                   output="s3://out/adapter/"))  # fmt: skip
     doc = json.loads((tmp_path / "default/job/progress.json").read_text())
     assert doc["loss"] is None and doc["done"] is True and doc["output"] == "s3://out/adapter/"
     with pytest.raises(ValueError, match="step 101 of 100"):
-        Progress(101, 100, 1.0, 0.0, None)
+        Progress(step=101, totalSteps=100, loss=1.0, tokensPerSecond=0.0)
+
+
+def test_an_s3_uri_without_an_endpoint_is_aws_s3(
+    fake_minio: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # checkpoint.endpoint empty means AWS S3 (spec/job.py); the store must agree.
+    monkeypatch.setenv("AWS_REGION", "eu-west-1")
+    store = open_store("s3://team-bucket/ckpt", None, "AKIAEXAMPLE", "secret")
+    assert isinstance(store, S3Store)
+    assert (store.endpoint, store.secure, store.region) == ("s3.amazonaws.com", True, "eu-west-1")
+    assert (store.bucket, store.prefix) == ("team-bucket", "ckpt")
+    assert fake_minio[-1]["endpoint"] == "s3.amazonaws.com"
+    assert fake_minio[-1]["secure"] is True and fake_minio[-1]["region"] == "eu-west-1"
+    assert fake_minio[-1]["access_key"] == "AKIAEXAMPLE"

@@ -147,7 +147,9 @@ def test_a_local_run_hands_each_stage_its_own_credentials_and_writes_no_key(
     manifest["spec"]["model"] = {"uri": str(model)}
     manifest["spec"]["pipeline"] = {"stages": 3}
     manifest["spec"]["checkpoint"] = {"uri": str(tmp_path / "ckpt")}
-    run = LocalRun(parse_job(manifest), tmp_path / "wd", None)
+    run = LocalRun.prepare(parse_job(manifest), tmp_path / "wd", None)
+    assert not (tmp_path / "wd").exists()  # preparing writes nothing
+    run.write_stage_files()
     cas = {s.link_env[LINK_CA_ENV] for s in run.stages}
     assert len(cas) == 1  # one CA for the run
     for stage, doc in zip(run.stages, run.documents, strict=True):

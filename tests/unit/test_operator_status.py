@@ -6,6 +6,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+from relaytrain_contract import Progress as Record
 from relaytrain_operator.progress import fold
 from relaytrain_operator.recovery import REPLACING
 from relaytrain_operator.spec import FineTuneJobStatus, StageStatus, parse_job
@@ -146,7 +147,7 @@ def test_progress_record_becomes_status_progress_with_an_eta() -> None:
         "updatedAt": "2026-11-22T10:00:00Z",
         "done": False,
     }
-    progress = fold(record, job, T0)
+    progress = fold(Record.from_json(record), job, T0)
     # 60 steps left x 1,000 tokens per step at 100 tokens/s = 600 s.
     assert progress.status == {
         "step": 40,
@@ -159,7 +160,9 @@ def test_progress_record_becomes_status_progress_with_an_eta() -> None:
         "eta": "2026-11-22T10:10:00Z",
     }
     assert not progress.done
-    done = fold({**record, "step": 100, "done": True, "output": "s3://out/a/"}, job, T0)
+    done = fold(
+        Record.from_json({**record, "step": 100, "done": True, "output": "s3://out/a/"}), job, T0
+    )
     assert done.done and done.output == "s3://out/a/"
     assert "eta" not in done.status
     load_status({"phase": "Running", "progress": progress.status})  # declared in the CRD
@@ -177,7 +180,7 @@ def test_eta_follows_the_reported_step_time_when_there_is_one() -> None:
         "done": False,
     }
     # 60 steps left x 2 s = 120 s after the record was written.
-    assert fold(record, job, T0).status["eta"] == "2026-11-22T10:02:00Z"
+    assert fold(Record.from_json(record), job, T0).status["eta"] == "2026-11-22T10:02:00Z"
 
 
 def test_times_parse_back_and_garbage_is_none() -> None:

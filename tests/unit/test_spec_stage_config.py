@@ -74,8 +74,9 @@ def test_spec_reaches_the_worker_in_contract_names() -> None:
     assert doc["method"]["type"] == "qlora" and doc["method"]["rank"] == 4
     assert doc["pipeline"] == {"schedule": "1f1b", "compression": "int4"}
     assert doc["training"]["microBatchSize"] == 1 and doc["training"]["steps"] == 100
-    assert doc["checkpoint"]["accessKeyEnv"] == "AWS_ACCESS_KEY_ID"
+    # No endpoint: AWS S3. No credential Secret: no variables named; AWS's standard chain.
     assert doc["checkpoint"]["endpoint"] is None
+    assert (doc["checkpoint"]["accessKeyEnv"], doc["checkpoint"]["secretKeyEnv"]) == (None, None)
     # Documents are JSON, and hold no secret values (only env var names).
     json.dumps(doc)
 
@@ -143,3 +144,14 @@ def test_stage_count_must_match_spec_and_endpoints() -> None:
         )
     with pytest.raises(ValueError, match="2 endpoints for 3 stages"):
         build_stage_configs(job(), RANGES, pod_endpoints("smollm-lora", "team-a", 2))
+
+
+def test_a_credential_secret_is_named_by_its_environment_variables() -> None:
+    docs = build_stage_configs(
+        job(checkpoint={"uri": "s3://ckpt/x", "credentialsSecret": {"name": "s3"}}),
+        RANGES,
+        pod_endpoints("smollm-lora", "team-a", 3),
+    )
+    assert {(d["checkpoint"]["accessKeyEnv"], d["checkpoint"]["secretKeyEnv"]) for d in docs} == {
+        ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+    }

@@ -1,4 +1,4 @@
-"""The worker's reading of the stage contract (docs/stage-contract.md)."""
+"""The stage document as the worker reads it (relaytrain_contract, docs/stage-contract.md)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 import pytest
-from relaytrain_worker.config import ConfigError, StageConfig
+from relaytrain_contract import CONFIG_ENV, ConfigError, StageConfig
 
 pytestmark = pytest.mark.unit
 
@@ -62,16 +62,32 @@ def _with(path: str, value: Any) -> dict[str, Any]:
 @pytest.mark.parametrize(
     ("path", "value", "message"),
     [
-        ("training.extra", 1, r"training.extra: unknown field"),
-        ("method.rank", KeyError, r"method.rank: required field is missing"),
-        ("pipeline.compression", "zstd", r"pipeline.compression: must be one of"),
-        ("training.steps", "100", r"training.steps: expected an integer"),
-        ("stage.layerEnd", 5, r"stage.layerStart/layerEnd"),
-        ("links.listen", None, r"links.listen: must be null on stage 0 and set"),
-        ("links.prevIdentity", None, r"links.prevIdentity: must be set exactly when"),
-        ("links.secretEnv", "RELAYTRAIN_LINK_SECRET", r"links.secretEnv: unknown field"),
-        ("apiVersion", "relaytrain.io/v2", r"apiVersion: expected"),
-        ("dataset.packing", "yes", r"dataset.packing: expected true or false"),
+        ("training.extra", 1, r"^training\.extra: unknown field$"),
+        ("method.rank", KeyError, r"^method\.rank: required$"),
+        ("method.rank", 0, r"^method\.rank: must be >= 1, got 0$"),
+        (
+            "pipeline.compression",
+            "zstd",
+            r"^pipeline\.compression: should be 'none', .* \(got 'zstd'\)$",
+        ),
+        ("training.steps", "100", r"^training\.steps: should be a valid integer \(got '100'\)$"),
+        (
+            "training.microBatches",
+            0,
+            r"^training\.microBatches: should be greater than or equal to 1 \(got",
+        ),
+        ("stage.layerEnd", 5, r"^stage\.layerEnd: must be above layerStart \(10\), got 5$"),
+        ("links.listen", None, r"^links\.listen: is null but prevIdentity is set$"),
+        ("links.prevIdentity", None, r"^links\.prevIdentity: is null but listen is set$"),
+        ("links.secretEnv", "RELAYTRAIN_LINK_SECRET", r"^links\.secretEnv: unknown field$"),
+        ("apiVersion", "relaytrain.io/v2", r"^apiVersion: expected 'relaytrain\.io/v1alpha1'"),
+        ("dataset.packing", "yes", r"^dataset\.packing: should be a valid boolean \(got 'yes'\)$"),
+        ("checkpoint.accessKeyEnv", None, r"^checkpoint\.accessKeyEnv: is null but secretKeyEnv"),
+        (
+            "observability.port",
+            70000,
+            r"^observability\.port: should be less than or equal to 65535",
+        ),
     ],
 )
 def test_bad_documents_name_the_field(path: str, value: Any, message: str) -> None:
@@ -88,6 +104,11 @@ def test_epochs_instead_of_steps() -> None:
         StageConfig.from_json(doc)
 
 
+def test_a_document_that_is_not_json_says_so() -> None:
+    with pytest.raises(ConfigError, match=r"^stage config: Invalid JSON"):
+        StageConfig.from_json("{not json")
+
+
 def test_the_worker_refuses_a_bad_document_at_start_up(tmp_path: Any) -> None:
     import os
     import subprocess
@@ -95,9 +116,21 @@ def test_the_worker_refuses_a_bad_document_at_start_up(tmp_path: Any) -> None:
     from pathlib import Path
 
     worker_root = Path(__file__).resolve().parents[2] / "worker_image"
-    env = {**os.environ, "PYTHONPATH": str(worker_root)}
+    bad = _with("training.microBatchSize", "4")
+    env = {**os.environ, "PYTHONPATH": str(worker_root), CONFIG_ENV: json.dumps(bad)}
+    done = subprocess.run(
+        [sys.executable, "-m", "relaytrain_worker"],
+        capture_output=True, text=True, check=False, timeout=60, env=env,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert (
+        "invalid stage config: training.microBatchSize: should be a valid integer (got '4')"
+        in done.stderr
+    )
+    # The same from a file, for a constraint rather than a type.
     path = tmp_path / "stage.json"
     path.write_text(json.dumps(_with("method.rank", 0)))
+    env.pop(CONFIG_ENV)
     done = subprocess.run(
         [sys.executable, "-m", "relaytrain_worker", "--config", str(path)],
         capture_output=True, text=True, check=False, timeout=60, env=env,

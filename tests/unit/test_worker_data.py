@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from relaytrain_worker.config import DatasetSpec
+from relaytrain_contract import DatasetSpec
 from relaytrain_worker.data import IGNORE, DataError, load_step_data
 from relaytrain_worker.testing import save_tokenizer
 from transformers import AutoTokenizer

@@ -140,7 +140,7 @@ def test_peak_memory_of_a_stage_tracks_its_share(tmp_path: Path) -> None:
 
 
 def test_from_s3_a_stage_fetches_only_the_shards_of_its_layers(model_dir: Path) -> None:
-    from relaytrain_worker.config import StageConfig
+    from relaytrain_contract import StageConfig
     from relaytrain_worker.modelfiles import stage_shards
 
     from tests.unit.test_worker_config import DOC

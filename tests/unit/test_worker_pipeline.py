@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from relaytrain_worker.config import TrainingSpec
+from relaytrain_contract import TrainingSpec
 from relaytrain_worker.model_slice import SliceSpec, build_stage_model
 from relaytrain_worker.schedule import MicroBatch, one_f_one_b
 from relaytrain_worker.testing import (

@@ -10,7 +10,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-ENV = "RELAYTRAIN_STAGE_CONFIG"
+from relaytrain_contract import CONFIG_ENV as ENV
 
 
 def _terminate(_signum: int, _frame: object) -> None:
@@ -25,7 +25,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=os.environ.get("RELAYTRAIN_LOG_LEVEL", "INFO"),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    from relaytrain_worker.config import ConfigError, StageConfig
+    from relaytrain_contract import ConfigError, StageConfig
 
     if args.config is not None:
         document = args.config.read_text()

@@ -21,8 +21,8 @@ from typing import Any
 from urllib.parse import urlparse
 
 import torch
+from relaytrain_contract import DatasetSpec
 
-from relaytrain_worker.config import DatasetSpec
 from relaytrain_worker.schedule import MicroBatch
 
 log = logging.getLogger("relaytrain.data")

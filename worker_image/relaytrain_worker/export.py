@@ -17,9 +17,9 @@ from typing import Any
 
 import safetensors.torch
 import torch
+from relaytrain_contract import StageConfig
 
 from relaytrain_worker.checkpoint import load_stage, tensors_from_bytes
-from relaytrain_worker.config import StageConfig
 from relaytrain_worker.methods import TIED_NAME, lora_config, peft_key
 from relaytrain_worker.store import Store
 

@@ -15,6 +15,7 @@ from typing import Any, Literal, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from relaytrain_contract import METRICS_PORT
 
 Health = Literal["starting", "ready", "training", "recovering", "broken", "done"]
 _UNHEALTHY = ("broken", "recovering")
@@ -116,7 +117,9 @@ class StageMetrics:
 class MetricsServer:
     """A running ``/metrics`` + ``/healthz`` server; ``port`` is the bound port."""
 
-    def __init__(self, metrics: StageMetrics, host: str = "0.0.0.0", port: int = 9400) -> None:
+    def __init__(
+        self, metrics: StageMetrics, host: str = "0.0.0.0", port: int = METRICS_PORT
+    ) -> None:
         handler = _handler(metrics)
         self._server = ThreadingHTTPServer((host, port), handler)
         self._server.daemon_threads = True
@@ -132,7 +135,7 @@ class MetricsServer:
         self._thread.join(timeout=5)
 
 
-def serve(metrics: StageMetrics, port: int = 9400, host: str = "0.0.0.0") -> MetricsServer:
+def serve(metrics: StageMetrics, port: int = METRICS_PORT, host: str = "0.0.0.0") -> MetricsServer:
     """Start serving ``metrics`` on ``host:port`` (port 0 picks a free one) in a daemon thread."""
     return MetricsServer(metrics, host, port)
 

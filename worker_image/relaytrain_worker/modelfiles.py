@@ -14,7 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlparse
 
-from relaytrain_worker.config import StageConfig
+from relaytrain_contract import StageConfig
+
 from relaytrain_worker.shards import INDEX_FILE, SINGLE_FILE, ModelLoadError
 from relaytrain_worker.store import ObjectNotFound, Store
 

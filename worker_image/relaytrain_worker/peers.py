@@ -47,16 +47,27 @@ class AsyncLink:
         self._frames: queue.Queue[tuple[Frame, str] | None] = queue.Queue()
         self._prepared: queue.Queue[PreparedFrame | _Deferred | None] = queue.Queue()
         self._error: BaseException | None = None
+        self._pending = 0
+        """Frames queued by `send` and not yet handed to the socket (or dropped on error)."""
+        self._idle = threading.Condition()
         self._threads: list[threading.Thread] = []
-        self._start()
 
-    def _start(self) -> None:
+    def start(self) -> None:
+        """Start the encoder and the sender, once: they are the queues' only consumers for
+        the link's life (a second pair could take frames out of order)."""
+        if self._threads:
+            return
         self._threads = [
             threading.Thread(target=self._encode_loop, name=f"encode-{self.name}", daemon=True),
             threading.Thread(target=self._send_loop, name=f"send-{self.name}", daemon=True),
         ]
         for thread in self._threads:
             thread.start()
+
+    def _done_one(self) -> None:
+        with self._idle:
+            self._pending -= 1
+            self._idle.notify_all()
 
     def _encode_loop(self) -> None:
         while True:
@@ -65,6 +76,7 @@ class AsyncLink:
                 self._prepared.put(None)
                 return
             if self._error is not None:
+                self._done_one()
                 continue
             if not self.overlap_encode:
                 self._prepared.put(_Deferred(*item))
@@ -73,24 +85,28 @@ class AsyncLink:
                 self._prepared.put(prepare(item[0], item[1]))
             except BaseException as exc:
                 self._fail(exc)
+                self._done_one()
 
     def _send_loop(self) -> None:
         while True:
             item = self._prepared.get()
             if item is None:
                 return
-            if self._error is not None:
-                continue
             try:
-                if isinstance(item, _Deferred):
-                    item = prepare(item.frame, item.compression)
-                self.link.send_prepared(item)
+                if self._error is None:
+                    if isinstance(item, _Deferred):
+                        item = prepare(item.frame, item.compression)
+                    self.link.send_prepared(item)
             except BaseException as exc:
                 self._fail(exc)
+            finally:
+                self._done_one()
 
     def _fail(self, exc: BaseException) -> None:
         self._error = exc
         self.link.close()
+        with self._idle:
+            self._idle.notify_all()
 
     def _check(self) -> None:
         if self._error is not None:
@@ -99,6 +115,9 @@ class AsyncLink:
     def send(self, frame: Frame, compression: str = "none") -> None:
         """Queue `frame`; returns at once."""
         self._check()
+        self.start()
+        with self._idle:
+            self._pending += 1
         self._frames.put((frame, compression))
 
     def recv(self, kind: str, step: int, micro: int = -1) -> Frame:
@@ -115,18 +134,29 @@ class AsyncLink:
         return frame
 
     def flush(self, timeout: float = 60.0) -> None:
-        """Wait until every queued frame has been handed to the socket."""
-        self._frames.put(None)
+        """Wait until every queued frame has been handed to the socket.
+
+        The threads keep running: flushing only waits for the queues to drain. TimeoutError
+        if they do not within `timeout`; LinkBroken if a send failed.
+        """
         deadline = time.monotonic() + timeout
-        for thread in self._threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
+        with self._idle:
+            while self._pending and self._error is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(
+                        f"{self._pending} frames to the {self.name} stage were not sent "
+                        f"within {timeout:g} s"
+                    )
+                self._idle.wait(left)
         self._check()
-        self._start()
 
     def close(self) -> None:
         """Close the link (the peer sees LinkBroken) and stop the sender thread."""
         self.link.close()
         self._frames.put(None)
+        with self._idle:
+            self._idle.notify_all()
 
 
 class _Deferred:
@@ -144,7 +174,11 @@ class Peers:
         self, prev: LinkLike | None, next_: LinkLike | None, *, overlap_encode: bool = True
     ) -> None:
         def wrap(link: LinkLike | None, name: str) -> AsyncLink | None:
-            return None if link is None else AsyncLink(link, name, overlap_encode=overlap_encode)
+            if link is None:
+                return None
+            wrapped = AsyncLink(link, name, overlap_encode=overlap_encode)
+            wrapped.start()
+            return wrapped
 
         self.prev = wrap(prev, "previous")
         self.next = wrap(next_, "next")

@@ -21,7 +21,6 @@ Life of a stage:
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -31,19 +30,20 @@ from typing import Any
 
 import safetensors.torch
 import torch
+from relaytrain_contract import StageConfig
 
 from relaytrain_worker import checkpoint as ckpt
-from relaytrain_worker.config import StageConfig
 from relaytrain_worker.export import TRAINABLE_FILE, export_output
+from relaytrain_worker.history import LossHistory
 from relaytrain_worker.linkauth import AuthError, LinkBroken, LinkCredentials
 from relaytrain_worker.methods import TIED_NAME, init_lora, lora_config, setup_method
-from relaytrain_worker.metrics import StageMetrics, serve
+from relaytrain_worker.metrics import MetricsServer, StageMetrics, serve
 from relaytrain_worker.model_slice import SliceSpec, build_stage_model
 from relaytrain_worker.modelfiles import resolve_model_dir
 from relaytrain_worker.peers import Peers
 from relaytrain_worker.progress import Progress, write_progress
 from relaytrain_worker.schedule import StepRunner
-from relaytrain_worker.store import ObjectNotFound, Store, open_store
+from relaytrain_worker.store import Store, open_job_store
 from relaytrain_worker.training import load_state_bytes, make_optimizer, optimizer_step, state_bytes
 from relaytrain_worker.transport import Frame, Link, Listener, connect, listen
 
@@ -51,7 +51,6 @@ log = logging.getLogger("relaytrain.stage")
 
 STATE_FILE = "state.pt"
 META_FILE = "meta.json"
-LOSSES = "loss-history.json"
 CONNECT_FOR = 600.0
 """How long a stage keeps trying to reach its next stage (a replacement pod takes time)."""
 
@@ -103,19 +102,16 @@ class StageRuntime:
         if steps is None:
             assert self.data is not None and cfg.training.epochs is not None
             steps = self.data.steps_for_epochs(cfg.training.epochs)
-        self.training = dataclasses.replace(cfg.training, steps=steps, epochs=None)
+        self.training = cfg.training.model_copy(update={"steps": steps, "epochs": None})
         self.total_steps = steps
         self.optimizer, self.scheduler = make_optimizer(self.trainable, self.training)
         self.metrics = StageMetrics(cfg.job.name, self.k)
         self.metrics.total_steps.set(self.total_steps)
-        self.server = serve(self.metrics, cfg.observability.port)
+        self.server: MetricsServer | None = None
         self.listener: Listener | None = None
-        if cfg.links.listen is not None:
-            assert cfg.links.prevIdentity is not None  # the config checks both are set
-            self.listener = listen(
-                cfg.links.listen, credentials=self.tls, expect=cfg.links.prevIdentity
-            )
-        self.losses: list[dict[str, Any]] = []
+        self.history = LossHistory(self.store, self.prefix)
+        """The loss records (last stage only): appended per step, written per commit."""
+        self.step_seconds: float | None = None
         self.last_committed: int | None = None
         self.step = 0
         self.kept: tuple[int, dict[str, bytes]] | None = None
@@ -123,11 +119,19 @@ class StageRuntime:
 
     # -- setup -----------------------------------------------------------------------
 
+    def open_endpoints(self) -> None:
+        """Serve /metrics and /healthz and listen for the previous stage (once)."""
+        cfg = self.cfg
+        if self.server is None:
+            self.server = serve(self.metrics, cfg.observability.port)
+        if self.listener is None and cfg.links.listen is not None:
+            assert cfg.links.prevIdentity is not None  # the config checks both are set
+            self.listener = listen(
+                cfg.links.listen, credentials=self.tls, expect=cfg.links.prevIdentity
+            )
+
     def _open(self, uri: str) -> Store:
-        c = self.cfg.checkpoint
-        return open_store(
-            uri, c.endpoint, os.environ.get(c.accessKeyEnv), os.environ.get(c.secretKeyEnv)
-        )
+        return open_job_store(uri, self.cfg.checkpoint)
 
     def _load_data(self) -> Any:
         from transformers import AutoTokenizer
@@ -259,6 +263,7 @@ class StageRuntime:
                 )
             # It drops anything newer (partial saves, corrupt commits) so reruns can write it.
             ckpt.discard_after(self.store, self.prefix, agreed)
+            self.history.discard_after(agreed)
         if peers.prev is not None:
             peers.prev.send(Frame("resume", -1, -1, {}, {"resume": agreed}))
         return agreed
@@ -267,9 +272,9 @@ class StageRuntime:
 
     def run(self) -> int:
         """Train to the end, recovering from broken links; returns the exit code."""
+        self.open_endpoints()
         restored = self.restore_newest()
         self.step = restored or 0
-        self._load_losses()
         attempt = 0
         # Even a stage that restored the final step joins one handshake: another stage may
         # have found a file of that commit corrupt, and then every stage redoes the end.
@@ -282,7 +287,8 @@ class StageRuntime:
                 if agreed != restored:
                     restored = agreed
                     self.step = self.restore(agreed)
-                self.losses = [e for e in self.losses if e["step"] <= self.step]
+                if self.cfg.stage.is_last:
+                    self.history.resume(restored)
                 self.metrics.set_health("training", step=self.step)
                 self._train(peers)
                 for link in (peers.prev, peers.next):
@@ -353,23 +359,28 @@ class StageRuntime:
         if loss is None:
             return
         self.metrics.loss.set(loss)
-        self.losses.append({"step": self.step, "loss": loss, "tokensPerSecond": rate})
-        self.store.put(f"{self.prefix}/{LOSSES}", json.dumps(self.losses).encode())
+        self.history.append(self.step, loss, rate)
+        self.step_seconds = seconds
+        self._publish()
+
+    def _publish(self, *, done: bool = False) -> None:
+        """Write progress.json (the last stage's only writer of it): this step, the newest
+        loss record, the newest commit, and when done the output."""
+        last = self.history.last or {"loss": None, "tokensPerSecond": 0.0}
         write_progress(
             self.store,
             self.prefix,
             Progress(
-                self.step, self.total_steps, loss, rate, self.last_committed, step_seconds=seconds
+                step=self.step,
+                totalSteps=self.total_steps,
+                loss=last["loss"],
+                tokensPerSecond=float(last["tokensPerSecond"] or 0.0),
+                lastCommittedStep=self.last_committed,
+                stepSeconds=self.step_seconds,
+                done=done,
+                output=self.cfg.output.uri if done else None,
             ),
         )
-
-    def _load_losses(self) -> None:
-        if not self.cfg.stage.is_last:
-            return
-        try:
-            self.losses = json.loads(self.store.get(f"{self.prefix}/{LOSSES}"))
-        except ObjectNotFound:
-            self.losses = []
 
     def _checkpoint(self, peers: Peers, step: int) -> None:
         started = time.monotonic()
@@ -383,22 +394,14 @@ class StageRuntime:
         if peers.next is not None:
             peers.next.send(Frame("saved", step, -1))
             return
+        # The loss records of the steps up to this one go first: every committed step's
+        # record is then in the store.
+        self.history.write(step)
         if ckpt.try_commit(self.store, self.prefix, step, self.count):
             self.last_committed = step
             self.metrics.last_committed_step.set(step)
             ckpt.prune(self.store, self.prefix, self.cfg.checkpoint.keep)
-            last = self.losses[-1] if self.losses else {"loss": None, "tokensPerSecond": 0.0}
-            write_progress(
-                self.store,
-                self.prefix,
-                Progress(
-                    self.step,
-                    self.total_steps,
-                    last["loss"],
-                    float(last["tokensPerSecond"] or 0.0),
-                    step,
-                ),
-            )
+            self._publish()
 
     def _finish(self) -> None:
         """Export the final commit and mark the job done (last stage only)."""
@@ -411,24 +414,14 @@ class StageRuntime:
             out=out,
             model_dir=self.model_dir,
         )
-        last = self.losses[-1] if self.losses else {"loss": None, "tokensPerSecond": 0.0}
-        write_progress(
-            self.store,
-            self.prefix,
-            Progress(
-                self.total_steps,
-                self.total_steps,
-                last["loss"],
-                float(last["tokensPerSecond"] or 0.0),
-                self.total_steps,
-                done=True,
-                output=self.cfg.output.uri,
-            ),
-        )
+        self.history.finish()
+        self.step = self.last_committed = self.total_steps
+        self._publish(done=True)
         log.info("Stage %d wrote the output to %s", self.k, self.cfg.output.uri)
 
     def close(self) -> None:
-        self.server.stop()
+        if self.server is not None:
+            self.server.stop()
         if self.listener is not None:
             self.listener.close()
 

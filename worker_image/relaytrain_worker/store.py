@@ -1,4 +1,4 @@
-"""Object stores for checkpoints, progress and outputs: a local directory or S3 (MinIO).
+"""Object stores for checkpoints, progress and outputs: a local directory or S3 (AWS, MinIO).
 
 Keys are ``/``-separated relative paths (``ns/job/step-20/stage-1/adapter.safetensors``).
 Every ``put`` is atomic: a reader sees the old object, or the new one, never half of one.
@@ -10,9 +10,20 @@ from __future__ import annotations
 import io
 import os
 import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 from urllib.parse import urlparse
+
+from relaytrain_contract import (
+    ACCESS_KEY_ENV,
+    SECRET_KEY_ENV,
+    SESSION_TOKEN_ENV,
+    CheckpointSpec,
+    S3Endpoint,
+    s3_endpoint,
+)
 
 
 class StoreError(Exception):
@@ -58,7 +69,7 @@ class LocalStore:
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
+        """Created by the first `put` (opening a store touches nothing)."""
 
     def __repr__(self) -> str:
         return f"LocalStore({str(self.root)!r})"
@@ -117,6 +128,39 @@ class LocalStore:
                 break
 
 
+@dataclass(frozen=True)
+class S3Credentials:
+    """Static S3 credentials (all None: anonymous, or the IAM role where that applies)."""
+
+    access_key: str | None = None
+    """Access key id."""
+    secret_key: str | None = None
+    """Secret access key."""
+    session_token: str | None = None
+    """A temporary session token (AWS STS), with the key pair it belongs to."""
+
+
+def job_credentials(
+    checkpoint: CheckpointSpec, environ: Mapping[str, str] = os.environ
+) -> S3Credentials:
+    """The credentials a stage document points at.
+
+    With `accessKeyEnv`/`secretKeyEnv` named (a credential Secret in a pod), the key pair in
+    those variables. With none named, AWS's standard environment: AWS_ACCESS_KEY_ID,
+    AWS_SECRET_ACCESS_KEY and AWS_SESSION_TOKEN (all empty: anonymous, or on AWS the IAM role).
+    """
+    if checkpoint.accessKeyEnv is not None and checkpoint.secretKeyEnv is not None:
+        return S3Credentials(
+            environ.get(checkpoint.accessKeyEnv) or None,
+            environ.get(checkpoint.secretKeyEnv) or None,
+        )
+    return S3Credentials(
+        environ.get(ACCESS_KEY_ENV) or None,
+        environ.get(SECRET_KEY_ENV) or None,
+        environ.get(SESSION_TOKEN_ENV) or None,
+    )
+
+
 class S3Store:
     """A bucket/prefix on S3 or MinIO through the minio client (which does multipart)."""
 
@@ -129,13 +173,33 @@ class S3Store:
         access_key: str | None = None,
         secret_key: str | None = None,
         secure: bool = False,
+        session_token: str | None = None,
+        region: str | None = None,
     ) -> None:
         from minio import Minio
 
         self.endpoint = endpoint
+        self.secure = secure
+        self.region = region
         self.bucket = bucket
         self.prefix = prefix.strip("/")
-        self._client = Minio(endpoint, access_key=access_key, secret_key=secret_key, secure=secure)
+        self.credentials = S3Credentials(access_key, secret_key, session_token)
+        kwargs: dict[str, Any] = {}
+        if access_key is None and S3Endpoint(endpoint, secure).is_aws:
+            # AWS S3 with nothing in the environment: the pod's IAM role (IRSA web
+            # identity, ECS or EC2 instance metadata), as AWS's own tools fall back to.
+            from minio.credentials.providers import IamAwsProvider
+
+            kwargs["credentials"] = IamAwsProvider()
+        self._client = Minio(
+            endpoint,
+            access_key=access_key,
+            secret_key=secret_key,
+            session_token=session_token,
+            secure=secure,
+            region=region,
+            **kwargs,
+        )
         try:
             if not self._client.bucket_exists(bucket):
                 self._client.make_bucket(bucket)
@@ -201,29 +265,49 @@ def open_store(
     endpoint: str | None = None,
     access_key: str | None = None,
     secret_key: str | None = None,
+    *,
+    session_token: str | None = None,
+    environ: Mapping[str, str] = os.environ,
 ) -> Store:
-    """Open ``s3://bucket/prefix`` (with ``endpoint``, e.g. ``http://minio:9000``) or a local path.
+    """Open ``s3://bucket/prefix`` or a local path.
 
-    ``file://`` URIs and plain paths give a LocalStore. An endpoint with ``https://`` is
-    reached over TLS; ``http://`` or no scheme over plain HTTP.
+    ``file://`` URIs and plain paths give a LocalStore. An s3:// URI is served by
+    ``endpoint`` (``https://`` over TLS, ``http://`` or no scheme over plain HTTP), or, with
+    no endpoint, by AWS S3 in the region ``environ`` names (`relaytrain_contract.s3_endpoint`).
     """
     parsed = urlparse(uri)
     if parsed.scheme == "s3":
         if not parsed.netloc:
             raise ValueError(f"{uri!r} names no bucket; use s3://bucket/prefix")
-        if not endpoint:
-            raise ValueError(f"{uri!r} needs an S3 endpoint (checkpoint.endpoint)")
-        ep = urlparse(endpoint if "://" in endpoint else f"http://{endpoint}")
+        ep = s3_endpoint(endpoint, environ)
         return S3Store(
-            ep.netloc,
+            ep.host,
             parsed.netloc,
             parsed.path.strip("/"),
             access_key=access_key,
             secret_key=secret_key,
-            secure=ep.scheme == "https",
+            session_token=session_token,
+            secure=ep.secure,
+            region=ep.region,
         )
     if parsed.scheme == "file":
         return LocalStore(parsed.path)
     if parsed.scheme == "" or len(parsed.scheme) == 1:  # plain path (or a Windows drive)
         return LocalStore(uri)
     raise ValueError(f"unsupported store URI {uri!r}; use s3://bucket/prefix or a local path")
+
+
+def open_job_store(
+    uri: str, checkpoint: CheckpointSpec, environ: Mapping[str, str] = os.environ
+) -> Store:
+    """The store of ``uri`` (checkpoint, model, dataset or output) as a stage document
+    says to reach it: ``checkpoint.endpoint`` (null: AWS S3) and `job_credentials`."""
+    creds = job_credentials(checkpoint, environ)
+    return open_store(
+        uri,
+        checkpoint.endpoint,
+        creds.access_key,
+        creds.secret_key,
+        session_token=creds.session_token,
+        environ=environ,
+    )

@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+from relaytrain_contract import TrainingSpec
 from torch import nn
 
-from relaytrain_worker.config import TrainingSpec
 from relaytrain_worker.methods import TIED_NAME, lora_config, setup_method
 from relaytrain_worker.model_slice import BUILD_LOCK, SliceSpec, build_stage_model
 from relaytrain_worker.peers import Peers

@@ -6,10 +6,9 @@ import io
 from typing import Any
 
 import torch
+from relaytrain_contract import TrainingSpec
 from torch import nn
 from transformers import get_scheduler
-
-from relaytrain_worker.config import TrainingSpec
 
 _SCHEDULES = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}
 
@@ -45,16 +44,21 @@ def optimizer_step(
 def state_bytes(
     optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler
 ) -> bytes:
-    """Optimizer, schedule and RNG state as one torch-serialised blob."""
+    """Optimizer, schedule and RNG state as one torch-serialised blob.
+
+    The RNG state is the CPU generator's and, where CUDA is up, every CUDA device's (dropout
+    on a GPU draws from the device's generator, not the CPU's).
+    """
     buf = io.BytesIO()
-    torch.save(
-        {
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
-            "rng": torch.get_rng_state(),
-        },
-        buf,
-    )
+    state: dict[str, Any] = {
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "rng": torch.get_rng_state(),
+    }
+    # A process that never touched CUDA drew nothing from it, and asking would initialise it.
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        state["cuda_rng"] = torch.cuda.get_rng_state_all()
+    torch.save(state, buf)
     return buf.getvalue()
 
 
@@ -63,8 +67,12 @@ def load_state_bytes(
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
 ) -> None:
-    """Restore what `state_bytes` wrote."""
+    """Restore what `state_bytes` wrote (CUDA generators too, when it saved them and this
+    process has as many devices)."""
     state: dict[str, Any] = torch.load(io.BytesIO(data), weights_only=True)
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     torch.set_rng_state(state["rng"])
+    cuda = state.get("cuda_rng")
+    if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda)

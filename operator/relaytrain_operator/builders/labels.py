@@ -15,11 +15,6 @@ MANAGED_BY = "relaytrain-operator"
 API_VERSION = "relaytrain.io/v1alpha1"
 KIND = "FineTuneJob"
 
-LINK_PORT = 29500
-"""Port on which stage k listens for stage k-1 (docs/stage-contract.md)."""
-METRICS_PORT = 9400
-"""Port of each stage's /metrics and /healthz."""
-
 # A pod's hostname is one DNS label: at most 63 characters.
 MAX_DNS_LABEL = 63
 

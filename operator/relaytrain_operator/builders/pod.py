@@ -6,9 +6,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from relaytrain_contract import CONFIG_ENV, LINK_PORT, METRICS_PORT
+
 from relaytrain_operator.builders.labels import (
-    LINK_PORT,
-    METRICS_PORT,
     POOL_ANNOTATION,
     STAGE_LABEL,
     child_metadata,
@@ -17,8 +17,6 @@ from relaytrain_operator.builders.labels import (
 )
 from relaytrain_operator.linkcerts import CA_FILE, cert_file, key_file
 
-STAGE_CONFIG_ENV = "RELAYTRAIN_STAGE_CONFIG"
-"""Environment variable holding the stage contract JSON (docs/stage-contract.md)."""
 GPU_RESOURCE = "nvidia.com/gpu"
 MIB = 1024 * 1024
 # The worker image's numeric non-root user (worker_image/Dockerfile), so `runAsNonRoot`
@@ -76,7 +74,7 @@ def _secret_env(name: str, secret: str, key: str) -> dict[str, Any]:
 def _env(job_name: str, inputs: StagePodInputs) -> list[dict[str, Any]]:
     config = inputs.stage_config
     env: list[dict[str, Any]] = [
-        {"name": STAGE_CONFIG_ENV, "value": json.dumps(config, sort_keys=True)},
+        {"name": CONFIG_ENV, "value": json.dumps(config, sort_keys=True)},
         # The root filesystem is read-only: caches go to the /tmp emptyDir.
         {"name": "HOME", "value": "/tmp"},
         {"name": "HF_HOME", "value": "/tmp/hf"},

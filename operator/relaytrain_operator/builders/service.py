@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from relaytrain_contract import LINK_PORT, METRICS_PORT
+
 from relaytrain_operator.builders.labels import (
     JOB_LABEL,
-    LINK_PORT,
-    METRICS_PORT,
     child_metadata,
 )
 

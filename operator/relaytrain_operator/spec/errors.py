@@ -1,8 +1,9 @@
 """SpecError: a rejected FineTuneJob, each problem named by its field path.
 
-pydantic's own messages say what is wrong; this module says *where* in manifest terms
-(`spec.placement.tolerations[0].effect`) and, for unknown fields, which names would be valid —
-the thing a user needs to fix the YAML.
+pydantic's own messages say what is wrong; relaytrain_contract.errors says *where*
+(`spec.placement.tolerations[0].effect`), as for a stage document; this module adds, for
+unknown fields, which names would be valid and, for patterns, what they mean — the things a
+user needs to fix the YAML.
 """
 
 from __future__ import annotations
@@ -12,13 +13,11 @@ import typing
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
-from pydantic_core import PydanticCustomError
+from relaytrain_contract.errors import field_error, field_path, problem
 
 from relaytrain_operator.spec.patterns import HINTS
 
 __all__ = ["SpecError", "field_error", "format_errors"]
-
-_FIELD_ERROR = "relaytrain_field"
 
 
 class SpecError(ValueError):
@@ -36,51 +35,19 @@ class SpecError(ValueError):
         return [path for path, _ in self.problems]
 
 
-def field_error(field: str, message: str) -> PydanticCustomError:
-    """An error for a cross-field check, reported at `<model path>.<field>`."""
-    return PydanticCustomError(
-        _FIELD_ERROR, "{field}: {message}", {"field": field, "message": message}
-    )
-
-
 def format_errors(exc: ValidationError, root: type[BaseModel]) -> list[tuple[str, str]]:
     """Turn pydantic's errors into (path, message) pairs in manifest terms."""
     problems: list[tuple[str, str]] = []
     for err in exc.errors(include_url=False):
-        loc = list(err["loc"])
-        kind = err["type"]
-        if kind == _FIELD_ERROR:
-            ctx = err.get("ctx") or {}
-            loc.append(str(ctx["field"]))
-            message = str(ctx["message"])
-        elif kind == "missing":
-            message = "required"
-        elif kind == "extra_forbidden":
+        loc, message = problem(err)
+        if err["type"] == "extra_forbidden":
             valid = _field_names(_model_at(root, loc[:-1]))
-            message = "unknown field" + (
-                f"; valid fields here: {', '.join(valid)}" if valid else ""
-            )
-        elif kind == "string_pattern_mismatch":
+            message += f"; valid fields here: {', '.join(valid)}" if valid else ""
+        elif err["type"] == "string_pattern_mismatch":
             pattern = str((err.get("ctx") or {}).get("pattern", ""))
             message = HINTS.get(pattern, str(err["msg"])) + f" (got {err.get('input')!r})"
-        else:
-            message = str(err["msg"]).removeprefix("Value error, ")
-            message = message.replace("Input should be", "should be")
-            value = err.get("input")
-            if isinstance(value, str | int | float | bool) and "got" not in message:
-                message += f" (got {value!r})"
-        problems.append((_path(loc), message))
+        problems.append((field_path(loc), message))
     return problems
-
-
-def _path(loc: list[Any]) -> str:
-    text = ""
-    for part in loc:
-        if isinstance(part, int):
-            text += f"[{part}]"
-        else:
-            text += f".{part}" if text else str(part)
-    return text
 
 
 def _field_names(model: type[BaseModel] | None) -> list[str]:

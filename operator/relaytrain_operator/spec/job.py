@@ -7,6 +7,8 @@ tests/unit/test_crd_schema.py keeps the two in step (field names, defaults, enum
 
 Field names are snake_case in Python and camelCase in manifests (aliases). Unknown fields
 are errors, and types are strict (no "3" for 3), as the API server's structural schema is.
+The enumerations that reach the stages (dtype, formats, methods, schedules, compression)
+are the stage contract's (relaytrain_contract).
 The status shape lives in relaytrain_operator.spec.status.
 """
 
@@ -23,6 +25,14 @@ from pydantic import (
     model_validator,
 )
 from pydantic.alias_generators import to_camel
+from relaytrain_contract import (
+    Compression,
+    DatasetFormat,
+    Dtype,
+    LrSchedule,
+    MethodType,
+    PipelineSchedule,
+)
 
 from relaytrain_operator.spec import patterns
 from relaytrain_operator.spec.errors import SpecError, field_error, format_errors
@@ -71,7 +81,7 @@ class ModelSpec(_Model):
     uri: ModelUri
     """Where the model is: `s3://bucket/prefix` holding config.json, the safetensors shards
     and the tokenizer; `hf://org/name` for a Hugging Face hub id; or a local directory."""
-    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    dtype: Dtype = "bfloat16"
     """Precision of the base weights and of compute (QLoRA computes in it over 4-bit weights)."""
 
 
@@ -80,7 +90,7 @@ class DatasetSpec(_Model):
 
     uri: StoreUri
     """Where the JSONL file is: `s3://bucket/key` or a local path."""
-    format: Literal["text", "prompt-completion", "chat"] = "text"
+    format: DatasetFormat = "text"
     """`text`: one text field; `prompt-completion`: loss on the completion only; `chat`: a
     list of messages rendered with the tokenizer's chat template."""
     text_field: Name = "text"
@@ -100,7 +110,7 @@ class DatasetSpec(_Model):
 class MethodSpec(_Model):
     """What is trained: low-rank adapters (LoRA, QLoRA) or every parameter (full)."""
 
-    type: Literal["lora", "qlora", "full"] = "lora"
+    type: MethodType = "lora"
     """`lora`: adapters on frozen weights in model.dtype; `qlora`: adapters on 4-bit (NF4)
     frozen weights; `full`: every weight of each stage's slice trains."""
     rank: Annotated[int, Field(ge=1, le=1024)] = 8
@@ -137,7 +147,7 @@ class TrainingSpec(_Model):
     when this is at least the number of stages)."""
     learning_rate: Annotated[float, Field(gt=0.0, le=1.0)] = 2e-4
     """Peak learning rate."""
-    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    schedule: LrSchedule = "cosine"
     """Learning-rate decay after warm-up."""
     warmup_steps: Annotated[int, Field(ge=0, le=10_000_000)] = 0
     """Steps of linear warm-up from 0 to learningRate; at most steps."""
@@ -172,9 +182,9 @@ class PipelineSpec(_Model):
 
     stages: Annotated[int | Literal["auto"], PlainValidator(_stages)] = "auto"
     """Number of pipeline stages, or `auto` to let the planner choose."""
-    schedule: Literal["1f1b"] = "1f1b"
+    schedule: PipelineSchedule = "1f1b"
     """Pipeline schedule; one-forward-one-backward."""
-    compression: Literal["none", "bf16", "int8", "int4"] = "int8"
+    compression: Compression = "int8"
     """Compression of activations and their gradients on the links between stages."""
 
 

@@ -1,0 +1,79 @@
+"""The loss history: each step's record is written once, so bytes grow linearly with steps."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from relaytrain_worker.history import LOSSES, LossHistory, read_history
+from relaytrain_worker.store import LocalStore
+
+pytestmark = pytest.mark.unit
+
+PREFIX = "default/job"
+
+
+class CountingStore(LocalStore):
+    """A LocalStore that counts the bytes `put` writes."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.written = 0
+
+    def put(self, key: str, data: bytes) -> None:
+        self.written += len(data)
+        super().put(key, data)
+
+
+def _train(history: LossHistory, steps: range, every: int) -> None:
+    """What the last stage does: a record per step, a chunk per commit."""
+    for step in steps:
+        history.append(step, 2.5, 1234.5)  # fixed widths: only step digits vary
+        if step % every == 0:
+            history.write(step)
+
+
+def test_bytes_written_per_step_stay_constant(tmp_path: Path) -> None:
+    store = CountingStore(tmp_path)
+    history = LossHistory(store, PREFIX)
+    every, per_interval = 5, []
+    for start in range(1, 401, every):
+        before = store.written
+        _train(history, range(start, start + every), every)
+        per_interval.append(store.written - before)
+    # Every checkpoint interval writes its own records and nothing else: the same bytes
+    # at step 400 as at step 5 (rewriting the whole history grew them linearly, O(steps²)
+    # in all). A step number one digit longer adds a byte per record.
+    assert max(per_interval) - min(per_interval) <= 2 * every
+    records = read_history(store, PREFIX)
+    assert [r["step"] for r in records] == list(range(1, 401))
+    line_bytes = sum(len(json.dumps(r)) + 1 for r in records)
+    assert store.written == line_bytes  # each record written exactly once
+    # The consolidated array is written once, at the end.
+    before = store.written
+    assert history.finish() == records
+    assert store.written - before == len(json.dumps(records))
+    assert json.loads((tmp_path / PREFIX / LOSSES).read_text()) == records
+
+
+def test_a_rollback_drops_records_after_the_commit_and_a_rerun_replaces_them(
+    tmp_path: Path,
+) -> None:
+    store = LocalStore(tmp_path)
+    history = LossHistory(store, PREFIX)
+    _train(history, range(1, 8), every=3)  # commits 3 and 6; step 7 pending
+    assert history.last is not None and history.last["step"] == 7
+    # Step 6's commit turned out corrupt: the coordinator goes back to 3.
+    history.discard_after(3)
+    history.resume(3)
+    assert history.pending == [] and history.last is not None and history.last["step"] == 3
+    assert [r["step"] for r in read_history(store, PREFIX)] == [1, 2, 3]
+    _train(history, range(4, 10), every=3)
+    assert [r["step"] for r in read_history(store, PREFIX)] == list(range(1, 10))
+    # A fresh process restoring step 6 sees the history up to it.
+    fresh = LossHistory(store, PREFIX)
+    fresh.resume(6)
+    assert fresh.last is not None and fresh.last["step"] == 6
+    fresh.resume(None)
+    assert fresh.last is None

@@ -1,0 +1,45 @@
+"""Names both sides of the stage contract agree on: versions, ports, environment variables.
+
+The operator writes them into pods and stage documents; `relaytrain run --local` into
+processes; the worker reads them. Each is defined here once (docs/stage-contract.md).
+"""
+
+from __future__ import annotations
+
+API_VERSION = "relaytrain.io/v1alpha1"
+"""apiVersion of a stage document (the FineTuneJob API's group and version)."""
+STAGE_CONFIG_KIND = "StageConfig"
+"""kind of a stage document."""
+
+CONFIG_ENV = "RELAYTRAIN_STAGE_CONFIG"
+"""Environment variable carrying a stage's document (in a pod; locally `--config PATH`)."""
+LINK_CERT_ENV = "RELAYTRAIN_LINK_CERT"
+"""Environment variable holding the stage's link certificate (PEM)."""
+LINK_KEY_ENV = "RELAYTRAIN_LINK_KEY"
+"""Environment variable holding the private key of that certificate (PEM)."""
+LINK_CA_ENV = "RELAYTRAIN_LINK_CA"
+"""Environment variable holding the job's link CA certificate (PEM)."""
+ACCESS_KEY_ENV = "AWS_ACCESS_KEY_ID"
+"""Environment variable holding the S3 access key id (AWS's standard name)."""
+SECRET_KEY_ENV = "AWS_SECRET_ACCESS_KEY"
+"""Environment variable holding the S3 secret access key (AWS's standard name)."""
+SESSION_TOKEN_ENV = "AWS_SESSION_TOKEN"
+"""Environment variable holding a temporary session token (AWS's standard credential chain)."""
+REGION_ENVS = ("AWS_REGION", "AWS_DEFAULT_REGION")
+"""Environment variables naming the AWS region, in the order AWS's tools read them."""
+
+LINK_PORT = 29500
+"""Port on which stage k listens for stage k-1 (in pods)."""
+METRICS_PORT = 9400
+"""Port of a stage's /metrics and /healthz (in pods)."""
+
+PROGRESS_FILE = "progress.json"
+"""The progress record under `<checkpoint.uri>/<namespace>/<job>/` (see progress.py)."""
+
+
+def link_identity(namespace: str, job_name: str, pipeline: int, stage: int) -> str:
+    """Who a stage is on the links: the one URI SAN of its certificate, checked by neighbours.
+
+    `pipeline` is 0 while a job has one; `stage` the stage's index.
+    """
+    return f"relaytrain://{namespace}/{job_name}/p{pipeline}/s{stage}"

@@ -1,0 +1,87 @@
+"""progress.json: where a job stands, written by its last stage, read by the operator and
+by `relaytrain run --local` (docs/stage-contract.md).
+
+The last stage rewrites `<checkpoint.uri>/<namespace>/<job>/progress.json` (names.PROGRESS_FILE)
+after every optimizer step, atomically. Field names are the record's own (camelCase).
+Unknown fields are ignored, so a reader older than the writer still reports what it knows.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from datetime import UTC, datetime
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from relaytrain_contract.errors import config_error, field_error
+
+Steps = Annotated[int, Field(ge=0)]
+
+
+class Progress(BaseModel):
+    """One progress record."""
+
+    model_config = ConfigDict(
+        extra="ignore", strict=True, frozen=True, use_attribute_docstrings=True
+    )
+
+    step: Steps
+    """Optimizer steps finished."""
+    totalSteps: Steps  # noqa: N815 - the record's spelling
+    """Optimizer steps the job will run."""
+    loss: float | None = None
+    """Training loss of the last step (null before the first one, or when it was not finite:
+    JSON has no NaN)."""
+    tokensPerSecond: Annotated[float, Field(ge=0.0)]  # noqa: N815
+    """Non-padding input tokens per second of wall time over the last step."""
+    lastCommittedStep: Steps | None = None  # noqa: N815
+    """Newest committed checkpoint step; null before the first commit."""
+    updatedAt: datetime | None = None  # noqa: N815
+    """When the record was written (UTC, RFC 3339); `stamped` fills it in."""
+    done: bool = False
+    """True once the job finished and its output is written."""
+    output: str | None = None
+    """Where the final adapter went (only when done)."""
+    stepSeconds: Annotated[float, Field(ge=0.0)] | None = None  # noqa: N815
+    """Wall seconds the last step took (the operator's ETA is based on it; optional: an
+    older worker does not write it)."""
+
+    @field_validator("loss", mode="before")
+    @classmethod
+    def _finite(cls, value: Any) -> Any:
+        return None if isinstance(value, float) and not math.isfinite(value) else value
+
+    @model_validator(mode="after")
+    def _step_of_total(self) -> Progress:
+        if self.step > self.totalSteps:
+            raise field_error("step", f"step {self.step} of {self.totalSteps} is past the end")
+        return self
+
+    def stamped(self, now: datetime | None = None) -> Progress:
+        """This record with `updatedAt` set (to `now`, default the current time) if unset."""
+        if self.updatedAt is not None:
+            return self
+        moment = (now or datetime.now(UTC)).astimezone(UTC).replace(microsecond=0)
+        return self.model_copy(update={"updatedAt": moment})
+
+    def to_json(self) -> bytes:
+        """The record as written: `output` and `stepSeconds` only when known."""
+        record = self.model_dump(mode="json")
+        for key in ("output", "stepSeconds"):
+            if record[key] is None:
+                del record[key]
+        return json.dumps(record, indent=1).encode()
+
+    @classmethod
+    def from_json(cls, data: str | bytes | dict[str, Any]) -> Progress:
+        """Parse a record (JSON text, or a dict as parsed from it); ConfigError names the field."""
+        text = json.dumps(data) if isinstance(data, dict) else data
+        try:
+            return cls.model_validate_json(text)
+        except ValidationError as exc:
+            raise config_error(exc, "progress.json") from None
+
+
+__all__ = ["Progress"]

@@ -1,0 +1,307 @@
+"""The stage document (docs/stage-contract.md): what every stage process is started with.
+
+The operator (and `relaytrain run --local`) builds one StageConfig per stage and hands it
+over as JSON (`StageConfig.to_dict`); the worker parses it (`StageConfig.from_json`). The
+field names are the document's own (camelCase), so what a log or test shows is what
+travels. Every field is required unless said otherwise, types are strict (no "3" for 3),
+and unknown fields are errors: an operator and a worker of different versions fail loudly
+at start-up instead of training with a silently ignored setting.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from relaytrain_contract.errors import config_error, field_error
+from relaytrain_contract.names import API_VERSION, STAGE_CONFIG_KIND
+
+DatasetFormat = Literal["text", "prompt-completion", "chat"]
+MethodType = Literal["lora", "qlora", "full"]
+LrSchedule = Literal["cosine", "linear", "constant"]
+PipelineSchedule = Literal["1f1b"]
+Compression = Literal["none", "bf16", "int8", "int4"]
+Dtype = Literal["float32", "bfloat16", "float16"]
+
+Count = Annotated[int, Field(ge=1)]
+Name = Annotated[str, Field(min_length=1, pattern=r"^[^/]+$")]
+
+
+class _Part(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid", strict=True, frozen=True, use_attribute_docstrings=True
+    )
+
+
+class JobRef(_Part):
+    """Which FineTuneJob this stage belongs to."""
+
+    namespace: Name
+    """Kubernetes namespace of the job (also a path element in the checkpoint store)."""
+    name: Name
+    """Job name (a path element in the checkpoint store and part of the link identities)."""
+    uid: str
+    """The job object's UID ("" outside Kubernetes). Links need not compare it: each
+    incarnation of a job has its own link CA, so they refuse another incarnation's stages."""
+
+
+class StageRef(_Part):
+    """Where this stage sits in the pipeline."""
+
+    index: Annotated[int, Field(ge=0)]
+    """0-based position of this stage."""
+    count: Count
+    """Number of stages in the pipeline."""
+    layerStart: Annotated[int, Field(ge=0)]  # noqa: N815 - the contract's spelling
+    """First global decoder layer this stage holds (inclusive)."""
+    layerEnd: int  # noqa: N815
+    """Global decoder layer where the next stage starts (exclusive)."""
+
+    @model_validator(mode="after")
+    def _in_range(self) -> StageRef:
+        if self.index >= self.count:
+            raise field_error("index", f"must be below count ({self.count}), got {self.index}")
+        if self.layerEnd <= self.layerStart:
+            raise field_error(
+                "layerEnd", f"must be above layerStart ({self.layerStart}), got {self.layerEnd}"
+            )
+        return self
+
+    @property
+    def is_first(self) -> bool:
+        """Stage 0 reads the data and holds the embedding."""
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        """The last stage holds the final norm and head, and computes the loss."""
+        return self.index == self.count - 1
+
+
+class ModelSpec(_Part):
+    """The base model."""
+
+    uri: str
+    """Local directory, file:// or s3:// prefix with config.json and safetensors shards."""
+    dtype: Dtype
+    """Dtype the base weights are held in."""
+
+
+class DatasetSpec(_Part):
+    """The training data (JSONL), read and tokenized by stage 0."""
+
+    uri: str
+    """Local path, file:// or s3:// object of a JSONL file."""
+    format: DatasetFormat
+    """`text`, `prompt-completion` (prompt masked from the loss) or `chat`."""
+    textField: str  # noqa: N815
+    """Field holding the text for format `text`."""
+    promptField: str  # noqa: N815
+    """Field holding the prompt for format `prompt-completion`."""
+    completionField: str  # noqa: N815
+    """Field holding the completion for format `prompt-completion`."""
+    messagesField: str  # noqa: N815
+    """Field holding the list of {role, content} messages for format `chat`."""
+    sequenceLength: Annotated[int, Field(ge=2)]  # noqa: N815
+    """Tokens per sequence (packed to or padded to this length)."""
+    packing: bool
+    """Concatenate examples into full sequences instead of padding each one."""
+
+
+class MethodSpec(_Part):
+    """What is trained."""
+
+    type: MethodType
+    """`lora`, `qlora` (4-bit base through bitsandbytes) or `full`."""
+    rank: int
+    """LoRA rank (ignored by `full`)."""
+    alpha: float
+    """LoRA alpha (ignored by `full`)."""
+    dropout: Annotated[float, Field(ge=0.0, lt=1.0)]
+    """LoRA dropout, in [0, 1) (ignored by `full`)."""
+    targetModules: tuple[str, ...]  # noqa: N815
+    """Module names LoRA adapts, e.g. q_proj (ignored by `full`)."""
+
+    @model_validator(mode="after")
+    def _adapters(self) -> MethodSpec:
+        if self.type != "full":
+            if self.rank < 1:
+                raise field_error("rank", f"must be >= 1, got {self.rank}")
+            if not self.targetModules:
+                raise field_error("targetModules", "must name at least one module")
+        return self
+
+
+class TrainingSpec(_Part):
+    """Optimisation settings, identical on every stage."""
+
+    steps: Count | None
+    """Optimizer steps to run (null when `epochs` is given)."""
+    microBatchSize: Count  # noqa: N815
+    """Sequences per micro-batch."""
+    microBatches: Count  # noqa: N815
+    """Micro-batches per optimizer step (gradient accumulation)."""
+    learningRate: Annotated[float, Field(gt=0.0)]  # noqa: N815
+    """Peak learning rate of AdamW."""
+    schedule: LrSchedule
+    """Decay after warm-up: `cosine`, `linear` or `constant`."""
+    warmupSteps: Annotated[int, Field(ge=0)]  # noqa: N815
+    """Linear warm-up steps from 0 to learningRate."""
+    weightDecay: float  # noqa: N815
+    """AdamW weight decay."""
+    maxGradNorm: Annotated[float, Field(ge=0.0)]  # noqa: N815
+    """Global gradient-norm clip across all stages; 0 turns clipping off."""
+    seed: int
+    """Seed of data order, adapter initialisation and dropout."""
+    epochs: Count | None = None
+    """Passes over the dataset instead of `steps` (optional; exactly one of the two)."""
+
+    @model_validator(mode="after")
+    def _steps_or_epochs(self) -> TrainingSpec:
+        if (self.steps is None) == (self.epochs is None):
+            raise field_error("steps", "set exactly one of steps and epochs")
+        return self
+
+
+class PipelineSpec(_Part):
+    """How stages exchange boundary tensors."""
+
+    schedule: PipelineSchedule
+    """Only `1f1b` for now."""
+    compression: Compression
+    """Activation/gradient compression on the links."""
+
+
+class LinksSpec(_Part):
+    """Where this stage listens, whom it connects to, and who each side must prove to be."""
+
+    listen: str | None
+    """host:port to accept the previous stage on; null on stage 0."""
+    next: str | None
+    """host:port of the next stage; null on the last stage."""
+    identity: str
+    """This stage's link identity (`names.link_identity`): the URI its certificate carries."""
+    prevIdentity: str | None  # noqa: N815
+    """The identity the previous stage must prove (a listener accepts only it); null on stage 0."""
+    nextIdentity: str | None  # noqa: N815
+    """The identity the next stage must prove (we send only to it); null on the last stage."""
+    certEnv: str  # noqa: N815
+    """Environment variable holding this stage's link certificate (PEM)."""
+    keyEnv: str  # noqa: N815
+    """Environment variable holding that certificate's private key (PEM)."""
+    caEnv: str  # noqa: N815
+    """Environment variable holding the job's link CA certificate (PEM)."""
+
+    @model_validator(mode="after")
+    def _pairs(self) -> LinksSpec:
+        for address, identity in (("listen", "prevIdentity"), ("next", "nextIdentity")):
+            if getattr(self, address) is None and getattr(self, identity) is not None:
+                raise field_error(address, f"is null but {identity} is set")
+            if getattr(self, address) is not None and getattr(self, identity) is None:
+                raise field_error(identity, f"is null but {address} is set")
+        return self
+
+
+class CheckpointSpec(_Part):
+    """The job's object store: checkpoints, progress.json, and s3:// model, data and output."""
+
+    uri: str
+    """s3://bucket/prefix or a local directory."""
+    endpoint: str | None
+    """S3 endpoint URL (`http://minio:9000`); null means AWS S3 for an s3:// uri (and
+    nothing for a local directory)."""
+    accessKeyEnv: str | None  # noqa: N815
+    """Environment variable with the S3 access key; null: AWS's standard credential chain
+    (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, then the pod's IAM role)."""
+    secretKeyEnv: str | None  # noqa: N815
+    """Environment variable with the S3 secret key; null exactly when accessKeyEnv is."""
+    everySteps: Count  # noqa: N815
+    """Commit a checkpoint every N optimizer steps (and always after the last)."""
+    keep: Count
+    """Committed checkpoints to keep."""
+
+    @model_validator(mode="after")
+    def _key_pair(self) -> CheckpointSpec:
+        pair = ("accessKeyEnv", "secretKeyEnv")
+        for unset, other in (pair, pair[::-1]):
+            if getattr(self, unset) is None and getattr(self, other) is not None:
+                raise field_error(unset, f"is null but {other} is set")
+        return self
+
+
+class OutputSpec(_Part):
+    """Where the finished adapter (or full weights) goes."""
+
+    uri: str
+    """s3://bucket/prefix or a local directory."""
+
+
+class ObservabilitySpec(_Part):
+    """Per-stage HTTP endpoints."""
+
+    port: Annotated[int, Field(ge=0, le=65535)]
+    """Port of /metrics and /healthz; 0 picks a free one (local runs)."""
+
+
+class StageConfig(_Part):
+    """Everything one stage process needs; see docs/stage-contract.md."""
+
+    apiVersion: str  # noqa: N815
+    """Must be relaytrain.io/v1alpha1 (names.API_VERSION)."""
+    kind: str
+    """Must be StageConfig (names.STAGE_CONFIG_KIND)."""
+    job: JobRef
+    """The job this stage belongs to."""
+    stage: StageRef
+    """This stage's place and layers."""
+    model: ModelSpec
+    """The base model."""
+    dataset: DatasetSpec
+    """The training data."""
+    method: MethodSpec
+    """LoRA, QLoRA or full."""
+    training: TrainingSpec
+    """Optimisation settings."""
+    pipeline: PipelineSpec
+    """Schedule and link compression."""
+    links: LinksSpec
+    """Addresses and identities of the links."""
+    checkpoint: CheckpointSpec
+    """The job's object store and checkpoint cadence."""
+    output: OutputSpec
+    """Where the result goes."""
+    observability: ObservabilitySpec
+    """/metrics and /healthz."""
+
+    @model_validator(mode="after")
+    def _ends(self) -> StageConfig:
+        for key, want in (("apiVersion", API_VERSION), ("kind", STAGE_CONFIG_KIND)):
+            if getattr(self, key) != want:
+                raise field_error(key, f"expected {want!r}, got {getattr(self, key)!r}")
+        if self.stage.is_first != (self.links.listen is None):
+            raise field_error("links.listen", "must be null on stage 0 and set on the others")
+        if self.stage.is_last != (self.links.next is None):
+            raise field_error("links.next", "must be null on the last stage and set on the others")
+        return self
+
+    @classmethod
+    def from_json(cls, document: str | bytes | dict[str, Any]) -> StageConfig:
+        """Parse and validate a stage document (JSON text, or a dict as parsed from it).
+
+        Raises ConfigError naming the field path of every problem.
+        """
+        text = json.dumps(document) if isinstance(document, dict) else document
+        try:
+            return cls.model_validate_json(text)
+        except ValidationError as exc:
+            raise config_error(exc, "stage config") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The document as JSON-ready data; an unset `training.epochs` is left out, so a
+        steps-based document carries no field an older worker might not know."""
+        document = self.model_dump(mode="json")
+        if document["training"]["epochs"] is None:
+            del document["training"]["epochs"]
+        return document

@@ -1,0 +1,115 @@
+"""The loss history of a job: one record per optimizer step, each written once.
+
+Layout under ``<job_prefix>`` in a Store::
+
+    loss-history/<first>-<last>.jsonl   the records of steps first..last, one JSON object a
+                                        line, written by the last stage when step <last> is
+                                        committed (just before its manifest)
+    loss-history.json                   every record as one JSON array, written once, when
+                                        the job has finished (what `relaytrain run --local`
+                                        plots and the tests read)
+
+A record is ``{"step": N, "loss": L, "tokensPerSecond": R}``. Records of steps after the
+newest commit stay in memory until the next commit: a rollback drops them, and a rerun of
+the same steps writes the same chunk names again (commits fall on the same steps). So the
+bytes written per step stay constant however long the job runs, where rewriting one JSON
+array after every step wrote O(steps²) bytes in all.
+
+`read_history` is the one reader of the chunks.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from relaytrain_worker.store import Store
+
+HISTORY_DIR = "loss-history"
+LOSSES = "loss-history.json"
+_CHUNK = re.compile(r"^(\d+)-(\d+)\.jsonl$")
+
+Record = dict[str, Any]
+
+
+def _key(job_prefix: str, name: str) -> str:
+    prefix = job_prefix.strip("/")
+    return f"{prefix}/{name}" if prefix else name
+
+
+def _chunks(store: Store, job_prefix: str) -> list[tuple[int, int, str]]:
+    """(first step, last step, key) of every chunk, in step order."""
+    base = _key(job_prefix, HISTORY_DIR) + "/"
+    found = []
+    for key in store.list(base):
+        match = _CHUNK.match(key[len(base) :])
+        if match:
+            found.append((int(match.group(1)), int(match.group(2)), key))
+    return sorted(found)
+
+
+def read_history(store: Store, job_prefix: str, upto: int | None = None) -> list[Record]:
+    """Every committed record (of steps up to `upto`, when given), in step order."""
+    records: list[Record] = []
+    for first, _, key in _chunks(store, job_prefix):
+        if upto is not None and first > upto:
+            break
+        for line in store.get(key).decode().splitlines():
+            if line.strip():
+                record = json.loads(line)
+                if upto is None or int(record["step"]) <= upto:
+                    records.append(record)
+    return records
+
+
+class LossHistory:
+    """The last stage's loss records: appended per step, written per commit."""
+
+    def __init__(self, store: Store, job_prefix: str) -> None:
+        self.store = store
+        self.prefix = job_prefix
+        self.pending: list[Record] = []
+        """Records of steps after the newest commit (not written yet)."""
+        self.last: Record | None = None
+        """The newest record (pending or written)."""
+
+    def resume(self, step: int | None) -> None:
+        """Continue after committed `step` (None: from the start): the written records up
+        to it are the history; anything later is forgotten."""
+        self.pending = []
+        if step is None:
+            self.last = None
+            return
+        records = read_history(self.store, self.prefix, upto=step)
+        self.last = records[-1] if records else None
+
+    def append(self, step: int, loss: float, tokens_per_second: float) -> None:
+        record = {"step": step, "loss": loss, "tokensPerSecond": tokens_per_second}
+        self.pending.append(record)
+        self.last = record
+
+    def write(self, step: int) -> None:
+        """Write the records up to `step` (about to be committed) as one chunk."""
+        due = [r for r in self.pending if r["step"] <= step]
+        if not due:
+            return
+        first = due[0]["step"]
+        lines = "".join(json.dumps(r) + "\n" for r in due)
+        self.store.put(
+            _key(self.prefix, f"{HISTORY_DIR}/{first:09d}-{step:09d}.jsonl"), lines.encode()
+        )
+        self.pending = [r for r in self.pending if r["step"] > step]
+
+    def discard_after(self, step: int | None) -> None:
+        """Delete chunks of steps after `step` (None: all), with the checkpoints the
+        coordinator discards, so a rerun cannot meet stale records."""
+        for _, last, key in _chunks(self.store, self.prefix):
+            if step is None or last > step:
+                self.store.delete(key)
+
+    def finish(self) -> list[Record]:
+        """Write ``loss-history.json``, every record in one array, once; returns them."""
+        records = read_history(self.store, self.prefix)
+        self.store.put(_key(self.prefix, LOSSES), json.dumps(records).encode())
+        return records
