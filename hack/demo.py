@@ -171,7 +171,7 @@ def follow(
     survivors: dict[str, tuple[str, int]] = {}
     killed_at: float | None = None
     peak = 0  # the furthest step reported since the kill
-    rolled_back = resumed = False
+    resumed = False
     status: dict[str, Any] = {}
     phase = "Pending"
     while time.monotonic() < deadline:
@@ -190,17 +190,22 @@ def follow(
         if line != last_line:
             say(line)
             last_line = line
-        if killed_at is not None and step is not None and not resumed:
-            # Back to where it was: the pipeline rolled back to the last commit, redid the
-            # steps after it, and now reports a step it had not reached before the kill.
-            rolled_back = rolled_back or step < peak
-            if rolled_back and step > peak:
-                resumed = True
-                say(
-                    f"Training passed step {peak} again {time.monotonic() - killed_at:.1f}s "
-                    "after the stage died"
-                )
-            peak = max(peak, step) if not rolled_back else peak
+        # Back to where it was: the pipeline rolled back to the last commit, redid the steps
+        # after it, and now reports a step it had not reached before the kill. The operator
+        # folds progress in on its own passes, so the redone steps may not show in status;
+        # the replacement's restoredFromStep says where the rollback went.
+        if killed_at is not None and step is not None and not resumed and step > peak:
+            resumed = True
+            restored = [
+                s.get("restoredFromStep")
+                for s in status.get("stages") or []
+                if s.get("restoredFromStep") is not None
+            ]
+            since = f" (rolled back to step {restored[0]})" if restored else ""
+            say(
+                f"Training passed step {peak} again {time.monotonic() - killed_at:.1f}s "
+                f"after the stage died{since}"
+            )
         if (
             args.kill_stage >= 0
             and killed_at is None
