@@ -6,7 +6,10 @@ read from here, else a config shipped for the model the URI names; see
 ``relaytrain_operator.model_config``), and the GPU pools (``--nodes``: a NodeList or
 hack/pools.yaml; ``--kubeconfig``: the live cluster's nodes, minus GPUs that pods already
 hold). Prints a table, or with ``--json`` the plan as a JSON object; both say where the
-architecture came from. Exit status: 0 planned, 1 the job does not fit, 2 bad input.
+architecture came from. ``--replicas`` asks for several pipelines (``auto`` plans as many as
+make the step fastest, one included; the default, 1, is the one pipeline the operator
+deploys until FineTuneJobs can ask for several), ``--sync`` says how they keep their weights
+equal. Exit status: 0 planned, 1 the job does not fit, 2 bad input.
 """
 
 from __future__ import annotations
@@ -25,16 +28,20 @@ from relaytrain_operator.model_config import ModelConfigError, Resolved, resolve
 from relaytrain_operator.placement import file_pools, job_pools
 from relaytrain_operator.planner import (
     DEFAULT_CATALOG,
+    SYNC_MODES,
     Catalog,
+    FleetPlan,
     ModelShape,
     ModelShapeError,
     Plan,
     PlanError,
     Pool,
     PoolError,
+    Sync,
     TrainingShape,
     UnknownGpuError,
     plan,
+    plan_fleet,
 )
 from relaytrain_operator.planner.cost import GIB
 
@@ -74,9 +81,69 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         metavar="MBPS,MS",
         help="link to assume for nodes without link annotations, e.g. 1000,10",
     )
+    parser.add_argument(
+        "--replicas",
+        type=_replicas,
+        default=1,
+        metavar="auto|N",
+        help="pipelines that train together on one global batch: auto (as many as make the "
+        "step fastest, one included) or a number; default 1, the single pipeline the "
+        "operator deploys today",
+    )
+    parser.add_argument(
+        "--sync",
+        choices=SYNC_MODES,
+        default="synchronous",
+        help="how several pipelines keep their weights equal: synchronous (reduce gradients "
+        "every step, the default) or periodic (every --sync-every steps)",
+    )
+    parser.add_argument(
+        "--sync-every",
+        type=_positive,
+        metavar="H",
+        help="steps between synchronisations with --sync periodic",
+    )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.set_defaults(func=run)
     return parser
+
+
+def _replicas(raw: str) -> int | None:
+    """``--replicas``: 'auto' (None) or a positive integer."""
+    if raw == "auto":
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 'auto' or a positive integer, got {raw!r}")
+    return value
+
+
+def _positive(raw: str) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {raw!r}")
+    return value
+
+
+def _sync(args: argparse.Namespace) -> Sync:
+    if args.sync == "periodic":
+        if args.sync_every is None:
+            raise InputError(
+                "--sync periodic needs --sync-every H (steps between synchronisations)"
+            )
+        return Sync("periodic", args.sync_every)
+    if args.sync_every is not None:
+        raise InputError(
+            f"--sync-every {args.sync_every} needs --sync periodic; synchronous pipelines "
+            "synchronise every step"
+        )
+    return Sync()
 
 
 def _load(path: Path, what: str) -> Any:
@@ -175,10 +242,23 @@ def _inputs(args: argparse.Namespace) -> _Inputs:
 def run(args: argparse.Namespace) -> int:
     """Entry point of `relaytrain plan`."""
     try:
+        sync = _sync(args)
         inputs = _inputs(args)
-        result = plan(
-            inputs.model, inputs.training, inputs.pools, inputs.catalog, stages=inputs.stages
-        )
+        if args.replicas == 1:
+            result: Plan | FleetPlan = plan(
+                inputs.model, inputs.training, inputs.pools, inputs.catalog, stages=inputs.stages
+            )
+        else:
+            fleet = plan_fleet(
+                inputs.model,
+                inputs.training,
+                inputs.pools,
+                inputs.catalog,
+                stages=inputs.stages,
+                replicas=args.replicas,
+                sync=sync,
+            )
+            result = fleet.single if len(fleet.pipelines) == 1 else fleet
     except UnknownGpuError as err:
         print(f"relaytrain plan: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -196,26 +276,17 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def format_table(
-    name: str,
-    training: TrainingShape,
-    result: Plan,
-    model: ModelShape | None = None,
-    source: Resolved | None = None,
-) -> str:
-    """The plan as a readable table; with `model` and `source`, the model and its origin."""
-    header = (
-        f"Plan for {name}: {len(result.stages)} stage(s), 1F1B, {result.micro_batches} "
-        f"micro-batches of {training.micro_batch_size}x{training.sequence_length} tokens "
-        f"({training.method}, {training.dtype}, compression {training.compression})"
-    )
-    about: list[str] = []
-    if model is not None and source is not None:
-        about.append(
-            f"Model: {source.describe()}: {model.num_layers} layers, hidden {model.hidden_size}, "
-            f"{model.num_heads} heads ({model.num_kv_heads} KV), vocab {model.vocab_size}."
-        )
-        about += [f"Not read: {why}." for why in source.skipped]
+def _about(model: ModelShape | None, source: Resolved | None) -> list[str]:
+    if model is None or source is None:
+        return []
+    about = [
+        f"Model: {source.describe()}: {model.num_layers} layers, hidden {model.hidden_size}, "
+        f"{model.num_heads} heads ({model.num_kv_heads} KV), vocab {model.vocab_size}."
+    ]
+    return about + [f"Not read: {why}." for why in source.skipped]
+
+
+def _stage_table(result: Plan) -> list[str]:
     rows = [("STAGE", "POOL", "GPU", "LAYERS", "N", "COMPUTE", "LINK", "PER-MB", "MEMORY")]
     for s in result.stages:
         used, avail = s.memory_bytes / GIB, s.memory_available_bytes / GIB
@@ -233,8 +304,25 @@ def format_table(
             )
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = [header, *about, ""]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+
+
+def format_table(
+    name: str,
+    training: TrainingShape,
+    result: Plan | FleetPlan,
+    model: ModelShape | None = None,
+    source: Resolved | None = None,
+) -> str:
+    """The plan as a readable table; with `model` and `source`, the model and its origin."""
+    if isinstance(result, FleetPlan):
+        return format_fleet(name, training, result, model, source)
+    header = (
+        f"Plan for {name}: {len(result.stages)} stage(s), 1F1B, {result.micro_batches} "
+        f"micro-batches of {training.micro_batch_size}x{training.sequence_length} tokens "
+        f"({training.method}, {training.dtype}, compression {training.compression})"
+    )
+    lines = [header, *_about(model, source), "", *_stage_table(result)]
     b = result.bottleneck
     lines += [
         "",
@@ -244,4 +332,51 @@ def format_table(
         f"Search: {result.search} ({result.sequences_evaluated} sequences evaluated).",
     ]
     lines += [f"Note: {n}" for n in result.notes]
+    return "\n".join(lines)
+
+
+def format_fleet(
+    name: str,
+    training: TrainingShape,
+    fleet: FleetPlan,
+    model: ModelShape | None = None,
+    source: Resolved | None = None,
+) -> str:
+    """Several pipelines: each one's stages, then the sync and the whole step."""
+    header = (
+        f"Plan for {name}: {len(fleet.pipelines)} pipelines on {fleet.gpus} of "
+        f"{fleet.usable_gpus} usable GPU(s), 1F1B, {fleet.micro_batches} micro-batches of "
+        f"{training.micro_batch_size}x{training.sequence_length} tokens per step "
+        f"({training.method}, {training.dtype}, compression {training.compression})"
+    )
+    lines = [header, *_about(model, source)]
+    for i, p in enumerate(fleet.pipelines):
+        b = p.bottleneck
+        lines += [
+            "",
+            f"Pipeline {i}: {len(p.stages)} stage(s), {p.micro_batches} "
+            f"micro-batch{'' if p.micro_batches == 1 else 'es'}, "
+            f"{p.step_seconds:.3g}s, {p.tokens_per_second:,.0f} tokens/s, "
+            f"bubble {100 * p.bubble_fraction:.0f}%.",
+            *_stage_table(p),
+            f"Bottleneck: stage {b.stage} ({b.resource}). {b.detail}",
+        ]
+    s = fleet.sync
+    when = "every step" if s.sync.mode == "synchronous" else f"every {s.sync.every} steps"
+    share = "" if s.sync.every == 1 else f", {s.per_step_seconds:.3g}s per step"
+    single = fleet.single
+    lines += [
+        "",
+        f"Sync: {s.sync.mode}, {when}: {s.collective} of {s.gradient_bytes / 2**20:,.1f} MiB "
+        f"of {s.gradients.dtype} {s.gradients.what} gradients among {s.pipelines} pipelines, "
+        f"{s.seconds:.3g}s ({s.bandwidth_seconds:.3g}s busiest link, "
+        f"{s.latency_seconds:.3g}s latency){share}.",
+        f"Step {fleet.step_seconds:.3g}s (slowest pipeline {fleet.pipeline_seconds:.3g}s + "
+        f"sync {s.per_step_seconds:.3g}s), {fleet.tokens_per_second:,.0f} tokens/s: "
+        f"{fleet.speedup:.2f}x the best single pipeline ({single.tokens_per_second:,.0f} "
+        f"tokens/s on {len(single.stages)} GPU(s)).",
+        f"Search: {fleet.search} over {fleet.candidates} candidate pipelines "
+        f"({fleet.sets_evaluated} sets evaluated).",
+    ]
+    lines += [f"Note: {n}" for n in fleet.notes]
     return "\n".join(lines)

@@ -75,6 +75,8 @@ def test_json_is_the_plan_for_scripts(tmp_path, model_config, capsys):
         "--model-config",
         str(model_config),
         "--json",
+        "--replicas",  # one pipeline: today's shape (several: tests/unit/test_planner_fleet.py)
+        "1",
     )
     assert rc == 0
     doc = json.loads(capsys.readouterr().out)
@@ -104,6 +106,8 @@ def test_fixed_stage_count_and_allowed_pools_come_from_the_job(tmp_path, model_c
         "--model-config",
         str(model_config),
         "--json",
+        "--replicas",
+        "1",
     )
     assert rc == 0
     doc = json.loads(capsys.readouterr().out)
@@ -175,7 +179,8 @@ def test_model_config_is_read_from_a_local_model_uri(tmp_path, capsys):
     model_dir.mkdir()
     (model_dir / "config.json").write_text(json.dumps(LLAMA3_8B))
     manifest = job(tmp_path, model={"uri": str(model_dir)})
-    assert relaytrain("plan", str(manifest), "--nodes", str(MIXED_NODES), "--json") == 0
+    args = ["--nodes", str(MIXED_NODES), "--json", "--replicas", "1"]
+    assert relaytrain("plan", str(manifest), *args) == 0
     assert json.loads(capsys.readouterr().out)["stages"][-1]["layerEnd"] == 32
 
 
@@ -268,6 +273,8 @@ def test_kubeconfig_reads_live_nodes_and_leaves_out_gpus_pods_hold(
         "--model-config",
         str(model_config),
         "--json",
+        "--replicas",
+        "1",
     )
     assert rc == 0 and seen == [str(tmp_path / "kc.yaml")]
     pools = {s["pool"] for s in json.loads(capsys.readouterr().out)["stages"]}

@@ -7,6 +7,9 @@ Public API (stable; the operator and `relaytrain plan` call it)::
     p = plan(ModelShape.from_hf_config(config), TrainingShape(4, 8, 1024), pools)
     p.stages, p.tokens_per_second, p.bottleneck, p.to_status()
 
+    fleet = plan_fleet(model, training, pools, sync=Sync("periodic", every=8))
+    fleet.pipelines, fleet.tokens_per_second, fleet.speedup, fleet.to_dict()
+
 See docs/planner.md for the cost model, the search and the ``status.plan`` shape.
 """
 
@@ -19,17 +22,23 @@ from relaytrain_operator.planner.catalog import (
     UnknownGpuError,
 )
 from relaytrain_operator.planner.cost import CostSettings
+from relaytrain_operator.planner.fleet import plan_fleet
+from relaytrain_operator.planner.fleet_result import FleetPlan
 from relaytrain_operator.planner.model_shape import ModelShape, ModelShapeError
 from relaytrain_operator.planner.pools import Pool, PoolError, pools_from_file, pools_from_nodes
 from relaytrain_operator.planner.result import Bottleneck, Plan, PlanError, StagePlan
+from relaytrain_operator.planner.shares import split_micro_batches
+from relaytrain_operator.planner.sync import SYNC_MODES, Sync, SyncPrice
 from relaytrain_operator.planner.training import TrainingShape
 
 __all__ = [
     "BUILTIN_GPUS",
     "DEFAULT_CATALOG",
+    "SYNC_MODES",
     "Bottleneck",
     "Catalog",
     "CostSettings",
+    "FleetPlan",
     "GpuSpec",
     "ModelShape",
     "ModelShapeError",
@@ -38,10 +47,14 @@ __all__ = [
     "Pool",
     "PoolError",
     "StagePlan",
+    "Sync",
+    "SyncPrice",
     "TrainingShape",
     "UnknownGpuError",
     "assess",
     "plan",
+    "plan_fleet",
     "pools_from_file",
     "pools_from_nodes",
+    "split_micro_batches",
 ]

@@ -37,7 +37,7 @@ def plan(
     best, search, evaluated = solve(problem, counts, exhaustive_limit)
     if best.deficit:
         raise infeasible_error(problem, best, catalog, settings)
-    return _to_plan(problem, best, search, evaluated)
+    return to_plan(problem, best, search, evaluated)
 
 
 def assess(
@@ -73,10 +73,11 @@ def assess(
     terms = problem.evaluator(ignore_memory=True).stage_terms(seq)
     seconds = tuple(a * n + c for (a, c, _), n in zip(terms, counts, strict=True))
     candidate = Candidate(seq, 0, counts, seconds, training.micro_batches)
-    return _to_plan(problem, candidate, "fixed", 1)
+    return to_plan(problem, candidate, "fixed", 1)
 
 
-def _to_plan(problem: Problem, best: Candidate, search: str, evaluated: int) -> Plan:
+def to_plan(problem: Problem, best: Candidate, search: str, evaluated: int) -> Plan:
+    """The Plan of one evaluated sequence (its micro-batches: ``problem.training``'s)."""
     seq, p = best.seq, len(best.seq)
     link, costs = problem.link, problem.costs
     stages = []

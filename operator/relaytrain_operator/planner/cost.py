@@ -32,6 +32,7 @@ gradients to k-1), which is conservative: the worker may overlap sends with comp
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 from relaytrain_operator.planner.catalog import GpuSpec
 from relaytrain_operator.planner.model_shape import ModelShape
@@ -51,6 +52,9 @@ QLORA_BYTES_PER_PARAM = 0.5 + 4 / 64
 FP32_TRAINABLE_BYTES = 16
 #: Adam's two moments in fp32.
 ADAM_BYTES = 8
+#: How several pipelines reduce their gradients (planner/sync.py).
+Collective = Literal["all-gather", "ring"]
+COLLECTIVES: tuple[str, ...] = get_args(Collective)
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,9 @@ class CostSettings:
     """Fixed time per decoder layer per micro-batch that FLOPs do not see (kernel launches,
     framework dispatch). 0 by default; bench/bench_plan_vs_measured.py fits about 3 ms on CPU
     stages, where it brings held-out step-time error from 16-35 % to under 8 %."""
+    sync_collective: Collective = "all-gather"
+    """How several pipelines reduce their gradients (planner/sync.py): ``all-gather``, what
+    the worker does (every holder sends to every other holder), or ``ring``."""
 
     def __post_init__(self) -> None:
         if not 0 < self.efficiency <= 1:
@@ -79,6 +86,11 @@ class CostSettings:
             raise ValueError(f"memory_margin must be in [0, 1), got {self.memory_margin}")
         if self.reserved_mib < 0:
             raise ValueError(f"reserved_mib must be >= 0, got {self.reserved_mib}")
+        if self.sync_collective not in COLLECTIVES:
+            raise ValueError(
+                f"sync_collective must be one of {', '.join(COLLECTIVES)}, "
+                f"got {self.sync_collective!r}"
+            )
         if self.layer_overhead_seconds < 0:
             raise ValueError(
                 f"layer_overhead_seconds must be >= 0, got {self.layer_overhead_seconds}"
