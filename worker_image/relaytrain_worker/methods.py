@@ -21,6 +21,9 @@ from relaytrain_worker.model_slice import StageModel
 ADAPTER = "default"
 TIED_NAME = "model.embed_tokens.weight"
 """Global name of the weight that tied models share between embedding and head."""
+TIED_HEAD_NAME = "lm_head.weight"
+"""The head's own name for that weight: the key of the head's half of its gradient when
+pipelines reduce it (`dataparallel`)."""
 
 
 def lora_config(
@@ -90,7 +93,7 @@ def full_trainable(stage: StageModel) -> list[tuple[str, nn.Parameter]]:
 
 def _tied_name(stage: StageModel, name: str) -> str:
     tied = bool(getattr(stage.config, "tie_word_embeddings", False))
-    if tied and name == "lm_head.weight":
+    if tied and name == TIED_HEAD_NAME:
         return TIED_NAME
     return name
 

@@ -18,6 +18,12 @@ and one pass up the chain:
 - with `full` training of a tied model, the two halves of the shared weight's gradient
   (embedding on stage 0, head on the last stage); both ends add them (a + b == b + a in
   IEEE arithmetic) and so apply the identical update.
+
+With several pipelines (a `ReplicaGroup`, see `dataparallel`) two things change and nothing
+else: stage 0 swaps its share's label-token count for the global one before the first
+forward, and after the last backward every stage replaces its gradients (and the last stage
+its loss sum) by the fold over all pipelines before the pass above, which then computes the
+global norm from the reduced gradients. Without a group (one pipeline) the step is as before.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ import torch
 from torch import nn
 from torch.nn import functional
 
+from relaytrain_worker.dataparallel import LOSS_KEY, ReplicaGroup
+from relaytrain_worker.methods import TIED_HEAD_NAME
 from relaytrain_worker.model_slice import StageModel
 from relaytrain_worker.peers import Peers
 from relaytrain_worker.transport import Frame
@@ -49,9 +57,10 @@ class StepResult:
     """What one step produced on this stage."""
 
     loss: float | None
-    """Token-mean loss of the step (last stage only)."""
+    """Token-mean loss of the step (last stage only; with replicas, of the global batch)."""
     tokens: int
-    """Label tokens in the step (what the loss is averaged over)."""
+    """Label tokens in the step (what the loss is averaged over; with replicas, the global
+    batch's)."""
     input_tokens: int
     """Non-padding input tokens this stage processed in the step (attention mask ones):
     what tokens/s counts. Padding is not counted; masked prompt tokens are."""
@@ -98,6 +107,8 @@ class StepRunner:
         compression: str,
         max_grad_norm: float,
         tied_name: str | None = None,
+        group: ReplicaGroup | None = None,
+        pipeline: int = 0,
     ) -> None:
         self.stage = stage
         self.index = index
@@ -108,6 +119,10 @@ class StepRunner:
         self.max_grad_norm = max_grad_norm
         self.tied_name = tied_name
         """Global name of a weight shared by stage 0 and the last stage (full + tied), else None."""
+        self.group = group
+        """The other pipelines of a data-parallel job (None: this pipeline trains alone)."""
+        self.pipeline = pipeline
+        """This pipeline's index in `group`."""
         self.on_micro: Callable[[], None] | None = None
         self._input_tokens = 0
 
@@ -122,6 +137,8 @@ class StepRunner:
     def run(self, step: int, micros: list[MicroBatch] | None, n_micro: int) -> StepResult:
         """Forward and backward every micro-batch; leaves clipped grads on the parameters."""
         items = count_items(micros) if micros is not None else -1
+        if self.group is not None and self.first:
+            items = self.group.total_tokens(step, self.pipeline, items)
         saved: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         loss_sum = torch.zeros((), dtype=torch.float64)
         self._input_tokens = 0
@@ -134,6 +151,8 @@ class StepRunner:
             else:
                 out, inp = saved.pop(m)
                 self._backward(step, m, out, inp)
+        if self.group is not None:
+            loss_sum = self._reduce(step, loss_sum)
         norm = self._finish(step)
         loss = float(loss_sum / items) if self.last and items > 0 else None
         return StepResult(loss=loss, tokens=items, input_tokens=self._input_tokens, grad_norm=norm)
@@ -186,7 +205,35 @@ class StepRunner:
         if self.on_micro is not None:
             self.on_micro()
 
-    # -- step end: global norm and tied weight ---------------------------------------
+    # -- step end: replicas, global norm and tied weight ------------------------------
+
+    def _reduce(self, step: int, loss_sum: torch.Tensor) -> torch.Tensor:
+        """Swap this stage's gradients (and the last stage's loss sum) for their fold over
+        every pipeline; returns the (reduced) loss sum."""
+        assert self.group is not None
+        given: dict[str, torch.Tensor] = {}
+        for name, grad in self._grads():
+            given[self._replica_key(name)] = grad
+        if self.tied_name is not None and self.first and self.last:
+            # One stage holds both halves, already added by autograd: it gives the whole
+            # gradient as the embedding's half and nothing as the head's.
+            given[TIED_HEAD_NAME] = torch.zeros_like(given[self.tied_name])
+        if self.last:
+            given[LOSS_KEY] = loss_sum
+        reduced = self.group.reduce(step, self.pipeline, self.index, given)
+        for name, param in self.trainable:
+            param.grad = reduced[self._replica_key(name)]
+        if self.tied_name is not None and self.first and self.last:
+            tied = self._param(self.tied_name)
+            tied.grad = reduced[self.tied_name] + reduced[TIED_HEAD_NAME]
+        return reduced[LOSS_KEY] if self.last else loss_sum
+
+    def _replica_key(self, name: str) -> str:
+        """The key of a parameter's gradient among the replicas: its global name, except
+        that the last stage's half of a tied weight goes under the head's own name."""
+        if name == self.tied_name and self.last and not self.first:
+            return TIED_HEAD_NAME
+        return name
 
     def _grads(self) -> list[tuple[str, torch.Tensor]]:
         out = []

@@ -158,9 +158,14 @@ class StageRuntime:
         meta = {"step": step, "dataStep": step, "stage": self.k}
         return {
             TRAINABLE_FILE: safetensors.torch.save(tensors),
-            STATE_FILE: state_bytes(self.optimizer, self.scheduler),
+            STATE_FILE: state_bytes(self.optimizer, self.scheduler, self._names()),
             META_FILE: json.dumps(meta).encode(),
         }
+
+    def _names(self) -> list[str]:
+        """Global names of the trainable parameters, in the optimizer's order: its state is
+        saved under them, not by position (DESIGN.md: any split restores any checkpoint)."""
+        return [name for name, _ in self.trainable]
 
     def restore(self, step: int | None) -> int:
         """Roll this stage back to committed `step` (None: the initial state); returns it.
@@ -176,7 +181,7 @@ class StageRuntime:
         with torch.no_grad():
             for name, param in self.trainable:
                 param.copy_(tensors[name])
-        load_state_bytes(files[STATE_FILE], self.optimizer, self.scheduler)
+        load_state_bytes(files[STATE_FILE], self.optimizer, self.scheduler, self._names())
         self.optimizer.zero_grad(set_to_none=True)
         self.last_committed = step
         log.info("Stage %d restored committed step %d", self.k, step)

@@ -12,6 +12,7 @@ import itertools
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -20,6 +21,13 @@ import torch
 from relaytrain_contract import TrainingSpec
 from torch import nn
 
+from relaytrain_worker.dataparallel import (
+    InProcessGroup,
+    LinkGroup,
+    ReplicaGroup,
+    micro_ranges,
+    segment_peers,
+)
 from relaytrain_worker.methods import TIED_NAME, lora_config, setup_method
 from relaytrain_worker.model_slice import BUILD_LOCK, SliceSpec, build_stage_model
 from relaytrain_worker.peers import Peers
@@ -145,6 +153,10 @@ class PipelineRun:
     """Per step: non-padding input tokens the last stage counted (what tokens/s counts)."""
     boundary_bytes: list[list[int]] = field(default_factory=list)
     """Per boundary k (stage k to k+1): [bytes sent down, bytes sent up], on the wire."""
+    step_params: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    """Per step: trainable parameters after the optimizer step (data-parallel runs only)."""
+    grad_norms: list[float] = field(default_factory=list)
+    """Per step: the global gradient norm before clipping, as the last stage computed it."""
 
 
 def run_pipeline_threads(
@@ -166,30 +178,141 @@ def run_pipeline_threads(
     mints them as the operator does). ``link_rate`` (bytes per second, each direction)
     paces every link to emulate a slow network; ``overlap_encode`` is passed to `Peers`.
     """
-    count = len(splits)
-    if len(credentials) != count:
-        raise ValueError(f"{len(credentials)} link credentials for {count} stages")
-    ids = [c.identity for c in credentials]
+    if len(credentials) != len(splits):
+        raise ValueError(f"{len(credentials)} link credentials for {len(splits)} stages")
+    return _run_pipelines(
+        model_dir, [splits], [steps], training,
+        credentials=[credentials], groups=None, method=method, compression=compression,
+        lora=lora, link_rate=link_rate, overlap_encode=overlap_encode, record_steps=False,
+    )[0]  # fmt: skip
+
+
+def run_data_parallel_threads(
+    model_dir: Path,
+    splits: list[list[tuple[int, int]]],
+    shares: list[int],
+    steps: list[list[MicroBatch]],
+    training: TrainingSpec,
+    *,
+    credentials: Sequence[Sequence[LinkCredentials]],
+    method: Literal["lora", "qlora", "full"] = "lora",
+    lora: dict[str, Any] | None = None,
+    replicas: Literal["memory", "links"] = "memory",
+) -> list[PipelineRun]:
+    """Train R pipelines (``splits[p]``: pipeline p's stages) on one global batch per step,
+    every stage a thread, each pipeline over its own loopback links, the pipelines
+    exchanging through one `InProcessGroup` (``replicas="memory"``) or, per stage, a
+    `LinkGroup` over authenticated loopback links to the stages of the other pipelines that
+    hold the same layers (``"links"``).
+
+    ``shares[p]`` micro-batches of every step go to pipeline p, contiguous and in pipeline
+    order (`dataparallel.micro_ranges`). Returns one PipelineRun per pipeline, with
+    ``step_params`` recorded.
+    """
+    if len(credentials) != len(splits) or any(
+        len(c) != len(s) for c, s in zip(credentials, splits, strict=True)
+    ):
+        raise ValueError("one link credential per stage of every pipeline, in order")
+    ranges = micro_ranges(shares)
+    for micros in steps:
+        if len(micros) != sum(shares):
+            raise ValueError(
+                f"a step has {len(micros)} micro-batches; the shares add to {sum(shares)}"
+            )
+    per_pipeline = [[[micros[i] for i in r] for micros in steps] for r in ranges]
+    groups: dict[tuple[int, int], ReplicaGroup]
+    if replicas == "memory":
+        shared = InProcessGroup([len(s) for s in splits])
+        groups = {(p, k): shared for p, split in enumerate(splits) for k in range(len(split))}
+    else:
+        groups = _link_groups(splits, credentials)
+    try:
+        return _run_pipelines(
+            model_dir, splits, per_pipeline, training,
+            credentials=credentials, groups=groups, method=method, compression="none",
+            lora=lora, link_rate=None, overlap_encode=True, record_steps=True,
+        )  # fmt: skip
+    finally:
+        for group in groups.values():
+            if isinstance(group, LinkGroup):
+                group.close()
+
+
+def _link_groups(
+    splits: list[list[tuple[int, int]]], credentials: Sequence[Sequence[LinkCredentials]]
+) -> dict[tuple[int, int], ReplicaGroup]:
+    """A `LinkGroup` per stage: every pair of stages of two pipelines that hold the same
+    layers gets one mutually authenticated loopback link (the later pipeline's stage
+    listens for exactly the earlier one's identity)."""
+    links: dict[tuple[int, int], dict[tuple[int, int], Link]] = {
+        (p, k): {} for p, split in enumerate(splits) for k in range(len(split))
+    }
+    for (p, k), mine in links.items():
+        for q, j in segment_peers(splits, p, k):
+            if q < p:
+                continue  # made from the other end
+            listener = listen(
+                "127.0.0.1:0", credentials=credentials[q][j], expect=credentials[p][k].identity
+            )
+            addr = f"127.0.0.1:{listener.address[1]}"
+            ours, theirs = credentials[p][k], credentials[q][j].identity
+            with ThreadPoolExecutor(1) as dialer:
+                dialed = dialer.submit(connect, addr, credentials=ours, expect=theirs)
+                try:
+                    links[(q, j)][(p, k)] = listener.accept(timeout=60)
+                finally:
+                    listener.close()
+                mine[(q, j)] = dialed.result()
+    return {me: LinkGroup(splits, me[0], me[1], peers) for me, peers in links.items()}
+
+
+def _run_pipelines(
+    model_dir: Path,
+    splits: list[list[tuple[int, int]]],
+    steps: list[list[list[MicroBatch]]],
+    training: TrainingSpec,
+    *,
+    credentials: Sequence[Sequence[LinkCredentials]],
+    groups: dict[tuple[int, int], ReplicaGroup] | None,
+    method: Literal["lora", "qlora", "full"],
+    compression: str,
+    lora: dict[str, Any] | None,
+    link_rate: float | None,
+    overlap_encode: bool,
+    record_steps: bool,
+) -> list[PipelineRun]:
+    """Every stage of every pipeline as a thread; ``steps[p]``: pipeline p's micro-batches."""
     listeners = [
-        listen("127.0.0.1:0", credentials=credentials[k], expect=ids[k - 1]) if k > 0 else None
-        for k in range(count)
+        [
+            listen("127.0.0.1:0", credentials=creds[k], expect=creds[k - 1].identity)
+            if k > 0
+            else None
+            for k in range(len(creds))
+        ]
+        for creds in credentials
     ]
-    addrs = [f"127.0.0.1:{lst.address[1]}" if lst else None for lst in listeners]
-    run = PipelineRun(
-        grads=[{} for _ in steps],
-        stage_params=[{} for _ in splits],
-        boundary_bytes=[[0, 0] for _ in splits[1:]],
-    )
+    runs = [
+        PipelineRun(
+            grads=[{} for _ in steps[p]],
+            stage_params=[{} for _ in split],
+            boundary_bytes=[[0, 0] for _ in split[1:]],
+            step_params=[{} for _ in steps[p]] if record_steps else [],
+        )
+        for p, split in enumerate(splits)
+    ]
     errors: list[BaseException] = []
     lock = threading.Lock()
-    built = threading.Barrier(count)
+    built = threading.Barrier(sum(len(split) for split in splits))
     lcfg = lora or {"rank": 4, "alpha": 8.0, "dropout": 0.0, "targets": ["q_proj", "v_proj"]}
 
-    def stage_main(k: int) -> None:
+    def stage_main(p: int, k: int) -> None:
+        split, creds, run = splits[p], credentials[p], runs[p]
+        group = groups[(p, k)] if groups is not None else None
+        count = len(split)
         prev: Link | None = None
         nxt: Link | None = None
         try:
-            spec = SliceSpec(splits[k][0], splits[k][1], k == 0, k == count - 1)
+            spec = SliceSpec(split[k][0], split[k][1], k == 0, k == count - 1)
             stage = build_stage_model(model_dir, spec)
             cfg = (
                 None
@@ -203,8 +326,9 @@ def run_pipeline_threads(
             # computes until every stage is built.
             built.wait(timeout=600)
             if k + 1 < count:
-                nxt = connect(str(addrs[k + 1]), credentials=credentials[k], expect=ids[k + 1])
-            listener = listeners[k]
+                addr = f"127.0.0.1:{listeners[p][k + 1].address[1]}"  # type: ignore[union-attr]
+                nxt = connect(addr, credentials=creds[k], expect=creds[k + 1].identity)
+            listener = listeners[p][k]
             if listener is not None:
                 prev = listener.accept(timeout=60)
             for link in (prev, nxt):
@@ -220,18 +344,25 @@ def run_pipeline_threads(
                 compression=compression,
                 max_grad_norm=training.maxGradNorm,
                 tied_name=TIED_NAME if method == "full" and tied else None,
+                group=group,
+                pipeline=p,
             )
             started = time.perf_counter()
-            for s, micros in enumerate(steps):
+            for s, micros in enumerate(steps[p]):
                 result = runner.run(s, micros if k == 0 else None, len(micros))
                 with lock:
                     if result.loss is not None:
                         run.losses.append(result.loss)
                         run.input_tokens.append(result.input_tokens)
-                    for name, p in trainable:
-                        if p.grad is not None:
-                            run.grads[s][name] = p.grad.detach().clone()
+                        run.grad_norms.append(result.grad_norm)
+                    for name, param in trainable:
+                        if param.grad is not None:
+                            run.grads[s][name] = param.grad.detach().clone()
                 optimizer_step(optimizer, scheduler)
+                if record_steps:
+                    with lock:
+                        for name, param in trainable:
+                            run.step_params[s][name] = param.detach().clone()
             for queued in (runner.peers.prev, runner.peers.next):
                 if queued is not None:
                     queued.flush()
@@ -241,28 +372,37 @@ def run_pipeline_threads(
                     run.boundary_bytes[k][0] = nxt.bytes_sent
                 if prev is not None:
                     run.boundary_bytes[k - 1][1] = prev.bytes_sent
-                for name, p in trainable:
-                    run.params[name] = p.detach().clone()
-                    run.stage_params[k][name] = p.detach().clone()
+                for name, param in trainable:
+                    run.params[name] = param.detach().clone()
+                    run.stage_params[k][name] = param.detach().clone()
         except BaseException as exc:
             with lock:
                 errors.append(exc)
             built.abort()
+            if isinstance(group, InProcessGroup):
+                group.abort(f"pipeline {p} stage {k} failed: {exc!r}")
+            elif isinstance(group, LinkGroup):
+                group.close()  # the other pipelines' stages see their links break
             for link in (prev, nxt):
                 if link is not None:
                     link.close()
 
-    threads = [threading.Thread(target=stage_main, args=(k,)) for k in range(count)]
+    threads = [
+        threading.Thread(target=stage_main, args=(p, k))
+        for p, split in enumerate(splits)
+        for k in range(len(split))
+    ]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    for lst in listeners:
-        if lst is not None:
-            lst.close()
+    for row in listeners:
+        for lst in row:
+            if lst is not None:
+                lst.close()
     if errors:
         raise errors[0]
-    return run
+    return runs
 
 
 def run_reference(
@@ -308,7 +448,8 @@ def run_reference(
             total += float(part.detach())
             (part / items).backward()  # type: ignore[no-untyped-call]
         if training.maxGradNorm > 0:
-            torch.nn.utils.clip_grad_norm_([p for _, p in trainable], training.maxGradNorm)
+            norm = torch.nn.utils.clip_grad_norm_([p for _, p in trainable], training.maxGradNorm)
+            run.grad_norms.append(float(norm))
         run.losses.append(float(total / items))
         run.grads.append({n: p.grad.detach().clone() for n, p in trainable if p.grad is not None})
         optimizer_step(optimizer, scheduler)

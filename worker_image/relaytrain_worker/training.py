@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -41,20 +42,61 @@ def optimizer_step(
     optimizer.zero_grad(set_to_none=True)
 
 
+def named_optimizer_state(optimizer: torch.optim.Optimizer, names: Sequence[str]) -> dict[str, Any]:
+    """The optimizer's state keyed by parameter name instead of position.
+
+    `names` are the global names of the optimizer's parameters, in its order (one group).
+    Per-parameter state (AdamW's step, exp_avg, exp_avg_sq) goes under the name; the
+    group's hyperparameters once. Any split holding some of the names can take their state
+    from it (`load_named_optimizer_state`), so a checkpoint saved under one layer split
+    restores under another.
+    """
+    sd = optimizer.state_dict()
+    (group,) = sd["param_groups"]
+    if len(group["params"]) != len(names):
+        raise ValueError(f"{len(names)} names for {len(group['params'])} parameters")
+    by_name = {names[i]: sd["state"][index] for i, index in enumerate(group["params"])
+               if index in sd["state"]}  # fmt: skip
+    return {"group": {k: v for k, v in group.items() if k != "params"}, "state": by_name}
+
+
+def load_named_optimizer_state(
+    optimizer: torch.optim.Optimizer, names: Sequence[str], named: Mapping[str, Any]
+) -> None:
+    """Load what `named_optimizer_state` wrote (of this or another split) for `names`; a
+    name without state (never stepped) starts fresh."""
+    sd = optimizer.state_dict()
+    (group,) = sd["param_groups"]
+    if len(group["params"]) != len(names):
+        raise ValueError(f"{len(names)} names for {len(group['params'])} parameters")
+    state = {index: named["state"][n] for n, index in zip(names, group["params"], strict=True)
+             if n in named["state"]}  # fmt: skip
+    optimizer.load_state_dict(
+        {"state": state, "param_groups": [{**named["group"], "params": group["params"]}]}
+    )
+
+
 def state_bytes(
-    optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    names: Sequence[str] | None = None,
 ) -> bytes:
     """Optimizer, schedule and RNG state as one torch-serialised blob.
 
+    With `names` (the optimizer's parameters' global names, in order) the optimizer state is
+    keyed by name (`named_optimizer_state`); without, by position (torch's own state_dict).
     The RNG state is the CPU generator's and, where CUDA is up, every CUDA device's (dropout
     on a GPU draws from the device's generator, not the CPU's).
     """
     buf = io.BytesIO()
     state: dict[str, Any] = {
-        "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict(),
         "rng": torch.get_rng_state(),
     }
+    if names is None:
+        state["optimizer"] = optimizer.state_dict()
+    else:
+        state["optimizer_by_name"] = named_optimizer_state(optimizer, names)
     # A process that never touched CUDA drew nothing from it, and asking would initialise it.
     if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         state["cuda_rng"] = torch.cuda.get_rng_state_all()
@@ -66,11 +108,18 @@ def load_state_bytes(
     data: bytes,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
+    names: Sequence[str] | None = None,
 ) -> None:
     """Restore what `state_bytes` wrote (CUDA generators too, when it saved them and this
-    process has as many devices)."""
+    process has as many devices). A state keyed by name needs `names`; one keyed by
+    position (written without names, as stages did before) loads either way."""
     state: dict[str, Any] = torch.load(io.BytesIO(data), weights_only=True)
-    optimizer.load_state_dict(state["optimizer"])
+    if "optimizer_by_name" in state:
+        if names is None:
+            raise ValueError("this optimizer state is keyed by name: pass the parameters' names")
+        load_named_optimizer_state(optimizer, names, state["optimizer_by_name"])
+    else:
+        optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     torch.set_rng_state(state["rng"])
     cuda = state.get("cuda_rng")

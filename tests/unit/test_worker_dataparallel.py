@@ -1,0 +1,287 @@
+"""Several pipelines of different shapes train one global batch exactly as one process does.
+
+Two pipelines split a 4-layer model differently ([0-1 | 1-4] and [0-3 | 3-4]) and share
+each step's micro-batches 2:1; every stage is a thread, each pipeline talks over its own
+authenticated loopback links and the pipelines reduce through `InProcessGroup` (or, in
+one variant, `LinkGroup` over authenticated loopback links between the stages that hold the
+same layers). Against single-process training of the whole global batch (AdamW, warm-up,
+cosine decay, weight decay, clipping by the global norm active): LoRA losses, gradients and
+weights bit for bit when only pipeline 0 trains several micro-batches (2:1, 1:1, 2:1:1),
+within 1e-6 otherwise (1:2); full training (tied embedding) within 1e-6; every pipeline's
+copy of every parameter torch.equal to the others' after every step. With a per-pipeline
+token count the same comparison fails.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Literal
+
+import pytest
+import torch
+from relaytrain_contract import TrainingSpec
+from relaytrain_operator.linkcerts import mint_link_credentials, stage_pem
+from relaytrain_worker.dataparallel import (
+    LOSS_KEY,
+    InProcessGroup,
+    holds,
+    micro_ranges,
+    reduce_sum,
+    segment_peers,
+)
+from relaytrain_worker.linkauth import LinkCredentials
+from relaytrain_worker.schedule import MicroBatch, count_items
+from relaytrain_worker.testing import (
+    PipelineRun,
+    run_data_parallel_threads,
+    run_reference,
+    tiny_model_dir,
+)
+
+pytestmark = pytest.mark.unit
+
+TRAINING = TrainingSpec(
+    steps=3,
+    microBatchSize=2,
+    microBatches=3,
+    learningRate=1e-2,
+    schedule="cosine",
+    warmupSteps=1,
+    weightDecay=0.01,
+    maxGradNorm=0.05,  # below every step's norm: clipping by the global norm is active
+    seed=3,
+)
+SPLITS = [[(0, 1), (1, 4)], [(0, 3), (3, 4)]]
+SEQ = 12
+
+
+def _steps(n_steps: int, n_micro: int, vocab: int = 300) -> list[list[MicroBatch]]:
+    """Micro-batches with right padding and masked prompts of different lengths, so every
+    micro-batch has another label-token count."""
+    gen = torch.Generator().manual_seed(5)
+    out = []
+    for _ in range(n_steps):
+        micros = []
+        for i in range(n_micro):
+            ids = torch.randint(0, vocab, (2, SEQ), generator=gen)
+            mask = torch.ones(2, SEQ, dtype=torch.long)
+            mask[1, SEQ - 2 - 3 * i :] = 0
+            labels = ids.clone()
+            labels[mask == 0] = -100
+            labels[0, : 1 + 2 * i] = -100
+            pos = torch.arange(SEQ).expand(2, -1).contiguous()
+            micros.append(MicroBatch(ids, mask, pos, labels))
+        out.append(micros)
+    return out
+
+
+def _credentials(stages: list[int]) -> list[list[LinkCredentials]]:
+    files = mint_link_credentials("test", "replicas", stages, now=datetime.now(UTC))
+    return [
+        [LinkCredentials(*stage_pem(files, p, k)) for k in range(n)] for p, n in enumerate(stages)
+    ]
+
+
+def _run(
+    model_dir: Path,
+    shares: list[int],
+    steps: list[list[MicroBatch]],
+    method: Literal["lora", "full"],
+    *,
+    splits: list[list[tuple[int, int]]] = SPLITS,
+    replicas: Literal["memory", "links"] = "memory",
+) -> list[PipelineRun]:
+    return run_data_parallel_threads(
+        model_dir, splits, shares, steps, TRAINING,
+        credentials=_credentials([len(s) for s in splits]), method=method, replicas=replicas,
+    )  # fmt: skip
+
+
+def _assert_matches(runs: list[PipelineRun], ref: PipelineRun, *, exact: bool) -> None:
+    """Every pipeline reports the reference's losses and norms and holds its clipped
+    gradients and updated weights: bit for bit (`exact`) or within 1e-6."""
+
+    def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return torch.equal(a, b) if exact else torch.allclose(a, b, rtol=0, atol=1e-6)
+
+    n_steps = len(ref.losses)
+    for p, run in enumerate(runs):
+        if exact:
+            assert run.losses == ref.losses, p
+            assert run.grad_norms == ref.grad_norms, p
+        else:
+            assert run.losses == pytest.approx(ref.losses, rel=0, abs=1e-6), p
+            assert run.grad_norms == pytest.approx(ref.grad_norms, rel=1e-6), p
+        for step in range(n_steps):
+            assert set(run.grads[step]) == set(ref.grads[step])
+            for name, grad in ref.grads[step].items():
+                assert same(run.grads[step][name], grad), (p, step, name)
+        assert set(run.params) == set(ref.params)
+        for name, value in ref.params.items():
+            assert same(run.params[name], value), (p, name)
+
+
+def _assert_replicas_equal(runs: list[PipelineRun]) -> None:
+    first = runs[0]
+    for run in runs[1:]:
+        assert len(run.step_params) == len(first.step_params)
+        for step, params in enumerate(first.step_params):
+            assert set(run.step_params[step]) == set(params)
+            for name, value in params.items():
+                assert torch.equal(run.step_params[step][name], value), (step, name)
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_model_dir(tmp_path_factory.mktemp("llama"), layers=4)
+
+
+@pytest.fixture(scope="module")
+def steps_2to1() -> list[list[MicroBatch]]:
+    steps = _steps(3, 3)
+    counts = [[count_items([m]) for m in micros] for micros in steps]
+    assert all(len(set(c)) == len(c) for c in counts), counts  # unequal per micro-batch
+    return steps
+
+
+@pytest.fixture(scope="module")
+def lora_reference(llama_dir: Path, steps_2to1: list[list[MicroBatch]]) -> PipelineRun:
+    ref = run_reference(llama_dir, steps_2to1, TRAINING)
+    assert all(norm > TRAINING.maxGradNorm for norm in ref.grad_norms)  # clipping bites
+    return ref
+
+
+@pytest.mark.parametrize("replicas", ["memory", "links"])
+def test_lora_two_pipelines_sharing_2_to_1_equal_single_process_bit_for_bit(
+    llama_dir: Path,
+    steps_2to1: list[list[MicroBatch]],
+    lora_reference: PipelineRun,
+    replicas: Literal["memory", "links"],
+) -> None:
+    # "links": the pipelines reduce over mutually authenticated loopback links between the
+    # stages that hold the same layers (LinkGroup), not through memory.
+    runs = _run(llama_dir, [2, 1], steps_2to1, "lora", replicas=replicas)
+    # Pipeline 0's two micro-batches, then pipeline 1's one: the fold continues
+    # single-process accumulation exactly, so bit for bit, not only within 1e-6.
+    _assert_matches(runs, lora_reference, exact=True)
+    _assert_replicas_equal(runs)
+
+
+def test_lora_two_pipelines_sharing_1_to_2_equal_single_process_within_1e6(
+    llama_dir: Path, steps_2to1: list[list[MicroBatch]], lora_reference: PipelineRun
+) -> None:
+    # Pipeline 1 adds its two micro-batches first, g0 + (g1 + g2): float32 rounding apart
+    # from ((g0 + g1) + g2), and still the same bits on both replicas.
+    runs = _run(llama_dir, [1, 2], steps_2to1, "lora")
+    _assert_matches(runs, lora_reference, exact=False)
+    _assert_replicas_equal(runs)
+
+
+def test_lora_one_micro_batch_per_pipeline_is_bit_identical(llama_dir: Path) -> None:
+    steps = _steps(3, 2)
+    ref = run_reference(llama_dir, steps, TRAINING)
+    runs = _run(llama_dir, [1, 1], steps, "lora")
+    _assert_matches(runs, ref, exact=True)
+    _assert_replicas_equal(runs)
+
+
+def test_three_pipelines_sharing_2_1_1_equal_single_process_bit_for_bit(llama_dir: Path) -> None:
+    steps = _steps(2, 4)
+    ref = run_reference(llama_dir, steps, TRAINING)
+    splits = [*SPLITS, [(0, 2), (2, 4)]]
+    runs = _run(llama_dir, [2, 1, 1], steps, "lora", splits=splits)
+    _assert_matches(runs, ref, exact=True)
+    _assert_replicas_equal(runs)
+
+
+def test_a_pipeline_with_no_share_still_applies_the_same_update(
+    llama_dir: Path, steps_2to1: list[list[MicroBatch]], lora_reference: PipelineRun
+) -> None:
+    # The planner gives a long, slow pipeline nothing when its fill costs more than it adds.
+    runs = _run(llama_dir, [3, 0], steps_2to1, "lora")
+    _assert_matches(runs[:1], lora_reference, exact=True)
+    _assert_replicas_equal(runs)
+    assert runs[1].losses == []  # it trained nothing, so it reports no loss
+
+
+def test_full_training_of_a_tied_model_matches_within_1e6(
+    llama_dir: Path, steps_2to1: list[list[MicroBatch]]
+) -> None:
+    steps = steps_2to1[:2]
+    ref = run_reference(llama_dir, steps, TRAINING, method="full")
+    runs = _run(llama_dir, [2, 1], steps, "full")
+    # The tied weight's two halves are added per step, not per micro-batch (as with one
+    # pipeline): equal to float32 rounding, and every replica still holds the same bits.
+    _assert_matches(runs, ref, exact=False)
+    _assert_replicas_equal(runs)
+
+
+def test_a_per_pipeline_token_count_fails_the_same_comparison(
+    llama_dir: Path,
+    steps_2to1: list[list[MicroBatch]],
+    lora_reference: PipelineRun,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Each pipeline normalises by its own share's label tokens (the single-pipeline rule).
+    def own_count(self: InProcessGroup, step: int, pipeline: int, count: int) -> int:
+        return count
+
+    monkeypatch.setattr(InProcessGroup, "total_tokens", own_count)
+    runs = _run(llama_dir, [2, 1], steps_2to1, "lora")
+    with pytest.raises(AssertionError):
+        _assert_matches(runs, lora_reference, exact=False)
+    # Not by a hair: the first step's loss is off by far more than the tolerance.
+    assert abs(runs[0].losses[0] - lora_reference.losses[0]) > 1e-3
+
+
+# -- the pure parts -------------------------------------------------------------------
+
+
+def test_the_fold_is_in_pipeline_order_whoever_arrives_first() -> None:
+    # In float32 (1 + 1e8) - 1e8 == 0 but (-1e8 + 1e8) + 1 == 1: the order shows.
+    values = [torch.tensor([1.0]), torch.tensor([1e8]), torch.tensor([-1e8])]
+    group = InProcessGroup([1, 1, 1])
+    got: dict[int, torch.Tensor] = {}
+
+    def give(p: int) -> None:
+        got[p] = group.reduce(0, p, 0, {"w": values[p]})["w"]
+
+    threads = [threading.Thread(target=give, args=(p,)) for p in (2, 1, 0)]
+    for t in threads:  # the last pipeline arrives first (most likely; any order holds)
+        t.start()
+        time.sleep(0.05)
+    for t in threads:
+        t.join()
+    want = (values[0] + values[1]) + values[2]
+    other = values[2] + values[1] + values[0]
+    assert not torch.equal(want, other)  # the order matters for these values
+    for p in range(3):
+        assert torch.equal(got[p], want)
+    assert got[0] is not got[1]  # each caller gets its own tensor (clipping is in place)
+    assert values[0].item() == 1.0  # contributions are not written
+
+
+def test_reduce_sum_refuses_pipelines_with_other_names() -> None:
+    with pytest.raises(ValueError, match="pipeline 1 contributes other names"):
+        reduce_sum([{"a": torch.ones(1)}, {"b": torch.ones(1)}])
+
+
+def test_shares_are_contiguous_in_pipeline_order() -> None:
+    assert micro_ranges([2, 1]) == [range(0, 2), range(2, 3)]
+    assert micro_ranges([0, 3]) == [range(0, 0), range(0, 3)]
+
+
+def test_segment_peers_are_the_stages_holding_the_same_layers() -> None:
+    assert segment_peers(SPLITS, 0, 0) == [(1, 0)]
+    assert segment_peers(SPLITS, 0, 1) == [(1, 0), (1, 1)]
+    assert segment_peers(SPLITS, 1, 0) == [(0, 0), (0, 1)]
+    assert segment_peers(SPLITS, 1, 1) == [(0, 1)]
+    name = "model.layers.2.self_attn.q_proj.lora_A.default.weight"
+    held = [holds(SPLITS[p], k, name) for p in (0, 1) for k in (0, 1)]
+    assert held == [False, True, True, False]
+    assert holds(SPLITS[1], 1, LOSS_KEY) and not holds(SPLITS[1], 0, LOSS_KEY)
+    assert holds(SPLITS[0], 0, "model.embed_tokens.weight")
+    assert holds(SPLITS[0], 1, "lm_head.weight") and not holds(SPLITS[0], 0, "lm_head.weight")
