@@ -17,11 +17,17 @@ the same directory while the first is alive, naming its PID.
 
 Stopping: each stage runs in its own process group; SIGTERM or SIGINT to the supervisor
 stops every group it started (SIGTERM, then SIGKILL after a grace period) and restarts
-none, including a stage that was waiting out its back-off.
+none, including a stage that was waiting out its back-off. A supervisor that cannot stop
+them (SIGKILL, a crash) takes them along on Linux: each stage is started with
+PR_SET_PDEATHSIG, so the kernel sends it SIGKILL when the supervisor dies
+(`die_with_supervisor`).
 
 Layer split: an even split of the decoder layers over `pipeline.stages` (default 2
 for `auto`). The planner models GPU pools; local stages share this machine's CPU (or
-GPU), so there is nothing for it to balance.
+GPU), so there is nothing for it to balance. Placement (`placement.py`: which nodes are
+eligible, what is free on them, where a replacement goes) has nothing to decide either:
+there is one machine, `spec.placement` speaks of Kubernetes nodes, and a restarted stage
+keeps its document, layers included, as a replacement pod keeps `status.plan`'s.
 
 This module never imports torch: it runs in the operator package.
 """
@@ -30,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import fcntl
 import importlib.util
 import json
@@ -39,6 +46,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -47,12 +55,10 @@ from typing import Any
 
 import yaml
 from relaytrain_contract import (
-    ACCESS_KEY_ENV,
     LINK_CA_ENV,
     LINK_CERT_ENV,
     LINK_KEY_ENV,
     PROGRESS_FILE,
-    SECRET_KEY_ENV,
     ConfigError,
     Progress,
 )
@@ -71,6 +77,32 @@ DEFAULT_ROOT = Path("relaytrain-local")
 LOCK_FILE = "run.lock"
 POLL_SECONDS = 0.5
 STOP_GRACE_SECONDS = 15.0
+
+
+PR_SET_PDEATHSIG = 1
+"""prctl(2) option: the signal the kernel sends the caller when its parent dies (Linux)."""
+
+
+def die_with_supervisor(supervisor: int) -> Callable[[], None] | None:
+    """What a stage process runs between fork and exec so that it dies with `supervisor`
+    (the PID of the process starting it): on Linux it asks the kernel for SIGKILL when its
+    parent dies (PR_SET_PDEATHSIG, kept across exec), then checks that its parent is still
+    `supervisor`; a supervisor that died before that (a restart racing the supervisor's
+    death) gets the same SIGKILL from the stage itself. None elsewhere (nothing to ask for).
+
+    The kernel's "parent" is the thread that forked: stages are started from the
+    supervisor's main thread, which lives as long as the supervisor does.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here, not in the child
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # cannot fail for a valid signal
+        if os.getppid() != supervisor:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return preexec
 
 
 class AlreadyRunning(Exception):  # noqa: N818 - reads as what happened
@@ -153,7 +185,9 @@ def _free_ports(n: int) -> list[int]:
 def _model_layers(job: FineTuneJob) -> int:
     uri = job.spec.model.uri
     if uri.startswith("s3://"):
-        data = _s3_get(job, uri.rstrip("/") + "/config.json")
+        data = _s3_read(job, uri, "config.json")
+        if data is None:
+            raise SpecError([("spec.model.uri", f"{uri.rstrip('/')}/config.json does not exist")])
     else:
         path = Path(uri.removeprefix("file://")) / "config.json"
         if not path.is_file():
@@ -162,25 +196,22 @@ def _model_layers(job: FineTuneJob) -> int:
     return int(json.loads(data)["num_hidden_layers"])
 
 
-def _s3_get(job: FineTuneJob, uri: str) -> bytes:
-    from urllib.parse import urlparse
+def _s3_read(job: FineTuneJob, uri: str, name: str) -> bytes | None:
+    """`<uri>/<name>` from the job's object store, reached as its stages reach it: the
+    contract's endpoint rule and AWS's standard credential chain (the operator's own reader,
+    `objectstore`). None: no such object. Raises OSError when the store cannot be read."""
+    # The minio client comes with the operator extra: imported only for a job on S3.
+    from minio.error import MinioException
 
-    from minio import Minio
+    from relaytrain_operator.objectstore import StoreAccess, StoreError, read_object
 
-    endpoint = urlparse(job.spec.checkpoint.endpoint or "https://s3.amazonaws.com")
-    client = Minio(
-        endpoint.netloc,
-        access_key=os.environ.get(ACCESS_KEY_ENV),
-        secret_key=os.environ.get(SECRET_KEY_ENV),
-        secure=endpoint.scheme == "https",
-    )
-    parsed = urlparse(uri)
-    response = client.get_object(parsed.netloc, parsed.path.lstrip("/"))
+    access = StoreAccess.from_environ(job.spec.checkpoint.endpoint)
     try:
-        return bytes(response.read())
-    finally:
-        response.close()
-        response.release_conn()
+        return read_object(uri, name, access)
+    except StoreError as err:
+        raise OSError(str(err)) from err
+    except MinioException as err:  # an answer, but not S3's
+        raise OSError(f"reading {name} under {uri}: {err}") from err
 
 
 @dataclass
@@ -293,6 +324,10 @@ class LocalRun:
                 # Its own group: a Ctrl-C in the terminal reaches only us, and stop() can
                 # signal the stage and anything it started at once.
                 start_new_session=True,
+                # And it dies with us however we die (SIGKILL included), on Linux. The
+                # function only calls prctl, getppid and at most kill, so the one other
+                # thread we may run (tqdm's monitor) holds no lock it could wait for.
+                preexec_fn=die_with_supervisor(os.getpid()),  # noqa: PLW1509
             )
         stage.pids.append(stage.proc.pid)
         stage.failed_at = None
@@ -315,15 +350,18 @@ class LocalRun:
         (self.workdir / "state.json").write_text(json.dumps(state, indent=2))
 
     def read_json(self, name: str) -> Any:
-        uri = f"{self.job_dir}/{name}"
+        """`name` in the job's checkpoint directory, parsed (None: none yet, or unreadable
+        this poll: the next one tries again)."""
         try:
-            if uri.startswith("s3://"):
-                return json.loads(_s3_get(self.job, uri))
-            path = Path(uri.removeprefix("file://"))
-            return json.loads(path.read_text()) if path.is_file() else None
+            if self.job_dir.startswith("s3://"):
+                data = _s3_read(self.job, self.job_dir, name)
+            else:
+                path = Path(self.job_dir.removeprefix("file://")) / name
+                data = path.read_bytes() if path.is_file() else None
+            return json.loads(data) if data is not None else None
         except (OSError, ValueError):
             return None
-        except Exception:  # S3 not ready yet: try again next poll
+        except Exception:  # anything else from the S3 client: a read must not end the run
             return None
 
     def read_progress(self) -> Progress | None:

@@ -1,10 +1,13 @@
-"""Small JSON reads from the job's object store (S3/MinIO) or a local directory.
+"""Small reads from the job's object store (S3/MinIO) or a local directory.
 
 The operator reads two things there: the base model's config.json (to plan) and the
-workers' progress.json (to report). Both are tiny; both use the job's own endpoint and
-credential Secret (spec.checkpoint), which the operator reads through `apply`. One client
-is kept per endpoint (and replaced when its credentials change), so a periodic read reuses
-its pooled connection instead of building a client each time.
+workers' progress.json (to report); `relaytrain run --local` reads progress.json and the
+loss history. All are tiny. Endpoints and credentials follow the stage contract's rules
+(`relaytrain_contract.store`), as the worker's do: the job's credential Secret when it names
+one (the operator reads it through `apply`), else AWS's standard chain
+(`StoreAccess.from_environ`). One client is kept per endpoint (and replaced when its
+credentials change), so a periodic read reuses its pooled connection instead of building a
+client each time.
 """
 
 from __future__ import annotations
@@ -12,14 +15,16 @@ from __future__ import annotations
 import json
 import os
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import urllib3
 from minio import Minio
+from minio.credentials.providers import IamAwsProvider, Provider
 from minio.error import S3Error
-from relaytrain_contract import s3_endpoint
+from relaytrain_contract import aws_credentials, s3_endpoint
 
 JsonDict = dict[str, Any]
 
@@ -35,9 +40,24 @@ class StoreAccess:
     endpoint: str | None
     """`http(s)://host:port` of an S3 endpoint; None means AWS S3."""
     access_key: str | None = None
-    """Access key id (None: anonymous)."""
+    """Access key id (None: see `iam_role`)."""
     secret_key: str | None = None
     """Secret access key."""
+    session_token: str | None = None
+    """A temporary session token (AWS STS), with the key pair it belongs to."""
+    iam_role: bool = False
+    """Without a key pair, on AWS S3: the IAM role of this pod or machine (IRSA web
+    identity, ECS, EC2 instance metadata), where AWS's standard chain ends. False, or off
+    AWS: anonymous access."""
+
+    @classmethod
+    def from_environ(
+        cls, endpoint: str | None, environ: Mapping[str, str] = os.environ
+    ) -> StoreAccess:
+        """A job that names no credential Secret: AWS's standard credential chain, as its
+        stages resolve it (`relaytrain_contract.aws_credentials`, then the IAM role)."""
+        creds = aws_credentials(environ)
+        return cls(endpoint, creds.access_key, creds.secret_key, creds.session_token, iam_role=True)
 
 
 def split_s3(uri: str) -> tuple[str, str]:
@@ -73,42 +93,57 @@ def _new_client(access: StoreAccess) -> Minio:
     http = urllib3.PoolManager(
         timeout=urllib3.Timeout(connect=2.0, read=5.0), retries=urllib3.Retry(total=0)
     )
+    role: Provider | None = None
+    if access.access_key is None and access.iam_role and endpoint.is_aws:
+        role = IamAwsProvider(http_client=http)  # the worker's S3Store does the same
     return Minio(
         endpoint.host,
         access_key=access.access_key,
         secret_key=access.secret_key,
+        session_token=access.session_token,
         secure=endpoint.secure,
         region=endpoint.region,
         http_client=http,
+        credentials=role,
     )
 
 
-def read_json(uri: str, name: str, access: StoreAccess | None) -> JsonDict | None:
-    """The JSON object `<uri>/<name>`, or None when it does not exist.
+def read_object(uri: str, name: str, access: StoreAccess | None) -> bytes | None:
+    """The bytes of `<uri>/<name>`, or None when it does not exist.
 
     `uri` is `s3://bucket/prefix`, `file:///dir` or a local directory.
-    Raises StoreError when the store cannot be reached or the object is not JSON.
+    Raises StoreError when the store cannot be reached.
     """
     try:
         if uri.startswith("s3://"):
             bucket, prefix = split_s3(uri)
             response = _client(access or StoreAccess(None)).get_object(bucket, join(prefix, name))
             try:
-                data = response.read()
+                return bytes(response.read())
             finally:
                 response.close()
                 response.release_conn()
-        else:
-            path = Path(uri.removeprefix("file://")) / name
-            if not path.is_file():
-                return None
-            data = path.read_bytes()
-        value = json.loads(data)
+        path = Path(uri.removeprefix("file://")) / name
+        return path.read_bytes() if path.is_file() else None
     except S3Error as exc:
         if exc.code in ("NoSuchKey", "NoSuchBucket"):
             return None
         raise StoreError(f"reading {name} under {uri}: {exc.code}: {exc.message}") from exc
     except (OSError, urllib3.exceptions.HTTPError, ValueError) as exc:
+        raise StoreError(f"reading {name} under {uri}: {exc}") from exc
+
+
+def read_json(uri: str, name: str, access: StoreAccess | None) -> JsonDict | None:
+    """The JSON object `<uri>/<name>`, or None when it does not exist.
+
+    Raises StoreError when the store cannot be reached or the object is not a JSON object.
+    """
+    data = read_object(uri, name, access)
+    if data is None:
+        return None
+    try:
+        value = json.loads(data)
+    except ValueError as exc:
         raise StoreError(f"reading {name} under {uri}: {exc}") from exc
     if not isinstance(value, dict):
         raise StoreError(f"{name} under {uri} is not a JSON object")

@@ -78,11 +78,13 @@ class Observer:
         )
 
     def store_access(self, job: FineTuneJob) -> StoreAccess:
-        """Endpoint and credentials of the job's object store (from its Secret)."""
+        """Endpoint and credentials of the job's object store: its Secret's key pair, or,
+        when it names none, AWS's standard chain as the operator's pod has it (its
+        environment, credentials file, IAM role), as the job's stages use theirs."""
         checkpoint = job.spec.checkpoint
         ref = checkpoint.credentials_secret
         if ref is None:
-            return StoreAccess(checkpoint.endpoint)
+            return StoreAccess.from_environ(checkpoint.endpoint)
         data = self.api.get_secret_data(job.metadata.namespace, ref.name)
         return StoreAccess(
             checkpoint.endpoint, data.get(ref.access_key_key), data.get(ref.secret_key_key)

@@ -18,62 +18,43 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
-from relaytrain_worker.testing import CORPUS, tiny_model_dir
+
+from tests.local_jobs import (
+    job_manifest,
+    make_workspace,
+    progress,
+    run_env,
+    run_state,
+    start_run,
+    wait_while_running,
+    write_job,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-REPO = Path(__file__).resolve().parents[2]
 EVERY = 3
 STEPS = 12
 
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("local")
-    tiny_model_dir(root / "model", layers=4)
-    with (root / "data.jsonl").open("w") as f:
-        for i in range(48):
-            record = {"prompt": f"q{i}: {CORPUS[i % 5][:12]}", "completion": CORPUS[(i + 1) % 5]}
-            f.write(json.dumps(record) + "\n")
-    return root
+    return make_workspace(tmp_path_factory.mktemp("local"), layers=4, records=48)
+
+
+def _manifest(root: Path, name: str, **training: Any) -> dict[str, Any]:
+    return job_manifest(
+        root,
+        name,
+        dataset={"sequenceLength": 24},
+        method={"rank": 4, "alpha": 8, "targetModules": ["q_proj", "v_proj"]},
+        training={"steps": STEPS, "microBatchSize": 2, "microBatches": 2,
+                  "learningRate": 0.01, "warmupSteps": 1, **training},
+        checkpoint={"uri": str(root / "ckpt"), "everySteps": EVERY, "keep": 2},
+    )  # fmt: skip
 
 
 def _job(root: Path, name: str, **training: Any) -> Path:
-    manifest = {
-        "apiVersion": "relaytrain.io/v1alpha1",
-        "kind": "FineTuneJob",
-        "metadata": {"name": name},
-        "spec": {
-            "model": {"uri": str(root / "model"), "dtype": "float32"},
-            "dataset": {"uri": str(root / "data.jsonl"), "format": "prompt-completion",
-                        "sequenceLength": 24},
-            "method": {"type": "lora", "rank": 4, "alpha": 8,
-                       "targetModules": ["q_proj", "v_proj"]},
-            "training": {"steps": STEPS, "microBatchSize": 2, "microBatches": 2,
-                         "learningRate": 0.01, "warmupSteps": 1, **training},
-            "pipeline": {"stages": 2, "compression": "none"},
-            "checkpoint": {"uri": str(root / "ckpt"), "everySteps": EVERY, "keep": 2},
-            "failurePolicy": {"maxStageRestarts": 2, "backoffSeconds": 0},
-        },
-    }  # fmt: skip
-    path = root / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(manifest))
-    return path
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "operator"), str(REPO / "worker_image")])
-    return env
-
-
-def _run(job: Path, workdir: Path) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "relaytrain_operator.cli", "run", str(job), "--local",
-         "--workdir", str(workdir), "--no-progress"],
-        env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+    return write_job(root, _manifest(root, name, **training))
 
 
 def _losses(ckpt: Path, name: str) -> list[float]:
@@ -83,7 +64,7 @@ def _losses(ckpt: Path, name: str) -> list[float]:
 
 @pytest.fixture(scope="module")
 def uninterrupted(workspace: Path) -> list[float]:
-    proc = _run(_job(workspace, "calm"), workspace / "wd-calm")
+    proc = start_run(_job(workspace, "calm"), workspace / "wd-calm")
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out
     assert "finalLoss" in out and (workspace / "wd-calm" / "loss.png").is_file()
@@ -101,24 +82,18 @@ def uninterrupted(workspace: Path) -> list[float]:
 
 def test_kill_9_of_a_stage_is_survived(workspace: Path, uninterrupted: list[float]) -> None:
     workdir = workspace / "wd-kill"
-    proc = _run(_job(workspace, "kill"), workdir)
-    progress = workspace / "ckpt" / "default" / "kill" / "progress.json"
-    deadline = time.monotonic() + 300
+    proc = start_run(_job(workspace, "kill"), workdir)
+
+    def past_first_commit() -> dict[str, Any] | None:
+        at = progress(workspace / "ckpt", "kill")
+        return at if at is not None and at["step"] >= EVERY + 1 else None
+
     # On an idle machine the tiny job takes a few milliseconds a step: poll often, and
     # kill early enough that most of the run is still ahead.
-    at: dict[str, object] = {}
-    while time.monotonic() < deadline:
-        try:
-            at = json.loads(progress.read_text())
-        except (OSError, ValueError):  # not written yet, or being replaced
-            at = {}
-        if int(at.get("step", 0)) >= EVERY + 1:  # type: ignore[call-overload]
-            break
-        time.sleep(0.005)
-    else:
-        proc.kill()
-        pytest.fail("the run never reached the step to kill at")
-    before = json.loads((workdir / "state.json").read_text())["stages"]
+    at = wait_while_running("the step to kill at", past_first_commit, proc, interval=0.005)
+    state = run_state(workdir)
+    assert state is not None
+    before = state["stages"]
     victim = before[1]["pid"]
     os.kill(victim, signal.SIGKILL)
     assert not at.get("done"), f"the job finished before the kill could land: {at}"
@@ -156,7 +131,7 @@ def test_a_corrupt_manifest_is_never_restored(workspace: Path, uninterrupted: li
     manifest = job_dir / f"step-{STEPS}" / "manifest.json"
     manifest.write_text(manifest.read_text()[:-20] + "garbage")
     (job_dir / "output" / "adapter_model.safetensors").unlink()
-    proc = _run(_job(workspace, "calm"), workspace / "wd-calm")
+    proc = start_run(_job(workspace, "calm"), workspace / "wd-calm")
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out
     logs = "".join(p.read_text() for p in (workspace / "wd-calm" / "stages").glob("*.log"))
@@ -179,7 +154,7 @@ def test_a_corrupt_stage_file_is_never_restored(
     stages = workspace / "wd-calm" / "stages"
     # Stage logs are appended to by every run of this job: read only this run's part.
     before = {p.name: p.stat().st_size for p in stages.glob("*.log")}
-    proc = _run(_job(workspace, "calm"), workspace / "wd-calm")
+    proc = start_run(_job(workspace, "calm"), workspace / "wd-calm")
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out
     logs = {p.name: p.read_bytes()[before.get(p.name, 0) :].decode() for p in stages.glob("*.log")}
@@ -204,7 +179,7 @@ def test_a_stage_with_another_jobs_certificate_is_refused(workspace: Path) -> No
 
     # Two runs of one job name mint two CAs, as two incarnations of a job would: a stage
     # holding the other CA's certificate (same identity) must get nowhere.
-    manifest = yaml.safe_load(_job(workspace, "intruded").read_text())
+    manifest = _manifest(workspace, "intruded")
     run = LocalRun.prepare(parse_job(manifest), workspace / "wd-intruded", None)
     other = LocalRun.prepare(parse_job(manifest), workspace / "wd-intruder", None)
     run.write_stage_files()
@@ -212,13 +187,13 @@ def test_a_stage_with_another_jobs_certificate_is_refused(workspace: Path) -> No
     cmd = [sys.executable, "-m", "relaytrain_worker", "--config"]
     listener = subprocess.Popen(
         [*cmd, str(run.stages[1].config_path)],
-        env={**_env(), **run.stages[1].link_env},
+        env={**run_env(), **run.stages[1].link_env},
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     try:
         intruder = subprocess.run(
             [*cmd, str(run.stages[0].config_path)],
-            env={**_env(), **other.stages[0].link_env},
+            env={**run_env(), **other.stages[0].link_env},
             capture_output=True, text=True, timeout=300, check=False,
         )  # fmt: skip
         assert intruder.returncode == 4, intruder.stderr
@@ -237,12 +212,9 @@ def test_full_training_writes_weights_that_load_as_a_model(workspace: Path) -> N
     import torch
     from transformers import AutoModelForCausalLM
 
-    manifest = yaml.safe_load(_job(workspace, "full", steps=4).read_text())
+    manifest = _manifest(workspace, "full", steps=4, learningRate=1e-3)
     manifest["spec"]["method"] = {"type": "full"}
-    manifest["spec"]["training"]["learningRate"] = 1e-3
-    job = workspace / "full.yaml"
-    job.write_text(yaml.safe_dump(manifest))
-    proc = _run(job, workspace / "wd-full")
+    proc = start_run(write_job(workspace, manifest), workspace / "wd-full")
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out
     output = workspace / "ckpt" / "default" / "full" / "output"
@@ -259,13 +231,11 @@ def test_metrics_while_running_and_ctrl_c_stops_every_stage(workspace: Path) -> 
     import urllib.request
 
     workdir = workspace / "wd-ctrlc"
-    proc = _run(_job(workspace, "ctrlc", steps=200), workdir)
-    progress = workspace / "ckpt" / "default" / "ctrlc" / "progress.json"
-    deadline = time.monotonic() + 300
-    while not progress.is_file() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert progress.is_file(), "no step finished"
-    stages = json.loads((workdir / "state.json").read_text())["stages"]
+    proc = start_run(_job(workspace, "ctrlc", steps=200), workdir)
+    wait_while_running("a step finished", lambda: progress(workspace / "ckpt", "ctrlc"), proc)
+    state = run_state(workdir)
+    assert state is not None
+    stages = state["stages"]
     for k in range(2):
         port = json.loads((workdir / "stages" / f"stage-{k}.json").read_text())["observability"][
             "port"

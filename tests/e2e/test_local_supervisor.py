@@ -1,5 +1,6 @@
 """`relaytrain run --local` as a supervisor: stopping leaves no stage behind (also while a
-stage crash-loops), a second run of a live job is refused, and each job keeps its own state.
+stage crash-loops), so does killing it (SIGKILL), a second run of a live job is refused, and
+each job keeps its own state.
 
 Tiny random Llama models (no downloads); real `python -m relaytrain_worker` processes.
 """
@@ -9,162 +10,118 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from relaytrain_worker.testing import CORPUS, tiny_model_dir
+
+from tests.local_jobs import (
+    alive,
+    job_manifest,
+    make_workspace,
+    progress,
+    run_state,
+    stage_processes,
+    stages_left,
+    start_run,
+    started_pids,
+    wait_until_no_stage_is_left,
+    wait_while_running,
+    write_job,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("supervisor")
-    tiny_model_dir(root / "model", layers=2)
-    with (root / "data.jsonl").open("w") as f:
-        for i in range(16):
-            record = {"prompt": f"q{i}: {CORPUS[i % 5][:12]}", "completion": CORPUS[(i + 1) % 5]}
-            f.write(json.dumps(record) + "\n")
-    return root
+    return make_workspace(tmp_path_factory.mktemp("supervisor"), layers=2, records=16)
 
 
 def _job(root: Path, name: str, *, steps: int, checkpoint: bool = True, **spec: Any) -> Path:
-    manifest: dict[str, Any] = {
-        "apiVersion": "relaytrain.io/v1alpha1",
-        "kind": "FineTuneJob",
-        "metadata": {"name": name},
-        "spec": {
-            "model": {"uri": str(root / "model"), "dtype": "float32"},
-            "dataset": {"uri": str(root / "data.jsonl"), "format": "prompt-completion",
-                        "sequenceLength": 16},
-            "method": {"type": "lora", "rank": 2, "alpha": 4, "targetModules": ["q_proj"]},
-            "training": {"steps": steps, "microBatchSize": 1, "microBatches": 2},
-            "pipeline": {"stages": 2, "compression": "none"},
-            "failurePolicy": {"maxStageRestarts": 2, "backoffSeconds": 0},
-            **spec,
-        },
-    }  # fmt: skip
-    if checkpoint:
-        manifest["spec"]["checkpoint"] = {"uri": str(root / "ckpt"), "everySteps": 2}
-    path = root / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(manifest))
-    return path
+    store = {"uri": str(root / "ckpt"), "everySteps": 2} if checkpoint else None
+    manifest = job_manifest(root, name, training={"steps": steps}, checkpoint=store, **spec)
+    return write_job(root, manifest)
 
 
-def _run(job: Path, workdir: Path | None, cwd: Path | None = None) -> subprocess.Popen[str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "operator"), str(REPO / "worker_image")])
-    cmd = [sys.executable, "-m", "relaytrain_operator.cli", "run", str(job), "--local",
-           "--no-progress"]  # fmt: skip
-    if workdir is not None:
-        cmd += ["--workdir", str(workdir)]
-    return subprocess.Popen(
-        cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+def _crash_looping_job(root: Path, name: str, **failure_policy: Any) -> Path:
+    """Stage 0 cannot read its data and exits at start-up, again and again; stage 1 waits."""
+    manifest = job_manifest(
+        root,
+        name,
+        training={"steps": 500},
+        dataset={"uri": str(root / "missing.jsonl")},
+        failurePolicy={"maxStageRestarts": 100, **failure_policy},
     )
+    return write_job(root, manifest)
 
 
-def _wait_for(what: str, ready: Any, proc: subprocess.Popen[str], timeout: float = 300) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = ready()
-        if value:
-            return value
-        if proc.poll() is not None:
-            pytest.fail(f"the run ended before {what}: {proc.communicate()[0]}")
-        time.sleep(0.2)
-    proc.kill()
-    pytest.fail(f"timed out waiting for {what}: {proc.communicate()[0]}")
-
-
-def _state(workdir: Path) -> dict[str, Any] | None:
-    try:
-        return dict(json.loads((workdir / "state.json").read_text()))
-    except (OSError, ValueError):
-        return None
-
-
-def _stage_processes(workdir: Path) -> list[tuple[int, str]]:
-    """Every live process (PID, command line) running one of `workdir`'s stage documents."""
-    stages = str(workdir.resolve() / "stages") + os.sep
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            args = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:  # gone meanwhile
-            continue
-        if any(a.decode(errors="replace").startswith(stages) for a in args):
-            found.append((int(entry.name), b" ".join(args).decode(errors="replace")))
-    return found
-
-
-def _none_left(workdir: Path) -> None:
-    deadline = time.monotonic() + 5
-    while _stage_processes(workdir) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert _stage_processes(workdir) == []
+def _stage_0_restarted(workdir: Path, times: int) -> bool:
+    state = run_state(workdir)
+    return bool(state) and state["stages"][0]["restarts"] >= times  # type: ignore[index]
 
 
 def test_sigterm_mid_run_stops_every_stage(workspace: Path) -> None:
     workdir = workspace / "wd-term"
-    proc = _run(_job(workspace, "term", steps=500), workdir)
-    progress = workspace / "ckpt" / "default" / "term" / "progress.json"
-    _wait_for("a step finished", progress.is_file, proc)
-    assert len(_stage_processes(workdir)) == 2  # the scan sees the stages while they run
+    proc = start_run(_job(workspace, "term", steps=500), workdir)
+    wait_while_running("a step finished", lambda: progress(workspace / "ckpt", "term"), proc)
+    assert len(stage_processes(workdir)) == 2  # the scan sees the stages while they run
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGTERM, out
     assert "stopping every stage" in out
-    _none_left(workdir)
+    # The supervisor waited for its stages before it exited: none is left, not even briefly.
+    assert stages_left(workdir) == []
 
 
 def test_sigterm_while_a_stage_crash_loops_restarts_nothing(workspace: Path) -> None:
-    # Stage 0 cannot read its data and exits at start-up, again and again; stage 1 waits for
-    # it. The supervisor is stopped while it restarts stage 0.
+    # The supervisor is stopped while it restarts stage 0, after a back-off of 1 s.
     workdir = workspace / "wd-loop"
-    job = _job(
-        workspace,
-        "loop",
-        steps=500,
-        failurePolicy={"maxStageRestarts": 100, "backoffSeconds": 1},
-    )
-    manifest = yaml.safe_load(job.read_text())
-    manifest["spec"]["dataset"]["uri"] = str(workspace / "missing.jsonl")
-    job.write_text(yaml.safe_dump(manifest))
-    proc = _run(job, workdir)
-
-    def looping() -> bool:
-        state = _state(workdir)
-        return bool(state) and state["stages"][0]["restarts"] >= 2  # type: ignore[index]
-
-    _wait_for("stage 0 restarted twice", looping, proc)
+    proc = start_run(_crash_looping_job(workspace, "loop", backoffSeconds=1), workdir)
+    wait_while_running("stage 0 restarted twice", lambda: _stage_0_restarted(workdir, 2), proc)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGTERM, out
-    _none_left(workdir)
-    state = _state(workdir)
-    assert state is not None
-    for stage in state["stages"]:  # every process it ever started is gone
-        for pid in stage["pids"]:
-            with pytest.raises(ProcessLookupError):
-                os.kill(pid, 0)
+    assert stages_left(workdir) == []  # of every process it ever started
+
+
+def test_a_killed_supervisor_takes_its_stages_along(workspace: Path) -> None:
+    from relaytrain_operator.local_run import lock_workdir
+    from relaytrain_operator.spec import parse_job
+
+    # SIGKILL: the supervisor cannot stop anything; the kernel stops the stages for it.
+    workdir = workspace / "wd-kill9"
+    job = _job(workspace, "kill9", steps=500)
+    proc = start_run(job, workdir)
+    wait_while_running("a step finished", lambda: progress(workspace / "ckpt", "kill9"), proc)
+    pids = wait_while_running("both stages started", lambda: started_pids(workdir), proc)
+    assert sorted(pid for pid, _ in stage_processes(workdir)) == sorted(pids)
+    proc.kill()
+    proc.communicate(timeout=30)
+    wait_until_no_stage_is_left(workdir)
+    # The kernel dropped the run's lock with it: the job may be run again in that directory.
+    os.close(lock_workdir(workdir, parse_job(yaml.safe_load(job.read_text()))))
+
+
+def test_a_killed_supervisor_leaves_no_stage_of_a_crash_loop(workspace: Path) -> None:
+    # Killed while it restarts stage 0 as fast as it can (no back-off): a stage started just
+    # before the supervisor died goes too, and none is started after.
+    workdir = workspace / "wd-kill9-loop"
+    proc = start_run(_crash_looping_job(workspace, "kill9loop", backoffSeconds=0), workdir)
+    wait_while_running("stage 0 restarted twice", lambda: _stage_0_restarted(workdir, 2), proc)
+    proc.kill()
+    proc.communicate(timeout=30)
+    wait_until_no_stage_is_left(workdir)
 
 
 def test_a_second_run_of_a_live_job_is_refused(workspace: Path) -> None:
     workdir = workspace / "wd-twice"
     job = _job(workspace, "twice", steps=500)
-    first = _run(job, workdir)
-    _wait_for("the stages started", lambda: _state(workdir), first)
+    first = start_run(job, workdir)
+    pids = wait_while_running("the stages started", lambda: started_pids(workdir), first)
     documents = {p.name: p.stat().st_mtime_ns for p in (workdir / "stages").glob("*.json")}
-    second = _run(job, workdir)
+    second = start_run(job, workdir)
     out, _ = second.communicate(timeout=120)
     assert second.returncode == 2, out
     holder = f"(PID {first.pid})"
@@ -173,11 +130,12 @@ def test_a_second_run_of_a_live_job_is_refused(workspace: Path) -> None:
     assert {p.name: p.stat().st_mtime_ns for p in (workdir / "stages").glob("*.json")} == (
         documents
     )
-    assert first.poll() is None and len(_stage_processes(workdir)) == 2
+    assert first.poll() is None and started_pids(workdir) == pids
+    assert all(alive(pid) for pid in pids)
     first.send_signal(signal.SIGINT)
     out, _ = first.communicate(timeout=60)
     assert first.returncode == 130, out
-    _none_left(workdir)
+    assert stages_left(workdir) == []
 
 
 def test_two_jobs_started_from_one_directory_keep_their_own_state(
@@ -185,7 +143,7 @@ def test_two_jobs_started_from_one_directory_keep_their_own_state(
 ) -> None:
     names = ("alpha", "beta")
     jobs = {n: _job(workspace, n, steps=2, checkpoint=False) for n in names}
-    runs = {n: _run(jobs[n], None, cwd=tmp_path) for n in names}  # side by side, no --workdir
+    runs = {n: start_run(jobs[n], None, cwd=tmp_path) for n in names}  # side by side
     for name, proc in runs.items():
         out, _ = proc.communicate(timeout=600)
         assert proc.returncode == 0, (name, out)

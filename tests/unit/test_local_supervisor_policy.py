@@ -1,14 +1,24 @@
-"""`relaytrain run --local`'s supervisor without processes: the failure policy it shares
-with the operator, its per-job state directory and the lock that refuses a second run."""
+"""`relaytrain run --local`'s supervisor without stage processes: the failure policy it
+shares with the operator, its per-job state directory, the lock that refuses a second run,
+and how a stage process dies with it (Linux)."""
 
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
-from relaytrain_operator.local_run import AlreadyRunning, default_workdir, lock_workdir
+from relaytrain_operator.local_run import (
+    AlreadyRunning,
+    default_workdir,
+    die_with_supervisor,
+    lock_workdir,
+)
 from relaytrain_operator.recovery import after_failure, backoff_left
 from relaytrain_operator.spec import FineTuneJob, parse_job
 
@@ -66,3 +76,64 @@ def test_a_held_state_directory_refuses_a_second_run_naming_the_holder(tmp_path:
     finally:
         os.close(held)
     os.close(lock_workdir(tmp_path / "wd", job))  # released with its holder
+
+
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG")
+
+
+def _running(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has died
+
+
+@linux_only
+def test_a_stage_dies_when_its_supervisor_is_killed() -> None:
+    # A stand-in supervisor starts a stand-in stage as local_run starts one (own session,
+    # die_with_supervisor), says its PID, and is then killed with SIGKILL.
+    with subprocess.Popen(
+        [sys.executable, "-c", (
+            "import os, subprocess, sys, time\n"
+            "from relaytrain_operator.local_run import die_with_supervisor\n"
+            "stage = subprocess.Popen(['sleep', '600'], start_new_session=True,\n"
+            "                         preexec_fn=die_with_supervisor(os.getpid()))\n"
+            "print(stage.pid, flush=True)\n"
+            "time.sleep(600)\n"
+        )],
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        stdout=subprocess.PIPE, text=True,
+    ) as supervisor:  # fmt: skip
+        assert supervisor.stdout is not None
+        stage = int(supervisor.stdout.readline())
+        assert _running(stage)
+        supervisor.kill()
+    deadline = time.monotonic() + 10
+    while _running(stage) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not _running(stage)
+
+
+@linux_only
+def test_a_stage_started_as_its_supervisor_dies_never_runs() -> None:
+    # The supervisor died between fork and prctl: the child's parent is no longer the one
+    # it was started by (here: never was), and it kills itself before exec.
+    other = os.getppid()
+    stage = subprocess.Popen(
+        ["sleep", "600"],
+        start_new_session=True,
+        preexec_fn=die_with_supervisor(other),  # noqa: PLW1509 - as local_run starts a stage
+    )
+    assert stage.wait(timeout=10) == -signal.SIGKILL
+    with_us = subprocess.Popen(
+        ["sleep", "600"],
+        start_new_session=True,
+        preexec_fn=die_with_supervisor(os.getpid()),  # noqa: PLW1509 - as local_run does
+    )
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):
+            with_us.wait(timeout=0.5)  # its parent is the one it names: it runs
+    finally:
+        with_us.kill()
+        with_us.wait()

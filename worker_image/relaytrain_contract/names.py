@@ -25,6 +25,10 @@ SECRET_KEY_ENV = "AWS_SECRET_ACCESS_KEY"
 """Environment variable holding the S3 secret access key (AWS's standard name)."""
 SESSION_TOKEN_ENV = "AWS_SESSION_TOKEN"
 """Environment variable holding a temporary session token (AWS's standard credential chain)."""
+CREDENTIALS_FILE_ENV = "AWS_SHARED_CREDENTIALS_FILE"
+"""Environment variable naming AWS's shared credentials file (default ~/.aws/credentials)."""
+PROFILE_ENV = "AWS_PROFILE"
+"""Environment variable naming the profile of that file to use (default `default`)."""
 REGION_ENVS = ("AWS_REGION", "AWS_DEFAULT_REGION")
 """Environment variables naming the AWS region, in the order AWS's tools read them."""
 

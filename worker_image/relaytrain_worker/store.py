@@ -11,17 +11,15 @@ import io
 import os
 import tempfile
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 from urllib.parse import urlparse
 
 from relaytrain_contract import (
-    ACCESS_KEY_ENV,
-    SECRET_KEY_ENV,
-    SESSION_TOKEN_ENV,
     CheckpointSpec,
+    S3Credentials,
     S3Endpoint,
+    aws_credentials,
     s3_endpoint,
 )
 
@@ -128,37 +126,22 @@ class LocalStore:
                 break
 
 
-@dataclass(frozen=True)
-class S3Credentials:
-    """Static S3 credentials (all None: anonymous, or the IAM role where that applies)."""
-
-    access_key: str | None = None
-    """Access key id."""
-    secret_key: str | None = None
-    """Secret access key."""
-    session_token: str | None = None
-    """A temporary session token (AWS STS), with the key pair it belongs to."""
-
-
 def job_credentials(
     checkpoint: CheckpointSpec, environ: Mapping[str, str] = os.environ
 ) -> S3Credentials:
     """The credentials a stage document points at.
 
     With `accessKeyEnv`/`secretKeyEnv` named (a credential Secret in a pod), the key pair in
-    those variables. With none named, AWS's standard environment: AWS_ACCESS_KEY_ID,
-    AWS_SECRET_ACCESS_KEY and AWS_SESSION_TOKEN (all empty: anonymous, or on AWS the IAM role).
+    those variables. With none named, AWS's standard credential chain as the stage contract
+    resolves it (`relaytrain_contract.aws_credentials`: the environment's key pair, else the
+    shared credentials file's; none: on AWS the IAM role, see `S3Store`, else anonymous).
     """
     if checkpoint.accessKeyEnv is not None and checkpoint.secretKeyEnv is not None:
         return S3Credentials(
             environ.get(checkpoint.accessKeyEnv) or None,
             environ.get(checkpoint.secretKeyEnv) or None,
         )
-    return S3Credentials(
-        environ.get(ACCESS_KEY_ENV) or None,
-        environ.get(SECRET_KEY_ENV) or None,
-        environ.get(SESSION_TOKEN_ENV) or None,
-    )
+    return aws_credentials(environ)
 
 
 class S3Store:
@@ -186,8 +169,10 @@ class S3Store:
         self.credentials = S3Credentials(access_key, secret_key, session_token)
         kwargs: dict[str, Any] = {}
         if access_key is None and S3Endpoint(endpoint, secure).is_aws:
-            # AWS S3 with nothing in the environment: the pod's IAM role (IRSA web
-            # identity, ECS or EC2 instance metadata), as AWS's own tools fall back to.
+            # AWS S3 and no key pair (none in the environment or the credentials file):
+            # the pod's IAM role (IRSA web identity, ECS or EC2 instance metadata), where
+            # AWS's standard chain ends (relaytrain_contract.store); the operator's reads
+            # end there too (relaytrain_operator.objectstore).
             from minio.credentials.providers import IamAwsProvider
 
             kwargs["credentials"] = IamAwsProvider()

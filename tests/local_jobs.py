@@ -1,0 +1,184 @@
+"""Jobs for `relaytrain run --local` tests: a workspace with a tiny model and data, job
+manifests on it, the run as a child process, and waits on what the run leaves observable
+(its state.json, progress.json, the stage processes in /proc).
+
+Tiny random Llama models (no downloads); every stage a real `python -m relaytrain_worker`.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from relaytrain_worker.testing import CORPUS, tiny_model_dir
+
+REPO = Path(__file__).resolve().parents[1]
+NAMESPACE = "default"
+
+
+def make_workspace(root: Path, *, layers: int, records: int) -> Path:
+    """`root/model` (a tiny Llama of `layers` layers) and `root/data.jsonl` (`records`
+    prompt-completion pairs); returns `root`."""
+    tiny_model_dir(root / "model", layers=layers)
+    with (root / "data.jsonl").open("w") as f:
+        for i in range(records):
+            record = {"prompt": f"q{i}: {CORPUS[i % 5][:12]}", "completion": CORPUS[(i + 1) % 5]}
+            f.write(json.dumps(record) + "\n")
+    return root
+
+
+def job_manifest(root: Path, name: str, **sections: Any) -> dict[str, Any]:
+    """A FineTuneJob on the workspace at `root`: two stages, no link compression, a LoRA of
+    rank 2 on q_proj, 16-token sequences, up to 2 restarts without back-off, no checkpoint
+    section (run --local's default store). A keyword names a spec section: a dict is merged
+    into that section's defaults (or is the section), None leaves the section out."""
+    spec: dict[str, Any] = {
+        "model": {"uri": str(root / "model"), "dtype": "float32"},
+        "dataset": {"uri": str(root / "data.jsonl"), "format": "prompt-completion",
+                    "sequenceLength": 16},
+        "method": {"type": "lora", "rank": 2, "alpha": 4, "targetModules": ["q_proj"]},
+        "training": {"steps": 4, "microBatchSize": 1, "microBatches": 2},
+        "pipeline": {"stages": 2, "compression": "none"},
+        "failurePolicy": {"maxStageRestarts": 2, "backoffSeconds": 0},
+    }  # fmt: skip
+    for section, value in sections.items():
+        if value is None:
+            spec.pop(section, None)
+        elif isinstance(value, dict):
+            spec[section] = {**spec.get(section, {}), **copy.deepcopy(value)}
+        else:
+            spec[section] = value
+    return {
+        "apiVersion": "relaytrain.io/v1alpha1",
+        "kind": "FineTuneJob",
+        "metadata": {"name": name},
+        "spec": spec,
+    }
+
+
+def write_job(root: Path, manifest: dict[str, Any]) -> Path:
+    """`manifest` as `root/<name>.yaml`; returns the path."""
+    path = root / f"{manifest['metadata']['name']}.yaml"
+    path.write_text(yaml.safe_dump(manifest))
+    return path
+
+
+def run_env() -> dict[str, str]:
+    """This environment, with the repository's packages importable."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "operator"), str(REPO / "worker_image")])
+    return env
+
+
+def start_run(job: Path, workdir: Path | None, cwd: Path | None = None) -> subprocess.Popen[str]:
+    """`relaytrain run JOB --local --no-progress [--workdir WORKDIR]`, output piped."""
+    cmd = [sys.executable, "-m", "relaytrain_operator.cli", "run", str(job), "--local",
+           "--no-progress"]  # fmt: skip
+    if workdir is not None:
+        cmd += ["--workdir", str(workdir)]
+    return subprocess.Popen(
+        cmd, env=run_env(), cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def wait_while_running(
+    what: str,
+    probe: Callable[[], Any],
+    proc: subprocess.Popen[str],
+    timeout: float = 300,
+    interval: float = 0.2,
+) -> Any:
+    """Calls `probe` until it returns something truthy and returns that; fails (with the
+    run's output) when the run ends first or `timeout` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = probe()
+        if value:
+            return value
+        if proc.poll() is not None:
+            pytest.fail(f"the run ended before {what}: {proc.communicate()[0]}")
+        time.sleep(interval)
+    proc.kill()
+    pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}: {proc.communicate()[0]}")
+
+
+def read_json(path: Path) -> Any:
+    """The JSON at `path`, or None while it does not exist (or is being replaced)."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def run_state(workdir: Path) -> dict[str, Any] | None:
+    """The supervisor's state.json: its PID and each stage's PIDs and restarts."""
+    state = read_json(workdir / "state.json")
+    return state if isinstance(state, dict) else None
+
+
+def started_pids(workdir: Path) -> list[int] | None:
+    """The PID of each stage's current process once every stage has one (else None)."""
+    state = run_state(workdir)
+    pids = [s["pid"] for s in state["stages"]] if state else []
+    return pids if pids and None not in pids else None
+
+
+def progress(ckpt: Path, name: str) -> dict[str, Any] | None:
+    """The job's progress.json under the checkpoint directory `ckpt`."""
+    record = read_json(ckpt / NAMESPACE / name / "progress.json")
+    return record if isinstance(record, dict) else None
+
+
+def stage_processes(workdir: Path) -> list[tuple[int, str]]:
+    """Every live process (PID, command line) running one of `workdir`'s stage documents.
+
+    A zombie (dead, not yet reaped) has no command line and is not listed.
+    """
+    stages = str(workdir.resolve() / "stages") + os.sep
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            args = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:  # gone meanwhile
+            continue
+        if any(a.decode(errors="replace").startswith(stages) for a in args):
+            found.append((int(entry.name), b" ".join(args).decode(errors="replace")))
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` is a running process (a zombie is not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def stages_left(workdir: Path) -> list[int]:
+    """PIDs of `workdir`'s stage processes still running: those /proc shows running a stage
+    document, and those of state.json (every process the supervisor started) not yet dead.
+    """
+    state = run_state(workdir) or {"stages": []}
+    started = {pid for stage in state["stages"] for pid in stage["pids"]}
+    return sorted({pid for pid, _ in stage_processes(workdir)} | set(filter(alive, started)))
+
+
+def wait_until_no_stage_is_left(workdir: Path, timeout: float = 30) -> None:
+    """Waits until `stages_left` is empty; fails naming those still there after `timeout`
+    seconds."""
+    deadline = time.monotonic() + timeout
+    while (left := stages_left(workdir)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert left == [], f"stage processes still running after {timeout:.0f}s: {left}"
