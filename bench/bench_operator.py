@@ -16,13 +16,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +28,8 @@ sys.path[:0] = [str(REPO), str(REPO / "operator")]
 
 from kubernetes import client, config  # noqa: E402
 
-from hack import kwok_nodes  # noqa: E402
+from tests.harness import kwok_nodes  # noqa: E402
+from tests.harness.operator_process import OperatorProcess  # noqa: E402
 from tests.shapes import SMOLLM2_135M_CONFIG as MODEL_CONFIG  # noqa: E402
 
 GROUP, VERSION, PLURAL = "relaytrain.io", "v1alpha1", "finetunejobs"
@@ -41,13 +39,6 @@ FLEET = [
     ("bench-a100", "NVIDIA-A100-SXM4-40GB", 40960, 0.3, 1000, 20),
     ("bench-rtx4090", "NVIDIA-GeForce-RTX-4090", 24564, 0.4, 500, 30),
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def pools(nodes: int) -> list[dict[str, Any]]:
@@ -83,13 +74,6 @@ def job(name: str, model: Path, stages: int) -> dict[str, Any]:
             "checkpoint": {"uri": "/var/tmp/relaytrain-bench"},
         },
     }
-
-
-def metric(text: str, name: str) -> float:
-    for line in text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
 
 
 def peak_rss_mib(pid: int) -> float:
@@ -177,41 +161,10 @@ def main() -> int:
     core.create_namespace({"metadata": {"name": ns}})
     workdir = Path(tempfile.mkdtemp(prefix="rtbench-"))
     (workdir / "config.json").write_text(json.dumps(MODEL_CONFIG))
-    port = free_port()
     log = workdir / "operator.log"
-    env = {
-        **os.environ,
-        "KUBECONFIG": args.kubeconfig,
-        "PYTHONPATH": os.pathsep.join([str(REPO / "operator"), str(REPO)]),
-    }
-    with log.open("wb") as out:
-        operator = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "relaytrain_operator",
-                "--namespace",
-                ns,
-                "--metrics-port",
-                str(port),
-                "--resync-seconds",
-                "10",
-            ],
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
+    operator = OperatorProcess(args.kubeconfig, log, "--namespace", ns, "--resync-seconds", "10")
     try:
-        url = f"http://127.0.0.1:{port}/metrics"
-        while True:
-            try:
-                urllib.request.urlopen(url, timeout=1)
-                break
-            except OSError:
-                if operator.poll() is not None:
-                    raise SystemExit(f"operator exited; see {log}") from None
-                time.sleep(0.5)
-
+        operator.start(timeout=args.timeout)
         want = args.jobs * args.stages
         t0 = time.monotonic()
         for i in range(args.jobs):
@@ -229,9 +182,10 @@ def main() -> int:
                 all_running = now
                 break
             time.sleep(0.5)
-        # A few periodic checks over the whole fleet, to count their errors and memory too.
-        time.sleep(15)
-        text = urllib.request.urlopen(url).read().decode()
+        # A periodic check of every job over the whole fleet, to count its errors and
+        # memory too.
+        jobs = [f"job-{i:03d}" for i in range(args.jobs)]
+        operator.wait_for_passes(ns, *jobs, more=1, timeout=args.timeout)
         exist, running = count_pods(core, ns)
         result = {
             "jobs": args.jobs,
@@ -242,9 +196,9 @@ def main() -> int:
             "all_pods_running_s": round(all_running, 2) if all_running is not None else None,
             "pods": exist,
             "pods_running": running,
-            "jobs_running": metric(text, 'relaytrain_jobs{phase="Running"}'),
-            "reconcile_errors": metric(text, "relaytrain_reconcile_errors_total"),
-            "reconciles": metric(text, "relaytrain_reconcile_duration_seconds_count"),
+            "jobs_running": operator.metric("relaytrain_jobs", phase="Running") or 0.0,
+            "reconcile_errors": operator.metric("relaytrain_reconcile_errors_total") or 0.0,
+            "reconciles": operator.metric("relaytrain_reconcile_duration_seconds_count") or 0.0,
             "operator_peak_rss_mib": round(peak_rss_mib(operator.pid), 1),
             "operator_cpu_s": round(cpu_seconds(operator.pid), 1),
         }
@@ -252,11 +206,7 @@ def main() -> int:
         ok = result["reconcile_errors"] == 0 and all_exist is not None
         return 0 if ok else 1
     finally:
-        operator.send_signal(signal.SIGTERM)
-        try:
-            operator.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            operator.kill()
+        operator.stop()
         print(f"operator log: {log}")
         if not args.keep:
             # Jobs carry the operator's finalizer; with the operator gone, remove it so

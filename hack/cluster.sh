@@ -74,6 +74,9 @@ up() {
     # node leases often enough (every ~5 s) that healthy nodes never flap. kwok manages
     # nodes annotated kwok.x-k8s.io/node=fake, and leaves the status of a node annotated
     # kwok.x-k8s.io/status=custom alone, so a test can post NotReady as a failing kubelet would.
+    # The API server also enforces what real clusters (OpenShift among them) enforce: a
+    # child whose owner reference blocks owner deletion needs `update` on the owner's
+    # finalizers. It writes an audit log of every ServiceAccount's requests (audit-policy.yaml).
     mkdir -p "$KWOK_WORKDIR"
     local config="$KWOK_WORKDIR/$name.kwokctl.yaml"
     cat >"$config" <<YAML
@@ -91,6 +94,9 @@ componentsPatches:
       - {key: listen-peer-urls, value: "http://127.0.0.1:$peer", override: true}
       - {key: initial-advertise-peer-urls, value: "http://127.0.0.1:$peer", override: true}
       - {key: initial-cluster, value: "node0=http://127.0.0.1:$peer", override: true}
+  - name: kube-apiserver
+    extraArgs:
+      - {key: enable-admission-plugins, value: OwnerReferencesPermissionEnforcement}
   - name: kwok-controller
     extraArgs:
       - {key: manage-all-nodes, value: "false", override: true}
@@ -98,6 +104,7 @@ componentsPatches:
       - {key: disregard-status-with-annotation-selector, value: "kwok.x-k8s.io/status=custom"}
 YAML
     "$kwok/kwokctl" --name "$name" -c "$config" create cluster --runtime binary --wait 120s \
+      --kube-audit-policy "$here/audit-policy.yaml" \
       --kubeconfig "$cluster_dir.kubeconfig" \
       --etcd-binary "$bin/etcd-$ETCD_VERSION/etcd" \
       --kube-apiserver-binary "$k8s/kube-apiserver" \
@@ -109,7 +116,10 @@ YAML
     wait_serving "$sched" "$kcm"
     echo "Started cluster $name in $((SECONDS - start))s." >&2
   fi
-  "$python" "$here/kwok_nodes.py" "$pools" --kubeconfig "$kubeconfig" >&2
+  # The node generator is a module of the test harness: the repository root on the path,
+  # the caller's folder off it (-P), so a relative $pools still means what it meant.
+  PYTHONPATH="$(dirname "$here")${PYTHONPATH:+:$PYTHONPATH}" \
+    "$python" -P -m tests.harness.kwok_nodes "$pools" --kubeconfig "$kubeconfig" >&2
   echo "$kubeconfig"
 }
 

@@ -8,6 +8,8 @@
 5. kills one stage's process mid-run (as a GPU dying would), and shows the operator
    replacing that pod alone while the other stages keep their processes;
 6. prints where the adapter went, and stops everything it started.
+
+Run from the repository root as a module (hack/demo.sh does): `python -m hack.demo --help`.
 """
 
 from __future__ import annotations
@@ -23,12 +25,12 @@ from typing import Any
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from hack import demo_data, toolpaths
+from tests.harness.kwok_runner import KwokProcessRunner
+from tests.harness.minio_server import start_minio, stop_minio
+from tests.harness.operator_process import OperatorProcess
 
-from hack import demo_data, toolpaths  # noqa: E402
-from hack.kwok_runner import KwokProcessRunner  # noqa: E402
-from hack.minio_server import start_minio, stop_minio  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 GROUP, VERSION, PLURAL = "relaytrain.io", "v1alpha1", "finetunejobs"
 
@@ -136,15 +138,9 @@ def run(args: argparse.Namespace, model_dir: Path, workdir: Path, stack: list[An
         },
     )
 
-    op_log = (workdir / "operator.log").open("wb")
-    operator = subprocess.Popen(
-        [sys.executable, "-m", "relaytrain_operator"],
-        env={**os.environ, "KUBECONFIG": kubeconfig, "PYTHONUNBUFFERED": "1"},
-        stdout=op_log,
-        stderr=subprocess.STDOUT,
-        cwd=REPO,
-    )
-    stack.append(lambda: (operator.terminate(), operator.wait(30), op_log.close()))
+    operator = OperatorProcess(kubeconfig, workdir / "operator.log")
+    operator.start()
+    stack.append(operator.stop)
     runner = KwokProcessRunner(api, workdir / "pods", ns)
     runner.start()
     stack.append(runner.stop)

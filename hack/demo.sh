@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# `make demo`: see hack/demo.py.
+# `make demo`: see hack/demo.py (a module: it imports the test harness's kwok runner,
+# MinIO server and operator launcher from tests/harness/).
 set -euo pipefail
-here=$(cd "$(dirname "$0")" && pwd)
-exec "${PYTHON:-$here/../.venv/bin/python}" "$here/demo.py" "$@"
+repo=$(cd "$(dirname "$0")/.." && pwd)
+cd "$repo"
+exec "${PYTHON:-$repo/.venv/bin/python}" -m hack.demo "$@"

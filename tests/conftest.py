@@ -2,8 +2,9 @@
 
 Markers are registered (strictly) in pyproject.toml. Tests marked `gpu` run only where
 CUDA exists; elsewhere they are deselected with the reason printed, never silently.
-The local cluster and MinIO fixtures live in tests/fixtures/ and are session-scoped:
-one cluster per test session, stopped when the session ends, failures included.
+The local cluster and MinIO fixtures live in tests/harness/ (with the rest of what tests
+run against) and are session-scoped: one cluster per test session, stopped when the
+session ends, failures included.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import importlib.util
 
 import pytest
 
-pytest_plugins = ["tests.fixtures.cluster", "tests.fixtures.minio"]
+pytest_plugins = ["tests.harness.cluster", "tests.harness.minio_fixture"]
 
 
 def _cuda_available() -> bool:

@@ -14,7 +14,7 @@ from typing import Any
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from tests.waiting import wait_for
+from tests.harness.waiting import wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 GROUP, VERSION, PLURAL = "relaytrain.io", "v1alpha1", "finetunejobs"

@@ -1,4 +1,5 @@
-"""The operator's Prometheus metrics: jobs by phase, stage restarts, reconcile errors/latency.
+"""The operator's Prometheus metrics: jobs by phase, stage restarts, passes by job, reconcile
+errors/latency.
 
 Served by prometheus-client's own HTTP server (started in the startup handler) on the
 port given by `--metrics-port`; 0 turns it off.
@@ -9,7 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
@@ -21,6 +22,11 @@ STAGE_RESTARTS = Counter(
 )
 RECONCILE_ERRORS = Counter(
     "relaytrain_reconcile_errors_total", "Reconciliations that raised an unexpected error."
+)
+RECONCILE_PASSES = Counter(
+    "relaytrain_reconcile_passes_total",
+    "Reconciliations of one job (periodic, rung or retried); the series goes with the job.",
+    ["namespace", "finetunejob"],
 )
 RECONCILE_SECONDS = Histogram(
     "relaytrain_reconcile_duration_seconds",
@@ -47,14 +53,17 @@ def record_phase(namespace: str, name: str, phase: str | None) -> None:
     with _lock:
         if phase is None:
             _phases.pop((namespace, name), None)
+            with suppress(KeyError):  # no pass of it was counted
+                RECONCILE_PASSES.remove(namespace, name)
         else:
             _phases[(namespace, name)] = phase
         _publish()
 
 
 @contextmanager
-def timed_reconcile() -> Iterator[None]:
-    """Time one reconciliation; count it as an error if it raises."""
+def timed_reconcile(namespace: str, name: str) -> Iterator[None]:
+    """Time one reconciliation of the job `namespace/name` and count it once it is over;
+    count it as an error too if it raises."""
     start = time.perf_counter()
     try:
         yield
@@ -63,6 +72,7 @@ def timed_reconcile() -> Iterator[None]:
         raise
     finally:
         RECONCILE_SECONDS.observe(time.perf_counter() - start)
+        RECONCILE_PASSES.labels(namespace=namespace, finetunejob=name).inc()
 
 
 def serve(port: int) -> None:

@@ -113,7 +113,7 @@ class Runner:
         self, namespace: str, name: str, nodes: Index, pods: Index, bell: _Bell | None = None
     ) -> Decision:
         """One pass over the job `namespace/name`."""
-        with metrics.timed_reconcile():
+        with metrics.timed_reconcile(namespace, name):
             now = datetime.now(UTC)
             job = await self._in_thread(self.executor.api.get_job, namespace, name)
             if job is None:

@@ -1,7 +1,7 @@
 """A FineTuneJob end to end: operator, real control plane, MinIO and real worker processes.
 
-The kwok process runner (hack/kwok_runner.py) runs each stage pod's container as a local
-process, so the stages really train a (tiny) Llama and talk over authenticated links.
+The kwok process runner (tests/harness/kwok_runner.py) runs each stage pod's container as
+a local process, so the stages really train a (tiny) Llama and talk over authenticated links.
 One job runs to completion while one stage's process is killed with SIGKILL mid-run, as
 a dying GPU would: the operator replaces that pod alone, the surviving stage processes
 keep running (same PIDs, same pod UIDs), roll back to the last committed checkpoint, and
@@ -13,8 +13,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -25,9 +23,10 @@ from typing import Any
 import pytest
 from kubernetes import client
 
-from hack.kwok_runner import KwokProcessRunner
-from tests.fixtures.rbac import chart_rbac_kubeconfig
-from tests.waiting import wait_for
+from tests.harness.chart_rbac import chart_rbac_kubeconfig
+from tests.harness.kwok_runner import KwokProcessRunner
+from tests.harness.operator_process import OperatorProcess
+from tests.harness.waiting import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -76,25 +75,15 @@ def env(
         },
     )
     # The operator runs with the chart's least-privilege RBAC, bound to this namespace.
-    kubeconfig = chart_rbac_kubeconfig(
+    identity = chart_rbac_kubeconfig(
         kube_cluster,
         work / "operator.kubeconfig",
         release="rte2e",
         namespace="rte2e-system",
         watch=[ns],
     )
-    log = (work / "operator.log").open("wb")
-    operator = subprocess.Popen(
-        [sys.executable, "-m", "relaytrain_operator", "--namespace", ns],
-        env={
-            **os.environ,
-            "KUBECONFIG": str(kubeconfig),
-            "PYTHONPATH": os.pathsep.join([str(REPO / "operator"), str(REPO)]),
-            "PYTHONUNBUFFERED": "1",
-        },
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
+    operator = OperatorProcess(identity.kubeconfig, work / "operator.log", "--namespace", ns)
+    operator.start()
     runner = KwokProcessRunner(api, work / "pods", ns)
     runner.start()
     try:
@@ -109,9 +98,7 @@ def env(
         }
     finally:
         runner.stop()
-        operator.terminate()
-        operator.wait(30)
-        log.close()
+        operator.stop()
         core.delete_namespace(ns)
 
 

@@ -16,7 +16,7 @@ from relaytrain_operator.apply import ClusterApi
 from relaytrain_operator.decide import Needs, Observed
 from relaytrain_operator.observe import Observer
 
-from hack.minio_server import MinioServer
+from tests.harness.minio_server import MinioServer
 from tests.operator_cases import job_manifest, namespace
 from tests.shapes import SMOLLM2_135M_CONFIG
 

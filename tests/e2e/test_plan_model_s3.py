@@ -14,7 +14,7 @@ import yaml
 from relaytrain_operator import cli
 from relaytrain_operator.model_config import resolve
 
-from tests.fixtures.minio import MinioServer
+from tests.harness.minio_server import MinioServer
 from tests.shapes import SMOLLM2_135M_CONFIG
 
 pytestmark = pytest.mark.e2e

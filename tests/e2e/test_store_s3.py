@@ -11,7 +11,7 @@ from relaytrain_worker.checkpoint import CorruptCheckpoint
 from relaytrain_worker.progress import Progress, read_progress, write_progress
 from relaytrain_worker.store import ObjectNotFound, S3Store, open_store
 
-from tests.fixtures.minio import MinioServer
+from tests.harness.minio_server import MinioServer
 
 pytestmark = pytest.mark.e2e
 

@@ -14,6 +14,8 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.harness.rbac_audit import Permission, granted_to, service_account_user
+
 pytestmark = pytest.mark.k8s
 
 REPO = Path(__file__).resolve().parents[2]
@@ -102,52 +104,39 @@ def test_the_api_server_accepts_every_rendered_object(kube_cluster: Any) -> None
     _apply(kube_cluster, docs, "--dry-run=server")
 
 
-def _can(kube_cluster: Any, sa: str, verb: str, resource: str, namespace: str | None) -> bool:
-    # "kind/name" would ask about an object named name; "kind#sub" asks about a subresource.
-    resource, _, sub = resource.partition("#")
-    args = ["auth", "can-i", verb, resource, "--as", sa]
+def _can(kube_cluster: Any, sa: str, permission: Permission, namespace: str | None) -> bool:
+    resource, _, sub = permission.resource.partition("/")
+    resource += f".{permission.group}" if permission.group else ""
+    args = ["auth", "can-i", permission.verb, resource, "--as", sa]
     args += ["--subresource", sub] if sub else []
     args += ["-n", namespace] if namespace else []
     out = kube_cluster.kubectl(*args, check=False).stdout.strip()
     return out == "yes"
 
 
-NEEDED = [
-    ("get", "finetunejobs.relaytrain.io"),
-    ("list", "finetunejobs.relaytrain.io"),
-    ("watch", "finetunejobs.relaytrain.io"),
-    ("patch", "finetunejobs.relaytrain.io"),
-    ("patch", "finetunejobs.relaytrain.io#status"),
-    ("update", "finetunejobs.relaytrain.io#finalizers"),
-    ("create", "pods"),
-    ("delete", "pods"),
-    ("watch", "pods"),
-    ("create", "services"),
-    ("delete", "services"),
-    ("create", "secrets"),
-    ("get", "secrets"),
-    ("delete", "secrets"),
-    ("create", "events"),
-]
-CLUSTER_NEEDED = [("list", "nodes"), ("watch", "nodes"), ("list", "pods")]
+# What the operator must never be able to do, whatever its code comes to call: a policy,
+# not a record. (What it may do is derived from its calls: tests/k8s/test_operator.py
+# fails on any grant its operator did not use, by the API server's audit log.)
 NEVER = [
-    ("delete", "nodes"),
-    ("patch", "nodes"),
-    ("create", "clusterroles"),
-    ("create", "rolebindings"),
-    ("delete", "namespaces"),
-    ("create", "deployments.apps"),
-    ("delete", "finetunejobs.relaytrain.io"),
-    ("create", "finetunejobs.relaytrain.io"),
-    ("patch", "pods"),
-    ("update", "secrets"),
-    ("create", "pods#exec"),
-    ("update", "finetunejobs.relaytrain.io#scale"),
-    ("delete", "customresourcedefinitions.apiextensions.k8s.io"),
+    Permission("", "nodes", "delete"),
+    Permission("", "nodes", "patch"),
+    Permission("rbac.authorization.k8s.io", "clusterroles", "create"),
+    Permission("rbac.authorization.k8s.io", "rolebindings", "create"),
+    Permission("", "namespaces", "delete"),
+    Permission("apps", "deployments", "create"),
+    Permission("relaytrain.io", "finetunejobs", "delete"),
+    Permission("relaytrain.io", "finetunejobs", "create"),
+    Permission("", "pods", "patch"),
+    Permission("", "secrets", "update"),
+    Permission("", "secrets", "list"),
+    Permission("", "pods/exec", "create"),
+    Permission("relaytrain.io", "finetunejobs/scale", "update"),
+    Permission("apiextensions.k8s.io", "customresourcedefinitions", "delete"),
 ]
+CLUSTER_SCOPED = {"nodes", "namespaces", "customresourcedefinitions", "clusterkopfpeerings"}
 
 
-def _install_rbac(kube_cluster: Any, *sets: str) -> tuple[str, str]:
+def _install_rbac(kube_cluster: Any, *sets: str) -> tuple[str, str, list[dict[str, Any]]]:
     # can-i answers "no" for a resource the API server does not know: install the CRD first.
     crd = REPO / "crds" / "finetunejobs.relaytrain.io.yaml"
     kube_cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(crd))
@@ -165,28 +154,44 @@ def _install_rbac(kube_cluster: Any, *sets: str) -> tuple[str, str]:
         if doc["kind"] == "RoleBinding":
             kube_cluster.kubectl("create", "namespace", doc["metadata"]["namespace"], check=False)
     _apply(kube_cluster, docs)
-    sa = f"system:serviceaccount:{namespace}:{release}-relaytrain"
-    return namespace, sa
+    return namespace, release, docs
 
 
-def test_cluster_wide_rbac_grants_exactly_what_the_operator_needs(kube_cluster: Any) -> None:
-    _, sa = _install_rbac(kube_cluster)
-    missing = [(v, r) for v, r in NEEDED if not _can(kube_cluster, sa, v, r, "team-a")]
-    missing += [(v, r) for v, r in CLUSTER_NEEDED if not _can(kube_cluster, sa, v, r, None)]
-    assert missing == []
-    extra = [(v, r) for v, r in NEVER if _can(kube_cluster, sa, v, r, "team-a")]
-    assert extra == []
+def _granted(namespace: str, release: str, docs: list[dict[str, Any]]) -> set[Permission]:
+    granted = granted_to(docs, namespace, f"{release}-relaytrain")
+    assert granted, "the rendered chart binds nothing to its ServiceAccount"
+    return granted
+
+
+def test_cluster_wide_rbac_is_in_force_and_never_more(kube_cluster: Any) -> None:
+    namespace, release, docs = _install_rbac(kube_cluster)
+    sa = service_account_user(namespace, f"{release}-relaytrain")
+    # Every rendered grant works where the operator needs it: any namespace, or the cluster.
+    denied = [
+        p
+        for p in sorted(_granted(namespace, release, docs))
+        if not _can(kube_cluster, sa, p, None if p.resource in CLUSTER_SCOPED else "team-a")
+    ]
+    assert denied == []
+    assert [p for p in NEVER if _can(kube_cluster, sa, p, "team-a")] == []
 
 
 def test_namespaced_rbac_stays_in_the_watched_namespaces(kube_cluster: Any) -> None:
     watched = f"team-{uuid.uuid4().hex[:6]}"
-    _, sa = _install_rbac(kube_cluster, f"watchNamespaces={{{watched}}}")
-    assert [(v, r) for v, r in NEEDED if not _can(kube_cluster, sa, v, r, watched)] == []
-    assert [(v, r) for v, r in CLUSTER_NEEDED if not _can(kube_cluster, sa, v, r, None)] == []
-    # Outside the watched namespace: no Secrets, no pod creation.
-    for verb, resource in [
-        ("get", "secrets"),
-        ("create", "pods"),
-        ("patch", "finetunejobs.relaytrain.io"),
-    ]:
-        assert not _can(kube_cluster, sa, verb, resource, "kube-system"), (verb, resource)
+    namespace, release, docs = _install_rbac(kube_cluster, f"watchNamespaces={{{watched}}}")
+    sa = service_account_user(namespace, f"{release}-relaytrain")
+    granted = _granted(namespace, release, docs)
+    # The job role, bound by a RoleBinding in each watched namespace.
+    in_namespaces = [d for d in docs if d["kind"] != "ClusterRoleBinding"]
+    jobs = granted_to(in_namespaces, namespace, f"{release}-relaytrain")
+    assert jobs, "the job-level grants should be bound in the watched namespace"
+    assert [p for p in sorted(granted) if not _can(kube_cluster, sa, p, watched)] == []
+    # Outside the watched namespace: nothing of the job role beyond the cluster-wide reads.
+    cluster_wide = granted_to(
+        [d for d in docs if d["kind"] != "RoleBinding"], namespace, f"{release}-relaytrain"
+    )
+    outside = sorted(jobs - cluster_wide)
+    assert outside, "the job role should grant writes the cluster role does not"
+    leaked = [p for p in outside if _can(kube_cluster, sa, p, "kube-system")]
+    assert leaked == []
+    assert [p for p in NEVER if _can(kube_cluster, sa, p, watched)] == []

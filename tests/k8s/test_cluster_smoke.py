@@ -12,7 +12,7 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from hack import toolpaths
-from tests.waiting import wait_for
+from tests.harness.waiting import wait_for
 
 pytestmark = pytest.mark.k8s
 

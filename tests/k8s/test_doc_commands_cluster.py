@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,6 +33,7 @@ from tests.doc_commands import (
     clean_env,
     doc_blocks,
 )
+from tests.harness.waiting import wait_for
 
 pytestmark = pytest.mark.k8s
 
@@ -113,23 +113,20 @@ def _reset(shell: Shell) -> None:
 
 def _wait_nodes_ready(shell: Shell, timeout: float = 120.0) -> None:
     want = sum(int(p["nodes"]) for p in yaml.safe_load(POOLS.read_text())["pools"])
-    deadline = time.monotonic() + timeout
-    ready = 0
-    while time.monotonic() < deadline:
+
+    def ready() -> int:
         try:
             nodes = json.loads(_kubectl(shell, "get", "nodes", "-o", "json"))["items"]
         except ValueError:
             nodes = []
-        ready = sum(
+        return sum(
             1
             for n in nodes
             for c in n.get("status", {}).get("conditions", [])
             if c["type"] == "Ready" and c["status"] == "True"
         )
-        if ready >= want:
-            return
-        time.sleep(1)
-    raise TimeoutError(f"only {ready} of {want} kwok nodes became Ready in {timeout:.0f}s")
+
+    wait_for(f"{want} kwok nodes Ready", lambda: ready() >= want, timeout=timeout, interval=1)
 
 
 @pytest.fixture(scope="module")

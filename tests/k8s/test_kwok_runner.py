@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 from kubernetes import client
 
-from hack.kwok_runner import KwokProcessRunner
-from tests.waiting import wait_for
+from tests.harness.kwok_runner import KwokProcessRunner
+from tests.harness.waiting import wait_for
 
 pytestmark = pytest.mark.k8s
 

@@ -7,114 +7,37 @@ nodes; a test "fails" a stage pod by setting its status phase to Failed (what a 
 reports for a crashed container with restartPolicy Never), deletes it, or deletes its node.
 
 RBAC: the operator authenticates as the Helm chart's ServiceAccount, bound by the chart's
-own (Cluster)Roles (tests/fixtures/rbac.py), so it can do what the chart grants and no more.
+own (Cluster)Roles (tests/harness/chart_rbac.py), so it can do what the chart grants and no more.
 The tests themselves use the admin kubeconfig.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
-from hack import kwok_nodes
-from tests.fixtures.rbac import chart_rbac_kubeconfig
+from tests.harness import kwok_nodes
+from tests.harness.chart_rbac import ChartIdentity, chart_rbac_kubeconfig
+from tests.harness.operator_process import PASSES, OperatorProcess
+from tests.harness.rbac_audit import calls_of, explain, granted_to, service_account_user
+from tests.harness.waiting import wait_for
 from tests.operator_cases import install_crd
 from tests.shapes import SMOLLM2_135M_CONFIG as MODEL_CONFIG
-from tests.waiting import wait_for
+
+REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.k8s
 
-REPO = Path(__file__).resolve().parents[2]
 GROUP, VERSION, PLURAL = "relaytrain.io", "v1alpha1", "finetunejobs"
 JOB_LABEL = "relaytrain.io/job"
-# SmolLM2-135M's shape: 30 decoder layers, small enough for any pool.
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-class OperatorProcess:
-    """`python -m relaytrain_operator` as a child process."""
-
-    def __init__(self, kubeconfig: Path, log: Path) -> None:
-        self.kubeconfig = kubeconfig
-        self.log = log
-        self.metrics_port = free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        env = {
-            **os.environ,
-            "KUBECONFIG": str(self.kubeconfig),
-            "PYTHONPATH": os.pathsep.join([str(REPO / "operator"), str(REPO)]),
-        }
-        args = [
-            sys.executable,
-            "-m",
-            "relaytrain_operator",
-            "--namespace",
-            "rtop-*",
-            "--metrics-port",
-            str(self.metrics_port),
-            "--resync-seconds",
-            "1",
-        ]
-        with self.log.open("ab") as out:
-            self.proc = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT)
-        wait_for("the operator's metrics endpoint", self._metrics_up, timeout=30)
-
-    def _metrics_up(self) -> bool:
-        assert self.proc is not None
-        if self.proc.poll() is not None:
-            raise AssertionError(f"the operator exited ({self.proc.returncode}):\n{self.tail()}")
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=1)
-        except OSError:
-            return False
-        return True
-
-    def kill(self) -> None:
-        """SIGKILL: no chance to clean up, as when a node dies under the operator."""
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=10)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def metrics(self) -> str:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics") as r:
-            return str(r.read().decode())
-
-    def tail(self, lines: int = 60) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
 
 
 @pytest.fixture(scope="module")
@@ -128,19 +51,25 @@ def crd(kube_cluster: Any, api: client.ApiClient) -> None:
 
 
 @pytest.fixture(scope="module")
-def operator(
+def identity(
     kube_cluster: Any, crd: None, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[OperatorProcess]:
-    workdir = tmp_path_factory.mktemp("operator")
-    kubeconfig = chart_rbac_kubeconfig(
+) -> ChartIdentity:
+    return chart_rbac_kubeconfig(
         kube_cluster,
-        workdir / "operator.kubeconfig",
+        tmp_path_factory.mktemp("identity") / "operator.kubeconfig",
         release="rtop",
         namespace="relaytrain-optest",
         watch=[],
     )
-    log = workdir / "operator.log"
-    proc = OperatorProcess(kubeconfig, log)
+
+
+@pytest.fixture(scope="module")
+def operator(
+    identity: ChartIdentity, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[OperatorProcess]:
+    log = tmp_path_factory.mktemp("operator") / "operator.log"
+    args = ("--namespace", "rtop-*", "--resync-seconds", "1")
+    proc = OperatorProcess(identity.kubeconfig, log, *args)
     proc.start()
     yield proc
     proc.stop()
@@ -357,7 +286,7 @@ def test_a_failed_or_deleted_stage_is_replaced_alone(kube: Cluster, model_dir: P
 
 
 def test_repeated_failures_fail_the_job_exactly_at_the_policy(
-    kube: Cluster, model_dir: Path
+    kube: Cluster, model_dir: Path, operator: OperatorProcess
 ) -> None:
     kube.create_job(job_manifest("flaky", model_dir, failurePolicy={"maxStageRestarts": 2}))
     wait_for("3 running stage pods", lambda: kube.running("flaky", 3))
@@ -381,11 +310,20 @@ def test_repeated_failures_fail_the_job_exactly_at_the_policy(
         "a BackoffLimitExceeded event",
         lambda: kube.events("flaky", "BackoffLimitExceeded"),
     )
-    time.sleep(2)  # several periodic checks later: a Failed job stays failed, with no pods
+    # A finished job has no loop of its own: while the operator passes three times over
+    # another job (one that never gets pods), the failed one gets no pass, stays Failed and
+    # gets no pods back.
+    kube.create_job(job_manifest("clock", model_dir, placement={"pools": ["tpu-v5"]}))
+    operator.wait_for_passes(kube.ns, "clock", more=1)
+    done = operator.passes(kube.ns, "flaky")
+    operator.wait_for_passes(kube.ns, "clock", more=3)
+    assert operator.passes(kube.ns, "flaky") == done
     assert kube.status("flaky")["phase"] == "Failed" and not kube.pods("flaky")
 
 
-def test_an_unschedulable_job_gets_a_condition_and_no_pods(kube: Cluster, model_dir: Path) -> None:
+def test_an_unschedulable_job_gets_a_condition_and_no_pods(
+    kube: Cluster, model_dir: Path, operator: OperatorProcess
+) -> None:
     # The local fleet has two V100s; a three-stage job limited to them cannot fit.
     kube.create_job(
         job_manifest("big", model_dir, placement={"pools": ["v100"]}, model={"dtype": "float16"})
@@ -396,7 +334,7 @@ def test_an_unschedulable_job_gets_a_condition_and_no_pods(kube: Cluster, model_
     assert ready["status"] == "False"
     assert "3" in ready["message"] and "GPU" in ready["message"]
     wait_for("an Unschedulable event", lambda: kube.events("big", "Unschedulable"))
-    time.sleep(2)
+    operator.wait_for_passes(kube.ns, "big", more=3)  # the periodic checks find no room either
     assert not kube.pods("big")
     assert kube.status("big")["phase"] == "Pending"
 
@@ -419,9 +357,12 @@ def test_suspend_removes_pods_and_resume_brings_them_back(kube: Cluster, model_d
     assert status["restarts"] == 0
 
 
-def test_deleting_the_job_removes_everything_it_owns(kube: Cluster, model_dir: Path) -> None:
+def test_deleting_the_job_removes_everything_it_owns(
+    kube: Cluster, model_dir: Path, operator: OperatorProcess
+) -> None:
     kube.create_job(job_manifest("gone", model_dir))
     wait_for("3 running stage pods", lambda: kube.running("gone", 3))
+    wait_for("a pass of the job counted", lambda: operator.passes(kube.ns, "gone") > 0)
     kube.custom.delete_namespaced_custom_object(GROUP, VERSION, kube.ns, PLURAL, "gone")
 
     def all_gone() -> bool:
@@ -435,6 +376,11 @@ def test_deleting_the_job_removes_everything_it_owns(kube: Cluster, model_dir: P
         return not (kube.pods("gone") or services or secrets or jobs["items"])
 
     wait_for("the job and its children gone", all_gone, timeout=60)
+    # And its series in the operator's metrics (one per job would otherwise pile up).
+    wait_for(
+        "its pass counter gone",
+        lambda: operator.metric(PASSES, namespace=kube.ns, finetunejob="gone") is None,
+    )
 
 
 def test_a_lost_node_moves_its_stage_to_a_pool_with_room(
@@ -534,7 +480,8 @@ def test_operator_restart_creates_no_duplicates_and_keeps_status(
     operator.start()
     wait_for("the job's pods", lambda: kube.running("mid", 2))
 
-    time.sleep(3)  # several periodic checks with the restarted operator
+    # Several periodic checks of each job by the restarted operator change nothing.
+    operator.wait_for_passes(kube.ns, "keep", "late", "mid", more=3)
     after = kube.status("keep")
     assert after["plan"] == status["plan"] and after["startTime"] == status["startTime"]
     assert [s["restarts"] for s in after["stages"]] == [1, 0, 1]
@@ -543,22 +490,18 @@ def test_operator_restart_creates_no_duplicates_and_keeps_status(
         assert len(kube.pods(job)) == count, job
 
 
-def test_metrics_report_jobs_restarts_and_no_errors(
+def test_metrics_report_jobs_passes_and_no_errors(
     kube: Cluster, model_dir: Path, operator: OperatorProcess
 ) -> None:
     kube.create_job(job_manifest("met", model_dir))
     wait_for("Running", lambda: kube.status("met").get("phase") == "Running")
-    text = wait_for(
-        "the metric", lambda: 'relaytrain_jobs{phase="Running"}' in (t := operator.metrics()) and t
+    wait_for(
+        "a Running job in the metrics",
+        lambda: (operator.metric("relaytrain_jobs", phase="Running") or 0) >= 1,
     )
-    values = {
-        line.split(" ")[0]: float(line.split(" ")[1])
-        for line in text.splitlines()
-        if line and not line.startswith("#")
-    }
-    assert values['relaytrain_jobs{phase="Running"}'] >= 1
-    assert values["relaytrain_reconcile_errors_total"] == 0
-    assert values["relaytrain_reconcile_duration_seconds_count"] > 0
+    operator.wait_for_passes(kube.ns, "met", more=1)
+    assert operator.metric("relaytrain_reconcile_errors_total") == 0
+    assert (operator.metric("relaytrain_reconcile_duration_seconds_count") or 0) > 0
     assert operator.alive()
 
 
@@ -749,13 +692,13 @@ def test_an_invalid_job_is_refused_without_pods(
         )
         assert ready["status"] == "False" and ready["message"]
         wait_for(f"a {refused_by} event", lambda: kube.events(case, refused_by))
-        time.sleep(1.5)  # a periodic check later, still no pods
+        operator.wait_for_passes(kube.ns, case, more=2)  # periodic checks later, still no pods
     assert not kube.pods(case)
     assert operator.alive()
 
 
 def test_the_model_and_pipeline_of_a_started_job_cannot_change(
-    kube: Cluster, model_dir: Path
+    kube: Cluster, model_dir: Path, operator: OperatorProcess
 ) -> None:
     kube.create_job(job_manifest("fixed", model_dir))
     wait_for("3 running stage pods", lambda: kube.running("fixed", 3))
@@ -768,5 +711,24 @@ def test_the_model_and_pipeline_of_a_started_job_cannot_change(
         with pytest.raises(ApiException) as refused:
             kube.patch_spec("fixed", change)
         assert refused.value.status == 422, change
-    time.sleep(1.5)
+    operator.wait_for_passes(kube.ns, "fixed", more=2)  # periodic checks of the unchanged spec
     assert kube.uids("fixed") == before
+
+
+def test_the_chart_grants_exactly_what_this_operator_called(
+    kube_cluster: Any, identity: ChartIdentity, operator: OperatorProcess
+) -> None:
+    """Last in this module on purpose: the API server's audit log now holds every request
+    this module's operator made while the tests above created, replaced, failed, suspended,
+    resumed, completed, moved, refused and deleted jobs, and restarted it. The chart must
+    grant each call it made (no 403) and nothing it never made. Run alone, nothing above
+    has run, and it lists the grants those tests would have used."""
+    crd = yaml.safe_load((REPO / "crds" / "finetunejobs.relaytrain.io.yaml").read_text())
+    names = crd["spec"]["names"]
+    plurals = {(crd["spec"]["group"], names["kind"]): names["plural"]}
+    user = service_account_user(identity.namespace, identity.account)
+    calls = calls_of(kube_cluster.component_log("audit"), user, plurals)
+    assert calls.used, f"no request of {user} in the audit log"
+    assert calls.refused == [], "the API server refused the operator: the chart lacks a grant"
+    granted = granted_to(identity.rbac, identity.namespace, identity.account)
+    assert granted == calls.used, explain(granted - calls.used, calls.used - granted)

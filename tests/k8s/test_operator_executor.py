@@ -39,6 +39,7 @@ from relaytrain_operator.options import OperatorOptions
 from relaytrain_operator.runner import Runner
 from relaytrain_operator.status import load_status, to_manifest
 
+from tests.harness.waiting import wait_for
 from tests.operator_cases import (
     GROUP,
     PLURAL,
@@ -51,7 +52,6 @@ from tests.operator_cases import (
 )
 from tests.shapes import SMOLLM2_135M_CONFIG
 from tests.unit.test_operator_decide import running_status
-from tests.waiting import wait_for
 
 pytestmark = pytest.mark.k8s
 

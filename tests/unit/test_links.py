@@ -31,6 +31,8 @@ from relaytrain_worker.transport import (
     prepare,
 )
 
+from tests.harness.ports import free_port
+from tests.harness.waiting import running, wait_for
 from tests.linkcreds import stage_credentials
 
 pytestmark = pytest.mark.unit
@@ -152,6 +154,12 @@ def test_large_frames_span_many_tls_records(listener: Listener) -> None:
 
 def _refusals(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.getMessage().startswith("Refused link")]
+
+
+def _retries(caplog: pytest.LogCaptureFixture, port: int) -> list[str]:
+    """The failed attempts to connect to the port that `connect` logged (it retries each)."""
+    prefix = f"Connecting to 127.0.0.1:{port} failed"
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith(prefix)]
 
 
 def _no_link_within(listener: Listener, seconds: float) -> dict[str, object]:
@@ -354,7 +362,7 @@ def test_tampered_or_replayed_records_break_the_link(
 def test_close_on_one_side_breaks_the_other_promptly(listener: Listener) -> None:
     up, down = _pair(listener)
     t, out = _in_thread(lambda: down.recv(timeout=30))
-    time.sleep(0.2)
+    wait_for("recv to wait for data", lambda: running(t, "Link._wait_readable"), timeout=5)
     start = time.monotonic()
     up.close()
     t.join(5)
@@ -403,13 +411,12 @@ def test_a_killed_peer_process_raises_link_broken_promptly(
         peer.wait()
 
 
-def test_connect_retries_until_the_listener_appears() -> None:
-    probe = socket.create_server(("127.0.0.1", 0))
-    port = probe.getsockname()[1]
-    probe.close()  # nothing listens there now
-    t, out = _in_thread(lambda: _connect(f"127.0.0.1:{port}", retry_for=20))
-    time.sleep(1.0)
-    assert t.is_alive()  # still retrying
+def test_connect_retries_until_the_listener_appears(caplog: pytest.LogCaptureFixture) -> None:
+    port = free_port()  # nothing listens there yet
+    with caplog.at_level(logging.DEBUG, logger="relaytrain.links"):
+        t, out = _in_thread(lambda: _connect(f"127.0.0.1:{port}", retry_for=20))
+        wait_for("two failed attempts", lambda: len(_retries(caplog, port)) >= 2, timeout=10)
+    assert t.is_alive() and "error" not in out  # still retrying
     with listen(f"127.0.0.1:{port}", credentials=CREDS[1], expect=S0) as late:
         down = late.accept(timeout=15)
         t.join(15)
@@ -422,9 +429,7 @@ def test_connect_retries_until_the_listener_appears() -> None:
 
 
 def test_connect_gives_up_after_retry_for() -> None:
-    probe = socket.create_server(("127.0.0.1", 0))
-    port = probe.getsockname()[1]
-    probe.close()
+    port = free_port()
     start = time.monotonic()
     with pytest.raises(LinkBroken, match=f"could not reach 127.0.0.1:{port} within 1 s"):
         _connect(f"127.0.0.1:{port}", retry_for=1.0)
@@ -457,7 +462,7 @@ def test_credentials_that_do_not_fit_are_refused_before_anything_is_sent() -> No
 def test_closing_a_listener_wakes_a_blocked_accept() -> None:
     lst = listen("127.0.0.1:0", credentials=CREDS[1], expect=S0)
     t, out = _in_thread(lst.accept)
-    time.sleep(0.2)
+    wait_for("accept to wait for a peer", lambda: running(t, "socket.accept"), timeout=5)
     lst.close()
     t.join(5)
     assert isinstance(out.get("error"), LinkBroken)

@@ -22,6 +22,7 @@ from relaytrain_operator.model_config import (
 )
 from relaytrain_operator.planner import ModelShape
 
+from tests.harness.ports import free_port  # a port nothing listens on
 from tests.shapes import SMOLLM2_135M_CONFIG
 
 pytestmark = pytest.mark.unit
@@ -39,13 +40,6 @@ def write_config(folder: Path, layers: int) -> Path:
     path = folder / "config.json"
     path.write_text(json.dumps(tiny(layers)))
     return path
-
-
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-    return port  # nothing listens once the socket is closed
 
 
 def test_model_config_flag_wins_over_a_readable_uri(tmp_path):
@@ -147,7 +141,7 @@ def test_the_uris_last_path_component_names_the_model(uri, name):
 
 
 def test_an_unreachable_s3_endpoint_falls_back_to_the_shipped_config_quickly():
-    endpoint = f"http://127.0.0.1:{closed_port()}"
+    endpoint = f"http://127.0.0.1:{free_port()}"
     start = time.monotonic()
     found = resolve("s3://models/llama-3.1-8b/", endpoint=endpoint, environ=NO_ENV)
     assert time.monotonic() - start < 5
@@ -177,7 +171,7 @@ def test_an_endpoint_that_is_not_s3_falls_back_with_the_reason(tmp_path):
 
 
 def test_s3_endpoint_comes_from_the_environment_when_the_job_names_none():
-    endpoint = f"http://127.0.0.1:{closed_port()}"
+    endpoint = f"http://127.0.0.1:{free_port()}"
     found = resolve("s3://models/qwen2-0.5b", environ={"AWS_ENDPOINT_URL": endpoint})
     assert found.skipped[0].startswith(f"s3://models/qwen2-0.5b/config.json at {endpoint}: ")
 
@@ -197,7 +191,7 @@ def test_an_s3_endpoint_that_never_answers_is_given_up_on(monkeypatch):
 
 
 def test_nothing_reachable_names_each_source_why_and_what_to_do():
-    endpoint = f"http://127.0.0.1:{closed_port()}"
+    endpoint = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(ModelConfigError) as err:
         resolve("s3://models/my-model/", endpoint=endpoint, environ=NO_ENV)
     message = str(err.value)
@@ -276,7 +270,7 @@ def test_plan_exits_2_when_no_source_has_the_architecture(tmp_path, capsys, monk
 
     manifest = yaml.safe_load((ROOT / "examples" / "finetunejob-lora.yaml").read_text())
     manifest["spec"]["model"]["uri"] = "s3://models/my-model/"
-    manifest["spec"]["checkpoint"]["endpoint"] = f"http://127.0.0.1:{closed_port()}"
+    manifest["spec"]["checkpoint"]["endpoint"] = f"http://127.0.0.1:{free_port()}"
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(manifest))
     nodes = ROOT / "examples" / "nodes-mixed.yaml"

@@ -14,7 +14,7 @@ import asyncio
 import copy
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Mapping
 from datetime import datetime
 from typing import Any
 
@@ -25,8 +25,9 @@ from relaytrain_operator.actions import Action, PostEvent
 from relaytrain_operator.apply import ClusterApi
 from relaytrain_operator.decide import Decision, Needs, Observed, Settings
 from relaytrain_operator.options import OperatorOptions
-from relaytrain_operator.runner import Runner
+from relaytrain_operator.runner import Runner, _first
 
+from tests.harness.waiting import wait_for_async as until
 from tests.unit.test_operator_decide import NODES, manifest, pod, running_status
 
 pytestmark = pytest.mark.unit
@@ -54,7 +55,8 @@ class Loop:
     """A Runner whose collaborators are this object's plain functions.
 
     `get_job` returns `job`; `decide` returns `decisions` in turn (then empty ones) and
-    records when each pass decided; `observe` and `apply` record what they were given.
+    records when each pass decided; `observe` and `apply` record what they were given;
+    `waits` holds how long the loop chose to wait after each pass before the next.
     `fail` names the one that raises instead; `gate`, when given, holds the first
     decision until it is set. The runner's API client points at a closed port: a call
     that reached it would fail the test.
@@ -77,6 +79,7 @@ class Loop:
         self.passes: list[float] = []
         self.observed: list[tuple[JsonDict, Mapping[int, JsonDict], set[str], Needs]] = []
         self.applied: list[tuple[JsonDict, tuple[Action, ...]]] = []
+        self.waits: list[float] = []
         nowhere = client.ApiClient(client.Configuration(host="http://127.0.0.1:9"))
         options = OperatorOptions(resync_seconds=resync_seconds)
         self.runner = Runner(ClusterApi(nowhere), options, None, lambda *a: None)
@@ -84,6 +87,7 @@ class Loop:
         monkeypatch.setattr(self.runner.observer, "observe", self.observe)
         monkeypatch.setattr(runner_module, "decide", self.decide)
         monkeypatch.setattr(self.runner.executor, "run", self.apply)
+        monkeypatch.setattr(runner_module, "_first", self.first)
 
     def _maybe_fail(self, what: str) -> None:
         if self.fail == what:
@@ -116,15 +120,12 @@ class Loop:
         self._maybe_fail("apply")
         self.applied.append((job, actions))
 
+    async def first(self, *waits: Awaitable[Any], timeout: float) -> None:
+        self.waits.append(timeout)
+        await _first(*waits, timeout=timeout)
+
     def start(self, stop: Stop) -> asyncio.Task[None]:
         return asyncio.create_task(self.runner.run("ns", "j", stop, NODES_INDEX, PODS))
-
-
-async def until(what: str, probe: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not probe():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.01)
 
 
 def test_a_pass_observes_the_job_it_read_and_applies_what_was_decided(
@@ -150,16 +151,15 @@ def test_the_loop_runs_when_rung_and_stops_when_told(monkeypatch: pytest.MonkeyP
     async def scenario() -> None:
         task = loop.start(stop)
         await until("the first pass", lambda: len(loop.passes) == 1)
+        bell = runner._bells[("ns", "j")]
         runner.ring("ns", "j", generation=4)  # the job's own status patch: same generation
-        await asyncio.sleep(0.3)
-        assert len(loop.passes) == 1
+        assert not bell.event.is_set()  # the loop is not woken
         runner.ring("ns", "j", generation=5)  # the spec changed
         await until("a pass for the new spec", lambda: len(loop.passes) == 2)
         runner.ring("ns", "j")  # a stage pod ended
         await until("a pass for the pod", lambda: len(loop.passes) == 3)
         runner.ring("ns", "other")  # no loop runs for that job: nothing happens
-        await asyncio.sleep(0.3)
-        assert len(loop.passes) == 3
+        assert not bell.event.is_set() and ("ns", "other") not in runner._bells
         stop.event.set()
         await asyncio.wait_for(task, 1)  # at once, not at the 30 s resync
         assert runner._bells == {}  # a finished loop leaves nothing behind
@@ -187,11 +187,11 @@ def test_a_ring_during_a_pass_is_not_lost(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 @pytest.mark.parametrize(
-    ("resync", "retry_after", "gap", "then_quiet"),
+    ("resync", "retry_after", "gap"),
     [
-        pytest.param(30.0, 0.3, 0.3, True, id="back-off-before-resync"),
-        pytest.param(0.3, 30.0, 0.3, False, id="resync-before-back-off"),
-        pytest.param(30.0, 0.0, 0.1, True, id="due-now-waits-the-shortest-wait"),
+        pytest.param(30.0, 0.3, 0.3, id="back-off-before-resync"),
+        pytest.param(0.3, 30.0, 0.3, id="resync-before-back-off"),
+        pytest.param(30.0, 0.0, 0.1, id="due-now-waits-the-shortest-wait"),
     ],
 )
 def test_the_next_pass_comes_at_the_back_off_or_the_resync_whichever_is_first(
@@ -199,22 +199,21 @@ def test_the_next_pass_comes_at_the_back_off_or_the_resync_whichever_is_first(
     resync: float,
     retry_after: float,
     gap: float,
-    then_quiet: bool,
 ) -> None:
     loop = Loop(monkeypatch, decisions=[Decision(retry_after=retry_after)], resync_seconds=resync)
     stop = Stop()
 
     async def scenario() -> None:
         task = loop.start(stop)
-        await until("a second pass", lambda: len(loop.passes) == 2)
-        if then_quiet:  # the second pass asked for nothing: back to the 30 s resync
-            await asyncio.sleep(0.5)
-            assert len(loop.passes) == 2
+        await until("the wait after the second pass", lambda: len(loop.waits) == 2)
         stop.event.set()
         await asyncio.wait_for(task, 1)
 
     asyncio.run(scenario())
     assert gap * 0.9 <= loop.passes[1] - loop.passes[0] < 5.0
+    # The first wait is the gap; after the second pass, which asked for nothing, the loop
+    # goes back to the resync.
+    assert loop.waits == [gap, resync]
 
 
 @pytest.mark.parametrize("fail", ["get_job", "observe", "decide", "apply"])

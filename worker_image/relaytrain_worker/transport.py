@@ -357,8 +357,8 @@ class Listener:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 raise TimeoutError(f"no peer connected within {timeout} s")
-            self._sock.settimeout(left)
             try:
+                self._sock.settimeout(left)
                 conn, addr = self._sock.accept()
             except TimeoutError:
                 raise TimeoutError(f"no peer connected within {timeout} s") from None

@@ -16,6 +16,7 @@ part for pods that carry the label `relaytrain.io/job`:
 
 Nothing here is product code: it stands in for a kubelet and cluster DNS, which a real
 cluster has. No library does this for kwok (kwok is built never to run containers).
+On its own: `python -m tests.harness.kwok_runner --kubeconfig K --workdir DIR`.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -35,16 +35,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from relaytrain_contract import CONFIG_ENV
+
+from tests.harness.ports import free_port
+
 JOB_LABEL = "relaytrain.io/job"
-CONFIG_ENV = "RELAYTRAIN_STAGE_CONFIG"
 _SVC_ADDRESS = re.compile(r"^[a-z0-9.-]+\.svc(\.cluster\.local)?:\d+$")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @dataclass
@@ -66,7 +62,7 @@ class KwokProcessRunner:
     def __init__(self, api_client: Any, workdir: Path, namespace: str | None = None) -> None:
         from kubernetes import client
 
-        self.core = client.CoreV1Api(api_client)
+        self.core: Any = client.CoreV1Api(api_client)  # its objects are read as Any here
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.namespace = namespace
@@ -248,7 +244,7 @@ class KwokProcessRunner:
         """The loopback port standing in for a stable pod address."""
         with self._lock:
             if address not in self.ports:
-                self.ports[address] = _free_port()
+                self.ports[address] = free_port()
             return self.ports[address]
 
     def _rewrite_config(self, pod: Any, raw: str) -> tuple[str, int | None]:
@@ -309,7 +305,8 @@ def main() -> int:
     parser.add_argument("--kubeconfig", required=True)
     parser.add_argument("--workdir", required=True)
     args = parser.parse_args()
-    runner = KwokProcessRunner(config.new_client_from_config(args.kubeconfig), Path(args.workdir))
+    api = config.new_client_from_config(args.kubeconfig)  # type: ignore[no-untyped-call]
+    runner = KwokProcessRunner(api, Path(args.workdir))
     runner.start()
     try:
         while True:

@@ -1,22 +1,22 @@
 """A real MinIO server on loopback, built from github.com/minio/minio by the bootstrap.
 
 Started with a data folder and generated credentials; used by the test session's
-`minio_server` fixture and by `make demo`.
+`minio_server` fixture (tests/harness/minio_fixture.py) and by `make demo`.
 """
 
 from __future__ import annotations
 
 import os
 import secrets
-import socket
 import subprocess
-import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from hack import toolpaths
+from tests.harness.ports import free_port
+from tests.harness.waiting import wait_for
 
 
 @dataclass
@@ -39,16 +39,9 @@ class MinioServer:
         )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def start_minio(data_dir: Path, log_path: Path) -> tuple[subprocess.Popen[bytes], MinioServer]:
     """Starts the server and waits until it answers its health check."""
-    port, console = _free_port(), _free_port()
+    port, console = free_port(), free_port()
     access, secret = "rt" + secrets.token_hex(6), secrets.token_hex(20)
     env = {
         **os.environ,
@@ -75,20 +68,21 @@ def start_minio(data_dir: Path, log_path: Path) -> tuple[subprocess.Popen[bytes]
             stderr=subprocess.STDOUT,
         )
     server = MinioServer(f"127.0.0.1:{port}", access, secret, "relaytrain-test", data_dir)
-    deadline = time.monotonic() + 60
-    while True:
+
+    def healthy() -> bool:
         if proc.poll() is not None:
             raise RuntimeError(f"minio exited with {proc.returncode}; log: {log_path}")
         try:
             with urllib.request.urlopen(f"{server.url}/minio/health/live", timeout=2):
-                break
+                return True
         except OSError:
-            if time.monotonic() > deadline:
-                proc.kill()
-                raise TimeoutError(
-                    f"minio did not become healthy in 60 s; log: {log_path}"
-                ) from None
-            time.sleep(0.2)
+            return False
+
+    try:
+        wait_for(f"minio to answer its health check (log: {log_path})", healthy, interval=0.2)
+    except AssertionError:
+        proc.kill()
+        raise
     return proc, server
 
 

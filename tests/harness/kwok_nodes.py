@@ -2,8 +2,9 @@
 
 `node_manifests(pools_doc)` turns hack/pools.yaml (or any file of that shape) into
 Kubernetes Node objects that kwok's controller keeps Ready, labelled the way NVIDIA's
-GPU feature discovery labels real GPU nodes. `python hack/kwok_nodes.py POOLS.yaml`
-creates them on the cluster KUBECONFIG names (existing nodes are left as they are).
+GPU feature discovery labels real GPU nodes. `python -m tests.harness.kwok_nodes POOLS.yaml
+--kubeconfig KUBECONFIG` (what hack/cluster.sh runs) creates them on that cluster
+(existing nodes are left as they are).
 """
 
 from __future__ import annotations
@@ -84,13 +85,13 @@ def node_manifests(pools: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def create_nodes(api_client: Any, nodes: list[dict[str, Any]]) -> int:
     """Creates the nodes that do not exist yet; returns how many it created."""
     from kubernetes import client
-    from kubernetes.client.rest import ApiException
+    from kubernetes.client.exceptions import ApiException
 
     core = client.CoreV1Api(api_client)
     created = 0
     for node in nodes:
         try:
-            core.create_node(node)
+            core.create_node(node)  # type: ignore[arg-type]  # a manifest dict is fine
             created += 1
         except ApiException as exc:
             if exc.status != 409:
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     from kubernetes import config
 
     nodes = node_manifests(load_pools(args.pools))
-    api = config.new_client_from_config(config_file=args.kubeconfig)
+    api = config.new_client_from_config(config_file=args.kubeconfig)  # type: ignore[no-untyped-call]
     created = create_nodes(api, nodes)
     print(f"Created {created} of {len(nodes)} GPU nodes from {args.pools}")
     return 0

@@ -1,0 +1,18 @@
+"""What the tests (and `make demo`, and the operator benchmark) run against, in one place.
+
+- `cluster`: the session's local Kubernetes cluster (pytest plugin: `kube_cluster`).
+- `minio_fixture`: the session's MinIO server and a fake minio client (pytest plugin:
+  `minio_server`, `fake_minio`).
+- `minio_server`: starts and stops a real MinIO server on loopback.
+- `kwok_nodes`: simulated GPU nodes from a pool layout file (also
+  `python -m tests.harness.kwok_nodes POOLS.yaml --kubeconfig ...`, as hack/cluster.sh runs it).
+- `kwok_runner`: plays the kubelet for kwok pods, running their containers as local processes.
+- `operator_process`: `python -m relaytrain_operator` as a child process, and its metrics.
+- `chart_rbac`: the Helm chart's ServiceAccount and RBAC applied, and a kubeconfig as it.
+- `rbac_audit`: the API calls a ServiceAccount made, read from the API server's audit log,
+  against what the chart grants.
+- `ports`: a free loopback port.
+- `waiting`: waiting on observable state (a probe, a thread's stack) instead of sleeping.
+
+Import as `from tests.harness import ...` (the repository root is on pytest's path).
+"""
