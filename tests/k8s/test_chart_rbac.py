@@ -4,6 +4,7 @@ needs and nothing it does not (checked by impersonating its ServiceAccount)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import tempfile
@@ -14,7 +15,16 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.harness.rbac_audit import Permission, granted_to, service_account_user
+from tests.harness.chart_rbac import chart_rbac_kubeconfig
+from tests.harness.operator_process import OperatorProcess
+from tests.harness.rbac_audit import (
+    Permission,
+    calls_of,
+    explain,
+    granted_to,
+    service_account_user,
+)
+from tests.harness.waiting import wait_for
 
 pytestmark = pytest.mark.k8s
 
@@ -195,3 +205,61 @@ def test_namespaced_rbac_stays_in_the_watched_namespaces(kube_cluster: Any) -> N
     leaked = [p for p in outside if _can(kube_cluster, sa, p, "kube-system")]
     assert leaked == []
     assert [p for p in NEVER if _can(kube_cluster, sa, p, watched)] == []
+
+
+PEERING_CRDS = REPO / "tests" / "harness" / "manifests" / "kopf-peering-crds.yaml"
+
+
+@pytest.mark.parametrize("scope", ["namespaced", "clusterwide"])
+def test_the_peering_grants_are_exactly_what_peering_operators_call(
+    kube_cluster: Any, tmp_path: Path, scope: str
+) -> None:
+    """With `peering.enabled`, several replicas agree on one active operator through kopf's
+    peering object. Run one replica as the chart's ServiceAccount until it has announced
+    itself there and stopped (withdrawing itself); the audit log must show a call for every
+    peering grant the chart adds, and no refusal."""
+    kube_cluster.kubectl("apply", "--server-side", "-f", str(PEERING_CRDS))
+    for crd in ("clusterkopfpeerings.kopf.dev", "kopfpeerings.kopf.dev"):
+        kube_cluster.kubectl("wait", "--for=condition=Established", f"crd/{crd}", "--timeout=60s")
+    _install_rbac(kube_cluster)  # the FineTuneJob CRD, which the operator watches
+    tag = uuid.uuid4().hex[:6]
+    watched = f"rtpeer-{tag}"
+    kube_cluster.kubectl("create", "namespace", watched)
+    watch = [watched] if scope == "namespaced" else []
+    identity = chart_rbac_kubeconfig(
+        kube_cluster,
+        tmp_path / "operator.kubeconfig",
+        release=f"rp{tag}",
+        namespace=f"rtpeer-ops-{tag}",
+        watch=watch,
+        values=("peering.enabled=true", f"peering.name=rp{tag}"),
+    )
+    kind, where = ("KopfPeering", ["-n", watched]) if watch else ("ClusterKopfPeering", [])
+    peering = {"apiVersion": "kopf.dev/v1", "kind": kind, "metadata": {"name": f"rp{tag}"}}
+    (tmp_path / "peering.yaml").write_text(yaml.safe_dump(peering))
+    kube_cluster.kubectl("apply", *where, "-f", str(tmp_path / "peering.yaml"))
+
+    args = ["--peering", f"rp{tag}"] + [a for ns in watch for a in ("--namespace", ns)]
+    operator = OperatorProcess(identity.kubeconfig, tmp_path / "operator.log", *args)
+    operator.start()
+
+    def announced() -> bool:
+        out = kube_cluster.kubectl("get", kind.lower(), f"rp{tag}", *where, "-o", "json").stdout
+        return bool(json.loads(out).get("status"))
+
+    try:
+        wait_for("the operator's presence in its peering object", announced, timeout=60)
+    finally:
+        operator.stop()
+    wait_for("its withdrawal", lambda: not announced(), timeout=30)
+
+    granted = granted_to(identity.rbac, identity.namespace, identity.account)
+    peering_grants = {p for p in granted if p.group == "kopf.dev"}
+    assert peering_grants, "peering.enabled should grant the peering resource"
+    calls = calls_of(
+        kube_cluster.component_log("audit"),
+        service_account_user(identity.namespace, identity.account),
+        {},
+    )
+    assert calls.refused == []
+    assert peering_grants - calls.used == set(), explain(peering_grants - calls.used, set())
