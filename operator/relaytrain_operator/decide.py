@@ -42,7 +42,7 @@ from relaytrain_operator.builders.pod import CredentialsRef, StagePodInputs, bui
 from relaytrain_operator.builders.service import build_service
 from relaytrain_operator.placement import Choice, place_replacements, pool_selector
 from relaytrain_operator.planner import Catalog
-from relaytrain_operator.planning import PlanError, make_plan, training_shape
+from relaytrain_operator.planning import PlanError, check_deployable, make_plan, training_shape
 from relaytrain_operator.progress import Progress
 from relaytrain_operator.recovery import (
     INCARNATION_ANNOTATION,
@@ -186,10 +186,12 @@ class Decision:
 
 def parse_spec(job: JsonDict) -> FineTuneJob | str:
     """The parsed job, or why the operator cannot run it (a spec the API server accepted
-    but the planner and worker cannot use, e.g. a LoRA target that is no linear layer)."""
+    but the planner and worker cannot use, e.g. a LoRA target that is no linear layer, or
+    that this operator cannot deploy yet: several pipelines)."""
     try:
         parsed = parse_job(job)
         training_shape(parsed)
+        check_deployable(parsed)
     except (SpecError, ValueError) as err:
         return str(err)
     return parsed

@@ -6,10 +6,10 @@ read from here, else a config shipped for the model the URI names; see
 ``relaytrain_operator.model_config``), and the GPU pools (``--nodes``: a NodeList or
 hack/pools.yaml; ``--kubeconfig``: the live cluster's nodes, minus GPUs that pods already
 hold). Prints a table, or with ``--json`` the plan as a JSON object; both say where the
-architecture came from. ``--replicas`` asks for several pipelines (``auto`` plans as many as
-make the step fastest, one included; the default, 1, is the one pipeline the operator
-deploys until FineTuneJobs can ask for several), ``--sync`` says how they keep their weights
-equal. Exit status: 0 planned, 1 the job does not fit, 2 bad input.
+architecture came from. The job's ``spec.pipeline.replicas`` (default 1, the one pipeline
+the operator deploys) says how many pipelines to plan; ``--replicas`` overrides it (``auto``
+plans as many as make the step fastest, one included); ``--sync`` says how they keep their
+weights equal. Exit status: 0 planned, 1 the job does not fit, 2 bad input.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 
@@ -84,11 +84,11 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--replicas",
         type=_replicas,
-        default=1,
+        default=None,
         metavar="auto|N",
         help="pipelines that train together on one global batch: auto (as many as make the "
-        "step fastest, one included) or a number; default 1, the single pipeline the "
-        "operator deploys today",
+        "step fastest, one included) or a number; default: the job's "
+        "spec.pipeline.replicas (1 unless it says otherwise)",
     )
     parser.add_argument(
         "--sync",
@@ -108,10 +108,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     return parser
 
 
-def _replicas(raw: str) -> int | None:
-    """``--replicas``: 'auto' (None) or a positive integer."""
+def _replicas(raw: str) -> int | Literal["auto"]:
+    """``--replicas``: 'auto' or a positive integer."""
     if raw == "auto":
-        return None
+        return "auto"
     try:
         value = int(raw)
     except ValueError:
@@ -194,6 +194,8 @@ class _Inputs:
     pools: list[Pool]
     catalog: Catalog
     stages: int | None
+    replicas: int | Literal["auto"]
+    """The job's spec.pipeline.replicas."""
 
 
 def _inputs(args: argparse.Namespace) -> _Inputs:
@@ -236,6 +238,7 @@ def _inputs(args: argparse.Namespace) -> _Inputs:
         pools,
         catalog,
         None if stages == "auto" else int(stages),
+        spec.pipeline.replicas,
     )
 
 
@@ -244,7 +247,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         sync = _sync(args)
         inputs = _inputs(args)
-        if args.replicas == 1:
+        replicas = inputs.replicas if args.replicas is None else args.replicas
+        if replicas == 1:
             result: Plan | FleetPlan = plan(
                 inputs.model, inputs.training, inputs.pools, inputs.catalog, stages=inputs.stages
             )
@@ -255,7 +259,7 @@ def run(args: argparse.Namespace) -> int:
                 inputs.pools,
                 inputs.catalog,
                 stages=inputs.stages,
-                replicas=args.replicas,
+                replicas=None if replicas == "auto" else replicas,
                 sync=sync,
             )
             result = fleet.single if len(fleet.pipelines) == 1 else fleet

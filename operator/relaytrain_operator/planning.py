@@ -22,11 +22,30 @@ from relaytrain_operator.planner import (
     TrainingShape,
     plan,
 )
-from relaytrain_operator.spec import FineTuneJob
+from relaytrain_operator.spec import FineTuneJob, SpecError
 
 JsonDict = dict[str, Any]
 
-__all__ = ["PlanError", "make_plan", "training_shape"]
+__all__ = ["PlanError", "check_deployable", "make_plan", "training_shape"]
+
+
+def check_deployable(job: FineTuneJob) -> None:
+    """Raise SpecError, naming the field, for a job the API server accepts but the operator
+    cannot deploy yet: several pipelines (`spec.pipeline.replicas` other than 1, `auto`
+    included). The worker trains several as one job (`relaytrain run --local` does), but
+    the operator plans, names and places the pods of one pipeline only.
+    """
+    replicas = job.spec.pipeline.replicas
+    if replicas != 1:
+        raise SpecError(
+            [
+                (
+                    "spec.pipeline.replicas",
+                    f"is {replicas!r}, but this operator deploys one pipeline per job (several "
+                    "pipelines run with `relaytrain run --local` for now); set it to 1",
+                )
+            ]
+        )
 
 
 def training_shape(job: FineTuneJob) -> TrainingShape:

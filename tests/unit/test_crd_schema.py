@@ -98,7 +98,8 @@ def compare(
     base, found = _unwrap(annotation)
     meta = meta + found
     origin = typing.get_origin(base)
-    if path == "spec.pipeline.stages":  # int or "auto", checked by a PlainValidator and CEL
+    # int or "auto", checked by a PlainValidator and CEL
+    if path in ("spec.pipeline.stages", "spec.pipeline.replicas"):
         if not node.get("x-kubernetes-int-or-string"):
             problems.append(f"{path}: CRD should be int-or-string")
         return

@@ -372,6 +372,13 @@ CASES = [
         "InvalidSpec",
     ),
     Case(
+        "several pipelines: refused before any pod, by the spec",
+        observed(manifest(pipeline={"stages": 2, "replicas": 2})),
+        ["patch", "event:InvalidSpec"],
+        "Failed",
+        "InvalidSpec",
+    ),
+    Case(
         "pods starting",
         observed(manifest(running_status()), [pod(0), pod(1, "Pending")]),
         ["patch"],
@@ -560,6 +567,23 @@ def test_parse_spec_says_why_a_job_cannot_run() -> None:
     assert "spec.training" in str(parse_spec(manifest(training={"steps": 0})))
     assert "lm_head" in str(parse_spec(manifest(method={"targetModules": ["lm_head"]})))
     assert not isinstance(parse_spec(manifest()), str)
+
+
+@pytest.mark.parametrize("replicas", [2, "auto"])
+def test_several_pipelines_are_refused_with_the_field_named(replicas: int | str) -> None:
+    decision = decide(observed(manifest(pipeline={"stages": 2, "replicas": replicas})), SETTINGS)
+    assert decision.status is not None and decision.status.plan is None
+    assert not [a for a in decision.actions if isinstance(a, Create | CreateLinkSecret)]
+    ready = condition(decision.status, READY)
+    assert ready is not None and ready.status == "False"
+    assert ready.message.startswith(f"spec.pipeline.replicas: is {replicas!r}, but this operator")
+    assert "deploys one pipeline per job" in ready.message and "set it to 1" in ready.message
+    events = [a for a in decision.actions if isinstance(a, PostEvent)]
+    assert [(e.type, e.reason) for e in events] == [("Warning", "InvalidSpec")]
+    assert "spec.pipeline.replicas" in events[0].message
+    # Nothing costly is read for it, and one pipeline (the default) is deployed as before.
+    assert needs(manifest(pipeline={"replicas": replicas}), {}) == Needs()
+    assert not isinstance(parse_spec(manifest(pipeline={"stages": 2, "replicas": 1})), str)
 
 
 def test_stage_pods_are_keyed_by_their_stage_label() -> None:

@@ -374,6 +374,24 @@ def test_without_replicas_the_plan_is_the_single_pipeline_the_operator_deploys(l
     assert "pipelines" not in default
 
 
+def test_the_jobs_replicas_are_the_default_and_the_flag_overrides_them(lab_job, capsys):
+    manifest = yaml.safe_load(lab_job.read_text())
+    manifest["spec"].setdefault("pipeline", {})["replicas"] = "auto"
+    lab_job.write_text(yaml.safe_dump(manifest))
+    args = ["plan", str(lab_job), "--nodes", str(HACK_POOLS), "--model-config", str(LLAMA_CONFIG)]
+    assert relaytrain(*args, "--json") == 0
+    default = json.loads(capsys.readouterr().out)
+    assert relaytrain(*args, "--json", "--replicas", "auto") == 0
+    assert default == json.loads(capsys.readouterr().out)
+    assert default["pipelineCount"] >= 2
+    assert relaytrain(*args, "--json", "--replicas", "1") == 0
+    assert "pipelines" not in json.loads(capsys.readouterr().out)
+    manifest["spec"]["pipeline"]["replicas"] = 2
+    lab_job.write_text(yaml.safe_dump(manifest))
+    assert relaytrain(*args, "--json") == 0
+    assert json.loads(capsys.readouterr().out)["pipelineCount"] == 2
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [

@@ -30,6 +30,7 @@ def test_defaults_match_the_design() -> None:
     assert spec.method.type == "lora" and spec.method.rank == 8 and spec.method.alpha == 16
     assert spec.method.target_modules == ["q_proj", "k_proj", "v_proj", "o_proj"]
     assert spec.pipeline.stages == "auto"
+    assert spec.pipeline.replicas == 1
     assert spec.pipeline.schedule == "1f1b"
     assert spec.pipeline.compression == "int8"
     assert spec.placement.gpu_label == "nvidia.com/gpu.product"
@@ -116,6 +117,27 @@ def test_stages_take_a_number() -> None:
     manifest = base_manifest()
     manifest["spec"]["pipeline"] = {"stages": 3}
     assert parse_job(manifest).spec.pipeline.stages == 3
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 8, "auto"])
+def test_replicas_take_a_number_up_to_the_micro_batches_or_auto(replicas: int | str) -> None:
+    manifest = base_manifest()
+    manifest["spec"]["pipeline"] = {"replicas": replicas}  # 8 micro-batches by default
+    assert parse_job(manifest).spec.pipeline.replicas == replicas
+
+
+def test_replicas_errors_say_what_is_valid() -> None:
+    manifest = base_manifest()
+    manifest["spec"]["pipeline"] = {"replicas": True}
+    with pytest.raises(SpecError, match=r'spec.pipeline.replicas: must be "auto" or an integer '
+                       r"from 1 to 64, got True"):  # fmt: skip
+        parse_job(manifest)
+    manifest["spec"]["pipeline"] = {"replicas": 3}
+    manifest["spec"]["training"]["microBatches"] = 2
+    with pytest.raises(SpecError) as info:
+        parse_job(manifest)
+    assert info.value.paths == ["spec.pipeline.replicas"]
+    assert "must not exceed training.microBatches (2)" in str(info.value)
 
 
 def test_status_patch_is_camel_case_and_drops_unset_fields() -> None:

@@ -70,6 +70,11 @@ INVALID_CASES = [
     Case("zero-stages", "spec.pipeline.stages", 0, "spec.pipeline.stages"),
     Case("stages-word", "spec.pipeline.stages", "three", "spec.pipeline.stages"),
     Case("unknown-pipeline-schedule", "spec.pipeline.schedule", "gpipe", "spec.pipeline.schedule"),
+    Case("zero-replicas", "spec.pipeline.replicas", 0, "spec.pipeline.replicas"),
+    Case("replicas-word", "spec.pipeline.replicas", "many", "spec.pipeline.replicas"),
+    Case("replicas-above-64", "spec.pipeline.replicas", 65, "spec.pipeline.replicas"),
+    # The base manifest's 8 micro-batches (the default) cannot feed 9 pipelines.
+    Case("more-replicas-than-micro-batches", "spec.pipeline.replicas", 9, "spec.pipeline.replicas"),
     Case("lora-rank-zero", "spec.method.rank", 0, "spec.method.rank"),
     Case("dropout-1.5", "spec.method.dropout", 1.5, "spec.method.dropout"),
     Case("dropout-exactly-1", "spec.method.dropout", 1.0, "spec.method.dropout"),

@@ -8,6 +8,7 @@ from relaytrain_operator.spec.errors import SpecError
 from relaytrain_operator.spec.job import (
     API_VERSION,
     KIND,
+    MAX_REPLICAS,
     MAX_STAGES,
     CheckpointSpec,
     CredentialsSecret,
@@ -45,6 +46,7 @@ __all__ = [
     "API_VERSION",
     "JOB_NAME_MAX",
     "KIND",
+    "MAX_REPLICAS",
     "MAX_STAGES",
     "PHASES",
     "CheckpointSpec",

@@ -51,6 +51,7 @@ API_VERSION = "relaytrain.io/v1alpha1"
 KIND = "FineTuneJob"
 
 MAX_STAGES = 64
+MAX_REPLICAS = 64
 
 ModelUri = Annotated[str, Field(pattern=patterns.MODEL_URI, max_length=1024)]
 StoreUri = Annotated[str, Field(pattern=patterns.STORE_URI, max_length=1024)]
@@ -177,11 +178,24 @@ def _stages(value: object) -> int | Literal["auto"]:
     raise ValueError(f'must be "auto" or an integer from 1 to {MAX_STAGES}, got {value!r}')
 
 
+def _replicas(value: object) -> int | Literal["auto"]:
+    if value == "auto":
+        return "auto"
+    if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_REPLICAS:
+        return value
+    raise ValueError(f'must be "auto" or an integer from 1 to {MAX_REPLICAS}, got {value!r}')
+
+
 class PipelineSpec(_Model):
     """How the model is split into stages and what crosses the links between them."""
 
     stages: Annotated[int | Literal["auto"], PlainValidator(_stages)] = "auto"
     """Number of pipeline stages, or `auto` to let the planner choose."""
+    replicas: Annotated[int | Literal["auto"], PlainValidator(_replicas)] = 1
+    """Pipelines that train together on one global batch per step (each its own GPUs and
+    layer split, every step's micro-batches shared among them), or `auto` to let the planner
+    choose. At most training.microBatches. The operator deploys one pipeline for now and
+    refuses a job with another value; `relaytrain run --local` runs several."""
     schedule: PipelineSchedule = "1f1b"
     """Pipeline schedule; one-forward-one-backward."""
     compression: Compression = "int8"
@@ -306,6 +320,17 @@ class FineTuneJobSpec(_Model):
     """True removes the stage pods and keeps the job; false resumes from the last checkpoint."""
     image: Annotated[str, Field(min_length=1, max_length=1024)] | None = None
     """Worker image for the stage pods; empty uses the operator's default."""
+
+    @model_validator(mode="after")
+    def _a_share_per_pipeline(self) -> FineTuneJobSpec:
+        replicas, micro = self.pipeline.replicas, self.training.micro_batches
+        if replicas != "auto" and replicas > micro:
+            raise field_error(
+                "pipeline.replicas",
+                f"must not exceed training.microBatches ({micro}): every pipeline trains at "
+                f"least one micro-batch of each step, got {replicas}",
+            )
+        return self
 
 
 class ObjectMeta(BaseModel):
