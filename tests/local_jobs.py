@@ -13,7 +13,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -79,14 +79,28 @@ def run_env() -> dict[str, str]:
     return env
 
 
-def start_run(job: Path, workdir: Path | None, cwd: Path | None = None) -> subprocess.Popen[str]:
-    """`relaytrain run JOB --local --no-progress [--workdir WORKDIR]`, output piped."""
+def start_run(
+    job: Path,
+    workdir: Path | None,
+    cwd: Path | None = None,
+    *,
+    flags: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+) -> subprocess.Popen[str]:
+    """`relaytrain run JOB --local --no-progress [--workdir WORKDIR] [FLAGS...]`, output
+    piped; `env` is added to `run_env()`."""
     cmd = [sys.executable, "-m", "relaytrain_operator.cli", "run", str(job), "--local",
            "--no-progress"]  # fmt: skip
     if workdir is not None:
         cmd += ["--workdir", str(workdir)]
+    cmd += list(flags)
     return subprocess.Popen(
-        cmd, env=run_env(), cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        cmd,
+        env={**run_env(), **(env or {})},
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
 
 

@@ -29,6 +29,19 @@ eligible, what is free on them, where a replacement goes) has nothing to decide 
 there is one machine, `spec.placement` speaks of Kubernetes nodes, and a restarted stage
 keeps its document, layers included, as a replacement pod keeps `status.plan`'s.
 
+Several pipelines (`spec.pipeline.replicas`, or `--replicas N`): each pipeline gets its own
+stage count — `--stages 2,3` (one count per pipeline; one count alone applies to all, as
+`pipeline.stages` does) — and its own even split of the layers, so pipelines of different
+counts hold different splits. A step's micro-batches are shared by the planner's own rule
+(`planner.split_micro_batches`) with every layer costing the same here, so a pipeline's
+beat is its largest stage's layer count; `--shares 2,1` sets them instead. `auto` replicas
+run as many pipelines as `--stages` lists (one without it): there are no GPUs to plan over.
+Every stage of pipeline p is `p<p>-stage-<k>` (files, state.json, messages), holds the
+certificate of `relaytrain://<ns>/<job>/p<p>/s<k>` from the run's one CA, and listens on a
+free port for the stages of lower pipelines. A stage that fails is restarted alone, as with
+one pipeline; meanwhile every stage of every pipeline loses a link (the replica links tie
+them together), rolls back to pipeline 0's last commit and waits for the replacement.
+
 This module never imports torch: it runs in the operator package.
 """
 
@@ -64,12 +77,10 @@ from relaytrain_contract import (
 )
 
 from relaytrain_operator.linkcerts import mint_link_credentials, stage_pem
+from relaytrain_operator.planner import split_micro_batches
 from relaytrain_operator.recovery import after_failure, backoff_left
 from relaytrain_operator.spec import FineTuneJob, SpecError, parse_job
-from relaytrain_operator.stage_config import (
-    build_stage_configs,
-    local_endpoints,
-)
+from relaytrain_operator.stage_config import StageEndpoints, build_pipeline_configs
 
 DEFAULT_STAGES = 2
 DEFAULT_ROOT = Path("relaytrain-local")
@@ -125,10 +136,119 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="where stage configs, logs and (by default) checkpoints go "
         f"(default: ./{DEFAULT_ROOT}/<namespace>/<name>, one directory per job)",
     )
-    parser.add_argument("--stages", type=int, help="override pipeline.stages")
+    parser.add_argument(
+        "--stages",
+        type=_counts,
+        metavar="N[,N...]",
+        help="override pipeline.stages: one count for every pipeline, or one per pipeline "
+        "(2,3: pipeline 0 has two stages, pipeline 1 three)",
+    )
+    parser.add_argument(
+        "--replicas",
+        type=_positive,
+        metavar="N",
+        help="override pipeline.replicas: pipelines that train together on one global batch",
+    )
+    parser.add_argument(
+        "--shares",
+        type=_counts,
+        metavar="N,N[,N...]",
+        help="micro-batches of each step per pipeline (default: the planner's split, every "
+        "layer costing the same)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(func=run_command)
     return parser
+
+
+def _positive(raw: str) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {raw!r}")
+    return value
+
+
+def _counts(raw: str) -> list[int]:
+    """`2` or `2,3`: positive integers, comma-separated."""
+    try:
+        return [_positive(part) for part in raw.split(",")]
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"must be positive integers separated by commas, got {raw!r}"
+        ) from None
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What a local run trains where: every pipeline's layer split and micro-batch share."""
+
+    splits: list[list[tuple[int, int]]]
+    """Per pipeline, [start, end) of each stage's layers."""
+    shares: list[int]
+    """Per pipeline, its micro-batches of each step."""
+
+
+def local_layout(
+    job: FineTuneJob,
+    layers: int,
+    stages: list[int] | None = None,
+    replicas: int | None = None,
+    shares: list[int] | None = None,
+) -> Layout:
+    """The pipelines of a local run of `job` on a model of `layers` decoder layers, from the
+    job and the command line's overrides (`--stages`, `--replicas`, `--shares`).
+
+    Raises SpecError naming the field (or flag) when they do not fit together.
+    """
+    wanted = job.spec.pipeline.replicas
+    if replicas is not None:
+        count = replicas
+    elif wanted == "auto":
+        count = len(stages) if stages else 1
+    else:
+        count = wanted
+    if stages is None:
+        per = job.spec.pipeline.stages
+        stages = [DEFAULT_STAGES if per == "auto" else int(per)]
+    if len(stages) == 1:
+        stages = stages * count
+    if len(stages) != count:
+        raise _refused(
+            "--stages",
+            f"lists {len(stages)} stage counts for {count} pipeline(s) "
+            "(spec.pipeline.replicas or --replicas says how many)",
+        )
+    micro = job.spec.training.micro_batches
+    if count > micro:
+        raise _refused(
+            "spec.pipeline.replicas",
+            f"{count} pipelines need at least {count} micro-batches per step; "
+            f"spec.training.microBatches is {micro}",
+        )
+    splits = [even_split(layers, min(n, layers)) for n in stages]
+    if shares is None:
+        beats = [(len(split), float(max(e - s for s, e in split))) for split in splits]
+        shares = split_micro_batches(beats, micro)
+        if min(shares) < 1:
+            raise _refused(
+                "--stages",
+                f"pipelines of {[len(s) for s in splits]} stages share {micro} micro-batches "
+                f"as {shares}, leaving one without any; give --shares",
+            )
+    elif len(shares) != count or sum(shares) != micro:
+        raise _refused(
+            "--shares",
+            f"must give each of the {count} pipeline(s) its micro-batches, adding up to "
+            f"spec.training.microBatches ({micro}); got {shares}",
+        )
+    return Layout(splits, list(shares))
+
+
+def _refused(field: str, message: str) -> SpecError:
+    return SpecError([(field, message)])
 
 
 def default_workdir(job: FineTuneJob) -> Path:
@@ -221,6 +341,9 @@ class StageProc:
     index: int
     config_path: Path
     log_path: Path
+    pipeline: int = 0
+    name: str = ""
+    """How messages name it: `stage K`, or `stage pP/sK` with several pipelines."""
     proc: subprocess.Popen[bytes] | None = None
     restarts: int = 0
     pids: list[int] = field(default_factory=list)
@@ -242,22 +365,32 @@ class LocalRun:
         self,
         job: FineTuneJob,
         workdir: Path,
-        ranges: list[tuple[int, int]],
+        layout: Layout,
         documents: list[dict[str, Any]],
         link_envs: list[dict[str, str]],
     ) -> None:
+        """`documents` and `link_envs`: one per stage, pipeline after pipeline."""
         self.job = job
         self.workdir = workdir.resolve()
-        self.ranges = ranges
+        self.layout = layout
         self.documents = documents
         self.env = self._env(len(documents))
         stages_dir = self.workdir / "stages"
-        self.stages = [
-            StageProc(
-                k, stages_dir / f"stage-{k}.json", stages_dir / f"stage-{k}.log", link_env=env
+        several = len(layout.splits) > 1
+        places = [(p, k) for p, split in enumerate(layout.splits) for k in range(len(split))]
+        self.stages = []
+        for (p, k), env in zip(places, link_envs, strict=True):
+            base = f"p{p}-stage-{k}" if several else f"stage-{k}"
+            self.stages.append(
+                StageProc(
+                    k,
+                    stages_dir / f"{base}.json",
+                    stages_dir / f"{base}.log",
+                    pipeline=p,
+                    name=f"stage p{p}/s{k}" if several else f"stage {k}",
+                    link_env=env,
+                )
             )
-            for k, env in enumerate(link_envs)
-        ]
         ckpt = job.spec.checkpoint.uri
         self.job_dir = f"{ckpt.rstrip('/')}/{job.metadata.namespace}/{job.metadata.name}"
         self.output = self.documents[0]["output"]["uri"]
@@ -265,33 +398,53 @@ class LocalRun:
         self.stop_signal: int | None = None
 
     @classmethod
-    def prepare(cls, job: FineTuneJob, workdir: Path, stages: int | None) -> LocalRun:
-        """Split the model, pick free loopback ports, build the stage documents and mint
-        the link credentials (nothing is written)."""
-        layers = _model_layers(job)
-        wanted = job.spec.pipeline.stages
-        count = stages or (DEFAULT_STAGES if wanted == "auto" else int(wanted))
-        count = min(count, layers)
-        ranges = even_split(layers, count)
-        ports = _free_ports(2 * count)
-        endpoints = local_endpoints(count, 0, 0)
-        # Replace the contiguous base ports with free ones (any port may be taken).
-        endpoints = [
-            type(e)(
-                listen=None if k == 0 else f"127.0.0.1:{ports[k]}",
-                next=None if k == count - 1 else f"127.0.0.1:{ports[k + 1]}",
-                metrics_port=ports[count + k],
+    def prepare(
+        cls,
+        job: FineTuneJob,
+        workdir: Path,
+        stages: list[int] | None = None,
+        *,
+        replicas: int | None = None,
+        shares: list[int] | None = None,
+    ) -> LocalRun:
+        """Split the model (`local_layout`), pick free loopback ports, build the stage
+        documents and mint the link credentials (nothing is written)."""
+        layout = local_layout(job, _model_layers(job), stages, replicas, shares)
+        if stages is not None:
+            # The command line chose the stage counts; the documents follow it.
+            pipeline = job.spec.pipeline.model_copy(update={"stages": "auto"})
+            spec = job.spec.model_copy(update={"pipeline": pipeline})
+            job = job.model_copy(update={"spec": spec})
+        counts = [len(split) for split in layout.splits]
+        # Free ports, three a stage (any fixed port may be taken): its pipeline listener,
+        # /metrics, and its listener for the stages of lower pipelines.
+        ports = iter(_free_ports(3 * sum(counts)))
+        endpoints = []
+        for p, count in enumerate(counts):
+            listen = [f"127.0.0.1:{next(ports)}" for _ in range(count)]
+            replica = [f"127.0.0.1:{next(ports)}" if p > 0 else None for _ in range(count)]
+            endpoints.append(
+                [
+                    StageEndpoints(
+                        listen=None if k == 0 else listen[k],
+                        next=None if k == count - 1 else listen[k + 1],
+                        metrics_port=next(ports),
+                        replica_listen=replica[k],
+                        replica_address=replica[k],
+                    )
+                    for k in range(count)
+                ]
             )
-            for k, e in enumerate(endpoints)
-        ]
-        documents = build_stage_configs(job, ranges, endpoints)
+        configs = build_pipeline_configs(job, layout.splits, endpoints, layout.shares)
         meta = job.metadata
-        pki = mint_link_credentials(meta.namespace, meta.name, [count], now=datetime.now(UTC))
+        pki = mint_link_credentials(meta.namespace, meta.name, counts, now=datetime.now(UTC))
         link_envs = []
-        for k in range(count):
-            cert, key, ca = stage_pem(pki, 0, k)
-            link_envs.append({LINK_CERT_ENV: cert, LINK_KEY_ENV: key, LINK_CA_ENV: ca})
-        return cls(job, workdir, ranges, documents, link_envs)
+        for p, count in enumerate(counts):
+            for k in range(count):
+                cert, key, ca = stage_pem(pki, p, k)
+                link_envs.append({LINK_CERT_ENV: cert, LINK_KEY_ENV: key, LINK_CA_ENV: ca})
+        documents = [doc for pipeline_docs in configs for doc in pipeline_docs]
+        return cls(job, workdir, layout, documents, link_envs)
 
     def write_stage_files(self) -> None:
         """Write each stage's document (never its key: that goes in its environment)."""
@@ -339,10 +492,11 @@ class LocalRun:
             "stages": [
                 {
                     "index": s.index,
+                    "pipeline": s.pipeline,
                     "pid": s.proc.pid if s.proc else None,
                     "pids": s.pids,
                     "restarts": s.restarts,
-                    "layers": list(self.ranges[s.index]),
+                    "layers": list(self.layout.splits[s.pipeline][s.index]),
                 }
                 for s in self.stages
             ],
@@ -453,7 +607,7 @@ class LocalRun:
                     counted = after_failure(stage.restarts, policy.max_stage_restarts)
                     if counted is None:
                         print(
-                            f"stage {stage.index} failed (exit {code}) after "
+                            f"{stage.name} failed (exit {code}) after "
                             f"{stage.restarts} restarts; see {stage.log_path}",
                             file=sys.stderr,
                         )
@@ -461,7 +615,7 @@ class LocalRun:
                     stage.restarts = counted
                     stage.failed_at = now
                     print(
-                        f"stage {stage.index} exited with {code}; restarting it "
+                        f"{stage.name} exited with {code}; restarting it "
                         f"({stage.restarts}/{policy.max_stage_restarts})",
                         file=sys.stderr,
                     )
@@ -507,10 +661,18 @@ def _loss_png(losses: list[dict[str, Any]], out: Path) -> bool:
     return True
 
 
-def run_local(job: FineTuneJob, workdir: Path, stages: int | None, progress: bool) -> int:
+def run_local(
+    job: FineTuneJob,
+    workdir: Path,
+    stages: list[int] | None,
+    progress: bool,
+    *,
+    replicas: int | None = None,
+    shares: list[int] | None = None,
+) -> int:
     """Run `job` locally; returns the exit code."""
     started = time.monotonic()
-    run = LocalRun.prepare(job, workdir, stages)
+    run = LocalRun.prepare(job, workdir, stages, replicas=replicas, shares=shares)
     lock = lock_workdir(run.workdir, job)  # before anything in the directory is written
     try:
         return _run_locked(run, progress, started)
@@ -522,8 +684,7 @@ def _run_locked(run: LocalRun, progress: bool, started: float) -> int:
     job = run.job
     run.write_stage_files()
     print(
-        f"relaytrain: {job.metadata.name}: {len(run.stages)} stages "
-        f"(layers {', '.join(f'{a}-{b - 1}' for a, b in run.ranges)}), "
+        f"relaytrain: {job.metadata.name}: {_describe(run.layout)}, "
         f"checkpoints in {run.job_dir}, logs in {run.workdir / 'stages'}"
     )
     code = run.supervise(progress)
@@ -536,11 +697,19 @@ def _run_locked(run: LocalRun, progress: bool, started: float) -> int:
     summary = {
         "job": job.metadata.name,
         "stages": len(run.stages),
+        "pipelines": [
+            {"stages": len(split), "layers": [list(r) for r in split], "microBatches": share}
+            for split, share in zip(run.layout.splits, run.layout.shares, strict=True)
+        ],
         "steps": final.step if final else None,
         "finalLoss": final.loss if final else None,
         "firstLoss": losses[0]["loss"] if losses else None,
         "tokensPerSecond": final.tokensPerSecond if final else None,
-        "restarts": {s.index: s.restarts for s in run.stages if s.restarts},
+        "restarts": {
+            (s.index if len(run.layout.splits) == 1 else f"p{s.pipeline}/s{s.index}"): s.restarts
+            for s in run.stages
+            if s.restarts
+        },
         "output": (final.output if final else None) or run.output,
         "lossCurve": str(png) if have_png else None,
         "wallSeconds": round(time.monotonic() - started, 1),
@@ -552,6 +721,20 @@ def _run_locked(run: LocalRun, progress: bool, started: float) -> int:
     return 0
 
 
+def _describe(layout: Layout) -> str:
+    """`2 stages (layers 0-1, 2-3)`, or per pipeline with its micro-batches."""
+
+    def one(split: list[tuple[int, int]]) -> str:
+        return f"{len(split)} stages (layers {', '.join(f'{a}-{b - 1}' for a, b in split)})"
+
+    if len(layout.splits) == 1:
+        return one(layout.splits[0])
+    return f"{len(layout.splits)} pipelines: " + "; ".join(
+        f"p{p} {one(split)} x {share} micro-batch{'' if share == 1 else 'es'}"
+        for p, (split, share) in enumerate(zip(layout.splits, layout.shares, strict=True))
+    )
+
+
 def run_command(args: argparse.Namespace) -> int:
     """Entry point of `relaytrain run --local`."""
     try:
@@ -560,7 +743,14 @@ def run_command(args: argparse.Namespace) -> int:
         workdir = args.workdir or default_workdir(parse_job(manifest, default_checkpoint_uri="."))
         default_ckpt = str((workdir / "checkpoints").resolve())
         job = parse_job(manifest, default_checkpoint_uri=default_ckpt)
-        return run_local(job, workdir, args.stages, not args.no_progress)
+        return run_local(
+            job,
+            workdir,
+            args.stages,
+            not args.no_progress,
+            replicas=args.replicas,
+            shares=args.shares,
+        )
     except (OSError, yaml.YAMLError, SpecError, ValueError, AlreadyRunning) as exc:
         print(f"relaytrain run: {exc}", file=sys.stderr)
         return 2

@@ -38,6 +38,8 @@ from relaytrain_contract import (
     ObservabilitySpec,
     OutputSpec,
     PipelineSpec,
+    ReplicaPeer,
+    ReplicasSpec,
     StageConfig,
     StageRef,
     TrainingSpec,
@@ -56,6 +58,7 @@ __all__ = [
     "METRICS_PORT",
     "SECRET_KEY_ENV",
     "StageEndpoints",
+    "build_pipeline_configs",
     "build_stage_configs",
     "layer_ranges",
     "link_identity",
@@ -80,6 +83,11 @@ class StageEndpoints:
     """`host:port` of the next stage; None for the last stage."""
     metrics_port: int = METRICS_PORT
     """Port of this stage's /metrics and /healthz."""
+    replica_listen: str | None = None
+    """`host:port` this stage accepts the stages of lower pipelines on (several pipelines
+    only; None on pipeline 0, which dials every peer)."""
+    replica_address: str | None = None
+    """`host:port` at which the stages of lower pipelines reach `replica_listen`."""
 
 
 def stage_address(job_name: str, namespace: str, index: int, port: int = LINK_PORT) -> str:
@@ -187,10 +195,86 @@ def build_stage_configs(
     ]
 
 
+def build_pipeline_configs(
+    job: FineTuneJob,
+    plans: Sequence[Any],
+    endpoints: Sequence[Sequence[StageEndpoints]],
+    shares: Sequence[int],
+) -> list[list[dict[str, Any]]]:
+    """The documents of every stage of R pipelines that train as one job: `[p][k]`.
+
+    `plans[p]`: anything layer_ranges accepts (pipelines may split the layers differently);
+    `endpoints[p]`: one StageEndpoints per stage of pipeline p, with `replica_listen` and
+    `replica_address` set on every pipeline but 0; `shares[p]`: pipeline p's micro-batches
+    per step (they add up to spec.training.microBatches). With one pipeline the documents
+    are `build_stage_configs`'s, without a replicas section. Each stage's `replicas.peers`
+    are the stages of the other pipelines whose layers overlap its own (the embedding and
+    the head go with the first and last layer). Raises ValueError when they do not fit.
+    """
+    micro = job.spec.training.micro_batches
+    if not plans or len(endpoints) != len(plans) or len(shares) != len(plans):
+        raise ValueError(
+            f"{len(plans)} pipelines, {len(endpoints)} endpoint lists and {len(shares)} shares"
+        )
+    if sum(shares) != micro or min(shares) < 1:
+        raise ValueError(
+            f"shares {list(shares)} must give every pipeline at least one micro-batch and add "
+            f"up to spec.training.microBatches ({micro})"
+        )
+    if len(plans) == 1:
+        return [build_stage_configs(job, plans[0], endpoints[0])]
+    splits = [layer_ranges(plan) for plan in plans]
+    for ranges, ends in zip(splits, endpoints, strict=True):
+        _check(job, ranges, ends)
+    if len({ranges[-1][1] for ranges in splits}) != 1:
+        raise ValueError(f"the pipelines hold different layers: {splits}")
+    ns, name = job.metadata.namespace, job.metadata.name
+    out = []
+    for p, (ranges, ends) in enumerate(zip(splits, endpoints, strict=True)):
+        documents = []
+        for k, ((start, end), mine) in enumerate(zip(ranges, ends, strict=True)):
+            if (p > 0) != (mine.replica_listen is not None and mine.replica_address is not None):
+                raise ValueError(f"pipeline {p} stage {k}: replica endpoints only off pipeline 0")
+            peers = [
+                ReplicaPeer(
+                    pipeline=q,
+                    stage=j,
+                    layerStart=s,
+                    layerEnd=e,
+                    address=endpoints[q][j].replica_address if q > p else None,
+                    identity=link_identity(ns, name, q, j),
+                )
+                for q, split in enumerate(splits)
+                if q != p
+                for j, (s, e) in enumerate(split)
+                if max(start, s) < min(end, e)
+            ]
+            replicas = ReplicasSpec(
+                pipeline=p,
+                shares=tuple(shares),
+                listen=mine.replica_listen if p > 0 else None,
+                peers=tuple(peers),
+            )
+            cfg = stage_config(
+                job, k, len(ranges), (start, end), mine, pipeline=p, replicas=replicas
+            )
+            documents.append(cfg.to_dict())
+        out.append(documents)
+    return out
+
+
 def stage_config(
-    job: FineTuneJob, k: int, count: int, layers: tuple[int, int], ends: StageEndpoints
+    job: FineTuneJob,
+    k: int,
+    count: int,
+    layers: tuple[int, int],
+    ends: StageEndpoints,
+    *,
+    pipeline: int = 0,
+    replicas: ReplicasSpec | None = None,
 ) -> StageConfig:
-    """The document of stage `k` of `count`, holding `layers` and reached at `ends`."""
+    """The document of stage `k` of `count` of pipeline `pipeline`, holding `layers` and
+    reached at `ends`; `replicas` says where the other pipelines are (None: there are none)."""
     spec = job.spec
     ns, name = job.metadata.namespace, job.metadata.name
     # Without a credential Secret the stage uses AWS's standard credential chain.
@@ -211,9 +295,9 @@ def stage_config(
         links=LinksSpec(
             listen=ends.listen,
             next=ends.next,
-            identity=link_identity(ns, name, 0, k),
-            prevIdentity=link_identity(ns, name, 0, k - 1) if k > 0 else None,
-            nextIdentity=link_identity(ns, name, 0, k + 1) if k < count - 1 else None,
+            identity=link_identity(ns, name, pipeline, k),
+            prevIdentity=link_identity(ns, name, pipeline, k - 1) if k > 0 else None,
+            nextIdentity=link_identity(ns, name, pipeline, k + 1) if k < count - 1 else None,
             certEnv=LINK_CERT_ENV,
             keyEnv=LINK_KEY_ENV,
             caEnv=LINK_CA_ENV,
@@ -228,6 +312,7 @@ def stage_config(
         ),
         output=OutputSpec(uri=output_uri(job)),
         observability=ObservabilitySpec(port=ends.metrics_port),
+        replicas=replicas,
     )
 
 

@@ -10,6 +10,7 @@ at start-up instead of training with a silently ignored setting.
 
 from __future__ import annotations
 
+import itertools
 import json
 from typing import Annotated, Any, Literal
 
@@ -204,6 +205,95 @@ class LinksSpec(_Part):
         return self
 
 
+class ReplicaPeer(_Part):
+    """A stage of another pipeline that holds some of this stage's layers (the two exchange
+    gradients of the layers they share every step)."""
+
+    pipeline: Annotated[int, Field(ge=0)]
+    """The peer's pipeline index."""
+    stage: Annotated[int, Field(ge=0)]
+    """The peer's stage index within its pipeline."""
+    layerStart: Annotated[int, Field(ge=0)]  # noqa: N815
+    """First global decoder layer the peer holds (inclusive)."""
+    layerEnd: int  # noqa: N815
+    """Global decoder layer where the peer's next stage starts (exclusive)."""
+    address: str | None
+    """host:port of the peer's replica listener, which this stage dials: set exactly when
+    the peer's pipeline index is above this stage's (a peer of a lower pipeline dials this
+    stage instead, and its address is null)."""
+    identity: str
+    """The identity the peer must prove (`names.link_identity` of its pipeline and stage)."""
+
+    @model_validator(mode="after")
+    def _layers(self) -> ReplicaPeer:
+        if self.layerEnd <= self.layerStart:
+            raise field_error(
+                "layerEnd", f"must be above layerStart ({self.layerStart}), got {self.layerEnd}"
+            )
+        if (self.stage == 0) != (self.layerStart == 0):
+            raise field_error(
+                "layerStart",
+                f"must be 0 exactly on a pipeline's stage 0 (stage {self.stage} starts at "
+                f"{self.layerStart})",
+            )
+        return self
+
+
+class ReplicasSpec(_Part):
+    """Several pipelines trained as one job on one global batch (docs/worker.md, "Several
+    pipelines"). Absent from the document: this stage's pipeline trains alone."""
+
+    pipeline: Annotated[int, Field(ge=0)]
+    """This stage's pipeline index (0-based). Pipeline 0 alone writes checkpoints and
+    progress.json (every pipeline holds the same weights)."""
+    shares: tuple[Count, ...]
+    """Micro-batches per step of each pipeline, in pipeline order; they add up to
+    `training.microBatches`. Pipeline p trains the p-th contiguous run of a step's
+    micro-batches (micro-batches sum(shares[:p]) .. sum(shares[:p+1]) - 1)."""
+    listen: str | None
+    """host:port to accept the peers of lower pipelines on; null on pipeline 0 (it dials
+    every peer)."""
+    peers: tuple[ReplicaPeer, ...]
+    """Every stage of every other pipeline that holds any of this stage's layers (or, on a
+    first or last stage, the embedding or the head), in (pipeline, stage) order."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ReplicasSpec:
+        count = len(self.shares)
+        if count < 2:
+            raise field_error(
+                "shares", f"must list at least two pipelines (one pipeline has no replicas "
+                f"section), got {list(self.shares)}"
+            )  # fmt: skip
+        if self.pipeline >= count:
+            raise field_error(
+                "pipeline", f"must be below the number of shares ({count}), got {self.pipeline}"
+            )
+        if (self.pipeline == 0) != (self.listen is None):
+            raise field_error("listen", "must be null on pipeline 0 and set on the others")
+        keys = [(p.pipeline, p.stage) for p in self.peers]
+        if keys != sorted(set(keys)):
+            raise field_error("peers", "must be listed once each, in (pipeline, stage) order")
+        for peer in self.peers:
+            if peer.pipeline == self.pipeline or peer.pipeline >= count:
+                raise field_error(
+                    "peers",
+                    f"a peer's pipeline must be another of the {count} pipelines, got "
+                    f"{peer.pipeline} (this stage's is {self.pipeline})",
+                )
+            if (peer.pipeline > self.pipeline) != (peer.address is not None):
+                raise field_error(
+                    "peers",
+                    f"the address of p{peer.pipeline}/s{peer.stage} must be set exactly when its "
+                    f"pipeline is above this stage's ({self.pipeline}): this stage dials those",
+                )
+        return self
+
+    def peers_of(self, pipeline: int) -> list[ReplicaPeer]:
+        """The peers of `pipeline`, in stage order."""
+        return [p for p in self.peers if p.pipeline == pipeline]
+
+
 class CheckpointSpec(_Part):
     """The job's object store: checkpoints, progress.json, and s3:// model, data and output."""
 
@@ -274,6 +364,8 @@ class StageConfig(_Part):
     """Where the result goes."""
     observability: ObservabilitySpec
     """/metrics and /healthz."""
+    replicas: ReplicasSpec | None = None
+    """The other pipelines of the job (optional; absent: this pipeline trains alone)."""
 
     @model_validator(mode="after")
     def _ends(self) -> StageConfig:
@@ -284,7 +376,46 @@ class StageConfig(_Part):
             raise field_error("links.listen", "must be null on stage 0 and set on the others")
         if self.stage.is_last != (self.links.next is None):
             raise field_error("links.next", "must be null on the last stage and set on the others")
+        if self.replicas is not None:
+            self._check_replicas(self.replicas)
         return self
+
+    def _check_replicas(self, replicas: ReplicasSpec) -> None:
+        """The shares fill the step; every other pipeline's peers cover this stage's layers
+        with contiguous stages."""
+        total = sum(replicas.shares)
+        if total != self.training.microBatches:
+            raise field_error(
+                "replicas.shares",
+                f"must add up to training.microBatches ({self.training.microBatches}), "
+                f"got {list(replicas.shares)} (sum {total})",
+            )
+        start, end = self.stage.layerStart, self.stage.layerEnd
+        for q in range(len(replicas.shares)):
+            if q == replicas.pipeline:
+                continue
+            peers = replicas.peers_of(q)
+            where = f"pipeline {q}'s stages"
+            if not peers:
+                raise field_error(
+                    "replicas.peers", f"lists none of {where}; some hold layers {start}-{end - 1}"
+                )
+            for a, b in itertools.pairwise(peers):
+                if b.stage != a.stage + 1 or b.layerStart != a.layerEnd:
+                    raise field_error(
+                        "replicas.peers",
+                        f"{where} must be consecutive and contiguous: stage {a.stage} ends at "
+                        f"layer {a.layerEnd}, stage {b.stage} starts at {b.layerStart}",
+                    )
+            first, last = peers[0], peers[-1]
+            if not (first.layerStart <= start < first.layerEnd) or not (
+                last.layerStart < end <= last.layerEnd
+            ):
+                raise field_error(
+                    "replicas.peers",
+                    f"{where} listed hold layers {first.layerStart}-{last.layerEnd - 1}; they "
+                    f"must be exactly those holding this stage's layers {start}-{end - 1}",
+                )
 
     @classmethod
     def from_json(cls, document: str | bytes | dict[str, Any]) -> StageConfig:
@@ -299,9 +430,12 @@ class StageConfig(_Part):
             raise config_error(exc, "stage config") from None
 
     def to_dict(self) -> dict[str, Any]:
-        """The document as JSON-ready data; an unset `training.epochs` is left out, so a
-        steps-based document carries no field an older worker might not know."""
+        """The document as JSON-ready data; an unset `training.epochs` and an absent
+        `replicas` are left out, so a steps-based, one-pipeline document carries no field an
+        older worker might not know."""
         document = self.model_dump(mode="json")
         if document["training"]["epochs"] is None:
             del document["training"]["epochs"]
+        if document["replicas"] is None:
+            del document["replicas"]
         return document

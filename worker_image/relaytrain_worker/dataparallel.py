@@ -51,6 +51,7 @@ from __future__ import annotations
 import re
 import threading
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -66,8 +67,11 @@ has this name)."""
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _FIRST_NAMES = {TIED_NAME}
 """Non-layer names held by stage 0 (the embedding)."""
-_LAST_NAMES = {TIED_HEAD_NAME, "model.norm.weight", LOSS_KEY}
-"""Non-layer names held by the last stage (final norm, head, the loss)."""
+TOKENS_KEY = "relaytrain.input_tokens"
+"""The last stage's non-padding input tokens of the step (float64), reduced with the
+gradients so that every pipeline's last stage knows the whole step's (for tokens/s)."""
+_LAST_NAMES = {TIED_HEAD_NAME, "model.norm.weight", LOSS_KEY, TOKENS_KEY}
+"""Non-layer names held by the last stage (final norm, head, the loss, the token count)."""
 
 WAIT_SECONDS = 900.0
 """Longest wait for the other pipelines' contributions; a live pipeline never takes this long."""
@@ -124,18 +128,38 @@ def layer_of(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+@dataclass(frozen=True)
+class Slice:
+    """What one stage holds: decoder layers [start, end), and the embedding (first) or the
+    final norm and head (last)."""
+
+    start: int
+    end: int
+    first: bool
+    last: bool
+
+    @classmethod
+    def of(cls, split: Sequence[tuple[int, int]], stage: int) -> Slice:
+        """Stage `stage` of a pipeline split as `split` ([start, end) per stage)."""
+        start, end = split[stage]
+        return cls(start, end, stage == 0, stage == len(split) - 1)
+
+    def holds(self, name: str) -> bool:
+        """Whether this stage holds the parameter (or reduced value) `name`."""
+        layer = layer_of(name)
+        if layer is not None:
+            return self.start <= layer < self.end
+        if name in _FIRST_NAMES:
+            return self.first
+        if name in _LAST_NAMES:
+            return self.last
+        raise ValueError(f"{name!r} is neither a decoder layer's nor a known end-stage name")
+
+
 def holds(split: Sequence[tuple[int, int]], stage: int, name: str) -> bool:
     """Whether stage `stage` of a pipeline split as `split` ([start, end) per stage) holds
     the parameter (or reduced value) `name`."""
-    layer = layer_of(name)
-    if layer is not None:
-        start, end = split[stage]
-        return start <= layer < end
-    if name in _FIRST_NAMES:
-        return stage == 0
-    if name in _LAST_NAMES:
-        return stage == len(split) - 1
-    raise ValueError(f"{name!r} is neither a decoder layer's nor a known end-stage name")
+    return Slice.of(split, stage).holds(name)
 
 
 def segment_peers(
@@ -261,7 +285,10 @@ class LinkGroup:
     """A `ReplicaGroup` over authenticated stage links: one stage's view.
 
     Stage `stage` of pipeline `pipeline` holds one link to every stage in
-    `segment_peers(splits, pipeline, stage)` (identity `p<q>/s<j>` of the same job CA).
+    `segment_peers(splits, pipeline, stage)` (identity `p<q>/s<j>` of the same job CA);
+    `peers` says what each of them holds. `from_splits` builds it from every pipeline's
+    split; a stage process builds it from its stage document, which lists its peers
+    (`relaytrain_worker.replicas`).
     Each call sends every peer the contributions that peer also holds, in one frame
     (uncompressed: the sum must be exact), receives the peer's, and folds every name in
     pipeline order (`reduce_sum`) — the same R tensors in the same order on every holder,
@@ -272,17 +299,23 @@ class LinkGroup:
 
     def __init__(
         self,
-        splits: Sequence[Sequence[tuple[int, int]]],
+        pipelines: int,
         pipeline: int,
         stage: int,
+        peers: Mapping[tuple[int, int], Slice],
         links: Mapping[tuple[int, int], LinkLike],
     ) -> None:
-        want = segment_peers(splits, pipeline, stage)
-        if sorted(links) != want:
+        if sorted(links) != sorted(peers):
             raise ValueError(
-                f"stage p{pipeline}/s{stage} needs links to {want}, got {sorted(links)}"
+                f"stage p{pipeline}/s{stage} needs links to {sorted(peers)}, got {sorted(links)}"
             )
-        self._splits = [list(s) for s in splits]
+        if {q for q, _ in peers} != set(range(pipelines)) - {pipeline}:
+            raise ValueError(
+                f"stage p{pipeline}/s{stage} has peers in pipelines "
+                f"{sorted({q for q, _ in peers})}, not in every other one of {pipelines}"
+            )
+        self._pipelines = pipelines
+        self._peers = dict(peers)
         self._pipeline = pipeline
         self._stage = stage
         self._links = {
@@ -291,9 +324,26 @@ class LinkGroup:
         for link in self._links.values():
             link.start()
 
+    @classmethod
+    def from_splits(
+        cls,
+        splits: Sequence[Sequence[tuple[int, int]]],
+        pipeline: int,
+        stage: int,
+        links: Mapping[tuple[int, int], LinkLike],
+    ) -> LinkGroup:
+        """The group of stage `stage` of `pipeline`, every pipeline's split known."""
+        want = segment_peers(splits, pipeline, stage)
+        if sorted(links) != want:
+            raise ValueError(
+                f"stage p{pipeline}/s{stage} needs links to {want}, got {sorted(links)}"
+            )
+        peers = {(q, j): Slice.of(splits[q], j) for q, j in want}
+        return cls(len(splits), pipeline, stage, peers, links)
+
     @property
     def pipelines(self) -> int:
-        return len(self._splits)
+        return self._pipelines
 
     def total_tokens(self, step: int, pipeline: int, count: int) -> int:
         self._check(pipeline, 0)
@@ -310,12 +360,18 @@ class LinkGroup:
     ) -> dict[str, torch.Tensor]:
         self._check(pipeline, stage)
         for (q, j), link in self._links.items():
-            theirs = {n: t.detach() for n, t in tensors.items() if holds(self._splits[q], j, n)}
+            theirs = {n: t.detach() for n, t in tensors.items() if self._peers[(q, j)].holds(n)}
             link.send(Frame("replica_grads", step, -1, theirs), "none")
         got: dict[int, dict[str, torch.Tensor]] = {self._pipeline: dict(tensors)}
         for (q, _), link in self._links.items():
             got.setdefault(q, {}).update(link.recv("replica_grads", step).tensors)
         return reduce_sum([{n: got[p][n] for n in tensors} for p in range(self.pipelines)])
+
+    def flush(self, timeout: float = 60.0) -> None:
+        """Wait until every frame given to the links has been handed to the socket (before
+        the process exits: a peer may still be waiting for this stage's last contribution)."""
+        for link in self._links.values():
+            link.flush(timeout)
 
     def close(self) -> None:
         for link in self._links.values():

@@ -45,6 +45,10 @@ _OK = 0
 _REFUSED = 1
 
 
+Expect = str | frozenset[str]
+"""The identity a link's peer must prove, or the set of identities it may prove."""
+
+
 class LinkError(Exception):
     """Base of every error a link raises."""
 
@@ -178,9 +182,12 @@ def client_handshake(
 
 
 def server_handshake(
-    sock: socket.socket, me: LinkCredentials, expect: str, peer_name: str
+    sock: socket.socket, me: LinkCredentials, expect: Expect, peer_name: str
 ) -> TlsSession:
-    """TLS as the listening stage; `expect` is the identity the connecting stage must have.
+    """TLS as the listening stage; `expect` is the identity the connecting stage must have,
+    or a set of identities any one of which it may have (a stage's replica listener accepts
+    each stage of the other pipelines that shares its layers; the session's
+    `peer_identity` says which one came).
 
     AuthError (the listener logs it and waits for the next peer) when the peer is not
     `expect` of this job, does not speak this protocol, or refuses us.
@@ -192,8 +199,10 @@ def server_handshake(
 
 
 def _handshake(
-    sock: socket.socket, me: LinkCredentials, expect: str, who: str, *, server: bool
+    sock: socket.socket, me: LinkCredentials, expected: Expect, who: str, *, server: bool
 ) -> TlsSession:
+    allowed = {expected} if isinstance(expected, str) else set(expected)
+    expect = " or ".join(sorted(allowed))
     incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
     context = me.server_context if server else me.client_context
     obj = context.wrap_bio(incoming, outgoing, server_side=server)
@@ -208,14 +217,14 @@ def _handshake(
     except ssl.SSLError as e:
         raise _handshake_error(e, who, me, expect) from None
     rule = f"{me.identity} {'accepts only' if server else 'connects only to'} {expect}"
-    problem = _check_peer(obj, rule, expect)
+    problem, got = _check_peer(obj, rule, allowed)
     _send_verdict(sock, obj, outgoing, problem)
     if problem:
         raise AuthError(f"refused {who}: {problem}")
     why = _recv_verdict(sock, obj, incoming, who, me=me, expect=expect)
     if why is not None:
         raise AuthError(f"{who} refused the link: {why}")
-    return TlsSession(obj, incoming, outgoing, expect)
+    return TlsSession(obj, incoming, outgoing, got)
 
 
 def _drive(sock: socket.socket, obj: ssl.SSLObject, inc: ssl.MemoryBIO, out: ssl.MemoryBIO) -> None:
@@ -249,14 +258,16 @@ def _pull(sock: socket.socket, inc: ssl.MemoryBIO) -> None:
         inc.write_eof()
 
 
-def _check_peer(obj: ssl.SSLObject, rule: str, expect: str) -> str:
-    """'' when the verified peer is `expect` speaking our protocol, else what is wrong."""
+def _check_peer(obj: ssl.SSLObject, rule: str, allowed: set[str]) -> tuple[str, str]:
+    """('', identity) when the verified peer is one of `allowed` speaking our protocol, else
+    (what is wrong, '')."""
     if obj.selected_alpn_protocol() != ALPN:
-        return f"the peer does not speak {ALPN} (it offered {obj.selected_alpn_protocol()!r})"
+        offered = obj.selected_alpn_protocol()
+        return f"the peer does not speak {ALPN} (it offered {offered!r})", ""
     names: Any = (obj.getpeercert() or {}).get("subjectAltName", ())
     uris = [value for kind, value in names if kind == "URI"]
     got = uris[0] if len(uris) == 1 else f"a certificate with URI names {uris}"
-    return "" if got == expect else f"the peer is {got}, but {rule}"
+    return ("", got) if got in allowed else (f"the peer is {got}, but {rule}", "")
 
 
 def _send_verdict(

@@ -31,11 +31,14 @@ class LinkCounters(Protocol):
 
 
 class StageMetrics:
-    """The metrics of one stage. Label ``link`` is ``prev`` (towards stage k-1) or ``next``."""
+    """The metrics of one stage. Label ``link`` is ``prev`` (towards stage k-1) or ``next``;
+    a stage of a job with several pipelines also carries ``pipeline``."""
 
-    def __init__(self, job: str, stage: int) -> None:
+    def __init__(self, job: str, stage: int, pipeline: int | None = None) -> None:
         self.registry = CollectorRegistry()
         labels = {"job": job, "stage": str(stage)}
+        if pipeline is not None:
+            labels["pipeline"] = str(pipeline)
         r = self.registry
 
         def gauge(name: str, doc: str, extra: tuple[str, ...] = ()) -> Gauge:

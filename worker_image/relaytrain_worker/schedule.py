@@ -35,7 +35,7 @@ import torch
 from torch import nn
 from torch.nn import functional
 
-from relaytrain_worker.dataparallel import LOSS_KEY, ReplicaGroup
+from relaytrain_worker.dataparallel import LOSS_KEY, TOKENS_KEY, ReplicaGroup
 from relaytrain_worker.methods import TIED_HEAD_NAME
 from relaytrain_worker.model_slice import StageModel
 from relaytrain_worker.peers import Peers
@@ -64,6 +64,9 @@ class StepResult:
     input_tokens: int
     """Non-padding input tokens this stage processed in the step (attention mask ones):
     what tokens/s counts. Padding is not counted; masked prompt tokens are."""
+    step_input_tokens: int
+    """The same for the whole step: with replicas, every pipeline's (on the last stage,
+    which reduces them with its gradients; elsewhere this stage's); without, `input_tokens`."""
     grad_norm: float
     """Global gradient norm before clipping."""
 
@@ -125,6 +128,7 @@ class StepRunner:
         """This pipeline's index in `group`."""
         self.on_micro: Callable[[], None] | None = None
         self._input_tokens = 0
+        self._step_input_tokens = -1
 
     @property
     def first(self) -> bool:
@@ -142,6 +146,7 @@ class StepRunner:
         saved: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         loss_sum = torch.zeros((), dtype=torch.float64)
         self._input_tokens = 0
+        self._step_input_tokens = -1
         for kind, m in one_f_one_b(self.index, self.count, n_micro):
             if kind == "F":
                 out, inp, items, part = self._forward(step, m, micros, items)
@@ -155,7 +160,11 @@ class StepRunner:
             loss_sum = self._reduce(step, loss_sum)
         norm = self._finish(step)
         loss = float(loss_sum / items) if self.last and items > 0 else None
-        return StepResult(loss=loss, tokens=items, input_tokens=self._input_tokens, grad_norm=norm)
+        mine = self._input_tokens
+        every = self._step_input_tokens if self._step_input_tokens >= 0 else mine
+        return StepResult(
+            loss=loss, tokens=items, input_tokens=mine, step_input_tokens=every, grad_norm=norm
+        )
 
     def _forward(
         self, step: int, m: int, micros: list[MicroBatch] | None, items: int
@@ -220,7 +229,10 @@ class StepRunner:
             given[TIED_HEAD_NAME] = torch.zeros_like(given[self.tied_name])
         if self.last:
             given[LOSS_KEY] = loss_sum
+            given[TOKENS_KEY] = torch.tensor(float(self._input_tokens), dtype=torch.float64)
         reduced = self.group.reduce(step, self.pipeline, self.index, given)
+        if self.last:
+            self._step_input_tokens = int(reduced[TOKENS_KEY])
         for name, param in self.trainable:
             param.grad = reduced[self._replica_key(name)]
         if self.tied_name is not None and self.first and self.last:

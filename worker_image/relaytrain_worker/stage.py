@@ -17,6 +17,17 @@ Life of a stage:
    to 3.
 6. After the last step the last stage merges every stage's part of the final commit
    into the output (PEFT adapter or full weights) and marks progress.json done.
+
+With several pipelines (the document's `replicas` section) the stage also holds a link to
+each stage of the other pipelines that shares its layers (`replicas.ReplicaLinks`), opened
+with its pipeline links in 3; stage 0 of pipeline p trains its share of every step's
+micro-batches; the step's token count, gradients, loss and token rate are reduced over
+every pipeline (`dataparallel`). Pipeline 0 alone saves checkpoints, commits, and writes
+progress.json and the output: every pipeline holds the same weights. In 3 the other
+pipelines take pipeline 0's agreed resume step from their pipeline-0 peers; they restore
+a commit by parameter name from the pipeline-0 stages that hold their layers (their split
+may differ). A broken link, pipeline or replica, takes every stage of every pipeline back
+to the last commit (5).
 """
 
 from __future__ import annotations
@@ -33,6 +44,7 @@ import torch
 from relaytrain_contract import StageConfig
 
 from relaytrain_worker import checkpoint as ckpt
+from relaytrain_worker.dataparallel import LinkGroup, micro_ranges
 from relaytrain_worker.export import TRAINABLE_FILE, export_output
 from relaytrain_worker.history import LossHistory
 from relaytrain_worker.linkauth import AuthError, LinkBroken, LinkCredentials
@@ -42,9 +54,16 @@ from relaytrain_worker.model_slice import SliceSpec, build_stage_model
 from relaytrain_worker.modelfiles import resolve_model_dir
 from relaytrain_worker.peers import Peers
 from relaytrain_worker.progress import Progress, write_progress
+from relaytrain_worker.replicas import Peer, ReplicaLinks, pipeline_zero_stages
 from relaytrain_worker.schedule import StepRunner
 from relaytrain_worker.store import Store, open_job_store
-from relaytrain_worker.training import load_state_bytes, make_optimizer, optimizer_step, state_bytes
+from relaytrain_worker.training import (
+    load_merged_state,
+    load_state_bytes,
+    make_optimizer,
+    optimizer_step,
+    state_bytes,
+)
 from relaytrain_worker.transport import Frame, Link, Listener, connect, listen
 
 log = logging.getLogger("relaytrain.stage")
@@ -79,7 +98,16 @@ class StageRuntime:
         self.cfg = cfg
         self.k = cfg.stage.index
         self.count = cfg.stage.count
+        self.pipeline = cfg.replicas.pipeline if cfg.replicas is not None else 0
+        """This stage's pipeline (0 when the job has one)."""
+        self.name = str(self.k) if cfg.replicas is None else f"p{self.pipeline}/s{self.k}"
+        """How logs name this stage: `1`, or `p1/s0` with several pipelines."""
+        self.writer = self.pipeline == 0
+        """Whether this stage saves checkpoints (and, as the last stage, commits them and
+        writes progress.json, the loss history and the output): pipeline 0's stages."""
         self.tls = link_credentials(cfg)
+        self.replicas = ReplicaLinks(cfg, self.tls) if cfg.replicas is not None else None
+        """The links to the other pipelines (None: this pipeline trains alone)."""
         self.prefix = f"{cfg.job.namespace}/{cfg.job.name}"
         self.store = self._open(cfg.checkpoint.uri)
         self.model_dir = resolve_model_dir(cfg, self._open)
@@ -105,7 +133,9 @@ class StageRuntime:
         self.training = cfg.training.model_copy(update={"steps": steps, "epochs": None})
         self.total_steps = steps
         self.optimizer, self.scheduler = make_optimizer(self.trainable, self.training)
-        self.metrics = StageMetrics(cfg.job.name, self.k)
+        self.metrics = StageMetrics(
+            cfg.job.name, self.k, self.pipeline if cfg.replicas is not None else None
+        )
         self.metrics.total_steps.set(self.total_steps)
         self.server: MetricsServer | None = None
         self.listener: Listener | None = None
@@ -116,6 +146,10 @@ class StageRuntime:
         self.step = 0
         self.kept: tuple[int, dict[str, bytes]] | None = None
         """(step, files) of this stage's last save, to roll back without a download."""
+        self.micros = range(cfg.training.microBatches)
+        """The micro-batches of each step this pipeline trains (all of them without replicas)."""
+        if cfg.replicas is not None:
+            self.micros = micro_ranges(cfg.replicas.shares)[self.pipeline]
 
     # -- setup -----------------------------------------------------------------------
 
@@ -129,6 +163,8 @@ class StageRuntime:
             self.listener = listen(
                 cfg.links.listen, credentials=self.tls, expect=cfg.links.prevIdentity
             )
+        if self.replicas is not None:
+            self.replicas.open()
 
     def _open(self, uri: str) -> Store:
         return open_job_store(uri, self.cfg.checkpoint)
@@ -155,7 +191,10 @@ class StageRuntime:
 
     def _files(self, step: int) -> dict[str, bytes]:
         tensors = {name: p.detach().contiguous() for name, p in self.trainable}
-        meta = {"step": step, "dataStep": step, "stage": self.k}
+        meta = {
+            "step": step, "dataStep": step, "stage": self.k,
+            "layerStart": self.cfg.stage.layerStart, "layerEnd": self.cfg.stage.layerEnd,
+        }  # fmt: skip
         return {
             TRAINABLE_FILE: safetensors.torch.save(tensors),
             STATE_FILE: state_bytes(self.optimizer, self.scheduler, self._names()),
@@ -176,6 +215,8 @@ class StageRuntime:
         if step is None:
             self._reset()
             return 0
+        if not self.writer:
+            return self._restore_by_name(step)
         files = self._committed_files(step)
         tensors = safetensors.torch.load(files[TRAINABLE_FILE])
         with torch.no_grad():
@@ -184,8 +225,43 @@ class StageRuntime:
         load_state_bytes(files[STATE_FILE], self.optimizer, self.scheduler, self._names())
         self.optimizer.zero_grad(set_to_none=True)
         self.last_committed = step
-        log.info("Stage %d restored committed step %d", self.k, step)
+        log.info("Stage %s restored committed step %d", self.name, step)
         return step
+
+    def _restore_by_name(self, step: int) -> int:
+        """Restore committed `step` from the pipeline-0 stages that hold this stage's
+        layers, by parameter name (this pipeline's split may differ from pipeline 0's). The
+        RNG, which was another stage's, is seeded from (seed, step, pipeline, stage)."""
+        assert self.cfg.replicas is not None
+        parts = [
+            ckpt.load_stage(self.store, self.prefix, step, j)
+            for j in pipeline_zero_stages(self.cfg.replicas.peers)
+        ]
+        tensors: dict[str, torch.Tensor] = {}
+        for files in parts:
+            tensors.update(safetensors.torch.load(files[TRAINABLE_FILE]))
+        missing = [name for name in self._names() if name not in tensors]
+        if missing:
+            raise ckpt.CorruptCheckpoint(
+                f"step {step} holds no {missing[0]} (and {len(missing) - 1} more) in the "
+                "pipeline-0 stages that should hold this stage's layers"
+            )
+        with torch.no_grad():
+            for name, param in self.trainable:
+                param.copy_(tensors[name])
+        load_merged_state([f[STATE_FILE] for f in parts], self.optimizer, self.scheduler,
+                          self._names())  # fmt: skip
+        self.optimizer.zero_grad(set_to_none=True)
+        self._seed(step)
+        self.last_committed = step
+        log.info("Stage %s restored committed step %d by name", self.name, step)
+        return step
+
+    def _seed(self, step: int) -> None:
+        """This stage's RNG (dropout) from the seed, its place and `step`: pipeline 0's stages
+        start as a lone pipeline's do; the others differ (their micro-batches differ)."""
+        seed = self.cfg.training.seed
+        torch.manual_seed(seed * 131 + self.k + 7919 * self.pipeline + 104729 * step)
 
     def restore_newest(self) -> int | None:
         """Restore the newest committed step whose files of this stage verify; returns it.
@@ -198,7 +274,7 @@ class StageRuntime:
             try:
                 return self.restore(step)
             except ckpt.CorruptCheckpoint as exc:
-                log.warning("Stage %d skipped checkpoint step %d: %s", self.k, step, exc)
+                log.warning("Stage %s skipped checkpoint step %d: %s", self.name, step, exc)
         self.restore(None)
         return None
 
@@ -210,7 +286,7 @@ class StageRuntime:
             and kept[0] == step
             and ckpt.matches_commit(self.store, self.prefix, step, self.k, kept[1])
         ):
-            log.info("Stage %d rolls back from its own copy of step %d", self.k, step)
+            log.info("Stage %s rolls back from its own copy of step %d", self.name, step)
             return kept[1]
         return ckpt.load_stage(self.store, self.prefix, step, self.k)
 
@@ -225,7 +301,7 @@ class StageRuntime:
         else:
             init_lora(self.stage.model, self.cfg.training.seed)
         self.optimizer, self.scheduler = make_optimizer(self.trainable, self.training)
-        torch.manual_seed(self.cfg.training.seed * 131 + self.k)
+        self._seed(0)
 
     # -- links -----------------------------------------------------------------------
 
@@ -248,6 +324,23 @@ class StageRuntime:
                     link.close()
             raise
         return Peers(prev, nxt)
+
+    def _links(self) -> tuple[Peers, dict[Peer, Link]]:
+        """This stage's pipeline links and (with replicas) its links to the other pipelines."""
+        if self.replicas is None:
+            return self._connect(), {}
+        return self.replicas.connect(CONNECT_FOR, self._connect, Peers.close)
+
+    def _agree(self, peers: Peers, replica_links: dict[Peer, Link], mine: int | None) -> int | None:
+        """The step every stage resumes from: pipeline 0's chain agrees on it (`_handshake`)
+        and tells the other pipelines, which take it from their pipeline-0 peers."""
+        if self.replicas is None:
+            return self._handshake(peers, mine)
+        if not self.writer:
+            return self.replicas.recv_resume(replica_links, CONNECT_FOR)
+        agreed = self._handshake(peers, mine)
+        self.replicas.send_resume(replica_links, agreed)
+        return agreed
 
     def _handshake(self, peers: Peers, mine: int | None) -> int | None:
         """Agree on the resume step: the newest committed step any stage saw."""
@@ -285,42 +378,45 @@ class StageRuntime:
         # have found a file of that commit corrupt, and then every stage redoes the end.
         while True:
             peers: Peers | None = None
+            replica_links: dict[Peer, Link] = {}
+            group: LinkGroup | None = None
             try:
                 self.metrics.set_health("ready", step=self.step)
-                peers = self._connect()
-                agreed = self._handshake(peers, restored)
+                peers, replica_links = self._links()
+                agreed = self._agree(peers, replica_links, restored)
                 if agreed != restored:
                     restored = agreed
                     self.step = self.restore(agreed)
-                if self.cfg.stage.is_last:
+                if self.cfg.stage.is_last and self.writer:
                     self.history.resume(restored)
+                if self.replicas is not None:
+                    group = self.replicas.group(replica_links)
                 self.metrics.set_health("training", step=self.step)
-                self._train(peers)
+                self._train(peers, group)
                 for link in (peers.prev, peers.next):
                     if link is not None:
                         link.flush()
+                if group is not None:
+                    group.flush()
                 break
             except (LinkBroken, TimeoutError) as exc:
                 attempt += 1
                 self.metrics.set_health("recovering", reason=str(exc))
-                log.warning("Stage %d lost a link at step %d: %s", self.k, self.step, exc)
-                if peers is not None:
-                    peers.close()
+                log.warning("Stage %s lost a link at step %d: %s", self.name, self.step, exc)
+                _close(peers, replica_links, group)
                 time.sleep(min(2.0 * attempt, 10.0))
                 restored = self.restore_newest()
                 self.step = restored or 0
             except AuthError:
-                if peers is not None:
-                    peers.close()
+                _close(peers, replica_links, group)
                 raise
-        if self.cfg.stage.is_last:
+        if self.cfg.stage.is_last and self.writer:
             self._finish()
-        if peers is not None:
-            peers.close()
+        _close(peers, replica_links, group)
         self.metrics.set_health("done", step=self.step)
         return 0
 
-    def _train(self, peers: Peers) -> None:
+    def _train(self, peers: Peers, group: LinkGroup | None) -> None:
         t = self.training
         runner = StepRunner(
             self.stage,
@@ -331,21 +427,25 @@ class StageRuntime:
             compression=self.cfg.pipeline.compression,
             max_grad_norm=t.maxGradNorm,
             tied_name=self._tied_name(),
+            group=group,
+            pipeline=self.pipeline,
         )
         # tokens/s: non-padding input tokens per second of wall time, measured from one
-        # step's end to the next, so optimizer steps and checkpoint saves count too.
+        # step's end to the next, so optimizer steps and checkpoint saves count too. With
+        # replicas the last stage counts every pipeline's tokens (the whole job's rate).
         mark = time.monotonic()
         while self.step < self.total_steps:
             micros = None
             if self.cfg.stage.is_first:
                 assert self.data is not None
-                micros = self.data.step(self.step)
-            result = runner.run(self.step, micros, t.microBatches)
+                step_micros = self.data.step(self.step)
+                micros = [step_micros[i] for i in self.micros]
+            result = runner.run(self.step, micros, len(self.micros))
             optimizer_step(self.optimizer, self.scheduler)
             self.step += 1
             now = time.monotonic()
             seconds = max(now - mark, 1e-9)
-            rate = result.input_tokens / seconds
+            rate = result.step_input_tokens / seconds
             mark = now
             self._report(peers, result.loss, rate, seconds)
             if self.step % self.cfg.checkpoint.everySteps == 0 or self.step == self.total_steps:
@@ -364,6 +464,8 @@ class StageRuntime:
         if loss is None:
             return
         self.metrics.loss.set(loss)
+        if not self.writer:
+            return
         self.history.append(self.step, loss, rate)
         self.step_seconds = seconds
         self._publish()
@@ -388,6 +490,8 @@ class StageRuntime:
         )
 
     def _checkpoint(self, peers: Peers, step: int) -> None:
+        if not self.writer:
+            return  # pipeline 0 saves for every pipeline: they hold the same weights
         started = time.monotonic()
         files = self._files(step)
         ckpt.save_stage(self.store, self.prefix, step, self.k, files)
@@ -422,13 +526,26 @@ class StageRuntime:
         self.history.finish()
         self.step = self.last_committed = self.total_steps
         self._publish(done=True)
-        log.info("Stage %d wrote the output to %s", self.k, self.cfg.output.uri)
+        log.info("Stage %s wrote the output to %s", self.name, self.cfg.output.uri)
 
     def close(self) -> None:
         if self.server is not None:
             self.server.stop()
         if self.listener is not None:
             self.listener.close()
+        if self.replicas is not None:
+            self.replicas.close()
+
+
+def _close(peers: Peers | None, replica_links: dict[Peer, Link], group: LinkGroup | None) -> None:
+    """Close every link of a stage: the break reaches its neighbours in every pipeline."""
+    if peers is not None:
+        peers.close()
+    if group is not None:
+        group.close()  # it owns the replica links
+    else:
+        for link in replica_links.values():
+            link.close()
 
 
 def _newest(a: int | None, b: int | None) -> int | None:

@@ -263,7 +263,7 @@ def _link_groups(
                 finally:
                     listener.close()
                 mine[(q, j)] = dialed.result()
-    return {me: LinkGroup(splits, me[0], me[1], peers) for me, peers in links.items()}
+    return {me: LinkGroup.from_splits(splits, me[0], me[1], peers) for me, peers in links.items()}
 
 
 def _run_pipelines(

@@ -125,3 +125,31 @@ def load_state_bytes(
     cuda = state.get("cuda_rng")
     if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
         torch.cuda.set_rng_state_all(cuda)
+
+
+def load_merged_state(
+    parts: Sequence[bytes],
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    names: Sequence[str],
+) -> None:
+    """Restore the optimizer and schedule from what several stages' `state_bytes` wrote
+    (keyed by name): another split's stages that together hold `names` (a pipeline other
+    than the one that saved). The schedule is the first part's (every stage steps it
+    alike); the RNG is left alone (it was another stage's). ValueError when a part's
+    optimizer state is keyed by position."""
+    named: dict[str, Any] = {}
+    group: dict[str, Any] | None = None
+    schedule: dict[str, Any] | None = None
+    for data in parts:
+        state: dict[str, Any] = torch.load(io.BytesIO(data), weights_only=True)
+        if "optimizer_by_name" not in state:
+            raise ValueError("a stage's optimizer state is keyed by position, not by name")
+        by_name = state["optimizer_by_name"]
+        named.update(by_name["state"])
+        group = group if group is not None else by_name["group"]
+        schedule = schedule if schedule is not None else state["scheduler"]
+    if group is None or schedule is None:
+        raise ValueError("no optimizer state to restore")
+    load_named_optimizer_state(optimizer, names, {"group": group, "state": named})
+    scheduler.load_state_dict(schedule)

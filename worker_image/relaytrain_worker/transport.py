@@ -40,6 +40,7 @@ import torch
 from relaytrain_worker.compression import Compression, EncodedTensor, check_mode, decode, encode
 from relaytrain_worker.linkauth import (
     AuthError,
+    Expect,
     FrameRejected,
     LinkBroken,
     LinkCredentials,
@@ -335,7 +336,7 @@ class Link:
 class Listener:
     """A listening socket of stage k; ``accept`` returns authenticated links from stage k-1."""
 
-    def __init__(self, sock: socket.socket, me: LinkCredentials, expect: str) -> None:
+    def __init__(self, sock: socket.socket, me: LinkCredentials, expect: Expect) -> None:
         self._sock = sock
         self._me = me
         self._expect = expect
@@ -397,9 +398,11 @@ class Listener:
         self.close()
 
 
-def listen(addr: str, *, credentials: LinkCredentials, expect: str) -> Listener:
+def listen(addr: str, *, credentials: LinkCredentials, expect: Expect) -> Listener:
     """Listen on ``host:port`` with this stage's ``credentials``, for the stage whose
-    identity is ``expect`` (the previous stage of the same pipeline)."""
+    identity is ``expect`` (the previous stage of the same pipeline), or for any of a set of
+    identities (the stages of other pipelines that share its layers; ``Link.peer_identity``
+    says which one came)."""
     host, port = _parse_addr(addr)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)

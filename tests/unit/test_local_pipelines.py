@@ -1,0 +1,114 @@
+"""`relaytrain run --local` with several pipelines, without stage processes: how the job and
+the flags become pipelines (stage counts, splits, micro-batch shares), and what each stage
+process is handed (its document, its (pipeline, stage) certificate, its ports)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cryptography import x509
+from relaytrain_contract import LINK_CERT_ENV, StageConfig
+from relaytrain_operator.local_run import LocalRun, local_layout
+from relaytrain_operator.spec import FineTuneJob, SpecError, parse_job
+
+from tests.unit.test_spec_invalid import base_manifest
+
+pytestmark = pytest.mark.unit
+
+
+def _job(tmp_path: Path | None = None, **pipeline: Any) -> FineTuneJob:
+    manifest = base_manifest("pipes")
+    manifest["spec"]["pipeline"] = {"stages": 2, **pipeline}
+    manifest["spec"]["training"]["microBatches"] = 3
+    if tmp_path is not None:
+        model = tmp_path / "model"
+        model.mkdir(exist_ok=True)
+        (model / "config.json").write_text(json.dumps({"num_hidden_layers": 4}))
+        manifest["spec"]["model"] = {"uri": str(model)}
+        manifest["spec"]["checkpoint"] = {"uri": str(tmp_path / "ckpt")}
+    return parse_job(manifest)
+
+
+def test_one_pipeline_is_the_default() -> None:
+    layout = local_layout(_job(), 4)
+    assert layout.splits == [[(0, 2), (2, 4)]] and layout.shares == [3]
+
+
+def test_each_pipeline_gets_its_own_stage_count_and_even_split() -> None:
+    layout = local_layout(_job(replicas=2), 4, stages=[2, 3])
+    assert layout.splits == [[(0, 2), (2, 4)], [(0, 1), (1, 3), (3, 4)]]
+    # The planner's split with every layer costing the same: beats of 2 layers each, the
+    # longer pipeline pays one more beat of fill, so it gets one micro-batch of three.
+    assert layout.shares == [2, 1]
+    assert local_layout(_job(replicas=2), 4).splits == [[(0, 2), (2, 4)]] * 2  # spec stages
+    assert local_layout(_job(replicas="auto"), 4, stages=[1, 2, 4]).shares == [1, 1, 1]
+    assert local_layout(_job(), 4, stages=[2, 3], replicas=2, shares=[1, 2]).shares == [1, 2]
+
+
+@pytest.mark.parametrize(
+    ("pipeline", "flags", "field", "message"),
+    [
+        ({}, {"stages": [2, 3]}, "--stages", "lists 2 stage counts for 1 pipeline(s)"),
+        ({"replicas": 2}, {"shares": [3, 1]}, "--shares", "adding up to"),
+        ({"replicas": 2}, {"shares": [3]}, "--shares", "each of the 2 pipeline(s)"),
+        ({}, {"replicas": 4}, "spec.pipeline.replicas", "4 pipelines need at least 4"),
+        # 4 stages of 1 layer finish 3 micro-batches (beats 4, 5, 6) before 3 stages of up to
+        # 2 layers finish one (beat 6): the planner gives the second pipeline none.
+        ({"replicas": 2}, {"stages": [4, 3]}, "--stages", "as [3, 0], leaving one without any"),
+    ],
+)
+def test_flags_that_do_not_fit_are_refused_by_name(
+    pipeline: dict[str, Any], flags: dict[str, Any], field: str, message: str
+) -> None:
+    with pytest.raises(SpecError) as refused:
+        local_layout(_job(**pipeline), 4, **flags)
+    assert refused.value.paths == [field]
+    assert message in str(refused.value)
+
+
+def test_each_stage_of_each_pipeline_is_handed_its_own_document_and_certificate(
+    tmp_path: Path,
+) -> None:
+    run = LocalRun.prepare(_job(tmp_path, replicas=2), tmp_path / "wd", [2, 3])
+    assert [(s.pipeline, s.index, s.name) for s in run.stages] == [
+        (0, 0, "stage p0/s0"), (0, 1, "stage p0/s1"),
+        (1, 0, "stage p1/s0"), (1, 1, "stage p1/s1"), (1, 2, "stage p1/s2"),
+    ]  # fmt: skip
+    assert [s.config_path.name for s in run.stages][2:] == [
+        "p1-stage-0.json", "p1-stage-1.json", "p1-stage-2.json",
+    ]  # fmt: skip
+    ports = set()
+    for stage, document in zip(run.stages, run.documents, strict=True):
+        cfg = StageConfig.from_json(json.dumps(document))
+        assert cfg.replicas is not None and cfg.replicas.pipeline == stage.pipeline
+        assert list(cfg.replicas.shares) == [2, 1]
+        assert cfg.stage.index == stage.index
+        identity = f"relaytrain://default/pipes/p{stage.pipeline}/s{stage.index}"
+        cert = x509.load_pem_x509_certificate(stage.link_env[LINK_CERT_ENV].encode())
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        assert san.get_values_for_type(x509.UniformResourceIdentifier) == [identity]
+        assert cfg.links.identity == identity
+        for address in (cfg.links.listen, cfg.replicas.listen):
+            if address is not None:
+                ports.add(address)
+        ports.add(cfg.observability.port)
+        # Every peer of a higher pipeline is dialled where that stage listens for it.
+        for peer in cfg.replicas.peers:
+            if peer.pipeline > stage.pipeline:
+                theirs = run.documents[2 + peer.stage]["replicas"]["listen"]
+                assert peer.address == theirs
+    assert len(ports) == 2 * 5 - 2 + 3  # links (stage 0s listen on none), metrics, replicas
+
+
+def test_a_stages_override_on_a_job_with_a_fixed_stage_count_is_followed(tmp_path: Path) -> None:
+    # `--stages 3` on a job that says `stages: 2`: the command line wins (it used to be
+    # refused by the documents' check against the job's count).
+    run = LocalRun.prepare(_job(tmp_path), tmp_path / "wd", [3])
+    assert [d["stage"]["count"] for d in run.documents] == [3, 3, 3]
+    assert all("replicas" not in d for d in run.documents)
+    assert [s.config_path.name for s in run.stages] == [
+        "stage-0.json", "stage-1.json", "stage-2.json",
+    ]  # fmt: skip
