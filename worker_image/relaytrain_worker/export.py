@@ -20,7 +20,7 @@ import torch
 from relaytrain_contract import StageConfig
 
 from relaytrain_worker.checkpoint import load_stage, tensors_from_bytes
-from relaytrain_worker.methods import TIED_NAME, lora_config, peft_key
+from relaytrain_worker.methods import TIED_NAME, for_family, lora_config, peft_key
 from relaytrain_worker.store import Store
 
 TRAINABLE_FILE = "trainable.safetensors"
@@ -55,6 +55,9 @@ def _export_adapter(
     config = lora_config(
         cfg.method.rank, cfg.method.alpha, cfg.method.dropout, cfg.method.targetModules
     )
+    # What the stages adapted: the job's names mapped onto the family's modules.
+    model_type = json.loads((model_dir / "config.json").read_text())["model_type"]
+    config = for_family(config, model_type)
     config.base_model_name_or_path = str(cfg.model.uri)
     doc: dict[str, Any] = config.to_dict()  # type: ignore[no-untyped-call]
     doc = json.loads(json.dumps(doc, default=_jsonable))

@@ -4,16 +4,23 @@ LoRA weights are initialised from a generator seeded by (job seed, global parame
 name), not from the process's RNG stream: every split of the model (and the unsplit
 reference) then starts from the same adapter, which is what makes a P-stage pipeline
 reproduce single-process training exactly.
+
+Target names are a job's (the seven Llama linears, `all-linear`, `experts.*`), mapped onto
+the family's own modules before peft sees them (`relaytrain_contract.families.lora_targets`:
+Phi-3's fused `qkv_proj` and `gate_up_proj`, MoE expert weights as peft's
+`target_parameters`); the exported adapter_config.json names what was adapted.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import zlib
 from typing import Literal
 
 import torch
 from peft import LoraConfig, inject_adapter_in_model
+from relaytrain_contract.families import lora_targets
 from torch import nn
 
 from relaytrain_worker.model_slice import StageModel
@@ -40,11 +47,27 @@ def lora_config(
     )
 
 
+def for_family(config: LoraConfig, model_type: str) -> LoraConfig:
+    """`config` with its targets mapped onto `model_type`'s modules and expert parameters
+    (mapping an already mapped config changes nothing)."""
+    targets = config.target_modules or ()
+    requested = [targets] if isinstance(targets, str) else sorted(targets)
+    mapped = lora_targets(model_type, requested)
+    parameters = [*(config.target_parameters or ()), *mapped.parameters]
+    return dataclasses.replace(
+        config,
+        target_modules=list(mapped.modules),
+        target_parameters=sorted(set(parameters)) or None,
+    )
+
+
 def apply_lora(
     model: nn.Module, config: LoraConfig, seed: int, quantized: bool = False
 ) -> list[tuple[str, nn.Parameter]]:
-    """Inject LoRA into `model` (a slice or the full model); return (global name, param)."""
-    inject_adapter_in_model(config, model, adapter_name=ADAPTER)
+    """Inject LoRA into `model` (a slice's model or the full model, a transformers
+    PreTrainedModel) for its family; return (global name, param)."""
+    model_type = str(model.config.model_type)  # type: ignore[union-attr]
+    inject_adapter_in_model(for_family(config, model_type), model, adapter_name=ADAPTER)
     if quantized:
         _fix_cpu_4bit(model)
     init_lora(model, seed)

@@ -8,8 +8,14 @@ names (`model.layers.<global index>.…`) by holding them in a ModuleDict keyed 
 global index, so checkpoints, LoRA names and the exported adapter line up with the
 unsplit model without renaming.
 
+Checkpoint tensors become parameters by transformers' own conversion rules for the
+family (a Mixtral or Qwen-MoE checkpoint holds one tensor per expert, the model one 3-D
+tensor per layer and projection): a stage reads exactly the checkpoint tensors its
+parameters are made of, and transformers' loader merges them.
+
 The forward pass repeats the model's own forward (embedding → masks → rotary →
-layers → norm → head) with transformers' own mask functions, so a pipeline of
+layers → norm → head) with transformers' own modules and mask functions, plus the few
+steps a family's forward does inline around them (`families`), so a pipeline of
 slices computes bit-for-bit what the unsplit model computes in fp32.
 """
 
@@ -27,12 +33,23 @@ from accelerate import init_empty_weights
 from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
-from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+from transformers.conversion_mapping import get_model_conversion_mapping
+from transformers.core_model_loading import (
+    WeightConverter,
+    WeightRenaming,
+    convert_and_load_state_dict_in_model,
+    rename_source_key,
+)
+from transformers.modeling_utils import LoadStateDictConfig
+from transformers.utils import logging as hf_logging
 
+from relaytrain_worker import families
 from relaytrain_worker.shards import ModelLoadError, check_shard, read_index
 
 BUILD_LOCK = threading.RLock()
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+HEAD = "lm_head.weight"
+EMBEDDING = "model.embed_tokens.weight"
 
 
 @dataclass(frozen=True)
@@ -50,12 +67,17 @@ class SliceSpec:
 
 
 def load_config(model_dir: Path) -> PretrainedConfig:
-    """Read config.json; the error names the directory when it is not a model."""
-    if not (model_dir / "config.json").is_file():
+    """Read config.json; the error names the directory when it is not a model, and the
+    model_type and the supported ones when no stage can slice it."""
+    path = model_dir / "config.json"
+    if not path.is_file():
         raise ModelLoadError(f"{model_dir}: no config.json (is this a Hugging Face model?)")
+    # Checked before transformers reads it: a model_type transformers lacks is refused the same way.
+    families.check_model_type(json.loads(path.read_text()).get("model_type"), model_dir)
     config: PretrainedConfig = AutoConfig.from_pretrained(str(model_dir))
-    # sdpa is transformers' default; pin it so every stage and the reference agree.
-    config._attn_implementation = "sdpa"
+    families.check_config(config, model_dir)
+    # Pinned (sdpa, or eager where the family needs it) so every stage and the reference agree.
+    config._attn_implementation = families.attention_implementation(config)
     return config
 
 
@@ -67,6 +89,8 @@ class StageModel(nn.Module):
         self.model = model
         self.config = config
         self.spec = spec
+        self.steps = families.FORWARD[config.model_type]
+        """What the family's forward does inline around its modules."""
 
     @property
     def inner(self) -> Any:
@@ -81,53 +105,24 @@ class StageModel(nn.Module):
         self, x: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
     ) -> torch.Tensor:
         """Token ids (stage 0) or hidden states in; hidden states or logits (last) out."""
-        inner = self.inner
-        hidden = inner.embed_tokens(x) if self.spec.first else x
-        masks = _masks(self.config, hidden, attention_mask, position_ids)
-        position_embeddings = inner.rotary_emb(hidden, position_ids=position_ids)
-        for index, layer in self.layer_items():
+        inner, config, steps = self.inner, self.config, self.steps
+        hidden = families.embed(steps, inner, x) if self.spec.first else x
+        layers = self.layer_items()
+        kinds = {index: families.layer_type(config, index) for index, _ in layers}
+        types = set(kinds.values())
+        masks = families.masks(config, types, hidden, attention_mask, position_ids)
+        rotary = families.rotary(steps, inner.rotary_emb, types, hidden, position_ids)
+        for index, layer in layers:
             hidden = layer(
                 hidden,
-                attention_mask=masks[_layer_type(self.config, index)],
-                position_embeddings=position_embeddings,
+                attention_mask=masks[kinds[index]],
+                position_embeddings=rotary[kinds[index]],
                 position_ids=position_ids,
             )
         if self.spec.last:
             hidden = inner.norm(hidden)
-            head: Any = self.model.lm_head
-            return head(hidden)  # type: ignore[no-any-return]
+            return families.logits(steps, config, self.model.lm_head, hidden)
         return hidden
-
-
-def _layer_type(config: PretrainedConfig, index: int) -> str:
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None:
-        return str(layer_types[index])
-    # Mistral applies its sliding window on every layer when one is configured.
-    if config.model_type == "mistral" and getattr(config, "sliding_window", None) is not None:
-        return "sliding_attention"
-    return "full_attention"
-
-
-def _masks(
-    config: PretrainedConfig,
-    hidden: torch.Tensor,
-    attention_mask: torch.Tensor,
-    position_ids: torch.Tensor,
-) -> dict[str, Any]:
-    """The same mask objects the unsplit model builds (causal + padding, maybe sliding)."""
-    kwargs: dict[str, Any] = {
-        "config": config,
-        "inputs_embeds": hidden,
-        "attention_mask": attention_mask,
-        "past_key_values": None,
-        "position_ids": position_ids,
-    }
-    masks: dict[str, Any] = {"full_attention": create_causal_mask(**kwargs)}
-    types = {_layer_type(config, i) for i in range(config.num_hidden_layers)}
-    if "sliding_attention" in types:
-        masks["sliding_attention"] = create_sliding_window_causal_mask(**kwargs)
-    return masks
 
 
 def build_stage_model(model_dir: Path, spec: SliceSpec, dtype: str = "float32") -> StageModel:
@@ -163,11 +158,39 @@ def _build_stage_model(model_dir: Path, spec: SliceSpec, dtype: str) -> StageMod
         # A slice ties nothing inside itself (the shared weight is held by two processes);
         # peft's tie detection would otherwise look for the embedding this slice lacks.
         model._tied_weights_keys = None
+    _load_tensors(model, model_dir, tied, DTYPES[dtype])
+    if tied and spec.first and spec.last:
+        model.lm_head.weight = inner.embed_tokens.weight
+    model.train()
+    stage = StageModel(model, config, spec)
+    for param in stage.parameters():
+        param.requires_grad_(False)
+    return stage
 
-    wanted = list(model.state_dict().keys())
+
+def _load_tensors(model: Any, model_dir: Path, tied: bool, dtype: torch.dtype) -> None:
+    """Fill the slice's parameters from the checkpoint tensors they are made of.
+
+    The family's conversion rules (transformers') give, for every checkpoint key, the
+    parameter it becomes: the same name, a renamed one, or a merged one (Mixtral's
+    `experts.<e>.w1` and `w3` into one `experts.gate_up_proj`). The keys whose parameter
+    this slice holds are read and handed to transformers' loader, which merges them. A
+    tied head without its own tensor reads the embedding's.
+    """
+    wanted = set(model.state_dict())
+    mapping = get_model_conversion_mapping(model)
+    renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+    converters = [m for m in mapping if isinstance(m, WeightConverter)]
     index = read_index(model_dir)
-    sources = {name: _source_name(name, index, tied) for name in wanted}
-    missing = sorted(src for src in sources.values() if src not in index)
+    targets = {key: rename_source_key(key, renamings, converters)[0] for key in index}
+    sources = {key: key for key, target in targets.items() if target in wanted}
+    covered = {targets[key] for key in sources}
+    if tied and HEAD in wanted and HEAD not in covered:
+        embedding = [key for key, target in targets.items() if target == EMBEDDING]
+        if embedding:
+            sources[HEAD] = embedding[0]  # the embedding's tensor, read under the head's name
+            covered.add(HEAD)
+    missing = sorted(wanted - covered)
     if missing:
         raise ModelLoadError(
             f"{model_dir}: the checkpoint lacks {len(missing)} tensor(s) this stage needs, "
@@ -182,22 +205,27 @@ def _build_stage_model(model_dir: Path, spec: SliceSpec, dtype: str) -> StageMod
         check_shard(path)
         with safe_open(str(path), framework="pt") as handle:
             for name in names:
-                state[name] = handle.get_tensor(sources[name]).to(DTYPES[dtype])
-    model.load_state_dict(state, strict=True, assign=True)
-    if tied and spec.first and spec.last:
-        model.lm_head.weight = inner.embed_tokens.weight
-    model.train()
-    stage = StageModel(model, config, spec)
-    for param in stage.parameters():
-        param.requires_grad_(False)
-    return stage
-
-
-def _source_name(name: str, index: dict[str, str], tied: bool) -> str:
-    """The checkpoint tensor that fills parameter `name` (a tied head reads the embedding)."""
-    if name == "lm_head.weight" and tied and name not in index:
-        return "model.embed_tokens.weight"
-    return name
+                state[name] = handle.get_tensor(sources[name])
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call] # one "Loading weights" bar per stage is noise
+    try:
+        info, _ = convert_and_load_state_dict_in_model(
+            model, state, LoadStateDictConfig(dtype=dtype, weight_mapping=[*renamings, *converters])
+        )
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()  # type: ignore[no-untyped-call]
+    problems = [
+        *(f"{name} was not loaded" for name in sorted(info.missing_keys & wanted)),
+        *(
+            f"{m[0]} is {m[1]} in the checkpoint, {m[2]} in the model"
+            for m in sorted(info.mismatched_keys)
+        ),
+        *map(str, info.conversion_errors.values()),
+        *info.error_msgs,
+    ]
+    if problems:
+        raise ModelLoadError(f"{model_dir}: loading this stage's tensors failed: {problems[0]}")
 
 
 def model_layer_count(model_dir: Path) -> int:

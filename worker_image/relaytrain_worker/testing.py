@@ -29,7 +29,7 @@ from relaytrain_worker.dataparallel import (
     segment_peers,
 )
 from relaytrain_worker.methods import TIED_NAME, lora_config, setup_method
-from relaytrain_worker.model_slice import BUILD_LOCK, SliceSpec, build_stage_model
+from relaytrain_worker.model_slice import BUILD_LOCK, SliceSpec, build_stage_model, load_config
 from relaytrain_worker.peers import Peers
 from relaytrain_worker.schedule import MicroBatch, StepRunner
 from relaytrain_worker.training import make_optimizer, optimizer_step
@@ -419,8 +419,9 @@ def run_reference(
     from relaytrain_worker.methods import apply_lora
     from relaytrain_worker.schedule import count_items, token_loss_sum
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    model.config._attn_implementation = "sdpa"
+    # The stages' config: the same attention implementation (sdpa, or eager where needed).
+    config = load_config(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), config=config, dtype=torch.float32)
     model.train()
     lcfg = lora or {"rank": 4, "alpha": 8.0, "dropout": 0.0, "targets": ["q_proj", "v_proj"]}
     trainable: list[tuple[str, nn.Parameter]]

@@ -1,9 +1,19 @@
 """The shape of a decoder-only language model, read from its Hugging Face config.json.
 
 The planner needs sizes, not weights: how many decoder layers there are and how big each
-one is, plus the embedding and the output head. Llama-family models (Llama, Mistral,
-Qwen2/3, SmolLM) share one layer layout: attention with grouped key/value heads, a gated
-(SwiGLU) MLP and two RMSNorms, so one formula covers them.
+one is, plus the embedding and the output head. Every family the worker slices
+(`relaytrain_contract.families`: Llama, Mistral, Qwen2/3, Gemma 1/2/3, Phi-3/4, Mixtral,
+Qwen-MoE, GPT-OSS, OLMo 2, Granite) has attention with grouped key/value heads and a gated
+MLP, or a mixture of such MLPs (experts) behind a router, so one formula covers them.
+
+Approximate, per family (the per-family cost model is a later step):
+- norms are counted as two per layer (Gemma 2/3 have four, OLMo 2 and Qwen3 add q/k norms);
+- an MoE model is planned as if every layer were an MoE layer (Qwen-MoE's
+  `mlp_only_layers` and `decoder_sparse_step` make some dense); expert biases (GPT-OSS)
+  are left out;
+- `layer_matmul_params` of an MoE layer counts *every* expert (what its weights take in
+  memory), so its compute is over-estimated by about experts / experts-per-token;
+  `active_matmul_params` is what one token multiplies by.
 """
 
 from __future__ import annotations
@@ -12,11 +22,21 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-#: model_type values whose layers follow the Llama layout (the worker runs these).
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+from relaytrain_contract.families import (
+    LINEAR_NAMES,
+    SUPPORTED_MODEL_TYPES,
+    family,
+    unsupported_message,
+)
 
-#: Linear layers of a decoder layer: name -> (input features, output features) builder.
-LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+__all__ = ["LINEAR_NAMES", "SUPPORTED_MODEL_TYPES", "ModelShape", "ModelShapeError"]
+
+#: Families whose q/k/v projections carry biases unless the config says otherwise.
+_BIASED = {"qwen2": "attention_bias", "qwen2_moe": "qkv_bias", "gpt_oss": "attention_bias"}
+#: Where each MoE family keeps its expert count.
+_EXPERT_KEYS = ("num_local_experts", "num_experts")
+#: Fused modules (Phi-3): name -> the Llama linears it holds side by side.
+_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 class ModelShapeError(ValueError):
@@ -25,14 +45,15 @@ class ModelShapeError(ValueError):
 
 @dataclass(frozen=True)
 class ModelShape:
-    """Sizes of a Llama-family causal LM."""
+    """Sizes of a causal LM of a supported family."""
 
     num_layers: int
     """Decoder layers (``num_hidden_layers``)."""
     hidden_size: int
     """Width of the residual stream (``hidden_size``)."""
     intermediate_size: int
-    """Width of the MLP (``intermediate_size``)."""
+    """Width of the MLP (``intermediate_size``); of one expert in an MoE model
+    (``moe_intermediate_size`` where the family has it)."""
     num_heads: int
     """Query heads (``num_attention_heads``)."""
     num_kv_heads: int
@@ -49,6 +70,12 @@ class ModelShape:
     """Whether q/k/v projections carry biases (Qwen2 does)."""
     model_type: str = "llama"
     """The config's ``model_type``."""
+    num_experts: int = 0
+    """Experts per MoE layer (0: a dense model)."""
+    experts_per_token: int = 0
+    """Experts each token is routed to (``num_experts_per_tok``; 0: a dense model)."""
+    shared_expert_size: int = 0
+    """Width of the always-on shared expert's MLP (Qwen2-MoE; 0: none)."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -64,6 +91,15 @@ class ModelShape:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ModelShapeError(f"model {name} must be a positive integer, got {value!r}")
+        for name in ("num_experts", "experts_per_token", "shared_expert_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ModelShapeError(f"model {name} must be a whole number, got {value!r}")
+        if self.experts_per_token > self.num_experts:
+            raise ModelShapeError(
+                f"num_experts_per_tok ({self.experts_per_token}) exceeds the number of "
+                f"experts ({self.num_experts})"
+            )
         if self.num_heads % self.num_kv_heads:
             raise ModelShapeError(
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
@@ -72,12 +108,17 @@ class ModelShape:
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any]) -> ModelShape:
-        """Read a Hugging Face ``config.json`` (as a dict) of a Llama-family model."""
+        """Read a Hugging Face ``config.json`` (as a dict) of a supported family."""
         model_type = config.get("model_type", "llama")
         if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ModelShapeError(unsupported_message(model_type))
+        quantization = config.get("quantization_config")
+        if quantization:
+            method = quantization.get("quant_method") if isinstance(quantization, dict) else None
             raise ModelShapeError(
-                f"model_type {model_type!r} is not supported; supported: "
-                f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+                f"the checkpoint is pre-quantized ({method or 'quantization_config'}); stages "
+                "load unquantized "
+                "weights (bfloat16/float16/float32; method qlora quantizes on load)"
             )
 
         def need(key: str) -> int:
@@ -92,18 +133,30 @@ class ModelShape:
         hidden = need("hidden_size")
         kv_heads = config.get("num_key_value_heads") or heads
         head_dim = config.get("head_dim") or (hidden // heads if heads > 0 else 0)
+        experts = per_token = shared = 0
+        intermediate_key = "intermediate_size"
+        if family(model_type).moe:
+            key = next((k for k in _EXPERT_KEYS if k in config), _EXPERT_KEYS[0])
+            experts, per_token = need(key), need("num_experts_per_tok")
+            if "moe_intermediate_size" in config:
+                intermediate_key = "moe_intermediate_size"
+            shared = int(config.get("shared_expert_intermediate_size") or 0)
+        bias_key = _BIASED.get(model_type, "attention_bias")
         return cls(
             num_layers=need("num_hidden_layers"),
             hidden_size=hidden,
-            intermediate_size=need("intermediate_size"),
+            intermediate_size=need(intermediate_key),
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
             vocab_size=need("vocab_size"),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             max_position_embeddings=int(config.get("max_position_embeddings") or 2048),
-            attention_bias=bool(config.get("attention_bias", model_type == "qwen2")),
+            attention_bias=bool(config.get(bias_key, model_type in _BIASED)),
             model_type=str(model_type),
+            num_experts=experts,
+            experts_per_token=per_token,
+            shared_expert_size=shared,
         )
 
     @property
@@ -117,7 +170,11 @@ class ModelShape:
         return self.num_kv_heads * self.head_dim
 
     def linear_shape(self, name: str) -> tuple[int, int]:
-        """(in features, out features) of the decoder layer's linear ``name``."""
+        """(in features, out features) of the decoder layer's linear ``name``: a Llama name,
+        or a fused one (``qkv_proj``, ``gate_up_proj``); an MLP name is one expert's."""
+        if name in _FUSED:
+            parts = [self.linear_shape(p) for p in _FUSED[name]]
+            return parts[0][0], sum(out for _, out in parts)
         h, i = self.hidden_size, self.intermediate_size
         shapes = {
             "q_proj": (h, self.q_dim),
@@ -135,9 +192,34 @@ class ModelShape:
         return shapes[name]
 
     @property
+    def _attention_params(self) -> int:
+        return sum(a * b for a, b in map(self.linear_shape, LINEAR_NAMES[:4]))
+
+    @property
+    def _mlp_params(self) -> int:
+        """One gated MLP (a dense layer's, or one expert's)."""
+        return sum(a * b for a, b in map(self.linear_shape, LINEAR_NAMES[4:]))
+
+    @property
+    def _shared_params(self) -> int:
+        """The shared expert's MLP and its gate (Qwen2-MoE), plus the router."""
+        if not self.num_experts:
+            return 0
+        h = self.hidden_size
+        shared = 3 * h * self.shared_expert_size + h if self.shared_expert_size else 0
+        return shared + h * self.num_experts
+
+    @property
     def layer_matmul_params(self) -> int:
-        """Weights of one decoder layer that take part in matmuls."""
-        return sum(a * b for a, b in map(self.linear_shape, LINEAR_NAMES))
+        """Weights of one decoder layer that take part in matmuls (every expert's)."""
+        experts = max(self.num_experts, 1)
+        return self._attention_params + experts * self._mlp_params + self._shared_params
+
+    @property
+    def active_matmul_params(self) -> int:
+        """Weights one token multiplies by in one decoder layer (its routed experts only)."""
+        experts = self.experts_per_token if self.num_experts else 1
+        return self._attention_params + experts * self._mlp_params + self._shared_params
 
     @property
     def layer_params(self) -> int:
