@@ -465,3 +465,53 @@ def test_an_unsupported_model_type_is_refused_by_name(tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError, match=r"model_type 'gpt2' is not supported; supported: "
                        r"llama, mistral, .*gemma3_text, phi3, .*granite"):  # fmt: skip
         load_config(model_dir)
+
+
+def test_job_target_names_map_onto_each_family() -> None:
+    from relaytrain_worker.methods import for_family
+
+    default = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    assert lora_targets("llama", default).modules == tuple(default)
+    phi3 = lora_targets("phi3", ["all-linear"])
+    assert phi3.modules == ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+    assert lora_targets("phi3", default).modules == ("qkv_proj", "o_proj")
+    assert lora_targets("phi3", ["qkv_proj"]).modules == ("qkv_proj",)
+    mixtral = lora_targets("mixtral", ["q_proj", "experts.down_proj"])
+    assert (mixtral.modules, mixtral.parameters) == (("q_proj",), ("mlp.experts.down_proj",))
+    # Only whole path components name an expert weight; dense families have none.
+    assert lora_targets("mixtral", ["s.down_proj"]).parameters == ()
+    assert lora_targets("llama", ["experts.down_proj"]).modules == ("experts.down_proj",)
+    with pytest.raises(ValueError, match="model_type 'phimoe' is not supported"):
+        lora_targets("phimoe", default)
+    once = for_family(lora_config(4, 8.0, 0.0, [*default, *EXPERTS]), "qwen3_moe")
+    twice = for_family(once, "qwen3_moe")
+    assert once.target_modules == twice.target_modules == set(default)
+    assert once.target_parameters == twice.target_parameters == sorted(f"mlp.{e}" for e in EXPERTS)
+
+
+def _edit_config(model_dir: Path, **changes: Any) -> None:
+    import json
+
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, **changes}))
+
+
+def test_configs_the_slices_would_compute_wrongly_are_refused(tmp_path: Path) -> None:
+    model_dir = tiny_family_dir(tmp_path / "gemma", "gemma")
+    _edit_config(model_dir, use_bidirectional_attention=True)
+    with pytest.raises(ModelLoadError, match=r"use_bidirectional_attention.*not a causal LM"):
+        load_config(model_dir)
+    quantized = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    _edit_config(model_dir, use_bidirectional_attention=False, quantization_config=quantized)
+    with pytest.raises(ModelLoadError, match="pre-quantized"):
+        load_config(model_dir)
+
+
+def test_an_moe_config_asking_for_the_router_loss_is_warned(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    model_dir = tiny_family_dir(tmp_path / "mixtral", "mixtral")
+    _edit_config(model_dir, output_router_logits=True)
+    with caplog.at_level("WARNING", logger="relaytrain.model"):
+        load_config(model_dir)
+    assert "load-balancing loss is not added" in caplog.text
