@@ -9,6 +9,30 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import Literal
+
+
+def positive_int(raw: str) -> int:
+    """An argparse type: a positive integer, else an error that shows what was given."""
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {raw!r}")
+    return value
+
+
+def replicas(raw: str) -> int | Literal["auto"]:
+    """An argparse type for ``--replicas``: 'auto' or a positive integer."""
+    if raw == "auto":
+        return "auto"
+    try:
+        return positive_int(raw)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"must be 'auto' or a positive integer, got {raw!r}"
+        ) from None
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -76,6 +76,7 @@ from relaytrain_contract import (
     Progress,
 )
 
+from relaytrain_operator import cli
 from relaytrain_operator.linkcerts import mint_link_credentials, stage_pem
 from relaytrain_operator.planner import split_micro_batches
 from relaytrain_operator.recovery import after_failure, backoff_left
@@ -145,7 +146,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--replicas",
-        type=_positive,
+        type=cli.positive_int,
         metavar="N",
         help="override pipeline.replicas: pipelines that train together on one global batch",
     )
@@ -161,20 +162,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     return parser
 
 
-def _positive(raw: str) -> int:
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {raw!r}")
-    return value
-
-
 def _counts(raw: str) -> list[int]:
     """`2` or `2,3`: positive integers, comma-separated."""
     try:
-        return [_positive(part) for part in raw.split(",")]
+        return [cli.positive_int(part) for part in raw.split(",")]
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(
             f"must be positive integers separated by commas, got {raw!r}"

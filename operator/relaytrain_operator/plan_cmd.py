@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 
+from relaytrain_operator import cli
 from relaytrain_operator.model_config import ModelConfigError, Resolved, resolve
 from relaytrain_operator.placement import file_pools, job_pools
 from relaytrain_operator.planner import (
@@ -83,7 +84,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--replicas",
-        type=_replicas,
+        type=cli.replicas,
         default=None,
         metavar="auto|N",
         help="pipelines that train together on one global batch: auto (as many as make the "
@@ -99,36 +100,13 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--sync-every",
-        type=_positive,
+        type=cli.positive_int,
         metavar="H",
         help="steps between synchronisations with --sync periodic",
     )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.set_defaults(func=run)
     return parser
-
-
-def _replicas(raw: str) -> int | Literal["auto"]:
-    """``--replicas``: 'auto' or a positive integer."""
-    if raw == "auto":
-        return "auto"
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be 'auto' or a positive integer, got {raw!r}")
-    return value
-
-
-def _positive(raw: str) -> int:
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {raw!r}")
-    return value
 
 
 def _sync(args: argparse.Namespace) -> Sync:

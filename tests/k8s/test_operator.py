@@ -663,6 +663,7 @@ INVALID = [
         _set("method", "targetModules", value=["lm_head"]),
         "InvalidSpec",
     ),
+    ("several-pipelines", _set("pipeline", "replicas", value=2), "InvalidSpec"),
     ("hub-model-without-hub", _set("model", "uri", value="hf://org/name"), "ModelUnavailable"),
     ("model-without-config", _set("model", "uri", value="/nonexistent/model"), "ModelUnavailable"),
     ("more-stages-than-layers", _set("pipeline", "stages", value=40), "Unschedulable"),
