@@ -78,7 +78,7 @@ from relaytrain_contract import (
 
 from relaytrain_operator import cli
 from relaytrain_operator.linkcerts import mint_link_credentials, stage_pem
-from relaytrain_operator.planner import split_micro_batches
+from relaytrain_operator.planner import ModelShape, split_micro_batches
 from relaytrain_operator.recovery import after_failure, backoff_left
 from relaytrain_operator.spec import FineTuneJob, SpecError, parse_job
 from relaytrain_operator.stage_config import StageEndpoints, build_pipeline_configs
@@ -304,7 +304,10 @@ def _model_layers(job: FineTuneJob) -> int:
         if not path.is_file():
             raise SpecError([("spec.model.uri", f"{path} does not exist")])
         data = path.read_bytes()
-    return int(json.loads(data)["num_hidden_layers"])
+    try:  # the planner's reading: an unsupported model_type is refused before any stage
+        return ModelShape.from_hf_config(json.loads(data)).num_layers
+    except ValueError as err:  # a ModelShapeError, or not JSON
+        raise SpecError([("spec.model.uri", f"{uri.rstrip('/')}/config.json: {err}")]) from None
 
 
 def _s3_read(job: FineTuneJob, uri: str, name: str) -> bytes | None:

@@ -21,6 +21,7 @@ from relaytrain_operator.local_run import LocalRun
 from relaytrain_operator.spec import parse_job
 from relaytrain_operator.stage_config import LINK_CA_ENV, LINK_CERT_ENV, LINK_KEY_ENV
 
+from tests.shapes import SMOLLM2_135M_CONFIG
 from tests.unit.test_spec_invalid import base_manifest
 
 pytestmark = pytest.mark.unit
@@ -142,7 +143,8 @@ def test_a_local_run_hands_each_stage_its_own_credentials_and_writes_no_key(
 ) -> None:
     model = tmp_path / "model"
     model.mkdir()
-    (model / "config.json").write_text(json.dumps({"num_hidden_layers": 4}))
+    config = {**SMOLLM2_135M_CONFIG, "num_hidden_layers": 4}
+    (model / "config.json").write_text(json.dumps(config))
     manifest = base_manifest("local-tls")
     manifest["spec"]["model"] = {"uri": str(model)}
     manifest["spec"]["pipeline"] = {"stages": 3}

@@ -14,6 +14,7 @@ from relaytrain_contract import LINK_CERT_ENV, StageConfig
 from relaytrain_operator.local_run import LocalRun, local_layout
 from relaytrain_operator.spec import FineTuneJob, SpecError, parse_job
 
+from tests.shapes import SMOLLM2_135M_CONFIG
 from tests.unit.test_spec_invalid import base_manifest
 
 pytestmark = pytest.mark.unit
@@ -26,7 +27,9 @@ def _job(tmp_path: Path | None = None, **pipeline: Any) -> FineTuneJob:
     if tmp_path is not None:
         model = tmp_path / "model"
         model.mkdir(exist_ok=True)
-        (model / "config.json").write_text(json.dumps({"num_hidden_layers": 4}))
+        (model / "config.json").write_text(
+            json.dumps({**SMOLLM2_135M_CONFIG, "num_hidden_layers": 4})
+        )
         manifest["spec"]["model"] = {"uri": str(model)}
         manifest["spec"]["checkpoint"] = {"uri": str(tmp_path / "ckpt")}
     return parse_job(manifest)
@@ -112,3 +115,15 @@ def test_a_stages_override_on_a_job_with_a_fixed_stage_count_is_followed(tmp_pat
     assert [s.config_path.name for s in run.stages] == [
         "stage-0.json", "stage-1.json", "stage-2.json",
     ]  # fmt: skip
+
+
+def test_an_unsupported_model_type_is_refused_before_any_stage(tmp_path: Path) -> None:
+    job = _job(tmp_path)
+    config = {**SMOLLM2_135M_CONFIG, "model_type": "bert"}
+    (Path(job.spec.model.uri) / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SpecError) as refused:
+        LocalRun.prepare(job, tmp_path / "wd", None)
+    message = str(refused.value)
+    assert "spec.model.uri" in message and "'bert' is not supported" in message
+    assert "llama" in message and "gemma2" in message  # the supported list
+    assert not (tmp_path / "wd").exists() or not list((tmp_path / "wd").glob("*stage-*.json"))

@@ -126,6 +126,18 @@ def test_phi3_fused_projections_have_the_shapes_of_their_parts() -> None:
     assert shape.linear_shape("gate_up_proj") == (5120, 2 * 17920)
 
 
+def test_fused_projection_targets_are_planned_as_the_projections_they_fuse() -> None:
+    from relaytrain_operator.planner.cost import lora_params_per_layer
+
+    shape = _shape("phi3")
+    fused = TrainingShape(1, 8, 512, lora_targets=("qkv_proj", "gate_up_proj"))
+    # rank x (in + out) of each fused module: one input, the outputs of its parts.
+    r = fused.lora_rank
+    assert lora_params_per_layer(shape, fused) == r * (5120 + 7680) + r * (5120 + 35840)
+    with pytest.raises(ValueError, match="qkv_proj, gate_up_proj"):
+        TrainingShape(1, 8, 512, lora_targets=("experts.down_proj",))
+
+
 def test_attention_biases_follow_the_family_default() -> None:
     assert _shape("gpt_oss").attention_bias and _shape("qwen2").attention_bias
     assert _shape("qwen2_moe").attention_bias

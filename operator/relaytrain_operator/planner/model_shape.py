@@ -29,7 +29,7 @@ from relaytrain_contract.families import (
     unsupported_message,
 )
 
-__all__ = ["LINEAR_NAMES", "SUPPORTED_MODEL_TYPES", "ModelShape", "ModelShapeError"]
+__all__ = ["FUSED_NAMES", "LINEAR_NAMES", "SUPPORTED_MODEL_TYPES", "ModelShape", "ModelShapeError"]
 
 #: Families whose q/k/v projections carry biases unless the config says otherwise.
 _BIASED = {"qwen2": "attention_bias", "qwen2_moe": "qkv_bias", "gpt_oss": "attention_bias"}
@@ -37,6 +37,8 @@ _BIASED = {"qwen2": "attention_bias", "qwen2_moe": "qkv_bias", "gpt_oss": "atten
 _EXPERT_KEYS = ("num_local_experts", "num_experts")
 #: Fused modules (Phi-3): name -> the Llama linears it holds side by side.
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+#: Fused projections (Phi-3/4) a LoRA target may name; priced as the projections they fuse.
+FUSED_NAMES = tuple(_FUSED)
 
 
 class ModelShapeError(ValueError):
@@ -187,7 +189,7 @@ class ModelShape:
         }
         if name not in shapes:
             raise ModelShapeError(
-                f"unknown target module {name!r}; valid: {', '.join(LINEAR_NAMES)}"
+                f"unknown target module {name!r}; valid: {', '.join(LINEAR_NAMES + FUSED_NAMES)}"
             )
         return shapes[name]
 

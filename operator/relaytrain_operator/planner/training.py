@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from relaytrain_operator.planner.model_shape import LINEAR_NAMES
+from relaytrain_operator.planner.model_shape import FUSED_NAMES, LINEAR_NAMES
 
 Method = Literal["lora", "qlora", "full"]
 Dtype = Literal["bfloat16", "float16", "float32"]
@@ -57,11 +57,12 @@ class TrainingShape:
         targets = tuple(self.lora_targets)
         if targets in (("all-linear",), ("all_linear",)):
             targets = LINEAR_NAMES
-        bad = [t for t in targets if t not in LINEAR_NAMES]
+        bad = [t for t in targets if t not in LINEAR_NAMES + FUSED_NAMES]
         if bad or not targets:
             raise ValueError(
                 f"training lora_targets {list(self.lora_targets)!r} must name some of "
-                f"{', '.join(LINEAR_NAMES)} (or 'all-linear')"
+                f"{', '.join(LINEAR_NAMES + FUSED_NAMES)} (or 'all-linear'); expert "
+                "parameters are not priced by the planner yet"
             )
         object.__setattr__(self, "lora_targets", targets)
 
