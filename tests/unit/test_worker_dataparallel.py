@@ -22,7 +22,6 @@ from typing import Literal
 
 import pytest
 import torch
-from relaytrain_contract import TrainingSpec
 from relaytrain_operator.linkcerts import mint_link_credentials, stage_pem
 from relaytrain_worker.dataparallel import (
     LOSS_KEY,
@@ -35,6 +34,7 @@ from relaytrain_worker.dataparallel import (
 from relaytrain_worker.linkauth import LinkCredentials
 from relaytrain_worker.schedule import MicroBatch, count_items
 from relaytrain_worker.testing import (
+    CLIPPED_TRAINING,
     PipelineRun,
     run_data_parallel_threads,
     run_reference,
@@ -43,17 +43,7 @@ from relaytrain_worker.testing import (
 
 pytestmark = pytest.mark.unit
 
-TRAINING = TrainingSpec(
-    steps=3,
-    microBatchSize=2,
-    microBatches=3,
-    learningRate=1e-2,
-    schedule="cosine",
-    warmupSteps=1,
-    weightDecay=0.01,
-    maxGradNorm=0.05,  # below every step's norm: clipping by the global norm is active
-    seed=3,
-)
+TRAINING = CLIPPED_TRAINING
 SPLITS = [[(0, 1), (1, 4)], [(0, 3), (3, 4)]]
 SEQ = 12
 

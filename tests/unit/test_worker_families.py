@@ -24,7 +24,6 @@ from typing import Any
 
 import pytest
 import torch
-from relaytrain_contract import TrainingSpec
 from relaytrain_contract.families import SUPPORTED_MODEL_TYPES, family, lora_targets
 from relaytrain_worker import families
 from relaytrain_worker import testing as rt_testing
@@ -35,6 +34,7 @@ from relaytrain_worker.schedule import MicroBatch
 from relaytrain_worker.shards import ModelLoadError
 from relaytrain_worker.store import LocalStore
 from relaytrain_worker.testing import (
+    CLIPPED_TRAINING,
     PipelineRun,
     even_splits,
     run_pipeline_threads,
@@ -49,17 +49,7 @@ pytestmark = pytest.mark.unit
 
 LAYERS = 4
 SEQ = 12
-TRAINING = TrainingSpec(
-    steps=2,
-    microBatchSize=2,
-    microBatches=3,
-    learningRate=1e-2,
-    schedule="cosine",
-    warmupSteps=1,
-    weightDecay=0.01,
-    maxGradNorm=0.05,  # small enough that clipping by the global norm is active
-    seed=3,
-)
+TRAINING = CLIPPED_TRAINING.model_copy(update={"steps": 2})
 EXPERTS = ["experts.gate_up_proj", "experts.down_proj"]
 MOE_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", *EXPERTS]
 

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from relaytrain_contract import TrainingSpec
 from relaytrain_worker.model_slice import SliceSpec, build_stage_model
 from relaytrain_worker.schedule import MicroBatch, one_f_one_b
 from relaytrain_worker.testing import (
+    CLIPPED_TRAINING,
     even_splits,
     run_pipeline_threads,
     run_reference,
@@ -20,17 +20,7 @@ from tests.linkcreds import stage_credentials
 
 pytestmark = pytest.mark.unit
 
-TRAINING = TrainingSpec(
-    steps=3,
-    microBatchSize=2,
-    microBatches=3,
-    learningRate=1e-2,
-    schedule="cosine",
-    warmupSteps=1,
-    weightDecay=0.01,
-    maxGradNorm=0.05,  # small enough that clipping by the global norm is active
-    seed=3,
-)
+TRAINING = CLIPPED_TRAINING
 
 
 def _steps(vocab: int, n_steps: int = 3, n_micro: int = 3) -> list[list[MicroBatch]]:

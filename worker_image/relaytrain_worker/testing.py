@@ -49,6 +49,22 @@ CORPUS = [
 ]
 
 
+#: The exactness tests' training: three steps of three micro-batches of two, AdamW with
+#: warm-up, cosine decay and weight decay, and a clip norm below every step's gradient norm,
+#: so clipping by the global norm is always active.
+CLIPPED_TRAINING = TrainingSpec(
+    steps=3,
+    microBatchSize=2,
+    microBatches=3,
+    learningRate=1e-2,
+    schedule="cosine",
+    warmupSteps=1,
+    weightDecay=0.01,
+    maxGradNorm=0.05,
+    seed=3,
+)
+
+
 def save_tokenizer(out: Path, vocab_size: int = 320) -> int:
     """Train a byte-level BPE on CORPUS and save it; returns the tokenizer's size."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
