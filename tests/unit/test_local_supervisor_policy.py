@@ -78,7 +78,10 @@ def test_a_held_state_directory_refuses_a_second_run_naming_the_holder(tmp_path:
     os.close(lock_workdir(tmp_path / "wd", job))  # released with its holder
 
 
-linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG")
+linux_only = pytest.mark.skipif(
+    not sys.platform.startswith("linux"),
+    reason="PR_SET_PDEATHSIG is a Linux prctl; elsewhere die_with_supervisor does nothing",
+)
 
 
 def _running(pid: int) -> bool:
