@@ -20,6 +20,7 @@ from relaytrain_operator.observe import Observer
 from relaytrain_operator.spec import FineTuneJob, parse_job
 from relaytrain_worker.store import job_credentials
 
+from tests.shapes import SMOLLM2_135M_CONFIG
 from tests.unit.test_spec_invalid import base_manifest
 
 pytestmark = pytest.mark.unit
@@ -89,6 +90,7 @@ def s3_reads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Minio, str, str]]:
         "totalSteps": 10,
         "tokensPerSecond": 1.0,
         "updatedAt": "2026-01-01T00:00:00Z",
+        **SMOLLM2_135M_CONFIG,
         "num_hidden_layers": 6,
     }
 
