@@ -34,12 +34,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, get_args
 
+from relaytrain_operator.planner import targets
 from relaytrain_operator.planner.catalog import GpuSpec
-from relaytrain_operator.planner.model_shape import ModelShape
+from relaytrain_operator.planner.model_shape import EXPERT_NAMES, ModelShape
 from relaytrain_operator.planner.pools import Pool
+from relaytrain_operator.planner.targets import check_lora_targets, expert_lora_weights
 from relaytrain_operator.planner.training import TrainingShape
 
 MIB = 1 << 20
+#: LoRA parameters one decoder layer gets (planner/targets.py; named here for sync.py).
+lora_params_per_layer = targets.lora_params_per_layer
 GIB = 1 << 30
 
 #: Bytes per value on the wire (relaytrain_worker.compression: blocks of 64 with a bf16 scale).
@@ -114,7 +118,9 @@ class PoolCost:
     embed_bytes: int
     """Embedding weights and state (first stage)."""
     head_bytes: int
-    """Output head weights and state (last stage; 0 extra if tied and also first)."""
+    """Output head and final norm weights and state (last stage); 0 when the head is tied
+    to the embedding: the last stage then holds a copy of it (none when also first) and
+    ``norm_bytes``."""
     logits_bytes: int
     """Logits and their gradient in fp32 for one micro-batch (last stage)."""
     workspace_bytes: int
@@ -123,6 +129,16 @@ class PoolCost:
     """Memory the plan may use on one GPU of this pool."""
     bandwidth_bytes_per_s: float
     latency_s: float
+    layer_weight_bytes: int = 0
+    """Of ``layer_static_bytes``, the base weights alone (what the checkpoint loads)."""
+    embed_weight_bytes: int = 0
+    """Of ``embed_bytes``, the embedding weights alone."""
+    head_weight_bytes: int = 0
+    """Of ``head_bytes``, the weights alone (0 when tied)."""
+    norm_bytes: int = 0
+    """The final norm's weight and state (last stage; part of ``head_bytes`` when untied)."""
+    norm_weight_bytes: int = 0
+    """Of ``norm_bytes``, the weight alone."""
 
     def fixed_seconds(self, first: bool, last: bool) -> float:
         """Compute time a stage pays beyond its decoder layers."""
@@ -130,13 +146,31 @@ class PoolCost:
 
     def fixed_bytes(self, first: bool, last: bool) -> int:
         """Memory a stage needs beyond its decoder layers."""
-        total = self.workspace_bytes
+        return (
+            self.workspace_bytes
+            + self.stage_static_bytes(0, first, last)
+            + (self.logits_bytes if last else 0)
+        )
+
+    def stage_static_bytes(self, layers: int, first: bool, last: bool) -> int:
+        """Weights and training state a stage holds: its layers, the embedding if first,
+        the final norm and head if last (a tied head is the embedding: once when also first)."""
+        total = layers * self.layer_static_bytes
         if first:
             total += self.embed_bytes
         if last:
-            total += self.logits_bytes
-            if not (first and self.head_bytes == 0):
-                total += self.head_bytes or self.embed_bytes
+            total += self.head_bytes or (0 if first else self.embed_bytes) + self.norm_bytes
+        return total
+
+    def stage_weight_bytes(self, layers: int, first: bool, last: bool) -> int:
+        """Base weights a stage holds: its layers, the embedding if first, the final norm
+        and head if last (a tied head is the embedding: held once when also first)."""
+        total = layers * self.layer_weight_bytes
+        if first:
+            total += self.embed_weight_bytes
+        if last:
+            tied = (0 if first else self.embed_weight_bytes) + self.norm_weight_bytes
+            total += self.head_weight_bytes or tied
         return total
 
     def stage_bytes(self, layers: int, first: bool, last: bool, in_flight: int) -> int:
@@ -187,11 +221,35 @@ class LinkCost:
         return total
 
 
-def lora_params_per_layer(model: ModelShape, training: TrainingShape) -> int:
-    """LoRA parameters (A and B) added to one decoder layer."""
+def step_flops(model: ModelShape, training: TrainingShape) -> tuple[float, float]:
+    """FLOPs of one micro-batch, forward and backward: (one decoder layer, the output head).
+
+    A layer's matmuls are priced at the weights a token multiplies by (its routed experts,
+    the shared expert and the router in an MoE layer; the mean over layers where MoE and
+    dense layers mix); attention at the (query, key) pairs it scores, averaged over the
+    layers (sliding layers score at most their window).
+    """
+    tokens = training.tokens_per_micro_batch
+    b, s = training.micro_batch_size, training.sequence_length
+    h, v = model.hidden_size, model.vocab_size
+    # QK^T and AV: 2 FLOPs per (query, key) pair and query dimension, each.
+    attention = 4.0 * b * model.attention_pairs(s) * model.q_dim
+    matmul = 2.0 * tokens * model.mean_active_matmul_params
     if training.method == "full":
-        return 0
-    return sum(training.lora_rank * sum(model.linear_shape(t)) for t in training.lora_targets)
+        return 3 * matmul + 3 * attention, 3 * 2.0 * tokens * h * v
+    r = training.lora_rank
+    routed = tokens * model.experts_per_token / max(model.num_experts, 1)
+    # An adapted expert weight is merged (W + B·A, every expert) in forward; its backward
+    # forms the merged weight's gradient from the routed tokens, then those of A and B.
+    experts = expert_lora_weights(model, training)
+    expert_lora = sum(6.0 * n * r + 2.0 * routed * n for n in experts)
+    linear_lora = lora_params_per_layer(model, training) - sum(
+        r * sum(model.linear_shape(t)) * model.num_experts
+        for t in training.lora_targets
+        if t in EXPERT_NAMES
+    )
+    layer = 2 * matmul + 3 * attention + 6.0 * tokens * linear_lora + expert_lora
+    return layer, 2 * 2.0 * tokens * h * v
 
 
 def pool_cost(
@@ -201,48 +259,71 @@ def pool_cost(
     gpu: GpuSpec,
     settings: CostSettings,
 ) -> PoolCost:
-    """Cost of placing stages of this job on one GPU of ``pool``."""
+    """Cost of placing stages of this job on one GPU of ``pool``.
+
+    Raises LoraTargetError (a PlanError) for LoRA targets the model's family does not have.
+    """
+    check_lora_targets(model, training)
     tokens = training.tokens_per_micro_batch
+    b, s = training.micro_batch_size, training.sequence_length
     e = training.dtype_bytes
     h, v = model.hidden_size, model.vocab_size
-    w = model.layer_matmul_params
+    w = model.layer_matmul_params  # in memory: every expert
     flops_per_s = gpu.peak_flops(training.dtype) * settings.efficiency
-
-    attention = 2.0 * training.micro_batch_size * training.sequence_length**2 * model.q_dim
-    matmul = 2.0 * tokens * w
     lora = lora_params_per_layer(model, training)
-    if training.method == "full":
-        layer_flops = 3 * matmul + 3 * attention
-        head_flops = 3 * 2.0 * tokens * h * v
-    else:
-        layer_flops = 2 * matmul + 3 * attention + 6.0 * tokens * lora
-        head_flops = 2 * 2.0 * tokens * h * v
+    experts = expert_lora_weights(model, training)
+    layer_flops, head_flops = step_flops(model, training)
     layer_seconds = layer_flops / flops_per_s + settings.layer_overhead_seconds
+    linear = model.layer_linear_params  # nn.Linear weights: what qlora quantises
     if training.method == "qlora":
         # Two dequantisations per step of each weight: read 0.5 B, write and re-read e bytes.
-        dequant_bytes = 2 * w * (QLORA_BYTES_PER_PARAM + 2 * e)
+        dequant_bytes = 2 * linear * (QLORA_BYTES_PER_PARAM + 2 * e)
         bandwidth = gpu.memory_bandwidth_gbs * 1e9 * settings.memory_efficiency
         layer_seconds += dequant_bytes / bandwidth
 
-    other = model.layer_params - w  # biases and norms, kept in dtype and frozen unless full
+    other = model.layer_params - w  # biases, norms, sinks: kept in dtype, frozen unless full
     if training.method == "full":
+        layer_weights = model.layer_params * e
         layer_static = model.layer_params * (2 * e + ADAM_BYTES)
+        embed_weights = model.embedding_params * e
         embed = model.embedding_params * (2 * e + ADAM_BYTES)
     else:
         weight_bytes = QLORA_BYTES_PER_PARAM if training.method == "qlora" else e
-        layer_static = int(w * weight_bytes) + other * e + lora * FP32_TRAINABLE_BYTES
-        embed = model.embedding_params * e
+        # Expert weights and routers are 3-D parameters, not nn.Linear: qlora leaves them
+        # in dtype (bitsandbytes quantises Linear modules only).
+        layer_weights = int(linear * weight_bytes) + (w - linear + other) * e
+        layer_static = layer_weights + lora * FP32_TRAINABLE_BYTES
+        embed_weights = model.embedding_params * e
+        embed = embed_weights
     # The last stage needs the head; with tied embeddings it is the embedding matrix, which
-    # a last stage that is also first already holds (head_bytes 0 signals "shared").
-    head = 0 if model.tie_word_embeddings else embed
+    # a last stage that is also first already holds (head_bytes 0 signals "tied"). The
+    # final norm is the last stage's too.
+    norm = h * (2 * e + ADAM_BYTES if training.method == "full" else e)
+    head = 0 if model.tie_word_embeddings else embed + norm
+    head_weights = 0 if model.tie_word_embeddings else embed_weights + h * e
 
     # Saved for backward, per token (elements): the layer input and its normed copy, q, k and v,
-    # the attention output, the residual and its normed copy, gate, up, silu(gate), their product.
-    act_elems = 4 * h + 2 * model.q_dim + 2 * model.kv_dim + 4 * model.intermediate_size
+    # the attention output, the residual and its normed copy, and the MLP's gate, up,
+    # act(gate) and their product - per routed expert, and the shared expert's.
+    mlp = 4 * model.intermediate_size
+    if model.moe:
+        mlp = mlp * model.experts_per_token + 4 * model.shared_expert_size + 2 * model.num_experts
+        if model.dense_layers:
+            mlp = max(mlp, 4 * model.dense_intermediate_size)
+    act_elems = 4 * h + 2 * model.q_dim + 2 * model.kv_dim + mlp
+    activation = tokens * act_elems * e
+    if model.eager_attention:
+        # Eager attention keeps every score: softmax output in fp32, its dtype copy for AV,
+        # and (soft-capped, Gemma 2) the tanh output.
+        score_bytes = 4 + e + (e if model.model_type == "gemma2" else 0)
+        activation += b * model.num_heads * s * s * score_bytes
     workspace = 0
     if training.method == "qlora":
         largest = max(a * b for a, b in map(model.linear_shape, ("q_proj", "gate_proj")))
         workspace = 2 * largest * e
+    if experts:
+        workspace += 2 * max(experts) * e  # a merged expert weight and its gradient
+    logits = tokens * v * (e + 8 + (e if model.logit_softcapping else 0))
     memory_mib = pool.memory_mib if pool.memory_mib is not None else gpu.memory_mib
     available = int(memory_mib * MIB * (1 - settings.memory_margin)) - settings.reserved_mib * MIB
     return PoolCost(
@@ -251,12 +332,17 @@ def pool_cost(
         layer_seconds=layer_seconds,
         head_seconds=head_flops / flops_per_s,
         layer_static_bytes=int(layer_static),
-        layer_activation_bytes=tokens * act_elems * e,
+        layer_activation_bytes=int(activation),
         embed_bytes=int(embed),
         head_bytes=int(head),
-        logits_bytes=tokens * v * (e + 8),
-        workspace_bytes=workspace,
+        logits_bytes=int(logits),
+        workspace_bytes=int(workspace),
         available_bytes=available,
         bandwidth_bytes_per_s=pool.link_bandwidth_mbps * 1e6 / 8,
         latency_s=pool.link_latency_ms / 1000,
+        layer_weight_bytes=int(layer_weights),
+        embed_weight_bytes=int(embed_weights),
+        head_weight_bytes=int(head_weights),
+        norm_bytes=int(norm),
+        norm_weight_bytes=h * e,
     )

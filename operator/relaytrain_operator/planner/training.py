@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from relaytrain_operator.planner.model_shape import FUSED_NAMES, LINEAR_NAMES
+from relaytrain_operator.planner.model_shape import EXPERT_NAMES, FUSED_NAMES, LINEAR_NAMES
 
 Method = Literal["lora", "qlora", "full"]
 Dtype = Literal["bfloat16", "float16", "float32"]
@@ -35,11 +35,16 @@ class TrainingShape:
     lora_rank: int = 8
     """LoRA rank r (ignored for ``full``)."""
     lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
-    """Linear layers that get adapters; ``("all-linear",)`` means all seven."""
+    """Linear layers that get adapters; ``("all-linear",)`` means all seven. MoE expert
+    weights (peft's ``target_parameters``) are named ``experts.gate_up_proj`` and
+    ``experts.down_proj`` (a longer path ending so, ``mlp.experts.down_proj``, is the same);
+    whether the model has them is checked with the model (``planner.targets``)."""
     compression: Compression = "int8"
     """How boundary activations and gradients travel (see the worker's compression)."""
     dtype: Dtype = "bfloat16"
     """Compute and weight dtype of the base model."""
+    lora_dropout: float = 0.0
+    """LoRA dropout (``spec.method.dropout``): peft cannot apply it to expert weights."""
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "micro_batches", "sequence_length", "lora_rank"):
@@ -57,12 +62,23 @@ class TrainingShape:
         targets = tuple(self.lora_targets)
         if targets in (("all-linear",), ("all_linear",)):
             targets = LINEAR_NAMES
-        bad = [t for t in targets if t not in LINEAR_NAMES + FUSED_NAMES]
+        targets = tuple(_expert_name(t) for t in targets)
+        valid = LINEAR_NAMES + FUSED_NAMES + EXPERT_NAMES
+        bad = [t for t in targets if t not in valid]
         if bad or not targets:
             raise ValueError(
-                f"training lora_targets {list(self.lora_targets)!r} must name some of "
-                f"{', '.join(LINEAR_NAMES + FUSED_NAMES)} (or 'all-linear'); expert "
-                "parameters are not priced by the planner yet"
+                f"spec.method.targetModules (lora_targets) {list(self.lora_targets)!r} must name "
+                f"some of "
+                f"{', '.join(LINEAR_NAMES + FUSED_NAMES)} (or 'all-linear'), and on "
+                f"mixture-of-experts models {', '.join(EXPERT_NAMES)} (peft's "
+                f"target_parameters); not {', '.join(map(repr, bad)) or 'nothing'}"
+            )
+        experts = [t for t in targets if t in EXPERT_NAMES]
+        if experts and self.lora_dropout:
+            raise ValueError(
+                f"spec.method.targetModules names expert weights ({', '.join(experts)}), which "
+                f"peft adapts only without dropout; spec.method.dropout is "
+                f"{self.lora_dropout}: set it to 0 or drop those targets"
             )
         object.__setattr__(self, "lora_targets", targets)
 
@@ -75,3 +91,11 @@ class TrainingShape:
     def dtype_bytes(self) -> int:
         """Bytes per element of the compute dtype."""
         return DTYPE_BYTES[self.dtype]
+
+
+def _expert_name(name: str) -> str:
+    """``mlp.experts.down_proj`` and ``experts.down_proj`` name the same expert weight."""
+    for expert in EXPERT_NAMES:
+        if name.endswith("." + expert):
+            return expert
+    return name
