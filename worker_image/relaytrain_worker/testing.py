@@ -214,12 +214,14 @@ def run_data_parallel_threads(
     method: Literal["lora", "qlora", "full"] = "lora",
     lora: dict[str, Any] | None = None,
     replicas: Literal["memory", "links"] = "memory",
+    link_rate: float | None = None,
 ) -> list[PipelineRun]:
     """Train R pipelines (``splits[p]``: pipeline p's stages) on one global batch per step,
     every stage a thread, each pipeline over its own loopback links, the pipelines
     exchanging through one `InProcessGroup` (``replicas="memory"``) or, per stage, a
     `LinkGroup` over authenticated loopback links to the stages of the other pipelines that
-    hold the same layers (``"links"``).
+    hold the same layers (``"links"``). ``link_rate`` (bytes per second, each direction)
+    paces every pipeline link and every replica link, as in `run_pipeline_threads`.
 
     ``shares[p]`` micro-batches of every step go to pipeline p, contiguous and in pipeline
     order (`dataparallel.micro_ranges`). Returns one PipelineRun per pipeline, with
@@ -241,12 +243,12 @@ def run_data_parallel_threads(
         shared = InProcessGroup([len(s) for s in splits])
         groups = {(p, k): shared for p, split in enumerate(splits) for k in range(len(split))}
     else:
-        groups = _link_groups(splits, credentials)
+        groups = _link_groups(splits, credentials, link_rate)
     try:
         return _run_pipelines(
             model_dir, splits, per_pipeline, training,
             credentials=credentials, groups=groups, method=method, compression="none",
-            lora=lora, link_rate=None, overlap_encode=True, record_steps=True,
+            lora=lora, link_rate=link_rate, overlap_encode=True, record_steps=True,
         )  # fmt: skip
     finally:
         for group in groups.values():
@@ -255,11 +257,13 @@ def run_data_parallel_threads(
 
 
 def _link_groups(
-    splits: list[list[tuple[int, int]]], credentials: Sequence[Sequence[LinkCredentials]]
+    splits: list[list[tuple[int, int]]],
+    credentials: Sequence[Sequence[LinkCredentials]],
+    link_rate: float | None = None,
 ) -> dict[tuple[int, int], ReplicaGroup]:
     """A `LinkGroup` per stage: every pair of stages of two pipelines that hold the same
     layers gets one mutually authenticated loopback link (the later pipeline's stage
-    listens for exactly the earlier one's identity)."""
+    listens for exactly the earlier one's identity), both ends paced to ``link_rate``."""
     links: dict[tuple[int, int], dict[tuple[int, int], Link]] = {
         (p, k): {} for p, split in enumerate(splits) for k in range(len(split))
     }
@@ -279,6 +283,8 @@ def _link_groups(
                 finally:
                     listener.close()
                 mine[(q, j)] = dialed.result()
+            for link in (mine[(q, j)], links[(q, j)][(p, k)]):
+                link.limit_rate(link_rate)
     return {me: LinkGroup.from_splits(splits, me[0], me[1], peers) for me, peers in links.items()}
 
 
