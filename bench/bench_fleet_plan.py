@@ -4,6 +4,7 @@ planning them takes. Plain script; prints tables. Every figure is the cost model
 
     .venv/bin/python bench/bench_fleet_plan.py            # about 15 s on the 2-core dev VM
     .venv/bin/python bench/bench_fleet_plan.py --quick    # fewer random fleets in section 4
+    .venv/bin/python bench/bench_fleet_plan.py --json OUT # also every row as JSON
 
 1. The local cluster's fleet (hack/pools.yaml: 2 H100, 2 A100-40GB, 4 RTX 4090, 2 V100-16GB)
    with Llama-3.1-8B (the shipped config.json) and examples/finetunejob-lora.yaml's settings
@@ -30,6 +31,7 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -96,7 +98,8 @@ def steady(model: ModelShape, training: TrainingShape, pools: list[Pool]) -> Fle
     return plan_fleet(model, many, pools, sync=UNPRICED)
 
 
-def lab() -> None:
+def lab() -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
     pools = pools_from_file(yaml.safe_load((ROOT / "hack/pools.yaml").read_text()))
     ring = CostSettings(sync_collective="ring")
     print("## 1. hack/pools.yaml, Llama-3.1-8B LoRA, int8 links, 64 micro-batches of 4x256\n")
@@ -109,6 +112,12 @@ def lab() -> None:
 
         def row(name: str, f: FleetPlan, *, usable: int = usable, dtype: str = dtype) -> None:
             sync = f.sync.per_step_seconds
+            out.append({
+                "section": "lab", "dtype": dtype, "plan": name, "shape": describe(f),
+                "pipelines": len(f.pipelines), "gpus": f.gpus, "usable_gpus": usable,
+                "tokens_per_s": f.tokens_per_second, "speedup": f.speedup,
+                "sync_per_step_s": sync,
+            })  # fmt: skip
             shape = f": {describe(f)}" if len(f.pipelines) > 1 else ""
             print(
                 f"| {dtype} | {name}{shape} | {len(f.pipelines)} | {f.gpus} of {usable} | "
@@ -136,6 +145,11 @@ def lab() -> None:
         r = s.pipelines
         issue = 2 * (r - 1) / r * s.load_seconds / 2 + 2 * (r - 1) * s.hop_latency_seconds
         tps = six.micro_batches * six.tokens_per_micro_batch / (six.pipeline_seconds + issue)
+        out.append({
+            "section": "lab", "dtype": dtype, "plan": "issue's assumption", "shape": describe(six),
+            "pipelines": 6, "gpus": six.gpus, "usable_gpus": usable, "tokens_per_s": tps,
+            "speedup": tps / single.tokens_per_second, "sync_per_step_s": issue,
+        })  # fmt: skip
         print(
             f"| {dtype} | issue's assumption: 6 pipelines, ring of bf16 LoRA gradients, no token "
             f"counts | 6 | {six.gpus} of {usable} | {tps:,.0f} | "
@@ -145,6 +159,17 @@ def lab() -> None:
         rate = sum(p.micro_batches for p in bound.pipelines) * training.tokens_per_micro_batch
         rate /= bound.pipeline_seconds
         each = alone(LLAMA_31_8B, training, pools)
+        out.append({
+            "section": "lab", "dtype": dtype, "plan": "bound: steady state",
+            "shape": describe(bound), "pipelines": len(bound.pipelines), "gpus": bound.gpus,
+            "usable_gpus": usable, "tokens_per_s": rate,
+            "speedup": rate / single.tokens_per_second, "sync_per_step_s": None,
+        })  # fmt: skip
+        out.append({
+            "section": "lab", "dtype": dtype, "plan": "bound: every GPU alone", "shape": "",
+            "pipelines": None, "gpus": usable, "usable_gpus": usable, "tokens_per_s": each,
+            "speedup": each / single.tokens_per_second, "sync_per_step_s": None,
+        })  # fmt: skip
         print(
             f"| {dtype} | bound: best set at steady state ({STEADY_MICRO_BATCHES} micro-batches, "
             f"no sync): {describe(bound)} | {len(bound.pipelines)} | {bound.gpus} of {usable} | "
@@ -155,9 +180,11 @@ def lab() -> None:
             f"{each / single.tokens_per_second:.2f} | - |"
         )
     print()
+    return out
 
 
-def fleets() -> None:
+def fleets() -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
     print("## 2. Six heterogeneous fleets (bench/bench_planner.py's)\n")
     print(
         "| fleet | single: GPUs, tok/s | synchronous | periodic every 8 | sync unpriced "
@@ -167,14 +194,26 @@ def fleets() -> None:
     for name, _description, model, training, pools in FLEETS:
         single = plan(model, training, pools)
         cells = []
-        for sync in (Sync(), Sync("periodic", 8), UNPRICED):
+        row: dict[str, Any] = {
+            "section": "fleets", "fleet": name, "micro_batches": training.micro_batches,
+            "single": {"stages": len(single.stages), "tokens_per_s": single.tokens_per_second},
+        }  # fmt: skip
+        for key, sync in (
+            ("synchronous", Sync()), ("periodic_8", Sync("periodic", 8)), ("unpriced", UNPRICED)
+        ):  # fmt: skip
             f = plan_fleet(model, training, pools, sync=sync)
+            row[key] = {
+                "pipelines": len(f.pipelines), "gpus": f.gpus, "shape": describe(f),
+                "tokens_per_s": f.tokens_per_second, "speedup": f.speedup,
+            }  # fmt: skip
             cells.append(
                 f"{len(f.pipelines)} on {f.gpus} GPUs, {f.tokens_per_second:,.0f} "
                 f"({f.speedup:.2f}x)"
             )
         sync_plan = plan_fleet(model, training, pools)
         each = alone(model, training, pools)
+        row["fleet_use"] = sync_plan.tokens_per_second / each
+        out.append(row)
         print(
             f"| {name} (M={training.micro_batches}) | {len(single.stages)}, "
             f"{single.tokens_per_second:,.0f} | {' | '.join(cells)} | "
@@ -182,9 +221,11 @@ def fleets() -> None:
         )
     print()
     print("Fleet use: the synchronous plan's tokens/s over every GPU alone (memory ignored).\n")
+    return out
 
 
-def plan_time() -> None:
+def plan_time() -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
     print("## 3. Plan time (median of 3, synchronous and periodic every 8)\n")
     _, _, model, training, pools = FLEETS[-1]
     big = [replace(p, gpus=32, nodes=32) for p in pools]
@@ -202,6 +243,11 @@ def plan_time() -> None:
                 f = plan_fleet(model, shape, fleet, sync=sync)
                 times.append(time.perf_counter() - start)
             t = statistics.median(times)
+            out.append({
+                "section": "plan_time", "case": label, "sync": sync.mode, "seconds": t,
+                "target_s": target, "pipelines": len(f.pipelines), "gpus": f.gpus,
+                "speedup": f.speedup, "search": f.search,
+            })  # fmt: skip
             print(
                 f"- {label}, {sync.mode}: {t:.3f} s (target < {target:g} s: "
                 f"{'met' if t < target else 'MISSED'}); {len(f.pipelines)} pipelines on {f.gpus} "
@@ -209,9 +255,10 @@ def plan_time() -> None:
                 f"{f.sets_evaluated} sets priced"
             )
     print()
+    return out
 
 
-def greedy_gap(instances: int, seed: int = 11) -> None:
+def greedy_gap(instances: int, seed: int = 11) -> dict[str, Any]:
     rng = random.Random(seed)
     kinds = [H100, A100_80, A100_40, L40S, RTX4090, RTX3090, A10]
     gaps, fast_t, exact_t, done, tries = [], [], [], 0, 0
@@ -255,6 +302,12 @@ def greedy_gap(instances: int, seed: int = 11) -> None:
         f"exhaustive median {1000 * statistics.median(exact_t):.1f} ms, "
         f"max {1000 * max(exact_t):.0f} ms"
     )
+    return {
+        "section": "greedy_gap", "fleets": len(gaps), "equal": sum(g < 1e-9 for g in gaps),
+        "mean_gap": statistics.mean(gaps), "max_gap": max(gaps),
+        "greedy_median_s": statistics.median(fast_t),
+        "exhaustive_median_s": statistics.median(exact_t),
+    }  # fmt: skip
 
 
 def main() -> None:
@@ -262,11 +315,11 @@ def main() -> None:
     parser.add_argument(
         "--quick", action="store_true", help="10 random fleets in section 4, not 40"
     )
+    parser.add_argument("--json", type=Path, help="also write every row here")
     args = parser.parse_args()
-    lab()
-    fleets()
-    plan_time()
-    greedy_gap(10 if args.quick else 40)
+    rows = [*lab(), *fleets(), *plan_time(), greedy_gap(10 if args.quick else 40)]
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

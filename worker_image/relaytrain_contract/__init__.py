@@ -49,6 +49,7 @@ from relaytrain_contract.stage import (
     StageConfig,
     StageRef,
     TrainingSpec,
+    Truncation,
 )
 from relaytrain_contract.store import (
     AWS_S3_HOST,
@@ -99,6 +100,7 @@ __all__ = [
     "StageConfig",
     "StageRef",
     "TrainingSpec",
+    "Truncation",
     "aws_credentials",
     "link_identity",
     "s3_endpoint",

@@ -18,6 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from relaytrain_contract.errors import config_error, field_error
 
 Steps = Annotated[int, Field(ge=0)]
+DATA_FIELDS = ("examples", "examplesTruncated", "examplesDropped")
+"""The dataset's example counts in a record (what stage 0 read, truncated and dropped)."""
 
 
 class Progress(BaseModel):
@@ -48,6 +50,16 @@ class Progress(BaseModel):
     """Wall seconds the last step took (the operator's ETA is based on it; optional: an
     older worker does not write it)."""
 
+    examples: Steps | None = None
+    """Examples (records) in the dataset, as stage 0 read them (optional: unknown before
+    stage 0 has read the data, and from an older worker)."""
+    examplesTruncated: Steps | None = None  # noqa: N815
+    """Examples longer than dataset.sequenceLength that were cut to it
+    (`dataset.truncation: truncate`; optional like `examples`)."""
+    examplesDropped: Steps | None = None  # noqa: N815
+    """Examples longer than dataset.sequenceLength that were left out
+    (`dataset.truncation: drop`; optional like `examples`)."""
+
     @field_validator("loss", mode="before")
     @classmethod
     def _finite(cls, value: Any) -> Any:
@@ -57,6 +69,11 @@ class Progress(BaseModel):
     def _step_of_total(self) -> Progress:
         if self.step > self.totalSteps:
             raise field_error("step", f"step {self.step} of {self.totalSteps} is past the end")
+        if self.examples is not None:
+            for key in DATA_FIELDS[1:]:
+                count = getattr(self, key)
+                if count is not None and count > self.examples:
+                    raise field_error(key, f"{count} of {self.examples} examples is too many")
         return self
 
     def stamped(self, now: datetime | None = None) -> Progress:
@@ -67,9 +84,10 @@ class Progress(BaseModel):
         return self.model_copy(update={"updatedAt": moment})
 
     def to_json(self) -> bytes:
-        """The record as written: `output` and `stepSeconds` only when known."""
+        """The record as written: `output`, `stepSeconds` and the example counts only when
+        known."""
         record = self.model_dump(mode="json")
-        for key in ("output", "stepSeconds"):
+        for key in ("output", "stepSeconds", *DATA_FIELDS):
             if record[key] is None:
                 del record[key]
         return json.dumps(record, indent=1).encode()
@@ -84,4 +102,4 @@ class Progress(BaseModel):
             raise config_error(exc, "progress.json") from None
 
 
-__all__ = ["Progress"]
+__all__ = ["DATA_FIELDS", "Progress"]

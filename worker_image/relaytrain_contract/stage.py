@@ -20,6 +20,7 @@ from relaytrain_contract.errors import config_error, field_error
 from relaytrain_contract.names import API_VERSION, STAGE_CONFIG_KIND
 
 DatasetFormat = Literal["text", "prompt-completion", "chat"]
+Truncation = Literal["truncate", "drop"]
 MethodType = Literal["lora", "qlora", "full"]
 LrSchedule = Literal["cosine", "linear", "constant"]
 PipelineSchedule = Literal["1f1b"]
@@ -108,7 +109,10 @@ class DatasetSpec(_Part):
     sequenceLength: Annotated[int, Field(ge=2)]  # noqa: N815
     """Tokens per sequence (packed to or padded to this length)."""
     packing: bool
-    """Concatenate examples into full sequences instead of padding each one."""
+    """Place several whole examples in one sequence instead of padding each one."""
+    truncation: Truncation = "truncate"
+    """An example longer than `sequenceLength`: `truncate` it to that length or `drop` it
+    (optional, default `truncate`; both are counted in progress.json)."""
 
 
 class MethodSpec(_Part):

@@ -2,9 +2,17 @@
 
 Three formats: `text` (every token is learned), `prompt-completion` (prompt tokens get
 label -100, so only the completion is learned) and `chat` (the tokenizer's chat
-template; only the assistant turns are learned). Sequences are packed (examples
-concatenated, EOS between them, cut into full-length rows) or padded (one example per
-row, right-padded, the padding masked from attention and loss).
+template; only the assistant turns are learned). An example longer than `sequenceLength`
+is truncated to it or dropped (`truncation`); both are counted (`DataReport`), and the
+last stage reports the counts in progress.json.
+
+Rows are packed (whole examples placed into rows of `sequenceLength` by best-fit
+decreasing, the rest of a row padded) or padded (one example per row). Positions restart
+at 0 at every example, and the first token of every example is never a target, so no
+token predicts or attends across examples: the mask functions of the slices
+(`families.masks`) read the example boundaries from where positions restart, in every
+stage, since position ids travel down the pipeline with the activations. Padding continues
+the positions of the row's last example, is masked from attention and loss.
 
 Which rows form step s is a pure function of (seed, s): row i of the run is row
 perm_e[i mod N] of epoch e = i // N, with perm_e a seeded permutation. Restoring the
@@ -13,9 +21,10 @@ data position after a rollback is therefore just "continue at step s".
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -24,17 +33,80 @@ import torch
 from relaytrain_contract import DatasetSpec
 
 from relaytrain_worker.schedule import MicroBatch
+from relaytrain_worker.store import ObjectNotFound, Store
 
 log = logging.getLogger("relaytrain.data")
 
 IGNORE = -100
+DATA_REPORT = "data-report.json"
+"""Object under the job prefix where stage 0 leaves its `DataReport` for the last stage."""
 
 
 class DataError(ValueError):
     """The dataset cannot be used as configured; the message names the field or value."""
 
 
-def read_jsonl(uri: str, opener: Any = None) -> list[dict[str, Any]]:
+@dataclass(frozen=True)
+class Record:
+    """One JSON object of the dataset and where it is."""
+
+    line: int
+    """1-based line of the file."""
+    fields: dict[str, Any]
+    """The object."""
+
+
+@dataclass(frozen=True)
+class Example:
+    """A tokenized record."""
+
+    ids: list[int]
+    labels: list[int]
+    """-100 where no loss is taken."""
+    line: int
+    """The record's line in the file."""
+
+
+@dataclass(frozen=True)
+class DataReport:
+    """What stage 0 made of the dataset: what progress.json reports."""
+
+    examples: int
+    """Records read (and tokenized)."""
+    truncated: int
+    """Examples longer than sequenceLength cut to it (`truncation: truncate`)."""
+    dropped: int
+    """Examples longer than sequenceLength left out (`truncation: drop`)."""
+    rows: int
+    """Rows of sequenceLength tokens the kept examples fill (packed or padded)."""
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self)).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> DataReport:
+        return cls(**json.loads(data))
+
+
+def report_key(job_prefix: str) -> str:
+    prefix = job_prefix.strip("/")
+    return f"{prefix}/{DATA_REPORT}" if prefix else DATA_REPORT
+
+
+def write_report(store: Store, job_prefix: str, report: DataReport) -> None:
+    """Stage 0, once it has read the data: leave the counts for the last stage."""
+    store.put(report_key(job_prefix), report.to_json())
+
+
+def read_report(store: Store, job_prefix: str) -> DataReport | None:
+    """What stage 0 left (None before it has, or when an older stage 0 left nothing)."""
+    try:
+        return DataReport.from_json(store.get(report_key(job_prefix)))
+    except ObjectNotFound:
+        return None
+
+
+def read_jsonl(uri: str, opener: Any = None) -> list[Record]:
     """Records of a JSONL file at a local path, file:// or s3:// (via `opener(prefix)`)."""
     parsed = urlparse(uri)
     if parsed.scheme == "s3":
@@ -57,68 +129,100 @@ def read_jsonl(uri: str, opener: Any = None) -> list[dict[str, Any]]:
             raise DataError(f"dataset.uri {uri!r}: line {number} is not JSON: {exc}") from exc
         if not isinstance(record, dict):
             raise DataError(f"dataset.uri {uri!r}: line {number} is not a JSON object")
-        records.append(record)
+        records.append(Record(number, record))
     if not records:
         raise DataError(f"dataset.uri {uri!r}: no records")
     return records
 
 
-def _field(record: dict[str, Any], key: str, setting: str, number: int) -> Any:
-    if key not in record:
+def _field(record: Record, key: str, setting: str, number: int, uri: str) -> Any:
+    if key not in record.fields:
         raise DataError(
             f"dataset.{setting}: field {key!r} does not exist in record {number} "
-            f"(its fields: {', '.join(sorted(record)) or 'none'})"
+            f"(line {record.line} of {uri}; its fields: "
+            f"{', '.join(sorted(record.fields)) or 'none'})"
         )
-    return record[key]
+    return record.fields[key]
 
 
-def tokenize(
-    records: list[dict[str, Any]], tokenizer: Any, spec: DatasetSpec
-) -> list[tuple[list[int], list[int]]]:
-    """(input ids, labels) per record; labels are -100 where no loss is taken."""
+def tokenize(records: list[Record], tokenizer: Any, spec: DatasetSpec) -> list[Example]:
+    """One Example per record; DataError naming the line (and file) of a record that
+    cannot be used."""
     eos = tokenizer.eos_token_id
+    if spec.format == "chat" and not getattr(tokenizer, "chat_template", None):
+        raise DataError(
+            f"dataset.format chat: the model's tokenizer has no chat template "
+            f"(tokenizer_config.json or chat_template.jinja), needed to render {spec.uri}"
+        )
     out = []
     for number, record in enumerate(records, start=1):
         if spec.format == "text":
-            text = _field(record, spec.textField, "textField", number)
+            text = _field(record, spec.textField, "textField", number, spec.uri)
             ids = tokenizer(str(text), add_special_tokens=False)["input_ids"] + [eos]
-            out.append((ids, list(ids)))
+            out.append(Example(ids, list(ids), record.line))
         elif spec.format == "prompt-completion":
-            prompt = _field(record, spec.promptField, "promptField", number)
-            completion = _field(record, spec.completionField, "completionField", number)
+            prompt = _field(record, spec.promptField, "promptField", number, spec.uri)
+            completion = _field(record, spec.completionField, "completionField", number,
+                                spec.uri)  # fmt: skip
             p = tokenizer(str(prompt), add_special_tokens=False)["input_ids"]
             c = tokenizer(str(completion), add_special_tokens=False)["input_ids"] + [eos]
-            out.append((p + c, [IGNORE] * len(p) + c))
+            out.append(Example(p + c, [IGNORE] * len(p) + c, record.line))
         else:
-            messages = _field(record, spec.messagesField, "messagesField", number)
-            out.append(_chat(tokenizer, messages, number))
+            from relaytrain_worker.chat import assistant_spans  # chat.py imports DataError
+
+            messages = _field(record, spec.messagesField, "messagesField", number, spec.uri)
+            where = f"line {record.line} of {spec.uri}"
+            ids, labels = assistant_spans(tokenizer, messages, where)
+            out.append(Example(ids, labels, record.line))
     return out
 
 
-def _chat(tokenizer: Any, messages: Any, number: int) -> tuple[list[int], list[int]]:
-    """Template the conversation; learn only the assistant turns (prefix-diff method)."""
-    if not isinstance(messages, list) or not all(
-        isinstance(m, dict) and "role" in m and "content" in m for m in messages
-    ):
+def fit(examples: list[Example], spec: DatasetSpec) -> tuple[list[Example], int, int]:
+    """Examples no longer than `sequenceLength`: longer ones truncated or dropped, as
+    `truncation` says; returns (examples kept, truncated, dropped)."""
+    length = spec.sequenceLength
+    kept: list[Example] = []
+    truncated = dropped = 0
+    for ex in examples:
+        if len(ex.ids) <= length:
+            kept.append(ex)
+        elif spec.truncation == "drop":
+            dropped += 1
+        else:
+            truncated += 1
+            kept.append(Example(ex.ids[:length], ex.labels[:length], ex.line))
+    if not kept:
         raise DataError(
-            f"dataset.messagesField: record {number} is not a list of {{role, content}}"
+            f"dataset.truncation drop: all {len(examples)} examples of {spec.uri} are longer "
+            f"than dataset.sequenceLength {length}, so none is left to train on"
         )
-
-    def encode(msgs: list[dict[str, Any]], prompt: bool) -> list[int]:
-        ids = tokenizer.apply_chat_template(
-            msgs, tokenize=True, add_generation_prompt=prompt, return_dict=False
+    if truncated:
+        log.warning("Truncated %d of %d examples to %d tokens", truncated, len(examples), length)
+    if dropped:
+        log.warning(
+            "Dropped %d of %d examples longer than %d tokens", dropped, len(examples), length
         )
-        return list(ids)
+    return kept, truncated, dropped
 
-    ids = encode(messages, False)
-    labels = [IGNORE] * len(ids)
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        start = len(encode(messages[:i], True))
-        end = len(encode(messages[: i + 1], False))
-        labels[start:end] = ids[start:end]
-    return ids, labels
+
+def pack(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Best-fit decreasing: indices of the items each row holds (rows of `capacity`).
+
+    Items go longest first (ties in order) into the fullest row they fit, else a new row;
+    within a row they keep their original order. Deterministic."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    free: list[tuple[int, int]] = []  # (room left, row), sorted
+    rows: list[list[int]] = []
+    for i in order:
+        k = bisect.bisect_left(free, (lengths[i], -1))
+        if k == len(free):
+            rows.append([i])
+            bisect.insort(free, (capacity - lengths[i], len(rows) - 1))
+        else:
+            room, row = free.pop(k)
+            rows[row].append(i)
+            bisect.insort(free, (room - lengths[i], row))
+    return [sorted(row) for row in rows]
 
 
 @dataclass
@@ -128,47 +232,56 @@ class Rows:
     input_ids: torch.Tensor
     labels: torch.Tensor
     attention_mask: torch.Tensor
+    position_ids: torch.Tensor
+    """Restart at 0 at every example; padding continues the row's last example."""
 
 
-def build_rows(examples: list[tuple[list[int], list[int]]], spec: DatasetSpec, pad_id: int) -> Rows:
-    """Pack or pad the examples into rows of `sequenceLength`."""
+def build_rows(examples: list[Example], spec: DatasetSpec, pad_id: int) -> Rows:
+    """Pack or pad the examples (none longer than `sequenceLength`) into rows."""
     length = spec.sequenceLength
-    if spec.packing:
-        stream_ids = [t for ids, _ in examples for t in ids]
-        stream_labels = [t for _, labels in examples for t in labels]
-        n = len(stream_ids) // length
-        if n == 0:
-            raise DataError(
-                f"dataset.sequenceLength {length}: the whole dataset has only "
-                f"{len(stream_ids)} tokens, not enough for one packed row"
-            )
-        ids = torch.tensor(stream_ids[: n * length]).view(n, length)
-        labels = torch.tensor(stream_labels[: n * length]).view(n, length)
-        return Rows(ids, labels, torch.ones_like(ids))
-    ids = torch.full((len(examples), length), pad_id, dtype=torch.long)
-    labels = torch.full((len(examples), length), IGNORE, dtype=torch.long)
-    mask = torch.zeros((len(examples), length), dtype=torch.long)
-    truncated = 0
-    for row, (e_ids, e_labels) in enumerate(examples):
-        if len(e_ids) > length:
-            truncated += 1
-        n = min(len(e_ids), length)
-        ids[row, :n] = torch.tensor(e_ids[:n])
-        labels[row, :n] = torch.tensor(e_labels[:n])
-        mask[row, :n] = 1
-    if truncated:
-        log.warning("Truncated %d of %d examples to %d tokens", truncated, len(examples), length)
-    return Rows(ids, labels, mask)
+    layout = (
+        pack([len(ex.ids) for ex in examples], length)
+        if spec.packing
+        else [[i] for i in range(len(examples))]
+    )
+    n = len(layout)
+    ids = torch.full((n, length), pad_id, dtype=torch.long)
+    labels = torch.full((n, length), IGNORE, dtype=torch.long)
+    mask = torch.zeros((n, length), dtype=torch.long)
+    pos = torch.zeros((n, length), dtype=torch.long)
+    for row, members in enumerate(layout):
+        at = 0
+        for i in members:
+            ex = examples[i]
+            size = len(ex.ids)
+            ids[row, at : at + size] = torch.tensor(ex.ids)
+            labels[row, at : at + size] = torch.tensor(ex.labels)
+            labels[row, at] = IGNORE  # nothing before it in its example predicts it
+            mask[row, at : at + size] = 1
+            pos[row, at : at + size] = torch.arange(size)
+            at += size
+        last = len(examples[members[-1]].ids)
+        pos[row, at:] = torch.arange(last, last + length - at)
+    return Rows(ids, labels, mask, pos)
 
 
 class StepData:
     """The micro-batches of every step, reproducible from (seed, step)."""
 
-    def __init__(self, rows: Rows, micro_batch_size: int, micro_batches: int, seed: int) -> None:
+    def __init__(
+        self,
+        rows: Rows,
+        micro_batch_size: int,
+        micro_batches: int,
+        seed: int,
+        report: DataReport,
+    ) -> None:
         self.rows = rows
         self.mbs = micro_batch_size
         self.m = micro_batches
         self.seed = seed
+        self.report = report
+        """What was read, truncated and dropped."""
         self._perms: dict[int, torch.Tensor] = {}
 
     def _row(self, i: int) -> int:
@@ -195,7 +308,7 @@ class StepData:
             mask = self.rows.attention_mask[idx]
             labels = self.rows.labels[idx].clone()
             labels[mask == 0] = IGNORE
-            pos = torch.arange(ids.shape[1]).unsqueeze(0).expand(ids.shape[0], -1).contiguous()
+            pos = self.rows.position_ids[idx].contiguous()
             out.append(MicroBatch(ids, mask, pos, labels))
         return out
 
@@ -223,6 +336,8 @@ def load_step_data(
     check_length(spec, max_positions)
     records = read_jsonl(spec.uri, opener)
     examples = tokenize(records, tokenizer, spec)
+    kept, truncated, dropped = fit(examples, spec)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    rows = build_rows(examples, spec, int(pad))
-    return StepData(rows, micro_batch_size, micro_batches, seed)
+    rows = build_rows(kept, spec, int(pad))
+    report = DataReport(len(examples), truncated, dropped, int(rows.input_ids.shape[0]))
+    return StepData(rows, micro_batch_size, micro_batches, seed, report)

@@ -31,7 +31,12 @@ from typing import Any
 import torch
 from relaytrain_contract.families import SUPPORTED_MODEL_TYPES, family
 from transformers import PretrainedConfig
-from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+from transformers.masking_utils import (
+    create_causal_mask,
+    create_sliding_window_causal_mask,
+    find_packed_sequence_indices,
+    packed_sequence_mask_function,
+)
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from relaytrain_worker.shards import ModelLoadError
@@ -135,7 +140,13 @@ def masks(
     attention_mask: torch.Tensor,
     position_ids: torch.Tensor,
 ) -> dict[str, Any]:
-    """The mask objects the unsplit model builds, for the layer types in `types`."""
+    """The mask objects the unsplit model builds, for the layer types in `types`.
+
+    Packed rows (several documents, positions restarting at each) also get a
+    same-document condition, so no token attends to another document; a sliding window
+    then stays inside its document too, as positions rise by one within a document. Rows
+    whose positions never restart get exactly the unsplit model's masks.
+    """
     kwargs: dict[str, Any] = {
         "config": config,
         "inputs_embeds": hidden,
@@ -143,8 +154,24 @@ def masks(
         "past_key_values": None,
         "position_ids": position_ids,
     }
+    documents = document_ids(position_ids)
+    if documents is not None:
+        kwargs["and_mask_function"] = packed_sequence_mask_function(documents)
     makers = {FULL: create_causal_mask, SLIDING: create_sliding_window_causal_mask}
     return {kind: makers[kind](**kwargs) for kind in sorted(types)}
+
+
+def document_ids(position_ids: torch.Tensor) -> torch.Tensor | None:
+    """Per token, the index of its document in its row (a new one wherever the position does
+    not follow the previous token's); None when no row holds more than one document.
+
+    The boundaries travel with the position ids every stage receives: nothing else crosses
+    the link for them. transformers derives them the same way when a model is called on
+    packed rows without an attention mask (`find_packed_sequence_indices`); with a padding
+    mask it would not, so the slices add the condition themselves.
+    """
+    found: torch.Tensor | None = find_packed_sequence_indices(position_ids)
+    return found
 
 
 def rotary(

@@ -44,6 +44,7 @@ import torch
 from relaytrain_contract import StageConfig
 
 from relaytrain_worker import checkpoint as ckpt
+from relaytrain_worker.data import DataReport, read_report, write_report
 from relaytrain_worker.dataparallel import LinkGroup, micro_ranges
 from relaytrain_worker.export import TRAINABLE_FILE, export_output
 from relaytrain_worker.history import LossHistory
@@ -126,6 +127,11 @@ class StageRuntime:
         # With `epochs` every stage reads the dataset to derive the same step count.
         need_data = cfg.stage.is_first or cfg.training.steps is None
         self.data = self._load_data() if need_data else None
+        if cfg.stage.is_first and self.writer and self.data is not None:
+            # The last stage reports the counts in progress.json (`_publish`).
+            write_report(self.store, self.prefix, self.data.report)
+        self.data_report: DataReport | None = None
+        """Stage 0's example counts, as the last stage read them for progress.json."""
         steps = cfg.training.steps
         if steps is None:
             assert self.data is not None and cfg.training.epochs is not None
@@ -474,6 +480,9 @@ class StageRuntime:
         """Write progress.json (the last stage's only writer of it): this step, the newest
         loss record, the newest commit, and when done the output."""
         last = self.history.last or {"loss": None, "tokensPerSecond": 0.0}
+        if self.data_report is None:
+            self.data_report = read_report(self.store, self.prefix)
+        report = self.data_report
         write_progress(
             self.store,
             self.prefix,
@@ -486,6 +495,9 @@ class StageRuntime:
                 stepSeconds=self.step_seconds,
                 done=done,
                 output=self.cfg.output.uri if done else None,
+                examples=report.examples if report else None,
+                examplesTruncated=report.truncated if report else None,
+                examplesDropped=report.dropped if report else None,
             ),
         )
 

@@ -92,6 +92,33 @@ def save_tokenizer(out: Path, vocab_size: int = 320) -> int:
     return len(fast)
 
 
+def chat_tokenizer(chat_template: str, specials: Sequence[str], *, bos: str, eos: str) -> Any:
+    """A byte-level BPE trained on CORPUS whose special tokens are `specials` (a family's
+    turn markers, each one token), with `chat_template` (a family's template, tests/)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    names = list(dict.fromkeys([bos, eos, *specials, "<pad>"]))
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=names,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS * 4, trainer)
+    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=tok,
+        bos_token=bos,
+        eos_token=eos,
+        pad_token="<pad>",
+        additional_special_tokens=[n for n in names if n not in (bos, eos, "<pad>")],
+        chat_template=chat_template,
+    )
+
+
 def tiny_model_dir(
     out: Path,
     *,

@@ -32,6 +32,7 @@ from relaytrain_contract import (
     LrSchedule,
     MethodType,
     PipelineSchedule,
+    Truncation,
 )
 
 from relaytrain_operator.spec import patterns
@@ -105,7 +106,11 @@ class DatasetSpec(_Model):
     sequence_length: Annotated[int, Field(ge=8, le=131072)] = 512
     """Tokens per sequence; longer examples are truncated, shorter ones padded or packed."""
     packing: bool = False
-    """Pack several examples into one sequence instead of padding each."""
+    """Pack several whole examples into one sequence instead of padding each (positions
+    restart and attention stops at every example)."""
+    truncation: Truncation = "truncate"
+    """An example longer than `sequenceLength`: `truncate` it or `drop` it (both counted in
+    the job's progress)."""
 
 
 class MethodSpec(_Model):
