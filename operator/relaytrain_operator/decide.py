@@ -37,12 +37,18 @@ from relaytrain_operator.actions import (
     PatchStatus,
     PostEvent,
 )
-from relaytrain_operator.builders.labels import POOL_ANNOTATION, STAGE_LABEL, stage_pod_name
+from relaytrain_operator.builders.labels import (
+    PIPELINE_LABEL,
+    POOL_ANNOTATION,
+    STAGE_LABEL,
+    StageKey,
+    stage_pod_name,
+)
 from relaytrain_operator.builders.pod import CredentialsRef, StagePodInputs, build_stage_pod
 from relaytrain_operator.builders.service import build_service
 from relaytrain_operator.placement import Choice, place_replacements, pool_selector
 from relaytrain_operator.planner import Catalog
-from relaytrain_operator.planning import PlanError, check_deployable, make_plan, training_shape
+from relaytrain_operator.planning import PlanError, make_plan, training_shape
 from relaytrain_operator.progress import Progress
 from relaytrain_operator.recovery import (
     INCARNATION_ANNOTATION,
@@ -64,19 +70,21 @@ from relaytrain_operator.spec import (
     is_s3,
     parse_job,
 )
-from relaytrain_operator.stage_config import build_stage_configs, output_uri, pod_endpoints
+from relaytrain_operator.stage_config import build_pipeline_configs, job_pod_endpoints, output_uri
 from relaytrain_operator.status import (
     READY,
     Verdict,
     condition,
     finalize,
+    fleet_verdict,
     idle_stage,
     is_terminal,
     load_status,
     observed_stage,
     parse_time,
+    pipeline_statuses,
     rfc3339,
-    running_verdict,
+    stage_name,
     with_verdict,
 )
 
@@ -142,8 +150,8 @@ class Observed:
     """The job as stored now, status included (None: it is gone)."""
     now: datetime
     """The time of the pass."""
-    pods: Mapping[int, JsonDict] = field(default_factory=dict)
-    """The job's stage pods by stage index, terminating ones included."""
+    pods: Mapping[StageKey, JsonDict] = field(default_factory=dict)
+    """The job's stage pods by (pipeline, stage), terminating ones included."""
     nodes: Mapping[str, JsonDict] = field(default_factory=dict)
     """Nodes by name: at least those of the stage pods (a pod's node missing here is gone);
     every node when `cluster_pods` is observed."""
@@ -186,24 +194,24 @@ class Decision:
 
 def parse_spec(job: JsonDict) -> FineTuneJob | str:
     """The parsed job, or why the operator cannot run it (a spec the API server accepted
-    but the planner and worker cannot use, e.g. a LoRA target that is no linear layer, or
-    that this operator cannot deploy yet: several pipelines)."""
+    but the planner and worker cannot use, e.g. a LoRA target that is no linear layer)."""
     try:
         parsed = parse_job(job)
         training_shape(parsed)
-        check_deployable(parsed)
     except (SpecError, ValueError) as err:
         return str(err)
     return parsed
 
 
-def stage_pods(pods: Sequence[JsonDict]) -> dict[int, JsonDict]:
-    """A job's pods by the stage label they carry (pods without one are not stages)."""
-    result: dict[int, JsonDict] = {}
+def stage_pods(pods: Sequence[JsonDict]) -> dict[StageKey, JsonDict]:
+    """A job's pods by the (pipeline, stage) labels they carry (pods without a stage label
+    are not stages; one without a pipeline label is of pipeline 0)."""
+    result: dict[StageKey, JsonDict] = {}
     for pod in pods:
-        raw = ((pod.get("metadata") or {}).get("labels") or {}).get(STAGE_LABEL, "")
-        if raw.isdigit():
-            result[int(raw)] = pod
+        labels = (pod.get("metadata") or {}).get("labels") or {}
+        stage, pipeline = labels.get(STAGE_LABEL, ""), labels.get(PIPELINE_LABEL, "0")
+        if stage.isdigit() and pipeline.isdigit():
+            result[(int(pipeline), int(stage))] = pod
     return result
 
 
@@ -211,7 +219,17 @@ def _started(status: FineTuneJobStatus) -> bool:
     return status.plan is not None and status.start_time is not None
 
 
-def needs(job: JsonDict, pods: Mapping[int, JsonDict]) -> Needs:
+def planned_keys(plan: PlanStatus) -> list[StageKey]:
+    """Every planned stage as (pipeline, stage), in pipeline then stage order."""
+    return [(p, s.index) for p, split in enumerate(plan.splits()) for s in split]
+
+
+def given_up(status: FineTuneJobStatus) -> set[int]:
+    """Pipelines given up for good (a stage used up its restarts while others trained on)."""
+    return {p.index for p in status.pipelines or () if p.phase == "Failed"}
+
+
+def needs(job: JsonDict, pods: Mapping[StageKey, JsonDict]) -> Needs:
     """Which costly inputs `decide` needs for `job`, given its stage pods as indexed."""
     spec = parse_spec(job)
     status = load_status(job.get("status"))
@@ -220,7 +238,8 @@ def needs(job: JsonDict, pods: Mapping[int, JsonDict]) -> Needs:
     if not _started(status):
         return Needs(room=True, model=True)
     assert status.plan is not None
-    missing = any(s.index not in pods for s in status.plan.stages)
+    out = given_up(status)
+    missing = any(key not in pods for key in planned_keys(status.plan) if key[0] not in out)
     return Needs(pods=missing, room=missing, progress=is_s3(spec.spec.checkpoint.uri))
 
 
@@ -231,6 +250,22 @@ def decide(observed: Observed, settings: Settings) -> Decision:
         # Gone, or going: the garbage collector deletes its children (owner references).
         return Decision()
     return _Pass(job, observed, settings).run()
+
+
+def planned_message(plan: PlanStatus) -> str:
+    """The Planned Event's words: each pipeline's stages, pools and layers."""
+
+    def chain(stages: Sequence[Any]) -> str:
+        return " → ".join(f"{s.pool}[{s.layer_start}:{s.layer_end})" for s in stages)
+
+    if not plan.pipelines:
+        return f"Planned {len(plan.stages)} stages: {chain(plan.stages)}."
+    gpus = sum(len(p.stages) for p in plan.pipelines)
+    each = "; ".join(
+        f"pipeline {p.index} ({p.micro_batches} micro-batches/step): {chain(p.stages)}"
+        for p in plan.pipelines
+    )
+    return f"Planned {len(plan.pipelines)} pipelines on {gpus} GPUs: {each}."
 
 
 class _Pass:
@@ -305,16 +340,20 @@ class _Pass:
             self.settle(Verdict("Pending", False, False, "Unschedulable", str(err)))
             return False
         plan = PlanStatus.model_validate(planned)
+        several = plan.several()
         self.update(
             plan=plan,
             start_time=rfc3339(self.now),
-            stages=[StageStatus(index=s.index, pool=s.pool) for s in plan.stages],
+            stages=[
+                StageStatus(index=s.index, pipeline=p if several else None, pool=s.pool)
+                for p, split in enumerate(plan.splits())
+                for s in split
+            ],
         )
         # The plan is recorded before any pod exists: a restart after this point builds
         # the same pods from it.
         self.settle(Verdict("Planning", False, True, "Planned", "Creating the stage pods."))
-        pools = " → ".join(f"{s.pool}[{s.layer_start}:{s.layer_end})" for s in plan.stages)
-        self.event("Normal", "Planned", f"Planned {len(plan.stages)} stages: {pools}.")
+        self.event("Normal", "Planned", planned_message(plan))
         return True
 
     # --- the stages -------------------------------------------------------------------
@@ -325,140 +364,193 @@ class _Pass:
         pods = self.observed.pods
         limit = spec.spec.failure_policy.max_stage_restarts
         grace = timedelta(seconds=self.settings.node_lost_seconds)
-        records = {s.index: s for s in self.status.stages}
-        verdicts: dict[int, StageDecision] = {}
-        entries: dict[int, StageStatus] = {}
+        several = plan.several()
+        out = given_up(self.status)
+        records = {(s.pipeline or 0, s.index): s for s in self.status.stages}
+        verdicts: dict[StageKey, StageDecision] = {}
+        entries: dict[StageKey, StageStatus] = {}
         restarting: list[PostEvent] = []
-        for planned in plan.stages:
-            k = planned.index
-            entry = records.get(k) or StageStatus(index=k, pool=planned.pool)
-            pod = pods.get(k)
+        exhausted: dict[int, str] = {}
+        for key in planned_keys(plan):
+            p, k = key
+            planned = plan.splits()[p][k]
+            entry = records.get(key) or StageStatus(
+                index=k, pipeline=p if several else None, pool=planned.pool
+            )
+            entries[key] = entry
+            if p in out:
+                continue  # given up: its pods went when it was
+            pod = pods.get(key)
             node_name = ((pod or {}).get("spec") or {}).get("nodeName")
             node = self.observed.nodes.get(node_name) if node_name else None
             record = StageRecord(k, entry.restarts, entry.phase, entry.pool)
             verdict = decide_stage(record, pod, node, now=self.now, node_grace=grace)
+            name = stage_pod_name(self.name, k, p if several else None)
             if verdict.failure is not None:
                 counted = after_failure(entry.restarts, limit)
                 if counted is None:
-                    self.fail(k, verdict.failure, entry.restarts, limit)
-                    return
+                    why = (
+                        f"Stage {stage_name(entry)} failed again ({verdict.failure}) after "
+                        f"{entry.restarts} restarts; spec.failurePolicy.maxStageRestarts is "
+                        f"{limit}."
+                    )
+                    if out | set(exhausted) | {p} >= set(range(len(plan.splits()))):
+                        self.fail(why)
+                        return
+                    exhausted.setdefault(p, why)
+                    continue
                 entry = entry.model_copy(
                     update={
                         "restarts": counted,
                         "phase": REPLACING,
                         "last_failure": verdict.failure,
+                        "last_failure_time": rfc3339(self.now),
                     }
                 )
+                entries[key] = entry
                 self.restarts += 1
                 restarting.append(
                     PostEvent(
                         "Warning",
                         "StageRestarting",
-                        f"Stage {k} pod {stage_pod_name(self.name, k)} ended "
-                        f"({verdict.failure}); replacing it (restart {entry.restarts} of "
-                        f"{limit}).",
+                        f"Stage {stage_name(entry)} pod {name} ended ({verdict.failure}); "
+                        f"replacing it (restart {entry.restarts} of {limit}).",
                     )
                 )
-            verdicts[k] = verdict
-            entries[k] = entry
-        if restarting:
+            verdicts[key] = verdict
+        for key in [key for key in entries if key[0] in exhausted]:
+            verdicts.pop(key, None)
+            entries[key] = idle_stage(entries[key])
+        if restarting or exhausted:
             # Count first, then delete: see recovery.py for why this order is crash-safe.
-            self.update(stages=[entries[k] for k in sorted(entries)])
+            out |= set(exhausted)
+            self.update(
+                stages=[entries[key] for key in sorted(entries)],
+                pipelines=pipeline_statuses(plan, list(entries.values()), out),
+            )
             self.patch()
             self.actions += restarting
-        for k, verdict in verdicts.items():
+        for p, why in sorted(exhausted.items()):
+            self.remove_pods(p)
+            self.event(
+                "Warning",
+                "PipelineFailed",
+                f"{why} Pipeline {p} is given up; the other pipelines train on without it.",
+            )
+        for key, verdict in verdicts.items():
             if verdict.action == "delete":
-                meta = pods[k]["metadata"]
+                meta = pods[key]["metadata"]
                 self.actions.append(DeletePod(meta["name"], meta.get("uid"), verdict.force))
-        waiting: dict[int, str] = {}
-        creating = [k for k, v in verdicts.items() if v.action == "create"]
+        waiting: dict[StageKey, str] = {}
+        creating = [key for key, v in verdicts.items() if v.action == "create"]
         if creating:
-            self.create_stages(spec, creating, entries, bool(restarting), waiting)
-        for k, verdict in verdicts.items():
+            self.create_stages(spec, creating, entries, waiting)
+        for key, verdict in verdicts.items():
             if verdict.action != "keep":
                 continue
-            pod = pods[k]
+            pod = pods[key]
             annotations = pod["metadata"].get("annotations") or {}
-            pool = annotations.get(POOL_ANNOTATION, entries[k].pool)
-            entries[k] = observed_stage(entries[k], pod, pool)
+            pool = annotations.get(POOL_ANNOTATION, entries[key].pool)
+            entries[key] = observed_stage(entries[key], pod, pool)
             if WAITING_ANNOTATION in annotations and not (pod.get("spec") or {}).get("nodeName"):
-                waiting[k] = annotations[WAITING_ANNOTATION]
-        self.update(stages=[entries[k] for k in sorted(entries)])
-        if self.follow_progress(spec):
+                waiting[key] = annotations[WAITING_ANNOTATION]
+        stages = [entries[key] for key in sorted(entries)]
+        pipelines = pipeline_statuses(plan, stages, out)
+        self.update(stages=stages, pipelines=pipelines)
+        if self.follow_progress(spec, out):
             return
-        self.settle(running_verdict(self.status.stages, waiting))
+        self.settle(fleet_verdict(stages, pipelines, waiting))
 
     def create_stages(
         self,
         spec: FineTuneJob,
-        stages: list[int],
-        entries: dict[int, StageStatus],
-        counted_now: bool,
-        waiting: dict[int, str],
+        stages: list[StageKey],
+        entries: dict[StageKey, StageStatus],
+        waiting: dict[StageKey, str],
     ) -> None:
         """Create the pods of `stages` (and the Service and link Secret they need).
 
-        A replacement waits spec.failurePolicy.backoffSeconds from the failure, measured
-        from when the Ready condition turned to StageRestarting (kept in the cluster).
+        A replacement waits spec.failurePolicy.backoffSeconds from its stage's failure,
+        `lastFailureTime` in status.stages (kept in the cluster). A stage whose failure time
+        is unknown (a status written before the field existed) starts its wait now, and the
+        time is recorded so that the next pass counts from it.
         """
         backoff = timedelta(seconds=spec.spec.failure_policy.backoff_seconds)
-        ready = condition(self.written, READY)
-        failed_at = (
-            parse_time(ready.last_transition_time)
-            if ready is not None and ready.reason == "StageRestarting"
-            else None
-        )
-        if counted_now:
-            failed_at = self.now
-        due, waits = [], []
-        for k in stages:
-            left = backoff_left(entries[k].restarts, failed_at, self.now, backoff)
+        due: list[StageKey] = []
+        waits: list[timedelta] = []
+        for key in stages:
+            entry = entries[key]
+            failed_at = parse_time(entry.last_failure_time)
+            if failed_at is None and entry.restarts:
+                failed_at = self.now
+                entries[key] = entry.model_copy(update={"last_failure_time": rfc3339(self.now)})
+            left = backoff_left(entry.restarts, failed_at, self.now, backoff)
             if left:
                 waits.append(left)
             else:
-                due.append(k)
+                due.append(key)
         if waits:
-            self.retry_after = max(waits).total_seconds()
+            self.retry_after = min(waits).total_seconds()
         if not due:
             return
         plan = self.status.plan
         nodes = list(self.observed.nodes.values())
         assert plan is not None and self.observed.cluster_pods is not None
-        self.actions.append(CreateLinkSecret((len(plan.stages),)))
+        splits = plan.splits()
+        several = plan.several()
+        counts = tuple(len(split) for split in splits)
+        self.actions.append(CreateLinkSecret(counts))
         self.actions.append(Create(build_service(self.job)))
-        configs = build_stage_configs(
-            spec, plan, pod_endpoints(self.name, self.namespace, len(plan.stages))
+        shares = (
+            [p.micro_batches for p in plan.pipelines]
+            if plan.pipelines
+            else [spec.spec.training.micro_batches]
+        )
+        configs = build_pipeline_configs(
+            spec, splits, job_pod_endpoints(self.name, self.namespace, counts), shares
         )
 
-        def need(k: int) -> int:
-            return plan.stages[k].predicted_memory_bytes or DEFAULT_MEMORY_BYTES
+        def need(key: StageKey) -> int:
+            return splits[key[0]][key[1]].predicted_memory_bytes or DEFAULT_MEMORY_BYTES
 
-        replacing = {
-            k: (entries[k].pool or plan.stages[k].pool, need(k)) for k in due if entries[k].restarts
-        }
-        choices: dict[int, Choice] = {}
+        def planned_pool(key: StageKey) -> str:
+            return entries[key].pool or splits[key[0]][key[1]].pool
+
+        replacing = {key: (planned_pool(key), need(key)) for key in due if entries[key].restarts}
+        choices: dict[StageKey, Choice] = {}
         if replacing:
             choices = place_replacements(
                 spec, replacing, nodes, self.observed.cluster_pods, self.settings.catalog
             )
+        # A replacement restores the newest commit unless another pipeline trains on: then
+        # it rejoins from a live peer's state (docs/worker.md).
+        live = {key[0] for key in entries} - {
+            key[0] for key, s in entries.items() if s.phase != "Running"
+        }
         committed = self.committed_step()
         label = spec.spec.placement.gpu_label
-        for k in due:
-            entry = entries[k]
-            pool = entry.pool or plan.stages[k].pool
+        for key in due:
+            p, k = key
+            entry = entries[key]
+            pool = planned_pool(key)
             annotations = {INCARNATION_ANNOTATION: str(entry.restarts)}
-            choice = choices.get(k)
+            choice = choices.get(key)
             if choice is not None:
                 pool = choice.pool
                 if not choice.free:
-                    why = f"Stage {k} waits for a GPU on pool {pool}: {choice.why}."
+                    why = f"Stage {stage_name(entry)} waits for a GPU on pool {pool}: {choice.why}."
                     annotations[WAITING_ANNOTATION] = why
-                    waiting[k] = why
+                    waiting[key] = why
             selector = {**pool_selector(pool, nodes, label), **spec.spec.placement.node_selector}
             pod = build_stage_pod(
                 self.job,
                 self.pod_inputs(
-                    spec, k, pool=pool, selector=selector, need=need(k), config=configs[k]
+                    spec,
+                    (p if several else None, k),
+                    pool=pool,
+                    selector=selector,
+                    need=need(key),
+                    config=configs[p][k],
                 ),
             )
             pod["metadata"]["annotations"].update(annotations)
@@ -470,9 +562,9 @@ class _Pass:
                 "ready": False,
                 "node": None,
             }
-            if entry.restarts and committed is not None:
+            if entry.restarts and committed is not None and not live - {p}:
                 update["restored_from_step"] = committed
-            entries[k] = entry.model_copy(update=update)
+            entries[key] = entry.model_copy(update=update)
 
     def committed_step(self) -> int | None:
         """The newest committed checkpoint: a replacement restores it. The store's
@@ -486,7 +578,7 @@ class _Pass:
     def pod_inputs(
         self,
         spec: FineTuneJob,
-        k: int,
+        key: tuple[int | None, int],
         *,
         pool: str,
         selector: dict[str, str],
@@ -496,7 +588,8 @@ class _Pass:
         ref = spec.spec.checkpoint.credentials_secret
         placement = spec.spec.placement
         return StagePodInputs(
-            index=k,
+            index=key[1],
+            pipeline=key[0],
             pool=pool,
             node_selector=selector,
             memory_bytes=need,
@@ -511,38 +604,34 @@ class _Pass:
             priority_class_name=placement.priority_class_name,
         )
 
-    def remove_pods(self) -> None:
-        for pod in self.observed.pods.values():
+    def remove_pods(self, pipeline: int | None = None) -> None:
+        """Delete the job's stage pods (of `pipeline` only, if given)."""
+        for key, pod in sorted(self.observed.pods.items()):
+            if pipeline is not None and key[0] != pipeline:
+                continue
             meta = pod["metadata"]
             if not meta.get("deletionTimestamp"):
                 self.actions.append(DeletePod(meta["name"], meta.get("uid")))
 
     # --- outcomes ---------------------------------------------------------------------
 
-    def fail(self, stage: int, failure: str, restarts: int, limit: int) -> None:
-        """The policy allows no more restarts: the job is Failed and its pods go."""
+    def fail(self, why: str) -> None:
+        """The policy allows no more restarts (of the last pipeline left): the job is Failed
+        and its pods go."""
         self.remove_pods()
         self.update(stages=[idle_stage(s) for s in self.status.stages])
-        self.settle(
-            Verdict(
-                "Failed",
-                False,
-                False,
-                "BackoffLimitExceeded",
-                f"Stage {stage} failed again ({failure}) after {restarts} restarts; "
-                f"spec.failurePolicy.maxStageRestarts is {limit}.",
-            )
-        )
+        self.settle(Verdict("Failed", False, False, "BackoffLimitExceeded", why))
 
-    def follow_progress(self, spec: FineTuneJob) -> bool:
+    def follow_progress(self, spec: FineTuneJob, out: set[int]) -> bool:
         """Fold progress.json into status; True if the job finished (and was settled)."""
         progress = self.observed.progress
         if progress is not None:
             self.update(progress=ProgressStatus.model_validate(progress.status))
         stages, pods = self.status.stages, self.observed.pods
+        live = [s for s in stages if (s.pipeline or 0) not in out]
         all_done = (
-            bool(stages)
-            and len(pods) == len(stages)
+            bool(live)
+            and len(pods) == len(live)
             and all((p.get("status") or {}).get("phase") == "Succeeded" for p in pods.values())
         )
         reported_done = progress is not None and progress.done

@@ -24,6 +24,7 @@ from relaytrain_contract import PROGRESS_FILE, ConfigError
 from relaytrain_contract import Progress as Record
 
 from relaytrain_operator.apply import ClusterApi
+from relaytrain_operator.builders.labels import StageKey
 from relaytrain_operator.decide import ModelConfig, Needs, Observed, parse_spec, stage_pods
 from relaytrain_operator.objectstore import StoreAccess, StoreError, read_json
 from relaytrain_operator.progress import Progress, fold, job_store_uri
@@ -39,14 +40,14 @@ class Observer:
         self.api = api
         self._model_configs: dict[tuple[str | None, str], JsonDict] = {}
 
-    def stage_pods(self, namespace: str, name: str) -> dict[int, JsonDict]:
+    def stage_pods(self, namespace: str, name: str) -> dict[StageKey, JsonDict]:
         """The job's stage pods as the API server has them now."""
         return stage_pods(self.api.list_stage_pods(namespace, name))
 
     def observe(
         self,
         job: JsonDict,
-        pods: Mapping[int, JsonDict],
+        pods: Mapping[StageKey, JsonDict],
         nodes: Mapping[str, JsonDict],
         wanted: Needs,
         now: datetime,

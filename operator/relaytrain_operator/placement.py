@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from relaytrain_operator.builders.labels import JOB_LABEL, POOL_ANNOTATION
 from relaytrain_operator.planner import (
@@ -59,6 +59,8 @@ __all__ = [
 ]
 
 JsonDict = dict[str, Any]
+Key = TypeVar("Key", int, tuple[int, int])
+"""A replaced stage: its index, or (pipeline, stage)."""
 MIB = 1024 * 1024
 GIB = 1024 * MIB
 # Taint effects that keep a pod off a node unless tolerated (PreferNoSchedule only prefers).
@@ -406,19 +408,19 @@ def _why_no_room(
 
 def place_replacements(
     job: FineTuneJob,
-    stages: Mapping[int, tuple[str, int]],
+    stages: Mapping[Key, tuple[str, int]],
     nodes: Sequence[Mapping[str, Any]],
     pods: Iterable[Mapping[str, Any]],
     catalog: Catalog | None = None,
-) -> dict[int, Choice]:
-    """Where each replaced stage goes: `stages` maps stage index to (its current pool, the
-    bytes it needs). The GPUs free now on the job's eligible nodes are handed out in stage
+) -> dict[Key, Choice]:
+    """Where each replaced stage goes: `stages` maps (pipeline, stage) to (its current pool,
+    the bytes it needs). The GPUs free now on the job's eligible nodes are handed out in stage
     order, so two replacements do not both count one free GPU."""
     catalog = catalog or DEFAULT_CATALOG
     label_key = job.spec.placement.gpu_label
     eligible = eligible_nodes(nodes, job.spec.placement)
     rooms = dict(pool_rooms(free_nodes(eligible, pods, label_key), label_key, catalog))
-    choices: dict[int, Choice] = {}
+    choices: dict[Key, Choice] = {}
     for k in sorted(stages):
         current, need_bytes = stages[k]
         need_mib = -(-need_bytes // MIB)

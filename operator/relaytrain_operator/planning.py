@@ -2,8 +2,10 @@
 
 The planner works on pools; `placement.job_pools` says which of them the job may use and
 what is free there (the same rules as a replacement and `relaytrain plan`). This module
-calls the planner and returns its result as status.plan (`Plan.to_status()`, the shape
-the CRD declares). The plan is made once, when the job starts; afterwards status.plan is
+calls the planner — `plan_fleet`, which plans `spec.pipeline.replicas` pipelines (`auto`:
+the best number, one included) — and returns its result as status.plan
+(`FleetPlan.to_status()`, the shape the CRD declares: today's fields with one pipeline,
+`pipelines[]` with several). The plan is made once, when the job starts; afterwards status.plan is
 the record every replacement pod is built from, so a stage keeps its layers whatever
 happens to the cluster meanwhile.
 """
@@ -20,32 +22,13 @@ from relaytrain_operator.planner import (
     PlanError,
     PoolError,
     TrainingShape,
-    plan,
+    plan_fleet,
 )
-from relaytrain_operator.spec import FineTuneJob, SpecError
+from relaytrain_operator.spec import FineTuneJob
 
 JsonDict = dict[str, Any]
 
-__all__ = ["PlanError", "check_deployable", "make_plan", "training_shape"]
-
-
-def check_deployable(job: FineTuneJob) -> None:
-    """Raise SpecError, naming the field, for a job the API server accepts but the operator
-    cannot deploy yet: several pipelines (`spec.pipeline.replicas` other than 1, `auto`
-    included). The worker trains several as one job (`relaytrain run --local` does), but
-    the operator plans, names and places the pods of one pipeline only.
-    """
-    replicas = job.spec.pipeline.replicas
-    if replicas != 1:
-        raise SpecError(
-            [
-                (
-                    "spec.pipeline.replicas",
-                    f"is {replicas!r}, but this operator deploys one pipeline per job (several "
-                    "pipelines run with `relaytrain run --local` for now); set it to 1",
-                )
-            ]
-        )
+__all__ = ["PlanError", "make_plan", "training_shape"]
 
 
 def training_shape(job: FineTuneJob) -> TrainingShape:
@@ -100,12 +83,13 @@ def make_plan(
         training = training_shape(job)
     except ValueError as err:
         raise PlanError(f"The training settings cannot be planned: {err}") from err
-    stages = job.spec.pipeline.stages
-    result = plan(
+    pipeline = job.spec.pipeline
+    result = plan_fleet(
         shape,
         training,
         pools,
         catalog=catalog,
-        stages=None if stages == "auto" else stages,
+        stages=None if pipeline.stages == "auto" else pipeline.stages,
+        replicas=None if pipeline.replicas == "auto" else pipeline.replicas,
     )
     return result.to_status()

@@ -27,6 +27,7 @@ from relaytrain_contract import (
     LINK_KEY_ENV,
     LINK_PORT,
     METRICS_PORT,
+    REPLICA_PORT,
     SECRET_KEY_ENV,
     STAGE_CONFIG_KIND,
     CheckpointSpec,
@@ -60,6 +61,7 @@ __all__ = [
     "StageEndpoints",
     "build_pipeline_configs",
     "build_stage_configs",
+    "job_pod_endpoints",
     "layer_ranges",
     "link_identity",
     "local_endpoints",
@@ -90,9 +92,16 @@ class StageEndpoints:
     """`host:port` at which the stages of lower pipelines reach `replica_listen`."""
 
 
-def stage_address(job_name: str, namespace: str, index: int, port: int = LINK_PORT) -> str:
-    """Stable DNS address of stage `index` under the job's headless Service (named as the job)."""
-    return f"{stage_dns_name(job_name, namespace, index)}:{port}"
+def stage_address(
+    job_name: str,
+    namespace: str,
+    index: int,
+    port: int = LINK_PORT,
+    pipeline: int | None = None,
+) -> str:
+    """Stable DNS address of stage `index` (of `pipeline`: see `stage_pod_name`) under the
+    job's headless Service (named as the job)."""
+    return f"{stage_dns_name(job_name, namespace, index, pipeline)}:{port}"
 
 
 def pod_endpoints(
@@ -101,15 +110,42 @@ def pod_endpoints(
     count: int,
     port: int = LINK_PORT,
     metrics_port: int = METRICS_PORT,
+    *,
+    pipeline: int | None = None,
+    replica_port: int = REPLICA_PORT,
 ) -> list[StageEndpoints]:
-    """Endpoints of `count` stage pods: every pod listens on all interfaces at `port`."""
+    """Endpoints of `count` stage pods: every pod listens on all interfaces at `port`.
+
+    `pipeline` None: the job's only pipeline. With several, the pods of pipeline p are
+    named for it, and on every pipeline but 0 each also accepts the lower pipelines' stages
+    on `replica_port`.
+    """
+    replicas = pipeline is not None and pipeline > 0
     return [
         StageEndpoints(
             listen=None if k == 0 else f"0.0.0.0:{port}",
-            next=None if k == count - 1 else stage_address(job_name, namespace, k + 1, port),
+            next=None
+            if k == count - 1
+            else stage_address(job_name, namespace, k + 1, port, pipeline),
             metrics_port=metrics_port,
+            replica_listen=f"0.0.0.0:{replica_port}" if replicas else None,
+            replica_address=stage_address(job_name, namespace, k, replica_port, pipeline)
+            if replicas
+            else None,
         )
         for k in range(count)
+    ]
+
+
+def job_pod_endpoints(
+    job_name: str, namespace: str, counts: Sequence[int]
+) -> list[list[StageEndpoints]]:
+    """Endpoints of the stage pods of every pipeline, `[p][k]`, for `counts[p]` stages each
+    (one pipeline: its pods keep the one-pipeline names)."""
+    several = len(counts) > 1
+    return [
+        pod_endpoints(job_name, namespace, count, pipeline=p if several else None)
+        for p, count in enumerate(counts)
     ]
 
 

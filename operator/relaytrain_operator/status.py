@@ -10,17 +10,27 @@ quiet job costs the API server nothing.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any, Literal
 
 from relaytrain_operator.recovery import REPLACING
-from relaytrain_operator.spec import Condition, FineTuneJobStatus, StageStatus, status_patch
+from relaytrain_operator.spec import (
+    Condition,
+    FineTuneJobStatus,
+    PipelineStatus,
+    PlanStatus,
+    StageStatus,
+    status_patch,
+)
 
 JsonDict = dict[str, Any]
 
 READY = "Ready"
 PROGRESSING = "Progressing"
+DEGRADED = "Degraded"
+"""Condition of a job that trains several pipelines: True while one of them is out
+(recovering or given up) and the others train on."""
 
 # Reasons after which nothing more happens to the job (an InvalidSpec "Failed" is not
 # one: a corrected spec clears it).
@@ -94,6 +104,9 @@ class Verdict:
     """CamelCase reason for both conditions."""
     message: str
     """Human message for both conditions."""
+    degraded: bool | None = None
+    """The Degraded condition (several pipelines): None leaves it as it is, or False if the
+    job has one."""
 
 
 def set_condition(
@@ -136,6 +149,17 @@ def with_verdict(
             now=now,
             generation=generation,
         )
+    if verdict.degraded is not None or condition(status, DEGRADED) is not None:
+        degraded = bool(verdict.degraded)
+        conditions = set_condition(
+            conditions,
+            DEGRADED,
+            degraded,
+            reason=verdict.reason if degraded else "AllPipelinesTraining",
+            message=verdict.message if degraded else "No pipeline is out.",
+            now=now,
+            generation=generation,
+        )
     update: dict[str, Any] = {
         "phase": verdict.phase,
         "conditions": sorted(conditions, key=lambda c: c.type),
@@ -173,16 +197,26 @@ def idle_stage(entry: StageStatus) -> StageStatus:
     """A stage entry with no pod (suspended, finished or failed job)."""
     return StageStatus(
         index=entry.index,
+        pipeline=entry.pipeline,
         pool=entry.pool,
         restarts=entry.restarts,
         last_failure=entry.last_failure,
+        last_failure_time=entry.last_failure_time,
         restored_from_step=entry.restored_from_step,
     )
 
 
-def running_verdict(stages: list[StageStatus], waiting: Mapping[int, str] | None = None) -> Verdict:
+def stage_name(entry: StageStatus) -> str:
+    """A stage as messages name it: `2`, or `p1/s2` when the job trains several pipelines."""
+    return str(entry.index) if entry.pipeline is None else f"p{entry.pipeline}/s{entry.index}"
+
+
+def running_verdict(
+    stages: list[StageStatus], waiting: Mapping[tuple[int, int], str] | None = None
+) -> Verdict:
     """Phase and conditions of a started job from its stage entries. `waiting`: stages
-    whose pod waits on a full pool because no eligible node had a free GPU, and why."""
+    (pipeline, stage) whose pod waits on a full pool because no eligible node had a free
+    GPU, and why."""
     total = len(stages)
     running = [s for s in stages if s.phase == "Running"]
     if waiting:
@@ -194,16 +228,18 @@ def running_verdict(stages: list[StageStatus], waiting: Mapping[int, str] | None
             "Unschedulable",
             waiting[first],
         )
-    recovering = sorted(
-        {s.index for s in stages if s.phase == REPLACING or (s.restarts and s.phase != "Running")}
-    )
+    recovering = [
+        stage_name(s)
+        for s in stages
+        if s.phase == REPLACING or (s.restarts and s.phase != "Running")
+    ]
     if recovering:
         return Verdict(
             "Recovering",
             False,
             True,
             "StageRestarting",
-            f"Replacing stage {', '.join(map(str, recovering))}; the pipeline resumes from the "
+            f"Replacing stage {', '.join(recovering)}; the pipeline resumes from the "
             f"last committed checkpoint.",
         )
     if total and len(running) == total:
@@ -213,12 +249,94 @@ def running_verdict(stages: list[StageStatus], waiting: Mapping[int, str] | None
     )
 
 
+def _recovering(stage: StageStatus) -> bool:
+    return stage.phase == REPLACING or bool(stage.restarts and stage.phase != "Running")
+
+
+def pipeline_statuses(
+    plan: PlanStatus, stages: list[StageStatus], given_up: set[int]
+) -> list[PipelineStatus] | None:
+    """status.pipelines of a job that trains several (None for one): each pipeline's
+    phase, ready stages, restarts and planned share."""
+    if not plan.pipelines:
+        return None
+    result = []
+    for planned in plan.pipelines:
+        mine = [s for s in stages if s.pipeline == planned.index]
+        phase: Literal["Pending", "Running", "Recovering", "Failed"]
+        if planned.index in given_up:
+            phase = "Failed"
+        elif mine and all(s.phase == "Running" for s in mine):
+            phase = "Running"
+        elif any(_recovering(s) for s in mine):
+            phase = "Recovering"
+        else:
+            phase = "Pending"
+        result.append(
+            PipelineStatus(
+                index=planned.index,
+                phase=phase,
+                ready_stages=f"{sum(1 for s in mine if s.ready)}/{len(planned.stages)}",
+                restarts=sum(s.restarts for s in mine),
+                micro_batches=planned.micro_batches,
+            )
+        )
+    return result
+
+
+def fleet_verdict(
+    stages: list[StageStatus],
+    pipelines: list[PipelineStatus] | None,
+    waiting: Mapping[tuple[int, int], str] | None = None,
+) -> Verdict:
+    """Phase and conditions of a started job: `running_verdict` for one pipeline. With
+    several, the job is Running while any pipeline trains, Degraded while another is out
+    (recovering, or given up); with none training, the live pipelines' stages decide as
+    for one pipeline."""
+    if not pipelines:
+        return running_verdict(stages, waiting)
+    failed = {p.index for p in pipelines if p.phase == "Failed"}
+    training = [p for p in pipelines if p.phase == "Running"]
+    out = [p for p in pipelines if p.phase != "Running"]
+    if not training:
+        live = [s for s in stages if s.pipeline not in failed]
+        waits = {k: why for k, why in (waiting or {}).items() if k[0] not in failed}
+        return replace(running_verdict(live, waits), degraded=bool(failed))
+    total = len(pipelines)
+    if not out:
+        return Verdict(
+            "Running",
+            True,
+            True,
+            "StagesRunning",
+            f"All {total} pipelines ({len(stages)} stages) are training.",
+            degraded=False,
+        )
+    why = "; ".join(
+        f"pipeline {p.index} is {'given up' if p.phase == 'Failed' else p.phase.lower()}"
+        for p in out
+    )
+    return Verdict(
+        "Running",
+        True,
+        True,
+        "PipelinesDegraded",
+        f"{len(training)}/{total} pipelines are training ({why}); the others train on "
+        f"with the step's micro-batches shared among them.",
+        degraded=True,
+    )
+
+
 def finalize(status: FineTuneJobStatus) -> FineTuneJobStatus:
-    """The printer fields derived from the stages: restarts and readyStages."""
+    """The printer fields derived from the stages: restarts, readyStages and, with several
+    pipelines, readyPipelines."""
     stages = status.stages
     update: dict[str, Any] = {"restarts": sum(s.restarts for s in stages)}
     if stages:
         update["ready_stages"] = f"{sum(1 for s in stages if s.ready)}/{len(stages)}"
+    if status.pipelines:
+        training = sum(1 for p in status.pipelines if p.phase == "Running")
+        update["ready_pipelines"] = f"{training}/{len(status.pipelines)}"
     return status.model_copy(update=update)
 
 

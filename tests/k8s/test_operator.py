@@ -285,6 +285,96 @@ def test_a_failed_or_deleted_stage_is_replaced_alone(kube: Cluster, model_dir: P
     wait_for("2 events", lambda: len(kube.events("rep", "StageRestarting")) == 2)
 
 
+def test_two_pipelines_land_and_a_failed_stage_takes_out_its_pipeline_only(
+    kube: Cluster, model_dir: Path, kube_cluster: Any
+) -> None:
+    from relaytrain_contract import StageConfig
+
+    # A back-off holds the failed pipeline out long enough to see the job Degraded.
+    kube.create_job(
+        job_manifest(
+            "fleet",
+            model_dir,
+            pipeline={"stages": 2, "replicas": 2},
+            failurePolicy={"maxStageRestarts": 3, "backoffSeconds": 4},
+        )
+    )
+    pods = wait_for("4 running stage pods", lambda: kube.running("fleet", 4))
+    assert sorted(pods) == ["fleet-p0-s0", "fleet-p0-s1", "fleet-p1-s0", "fleet-p1-s1"]
+    status = wait_for(
+        "2/2 pipelines", lambda: (s := kube.status("fleet")).get("readyPipelines") == "2/2" and s
+    )
+    assert status["phase"] == "Running" and kube.condition("fleet", "Degraded")["status"] == "False"
+    plan = status["plan"]
+    assert [len(p["stages"]) for p in plan["pipelines"]] == [2, 2]
+    assert sum(p["microBatches"] for p in plan["pipelines"]) == 8
+    assert [(p["index"], p["phase"], p["readyStages"]) for p in status["pipelines"]] == [
+        (0, "Running", "2/2"),
+        (1, "Running", "2/2"),
+    ]
+    for name, pod in pods.items():
+        p, k = int(name[7]), int(name[10])
+        labels = pod.metadata.labels
+        assert (labels["relaytrain.io/pipeline"], labels["relaytrain.io/stage"]) == (str(p), str(k))
+        assert pod.spec.hostname == name and pod.spec.subdomain == "fleet"
+        stage = plan["pipelines"][p]["stages"][k]
+        assert pod.spec.node_selector["relaytrain.io/pool"] == stage["pool"]
+        env = {e.name: e for e in pod.spec.containers[0].env}
+        assert env["RELAYTRAIN_LINK_CERT"].value_from.secret_key_ref.key == f"p{p}-s{k}.crt"
+        config = StageConfig.from_json(env["RELAYTRAIN_STAGE_CONFIG"].value)
+        assert config.replicas is not None and config.replicas.pipeline == p
+        assert (config.stage.layerStart, config.stage.layerEnd) == (
+            stage["layerStart"],
+            stage["layerEnd"],
+        )
+        for peer in config.replicas.peers:
+            if peer.pipeline > p:
+                assert (
+                    peer.address
+                    == f"fleet-p{peer.pipeline}-s{peer.stage}.fleet.{kube.ns}.svc:29501"
+                )
+    secret = kube.core.read_namespaced_secret("fleet-link", kube.ns)
+    assert sorted(secret.data) == [
+        "ca.crt",
+        *(f"p{p}-s{k}.{e}" for p in range(2) for k in range(2) for e in ("crt", "key")),
+    ]
+    # `kubectl get ftj` shows the pipelines.
+    table = kube_cluster.kubectl("get", "ftj", "fleet", "-n", kube.ns).stdout.splitlines()
+    assert "PIPELINES" in table[0].split() and "2/2" in table[1].split()
+
+    before = kube.uids("fleet")
+    kube.fail_pod("fleet-p1-s0")
+    degraded = wait_for(
+        "Degraded", lambda: (c := kube.condition("fleet", "Degraded")).get("status") == "True" and c
+    )
+    assert "pipeline 1 is recovering" in degraded["message"]
+    out = kube.status("fleet")
+    assert out["phase"] == "Running" and out["readyPipelines"] == "1/2"
+    assert [p["phase"] for p in out["pipelines"]] == ["Running", "Recovering"]
+    after = wait_for(
+        "p1/s0 replaced",
+        lambda: (
+            (u := kube.uids("fleet")).get("fleet-p1-s0") not in (None, before["fleet-p1-s0"])
+            and kube.running("fleet", 4)
+            and u
+        ),
+    )
+    # The other pipeline, and the failed one's other stage, were never touched.
+    for name in ("fleet-p0-s0", "fleet-p0-s1", "fleet-p1-s1"):
+        assert after[name] == before[name]
+    wait_for("whole again", lambda: kube.condition("fleet", "Degraded").get("status") == "False")
+    final = kube.status("fleet")
+    assert [p["restarts"] for p in final["pipelines"]] == [0, 1]
+    assert [(s.get("pipeline"), s["index"], s["restarts"]) for s in final["stages"]] == [
+        (0, 0, 0),
+        (0, 1, 0),
+        (1, 0, 1),
+        (1, 1, 0),
+    ]
+    event = wait_for("a StageRestarting event", lambda: kube.events("fleet", "StageRestarting"))
+    assert "Stage p1/s0 pod fleet-p1-s0 ended (Error)" in event[0].message
+
+
 def test_repeated_failures_fail_the_job_exactly_at_the_policy(
     kube: Cluster, model_dir: Path, operator: OperatorProcess
 ) -> None:
@@ -663,7 +753,7 @@ INVALID = [
         _set("method", "targetModules", value=["lm_head"]),
         "InvalidSpec",
     ),
-    ("several-pipelines", _set("pipeline", "replicas", value=2), "InvalidSpec"),
+    ("more-pipelines-than-gpus", _set("pipeline", "replicas", value=6), "Unschedulable"),
     ("hub-model-without-hub", _set("model", "uri", value="hf://org/name"), "ModelUnavailable"),
     ("model-without-config", _set("model", "uri", value="/nonexistent/model"), "ModelUnavailable"),
     ("more-stages-than-layers", _set("pipeline", "stages", value=40), "Unschedulable"),

@@ -137,7 +137,10 @@ def test_a_pass_observes_the_job_it_read_and_applies_what_was_decided(
     assert decision.actions == (event,) and decision.retry_after == 5.0
     ((job, pods, nodes, wanted),) = loop.observed
     assert job == JOB
-    assert {k: p["metadata"]["name"] for k, p in pods.items()} == {0: "j-stage-0", 1: "j-stage-1"}
+    assert {k: p["metadata"]["name"] for k, p in pods.items()} == {
+        (0, 0): "j-stage-0",
+        (0, 1): "j-stage-1",
+    }
     assert nodes == {"a100-0", "rtx-0"}  # the nodes of the job's pods, not every node
     assert not wanted.pods and not wanted.room  # every stage is indexed
     assert loop.applied == [(JOB, (event,))]

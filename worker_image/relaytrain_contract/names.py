@@ -36,6 +36,9 @@ LINK_PORT = 29500
 """Port on which stage k listens for stage k-1 (in pods)."""
 METRICS_PORT = 9400
 """Port of a stage's /metrics and /healthz (in pods)."""
+REPLICA_PORT = 29501
+"""Port on which a stage of pipeline p > 0 accepts the stages of lower pipelines that share
+its layers (in pods; jobs with several pipelines only)."""
 
 PROGRESS_FILE = "progress.json"
 """The progress record under `<checkpoint.uri>/<namespace>/<job>/` (see progress.py)."""

@@ -7,7 +7,10 @@ from typing import Any
 JOB_LABEL = "relaytrain.io/job"
 """Label on every child of a job: the job's name (the pod watch and the Service select it)."""
 STAGE_LABEL = "relaytrain.io/stage"
-"""Label on a stage pod: its 0-based stage index."""
+"""Label on a stage pod: its 0-based stage index within its pipeline."""
+PIPELINE_LABEL = "relaytrain.io/pipeline"
+"""Label on a stage pod: its 0-based pipeline index (0 while the job has one; a pod
+without it, created by an older operator, belongs to pipeline 0)."""
 POOL_ANNOTATION = "relaytrain.io/pool"
 """Annotation on a stage pod: the GPU pool (label value) it was pinned to."""
 MANAGED_BY = "relaytrain-operator"
@@ -19,9 +22,20 @@ KIND = "FineTuneJob"
 MAX_DNS_LABEL = 63
 
 
-def stage_pod_name(job_name: str, index: int) -> str:
-    """Pod name and hostname of stage `index`: stable across replacements."""
-    return f"{job_name}-stage-{index}"
+StageKey = tuple[int, int]
+"""(pipeline, stage) of a stage pod: pipeline 0 while the job has one."""
+
+
+def stage_pod_name(job_name: str, index: int, pipeline: int | None = None) -> str:
+    """Pod name and hostname of stage `index`: stable across replacements.
+
+    `pipeline` None: the job trains one pipeline (`<job>-stage-<k>`); with several, stage k
+    of pipeline p is `<job>-p<p>-s<k>` (a 50-character job name leaves room for 64
+    pipelines of up to 999 stages within one 63-character DNS label).
+    """
+    if pipeline is None:
+        return f"{job_name}-stage-{index}"
+    return f"{job_name}-p{pipeline}-s{index}"
 
 
 def link_secret_name(job_name: str) -> str:
@@ -29,9 +43,10 @@ def link_secret_name(job_name: str) -> str:
     return f"{job_name}-link"
 
 
-def stage_dns_name(job_name: str, namespace: str, index: int) -> str:
-    """The stable DNS name of stage `index` under the job's headless Service."""
-    return f"{stage_pod_name(job_name, index)}.{job_name}.{namespace}.svc"
+def stage_dns_name(job_name: str, namespace: str, index: int, pipeline: int | None = None) -> str:
+    """The stable DNS name of stage `index` (of `pipeline`, as in `stage_pod_name`) under the
+    job's headless Service."""
+    return f"{stage_pod_name(job_name, index, pipeline)}.{job_name}.{namespace}.svc"
 
 
 def job_labels(job_name: str) -> dict[str, str]:

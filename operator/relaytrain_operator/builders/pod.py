@@ -6,9 +6,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from relaytrain_contract import CONFIG_ENV, LINK_PORT, METRICS_PORT
+from relaytrain_contract import CONFIG_ENV, LINK_PORT, METRICS_PORT, REPLICA_PORT
 
 from relaytrain_operator.builders.labels import (
+    PIPELINE_LABEL,
     POOL_ANNOTATION,
     STAGE_LABEL,
     child_metadata,
@@ -44,7 +45,7 @@ class StagePodInputs:
     """Everything one stage pod is built from; filled from the spec and the plan."""
 
     index: int
-    """0-based stage index."""
+    """0-based stage index (within its pipeline)."""
     pool: str
     """The pool (planner's pool name) this stage runs on."""
     node_selector: dict[str, str]
@@ -65,6 +66,8 @@ class StagePodInputs:
     """Pull policy of the worker image."""
     cpu: str | None = None
     """CPU to request, if the spec names one."""
+    pipeline: int | None = None
+    """The stage's pipeline when the job trains several; None: the job's only one."""
 
 
 def _secret_env(name: str, secret: str, key: str) -> dict[str, Any]:
@@ -83,9 +86,10 @@ def _env(job_name: str, inputs: StagePodInputs) -> list[dict[str, Any]]:
     # certificate), by reference.
     links = config.get("links") or {}
     link_secret = link_secret_name(job_name)
+    pipeline = inputs.pipeline or 0
     for env_field, file in (
-        ("certEnv", cert_file(0, inputs.index)),
-        ("keyEnv", key_file(0, inputs.index)),
+        ("certEnv", cert_file(pipeline, inputs.index)),
+        ("keyEnv", key_file(pipeline, inputs.index)),
         ("caEnv", CA_FILE),
     ):
         if links.get(env_field):
@@ -118,20 +122,25 @@ def build_stage_pod(job: dict[str, Any], inputs: StagePodInputs) -> dict[str, An
     counts restarts and restores from a checkpoint), not restarted in place by the kubelet.
     """
     job_name = job["metadata"]["name"]
-    name = stage_pod_name(job_name, inputs.index)
+    name = stage_pod_name(job_name, inputs.index, inputs.pipeline)
     metadata = child_metadata(job, name)
     metadata["labels"][STAGE_LABEL] = str(inputs.index)
+    metadata["labels"][PIPELINE_LABEL] = str(inputs.pipeline or 0)
     metadata["annotations"] = {POOL_ANNOTATION: inputs.pool}
+    ports = [
+        {"name": "link", "containerPort": LINK_PORT, "protocol": "TCP"},
+        {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"},
+    ]
+    if inputs.pipeline:
+        # Stages of pipelines above 0 accept the lower pipelines' stages here.
+        ports.append({"name": "replica", "containerPort": REPLICA_PORT, "protocol": "TCP"})
     container: dict[str, Any] = {
         "name": "worker",
         "image": inputs.image,
         "imagePullPolicy": inputs.image_pull_policy,
         "command": ["python", "-m", "relaytrain_worker"],
         "env": _env(job_name, inputs),
-        "ports": [
-            {"name": "link", "containerPort": LINK_PORT, "protocol": "TCP"},
-            {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"},
-        ],
+        "ports": ports,
         "resources": _resources(inputs),
         "readinessProbe": {
             "httpGet": {"path": "/healthz", "port": "metrics"},

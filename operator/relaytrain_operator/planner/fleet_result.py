@@ -58,6 +58,22 @@ class FleetPlan:
         """Predicted tokens/s over the best single pipeline's."""
         return self.tokens_per_second / self.single.tokens_per_second
 
+    def to_status(self) -> dict[str, Any]:
+        """The FineTuneJob's ``status.plan``: with one pipeline exactly :meth:`Plan.to_status`;
+        with several, each pipeline's own under ``pipelines[]`` with its share, and the whole
+        job's predictions (sync included)."""
+        if len(self.pipelines) == 1:
+            return self.pipelines[0].to_status()
+        return {
+            "pipelines": [
+                {"index": i, "microBatches": p.micro_batches, **p.to_status()}
+                for i, p in enumerate(self.pipelines)
+            ],
+            "predictedStepSeconds": _round(self.step_seconds),
+            "predictedTokensPerSecond": _round(self.tokens_per_second),
+            "predictedSyncSeconds": _round(self.sync.per_step_seconds),
+        }
+
     def to_dict(self) -> dict[str, Any]:
         """``relaytrain plan --json``: with one pipeline exactly :meth:`Plan.to_dict`."""
         if len(self.pipelines) == 1:

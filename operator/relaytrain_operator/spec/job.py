@@ -199,8 +199,8 @@ class PipelineSpec(_Model):
     replicas: Annotated[int | Literal["auto"], PlainValidator(_replicas)] = 1
     """Pipelines that train together on one global batch per step (each its own GPUs and
     layer split, every step's micro-batches shared among them), or `auto` to let the planner
-    choose. At most training.microBatches. The operator deploys one pipeline for now and
-    refuses a job with another value; `relaytrain run --local` runs several."""
+    choose. At most training.microBatches. A failed stage takes only its pipeline out: the
+    others train on."""
     schedule: PipelineSchedule = "1f1b"
     """Pipeline schedule; one-forward-one-backward."""
     compression: Compression = "int8"

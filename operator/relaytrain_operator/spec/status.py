@@ -18,7 +18,9 @@ __all__ = [
     "FineTuneJobStatus",
     "OutputStatus",
     "Phase",
+    "PipelineStatus",
     "PlanBottleneck",
+    "PlanPipeline",
     "PlanStatus",
     "PlannedStage",
     "ProgressStatus",
@@ -88,11 +90,35 @@ class PlanBottleneck(_Status):
     """What limits it."""
 
 
+class PlanPipeline(_Status):
+    """One of several pipelines of the plan (its own GPUs and layer split)."""
+
+    index: int
+    """Pipeline number, 0 first."""
+    micro_batches: int
+    """This pipeline's share of each step's micro-batches."""
+    stages: list[PlannedStage] = Field(default_factory=list)
+    """Its stages in pipeline order."""
+    predicted_step_seconds: float | None = None
+    """Predicted time of its share of a step (1F1B, bubble included)."""
+    predicted_tokens_per_second: float | None = None
+    """Predicted throughput of this pipeline alone."""
+    bubble_fraction: float | None = None
+    """Predicted share of time its stages wait in the fill and drain."""
+    bottleneck: PlanBottleneck | None = None
+    """The stage and resource that limit this pipeline."""
+
+
 class PlanStatus(_Status):
     """The planner's result for this job."""
 
     stages: list[PlannedStage] = Field(default_factory=list)
-    """Stages in pipeline order."""
+    """Stages in pipeline order (a job with one pipeline; see `pipelines` otherwise)."""
+    pipelines: list[PlanPipeline] | None = None
+    """The pipelines of a job that trains several, each with its stages and share (unset
+    while the job has one: its stages are `stages`)."""
+    predicted_sync_seconds: float | None = None
+    """Predicted time per step of keeping the pipelines' weights equal (several only)."""
     predicted_step_seconds: float | None = None
     """Predicted time per optimizer step."""
     predicted_tokens_per_second: float | None = None
@@ -102,12 +128,22 @@ class PlanStatus(_Status):
     bottleneck: PlanBottleneck | None = None
     """The stage and resource that limit throughput."""
 
+    def splits(self) -> list[list[PlannedStage]]:
+        """Every pipeline's stages, in pipeline order (`[stages]` for one pipeline)."""
+        return [p.stages for p in self.pipelines] if self.pipelines else [self.stages]
+
+    def several(self) -> bool:
+        """Whether the job trains several pipelines."""
+        return bool(self.pipelines)
+
 
 class StageStatus(_Status):
     """One stage's pod as the operator last saw it."""
 
     index: int
-    """Stage number."""
+    """Stage number (within its pipeline)."""
+    pipeline: int | None = None
+    """Pipeline number, when the job trains several."""
     pod: str | None = None
     """Name of the stage's current pod."""
     node: str | None = None
@@ -124,6 +160,25 @@ class StageStatus(_Status):
     """Checkpoint step the current pod restored from."""
     last_failure: str | None = None
     """Why the previous pod of this stage ended."""
+    last_failure_time: str | None = None
+    """When that failure was counted (RFC 3339): the successor's back-off runs from it."""
+
+
+class PipelineStatus(_Status):
+    """One pipeline of a job that trains several."""
+
+    index: int
+    """Pipeline number."""
+    phase: Literal["Pending", "Running", "Recovering", "Failed"]
+    """Running: every stage pod runs; Recovering: a stage is being replaced (the other
+    pipelines train on); Failed: a stage used up spec.failurePolicy.maxStageRestarts, so the
+    pipeline was given up and the others train on without it; Pending: starting."""
+    ready_stages: str
+    """`ready/total` stage pods of this pipeline."""
+    restarts: int = 0
+    """Stage pod replacements in this pipeline."""
+    micro_batches: int
+    """Its planned share of each step's micro-batches."""
 
 
 class ProgressStatus(_Status):
@@ -174,6 +229,10 @@ class FineTuneJobStatus(_Status):
     """Per-stage pods."""
     ready_stages: str | None = None
     """`ready/total` stage pods, for the printer column."""
+    pipelines: list[PipelineStatus] | None = None
+    """Per pipeline, when the job trains several (unset while it has one)."""
+    ready_pipelines: str | None = None
+    """`running/total` pipelines, for the printer column (several pipelines only)."""
     restarts: int = 0
     """Stage pod replacements, all stages together."""
     progress: ProgressStatus | None = None
