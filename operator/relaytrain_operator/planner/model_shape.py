@@ -60,6 +60,9 @@ _ATTENTION_BIAS = {
     "llama", "qwen3", "gemma", "gemma2", "gemma3_text", "gpt_oss", "olmo2", "granite",
     "qwen3_moe",
 }  # fmt: skip
+#: Families whose config class ties the head to the embedding when config.json is silent
+#: (google/gemma-2-27b's config.json does not say).
+_TIED_BY_DEFAULT = {"gemma", "gemma2", "gemma3_text"}
 #: Families whose gate/up/down projections take `mlp_bias`.
 _MLP_BIAS = {"llama", "granite"}
 #: Where each MoE family keeps its expert count.
@@ -245,7 +248,9 @@ class ModelShape:
             num_kv_heads=kv_heads,
             head_dim=head_dim,
             vocab_size=need("vocab_size"),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(
+                config.get("tie_word_embeddings", model_type in _TIED_BY_DEFAULT)
+            ),
             max_position_embeddings=int(config.get("max_position_embeddings") or 2048),
             attention_bias=qkv_bias,
             model_type=str(model_type),
