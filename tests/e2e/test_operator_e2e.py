@@ -102,7 +102,7 @@ def env(
         core.delete_namespace(ns)
 
 
-def job_manifest(name: str, minio: Any) -> dict[str, Any]:
+def job_manifest(name: str, minio: Any, **pipeline: Any) -> dict[str, Any]:
     bucket = minio.bucket
     return {
         "apiVersion": f"{GROUP}/{VERSION}",
@@ -124,7 +124,7 @@ def job_manifest(name: str, minio: Any) -> dict[str, Any]:
                 "warmupSteps": 1,
                 "seed": 3,
             },
-            "pipeline": {"stages": 3, "compression": "int8"},
+            "pipeline": {"stages": 3, "compression": "int8", **pipeline},
             "checkpoint": {
                 "uri": f"s3://{bucket}/ckpt",
                 "endpoint": minio.url,
@@ -282,3 +282,46 @@ def test_job_survives_a_stage_killed_mid_run(env: dict[str, Any]) -> None:
         for o in mc.list_objects(e["minio"].bucket, f"adapters/{name}/", recursive=True)
     }
     assert {"adapter_config.json", "adapter_model.safetensors"} <= files, (out, files)
+
+
+def test_two_pipelines_train_one_job(env: dict[str, Any]) -> None:
+    """Two 2-stage pipelines of real worker processes, wired by the operator through the
+    Service's stable names, train one job: each pipeline's share of every step, gradients
+    reduced across them, one progress record and one adapter."""
+    e = env
+    custom, ns, runner = e["custom"], e["ns"], e["runner"]
+    name = "tiny-fleet"
+    manifest = job_manifest(name, e["minio"], stages=2, replicas=2)
+    manifest["spec"]["training"]["steps"] = 12
+    custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, manifest)
+
+    def status() -> dict[str, Any]:
+        return (
+            custom.get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name).get("status")
+            or {}
+        )
+
+    try:
+        final = wait_for(
+            "the two-pipeline job to finish",
+            lambda: (st := status()).get("phase") in ("Succeeded", "Failed") and st,
+            timeout=600,
+        )
+    except AssertionError as err:
+        raise AssertionError(f"{err}\n{diagnostics(e)}") from None
+    assert final["phase"] == "Succeeded", f"{final}\n{diagnostics(e)}"
+    plan = final["plan"]
+    shares = [p["microBatches"] for p in plan["pipelines"]]
+    assert len(shares) == 2 and sum(shares) == 3 and min(shares) >= 1
+    # Every stage of both pipelines ran as one process of its own, once.
+    ran = sorted(lp.name for lp in runner.history if lp.name.startswith(f"{name}-"))
+    assert ran == [f"{name}-p{p}-s{k}" for p in range(2) for k in range(2)]
+    assert final["progress"]["step"] == 12 and final["restarts"] == 0
+    assert final["progress"]["loss"] > 0
+    files = {
+        o.object_name.rsplit("/", 1)[-1]
+        for o in e["minio"]
+        .client()
+        .list_objects(e["minio"].bucket, f"adapters/{name}/", recursive=True)
+    }
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= files

@@ -257,6 +257,14 @@ class KwokProcessRunner:
             links["listen"] = f"127.0.0.1:{self.port_for(f'{own}:{port}')}"
         if links.get("next") and _SVC_ADDRESS.match(links["next"]):
             links["next"] = f"127.0.0.1:{self.port_for(links['next'])}"
+        # Several pipelines: this stage's replica listener and its peers' (stable names too).
+        replicas = doc.get("replicas") or {}
+        if replicas.get("listen"):
+            port = replicas["listen"].rsplit(":", 1)[1]
+            replicas["listen"] = f"127.0.0.1:{self.port_for(f'{own}:{port}')}"
+        for peer in replicas.get("peers") or []:
+            if peer.get("address") and _SVC_ADDRESS.match(peer["address"]):
+                peer["address"] = f"127.0.0.1:{self.port_for(peer['address'])}"
         metrics_port = None
         obs = doc.get("observability")
         if isinstance(obs, dict) and obs.get("port"):
