@@ -48,7 +48,7 @@ from relaytrain_operator.builders.pod import CredentialsRef, StagePodInputs, bui
 from relaytrain_operator.builders.service import build_service
 from relaytrain_operator.placement import Choice, place_replacements, pool_selector
 from relaytrain_operator.planner import Catalog
-from relaytrain_operator.planning import PlanError, make_plan, training_shape
+from relaytrain_operator.planning import LoraTargetError, PlanError, make_plan, training_shape
 from relaytrain_operator.progress import Progress
 from relaytrain_operator.recovery import (
     INCARNATION_ANNOTATION,
@@ -335,6 +335,11 @@ class _Pass:
                 catalog=self.settings.catalog,
                 default_link=self.settings.default_link,
             )
+        except LoraTargetError as err:
+            # Not a fleet too small: the spec asks for what this model has not.
+            self.update(plan=None)
+            self.settle(Verdict("Failed", False, False, "InvalidSpec", str(err)))
+            return False
         except PlanError as err:
             self.update(plan=None)
             self.settle(Verdict("Pending", False, False, "Unschedulable", str(err)))

@@ -32,6 +32,7 @@ from relaytrain_operator.planner import (
     SYNC_MODES,
     Catalog,
     FleetPlan,
+    LoraTargetError,
     ModelShape,
     ModelShapeError,
     Plan,
@@ -242,6 +243,10 @@ def run(args: argparse.Namespace) -> int:
             )
             result = fleet.single if len(fleet.pipelines) == 1 else fleet
     except UnknownGpuError as err:
+        print(f"relaytrain plan: error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except LoraTargetError as err:
+        # The job asks for something the model has not: bad input, not a fleet too small.
         print(f"relaytrain plan: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except PlanError as err:

@@ -18,6 +18,7 @@ from typing import Any
 from relaytrain_operator.placement import job_pools
 from relaytrain_operator.planner import (
     Catalog,
+    LoraTargetError,
     ModelShape,
     PlanError,
     PoolError,
@@ -28,7 +29,7 @@ from relaytrain_operator.spec import FineTuneJob
 
 JsonDict = dict[str, Any]
 
-__all__ = ["PlanError", "make_plan", "training_shape"]
+__all__ = ["LoraTargetError", "PlanError", "make_plan", "training_shape"]
 
 
 def training_shape(job: FineTuneJob) -> TrainingShape:
@@ -41,6 +42,7 @@ def training_shape(job: FineTuneJob) -> TrainingShape:
         method=spec.method.type,
         lora_rank=spec.method.rank,
         lora_targets=tuple(spec.method.target_modules),
+        lora_dropout=spec.method.dropout,
         compression=spec.pipeline.compression,
         dtype=spec.model.dtype,
     )

@@ -3,7 +3,8 @@
 The last stage rewrites `<checkpoint.uri>/<namespace>/<job>/progress.json` after every
 optimizer step; its shape is the stage contract's `relaytrain_contract.Progress`. The
 operator reads it on each periodic check (observe.py) and reports step, total, loss,
-tokens/s, the last committed checkpoint and an ETA, folded here (pure). A record that is
+tokens/s, the last committed checkpoint, an ETA and what the data loader kept (examples,
+truncated, dropped), folded here (pure). A record that is
 missing (training not started yet) or unreadable is no error: the progress simply stays as
 it was.
 """
@@ -15,6 +16,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from relaytrain_contract import Progress as Record
+from relaytrain_contract.progress import DATA_FIELDS
 
 from relaytrain_operator.spec import FineTuneJob
 from relaytrain_operator.status import rfc3339
@@ -51,6 +53,9 @@ def fold(record: Record, job: FineTuneJob, now: datetime) -> Progress:
         status["lastCommittedStep"] = record.lastCommittedStep
     if record.updatedAt is not None:
         status["updatedAt"] = rfc3339(record.updatedAt)
+    for key in DATA_FIELDS:
+        if (count := getattr(record, key)) is not None:
+            status[key] = count
     if not record.done and (record.stepSeconds or record.tokensPerSecond):
         if record.stepSeconds:
             remaining = max(0, total - step) * record.stepSeconds

@@ -325,3 +325,55 @@ def test_two_pipelines_train_one_job(env: dict[str, Any]) -> None:
         .list_objects(e["minio"].bucket, f"adapters/{name}/", recursive=True)
     }
     assert {"adapter_config.json", "adapter_model.safetensors"} <= files
+
+
+def test_no_credential_leaves_its_secret(env: dict[str, Any], kube_cluster: Any) -> None:
+    """After the jobs above ran (a kill, a replacement, two pipelines), the object store's
+    keys appear nowhere but in their Secret: not in any pod the operator created (the API
+    server's audit log holds every creation's body, Secrets' excepted), the jobs' status,
+    the namespace's Events, the operator's and every stage process's log, or anything the
+    workers wrote to the store besides weights (progress.json, manifests, adapter config).
+    Last in this module on purpose."""
+    e = env
+    minio, ns = e["minio"], e["ns"]
+    values = {minio.access_key, minio.secret_key}
+    audit = [
+        json.loads(line)
+        for line in kube_cluster.component_log("audit").splitlines()
+        if f'"namespace":"{ns}"' in line
+    ]
+    created_pods = [
+        a for a in audit if a.get("verb") == "create" and a["objectRef"]["resource"] == "pods"
+    ]
+    assert created_pods and all("requestObject" in a for a in created_pods)
+    # The pods do get the keys, by reference to the Secret.
+    refs = {
+        env["valueFrom"]["secretKeyRef"]["name"]
+        for a in created_pods
+        for env in a["requestObject"]["spec"]["containers"][0]["env"]
+        if env["name"].startswith("AWS_")
+    }
+    assert refs == {"s3"}
+    texts = {"audit log (requests with bodies)": "\n".join(json.dumps(a) for a in audit)}
+    jobs = e["custom"].list_namespaced_custom_object(GROUP, VERSION, ns, PLURAL)["items"]
+    texts["jobs"] = json.dumps(jobs)
+    texts["events"] = json.dumps(
+        [ev.to_dict() for ev in e["core"].list_namespaced_event(ns).items], default=str
+    )
+    for path in sorted(e["work"].rglob("*.log")):
+        texts[str(path)] = path.read_text(errors="replace")
+    mc = minio.client()
+    stored = 0
+    for obj in mc.list_objects(minio.bucket, "", recursive=True):
+        if obj.object_name.endswith(".safetensors") or obj.object_name.startswith("models/"):
+            continue
+        resp = mc.get_object(minio.bucket, obj.object_name)
+        texts[f"s3://{minio.bucket}/{obj.object_name}"] = resp.read().decode(errors="replace")
+        resp.close()
+        resp.release_conn()
+        stored += 1
+    assert stored and any(name.endswith("progress.json") for name in texts)
+    leaks = [
+        (where, value[:4]) for where, text in texts.items() for value in values if value in text
+    ]
+    assert leaks == [], f"credentials found in: {leaks}"

@@ -1110,3 +1110,14 @@ def test_a_replacement_that_waits_for_a_gpu_says_which_pipeline() -> None:
     successor = created(decision, "j-p1-s1")
     assert "Stage p1/s1 waits for a GPU" in successor["metadata"]["annotations"][WAITING_ANNOTATION]
     assert decision.status is not None and decision.status.phase == "Running"
+
+
+def test_a_lora_target_the_model_has_not_is_an_invalid_spec_not_a_full_fleet() -> None:
+    # Expert weights on a dense model: only the model's config says so, at the first plan.
+    job = manifest(method={"targetModules": ["experts.down_proj"]})
+    decision = decide(observed(job), SETTINGS)
+    assert decision.status is not None and decision.status.plan is None
+    assert (decision.status.phase, ready_reason(decision)) == ("Failed", "InvalidSpec")
+    assert "spec.method.targetModules" in condition(decision.status, READY).message  # type: ignore[union-attr]
+    assert [e.reason for e in events(decision)] == ["InvalidSpec"]
+    assert not [a for a in decision.actions if isinstance(a, Create | CreateLinkSecret)]

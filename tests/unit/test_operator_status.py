@@ -196,3 +196,22 @@ def test_completion_time_is_set_once() -> None:
     later = with_verdict(first, done, T0 + timedelta(hours=1), None)
     assert later.completion_time == first.completion_time == "2026-11-22T10:00:00Z"
     assert later.observed_generation is None
+
+
+def test_what_the_data_loader_kept_is_reported_in_status() -> None:
+    """examples, examplesTruncated and examplesDropped travel from progress.json to
+    status.progress (declared in the CRD), and are left out while the workers have not said."""
+    job = progress_job()
+    record = {"step": 3, "totalSteps": 100, "tokensPerSecond": 1.0, "done": False}
+    assert not {"examples", "examplesTruncated", "examplesDropped"} & set(
+        fold(Record.from_json(record), job, T0).status
+    )
+    counted = {**record, "examples": 120, "examplesTruncated": 7, "examplesDropped": 0}
+    status = fold(Record.from_json(counted), job, T0).status
+    assert (status["examples"], status["examplesTruncated"], status["examplesDropped"]) == (
+        120,
+        7,
+        0,
+    )
+    stored = load_status({"phase": "Running", "progress": status})
+    assert stored.progress is not None and stored.progress.examples_truncated == 7

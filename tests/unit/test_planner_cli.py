@@ -190,6 +190,8 @@ def test_model_config_is_read_from_a_local_model_uri(tmp_path, capsys):
         ({"job_model": {"uri": "hf://acme/unknown-model"}}, "none is named 'unknown-model'"),
         ({"nodes": "missing.yaml"}, "cannot read nodes file"),
         ({"job_training": {"microBatches": 0}}, "spec.training.microBatches"),
+        # A target the model has not (expert weights on a dense model) is bad input too.
+        ({"job_method": {"targetModules": ["experts.down_proj"]}}, "spec.method.targetModules"),
         (
             {
                 "nodes_doc": {
@@ -214,6 +216,8 @@ def test_model_config_is_read_from_a_local_model_uri(tmp_path, capsys):
 )
 def test_bad_input_exits_2_naming_the_problem(tmp_path, model_config, change, message, capsys):
     spec = {"training": change["job_training"]} if "job_training" in change else {}
+    if "job_method" in change:
+        spec["method"] = change["job_method"]
     if "job_model" in change:
         spec["model"] = change["job_model"]
     manifest = job(tmp_path, **spec)

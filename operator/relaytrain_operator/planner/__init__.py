@@ -29,6 +29,7 @@ from relaytrain_operator.planner.pools import Pool, PoolError, pools_from_file, 
 from relaytrain_operator.planner.result import Bottleneck, Plan, PlanError, StagePlan
 from relaytrain_operator.planner.shares import split_micro_batches
 from relaytrain_operator.planner.sync import SYNC_MODES, Sync, SyncPrice
+from relaytrain_operator.planner.targets import LoraTargetError
 from relaytrain_operator.planner.training import TrainingShape
 
 __all__ = [
@@ -40,6 +41,7 @@ __all__ = [
     "CostSettings",
     "FleetPlan",
     "GpuSpec",
+    "LoraTargetError",
     "ModelShape",
     "ModelShapeError",
     "Plan",

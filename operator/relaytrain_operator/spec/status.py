@@ -200,6 +200,12 @@ class ProgressStatus(_Status):
     """Estimated finish time (RFC 3339)."""
     updated_at: str | None = None
     """When the workers last reported (RFC 3339)."""
+    examples: int | None = None
+    """Training examples the data set gave, after truncation or dropping."""
+    examples_truncated: int | None = None
+    """Examples cut to dataset.sequenceLength (dataset.truncation: truncate)."""
+    examples_dropped: int | None = None
+    """Examples left out for being longer than dataset.sequenceLength (truncation: drop)."""
 
 
 class OutputStatus(_Status):
