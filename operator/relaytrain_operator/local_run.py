@@ -39,8 +39,10 @@ run as many pipelines as `--stages` lists (one without it): there are no GPUs to
 Every stage of pipeline p is `p<p>-stage-<k>` (files, state.json, messages), holds the
 certificate of `relaytrain://<ns>/<job>/p<p>/s<k>` from the run's one CA, and listens on a
 free port for the stages of lower pipelines. A stage that fails is restarted alone, as with
-one pipeline; meanwhile every stage of every pipeline loses a link (the replica links tie
-them together), rolls back to pipeline 0's last commit and waits for the replacement.
+one pipeline, and nothing else is: its pipeline's other stages close their links and wait
+for it, the other pipelines train on without a rollback (taking over its micro-batches), and
+the restarted pipeline rejoins them at a step boundary from their state (docs/worker.md,
+"Several pipelines as processes").
 
 This module never imports torch: it runs in the operator package.
 """

@@ -19,22 +19,40 @@ over them:
   stage's handshake, which also checks the commit's files), then each of its stages tells
   its peers (`send_resume`); a stage of another pipeline takes that step from its pipeline-0
   peers (`recv_resume`): every stage of every pipeline then restores the same commit.
-- A link that breaks breaks the step for everyone: the stage closes all its links, pipeline
-  and replica, and every stage of every pipeline rolls back to the last commit together.
+- **Hello.** Right after a replica link is made each end says whether it is training
+  (`live`) or (re)joining, and at which step (`exchange_hellos`). A stage that finds no live
+  peer starts as above (every pipeline restores the same commit); one that finds live peers
+  rejoins the job from their state instead (`stage.StageRuntime._rejoin`).
+- **A pipeline leaves alone.** A broken replica link is a peer's pipeline leaving: the
+  group (`dataparallel.LinkGroup`) goes on without it. A broken pipeline link makes the stage
+  close every link (so to its peers its whole pipeline has left) and rejoin. Meanwhile a
+  survivor links again to the stages it lost in the background (`relink`: it dials the
+  higher pipelines' stages and accepts the lower ones', as at start-up), says hello, and
+  offers each link to its group, which uses it from the step that admits that pipeline.
+- **State by name.** A rejoining stage takes the weights, AdamW moments and schedule of the
+  names it holds from its peers in the lowest surviving pipeline at the step boundary that
+  admits it (`state_frame`, `load_state_frames`): their split may differ.
 """
 
 from __future__ import annotations
 
+import io
+import logging
 import threading
 import time
-from collections.abc import Callable
-from typing import TypeVar
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar
 
+import torch
 from relaytrain_contract import ReplicaPeer, ReplicasSpec, StageConfig
+from torch import nn
 
 from relaytrain_worker.dataparallel import LinkGroup, Slice
-from relaytrain_worker.linkauth import LinkBroken, LinkCredentials
+from relaytrain_worker.linkauth import AuthError, LinkBroken, LinkCredentials
+from relaytrain_worker.training import load_merged_state, named_optimizer_state
 from relaytrain_worker.transport import Frame, Link, Listener, connect, listen
+
+log = logging.getLogger("relaytrain.replicas")
 
 T = TypeVar("T")
 
@@ -43,6 +61,15 @@ Peer = tuple[int, int]
 
 RESUME = "replica_resume"
 """Frame kind: pipeline 0's agreed resume step, sent to each peer before the first step."""
+HELLO = "replica_hello"
+"""Frame kind: the first frame on every replica link, each way: training or (re)joining."""
+STATE = "replica_state"
+"""Frame kind: a live stage's weights and optimizer state for a rejoining peer."""
+STATE_KEY = "relaytrain.state"
+"""The serialised optimizer and schedule state in a `STATE` frame (no parameter's name)."""
+HELLO_SECONDS = 600.0
+"""How long a live stage waits for a rejoining peer to say hello (it links to all its peers
+first, its own pipeline's replacement stage included)."""
 
 
 def peer_slices(cfg: StageConfig) -> dict[Peer, Slice]:
@@ -188,9 +215,90 @@ class ReplicaLinks:
             raise LinkBroken(f"pipeline 0's stages sent different resume steps: {seen}")
         return seen.pop()
 
-    def group(self, links: dict[Peer, Link]) -> LinkGroup:
-        """The step's exchange over `links` (which it then owns)."""
-        return LinkGroup(len(self.spec.shares), self.pipeline, self.stage, self.peers, links)
+    def group(self, links: dict[Peer, Link], members: Iterable[int] | None = None) -> LinkGroup:
+        """The step's exchange over `links` (which it then owns), among `members` (every
+        pipeline when None)."""
+        return LinkGroup(
+            len(self.spec.shares), self.pipeline, self.stage, self.peers, links, members=members
+        )
+
+    def relink(self, group: LinkGroup, step: Callable[[], int], stop: threading.Event) -> None:
+        """Start the background threads of a training stage that link it again to the peers
+        it lost when they come back: one dials the higher pipelines' stages, one accepts the
+        lower ones' (as at start-up); each new link says hello and, when the peer rejoins,
+        is offered to `group`. They end when `stop` is set."""
+        threading.Thread(
+            target=self._dial_loop, args=(group, step, stop), daemon=True,
+            name=f"relink-dial-p{self.pipeline}-s{self.stage}",
+        ).start()  # fmt: skip
+        if self.listener is not None and self._lower:
+            threading.Thread(
+                target=self._accept_loop, args=(group, step, stop), daemon=True,
+                name=f"relink-accept-p{self.pipeline}-s{self.stage}",
+            ).start()  # fmt: skip
+
+    def _dial_loop(self, group: LinkGroup, step: Callable[[], int], stop: threading.Event) -> None:
+        by_key = {(p.pipeline, p.stage): p for p in self._higher}
+        greeting: set[Peer] = set()
+        while not stop.wait(0.5):
+            for key in group.gone_peers():
+                peer = by_key.get(key)
+                if peer is None or key in greeting or stop.is_set():
+                    continue
+                assert peer.address is not None
+                try:
+                    link = connect(
+                        peer.address, credentials=self.tls, expect=peer.identity, retry_for=1.0
+                    )
+                except (LinkBroken, AuthError):
+                    continue
+                greeting.add(key)
+
+                def greet(key: Peer = key, link: Link = link) -> None:
+                    try:
+                        self._greet(group, key, link, step(), stop)
+                    finally:
+                        greeting.discard(key)
+
+                threading.Thread(target=greet, daemon=True, name="relink-greet").start()
+
+    def _accept_loop(
+        self, group: LinkGroup, step: Callable[[], int], stop: threading.Event
+    ) -> None:
+        assert self.listener is not None
+        by_identity = {p.identity: (p.pipeline, p.stage) for p in self._lower}
+        while not stop.is_set():
+            try:
+                link = self.listener.accept(timeout=1.0)
+            except TimeoutError:
+                continue
+            except LinkBroken:
+                return  # the listener was closed
+            key = by_identity.get(link.peer_identity)
+            if key is None:
+                link.close()
+                continue
+            threading.Thread(
+                target=self._greet, args=(group, key, link, step(), stop), daemon=True,
+                name="relink-greet",
+            ).start()  # fmt: skip
+
+    def _greet(
+        self, group: LinkGroup, key: Peer, link: Link, step: int, stop: threading.Event
+    ) -> None:
+        try:
+            hello = exchange_hellos({key: link}, live=True, step=step)[key]
+        except (LinkBroken, TimeoutError, OSError):
+            link.close()
+            return
+        if hello.get("live") or stop.is_set():
+            link.close()  # two training stages do not link afresh
+            return
+        log.info("Stage p%d/s%d linked to p%d/s%d again", self.pipeline, self.stage, *key)
+        try:
+            group.offer(key, link)
+        except ValueError:
+            link.close()
 
     def close(self) -> None:
         if self.listener is not None:
@@ -202,3 +310,65 @@ def pipeline_zero_stages(peers: tuple[ReplicaPeer, ...]) -> list[int]:
     weights (pipeline 0 alone writes checkpoints, and its stages that share this stage's
     layers are exactly its peers there)."""
     return [p.stage for p in peers if p.pipeline == 0]
+
+
+def exchange_hellos(
+    links: dict[Peer, Link], *, live: bool, step: int, timeout: float = HELLO_SECONDS
+) -> dict[Peer, dict[str, Any]]:
+    """Say on every link whether this stage is training (`live`, at `step`) or (re)joining,
+    and read what each peer says; LinkBroken when a peer says anything else."""
+    for link in links.values():
+        link.send(Frame(HELLO, -1, -1, {}, {"live": live, "step": step}))
+    out = {}
+    for peer, link in links.items():
+        frame = link.recv(timeout=timeout)
+        if frame.kind != HELLO:
+            link.close()
+            raise LinkBroken(f"expected {HELLO} from p{peer[0]}/s{peer[1]}, got {frame.kind}")
+        out[peer] = frame.meta
+    return out
+
+
+def state_frame(
+    step: int,
+    trainable: Sequence[tuple[str, nn.Parameter]],
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    names: Iterable[str],
+) -> Frame:
+    """This stage's state of `names` at the boundary before `step`: the weights (copies:
+    the frame is encoded later, after this stage has trained on) and, serialised under
+    `STATE_KEY`, their AdamW state by name and the schedule."""
+    wanted = set(names)
+    tensors = {n: p.detach().clone() for n, p in trainable if n in wanted}
+    named = named_optimizer_state(optimizer, [n for n, _ in trainable])
+    part = {"group": named["group"], "state": {n: v for n, v in named["state"].items()
+                                                if n in wanted}}  # fmt: skip
+    buf = io.BytesIO()
+    torch.save({"optimizer_by_name": part, "scheduler": scheduler.state_dict()}, buf)
+    tensors[STATE_KEY] = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+    return Frame(STATE, step, -1, tensors)
+
+
+def load_state_frames(
+    frames: Sequence[Frame],
+    trainable: Sequence[tuple[str, nn.Parameter]],
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+) -> None:
+    """Take the weights and optimizer state of every trainable name from `frames` (of the
+    stages that together hold them); LinkBroken when a name is in none of them."""
+    weights: dict[str, torch.Tensor] = {}
+    parts = []
+    for frame in frames:
+        parts.append(bytes(frame.tensors[STATE_KEY].numpy()))
+        weights.update({n: t for n, t in frame.tensors.items() if n != STATE_KEY})
+    names = [n for n, _ in trainable]
+    missing = [n for n in names if n not in weights]
+    if missing:
+        raise LinkBroken(f"the live peers sent no {missing[0]} (and {len(missing) - 1} more)")
+    with torch.no_grad():
+        for name, param in trainable:
+            param.copy_(weights[name])
+    load_merged_state(parts, optimizer, scheduler, names)
+    optimizer.zero_grad(set_to_none=True)

@@ -26,8 +26,14 @@ every pipeline (`dataparallel`). Pipeline 0 alone saves checkpoints, commits, an
 progress.json and the output: every pipeline holds the same weights. In 3 the other
 pipelines take pipeline 0's agreed resume step from their pipeline-0 peers; they restore
 a commit by parameter name from the pipeline-0 stages that hold their layers (their split
-may differ). A broken link, pipeline or replica, takes every stage of every pipeline back
-to the last commit (5).
+may differ). A failed stage takes only its pipeline out (docs/worker.md, "Several pipelines
+as processes"): a broken pipeline link makes the stage close every link and rejoin, a broken
+replica link is a peer's pipeline leaving, and the others train on. At every step the
+first stages agree on the pipelines that train it (`LinkGroup.agree_members`) and send the
+plan down their chains; the step's micro-batches are shared among those (`live_shares`).
+A stage (re)starting finds, by the hello on its replica links, whether any pipeline is
+training: if so it rejoins at a step boundary with a live peer's state, by parameter name
+(`_rejoin`); only when none is does it restore the last commit as in 2-3.
 """
 
 from __future__ import annotations
@@ -35,8 +41,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Mapping
+from datetime import UTC, datetime
 from typing import Any
 
 import safetensors.torch
@@ -45,7 +53,7 @@ from relaytrain_contract import StageConfig
 
 from relaytrain_worker import checkpoint as ckpt
 from relaytrain_worker.data import DataReport, read_report, write_report
-from relaytrain_worker.dataparallel import LinkGroup, micro_ranges
+from relaytrain_worker.dataparallel import LinkGroup, live_shares, micro_ranges
 from relaytrain_worker.export import TRAINABLE_FILE, export_output
 from relaytrain_worker.history import LossHistory
 from relaytrain_worker.linkauth import AuthError, LinkBroken, LinkCredentials
@@ -54,9 +62,17 @@ from relaytrain_worker.metrics import MetricsServer, StageMetrics, serve
 from relaytrain_worker.model_slice import SliceSpec, build_stage_model
 from relaytrain_worker.modelfiles import resolve_model_dir
 from relaytrain_worker.peers import Peers
-from relaytrain_worker.progress import Progress, write_progress
-from relaytrain_worker.replicas import Peer, ReplicaLinks, pipeline_zero_stages
-from relaytrain_worker.schedule import StepRunner
+from relaytrain_worker.progress import Progress, read_progress, write_progress
+from relaytrain_worker.replicas import (
+    STATE,
+    Peer,
+    ReplicaLinks,
+    exchange_hellos,
+    load_state_frames,
+    pipeline_zero_stages,
+    state_frame,
+)
+from relaytrain_worker.schedule import StepRunner, count_items
 from relaytrain_worker.store import Store, open_job_store
 from relaytrain_worker.training import (
     load_merged_state,
@@ -156,6 +172,11 @@ class StageRuntime:
         """The micro-batches of each step this pipeline trains (all of them without replicas)."""
         if cfg.replicas is not None:
             self.micros = micro_ranges(cfg.replicas.shares)[self.pipeline]
+        self.joining = threading.Event()
+        """Set while this stage links and (re)joins rather than trains (`_exit_when_done`)."""
+        self.admitted: tuple[int, set[int], set[int]] | None = None
+        """(step, members, joined) of the step a rejoining pipeline was admitted at (stage 0
+        plans that step from it instead of agreeing again)."""
 
     # -- setup -----------------------------------------------------------------------
 
@@ -377,6 +398,8 @@ class StageRuntime:
     def run(self) -> int:
         """Train to the end, recovering from broken links; returns the exit code."""
         self.open_endpoints()
+        if self.replicas is not None:
+            threading.Thread(target=self._exit_when_done, name="done-watch", daemon=True).start()
         restored = self.restore_newest()
         self.step = restored or 0
         attempt = 0
@@ -386,27 +409,43 @@ class StageRuntime:
             peers: Peers | None = None
             replica_links: dict[Peer, Link] = {}
             group: LinkGroup | None = None
+            stop = threading.Event()
+            self.joining.set()
             try:
                 self.metrics.set_health("ready", step=self.step)
                 peers, replica_links = self._links()
-                agreed = self._agree(peers, replica_links, restored)
-                if agreed != restored:
-                    restored = agreed
-                    self.step = self.restore(agreed)
-                if self.cfg.stage.is_last and self.writer:
-                    self.history.resume(restored)
-                if self.replicas is not None:
-                    group = self.replicas.group(replica_links)
+                live = self._hello(replica_links)
+                if live:  # other pipelines are training: rejoin them from their state
+                    assert self.replicas is not None
+                    group = self.replicas.group(replica_links, members=live)
+                    replica_links = {}
+                    self._rejoin(peers, group)
+                else:
+                    agreed = self._agree(peers, replica_links, restored)
+                    if agreed != restored:
+                        restored = agreed
+                        self.step = self.restore(agreed)
+                    if self.cfg.stage.is_last and self.writer:
+                        self.history.resume(restored)
+                    if self.replicas is not None:
+                        group = self.replicas.group(replica_links)
+                        replica_links = {}
+                if group is not None:
+                    assert self.replicas is not None
+                    self.replicas.relink(group, lambda: self.step, stop)
                 self.metrics.set_health("training", step=self.step)
+                self.joining.clear()
                 self._train(peers, group)
                 for link in (peers.prev, peers.next):
                     if link is not None:
                         link.flush()
                 if group is not None:
                     group.flush()
+                stop.set()
                 break
             except (LinkBroken, TimeoutError) as exc:
                 attempt += 1
+                stop.set()
                 self.metrics.set_health("recovering", reason=str(exc))
                 log.warning("Stage %s lost a link at step %d: %s", self.name, self.step, exc)
                 _close(peers, replica_links, group)
@@ -414,6 +453,7 @@ class StageRuntime:
                 restored = self.restore_newest()
                 self.step = restored or 0
             except AuthError:
+                stop.set()
                 _close(peers, replica_links, group)
                 raise
         if self.cfg.stage.is_last and self.writer:
@@ -441,12 +481,20 @@ class StageRuntime:
         # replicas the last stage counts every pipeline's tokens (the whole job's rate).
         mark = time.monotonic()
         while self.step < self.total_steps:
+            mine = self.micros
+            if group is not None:
+                assert self.cfg.replicas is not None
+                members = self._plan(peers, group)
+                shares = live_shares(self.cfg.replicas.shares, members)
+                mine = micro_ranges(shares)[self.pipeline]
             micros = None
             if self.cfg.stage.is_first:
                 assert self.data is not None
                 step_micros = self.data.step(self.step)
-                micros = [step_micros[i] for i in self.micros]
-            result = runner.run(self.step, micros, len(self.micros))
+                if group is not None:  # the whole step's: the normaliser whoever trains it
+                    group.set_items(self.step, count_items(step_micros))
+                micros = [step_micros[i] for i in mine]
+            result = runner.run(self.step, micros, len(mine))
             optimizer_step(self.optimizer, self.scheduler)
             self.step += 1
             now = time.monotonic()
@@ -456,6 +504,100 @@ class StageRuntime:
             self._report(peers, result.loss, rate, seconds)
             if self.step % self.cfg.checkpoint.everySteps == 0 or self.step == self.total_steps:
                 self._checkpoint(peers, self.step)
+
+    # -- several pipelines: who trains, rejoining --------------------------------------
+
+    def _hello(self, replica_links: dict[Peer, Link]) -> set[int]:
+        """Tell every replica peer this stage is (re)joining; returns the pipelines whose
+        stages answer that they are training (none: the job starts, or every pipeline
+        failed, and restores the last commit)."""
+        if self.replicas is None:
+            return set()
+        hellos = exchange_hellos(replica_links, live=False, step=self.step)
+        return {q for (q, _), hello in hellos.items() if hello.get("live")}
+
+    def _rejoin(self, peers: Peers, group: LinkGroup) -> None:
+        """Join the pipelines that are training at a step boundary. Readiness runs up this
+        pipeline's chain (every stage has linked to its peers), then stage 0 asks to be
+        admitted (`LinkGroup.join`) and sends the step down the chain; the state itself comes
+        in `_plan` of that step, from the peers in the lowest pipeline that stayed."""
+        if peers.next is not None:
+            peers.next.recv("ready", -1)
+        if peers.prev is not None:
+            peers.prev.send(Frame("ready", -1, -1))
+            step = int(peers.prev.recv("rejoin", -1).meta["step"])
+        else:
+            step, members, joined = group.join(CONNECT_FOR)
+            self.admitted = (step, members, joined)
+        if peers.next is not None:
+            peers.next.send(Frame("rejoin", -1, -1, {}, {"step": step}))
+        self.step = step
+        log.info("Stage %s rejoins the job at step %d", self.name, step)
+
+    def _exit_when_done(self) -> None:
+        """A stage of a pipeline that is still (re)joining when the others have finished the
+        job (progress.json says done, written after this process started) has nothing left
+        to join: it exits with 0 rather than wait for peers that are gone."""
+        started = datetime.now(UTC).replace(microsecond=0)
+        while True:
+            time.sleep(2.0)
+            if not self.joining.is_set():
+                continue
+            try:
+                progress = read_progress(self.store, self.prefix)
+            except Exception:  # a read that fails is tried again
+                continue
+            finished = progress is not None and progress.done and progress.updatedAt is not None
+            if finished and progress.updatedAt >= started and self.joining.is_set():  # type: ignore[union-attr,operator]
+                log.info("Stage %s found the job finished while rejoining", self.name)
+                logging.shutdown()
+                os._exit(0)
+
+    def _plan(self, peers: Peers, group: LinkGroup) -> set[int]:
+        """The pipelines that train this step: stage 0 agrees on them with the other
+        pipelines' first stages and sends them down the chain. When pipelines rejoin with
+        this step, the stages of the lowest pipeline that stayed send each of their peers
+        there the state of the names it holds, and the rejoining stages take it."""
+        if peers.prev is None:
+            if self.admitted is not None and self.admitted[0] == self.step:
+                _, members, joined = self.admitted
+            else:
+                members, joined = group.agree_members(self.step)
+            self.admitted = None
+            if self.pipeline not in members:
+                raise LinkBroken(f"pipeline {self.pipeline} was left out of step {self.step}")
+        else:
+            meta = peers.prev.recv("plan", self.step).meta
+            members, joined = set(meta["members"]), set(meta["joined"])
+        if peers.next is not None:
+            plan = {"members": sorted(members), "joined": sorted(joined)}
+            peers.next.send(Frame("plan", self.step, -1, {}, plan))
+        group.begin(self.step, members, joined)
+        if not joined:
+            return members
+        source = min(members - joined)
+        if self.pipeline == source:
+            for q in sorted(joined):
+                for peer in group.peers_in(q):
+                    names = [n for n, _ in self.trainable if group.holds(peer, n)]
+                    frame = state_frame(
+                        self.step, self.trainable, self.optimizer, self.scheduler, names
+                    )
+                    group.send_to(peer, frame)
+            log.info(
+                "Stage %s sent its state to pipeline(s) %s rejoining at step %d",
+                self.name, sorted(joined), self.step,
+            )  # fmt: skip
+        elif self.pipeline in joined:
+            frames = [group.recv_from(peer, STATE, self.step) for peer in group.peers_in(source)]
+            load_state_frames(frames, self.trainable, self.optimizer, self.scheduler)
+            self._seed(self.step)
+            self.metrics.step.set(self.step)
+            log.info(
+                "Stage %s rejoined at step %d with the state of pipeline %d",
+                self.name, self.step, source,
+            )  # fmt: skip
+        return members
 
     def _tied_name(self) -> str | None:
         tied = bool(getattr(self.stage.config, "tie_word_embeddings", False))

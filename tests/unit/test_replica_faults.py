@@ -1,0 +1,337 @@
+"""A pipeline that leaves takes only itself out: the star reduce over real links.
+
+Every stage here is a `LinkGroup` over mutually authenticated loopback TLS links, each
+pipeline's stage on a thread of its own; a pipeline "crashes" by closing every link of its
+stage (what a stage does when its pipeline breaks, and what the kernel does for a killed
+process). What must hold, whatever the timing: every stage that is still there ends the
+step with the same bits (a result anyone has wins), a contribution that never came is
+simply absent, a pipeline rejoining is admitted at one step by every first stage, and a
+rejoining stage takes a live stage's weights and AdamW state by name, equal bit for bit.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+import torch
+from relaytrain_operator.linkcerts import mint_link_credentials, stage_pem
+from relaytrain_worker.dataparallel import LinkGroup, live_shares, segment_peers
+from relaytrain_worker.linkauth import LinkBroken, LinkCredentials
+from relaytrain_worker.replicas import STATE, load_state_frames, state_frame
+from relaytrain_worker.training import named_optimizer_state
+from relaytrain_worker.transport import Frame, Link, connect, listen
+from torch import nn
+
+pytestmark = pytest.mark.unit
+
+Peer = tuple[int, int]
+NAME = "model.layers.0.self_attn.q_proj.lora_A.weight"
+ONE_STAGE = [(0, 1)]
+
+
+def _pair(me: LinkCredentials, them: LinkCredentials) -> tuple[Link, Link]:
+    """A mutually authenticated loopback link: (my end, their end)."""
+    listener = listen("127.0.0.1:0", credentials=them, expect=me.identity)
+    try:
+        with ThreadPoolExecutor(1) as dialer:
+            mine = dialer.submit(
+                connect, f"127.0.0.1:{listener.address[1]}", credentials=me, expect=them.identity
+            )
+            theirs = listener.accept(timeout=30)
+            return mine.result(), theirs
+    finally:
+        listener.close()
+
+
+def _credentials(splits: list[list[tuple[int, int]]]) -> dict[Peer, LinkCredentials]:
+    files = mint_link_credentials("test", "faults", [len(s) for s in splits], now=datetime.now(UTC))
+    return {
+        (p, k): LinkCredentials(*stage_pem(files, p, k))
+        for p, split in enumerate(splits)
+        for k in range(len(split))
+    }
+
+
+def _links(
+    splits: list[list[tuple[int, int]]],
+    order: dict[Peer, list[Peer]] | None = None,
+    creds: dict[Peer, LinkCredentials] | None = None,
+) -> dict[Peer, dict[Peer, Link]]:
+    """Every stage's links to its peers (`order[stage]`: the order its links are listed in)."""
+    creds = creds or _credentials(splits)
+    links: dict[Peer, dict[Peer, Link]] = {me: {} for me in creds}
+    for p, k in creds:
+        for q, j in segment_peers(splits, p, k):
+            if q > p:
+                links[(p, k)][(q, j)], links[(q, j)][(p, k)] = _pair(creds[(p, k)], creds[(q, j)])
+    for me, peers in (order or {}).items():
+        links[me] = {peer: links[me][peer] for peer in peers}
+    return links
+
+
+def _groups(
+    splits: list[list[tuple[int, int]]],
+    order: dict[Peer, list[Peer]] | None = None,
+    creds: dict[Peer, LinkCredentials] | None = None,
+) -> dict[Peer, LinkGroup]:
+    return {
+        (p, k): LinkGroup.from_splits(splits, p, k, links, timeout=60)
+        for (p, k), links in _links(splits, order, creds).items()
+    }
+
+
+def _on_threads(calls: dict[int, Callable[[], Any]]) -> dict[int, Any]:
+    """Run each call on its own thread; their results (or exceptions) by key."""
+    out: dict[int, Any] = {}
+
+    def run(key: int, call: Callable[[], Any]) -> None:
+        try:
+            out[key] = call()
+        except BaseException as exc:  # reported by the test
+            out[key] = exc
+
+    threads = [threading.Thread(target=run, args=item) for item in calls.items()]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+        assert not thread.is_alive(), "a stage is still waiting"
+    return out
+
+
+def _crash_when_sending_result(group: LinkGroup, to: Peer, after: Peer | None) -> None:
+    """Make `group`'s stage die (close every link) instead of sending its result to `to`,
+    once the result to `after` is on the wire: a leader dying mid-broadcast."""
+    port = group._ports[to]
+    send = port.send
+
+    def dying(frame: Frame) -> bool:
+        if not frame.kind.startswith("result:"):
+            return send(frame)
+        if after is not None:
+            group._ports[after].flush()
+        group.close()
+        return False
+
+    port.send = dying  # type: ignore[method-assign]
+
+
+VALUES = {0: 3.0, 1: 1.0, 2: 2.0}
+"""Pipeline p's contribution. The fold of all three is 6, without pipeline 0 it is 3."""
+
+
+def _contribution(p: int) -> dict[str, torch.Tensor]:
+    return {NAME: torch.tensor([VALUES[p]])}
+
+
+@pytest.mark.parametrize("first", [1, 2])
+def test_a_leader_dying_mid_broadcast_leaves_every_survivor_with_its_result(first: int) -> None:
+    # Pipeline 0 leads; it sends the result to pipeline `first`, then dies before the other
+    # has it. The one that has it keeps it; the other takes it over (from the new leader's
+    # cache, or, when it leads itself, by asking first): both hold the fold of all three.
+    other = 3 - first
+    groups = _groups([ONE_STAGE] * 3, order={(0, 0): [(first, 0), (other, 0)]})
+    _crash_when_sending_result(groups[(0, 0)], to=(other, 0), after=(first, 0))
+    got = _on_threads(
+        {p: lambda p=p: groups[(p, 0)].reduce(7, p, 0, _contribution(p)) for p in range(3)}
+    )
+    for group in groups.values():
+        group.close()
+    assert not isinstance(got[1], BaseException), got[1]
+    assert not isinstance(got[2], BaseException), got[2]
+    assert torch.equal(got[1][NAME], got[2][NAME])
+    assert got[1][NAME].item() == 6.0  # pipeline 0's contribution is in: the result was out
+
+
+def test_a_leader_dying_before_any_result_is_replaced_by_the_next_pipeline() -> None:
+    # Pipeline 0 dies once it holds both contributions and has sent nothing: pipeline 1
+    # takes over, nobody has a result, so it folds again what is there (1 + 2).
+    groups = _groups([ONE_STAGE] * 3)
+    _crash_when_sending_result(groups[(0, 0)], to=(1, 0), after=None)
+    groups[(0, 0)]._ports[(2, 0)].send = lambda frame: False  # type: ignore[method-assign]
+    got = _on_threads(
+        {p: lambda p=p: groups[(p, 0)].reduce(3, p, 0, _contribution(p)) for p in range(3)}
+    )
+    for group in groups.values():
+        group.close()
+    assert torch.equal(got[1][NAME], got[2][NAME])
+    assert got[1][NAME].item() == 3.0
+
+
+def test_a_pipeline_gone_before_contributing_is_simply_absent() -> None:
+    groups = _groups([ONE_STAGE] * 3)
+    groups[(2, 0)].close()  # pipeline 2 has left before the step's reduce
+    got = _on_threads(
+        {p: lambda p=p: groups[(p, 0)].reduce(0, p, 0, _contribution(p)) for p in range(2)}
+    )
+    for group in groups.values():
+        group.close()
+    assert torch.equal(got[0][NAME], got[1][NAME])
+    assert got[0][NAME].item() == 4.0
+
+
+def test_the_fold_stays_in_pipeline_order_with_every_pipeline_there() -> None:
+    # (1 + 1e8) - 1e8 == 0 in float32 but 1 + (1e8 - 1e8) == 1: the leader folds in order.
+    values = {0: 1.0, 1: 1e8, 2: -1e8}
+    groups = _groups([ONE_STAGE] * 3)
+    got = _on_threads(
+        {p: lambda p=p: groups[(p, 0)].reduce(0, p, 0, {NAME: torch.tensor([values[p]])})
+         for p in (2, 1, 0)}
+    )  # fmt: skip
+    for group in groups.values():
+        group.close()
+    want = (torch.tensor([1.0]) + torch.tensor([1e8])) + torch.tensor([-1e8])
+    assert all(torch.equal(got[p][NAME], want) for p in range(3))
+
+
+def test_a_rejoining_pipeline_is_admitted_by_every_first_stage_at_one_step() -> None:
+    splits = [ONE_STAGE] * 3
+    creds = _credentials(splits)
+    groups = {p: g for (p, _), g in _groups(splits, creds=creds).items()}
+    groups[2].close()  # pipeline 2 fails; 0 and 1 train step 10 without it
+    left = _on_threads({p: lambda p=p: groups[p].agree_members(10) for p in range(2)})
+    assert left[0] == left[1] == ({0, 1}, set())
+    # Its new stage links to theirs again (they offer the links to their groups) and asks.
+    fresh = {p: _pair(creds[(p, 0)], creds[(2, 0)]) for p in range(2)}
+    for p in range(2):
+        groups[p].begin(10, {0, 1})
+        groups[p].offer((2, 0), fresh[p][0])
+    links = {(p, 0): fresh[p][1] for p in range(2)}
+    groups[2] = LinkGroup.from_splits(splits, 2, 0, links, members={0, 1}, timeout=60)
+    joined: list[tuple[int, set[int], set[int]]] = []
+    joiner = threading.Thread(target=lambda: joined.append(groups[2].join(60)))
+    joiner.start()
+    port = groups[0]._offered[(2, 0)]
+    with groups[0]._cond:
+        assert groups[0]._cond.wait_for(lambda: port.has("join", None), 30)
+    got = _on_threads({p: lambda p=p: groups[p].agree_members(11) for p in range(2)})
+    joiner.join(30)
+    assert got[0] == got[1] == ({0, 1, 2}, {2})
+    assert joined == [(11, {0, 1, 2}, {2})]
+    # From that step on the three reduce together again.
+    for p in range(3):
+        groups[p].begin(11, {0, 1, 2}, {2})
+    sums = _on_threads(
+        {p: lambda p=p: groups[p].reduce(11, p, 0, _contribution(p)) for p in range(3)}
+    )
+    for group in groups.values():
+        group.close()
+    assert all(sums[p][NAME].item() == 6.0 for p in range(3))
+
+
+def test_a_pipeline_left_out_of_a_step_no_longer_counts_in_the_next_membership() -> None:
+    groups = _groups([ONE_STAGE] * 3)
+    groups[(1, 0)].close()
+    got = _on_threads({p: lambda p=p: groups[(p, 0)].agree_members(4) for p in (0, 2)})
+    for group in groups.values():
+        group.close()
+    assert got[0] == got[2] == ({0, 2}, set())
+
+
+def test_a_break_between_live_pipelines_makes_the_higher_one_leave() -> None:
+    groups = _groups([ONE_STAGE] * 2)
+    groups[(0, 0)]._ports[(1, 0)].close()  # only this link breaks; both stages live on
+    with groups[(1, 0)]._cond:
+        assert groups[(1, 0)]._cond.wait_for(lambda: groups[(1, 0)]._ports[(0, 0)].gone, 30)
+    groups[(1, 0)].begin(5, {0, 1})
+    groups[(1, 0)].begin(6, {0, 1})
+    with pytest.raises(LinkBroken, match="pipeline 1 leaves"):
+        groups[(1, 0)].begin(7, {0, 1})
+    groups[(0, 0)].begin(7, {0, 1})  # the lower one stays
+    for group in groups.values():
+        group.close()
+
+
+# -- the shares of a step among the pipelines there ----------------------------------
+
+
+def test_a_gone_pipelines_micro_batches_go_to_the_others() -> None:
+    assert live_shares([2, 1], {0, 1}) == [2, 1]
+    assert live_shares([2, 1], {0}) == [3, 0]
+    assert live_shares([2, 1], {1}) == [0, 3]
+    # By speed (the shares): pipeline 0, twice as fast, takes the micro-batch of pipeline 1.
+    assert live_shares([2, 1, 1], {0, 2}) == [3, 0, 1]
+    assert live_shares([4, 2, 2], {1, 2}) == [0, 4, 4]
+    for shares, members in (([3, 2, 1], {2}), ([1, 1, 1, 5], {0, 3}), ([2, 2], {1})):
+        assert sum(live_shares(shares, members)) == sum(shares)
+
+
+# -- a rejoining stage's state ---------------------------------------------------------
+
+
+def _lora(layers: range, seed: int) -> list[tuple[str, nn.Parameter]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        (f"model.layers.{i}.self_attn.{m}_proj.lora_{ab}.weight",
+         nn.Parameter(torch.randn(4, 8, generator=gen)))
+        for i in layers for m in ("q", "v") for ab in "AB"
+    ]  # fmt: skip
+
+
+def _optimizer(
+    params: list[tuple[str, nn.Parameter]],
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    opt = torch.optim.AdamW([p for _, p in params], lr=0.01, weight_decay=0.1, foreach=False)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+
+
+def test_a_rejoining_stage_takes_a_live_stages_weights_and_adamw_state_by_name() -> None:
+    # The live pipeline holds layers 0-2 on one stage; the rejoining one splits them [0 | 1-2].
+    splits = [[(0, 3)], [(0, 1), (1, 3)]]
+    groups = _groups(splits)
+    live = _lora(range(3), seed=1)
+    opt, sched = _optimizer(live)
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(3):
+        for _, param in live:
+            param.grad = torch.randn(param.shape, generator=gen)
+        opt.step()
+        sched.step()
+    joiners = {k: _lora(range(*splits[1][k]), seed=10 + k) for k in range(2)}
+    opts = {k: _optimizer(joiners[k]) for k in range(2)}
+    for k in range(2):
+        names = [n for n, _ in live if groups[(0, 0)].holds((1, k), n)]
+        assert groups[(0, 0)].send_to((1, k), state_frame(20, live, opt, sched, names))
+    for k in range(2):
+        frames = [groups[(1, k)].recv_from((0, 0), STATE, 20)]
+        load_state_frames(frames, joiners[k], *opts[k])
+    for group in groups.values():
+        group.close()
+    mine = dict(live)
+    theirs = {n: p for k in range(2) for n, p in joiners[k]}
+    assert sorted(theirs) == sorted(mine)
+    assert all(torch.equal(theirs[n], mine[n]) for n in mine)
+    state = named_optimizer_state(opt, list(mine))["state"]
+    for k in range(2):
+        got = named_optimizer_state(opts[k][0], [n for n, _ in joiners[k]])["state"]
+        for name, values in got.items():
+            assert set(values) == set(state[name]) == {"step", "exp_avg", "exp_avg_sq"}
+            assert all(torch.equal(values[key], state[name][key]) for key in values), name
+        assert opts[k][1].state_dict() == sched.state_dict()
+    # One more step with the same gradients: the same weights (nothing of the state is missing).
+    for k in range(2):
+        for name, param in joiners[k]:
+            param.grad = torch.full_like(param, 0.5)
+            mine[name].grad = torch.full_like(param, 0.5)
+        opts[k][0].step()
+    opt.step()
+    assert all(torch.equal(theirs[n], mine[n]) for n in mine)
+
+
+def test_a_state_without_every_name_is_refused() -> None:
+    splits = [[(0, 3)], [(0, 3)]]
+    groups = _groups(splits)
+    live = _lora(range(3), seed=1)
+    opt, sched = _optimizer(live)
+    groups[(0, 0)].send_to((1, 0), state_frame(1, live, opt, sched, [n for n, _ in live[:4]]))
+    frame = groups[(1, 0)].recv_from((0, 0), STATE, 1)
+    for group in groups.values():
+        group.close()
+    joiner = _lora(range(3), seed=3)
+    with pytest.raises(LinkBroken, match=r"sent no model\.layers\.1"):
+        load_state_frames([frame], joiner, *_optimizer(joiner))
