@@ -28,6 +28,13 @@ JsonDict = dict[str, Any]
 
 READY = "Ready"
 PROGRESSING = "Progressing"
+RECONCILING = "Reconciling"
+"""kstatus's abnormal-true condition: True while the operator is still bringing the job to
+what it asks for (planning, starting, recovering, waiting for GPUs, a pipeline out)."""
+STALLED = "Stalled"
+"""kstatus's abnormal-true condition: True when nothing more happens without the user
+(an invalid spec, a model that cannot be read, restarts used up)."""
+STALLED_REASONS = ("InvalidSpec", "ModelUnavailable", "BackoffLimitExceeded")
 DEGRADED = "Degraded"
 """Condition of a job that trains several pipelines: True while one of them is out
 (recovering or given up) and the others train on."""
@@ -137,9 +144,26 @@ def set_condition(
 def with_verdict(
     status: FineTuneJobStatus, verdict: Verdict, now: datetime, generation: int | None
 ) -> FineTuneJobStatus:
-    """`status` with phase, both conditions and observedGeneration from `verdict`."""
+    """`status` with phase, its conditions and observedGeneration from `verdict`: Ready and
+    Progressing, kstatus's Reconciling and Stalled, and Degraded for several pipelines."""
     conditions = list(status.conditions)
     for kind, value in ((READY, verdict.ready), (PROGRESSING, verdict.progressing)):
+        conditions = set_condition(
+            conditions,
+            kind,
+            value,
+            reason=verdict.reason,
+            message=verdict.message,
+            now=now,
+            generation=generation,
+        )
+    # kstatus (sigs.k8s.io/cli-utils): Stalled=True reads as Failed, Reconciling=True as
+    # InProgress, neither as Current — with observedGeneration equal to the generation.
+    stalled = verdict.reason in STALLED_REASONS
+    reconciling = not stalled and (
+        verdict.phase in ("Pending", "Planning", "Recovering") or bool(verdict.degraded)
+    )
+    for kind, value in ((RECONCILING, reconciling), (STALLED, stalled)):
         conditions = set_condition(
             conditions,
             kind,

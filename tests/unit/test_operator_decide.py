@@ -211,13 +211,18 @@ def running_status(*stages: dict[str, Any], **fields: Any) -> dict[str, Any]:
         "conditions": [
             {
                 "type": kind,
-                "status": "True" if (ready or kind == "Progressing") else "False",
+                "status": "True" if value else "False",
                 "reason": reason,
                 "message": message,
                 "lastTransitionTime": T_RUNNING,
                 "observedGeneration": 4,
             }
-            for kind in ("Progressing", "Ready")
+            for kind, value in (
+                ("Progressing", True),
+                ("Ready", ready),
+                ("Reconciling", not ready),
+                ("Stalled", False),
+            )
         ],
         "startTime": "2026-11-22T08:00:00Z",
         "plan": PLAN,

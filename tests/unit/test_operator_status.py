@@ -215,3 +215,35 @@ def test_what_the_data_loader_kept_is_reported_in_status() -> None:
     )
     stored = load_status({"phase": "Running", "progress": status})
     assert stored.progress is not None and stored.progress.examples_truncated == 7
+
+
+@pytest.mark.parametrize(
+    ("phase", "reason", "degraded", "kstatus"),
+    [
+        ("Planning", "Planned", None, ("True", "False")),
+        ("Pending", "StagesStarting", None, ("True", "False")),
+        ("Pending", "Unschedulable", None, ("True", "False")),  # GPUs may free up
+        ("Running", "StagesRunning", False, ("False", "False")),
+        ("Running", "PipelinesDegraded", True, ("True", "False")),  # a pipeline is out
+        ("Recovering", "StageRestarting", None, ("True", "False")),
+        ("Suspended", "Suspended", None, ("False", "False")),
+        ("Succeeded", "Succeeded", None, ("False", "False")),
+        ("Failed", "BackoffLimitExceeded", None, ("False", "True")),
+        ("Failed", "InvalidSpec", None, ("False", "True")),
+        ("Pending", "ModelUnavailable", None, ("False", "True")),
+    ],
+)
+def test_kstatus_conditions_follow_the_phase(
+    phase: str, reason: str, degraded: bool | None, kstatus: tuple[str, str]
+) -> None:
+    """Reconciling=True reads as InProgress in kstatus, Stalled=True as Failed, neither as
+    Current; both carry the generation they were computed for."""
+    from relaytrain_operator.status import Verdict, condition, with_verdict
+
+    verdict = Verdict(phase, phase == "Running", True, reason, "m", degraded=degraded)
+    status = with_verdict(FineTuneJobStatus(), verdict, T0, 7)
+    reconciling, stalled = condition(status, "Reconciling"), condition(status, "Stalled")
+    assert reconciling is not None and stalled is not None
+    assert (reconciling.status, stalled.status) == kstatus
+    assert reconciling.observed_generation == stalled.observed_generation == 7
+    assert status.observed_generation == 7

@@ -47,8 +47,9 @@ class Condition(_Status):
     """A Kubernetes-style condition (the shape of metav1.Condition)."""
 
     type: str
-    """`Ready` (every stage pod ready and training progressing, or Succeeded) or `Progressing`
-    (the operator is moving the job forward: planning, starting, recovering)."""
+    """`Ready` (every stage pod ready and training progressing, or Succeeded), `Progressing`
+    (the operator is moving the job forward: planning, starting, recovering), kstatus's
+    `Reconciling` and `Stalled`, or `Degraded` (several pipelines: one is out)."""
     status: Literal["True", "False", "Unknown"]
     """Whether the condition holds."""
     reason: str
