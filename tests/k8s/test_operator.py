@@ -94,6 +94,11 @@ def ns(api: client.ApiClient) -> Iterator[str]:
     wait_for(f"the pods of {name} to go", lambda: not core.list_namespaced_pod(name).items)
 
 
+SEEN: list[dict[str, Any]] = []
+"""Every job object the tests read, as the API server returned it: the statuses real jobs
+went through, for the Argo CD health check (`test_argocd_health_of_real_statuses`)."""
+
+
 def job_manifest(name: str, model_path: Path | str, **spec: Any) -> dict[str, Any]:
     base: dict[str, Any] = {
         "model": {"uri": str(model_path), "dtype": "bfloat16"},
@@ -134,6 +139,7 @@ class Cluster:
         result: dict[str, Any] = self.custom.get_namespaced_custom_object(
             GROUP, VERSION, self.ns, PLURAL, name
         )
+        SEEN.append(result)
         return result
 
     def patch_spec(self, name: str, spec: dict[str, Any]) -> None:
@@ -804,6 +810,41 @@ def test_the_model_and_pipeline_of_a_started_job_cannot_change(
         assert refused.value.status == 422, change
     operator.wait_for_passes(kube.ns, "fixed", more=2)  # periodic checks of the unchanged spec
     assert kube.uids("fixed") == before
+
+
+def _expected_health(obj: dict[str, Any]) -> str:
+    """What Argo CD should show for a job, from docs/operator.md "GitOps health"."""
+    status = obj.get("status") or {}
+    if "phase" not in status:
+        return "Progressing"
+    if status.get("observedGeneration", 0) < obj["metadata"]["generation"]:
+        return "Progressing"
+    conditions = {c["type"]: c["status"] for c in status.get("conditions") or []}
+    phase = status["phase"]
+    if phase in ("Succeeded", "Suspended"):
+        return "Healthy" if phase == "Succeeded" else "Suspended"
+    if phase == "Failed" or conditions.get("Stalled") == "True":
+        return "Degraded"
+    if phase == "Running" and conditions.get("Degraded") == "True":
+        given_up = any(p["phase"] == "Failed" for p in status.get("pipelines") or [])
+        return "Degraded" if given_up else "Progressing"
+    return "Healthy" if phase == "Running" else "Progressing"
+
+
+def test_argocd_health_of_real_statuses() -> None:
+    """The chart's Argo CD health script, run on every job status the tests above read
+    from the API server: each phase real jobs went through gets its health."""
+    from tests.harness.argocd_health import health
+
+    phases = {(o.get("status") or {}).get("phase") for o in SEEN}
+    assert {"Pending", "Running", "Recovering", "Suspended", "Succeeded", "Failed"} <= phases
+    seen: dict[tuple[str | None, str], int] = {}
+    for obj in SEEN:
+        got, message = health(obj)
+        assert got == _expected_health(obj), (obj.get("status"), got, message)
+        key = ((obj.get("status") or {}).get("phase"), got)
+        seen[key] = seen.get(key, 0) + 1
+    assert {"Healthy", "Progressing", "Degraded", "Suspended"} <= {h for _, h in seen}
 
 
 def test_the_chart_grants_exactly_what_this_operator_called(
