@@ -11,6 +11,7 @@
 - `chart_rbac`: the Helm chart's ServiceAccount and RBAC applied, and a kubeconfig as it.
 - `rbac_audit`: the API calls a ServiceAccount made, read from the API server's audit log,
   against what the chart grants.
+- `argocd_health`: the chart's Argo CD health script, run with a real Lua runtime.
 - `ports`: a free loopback port.
 - `waiting`: waiting on observable state (a probe, a thread's stack) instead of sleeping.
 
