@@ -284,15 +284,20 @@ def test_job_survives_a_stage_killed_mid_run(env: dict[str, Any]) -> None:
     assert {"adapter_config.json", "adapter_model.safetensors"} <= files, (out, files)
 
 
-def test_two_pipelines_train_one_job(env: dict[str, Any]) -> None:
+def test_two_pipelines_train_one_job_and_a_killed_stage_takes_out_its_pipeline_only(
+    env: dict[str, Any],
+) -> None:
     """Two 2-stage pipelines of real worker processes, wired by the operator through the
     Service's stable names, train one job: each pipeline's share of every step, gradients
-    reduced across them, one progress record and one adapter."""
+    reduced across them, one progress record and one adapter. A stage of pipeline 1 is
+    killed mid-run: the operator replaces that pod alone, pipeline 0's processes keep
+    running and never step back, the job is Degraded meanwhile, and pipeline 1 rejoins."""
     e = env
-    custom, ns, runner = e["custom"], e["ns"], e["runner"]
-    name = "tiny-fleet"
+    core, custom, ns, runner = e["core"], e["custom"], e["ns"], e["runner"]
+    # Enough steps (a few seconds each ten) for the replacement to start and rejoin.
+    name, steps = "tiny-fleet", 150
     manifest = job_manifest(name, e["minio"], stages=2, replicas=2)
-    manifest["spec"]["training"]["steps"] = 12
+    manifest["spec"]["training"]["steps"] = steps
     custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, manifest)
 
     def status() -> dict[str, Any]:
@@ -301,6 +306,35 @@ def test_two_pipelines_train_one_job(env: dict[str, Any]) -> None:
             or {}
         )
 
+    watcher = ProgressWatcher(e["minio"], f"ckpt/{ns}/{name}/progress.json")
+    try:
+        at = wait_for(
+            "a few steps of both pipelines",
+            lambda: (p := watcher.latest()).get("step", 0) >= 4 and p,
+            timeout=400,
+        )
+    except AssertionError as err:
+        watcher.stop()
+        raise AssertionError(f"{err}\n{diagnostics(e)}") from None
+    assert at["step"] < steps - 4, f"the job ran too fast to be interrupted: {at}"
+    pods = stage_pods(core, ns, name)
+    assert sorted(pods) == [f"{name}-p{p}-s{k}" for p in range(2) for k in range(2)]
+    victim = f"{name}-p1-s1"
+    survivors = {
+        n: (p.metadata.uid, runner.local_pod(ns, n).process.pid)
+        for n, p in pods.items()
+        if n.startswith(f"{name}-p0-")
+    }
+    os.kill(runner.local_pod(ns, victim).process.pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    wait_for(
+        "the job Degraded",
+        lambda: any(
+            c["type"] == "Degraded" and c["status"] == "True"
+            for c in status().get("conditions") or []
+        ),
+        timeout=120,
+    )
     try:
         final = wait_for(
             "the two-pipeline job to finish",
@@ -309,15 +343,28 @@ def test_two_pipelines_train_one_job(env: dict[str, Any]) -> None:
         )
     except AssertionError as err:
         raise AssertionError(f"{err}\n{diagnostics(e)}") from None
+    finally:
+        watcher.stop()
     assert final["phase"] == "Succeeded", f"{final}\n{diagnostics(e)}"
-    plan = final["plan"]
-    shares = [p["microBatches"] for p in plan["pipelines"]]
+    shares = [p["microBatches"] for p in final["plan"]["pipelines"]]
     assert len(shares) == 2 and sum(shares) == 3 and min(shares) >= 1
-    # Every stage of both pipelines ran as one process of its own, once.
-    ran = sorted(lp.name for lp in runner.history if lp.name.startswith(f"{name}-"))
-    assert ran == [f"{name}-p{p}-s{k}" for p in range(2) for k in range(2)]
-    assert final["progress"]["step"] == 12 and final["restarts"] == 0
-    assert final["progress"]["loss"] > 0
+    # Pipeline 0: one pod and one process each from start to end; only the victim restarted.
+    for n, (uid, pid) in survivors.items():
+        started = [(lp.uid, lp.process.pid) for lp in runner.history if lp.name == n]
+        assert started == [(uid, pid)], f"{n} was restarted: {started}"
+    ran = [lp.name for lp in runner.history if lp.name.startswith(f"{name}-")]
+    assert sorted(set(ran)) == [f"{name}-p{p}-s{k}" for p in range(2) for k in range(2)]
+    assert ran.count(victim) == 2 and ran.count(f"{name}-p1-s0") == 1
+    # The job never stepped back: no rollback, the steps after the kill only go up.
+    after = [doc["step"] for t, doc in watcher.history if t > killed_at]
+    assert after == sorted(after) and after[-1] == steps, after
+    assert final["restarts"] == 1
+    assert [p["restarts"] for p in final["pipelines"]] == [0, 1]
+    assert final["progress"]["step"] == steps and final["progress"]["loss"] > 0
+    degraded = next(c for c in final["conditions"] if c["type"] == "Degraded")
+    assert degraded["status"] == "False"
+    logs = (e["work"] / "pods" / ns / victim).rglob("container.log")
+    assert any("rejoined at step" in path.read_text() for path in logs), diagnostics(e)
     files = {
         o.object_name.rsplit("/", 1)[-1]
         for o in e["minio"]
@@ -325,6 +372,10 @@ def test_two_pipelines_train_one_job(env: dict[str, Any]) -> None:
         .list_objects(e["minio"].bucket, f"adapters/{name}/", recursive=True)
     }
     assert {"adapter_config.json", "adapter_model.safetensors"} <= files
+    print(
+        f"\nTwo pipelines: killed {victim} at step {at['step']}; the job finished "
+        f"{time.monotonic() - killed_at:.1f}s later at step {after[-1]} without a step back"
+    )
 
 
 def test_no_credential_leaves_its_secret(env: dict[str, Any], kube_cluster: Any) -> None:
