@@ -46,6 +46,9 @@ KILL_STEPS = 600
 the survivors finish on a busy two-core machine."""
 LOSS_TOLERANCE = 0.02
 """Final loss of the run with a kill against the uninterrupted one's, relative."""
+STEP_TOLERANCE = 0.1
+"""Any step's loss against the uninterrupted run's, absolute (one step, the failure's, may
+miss part of the global batch and is not held to it)."""
 ENV = {"OMP_NUM_THREADS": "1"}
 PIPELINES = ["--stages", "2,3"]
 
@@ -219,9 +222,12 @@ def test_a_stage_killed_in_one_pipeline_takes_only_that_pipeline_out(
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, out
     for stage, steps in seen.items():
-        assert steps, f"never read p{stage[0]}/s{stage[1]}'s /metrics"
+        assert len(steps) > 10, f"hardly read p{stage[0]}/s{stage[1]}'s /metrics: {steps}"
         assert steps == sorted(steps), f"p{stage[0]}/s{stage[1]} stepped back: {steps}"
-        assert steps[-1] == KILL_STEPS
+        assert steps[-1] >= KILL_STEPS // 2  # it trained on, read as it went
+    final = progress(workspace / "ckpt", name)
+    assert final is not None and final["done"]
+    progress_steps.append(final["step"])
     assert progress_steps == sorted(progress_steps) and progress_steps[-1] == KILL_STEPS
     assert "stage p1/s1 exited with -9; restarting it (1/2)" in out
     summary = json.loads((workdir / "summary.json").read_text())
@@ -257,3 +263,8 @@ def test_a_stage_killed_in_one_pipeline_takes_only_that_pipeline_out(
         f"run {time.monotonic() - started:.1f} s"
     )
     assert abs(losses[-1] - long_reference[-1]) <= LOSS_TOLERANCE * long_reference[-1]
+    # Every step but the failure's (which trains on what arrived) is the whole global batch:
+    # without pipeline 1's share going to pipeline 0, each step's loss would lack a third.
+    off = [r["step"] for r, ref in zip(_history(workspace, name), long_reference, strict=True)
+           if abs(r["loss"] - ref) > STEP_TOLERANCE]  # fmt: skip
+    assert len(off) <= 1, f"steps whose loss is off by more than {STEP_TOLERANCE}: {off[:10]}"

@@ -501,9 +501,7 @@ class LinkGroup:
         self._check_first()
         mark = torch.zeros(self._pipelines, dtype=torch.float64)
         mark[self._pipeline] = 1.0
-        with self._cond:
-            members = sorted(q for q in self.members if self.live(q))
-        got = self._star("member", step, {MEMBER_KEY: mark}, sorted(self.members), members)
+        got = self._star("member", step, {MEMBER_KEY: mark}, sorted(self.members))
         return _members(got[MEMBER_KEY])
 
     def join(self, timeout: float) -> tuple[int, set[int], set[int]]:
@@ -543,16 +541,14 @@ class LinkGroup:
         if self._items is not None and self._items[0] == step:
             return self._items[1]
         mine = {COUNT_KEY: torch.tensor(float(count), dtype=torch.float64)}
-        with self._cond:
-            members = sorted(q for q in self.members if self.live(q))
-        got = self._star("tokens", step, mine, sorted(self.members), members)
+        got = self._star("tokens", step, mine, sorted(self.members))
         return int(got[COUNT_KEY])
 
     def reduce(
         self, step: int, pipeline: int, stage: int, tensors: Mapping[str, torch.Tensor]
     ) -> dict[str, torch.Tensor]:
         self._check(pipeline, stage)
-        got = self._star("grads", step, dict(tensors), sorted(self.members), None)
+        got = self._star("grads", step, dict(tensors), sorted(self.members))
         return {name: value.clone() for name, value in got.items()}
 
     # -- the star --------------------------------------------------------------------
@@ -563,7 +559,6 @@ class LinkGroup:
         step: int,
         mine: dict[str, torch.Tensor],
         members: list[int],
-        expected: list[int] | None,
     ) -> dict[str, torch.Tensor]:
         """This stage's part of one star reduce of `mine` among `members`; returns the
         result of every name (fresh tensors; also kept to answer late askers)."""
@@ -691,6 +686,8 @@ class LinkGroup:
         self._results[key] = result
         self._partial.pop(key, None)
         what, step = key
+        for old in [k for k in self._results if k[1] < step - 2]:
+            del self._results[old]
         for peer, port in self._ports.items():
             frame = port.take(f"contrib:{what}", step)
             if frame is not None:
