@@ -207,9 +207,35 @@ class Executor:
         self.api = api
         self.post_event = post_event
         self._threads = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="create")
+        self._forbidden: dict[tuple[str, str], str] = {}  # job → the refusal last reported
 
     def run(self, job: JsonDict, actions: Sequence[Action], now: datetime) -> None:
-        """Apply `actions` for `job` (as read at the start of the pass)."""
+        """Apply `actions` for `job` (as read at the start of the pass).
+
+        A request the API server forbids (a grant missing from the operator's RBAC, or an
+        admission policy such as Pod Security refusing a pod) fails the pass like any error,
+        and is also told on the job as a Warning Event `Forbidden` with the API server's
+        words, once per distinct refusal: kopf keeps a daemon's errors in the log only.
+        """
+        try:
+            self._run(job, actions, now)
+        except ApiException as exc:
+            if exc.status == 403:
+                self._report_forbidden(job, exc)
+            raise
+
+    def _report_forbidden(self, job: JsonDict, exc: ApiException) -> None:
+        meta = job["metadata"]
+        try:
+            message = str(json.loads(exc.body or "")["message"])
+        except (TypeError, ValueError, KeyError):
+            message = f"{exc.status} {exc.reason}"
+        key = (meta["namespace"], meta["name"])
+        if self._forbidden.get(key) != message:
+            self._forbidden[key] = message
+            self.post_event(job, "Warning", "Forbidden", f"The API server refused: {message}")
+
+    def _run(self, job: JsonDict, actions: Sequence[Action], now: datetime) -> None:
         meta = job["metadata"]
         namespace, name = meta["namespace"], meta["name"]
         stored: JsonDict = dict(job.get("status") or {})

@@ -12,17 +12,33 @@ part for pods that carry the label `relaytrain.io/job`:
   runner, so a replacement pod with the same hostname is reached at the same address,
   as DNS would give it), and the stage contract document is rewritten to use them;
 - when the process exits the pod's status is posted as a kubelet would (Succeeded or
-  Failed with the exit code); a pod that is deleted has its process killed.
+  Failed with the exit code); a pod that is deleted has its process killed;
+- every container gets what a kubelet gives it: `KUBERNETES_SERVICE_HOST/PORT` (here the
+  real API server on loopback) and its projected volumes — the ServiceAccount token from
+  the TokenRequest API, the cluster CA, the namespace — mounted where the pod says, in a
+  mount namespace of its own (tests/harness/kubelet_volumes.py). A pod that does not opt
+  out of the token therefore authenticates as its ServiceAccount, and as nothing else.
+
+A pod whose containers restart (`restartPolicy` Always or OnFailure: a Deployment's, such
+as the operator's as the chart installs it) is the runner's from the moment it is bound:
+it starts the process, posts the pod's status (Running; Ready only while the readiness
+probe passes), runs its liveness and readiness probes (tests/harness/probes.py), kills and
+restarts the container when liveness fails or the process exits (restartCount, lastState,
+the kubelet's back-off), posts the kubelet's `Unhealthy` and `Killing` Events, and on
+deletion stops the process within the grace period and removes the pod. Stage pods
+(`restartPolicy: Never`) keep kwok's status until their process exits.
 
 Nothing here is product code: it stands in for a kubelet and cluster DNS, which a real
 cluster has. No library does this for kwok (kwok is built never to run containers).
 On its own: `python -m tests.harness.kwok_runner --kubeconfig K --workdir DIR`.
+`selector` picks the pods it runs (default: stage pods, `relaytrain.io/job`).
 """
 
 from __future__ import annotations
 
 import base64
 import contextlib
+import functools
 import json
 import os
 import re
@@ -35,11 +51,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kubernetes.client.exceptions import ApiException
 from relaytrain_contract import CONFIG_ENV
 
+from tests.harness.kubelet_volumes import (
+    IssuedToken,
+    in_mount_namespace,
+    pod_field,
+    project_volumes,
+)
 from tests.harness.ports import free_port
+from tests.harness.probes import ProbeLoop, probe_spec
 
 JOB_LABEL = "relaytrain.io/job"
+RESTARTING = ("Always", "OnFailure")
 _SVC_ADDRESS = re.compile(r"^[a-z0-9.-]+\.svc(\.cluster\.local)?:\d+$")
 
 
@@ -54,15 +79,49 @@ class LocalPod:
     log_path: Path
     metrics_port: int | None
     started_at: float = field(default_factory=time.time)
+    restarts: int = 0
+    """The container's restartCount when this process started."""
+    ready: bool = False
+    """The readiness probe's verdict (pods the runner keeps the status of)."""
+    killed_by: str | None = None
+    """Why the runner killed the process ("liveness", "startup"), if it did."""
+    last_state: dict[str, Any] = field(default_factory=dict)
+    """The previous container's end (lastState), once it was restarted."""
+    probes: list[ProbeLoop] = field(default_factory=list)
+    tokens: list[IssuedToken] = field(default_factory=list)
+    tokens_at: float = field(default_factory=time.monotonic)
+
+
+@dataclass(frozen=True)
+class _Restart:
+    """A container that exited and will be started again (restartPolicy Always/OnFailure)."""
+
+    count: int
+    not_before: float
+    last_state: dict[str, Any]
 
 
 class KwokProcessRunner:
     """Polls the API server and keeps one local process per running relaytrain pod."""
 
-    def __init__(self, api_client: Any, workdir: Path, namespace: str | None = None) -> None:
+    def __init__(
+        self,
+        api_client: Any,
+        workdir: Path,
+        namespace: str | None = None,
+        selector: str = JOB_LABEL,
+    ) -> None:
+        from urllib.parse import urlsplit
+
         from kubernetes import client
 
         self.core: Any = client.CoreV1Api(api_client)  # its objects are read as Any here
+        self.selector = selector
+        server = urlsplit(api_client.configuration.host)
+        self.service_env = {  # what a kubelet sets for the `kubernetes` Service
+            "KUBERNETES_SERVICE_HOST": server.hostname or "127.0.0.1",
+            "KUBERNETES_SERVICE_PORT": str(server.port or 443),
+        }
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.namespace = namespace
@@ -71,6 +130,7 @@ class KwokProcessRunner:
         self.finished: dict[str, int] = {}  # pod uid -> exit code
         self.ports: dict[str, int] = {}  # stable DNS address -> loopback port
         self.errors: list[str] = []
+        self._restarts: dict[str, _Restart] = {}  # by pod uid: containers waiting to restart
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -86,6 +146,8 @@ class KwokProcessRunner:
             self._thread.join(timeout=30)
         with self._lock:
             for pod in list(self.pods.values()):
+                for probe in pod.probes:
+                    probe.stop()
                 _kill(pod.process)
             self.pods.clear()
 
@@ -95,6 +157,7 @@ class KwokProcessRunner:
                 self.sync()
             except Exception as exc:  # a flaky list must not end the runner
                 self.errors.append(f"{type(exc).__name__}: {exc}")
+                print(f"kwok runner: {type(exc).__name__}: {exc}", file=sys.stderr)
             self._stop.wait(0.5)
 
     # -- what tests look at ------------------------------------------------------------
@@ -108,20 +171,27 @@ class KwokProcessRunner:
     # -- one pass ------------------------------------------------------------------------
     def sync(self) -> None:
         if self.namespace:
-            pods = self.core.list_namespaced_pod(self.namespace, label_selector=JOB_LABEL).items
+            pods = self.core.list_namespaced_pod(self.namespace, label_selector=self.selector)
         else:
-            pods = self.core.list_pod_for_all_namespaces(label_selector=JOB_LABEL).items
+            pods = self.core.list_pod_for_all_namespaces(label_selector=self.selector)
         seen = set()
-        for pod in pods:
+        for pod in pods.items:
             uid = pod.metadata.uid
             seen.add(uid)
             with self._lock:
                 local = self.pods.get(uid)
             if pod.metadata.deletion_timestamp is not None:
                 if local:
-                    self._forget(local, kill=True)
+                    grace = pod.metadata.deletion_grace_period_seconds
+                    self._forget(local, kill=True, grace=grace)
+                if _restarting(pod):
+                    self._restarts.pop(uid, None)
+                    self.finished.setdefault(uid, -signal.SIGTERM)
+                    self._remove(pod)
                 continue
-            if local is None and uid not in self.finished and pod.status.phase == "Running":
+            if _restarting(pod):
+                self._sync_restarting(pod, local)
+            elif local is None and uid not in self.finished and pod.status.phase == "Running":
                 self._start(pod)
             elif local is not None and local.process.poll() is not None:
                 self._finish(pod, local)
@@ -130,21 +200,191 @@ class KwokProcessRunner:
         for local in gone:
             self._forget(local, kill=True)
 
-    def _start(self, pod: Any) -> None:
+    def _sync_restarting(self, pod: Any, local: LocalPod | None) -> None:
+        """A pod whose container restarts: the runner is its kubelet from binding on."""
+        uid = pod.metadata.uid
+        if local is None:
+            waiting = self._restarts.get(uid)
+            if not pod.spec.node_name or uid in self.finished:
+                return
+            if waiting is not None and time.monotonic() < waiting.not_before:
+                return
+            self._restarts.pop(uid, None)
+            if waiting is None:
+                self._claim(pod)
+            local = self._start(pod, restarts=waiting.count if waiting else 0)
+            local.last_state = waiting.last_state if waiting else {}
+            self._post_running(pod, local, first=True)
+            # A startup probe holds the others off until it passes, as a kubelet's does.
+            kinds = {p.spec.kind for p in local.probes}
+            for probe in local.probes:
+                if probe.spec.kind == "startup" or "startup" not in kinds:
+                    probe.start()
+        elif local.process.poll() is not None:
+            code = local.process.returncode
+            if pod.spec.restart_policy == "OnFailure" and code == 0:
+                self._finish(pod, local)
+                return
+            self._forget(local, kill=False, done=False)
+            # The kubelet's back-off: at once the first time, then 10 s, 20 s, ... 5 min.
+            delay = 0.0 if local.restarts == 0 else min(300.0, 10.0 * 2 ** (local.restarts - 1))
+            self._restarts[uid] = _Restart(
+                local.restarts + 1,
+                time.monotonic() + delay,
+                {"terminated": _terminated(local, code, "Completed" if code == 0 else "Error")},
+            )
+        elif local.tokens and time.monotonic() - local.tokens_at > 0.8 * min(
+            t.seconds for t in local.tokens
+        ):
+            # Refreshed in place before they expire, as a kubelet does (at 80% of their life).
+            project_volumes(self.core, pod, pod.spec.containers[0], _pod_dir(self.workdir, pod))
+            local.tokens_at = time.monotonic()
+
+    def _claim(self, pod: Any) -> None:
+        # kwok leaves the status of pods annotated so to whoever posts it (here, us).
+        self.core.patch_namespaced_pod(
+            pod.metadata.name,
+            pod.metadata.namespace,
+            {"metadata": {"annotations": {"kwok.x-k8s.io/status": "custom"}}},
+        )
+
+    def _post_running(self, pod: Any, local: LocalPod, first: bool = False) -> None:
+        """The status a kubelet posts for a running container; Ready as its probe says."""
         container = pod.spec.containers[0]
-        env = {**_base_env(), **self._resolve_env(pod, container.env or [])}
+        now = _now()
+        ready = "True" if local.ready else "False"
+        started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(local.started_at))
+        status: dict[str, Any] = {
+            "phase": "Running",
+            "conditions": [
+                {"type": "PodScheduled", "status": "True"},
+                {"type": "Initialized", "status": "True"},
+                {"type": "ContainersReady", "status": ready, "lastTransitionTime": now},
+                {"type": "Ready", "status": ready, "lastTransitionTime": now},
+            ],
+            "containerStatuses": [
+                {
+                    "name": container.name,
+                    "image": container.image,
+                    "imageID": "",
+                    "containerID": f"local://{local.process.pid}",
+                    "ready": local.ready,
+                    "started": True,
+                    "restartCount": local.restarts,
+                    "state": {"running": {"startedAt": started}},
+                    # The list is replaced as a whole by a patch: every post says it all.
+                    "lastState": local.last_state,
+                }
+            ],
+        }
+        if first and pod.status.start_time is None:
+            status["startTime"] = now
+        try:
+            self.core.patch_namespaced_pod_status(
+                pod.metadata.name, pod.metadata.namespace, {"status": status}
+            )
+        except ApiException as exc:
+            if exc.status != 404:  # a pod deleted meanwhile needs no status
+                self.errors.append(f"posting the status of {pod.metadata.name}: {exc}")
+
+    def _probe_changed(self, pod: Any, local: LocalPod, kind: str, ok: bool, why: str) -> None:
+        """A probe's verdict changed: Ready follows readiness; a passed startup probe starts
+        the others; failed liveness or startup restarts the container."""
+        container = pod.spec.containers[0].name
+        if not ok:
+            self._event(pod, "Warning", "Unhealthy", f"{kind.capitalize()} probe failed: {why}")
+        if kind == "startup" and ok:
+            for probe in local.probes:
+                if probe.spec.kind == "startup":
+                    probe.stop()
+                elif local.process.poll() is None:
+                    probe.start()
+        elif kind == "readiness":
+            with self._lock:
+                if self.pods.get(local.uid) is not local or local.process.poll() is not None:
+                    return
+                local.ready = ok
+            self._post_running(pod, local)
+        elif not ok:
+            self._event(
+                pod,
+                "Normal",
+                "Killing",
+                f"Container {container} failed {kind} probe, will be restarted",
+            )
+            local.killed_by = kind
+            for probe in local.probes:
+                if probe.spec.kind != kind:
+                    probe.stop()
+            _kill(local.process, grace=_grace(pod))
+
+    def _event(self, pod: Any, type: str, reason: str, message: str) -> None:
+        """An Event on the pod, from the kubelet, as `kubectl describe pod` shows them."""
+        now = _now()
+        container = pod.spec.containers[0].name
+        event = {
+            "metadata": {
+                "generateName": f"{pod.metadata.name}.",
+                "namespace": pod.metadata.namespace,
+            },
+            "involvedObject": {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "namespace": pod.metadata.namespace,
+                "name": pod.metadata.name,
+                "uid": pod.metadata.uid,
+                "fieldPath": f"spec.containers{{{container}}}",
+            },
+            "type": type,
+            "reason": reason,
+            "message": message,
+            "source": {"component": "kubelet", "host": pod.spec.node_name or ""},
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+        }
+        try:
+            self.core.create_namespaced_event(pod.metadata.namespace, event)
+        except Exception as exc:  # an Event is best effort, as the kubelet's are
+            self.errors.append(f"posting {reason} on {pod.metadata.name}: {exc}")
+
+    def _remove(self, pod: Any) -> None:
+        """The kubelet's last word on a deleted pod whose containers stopped: remove it."""
+        try:
+            # In the body: a body's options replace the query's.
+            self.core.delete_namespaced_pod(
+                pod.metadata.name,
+                pod.metadata.namespace,
+                body={"gracePeriodSeconds": 0, "preconditions": {"uid": pod.metadata.uid}},
+            )
+        except ApiException as exc:
+            if exc.status not in (404, 409):
+                raise
+
+    def _start(self, pod: Any, restarts: int = 0) -> LocalPod:
+        container = pod.spec.containers[0]
+        tmp = _pod_dir(self.workdir, pod)
+        tmp.mkdir(parents=True, exist_ok=True)
+        env = {
+            **_base_env(),
+            **self.service_env,
+            **self._resolve_env(pod, container.env or []),
+        }
         metrics_port = None
         if CONFIG_ENV in env:
             env[CONFIG_ENV], metrics_port = self._rewrite_config(pod, env[CONFIG_ENV])
         argv = list(container.command or []) + list(container.args or [])
         if argv and argv[0] in ("python", "python3"):
             argv[0] = sys.executable
-        tmp = self.workdir / pod.metadata.namespace / pod.metadata.name / pod.metadata.uid[:8]
-        tmp.mkdir(parents=True, exist_ok=True)
+        mounts, tokens = project_volumes(self.core, pod, container, tmp)
+        argv = in_mount_namespace(argv, mounts)
         env["TMPDIR"] = str(tmp)
         env["HOME"] = str(tmp)
         log_path = tmp / "container.log"
-        with log_path.open("wb") as log:
+        with log_path.open("ab") as log:
+            if restarts:
+                log.write(f"--- kwok runner: restart {restarts}\n".encode())
+                log.flush()
             process = subprocess.Popen(
                 argv,
                 env=env,
@@ -160,10 +400,28 @@ class KwokProcessRunner:
             process,
             log_path,
             metrics_port,
+            restarts=restarts,
+            tokens=tokens,
         )
+        if _restarting(pod):
+            for kind, probe in (
+                ("startup", container.startup_probe),
+                ("liveness", container.liveness_probe),
+                ("readiness", container.readiness_probe),
+            ):
+                if probe is not None:
+                    local.probes.append(
+                        ProbeLoop(
+                            probe_spec(kind, probe, container),
+                            functools.partial(self._probe_changed, pod, local, kind),
+                            pod.metadata.name,
+                        )
+                    )
+            local.ready = container.readiness_probe is None
         with self._lock:
             self.pods[pod.metadata.uid] = local
             self.history.append(local)
+        return local
 
     def _finish(self, pod: Any, local: LocalPod) -> None:
         code = local.process.returncode
@@ -209,14 +467,20 @@ class KwokProcessRunner:
             },
         )
 
-    def _forget(self, local: LocalPod, *, kill: bool) -> None:
+    def _forget(
+        self, local: LocalPod, *, kill: bool, grace: float | None = None, done: bool = True
+    ) -> None:
+        for probe in local.probes:
+            probe.stop()
         if kill:
-            _kill(local.process)
+            _kill(local.process, grace=10 if grace is None else grace)
         with self._lock:
-            self.pods.pop(local.uid, None)
+            if self.pods.get(local.uid) is local:
+                self.pods.pop(local.uid, None)
         # The exit code stays readable: 0 when the process ended by itself, -15 when the
         # pod's deletion stopped it, as a kubelet's SIGTERM would.
-        self.finished[local.uid] = local.process.returncode
+        if done:
+            self.finished[local.uid] = local.process.returncode
 
     # -- env and addresses ------------------------------------------------------------
     def _resolve_env(self, pod: Any, env: list[Any]) -> dict[str, str]:
@@ -237,7 +501,7 @@ class KwokProcessRunner:
                     )
                     out[var.name] = cm.data[src.config_map_key_ref.key]
                 elif src.field_ref is not None:
-                    out[var.name] = _field(pod, src.field_ref.field_path)
+                    out[var.name] = pod_field(pod, src.field_ref.field_path)
         return out
 
     def port_for(self, address: str) -> int:
@@ -273,15 +537,32 @@ class KwokProcessRunner:
         return json.dumps(doc), metrics_port
 
 
-def _field(pod: Any, path: str) -> str:
-    values = {
-        "metadata.name": pod.metadata.name,
-        "metadata.namespace": pod.metadata.namespace,
-        "metadata.uid": pod.metadata.uid,
-        "spec.nodeName": pod.spec.node_name or "",
-        "status.podIP": "127.0.0.1",
+def _restarting(pod: Any) -> bool:
+    return (pod.spec.restart_policy or "Always") in RESTARTING
+
+
+def _pod_dir(workdir: Path, pod: Any) -> Path:
+    """The pod's own folder: its TMPDIR and HOME, its volumes and its container's log."""
+    meta = pod.metadata
+    return workdir / str(meta.namespace) / str(meta.name) / str(meta.uid)[:8]
+
+
+def _grace(pod: Any) -> float:
+    seconds = pod.spec.termination_grace_period_seconds
+    return 30.0 if seconds is None else float(seconds)
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def _terminated(local: LocalPod, code: int, reason: str) -> dict[str, Any]:
+    return {
+        "exitCode": code if code >= 0 else 128 - code,
+        "reason": reason,
+        "startedAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(local.started_at)),
+        "finishedAt": _now(),
     }
-    return str(values.get(path, ""))
 
 
 def _base_env() -> dict[str, str]:
@@ -292,12 +573,14 @@ def _base_env() -> dict[str, str]:
     return env
 
 
-def _kill(process: subprocess.Popen[bytes]) -> None:
+def _kill(process: subprocess.Popen[bytes], grace: float = 10) -> None:
+    """SIGTERM to the process group, SIGKILL after `grace` seconds (a stopped process
+    keeps a SIGTERM pending, as a container's would: SIGKILL ends it)."""
     if process.poll() is not None:
         return
     try:
         os.killpg(process.pid, signal.SIGTERM)
-        process.wait(timeout=10)
+        process.wait(timeout=grace)
     except (ProcessLookupError, subprocess.TimeoutExpired):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
