@@ -1,12 +1,14 @@
-"""`make demo`: a real fine-tune on the local cluster, with one stage killed on the way.
+"""`make demo`: a real fine-tune on the local cluster — two pipelines, one stage killed.
 
 1. starts the local cluster (real control plane, kwok GPU pools) and a MinIO server;
 2. uploads SmolLM2-135M-Instruct and a small data set to MinIO;
 3. installs the CRD, starts the operator (`python -m relaytrain_operator`) and the kwok
    process runner, which runs each stage pod's container as a real local process;
-4. applies examples/demo/finetunejob-demo.yaml and follows its status;
-5. kills one stage's process mid-run (as a GPU dying would), and shows the operator
-   replacing that pod alone while the other stages keep their processes;
+4. applies examples/demo/finetunejob-demo.yaml (two pipelines of two stages, sharing each
+   step's micro-batches) and follows its status;
+5. kills one stage's process of pipeline 1 mid-run (as a GPU dying would), and shows the
+   operator replacing that pod alone while every other stage keeps its process, pipeline 0
+   training on without a step back, and pipeline 1 rejoining;
 6. prints where the adapter went, and stops everything it started.
 
 Run from the repository root as a module (hack/demo.sh does): `python -m hack.demo --help`.
@@ -51,6 +53,7 @@ def upload_dir(mc: Any, bucket: str, prefix: str, folder: Path) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--kill-pipeline", type=int, default=1)
     parser.add_argument("--kill-stage", type=int, default=1, help="-1 kills none")
     parser.add_argument("--kill-at-step", type=int, default=12)
     parser.add_argument("--timeout", type=float, default=1500)
@@ -147,7 +150,11 @@ def run(args: argparse.Namespace, model_dir: Path, workdir: Path, stack: list[An
     say(f"Operator started (log: {workdir / 'operator.log'}); stage pods run as local processes")
 
     custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, job)
-    say(f"Applied FineTuneJob {ns}/{name}: {args.steps} steps, 3 stages, int8 links")
+    pipeline = job["spec"]["pipeline"]
+    say(
+        f"Applied FineTuneJob {ns}/{name}: {args.steps} steps, {pipeline['replicas']} pipelines "
+        f"of {pipeline['stages']} stages, int8 links"
+    )
     return follow(args, custom, core, runner, ns, name, workdir, mc)
 
 
@@ -166,8 +173,9 @@ def follow(
     losses: dict[int, float] = {}
     survivors: dict[str, tuple[str, int]] = {}
     killed_at: float | None = None
-    peak = 0  # the furthest step reported since the kill
-    resumed = False
+    killed_step = 0
+    after_kill: list[int] = []  # every step the job reported after the kill
+    was_degraded = rejoined = False
     status: dict[str, Any] = {}
     phase = "Pending"
     while time.monotonic() < deadline:
@@ -180,46 +188,64 @@ def follow(
             losses[step] = loss
             first_loss = loss if first_loss is None else first_loss
         line = (
-            f"phase={phase} step={step}/{prog.get('totalSteps')} loss={loss} "
+            f"phase={phase} pipelines={status.get('readyPipelines')} "
+            f"step={step}/{prog.get('totalSteps')} loss={loss} "
             f"tokens/s={prog.get('tokensPerSecond')} checkpoint={prog.get('lastCommittedStep')}"
         )
         if line != last_line:
             say(line)
             last_line = line
-        # Back to where it was: the pipeline rolled back to the last commit, redid the steps
-        # after it, and now reports a step it had not reached before the kill. The operator
-        # folds progress in on its own passes, so the redone steps may not show in status;
-        # the replacement's restoredFromStep says where the rollback went.
-        if killed_at is not None and step is not None and not resumed and step > peak:
-            resumed = True
-            restored = [
-                s.get("restoredFromStep")
-                for s in status.get("stages") or []
-                if s.get("restoredFromStep") is not None
-            ]
-            since = f" (rolled back to step {restored[0]})" if restored else ""
-            say(
-                f"Training passed step {peak} again {time.monotonic() - killed_at:.1f}s "
-                f"after the stage died{since}"
-            )
+        degraded = next((c for c in status.get("conditions") or [] if c["type"] == "Degraded"), {})
+        if killed_at is not None:
+            if step is not None:
+                after_kill.append(step)
+            if degraded.get("status") == "True" and not was_degraded:
+                was_degraded = True
+                say(f"Job Running but Degraded: {degraded.get('message')}")
+            if was_degraded and degraded.get("status") == "False" and not rejoined:
+                rejoined = True
+                lowest = min(after_kill, default=killed_step)
+                say(
+                    f"Pipeline {args.kill_pipeline} is back "
+                    f"{time.monotonic() - killed_at:.1f}s after its stage died; meanwhile "
+                    f"the other pipeline kept training from step {killed_step} to "
+                    f"{max(after_kill, default=killed_step)} and the job never stepped back "
+                    f"(lowest step reported after the kill: {lowest}, no rollback)"
+                )
         if (
             args.kill_stage >= 0
             and killed_at is None
             and step is not None
             and step >= args.kill_at_step
         ):
-            killed_at = kill_stage(args.kill_stage, core, runner, ns, name, survivors)
-            peak = step
+            killed_at = kill_stage(
+                args.kill_pipeline, args.kill_stage, core, runner, ns, name, survivors
+            )
+            killed_step = step
         if phase in ("Succeeded", "Failed"):
             break
         time.sleep(1)
     else:
         say("Timed out waiting for the job")
         return 1
+    stepped_back = after_kill != sorted(after_kill) or min(after_kill, default=killed_step) < (
+        killed_step
+    )
+    if killed_at is not None and stepped_back:
+        say(f"THE JOB STEPPED BACK after the kill: {after_kill}")
+        return 1
+    if killed_at is not None:
+        # What the replacement's own log says: it rejoined from the live pipeline's state.
+        victim = f"{name}-p{args.kill_pipeline}-s{args.kill_stage}"
+        for log in sorted((workdir / "pods" / ns / victim).rglob("container.log")):
+            for row in log.read_text(errors="replace").splitlines():
+                if "rejoined at step" in row:
+                    say(f"{victim}'s replacement: {row.split(': ', 1)[-1]}")
     return summarise(status, phase, runner, survivors, losses, first_loss, workdir, mc)
 
 
 def kill_stage(
+    pipeline: int,
     index: int,
     core: Any,
     runner: KwokProcessRunner,
@@ -227,7 +253,7 @@ def kill_stage(
     name: str,
     survivors: dict[str, tuple[str, int]],
 ) -> float | None:
-    victim = f"{name}-stage-{index}"
+    victim = f"{name}-p{pipeline}-s{index}"
     local = runner.local_pod(ns, victim)
     if local is None:
         return None
@@ -236,7 +262,7 @@ def kill_stage(
         if pod.metadata.name != victim and lp:
             survivors[pod.metadata.name] = (pod.metadata.uid, lp.process.pid)
     os.kill(local.process.pid, signal.SIGKILL)
-    say(f"Killed stage {index}'s process (pid {local.process.pid}) with SIGKILL")
+    say(f"Killed stage p{pipeline}/s{index}'s process (pid {local.process.pid}) with SIGKILL")
     return time.monotonic()
 
 
@@ -257,7 +283,10 @@ def summarise(
         )
     )
     for st in status.get("stages", []):
-        say(f"  stage {st.get('index')} on {st.get('pool')}: restarts={st.get('restarts')}")
+        say(
+            f"  stage p{st.get('pipeline', 0)}/s{st.get('index')} on {st.get('pool')}: "
+            f"restarts={st.get('restarts')}"
+        )
     ok = phase == "Succeeded"
     for pname, (uid, pid) in survivors.items():
         starts = [(lp.uid, lp.process.pid) for lp in runner.history if lp.name == pname]
@@ -288,7 +317,11 @@ def plot_losses(losses: dict[int, float], path: Path) -> Path:
     steps = sorted(losses)
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot(steps, [losses[s] for s in steps], marker="o")
-    ax.set(xlabel="step", ylabel="training loss", title="smollm-demo (LoRA, 3 stages, int8 links)")
+    ax.set(
+        xlabel="step",
+        ylabel="training loss",
+        title="smollm-demo (LoRA, 2 pipelines x 2 stages, int8 links)",
+    )
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -287,11 +287,13 @@ def pipeline_statuses(
     result = []
     for planned in plan.pipelines:
         mine = [s for s in stages if s.pipeline == planned.index]
-        phase: Literal["Pending", "Running", "Recovering", "Failed"]
+        phase: Literal["Pending", "Running", "Recovering", "Succeeded", "Failed"]
         if planned.index in given_up:
             phase = "Failed"
         elif mine and all(s.phase == "Running" for s in mine):
             phase = "Running"
+        elif mine and all(s.phase == "Succeeded" for s in mine):
+            phase = "Succeeded"
         elif any(_recovering(s) for s in mine):
             phase = "Recovering"
         else:

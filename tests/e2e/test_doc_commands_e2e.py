@@ -65,8 +65,11 @@ def test_make_demo_runs_as_written() -> None:
     result = Shell(clean_env(), REPO).run(command, timeout=1800)
     assert result.rc == 0, result.output[-20000:]
     for line in (
-        "[demo] Killed stage 1's process",
-        "[demo] Training passed step",
+        "[demo] Killed stage p1/s1's process",
+        "[demo] Job Running but Degraded:",
+        "[demo] Pipeline 1 is back",
+        "no rollback",
+        "'s replacement: Stage p1/s1 rejoined at step",
         "kept its pod and process",
         "[demo]   with the adapter:",
         "[demo] Stopped the operator, the stage processes, MinIO and the cluster.",

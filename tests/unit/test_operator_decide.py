@@ -1096,6 +1096,8 @@ def test_a_pipeline_out_of_restarts_is_given_up_and_the_others_train_on() -> Non
     done = [p | {"status": {"phase": "Succeeded"}} for p in alive]
     finished = decide(observed(job, done), SETTINGS)
     assert finished.status is not None and finished.status.phase == "Succeeded"
+    assert finished.status.pipelines is not None
+    assert [p.phase for p in finished.status.pipelines] == ["Succeeded", "Failed"]
     assert condition(finished.status, "Degraded").status == "False"  # type: ignore[union-attr]
     # The last pipeline out of restarts fails the job.
     job["status"]["stages"][0]["restarts"] = 2

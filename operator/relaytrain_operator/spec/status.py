@@ -170,10 +170,11 @@ class PipelineStatus(_Status):
 
     index: int
     """Pipeline number."""
-    phase: Literal["Pending", "Running", "Recovering", "Failed"]
+    phase: Literal["Pending", "Running", "Recovering", "Succeeded", "Failed"]
     """Running: every stage pod runs; Recovering: a stage is being replaced (the other
     pipelines train on); Failed: a stage used up spec.failurePolicy.maxStageRestarts, so the
-    pipeline was given up and the others train on without it; Pending: starting."""
+    pipeline was given up and the others train on without it; Succeeded: its stages
+    finished; Pending: starting."""
     ready_stages: str
     """`ready/total` stage pods of this pipeline."""
     restarts: int = 0
