@@ -2,10 +2,14 @@
 
 The kwok process runner (tests/harness/kwok_runner.py) runs each stage pod's container as
 a local process, so the stages really train a (tiny) Llama and talk over authenticated links.
-One job runs to completion while one stage's process is killed with SIGKILL mid-run, as
-a dying GPU would: the operator replaces that pod alone, the surviving stage processes
-keep running (same PIDs, same pod UIDs), roll back to the last committed checkpoint, and
-the job finishes with an adapter in MinIO.
+The operator is installed as users install it: `helm install` of charts/relaytrain, its
+Deployment's pod run by the same runner as the chart's ServiceAccount (a token bound to
+the pod, no kubeconfig; tests/harness/chart_install.py), in namespaces that enforce the Pod
+Security Standard `restricted`. One job runs to completion while the chart is upgraded
+under it (a new operator pod; the stage pods and processes stay) and one stage's process
+is killed with SIGKILL mid-run, as a dying GPU would: the operator replaces that pod alone,
+the surviving stage processes keep running (same PIDs, same pod UIDs), roll back to the last
+committed checkpoint, and the job finishes with an adapter in MinIO.
 """
 
 from __future__ import annotations
@@ -23,10 +27,10 @@ from typing import Any
 import pytest
 from kubernetes import client
 
-from tests.harness.chart_rbac import chart_rbac_kubeconfig
+from tests.harness.chart_install import ChartRelease, chart_values, restricted_namespace
 from tests.harness.kwok_runner import KwokProcessRunner
-from tests.harness.operator_process import OperatorProcess
 from tests.harness.waiting import wait_for
+from tests.operator_cases import install_crd
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -43,10 +47,7 @@ def env(
 
     api = kube_cluster.api_client()
     core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
-    kube_cluster.kubectl("apply", "--server-side", "-f", str(REPO / "crds"))
-    kube_cluster.kubectl(
-        "wait", "--for=condition=Established", "crd/finetunejobs.relaytrain.io", "--timeout=60s"
-    )
+    install_crd(kube_cluster, api)  # the release adopts it (as when another test applied it)
     work = tmp_path_factory.mktemp("e2e")
     model = tiny_model_dir(work / "model", layers=6, hidden=64, max_positions=64)
     mc = minio_server.client()
@@ -62,8 +63,8 @@ def env(
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     mc.fput_object(minio_server.bucket, "data/sums.jsonl", str(data))
 
-    ns = f"rte2e-{uuid.uuid4().hex[:6]}"
-    core.create_namespace({"metadata": {"name": ns}})
+    tag = uuid.uuid4().hex[:6]
+    ns = restricted_namespace(core, f"rte2e-{tag}")
     core.create_namespaced_secret(
         ns,
         {
@@ -74,19 +75,16 @@ def env(
             },
         },
     )
-    # The operator runs with the chart's least-privilege RBAC, bound to this namespace.
-    identity = chart_rbac_kubeconfig(
-        kube_cluster,
-        work / "operator.kubeconfig",
-        release="rte2e",
-        namespace="rte2e-system",
-        watch=[ns],
-    )
-    operator = OperatorProcess(identity.kubeconfig, work / "operator.log", "--namespace", ns)
-    operator.start()
+    # The operator as the chart installs it, watching this namespace.
+    system = restricted_namespace(core, f"rte2e-system-{tag}")
+    release = ChartRelease(f"rte2e{tag}", system, kube_cluster.kubeconfig, api, work / "chart")
+    values = chart_values(ns)
     runner = KwokProcessRunner(api, work / "pods", ns)
-    runner.start()
     try:
+        release.start_kubelet()
+        release.install(values)
+        release.ready_operator()
+        runner.start()
         yield {
             "core": core,
             "custom": custom,
@@ -94,12 +92,15 @@ def env(
             "runner": runner,
             "work": work,
             "minio": minio_server,
-            "operator": operator,
+            "release": release,
+            "values": values,
         }
     finally:
         runner.stop()
-        operator.stop()
+        release.helm("uninstall", release.name, "--wait", check=False)
+        release.stop_kubelet()
         core.delete_namespace(ns)
+        core.delete_namespace(system)
 
 
 def job_manifest(name: str, minio: Any, **pipeline: Any) -> dict[str, Any]:
@@ -177,7 +178,7 @@ def stage_pods(core: Any, ns: str, job: str) -> dict[str, Any]:
 
 def diagnostics(e: dict[str, Any]) -> str:
     logs = [f"--- {p}\n{p.read_text()[-3000:]}" for p in sorted(e["work"].rglob("*.log"))]
-    return "\n".join(logs)
+    return "\n".join(logs) + e["release"].diagnostics()
 
 
 def test_job_survives_a_stage_killed_mid_run(env: dict[str, Any]) -> None:
@@ -210,6 +211,21 @@ def test_job_survives_a_stage_killed_mid_run(env: dict[str, Any]) -> None:
     pods = stage_pods(core, ns, name)
     assert before["step"] < STEPS - EVERY, f"the job ran too fast to be interrupted: {before}"
     assert sorted(pods) == [f"{name}-stage-{k}" for k in range(3)]
+
+    # `helm upgrade` while it trains: a new operator pod; the stage pods and their
+    # processes stay as they are (checked with the survivors at the end).
+    release, values = e["release"], e["values"]
+    old_operator = release.operator_pod().metadata.uid
+    processes = {n: runner.local_pod(ns, n).process.pid for n in pods}
+    values["resyncSeconds"] = 2
+    release.upgrade(values)
+    upgraded, _ = release.ready_operator()
+    assert upgraded.metadata.uid != old_operator
+    now = stage_pods(core, ns, name)
+    assert {n: p.metadata.uid for n, p in now.items()} == {
+        n: p.metadata.uid for n, p in pods.items()
+    }
+    assert {n: runner.local_pod(ns, n).process.pid for n in now} == processes
     victim = f"{name}-stage-1"
     survivors = {
         n: (p.metadata.uid, runner.local_pod(ns, n).process.pid)

@@ -26,6 +26,7 @@ from typing import Any
 import yaml
 
 from tests.harness.kwok_runner import KwokProcessRunner, LocalPod
+from tests.harness.ports import free_port
 from tests.harness.waiting import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -62,6 +63,39 @@ def restricted_namespace(core: Any, name: str) -> str:
         ),
     )
     return name
+
+
+def chart_values(jobs_namespace: str) -> dict[str, Any]:
+    """Values for a release under test (and the demo): its jobs' namespace, free ports (the
+    operator process listens on this machine), and probes quick enough to see them act."""
+    return {
+        "watchNamespaces": [jobs_namespace],
+        "resyncSeconds": 1,
+        "metrics": {"port": free_port()},
+        "healthPort": free_port(),
+        "probes": {
+            # However slow this machine is to start Python, liveness waits for startup.
+            "startup": {
+                "initialDelaySeconds": 0,
+                "periodSeconds": 1,
+                "timeoutSeconds": 5,
+                "failureThreshold": 120,
+            },
+            "liveness": {
+                "initialDelaySeconds": 0,
+                "periodSeconds": 2,
+                "timeoutSeconds": 2,
+                "failureThreshold": 3,
+            },
+            "readiness": {
+                "initialDelaySeconds": 0,
+                "periodSeconds": 1,
+                "timeoutSeconds": 1,
+                "failureThreshold": 1,
+            },
+        },
+        "terminationGracePeriodSeconds": 5,
+    }
 
 
 @dataclass

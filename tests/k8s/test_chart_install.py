@@ -30,8 +30,12 @@ import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from tests.harness.chart_install import ChartRelease, pod_ready, restricted_namespace
-from tests.harness.ports import free_port
+from tests.harness.chart_install import (
+    ChartRelease,
+    chart_values,
+    pod_ready,
+    restricted_namespace,
+)
 from tests.harness.rbac_audit import service_account_user
 from tests.harness.waiting import wait_for
 from tests.operator_cases import install_crd, job_manifest
@@ -44,39 +48,6 @@ JOB_LABEL = "relaytrain.io/job"
 # Where the in-cluster config reads (/var/run, a link to /run; read through /proc/PID/root
 # an absolute link would leave the process's mount namespace).
 SA_DIR = "run/secrets/kubernetes.io/serviceaccount"
-
-
-def chart_values(jobs_namespace: str) -> dict[str, Any]:
-    """Values for a test release: its jobs' namespace, free ports (the operator process
-    listens on this machine), and probes quick enough for a test to see them act."""
-    return {
-        "watchNamespaces": [jobs_namespace],
-        "resyncSeconds": 1,
-        "metrics": {"port": free_port()},
-        "healthPort": free_port(),
-        "probes": {
-            # However slow this machine is to start Python, liveness waits for startup.
-            "startup": {
-                "initialDelaySeconds": 0,
-                "periodSeconds": 1,
-                "timeoutSeconds": 5,
-                "failureThreshold": 120,
-            },
-            "liveness": {
-                "initialDelaySeconds": 0,
-                "periodSeconds": 2,
-                "timeoutSeconds": 2,
-                "failureThreshold": 3,
-            },
-            "readiness": {
-                "initialDelaySeconds": 0,
-                "periodSeconds": 1,
-                "timeoutSeconds": 1,
-                "failureThreshold": 1,
-            },
-        },
-        "terminationGracePeriodSeconds": 5,
-    }
 
 
 class Setup:
