@@ -399,7 +399,14 @@ class _Pass:
                         f"{entry.restarts} restarts; spec.failurePolicy.maxStageRestarts is "
                         f"{limit}."
                     )
-                    if out | set(exhausted) | {p} >= set(range(len(plan.splits()))):
+                    if p == 0 and several:
+                        # Pipeline 0 alone writes the checkpoints and the result (docs/worker.md):
+                        # the others cannot finish the job without it.
+                        why += (
+                            " Pipeline 0 writes the checkpoints and the result: the job cannot "
+                            "go on without it."
+                        )
+                    if p == 0 or out | set(exhausted) | {p} >= set(range(len(plan.splits()))):
                         self.fail(why)
                         return
                     exhausted.setdefault(p, why)
