@@ -2,8 +2,10 @@
 
 1. starts the local cluster (real control plane, kwok GPU pools) and a MinIO server;
 2. uploads SmolLM2-135M-Instruct and a small data set to MinIO;
-3. installs the CRD, starts the operator (`python -m relaytrain_operator`) and the kwok
-   process runner, which runs each stage pod's container as a real local process;
+3. installs the chart (`helm install` of charts/relaytrain: the CRD, RBAC and the operator's
+   Deployment, in namespaces that enforce the Pod Security Standard `restricted`), and
+   starts the kwok process runner, which runs the operator pod (as the chart's
+   ServiceAccount) and each stage pod's container as real local processes;
 4. applies examples/demo/finetunejob-demo.yaml (two pipelines of two stages, sharing each
    step's micro-batches) and follows its status;
 5. kills one stage's process of pipeline 1 mid-run (as a GPU dying would), and shows the
@@ -28,9 +30,9 @@ from typing import Any
 import yaml
 
 from hack import demo_data, toolpaths
+from tests.harness.chart_install import ChartRelease, chart_values, restricted_namespace
 from tests.harness.kwok_runner import KwokProcessRunner
 from tests.harness.minio_server import start_minio, stop_minio
-from tests.harness.operator_process import OperatorProcess
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -118,18 +120,11 @@ def run(args: argparse.Namespace, model_dir: Path, workdir: Path, stack: list[An
     mc.fput_object("relaytrain", "datasets/reverse-words.jsonl", str(data))
     say(f"MinIO at {minio.url}: uploaded the model ({n} files) and the data set")
 
-    kubectl = [str(toolpaths.binary("kubectl")), "--kubeconfig", kubeconfig]
-    subprocess.run([*kubectl, "apply", "-f", str(REPO / "crds")], check=True, capture_output=True)
-    subprocess.run(
-        [*kubectl, "wait", "--for=condition=Established", "crd/finetunejobs.relaytrain.io"],
-        check=True,
-        capture_output=True,
-    )
     job = yaml.safe_load((REPO / "examples" / "demo" / "finetunejob-demo.yaml").read_text())
     ns, name = job["metadata"]["namespace"], job["metadata"]["name"]
     job["spec"]["checkpoint"]["endpoint"] = minio.url
     job["spec"]["training"]["steps"] = args.steps
-    core.create_namespace({"metadata": {"name": ns}})
+    restricted_namespace(core, ns)
     core.create_namespaced_secret(
         ns,
         {
@@ -141,13 +136,33 @@ def run(args: argparse.Namespace, model_dir: Path, workdir: Path, stack: list[An
         },
     )
 
-    operator = OperatorProcess(kubeconfig, workdir / "operator.log")
-    operator.start()
-    stack.append(operator.stop)
+    # The operator as users install it: the chart's Deployment, whose pod the runner starts
+    # as the chart's ServiceAccount (a token bound to the pod; no kubeconfig).
+    release = ChartRelease(
+        "relaytrain",
+        restricted_namespace(core, "relaytrain-system"),
+        Path(kubeconfig),
+        api,
+        workdir,
+    )
+    release.start_kubelet()
+    stack.append(release.stop_kubelet)
+    release.install(chart_values(ns))
+    pod, _ = release.ready_operator()
+    kubectl = [str(toolpaths.binary("kubectl")), "--kubeconfig", kubeconfig]
+    subprocess.run(
+        [*kubectl, "wait", "--for=condition=Established", "crd/finetunejobs.relaytrain.io"],
+        check=True,
+        capture_output=True,
+    )
     runner = KwokProcessRunner(api, workdir / "pods", ns)
     runner.start()
     stack.append(runner.stop)
-    say(f"Operator started (log: {workdir / 'operator.log'}); stage pods run as local processes")
+    say(
+        f"Installed the chart (helm install relaytrain): the operator runs as pod "
+        f"{release.namespace}/{pod.metadata.name}, ServiceAccount {pod.spec.service_account_name} "
+        f"(log under {workdir / 'pods' / release.namespace}); stage pods run as local processes"
+    )
 
     custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, job)
     pipeline = job["spec"]["pipeline"]

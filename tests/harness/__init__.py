@@ -7,6 +7,11 @@
 - `kwok_nodes`: simulated GPU nodes from a pool layout file (also
   `python -m tests.harness.kwok_nodes POOLS.yaml --kubeconfig ...`, as hack/cluster.sh runs it).
 - `kwok_runner`: plays the kubelet for kwok pods, running their containers as local processes.
+- `kubelet_volumes`: what a kubelet mounts (the ServiceAccount token from the TokenRequest API,
+  the CA, the namespace), shown at the pod's mount path in a mount namespace of its own.
+- `probes`: a kubelet's startup, liveness and readiness probes.
+- `chart_install`: `helm install` of charts/relaytrain, its operator pod run by the runner as
+  the chart's ServiceAccount (and a post-renderer that drops one grant).
 - `operator_process`: `python -m relaytrain_operator` as a child process, and its metrics.
 - `chart_rbac`: the Helm chart's ServiceAccount and RBAC applied, and a kubeconfig as it.
 - `rbac_audit`: the API calls a ServiceAccount made, read from the API server's audit log,
