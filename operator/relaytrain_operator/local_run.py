@@ -440,6 +440,11 @@ class LocalRun:
                 cert, key, ca = stage_pem(pki, p, k)
                 link_envs.append({LINK_CERT_ENV: cert, LINK_KEY_ENV: key, LINK_CA_ENV: ca})
         documents = [doc for pipeline_docs in configs for doc in pipeline_docs]
+        sync = job.spec.pipeline.sync
+        if sync.mode == "periodic":  # the stage documents' replicas.sync (a lone pipeline: none)
+            for doc in documents:
+                if "replicas" in doc:
+                    doc["replicas"]["sync"] = {"mode": sync.mode, "everySteps": sync.every_steps}
         return cls(job, workdir, layout, documents, link_envs)
 
     def write_stage_files(self) -> None:

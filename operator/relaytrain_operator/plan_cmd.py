@@ -95,28 +95,35 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--sync",
         choices=SYNC_MODES,
-        default="synchronous",
+        default=None,
         help="how several pipelines keep their weights equal: synchronous (reduce gradients "
-        "every step, the default) or periodic (every --sync-every steps)",
+        "every step) or periodic (every --sync-every steps); default: the job's "
+        "spec.pipeline.sync (synchronous unless it says otherwise)",
     )
     parser.add_argument(
         "--sync-every",
         type=cli.positive_int,
         metavar="H",
-        help="steps between synchronisations with --sync periodic",
+        help="steps between synchronisations with --sync periodic; default: the job's "
+        "spec.pipeline.sync.everySteps",
     )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.set_defaults(func=run)
     return parser
 
 
-def _sync(args: argparse.Namespace) -> Sync:
-    if args.sync == "periodic":
-        if args.sync_every is None:
+def _sync(args: argparse.Namespace, job: Sync) -> Sync:
+    """The command line's --sync/--sync-every over the job's spec.pipeline.sync."""
+    mode = args.sync or job.mode
+    if mode == "periodic":
+        every = args.sync_every
+        if every is None and job.mode == "periodic":
+            every = job.every
+        if every is None:
             raise InputError(
                 "--sync periodic needs --sync-every H (steps between synchronisations)"
             )
-        return Sync("periodic", args.sync_every)
+        return Sync("periodic", every)
     if args.sync_every is not None:
         raise InputError(
             f"--sync-every {args.sync_every} needs --sync periodic; synchronous pipelines "
@@ -175,6 +182,8 @@ class _Inputs:
     stages: int | None
     replicas: int | Literal["auto"]
     """The job's spec.pipeline.replicas."""
+    sync: Sync
+    """The job's spec.pipeline.sync."""
 
 
 def _inputs(args: argparse.Namespace) -> _Inputs:
@@ -218,14 +227,15 @@ def _inputs(args: argparse.Namespace) -> _Inputs:
         catalog,
         None if stages == "auto" else int(stages),
         spec.pipeline.replicas,
+        Sync(spec.pipeline.sync.mode, spec.pipeline.sync.every_steps or 1),
     )
 
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of `relaytrain plan`."""
     try:
-        sync = _sync(args)
         inputs = _inputs(args)
+        sync = _sync(args, inputs.sync)
         replicas = inputs.replicas if args.replicas is None else args.replicas
         if replicas == 1:
             result: Plan | FleetPlan = plan(

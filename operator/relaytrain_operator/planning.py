@@ -22,6 +22,7 @@ from relaytrain_operator.planner import (
     ModelShape,
     PlanError,
     PoolError,
+    Sync,
     TrainingShape,
     plan_fleet,
 )
@@ -93,5 +94,6 @@ def make_plan(
         catalog=catalog,
         stages=None if pipeline.stages == "auto" else pipeline.stages,
         replicas=None if pipeline.replicas == "auto" else pipeline.replicas,
+        sync=Sync(pipeline.sync.mode, pipeline.sync.every_steps or 1),
     )
     return result.to_status()

@@ -165,7 +165,17 @@ INVALID = [
         lambda r: r["peers"][1].update(stage=0),
         "replicas.peers[1].layerStart: must be 0 exactly on a pipeline's stage 0",
     ),
-    ("unknown-field", lambda r: r.update(sync="periodic"), "replicas.sync: unknown field"),
+    ("unknown-field", lambda r: r.update(outer="nesterov"), "replicas.outer: unknown field"),
+    (
+        "periodic-without-every",
+        lambda r: r.update(sync={"mode": "periodic"}),
+        "replicas.sync.everySteps: must be set exactly when mode is periodic",
+    ),
+    (
+        "every-one-step",
+        lambda r: r.update(sync={"mode": "periodic", "everySteps": 1}),
+        "replicas.sync.everySteps",
+    ),
 ]
 
 

@@ -75,6 +75,25 @@ INVALID_CASES = [
     Case("replicas-above-64", "spec.pipeline.replicas", 65, "spec.pipeline.replicas"),
     # The base manifest's 8 micro-batches (the default) cannot feed 9 pipelines.
     Case("more-replicas-than-micro-batches", "spec.pipeline.replicas", 9, "spec.pipeline.replicas"),
+    Case("sync-word", "spec.pipeline.sync.mode", "sometimes", "spec.pipeline.sync.mode"),
+    Case(
+        "periodic-without-every",
+        "spec.pipeline.sync",
+        {"mode": "periodic"},
+        "spec.pipeline.sync.everySteps",
+    ),
+    Case(
+        "periodic-every-step",
+        "spec.pipeline.sync",
+        {"mode": "periodic", "everySteps": 1},
+        "spec.pipeline.sync.everySteps",
+    ),
+    Case(
+        "every-without-periodic",
+        "spec.pipeline.sync",
+        {"everySteps": 4},
+        "spec.pipeline.sync.everySteps",
+    ),
     Case("lora-rank-zero", "spec.method.rank", 0, "spec.method.rank"),
     Case("dropout-1.5", "spec.method.dropout", 1.5, "spec.method.dropout"),
     Case("dropout-exactly-1", "spec.method.dropout", 1.0, "spec.method.dropout"),

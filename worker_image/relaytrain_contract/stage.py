@@ -25,6 +25,7 @@ MethodType = Literal["lora", "qlora", "full"]
 LrSchedule = Literal["cosine", "linear", "constant"]
 PipelineSchedule = Literal["1f1b"]
 Compression = Literal["none", "bf16", "int8", "int4"]
+SyncMode = Literal["synchronous", "periodic"]
 Dtype = Literal["float32", "bfloat16", "float16"]
 
 Count = Annotated[int, Field(ge=1)]
@@ -243,6 +244,23 @@ class ReplicaPeer(_Part):
         return self
 
 
+class SyncSpec(_Part):
+    """How the pipelines keep their weights equal (docs/worker.md, "Periodic
+    synchronisation"); the job's `spec.pipeline.sync`."""
+
+    mode: SyncMode = "synchronous"
+    """`synchronous`: gradients reduced every step; `periodic`: every pipeline takes local
+    steps on its share and the weights are averaged every `everySteps` steps."""
+    everySteps: Annotated[int, Field(ge=2)] | None = None  # noqa: N815
+    """Steps between outer steps; set exactly with `periodic`."""
+
+    @model_validator(mode="after")
+    def _every(self) -> SyncSpec:
+        if (self.mode == "periodic") != (self.everySteps is not None):
+            raise field_error("everySteps", "must be set exactly when mode is periodic")
+        return self
+
+
 class ReplicasSpec(_Part):
     """Several pipelines trained as one job on one global batch (docs/worker.md, "Several
     pipelines"). Absent from the document: this stage's pipeline trains alone."""
@@ -260,6 +278,8 @@ class ReplicasSpec(_Part):
     peers: tuple[ReplicaPeer, ...]
     """Every stage of every other pipeline that holds any of this stage's layers (or, on a
     first or last stage, the embedding or the head), in (pipeline, stage) order."""
+    sync: SyncSpec = SyncSpec()
+    """Synchronous (the default; left out of the document) or periodic averaging."""
 
     @model_validator(mode="after")
     def _consistent(self) -> ReplicasSpec:
@@ -442,4 +462,6 @@ class StageConfig(_Part):
             del document["training"]["epochs"]
         if document["replicas"] is None:
             del document["replicas"]
+        elif document["replicas"]["sync"]["mode"] == "synchronous":
+            del document["replicas"]["sync"]
         return document

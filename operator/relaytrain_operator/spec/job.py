@@ -34,6 +34,7 @@ from relaytrain_contract import (
     PipelineSchedule,
     Truncation,
 )
+from relaytrain_contract.stage import SyncMode
 
 from relaytrain_operator.spec import patterns
 from relaytrain_operator.spec.errors import SpecError, field_error, format_errors
@@ -191,6 +192,23 @@ def _replicas(value: object) -> int | Literal["auto"]:
     raise ValueError(f'must be "auto" or an integer from 1 to {MAX_REPLICAS}, got {value!r}')
 
 
+class SyncSpec(_Model):
+    """How several pipelines keep their weights equal."""
+
+    mode: SyncMode = "synchronous"
+    """`synchronous`: gradients reduced every step (every pipeline's copy stays identical);
+    `periodic`: each pipeline takes local steps on its share and the weights are averaged,
+    token-weighted, every `everySteps` steps (DiLoCo-style outer steps, for slow links)."""
+    every_steps: Annotated[int, Field(ge=2)] | None = None
+    """Steps between outer steps (at least 2); set exactly with `periodic`."""
+
+    @model_validator(mode="after")
+    def _every(self) -> SyncSpec:
+        if (self.mode == "periodic") != (self.every_steps is not None):
+            raise field_error("everySteps", "must be set exactly when mode is periodic")
+        return self
+
+
 class PipelineSpec(_Model):
     """How the model is split into stages and what crosses the links between them."""
 
@@ -205,6 +223,8 @@ class PipelineSpec(_Model):
     """Pipeline schedule; one-forward-one-backward."""
     compression: Compression = "int8"
     """Compression of activations and their gradients on the links between stages."""
+    sync: SyncSpec = Field(default_factory=SyncSpec)
+    """How several pipelines synchronise: every step, or periodically."""
 
 
 class Toleration(_Model):
