@@ -226,11 +226,19 @@ class ReplicaGroup(Protocol):
         ...
 
     def reduce(
-        self, step: int, pipeline: int, stage: int, tensors: Mapping[str, torch.Tensor]
+        self,
+        step: int,
+        pipeline: int,
+        stage: int,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        what: str = "grads",
     ) -> dict[str, torch.Tensor]:
         """Stage `stage` of `pipeline` gives its contributions by name; returns, for each of
         those names, the fold of every pipeline's contribution in pipeline order
-        (`reduce_sum`). Contributions are not written to."""
+        (`reduce_sum`). Contributions are not written to. `what` names the exchange: every
+        stage of every pipeline makes one of each per step (`grads`: the step's gradients;
+        `outer`: a periodic outer step's weights, `periodic`)."""
         ...
 
 
@@ -251,7 +259,7 @@ class InProcessGroup:
         self._timeout = timeout
         self._cond = threading.Condition()
         self._tokens: dict[int, dict[int, int]] = {}
-        self._posts: dict[int, dict[str, dict[int, torch.Tensor]]] = {}
+        self._posts: dict[tuple[str, int], dict[str, dict[int, torch.Tensor]]] = {}
         self._left: dict[tuple[str, int], int] = {}
         """(board, step) -> callers that have not read it yet (the board is dropped at 0)."""
         self._error: str | None = None
@@ -280,11 +288,18 @@ class InProcessGroup:
         return total
 
     def reduce(
-        self, step: int, pipeline: int, stage: int, tensors: Mapping[str, torch.Tensor]
+        self,
+        step: int,
+        pipeline: int,
+        stage: int,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        what: str = "grads",
     ) -> dict[str, torch.Tensor]:
+        key = (what, step)
         with self._cond:
-            board = self._posts.setdefault(step, {})
-            self._left.setdefault(("grads", step), sum(self._stages))
+            board = self._posts.setdefault(key, {})
+            self._left.setdefault(key, sum(self._stages))
             for name, tensor in tensors.items():
                 slot = board.setdefault(name, {})
                 if pipeline in slot:
@@ -295,7 +310,7 @@ class InProcessGroup:
             self._cond.notify_all()
             self._wait(lambda: all(len(board[n]) == self.pipelines for n in tensors), step)
             contributions = [{n: board[n][p] for n in tensors} for p in range(self.pipelines)]
-            self._read(("grads", step), self._posts, step)
+            self._read(key, self._posts, key)
         return reduce_sum(contributions)
 
     def _wait(self, ready: Callable[[], bool], step: int) -> None:
@@ -305,11 +320,11 @@ class InProcessGroup:
         if not ok:
             raise TimeoutError(f"the other pipelines gave nothing for step {step} in time")
 
-    def _read(self, key: tuple[str, int], boards: MutableMapping[int, Any], step: int) -> None:
+    def _read(self, key: tuple[str, int], boards: MutableMapping[Any, Any], board: Any) -> None:
         self._left[key] -= 1
         if self._left[key] == 0:
             del self._left[key]
-            del boards[step]
+            del boards[board]
 
 
 class LinkGroup:
@@ -545,10 +560,16 @@ class LinkGroup:
         return int(got[COUNT_KEY])
 
     def reduce(
-        self, step: int, pipeline: int, stage: int, tensors: Mapping[str, torch.Tensor]
+        self,
+        step: int,
+        pipeline: int,
+        stage: int,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        what: str = "grads",
     ) -> dict[str, torch.Tensor]:
         self._check(pipeline, stage)
-        got = self._star("grads", step, dict(tensors), sorted(self.members))
+        got = self._star(what, step, dict(tensors), sorted(self.members))
         return {name: value.clone() for name, value in got.items()}
 
     # -- the star --------------------------------------------------------------------

@@ -1,0 +1,109 @@
+"""Periodic synchronisation's outer step (`periodic.outer_step`) over real threads and links.
+
+Three pipelines split a 4-layer model's LoRA-shaped parameters differently; each stage is a
+thread holding its own copy of its layers' parameters, which differ between pipelines (as
+after H local steps). One outer step through an `InProcessGroup` or through `LinkGroup`s over
+authenticated loopback links leaves every pipeline's copy of every parameter torch.equal to
+the others', equal to the token-weighted mean computed here independently in float64, and
+replicas that were equal already stay bit for bit what they were.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import pytest
+import torch
+from relaytrain_worker.dataparallel import InProcessGroup, ReplicaGroup, Slice
+from relaytrain_worker.periodic import is_outer_step, outer_step
+from torch import nn
+
+from tests.unit.test_replica_faults import _groups, _on_threads
+
+pytestmark = pytest.mark.unit
+
+SPLITS = [[(0, 1), (1, 4)], [(0, 3), (3, 4)], [(0, 2), (2, 4)]]
+TOKENS = [37, 11, 80]
+"""Label tokens each pipeline trained since the last outer step (unequal on purpose)."""
+NAMES = [f"model.layers.{i}.self_attn.{m}.lora_{ab}.weight" for i in range(4)
+         for m in ("q_proj", "v_proj") for ab in ("A", "B")]  # fmt: skip
+
+
+def _value(p: int, name: str) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1000 * p + NAMES.index(name))
+    return torch.randn(4, 6, generator=gen)
+
+
+def _stage_params(p: int, k: int, same: bool) -> list[tuple[str, nn.Parameter]]:
+    held = Slice.of(SPLITS[p], k)
+    return [
+        (n, nn.Parameter(_value(0 if same else p, n).clone()))
+        for n in NAMES
+        if held.start <= int(n.split(".")[2]) < held.end
+    ]
+
+
+def _outer(
+    kind: Literal["memory", "links"], same: bool
+) -> dict[tuple[int, int], dict[str, torch.Tensor]]:
+    """One outer step of every stage on its own thread; every stage's parameters after it."""
+    stages = {
+        (p, k): _stage_params(p, k, same) for p, s in enumerate(SPLITS) for k in range(len(s))
+    }
+    groups: dict[tuple[int, int], ReplicaGroup]
+    if kind == "memory":
+        shared = InProcessGroup([len(s) for s in SPLITS], timeout=60)
+        groups = {key: shared for key in stages}
+    else:
+        groups = dict(_groups(SPLITS))
+    keys = sorted(stages)
+    try:
+        got = _on_threads({
+            i: (lambda p=p, k=k: outer_step(
+                groups[(p, k)], 3, p, k, stages[(p, k)], weight=TOKENS[p]
+            ))
+            for i, (p, k) in enumerate(keys)
+        })  # fmt: skip
+    finally:
+        for group in groups.values():
+            close = getattr(group, "close", None)
+            if close is not None:
+                close()
+    errors = [v for v in got.values() if isinstance(v, BaseException)]
+    if errors:
+        raise errors[0]
+    return {key: {n: t.detach().clone() for n, t in params} for key, params in stages.items()}
+
+
+def _by_pipeline(
+    after: dict[tuple[int, int], dict[str, torch.Tensor]],
+) -> list[dict[str, torch.Tensor]]:
+    out: list[dict[str, torch.Tensor]] = [{} for _ in SPLITS]
+    for (p, _), params in after.items():
+        out[p].update(params)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["memory", "links"])
+def test_an_outer_step_leaves_every_replica_equal_to_the_token_weighted_mean(kind: str) -> None:
+    copies = _by_pipeline(_outer(kind, same=False))  # type: ignore[arg-type]
+    total = float(sum(TOKENS))
+    for name in NAMES:
+        want = sum(TOKENS[p] * _value(p, name).double() for p in range(len(SPLITS))) / total
+        for p, params in enumerate(copies):
+            assert torch.equal(params[name], copies[0][name]), (p, name)
+            assert torch.equal(params[name], want.float()), (p, name)
+        assert not torch.equal(copies[0][name], _value(0, name))
+
+
+@pytest.mark.parametrize("kind", ["memory", "links"])
+def test_replicas_already_equal_stay_bit_for_bit_what_they_were(kind: str) -> None:
+    copies = _by_pipeline(_outer(kind, same=True))  # type: ignore[arg-type]
+    for name in NAMES:
+        for params in copies:
+            assert torch.equal(params[name], _value(0, name)), name
+
+
+def test_outer_steps_fall_every_h_steps_and_after_the_last() -> None:
+    assert [s for s in range(1, 11) if is_outer_step(s, 4, 10)] == [4, 8, 10]
+    assert [s for s in range(1, 9) if is_outer_step(s, 4, 8)] == [4, 8]

@@ -1,0 +1,99 @@
+"""Periodic synchronisation (`replicas.sync.mode: periodic`): the outer step.
+
+In periodic mode every pipeline trains its share of each step as a step of its own: its
+loss is normalised by its share's label tokens, it clips by its own global norm and takes
+its own AdamW step; no gradient crosses the replica links. Every H steps (and after the
+last step) an outer step makes every replica equal again:
+
+    theta = sum_q w_q * theta_q / sum_q w_q
+
+over the live pipelines q, where `w_q` is the label tokens pipeline q trained since the last
+outer step (a pipeline that rejoined counts from its rejoin). Each trainable parameter
+(LoRA or full) is reduced by name with the group's star (`ReplicaGroup.reduce`, exchange
+`outer`), packed with its weight as one float64 vector ``[w_q * theta_q..., w_q]``: the
+numerator and the denominator of a name travel and fold together, so even when a pipeline
+leaves in the middle of an outer step every holder of a name divides the very sum it
+folded, and all get the same bits (the fold order is fixed, pipeline order). Products and
+sums are float64 (a float32 weight times a token count up to 2**29 is exact), so replicas
+that are already equal stay exactly equal, and the result is rounded once to the
+parameter's dtype. The outer step sends each stage's trainable weights in float64 once each
+way every H steps: 2x the bytes of a float32 gradient reduce, H times less often.
+
+Outer optimizer: plain averaging (outer learning rate 1, no momentum). DiLoCo's Nesterov
+outer momentum (lr 0.7, momentum 0.9) was tuned for pre-training with H in the hundreds;
+for fine-tuning with small H, averaging is the baseline whose H=1 case has an exact
+statement (tests/unit/test_periodic_sync.py), it has no outer state to checkpoint or hand
+to a rejoining pipeline, and it is bit-identical across replicas by construction.
+
+AdamW moments stay local: each pipeline's moments describe its own gradients, averaging
+them would triple the outer step's bytes, and DiLoCo keeps the inner optimizer state per
+worker too. Only the weights are equal after an outer step; pipeline 0's moments are the
+ones checkpointed, and a rejoining pipeline takes a live peer's (`replicas.state_frame`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from relaytrain_worker.dataparallel import ReplicaGroup
+
+OUTER = "outer"
+"""The `what` of an outer step's exchange (separate from a step's `grads`)."""
+
+
+def is_outer_step(step: int, every: int, total: int) -> bool:
+    """Whether the boundary after `step` steps (1-based count) ends with an outer step:
+    every `every` steps, and after the last step."""
+    return step % every == 0 or step == total
+
+
+def outer_contributions(
+    trainable: Sequence[tuple[str, nn.Parameter]],
+    weight: int,
+    key: Callable[[str], str] = lambda name: name,
+) -> dict[str, torch.Tensor]:
+    """This stage's part of an outer step: per parameter, under `key(name)`, the float64
+    vector ``[weight * theta..., weight]``."""
+    w = float(weight)
+    out = {}
+    for name, param in trainable:
+        flat = param.detach().reshape(-1).to(torch.float64) * w
+        out[key(name)] = torch.cat([flat, torch.tensor([w], dtype=torch.float64)])
+    return out
+
+
+def apply_average(
+    trainable: Sequence[tuple[str, nn.Parameter]],
+    reduced: dict[str, torch.Tensor],
+    key: Callable[[str], str] = lambda name: name,
+) -> None:
+    """Set every parameter to its reduced numerator over its reduced weight (left as it is
+    when no live pipeline trained a token since the last outer step)."""
+    with torch.no_grad():
+        for name, param in trainable:
+            packed = reduced[key(name)]
+            total = packed[-1]
+            if float(total) <= 0.0:
+                continue
+            param.copy_((packed[:-1] / total).reshape(param.shape).to(param.dtype))
+
+
+def outer_step(
+    group: ReplicaGroup,
+    step: int,
+    pipeline: int,
+    stage: int,
+    trainable: Sequence[tuple[str, nn.Parameter]],
+    *,
+    weight: int,
+    key: Callable[[str], str] = lambda name: name,
+) -> None:
+    """Average this stage's trainable parameters with every live pipeline's copy, weighted
+    by the label tokens each trained since the last outer step (`weight`: this pipeline's).
+    `key` maps a parameter's name to its replica key (the head's half of a tied weight)."""
+    given = outer_contributions(trainable, weight, key)
+    reduced = group.reduce(step, pipeline, stage, given, what=OUTER)
+    apply_average(trainable, reduced, key)
