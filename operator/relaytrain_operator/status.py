@@ -147,23 +147,18 @@ def with_verdict(
     """`status` with phase, its conditions and observedGeneration from `verdict`: Ready and
     Progressing, kstatus's Reconciling and Stalled, and Degraded for several pipelines."""
     conditions = list(status.conditions)
-    for kind, value in ((READY, verdict.ready), (PROGRESSING, verdict.progressing)):
-        conditions = set_condition(
-            conditions,
-            kind,
-            value,
-            reason=verdict.reason,
-            message=verdict.message,
-            now=now,
-            generation=generation,
-        )
     # kstatus (sigs.k8s.io/cli-utils): Stalled=True reads as Failed, Reconciling=True as
     # InProgress, neither as Current — with observedGeneration equal to the generation.
     stalled = verdict.reason in STALLED_REASONS
     reconciling = not stalled and (
         verdict.phase in ("Pending", "Planning", "Recovering") or bool(verdict.degraded)
     )
-    for kind, value in ((RECONCILING, reconciling), (STALLED, stalled)):
+    for kind, value in (
+        (READY, verdict.ready),
+        (PROGRESSING, verdict.progressing),
+        (RECONCILING, reconciling),
+        (STALLED, stalled),
+    ):
         conditions = set_condition(
             conditions,
             kind,
