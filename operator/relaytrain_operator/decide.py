@@ -48,7 +48,13 @@ from relaytrain_operator.builders.pod import CredentialsRef, StagePodInputs, bui
 from relaytrain_operator.builders.service import build_service
 from relaytrain_operator.placement import Choice, place_replacements, pool_selector
 from relaytrain_operator.planner import Catalog
-from relaytrain_operator.planning import LoraTargetError, PlanError, make_plan, training_shape
+from relaytrain_operator.planning import (
+    LoraTargetError,
+    PlanError,
+    check_trainable,
+    make_plan,
+    training_shape,
+)
 from relaytrain_operator.progress import Progress
 from relaytrain_operator.recovery import (
     INCARNATION_ANNOTATION,
@@ -198,6 +204,7 @@ def parse_spec(job: JsonDict) -> FineTuneJob | str:
     try:
         parsed = parse_job(job)
         training_shape(parsed)
+        check_trainable(parsed)
     except (SpecError, ValueError) as err:
         return str(err)
     return parsed

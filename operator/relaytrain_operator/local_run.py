@@ -81,6 +81,7 @@ from relaytrain_contract import (
 from relaytrain_operator import cli
 from relaytrain_operator.linkcerts import mint_link_credentials, stage_pem
 from relaytrain_operator.planner import ModelShape, split_micro_batches
+from relaytrain_operator.planning import check_trainable
 from relaytrain_operator.recovery import after_failure, backoff_left
 from relaytrain_operator.spec import FineTuneJob, SpecError, parse_job
 from relaytrain_operator.stage_config import StageEndpoints, build_pipeline_configs
@@ -589,6 +590,11 @@ class LocalRun:
                     loss=f"{loss:.4f}" if loss is not None else "-",
                     tok_s=f"{progress.tokensPerSecond:.0f}",
                     ckpt=progress.lastCommittedStep,
+                    **(
+                        {"eval": f"{progress.evalLoss:.4f}"}
+                        if progress.evalLoss is not None
+                        else {}
+                    ),
                 )
                 bar.refresh()
             finished = 0
@@ -652,9 +658,16 @@ def _loss_png(losses: list[dict[str, Any]], out: Path) -> bool:
     except ImportError:
         return False
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([e["step"] for e in losses], [e["loss"] for e in losses], marker=".")
+    trained = [e for e in losses if e.get("loss") is not None]
+    ax.plot([e["step"] for e in trained], [e["loss"] for e in trained], marker=".",
+            label="training")  # fmt: skip
+    held = [e for e in losses if e.get("evalLoss") is not None]
+    if held:  # the held-out loss (dataset.validation), step 0 being the base model's
+        ax.plot([e["step"] for e in held], [e["evalLoss"] for e in held], marker="o",
+                label="held-out")  # fmt: skip
+        ax.legend()
     ax.set_xlabel("step")
-    ax.set_ylabel("training loss")
+    ax.set_ylabel("loss")
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(out, dpi=100)
@@ -695,6 +708,7 @@ def _run_locked(run: LocalRun, progress: bool, started: float) -> int:
     png = run.workdir / "loss.png"
     have_png = bool(losses) and _loss_png(losses, png)
     final = run.read_progress()
+    held = [e["evalLoss"] for e in losses if e.get("evalLoss") is not None]
     summary = {
         "job": job.metadata.name,
         "stages": len(run.stages),
@@ -704,7 +718,8 @@ def _run_locked(run: LocalRun, progress: bool, started: float) -> int:
         ],
         "steps": final.step if final else None,
         "finalLoss": final.loss if final else None,
-        "firstLoss": losses[0]["loss"] if losses else None,
+        "firstLoss": next((e["loss"] for e in losses if e.get("loss") is not None), None),
+        **({"firstEvalLoss": held[0], "evalLoss": held[-1]} if held else {}),
         "tokensPerSecond": final.tokensPerSecond if final else None,
         "restarts": {
             (s.index if len(run.layout.splits) == 1 else f"p{s.pipeline}/s{s.index}"): s.restarts
@@ -744,6 +759,7 @@ def run_command(args: argparse.Namespace) -> int:
         workdir = args.workdir or default_workdir(parse_job(manifest, default_checkpoint_uri="."))
         default_ckpt = str((workdir / "checkpoints").resolve())
         job = parse_job(manifest, default_checkpoint_uri=default_ckpt)
+        check_trainable(job)
         return run_local(
             job,
             workdir,

@@ -3,10 +3,10 @@
 The last stage rewrites `<checkpoint.uri>/<namespace>/<job>/progress.json` after every
 optimizer step; its shape is the stage contract's `relaytrain_contract.Progress`. The
 operator reads it on each periodic check (observe.py) and reports step, total, loss,
-tokens/s, the last committed checkpoint, an ETA and what the data loader kept (examples,
-truncated, dropped), folded here (pure). A record that is
-missing (training not started yet) or unreadable is no error: the progress simply stays as
-it was.
+tokens/s, the last committed checkpoint, an ETA, what the data loader kept (examples,
+truncated, dropped) and the newest held-out loss (evalLoss at evalStep), folded here
+(pure). A record that is missing (training not started yet) or unreadable is no error: the
+progress simply stays as it was.
 """
 
 from __future__ import annotations
@@ -56,6 +56,9 @@ def fold(record: Record, job: FineTuneJob, now: datetime) -> Progress:
     for key in DATA_FIELDS:
         if (count := getattr(record, key)) is not None:
             status[key] = count
+    if record.evalLoss is not None and record.evalStep is not None:
+        status["evalLoss"] = round(record.evalLoss, 6)
+        status["evalStep"] = record.evalStep
     if not record.done and (record.stepSeconds or record.tokensPerSecond):
         if record.stepSeconds:
             remaining = max(0, total - step) * record.stepSeconds

@@ -219,6 +219,8 @@ def _full_status() -> FineTuneJobStatus:
             last_committed_step=10,
             eta="2026-11-22T07:00:00Z",
             updated_at="2026-11-22T05:10:00Z",
+            eval_loss=2.07,
+            eval_step=10,
         ),
         output=OutputStatus(uri="s3://relaytrain/adapters/job/"),
     )
@@ -243,9 +245,9 @@ def test_kubectl_get_shows_progress_columns(kube_cluster: Any, api: Any, namespa
     )
     out = kube_cluster.kubectl("get", "ftj", name, "-n", namespace).stdout
     header, row = out.splitlines()[:2]
-    for column in ("PHASE", "STEP", "LOSS", "READY", "RESTARTS", "CHECKPOINT", "AGE"):
+    for column in ("PHASE", "STEP", "LOSS", "EVAL LOSS", "READY", "RESTARTS", "CHECKPOINT", "AGE"):
         assert column in header
-    for value in ("Running", "12/100", "2.31", "3/3", "10"):
+    for value in ("Running", "12/100", "2.31", "2.07", "3/3", "10"):
         assert value in row.split()
 
 

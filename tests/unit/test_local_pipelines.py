@@ -127,3 +127,22 @@ def test_an_unsupported_model_type_is_refused_before_any_stage(tmp_path: Path) -
     assert "spec.model.uri" in message and "'bert' is not supported" in message
     assert "llama" in message and "gemma2" in message  # the supported list
     assert not (tmp_path / "wd").exists() or not list((tmp_path / "wd").glob("*stage-*.json"))
+
+
+def test_periodic_sync_is_refused_by_name_before_any_process(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The planner prices `sync: periodic` but the stages do not train it yet: `relaytrain
+    run --local` says so (exit 2) instead of training synchronously behind the user's back."""
+    import yaml
+    from relaytrain_operator.cli import main
+
+    manifest = base_manifest()
+    manifest["spec"]["pipeline"] = {"replicas": 2, "sync": {"mode": "periodic", "everySteps": 4}}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(manifest))
+    workdir = tmp_path / "wd"
+    assert main(["run", str(path), "--local", "--workdir", str(workdir)]) == 2
+    err = capsys.readouterr().err
+    assert "spec.pipeline.sync.mode" in err and "set it to synchronous" in err
+    assert not list(workdir.glob("**/stage-*.json"))

@@ -1146,3 +1146,16 @@ def test_a_lora_target_the_model_has_not_is_an_invalid_spec_not_a_full_fleet() -
     assert "spec.method.targetModules" in condition(decision.status, READY).message  # type: ignore[union-attr]
     assert [e.reason for e in events(decision)] == ["InvalidSpec"]
     assert not [a for a in decision.actions if isinstance(a, Create | CreateLinkSecret)]
+
+
+def test_periodic_sync_is_an_invalid_spec_until_the_stages_train_it() -> None:
+    job = manifest(
+        pipeline={"stages": 2, "replicas": 2, "sync": {"mode": "periodic", "everySteps": 4}}
+    )
+    decision = decide(observed(job), SETTINGS)
+    assert decision.status is not None and decision.status.plan is None
+    assert (decision.status.phase, ready_reason(decision)) == ("Failed", "InvalidSpec")
+    assert condition(decision.status, READY).message.startswith("spec.pipeline.sync.mode: ")  # type: ignore[union-attr]
+    assert not [a for a in decision.actions if isinstance(a, Create | CreateLinkSecret)]
+    # Synchronous, the default, is deployed as before.
+    assert not isinstance(parse_spec(manifest(pipeline={"sync": {"mode": "synchronous"}})), str)

@@ -134,6 +134,32 @@ INVALID_CASES = [
     ),
     Case("keep-zero", "spec.checkpoint.keep", 0, "spec.checkpoint.keep"),
     Case(
+        "validation-uri-and-fraction",
+        "spec.dataset.validation",
+        {"uri": "s3://datasets/held-out.jsonl", "fraction": 0.1},
+        "spec.dataset.validation.uri",
+    ),
+    Case("validation-empty", "spec.dataset.validation", {}, "spec.dataset.validation.uri"),
+    Case(
+        "validation-fraction-one",
+        "spec.dataset.validation",
+        {"fraction": 1.0},
+        "spec.dataset.validation.fraction",
+    ),
+    Case(
+        "validation-fraction-zero",
+        "spec.dataset.validation",
+        {"fraction": 0.0},
+        "spec.dataset.validation.fraction",
+    ),
+    Case("eval-every-negative", "spec.training.evalEverySteps", -1, "spec.training.evalEverySteps"),
+    Case(
+        "eval-every-without-validation",
+        "spec.training.evalEverySteps",
+        10,
+        "spec.training.evalEverySteps",
+    ),
+    Case(
         "negative-restarts",
         "spec.failurePolicy.maxStageRestarts",
         -1,

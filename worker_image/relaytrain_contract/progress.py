@@ -59,8 +59,13 @@ class Progress(BaseModel):
     examplesDropped: Steps | None = None  # noqa: N815
     """Examples longer than dataset.sequenceLength that were left out
     (`dataset.truncation: drop`; optional like `examples`)."""
+    evalLoss: float | None = None  # noqa: N815
+    """Token-mean loss on the held-out data (`dataset.validation`) at `evalStep` (optional:
+    absent before the first evaluation, without validation data, or when not finite)."""
+    evalStep: Steps | None = None  # noqa: N815
+    """Optimizer steps finished when `evalLoss` was evaluated (0: the base model)."""
 
-    @field_validator("loss", mode="before")
+    @field_validator("loss", "evalLoss", mode="before")
     @classmethod
     def _finite(cls, value: Any) -> Any:
         return None if isinstance(value, float) and not math.isfinite(value) else value
@@ -84,10 +89,10 @@ class Progress(BaseModel):
         return self.model_copy(update={"updatedAt": moment})
 
     def to_json(self) -> bytes:
-        """The record as written: `output`, `stepSeconds` and the example counts only when
-        known."""
+        """The record as written: `output`, `stepSeconds`, the example counts and the
+        held-out loss only when known."""
         record = self.model_dump(mode="json")
-        for key in ("output", "stepSeconds", *DATA_FIELDS):
+        for key in ("output", "stepSeconds", *DATA_FIELDS, "evalLoss", "evalStep"):
             if record[key] is None:
                 del record[key]
         return json.dumps(record, indent=1).encode()

@@ -92,6 +92,22 @@ class ModelSpec(_Part):
     """Dtype the base weights are held in."""
 
 
+class ValidationSpec(_Part):
+    """The held-out data: its own JSONL file or a share of the training file (exactly one)."""
+
+    uri: str | None = None
+    """Local path, file:// or s3:// object of a JSONL file in the dataset's format."""
+    fraction: Annotated[float, Field(gt=0.0, lt=1.0)] | None = None
+    """Share of the training file's records held out, chosen by `training.seed`; a held-out
+    record is never trained on."""
+
+    @model_validator(mode="after")
+    def _one(self) -> ValidationSpec:
+        if (self.uri is None) == (self.fraction is None):
+            raise field_error("uri", "set exactly one of uri and fraction")
+        return self
+
+
 class DatasetSpec(_Part):
     """The training data (JSONL), read and tokenized by stage 0."""
 
@@ -114,6 +130,8 @@ class DatasetSpec(_Part):
     truncation: Truncation = "truncate"
     """An example longer than `sequenceLength`: `truncate` it to that length or `drop` it
     (optional, default `truncate`; both are counted in progress.json)."""
+    validation: ValidationSpec | None = None
+    """Held-out data whose loss the pipeline evaluates (optional; absent: none)."""
 
 
 class MethodSpec(_Part):
@@ -163,6 +181,9 @@ class TrainingSpec(_Part):
     """Seed of data order, adapter initialisation and dropout."""
     epochs: Count | None = None
     """Passes over the dataset instead of `steps` (optional; exactly one of the two)."""
+    evalEverySteps: Annotated[int, Field(ge=0)] = 0  # noqa: N815
+    """Evaluate the held-out loss before step 1 and every N steps (optional; 0: only after
+    the last step). Without `dataset.validation` nothing is evaluated."""
 
     @model_validator(mode="after")
     def _steps_or_epochs(self) -> TrainingSpec:
@@ -460,6 +481,10 @@ class StageConfig(_Part):
         document = self.model_dump(mode="json")
         if document["training"]["epochs"] is None:
             del document["training"]["epochs"]
+        if document["training"]["evalEverySteps"] == 0:
+            del document["training"]["evalEverySteps"]
+        if document["dataset"]["validation"] is None:
+            del document["dataset"]["validation"]
         if document["replicas"] is None:
             del document["replicas"]
         elif document["replicas"]["sync"]["mode"] == "synchronous":

@@ -135,6 +135,25 @@ def read_jsonl(uri: str, opener: Any = None) -> list[Record]:
     return records
 
 
+def split_records(
+    records: list[Record], fraction: float, seed: int
+) -> tuple[list[Record], list[Record]]:
+    """(training, held-out) records for `dataset.validation.fraction`: round(N * fraction)
+    records, at least one, chosen by a permutation seeded from `seed` (the same every run
+    and on every stage); each record goes to exactly one side, both in file order."""
+    n = len(records)
+    held = max(1, round(n * fraction))
+    if held >= n:
+        raise DataError(
+            f"dataset.validation.fraction {fraction} of {n} records holds out {held}, "
+            "leaving none to train on"
+        )
+    gen = torch.Generator().manual_seed(seed * 104729 + 1)
+    out = set(torch.randperm(n, generator=gen)[:held].tolist())
+    train = [r for i, r in enumerate(records) if i not in out]
+    return train, [r for i, r in enumerate(records) if i in out]
+
+
 def _field(record: Record, key: str, setting: str, number: int, uri: str) -> Any:
     if key not in record.fields:
         raise DataError(
@@ -335,6 +354,8 @@ def load_step_data(
     """Read, tokenize and shape the dataset for stage 0."""
     check_length(spec, max_positions)
     records = read_jsonl(spec.uri, opener)
+    if spec.validation is not None and spec.validation.fraction is not None:
+        records = split_records(records, spec.validation.fraction, seed)[0]  # held out
     examples = tokenize(records, tokenizer, spec)
     kept, truncated, dropped = fit(examples, spec)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

@@ -9,7 +9,9 @@ Layout under ``<job_prefix>`` in a Store::
                                         the job has finished (what `relaytrain run --local`
                                         plots and the tests read)
 
-A record is ``{"step": N, "loss": L, "tokensPerSecond": R}``. Records of steps after the
+A record is ``{"step": N, "loss": L, "tokensPerSecond": R}``, plus ``"evalLoss": E`` when the
+held-out loss was evaluated after step N (`append_eval`; step 0's record, the base model's
+held-out loss, has loss null and tokensPerSecond 0). Records of steps after the
 newest commit stay in memory until the next commit: a rollback drops them, and a rerun of
 the same steps writes the same chunk names again (commits fall on the same steps). So the
 bytes written per step stay constant however long the job runs, where rewriting one JSON
@@ -73,21 +75,35 @@ class LossHistory:
         """Records of steps after the newest commit (not written yet)."""
         self.last: Record | None = None
         """The newest record (pending or written)."""
+        self.last_eval: Record | None = None
+        """The newest record with an `evalLoss` (pending or written)."""
 
     def resume(self, step: int | None) -> None:
         """Continue after committed `step` (None: from the start): the written records up
         to it are the history; anything later is forgotten."""
         self.pending = []
         if step is None:
-            self.last = None
+            self.last = self.last_eval = None
             return
         records = read_history(self.store, self.prefix, upto=step)
         self.last = records[-1] if records else None
+        self.last_eval = next((r for r in reversed(records) if "evalLoss" in r), None)
 
     def append(self, step: int, loss: float, tokens_per_second: float) -> None:
         record = {"step": step, "loss": loss, "tokensPerSecond": tokens_per_second}
         self.pending.append(record)
         self.last = record
+
+    def append_eval(self, step: int, eval_loss: float) -> None:
+        """The held-out loss after `step`: on that step's pending record, or (step 0, before
+        any training) a record of its own."""
+        record = self.last if self.last is not None and self.last["step"] == step else None
+        if record is None or not any(r is record for r in self.pending):
+            record = {"step": step, "loss": None, "tokensPerSecond": 0.0}
+            self.pending.append(record)
+            self.last = record
+        record["evalLoss"] = eval_loss
+        self.last_eval = record
 
     def write(self, step: int) -> None:
         """Write the records up to `step` (about to be committed) as one chunk."""

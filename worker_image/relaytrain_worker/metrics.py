@@ -48,6 +48,12 @@ class StageMetrics:
         self.step = gauge("relaytrain_step", "Optimizer steps finished").labels(**labels)
         self.total_steps = gauge("relaytrain_total_steps", "Steps the job runs").labels(**labels)
         self.loss = gauge("relaytrain_loss", "Training loss of the last step").labels(**labels)
+        self.eval_loss = gauge(
+            "relaytrain_eval_loss", "Held-out loss at the last evaluation (last stage)"
+        ).labels(**labels)
+        self.eval_step = gauge(
+            "relaytrain_eval_step", "Optimizer steps done at the last evaluation"
+        ).labels(**labels)
         self.tokens_per_second = gauge(
             "relaytrain_tokens_per_second", "Training tokens per second"
         ).labels(**labels)

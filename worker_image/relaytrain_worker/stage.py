@@ -54,6 +54,7 @@ from relaytrain_contract import StageConfig
 from relaytrain_worker import checkpoint as ckpt
 from relaytrain_worker.data import DataReport, read_report, write_report
 from relaytrain_worker.dataparallel import LinkGroup, live_shares, micro_ranges
+from relaytrain_worker.evaluation import due, evaluate, load_eval_batches
 from relaytrain_worker.export import TRAINABLE_FILE, export_output
 from relaytrain_worker.history import LossHistory
 from relaytrain_worker.linkauth import AuthError, LinkBroken, LinkCredentials
@@ -146,6 +147,12 @@ class StageRuntime:
         if cfg.stage.is_first and self.writer and self.data is not None:
             # The last stage reports the counts in progress.json (`_publish`).
             write_report(self.store, self.prefix, self.data.report)
+        self.eval_batches = (
+            self._load_data(load_eval_batches)
+            if cfg.stage.is_first and self.writer and cfg.dataset.validation is not None
+            else None
+        )
+        """The held-out micro-batches (pipeline 0's stage 0; evaluation.py)."""
         self.data_report: DataReport | None = None
         """Stage 0's example counts, as the last stage read them for progress.json."""
         steps = cfg.training.steps
@@ -196,7 +203,8 @@ class StageRuntime:
     def _open(self, uri: str) -> Store:
         return open_job_store(uri, self.cfg.checkpoint)
 
-    def _load_data(self) -> Any:
+    def _load_data(self, held_out: Any = None) -> Any:
+        """The training data, or with `held_out` (evaluation.load_eval_batches) that."""
         from transformers import AutoTokenizer
 
         from relaytrain_worker.data import load_step_data
@@ -204,6 +212,11 @@ class StageRuntime:
         tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
         t = self.cfg.training
         max_pos = getattr(self.stage.config, "max_position_embeddings", None)
+        if held_out is not None:
+            return held_out(
+                self.cfg.dataset, tokenizer, max_positions=max_pos,
+                micro_batch_size=t.microBatchSize, seed=t.seed, opener=self._open,
+            )  # fmt: skip
         return load_step_data(
             self.cfg.dataset,
             tokenizer,
@@ -479,6 +492,8 @@ class StageRuntime:
         # tokens/s: non-padding input tokens per second of wall time, measured from one
         # step's end to the next, so optimizer steps and checkpoint saves count too. With
         # replicas the last stage counts every pipeline's tokens (the whole job's rate).
+        if self.step == 0 and self.writer and due(self.cfg, 0, self.total_steps):
+            self._evaluate(peers)  # the base model's held-out loss
         mark = time.monotonic()
         while self.step < self.total_steps:
             mine = self.micros
@@ -502,6 +517,8 @@ class StageRuntime:
             rate = result.step_input_tokens / seconds
             mark = now
             self._report(peers, result.loss, rate, seconds)
+            if self.writer and due(self.cfg, self.step, self.total_steps):
+                self._evaluate(peers)  # before the commit, whose history carries it
             if self.step % self.cfg.checkpoint.everySteps == 0 or self.step == self.total_steps:
                 self._checkpoint(peers, self.step)
 
@@ -618,6 +635,20 @@ class StageRuntime:
         self.step_seconds = seconds
         self._publish()
 
+    def _evaluate(self, peers: Peers) -> None:
+        """The held-out loss at this step through this pipeline (evaluation.py); the last
+        stage reports it (gauge, loss history, progress.json)."""
+        stage = self.cfg.stage
+        loss = evaluate(self.stage, peers, self.step, self.eval_batches, first=stage.is_first,
+                        last=stage.is_last, compression=self.cfg.pipeline.compression)  # fmt: skip
+        if loss is None:
+            return
+        log.info("Stage %s evaluated held-out loss %.4f at step %d", self.name, loss, self.step)
+        self.metrics.eval_loss.set(loss)
+        self.metrics.eval_step.set(self.step)
+        self.history.append_eval(self.step, loss)
+        self._publish()
+
     def _publish(self, *, done: bool = False) -> None:
         """Write progress.json (the last stage's only writer of it): this step, the newest
         loss record, the newest commit, and when done the output."""
@@ -625,6 +656,7 @@ class StageRuntime:
         if self.data_report is None:
             self.data_report = read_report(self.store, self.prefix)
         report = self.data_report
+        held = self.history.last_eval
         write_progress(
             self.store,
             self.prefix,
@@ -640,6 +672,8 @@ class StageRuntime:
                 examples=report.examples if report else None,
                 examplesTruncated=report.truncated if report else None,
                 examplesDropped=report.dropped if report else None,
+                evalLoss=held["evalLoss"] if held else None,
+                evalStep=held["step"] if held else None,
             ),
         )
 

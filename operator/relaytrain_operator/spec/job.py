@@ -88,6 +88,23 @@ class ModelSpec(_Model):
     """Precision of the base weights and of compute (QLoRA computes in it over 4-bit weights)."""
 
 
+class ValidationSpec(_Model):
+    """Held-out data: its own JSONL file or a share of the training file (exactly one)."""
+
+    uri: StoreUri | None = None
+    """Where the held-out JSONL file is (`s3://bucket/key` or a local path), in the
+    dataset's format and fields."""
+    fraction: Annotated[float, Field(gt=0.0, lt=1.0)] | None = None
+    """Share of the training file's records held out instead, in (0, 1): chosen by
+    training.seed, the same on every run, and never trained on."""
+
+    @model_validator(mode="after")
+    def _one(self) -> ValidationSpec:
+        if (self.uri is None) == (self.fraction is None):
+            raise field_error("uri", "set exactly one of uri and fraction")
+        return self
+
+
 class DatasetSpec(_Model):
     """The training data: JSON Lines, one example per line."""
 
@@ -112,6 +129,9 @@ class DatasetSpec(_Model):
     truncation: Truncation = "truncate"
     """An example longer than `sequenceLength`: `truncate` it or `drop` it (both counted in
     the job's progress)."""
+    validation: ValidationSpec | None = None
+    """Held-out data whose loss the pipeline evaluates (training.evalEverySteps says when);
+    empty: no evaluation."""
 
 
 class MethodSpec(_Model):
@@ -164,6 +184,10 @@ class TrainingSpec(_Model):
     """AdamW weight decay."""
     max_grad_norm: Annotated[float, Field(ge=0.0)] = 1.0
     """Clip the global gradient norm to this; 0 turns clipping off."""
+    eval_every_steps: Annotated[int, Field(ge=0, le=10_000_000)] = 0
+    """With dataset.validation: evaluate the held-out loss before the first step and every
+    this many steps; 0 evaluates only after the last step (which every run with validation
+    data does)."""
 
     @model_validator(mode="after")
     def _steps_or_epochs(self) -> TrainingSpec:
@@ -354,6 +378,16 @@ class FineTuneJobSpec(_Model):
                 "pipeline.replicas",
                 f"must not exceed training.microBatches ({micro}): every pipeline trains at "
                 f"least one micro-batch of each step, got {replicas}",
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _eval_needs_validation(self) -> FineTuneJobSpec:
+        every = self.training.eval_every_steps
+        if every and self.dataset.validation is None:
+            raise field_error(
+                "training.evalEverySteps",
+                f"evaluates held-out data, but spec.dataset.validation is not set, got {every}",
             )
         return self
 

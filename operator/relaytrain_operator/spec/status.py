@@ -208,6 +208,10 @@ class ProgressStatus(_Status):
     """Examples cut to dataset.sequenceLength (dataset.truncation: truncate)."""
     examples_dropped: int | None = None
     """Examples left out for being longer than dataset.sequenceLength (truncation: drop)."""
+    eval_loss: float | None = None
+    """Token-mean loss on the held-out data (dataset.validation) at evalStep."""
+    eval_step: int | None = None
+    """Optimizer steps finished when evalLoss was evaluated (0: the base model)."""
 
 
 class OutputStatus(_Status):
