@@ -83,6 +83,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "dataset": {"uri": "/data/chat.jsonl", "format": "chat", "packing": True},
     },
     "epochs": {"training": {"epochs": 2, "microBatches": 4}},
+    "held-out-file": {
+        "dataset": {"uri": "/data/chat.jsonl", "validation": {"uri": "/data/held-out.jsonl"}},
+        "training": {"steps": 10, "evalEverySteps": 5},
+    },
+    "held-out-share": {"dataset": {"uri": "/data/train.jsonl", "validation": {"fraction": 0.1}}},
     "local-store": {"checkpoint": {"uri": "/tmp/relaytrain-ckpt"}},
     "explicit-output": {"output": {"uri": "file:///srv/adapters/smol"}},
 }
@@ -98,6 +103,21 @@ def test_worker_parses_each_setting(name: str) -> None:
     job = parse_job(manifest)
     stages = job.spec.pipeline.stages if job.spec.pipeline.stages != "auto" else 3
     _roundtrip(job, stages, local=True)
+
+
+def test_the_held_out_data_and_its_cadence_reach_every_stage() -> None:
+    manifest = _example(REPO / "examples" / "finetunejob-lora.yaml")
+    manifest["spec"]["dataset"]["validation"] = {"fraction": 0.2}
+    manifest["spec"]["training"]["evalEverySteps"] = 5
+    for document in _roundtrip(parse_job(manifest), 3, local=False):
+        parsed = StageConfig.from_json(json.dumps(document))
+        assert parsed.dataset.validation is not None
+        assert (parsed.dataset.validation.fraction, parsed.dataset.validation.uri) == (0.2, None)
+        assert parsed.training.evalEverySteps == 5
+    # Without them the documents carry neither field (a worker without evaluation reads them).
+    plain = _roundtrip(parse_job(_example(REPO / "examples" / "finetunejob-lora.yaml")), 2, True)
+    assert all("validation" not in d["dataset"] for d in plain)
+    assert all("evalEverySteps" not in d["training"] for d in plain)
 
 
 def test_worker_refuses_a_document_with_a_field_it_does_not_know() -> None:
