@@ -19,6 +19,7 @@ Run from the repository root as a module (hack/demo.sh does): `python -m hack.de
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
@@ -186,6 +187,7 @@ def follow(
     deadline = time.monotonic() + args.timeout
     last_line, first_loss = "", None
     losses: dict[int, float] = {}
+    eval_step: int | None = None
     survivors: dict[str, tuple[str, int]] = {}
     killed_at: float | None = None
     killed_step = 0
@@ -210,6 +212,9 @@ def follow(
         if line != last_line:
             say(line)
             last_line = line
+        if prog.get("evalStep") is not None and prog["evalStep"] != eval_step:
+            eval_step = prog["evalStep"]
+            say(f"Held-out loss at step {eval_step}: {prog.get('evalLoss')}")
         degraded = next((c for c in status.get("conditions") or [] if c["type"] == "Degraded"), {})
         if killed_at is not None:
             if step is not None:
@@ -256,7 +261,21 @@ def follow(
             for row in log.read_text(errors="replace").splitlines():
                 if "rejoined at step" in row:
                     say(f"{victim}'s replacement: {row.split(': ', 1)[-1]}")
-    return summarise(status, phase, runner, survivors, losses, first_loss, workdir, mc)
+    held_out = held_out_losses(mc, ns, name)
+    return summarise(status, phase, runner, survivors, losses, first_loss, held_out, workdir, mc)
+
+
+def held_out_losses(mc: Any, ns: str, name: str) -> dict[int, float]:
+    """The held-out losses of the whole run, from the workers' loss history in MinIO (the
+    job's status holds only the newest one)."""
+    try:
+        resp = mc.get_object("relaytrain", f"checkpoints/{ns}/{name}/loss-history.json")
+        records = json.loads(resp.read())
+        resp.close()
+        resp.release_conn()
+    except Exception:  # no history: the job did not get that far
+        return {}
+    return {r["step"]: r["evalLoss"] for r in records if r.get("evalLoss") is not None}
 
 
 def kill_stage(
@@ -288,6 +307,7 @@ def summarise(
     survivors: dict[str, tuple[str, int]],
     losses: dict[int, float],
     first_loss: float | None,
+    held_out: dict[int, float],
     workdir: Path,
     mc: Any,
 ) -> int:
@@ -314,6 +334,15 @@ def summarise(
     if losses:
         plot = plot_losses(losses, workdir / "loss.png")
         say(f"Loss: step 1 {first_loss}, step {max(losses)} {losses[max(losses)]}; curve: {plot}")
+    if held_out:
+        first, last = min(held_out), max(held_out)
+        falling = held_out[last] < held_out[first]
+        ok = ok and falling
+        points = ", ".join(f"step {k} {v:.4f}" for k, v in sorted(held_out.items()))
+        say(f"Held-out loss: {points} ({'falling' if falling else 'NOT FALLING'})")
+    else:
+        ok = False
+        say("No held-out loss was recorded")
     if phase != "Succeeded":
         say(f"See {workdir} for the operator's and each stage's log")
         return 1

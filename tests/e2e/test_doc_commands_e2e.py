@@ -70,6 +70,7 @@ def test_make_demo_runs_as_written() -> None:
         "[demo] Pipeline 1 is back",
         "no rollback",
         "'s replacement: Stage p1/s1 rejoined at step",
+        "(falling)",
         "kept its pod and process",
         "[demo]   with the adapter:",
         "[demo] Stopped the operator, the stage processes, MinIO and the cluster.",
