@@ -224,13 +224,10 @@ def follow(
                 say(f"Job Running but Degraded: {degraded.get('message')}")
             if was_degraded and degraded.get("status") == "False" and not rejoined:
                 rejoined = True
-                lowest = min(after_kill, default=killed_step)
                 say(
-                    f"Pipeline {args.kill_pipeline} is back "
-                    f"{time.monotonic() - killed_at:.1f}s after its stage died; meanwhile "
-                    f"the other pipeline kept training from step {killed_step} to "
-                    f"{max(after_kill, default=killed_step)} and the job never stepped back "
-                    f"(lowest step reported after the kill: {lowest}, no rollback)"
+                    f"Pipeline {args.kill_pipeline} is back: its stage's pod was replaced "
+                    f"{time.monotonic() - killed_at:.1f}s after it died (the new process "
+                    f"rejoins at a step boundary); the other pipeline trained on meanwhile"
                 )
         if (
             args.kill_stage >= 0
@@ -254,6 +251,11 @@ def follow(
     if killed_at is not None and stepped_back:
         say(f"THE JOB STEPPED BACK after the kill: {after_kill}")
         return 1
+    if killed_at is not None:
+        say(
+            f"After the kill at step {killed_step} the job went on to step "
+            f"{max(after_kill, default=killed_step)} without a step back (no rollback)"
+        )
     if killed_at is not None:
         # What the replacement's own log says: it rejoined from the live pipeline's state.
         victim = f"{name}-p{args.kill_pipeline}-s{args.kill_stage}"
