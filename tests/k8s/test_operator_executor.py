@@ -317,8 +317,8 @@ def test_the_observer_reads_only_what_is_needed(
     # The job's own stage pods, by the job label (not the other job's).
     pods = observer.stage_pods(kube.ns, "j")
     assert {k: p["metadata"]["name"] for k, p in pods.items()} == {
-        0: "j-stage-0",
-        1: "j-stage-1",
+        (0, 0): "j-stage-0",
+        (0, 1): "j-stage-1",
     }
     # rtx4090-0 is not indexed yet: it is read from the API server, and nothing else is.
     indexed = {"a100-0": nodes_index(admin)["a100-0"][0]}

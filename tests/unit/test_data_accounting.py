@@ -90,7 +90,7 @@ def test_the_last_stage_reports_what_stage_zero_counted(tmp_path: Path) -> None:
     """Stage 0 leaves its counts in the store; the last stage puts them in progress.json."""
     store = LocalStore(tmp_path)
     runtime = SimpleNamespace(
-        history=SimpleNamespace(last={"loss": 2.5, "tokensPerSecond": 10.0}),
+        history=SimpleNamespace(last={"loss": 2.5, "tokensPerSecond": 10.0}, last_eval=None),
         data_report=None, store=store, prefix="ns/job", step=1, total_steps=4,
         last_committed=None, step_seconds=0.5,
         cfg=SimpleNamespace(output=SimpleNamespace(uri="out")),

@@ -144,9 +144,10 @@ class StageRuntime:
         # With `epochs` every stage reads the dataset to derive the same step count.
         need_data = cfg.stage.is_first or cfg.training.steps is None
         self.data = self._load_data() if need_data else None
-        if cfg.stage.is_first and self.writer and self.data is not None:
-            # The last stage reports the counts in progress.json (`_publish`).
-            write_report(self.store, self.prefix, self.data.report)
+        self._report_due = cfg.stage.is_first and self.writer and self.data is not None
+        """Stage 0 writes its example counts once, after its links are up (a stage that
+        never links, e.g. one holding another job's certificate, writes nothing); the last
+        stage reports them in progress.json (`_publish`)."""
         self.eval_batches = (
             self._load_data(load_eval_batches)
             if cfg.stage.is_first and self.writer and cfg.dataset.validation is not None
@@ -448,6 +449,9 @@ class StageRuntime:
                     self.replicas.relink(group, lambda: self.step, stop)
                 self.metrics.set_health("training", step=self.step)
                 self.joining.clear()
+                if self._report_due and self.data is not None:
+                    write_report(self.store, self.prefix, self.data.report)
+                    self._report_due = False
                 self._train(peers, group)
                 for link in (peers.prev, peers.next):
                     if link is not None:
