@@ -242,7 +242,13 @@ def test_job_survives_a_stage_killed_mid_run(env: dict[str, Any]) -> None:
         new = now.get(victim)
         return new is not None and new.metadata.uid != pods[victim].metadata.uid and new
 
-    wait_for("the killed stage's pod to be replaced", replaced, timeout=120)
+    try:
+        # The operator pod that `helm upgrade` just started notices it; on a loaded machine
+        # its first passes can take a while.
+        wait_for("the killed stage's pod to be replaced", replaced, timeout=300)
+    except AssertionError as err:
+        watcher.stop()
+        raise AssertionError(f"{err}\n{diagnostics(e)}") from None
 
     def finished() -> Any:
         st = status()
