@@ -213,13 +213,21 @@ def test_job_survives_a_stage_killed_mid_run(env: dict[str, Any]) -> None:
     assert sorted(pods) == [f"{name}-stage-{k}" for k in range(3)]
 
     # `helm upgrade` while it trains: a new operator pod; the stage pods and their
-    # processes stay as they are (checked with the survivors at the end).
+    # processes stay as they are (checked with the survivors at the end). Stage 0 is held
+    # (SIGSTOP) meanwhile, so that a fast machine cannot finish all the steps during the
+    # upgrade and leave nothing to interrupt; the others wait on its activations.
     release, values = e["release"], e["values"]
     old_operator = release.operator_pod().metadata.uid
     processes = {n: runner.local_pod(ns, n).process.pid for n in pods}
-    values["resyncSeconds"] = 2
-    release.upgrade(values)
-    upgraded, _ = release.ready_operator()
+    held = processes[f"{name}-stage-0"]
+    os.kill(held, signal.SIGSTOP)
+    try:
+        values["resyncSeconds"] = 2
+        release.upgrade(values)
+        upgraded, _ = release.ready_operator()
+    except BaseException:
+        os.kill(held, signal.SIGCONT)
+        raise
     assert upgraded.metadata.uid != old_operator
     now = stage_pods(core, ns, name)
     assert {n: p.metadata.uid for n, p in now.items()} == {
@@ -234,8 +242,10 @@ def test_job_survives_a_stage_killed_mid_run(env: dict[str, Any]) -> None:
     }
     victim_pid = runner.local_pod(ns, victim).process.pid
     before = watcher.latest()  # where training is at the moment of the kill
+    assert before["step"] < STEPS - EVERY, f"the job ran too fast to be interrupted: {before}"
     os.kill(victim_pid, signal.SIGKILL)
     killed_at, killed_wall = time.monotonic(), time.time()
+    os.kill(held, signal.SIGCONT)
 
     def replaced() -> Any:
         now = stage_pods(core, ns, name)

@@ -329,7 +329,7 @@ def test_the_observer_reads_only_what_is_needed(
 
     # A pod bound to a node the API server no longer has: the node is left out (the
     # decision reads that as a lost node).
-    lost = {0: {**pods[0], "spec": {**pods[0]["spec"], "nodeName": "vanished-0"}}}
+    lost = {(0, 0): {**pods[(0, 0)], "spec": {**pods[(0, 0)]["spec"], "nodeName": "vanished-0"}}}
     assert "vanished-0" not in observer.observe(job, lost, {}, Needs(), now).nodes
 
     # Room to place pods: the cluster's active pods, fresh; a Failed pod holds no GPU.
