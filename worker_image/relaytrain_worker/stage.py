@@ -557,8 +557,10 @@ class StageRuntime:
 
     def _exit_when_done(self) -> None:
         """A stage of a pipeline that is still (re)joining when the others have finished the
-        job (progress.json says done, written after this process started) has nothing left
-        to join: it exits with 0 rather than wait for peers that are gone."""
+        job has nothing left to join: it exits with 0 rather than wait for peers that are
+        gone. Finished: progress.json says done, and was written after this process started
+        or is at this job's last step (a replacement started just as the others finished
+        finds the job done before it began)."""
         started = datetime.now(UTC).replace(microsecond=0)
         while True:
             time.sleep(2.0)
@@ -568,8 +570,15 @@ class StageRuntime:
                 progress = read_progress(self.store, self.prefix)
             except Exception:  # a read that fails is tried again
                 continue
-            finished = progress is not None and progress.done and progress.updatedAt is not None
-            if finished and progress.updatedAt >= started and self.joining.is_set():  # type: ignore[union-attr,operator]
+            finished = (
+                progress is not None
+                and progress.done
+                and (
+                    (progress.updatedAt is not None and progress.updatedAt >= started)
+                    or progress.step == progress.totalSteps == self.total_steps
+                )
+            )
+            if finished and self.joining.is_set():
                 log.info("Stage %s found the job finished while rejoining", self.name)
                 logging.shutdown()
                 os._exit(0)
