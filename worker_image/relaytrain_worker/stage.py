@@ -109,6 +109,17 @@ def link_credentials(cfg: StageConfig, environ: Mapping[str, str] = os.environ) 
     return tls
 
 
+def job_finished(progress: Progress | None, started: datetime, total_steps: int) -> bool:
+    """Whether progress.json says the job is done for a stage that started at `started`:
+    done, and written after the stage started or at the job's last step (a replacement
+    started just as the others finished finds the job done before it began; a done record
+    of fewer steps is another run's, e.g. before the job's steps were raised)."""
+    if progress is None or not progress.done:
+        return False
+    fresh = progress.updatedAt is not None and progress.updatedAt >= started
+    return fresh or progress.step == progress.totalSteps == total_steps
+
+
 class StageRuntime:
     """One stage process."""
 
@@ -570,15 +581,7 @@ class StageRuntime:
                 progress = read_progress(self.store, self.prefix)
             except Exception:  # a read that fails is tried again
                 continue
-            finished = (
-                progress is not None
-                and progress.done
-                and (
-                    (progress.updatedAt is not None and progress.updatedAt >= started)
-                    or progress.step == progress.totalSteps == self.total_steps
-                )
-            )
-            if finished and self.joining.is_set():
+            if job_finished(progress, started, self.total_steps) and self.joining.is_set():
                 log.info("Stage %s found the job finished while rejoining", self.name)
                 logging.shutdown()
                 os._exit(0)
