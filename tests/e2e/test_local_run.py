@@ -13,11 +13,13 @@ import signal
 import subprocess
 import sys
 import time
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
+from relaytrain_contract.names import LINK_CA_ENV, LINK_CERT_ENV, LINK_KEY_ENV
+from relaytrain_operator.linkcerts import mint_link_credentials, stage_pem
 
 from tests.local_jobs import (
     job_manifest,
@@ -251,3 +253,44 @@ def test_metrics_while_running_and_ctrl_c_stops_every_stage(workspace: Path) -> 
     for stage in stages:  # every stage process is gone
         with pytest.raises(ProcessLookupError):
             os.kill(stage["pid"], 0)
+
+
+def test_a_stage_restarted_after_the_final_commit_finishes_without_its_peers(
+    workspace: Path,
+) -> None:
+    # A stage killed between the job's final commit and its output: its peers finished and
+    # exited, so its replacement has nobody to wait for. It must see that nothing is left
+    # to train: the output writer (the last stage) writes the output, any other stage exits.
+    workdir = workspace / "wd-end"
+    proc = start_run(_job(workspace, "end"), workdir)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out
+    job_dir = workspace / "ckpt" / "default" / "end"
+    adapter = job_dir / "output" / "adapter_model.safetensors"
+    adapter.unlink()
+    record = json.loads((job_dir / "progress.json").read_text())
+    (job_dir / "progress.json").write_text(json.dumps({**record, "done": False, "output": None}))
+    losses = _losses(workspace / "ckpt", "end")
+
+    pki = mint_link_credentials("default", "end", [2], now=datetime.now(UTC))
+
+    def stage_alone(k: int) -> str:
+        doc = workdir / "stages" / f"stage-{k}.json"
+        cmd = [sys.executable, "-m", "relaytrain_worker", "--config", str(doc)]
+        cert, key, ca = stage_pem(pki, 0, k)
+        env = {**run_env(), LINK_CERT_ENV: cert, LINK_KEY_ENV: key, LINK_CA_ENV: ca}
+        done = subprocess.run(
+            cmd, env=env, capture_output=True, text=True, timeout=180, check=False
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done.stdout + done.stderr
+
+    first = stage_alone(0)
+    assert "Stage 0 restored the job's final commit: nothing left to train" in first
+    assert not adapter.exists() and not progress(workspace / "ckpt", "end")["done"]  # type: ignore[index]
+    last = stage_alone(1)
+    assert "Stage 1 restored the job's final commit: nothing left to train" in last
+    assert adapter.is_file()
+    final = progress(workspace / "ckpt", "end")
+    assert final is not None and final["done"] and final["step"] == STEPS
+    assert _losses(workspace / "ckpt", "end") == losses

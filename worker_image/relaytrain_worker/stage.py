@@ -315,6 +315,17 @@ class StageRuntime:
         seed = self.cfg.training.seed
         torch.manual_seed(seed * 131 + self.k + 7919 * self.pipeline + 104729 * step)
 
+    def _nothing_left(self, restored: int | None) -> bool:
+        """Whether this (re)started stage restored the job's final commit with every file
+        of every stage intact: nothing is left to train, and the stages that finished it
+        may have exited, so it waits for no peer (the output writer exports again; a stage
+        killed between the final commit and the output would otherwise wait forever)."""
+        return (
+            restored == self.total_steps
+            and ckpt.latest_committed(self.store, self.prefix, verify_files=True, at_most=restored)
+            == restored
+        )
+
     def restore_newest(self) -> int | None:
         """Restore the newest committed step whose files of this stage verify; returns it.
 
@@ -427,9 +438,15 @@ class StageRuntime:
             threading.Thread(target=self._exit_when_done, name="done-watch", daemon=True).start()
         restored = self.restore_newest()
         self.step = restored or 0
+        if self._nothing_left(restored):
+            log.info("Stage %s restored the job's final commit: nothing left to train", self.name)
+            if self.cfg.stage.is_last and self.writer:
+                self._finish()
+            self.metrics.set_health("done", step=self.step)
+            return 0
         attempt = 0
-        # Even a stage that restored the final step joins one handshake: another stage may
-        # have found a file of that commit corrupt, and then every stage redoes the end.
+        # A stage that restored the final step of a commit with a bad file joins one
+        # handshake: every stage redoes the end from the newest intact commit.
         while True:
             peers: Peers | None = None
             replica_links: dict[Peer, Link] = {}
