@@ -326,8 +326,10 @@ def test_two_pipelines_train_one_job_and_a_killed_stage_takes_out_its_pipeline_o
     running and never step back, the job is Degraded meanwhile, and pipeline 1 rejoins."""
     e = env
     core, custom, ns, runner = e["core"], e["custom"], e["ns"], e["runner"]
-    # Enough steps (a few seconds each ten) for the replacement to start and rejoin.
-    name, steps = "tiny-fleet", 150
+    # Enough steps for the replacement to start and rejoin while pipeline 0 trains on: on
+    # an idle machine pipeline 0 alone takes about ten steps a second, and the replacement
+    # needs about ten seconds to load and link (150 steps were not enough there).
+    name, steps = "tiny-fleet", 400
     manifest = job_manifest(name, e["minio"], stages=2, replicas=2)
     manifest["spec"]["training"]["steps"] = steps
     custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, manifest)
