@@ -175,6 +175,17 @@ def _metric_steps(workdir: Path, stages: list[tuple[int, int]]) -> dict[tuple[in
     return out
 
 
+def _metrics_text(workdir: Path, p: int, k: int) -> str | None:
+    """Stage p/k's /metrics now (None when it does not answer)."""
+    doc = json.loads((workdir / "stages" / f"p{p}-stage-{k}.json").read_text())
+    url = f"http://127.0.0.1:{doc['observability']['port']}/metrics"
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return str(response.read().decode())
+    except OSError:
+        return None
+
+
 def _log(workdir: Path, p: int, k: int) -> str:
     path = workdir / "stages" / f"p{p}-stage-{k}.log"
     return path.read_text() if path.exists() else ""
@@ -207,9 +218,11 @@ def test_a_stage_killed_in_one_pipeline_takes_only_that_pipeline_out(
     seen: dict[tuple[int, int], list[int]] = {s: [] for s in survivors}
     progress_steps: list[int] = []
     rejoined: str | None = None
+    exposition: str | None = None  # p0/s0's /metrics, the last read
     while proc.poll() is None:
         for stage, step in _metric_steps(workdir, survivors).items():
             seen[stage].append(step)
+        exposition = _metrics_text(workdir, 0, 0) or exposition
         record = progress(workspace / "ckpt", name)
         if record is not None:
             progress_steps.append(record["step"])
@@ -246,6 +259,20 @@ def test_a_stage_killed_in_one_pipeline_takes_only_that_pipeline_out(
             f"Stage p0/s{k} sent its state to pipeline(s) [1] rejoining at step {rejoined}" in log
         )
     assert rejoined is not None, "pipeline 1 did not rejoin before the job ended"
+    # p0/s0 (layers 0-1 and the embedding) counts the bytes on its links to the pipeline 1
+    # stages holding its layers: p1/s0 (layer 0, the embedding) and p1/s1 (layers 1-2).
+    assert exposition is not None
+    for metric in ("relaytrain_link_sent_bytes_total", "relaytrain_link_received_bytes_total"):
+        moved = {
+            link: float(value)
+            for link, value in re.findall(
+                rf'^{metric}{{[^}}]*link="(replica:[^"]+)"[^}}]*}} ([0-9.e+]+)$',
+                exposition,
+                re.MULTILINE,
+            )
+        }
+        assert set(moved) == {"replica:p1/s0", "replica:p1/s1"}, exposition
+        assert all(v > 0 for v in moved.values()), moved
     for k in range(3):
         assert f"Stage p1/s{k} rejoined at step {rejoined} with the state of pipeline 0" in (
             _log(workdir, 1, k)

@@ -450,6 +450,12 @@ class LinkGroup:
                     out.append(peer)
             return out
 
+    def links(self) -> dict[str, LinkLike]:
+        """The link to each member pipeline's peer stage by the peer's name (`p1/s0`): what
+        the stage's link metrics count."""
+        with self._cond:
+            return {port.name: port.out.link for port in self._ports.values()}
+
     def offer(self, peer: tuple[int, int], link: LinkLike) -> None:
         """A fresh link to `peer`, a stage of a pipeline rejoining: read at once, used from
         the step that admits its pipeline (`begin`)."""

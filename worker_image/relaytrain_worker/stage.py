@@ -548,7 +548,7 @@ class StageRuntime:
             seconds = max(now - mark, 1e-9)
             rate = result.step_input_tokens / seconds
             mark = now
-            self._report(peers, result.loss, rate, seconds)
+            self._report(peers, result.loss, rate, seconds, group)
             if self.writer and due(self.cfg, self.step, self.total_steps):
                 self._evaluate(peers)  # before the commit, whose history carries it
             if self.step % self.cfg.checkpoint.everySteps == 0 or self.step == self.total_steps:
@@ -653,12 +653,23 @@ class StageRuntime:
         tied = bool(getattr(self.stage.config, "tie_word_embeddings", False))
         return TIED_NAME if self.cfg.method.type == "full" and tied else None
 
-    def _report(self, peers: Peers, loss: float | None, rate: float, seconds: float) -> None:
+    def _report(
+        self,
+        peers: Peers,
+        loss: float | None,
+        rate: float,
+        seconds: float,
+        group: LinkGroup | None = None,
+    ) -> None:
         self.metrics.step.set(self.step)
         self.metrics.tokens_per_second.set(rate)
         for name, link in (("prev", peers.prev), ("next", peers.next)):
             if link is not None:
                 self.metrics.update_link(name, link.link)  # type: ignore[arg-type]
+        if group is not None:  # the replica links, `replica:p1/s0` for pipeline 1's stage 0
+            for peer, replica in group.links().items():
+                if isinstance(replica, Link):
+                    self.metrics.update_link(f"replica:{peer}", replica)
         if loss is None:
             return
         self.metrics.loss.set(loss)
