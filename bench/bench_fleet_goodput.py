@@ -51,12 +51,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tests.local_jobs import (  # noqa: E402
-    job_manifest,
+    fleet_job,
     make_workspace,
     progress,
     run_state,
     start_run,
-    write_job,
 )
 
 EVERY = 10
@@ -76,18 +75,10 @@ class Outcome:
 
 
 def _job(root: Path, name: str, replicas: int, steps: int) -> Path:
-    manifest = job_manifest(
-        root,
-        name,
-        dataset={"sequenceLength": 24},
-        method={"rank": 4, "alpha": 8, "targetModules": ["q_proj", "v_proj"]},
-        training={"steps": steps, "microBatchSize": 2, "microBatches": 3,
-                  "learningRate": 0.01, "warmupSteps": 1},
-        pipeline={"stages": 2, "compression": "none", "replicas": replicas},
-        checkpoint={"uri": str(root / "ckpt"), "everySteps": EVERY, "keep": 2},
-        failurePolicy={"maxStageRestarts": 1000, "backoffSeconds": 0},
-    )  # fmt: skip
-    return write_job(root, manifest)
+    restarts = {"maxStageRestarts": 1000, "backoffSeconds": 0}
+    return fleet_job(
+        root, name, replicas=replicas, steps=steps, every=EVERY, failurePolicy=restarts
+    )
 
 
 def _base(replicas: int, pipeline: int, stage: int) -> str:

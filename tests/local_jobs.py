@@ -65,6 +65,28 @@ def job_manifest(root: Path, name: str, **sections: Any) -> dict[str, Any]:
     }
 
 
+def fleet_job(
+    root: Path, name: str, *, replicas: int, steps: int, every: int, **sections: Any
+) -> Path:
+    """The several-pipeline tests' and benchmarks' job on the workspace at `root`, written
+    to `root/<name>.yaml`: `replicas` pipelines of two stages, LoRA r4 on q/v, 3
+    micro-batches of 2 x 24 tokens per step, a checkpoint every `every` steps under
+    `root/ckpt`; `sections` are merged as in `job_manifest`."""
+    manifest = job_manifest(
+        root,
+        name,
+        dataset={"sequenceLength": 24},
+        method={"rank": 4, "alpha": 8, "targetModules": ["q_proj", "v_proj"]},
+        training={"steps": steps, "microBatchSize": 2, "microBatches": 3,
+                  "learningRate": 0.01, "warmupSteps": 1},
+        pipeline={"stages": 2, "compression": "none", "replicas": replicas},
+        checkpoint={"uri": str(root / "ckpt"), "everySteps": every, "keep": 2},
+    )  # fmt: skip
+    for section, value in sections.items():
+        manifest["spec"][section] = {**manifest["spec"].get(section, {}), **value}
+    return write_job(root, manifest)
+
+
 def write_job(root: Path, manifest: dict[str, Any]) -> Path:
     """`manifest` as `root/<name>.yaml`; returns the path."""
     path = root / f"{manifest['metadata']['name']}.yaml"

@@ -28,13 +28,12 @@ from typing import Any
 import pytest
 
 from tests.local_jobs import (
-    job_manifest,
+    fleet_job,
     make_workspace,
     progress,
     run_state,
     start_run,
     wait_while_running,
-    write_job,
 )
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -59,17 +58,7 @@ def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _job(root: Path, name: str, replicas: int, steps: int = STEPS) -> Path:
-    manifest = job_manifest(
-        root,
-        name,
-        dataset={"sequenceLength": 24},
-        method={"rank": 4, "alpha": 8, "targetModules": ["q_proj", "v_proj"]},
-        training={"steps": steps, "microBatchSize": 2, "microBatches": 3,
-                  "learningRate": 0.01, "warmupSteps": 1},
-        pipeline={"stages": 2, "compression": "none", "replicas": replicas},
-        checkpoint={"uri": str(root / "ckpt"), "everySteps": EVERY, "keep": 2},
-    )  # fmt: skip
-    return write_job(root, manifest)
+    return fleet_job(root, name, replicas=replicas, steps=steps, every=EVERY)
 
 
 def _run(root: Path, name: str, replicas: int, *flags: str) -> dict[str, Any]:
