@@ -151,11 +151,13 @@ class ClusterApi:
         return items
 
     def get_secret_data(self, namespace: str, name: str) -> dict[str, str]:
-        """A Secret's keys and decoded values; empty if the Secret is missing."""
+        """A Secret's keys and decoded values; empty if the Secret is missing. A read the
+        operator's RBAC forbids raises (the pass fails and the job gets a Forbidden Event),
+        rather than passing for a missing Secret and sending no credentials."""
         try:
             secret = _json(self._core.read_namespaced_secret(name, namespace, **_RAW))
         except ApiException as exc:
-            if exc.status in (403, 404):
+            if exc.status == 404:
                 return {}
             raise
         return {k: base64.b64decode(v).decode() for k, v in (secret.get("data") or {}).items()}
@@ -209,22 +211,12 @@ class Executor:
         self._threads = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="create")
         self._forbidden: dict[tuple[str, str], str] = {}  # job → the refusal last reported
 
-    def run(self, job: JsonDict, actions: Sequence[Action], now: datetime) -> None:
-        """Apply `actions` for `job` (as read at the start of the pass).
-
-        A request the API server forbids (a grant missing from the operator's RBAC, or an
-        admission policy such as Pod Security refusing a pod) fails the pass like any error,
-        and is also told on the job as a Warning Event `Forbidden` with the API server's
-        words, once per distinct refusal: kopf keeps a daemon's errors in the log only.
-        """
-        try:
-            self._run(job, actions, now)
-        except ApiException as exc:
-            if exc.status == 403:
-                self._report_forbidden(job, exc)
-            raise
-
-    def _report_forbidden(self, job: JsonDict, exc: ApiException) -> None:
+    def report_forbidden(self, job: JsonDict, exc: ApiException) -> None:
+        """Tell a request the API server forbade during a pass over `job` (a grant missing
+        from the operator's RBAC, for a read or a write, or an admission policy such as Pod
+        Security refusing a pod) on the job as a Warning Event `Forbidden` with the API
+        server's words, once per distinct refusal: kopf keeps a daemon's errors in the log
+        only. The pass still fails like any error (`runner.Runner.reconcile`)."""
         meta = job["metadata"]
         try:
             message = str(json.loads(exc.body or "")["message"])
@@ -235,7 +227,8 @@ class Executor:
             self._forbidden[key] = message
             self.post_event(job, "Warning", "Forbidden", f"The API server refused: {message}")
 
-    def _run(self, job: JsonDict, actions: Sequence[Action], now: datetime) -> None:
+    def run(self, job: JsonDict, actions: Sequence[Action], now: datetime) -> None:
+        """Apply `actions` for `job` (as read at the start of the pass)."""
         meta = job["metadata"]
         namespace, name = meta["namespace"], meta["name"]
         stored: JsonDict = dict(job.get("status") or {})

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Protocol, TypeVar
 
+from kubernetes.client.exceptions import ApiException
+
 from relaytrain_operator import metrics
 from relaytrain_operator.apply import ClusterApi, EventPoster, Executor
 from relaytrain_operator.decide import Decision, Settings, decide, needs, stage_pods
@@ -120,21 +122,32 @@ class Runner:
                 return Decision()
             if bell is not None:
                 bell.generation = job["metadata"].get("generation")
-            indexed = stage_pods(list(pods.get((namespace, name), ())))
-            wanted = needs(job, indexed)
-            if wanted.pods:
-                indexed = await self._in_thread(self.observer.stage_pods, namespace, name)
-                wanted = needs(job, indexed)
-            async with self._placing if wanted.room else contextlib.nullcontext():
-                known = _nodes(nodes, None if wanted.room else indexed.values())
-                observed = await self._in_thread(
-                    self.observer.observe, job, indexed, known, wanted, now
-                )
-                decision = await self._in_thread(decide, observed, self.settings)
-                await self._in_thread(self.executor.run, job, decision.actions, now)
+            try:
+                decision = await self._pass(job, now, nodes, pods)
+            except ApiException as exc:
+                if exc.status == 403:  # a read or a write: told on the job, then retried
+                    self.executor.report_forbidden(job, exc)
+                raise
             if decision.restarts:
                 metrics.STAGE_RESTARTS.labels(namespace=namespace).inc(decision.restarts)
             return decision
+
+    async def _pass(self, job: JsonDict, now: datetime, nodes: Index, pods: Index) -> Decision:
+        """Observe what the decision needs, decide, and apply its actions."""
+        namespace, name = job["metadata"]["namespace"], job["metadata"]["name"]
+        indexed = stage_pods(list(pods.get((namespace, name), ())))
+        wanted = needs(job, indexed)
+        if wanted.pods:
+            indexed = await self._in_thread(self.observer.stage_pods, namespace, name)
+            wanted = needs(job, indexed)
+        async with self._placing if wanted.room else contextlib.nullcontext():
+            known = _nodes(nodes, None if wanted.room else indexed.values())
+            observed = await self._in_thread(
+                self.observer.observe, job, indexed, known, wanted, now
+            )
+            decision = await self._in_thread(decide, observed, self.settings)
+            await self._in_thread(self.executor.run, job, decision.actions, now)
+        return decision
 
     async def _in_thread(self, call: Callable[..., _T], *args: Any) -> _T:
         """`call(*args)` in the pool, with this task's context (kopf's event poster)."""

@@ -348,6 +348,52 @@ def without_pods_create(
     yield from _installed(kube_cluster, api, workdir, "rtdrop", "create pods")
 
 
+@pytest.fixture(scope="module")
+def without_secrets_get(
+    kube_cluster: Any, api: client.ApiClient, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Setup]:
+    workdir = tmp_path_factory.mktemp("chart-drop-get")
+    yield from _installed(kube_cluster, api, workdir, "rtdropget", "get secrets")
+
+
+def test_a_removed_read_grant_is_the_operators_forbidden_error_in_an_event(
+    without_secrets_get: Setup,
+) -> None:
+    # A job whose store credentials are in a Secret: the operator reads it to open the
+    # store (the model's config.json) before it plans. Without `get secrets` that read is
+    # refused, and the refusal reaches the job as an Event like a refused write.
+    setup = without_secrets_get
+    setup.release.ready_operator()
+    store = {"endpoint": "http://127.0.0.1:9", "credentialsSecret": {"name": "s3"}}
+    setup.custom.create_namespaced_custom_object(
+        GROUP,
+        VERSION,
+        setup.jobs,
+        PLURAL,
+        job_manifest(
+            "no-secrets",
+            setup.jobs,
+            "s3://models/smol/",
+            checkpoint={"uri": "s3://ckpt", **store},
+        ),
+    )
+
+    def forbidden() -> list[Any]:
+        return [
+            e
+            for e in setup.job_events("no-secrets")
+            if e.reason == "Forbidden" and 'cannot get resource "secrets"' in (e.message or "")
+        ]
+
+    try:
+        events = wait_for("a Forbidden event on the job", forbidden, timeout=60)
+    except AssertionError as err:
+        raise AssertionError(f"{err}{setup.explain('no-secrets')}") from None
+    print(f"\nThe event: {events[0].type} {events[0].reason}: {events[0].message[:400]}")
+    assert setup.stage_pods("no-secrets") == {}
+    assert setup.release.operator_pod() is not None and pod_ready(setup.release.operator_pod())
+
+
 def test_a_removed_grant_is_the_operators_forbidden_error_in_an_event(
     without_pods_create: Setup, model_dir: Path
 ) -> None:
