@@ -150,15 +150,15 @@ class ClusterApi:
         items: list[JsonDict] = _json(response)["items"]
         return items
 
-    def get_secret_data(self, namespace: str, name: str) -> dict[str, str]:
-        """A Secret's keys and decoded values; empty if the Secret is missing. A read the
+    def get_secret_data(self, namespace: str, name: str) -> dict[str, str] | None:
+        """A Secret's keys and decoded values; None if the Secret does not exist. A read the
         operator's RBAC forbids raises (the pass fails and the job gets a Forbidden Event),
-        rather than passing for a missing Secret and sending no credentials."""
+        rather than passing for a missing Secret."""
         try:
             secret = _json(self._core.read_namespaced_secret(name, namespace, **_RAW))
         except ApiException as exc:
             if exc.status == 404:
-                return {}
+                return None
             raise
         return {k: base64.b64decode(v).decode() for k, v in (secret.get("data") or {}).items()}
 

@@ -86,10 +86,24 @@ class Observer:
         ref = checkpoint.credentials_secret
         if ref is None:
             return StoreAccess.from_environ(checkpoint.endpoint)
-        data = self.api.get_secret_data(job.metadata.namespace, ref.name)
-        return StoreAccess(
-            checkpoint.endpoint, data.get(ref.access_key_key), data.get(ref.secret_key_key)
-        )
+        namespace = job.metadata.namespace
+        data = self.api.get_secret_data(namespace, ref.name)
+        if data is None:
+            raise StoreError(
+                f"spec.checkpoint.credentialsSecret.name: Secret {ref.name!r} does not exist "
+                f"in namespace {namespace!r}; create it with the keys {ref.access_key_key} "
+                f"and {ref.secret_key_key}"
+            )
+        for field, key in (
+            ("accessKeyKey", ref.access_key_key),
+            ("secretKeyKey", ref.secret_key_key),
+        ):
+            if not data.get(key):
+                raise StoreError(
+                    f"spec.checkpoint.credentialsSecret.{field}: Secret {ref.name!r} has no "
+                    f"key {key!r} (it has: {', '.join(sorted(data)) or 'no keys'})"
+                )
+        return StoreAccess(checkpoint.endpoint, data[ref.access_key_key], data[ref.secret_key_key])
 
     def model_config(self, job: FineTuneJob) -> ModelConfig:
         """The base model's config.json, or why it cannot be read."""

@@ -80,6 +80,23 @@ def test_the_observer_reads_the_store_with_the_job_s_credentials(
             "stringData": {"AWS_ACCESS_KEY_ID": access_key, "AWS_SECRET_ACCESS_KEY": secret_key},
         }
 
+    # No Secret yet, or one without the keys the job names: the model cannot be read, and
+    # the error names the field to fix; no progress.
+    missing = observe()
+    assert missing.model is not None and missing.model.config is None
+    assert missing.model.error.startswith(
+        f"spec.checkpoint.credentialsSecret.name: Secret 's3' does not exist in namespace "
+        f"'{ns}'; create it with the keys AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"
+    ), missing.model.error
+    assert missing.progress is None
+    core.create_namespaced_secret(ns, {"metadata": {"name": "s3"}, "stringData": {"key": "v"}})
+    keyless = observe().model
+    assert keyless is not None and keyless.error == (
+        "spec.checkpoint.credentialsSecret.accessKeyKey: Secret 's3' has no key "
+        "'AWS_ACCESS_KEY_ID' (it has: key)"
+    )
+    core.delete_namespaced_secret("s3", ns)
+
     # Keys the store does not know: the model cannot be read (and says why); no progress.
     core.create_namespaced_secret(ns, credentials("nobody", "not-a-secret-key"))
     refused = observe()
@@ -103,8 +120,8 @@ def test_the_observer_reads_the_store_with_the_job_s_credentials(
         "lastCommittedStep": 2,
     }
 
-    # Without the Secret the store is asked anonymously and refuses: no progress, and the
-    # model config, read before, comes from the cache.
+    # Without the Secret the store is not asked at all: no progress, and the model config,
+    # read before, comes from the cache.
     core.delete_namespaced_secret("s3", ns)
     anonymous = observe()
     assert anonymous.progress is None and anonymous.model == read.model
