@@ -9,10 +9,11 @@ stage pod must be admitted there. Stage pods are kwok's (Running, never executed
 e2e tier runs them as real workers.
 
 The tests run in order against one release: it runs a job, survives its probes failing,
-is upgraded under a running job, and is uninstalled last. A second release, rendered with
-one grant removed, shows what a missing grant does: the operator's Forbidden error as an
-Event on the FineTuneJob. To see the whole tier fail that way, run it with
-RELAYTRAIN_CHART_DROP_GRANT="create pods" (any `VERB RESOURCE[.GROUP]` the chart grants).
+is upgraded under a running job, and is uninstalled last. Two more releases, each rendered
+with one grant removed (`create pods`, a write; `get secrets`, a read), show what a missing
+grant does: the operator's Forbidden error as an Event on the FineTuneJob. To see the
+whole tier fail that way, run it with RELAYTRAIN_CHART_DROP_GRANT="create pods" (any
+`VERB RESOURCE[.GROUP]` the chart grants).
 """
 
 from __future__ import annotations
@@ -378,20 +379,7 @@ def test_a_removed_read_grant_is_the_operators_forbidden_error_in_an_event(
         ),
     )
 
-    def forbidden() -> list[Any]:
-        return [
-            e
-            for e in setup.job_events("no-secrets")
-            if e.reason == "Forbidden" and 'cannot get resource "secrets"' in (e.message or "")
-        ]
-
-    try:
-        events = wait_for("a Forbidden event on the job", forbidden, timeout=60)
-    except AssertionError as err:
-        raise AssertionError(f"{err}{setup.explain('no-secrets')}") from None
-    print(f"\nThe event: {events[0].type} {events[0].reason}: {events[0].message[:400]}")
-    assert setup.stage_pods("no-secrets") == {}
-    assert setup.release.operator_pod() is not None and pod_ready(setup.release.operator_pod())
+    _refused_with_an_event(setup, "no-secrets", 'cannot get resource "secrets"')
 
 
 def test_a_removed_grant_is_the_operators_forbidden_error_in_an_event(
@@ -401,17 +389,24 @@ def test_a_removed_grant_is_the_operators_forbidden_error_in_an_event(
     setup.release.ready_operator()
     setup.create_job("no-pods", model_dir)
 
+    _refused_with_an_event(setup, "no-pods", 'cannot create resource "pods"')
+
+
+def _refused_with_an_event(setup: Setup, job: str, refusal: str) -> None:
+    """Waits for the job's Warning Event `Forbidden` whose message says `refusal`; the job
+    has no stage pod, and the operator pod stays up and Ready."""
+
     def forbidden() -> list[Any]:
         return [
             e
-            for e in setup.job_events("no-pods")
-            if e.reason == "Forbidden" and 'cannot create resource "pods"' in (e.message or "")
+            for e in setup.job_events(job)
+            if e.reason == "Forbidden" and refusal in (e.message or "")
         ]
 
     try:
         events = wait_for("a Forbidden event on the job", forbidden, timeout=60)
     except AssertionError as err:
-        raise AssertionError(f"{err}{setup.explain('no-pods')}") from None
+        raise AssertionError(f"{err}{setup.explain(job)}") from None
     print(f"\nThe event: {events[0].type} {events[0].reason}: {events[0].message[:400]}")
-    assert setup.stage_pods("no-pods") == {}
+    assert setup.stage_pods(job) == {}
     assert setup.release.operator_pod() is not None and pod_ready(setup.release.operator_pod())
