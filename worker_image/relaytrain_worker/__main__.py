@@ -18,6 +18,13 @@ def _terminate(_signum: int, _frame: object) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # SIGTERM while loading, or while closing links once done
+        return 130
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="python -m relaytrain_worker")
     parser.add_argument("--config", type=Path, help=f"stage config JSON (default: ${ENV})")
     args = parser.parse_args(argv)
@@ -65,6 +72,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.getLogger("relaytrain.stage").info("Stage %d stopped", cfg.stage.index)
         return 130
     finally:
+        # The outcome is decided: a SIGTERM from here on (the pod deleted once the job is
+        # done) ends the process as any program's, never as an uncaught KeyboardInterrupt.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         runtime.close()
 
 

@@ -1,0 +1,82 @@
+"""`python -m relaytrain_worker` and SIGTERM: a pod deleted at any moment ends the stage
+cleanly (130 while it trains, its own code or a plain SIGTERM once the outcome is decided),
+never as an uncaught KeyboardInterrupt (-2, which reads as a crash).
+
+The stage itself is stood in for here so that the signal lands at a chosen moment; the
+real stages are stopped by pod deletion throughout tests/e2e.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from relaytrain_operator.spec import parse_job
+from relaytrain_operator.stage_config import build_stage_configs, pod_endpoints
+
+from tests.unit.test_operator_builders import JOB, PLAN
+
+pytestmark = pytest.mark.unit
+
+# A stand-in StageRuntime whose __init__, run() or close() receives the pod's SIGTERM; the
+# worker is imported once (torch takes seconds) and each case runs in a forked child.
+_SCRIPT = """
+import json, os, signal, sys, time
+import relaytrain_worker.stage as stage
+import relaytrain_worker.data, relaytrain_worker.linkauth, relaytrain_worker.shards
+from relaytrain_worker.__main__ import main
+
+def _sigterm_here(where):
+    if where == WHERE:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(2)  # the handler runs at once; the sleep is never finished
+
+class Stand_in:
+    def __init__(self, cfg):
+        _sigterm_here("load")
+    def run(self):
+        _sigterm_here("run")
+        return 0
+    def close(self):
+        _sigterm_here("close")
+
+stage.StageRuntime = Stand_in
+codes = {}
+for WHERE in sys.argv[2:]:
+    child = os.fork()
+    if child == 0:
+        os._exit(main(["--config", sys.argv[1]]))  # an uncaught exception ends it otherwise
+    codes[WHERE] = os.waitstatus_to_exitcode(os.waitpid(child, 0)[1])
+print(json.dumps(codes))
+"""
+
+# Where the SIGTERM lands -> the exit codes that read as a clean stop.
+CLEAN = {
+    "load": {130},  # stopped while loading the model
+    "run": {130},  # stopped while training
+    "close": {0, -signal.SIGTERM},  # done; the pod deleted while the links close
+    "nowhere": {0},
+}
+
+
+def test_a_sigterm_never_reads_as_a_crash(tmp_path: Path) -> None:
+    config = build_stage_configs(parse_job(JOB), PLAN, pod_endpoints("smol", "team-a", 2))[1]
+    path = tmp_path / "stage.json"
+    path.write_text(json.dumps(config))
+    done = subprocess.run(
+        [sys.executable, "-c", _SCRIPT, str(path), *CLEAN],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    codes = json.loads(done.stdout.splitlines()[-1])
+    assert {where: codes[where] in ok for where, ok in CLEAN.items()} == dict.fromkeys(
+        CLEAN, True
+    ), (codes, done.stderr[-3000:])
+    assert "Traceback" not in done.stderr
