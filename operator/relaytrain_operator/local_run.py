@@ -81,7 +81,6 @@ from relaytrain_contract import (
 from relaytrain_operator import cli
 from relaytrain_operator.linkcerts import mint_link_credentials, stage_pem
 from relaytrain_operator.planner import ModelShape, split_micro_batches
-from relaytrain_operator.planning import check_trainable
 from relaytrain_operator.recovery import after_failure, backoff_left
 from relaytrain_operator.spec import FineTuneJob, SpecError, parse_job
 from relaytrain_operator.stage_config import StageEndpoints, build_pipeline_configs
@@ -441,11 +440,6 @@ class LocalRun:
                 cert, key, ca = stage_pem(pki, p, k)
                 link_envs.append({LINK_CERT_ENV: cert, LINK_KEY_ENV: key, LINK_CA_ENV: ca})
         documents = [doc for pipeline_docs in configs for doc in pipeline_docs]
-        sync = job.spec.pipeline.sync
-        if sync.mode == "periodic":  # the stage documents' replicas.sync (a lone pipeline: none)
-            for doc in documents:
-                if "replicas" in doc:
-                    doc["replicas"]["sync"] = {"mode": sync.mode, "everySteps": sync.every_steps}
         return cls(job, workdir, layout, documents, link_envs)
 
     def write_stage_files(self) -> None:
@@ -759,7 +753,6 @@ def run_command(args: argparse.Namespace) -> int:
         workdir = args.workdir or default_workdir(parse_job(manifest, default_checkpoint_uri="."))
         default_ckpt = str((workdir / "checkpoints").resolve())
         job = parse_job(manifest, default_checkpoint_uri=default_ckpt)
-        check_trainable(job)
         return run_local(
             job,
             workdir,

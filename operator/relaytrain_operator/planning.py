@@ -26,30 +26,11 @@ from relaytrain_operator.planner import (
     TrainingShape,
     plan_fleet,
 )
-from relaytrain_operator.spec import FineTuneJob, SpecError
+from relaytrain_operator.spec import FineTuneJob
 
 JsonDict = dict[str, Any]
 
-__all__ = ["LoraTargetError", "PlanError", "check_trainable", "make_plan", "training_shape"]
-
-
-def check_trainable(job: FineTuneJob) -> None:
-    """Raise SpecError, naming the field, for a job the API server accepts but the worker
-    cannot train yet: `spec.pipeline.sync.mode: periodic`. The planner prices it
-    (`relaytrain plan` shows what it would buy) and the outer step exists in the worker
-    (`relaytrain_worker.periodic`), but the stages' step loop does not run it yet, so the
-    job is refused before any pod or process starts rather than trained synchronously.
-    """
-    if job.spec.pipeline.sync.mode == "periodic":
-        raise SpecError(
-            [
-                (
-                    "spec.pipeline.sync.mode",
-                    "is 'periodic', which relaytrain plan prices but this version's stages "
-                    "do not train yet (only synchronous); set it to synchronous",
-                )
-            ]
-        )
+__all__ = ["LoraTargetError", "PlanError", "make_plan", "training_shape"]
 
 
 def training_shape(job: FineTuneJob) -> TrainingShape:

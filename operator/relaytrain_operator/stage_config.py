@@ -43,6 +43,7 @@ from relaytrain_contract import (
     ReplicasSpec,
     StageConfig,
     StageRef,
+    SyncSpec,
     TrainingSpec,
     link_identity,
 )
@@ -265,6 +266,7 @@ def build_pipeline_configs(
     if len({ranges[-1][1] for ranges in splits}) != 1:
         raise ValueError(f"the pipelines hold different layers: {splits}")
     ns, name = job.metadata.namespace, job.metadata.name
+    sync = _as(SyncSpec, job.spec.pipeline.sync)
     out = []
     for p, (ranges, ends) in enumerate(zip(splits, endpoints, strict=True)):
         documents = []
@@ -290,6 +292,7 @@ def build_pipeline_configs(
                 shares=tuple(shares),
                 listen=mine.replica_listen if p > 0 else None,
                 peers=tuple(peers),
+                sync=sync,
             )
             cfg = stage_config(
                 job, k, len(ranges), (start, end), mine, pipeline=p, replicas=replicas

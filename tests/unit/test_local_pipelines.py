@@ -129,20 +129,8 @@ def test_an_unsupported_model_type_is_refused_before_any_stage(tmp_path: Path) -
     assert not (tmp_path / "wd").exists() or not list((tmp_path / "wd").glob("*stage-*.json"))
 
 
-def test_periodic_sync_is_refused_by_name_before_any_process(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """The planner prices `sync: periodic` but the stages do not train it yet: `relaytrain
-    run --local` says so (exit 2) instead of training synchronously behind the user's back."""
-    import yaml
-    from relaytrain_operator.cli import main
-
-    manifest = base_manifest()
-    manifest["spec"]["pipeline"] = {"replicas": 2, "sync": {"mode": "periodic", "everySteps": 4}}
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(manifest))
-    workdir = tmp_path / "wd"
-    assert main(["run", str(path), "--local", "--workdir", str(workdir)]) == 2
-    err = capsys.readouterr().err
-    assert "spec.pipeline.sync.mode" in err and "set it to synchronous" in err
-    assert not list(workdir.glob("**/stage-*.json"))
+def test_periodic_sync_reaches_every_stage_document(tmp_path: Path) -> None:
+    sync = {"mode": "periodic", "everySteps": 4}
+    run = LocalRun.prepare(_job(tmp_path, replicas=2, sync=sync), tmp_path / "wd", [2, 1])
+    assert [d["replicas"]["sync"] for d in run.documents] == [sync] * 3
+    assert all(StageConfig.from_json(d).replicas.sync.everySteps == 4 for d in run.documents)  # type: ignore[union-attr]

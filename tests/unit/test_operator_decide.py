@@ -297,6 +297,12 @@ def created(decision: Decision, name: str) -> dict[str, Any]:
     )
 
 
+def stage_document(decision: Decision, name: str) -> dict[str, Any]:
+    """The stage-contract document of the pod `decision` created as `name`."""
+    env = created(decision, name)["spec"]["containers"][0]["env"]
+    return json.loads(next(e["value"] for e in env if e["name"] == "RELAYTRAIN_STAGE_CONFIG"))  # type: ignore[no-any-return]
+
+
 def patches(decision: Decision) -> list[FineTuneJobStatus]:
     return [a.status for a in decision.actions if isinstance(a, PatchStatus)]
 
@@ -987,13 +993,7 @@ def test_several_pipelines_are_planned_named_and_wired_per_pipeline() -> None:
     assert config["replicas"]["pipeline"] == 1 and config["replicas"]["listen"] == "0.0.0.0:29501"
     assert config["replicas"]["shares"] == [p.micro_batches for p in plan.pipelines]
     # Pipeline 0 dials pipeline 1's stages at their stable names; it listens for nobody.
-    config00 = json.loads(
-        next(
-            e["value"]
-            for e in created(decision, "j-p0-s0")["spec"]["containers"][0]["env"]
-            if e["name"] == "RELAYTRAIN_STAGE_CONFIG"
-        )
-    )
+    config00 = stage_document(decision, "j-p0-s0")
     assert "listen" not in config00["replicas"] or config00["replicas"]["listen"] is None
     assert {peer["address"] for peer in config00["replicas"]["peers"]} <= {
         "j-p1-s0.j.ns.svc:29501",
@@ -1148,14 +1148,20 @@ def test_a_lora_target_the_model_has_not_is_an_invalid_spec_not_a_full_fleet() -
     assert not [a for a in decision.actions if isinstance(a, Create | CreateLinkSecret)]
 
 
-def test_periodic_sync_is_an_invalid_spec_until_the_stages_train_it() -> None:
-    job = manifest(
-        pipeline={"stages": 2, "replicas": 2, "sync": {"mode": "periodic", "everySteps": 4}}
+def test_periodic_sync_reaches_every_stage_of_every_pipeline() -> None:
+    sync = {"mode": "periodic", "everySteps": 4}
+    decision = decide(
+        observed(manifest(pipeline={**FLEET_SPEC["pipeline"], "sync": sync})), SETTINGS
     )
-    decision = decide(observed(job), SETTINGS)
-    assert decision.status is not None and decision.status.plan is None
-    assert (decision.status.phase, ready_reason(decision)) == ("Failed", "InvalidSpec")
-    assert condition(decision.status, READY).message.startswith("spec.pipeline.sync.mode: ")  # type: ignore[union-attr]
-    assert not [a for a in decision.actions if isinstance(a, Create | CreateLinkSecret)]
-    # Synchronous, the default, is deployed as before.
-    assert not isinstance(parse_spec(manifest(pipeline={"sync": {"mode": "synchronous"}})), str)
+    assert decision.status is not None and decision.status.plan is not None
+    assert decision.status.phase != "Failed"
+    configs = {
+        name: stage_document(decision, name)
+        for name in ("j-p0-s0", "j-p0-s1", "j-p1-s0", "j-p1-s1")
+    }
+    assert {name: c["replicas"]["sync"] for name, c in configs.items()} == dict.fromkeys(
+        configs, sync
+    )
+    # Synchronous, the default, is left out of the documents.
+    synchronous = decide(observed(manifest(**FLEET_SPEC)), SETTINGS)
+    assert "sync" not in stage_document(synchronous, "j-p1-s0")["replicas"]

@@ -49,6 +49,7 @@ from relaytrain_contract.stage import (
     ReplicasSpec,
     StageConfig,
     StageRef,
+    SyncSpec,
     TrainingSpec,
     Truncation,
 )
@@ -101,6 +102,7 @@ __all__ = [
     "S3Endpoint",
     "StageConfig",
     "StageRef",
+    "SyncSpec",
     "TrainingSpec",
     "Truncation",
     "aws_credentials",

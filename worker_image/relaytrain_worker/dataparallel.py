@@ -84,8 +84,14 @@ _FIRST_NAMES = {TIED_NAME, MEMBER_KEY, COUNT_KEY}
 TOKENS_KEY = "relaytrain.input_tokens"
 """The last stage's non-padding input tokens of the step (float64), reduced with the
 gradients so that every pipeline's last stage knows the whole step's (for tokens/s)."""
-_LAST_NAMES = {TIED_HEAD_NAME, "model.norm.weight", LOSS_KEY, TOKENS_KEY}
-"""Non-layer names held by the last stage (final norm, head, the loss, the token count)."""
+ITEMS_KEY = "relaytrain.loss_items"
+"""The last stage's label tokens of its pipeline's share (float64), reduced with the loss
+sum in periodic mode, where each pipeline's loss is normalised by its own share."""
+_LAST_NAMES = {TIED_HEAD_NAME, "model.norm.weight", LOSS_KEY, TOKENS_KEY, ITEMS_KEY}
+"""Non-layer names held by the last stage (final norm, head, the loss, the token counts)."""
+
+STATS = "stats"
+"""The exchange of the last stages alone (periodic mode's loss and counts, every step)."""
 
 WAIT_SECONDS = 900.0
 """Longest wait for the other pipelines' contributions; a live pipeline never takes this long."""
@@ -299,7 +305,7 @@ class InProcessGroup:
         key = (what, step)
         with self._cond:
             board = self._posts.setdefault(key, {})
-            self._left.setdefault(key, sum(self._stages))
+            self._left.setdefault(key, self.pipelines if what == STATS else sum(self._stages))
             for name, tensor in tensors.items():
                 slot = board.setdefault(name, {})
                 if pipeline in slot:

@@ -39,6 +39,8 @@ import torch
 from torch import nn
 
 from relaytrain_worker.dataparallel import ReplicaGroup
+from relaytrain_worker.methods import TIED_HEAD_NAME
+from relaytrain_worker.schedule import StepRunner
 
 OUTER = "outer"
 """The `what` of an outer step's exchange (separate from a step's `grads`)."""
@@ -48,6 +50,71 @@ def is_outer_step(step: int, every: int, total: int) -> bool:
     """Whether the boundary after `step` steps (1-based count) ends with an outer step:
     every `every` steps, and after the last step."""
     return step % every == 0 or step == total
+
+
+class PeriodicSync:
+    """One stage's side of periodic synchronisation in its step loop: counts the label
+    tokens its pipeline trained since the last outer step and runs the outer step at every
+    boundary that is due (`is_outer_step`, or `also(step)`: the stage adds its checkpoint
+    and evaluation steps, so that a checkpoint and a held-out loss are of the job's averaged
+    weights, not of pipeline 0's local ones).
+
+    `trainable`: the (name, parameter) pairs the stage averages; `key` maps a name to its
+    replica key. A stage that rejoins starts a new instance: it counts from its rejoin.
+    """
+
+    def __init__(
+        self,
+        group: ReplicaGroup,
+        pipeline: int,
+        stage: int,
+        trainable: Sequence[tuple[str, nn.Parameter]],
+        *,
+        every: int,
+        total: int,
+        also: Callable[[int], bool] = lambda step: False,
+        key: Callable[[str], str] = lambda name: name,
+    ) -> None:
+        self.group, self.pipeline, self.stage = group, pipeline, stage
+        self.trainable = list(trainable)
+        self.every, self.total, self.also, self.key = every, total, also, key
+        self.weight = 0
+        """Label tokens this pipeline trained since the last outer step."""
+
+    @classmethod
+    def of(
+        cls,
+        runner: StepRunner,
+        group: ReplicaGroup,
+        *,
+        every: int,
+        total: int,
+        also: Callable[[int], bool] = lambda step: False,
+    ) -> PeriodicSync:
+        """The periodic side of the stage that `runner` steps: its trainable parameters under
+        their replica keys. A lone stage (first and last) of a tied model gives its shared
+        weight under the head's key too: the other pipelines' last stages average their
+        head copy under it, and both keys fold the same copies, so they agree bit for bit."""
+        pairs = list(runner.trainable)
+        if runner.tied_name is not None and runner.first and runner.last:
+            tied = next(param for name, param in pairs if name == runner.tied_name)
+            pairs.append((TIED_HEAD_NAME, tied))
+        return cls(group, runner.pipeline, runner.index, pairs, every=every, total=total,
+                   also=also, key=runner.replica_key)  # fmt: skip
+
+    def due(self, step: int) -> bool:
+        return is_outer_step(step, self.every, self.total) or self.also(step)
+
+    def after_step(self, step: int, tokens: int) -> bool:
+        """After the optimizer step that completed `step` steps, having trained `tokens`
+        label tokens in it: the outer step when one is due. Returns whether it ran."""
+        self.weight += max(tokens, 0)
+        if not self.due(step):
+            return False
+        outer_step(self.group, step, self.pipeline, self.stage, self.trainable,
+                   weight=self.weight, key=self.key)  # fmt: skip
+        self.weight = 0
+        return True
 
 
 def outer_contributions(

@@ -24,6 +24,11 @@ else: stage 0 swaps its share's label-token count for the global one before the 
 forward, and after the last backward every stage replaces its gradients (and the last stage
 its loss sum) by the fold over all pipelines before the pass above, which then computes the
 global norm from the reduced gradients. Without a group (one pipeline) the step is as before.
+
+In periodic mode (`periodic=True`, `periodic.py`) each pipeline's step is a step of its
+own: stage 0 normalises by its share's label tokens, no gradient is reduced, and the norm
+and clipping are the pipeline's own. Only the last stages fold their loss sums and token
+counts (exchange `stats`), so that the reported loss and tokens/s are the whole step's.
 """
 
 from __future__ import annotations
@@ -35,7 +40,13 @@ import torch
 from torch import nn
 from torch.nn import functional
 
-from relaytrain_worker.dataparallel import LOSS_KEY, TOKENS_KEY, ReplicaGroup
+from relaytrain_worker.dataparallel import (
+    ITEMS_KEY,
+    LOSS_KEY,
+    STATS,
+    TOKENS_KEY,
+    ReplicaGroup,
+)
 from relaytrain_worker.methods import TIED_HEAD_NAME
 from relaytrain_worker.model_slice import StageModel
 from relaytrain_worker.peers import Peers
@@ -61,6 +72,9 @@ class StepResult:
     tokens: int
     """Label tokens in the step (what the loss is averaged over; with replicas, the global
     batch's)."""
+    share_tokens: int
+    """Label tokens of this pipeline's share of the step (without replicas, `tokens`): in
+    periodic mode what its gradients are normalised by, and its outer-step weight."""
     input_tokens: int
     """Non-padding input tokens this stage processed in the step (attention mask ones):
     what tokens/s counts. Padding is not counted; masked prompt tokens are."""
@@ -112,6 +126,7 @@ class StepRunner:
         tied_name: str | None = None,
         group: ReplicaGroup | None = None,
         pipeline: int = 0,
+        periodic: bool = False,
     ) -> None:
         self.stage = stage
         self.index = index
@@ -126,6 +141,9 @@ class StepRunner:
         """The other pipelines of a data-parallel job (None: this pipeline trains alone)."""
         self.pipeline = pipeline
         """This pipeline's index in `group`."""
+        self.periodic = periodic
+        """Whether the pipelines synchronise periodically (only the loss and counts are
+        reduced each step) rather than every step."""
         self.on_micro: Callable[[], None] | None = None
         self._input_tokens = 0
         self._step_input_tokens = -1
@@ -141,7 +159,7 @@ class StepRunner:
     def run(self, step: int, micros: list[MicroBatch] | None, n_micro: int) -> StepResult:
         """Forward and backward every micro-batch; leaves clipped grads on the parameters."""
         items = count_items(micros) if micros is not None else -1
-        if self.group is not None and self.first:
+        if self.group is not None and self.first and not self.periodic:
             items = self.group.total_tokens(step, self.pipeline, items)
         saved: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         loss_sum = torch.zeros((), dtype=torch.float64)
@@ -156,15 +174,20 @@ class StepRunner:
             else:
                 out, inp = saved.pop(m)
                 self._backward(step, m, out, inp)
-        if self.group is not None:
+        share = max(items, 0)  # a stage given no micro-batch heard no count
+        if self.group is not None and self.periodic:
+            if self.last:
+                loss_sum, items = self._reduce_stats(step, loss_sum, share)
+        elif self.group is not None:
             loss_sum = self._reduce(step, loss_sum)
         norm = self._finish(step)
         loss = float(loss_sum / items) if self.last and items > 0 else None
         mine = self._input_tokens
         every = self._step_input_tokens if self._step_input_tokens >= 0 else mine
         return StepResult(
-            loss=loss, tokens=items, input_tokens=mine, step_input_tokens=every, grad_norm=norm
-        )
+            loss=loss, tokens=items, share_tokens=share if self.periodic else items,
+            input_tokens=mine, step_input_tokens=every, grad_norm=norm,
+        )  # fmt: skip
 
     def _forward(
         self, step: int, m: int, micros: list[MicroBatch] | None, items: int
@@ -222,7 +245,7 @@ class StepRunner:
         assert self.group is not None
         given: dict[str, torch.Tensor] = {}
         for name, grad in self._grads():
-            given[self._replica_key(name)] = grad
+            given[self.replica_key(name)] = grad
         if self.tied_name is not None and self.first and self.last:
             # One stage holds both halves, already added by autograd: it gives the whole
             # gradient as the embedding's half and nothing as the head's.
@@ -234,13 +257,28 @@ class StepRunner:
         if self.last:
             self._step_input_tokens = int(reduced[TOKENS_KEY])
         for name, param in self.trainable:
-            param.grad = reduced[self._replica_key(name)]
+            param.grad = reduced[self.replica_key(name)]
         if self.tied_name is not None and self.first and self.last:
             tied = self._param(self.tied_name)
             tied.grad = reduced[self.tied_name] + reduced[TIED_HEAD_NAME]
         return reduced[LOSS_KEY] if self.last else loss_sum
 
-    def _replica_key(self, name: str) -> str:
+    def _reduce_stats(
+        self, step: int, loss_sum: torch.Tensor, share: int
+    ) -> tuple[torch.Tensor, int]:
+        """Periodic mode, last stage: the whole step's loss sum and label tokens (and input
+        tokens, for tokens/s), folded over every pipeline."""
+        assert self.group is not None
+        given = {
+            LOSS_KEY: loss_sum,
+            ITEMS_KEY: torch.tensor(float(share), dtype=torch.float64),
+            TOKENS_KEY: torch.tensor(float(self._input_tokens), dtype=torch.float64),
+        }
+        reduced = self.group.reduce(step, self.pipeline, self.index, given, what=STATS)
+        self._step_input_tokens = int(reduced[TOKENS_KEY])
+        return reduced[LOSS_KEY], int(reduced[ITEMS_KEY])
+
+    def replica_key(self, name: str) -> str:
         """The key of a parameter's gradient among the replicas: its global name, except
         that the last stage's half of a tied weight goes under the head's own name."""
         if name == self.tied_name and self.last and not self.first:

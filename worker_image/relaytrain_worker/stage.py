@@ -34,6 +34,11 @@ plan down their chains; the step's micro-batches are shared among those (`live_s
 A stage (re)starting finds, by the hello on its replica links, whether any pipeline is
 training: if so it rejoins at a step boundary with a live peer's state, by parameter name
 (`_rejoin`); only when none is does it restore the last commit as in 2-3.
+
+With `replicas.sync.mode: periodic` only the loss and the counts are reduced each step:
+every pipeline steps on its own share, and an outer step (`periodic.PeriodicSync`) averages
+the weights every `everySteps` steps, after the last, and before every checkpoint and
+evaluation, so that what pipeline 0 saves and evaluates is every replica's weights.
 """
 
 from __future__ import annotations
@@ -63,6 +68,7 @@ from relaytrain_worker.metrics import MetricsServer, StageMetrics, serve
 from relaytrain_worker.model_slice import SliceSpec, build_stage_model
 from relaytrain_worker.modelfiles import resolve_model_dir
 from relaytrain_worker.peers import Peers
+from relaytrain_worker.periodic import PeriodicSync
 from relaytrain_worker.progress import Progress, read_progress, write_progress
 from relaytrain_worker.replicas import (
     STATE,
@@ -131,6 +137,9 @@ class StageRuntime:
         """This stage's pipeline (0 when the job has one)."""
         self.name = str(self.k) if cfg.replicas is None else f"p{self.pipeline}/s{self.k}"
         """How logs name this stage: `1`, or `p1/s0` with several pipelines."""
+        self.periodic = cfg.replicas is not None and cfg.replicas.sync.mode == "periodic"
+        """Whether the pipelines average their weights every few steps (periodic.py) rather
+        than reduce gradients every step."""
         self.writer = self.pipeline == 0
         """Whether this stage saves checkpoints (and, as the last stage, commits them and
         writes progress.json, the loss history and the output): pipeline 0's stages."""
@@ -520,7 +529,18 @@ class StageRuntime:
             tied_name=self._tied_name(),
             group=group,
             pipeline=self.pipeline,
+            periodic=self.periodic,
         )
+        outer = None
+        if self.periodic and group is not None:
+            assert self.cfg.replicas is not None and self.cfg.replicas.sync.everySteps
+            outer = PeriodicSync.of(
+                runner,
+                group,
+                every=self.cfg.replicas.sync.everySteps,
+                total=self.total_steps,
+                also=lambda step: self._saves(step) or due(self.cfg, step, self.total_steps),
+            )
         # tokens/s: non-padding input tokens per second of wall time, measured from one
         # step's end to the next, so optimizer steps and checkpoint saves count too. With
         # replicas the last stage counts every pipeline's tokens (the whole job's rate).
@@ -538,12 +558,14 @@ class StageRuntime:
             if self.cfg.stage.is_first:
                 assert self.data is not None
                 step_micros = self.data.step(self.step)
-                if group is not None:  # the whole step's: the normaliser whoever trains it
+                if group is not None and not self.periodic:  # the whole step's normaliser
                     group.set_items(self.step, count_items(step_micros))
                 micros = [step_micros[i] for i in mine]
             result = runner.run(self.step, micros, len(mine))
             optimizer_step(self.optimizer, self.scheduler)
             self.step += 1
+            if outer is not None:
+                outer.after_step(self.step, result.share_tokens)
             now = time.monotonic()
             seconds = max(now - mark, 1e-9)
             rate = result.step_input_tokens / seconds
@@ -551,8 +573,12 @@ class StageRuntime:
             self._report(peers, result.loss, rate, seconds, group)
             if self.writer and due(self.cfg, self.step, self.total_steps):
                 self._evaluate(peers)  # before the commit, whose history carries it
-            if self.step % self.cfg.checkpoint.everySteps == 0 or self.step == self.total_steps:
+            if self._saves(self.step):
                 self._checkpoint(peers, self.step)
+
+    def _saves(self, step: int) -> bool:
+        """Whether the boundary after `step` steps is a checkpoint."""
+        return step % self.cfg.checkpoint.everySteps == 0 or step == self.total_steps
 
     # -- several pipelines: who trains, rejoining --------------------------------------
 

@@ -31,6 +31,7 @@ from relaytrain_worker.dataparallel import (
 from relaytrain_worker.methods import TIED_NAME, lora_config, setup_method
 from relaytrain_worker.model_slice import BUILD_LOCK, SliceSpec, build_stage_model, load_config
 from relaytrain_worker.peers import Peers
+from relaytrain_worker.periodic import PeriodicSync
 from relaytrain_worker.schedule import MicroBatch, StepRunner
 from relaytrain_worker.training import make_optimizer, optimizer_step
 from relaytrain_worker.transport import Link, LinkCredentials, connect, listen
@@ -242,6 +243,7 @@ def run_data_parallel_threads(
     lora: dict[str, Any] | None = None,
     replicas: Literal["memory", "links"] = "memory",
     link_rate: float | None = None,
+    sync_every: int | None = None,
 ) -> list[PipelineRun]:
     """Train R pipelines (``splits[p]``: pipeline p's stages) on one global batch per step,
     every stage a thread, each pipeline over its own loopback links, the pipelines
@@ -252,7 +254,9 @@ def run_data_parallel_threads(
 
     ``shares[p]`` micro-batches of every step go to pipeline p, contiguous and in pipeline
     order (`dataparallel.micro_ranges`). Returns one PipelineRun per pipeline, with
-    ``step_params`` recorded.
+    ``step_params`` recorded (after the step's outer step, if any). ``sync_every``: periodic
+    synchronisation (`periodic.PeriodicSync`) every that many steps instead of a gradient
+    reduce every step.
     """
     if len(credentials) != len(splits) or any(
         len(c) != len(s) for c, s in zip(credentials, splits, strict=True)
@@ -276,6 +280,7 @@ def run_data_parallel_threads(
             model_dir, splits, per_pipeline, training,
             credentials=credentials, groups=groups, method=method, compression="none",
             lora=lora, link_rate=link_rate, overlap_encode=True, record_steps=True,
+            sync_every=sync_every,
         )  # fmt: skip
     finally:
         for group in groups.values():
@@ -329,6 +334,7 @@ def _run_pipelines(
     link_rate: float | None,
     overlap_encode: bool,
     record_steps: bool,
+    sync_every: int | None = None,
 ) -> list[PipelineRun]:
     """Every stage of every pipeline as a thread; ``steps[p]``: pipeline p's micro-batches."""
     listeners = [
@@ -395,7 +401,12 @@ def _run_pipelines(
                 tied_name=TIED_NAME if method == "full" and tied else None,
                 group=group,
                 pipeline=p,
+                periodic=sync_every is not None,
             )
+            outer = None
+            if sync_every is not None:
+                assert group is not None
+                outer = PeriodicSync.of(runner, group, every=sync_every, total=len(steps[p]))
             started = time.perf_counter()
             for s, micros in enumerate(steps[p]):
                 result = runner.run(s, micros if k == 0 else None, len(micros))
@@ -408,6 +419,8 @@ def _run_pipelines(
                         if param.grad is not None:
                             run.grads[s][name] = param.grad.detach().clone()
                 optimizer_step(optimizer, scheduler)
+                if outer is not None:
+                    outer.after_step(s + 1, result.share_tokens)
                 if record_steps:
                     with lock:
                         for name, param in trainable:
@@ -463,10 +476,77 @@ def run_reference(
     lora: dict[str, Any] | None = None,
 ) -> PipelineRun:
     """Single-process training of the unsplit model with the same arithmetic."""
+    model, trainable, optimizer, scheduler = _reference_model(model_dir, training, method, lora)
+    run = PipelineRun()
+    started = time.perf_counter()
+    for micros in steps:
+        loss_sum, items, norm = _reference_step(model, trainable, micros, training)
+        if norm is not None:
+            run.grad_norms.append(norm)
+        run.losses.append(loss_sum / items)
+        run.grads.append({n: p.grad.detach().clone() for n, p in trainable if p.grad is not None})
+        optimizer_step(optimizer, scheduler)
+    run.seconds = time.perf_counter() - started
+    run.params = {n: p.detach().clone() for n, p in trainable}
+    return run
+
+
+def run_periodic_reference(
+    model_dir: Path,
+    shares: list[int],
+    steps: list[list[MicroBatch]],
+    training: TrainingSpec,
+    every: int,
+    *,
+    method: Literal["lora", "full"] = "lora",
+    lora: dict[str, Any] | None = None,
+) -> PipelineRun:
+    """Periodic synchronisation as its definition says, in one process: one unsplit model
+    and optimizer per pipeline, each stepping on its share of every step with its loss
+    normalised by its share's label tokens; every `every` steps and after the last, every
+    model's trainable weights set to the mean of theirs weighted by the label tokens each
+    trained since the previous average (float64, rounded once). Returns the whole step's
+    losses (every share's loss sum over every share's tokens) and the weights at the end
+    (`step_params`: after each step's average, as a pipeline holds them)."""
+    replicas = [_reference_model(model_dir, training, method, lora) for _ in shares]
+    ranges = micro_ranges(shares)
+    run = PipelineRun()
+    weights = [0] * len(shares)
+    for s, micros in enumerate(steps):
+        loss_total, items_total = 0.0, 0
+        for q, (model, trainable, optimizer, scheduler) in enumerate(replicas):
+            share = [micros[i] for i in ranges[q]]
+            loss_sum, items, _ = _reference_step(model, trainable, share, training)
+            optimizer_step(optimizer, scheduler)
+            loss_total, items_total = loss_total + loss_sum, items_total + items
+            weights[q] += items
+        run.losses.append(loss_total / items_total)
+        if (s + 1) % every == 0 or s + 1 == len(steps):
+            with torch.no_grad():
+                for name, _ in replicas[0][1]:
+                    held = [dict(r[1])[name] for r in replicas]
+                    acc = torch.zeros_like(held[0], dtype=torch.float64)
+                    for w, param in zip(weights, held, strict=True):  # in pipeline order
+                        acc += param.detach().to(torch.float64) * float(w)
+                    mean = (acc / sum(weights)).to(held[0].dtype)
+                    for param in held:
+                        param.copy_(mean)
+            weights = [0] * len(shares)
+        run.step_params.append({n: p.detach().clone() for n, p in replicas[0][1]})
+    run.params = dict(run.step_params[-1])
+    return run
+
+
+def _reference_model(
+    model_dir: Path,
+    training: TrainingSpec,
+    method: Literal["lora", "full"],
+    lora: dict[str, Any] | None,
+) -> tuple[Any, list[tuple[str, nn.Parameter]], Any, Any]:
+    """The unsplit model in training mode, its trainable parameters and their optimizer."""
     from transformers import AutoModelForCausalLM
 
     from relaytrain_worker.methods import apply_lora
-    from relaytrain_worker.schedule import count_items, token_loss_sum
 
     # The stages' config: the same attention implementation (sdpa, or eager where needed).
     config = load_config(model_dir)
@@ -482,27 +562,33 @@ def run_reference(
         cfg = lora_config(lcfg["rank"], lcfg["alpha"], lcfg["dropout"], lcfg["targets"])
         trainable = apply_lora(model, cfg, training.seed)
     optimizer, scheduler = make_optimizer(trainable, training)
-    run = PipelineRun()
-    started = time.perf_counter()
-    for micros in steps:
-        items = count_items(micros)
-        total = torch.zeros((), dtype=torch.float64)
-        for mb in micros:
-            logits = model(
-                input_ids=mb.input_ids,
-                attention_mask=mb.attention_mask,
-                position_ids=mb.position_ids,
-                use_cache=False,
-            ).logits
-            part = token_loss_sum(logits, mb.labels)
-            total += float(part.detach())
-            (part / items).backward()  # type: ignore[no-untyped-call]
-        if training.maxGradNorm > 0:
-            norm = torch.nn.utils.clip_grad_norm_([p for _, p in trainable], training.maxGradNorm)
-            run.grad_norms.append(float(norm))
-        run.losses.append(float(total / items))
-        run.grads.append({n: p.grad.detach().clone() for n, p in trainable if p.grad is not None})
-        optimizer_step(optimizer, scheduler)
-    run.seconds = time.perf_counter() - started
-    run.params = {n: p.detach().clone() for n, p in trainable}
-    return run
+    return model, trainable, optimizer, scheduler
+
+
+def _reference_step(
+    model: Any,
+    trainable: list[tuple[str, nn.Parameter]],
+    micros: list[MicroBatch],
+    training: TrainingSpec,
+) -> tuple[float, int, float | None]:
+    """Forward and backward `micros` as one step (the token-mean loss over their label
+    tokens), then clip: (summed token loss, label tokens, norm before clipping or None)."""
+    from relaytrain_worker.schedule import count_items, token_loss_sum
+
+    items = count_items(micros)
+    total = torch.zeros((), dtype=torch.float64)
+    for mb in micros:
+        logits = model(
+            input_ids=mb.input_ids,
+            attention_mask=mb.attention_mask,
+            position_ids=mb.position_ids,
+            use_cache=False,
+        ).logits
+        part = token_loss_sum(logits, mb.labels)
+        total += float(part.detach())
+        (part / items).backward()  # type: ignore[no-untyped-call]
+    norm = None
+    if training.maxGradNorm > 0:
+        params = [p for _, p in trainable]
+        norm = float(torch.nn.utils.clip_grad_norm_(params, training.maxGradNorm))
+    return float(total), items, norm
