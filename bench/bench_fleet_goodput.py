@@ -35,7 +35,6 @@ The run pins OMP_NUM_THREADS=1 so both configurations compute with the same kern
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import re
@@ -53,6 +52,7 @@ sys.path.insert(0, str(ROOT))
 from tests.local_jobs import (  # noqa: E402
     fleet_job,
     make_workspace,
+    pin_pipelines,
     progress,
     run_state,
     start_run,
@@ -86,20 +86,6 @@ def _base(replicas: int, pipeline: int, stage: int) -> str:
     return f"p{pipeline}-stage-{stage}" if replicas > 1 else f"stage-{stage}"
 
 
-def _pin(state: dict[str, Any] | None) -> None:
-    """Each pipeline's stage processes on a core of their own (pipeline p on core p mod the
-    cores there are), replacements included: a pipeline stands for its own GPUs."""
-    cores = sorted(os.sched_getaffinity(0))
-    for stage in (state or {}).get("stages", []):
-        if stage["pid"] is None:
-            continue
-        core = {cores[stage["pipeline"] % len(cores)]}
-        with contextlib.suppress(OSError):  # exited meanwhile
-            for task in Path(f"/proc/{stage['pid']}/task").iterdir():  # every thread
-                if os.sched_getaffinity(int(task.name)) != core:
-                    os.sched_setaffinity(int(task.name), core)
-
-
 def _restored(log: str) -> list[int]:
     return [int(s) for s in re.findall(r"restored committed step (\d+)", log)]
 
@@ -123,7 +109,7 @@ def run(root: Path, replicas: int, steps: int, kill_every: int, kills: int) -> O
         time.sleep(0.02)
         at = progress(root / "ckpt", name)
         state = run_state(workdir)
-        _pin(state)
+        pin_pipelines(state)
         if next_kill is None or at is None or state is None or at.get("done"):
             continue
         if at_kill and record_at_kill is not None:

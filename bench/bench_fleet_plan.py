@@ -130,7 +130,7 @@ def lab() -> list[dict[str, Any]]:
         row("several, synchronous (auto)", plan_fleet(LLAMA_31_8B, training, pools))
         six = plan_fleet(LLAMA_31_8B, training, pools, replicas=6)
         row("several, synchronous, 6 pipelines", six)
-        for h in (4, 16):
+        for h in (4, 8, 16):
             row(
                 f"several, periodic every {h}",
                 plan_fleet(LLAMA_31_8B, training, pools, sync=Sync("periodic", h)),

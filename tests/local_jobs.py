@@ -7,6 +7,7 @@ Tiny random Llama models (no downloads); every stage a real `python -m relaytrai
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -124,6 +125,22 @@ def start_run(
         stderr=subprocess.STDOUT,
         text=True,
     )
+
+
+def pin_pipelines(state: dict[str, Any] | None) -> None:
+    """Pin each pipeline's stage processes of a run (its state.json, `run_state`) to a core
+    of their own, pipeline p on core p mod the cores there are, every thread of each: a
+    pipeline stands for its own GPUs in the benchmarks. Call it while the run goes on, so
+    replacements are pinned too."""
+    cores = sorted(os.sched_getaffinity(0))
+    for stage in (state or {}).get("stages", []):
+        if stage["pid"] is None:
+            continue
+        core = {cores[stage["pipeline"] % len(cores)]}
+        with contextlib.suppress(OSError):  # exited meanwhile
+            for task in Path(f"/proc/{stage['pid']}/task").iterdir():
+                if os.sched_getaffinity(int(task.name)) != core:
+                    os.sched_setaffinity(int(task.name), core)
 
 
 def wait_while_running(

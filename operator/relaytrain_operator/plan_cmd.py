@@ -365,7 +365,8 @@ def format_fleet(
     lines += [
         "",
         f"Sync: {s.sync.mode}, {when}: {s.collective} of {s.gradient_bytes / 2**20:,.1f} MiB "
-        f"of {s.gradients.dtype} {s.gradients.what} gradients among {s.pipelines} pipelines, "
+        f"of {s.gradients.dtype} {s.gradients.what} {s.gradients.kind} among {s.pipelines} "
+        f"pipelines, "
         f"{s.seconds:.3g}s ({s.bandwidth_seconds:.3g}s busiest link, "
         f"{s.latency_seconds:.3g}s latency){share}.",
         f"Step {fleet.step_seconds:.3g}s (slowest pipeline {fleet.pipeline_seconds:.3g}s + "

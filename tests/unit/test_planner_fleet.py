@@ -194,7 +194,7 @@ def test_set_search_equals_brute_force_over_its_candidates(fleet):
             plan_fleet(model, training, pools, catalog, settings=cost, sync=sync)
         return
     problem = build_problem(model, training, pools, catalog, cost)
-    pipes = candidates(problem, Gradients.of(model, training))
+    pipes = candidates(problem, Gradients.of(model, training, sync))
     optimum = min(
         single.step_seconds,
         brute_force_sets(pipes, problem.gpus, training.micro_batches, sync, cost.sync_collective),
@@ -238,9 +238,12 @@ def test_lab_fleet_uses_most_gpus_for_at_least_1_8x_the_best_single_pipeline():
     assert sum(p.gpus for p in pools) == 10
     single = plan(LLAMA, LAB_TRAINING, pools)
     assert len(single.stages) == 1  # today: one H100, nine GPUs idle
-    # Outer steps every 4: both H100s, both A100s and two pairs of RTX 4090s.
-    periodic = plan_fleet(LLAMA, LAB_TRAINING, pools, sync=Sync("periodic", 4))
+    # Outer steps every 8 (float64 weights): both H100s, both A100s and two pairs of RTX 4090s.
+    periodic = plan_fleet(LLAMA, LAB_TRAINING, pools, sync=Sync("periodic", 8))
     assert periodic.gpus >= 6 and periodic.speedup >= 1.8
+    # Every 4, the 4090 pairs' share no longer pays for their outer steps' bytes: 4 GPUs.
+    every4 = plan_fleet(LLAMA, LAB_TRAINING, pools, sync=Sync("periodic", 4))
+    assert every4.gpus == 4 and 1.8 <= every4.speedup < periodic.speedup
     assert periodic.single == single
     # Synchronous, every usable GPU: the per-step exchange of the fp32 LoRA gradients costs
     # more than the 4090 pairs add; left to choose, the planner leaves them out.
@@ -267,9 +270,11 @@ def test_sync_price_by_hand():
     ring = CostSettings(sync_collective="ring")
     three_ring = plan_fleet(LLAMA, LAB_TRAINING, pools, settings=ring, replicas=3)
     assert three_ring.sync.seconds == pytest.approx(4 / 3 * lora / 1e6 + 4 * hop + hop)
-    # Periodic: one exchange every H steps, no token counts.
+    # Periodic: one exchange every H steps, no token counts, of the float64 weights (the
+    # worker's outer step): twice the fp32 gradients' bytes.
     every8 = plan_fleet(LLAMA, LAB_TRAINING, pools, replicas=2, sync=Sync("periodic", 8))
-    assert every8.sync.per_step_seconds == pytest.approx((lora / 1e6 + hop) / 8)
+    assert every8.sync.gradient_bytes == 2 * lora
+    assert every8.sync.per_step_seconds == pytest.approx((2 * lora / 1e6 + hop) / 8)
 
 
 @pytest.mark.parametrize(
@@ -325,13 +330,14 @@ def plan_args(job: Path, *extra: str) -> list[str]:
 
 
 def test_json_lists_the_pipelines_with_their_shares(lab_job, capsys):
-    assert relaytrain(*plan_args(lab_job, "--json", "--sync", "periodic", "--sync-every", "4")) == 0
+    assert relaytrain(*plan_args(lab_job, "--json", "--sync", "periodic", "--sync-every", "8")) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["job"] == "smollm-lora" and doc["model"]["layers"] == 32
     assert doc["pipelineCount"] == len(doc["pipelines"]) >= 2
     assert doc["gpuCount"] >= 6 and doc["speedupOverSinglePipeline"] >= 1.8
     assert sum(p["microBatches"] for p in doc["pipelines"]) == doc["microBatches"] == 64
-    assert doc["sync"]["mode"] == "periodic" and doc["sync"]["everySteps"] == 4
+    assert doc["sync"]["mode"] == "periodic" and doc["sync"]["everySteps"] == 8
+    assert doc["sync"]["exchanged"] == "weights" and doc["sync"]["gradientDtype"] == "float64"
     for p in doc["pipelines"]:
         assert p["stages"][0]["layerStart"] == 0 and p["stages"][-1]["layerEnd"] == 32
         assert p["predictedTokensPerSecond"] > 0 and p["predictedStepSeconds"] > 0
@@ -341,12 +347,12 @@ def test_json_lists_the_pipelines_with_their_shares(lab_job, capsys):
 
 
 def test_table_shows_every_pipeline_the_sync_and_the_gain(lab_job, capsys):
-    assert relaytrain(*plan_args(lab_job, "--sync", "periodic", "--sync-every", "4")) == 0
+    assert relaytrain(*plan_args(lab_job, "--sync", "periodic", "--sync-every", "8")) == 0
     out = capsys.readouterr().out
     assert out.startswith("Plan for smollm-lora: 6 pipelines on 8 of 8 usable GPU(s)")
     assert out.count("STAGE  POOL") == 6 and out.count("Bottleneck: stage") == 6
     assert "Pipeline 5: 2 stage(s)" in out
-    assert "Sync: periodic, every 4 steps: all-gather of 26.0 MiB of float32 LoRA" in out
+    assert "Sync: periodic, every 8 steps: all-gather of 52.0 MiB of float64 LoRA weights" in out
     assert "x the best single pipeline (14,707 tokens/s on 1 GPU(s))" in out
 
 

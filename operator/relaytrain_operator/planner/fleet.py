@@ -145,7 +145,7 @@ def plan_fleet(
         exhaustive_limit=exhaustive_limit,
     )
     problem = build_problem(model, training, pools, catalog, settings)
-    grads = Gradients.of(model, training)
+    grads = Gradients.of(model, training, sync)
     usable = sum(problem.gpus)
     one = FleetPlan(
         pipelines=(single,),

@@ -98,6 +98,7 @@ class FleetPlan:
                 "everySteps": s.sync.every,
                 "collective": s.collective,
                 "trained": s.gradients.what,
+                "exchanged": s.gradients.kind,
                 "gradientDtype": s.gradients.dtype,
                 "gradientBytes": round(s.gradient_bytes),
                 "predictedSeconds": _round(s.seconds),

@@ -1,11 +1,13 @@
 """The price of keeping several pipelines' trainable weights the same.
 
 Every pipeline holds every decoder layer exactly once, on one of its stages, and the layer
-ranges differ between pipelines. After a step (``synchronous``) or every H steps
-(``periodic``, DiLoCo-style outer steps) each trainable gradient is reduced among the R
-stages that hold it: LoRA A and B (kept in fp32, as the cost model's memory says: 4 bytes a
-value), or for ``full`` every weight in the job's dtype, plus the embedding on first stages
-and the head and final norm on last stages.
+ranges differ between pipelines. After a step (``synchronous``) each trainable gradient is
+reduced among the R stages that hold it: LoRA A and B (kept in fp32, as the cost model's
+memory says: 4 bytes a value), or for ``full`` every weight in the job's dtype, plus the
+embedding on first stages and the head and final norm on last stages. Every H steps
+(``periodic``, DiLoCo-style outer steps) the same stages average the trainable *weights*
+instead, which the worker sends as float64 (``relaytrain_worker.periodic``: the token-weighted
+sum must be exact): 8 bytes a value, twice a float32 LoRA gradient.
 
 Two ways to reduce (``CostSettings.sync_collective``); with B_g the gradient bytes a GPU
 holds, and a hop = one send between the two slowest-to-reach pipelines (the two largest of
@@ -43,6 +45,8 @@ SyncMode = Literal["synchronous", "periodic"]
 SYNC_MODES: tuple[str, ...] = get_args(SyncMode)
 #: Bytes of an fp32 LoRA gradient value (the trainable state is 4 such values).
 LORA_GRADIENT_BYTES = FP32_TRAINABLE_BYTES // 4
+#: Bytes of a value in a periodic outer step (float64 weights, whatever the training dtype).
+OUTER_VALUE_BYTES = 8
 
 
 @dataclass(frozen=True)
@@ -69,7 +73,8 @@ class Sync:
 
 @dataclass(frozen=True)
 class Gradients:
-    """Bytes of trainable gradient that one copy of the model reduces, by where they live."""
+    """Bytes of what one copy of the model reduces per synchronisation (trainable gradients,
+    or with periodic sync the trainable weights), by where they live."""
 
     per_layer: float
     """One decoder layer's trainable gradient."""
@@ -81,20 +86,27 @@ class Gradients:
     """What the values are: ``float32`` for LoRA, the job's dtype for full training."""
     what: str
     """``LoRA`` or ``full``."""
+    kind: str = "gradients"
+    """``gradients`` (synchronous) or ``weights`` (periodic outer steps)."""
 
     @classmethod
-    def of(cls, model: ModelShape, training: TrainingShape) -> Gradients:
+    def of(cls, model: ModelShape, training: TrainingShape, sync: Sync | None = None) -> Gradients:
+        periodic = sync is not None and sync.mode == "periodic"
+        kind = "weights" if periodic else "gradients"
         if training.method != "full":
-            per_layer = lora_params_per_layer(model, training) * LORA_GRADIENT_BYTES
-            return cls(float(per_layer), 0.0, 0.0, "float32", "LoRA")
-        e = training.dtype_bytes
+            e = OUTER_VALUE_BYTES if periodic else LORA_GRADIENT_BYTES
+            per_layer = lora_params_per_layer(model, training) * e
+            return cls(float(per_layer), 0.0, 0.0, "float64" if periodic else "float32", "LoRA",
+                       kind)  # fmt: skip
+        e = OUTER_VALUE_BYTES if periodic else training.dtype_bytes
         head = 0 if model.tie_word_embeddings else model.embedding_params
         return cls(
             float(model.layer_params * e),
             float(model.embedding_params * e),
             float((head + model.hidden_size) * e),
-            training.dtype,
+            "float64" if periodic else training.dtype,
             "full",
+            kind,
         )
 
     def total(self, num_layers: int) -> float:
