@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import os
 import secrets
+import threading
+import time
+from pathlib import Path
 
 import pytest
 from relaytrain_worker import checkpoint as ckpt
 from relaytrain_worker.checkpoint import CorruptCheckpoint
 from relaytrain_worker.progress import Progress, read_progress, write_progress
-from relaytrain_worker.store import ObjectNotFound, S3Store, open_store
+from relaytrain_worker.store import ObjectNotFound, S3Store, StoreError, open_store
 
-from tests.harness.minio_server import MinioServer
+from tests.harness.minio_server import MinioServer, start_minio, stop_minio
 
 pytestmark = pytest.mark.e2e
 
@@ -82,3 +85,47 @@ def test_checkpoints_commit_fall_back_and_prune_on_s3(minio_server: MinioServer)
     )
     progress = read_progress(store, JOB)
     assert progress is not None and progress.lastCommittedStep == 20
+
+
+def test_a_store_that_goes_down_is_waited_for_and_a_refusal_is_not(tmp_path: Path) -> None:
+    """A MinIO of its own, stopped and started again at the same address: an operation
+    issued while it is down waits and then succeeds; one that outlasts the retry budget
+    fails; wrong keys fail at once."""
+    proc, server = start_minio(tmp_path / "data", tmp_path / "minio.log")
+    try:
+        server.client().make_bucket(server.bucket)
+        store = _store(server)
+        store.put(f"{JOB}/before", b"1")
+        stop_minio(proc)
+        took: dict[str, float] = {}
+
+        def put_while_down() -> None:
+            started = time.monotonic()
+            store.put(f"{JOB}/during", b"2")
+            took["put"] = time.monotonic() - started
+
+        writer = threading.Thread(target=put_while_down)
+        writer.start()
+        outage = 12.0  # longer than the minio client's own retries (about 6 s)
+        time.sleep(outage)  # the outage: the store stays down this long
+        assert writer.is_alive(), "the put returned while the store was down"
+        proc, _ = start_minio(tmp_path / "data", tmp_path / "minio.log", again=server)
+        writer.join(timeout=120)
+        assert not writer.is_alive() and took["put"] >= outage, took
+        assert store.get(f"{JOB}/during") == b"2" and store.get(f"{JOB}/before") == b"1"
+        # Down for longer than the budget: the error comes out.
+        stop_minio(proc)
+        store.retry_seconds = 2.0
+        started = time.monotonic()
+        with pytest.raises(Exception) as down:
+            store.get(f"{JOB}/before")
+        assert 2.0 <= time.monotonic() - started < 60, down.value
+        proc, _ = start_minio(tmp_path / "data", tmp_path / "minio.log", again=server)
+        # Wrong keys are an answer, not an outage: no retries.
+        started = time.monotonic()
+        with pytest.raises(StoreError, match="cannot open bucket"):
+            open_store(f"s3://{server.bucket}/x", endpoint=server.url,
+                       access_key=server.access_key, secret_key="not-the-key")  # fmt: skip
+        assert time.monotonic() - started < 5
+    finally:
+        stop_minio(proc)

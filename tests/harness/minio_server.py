@@ -39,10 +39,16 @@ class MinioServer:
         )
 
 
-def start_minio(data_dir: Path, log_path: Path) -> tuple[subprocess.Popen[bytes], MinioServer]:
-    """Starts the server and waits until it answers its health check."""
+def start_minio(
+    data_dir: Path, log_path: Path, *, again: MinioServer | None = None
+) -> tuple[subprocess.Popen[bytes], MinioServer]:
+    """Starts the server and waits until it answers its health check. `again`: a server
+    stopped before, started again at its address with its keys (an outage's end)."""
     port, console = free_port(), free_port()
     access, secret = "rt" + secrets.token_hex(6), secrets.token_hex(20)
+    if again is not None:
+        port = int(again.endpoint.rsplit(":", 1)[1])
+        access, secret = again.access_key, again.secret_key
     env = {
         **os.environ,
         "MINIO_ROOT_USER": access,
@@ -67,7 +73,8 @@ def start_minio(data_dir: Path, log_path: Path) -> tuple[subprocess.Popen[bytes]
             stdout=log,
             stderr=subprocess.STDOUT,
         )
-    server = MinioServer(f"127.0.0.1:{port}", access, secret, "relaytrain-test", data_dir)
+    bucket = again.bucket if again is not None else "relaytrain-test"
+    server = MinioServer(f"127.0.0.1:{port}", access, secret, bucket, data_dir)
 
     def healthy() -> bool:
         if proc.poll() is not None:

@@ -3,16 +3,23 @@
 Keys are ``/``-separated relative paths (``ns/job/step-20/stage-1/adapter.safetensors``).
 Every ``put`` is atomic: a reader sees the old object, or the new one, never half of one.
 That is what lets the checkpoint manifest, written last, act as the commit.
+
+An S3 store that does not answer — connections refused or reset, timeouts, 5xx, MinIO still
+starting — is waited for: each operation is retried with back-off for up to
+`RETRY_SECONDS` (a store restarting stalls the job; it does not fail its stages). Answers
+that will not change (no such key, access denied, bad credentials) fail at once.
 """
 
 from __future__ import annotations
 
 import io
+import logging
 import os
 import tempfile
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 from urllib.parse import urlparse
 
 from relaytrain_contract import (
@@ -22,6 +29,29 @@ from relaytrain_contract import (
     aws_credentials,
     s3_endpoint,
 )
+
+log = logging.getLogger("relaytrain.store")
+
+RETRY_SECONDS = 300.0
+"""How long an operation on an S3 store that does not answer is retried before it fails."""
+_TRANSIENT_CODES = {
+    "InternalError", "ServiceUnavailable", "SlowDown", "RequestTimeout",
+    "XMinioServerNotInitialized", "XMinioReadQuorum", "XMinioWriteQuorum",
+}  # fmt: skip
+"""S3 error codes that a later try can succeed past."""
+
+T = TypeVar("T")
+
+
+def transient(e: BaseException) -> bool:
+    """Whether a store error can pass by itself: the store unreachable, restarting or
+    overloaded, not an answer (no such key, access denied) that a retry would repeat."""
+    from minio.error import S3Error, ServerError
+    from urllib3.exceptions import HTTPError
+
+    if isinstance(e, S3Error):
+        return e.code in _TRANSIENT_CODES
+    return isinstance(e, ServerError | HTTPError | ConnectionError | TimeoutError)
 
 
 class StoreError(Exception):
@@ -185,12 +215,40 @@ class S3Store:
             region=region,
             **kwargs,
         )
-        try:
+        self.retry_seconds = RETRY_SECONDS
+
+        def open_bucket() -> None:
             if not self._client.bucket_exists(bucket):
                 self._client.make_bucket(bucket)
+
+        try:
+            self._retrying("open the bucket", open_bucket)
         except Exception as e:
             if _s3_code(e) not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
                 raise StoreError(f"cannot open bucket {bucket!r} at {endpoint}: {e}") from e
+
+    def _retrying(self, what: str, call: Callable[[], T]) -> T:
+        """`call()`, retried with back-off while the store does not answer (`transient`),
+        for up to `retry_seconds`; any other error at once."""
+        deadline = time.monotonic() + self.retry_seconds
+        delay, since = 0.5, None
+        while True:
+            try:
+                result = call()
+            except Exception as e:
+                if not transient(e) or time.monotonic() + delay > deadline:
+                    raise
+                if since is None:
+                    since = time.monotonic()
+                    log.warning("The store at %s did not answer (%s: %s); retrying for up to "
+                                "%.0f s", self.endpoint, what, e, self.retry_seconds)  # fmt: skip
+                time.sleep(delay)
+                delay = min(2 * delay, 10.0)
+                continue
+            if since is not None:
+                log.info("The store at %s answered again after %.1f s (%s)",
+                         self.endpoint, time.monotonic() - since, what)  # fmt: skip
+            return result
 
     def __repr__(self) -> str:
         return f"S3Store({self.endpoint!r}, {self.bucket!r}, {self.prefix!r})"
@@ -200,45 +258,61 @@ class S3Store:
         return f"{self.prefix}/{key}" if self.prefix else key
 
     def put(self, key: str, data: bytes) -> None:
-        self._client.put_object(self.bucket, self._name(key), io.BytesIO(data), len(data))
+        name = self._name(key)
+        self._retrying(
+            f"put {key}",
+            lambda: self._client.put_object(self.bucket, name, io.BytesIO(data), len(data)),
+        )
 
     def get(self, key: str) -> bytes:
-        response = None
-        try:
-            response = self._client.get_object(self.bucket, self._name(key))
-            return bytes(response.read())
-        except Exception as e:
-            if _s3_code(e) in ("NoSuchKey", "NoSuchObject"):
-                raise ObjectNotFound(
-                    f"{key} not found in s3://{self.bucket}/{self.prefix}"
-                ) from None
-            raise
-        finally:
-            if response is not None:
-                response.close()
-                response.release_conn()
+        name = self._name(key)
+
+        def get() -> bytes:
+            response = None
+            try:
+                response = self._client.get_object(self.bucket, name)
+                return bytes(response.read())
+            except Exception as e:
+                if _s3_code(e) in ("NoSuchKey", "NoSuchObject"):
+                    raise ObjectNotFound(
+                        f"{key} not found in s3://{self.bucket}/{self.prefix}"
+                    ) from None
+                raise
+            finally:
+                if response is not None:
+                    response.close()
+                    response.release_conn()
+
+        return self._retrying(f"get {key}", get)
 
     def exists(self, key: str) -> bool:
-        try:
-            self._client.stat_object(self.bucket, self._name(key))
-        except Exception as e:
-            if _s3_code(e) in ("NoSuchKey", "NoSuchObject", "ResponseCode"):
-                return False
-            raise
-        return True
+        name = self._name(key)
+
+        def exists() -> bool:
+            try:
+                self._client.stat_object(self.bucket, name)
+            except Exception as e:
+                if _s3_code(e) in ("NoSuchKey", "NoSuchObject", "ResponseCode"):
+                    return False
+                raise
+            return True
+
+        return self._retrying(f"stat {key}", exists)
 
     def list(self, prefix: str) -> list[str]:
         # A raw prefix, not a key: "ns/job/step-" must match "ns/job/step-20/...".
         full = f"{self.prefix}/{prefix.lstrip('/')}" if self.prefix else prefix.lstrip("/")
         strip = len(self.prefix) + 1 if self.prefix else 0
-        names = (
-            obj.object_name
-            for obj in self._client.list_objects(self.bucket, prefix=full, recursive=True)
-        )
-        return sorted(name[strip:] for name in names if name is not None)
+
+        def names() -> list[str]:
+            found = self._client.list_objects(self.bucket, prefix=full, recursive=True)
+            return sorted(o.object_name[strip:] for o in found if o.object_name is not None)
+
+        return self._retrying(f"list {prefix}", names)
 
     def delete(self, key: str) -> None:
-        self._client.remove_object(self.bucket, self._name(key))
+        name = self._name(key)
+        self._retrying(f"delete {key}", lambda: self._client.remove_object(self.bucket, name))
 
 
 def _s3_code(e: Exception) -> str:
