@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 export RELAYTRAIN_CACHE ?= $(HOME)/.cache/relaytrain
 
 .PHONY: help deps deps-python deps-binaries deps-model test test-unit test-contract test-k8s test-e2e \
-        lint format demo bench cluster-up cluster-down kubeconfig chart-crds lock go-modules
+        chaos lint format demo bench cluster-up cluster-down kubeconfig chart-crds lock go-modules
 
 help:
 	@echo "make demo          run the main job (installs what it needs first)"
@@ -17,6 +17,7 @@ help:
 	@echo "make -s kubeconfig print that path alone (export KUBECONFIG=\$$(make -s kubeconfig))"
 	@echo "make cluster-down  stop everything cluster-up started"
 	@echo "make bench         run the benchmarks in bench/"
+	@echo "make chaos         the chaos schedule with real training, its table printed"
 	@echo "make lint          ruff, mypy and import-linter"
 	@echo "make lock          refresh uv.lock after editing pyproject.toml"
 	@echo "make go-modules    regenerate hack/gomod/ after editing a pin in hack/versions.env"
@@ -43,6 +44,9 @@ test-k8s: deps
 	$(PY) -m pytest tests -m "k8s" $(PYTEST_ARGS)
 test-e2e: deps
 	$(PY) -m pytest tests -m "e2e" $(PYTEST_ARGS)
+# The chaos schedule alone (it is part of `make test` too): faults, survived, time to recover.
+chaos: deps
+	$(PY) -m pytest tests -m "chaos" -s $(PYTEST_ARGS)
 
 lint: deps-python
 	$(VENV)/bin/ruff check .

@@ -1,6 +1,7 @@
 """Test-session wiring shared by every tier.
 
-Markers are registered (strictly) in pyproject.toml. Tests marked `gpu` run only where
+Markers are registered (strictly) in pyproject.toml, and `chaos` here (`make chaos`; changing
+pyproject.toml would change what a fresh machine installs). Tests marked `gpu` run only where
 CUDA exists; elsewhere they are deselected with the reason printed, never silently.
 The local cluster and MinIO fixtures live in tests/harness/ (with the rest of what tests
 run against) and are session-scoped: one cluster per test session, stopped when the
@@ -14,6 +15,10 @@ import importlib.util
 import pytest
 
 pytest_plugins = ["tests.harness.cluster", "tests.harness.minio_fixture"]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "chaos: the chaos schedule with real training (make chaos)")
 
 
 def _cuda_available() -> bool:

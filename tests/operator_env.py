@@ -1,0 +1,168 @@
+"""The operator end to end, as the e2e tests set it up: a namespace enforcing the Pod Security
+Standard `restricted` with the object store's key pair in a Secret, the chart installed with
+its operator run as a pod under its ServiceAccount (tests/harness/chart_install.py), a kwok
+process runner for the stage pods, a tiny Llama and a small data set in MinIO; and what the
+tests read back (the workers' progress.json as it changes, the stage pods, logs)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from kubernetes import client
+
+from tests.harness.chart_install import ChartRelease, chart_values, restricted_namespace
+from tests.harness.kwok_runner import KwokProcessRunner
+from tests.operator_cases import install_crd
+
+GROUP, VERSION, PLURAL = "relaytrain.io", "v1alpha1", "finetunejobs"
+STEPS, EVERY = 40, 4
+
+
+@contextmanager
+def operator_env(kube_cluster: Any, minio: Any, work: Path) -> Iterator[dict[str, Any]]:
+    """Everything above, torn down on exit; yields the parts by name (core, custom, ns,
+    runner, work, minio, release, values)."""
+    from relaytrain_worker.testing import tiny_model_dir
+
+    api = kube_cluster.api_client()
+    core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
+    install_crd(kube_cluster, api)  # the release adopts it (as when another test applied it)
+    model = tiny_model_dir(work / "model", layers=6, hidden=64, max_positions=64)
+    mc = minio.client()
+    if not mc.bucket_exists(minio.bucket):
+        mc.make_bucket(minio.bucket)
+    for path in sorted(model.rglob("*")):
+        if path.is_file():
+            mc.fput_object(minio.bucket, f"models/tiny/{path.relative_to(model)}", str(path))
+    rows = [
+        {"prompt": f"add {a} {b} =", "completion": f" {a + b}"}
+        for a in range(12)
+        for b in range(12)
+    ]
+    data = work / "sums.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    mc.fput_object(minio.bucket, "data/sums.jsonl", str(data))
+
+    tag = uuid.uuid4().hex[:6]
+    ns = restricted_namespace(core, f"rte2e-{tag}")
+    core.create_namespaced_secret(
+        ns,
+        {
+            "metadata": {"name": "s3"},
+            "stringData": {
+                "AWS_ACCESS_KEY_ID": minio.access_key,
+                "AWS_SECRET_ACCESS_KEY": minio.secret_key,
+            },
+        },
+    )
+    # The operator as the chart installs it, watching this namespace.
+    system = restricted_namespace(core, f"rte2e-system-{tag}")
+    release = ChartRelease(f"rte2e{tag}", system, kube_cluster.kubeconfig, api, work / "chart")
+    values = chart_values(ns)
+    runner = KwokProcessRunner(api, work / "pods", ns)
+    try:
+        release.start_kubelet()
+        release.install(values)
+        release.ready_operator()
+        runner.start()
+        yield {
+            "core": core,
+            "custom": custom,
+            "ns": ns,
+            "runner": runner,
+            "work": work,
+            "minio": minio,
+            "release": release,
+            "values": values,
+        }
+    finally:
+        runner.stop()
+        release.helm("uninstall", release.name, "--wait", check=False)
+        release.stop_kubelet()
+        core.delete_namespace(ns)
+        core.delete_namespace(system)
+
+
+def job_manifest(name: str, minio: Any, **pipeline: Any) -> dict[str, Any]:
+    bucket = minio.bucket
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "FineTuneJob",
+        "metadata": {"name": name},
+        "spec": {
+            "model": {"uri": f"s3://{bucket}/models/tiny/", "dtype": "float32"},
+            "dataset": {
+                "uri": f"s3://{bucket}/data/sums.jsonl",
+                "format": "prompt-completion",
+                "sequenceLength": 16,
+            },
+            "method": {"type": "lora", "rank": 4, "alpha": 8},
+            "training": {
+                "steps": STEPS,
+                "microBatchSize": 2,
+                "microBatches": 3,
+                "learningRate": 0.01,
+                "warmupSteps": 1,
+                "seed": 3,
+            },
+            "pipeline": {"stages": 3, "compression": "int8", **pipeline},
+            "checkpoint": {
+                "uri": f"s3://{bucket}/ckpt",
+                "endpoint": minio.url,
+                "credentialsSecret": {"name": "s3"},
+                "everySteps": EVERY,
+                "keep": 2,
+            },
+            "output": {"uri": f"s3://{bucket}/adapters/{name}/"},
+            "failurePolicy": {"maxStageRestarts": 2, "backoffSeconds": 0},
+        },
+    }
+
+
+class ProgressWatcher:
+    """Reads the workers' progress.json from MinIO every 0.2 s (the ground truth the
+    operator summarises in status.progress) and keeps the history."""
+
+    def __init__(self, minio: Any, key: str) -> None:
+        self.minio, self.key = minio, key
+        self.history: list[tuple[float, dict[str, Any]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        mc = self.minio.client()
+        while not self._stop.wait(0.2):
+            try:
+                resp = mc.get_object(self.minio.bucket, self.key)
+                doc = json.loads(resp.read())
+                resp.close()
+                resp.release_conn()
+            except Exception:  # not written yet, or being rewritten
+                continue
+            if not self.history or self.history[-1][1] != doc:
+                self.history.append((time.monotonic(), doc))
+
+    def latest(self) -> dict[str, Any]:
+        return self.history[-1][1] if self.history else {}
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+def stage_pods(core: Any, ns: str, job: str) -> dict[str, Any]:
+    pods = core.list_namespaced_pod(ns, label_selector=f"relaytrain.io/job={job}").items
+    return {p.metadata.name: p for p in pods if p.metadata.deletion_timestamp is None}
+
+
+def diagnostics(e: dict[str, Any]) -> str:
+    logs = [f"--- {p}\n{p.read_text()[-3000:]}" for p in sorted(e["work"].rglob("*.log"))]
+    return "\n".join(logs) + e["release"].diagnostics()
