@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -278,6 +279,74 @@ def test_two_pipelines_train_one_job_and_a_killed_stage_takes_out_its_pipeline_o
         f"\nTwo pipelines: killed {victim} at step {at['step']}; the job finished "
         f"{time.monotonic() - killed_at:.1f}s later at step {after[-1]} without a step back"
     )
+
+
+def _families(url: str) -> set[str]:
+    """The metric names an exposition declares (`# TYPE` lines, samples or not), as queries
+    name them: counters with `_total`, histograms with `_bucket`, `_sum` and `_count`."""
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=5) as response:
+        text = response.read().decode()
+    names = set()
+    for kind_line in re.findall(r"^# TYPE (\S+) (\S+)$", text, re.MULTILINE):
+        name, kind = kind_line
+        names.add(name)
+        if kind == "counter":
+            names.add(f"{name}_total")
+        elif kind == "histogram":
+            names |= {f"{name}_bucket", f"{name}_sum", f"{name}_count"}
+    return names
+
+
+def test_the_charts_alerts_and_dashboard_name_only_metrics_a_real_run_exports(
+    env: dict[str, Any],
+) -> None:
+    """Two pipelines of two stages train; every stage's /metrics and the chart-installed
+    operator's are read while they do. Every metric the chart's PrometheusRule and Grafana
+    dashboard query is among what they export."""
+    from tests.harness.chart_rbac import render_chart
+
+    e = env
+    custom, ns, runner = e["custom"], e["ns"], e["runner"]
+    name = "tiny-metrics"
+    manifest = job_manifest(name, e["minio"], stages=2, replicas=2)
+    manifest["spec"]["training"]["steps"] = 400
+    custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, manifest)
+    stages = [f"{name}-p{p}-s{k}" for p in range(2) for k in range(2)]
+
+    def every_stage_exports() -> set[str] | None:
+        names: set[str] = set()
+        for stage in stages:
+            local = runner.local_pod(ns, stage)
+            if local is None or local.metrics_port is None:
+                return None
+            try:
+                found = _families(f"http://127.0.0.1:{local.metrics_port}/metrics")
+            except OSError:
+                return None
+            if "relaytrain_step" not in found:
+                return None
+            names |= found
+        return names
+
+    try:
+        exported = wait_for("every stage's /metrics", every_stage_exports, timeout=300)
+        exported |= _families(f"http://127.0.0.1:{e['values']['metrics']['port']}/metrics")
+    finally:
+        custom.delete_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name)
+    docs = render_chart("mon", "relaytrain-system",
+                        "monitoring.prometheusRule.enabled=true",
+                        "monitoring.grafanaDashboard.enabled=true")  # fmt: skip
+    rules = next(d for d in docs if d["kind"] == "PrometheusRule")
+    exprs = [r["expr"] for g in rules["spec"]["groups"] for r in g["rules"]]
+    board = next(d for d in docs if d["kind"] == "ConfigMap" and "relaytrain.json" in d["data"])
+    panels = json.loads(board["data"]["relaytrain.json"])["panels"]
+    queries = [t["expr"] for panel in panels for t in panel["targets"]]
+    named = {n for q in exprs + queries for n in re.findall(r"\brelaytrain_[a-z0-9_]+", q)}
+    assert len(exprs) == 4 and len(queries) >= 10 and len(named) >= 12, (exprs, named)
+    assert named - exported == set(), f"queried but not exported: {sorted(named - exported)}"
+    print(f"\n{len(named)} metrics queried by the chart, all among {len(exported)} exported")
 
 
 def test_no_credential_leaves_its_secret(env: dict[str, Any], kube_cluster: Any) -> None:
