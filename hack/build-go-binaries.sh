@@ -24,10 +24,11 @@ mkdir -p "$bin_root"
 
 folder() { echo "$bin_root/$1-$(component_version "$1")"; }
 
-# inputs NAME: the checksum of what a build of NAME depends on: its committed module, its
-# link flags and the pin.
+# inputs NAME: the checksum of what a build of NAME depends on: its committed module (with
+# a main package of ours), its link flags and the pin.
 inputs() {
   cat "$here/gomod/$1/go.mod" "$here/gomod/$1/go.sum"
+  find "$here/gomod/$1" -name '*.go' -type f | LC_ALL=C sort | xargs -r cat
   echo "$(component_version "$1") $(component_ldflags "$1")"
 }
 inputs_sum() { inputs "$1" | sha256sum | cut -c1-16; }

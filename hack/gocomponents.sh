@@ -1,7 +1,7 @@
 # The Go-built components: which module each comes from, its pin in versions.env, the
 # packages built into its cache folder, and the link flags that make each binary report
 # its pin. Sourced by build-go-binaries.sh and update-go-modules.sh (after versions.env).
-COMPONENTS=(etcd kwok kubernetes minio helm)
+COMPONENTS=(etcd kwok kubernetes minio helm kstatus)
 
 component_module() {
   case $1 in
@@ -10,8 +10,13 @@ component_module() {
     kubernetes) echo k8s.io/kubernetes ;;
     minio) echo github.com/minio/minio ;;
     helm) echo helm.sh/helm/v3 ;;
+    kstatus) echo sigs.k8s.io/cli-utils ;;
   esac
 }
+
+# component_own_main NAME: true when the build module is a main package of ours (its .go
+# files committed beside go.mod) that requires the component's module, not a tool of it.
+component_own_main() { [[ $1 == kstatus ]]; }
 
 component_version() {
   local var
@@ -27,12 +32,14 @@ component_packages() {
     kubernetes) printf 'k8s.io/kubernetes/cmd/%s ' kube-apiserver kube-controller-manager kube-scheduler kubectl ;;
     minio) echo github.com/minio/minio ;;
     helm) echo helm.sh/helm/v3/cmd/helm ;;
+    kstatus) echo . ;;
   esac
 }
 
 component_binary() {  # component_binary PACKAGE: the binary's file name
   case $1 in
     go.etcd.io/etcd/server/v3) echo etcd ;;
+    .) echo kstatus-check ;;
     *) echo "${1##*/}" ;;
   esac
 }
@@ -61,6 +68,8 @@ component_ldflags() {
       echo "-X github.com/minio/minio/cmd.Version=$t -X github.com/minio/minio/cmd.ReleaseTag=$tag -X github.com/minio/minio/cmd.CommitID=$commit -X github.com/minio/minio/cmd.ShortCommitID=${commit:0:12}" ;;
     helm)
       echo "-X helm.sh/helm/v3/internal/version.version=$v" ;;
+    kstatus)
+      echo "-X main.version=$v" ;;
   esac
 }
 
@@ -83,5 +92,6 @@ component_version_checks() {
       local commit=${v##*-}
       echo "minio|--version|commit-id=$commit" ;;
     helm) echo "helm|version --short|$v" ;;
+    kstatus) echo "kstatus-check|--version|sigs.k8s.io/cli-utils $v" ;;
   esac
 }

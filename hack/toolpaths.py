@@ -19,6 +19,7 @@ _BINARIES = {
     "kwokctl": ("KWOK_VERSION", "kwok"),
     "minio": ("MINIO_VERSION", "minio"),
     "helm": ("HELM_VERSION", "helm"),
+    "kstatus-check": ("KSTATUS_VERSION", "kstatus"),
 }
 
 

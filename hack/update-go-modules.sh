@@ -31,7 +31,8 @@ update() {
   module=$(component_module "$name"); version=$(component_version "$name")
   dir="$here/gomod/$name"
   echo "[go-modules] $name: $module@$version"
-  rm -rf "$dir"; mkdir -p "$dir"
+  # go.mod and go.sum are regenerated; a main package of ours (*.go) stays.
+  mkdir -p "$dir"; rm -f "$dir/go.mod" "$dir/go.sum"
   (
     cd "$dir"
     go mod init "relaytrain.local/build/$name" >/dev/null 2>&1
@@ -39,11 +40,15 @@ update() {
       # shellcheck disable=SC2046
       go mod edit $(kubernetes_replaces "$version")
     fi
-    # One `go get` per tool: mixing packages of one module at one version in a single call
-    # is fine, but each names its version so nothing newer is ever picked.
-    for pkg in $(component_packages "$name"); do
-      go get -tool "$pkg@$version"
-    done
+    if component_own_main "$name"; then
+      go get "$module@$version"
+    else
+      # One `go get` per tool: mixing packages of one module at one version in a single
+      # call is fine, but each names its version so nothing newer is ever picked.
+      for pkg in $(component_packages "$name"); do
+        go get -tool "$pkg@$version"
+      done
+    fi
     go mod tidy
     # The module's `go` line follows the highest dependency; keep no toolchain line so
     # GOTOOLCHAIN=auto picks the minimum the modules need.

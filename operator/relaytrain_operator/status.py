@@ -150,8 +150,14 @@ def with_verdict(
     # kstatus (sigs.k8s.io/cli-utils): Stalled=True reads as Failed, Reconciling=True as
     # InProgress, neither as Current — with observedGeneration equal to the generation.
     stalled = verdict.reason in STALLED_REASONS
+    # A pipeline out is being reconciled while it is replaced; once given up (its phase
+    # Failed, the others Running) the job trains on as it now is: Ready, not Reconciling.
+    replacing = not status.pipelines or any(
+        p.phase not in ("Running", "Failed") for p in status.pipelines
+    )
     reconciling = not stalled and (
-        verdict.phase in ("Pending", "Planning", "Recovering") or bool(verdict.degraded)
+        verdict.phase in ("Pending", "Planning", "Recovering")
+        or (bool(verdict.degraded) and replacing)
     )
     for kind, value in (
         (READY, verdict.ready),

@@ -847,6 +847,19 @@ def test_argocd_health_of_real_statuses() -> None:
     assert {"Healthy", "Progressing", "Degraded", "Suspended"} <= {h for _, h in seen}
 
 
+def test_kstatus_of_real_statuses() -> None:
+    """The real kstatus library (kstatus-check) on every job status the tests above read from
+    the API server: each says what docs/operator.md "GitOps health" promises."""
+    from tests.harness.kstatus import expected_kstatus, kstatus
+
+    verdicts = kstatus(SEEN)
+    seen = set()
+    for obj, (got, message) in zip(SEEN, verdicts, strict=True):
+        assert got == expected_kstatus(obj), (obj.get("status"), got, message)
+        seen.add(got)
+    assert {"InProgress", "Current", "Failed"} <= seen
+
+
 def test_the_chart_grants_exactly_what_this_operator_called(
     kube_cluster: Any, identity: ChartIdentity, operator: OperatorProcess
 ) -> None:

@@ -94,6 +94,10 @@ def test_every_committed_build_module_is_read_only_and_complete() -> None:
         folder = REPO / "hack" / "gomod" / name
         assert (folder / "go.mod").is_file() and (folder / "go.sum").stat().st_size > 0
         assert "\ntool" in (folder / "go.mod").read_text()
+    # kstatus-check is a main package of ours requiring the library at its pin.
+    kstatus = REPO / "hack" / "gomod" / "kstatus"
+    assert (kstatus / "main.go").is_file() and (kstatus / "go.sum").stat().st_size > 0
+    assert f"sigs.k8s.io/cli-utils {PINS['KSTATUS_VERSION']}" in (kstatus / "go.mod").read_text()
     assert "-mod=readonly" in (REPO / "hack" / "build-go-binaries.sh").read_text()
 
 
