@@ -496,7 +496,11 @@ def _kill_mid_checkpoint(e: dict[str, Any], fault: Fault, name: str, progress: P
                                                            recursive=True)]  # fmt: skip
 
         if any(n.endswith("manifest.json") for n in objects()):
-            os.kill(pid, signal.SIGCONT)  # the commit won the race: the next step
+            os.kill(pid, signal.SIGCONT)  # the commit won the race: try the next commit,
+            progress.wait(  # once training is past this one
+                f"training past step {step}", lambda d, s=step: d["step"] > s,
+                timeout=RECOVER_SECONDS,
+            )  # fmt: skip
             continue
         try:
             wait_for(
