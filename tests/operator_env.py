@@ -126,6 +126,16 @@ def job_manifest(name: str, minio: Any, **pipeline: Any) -> dict[str, Any]:
     }
 
 
+def stored_json(mc: Any, bucket: str, key: str) -> Any:
+    """The JSON document stored at `key` (raises when it cannot be read)."""
+    resp = mc.get_object(bucket, key)
+    try:
+        return json.loads(resp.read())
+    finally:
+        resp.close()
+        resp.release_conn()
+
+
 class ProgressWatcher:
     """Reads the workers' progress.json from MinIO every 0.2 s (the ground truth the
     operator summarises in status.progress) and keeps the history."""
@@ -141,10 +151,7 @@ class ProgressWatcher:
         mc = self.minio.client()
         while not self._stop.wait(0.2):
             try:
-                resp = mc.get_object(self.minio.bucket, self.key)
-                doc = json.loads(resp.read())
-                resp.close()
-                resp.release_conn()
+                doc = stored_json(mc, self.minio.bucket, self.key)
             except Exception:  # not written yet, or being rewritten
                 continue
             if not self.history or self.history[-1][1] != doc:

@@ -41,7 +41,15 @@ from kubernetes import client, watch
 from tests.harness import kwok_nodes
 from tests.harness.minio_server import start_minio, stop_minio
 from tests.harness.waiting import wait_for
-from tests.operator_env import GROUP, PLURAL, VERSION, diagnostics, job_manifest, operator_env
+from tests.operator_env import (
+    GROUP,
+    PLURAL,
+    VERSION,
+    diagnostics,
+    job_manifest,
+    operator_env,
+    stored_json,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.chaos]
 
@@ -146,15 +154,8 @@ class Progress:
         self.mc = minio.client()
 
     def now(self) -> dict[str, Any] | None:
-        import json
-
         try:
-            resp = self.mc.get_object(self.minio.bucket, self.key)
-            try:
-                doc: dict[str, Any] = json.loads(resp.read())
-            finally:
-                resp.close()
-                resp.release_conn()
+            doc: dict[str, Any] = stored_json(self.mc, self.minio.bucket, self.key)
         except Exception:
             return None
         return doc
@@ -245,14 +246,8 @@ def _job(e: dict[str, Any], name: str, pools: list[str]) -> dict[str, Any]:
 
 
 def _final_loss(e: dict[str, Any], name: str) -> float:
-    import json
-
-    mc = e["minio"].client()
-    resp = mc.get_object(e["minio"].bucket, f"ckpt/{e['ns']}/{name}/loss-history.json")
-    records = json.loads(resp.read())
-    resp.close()
-    resp.release_conn()
-    return float(records[-1]["loss"])
+    key = f"ckpt/{e['ns']}/{name}/loss-history.json"
+    return float(stored_json(e["minio"].client(), e["minio"].bucket, key)[-1]["loss"])
 
 
 def test_a_chaos_schedule_with_real_training(env: dict[str, Any]) -> None:
