@@ -30,6 +30,9 @@ inputs() {
   cat "$here/gomod/$1/go.mod" "$here/gomod/$1/go.sum"
   find "$here/gomod/$1" -name '*.go' -type f | LC_ALL=C sort | xargs -r cat
   echo "$(component_version "$1") $(component_ldflags "$1")"
+  local files
+  files=$(component_files "$1")
+  if [[ -n $files ]]; then echo "files: $files"; fi
 }
 inputs_sum() { inputs "$1" | sha256sum | cut -c1-16; }
 
@@ -56,6 +59,18 @@ build() {
   for pkg in $(component_packages "$name"); do
     (cd "$dir" && go build -trimpath -ldflags "$ld" -o "$out.tmp/$(component_binary "$pkg")" "$pkg") || return 1
   done
+  local files src path
+  files=$(component_files "$name")
+  if [[ -n $files ]]; then
+    # Downloaded (checked against go.sum) if no build did; then its folder in the module cache.
+    (cd "$dir" && go mod download "$(component_module "$name")") || return 1
+    src=$(cd "$dir" && go list -m -f '{{.Dir}}' "$(component_module "$name")") || return 1
+    for path in $files; do
+      mkdir -p "$out.tmp/files/$(dirname "$path")"
+      cp -R "$src/$path" "$out.tmp/files/$path" || return 1
+    done
+    chmod -R u+w "$out.tmp/files"
+  fi
   inputs_sum "$name" >"$out.tmp/.inputs"
 }
 

@@ -1,7 +1,7 @@
 # The Go-built components: which module each comes from, its pin in versions.env, the
 # packages built into its cache folder, and the link flags that make each binary report
 # its pin. Sourced by build-go-binaries.sh and update-go-modules.sh (after versions.env).
-COMPONENTS=(etcd kwok kubernetes minio helm kstatus)
+COMPONENTS=(etcd kwok kubernetes minio helm kstatus kueue promtool promoperator)
 
 component_module() {
   case $1 in
@@ -11,12 +11,19 @@ component_module() {
     minio) echo github.com/minio/minio ;;
     helm) echo helm.sh/helm/v3 ;;
     kstatus) echo sigs.k8s.io/cli-utils ;;
+    kueue) echo sigs.k8s.io/kueue ;;
+    promtool) echo github.com/prometheus/prometheus ;;
+    promoperator) echo github.com/prometheus-operator/prometheus-operator ;;
   esac
 }
 
 # component_own_main NAME: true when the build module is a main package of ours (its .go
 # files committed beside go.mod) that requires the component's module, not a tool of it.
 component_own_main() { [[ $1 == kstatus ]]; }
+
+# component_files_only NAME: true when nothing is built, only files copied out of the module
+# (the prometheus-operator's CRDs, which the tests apply the chart's monitoring objects to).
+component_files_only() { [[ -z $(component_packages "$1") ]]; }
 
 component_version() {
   local var
@@ -33,6 +40,19 @@ component_packages() {
     minio) echo github.com/minio/minio ;;
     helm) echo helm.sh/helm/v3/cmd/helm ;;
     kstatus) echo . ;;
+    kueue) echo sigs.k8s.io/kueue/cmd/kueue ;;
+    promtool) echo github.com/prometheus/prometheus/cmd/promtool ;;
+  esac
+}
+
+# component_files NAME: paths inside the component's module copied beside its binaries into
+# files/ (kueue's CRDs, their conversion-webhook patches and its webhook configurations,
+# which the tests install from the same pinned, checksummed module the controller is built
+# from).
+component_files() {
+  case $1 in
+    kueue) echo config/components/crd/kustomization.yaml config/components/crd/bases config/components/crd/patches config/components/webhook/manifests.yaml ;;
+    promoperator) echo example/prometheus-operator-crd ;;
   esac
 }
 
@@ -70,6 +90,12 @@ component_ldflags() {
       echo "-X helm.sh/helm/v3/internal/version.version=$v" ;;
     kstatus)
       echo "-X main.version=$v" ;;
+    kueue)
+      echo "-X sigs.k8s.io/kueue/pkg/version.GitVersion=$v -X sigs.k8s.io/kueue/pkg/version.BuildDate=1970-01-01" ;;
+    promtool)
+      # The module's v0.3MM.P is Prometheus 3.MM.P.
+      local mm=${v#v0.3}; mm=${mm%%.*}
+      echo "-X github.com/prometheus/common/version.Version=3.$((10#$mm)).${v##*.} -X github.com/prometheus/common/version.Branch=HEAD -X github.com/prometheus/common/version.Revision=$v" ;;
   esac
 }
 
@@ -93,5 +119,8 @@ component_version_checks() {
       echo "minio|--version|commit-id=$commit" ;;
     helm) echo "helm|version --short|$v" ;;
     kstatus) echo "kstatus-check|--version|sigs.k8s.io/cli-utils $v" ;;
+    # kueue has no --version: it logs its version first, then fails on the missing kubeconfig.
+    kueue) echo "kueue|--kubeconfig=/nonexistent/relaytrain-version-check|\"gitVersion\":\"$v\"" ;;
+    promtool) echo "promtool|--version|revision: $v" ;;
   esac
 }

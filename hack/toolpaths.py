@@ -20,6 +20,8 @@ _BINARIES = {
     "minio": ("MINIO_VERSION", "minio"),
     "helm": ("HELM_VERSION", "helm"),
     "kstatus-check": ("KSTATUS_VERSION", "kstatus"),
+    "kueue": ("KUEUE_VERSION", "kueue"),
+    "promtool": ("PROMTOOL_VERSION", "promtool"),
 }
 
 
@@ -48,6 +50,19 @@ def uv() -> Path:
         timeout=300,
     ).stdout
     return Path(out.strip().splitlines()[-1])
+
+
+def component_files(component: str) -> Path:
+    """The files the bootstrap copied out of `component`'s module into its cache folder
+    (hack/gocomponents.sh `component_files`: kueue's CRDs and webhook configurations, the
+    prometheus-operator's CRDs)."""
+    version = versions()[f"{component.upper()}_VERSION"]
+    path = cache_dir() / "bin" / f"{component}-{version}" / "files"
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"{path} is missing: run `make deps` (or hack/build-go-binaries.sh)"
+        )
+    return path
 
 
 def binary(name: str) -> Path:

@@ -40,16 +40,23 @@ update() {
       # shellcheck disable=SC2046
       go mod edit $(kubernetes_replaces "$version")
     fi
-    if component_own_main "$name"; then
-      go get "$module@$version"
+    if component_files_only "$name"; then
+      # Nothing imports it: required by hand, its checksums recorded, and no tidy (which
+      # would drop a requirement no package uses).
+      go mod edit -require="$module@$version"
+      go mod download "$module"
     else
-      # One `go get` per tool: mixing packages of one module at one version in a single
-      # call is fine, but each names its version so nothing newer is ever picked.
-      for pkg in $(component_packages "$name"); do
-        go get -tool "$pkg@$version"
-      done
+      if component_own_main "$name"; then
+        go get "$module@$version"
+      else
+        # One `go get` per tool: mixing packages of one module at one version in a single
+        # call is fine, but each names its version so nothing newer is ever picked.
+        for pkg in $(component_packages "$name"); do
+          go get -tool "$pkg@$version"
+        done
+      fi
+      go mod tidy
     fi
-    go mod tidy
     # The module's `go` line follows the highest dependency; keep no toolchain line so
     # GOTOOLCHAIN=auto picks the minimum the modules need.
     go mod edit -toolchain=none
