@@ -8,11 +8,15 @@ the dashboard query is one a real run exports: tests/e2e/test_operator_e2e.py.)"
 from __future__ import annotations
 
 import json
+import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from relaytrain_operator.builders.labels import JOB_LABEL
 
+from hack import toolpaths
 from tests.harness.chart_rbac import render_chart
 from tests.unit.test_operator_builders import pod_for
 
@@ -111,3 +115,45 @@ def test_the_dashboard_ships_as_a_configmap_for_the_grafana_sidecar() -> None:
         assert wanted in titles
     variables = [v["name"] for v in dashboard["templating"]["list"]]
     assert variables == ["datasource", "namespace", "job"]
+
+
+def test_an_api_server_with_the_prometheus_operators_crds_takes_them_as_rendered(
+    kube_cluster: Any, tmp_path: Path
+) -> None:
+    """The prometheus-operator's own CRDs (copied by the bootstrap out of its module at the
+    pin of hack/versions.env) installed, the rendered ServiceMonitor, PodMonitor and
+    PrometheusRule are created under strict field validation, so a field the operator's schema
+    does not know fails here instead of being dropped; a misspelt one is refused."""
+    crds = toolpaths.component_files("promoperator") / "example" / "prometheus-operator-crd"
+    for plural in ("servicemonitors", "podmonitors", "prometheusrules"):
+        path = crds / f"monitoring.coreos.com_{plural}.yaml"
+        kube_cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(path))
+        kube_cluster.kubectl(
+            "wait",
+            "--for=condition=Established",
+            f"crd/{plural}.monitoring.coreos.com",
+            "--timeout=60s",
+        )
+    namespace = f"rt-mon-{uuid.uuid4().hex[:6]}"
+    kube_cluster.kubectl("create", "namespace", namespace)
+    docs = [
+        d
+        for d in render_chart("mon", namespace, *ALL_ON, "watchNamespaces={team-a}")
+        if d["kind"] in MONITORING_KINDS
+    ]
+    assert {d["kind"] for d in docs} == MONITORING_KINDS
+    rendered = tmp_path / "monitoring.yaml"
+    rendered.write_text(yaml.safe_dump_all(docs))
+    kube_cluster.kubectl("create", "--validate=strict", "-f", str(rendered))
+    stored = json.loads(
+        kube_cluster.kubectl("get", "podmonitor", "-n", namespace, "-o", "json").stdout
+    )["items"][0]
+    assert stored["spec"]["podMetricsEndpoints"][0]["honorLabels"] is True
+    misspelt = _one(docs, "PodMonitor")
+    misspelt["metadata"]["name"] += "-typo"
+    misspelt["spec"]["podMetricsEndpoints"][0]["honourLabels"] = True
+    (tmp_path / "typo.yaml").write_text(yaml.safe_dump(misspelt))
+    refused = kube_cluster.kubectl(
+        "create", "--validate=strict", "-f", str(tmp_path / "typo.yaml"), check=False
+    )
+    assert refused.returncode != 0 and "honourLabels" in refused.stderr, refused.stderr
