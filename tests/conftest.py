@@ -14,7 +14,7 @@ import importlib.util
 
 import pytest
 
-pytest_plugins = ["tests.harness.cluster", "tests.harness.minio_fixture"]
+pytest_plugins = ["tests.harness.cluster", "tests.harness.minio_fixture", "tests.harness.kueue"]
 
 
 def pytest_configure(config: pytest.Config) -> None:

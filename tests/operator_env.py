@@ -26,9 +26,11 @@ STEPS, EVERY = 40, 4
 
 
 @contextmanager
-def operator_env(kube_cluster: Any, minio: Any, work: Path) -> Iterator[dict[str, Any]]:
+def operator_env(
+    kube_cluster: Any, minio: Any, work: Path, **values: Any
+) -> Iterator[dict[str, Any]]:
     """Everything above, torn down on exit; yields the parts by name (core, custom, ns,
-    runner, work, minio, release, values)."""
+    runner, work, minio, release, values). `values`: more chart values (kueue={...})."""
     from relaytrain_worker.testing import tiny_model_dir
 
     api = kube_cluster.api_client()
@@ -65,7 +67,7 @@ def operator_env(kube_cluster: Any, minio: Any, work: Path) -> Iterator[dict[str
     # The operator as the chart installs it, watching this namespace.
     system = restricted_namespace(core, f"rte2e-system-{tag}")
     release = ChartRelease(f"rte2e{tag}", system, kube_cluster.kubeconfig, api, work / "chart")
-    values = chart_values(ns)
+    values = {**chart_values(ns), **values}
     runner = KwokProcessRunner(api, work / "pods", ns)
     try:
         release.start_kubelet()

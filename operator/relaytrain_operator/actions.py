@@ -64,4 +64,31 @@ class PostEvent:
     """What happened, for people."""
 
 
-Action = PatchStatus | CreateLinkSecret | Create | DeletePod | PostEvent
+@dataclass(frozen=True)
+class PatchWorkload:
+    """Merge-patch the job's Kueue Workload (its spec.active)."""
+
+    name: str
+    """The Workload's name."""
+    patch: JsonDict
+
+
+@dataclass(frozen=True)
+class ApplyWorkloadStatus:
+    """Server-side apply of the job's Workload status (queueing.release_quota, .finished)."""
+
+    body: JsonDict
+    """The applied configuration."""
+    manager: str
+    """The field manager it is applied as."""
+
+
+Action = (
+    PatchStatus
+    | CreateLinkSecret
+    | Create
+    | DeletePod
+    | PostEvent
+    | PatchWorkload
+    | ApplyWorkloadStatus
+)

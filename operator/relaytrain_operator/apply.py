@@ -27,12 +27,15 @@ from typing import Any
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
+from relaytrain_operator import queueing
 from relaytrain_operator.actions import (
     Action,
+    ApplyWorkloadStatus,
     Create,
     CreateLinkSecret,
     DeletePod,
     PatchStatus,
+    PatchWorkload,
 )
 from relaytrain_operator.builders.labels import JOB_LABEL
 from relaytrain_operator.builders.secret import build_link_secret
@@ -106,6 +109,9 @@ class ClusterApi:
             "Pod": self._core.create_namespaced_pod,
             "Service": self._core.create_namespaced_service,
             "Secret": self._core.create_namespaced_secret,
+            "Workload": lambda ns, body, **kw: self._custom.create_namespaced_custom_object(
+                queueing.GROUP, queueing.VERSION, ns, queueing.PLURAL, body, **kw
+            ),
         }[kind]
         try:
             create(namespace, obj, **_RAW)
@@ -161,6 +167,74 @@ class ClusterApi:
                 return None
             raise
         return {k: base64.b64decode(v).decode() for k, v in (secret.get("data") or {}).items()}
+
+    # --- Kueue -----------------------------------------------------------------------
+
+    def get_workload(self, namespace: str, name: str) -> JsonDict | None:
+        """The job's Workload, or None when there is none."""
+        try:
+            return _json(
+                self._custom.get_namespaced_custom_object(
+                    queueing.GROUP, queueing.VERSION, namespace, queueing.PLURAL, name, **_RAW
+                )
+            )
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def patch_workload(self, namespace: str, name: str, patch: JsonDict) -> None:
+        self._custom.patch_namespaced_custom_object(
+            queueing.GROUP, queueing.VERSION, namespace, queueing.PLURAL, name, patch, **_RAW
+        )
+        logger.info("Patched Workload %s/%s: %s.", namespace, name, patch)
+
+    def apply_workload_status(self, body: JsonDict, manager: str) -> None:
+        """Server-side apply of a Workload's status as `manager` (forced: the fields are
+        that manager's to set)."""
+        meta = body["metadata"]
+        self._custom.patch_namespaced_custom_object_status(
+            queueing.GROUP,
+            queueing.VERSION,
+            meta["namespace"],
+            queueing.PLURAL,
+            meta["name"],
+            body,
+            field_manager=manager,
+            force=True,
+            _content_type="application/apply-patch+yaml",
+            **_RAW,
+        )
+        logger.info(
+            "Applied the status of Workload %s/%s as %s.", meta["namespace"], meta["name"], manager
+        )
+
+    def get_flavor(self, name: str) -> JsonDict | None:
+        """A ResourceFlavor (cluster-scoped), or None when there is none."""
+        try:
+            return _json(
+                self._custom.get_cluster_custom_object(
+                    queueing.GROUP, queueing.VERSION, queueing.FLAVORS, name, **_RAW
+                )
+            )
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def get_priority_value(self, name: str) -> int | None:
+        """The value of WorkloadPriorityClass `name`, or None when there is none."""
+        try:
+            found = _json(
+                self._custom.get_cluster_custom_object(
+                    queueing.GROUP, queueing.VERSION, queueing.PRIORITY_CLASSES, name, **_RAW
+                )
+            )
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return int(found.get("value") or 0)
 
     # --- the cluster around the job -------------------------------------------------
 
@@ -250,6 +324,10 @@ class Executor:
                 self.api.create(action.obj)
             elif isinstance(action, DeletePod):
                 self.api.delete_pod(namespace, action.name, action.uid, force=action.force)
+            elif isinstance(action, PatchWorkload):
+                self.api.patch_workload(namespace, action.name, action.patch)
+            elif isinstance(action, ApplyWorkloadStatus):
+                self.api.apply_workload_status(action.body, action.manager)
             else:  # PostEvent
                 self.post_event(job, action.type, action.reason, action.message)
         self._create_pods(pods)

@@ -31,10 +31,12 @@ from typing import Any
 
 from relaytrain_operator.actions import (
     Action,
+    ApplyWorkloadStatus,
     Create,
     CreateLinkSecret,
     DeletePod,
     PatchStatus,
+    PatchWorkload,
     PostEvent,
 )
 from relaytrain_operator.builders.labels import (
@@ -55,6 +57,21 @@ from relaytrain_operator.planning import (
     training_shape,
 )
 from relaytrain_operator.progress import Progress
+from relaytrain_operator.queueing import (
+    ADMISSION_MANAGER,
+    FINISHED_MANAGER,
+    PRIORITY_LABEL,
+    Admission,
+    QueueError,
+    StageDemand,
+    build_workload,
+    finished,
+    flavor_placement,
+    priority_class_of,
+    queue_name,
+    read_admission,
+    release_quota,
+)
 from relaytrain_operator.recovery import (
     INCARNATION_ANNOTATION,
     REPLACING,
@@ -120,6 +137,9 @@ EVENT_REASONS = {
     "BackoffLimitExceeded": "Warning",
     "Suspended": "Normal",
     "Succeeded": "Normal",
+    "Queued": "Normal",
+    "WaitingForQuota": "Normal",
+    "Evicted": "Warning",
 }
 
 
@@ -166,6 +186,13 @@ class Observed:
     """The model's config.json; read when `needs().model`."""
     progress: Progress | None = None
     """The workers' progress.json, folded (None: none yet, unreadable, or not read)."""
+    workload: JsonDict | None = None
+    """The job's Kueue Workload (a job with a queue label: None means there is none yet)."""
+    flavors: Mapping[str, JsonDict] = field(default_factory=dict)
+    """The ResourceFlavors Kueue assigned, by name; read when stage pods are to be created."""
+    priority: int | None = None
+    """The value of the WorkloadPriorityClass the job's label names (None: no label, or no
+    such class); read while the job has no Workload yet."""
 
 
 @dataclass(frozen=True)
@@ -181,6 +208,9 @@ class Needs:
     """The model's config.json (the first plan)."""
     progress: bool = False
     """progress.json (a started job whose store is s3://)."""
+    workload: bool = False
+    """The job's Kueue Workload (a job submitted to a LocalQueue), and when `room` too the
+    flavours it was admitted with."""
 
 
 @dataclass(frozen=True)
@@ -238,14 +268,22 @@ def needs(job: JsonDict, pods: Mapping[StageKey, JsonDict]) -> Needs:
     """Which costly inputs `decide` needs for `job`, given its stage pods as indexed."""
     spec = parse_spec(job)
     status = load_status(job.get("status"))
-    if isinstance(spec, str) or is_terminal(status) or spec.spec.suspend:
+    if isinstance(spec, str) or is_terminal(status):
         return Needs()
+    queued = queue_name(job) is not None
+    if spec.spec.suspend:
+        return Needs(workload=queued)
     if not _started(status):
-        return Needs(room=True, model=True)
+        return Needs(room=True, model=True, workload=queued)
     assert status.plan is not None
     out = given_up(status)
     missing = any(key not in pods for key in planned_keys(status.plan) if key[0] not in out)
-    return Needs(pods=missing, room=missing, progress=is_s3(spec.spec.checkpoint.uri))
+    return Needs(
+        pods=missing,
+        room=missing,
+        progress=is_s3(spec.spec.checkpoint.uri),
+        workload=queued,
+    )
 
 
 def decide(observed: Observed, settings: Settings) -> Decision:
@@ -255,6 +293,10 @@ def decide(observed: Observed, settings: Settings) -> Decision:
         # Gone, or going: the garbage collector deletes its children (owner references).
         return Decision()
     return _Pass(job, observed, settings).run()
+
+
+def _merged(own: list[JsonDict], more: Sequence[JsonDict]) -> list[JsonDict]:
+    return own + [t for t in more if t not in own]
 
 
 def planned_message(plan: PlanStatus) -> str:
@@ -291,6 +333,8 @@ class _Pass:
         self.actions: list[Action] = []
         self.restarts = 0
         self.retry_after: float | None = None
+        self.queue = queue_name(job)
+        self.admission: Admission | None = None
 
     def run(self) -> Decision:
         self.reconcile()
@@ -307,6 +351,8 @@ class _Pass:
         if spec.spec.suspend:
             self.remove_pods()
             self.update(stages=[idle_stage(s) for s in self.status.stages])
+            if self.queue is not None:
+                self.hold_workload(active=False)
             self.settle(
                 Verdict(
                     "Suspended",
@@ -320,6 +366,8 @@ class _Pass:
             return
         if not _started(self.status) and not self.plan(spec):
             return
+        if self.queue is not None and not self.admitted(spec):
+            return
         self.run_stages(spec)
 
     # --- the first plan ---------------------------------------------------------------
@@ -328,6 +376,10 @@ class _Pass:
         """Plan the job and record the plan; False (with a condition) when it cannot."""
         model, pods = self.observed.model, self.observed.cluster_pods
         assert model is not None and pods is not None, "needs() asks for both before a plan"
+        if self.queue is not None:
+            # Kueue's quota decides when the job runs; the plan is made for the whole
+            # fleet, not for the GPUs that happen to be free now.
+            pods = []
         if model.config is None:
             self.settle(Verdict("Pending", False, False, "ModelUnavailable", model.error))
             return False
@@ -365,6 +417,149 @@ class _Pass:
         self.settle(Verdict("Planning", False, True, "Planned", "Creating the stage pods."))
         self.event("Normal", "Planned", planned_message(plan))
         return True
+
+    # --- Kueue (queueing.py) -----------------------------------------------------------
+
+    def admitted(self, spec: FineTuneJob) -> bool:
+        """A job submitted to a LocalQueue: its Workload created, kept active, and True once
+        Kueue admits it; otherwise its pods go (an evicted workload's quota is handed back
+        once none is left) and the job is Suspended with Kueue's words."""
+        admission = read_admission(self.observed.workload)
+        self.admission = admission
+        if admission.state == "missing":
+            priority_class = priority_class_of(self.job)
+            if priority_class is not None and self.observed.priority is None:
+                self.settle(
+                    Verdict(
+                        "Failed",
+                        False,
+                        False,
+                        "InvalidSpec",
+                        f"metadata.labels[{PRIORITY_LABEL}]: WorkloadPriorityClass "
+                        f"{priority_class!r} does not exist; create it or name one that does "
+                        "(kubectl get workloadpriorityclasses)",
+                    )
+                )
+                return False
+            try:
+                workload = self.workload(spec, active=True)
+            except QueueError as err:
+                self.settle(Verdict("Failed", False, False, "InvalidSpec", str(err)))
+                return False
+            self.actions.append(Create(workload))
+            self.wait_for_kueue(
+                "Queued",
+                f"Submitted to LocalQueue {self.queue}: waiting for Kueue to admit it.",
+            )
+            return False
+        if not admission.active:
+            self.hold_workload(active=True)
+        if admission.state == "admitted":
+            ready = condition(self.written, READY)
+            if ready is not None and ready.reason in ("Queued", "WaitingForQuota", "Evicted"):
+                flavors = ", ".join(f"{p} → {f}" for p, f in sorted(admission.pool_flavors.items()))
+                self.event("Normal", "Admitted", f"{admission.message} (flavors: {flavors}).")
+            return True
+        if admission.state in ("evicted", "released"):
+            self.release_quota()
+            self.wait_for_kueue(
+                "Evicted",
+                f"Kueue evicted the workload ({admission.reason}: {admission.message}); the "
+                "stage pods are removed and it resumes from the last committed checkpoint "
+                "when Kueue admits it again.",
+            )
+            return False
+        if admission.reason == "Pending" and admission.message:
+            self.wait_for_kueue("WaitingForQuota", f"LocalQueue {self.queue}: {admission.message}")
+        else:
+            self.wait_for_kueue(
+                "Queued", f"Submitted to LocalQueue {self.queue}: waiting for Kueue to admit it."
+            )
+        return False
+
+    def wait_for_kueue(self, reason: str, message: str) -> None:
+        self.remove_pods()
+        self.update(stages=[idle_stage(s) for s in self.status.stages])
+        self.settle(Verdict("Suspended", False, False, reason, message))
+
+    def workload(self, spec: FineTuneJob, *, active: bool) -> JsonDict:
+        """The job's Workload for its recorded plan: one demand per planned stage."""
+        plan = self.status.plan
+        assert plan is not None
+        nodes = list(self.observed.nodes.values())
+        placement = spec.spec.placement
+        demands = [
+            StageDemand(
+                stage.pool,
+                {
+                    **pool_selector(stage.pool, nodes, placement.gpu_label),
+                    **placement.node_selector,
+                },
+                stage.predicted_memory_bytes or DEFAULT_MEMORY_BYTES,
+            )
+            for split in plan.splits()
+            for stage in split
+        ]
+        return build_workload(
+            self.job,
+            demands,
+            active=active,
+            tolerations=[
+                t.model_dump(mode="json", exclude_none=True) for t in placement.tolerations
+            ],
+            priority_class_name=placement.priority_class_name,
+            priority=self.observed.priority,
+        )
+
+    def hold_workload(self, *, active: bool) -> None:
+        """Keep the Workload's spec.active as spec.suspend asks (Kueue evicts an inactive
+        one and hands its quota on); an evicted one's quota is handed back once no pod is
+        left."""
+        workload = self.observed.workload
+        if workload is None:
+            return
+        meta = workload["metadata"]
+        if bool((workload.get("spec") or {}).get("active", True)) != active:
+            self.actions.append(PatchWorkload(meta["name"], {"spec": {"active": active}}))
+        if not active:
+            self.release_quota()
+
+    def release_quota(self) -> None:
+        """Hand an evicted Workload's quota back once no stage pod is left (terminating ones
+        count: they still hold their GPUs)."""
+        workload = self.observed.workload
+        if (
+            workload is not None
+            and read_admission(workload).state == "evicted"
+            and not self.observed.pods
+        ):
+            self.actions.append(
+                ApplyWorkloadStatus(release_quota(workload, rfc3339(self.now)), ADMISSION_MANAGER)
+            )
+
+    def finish_workload(self, succeeded: bool, message: str) -> None:
+        """A finished job's Workload is marked Finished (Kueue frees its quota), before the
+        job's own status says so: the job's loop stops once that status is written."""
+        workload = self.observed.workload
+        if self.queue is None or workload is None:
+            return
+        conditions = (workload.get("status") or {}).get("conditions") or []
+        if any(c.get("type") == "Finished" and c.get("status") == "True" for c in conditions):
+            return
+        self.actions.append(
+            ApplyWorkloadStatus(
+                finished(workload, succeeded, message, rfc3339(self.now)), FINISHED_MANAGER
+            )
+        )
+
+    def flavor_placement(self, pool: str) -> tuple[dict[str, str], list[JsonDict]]:
+        """The node labels and tolerations of the flavour Kueue assigned to `pool`'s pod
+        set (none for a job without a queue)."""
+        if self.admission is None:
+            return {}, []
+        name = self.admission.pool_flavors.get(pool)
+        flavor = self.observed.flavors.get(name) if name else None
+        return flavor_placement(flavor) if flavor is not None else ({}, [])
 
     # --- the stages -------------------------------------------------------------------
 
@@ -535,7 +730,9 @@ class _Pass:
 
         replacing = {key: (planned_pool(key), need(key)) for key in due if entries[key].restarts}
         choices: dict[StageKey, Choice] = {}
-        if replacing:
+        # Under Kueue a replacement stays on the pool it was admitted on: another pool
+        # would use quota Kueue did not grant.
+        if replacing and self.queue is None:
             choices = place_replacements(
                 spec, replacing, nodes, self.observed.cluster_pods, self.settings.catalog
             )
@@ -558,7 +755,12 @@ class _Pass:
                     why = f"Stage {stage_name(entry)} waits for a GPU on pool {pool}: {choice.why}."
                     annotations[WAITING_ANNOTATION] = why
                     waiting[key] = why
-            selector = {**pool_selector(pool, nodes, label), **spec.spec.placement.node_selector}
+            flavor_labels, flavor_tolerations = self.flavor_placement(pool)
+            selector = {
+                **pool_selector(pool, nodes, label),
+                **spec.spec.placement.node_selector,
+                **flavor_labels,
+            }
             pod = build_stage_pod(
                 self.job,
                 self.pod_inputs(
@@ -568,6 +770,7 @@ class _Pass:
                     selector=selector,
                     need=need(key),
                     config=configs[p][k],
+                    tolerations=flavor_tolerations,
                 ),
             )
             pod["metadata"]["annotations"].update(annotations)
@@ -601,7 +804,9 @@ class _Pass:
         selector: dict[str, str],
         need: int,
         config: JsonDict,
+        tolerations: Sequence[JsonDict] = (),
     ) -> StagePodInputs:
+        """`tolerations`: the assigned Kueue flavour's, added to the job's own."""
         ref = spec.spec.checkpoint.credentials_secret
         placement = spec.spec.placement
         return StagePodInputs(
@@ -615,9 +820,10 @@ class _Pass:
             credentials=CredentialsRef(ref.name, ref.access_key_key, ref.secret_key_key)
             if ref is not None
             else None,
-            tolerations=[
-                t.model_dump(mode="json", exclude_none=True) for t in placement.tolerations
-            ],
+            tolerations=_merged(
+                [t.model_dump(mode="json", exclude_none=True) for t in placement.tolerations],
+                tolerations,
+            ),
             priority_class_name=placement.priority_class_name,
         )
 
@@ -637,6 +843,7 @@ class _Pass:
         and its pods go."""
         self.remove_pods()
         self.update(stages=[idle_stage(s) for s in self.status.stages])
+        self.finish_workload(False, why)
         self.settle(Verdict("Failed", False, False, "BackoffLimitExceeded", why))
 
     def follow_progress(self, spec: FineTuneJob, out: set[int]) -> bool:
@@ -658,6 +865,7 @@ class _Pass:
         self.update(output=OutputStatus(uri=uri))
         self.remove_pods()
         self.update(stages=[idle_stage(s) for s in stages])
+        self.finish_workload(True, f"Training finished; the result is at {uri}.")
         self.settle(
             Verdict(
                 "Succeeded",

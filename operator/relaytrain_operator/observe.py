@@ -11,7 +11,9 @@ and the object store, and only when a pass needs it:
 - the cluster's active pods (what holds GPUs), fresh, for a plan or a pod to create;
 - the model's config.json for the first plan (cached by endpoint and URI: small and
   immutable in practice; a restart reads it again);
-- progress.json of a started job, once per pass.
+- progress.json of a started job, once per pass;
+- the Workload of a job submitted to a Kueue LocalQueue, and, for a pass that creates
+  stage pods, the ResourceFlavors it was admitted with.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from relaytrain_operator.builders.labels import StageKey
 from relaytrain_operator.decide import ModelConfig, Needs, Observed, parse_spec, stage_pods
 from relaytrain_operator.objectstore import StoreAccess, StoreError, read_json
 from relaytrain_operator.progress import Progress, fold, job_store_uri
+from relaytrain_operator.queueing import priority_class_of, read_admission, workload_name
 from relaytrain_operator.spec import FineTuneJob, is_s3
 
 JsonDict = dict[str, Any]
@@ -68,6 +71,21 @@ class Observer:
         observed = Observed(job=job, now=now, pods=pods, nodes=known)
         if isinstance(spec, str):
             return observed
+        workload = (
+            self.api.get_workload(spec.metadata.namespace, workload_name(spec.metadata.name))
+            if wanted.workload
+            else None
+        )
+        priority = None
+        priority_class = priority_class_of(job)
+        if wanted.workload and workload is None and priority_class is not None:
+            priority = self.api.get_priority_value(priority_class)
+        flavors: dict[str, JsonDict] = {}
+        if workload is not None and wanted.room:
+            for name in set(read_admission(workload).pool_flavors.values()):
+                flavor = self.api.get_flavor(name)
+                if flavor is not None:
+                    flavors[name] = flavor
         return Observed(
             job=job,
             now=now,
@@ -76,6 +94,9 @@ class Observer:
             cluster_pods=self.api.list_active_pods() if wanted.room else None,
             model=self.model_config(spec) if wanted.model else None,
             progress=self.progress(spec, now) if wanted.progress else None,
+            workload=workload,
+            flavors=flavors,
+            priority=priority,
         )
 
     def store_access(self, job: FineTuneJob) -> StoreAccess:

@@ -58,8 +58,16 @@ def render(namespace: str, *sets: str) -> list[dict[str, Any]]:
 
 @pytest.mark.parametrize(
     "sets",
-    [(), ("watchNamespaces={a,b}", "peering.enabled=true", "gpuCatalog.X.tflops=1")],
-    ids=["defaults", "namespaced-peering-catalog"],
+    [
+        (),
+        (
+            "watchNamespaces={a,b}",
+            "peering.enabled=true",
+            "gpuCatalog.X.tflops=1",
+            "kueue.enabled=true",
+        ),
+    ],
+    ids=["defaults", "namespaced-peering-catalog-kueue"],
 )
 def test_helm_lint_passes(sets: tuple[str, ...]) -> None:
     flags = [f for s in sets for f in ("--set", s)]
@@ -110,7 +118,7 @@ def _apply(kube_cluster: Any, docs: list[dict[str, Any]], *flags: str) -> None:
 def test_the_api_server_accepts_every_rendered_object(kube_cluster: Any) -> None:
     namespace = f"rt-chart-{uuid.uuid4().hex[:6]}"
     kube_cluster.kubectl("create", "namespace", namespace)
-    docs = render(namespace, "gpuCatalog.X.tflops=1")
+    docs = render(namespace, "gpuCatalog.X.tflops=1", "kueue.enabled=true")
     _apply(kube_cluster, docs, "--dry-run=server")
 
 

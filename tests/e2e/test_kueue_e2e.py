@@ -1,0 +1,333 @@
+"""FineTuneJobs queued by the real Kueue controller (tests/harness/kueue.py, built from
+sigs.k8s.io/kueue at its pin), under the chart-installed operator (`kueue.enabled`), with real
+worker processes training.
+
+One ClusterQueue with a ResourceFlavor per GPU pool (its nodes' `relaytrain.io/pool` label)
+and lower-priority preemption. A low-priority job is submitted while the queue has no quota:
+it waits, Suspended, with Kueue's own reason in its condition and no pod. Given exactly its
+quota it is admitted and trains with the assigned flavours' node labels; a stage killed then
+is replaced without losing the admission. A high-priority job of the same shape preempts it:
+its pods go, the operator hands its quota back (only once they are gone), the high-priority
+job trains and finishes (its Workload Finished, freeing the quota), and the first job is
+admitted again and resumes from its last committed checkpoint, not from step 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from relaytrain_operator.queueing import PRIORITY_LABEL, QUEUE_LABEL, workload_name
+
+from tests.harness.chart_rbac import render_chart
+from tests.harness.kueue import GROUP as KUEUE
+from tests.harness.kueue import VERSION as KV
+from tests.harness.rbac_audit import calls_of, explain, granted_to, service_account_user
+from tests.harness.waiting import wait_for
+from tests.operator_env import (
+    EVERY,
+    GROUP,
+    PLURAL,
+    VERSION,
+    ProgressWatcher,
+    diagnostics,
+    job_manifest,
+    operator_env,
+    stage_pods,
+)
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+POOL_LABEL = "relaytrain.io/pool"
+PLURALS = {(GROUP, "FineTuneJob"): PLURAL}
+STEPS = 120
+"""The low-priority job's steps: enough that it is still training when preempted."""
+
+
+@pytest.fixture(scope="module")
+def env(
+    kube_cluster: Any,
+    minio_server: Any,
+    kueue: Any,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Any]:
+    work = tmp_path_factory.mktemp("kueue-e2e")
+    with operator_env(kube_cluster, minio_server, work, kueue={"enabled": True}) as parts:
+        parts["kueue"] = kueue
+        yield parts
+
+
+def _cluster_queue(name: str, pools: list[str], quota: dict[str, int]) -> dict[str, Any]:
+    return {
+        "apiVersion": f"{KUEUE}/{KV}",
+        "kind": "ClusterQueue",
+        "metadata": {"name": name},
+        "spec": {
+            "namespaceSelector": {},
+            "preemption": {"withinClusterQueue": "LowerPriority"},
+            "resourceGroups": [
+                {
+                    "coveredResources": ["nvidia.com/gpu", "memory"],
+                    "flavors": [
+                        {
+                            "name": f"{name}-{pool}",
+                            "resources": [
+                                {"name": "nvidia.com/gpu", "nominalQuota": quota.get(pool, 0)},
+                                {"name": "memory", "nominalQuota": "1Ti"},
+                            ],
+                        }
+                        for pool in pools
+                    ],
+                }
+            ],
+        },
+    }
+
+
+def _job(name: str, minio: Any, queue: str, priority: str, steps: int) -> dict[str, Any]:
+    job = job_manifest(name, minio)
+    job["metadata"]["labels"] = {QUEUE_LABEL: queue, PRIORITY_LABEL: priority}
+    job["spec"]["training"]["steps"] = steps
+    return job
+
+
+def test_kueue_admits_waits_preempts_and_resumes(env: dict[str, Any], kube_cluster: Any) -> None:
+    e = env
+    core, custom, ns, runner = e["core"], e["custom"], e["ns"], e["runner"]
+    tag = uuid.uuid4().hex[:5]
+    cq, lq = f"rt-cq-{tag}", "team"
+    pools = [p["name"] for p in kube_cluster.pools]
+    for pool in pools:
+        custom.create_cluster_custom_object(
+            KUEUE,
+            KV,
+            "resourceflavors",
+            {
+                "apiVersion": f"{KUEUE}/{KV}",
+                "kind": "ResourceFlavor",
+                "metadata": {"name": f"{cq}-{pool}"},
+                "spec": {"nodeLabels": {POOL_LABEL: pool}},
+            },
+        )
+    custom.create_cluster_custom_object(KUEUE, KV, "clusterqueues", _cluster_queue(cq, pools, {}))
+    custom.create_namespaced_custom_object(
+        KUEUE,
+        KV,
+        ns,
+        "localqueues",
+        {
+            "apiVersion": f"{KUEUE}/{KV}",
+            "kind": "LocalQueue",
+            "metadata": {"name": lq},
+            "spec": {"clusterQueue": cq},
+        },
+    )
+    for cls, value in ((f"low-{tag}", 10), (f"high-{tag}", 1000)):
+        custom.create_cluster_custom_object(
+            KUEUE,
+            KV,
+            "workloadpriorityclasses",
+            {
+                "apiVersion": f"{KUEUE}/{KV}",
+                "kind": "WorkloadPriorityClass",
+                "metadata": {"name": cls},
+                "value": value,
+            },
+        )
+
+    def status(name: str) -> dict[str, Any]:
+        job = custom.get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name)
+        return job.get("status") or {}
+
+    def ready(name: str) -> dict[str, Any]:
+        return next((c for c in status(name).get("conditions", []) if c["type"] == "Ready"), {})
+
+    def workload(name: str) -> dict[str, Any]:
+        return custom.get_namespaced_custom_object(  # type: ignore[no-any-return]
+            KUEUE, KV, ns, "workloads", workload_name(name)
+        )
+
+    def wl_condition(name: str, kind: str) -> dict[str, Any]:
+        conditions = (workload(name).get("status") or {}).get("conditions") or []
+        return next((c for c in conditions if c["type"] == kind), {})
+
+    low, high = "low-job", "high-job"
+    watcher = ProgressWatcher(e["minio"], f"ckpt/{ns}/{low}/progress.json")
+    try:
+        # 1. No quota yet: the job plans, submits its Workload and waits with Kueue's words.
+        custom.create_namespaced_custom_object(
+            GROUP, VERSION, ns, PLURAL, _job(low, e["minio"], lq, f"low-{tag}", steps=STEPS)
+        )
+        waiting = wait_for(
+            "the low-priority job waiting for quota",
+            lambda: ready(low) if ready(low).get("reason") == "WaitingForQuota" else None,
+            timeout=90,
+        )
+        assert status(low)["phase"] == "Suspended"
+        assert "insufficient" in waiting["message"] and lq in waiting["message"], waiting
+        assert stage_pods(core, ns, low) == {}
+        demand: dict[str, int] = {}
+        for pod_set in workload(low)["spec"]["podSets"]:
+            pool = pod_set["template"]["metadata"]["labels"][POOL_LABEL]
+            demand[pool] = demand.get(pool, 0) + pod_set["count"]
+        assert sum(demand.values()) == len(status(low)["stages"])
+
+        # 2. Exactly its quota: admitted, its pods carry the flavours' node labels, it trains.
+        cluster_queue = custom.get_cluster_custom_object(KUEUE, KV, "clusterqueues", cq)
+        cluster_queue["spec"] = _cluster_queue(cq, pools, demand)["spec"]
+        custom.replace_cluster_custom_object(KUEUE, KV, "clusterqueues", cq, cluster_queue)
+        wait_for(
+            "the low-priority job admitted and running",
+            lambda: status(low).get("phase") == "Running",
+            timeout=120,
+        )
+        admitted = wl_condition(low, "Admitted")
+        assert admitted.get("status") == "True", admitted
+        pods = stage_pods(core, ns, low)
+        assert pods and all(
+            p.spec.node_selector[POOL_LABEL] == p.metadata.annotations["relaytrain.io/pool"]
+            for p in pods.values()
+        )
+
+        # 3. A stage killed: replaced, the admission kept (the same QuotaReserved transition).
+        reserved_at = wl_condition(low, "QuotaReserved")["lastTransitionTime"]
+        wait_for(
+            "a committed checkpoint",
+            lambda: (watcher.latest().get("lastCommittedStep") or 0) >= EVERY,
+            timeout=180,
+        )
+        victim = sorted(pods)[-1]
+        os.kill(runner.local_pod(ns, victim).process.pid, signal.SIGKILL)
+        wait_for(
+            "the killed stage replaced and running",
+            lambda: (
+                any(s.get("restarts") for s in status(low)["stages"])
+                and status(low)["phase"] == "Running"
+            ),
+            timeout=120,
+        )
+        assert wl_condition(low, "QuotaReserved") == {
+            **wl_condition(low, "QuotaReserved"),
+            "status": "True",
+            "lastTransitionTime": reserved_at,
+        }
+
+        # 4. A higher priority of the same shape preempts it: pods gone, quota handed back.
+        committed = wait_for(
+            "a commit after the replacement",
+            lambda: (c := watcher.latest().get("lastCommittedStep") or 0) > EVERY and c,
+            timeout=180,
+        )
+        custom.create_namespaced_custom_object(
+            GROUP, VERSION, ns, PLURAL, _job(high, e["minio"], lq, f"high-{tag}", steps=12)
+        )
+        evicted = wait_for(
+            "the low-priority job evicted",
+            lambda: ready(low) if ready(low).get("reason") == "Evicted" else None,
+            timeout=120,
+        )
+        assert "Preempted" in evicted["message"], evicted
+        wait_for(
+            "the high-priority job admitted",
+            lambda: wl_condition(high, "Admitted").get("status") == "True",
+            timeout=120,
+        )
+        # Its quota was handed back only once its pods were gone (they held the GPUs).
+        assert core.list_namespaced_pod(ns, label_selector=f"relaytrain.io/job={low}").items == []
+        assert wl_condition(low, "QuotaReserved").get("status") == "False"
+        assert wl_condition(low, "Evicted").get("reason") == "Preempted"
+        stopped_at = watcher.latest().get("step") or 0
+        last_commit = watcher.latest().get("lastCommittedStep") or committed
+
+        # 5. The high-priority job finishes; its Workload is Finished; the low one resumes.
+        wait_for(
+            "the high-priority job succeeded",
+            lambda: status(high).get("phase") == "Succeeded",
+            timeout=240,
+        )
+        assert wl_condition(high, "Finished").get("status") == "True"
+        wait_for(
+            "the low-priority job running again",
+            lambda: status(low).get("phase") == "Running",
+            timeout=120,
+        )
+        resumed = wait_for(
+            "a step after the resume",
+            lambda: next(
+                (doc for _, doc in watcher.history if (doc.get("step") or 0) > stopped_at),
+                None,
+            ),
+            timeout=180,
+        )
+        assert resumed, "training went on past where it was preempted"
+
+        # 6. spec.suspend maps onto the Workload's spec.active: suspended, Kueue evicts it
+        # and the quota is handed back; resumed, it is admitted again and goes on.
+        def suspend(value: bool) -> None:
+            custom.patch_namespaced_custom_object(
+                GROUP, VERSION, ns, PLURAL, low, {"spec": {"suspend": value}}
+            )
+
+        suspend(True)
+        wait_for(
+            "the suspended job's quota handed back",
+            lambda: (
+                workload(low)["spec"]["active"] is False
+                and wl_condition(low, "QuotaReserved").get("status") == "False"
+            ),
+            timeout=120,
+        )
+        assert status(low)["phase"] == "Suspended" and ready(low)["reason"] == "Suspended"
+        assert core.list_namespaced_pod(ns, label_selector=f"relaytrain.io/job={low}").items == []
+        suspend(False)
+        wait_for(
+            "the resumed job admitted and running",
+            lambda: (
+                workload(low)["spec"]["active"] is True and status(low).get("phase") == "Running"
+            ),
+            timeout=120,
+        )
+        wait_for(
+            "the low-priority job succeeded",
+            lambda: status(low).get("phase") == "Succeeded",
+            timeout=300,
+        )
+        assert wl_condition(low, "Finished").get("status") == "True"
+        # Restored, not restarted: every stage's new pod restored the last commit made
+        # before the preemption, and no step at or below it was reported again.
+        pods_dir = e["work"] / "pods" / ns
+        for k in range(len(status(low)["stages"])):
+            logs = [p.read_text() for p in (pods_dir / f"{low}-stage-{k}").rglob("*.log")]
+            assert any(f"restored committed step {last_commit}" in text for text in logs), k
+        at_stop = max(
+            i for i, (_, doc) in enumerate(watcher.history) if doc.get("step") == stopped_at
+        )
+        later = [doc.get("step") or 0 for _, doc in watcher.history[at_stop:]]
+        assert min(later) >= last_commit and max(later) == STEPS, (later, last_commit)
+        # The chart's Kueue grants are exactly the Kueue calls its operator made.
+        release = e["release"]
+        docs = render_chart(
+            release.name, release.namespace, "kueue.enabled=true", f"watchNamespaces={{{ns}}}"
+        )
+        account = f"{release.name}-relaytrain"
+        granted = {p for p in granted_to(docs, release.namespace, account) if p.group == KUEUE}
+        user = service_account_user(release.namespace, account)
+        calls = calls_of(kube_cluster.component_log("audit"), user, PLURALS)
+        used = {p for p in calls.used if p.group == KUEUE}
+        assert calls.refused == [] and granted == used, explain(granted - used, used - granted)
+    except BaseException:
+        for name in (low, high):
+            with contextlib.suppress(Exception):
+                print(name, json.dumps(workload(name), indent=1)[-3000:])
+                print(name, json.dumps(status(name), indent=1)[-2000:])
+        print(diagnostics(e))
+        print(e["kueue"].logs()[-6000:])
+        raise
+    finally:
+        watcher.stop()
