@@ -140,7 +140,10 @@ EVENT_REASONS = {
     "Queued": "Normal",
     "WaitingForQuota": "Normal",
     "Evicted": "Warning",
+    "Inadmissible": "Warning",
 }
+QUEUE_REASONS = ("Queued", "WaitingForQuota", "Inadmissible", "Evicted")
+"""Why a job submitted to Kueue has no pods (docs/operator.md, "Queueing with Kueue")."""
 
 
 @dataclass(frozen=True)
@@ -456,7 +459,7 @@ class _Pass:
             self.hold_workload(active=True)
         if admission.state == "admitted":
             ready = condition(self.written, READY)
-            if ready is not None and ready.reason in ("Queued", "WaitingForQuota", "Evicted"):
+            if ready is not None and ready.reason in QUEUE_REASONS:
                 flavors = ", ".join(f"{p} → {f}" for p, f in sorted(admission.pool_flavors.items()))
                 self.event("Normal", "Admitted", f"{admission.message} (flavors: {flavors}).")
             return True
@@ -469,8 +472,11 @@ class _Pass:
                 "when Kueue admits it again.",
             )
             return False
-        if admission.reason == "Pending" and admission.message:
-            self.wait_for_kueue("WaitingForQuota", f"LocalQueue {self.queue}: {admission.message}")
+        if admission.message:
+            # Pending: no quota now; Inadmissible: it cannot be admitted as it stands (its
+            # LocalQueue or ClusterQueue missing or inactive): Kueue's words either way.
+            reason = "WaitingForQuota" if admission.reason == "Pending" else "Inadmissible"
+            self.wait_for_kueue(reason, f"LocalQueue {self.queue}: {admission.message}")
         else:
             self.wait_for_kueue(
                 "Queued", f"Submitted to LocalQueue {self.queue}: waiting for Kueue to admit it."

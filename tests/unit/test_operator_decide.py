@@ -1327,6 +1327,13 @@ def test_a_queued_job_waits_for_quota_with_kueues_words_and_no_pod() -> None:
     assert not [a for a in decision.actions if isinstance(a, (Create, CreateLinkSecret))]
     quiet = workload_of(job, ("QuotaReserved", "False", "Pending", ""))
     assert ready_reason(decide(kobserved(job, [], quiet), SETTINGS)) == "Queued"
+    lost = workload_of(
+        job, ("QuotaReserved", "False", "Inadmissible", "LocalQueue team doesn't exist")
+    )
+    refused = decide(kobserved(job, [], lost), SETTINGS)
+    assert ready_reason(refused) == "Inadmissible"
+    assert "LocalQueue team doesn't exist" in str(condition(refused.status, READY))  # type: ignore[arg-type]
+    assert [e.type for e in events(refused) if e.reason == "Inadmissible"] == ["Warning"]
 
 
 def test_an_admitted_job_starts_with_its_flavors_labels_and_tolerations() -> None:
