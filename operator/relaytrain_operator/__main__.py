@@ -24,7 +24,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     # Registers the handlers (importing them needs kopf and the kubernetes client, which
     # `--help` does not).
-    import relaytrain_operator.handlers  # noqa: F401
+    import relaytrain_operator.handlers
+
+    if opts.kueue:
+        # Only then: watching a resource the operator may not list would fail forever.
+        import relaytrain_operator.handlers.workloads  # noqa: F401
 
     kopf.run(
         clusterwide=not opts.namespaces,

@@ -42,6 +42,10 @@ class OperatorOptions(BaseModel):
     """YAML/JSON file of GPU catalog overrides (the chart mounts one from its values)."""
     debug: bool = False
     """Log every handler run and API request (kopf's debug logging)."""
+    kueue: bool = False
+    """Watch the jobs' Kueue Workloads, so that an admission or an eviction is acted on at
+    once rather than at the next resync (needs list/watch on workloads: the chart's
+    `kueue.enabled`)."""
     max_workers: int = Field(8, ge=1)
     """Threads that run reconciliations (API calls, store reads, planning) side by side."""
 
@@ -93,6 +97,12 @@ def parse_options(
         action="store_true",
         default=env.get("RELAYTRAIN_DEBUG", "") not in ("", "0", "false"),
         help=f"{fields['debug'].description} (env RELAYTRAIN_DEBUG=1)",
+    )
+    parser.add_argument(
+        "--kueue",
+        action="store_true",
+        default=env.get("RELAYTRAIN_KUEUE", "") not in ("", "0", "false"),
+        help=f"{fields['kueue'].description} (env RELAYTRAIN_KUEUE=1)",
     )
     args = vars(parser.parse_args(argv))
     given: dict[str, Any] = {key: value for key, value in args.items() if value is not None}

@@ -68,10 +68,14 @@ def calls_of(log: str, user: str, plurals: Mapping[tuple[str, str], str]) -> Aud
     refused: list[Refusal] = []
     for line in log.splitlines():
         event = json.loads(line)
-        if (
-            event.get("user", {}).get("username") != user
-            or event.get("stage") != "ResponseComplete"
-        ):
+        # A watch is logged complete only when it ends (minutes later); its ResponseStarted
+        # event says it was authorized and runs.
+        stages = (
+            ("ResponseComplete", "ResponseStarted")
+            if event.get("verb") == "watch"
+            else ("ResponseComplete",)
+        )
+        if event.get("user", {}).get("username") != user or event.get("stage") not in stages:
             continue
         ref = event.get("objectRef")
         if not ref:  # /api, /apis, /version: discovery, granted to every authenticated user

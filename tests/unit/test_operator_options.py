@@ -17,11 +17,13 @@ def test_defaults_come_from_the_model_and_the_environment() -> None:
         "RELAYTRAIN_METRICS_PORT": "0",
         "RELAYTRAIN_DEBUG": "1",
         "RELAYTRAIN_PEERING": "",
+        "RELAYTRAIN_KUEUE": "1",
     }
     opts = parse_options([], env)
     assert opts.namespaces == ("team-a", "ml-*")
     assert (opts.resync_seconds, opts.max_workers, opts.metrics_port) == (2.5, 3, 0)
-    assert opts.debug and opts.peering is None
+    assert opts.debug and opts.peering is None and opts.kueue
+    assert parse_options(["--kueue"], {}).kueue and not parse_options([], {}).kueue
 
 
 def test_flags_win_over_the_environment() -> None:
