@@ -60,6 +60,16 @@ def _json(response: Any) -> JsonDict:
     return data
 
 
+def _found(read: Callable[[], Any]) -> JsonDict | None:
+    """The object `read` returns, or None when the API server says it does not exist."""
+    try:
+        return _json(read())
+    except ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise
+
+
 @dataclass
 class ClusterApi:
     """Thin, typed access to the few API calls the operator makes."""
@@ -78,16 +88,11 @@ class ClusterApi:
 
     def get_job(self, namespace: str, name: str) -> JsonDict | None:
         """The job as stored now (None once it is gone)."""
-        try:
-            return _json(
-                self._custom.get_namespaced_custom_object(
-                    GROUP, VERSION, namespace, PLURAL, name, **_RAW
-                )
+        return _found(
+            lambda: self._custom.get_namespaced_custom_object(
+                GROUP, VERSION, namespace, PLURAL, name, **_RAW
             )
-        except ApiException as exc:
-            if exc.status == 404:
-                return None
-            raise
+        )
 
     def patch_job_status(self, namespace: str, name: str, status: JsonDict) -> None:
         """Merge-patch the status subresource (fields set to None are removed)."""
@@ -172,16 +177,11 @@ class ClusterApi:
 
     def get_workload(self, namespace: str, name: str) -> JsonDict | None:
         """The job's Workload, or None when there is none."""
-        try:
-            return _json(
-                self._custom.get_namespaced_custom_object(
-                    queueing.GROUP, queueing.VERSION, namespace, queueing.PLURAL, name, **_RAW
-                )
+        return _found(
+            lambda: self._custom.get_namespaced_custom_object(
+                queueing.GROUP, queueing.VERSION, namespace, queueing.PLURAL, name, **_RAW
             )
-        except ApiException as exc:
-            if exc.status == 404:
-                return None
-            raise
+        )
 
     def patch_workload(self, namespace: str, name: str, patch: JsonDict) -> None:
         self._custom.patch_namespaced_custom_object(
@@ -211,30 +211,19 @@ class ClusterApi:
 
     def get_flavor(self, name: str) -> JsonDict | None:
         """A ResourceFlavor (cluster-scoped), or None when there is none."""
-        try:
-            return _json(
-                self._custom.get_cluster_custom_object(
-                    queueing.GROUP, queueing.VERSION, queueing.FLAVORS, name, **_RAW
-                )
-            )
-        except ApiException as exc:
-            if exc.status == 404:
-                return None
-            raise
+        return self._kueue_cluster_object(queueing.FLAVORS, name)
 
     def get_priority_value(self, name: str) -> int | None:
         """The value of WorkloadPriorityClass `name`, or None when there is none."""
-        try:
-            found = _json(
-                self._custom.get_cluster_custom_object(
-                    queueing.GROUP, queueing.VERSION, queueing.PRIORITY_CLASSES, name, **_RAW
-                )
+        found = self._kueue_cluster_object(queueing.PRIORITY_CLASSES, name)
+        return None if found is None else int(found.get("value") or 0)
+
+    def _kueue_cluster_object(self, plural: str, name: str) -> JsonDict | None:
+        return _found(
+            lambda: self._custom.get_cluster_custom_object(
+                queueing.GROUP, queueing.VERSION, plural, name, **_RAW
             )
-        except ApiException as exc:
-            if exc.status == 404:
-                return None
-            raise
-        return int(found.get("value") or 0)
+        )
 
     # --- the cluster around the job -------------------------------------------------
 
@@ -249,12 +238,7 @@ class ClusterApi:
 
     def get_node(self, name: str) -> JsonDict | None:
         """One node, or None when it no longer exists."""
-        try:
-            return _json(self._core.read_node(name, **_RAW))
-        except ApiException as exc:
-            if exc.status == 404:
-                return None
-            raise
+        return _found(lambda: self._core.read_node(name, **_RAW))
 
     @staticmethod
     def _paged(call: Any, **kwargs: Any) -> Iterator[JsonDict]:
