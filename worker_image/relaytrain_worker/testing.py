@@ -11,8 +11,9 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -20,6 +21,7 @@ from typing import Any, Literal
 import torch
 from relaytrain_contract import TrainingSpec
 from torch import nn
+from torch.nn.utils import parametrize
 
 from relaytrain_worker.dataparallel import (
     InProcessGroup,
@@ -454,10 +456,11 @@ def _run_pipelines(
         for p, split in enumerate(splits)
         for k in range(len(split))
     ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    with _one_parametrize_cache_at_a_time():
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
     for row in listeners:
         for lst in row:
             if lst is not None:
@@ -465,6 +468,32 @@ def _run_pipelines(
     if errors:
         raise errors[0]
     return runs
+
+
+_PARAMETRIZE = threading.RLock()
+
+
+@contextmanager
+def _one_parametrize_cache_at_a_time() -> Iterator[None]:
+    """torch's parametrization cache (`parametrize.cached`, which peft enters around the
+    forward of each LoRA on expert weights) is one global of the process, cleared when the
+    last context leaves: with stages as threads, one stage inside it keeps another's cached
+    weight past that one's context, and its next micro-batch reuses a weight whose graph was
+    already backwarded ("backward through the graph a second time", MoE families, seen
+    under load). Stage processes never share it; here the contexts take turns (nothing
+    inside one waits on a link, so no stage holds the turn while waiting for another)."""
+    original = parametrize.cached
+
+    @contextmanager
+    def in_turn() -> Iterator[None]:
+        with _PARAMETRIZE, original():
+            yield
+
+    parametrize.cached = in_turn
+    try:
+        yield
+    finally:
+        parametrize.cached = original
 
 
 def run_reference(
