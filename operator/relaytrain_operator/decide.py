@@ -605,14 +605,9 @@ class _Pass:
                         f"{entry.restarts} restarts; spec.failurePolicy.maxStageRestarts is "
                         f"{limit}."
                     )
-                    if p == 0 and several:
-                        # Pipeline 0 alone writes the checkpoints and the result (docs/worker.md):
-                        # the others cannot finish the job without it.
-                        why += (
-                            " Pipeline 0 writes the checkpoints and the result: the job cannot "
-                            "go on without it."
-                        )
-                    if p == 0 or out | set(exhausted) | {p} >= set(range(len(plan.splits()))):
+                    # Any pipeline may go: the lowest one training writes the checkpoints, the
+                    # progress and the result (docs/worker.md). The job fails with the last.
+                    if out | set(exhausted) | {p} >= set(range(len(plan.splits()))):
                         self.fail(why)
                         return
                     exhausted.setdefault(p, why)

@@ -6,8 +6,9 @@ replica links; every stage is its own `python -m relaytrain_worker`. What a user
 notice is checked against one pipeline training the same job and global batch: the loss
 of every step and the final adapter are the same bits (the in-process proof of
 test_worker_dataparallel, now through processes, their documents and their links), and so
-is the job's tokens per step; pipeline 0 alone writes the checkpoints. A stage of pipeline
-1 killed mid-run takes only its pipeline out; it rejoins from pipeline 0's state. With
+is the job's tokens per step. A stage of pipeline 1 killed mid-run takes only its pipeline
+out; it rejoins from pipeline 0's state. One of pipeline 0 killed hands the writing of
+checkpoints, progress and history to pipeline 1 until pipeline 0 rejoins. With
 `sync: periodic` the pipelines average their weights every few steps instead, through the
 same kill, and move fewer bytes on their replica links.
 
@@ -185,32 +186,40 @@ def _log(workdir: Path, p: int, k: int) -> str:
 @dataclass
 class _Watched:
     rejoined: str | None
-    """The step pipeline 1's killed stage rejoined at (its log's word)."""
+    """The step the killed stage rejoined at (its log's word)."""
     rejoined_after: float
     """Seconds into the run it did."""
     exposition: str | None
-    """p0/s0's /metrics, the last read before the run ended."""
+    """The first survivor's /metrics, the last read before the run ended."""
+    progress: list[dict[str, Any]]
+    """Every progress.json read while the run went on, in order."""
 
 
 def _watch_after_the_kill(
-    proc: Any, workspace: Path, name: str, workdir: Path, started: float
+    proc: Any,
+    workspace: Path,
+    name: str,
+    workdir: Path,
+    started: float,
+    killed: tuple[int, int] = (1, 1),
+    survivors: tuple[tuple[int, int], ...] = ((0, 0), (0, 1)),
 ) -> _Watched:
-    """While the run goes on after p1/s1 was killed: pipeline 0's stages never step back
-    (their /metrics and the job's progress.json, polled as they change), and pipeline 1
-    comes back before the end; the run ends well with the restart said."""
-    survivors = [(0, 0), (0, 1)]
+    """While the run goes on after stage `killed` was: the other pipeline's stages
+    (`survivors`) never step back (their /metrics and the job's progress.json, polled as they
+    change), and the killed stage's pipeline comes back before the end; the run ends well
+    with the restart said."""
     seen: dict[tuple[int, int], list[int]] = {s: [] for s in survivors}
-    progress_steps: list[int] = []
-    watched = _Watched(None, 0.0, None)
+    watched = _Watched(None, 0.0, None, [])
+    p, k = killed
     while proc.poll() is None:
-        for stage, step in _metric_steps(workdir, survivors).items():
+        for stage, step in _metric_steps(workdir, list(survivors)).items():
             seen[stage].append(step)
-        watched.exposition = _metrics_text(workdir, 0, 0) or watched.exposition
+        watched.exposition = _metrics_text(workdir, *survivors[0]) or watched.exposition
         record = progress(workspace / "ckpt", name)
         if record is not None:
-            progress_steps.append(record["step"])
+            watched.progress.append(record)
         if watched.rejoined is None:
-            found = re.search(r"Stage p1/s1 rejoined at step (\d+)", _log(workdir, 1, 1))
+            found = re.search(rf"Stage p{p}/s{k} rejoined at step (\d+)", _log(workdir, p, k))
             if found:
                 watched.rejoined = found.group(1)
                 watched.rejoined_after = time.monotonic() - started
@@ -223,9 +232,10 @@ def _watch_after_the_kill(
         assert steps[-1] >= KILL_STEPS // 2  # it trained on, read as it went
     final = progress(workspace / "ckpt", name)
     assert final is not None and final["done"]
-    progress_steps.append(final["step"])
+    watched.progress.append(final)
+    progress_steps = [r["step"] for r in watched.progress]
     assert progress_steps == sorted(progress_steps) and progress_steps[-1] == KILL_STEPS
-    assert "stage p1/s1 exited with -9; restarting it (1/2)" in out
+    assert f"stage p{p}/s{k} exited with -9; restarting it (1/2)" in out
     return watched
 
 
@@ -244,10 +254,10 @@ def _replica_bytes(exposition: str) -> dict[str, dict[str, float]]:
     return out
 
 
-def _kill_p1_s1(
-    workspace: Path, name: str, workdir: Path, proc: Any, past: int
+def _kill_stage(
+    workspace: Path, name: str, workdir: Path, proc: Any, past: int, stage: tuple[int, int]
 ) -> tuple[int, dict[tuple[int, int], int]]:
-    """Kill pipeline 1's middle stage once progress.json reaches step `past`: the step it
+    """Kill `stage` (pipeline, index) once progress.json reaches step `past`: the step it
     said then, and every stage's pid before the kill."""
 
     def past_it() -> dict[str, Any] | None:
@@ -258,7 +268,7 @@ def _kill_p1_s1(
     state = run_state(workdir)
     assert state is not None
     before = {(s["pipeline"], s["index"]): s["pid"] for s in state["stages"]}
-    os.kill(before[(1, 1)], signal.SIGKILL)
+    os.kill(before[stage], signal.SIGKILL)
     assert not at.get("done"), f"the job finished before the kill could land: {at}"
     return int(at["step"]), before
 
@@ -273,7 +283,7 @@ def test_a_stage_killed_in_one_pipeline_takes_only_that_pipeline_out(
         flags=[*PIPELINES, "--shares", "2,1"], env=ENV,
     )  # fmt: skip
 
-    killed_at, before = _kill_p1_s1(workspace, name, workdir, proc, EVERY + 1)  # past a commit
+    killed_at, before = _kill_stage(workspace, name, workdir, proc, EVERY + 1, (1, 1))
     watched = _watch_after_the_kill(proc, workspace, name, workdir, started)
     rejoined, exposition = watched.rejoined, watched.exposition
     summary = json.loads((workdir / "summary.json").read_text())
@@ -322,6 +332,67 @@ def test_a_stage_killed_in_one_pipeline_takes_only_that_pipeline_out(
     assert len(off) <= 1, f"steps whose loss is off by more than {STEP_TOLERANCE}: {off[:10]}"
 
 
+def test_pipeline_0_killed_hands_the_writing_to_pipeline_1_and_takes_it_back(
+    workspace: Path, long_reference: list[float]
+) -> None:
+    # The writer is the lowest pipeline training. With pipeline 0's last stage killed,
+    # pipeline 1 trains on alone and writes: it commits (under step-N/p1/, in its own split),
+    # progress.json and the loss history go on; pipeline 0 rejoins with pipeline 1's state
+    # and its pending loss records, and writes again from that step to the output.
+    name, workdir = "kill-writer", workspace / "wd-kill-writer"
+    started = time.monotonic()
+    proc = start_run(
+        _job(workspace, name, 2, steps=KILL_STEPS), workdir,
+        flags=[*PIPELINES, "--shares", "2,1"], env=ENV,
+    )  # fmt: skip
+    killed_at, before = _kill_stage(workspace, name, workdir, proc, EVERY + 1, (0, 1))
+    watched = _watch_after_the_kill(
+        proc, workspace, name, workdir, started, killed=(0, 1),
+        survivors=((1, 0), (1, 1), (1, 2)),
+    )  # fmt: skip
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert summary["restarts"] == {"p0/s1": 1}
+    after = json.loads((workdir / "state.json").read_text())["stages"]
+    for stage in after:
+        key = (stage["pipeline"], stage["index"])
+        if key[0] == 1:
+            assert stage["pid"] == before[key], f"p1/s{key[1]} was restarted"
+    assert watched.rejoined is not None, "pipeline 0 did not rejoin before the job ended"
+    rejoined = int(watched.rejoined)
+    # Pipeline 1 took the writing over at one step after the kill and committed while
+    # pipeline 0 was out; pipeline 0 took it back at the step it rejoined.
+    p1_last = _log(workdir, 1, 2)
+    took = [int(s) for s in re.findall(r"Stage p1/s2 writes for the job from step (\d+)", p1_last)]
+    assert len(took) == 1 and killed_at < took[0] <= rejoined, (took, killed_at, rejoined)
+    commits = [
+        int(s) for s in re.findall(r"Committed checkpoint step (\d+) of \S+ \(pipeline 1,", p1_last)
+    ]
+    assert commits and all(took[0] <= c <= rejoined for c in commits), commits
+    for k in range(3):
+        assert f"Stage p1/s{k} writes for the job from step {took[0]}" in _log(workdir, 1, k)
+    assert f"Stage p0/s1 writes for the job from step {rejoined}" in _log(workdir, 0, 1)
+    assert f"Stage p0/s1 rejoined at step {rejoined} with the state of pipeline 1" in (
+        _log(workdir, 0, 1)
+    )
+    # progress.json went on while pipeline 0 was out: steps and commits of pipeline 1's.
+    out_there = [r for r in watched.progress if took[0] <= r["step"] < rejoined]
+    assert out_there, [r["step"] for r in watched.progress]
+    assert {r["lastCommittedStep"] for r in out_there} & set(commits)
+    # Every step's loss record once, in order, across both hand-overs; the job's loss is
+    # the uninterrupted one's to within the tolerance.
+    history = _history(workspace, name)
+    assert [r["step"] for r in history] == list(range(1, KILL_STEPS + 1))
+    losses = [r["loss"] for r in history]
+    assert losses[:killed_at] == long_reference[:killed_at]
+    print(
+        f"killed p0/s1 at step {killed_at}; pipeline 1 wrote from step {took[0]} "
+        f"(commits {commits[0]}..{commits[-1]}), pipeline 0 rejoined at step {rejoined} "
+        f"{watched.rejoined_after:.1f} s into the run; final loss {losses[-1]!r} against "
+        f"{long_reference[-1]!r}; run {time.monotonic() - started:.1f} s"
+    )
+    assert abs(losses[-1] - long_reference[-1]) <= LOSS_TOLERANCE * long_reference[-1]
+
+
 PERIODIC_EVERY = 4
 """Steps between outer steps in the periodic test."""
 PERIODIC_COMMIT = 12
@@ -351,7 +422,7 @@ def test_periodic_pipelines_average_their_weights_and_ride_out_a_kill(
         pipeline={"sync": sync},
     )  # fmt: skip
     proc = start_run(job, workdir, flags=[*PIPELINES, "--shares", "2,1"], env=ENV)
-    killed_at, _ = _kill_p1_s1(workspace, name, workdir, proc, PERIODIC_COMMIT + 1)
+    killed_at, _ = _kill_stage(workspace, name, workdir, proc, PERIODIC_COMMIT + 1, (1, 1))
     watched = _watch_after_the_kill(proc, workspace, name, workdir, started)
     assert watched.rejoined is not None, "pipeline 1 did not rejoin before the job ended"
     rejoined = int(watched.rejoined)

@@ -36,6 +36,7 @@ from tests.operator_env import (
     job_manifest,
     operator_env,
     stage_pods,
+    stored_json,
 )
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -278,6 +279,88 @@ def test_two_pipelines_train_one_job_and_a_killed_stage_takes_out_its_pipeline_o
     print(
         f"\nTwo pipelines: killed {victim} at step {at['step']}; the job finished "
         f"{time.monotonic() - killed_at:.1f}s later at step {after[-1]} without a step back"
+    )
+
+
+def test_pipeline_0_given_up_leaves_pipeline_1_to_write_and_finish_the_job(
+    env: dict[str, Any],
+) -> None:
+    """With no restarts allowed, a killed stage of pipeline 0 gives pipeline 0 up: its pods
+    go and a PipelineFailed Event says so, the job stays Running (Degraded) — pipeline 0 is
+    no longer the one the job cannot lose — and pipeline 1, now the lowest training, writes
+    the commits, the progress and the adapter: the job Succeeds with every step done."""
+    e = env
+    core, custom, ns, runner = e["core"], e["custom"], e["ns"], e["runner"]
+    name, steps = "tiny-writer", 400
+    manifest = job_manifest(name, e["minio"], stages=2, replicas=2)
+    manifest["spec"]["training"]["steps"] = steps
+    manifest["spec"]["failurePolicy"]["maxStageRestarts"] = 0
+    custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, manifest)
+
+    def status() -> dict[str, Any]:
+        return (
+            custom.get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name).get("status")
+            or {}
+        )
+
+    watcher = ProgressWatcher(e["minio"], f"ckpt/{ns}/{name}/progress.json")
+    try:
+        at = wait_for(
+            "a commit of both pipelines",
+            lambda: (p := watcher.latest()).get("lastCommittedStep") and p,
+            timeout=400,
+        )
+        assert at["step"] < steps - 4, f"the job ran too fast to be interrupted: {at}"
+        pods = stage_pods(core, ns, name)
+        survivors = {
+            n: (p.metadata.uid, runner.local_pod(ns, n).process.pid)
+            for n, p in pods.items()
+            if n.startswith(f"{name}-p1-")
+        }
+        os.kill(runner.local_pod(ns, f"{name}-p0-s1").process.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        given_up = wait_for(
+            "pipeline 0 given up",
+            lambda: (
+                (st := status()).get("pipelines") and st["pipelines"][0]["phase"] == "Failed" and st
+            ),
+            timeout=120,
+        )
+        assert given_up["phase"] == "Running", given_up
+        final = wait_for(
+            "the job to finish on pipeline 1",
+            lambda: (st := status()).get("phase") in ("Succeeded", "Failed") and st,
+            timeout=600,
+        )
+    except AssertionError as err:
+        raise AssertionError(f"{err}\n{diagnostics(e)}") from None
+    finally:
+        watcher.stop()
+    assert final["phase"] == "Succeeded", f"{final}\n{diagnostics(e)}"
+    assert [p["phase"] for p in final["pipelines"]] == ["Failed", "Succeeded"]
+    events = core.list_namespaced_event(ns, field_selector=f"involvedObject.name={name}").items
+    assert any(
+        ev.reason == "PipelineFailed" and "Pipeline 0 is given up" in ev.message for ev in events
+    ), [(ev.reason, ev.message) for ev in events]
+    for n, (uid, pid) in survivors.items():
+        started = [(lp.uid, lp.process.pid) for lp in runner.history if lp.name == n]
+        assert started == [(uid, pid)], f"{n} was restarted: {started}"
+    # Pipeline 1 wrote from the kill on: progress went on to the end, never back, and the
+    # final commit is pipeline 1's (its own split under step-N/p1/).
+    after = [doc["step"] for t, doc in watcher.history if t > killed_at]
+    assert after == sorted(after) and after[-1] == steps, after
+    assert final["progress"]["step"] == steps and final["progress"]["lastCommittedStep"] == steps
+    mc, bucket = e["minio"].client(), e["minio"].bucket
+    body = stored_json(mc, bucket, f"ckpt/{ns}/{name}/step-{steps}/manifest.json")["body"]
+    assert (body["pipeline"], body["numStages"]) == (1, 2), body
+    files = {
+        o.object_name.rsplit("/", 1)[-1]
+        for o in mc.list_objects(bucket, f"adapters/{name}/", recursive=True)
+    }
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= files
+    print(
+        f"\nPipeline 0 given up at step {at['step']}: pipeline 1 finished the job "
+        f"{time.monotonic() - killed_at:.1f}s later and wrote the adapter"
     )
 
 

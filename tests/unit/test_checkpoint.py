@@ -194,3 +194,51 @@ def test_rng_states_round_trip() -> None:
     assert torch.equal(first[0], again[0])
     assert first[1] == again[1]
     assert np.array_equal(first[2], again[2])
+
+
+def test_a_commit_by_another_pipeline_names_its_split_and_its_files_are_apart(
+    store: LocalStore,
+) -> None:
+    # Pipeline 0 is out: pipeline 1 (two stages, not pipeline 0's three) writes step 20.
+    _save_all(store, 10)
+    for k in range(2):
+        ckpt.save_stage(store, JOB, 20, k, _files(20, k), pipeline=1)
+    assert not ckpt.try_commit(store, JOB, 20, 2)  # pipeline 0's stages saved nothing
+    assert ckpt.try_commit(store, JOB, 20, 2, pipeline=1)
+    assert ckpt.committed_by(store, JOB, 20) == (1, 2)
+    assert ckpt.committed_by(store, JOB, 10) == (0, 3)
+    assert ckpt.stage_key(JOB, 20, 1, 1).endswith("step-20/p1/stage-1")
+    assert store.exists(f"{JOB}/step-20/p1/stage-1/files.json")
+    assert not store.exists(f"{JOB}/step-20/stage-1/files.json")
+    assert ckpt.load_stage(store, JOB, 20, 1) == _files(20, 1)
+    assert ckpt.latest_committed(store, JOB, verify_files=True) == 20
+    # A kept copy is pipeline 1's only when pipeline 1 wrote the step.
+    assert ckpt.matches_commit(store, JOB, 20, 1, _files(20, 1), pipeline=1)
+    assert not ckpt.matches_commit(store, JOB, 20, 1, _files(20, 1))
+    # A manifest written before pipelines were recorded is pipeline 0's.
+    key = ckpt.manifest_key(JOB, 10)
+    doc = json.loads(store.get(key))
+    del doc["body"]["pipeline"]
+    doc["sha256"] = ckpt._sha256(ckpt._canonical(doc["body"]))
+    store.put(key, ckpt._canonical(doc))
+    assert ckpt.committed_by(store, JOB, 10) == (0, 3)
+    assert ckpt.load_stage(store, JOB, 10, 2) == _files(10, 2)
+
+
+def test_a_listing_of_another_pipeline_is_not_committed_as_this_ones(store: LocalStore) -> None:
+    ckpt.save_stage(store, JOB, 10, 0, _files(10, 0), pipeline=1)
+    listing = f"{JOB}/step-10/p1/stage-0/files.json"
+    doc = json.loads(store.get(listing))
+    doc["pipeline"] = 2
+    store.put(listing, json.dumps(doc).encode())
+    with pytest.raises(CorruptCheckpoint, match="pipeline 2"):
+        ckpt.try_commit(store, JOB, 10, 1, pipeline=1)
+
+
+def test_a_pipeline_saving_a_step_another_committed_is_refused(store: LocalStore) -> None:
+    # Two pipelines cut apart each took itself for the lowest left: the first commit wins.
+    ckpt.save_stage(store, JOB, 10, 0, _files(10, 0), pipeline=1)
+    assert ckpt.try_commit(store, JOB, 10, 1, pipeline=1)
+    with pytest.raises(CheckpointError, match="already committed"):
+        ckpt.save_stage(store, JOB, 10, 0, _files(10, 0))
+    assert ckpt.committed_by(store, JOB, 10) == (1, 1)

@@ -77,3 +77,41 @@ def test_a_rollback_drops_records_after_the_commit_and_a_rerun_replaces_them(
     assert fresh.last is not None and fresh.last["step"] == 6
     fresh.resume(None)
     assert fresh.last is None
+
+
+def test_a_pipeline_taking_the_writing_over_writes_each_step_once(tmp_path: Path) -> None:
+    """Pipeline 0's last stage writes up to the commit at 10 and is lost at step 13; pipeline
+    1's last stage, which kept every record but trimmed what the writer surely wrote, adopts
+    the history and writes from step 11 on; pipeline 0 rejoins at step 18 with pipeline 1's
+    records and takes the writing back: every step is in the store exactly once, in order,
+    with the held-out losses the writers evaluated."""
+    store = LocalStore(tmp_path)
+    p0, p1 = LossHistory(store, PREFIX), LossHistory(store, PREFIX)
+    for step in range(1, 13):
+        for h in (p0, p1):
+            h.append(step, float(step), 100.0)
+        if step == 5:
+            p0.append_eval(5, 0.5)
+        if step % 5 == 0:
+            p0.write(step)
+            p1.forget_through(step - 5)
+    assert [r["step"] for r in p1.pending] == list(range(6, 13))
+    p1.adopt()  # at step 13 pipeline 1 is the lowest left
+    assert [r["step"] for r in p1.pending] == [11, 12]
+    assert p1.last_eval is not None and p1.last_eval["evalLoss"] == 0.5
+    for step in range(13, 18):
+        p1.append(step, float(step), 100.0)
+        if step == 15:
+            p1.append_eval(15, 0.25)
+            p1.write(15)
+    rejoined = LossHistory(store, PREFIX)  # pipeline 0's replacement process
+    rejoined.take(json.loads(json.dumps(p1.pending)))
+    rejoined.adopt()
+    for step in range(18, 21):
+        rejoined.append(step, float(step), 100.0)
+    rejoined.write(20)
+    records = read_history(store, PREFIX)
+    assert [r["step"] for r in records] == list(range(1, 21))
+    assert [r["loss"] for r in records] == [float(s) for s in range(1, 21)]
+    assert {r["step"]: r["evalLoss"] for r in records if "evalLoss" in r} == {5: 0.5, 15: 0.25}
+    assert rejoined.last_eval is not None and rejoined.last_eval["step"] == 15

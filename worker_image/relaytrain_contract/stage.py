@@ -287,8 +287,9 @@ class ReplicasSpec(_Part):
     pipelines"). Absent from the document: this stage's pipeline trains alone."""
 
     pipeline: Annotated[int, Field(ge=0)]
-    """This stage's pipeline index (0-based). Pipeline 0 alone writes checkpoints and
-    progress.json (every pipeline holds the same weights)."""
+    """This stage's pipeline index (0-based). The lowest pipeline training a step writes
+    checkpoints and progress.json for all (every pipeline holds the same weights): pipeline 0
+    unless it is out."""
     shares: tuple[Count, ...]
     """Micro-batches per step of each pipeline, in pipeline order; they add up to
     `training.microBatches`. Pipeline p trains the p-th contiguous run of a step's

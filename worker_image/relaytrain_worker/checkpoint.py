@@ -4,9 +4,11 @@ Layout under ``<job_prefix>`` in a Store::
 
     step-<N>/stage-<k>/<files>          each stage's own state (adapter, optimizer, RNG, data)
     step-<N>/stage-<k>/files.json       that stage's listing (name, size, sha256), written last
-    step-<N>/manifest.json              the commit: every stage's files with checksums, written
-                                        last of all by one coordinator; it carries the sha256
-                                        of its own body
+    step-<N>/p<w>/stage-<k>/...         the same, saved by pipeline w > 0 (the writer while
+                                        the pipelines below it are out; its split may differ)
+    step-<N>/manifest.json              the commit: the writing pipeline and every stage's
+                                        files with checksums, written last of all by one
+                                        coordinator; it carries the sha256 of its own body
 
 Rules this module enforces:
 - A step counts only when its manifest exists, parses and its body checksum verifies;
@@ -14,7 +16,8 @@ Rules this module enforces:
   restored and the last good one is.
 - ``load_stage`` re-checks every file's size and sha256 and raises CorruptCheckpoint naming
   the file that is wrong.
-- Nothing committed is overwritten: saving into a committed step is an error. Pruning
+- Nothing committed is overwritten: saving into a committed step is an error (a pipeline that
+  finds its step committed by another has lost a split-brain race and leaves). Pruning
   deletes a step's manifest before its files, so a half-deleted step is never "committed".
 - ``prune`` deletes only steps older than the newest commit, keeps the newest ``keep``
   commits, and never touches steps newer than the newest commit (they may be in flight).
@@ -65,9 +68,11 @@ def step_key(job_prefix: str, step: int) -> str:
     return _join(job_prefix, f"step-{step}")
 
 
-def stage_key(job_prefix: str, step: int, stage: int) -> str:
-    """``<job_prefix>/step-<N>/stage-<k>``."""
-    return _join(step_key(job_prefix, step), f"stage-{stage}")
+def stage_key(job_prefix: str, step: int, stage: int, pipeline: int = 0) -> str:
+    """``<job_prefix>/step-<N>/stage-<k>``, or ``.../step-<N>/p<w>/stage-<k>`` for the files
+    pipeline w > 0 saved."""
+    where = f"p{pipeline}/stage-{stage}" if pipeline else f"stage-{stage}"
+    return _join(step_key(job_prefix, step), where)
 
 
 def manifest_key(job_prefix: str, step: int) -> str:
@@ -88,9 +93,16 @@ def _now() -> str:
 
 
 def save_stage(
-    store: Store, job_prefix: str, step: int, stage: int, files: Mapping[str, bytes]
+    store: Store,
+    job_prefix: str,
+    step: int,
+    stage: int,
+    files: Mapping[str, bytes],
+    *,
+    pipeline: int = 0,
 ) -> dict[str, dict[str, Any]]:
-    """Write one stage's files for ``step``, then its ``files.json``. Returns the listing.
+    """Write one stage's files for ``step`` (of ``pipeline``, the writer), then its
+    ``files.json``. Returns the listing.
 
     Raises CheckpointError if ``step`` is already committed (nothing is overwritten).
     """
@@ -99,7 +111,7 @@ def save_stage(
             f"step {step} of {job_prefix!r} is already committed; committed checkpoints are "
             "never overwritten (discard_after() the restore point first)"
         )
-    base = stage_key(job_prefix, step, stage)
+    base = stage_key(job_prefix, step, stage, pipeline)
     # A listing left by an earlier attempt at this step must not be committed with the new
     # files, so it goes before any file is rewritten.
     store.delete(_join(base, FILES))
@@ -109,13 +121,19 @@ def save_stage(
             raise ValueError(f"invalid checkpoint file name {name!r}")
         store.put(_join(base, name), data)
         listing[name] = {"size": len(data), "sha256": _sha256(data)}
-    doc = {"format": FORMAT, "step": step, "stage": stage, "files": listing, "createdAt": _now()}
+    doc = {
+        "format": FORMAT, "step": step, "stage": stage, "pipeline": pipeline,
+        "files": listing, "createdAt": _now(),
+    }  # fmt: skip
     store.put(_join(base, FILES), _canonical(doc))
     return listing
 
 
-def try_commit(store: Store, job_prefix: str, step: int, num_stages: int) -> bool:
-    """Commit ``step`` if every stage's ``files.json`` is there; True once it is committed.
+def try_commit(
+    store: Store, job_prefix: str, step: int, num_stages: int, *, pipeline: int = 0
+) -> bool:
+    """Commit ``step`` if every stage of ``pipeline`` (the writer) has its ``files.json``
+    there; True once it is committed (by this pipeline or, after a split brain, another).
 
     Run by one coordinator (e.g. the last stage). Idempotent.
     """
@@ -125,7 +143,7 @@ def try_commit(store: Store, job_prefix: str, step: int, num_stages: int) -> boo
         return True
     stages: dict[str, Any] = {}
     for k in range(num_stages):
-        files_key = _join(stage_key(job_prefix, step, k), FILES)
+        files_key = _join(stage_key(job_prefix, step, k, pipeline), FILES)
         try:
             raw = store.get(files_key)
         except ObjectNotFound:
@@ -133,17 +151,23 @@ def try_commit(store: Store, job_prefix: str, step: int, num_stages: int) -> boo
         try:
             doc = json.loads(raw)
             files = doc["files"]
-            if doc["step"] != step or doc["stage"] != k:
-                raise ValueError(f"listing is for step {doc['step']} stage {doc['stage']}")
+            if (doc["step"], doc["stage"], doc.get("pipeline", 0)) != (step, k, pipeline):
+                raise ValueError(
+                    f"listing is for step {doc['step']} stage {doc['stage']} pipeline "
+                    f"{doc.get('pipeline', 0)}"
+                )
         except (ValueError, KeyError, TypeError) as e:
             raise CorruptCheckpoint(f"{files_key} is not a valid stage listing: {e}") from e
         stages[str(k)] = {"files": files}
     body = {
-        "format": FORMAT, "step": step, "numStages": num_stages,
+        "format": FORMAT, "step": step, "pipeline": pipeline, "numStages": num_stages,
         "stages": stages, "committedAt": _now(),
     }  # fmt: skip
     store.put(key, _canonical({"body": body, "sha256": _sha256(_canonical(body))}))
-    log.info("Committed checkpoint step %d of %s (%d stages)", step, job_prefix, num_stages)
+    log.info(
+        "Committed checkpoint step %d of %s (pipeline %d, %d stages)",
+        step, job_prefix, pipeline, num_stages,
+    )  # fmt: skip
     return True
 
 
@@ -171,6 +195,13 @@ def read_manifest(store: Store, job_prefix: str, step: int) -> dict[str, Any]:
     if not ok:
         raise CorruptCheckpoint(f"manifest {key} is corrupt: its checksum does not match")
     return dict(body)
+
+
+def committed_by(store: Store, job_prefix: str, step: int) -> tuple[int, int]:
+    """(pipeline, number of stages) that committed ``step``: whose split its files are in
+    (a manifest without a pipeline is pipeline 0's)."""
+    body = read_manifest(store, job_prefix, step)
+    return int(body.get("pipeline", 0)), int(body["numStages"])
 
 
 def list_steps(store: Store, job_prefix: str) -> list[int]:
@@ -234,7 +265,7 @@ def load_stage(store: Store, job_prefix: str, step: int, stage: int) -> dict[str
     entry = body["stages"].get(str(stage))
     if entry is None:
         raise CorruptCheckpoint(f"manifest of step {step} has no stage {stage}")
-    base = stage_key(job_prefix, step, stage)
+    base = stage_key(job_prefix, step, stage, int(body.get("pipeline", 0)))
     out = {}
     for name, meta in entry["files"].items():
         key = _join(base, name)
@@ -252,15 +283,27 @@ def load_stage(store: Store, job_prefix: str, step: int, stage: int) -> dict[str
 
 
 def matches_commit(
-    store: Store, job_prefix: str, step: int, stage: int, files: Mapping[str, bytes]
+    store: Store,
+    job_prefix: str,
+    step: int,
+    stage: int,
+    files: Mapping[str, bytes],
+    *,
+    pipeline: int = 0,
 ) -> bool:
-    """Whether an in-memory copy of a stage's files is exactly what ``step`` committed.
+    """Whether an in-memory copy of a stage's files (of ``pipeline``) is exactly what
+    ``step`` committed.
 
     Lets a surviving stage roll back from the copy it kept when it saved, without
     downloading its own files again (only the small manifest is read).
     """
-    entry = read_manifest(store, job_prefix, step)["stages"].get(str(stage))
-    if entry is None or set(entry["files"]) != set(files):
+    body = read_manifest(store, job_prefix, step)
+    entry = body["stages"].get(str(stage))
+    if (
+        int(body.get("pipeline", 0)) != pipeline
+        or entry is None
+        or set(entry["files"]) != set(files)
+    ):
         return False
     return all(
         len(files[name]) == meta["size"] and _sha256(files[name]) == meta["sha256"]

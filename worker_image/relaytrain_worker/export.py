@@ -19,7 +19,7 @@ import safetensors.torch
 import torch
 from relaytrain_contract import StageConfig
 
-from relaytrain_worker.checkpoint import load_stage, tensors_from_bytes
+from relaytrain_worker.checkpoint import committed_by, load_stage, tensors_from_bytes
 from relaytrain_worker.methods import TIED_NAME, for_family, lora_config, peft_key
 from relaytrain_worker.store import Store
 
@@ -35,10 +35,13 @@ def export_output(
     out: Store,
     model_dir: Path,
 ) -> list[str]:
-    """Write the job's output from committed `step`; returns the object names written."""
+    """Write the job's output from committed `step`; returns the object names written.
+    Every stage of the split that committed it (whichever pipeline wrote it) is merged by
+    parameter name."""
+    _, stages = committed_by(ckpt, job_prefix, step)
     parts = [
         tensors_from_bytes(load_stage(ckpt, job_prefix, step, k)[TRAINABLE_FILE])
-        for k in range(cfg.stage.count)
+        for k in range(stages)
     ]
     if cfg.method.type == "full":
         return _export_full(parts, out, model_dir)

@@ -17,6 +17,13 @@ the same steps writes the same chunk names again (commits fall on the same steps
 bytes written per step stay constant however long the job runs, where rewriting one JSON
 array after every step wrote O(steps²) bytes in all.
 
+With several pipelines every pipeline's last stage keeps the records (each has the whole
+step's loss), and the writer of the moment — the lowest pipeline training — writes them.
+A last stage that becomes the writer (`adopt`) drops what the store already holds and
+writes the rest with its next commit; one that is not trims what the writer has surely
+written (`forget_through`); a rejoining last stage takes the records of the peer whose state
+it takes (`take`), so whoever writes next has the steps it was out for.
+
 `read_history` is the one reader of the chunks.
 """
 
@@ -116,6 +123,32 @@ class LossHistory:
             _key(self.prefix, f"{HISTORY_DIR}/{first:09d}-{step:09d}.jsonl"), lines.encode()
         )
         self.pending = [r for r in self.pending if r["step"] > step]
+
+    def forget_through(self, step: int) -> None:
+        """Drop the pending records up to `step` (a last stage that is not the writer, at a
+        commit boundary: the writer has written them)."""
+        self.pending = [r for r in self.pending if r["step"] > step]
+
+    def take(self, records: list[Record]) -> None:
+        """Hold `records` (a live peer's pending records) as this stage's own: a last stage
+        rejoining takes the steps it was out for from the peer whose state it takes."""
+        self.pending = [dict(r) for r in records]
+        if self.pending:
+            self.last = self.pending[-1]
+        newest_eval = next((r for r in reversed(self.pending) if "evalLoss" in r), None)
+        self.last_eval = newest_eval or self.last_eval
+
+    def adopt(self) -> None:
+        """This last stage becomes the writer (the pipelines below its own are out): the
+        pending records the store already holds go, the rest are written with the next
+        commit, and the newest held-out loss is the store's when none is pending."""
+        stored = read_history(self.store, self.prefix)
+        written = int(stored[-1]["step"]) if stored else -1
+        self.pending = [r for r in self.pending if r["step"] > written]
+        held = [r for r in (*stored, *self.pending) if "evalLoss" in r]
+        self.last_eval = held[-1] if held else None
+        if self.last is None and stored:
+            self.last = stored[-1]
 
     def discard_after(self, step: int | None) -> None:
         """Delete chunks of steps after `step` (None: all), with the checkpoints the

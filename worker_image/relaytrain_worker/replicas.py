@@ -305,11 +305,11 @@ class ReplicaLinks:
             self.listener.close()
 
 
-def pipeline_zero_stages(peers: tuple[ReplicaPeer, ...]) -> list[int]:
-    """The stages of pipeline 0 among `peers`: whose checkpoint files hold this stage's
-    weights (pipeline 0 alone writes checkpoints, and its stages that share this stage's
-    layers are exactly its peers there)."""
-    return [p.stage for p in peers if p.pipeline == 0]
+def peer_stages(peers: tuple[ReplicaPeer, ...], pipeline: int) -> list[int]:
+    """The stages of `pipeline` among `peers`: whose checkpoint files hold this stage's
+    weights when that pipeline wrote the commit (its stages that share this stage's layers
+    are exactly its peers there)."""
+    return [p.stage for p in peers if p.pipeline == pipeline]
 
 
 def exchange_hellos(

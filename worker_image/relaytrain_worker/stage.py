@@ -22,13 +22,17 @@ With several pipelines (the document's `replicas` section) the stage also holds 
 each stage of the other pipelines that shares its layers (`replicas.ReplicaLinks`), opened
 with its pipeline links in 3; stage 0 of pipeline p trains its share of every step's
 micro-batches; the step's token count, gradients, loss and token rate are reduced over
-every pipeline (`dataparallel`). Pipeline 0 alone saves checkpoints, commits, and writes
-progress.json and the output: every pipeline holds the same weights. In 3 the other
-pipelines take pipeline 0's agreed resume step from their pipeline-0 peers; they restore
-a commit by parameter name from the pipeline-0 stages that hold their layers (their split
-may differ). A failed stage takes only its pipeline out (docs/worker.md, "Several pipelines
-as processes"): a broken pipeline link makes the stage close every link and rejoin, a broken
-replica link is a peer's pipeline leaving, and the others train on. At every step the
+every pipeline (`dataparallel`). One pipeline writes for all — saves checkpoints, commits,
+and writes progress.json and the output: every pipeline holds the same weights. The writer
+of a step is the lowest pipeline training it, so pipeline 0 unless it is out, when the next
+takes over (its files under `step-N/p<w>/`, its split in the manifest) and gives the
+writing back when pipeline 0 has rejoined. In 3 the other pipelines take pipeline 0's
+agreed resume step from their pipeline-0 peers; a stage restores a commit another
+pipeline wrote by parameter name from that pipeline's stages that hold its layers (their
+split may differ). A failed stage takes only its pipeline out (docs/worker.md, "Several
+pipelines as processes"): a broken pipeline link makes the stage close every link and
+rejoin, a broken replica link is a peer's pipeline leaving, and the others train on. At
+every step the
 first stages agree on the pipelines that train it (`LinkGroup.agree_members`) and send the
 plan down their chains; the step's micro-batches are shared among those (`live_shares`).
 A stage (re)starting finds, by the hello on its replica links, whether any pipeline is
@@ -38,7 +42,7 @@ training: if so it rejoins at a step boundary with a live peer's state, by param
 With `replicas.sync.mode: periodic` only the loss and the counts are reduced each step:
 every pipeline steps on its own share, and an outer step (`periodic.PeriodicSync`) averages
 the weights every `everySteps` steps, after the last, and before every checkpoint and
-evaluation, so that what pipeline 0 saves and evaluates is every replica's weights.
+evaluation, so that what the writer saves and evaluates is every replica's weights.
 """
 
 from __future__ import annotations
@@ -76,7 +80,7 @@ from relaytrain_worker.replicas import (
     ReplicaLinks,
     exchange_hellos,
     load_state_frames,
-    pipeline_zero_stages,
+    peer_stages,
     state_frame,
 )
 from relaytrain_worker.schedule import StepRunner, count_items
@@ -94,6 +98,8 @@ log = logging.getLogger("relaytrain.stage")
 
 STATE_FILE = "state.pt"
 META_FILE = "meta.json"
+HISTORY_KEY = "__loss_history__"
+"""The pending loss records a last stage sends a rejoining last stage with its state."""
 CONNECT_FOR = 600.0
 """How long a stage keeps trying to reach its next stage (a replacement pod takes time)."""
 
@@ -141,8 +147,10 @@ class StageRuntime:
         """Whether the pipelines average their weights every few steps (periodic.py) rather
         than reduce gradients every step."""
         self.writer = self.pipeline == 0
-        """Whether this stage saves checkpoints (and, as the last stage, commits them and
-        writes progress.json, the loss history and the output): pipeline 0's stages."""
+        """Whether this stage's pipeline writes for the step just trained: saves checkpoints
+        (and, as the last stage, commits them and writes progress.json, the loss history and
+        the output). The lowest pipeline training the step (`_plan`): pipeline 0 unless it
+        is out."""
         self.tls = link_credentials(cfg)
         self.replicas = ReplicaLinks(cfg, self.tls) if cfg.replicas is not None else None
         """The links to the other pipelines (None: this pipeline trains alone)."""
@@ -170,10 +178,11 @@ class StageRuntime:
         stage reports them in progress.json (`_publish`)."""
         self.eval_batches = (
             self._load_data(load_eval_batches)
-            if cfg.stage.is_first and self.writer and cfg.dataset.validation is not None
+            if cfg.stage.is_first and cfg.dataset.validation is not None
             else None
         )
-        """The held-out micro-batches (pipeline 0's stage 0; evaluation.py)."""
+        """The held-out micro-batches (every stage 0: the writer's pipeline evaluates;
+        evaluation.py)."""
         self.data_report: DataReport | None = None
         """Stage 0's example counts, as the last stage read them for progress.json."""
         steps = cfg.training.steps
@@ -276,8 +285,9 @@ class StageRuntime:
         if step is None:
             self._reset()
             return 0
-        if not self.writer:
-            return self._restore_by_name(step)
+        source, stages = ckpt.committed_by(self.store, self.prefix, step)
+        if source != self.pipeline or stages != self.count:
+            return self._restore_by_name(step, source, stages)
         files = self._committed_files(step)
         tensors = safetensors.torch.load(files[TRAINABLE_FILE])
         with torch.no_grad():
@@ -289,14 +299,18 @@ class StageRuntime:
         log.info("Stage %s restored committed step %d", self.name, step)
         return step
 
-    def _restore_by_name(self, step: int) -> int:
-        """Restore committed `step` from the pipeline-0 stages that hold this stage's
-        layers, by parameter name (this pipeline's split may differ from pipeline 0's). The
-        RNG, which was another stage's, is seeded from (seed, step, pipeline, stage)."""
-        assert self.cfg.replicas is not None
+    def _restore_by_name(self, step: int, source: int, stages: int) -> int:
+        """Restore committed `step`, which pipeline `source` wrote in `stages` stages, from
+        the stages that hold this stage's layers, by parameter name (the splits may differ):
+        the peers in `source`, or every stage of it when they are not known. The RNG, which
+        was another stage's, is seeded from (seed, step, pipeline, stage)."""
+        holders = (
+            peer_stages(self.cfg.replicas.peers, source)
+            if self.cfg.replicas is not None and source != self.pipeline
+            else []
+        )
         parts = [
-            ckpt.load_stage(self.store, self.prefix, step, j)
-            for j in pipeline_zero_stages(self.cfg.replicas.peers)
+            ckpt.load_stage(self.store, self.prefix, step, j) for j in holders or range(stages)
         ]
         tensors: dict[str, torch.Tensor] = {}
         for files in parts:
@@ -305,7 +319,7 @@ class StageRuntime:
         if missing:
             raise ckpt.CorruptCheckpoint(
                 f"step {step} holds no {missing[0]} (and {len(missing) - 1} more) in the "
-                "pipeline-0 stages that should hold this stage's layers"
+                f"pipeline-{source} stages that should hold this stage's layers"
             )
         with torch.no_grad():
             for name, param in self.trainable:
@@ -356,7 +370,9 @@ class StageRuntime:
         if (
             kept is not None
             and kept[0] == step
-            and ckpt.matches_commit(self.store, self.prefix, step, self.k, kept[1])
+            and ckpt.matches_commit(
+                self.store, self.prefix, step, self.k, kept[1], pipeline=self.pipeline
+            )
         ):
             log.info("Stage %s rolls back from its own copy of step %d", self.name, step)
             return kept[1]
@@ -408,7 +424,7 @@ class StageRuntime:
         and tells the other pipelines, which take it from their pipeline-0 peers."""
         if self.replicas is None:
             return self._handshake(peers, mine)
-        if not self.writer:
+        if self.pipeline != 0:
             return self.replicas.recv_resume(replica_links, CONNECT_FOR)
         agreed = self._handshake(peers, mine)
         self.replicas.send_resume(replica_links, agreed)
@@ -449,7 +465,9 @@ class StageRuntime:
         self.step = restored or 0
         if self._nothing_left(restored):
             log.info("Stage %s restored the job's final commit: nothing left to train", self.name)
-            if self.cfg.stage.is_last and self.writer:
+            assert restored is not None
+            wrote = ckpt.committed_by(self.store, self.prefix, restored)[0] == self.pipeline
+            if self.cfg.stage.is_last and wrote:
                 self._finish()
             self.metrics.set_health("done", step=self.step)
             return 0
@@ -470,13 +488,15 @@ class StageRuntime:
                     assert self.replicas is not None
                     group = self.replicas.group(replica_links, members=live)
                     replica_links = {}
+                    self.writer = False  # until a step's plan makes it the lowest again
                     self._rejoin(peers, group)
                 else:
                     agreed = self._agree(peers, replica_links, restored)
                     if agreed != restored:
                         restored = agreed
                         self.step = self.restore(agreed)
-                    if self.cfg.stage.is_last and self.writer:
+                    self.writer = self.pipeline == 0  # every pipeline starts from the commit
+                    if self.cfg.stage.is_last:
                         self.history.resume(restored)
                     if self.replicas is not None:
                         group = self.replicas.group(replica_links)
@@ -649,8 +669,15 @@ class StageRuntime:
             plan = {"members": sorted(members), "joined": sorted(joined)}
             peers.next.send(Frame("plan", self.step, -1, {}, plan))
         group.begin(self.step, members, joined)
-        if not joined:
-            return members
+        if joined:
+            self._hand_state(group, members, joined)
+        self._write_for(members)
+        return members
+
+    def _hand_state(self, group: LinkGroup, members: set[int], joined: set[int]) -> None:
+        """At the step the pipelines `joined` rejoin, the stages of the lowest pipeline that
+        stayed send each peer there the state of the names it holds (and, from a last stage,
+        its pending loss records), and the rejoining stages take it."""
         source = min(members - joined)
         if self.pipeline == source:
             for q in sorted(joined):
@@ -659,6 +686,11 @@ class StageRuntime:
                     frame = state_frame(
                         self.step, self.trainable, self.optimizer, self.scheduler, names
                     )
+                    if self.cfg.stage.is_last:  # as bytes: the records may outgrow a header
+                        pending = json.dumps(self.history.pending).encode()
+                        frame.tensors[HISTORY_KEY] = torch.frombuffer(
+                            bytearray(pending), dtype=torch.uint8
+                        )
                     group.send_to(peer, frame)
             log.info(
                 "Stage %s sent its state to pipeline(s) %s rejoining at step %d",
@@ -666,14 +698,30 @@ class StageRuntime:
             )  # fmt: skip
         elif self.pipeline in joined:
             frames = [group.recv_from(peer, STATE, self.step) for peer in group.peers_in(source)]
+            records = [f.tensors.pop(HISTORY_KEY) for f in frames if HISTORY_KEY in f.tensors]
             load_state_frames(frames, self.trainable, self.optimizer, self.scheduler)
+            if self.cfg.stage.is_last and records:
+                self.history.take(json.loads(bytes(records[0].numpy())))
             self._seed(self.step)
             self.metrics.step.set(self.step)
             log.info(
                 "Stage %s rejoined at step %d with the state of pipeline %d",
                 self.name, self.step, source,
             )  # fmt: skip
-        return members
+
+    def _write_for(self, members: set[int]) -> None:
+        """This step's writer is the lowest pipeline training it. A pipeline that becomes it
+        (pipeline 0 is out, or has rejoined) takes over: its last stage adopts the loss
+        history and learns the newest commit from the store."""
+        was, self.writer = self.writer, self.pipeline == min(members)
+        if not self.writer or was:
+            return
+        log.info("Stage %s writes for the job from step %d", self.name, self.step)
+        if self.cfg.stage.is_last:
+            self.history.adopt()
+            self.last_committed = ckpt.latest_committed(self.store, self.prefix)
+            if self.last_committed is not None:
+                self.metrics.last_committed_step.set(self.last_committed)
 
     def _tied_name(self) -> str | None:
         tied = bool(getattr(self.stage.config, "tie_word_embeddings", False))
@@ -699,11 +747,10 @@ class StageRuntime:
         if loss is None:
             return
         self.metrics.loss.set(loss)
-        if not self.writer:
-            return
-        self.history.append(self.step, loss, rate)
+        self.history.append(self.step, loss, rate)  # every last stage: a writer-to-be
         self.step_seconds = seconds
-        self._publish()
+        if self.writer:
+            self._publish()
 
     def _evaluate(self, peers: Peers) -> None:
         """The held-out loss at this step through this pipeline (evaluation.py); the last
@@ -748,11 +795,21 @@ class StageRuntime:
         )
 
     def _checkpoint(self, peers: Peers, step: int) -> None:
-        if not self.writer:
-            return  # pipeline 0 saves for every pipeline: they hold the same weights
+        if not self.writer:  # the writer saves for every pipeline: they hold the same weights
+            if self.cfg.stage.is_last:
+                self.history.forget_through(step - self.cfg.checkpoint.everySteps)
+            return
         started = time.monotonic()
         files = self._files(step)
-        ckpt.save_stage(self.store, self.prefix, step, self.k, files)
+        try:
+            ckpt.save_stage(self.store, self.prefix, step, self.k, files, pipeline=self.pipeline)
+        except ckpt.CheckpointError as exc:
+            if self.replicas is None:
+                raise
+            # Another pipeline wrote this step: the two were cut apart and each took itself
+            # for the lowest left. The first commit wins; this pipeline leaves and rejoins.
+            why = f"pipeline {self.pipeline} lost the writing of step {step}: {exc}"
+            raise LinkBroken(why) from exc
         # Adapters are small: keep the copy for a rollback. Full weights are not kept twice.
         self.kept = (step, files) if self.cfg.method.type != "full" else None
         self.metrics.checkpoint_seconds.observe(time.monotonic() - started)
@@ -764,7 +821,7 @@ class StageRuntime:
         # The loss records of the steps up to this one go first: every committed step's
         # record is then in the store.
         self.history.write(step)
-        if ckpt.try_commit(self.store, self.prefix, step, self.count):
+        if ckpt.try_commit(self.store, self.prefix, step, self.count, pipeline=self.pipeline):
             self.last_committed = step
             self.metrics.last_committed_step.set(step)
             ckpt.prune(self.store, self.prefix, self.cfg.checkpoint.keep)
