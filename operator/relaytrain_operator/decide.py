@@ -865,7 +865,12 @@ class _Pass:
         uri = (progress.output if progress is not None else None) or output_uri(spec)
         self.update(output=OutputStatus(uri=uri))
         self.remove_pods()
-        self.update(stages=[idle_stage(s) for s in stages])
+        # Every pipeline not given up finished with the job, whatever its pods said last.
+        pipelines = [
+            p if p.phase == "Failed" else p.model_copy(update={"phase": "Succeeded"})
+            for p in self.status.pipelines or ()
+        ]
+        self.update(stages=[idle_stage(s) for s in stages], pipelines=pipelines or None)
         self.finish_workload(True, f"Training finished; the result is at {uri}.")
         self.settle(
             Verdict(

@@ -1125,11 +1125,17 @@ def test_pipeline_0_out_of_restarts_is_given_up_like_any_other_as_the_next_write
         "j-p0-s0",
         "j-p0-s1",
     ]
-    # The job finishes when pipeline 1 does.
+    # The job finishes when pipeline 1 does: by its pods, or by progress.json while they
+    # still run (pipeline 1 finished with the job either way).
     job = manifest(to_manifest(status), **FLEET_SPEC)
-    done = [p | {"status": {"phase": "Succeeded"}} for p in without(pods, "j-p0-s0", "j-p0-s1")]
-    finished = decide(observed(job, done), SETTINGS)
-    assert finished.status is not None and finished.status.phase == "Succeeded"
+    alive = without(pods, "j-p0-s0", "j-p0-s1")
+    done = [p | {"status": {"phase": "Succeeded"}} for p in alive]
+    for finished in (
+        decide(observed(job, done), SETTINGS),
+        decide(observed(job, alive, progress=progress(100, 100, done=True)), SETTINGS),
+    ):  # fmt: skip
+        assert finished.status is not None and finished.status.phase == "Succeeded"
+        assert [p.phase for p in finished.status.pipelines or ()] == ["Failed", "Succeeded"]
 
 
 def test_a_replacement_that_waits_for_a_gpu_says_which_pipeline() -> None:
