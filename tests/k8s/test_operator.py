@@ -821,6 +821,9 @@ def _expected_health(obj: dict[str, Any]) -> str:
         return "Progressing"
     conditions = {c["type"]: c["status"] for c in status.get("conditions") or []}
     phase = status["phase"]
+    reasons = {c["type"]: c.get("reason") for c in status.get("conditions") or []}
+    if phase == "Suspended" and reasons.get("Ready") == "Inadmissible":
+        return "Degraded"
     if phase in ("Succeeded", "Suspended"):
         return "Healthy" if phase == "Succeeded" else "Suspended"
     if phase == "Failed" or conditions.get("Stalled") == "True":

@@ -4,8 +4,9 @@
 -- status.phase, observedGeneration, the conditions and status.pipelines.
 --   Healthy      Running (every pipeline training) or Succeeded
 --   Progressing  not observed yet, Pending, Planning, Recovering, or a pipeline being replaced
---   Degraded     Failed, Stalled (e.g. the model cannot be read), or a pipeline given up
---   Suspended    spec.suspend is true
+--   Degraded     Failed, Stalled (e.g. the model cannot be read), a pipeline given up, or
+--                a queue that cannot admit the job (Kueue: reason Inadmissible)
+--   Suspended    spec.suspend is true, or queued for Kueue's quota
 -- (Missing is Argo CD's own word for an object that does not exist; no status says it.)
 local hs = {}
 
@@ -52,7 +53,14 @@ if phase == "Succeeded" then
   hs.status = "Healthy"
   hs.message = said("Ready", "Training finished")
 elseif phase == "Suspended" then
-  hs.status = "Suspended"
+  -- Queued is a pause; a LocalQueue or ClusterQueue that is missing or inactive is a
+  -- mistake in what was deployed, and nothing starts until it is fixed.
+  local ready = condition("Ready")
+  if ready ~= nil and ready.reason == "Inadmissible" then
+    hs.status = "Degraded"
+  else
+    hs.status = "Suspended"
+  end
   hs.message = said("Ready", "Suspended")
 elseif phase == "Failed" or holds("Stalled") then
   hs.status = "Degraded"
