@@ -254,6 +254,12 @@ def _replica_bytes(exposition: str) -> dict[str, dict[str, float]]:
     return out
 
 
+def _start_fleet(workspace: Path, name: str, workdir: Path) -> Any:
+    """The kill tests' run: two pipelines, [0-1 | 2-3] and [0 | 1-2 | 3], shares 2:1."""
+    job = _job(workspace, name, 2, steps=KILL_STEPS)
+    return start_run(job, workdir, flags=[*PIPELINES, "--shares", "2,1"], env=ENV)
+
+
 def _kill_stage(
     workspace: Path, name: str, workdir: Path, proc: Any, past: int, stage: tuple[int, int]
 ) -> tuple[int, dict[tuple[int, int], int]]:
@@ -278,10 +284,7 @@ def test_a_stage_killed_in_one_pipeline_takes_only_that_pipeline_out(
 ) -> None:
     name, workdir = "kill", workspace / "wd-kill"
     started = time.monotonic()
-    proc = start_run(
-        _job(workspace, name, 2, steps=KILL_STEPS), workdir,
-        flags=[*PIPELINES, "--shares", "2,1"], env=ENV,
-    )  # fmt: skip
+    proc = _start_fleet(workspace, name, workdir)
 
     killed_at, before = _kill_stage(workspace, name, workdir, proc, EVERY + 1, (1, 1))
     watched = _watch_after_the_kill(proc, workspace, name, workdir, started)
@@ -341,10 +344,7 @@ def test_pipeline_0_killed_hands_the_writing_to_pipeline_1_and_takes_it_back(
     # and its pending loss records, and writes again from that step to the output.
     name, workdir = "kill-writer", workspace / "wd-kill-writer"
     started = time.monotonic()
-    proc = start_run(
-        _job(workspace, name, 2, steps=KILL_STEPS), workdir,
-        flags=[*PIPELINES, "--shares", "2,1"], env=ENV,
-    )  # fmt: skip
+    proc = _start_fleet(workspace, name, workdir)
     killed_at, before = _kill_stage(workspace, name, workdir, proc, EVERY + 1, (0, 1))
     watched = _watch_after_the_kill(
         proc, workspace, name, workdir, started, killed=(0, 1),

@@ -14,6 +14,7 @@ committed checkpoint, and the job finishes with an adapter in MinIO.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -42,6 +43,14 @@ from tests.operator_env import (
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
+def _job_status(custom: Any, ns: str, name: str) -> dict[str, Any]:
+    """The FineTuneJob's status as the API server has it now ({} before the first write)."""
+    status: dict[str, Any] = (
+        custom.get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name).get("status") or {}
+    )
+    return status
+
+
 @pytest.fixture(scope="module")
 def env(
     kube_cluster: Any, minio_server: Any, tmp_path_factory: pytest.TempPathFactory
@@ -58,11 +67,7 @@ def test_job_survives_a_stage_killed_mid_run(env: dict[str, Any]) -> None:
         GROUP, VERSION, ns, PLURAL, job_manifest(name, e["minio"])
     )
 
-    def status() -> dict[str, Any]:
-        return (
-            custom.get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name).get("status")
-            or {}
-        )
+    status = functools.partial(_job_status, custom, ns, name)
 
     watcher = ProgressWatcher(e["minio"], f"ckpt/{ns}/{name}/progress.json")
 
@@ -204,11 +209,7 @@ def test_two_pipelines_train_one_job_and_a_killed_stage_takes_out_its_pipeline_o
     manifest["spec"]["training"]["steps"] = steps
     custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, manifest)
 
-    def status() -> dict[str, Any]:
-        return (
-            custom.get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name).get("status")
-            or {}
-        )
+    status = functools.partial(_job_status, custom, ns, name)
 
     watcher = ProgressWatcher(e["minio"], f"ckpt/{ns}/{name}/progress.json")
     try:
@@ -297,11 +298,7 @@ def test_pipeline_0_given_up_leaves_pipeline_1_to_write_and_finish_the_job(
     manifest["spec"]["failurePolicy"]["maxStageRestarts"] = 0
     custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, manifest)
 
-    def status() -> dict[str, Any]:
-        return (
-            custom.get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name).get("status")
-            or {}
-        )
+    status = functools.partial(_job_status, custom, ns, name)
 
     watcher = ProgressWatcher(e["minio"], f"ckpt/{ns}/{name}/progress.json")
     try:
