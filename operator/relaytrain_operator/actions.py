@@ -83,6 +83,15 @@ class ApplyWorkloadStatus:
     """The field manager it is applied as."""
 
 
+@dataclass(frozen=True)
+class PutGivenUp:
+    """Write the pipelines given up for good to the job's store (names.GIVEN_UP_FILE), where
+    its stages read them: a stage that links again does not wait for theirs."""
+
+    pipelines: tuple[int, ...]
+    """Every pipeline given up so far, ascending."""
+
+
 Action = (
     PatchStatus
     | CreateLinkSecret
@@ -91,4 +100,5 @@ Action = (
     | PostEvent
     | PatchWorkload
     | ApplyWorkloadStatus
+    | PutGivenUp
 )

@@ -26,6 +26,7 @@ from typing import Any
 
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
+from relaytrain_contract import GIVEN_UP_FILE
 
 from relaytrain_operator import queueing
 from relaytrain_operator.actions import (
@@ -36,10 +37,14 @@ from relaytrain_operator.actions import (
     DeletePod,
     PatchStatus,
     PatchWorkload,
+    PutGivenUp,
 )
 from relaytrain_operator.builders.labels import JOB_LABEL
 from relaytrain_operator.builders.secret import build_link_secret
 from relaytrain_operator.linkcerts import mint_link_credentials
+from relaytrain_operator.objectstore import StoreAccess, StoreError, write_json
+from relaytrain_operator.progress import job_store_uri
+from relaytrain_operator.spec import FineTuneJob, parse_job
 from relaytrain_operator.status import changes, to_manifest
 
 GROUP = "relaytrain.io"
@@ -263,9 +268,18 @@ class Executor:
     is not applied, and the next pass decides again from what the cluster then holds.
     """
 
-    def __init__(self, api: ClusterApi, post_event: EventPoster, threads: int = 8) -> None:
+    def __init__(
+        self,
+        api: ClusterApi,
+        post_event: EventPoster,
+        threads: int = 8,
+        store_access: Callable[[FineTuneJob], StoreAccess] | None = None,
+    ) -> None:
         self.api = api
         self.post_event = post_event
+        self.store_access = store_access
+        """How to reach a job's object store (`Observer.store_access`): PutGivenUp writes
+        there; None skips it."""
         self._threads = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="create")
         self._forbidden: dict[tuple[str, str], str] = {}  # job → the refusal last reported
 
@@ -312,9 +326,33 @@ class Executor:
                 self.api.patch_workload(namespace, action.name, action.patch)
             elif isinstance(action, ApplyWorkloadStatus):
                 self.api.apply_workload_status(action.body, action.manager)
+            elif isinstance(action, PutGivenUp):
+                self._put_given_up(job, action)
             else:  # PostEvent
                 self.post_event(job, action.type, action.reason, action.message)
         self._create_pods(pods)
+
+    def _put_given_up(self, job: JsonDict, action: PutGivenUp) -> None:
+        """Tell the job's stages, through its store, which pipelines are given up. A store
+        that cannot be written is logged, not raised: the next pass reads the document
+        back and writes it again (the rest of this pass still applies)."""
+        if self.store_access is None:
+            return
+        meta = job["metadata"]
+        try:
+            spec = parse_job(job)
+            doc = {"pipelines": list(action.pipelines)}
+            write_json(job_store_uri(spec), GIVEN_UP_FILE, doc, self.store_access(spec))
+        except (StoreError, ValueError) as exc:
+            logger.warning(
+                "Could not tell the stages of %s/%s that pipeline(s) %s are given up: %s",
+                meta["namespace"], meta["name"], list(action.pipelines), exc,
+            )  # fmt: skip
+            return
+        logger.info(
+            "Told the stages of %s/%s that pipeline(s) %s are given up.",
+            meta["namespace"], meta["name"], list(action.pipelines),
+        )  # fmt: skip
 
     def _create_link_secret(self, job: JsonDict, action: CreateLinkSecret, now: datetime) -> None:
         meta = job["metadata"]

@@ -38,6 +38,7 @@ from relaytrain_operator.actions import (
     PatchStatus,
     PatchWorkload,
     PostEvent,
+    PutGivenUp,
 )
 from relaytrain_operator.builders.labels import (
     PIPELINE_LABEL,
@@ -196,6 +197,9 @@ class Observed:
     priority: int | None = None
     """The value of the WorkloadPriorityClass the job's label names (None: no label, or no
     such class); read while the job has no Workload yet."""
+    told_given_up: tuple[int, ...] | None = None
+    """The pipelines the job's store says are given up (names.GIVEN_UP_FILE, what the
+    operator wrote for the stages); None when not read, absent or unreadable."""
 
 
 @dataclass(frozen=True)
@@ -214,6 +218,9 @@ class Needs:
     workload: bool = False
     """The job's Kueue Workload (a job submitted to a LocalQueue), and when `room` too the
     flavours it was admitted with."""
+    given_up: bool = False
+    """What the store tells the stages of given-up pipelines (a started job on s3:// with a
+    pipeline given up)."""
 
 
 @dataclass(frozen=True)
@@ -286,6 +293,7 @@ def needs(job: JsonDict, pods: Mapping[StageKey, JsonDict]) -> Needs:
         room=missing,
         progress=is_s3(spec.spec.checkpoint.uri),
         workload=queued,
+        given_up=bool(out) and is_s3(spec.spec.checkpoint.uri),
     )
 
 
@@ -650,6 +658,10 @@ class _Pass:
                 "PipelineFailed",
                 f"{why} Pipeline {p} is given up; the other pipelines train on without it.",
             )
+        # The stages learn it from the store: one linking again waits for no stage of it.
+        told = tuple(sorted(out))
+        if out and is_s3(spec.spec.checkpoint.uri) and self.observed.told_given_up != told:
+            self.actions.append(PutGivenUp(told))
         for key, verdict in verdicts.items():
             if verdict.action == "delete":
                 meta = pods[key]["metadata"]

@@ -1,17 +1,19 @@
-"""Small reads from the job's object store (S3/MinIO) or a local directory.
+"""Small reads from the job's object store (S3/MinIO) or a local directory, and one write.
 
-The operator reads two things there: the base model's config.json (to plan) and the
-workers' progress.json (to report); `relaytrain run --local` reads progress.json and the
-loss history. All are tiny. Endpoints and credentials follow the stage contract's rules
-(`relaytrain_contract.store`), as the worker's do: the job's credential Secret when it names
-one (the operator reads it through `apply`), else AWS's standard chain
-(`StoreAccess.from_environ`). One client is kept per endpoint (and replaced when its
-credentials change), so a periodic read reuses its pooled connection instead of building a
-client each time.
+The operator reads three things there: the base model's config.json (to plan), the
+workers' progress.json (to report) and its own given-up.json; it writes given-up.json, the
+pipelines it gave up, for the stages (names.GIVEN_UP_FILE). `relaytrain run --local` reads
+progress.json and the loss history. All are tiny. Endpoints and credentials follow the
+stage contract's rules (`relaytrain_contract.store`), as the worker's do: the job's
+credential Secret when it names one (the operator reads it through `apply`), else AWS's
+standard chain (`StoreAccess.from_environ`). One client is kept per endpoint (and replaced
+when its credentials change), so a periodic read reuses its pooled connection instead of
+building a client each time.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import threading
@@ -131,6 +133,27 @@ def read_object(uri: str, name: str, access: StoreAccess | None) -> bytes | None
         raise StoreError(f"reading {name} under {uri}: {exc.code}: {exc.message}") from exc
     except (OSError, urllib3.exceptions.HTTPError, ValueError) as exc:
         raise StoreError(f"reading {name} under {uri}: {exc}") from exc
+
+
+def write_json(uri: str, name: str, value: JsonDict, access: StoreAccess | None) -> None:
+    """Write `value` as `<uri>/<name>` (`uri` as for `read_object`); StoreError when the
+    store cannot be reached or refuses."""
+    data = json.dumps(value, sort_keys=True).encode()
+    try:
+        if uri.startswith("s3://"):
+            bucket, prefix = split_s3(uri)
+            _client(access or StoreAccess(None)).put_object(
+                bucket, join(prefix, name), io.BytesIO(data), len(data),
+                content_type="application/json",
+            )  # fmt: skip
+            return
+        path = Path(uri.removeprefix("file://")) / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    except S3Error as exc:
+        raise StoreError(f"writing {name} under {uri}: {exc.code}: {exc.message}") from exc
+    except (OSError, urllib3.exceptions.HTTPError, ValueError) as exc:
+        raise StoreError(f"writing {name} under {uri}: {exc}") from exc
 
 
 def read_json(uri: str, name: str, access: StoreAccess | None) -> JsonDict | None:

@@ -11,7 +11,8 @@ and the object store, and only when a pass needs it:
 - the cluster's active pods (what holds GPUs), fresh, for a plan or a pod to create;
 - the model's config.json for the first plan (cached by endpoint and URI: small and
   immutable in practice; a restart reads it again);
-- progress.json of a started job, once per pass;
+- progress.json of a started job, once per pass (and given-up.json while a pipeline is
+  given up);
 - the Workload of a job submitted to a Kueue LocalQueue, and, for a pass that creates
   stage pods, the ResourceFlavors it was admitted with.
 """
@@ -22,7 +23,7 @@ from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
-from relaytrain_contract import PROGRESS_FILE, ConfigError
+from relaytrain_contract import GIVEN_UP_FILE, PROGRESS_FILE, ConfigError
 from relaytrain_contract import Progress as Record
 
 from relaytrain_operator.apply import ClusterApi
@@ -97,6 +98,7 @@ class Observer:
             workload=workload,
             flavors=flavors,
             priority=priority,
+            told_given_up=self.told_given_up(spec) if wanted.given_up else None,
         )
 
     def store_access(self, job: FineTuneJob) -> StoreAccess:
@@ -145,6 +147,15 @@ class Observer:
             return ModelConfig(error=f"spec.model.uri {uri} has no config.json")
         self._model_configs[key] = config
         return ModelConfig(config)
+
+    def told_given_up(self, job: FineTuneJob) -> tuple[int, ...] | None:
+        """The pipelines the job's store tells its stages are given up (None: no such
+        document, or the store cannot be read; the pass then writes it)."""
+        try:
+            doc = read_json(job_store_uri(job), GIVEN_UP_FILE, self.store_access(job))
+            return tuple(int(p) for p in doc["pipelines"]) if doc is not None else None
+        except (StoreError, KeyError, TypeError, ValueError):
+            return None
 
     def progress(self, job: FineTuneJob, now: datetime) -> Progress | None:
         """The job's progress, or None when there is none yet or the store cannot be read."""

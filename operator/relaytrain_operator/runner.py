@@ -79,7 +79,7 @@ class Runner:
             catalog=catalog,
         )
         self.observer = Observer(api)
-        self.executor = Executor(api, post_event)
+        self.executor = Executor(api, post_event, store_access=self.observer.store_access)
         self._threads = ThreadPoolExecutor(
             max_workers=options.max_workers, thread_name_prefix="reconcile"
         )

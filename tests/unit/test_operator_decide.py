@@ -15,7 +15,14 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from relaytrain_operator.actions import Create, CreateLinkSecret, DeletePod, PatchStatus, PostEvent
+from relaytrain_operator.actions import (
+    Create,
+    CreateLinkSecret,
+    DeletePod,
+    PatchStatus,
+    PostEvent,
+    PutGivenUp,
+)
 from relaytrain_operator.decide import (
     WAITING_ANNOTATION,
     Decision,
@@ -273,6 +280,8 @@ def summary(decision: Decision) -> list[str]:
             out.append(f"create:{a.obj['metadata']['name']}")
         elif isinstance(a, DeletePod):
             out.append(f"delete:{a.name}" + ("!" if a.force else ""))
+        elif isinstance(a, PutGivenUp):
+            out.append(f"given-up:{','.join(map(str, a.pipelines))}")
         else:
             assert isinstance(a, PostEvent)
             out.append(f"event:{a.reason}")
@@ -1079,6 +1088,7 @@ def test_a_pipeline_out_of_restarts_is_given_up_and_the_others_train_on() -> Non
         "delete:j-p1-s0",
         "delete:j-p1-s1",
         "event:PipelineFailed",
+        "given-up:1",
         "patch",
     ]
     assert "Pipeline 1 is given up" in events(decision)[0].message
@@ -1087,11 +1097,14 @@ def test_a_pipeline_out_of_restarts_is_given_up_and_the_others_train_on() -> Non
     assert [p.phase for p in status.pipelines] == ["Running", "Failed"]
     assert [s.pod for s in status.stages] == ["j-p0-s0", "j-p0-s1", None, None]
     assert condition(status, "Degraded").status == "True"  # type: ignore[union-attr]
-    # Later passes leave pipeline 1 alone and read nothing costly for it.
+    # Later passes leave pipeline 1 alone and read nothing costly for it; they read what
+    # the store tells the stages, and write it again only when it is not that.
     job = manifest(to_manifest(status), **FLEET_SPEC)
     alive = without(pods, "j-p1-s0", "j-p1-s1")
-    assert needs(job, stage_pods(alive)) == Needs(progress=True)
-    assert summary(decide(observed(job, alive), SETTINGS)) == []
+    assert needs(job, stage_pods(alive)) == Needs(progress=True, given_up=True)
+    told = replace(observed(job, alive), told_given_up=(1,))
+    assert summary(decide(told, SETTINGS)) == []
+    assert summary(decide(observed(job, alive), SETTINGS)) == ["given-up:1"]
     # The job finishes when the pipelines left finish.
     done = [p | {"status": {"phase": "Succeeded"}} for p in alive]
     finished = decide(observed(job, done), SETTINGS)

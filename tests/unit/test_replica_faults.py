@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 import torch
 from relaytrain_operator.linkcerts import mint_link_credentials, stage_pem
-from relaytrain_worker.dataparallel import LinkGroup, live_shares, segment_peers
+from relaytrain_worker.dataparallel import LinkGroup, Slice, live_shares, segment_peers
 from relaytrain_worker.linkauth import LinkBroken, LinkCredentials
-from relaytrain_worker.replicas import STATE, load_state_frames, state_frame
+from relaytrain_worker.replicas import STATE, GivenUp, load_state_frames, state_frame
 from relaytrain_worker.training import named_optimizer_state
 from relaytrain_worker.transport import Frame, Link, connect, listen
 from torch import nn
@@ -335,3 +335,38 @@ def test_a_state_without_every_name_is_refused() -> None:
     joiner = _lora(range(3), seed=3)
     with pytest.raises(LinkBroken, match=r"sent no model\.layers\.1"):
         load_state_frames([frame], joiner, *_optimizer(joiner))
+
+
+def test_pipelines_given_up_are_no_members_and_need_no_links() -> None:
+    # Pipeline 0 was given up (the operator said so through the store): the stages of
+    # pipelines 1 and 2 link only to each other and reduce among themselves.
+    splits = [ONE_STAGE] * 3
+    links = _links(splits)
+    for link in [*links.pop((0, 0)).values(), *(links[(p, 0)].pop((0, 0)) for p in (1, 2))]:
+        link.close()
+    peers = {(q, 0): Slice.of(ONE_STAGE, 0) for q in range(3)}
+    groups = {
+        p: LinkGroup(3, p, 0, {k: v for k, v in peers.items() if k != (p, 0)},
+                     links[(p, 0)],
+                     members={1, 2}, timeout=60)
+        for p in (1, 2)
+    }  # fmt: skip
+    got = _on_threads({p: lambda p=p: groups[p].reduce(0, p, 0, _contribution(p)) for p in (1, 2)})
+    for group in groups.values():
+        group.close()
+    assert torch.equal(got[1][NAME], got[2][NAME])
+    assert got[1][NAME].item() == 3.0
+    # A member pipeline's link is still required.
+    with pytest.raises(ValueError, match="needs links"):
+        LinkGroup(3, 1, 0, {k: v for k, v in peers.items() if k != (1, 0)}, {}, members={0, 1})
+
+
+def test_the_given_up_document_is_polled_and_a_bad_one_counts_as_none() -> None:
+    reads: list[bytes | None] = [None, b'{"pipelines": [0]}', b"not json", b'{"pipelines": [0, 2]}']
+    given_up = GivenUp(lambda: reads.pop(0), every=0.0)
+    assert given_up() == frozenset()
+    assert given_up() == {0}
+    assert given_up() == {0}  # unreadable: the last answer stands
+    assert given_up() == {0, 2}
+    cached = GivenUp(lambda: b'{"pipelines": [1]}', every=3600.0)
+    assert cached() == {1} and cached() == {1}

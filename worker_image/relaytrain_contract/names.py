@@ -42,6 +42,10 @@ its layers (in pods; jobs with several pipelines only)."""
 
 PROGRESS_FILE = "progress.json"
 """The progress record under `<checkpoint.uri>/<namespace>/<job>/` (see progress.py)."""
+GIVEN_UP_FILE = "given-up.json"
+"""`{"pipelines": [r, ...]}` under `<checkpoint.uri>/<namespace>/<job>/`: the pipelines the
+operator gave up for good (a stage out of restarts), written by the operator when it gives
+one up. A stage that links does not wait for their stages; none of them trains again."""
 
 
 def link_identity(namespace: str, job_name: str, pipeline: int, stage: int) -> str:

@@ -373,9 +373,13 @@ class LinkGroup:
         members: Iterable[int] | None = None,
         timeout: float = WAIT_SECONDS,
     ) -> None:
-        if sorted(links) != sorted(peers):
+        self.members: set[int] = set(range(pipelines)) if members is None else {*members, pipeline}
+        """The pipelines training the current step, as this stage knows them."""
+        unlinked = {q for q, _ in set(peers) - set(links)}
+        if set(links) - set(peers) or unlinked & self.members:
             raise ValueError(
-                f"stage p{pipeline}/s{stage} needs links to {sorted(peers)}, got {sorted(links)}"
+                f"stage p{pipeline}/s{stage} needs links to {sorted(peers)} (but those of "
+                f"pipelines given up), got {sorted(links)}"
             )
         if {q for q, _ in peers} != set(range(pipelines)) - {pipeline}:
             raise ValueError(
@@ -392,8 +396,6 @@ class LinkGroup:
         """The links of this stage to member pipelines' stages (and, after `begin`, joiners')."""
         self._offered: dict[tuple[int, int], ReplicaPort] = {}
         """Links to the stages of a pipeline rejoining, not admitted yet (`offer`)."""
-        self.members: set[int] = set(range(pipelines)) if members is None else {*members, pipeline}
-        """The pipelines training the current step, as this stage knows them."""
         self._results: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
         """Settled results of this stage's names, by (what, step): the last two steps."""
         self._partial: dict[tuple[str, int], dict[str, torch.Tensor]] = {}

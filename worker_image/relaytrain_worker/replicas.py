@@ -15,10 +15,14 @@ over them:
   higher pipelines' stages with retries, and waits until every expected peer has come. The
   accepting never waits on anything, so no cycle of stages dialling each other can stall;
   a dial that reaches a stage not accepting yet is retried, as on the pipeline links.
-- **Resume step.** Pipeline 0 agrees on the step to resume from along its chain (the
-  stage's handshake, which also checks the commit's files), then each of its stages tells
-  its peers (`send_resume`); a stage of another pipeline takes that step from its pipeline-0
-  peers (`recv_resume`): every stage of every pipeline then restores the same commit.
+- **Given up.** The operator names the pipelines it gave up for good in the job's store
+  (names.GIVEN_UP_FILE, read by `GivenUp`): `connect` neither waits for nor dials their
+  stages, and they are no member of the group.
+- **Resume step.** The lowest pipeline not given up (pipeline 0 unless it was) agrees on
+  the step to resume from along its chain (the stage's handshake, which also checks the
+  commit's files), then each of its stages tells its peers (`send_resume`); a stage of
+  another pipeline takes that step from its peers there (`recv_resume`): every stage of
+  every pipeline then restores the same commit.
 - **Hello.** Right after a replica link is made each end says whether it is training
   (`live`) or (re)joining, and at which step (`exchange_hellos`). A stage that finds no live
   peer starts as above (every pipeline restores the same commit); one that finds live peers
@@ -37,6 +41,7 @@ over them:
 from __future__ import annotations
 
 import io
+import json
 import logging
 import threading
 import time
@@ -99,6 +104,31 @@ def _spec(cfg: StageConfig) -> ReplicasSpec:
     return cfg.replicas
 
 
+class GivenUp:
+    """The pipelines the operator gave up (names.GIVEN_UP_FILE: `{"pipelines": [...]}`),
+    read through `read` (the document's bytes, None while there is none) at most every
+    `every` seconds: a stage waiting for its peers polls it. An unreadable document counts
+    as none given up (the stage waits, as it would without one)."""
+
+    def __init__(self, read: Callable[[], bytes | None], every: float = 2.0) -> None:
+        self._read = read
+        self._every = every
+        self._at = -float("inf")
+        self._value: frozenset[int] = frozenset()
+
+    def __call__(self) -> frozenset[int]:
+        now = time.monotonic()
+        if now - self._at >= self._every:
+            self._at = now
+            try:
+                raw = self._read()
+                doc = json.loads(raw) if raw is not None else {"pipelines": []}
+                self._value = frozenset(int(q) for q in doc["pipelines"])
+            except Exception as exc:  # a bad read must not end the stage
+                log.warning("Could not read the given-up pipelines: %s", exc)
+        return self._value
+
+
 class ReplicaLinks:
     """The replica links of one stage process, opened afresh after every broken link."""
 
@@ -111,6 +141,8 @@ class ReplicaLinks:
         self.listener: Listener | None = None
         self._lower = [p for p in self.spec.peers if p.pipeline < self.pipeline]
         self._higher = [p for p in self.spec.peers if p.pipeline > self.pipeline]
+        self.out: frozenset[int] = frozenset()
+        """The pipelines given up when `connect` last linked: no member, no leader."""
 
     def open(self) -> None:
         """Bind the replica listener (once; none on pipeline 0)."""
@@ -119,21 +151,26 @@ class ReplicaLinks:
             self.listener = listen(self.spec.listen, credentials=self.tls, expect=expect)
 
     def connect(
-        self, timeout: float, meanwhile: Callable[[], T], discard: Callable[[T], None]
+        self,
+        timeout: float,
+        meanwhile: Callable[[], T],
+        discard: Callable[[T], None],
+        given_up: Callable[[], frozenset[int]] = frozenset,
     ) -> tuple[T, dict[Peer, Link]]:
-        """One link per peer: accept the lower pipelines' stages on a thread, run
-        `meanwhile`, dial the higher pipelines' stages; returns `meanwhile`'s result and the
-        links. LinkBroken or TimeoutError when a peer does not come within `timeout`
-        seconds; AuthError as the links raise it. On any error every link made so far is
-        closed and `meanwhile`'s result, if any, is handed to `discard` (the stage closes its
-        pipeline links there, so its neighbours notice)."""
+        """One link per peer not in a pipeline `given_up` names (polled while waiting):
+        accept the lower pipelines' stages on a thread, run `meanwhile`, dial the higher
+        pipelines' stages; returns `meanwhile`'s result and the links, and keeps the given-up
+        pipelines in `out`. LinkBroken or TimeoutError when a peer does not come within
+        `timeout` seconds; AuthError as the links raise it. On any error every link made so
+        far is closed and `meanwhile`'s result, if any, is handed to `discard` (the stage
+        closes its pipeline links there, so its neighbours notice)."""
         deadline = time.monotonic() + timeout
         accepted: dict[str, Link] = {}
         failed: list[BaseException] = []
         stop = threading.Event()
         acceptor = threading.Thread(
             target=self._accept,
-            args=(accepted, failed, stop, deadline),
+            args=(accepted, failed, stop, deadline, given_up),
             name=f"replica-accept-p{self.pipeline}-s{self.stage}",
             daemon=True,
         )
@@ -143,14 +180,13 @@ class ReplicaLinks:
         try:
             made.append(meanwhile())
             for peer in self._higher:
-                assert peer.address is not None  # the contract sets it on higher pipelines
-                left = max(deadline - time.monotonic(), 1.0)
-                dialed[(peer.pipeline, peer.stage)] = connect(
-                    peer.address, credentials=self.tls, expect=peer.identity, retry_for=left
-                )
+                link = self._dial(peer, deadline, given_up)
+                if link is not None:
+                    dialed[(peer.pipeline, peer.stage)] = link
             acceptor.join(max(deadline - time.monotonic(), 0.0))
-            if acceptor.is_alive() or failed or len(accepted) < len(self._lower):
-                raise failed[0] if failed else self._late(accepted)
+            out = given_up()
+            if acceptor.is_alive() or failed or self._awaited(accepted, out):
+                raise failed[0] if failed else self._late(accepted, out)
         except BaseException:
             stop.set()
             acceptor.join()
@@ -160,7 +196,37 @@ class ReplicaLinks:
                 discard(result)
             raise
         by_identity = {p.identity: (p.pipeline, p.stage) for p in self._lower}
-        return made[0], {**dialed, **{by_identity[i]: link for i, link in accepted.items()}}
+        links = {**dialed, **{by_identity[i]: link for i, link in accepted.items()}}
+        self.out = out
+        for key in [key for key in links if key[0] in out]:
+            links.pop(key).close()  # given up as it linked: it trains no more
+        if out:
+            log.info("Stage p%d/s%d links without given-up pipeline(s) %s",
+                     self.pipeline, self.stage, sorted(out))  # fmt: skip
+        return made[0], links
+
+    def _dial(
+        self, peer: ReplicaPeer, deadline: float, given_up: Callable[[], frozenset[int]]
+    ) -> Link | None:
+        """Dial a higher pipeline's stage until it answers (or the deadline: LinkBroken);
+        None once its pipeline is given up."""
+        assert peer.address is not None  # the contract sets it on higher pipelines
+        while True:
+            if peer.pipeline in given_up():
+                return None
+            left = deadline - time.monotonic()
+            try:
+                return connect(
+                    peer.address, credentials=self.tls, expect=peer.identity,
+                    retry_for=max(min(left, 5.0), 1.0),
+                )  # fmt: skip
+            except LinkBroken:
+                if left <= 5.0:
+                    raise
+
+    def _awaited(self, accepted: dict[str, Link], out: frozenset[int]) -> bool:
+        """Whether a lower pipeline's stage not given up has not linked yet."""
+        return any(p.identity not in accepted for p in self._lower if p.pipeline not in out)
 
     def _accept(
         self,
@@ -168,13 +234,14 @@ class ReplicaLinks:
         failed: list[BaseException],
         stop: threading.Event,
         deadline: float,
+        given_up: Callable[[], frozenset[int]],
     ) -> None:
-        """Accept until every lower pipeline's peer has come (a second link from one peer
-        replaces its first: that peer gave up on it)."""
+        """Accept until every lower pipeline's peer not given up has come (a second link
+        from one peer replaces its first: that peer gave up on it)."""
         if not self._lower:
             return
         assert self.listener is not None  # `open` binds it whenever there are lower peers
-        while len(accepted) < len(self._lower) and not stop.is_set():
+        while self._awaited(accepted, given_up()) and not stop.is_set():
             left = deadline - time.monotonic()
             if left <= 0:
                 return
@@ -190,21 +257,28 @@ class ReplicaLinks:
                 old.close()
             accepted[link.peer_identity] = link
 
-    def _late(self, accepted: dict[str, Link]) -> TimeoutError:
-        missing = sorted(p.identity for p in self._lower if p.identity not in accepted)
+    def _late(self, accepted: dict[str, Link], out: frozenset[int]) -> TimeoutError:
+        missing = sorted(
+            p.identity for p in self._lower if p.identity not in accepted and p.pipeline not in out
+        )
         return TimeoutError(f"no replica link from {', '.join(missing)} in time")
 
+    @property
+    def leader(self) -> int:
+        """The pipeline that agrees on the resume step: the lowest not given up."""
+        return min(set(range(len(self.spec.shares))) - self.out)
+
     def send_resume(self, links: dict[Peer, Link], resume: int | None) -> None:
-        """Pipeline 0: tell every peer the step the job resumes from."""
+        """The leader's stages: tell every peer the step the job resumes from."""
         for link in links.values():
             link.send(Frame(RESUME, -1, -1, {}, {"resume": resume}))
 
     def recv_resume(self, links: dict[Peer, Link], timeout: float) -> int | None:
-        """Another pipeline: the resume step its pipeline-0 peers agreed on (every peer of a
-        stage has one there: each pipeline holds every layer)."""
+        """Another pipeline: the resume step its peers in the leader's pipeline agreed on
+        (every stage has peers there: each pipeline holds every layer)."""
         seen: set[int | None] = set()
         for (q, j), link in links.items():
-            if q != 0:
+            if q != self.leader:
                 continue
             frame = link.recv(timeout=timeout)
             if frame.kind != RESUME:
@@ -212,12 +286,14 @@ class ReplicaLinks:
                 raise LinkBroken(f"expected {RESUME} from p{q}/s{j}, got {frame.kind}")
             seen.add(frame.meta["resume"])
         if len(seen) != 1:
-            raise LinkBroken(f"pipeline 0's stages sent different resume steps: {seen}")
+            raise LinkBroken(f"pipeline {self.leader}'s stages sent different resume steps: {seen}")
         return seen.pop()
 
     def group(self, links: dict[Peer, Link], members: Iterable[int] | None = None) -> LinkGroup:
         """The step's exchange over `links` (which it then owns), among `members` (every
-        pipeline when None)."""
+        pipeline not given up when None)."""
+        if members is None:
+            members = set(range(len(self.spec.shares))) - self.out
         return LinkGroup(
             len(self.spec.shares), self.pipeline, self.stage, self.peers, links, members=members
         )

@@ -58,7 +58,7 @@ from typing import Any
 
 import safetensors.torch
 import torch
-from relaytrain_contract import StageConfig
+from relaytrain_contract import GIVEN_UP_FILE, StageConfig
 
 from relaytrain_worker import checkpoint as ckpt
 from relaytrain_worker.data import DataReport, read_report, write_report
@@ -76,6 +76,7 @@ from relaytrain_worker.periodic import PeriodicSync
 from relaytrain_worker.progress import Progress, read_progress, write_progress
 from relaytrain_worker.replicas import (
     STATE,
+    GivenUp,
     Peer,
     ReplicaLinks,
     exchange_hellos,
@@ -84,7 +85,7 @@ from relaytrain_worker.replicas import (
     state_frame,
 )
 from relaytrain_worker.schedule import StepRunner, count_items
-from relaytrain_worker.store import Store, open_job_store
+from relaytrain_worker.store import ObjectNotFound, Store, open_job_store
 from relaytrain_worker.training import (
     load_merged_state,
     load_state_bytes,
@@ -156,6 +157,8 @@ class StageRuntime:
         """The links to the other pipelines (None: this pipeline trains alone)."""
         self.prefix = f"{cfg.job.namespace}/{cfg.job.name}"
         self.store = self._open(cfg.checkpoint.uri)
+        self.given_up = GivenUp(self._given_up_document)
+        """The pipelines the operator gave up (names.GIVEN_UP_FILE): linking skips them."""
         self.model_dir = resolve_model_dir(cfg, self._open)
         spec = SliceSpec(
             cfg.stage.layerStart, cfg.stage.layerEnd, cfg.stage.is_first, cfg.stage.is_last
@@ -172,10 +175,12 @@ class StageRuntime:
         # With `epochs` every stage reads the dataset to derive the same step count.
         need_data = cfg.stage.is_first or cfg.training.steps is None
         self.data = self._load_data() if need_data else None
-        self._report_due = cfg.stage.is_first and self.writer and self.data is not None
+        self._report_due = cfg.stage.is_first and self.data is not None
         """Stage 0 writes its example counts once, after its links are up (a stage that
         never links, e.g. one holding another job's certificate, writes nothing); the last
-        stage reports them in progress.json (`_publish`)."""
+        stage reports them in progress.json (`_publish`). Every pipeline's stage 0 writes
+        the same counts (the same data), so a pipeline given up before it linked leaves
+        them written."""
         self.eval_batches = (
             self._load_data(load_eval_batches)
             if cfg.stage.is_first and cfg.dataset.validation is not None
@@ -413,18 +418,26 @@ class StageRuntime:
             raise
         return Peers(prev, nxt)
 
+    def _given_up_document(self) -> bytes | None:
+        try:
+            return self.store.get(f"{self.prefix}/{GIVEN_UP_FILE}")
+        except ObjectNotFound:
+            return None
+
     def _links(self) -> tuple[Peers, dict[Peer, Link]]:
-        """This stage's pipeline links and (with replicas) its links to the other pipelines."""
+        """This stage's pipeline links and (with replicas) its links to the other pipelines
+        but those the operator gave up."""
         if self.replicas is None:
             return self._connect(), {}
-        return self.replicas.connect(CONNECT_FOR, self._connect, Peers.close)
+        return self.replicas.connect(CONNECT_FOR, self._connect, Peers.close, self.given_up)
 
     def _agree(self, peers: Peers, replica_links: dict[Peer, Link], mine: int | None) -> int | None:
-        """The step every stage resumes from: pipeline 0's chain agrees on it (`_handshake`)
-        and tells the other pipelines, which take it from their pipeline-0 peers."""
+        """The step every stage resumes from: the leader's chain (pipeline 0 unless it was
+        given up) agrees on it (`_handshake`) and tells the other pipelines, which take it
+        from their peers there."""
         if self.replicas is None:
             return self._handshake(peers, mine)
-        if self.pipeline != 0:
+        if self.pipeline != self.replicas.leader:
             return self.replicas.recv_resume(replica_links, CONNECT_FOR)
         agreed = self._handshake(peers, mine)
         self.replicas.send_resume(replica_links, agreed)
@@ -495,7 +508,8 @@ class StageRuntime:
                     if agreed != restored:
                         restored = agreed
                         self.step = self.restore(agreed)
-                    self.writer = self.pipeline == 0  # every pipeline starts from the commit
+                    # Every pipeline starts from the commit; the leader writes first.
+                    self.writer = self.replicas is None or self.pipeline == self.replicas.leader
                     if self.cfg.stage.is_last:
                         self.history.resume(restored)
                     if self.replicas is not None:
