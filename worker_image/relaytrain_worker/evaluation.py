@@ -17,9 +17,10 @@ by the label tokens of the whole set: the token-weighted mean, assistant-only fo
 (tests/unit/test_eval_pipeline.py). Links compress as in training, so with int8 links the
 loss carries the same small error the training loss does.
 
-With several pipelines only pipeline 0 evaluates: every pipeline holds bit-identical
-weights, so a share per pipeline would give the same number at the price of a new
-cross-pipeline reduction; the other pipelines wait for pipeline 0 at the next step.
+With several pipelines only the writer's pipeline evaluates (pipeline 0 unless it is out):
+every pipeline holds bit-identical weights, so a share per pipeline would give the same
+number at the price of a new cross-pipeline reduction; the other pipelines wait for it at
+the next step.
 """
 
 from __future__ import annotations

@@ -26,10 +26,10 @@ every pipeline (`dataparallel`). One pipeline writes for all — saves checkpoin
 and writes progress.json and the output: every pipeline holds the same weights. The writer
 of a step is the lowest pipeline training it, so pipeline 0 unless it is out, when the next
 takes over (its files under `step-N/p<w>/`, its split in the manifest) and gives the
-writing back when pipeline 0 has rejoined. In 3 the other pipelines take pipeline 0's
-agreed resume step from their pipeline-0 peers; a stage restores a commit another
-pipeline wrote by parameter name from that pipeline's stages that hold its layers (their
-split may differ). A failed stage takes only its pipeline out (docs/worker.md, "Several
+writing back when pipeline 0 has rejoined. In 3 the other pipelines take the resume step
+pipeline 0 (the lowest not given up) agreed from their peers there; a stage restores a
+commit another pipeline wrote by parameter name from that pipeline's stages that hold its
+layers (their split may differ). A failed stage takes only its pipeline out (docs/worker.md, "Several
 pipelines as processes"): a broken pipeline link makes the stage close every link and
 rejoin, a broken replica link is a peer's pipeline leaving, and the others train on. At
 every step the
