@@ -585,6 +585,9 @@ class _Pass:
         grace = timedelta(seconds=self.settings.node_lost_seconds)
         several = plan.several()
         out = given_up(self.status)
+        progress = self.observed.progress
+        if progress is not None and progress.done and self.follow_progress(spec, out):
+            return  # the workers finished: a stage ending afterwards is no failure
         records = {(s.pipeline or 0, s.index): s for s in self.status.stages}
         verdicts: dict[StageKey, StageDecision] = {}
         entries: dict[StageKey, StageStatus] = {}

@@ -25,6 +25,9 @@ KSTATUS = {
     "a pipeline given up": "Current",  # it trains on without it; Argo CD says Degraded
     "every pipeline training": "Current",
     "suspended": "InProgress",  # not Ready: not done, waiting to go on
+    "queued for Kueue's quota": "InProgress",
+    "evicted by Kueue": "InProgress",
+    "a Kueue queue that cannot admit it": "InProgress",  # Argo CD says Degraded
     "succeeded": "Current",
     "restarts used up": "Failed",
     "invalid spec": "Failed",

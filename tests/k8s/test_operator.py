@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -65,15 +66,46 @@ def identity(
 
 @pytest.fixture(scope="module")
 def operator(
-    identity: ChartIdentity, tmp_path_factory: pytest.TempPathFactory
+    identity: ChartIdentity,
+    tmp_path_factory: pytest.TempPathFactory,
+    api: client.ApiClient,
+    model_dir: Path,
 ) -> Iterator[OperatorProcess]:
     log = tmp_path_factory.mktemp("operator") / "operator.log"
     args = ("--namespace", "rtop-*", "--resync-seconds", "1")
     proc = OperatorProcess(identity.kubeconfig, log, *args)
-    proc.start()
+    with _probe_job(api, model_dir) as acted:
+        proc.start()
+        acted()
     yield proc
     proc.stop()
     print(f"\nOperator log ({log}):\n{proc.tail(40)}")
+
+
+@contextmanager
+def _probe_job(api: client.ApiClient, model_dir: Path) -> Iterator[Callable[[], None]]:
+    """A suspended job in a namespace of its own, made before the operator starts; the call
+    waits until the operator has given it a status. Its /metrics answer before kopf watches
+    namespaces, and a namespace made in between was seen only when it changed again (the
+    first test's, once, when it was deleted): the tests start once the operator acts."""
+    core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
+    name = f"rtop-probe-{uuid.uuid4().hex[:6]}"
+    core.create_namespace({"metadata": {"name": name}})
+
+    def acted() -> None:
+        wait_for(
+            "the operator to act on a job",
+            lambda: (custom.get_namespaced_custom_object(GROUP, VERSION, name, PLURAL, "probe")
+                     .get("status") or {}).get("phase"),
+            timeout=120,
+        )  # fmt: skip
+
+    try:
+        job = job_manifest("probe", model_dir, suspend=True)
+        custom.create_namespaced_custom_object(GROUP, VERSION, name, PLURAL, job)
+        yield acted
+    finally:
+        core.delete_namespace(name)
 
 
 @pytest.fixture(scope="module")

@@ -521,6 +521,20 @@ CASES = [
         [0, 0],
     ),
     Case(
+        # The workers wrote the output and said done; a stage then died on its way out
+        # (even past maxStageRestarts): the job is done, not failed.
+        "progress.json says done and a stage ends badly after it: Succeeded",
+        observed(
+            manifest(running_status(stage(0, restarts=2), stage(1))),
+            [pod(0, "Failed", incarnation=2), pod(1)],
+            progress=progress(100, 100, done=True, output="s3://out/adapter/"),
+        ),
+        ["delete:j-stage-0", "delete:j-stage-1", "patch", "event:Succeeded"],
+        "Succeeded",
+        "Succeeded",
+        [2, 0],
+    ),
+    Case(
         "every stage pod Succeeded: Succeeded",
         observed(manifest(running_status()), [pod(0, "Succeeded"), pod(1, "Succeeded")]),
         ["delete:j-stage-0", "delete:j-stage-1", "patch", "event:Succeeded"],

@@ -78,5 +78,17 @@ def _main(argv: Sequence[str] | None) -> int:
         runtime.close()
 
 
+def _exit(code: int) -> None:
+    """End the process with `code` once its outcome is decided, without the interpreter's
+    teardown: daemon threads (replica relinks, link readers, the metrics server) may still
+    be inside native code, and tearing torch down under them can abort the process
+    ("terminate called without an active exception", SIGABRT) after a stage that finished
+    well — which the operator would read as a failed stage."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    _exit(main())

@@ -29,10 +29,10 @@ takes over (its files under `step-N/p<w>/`, its split in the manifest) and gives
 writing back when pipeline 0 has rejoined. In 3 the other pipelines take the resume step
 pipeline 0 (the lowest not given up) agreed from their peers there; a stage restores a
 commit another pipeline wrote by parameter name from that pipeline's stages that hold its
-layers (their split may differ). A failed stage takes only its pipeline out (docs/worker.md, "Several
-pipelines as processes"): a broken pipeline link makes the stage close every link and
-rejoin, a broken replica link is a peer's pipeline leaving, and the others train on. At
-every step the
+layers (their split may differ). A failed stage takes only its pipeline out
+(docs/worker.md, "Several pipelines as processes"): a broken pipeline link makes the stage
+close every link and rejoin, a broken replica link is a peer's pipeline leaving, and the
+others train on. At every step the
 first stages agree on the pipelines that train it (`LinkGroup.agree_members`) and send the
 plan down their chains; the step's micro-batches are shared among those (`live_shares`).
 A stage (re)starting finds, by the hello on its replica links, whether any pipeline is
