@@ -185,8 +185,13 @@ class ReplicaLinks:
                     dialed[(peer.pipeline, peer.stage)] = link
             acceptor.join(max(deadline - time.monotonic(), 0.0))
             out = given_up()
-            if acceptor.is_alive() or failed or self._awaited(accepted, out):
-                raise failed[0] if failed else self._late(accepted, out)
+            missing = self._missing(accepted, out)
+            if acceptor.is_alive() or failed or missing:
+                raise (
+                    failed[0]
+                    if failed
+                    else TimeoutError(f"no replica link from {', '.join(missing)} in time")
+                )
         except BaseException:
             stop.set()
             acceptor.join()
@@ -224,9 +229,11 @@ class ReplicaLinks:
                 if left <= 5.0:
                     raise
 
-    def _awaited(self, accepted: dict[str, Link], out: frozenset[int]) -> bool:
-        """Whether a lower pipeline's stage not given up has not linked yet."""
-        return any(p.identity not in accepted for p in self._lower if p.pipeline not in out)
+    def _missing(self, accepted: dict[str, Link], out: frozenset[int]) -> list[str]:
+        """The lower pipelines' stages not given up that have not linked yet."""
+        return sorted(
+            p.identity for p in self._lower if p.identity not in accepted and p.pipeline not in out
+        )
 
     def _accept(
         self,
@@ -241,7 +248,7 @@ class ReplicaLinks:
         if not self._lower:
             return
         assert self.listener is not None  # `open` binds it whenever there are lower peers
-        while self._awaited(accepted, given_up()) and not stop.is_set():
+        while self._missing(accepted, given_up()) and not stop.is_set():
             left = deadline - time.monotonic()
             if left <= 0:
                 return
@@ -256,12 +263,6 @@ class ReplicaLinks:
             if old is not None:
                 old.close()
             accepted[link.peer_identity] = link
-
-    def _late(self, accepted: dict[str, Link], out: frozenset[int]) -> TimeoutError:
-        missing = sorted(
-            p.identity for p in self._lower if p.identity not in accepted and p.pipeline not in out
-        )
-        return TimeoutError(f"no replica link from {', '.join(missing)} in time")
 
     @property
     def leader(self) -> int:
