@@ -52,8 +52,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "operator"), str(ROOT / "worker_image")]
 
 from relaytrain_contract import TrainingSpec  # noqa: E402
-from relaytrain_operator.linkcerts import mint_link_credentials, stage_pem  # noqa: E402
-from relaytrain_operator.planner import (  # noqa: E402
+from relaytrain_operator.domain.linkcerts import mint_link_credentials, stage_pem  # noqa: E402
+from relaytrain_operator.domain.planner import (  # noqa: E402
     DEFAULT_CATALOG,
     CostSettings,
     FleetPlan,

@@ -1,6 +1,6 @@
 """Fleet planner benchmark: several pipelines against the best single pipeline, and how long
 planning them takes. Plain script; prints tables. Every figure is the cost model's prediction
-(operator/relaytrain_operator/planner/), not a measured run.
+(operator/relaytrain_operator/domain/planner/), not a measured run.
 
     .venv/bin/python bench/bench_fleet_plan.py            # about 15 s on the 2-core dev VM
     .venv/bin/python bench/bench_fleet_plan.py --quick    # fewer random fleets in section 4
@@ -51,7 +51,7 @@ from bench_planner import (  # noqa: E402
     RTX3090,
     RTX4090,
 )
-from relaytrain_operator.planner import (  # noqa: E402
+from relaytrain_operator.domain.planner import (  # noqa: E402
     CostSettings,
     FleetPlan,
     ModelShape,

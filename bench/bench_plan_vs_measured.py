@@ -58,7 +58,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "operator"), str(REPO / "worker_image")]
 
-from relaytrain_operator.planner import (  # noqa: E402
+from relaytrain_operator.domain.planner import (  # noqa: E402
     DEFAULT_CATALOG,
     CostSettings,
     ModelShape,
@@ -67,7 +67,7 @@ from relaytrain_operator.planner import (  # noqa: E402
     TrainingShape,
     assess,
 )
-from relaytrain_operator.planner.model_shape import LINEAR_NAMES  # noqa: E402
+from relaytrain_operator.domain.planner.model_shape import LINEAR_NAMES  # noqa: E402
 
 PRODUCT = "CPU-local-stage"
 """The catalog entry calibrated here: one core of this machine, as one stage uses it."""
@@ -247,7 +247,7 @@ def loopback_link(values: int, frames: int = 8) -> tuple[float, float]:
     """(Mbit/s, one-way ms) of the stages' transport over loopback: throughput of frames of
     ``values`` fp32 activations (uncompressed), and half the round trip of an empty frame."""
     import torch
-    from relaytrain_operator.linkcerts import mint_link_credentials, stage_pem
+    from relaytrain_operator.domain.linkcerts import mint_link_credentials, stage_pem
     from relaytrain_worker.transport import Frame, LinkCredentials, connect, listen
 
     files = mint_link_credentials("bench", "links", [2], now=datetime.now(UTC))

@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
 
-from relaytrain_operator.planner import (
+from relaytrain_operator.domain.planner import (
     DEFAULT_CATALOG,
     ModelShape,
     Plan,

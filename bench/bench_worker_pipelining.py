@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from relaytrain_contract import TrainingSpec
-from relaytrain_operator.linkcerts import mint_link_credentials, stage_pem
+from relaytrain_operator.domain.linkcerts import mint_link_credentials, stage_pem
 from relaytrain_worker.methods import lora_config, setup_method
 from relaytrain_worker.model_slice import SliceSpec, StageModel, build_stage_model
 from relaytrain_worker.peers import Peers

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from relaytrain_operator.linkcerts import mint_link_credentials, stage_pem
+from relaytrain_operator.domain.linkcerts import mint_link_credentials, stage_pem
 from relaytrain_worker.linkauth import LinkCredentials
 
 

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import kopf
 
-from relaytrain_operator.options import parse_options
+from relaytrain_operator.loop.options import parse_options
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -24,11 +24,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     # Registers the handlers (importing them needs kopf and the kubernetes client, which
     # `--help` does not).
-    import relaytrain_operator.handlers
+    import relaytrain_operator.loop.handlers
 
     if opts.kueue:
         # Only then: watching a resource the operator may not list would fail forever.
-        import relaytrain_operator.handlers.workloads  # noqa: F401
+        import relaytrain_operator.loop.handlers.workloads  # noqa: F401
 
     kopf.run(
         clusterwide=not opts.namespaces,

@@ -15,14 +15,14 @@ from typing import Any
 import pytest
 import yaml
 from relaytrain_contract import ConfigError, StageConfig
-from relaytrain_operator.linkcerts import mint_link_credentials, stage_pem
-from relaytrain_operator.spec import FineTuneJob, parse_job
-from relaytrain_operator.stage_config import (
+from relaytrain_operator.domain.linkcerts import mint_link_credentials, stage_pem
+from relaytrain_operator.domain.stage_config import (
     StageEndpoints,
     build_pipeline_configs,
     build_stage_configs,
     local_endpoints,
 )
+from relaytrain_operator.spec import FineTuneJob, parse_job
 from relaytrain_worker.dataparallel import Slice, segment_peers
 from relaytrain_worker.linkauth import LinkCredentials
 from relaytrain_worker.replicas import ReplicaLinks, peer_slices

@@ -20,15 +20,15 @@ from typing import Any
 import pytest
 import yaml
 from relaytrain_contract import StageConfig
-from relaytrain_operator.builders.pod import CredentialsRef, StagePodInputs, build_stage_pod
-from relaytrain_operator.builders.secret import build_link_secret
-from relaytrain_operator.linkcerts import mint_link_credentials
-from relaytrain_operator.spec import FineTuneJob, parse_job
-from relaytrain_operator.stage_config import (
+from relaytrain_operator.domain.builders.pod import CredentialsRef, StagePodInputs, build_stage_pod
+from relaytrain_operator.domain.builders.secret import build_link_secret
+from relaytrain_operator.domain.linkcerts import mint_link_credentials
+from relaytrain_operator.domain.stage_config import (
     build_stage_configs,
     local_endpoints,
     pod_endpoints,
 )
+from relaytrain_operator.spec import FineTuneJob, parse_job
 from relaytrain_worker.stage import link_credentials
 from relaytrain_worker.store import S3Credentials, S3Store, open_job_store
 from relaytrain_worker.transport import AuthError, Frame, Link, connect, listen

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from relaytrain_operator.queueing import PRIORITY_LABEL, QUEUE_LABEL, workload_name
+from relaytrain_operator.domain.queueing import PRIORITY_LABEL, QUEUE_LABEL, workload_name
 
 from tests.harness.chart_rbac import render_chart
 from tests.harness.kueue import GROUP as KUEUE

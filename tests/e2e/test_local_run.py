@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 from relaytrain_contract.names import LINK_CA_ENV, LINK_CERT_ENV, LINK_KEY_ENV
-from relaytrain_operator.linkcerts import mint_link_credentials, stage_pem
+from relaytrain_operator.domain.linkcerts import mint_link_credentials, stage_pem
 
 from tests.local_jobs import (
     job_manifest,
@@ -176,7 +176,7 @@ def test_a_corrupt_stage_file_is_never_restored(
 
 
 def test_a_stage_with_another_jobs_certificate_is_refused(workspace: Path) -> None:
-    from relaytrain_operator.local_run import LocalRun
+    from relaytrain_operator.cli.local_run import LocalRun
     from relaytrain_operator.spec import parse_job
 
     # Two runs of one job name mint two CAs, as two incarnations of a job would: a stage

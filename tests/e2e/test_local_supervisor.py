@@ -87,7 +87,7 @@ def test_sigterm_while_a_stage_crash_loops_restarts_nothing(workspace: Path) -> 
 
 
 def test_a_killed_supervisor_takes_its_stages_along(workspace: Path) -> None:
-    from relaytrain_operator.local_run import lock_workdir
+    from relaytrain_operator.cli.local_run import lock_workdir
     from relaytrain_operator.spec import parse_job
 
     # SIGKILL: the supervisor cannot stop anything; the kernel stops the stages for it.

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 from kubernetes import client
-from relaytrain_operator.apply import ClusterApi
-from relaytrain_operator.decide import Needs, Observed
-from relaytrain_operator.observe import Observer
+from relaytrain_operator.loop.apply import ClusterApi
+from relaytrain_operator.loop.decide import Needs, Observed
+from relaytrain_operator.loop.observe import Observer
 
 from tests.harness.minio_server import MinioServer
 from tests.operator_cases import job_manifest, namespace

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 from relaytrain_operator import cli
-from relaytrain_operator.model_config import resolve
+from relaytrain_operator.store.model_config import resolve
 
 from tests.harness.minio_server import MinioServer
 from tests.shapes import SMOLLM2_135M_CONFIG

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import yaml
-from relaytrain_operator.builders.labels import JOB_LABEL
+from relaytrain_operator.domain.builders.labels import JOB_LABEL
 
 from hack import toolpaths
 from tests.harness.chart_rbac import render_chart

@@ -22,7 +22,10 @@ from typing import Any
 import pytest
 from cryptography import x509
 from kubernetes import client
-from relaytrain_operator.actions import (
+from relaytrain_operator.domain.builders.labels import JOB_LABEL, STAGE_LABEL
+from relaytrain_operator.domain.builders.service import build_service
+from relaytrain_operator.domain.status import load_status, to_manifest
+from relaytrain_operator.loop.actions import (
     Action,
     Create,
     CreateLinkSecret,
@@ -30,14 +33,11 @@ from relaytrain_operator.actions import (
     PatchStatus,
     PostEvent,
 )
-from relaytrain_operator.apply import ClusterApi, Executor
-from relaytrain_operator.builders.labels import JOB_LABEL, STAGE_LABEL
-from relaytrain_operator.builders.service import build_service
-from relaytrain_operator.decide import Needs, parse_spec
-from relaytrain_operator.observe import Observer
-from relaytrain_operator.options import OperatorOptions
-from relaytrain_operator.runner import Runner
-from relaytrain_operator.status import load_status, to_manifest
+from relaytrain_operator.loop.apply import ClusterApi, Executor
+from relaytrain_operator.loop.decide import Needs, parse_spec
+from relaytrain_operator.loop.observe import Observer
+from relaytrain_operator.loop.options import OperatorOptions
+from relaytrain_operator.loop.runner import Runner
 
 from tests.harness.waiting import wait_for
 from tests.operator_cases import (

@@ -8,8 +8,8 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
+from relaytrain_operator.domain.status import Verdict, to_manifest, with_verdict
 from relaytrain_operator.spec import FineTuneJobStatus, PipelineStatus
-from relaytrain_operator.status import Verdict, to_manifest, with_verdict
 
 from tests.harness.argocd_health import SCRIPT, health
 

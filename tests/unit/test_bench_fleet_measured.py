@@ -9,7 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from relaytrain_operator.planner import ModelShape, split_micro_batches
+from relaytrain_operator.domain.planner import ModelShape, split_micro_batches
 from relaytrain_worker.testing import random_batches, run_data_parallel_threads, tiny_model_dir
 from relaytrain_worker.transport import Link
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from relaytrain_contract import DatasetSpec, Progress
 from relaytrain_contract.stage import ValidationSpec
-from relaytrain_operator.progress import fold
+from relaytrain_operator.domain.progress import fold
 from relaytrain_operator.spec import parse_job
 from relaytrain_worker.data import DataError, load_step_data, read_jsonl, split_records
 from relaytrain_worker.evaluation import evaluate, load_eval_batches

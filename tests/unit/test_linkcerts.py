@@ -11,15 +11,15 @@ import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
-from relaytrain_operator.linkcerts import (
+from relaytrain_operator.cli.local_run import LocalRun
+from relaytrain_operator.domain.linkcerts import (
     CA_FILE,
     cert_file,
     key_file,
     mint_link_credentials,
 )
-from relaytrain_operator.local_run import LocalRun
+from relaytrain_operator.domain.stage_config import LINK_CA_ENV, LINK_CERT_ENV, LINK_KEY_ENV
 from relaytrain_operator.spec import parse_job
-from relaytrain_operator.stage_config import LINK_CA_ENV, LINK_CERT_ENV, LINK_KEY_ENV
 
 from tests.shapes import SMOLLM2_135M_CONFIG
 from tests.unit.test_spec_invalid import base_manifest

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from relaytrain_operator.linkcerts import mint_link_credentials, stage_pem
+from relaytrain_operator.domain.linkcerts import mint_link_credentials, stage_pem
 from relaytrain_worker.transport import (
     AuthError,
     Frame,

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from cryptography import x509
 from relaytrain_contract import LINK_CERT_ENV, StageConfig
-from relaytrain_operator.local_run import LocalRun, local_layout
+from relaytrain_operator.cli.local_run import LocalRun, local_layout
 from relaytrain_operator.spec import FineTuneJob, SpecError, parse_job
 
 from tests.shapes import SMOLLM2_135M_CONFIG

@@ -13,13 +13,13 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
-from relaytrain_operator.local_run import (
+from relaytrain_operator.cli.local_run import (
     AlreadyRunning,
     default_workdir,
     die_with_supervisor,
     lock_workdir,
 )
-from relaytrain_operator.recovery import after_failure, backoff_left
+from relaytrain_operator.domain.recovery import after_failure, backoff_left
 from relaytrain_operator.spec import FineTuneJob, parse_job
 
 from tests.unit.test_spec_invalid import base_manifest
@@ -99,7 +99,7 @@ def test_a_stage_dies_when_its_supervisor_is_killed() -> None:
     with subprocess.Popen(
         [sys.executable, "-c", (
             "import os, subprocess, sys, time\n"
-            "from relaytrain_operator.local_run import die_with_supervisor\n"
+            "from relaytrain_operator.cli.local_run import die_with_supervisor\n"
             "stage = subprocess.Popen(['sleep', '600'], start_new_session=True,\n"
             "                         preexec_fn=die_with_supervisor(os.getpid()))\n"
             "print(stage.pid, flush=True)\n"

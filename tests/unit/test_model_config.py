@@ -11,8 +11,10 @@ from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from relaytrain_operator import cli, model_config
-from relaytrain_operator.model_config import (
+from relaytrain_operator import cli
+from relaytrain_operator.domain.planner import ModelShape
+from relaytrain_operator.store import model_config
+from relaytrain_operator.store.model_config import (
     ModelConfigError,
     hub_cache_dir,
     named_model,
@@ -20,7 +22,6 @@ from relaytrain_operator.model_config import (
     shipped_config,
     shipped_names,
 )
-from relaytrain_operator.planner import ModelShape
 
 from tests.harness.ports import free_port  # a port nothing listens on
 from tests.shapes import SMOLLM2_135M_CONFIG

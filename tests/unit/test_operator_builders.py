@@ -8,13 +8,13 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
-from relaytrain_operator.builders.labels import JOB_LABEL, STAGE_LABEL, stage_dns_name
-from relaytrain_operator.builders.pod import CredentialsRef, StagePodInputs, build_stage_pod
-from relaytrain_operator.builders.secret import build_link_secret
-from relaytrain_operator.builders.service import build_service
-from relaytrain_operator.linkcerts import mint_link_credentials
+from relaytrain_operator.domain.builders.labels import JOB_LABEL, STAGE_LABEL, stage_dns_name
+from relaytrain_operator.domain.builders.pod import CredentialsRef, StagePodInputs, build_stage_pod
+from relaytrain_operator.domain.builders.secret import build_link_secret
+from relaytrain_operator.domain.builders.service import build_service
+from relaytrain_operator.domain.linkcerts import mint_link_credentials
+from relaytrain_operator.domain.stage_config import build_stage_configs, pod_endpoints
 from relaytrain_operator.spec import parse_job
-from relaytrain_operator.stage_config import build_stage_configs, pod_endpoints
 
 pytestmark = pytest.mark.unit
 

@@ -15,7 +15,10 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from relaytrain_operator.actions import (
+from relaytrain_operator.domain.progress import Progress
+from relaytrain_operator.domain.recovery import INCARNATION_ANNOTATION, REPLACING
+from relaytrain_operator.domain.status import READY, condition, load_status, to_manifest
+from relaytrain_operator.loop.actions import (
     Create,
     CreateLinkSecret,
     DeletePod,
@@ -23,7 +26,7 @@ from relaytrain_operator.actions import (
     PostEvent,
     PutGivenUp,
 )
-from relaytrain_operator.decide import (
+from relaytrain_operator.loop.decide import (
     WAITING_ANNOTATION,
     Decision,
     ModelConfig,
@@ -35,10 +38,7 @@ from relaytrain_operator.decide import (
     parse_spec,
     stage_pods,
 )
-from relaytrain_operator.progress import Progress
-from relaytrain_operator.recovery import INCARNATION_ANNOTATION, REPLACING
 from relaytrain_operator.spec import FineTuneJobStatus, StageStatus
-from relaytrain_operator.status import READY, condition, load_status, to_manifest
 
 from tests.shapes import SMOLLM2_135M_CONFIG
 
@@ -929,7 +929,7 @@ def test_a_plan_that_cannot_be_made_is_unschedulable_with_the_reason(
 
 
 def test_make_plan_refuses_training_settings_it_cannot_price() -> None:
-    from relaytrain_operator.planning import PlanError, make_plan
+    from relaytrain_operator.domain.planning import PlanError, make_plan
     from relaytrain_operator.spec import parse_job
 
     job = parse_job(manifest(method={"targetModules": ["lm_head"]}))
@@ -1206,7 +1206,7 @@ def test_periodic_sync_reaches_every_stage_of_every_pipeline() -> None:
     assert "sync" not in stage_document(synchronous, "j-p1-s0")["replicas"]
 
 
-# --- Kueue (relaytrain_operator/queueing.py) --------------------------------------------
+# --- Kueue (relaytrain_operator/domain/queueing.py) --------------------------------------------
 
 
 QUEUE = {"kueue.x-k8s.io/queue-name": "team"}
@@ -1225,7 +1225,7 @@ def workload_of(
 ) -> dict[str, Any]:
     """The job's Workload as Kueue left it: (type, status, reason, message) conditions; an
     admission (a100 → flavor fa, rtx → fr) while QuotaReserved is True."""
-    from relaytrain_operator.queueing import StageDemand, build_workload
+    from relaytrain_operator.domain.queueing import StageDemand, build_workload
 
     demands = [
         StageDemand(s["pool"], {"relaytrain.io/pool": s["pool"]}, s["predictedMemoryBytes"])
@@ -1303,7 +1303,7 @@ def kobserved(
 
 
 def applied(decision: Decision) -> list[Any]:
-    from relaytrain_operator.actions import ApplyWorkloadStatus
+    from relaytrain_operator.loop.actions import ApplyWorkloadStatus
 
     return [a for a in decision.actions if isinstance(a, ApplyWorkloadStatus)]
 
@@ -1376,7 +1376,7 @@ def test_a_queued_job_waits_for_quota_with_kueues_words_and_no_pod() -> None:
 
 
 def test_an_admitted_job_starts_with_its_flavors_labels_and_tolerations() -> None:
-    from relaytrain_operator.status import Verdict, with_verdict
+    from relaytrain_operator.domain.status import Verdict, with_verdict
 
     waiting = with_verdict(
         load_status(running_status()), Verdict("Suspended", False, False, "Queued", "q"), NOW, 4
@@ -1418,7 +1418,7 @@ def test_a_queued_replacement_stays_on_the_pool_it_was_admitted_on() -> None:
 
 
 def test_an_evicted_job_stops_and_hands_its_quota_back_once_its_pods_are_gone() -> None:
-    from relaytrain_operator.queueing import ADMISSION_MANAGER
+    from relaytrain_operator.domain.queueing import ADMISSION_MANAGER
 
     job = queued(running_status())
     workload = workload_of(job, *EVICTED)
@@ -1446,7 +1446,7 @@ def test_an_evicted_job_stops_and_hands_its_quota_back_once_its_pods_are_gone() 
 
 
 def test_suspend_deactivates_the_workload_and_resume_activates_it() -> None:
-    from relaytrain_operator.actions import PatchWorkload
+    from relaytrain_operator.loop.actions import PatchWorkload
 
     job = queued(running_status(), suspend=True)
     decision = decide(kobserved(job, RUNNING, workload_of(job, *ADMITTED)), SETTINGS)
@@ -1469,7 +1469,7 @@ def test_suspend_deactivates_the_workload_and_resume_activates_it() -> None:
 
 
 def test_a_finished_job_marks_its_workload_finished_before_its_own_status() -> None:
-    from relaytrain_operator.queueing import FINISHED_MANAGER
+    from relaytrain_operator.domain.queueing import FINISHED_MANAGER
 
     job = queued(running_status())
     workload = workload_of(job, *ADMITTED)

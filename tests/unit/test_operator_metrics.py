@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 from prometheus_client import REGISTRY
-from relaytrain_operator import metrics
+from relaytrain_operator.loop import metrics
 
 pytestmark = pytest.mark.unit
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from relaytrain_operator.options import OperatorOptions, parse_options
+from relaytrain_operator.loop.options import OperatorOptions, parse_options
 
 pytestmark = pytest.mark.unit
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from relaytrain_operator.placement import (
+from relaytrain_operator.domain.placement import (
     Choice,
     PoolRoom,
     choose_pool,
@@ -22,7 +22,7 @@ from relaytrain_operator.placement import (
     pool_selector,
     why_ineligible,
 )
-from relaytrain_operator.planner import DEFAULT_CATALOG, PlanError, PoolError
+from relaytrain_operator.domain.planner import DEFAULT_CATALOG, PlanError, PoolError
 from relaytrain_operator.spec import PlacementSpec, parse_job
 
 pytestmark = pytest.mark.unit

@@ -6,9 +6,9 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from relaytrain_operator import recovery
-from relaytrain_operator.placement import PoolRoom, choose_pool, free_nodes, pool_rooms
-from relaytrain_operator.recovery import (
+from relaytrain_operator.domain import recovery
+from relaytrain_operator.domain.placement import PoolRoom, choose_pool, free_nodes, pool_rooms
+from relaytrain_operator.domain.recovery import (
     INCARNATION_ANNOTATION,
     REPLACING,
     StageDecision,

@@ -20,12 +20,12 @@ from typing import Any
 
 import pytest
 from kubernetes import client
-from relaytrain_operator import runner as runner_module
-from relaytrain_operator.actions import Action, PostEvent
-from relaytrain_operator.apply import ClusterApi
-from relaytrain_operator.decide import Decision, Needs, Observed, Settings
-from relaytrain_operator.options import OperatorOptions
-from relaytrain_operator.runner import Runner, _first
+from relaytrain_operator.loop import runner as runner_module
+from relaytrain_operator.loop.actions import Action, PostEvent
+from relaytrain_operator.loop.apply import ClusterApi
+from relaytrain_operator.loop.decide import Decision, Needs, Observed, Settings
+from relaytrain_operator.loop.options import OperatorOptions
+from relaytrain_operator.loop.runner import Runner, _first
 
 from tests.harness.waiting import wait_for_async as until
 from tests.unit.test_operator_decide import NODES, manifest, pod, running_status

@@ -7,10 +7,9 @@ from typing import Any
 
 import pytest
 from relaytrain_contract import Progress as Record
-from relaytrain_operator.progress import fold
-from relaytrain_operator.recovery import REPLACING
-from relaytrain_operator.spec import FineTuneJobStatus, StageStatus, parse_job
-from relaytrain_operator.status import (
+from relaytrain_operator.domain.progress import fold
+from relaytrain_operator.domain.recovery import REPLACING
+from relaytrain_operator.domain.status import (
     Verdict,
     changes,
     condition,
@@ -22,6 +21,7 @@ from relaytrain_operator.status import (
     to_manifest,
     with_verdict,
 )
+from relaytrain_operator.spec import FineTuneJobStatus, StageStatus, parse_job
 
 pytestmark = pytest.mark.unit
 
@@ -184,7 +184,7 @@ def test_eta_follows_the_reported_step_time_when_there_is_one() -> None:
 
 
 def test_times_parse_back_and_garbage_is_none() -> None:
-    from relaytrain_operator.status import parse_time, rfc3339
+    from relaytrain_operator.domain.status import parse_time, rfc3339
 
     assert parse_time(rfc3339(T0)) == T0
     assert parse_time(None) is None and parse_time("soon") is None
@@ -238,7 +238,7 @@ def test_kstatus_conditions_follow_the_phase(
 ) -> None:
     """Reconciling=True reads as InProgress in kstatus, Stalled=True as Failed, neither as
     Current; both carry the generation they were computed for."""
-    from relaytrain_operator.status import Verdict, condition, with_verdict
+    from relaytrain_operator.domain.status import Verdict, condition, with_verdict
 
     verdict = Verdict(phase, phase == "Running", True, reason, "m", degraded=degraded)
     status = with_verdict(FineTuneJobStatus(), verdict, T0, 7)

@@ -8,7 +8,7 @@ import os
 import time
 
 import pytest
-from relaytrain_operator.planner import ModelShape
+from relaytrain_operator.domain.planner import ModelShape
 
 from bench import bench_plan_vs_measured as pvm
 

@@ -11,7 +11,7 @@ import itertools
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from relaytrain_operator.planner import (
+from relaytrain_operator.domain.planner import (
     DEFAULT_CATALOG,
     Catalog,
     CostSettings,
@@ -23,7 +23,7 @@ from relaytrain_operator.planner import (
     TrainingShape,
     plan,
 )
-from relaytrain_operator.planner.cost import LinkCost, pool_cost
+from relaytrain_operator.domain.planner.cost import LinkCost, pool_cost
 
 from tests.shapes import SMOLLM2_135M_CONFIG
 

@@ -11,7 +11,13 @@ from typing import Any
 
 import pytest
 from relaytrain_contract.families import SUPPORTED_MODEL_TYPES
-from relaytrain_operator.planner import ModelShape, ModelShapeError, Pool, TrainingShape, plan
+from relaytrain_operator.domain.planner import (
+    ModelShape,
+    ModelShapeError,
+    Pool,
+    TrainingShape,
+    plan,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -127,7 +133,7 @@ def test_phi3_fused_projections_have_the_shapes_of_their_parts() -> None:
 
 
 def test_fused_projection_targets_are_planned_as_the_projections_they_fuse() -> None:
-    from relaytrain_operator.planner.cost import lora_params_per_layer
+    from relaytrain_operator.domain.planner.cost import lora_params_per_layer
 
     shape = _shape("phi3")
     fused = TrainingShape(1, 8, 512, lora_targets=("qkv_proj", "gate_up_proj"))
@@ -165,8 +171,8 @@ def test_an_moe_config_without_its_experts_names_the_key() -> None:
 
 
 def test_the_operator_refuses_an_unsupported_type_before_any_pod() -> None:
-    from relaytrain_operator.actions import Create
-    from relaytrain_operator.decide import ModelConfig, decide
+    from relaytrain_operator.loop.actions import Create
+    from relaytrain_operator.loop.decide import ModelConfig, decide
 
     from tests.shapes import SMOLLM2_135M_CONFIG
     from tests.unit.test_operator_decide import SETTINGS, events, manifest, observed
@@ -190,8 +196,8 @@ POOLS = [Pool("h100", "NVIDIA-H100-80GB-HBM3", 8, 10_000, 10)]
 
 
 def _cost(shape: ModelShape, training: TrainingShape) -> Any:
-    from relaytrain_operator.planner import DEFAULT_CATALOG
-    from relaytrain_operator.planner.cost import CostSettings, pool_cost
+    from relaytrain_operator.domain.planner import DEFAULT_CATALOG
+    from relaytrain_operator.domain.planner.cost import CostSettings, pool_cost
 
     gpu = DEFAULT_CATALOG[POOLS[0].product]
     return pool_cost(shape, training, POOLS[0], gpu, CostSettings())
@@ -199,7 +205,7 @@ def _cost(shape: ModelShape, training: TrainingShape) -> Any:
 
 @pytest.mark.parametrize("method", ["lora", "full"])
 def test_an_moe_layer_computes_its_routed_experts_only(method: str) -> None:
-    from relaytrain_operator.planner.cost import step_flops
+    from relaytrain_operator.domain.planner.cost import step_flops
 
     mixtral = _shape("mixtral")
     # The same layer as a dense model whose MLP is experts_per_tok experts wide.
@@ -228,7 +234,7 @@ def test_qwen2_moe_computes_its_shared_expert_and_router_too() -> None:
 
 
 def test_sliding_layers_are_cheaper_at_long_sequences_only() -> None:
-    from relaytrain_operator.planner.cost import step_flops
+    from relaytrain_operator.domain.planner.cost import step_flops
 
     windowed = _shape("mistral")  # sliding_window 4096 on every layer
     full = _shape("mistral", sliding_window=None)
@@ -272,7 +278,7 @@ def test_a_tied_head_is_held_once_by_a_single_stage_and_copied_to_a_last_one() -
 
 
 def test_qlora_leaves_expert_weights_unquantised() -> None:
-    from relaytrain_operator.planner.cost import QLORA_BYTES_PER_PARAM
+    from relaytrain_operator.domain.planner.cost import QLORA_BYTES_PER_PARAM
 
     mixtral, training = _shape("mixtral"), TrainingShape(1, 8, 1024, method="qlora")
     cost = _cost(mixtral, training)
@@ -296,7 +302,7 @@ def test_eager_attention_families_hold_every_score() -> None:
 
 
 def test_expert_targets_are_priced_as_peft_adapts_them() -> None:
-    from relaytrain_operator.planner.cost import lora_params_per_layer
+    from relaytrain_operator.domain.planner.cost import lora_params_per_layer
 
     shape, r = _shape("mixtral"), 8
     training = TrainingShape(1, 8, 512, lora_rank=r, lora_targets=("mlp.experts.down_proj",))
@@ -319,7 +325,7 @@ def test_expert_targets_are_priced_as_peft_adapts_them() -> None:
 def test_targets_a_family_does_not_have_are_refused_naming_the_field(
     model_type: str, targets: list[str], refused: str, valid: str
 ) -> None:
-    from relaytrain_operator.planner import PlanError
+    from relaytrain_operator.domain.planner import PlanError
 
     training = TrainingShape(1, 8, 512, lora_targets=tuple(targets))
     with pytest.raises(PlanError) as err:

@@ -16,7 +16,7 @@ import yaml
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from relaytrain_operator import cli
-from relaytrain_operator.planner import (
+from relaytrain_operator.domain.planner import (
     Catalog,
     CostSettings,
     GpuSpec,
@@ -30,10 +30,10 @@ from relaytrain_operator.planner import (
     pools_from_file,
     split_micro_batches,
 )
-from relaytrain_operator.planner.fleet import Pipe, candidates
-from relaytrain_operator.planner.problem import build_problem
-from relaytrain_operator.planner.shares import pipeline_seconds, slowest_seconds, split_fast
-from relaytrain_operator.planner.sync import Gradients, sync_seconds, top_two
+from relaytrain_operator.domain.planner.fleet import Pipe, candidates
+from relaytrain_operator.domain.planner.problem import build_problem
+from relaytrain_operator.domain.planner.shares import pipeline_seconds, slowest_seconds, split_fast
+from relaytrain_operator.domain.planner.sync import Gradients, sync_seconds, top_two
 
 pytestmark = pytest.mark.unit
 
@@ -357,8 +357,8 @@ def test_table_shows_every_pipeline_the_sync_and_the_gain(lab_job, capsys):
 
 
 def test_replicas_1_is_todays_output(lab_job, capsys):
-    from relaytrain_operator.plan_cmd import format_table
-    from relaytrain_operator.planner import DEFAULT_CATALOG
+    from relaytrain_operator.cli.plan_cmd import format_table
+    from relaytrain_operator.domain.planner import DEFAULT_CATALOG
 
     today = plan(LLAMA, LAB_TRAINING, lab_pools(), DEFAULT_CATALOG)
     assert relaytrain(*plan_args(lab_job, "--replicas", "1", "--json")) == 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 
 import pytest
-from relaytrain_operator.planner import (
+from relaytrain_operator.domain.planner import (
     DEFAULT_CATALOG,
     ModelShape,
     ModelShapeError,

@@ -19,9 +19,9 @@ import pytest
 import yaml
 from relaytrain_contract.families import SUPPORTED_MODEL_TYPES, lora_targets
 from relaytrain_operator import cli
-from relaytrain_operator.planner import DEFAULT_CATALOG, ModelShape, TrainingShape
-from relaytrain_operator.planner.cost import CostSettings, pool_cost
-from relaytrain_operator.planner.pools import pools_from_nodes
+from relaytrain_operator.domain.planner import DEFAULT_CATALOG, ModelShape, TrainingShape
+from relaytrain_operator.domain.planner.cost import CostSettings, pool_cost
+from relaytrain_operator.domain.planner.pools import pools_from_nodes
 
 pytestmark = pytest.mark.unit
 
@@ -123,7 +123,7 @@ def test_every_family_counts_what_transformers_builds(model_type: str) -> None:
 @pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss"])
 def test_expert_lora_parameters_are_what_peft_adds(model_type: str) -> None:
     from peft import LoraConfig, inject_adapter_in_model
-    from relaytrain_operator.planner.targets import lora_params_per_layer
+    from relaytrain_operator.domain.planner.targets import lora_params_per_layer
 
     config = {"model_type": model_type, **_COMMON, **TINY[model_type], "mlp_only_layers": []}
     config.pop("decoder_sparse_step", None)
@@ -177,7 +177,7 @@ def test_plan_stage_memory_matches_a_meta_build_of_each_slice(
     name: str, tmp_path: Path, capsys: Any
 ) -> None:
     from peft import LoraConfig, inject_adapter_in_model
-    from relaytrain_operator.planning import training_shape
+    from relaytrain_operator.domain.planning import training_shape
     from relaytrain_operator.spec import parse_job
 
     path = DATA / f"{name}.json"

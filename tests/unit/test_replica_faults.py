@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from relaytrain_operator.linkcerts import mint_link_credentials, stage_pem
+from relaytrain_operator.domain.linkcerts import mint_link_credentials, stage_pem
 from relaytrain_worker.dataparallel import LinkGroup, Slice, live_shares, segment_peers
 from relaytrain_worker.linkauth import LinkBroken, LinkCredentials
 from relaytrain_worker.replicas import STATE, GivenUp, load_state_frames, state_frame

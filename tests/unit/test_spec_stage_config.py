@@ -6,8 +6,7 @@ import json
 from dataclasses import dataclass
 
 import pytest
-from relaytrain_operator.spec import parse_job
-from relaytrain_operator.stage_config import (
+from relaytrain_operator.domain.stage_config import (
     LINK_CA_ENV,
     LINK_CERT_ENV,
     LINK_KEY_ENV,
@@ -17,6 +16,7 @@ from relaytrain_operator.stage_config import (
     output_uri,
     pod_endpoints,
 )
+from relaytrain_operator.spec import parse_job
 
 from tests.unit.test_spec_invalid import base_manifest
 

@@ -14,10 +14,11 @@ import pytest
 from minio import Minio
 from minio.credentials.providers import IamAwsProvider
 from relaytrain_contract import CheckpointSpec, S3Credentials, aws_credentials, s3_endpoint
-from relaytrain_operator import local_run, objectstore
-from relaytrain_operator.objectstore import StoreAccess
-from relaytrain_operator.observe import Observer
+from relaytrain_operator.cli import local_run
+from relaytrain_operator.loop.observe import Observer
 from relaytrain_operator.spec import FineTuneJob, parse_job
+from relaytrain_operator.store import objectstore
+from relaytrain_operator.store.objectstore import StoreAccess
 from relaytrain_worker.store import job_credentials
 
 from tests.shapes import SMOLLM2_135M_CONFIG

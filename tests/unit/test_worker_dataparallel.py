@@ -22,7 +22,7 @@ from typing import Literal
 
 import pytest
 import torch
-from relaytrain_operator.linkcerts import mint_link_credentials, stage_pem
+from relaytrain_operator.domain.linkcerts import mint_link_credentials, stage_pem
 from relaytrain_worker.dataparallel import (
     LOSS_KEY,
     InProcessGroup,

@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from relaytrain_operator.domain.stage_config import build_stage_configs, pod_endpoints
 from relaytrain_operator.spec import parse_job
-from relaytrain_operator.stage_config import build_stage_configs, pod_endpoints
 
 from tests.unit.test_operator_builders import JOB, PLAN
 

@@ -202,7 +202,7 @@ class S3Store:
             # AWS S3 and no key pair (none in the environment or the credentials file):
             # the pod's IAM role (IRSA web identity, ECS or EC2 instance metadata), where
             # AWS's standard chain ends (relaytrain_contract.store); the operator's reads
-            # end there too (relaytrain_operator.objectstore).
+            # end there too (relaytrain_operator.store.objectstore).
             from minio.credentials.providers import IamAwsProvider
 
             kwargs["credentials"] = IamAwsProvider()

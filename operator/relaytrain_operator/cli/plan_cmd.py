@@ -1,0 +1,380 @@
+"""`relaytrain plan JOB.yaml --nodes NODES.yaml`: show how a FineTuneJob would be split.
+
+Reads the job (validated by ``relaytrain_operator.spec.parse_job``), the model's
+architecture (its config.json: ``--model-config``, else ``spec.model.uri`` when it can be
+read from here, else a config shipped for the model the URI names; see
+``relaytrain_operator.store.model_config``), and the GPU pools (``--nodes``: a NodeList or
+hack/pools.yaml; ``--kubeconfig``: the live cluster's nodes, minus GPUs that pods already
+hold). Prints a table, or with ``--json`` the plan as a JSON object; both say where the
+architecture came from. The job's ``spec.pipeline.replicas`` (default 1, the one pipeline
+the operator deploys) says how many pipelines to plan; ``--replicas`` overrides it (``auto``
+plans as many as make the step fastest, one included); ``--sync`` says how they keep their
+weights equal. Exit status: 0 planned, 1 the job does not fit, 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import yaml
+
+from relaytrain_operator import cli
+from relaytrain_operator.domain.placement import file_pools, job_pools
+from relaytrain_operator.domain.planner import (
+    DEFAULT_CATALOG,
+    SYNC_MODES,
+    Catalog,
+    FleetPlan,
+    LoraTargetError,
+    ModelShape,
+    ModelShapeError,
+    Plan,
+    PlanError,
+    Pool,
+    PoolError,
+    Sync,
+    TrainingShape,
+    UnknownGpuError,
+    plan,
+    plan_fleet,
+)
+from relaytrain_operator.domain.planner.cost import GIB
+from relaytrain_operator.store.model_config import ModelConfigError, Resolved, resolve
+
+if TYPE_CHECKING:
+    from relaytrain_operator.spec import FineTuneJob
+
+EXIT_INFEASIBLE = 1
+EXIT_BAD_INPUT = 2
+
+
+class InputError(Exception):
+    """Input the command cannot use; the message says which and why."""
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    """Register `plan` on the `relaytrain` subcommand parsers."""
+    parser: argparse.ArgumentParser = sub.add_parser(
+        "plan",
+        help="show the stage plan for a FineTuneJob on a set of GPU nodes",
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+    )
+    parser.add_argument("job", type=Path, help="FineTuneJob manifest (YAML)")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument(
+        "--nodes", type=Path, help="nodes file: NodeList/List YAML or JSON, or hack/pools.yaml"
+    )
+    source.add_argument("--kubeconfig", type=Path, help="read the live nodes of this cluster")
+    parser.add_argument("--catalog", type=Path, help="GPU catalog overrides (YAML or JSON)")
+    parser.add_argument(
+        "--model-config",
+        type=Path,
+        help="the model's config.json (default: read spec.model.uri, else a shipped config "
+        "for the model it names)",
+    )
+    parser.add_argument(
+        "--default-link",
+        metavar="MBPS,MS",
+        help="link to assume for nodes without link annotations, e.g. 1000,10",
+    )
+    parser.add_argument(
+        "--replicas",
+        type=cli.replicas,
+        default=None,
+        metavar="auto|N",
+        help="pipelines that train together on one global batch: auto (as many as make the "
+        "step fastest, one included) or a number; default: the job's "
+        "spec.pipeline.replicas (1 unless it says otherwise)",
+    )
+    parser.add_argument(
+        "--sync",
+        choices=SYNC_MODES,
+        default=None,
+        help="how several pipelines keep their weights equal: synchronous (reduce gradients "
+        "every step) or periodic (every --sync-every steps); default: the job's "
+        "spec.pipeline.sync (synchronous unless it says otherwise)",
+    )
+    parser.add_argument(
+        "--sync-every",
+        type=cli.positive_int,
+        metavar="H",
+        help="steps between synchronisations with --sync periodic; default: the job's "
+        "spec.pipeline.sync.everySteps",
+    )
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.set_defaults(func=run)
+    return parser
+
+
+def _sync(args: argparse.Namespace, job: Sync) -> Sync:
+    """The command line's --sync/--sync-every over the job's spec.pipeline.sync."""
+    mode = args.sync or job.mode
+    if mode == "periodic":
+        every = args.sync_every
+        if every is None and job.mode == "periodic":
+            every = job.every
+        if every is None:
+            raise InputError(
+                "--sync periodic needs --sync-every H (steps between synchronisations)"
+            )
+        return Sync("periodic", every)
+    if args.sync_every is not None:
+        raise InputError(
+            f"--sync-every {args.sync_every} needs --sync periodic; synchronous pipelines "
+            "synchronise every step"
+        )
+    return Sync()
+
+
+def _load(path: Path, what: str) -> Any:
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise InputError(f"cannot read {what} {str(path)!r}: {err.strerror}") from None
+    try:
+        docs = [d for d in yaml.safe_load_all(text) if d is not None]
+    except yaml.YAMLError as err:
+        raise InputError(f"{what} {str(path)!r} is not YAML/JSON: {err}") from None
+    if len(docs) != 1:
+        raise InputError(f"{what} {str(path)!r} must hold one document, found {len(docs)}")
+    return docs[0]
+
+
+def _live_nodes(kubeconfig: Path, job: FineTuneJob, default_link: Any) -> list[Pool]:
+    # Imported here: `relaytrain plan --nodes` must work without the kubernetes client.
+    from kubernetes import client, config
+
+    api = config.new_client_from_config(config_file=str(kubeconfig))  # type: ignore[no-untyped-call]
+    core = client.CoreV1Api(api)
+    nodes = api.sanitize_for_serialization(core.list_node())["items"]
+    pods = api.sanitize_for_serialization(core.list_pod_for_all_namespaces())["items"]
+    return job_pools(job, nodes, pods, default_link=default_link)
+
+
+def _default_link(raw: str | None) -> tuple[float, float] | None:
+    if raw is None:
+        return None
+    try:
+        mbps, ms = (float(x) for x in raw.split(","))
+    except ValueError:
+        raise InputError(f"--default-link must be MBPS,MS (e.g. 1000,10), got {raw!r}") from None
+    if mbps <= 0 or ms < 0:
+        raise InputError(f"--default-link needs bandwidth > 0 and latency >= 0, got {raw!r}")
+    return mbps, ms
+
+
+@dataclass(frozen=True)
+class _Inputs:
+    """What `plan` needs, read from the command line's files."""
+
+    name: str
+    model: ModelShape
+    model_source: Resolved
+    training: TrainingShape
+    pools: list[Pool]
+    catalog: Catalog
+    stages: int | None
+    replicas: int | Literal["auto"]
+    """The job's spec.pipeline.replicas."""
+    sync: Sync
+    """The job's spec.pipeline.sync."""
+
+
+def _inputs(args: argparse.Namespace) -> _Inputs:
+    """Read and check the job, the model config, the pools and the catalog."""
+    from relaytrain_operator.domain.planning import training_shape
+    from relaytrain_operator.spec import SpecError, parse_job
+
+    manifest = _load(args.job, "job")
+    try:
+        job = parse_job(manifest, default_checkpoint_uri="checkpoints")
+    except SpecError as err:
+        raise InputError(f"job {str(args.job)!r}: {err}") from None
+    spec = job.spec
+    try:
+        source = resolve(
+            spec.model.uri,
+            model_config=args.model_config,
+            endpoint=spec.checkpoint.endpoint,
+            environ=os.environ,
+        )
+    except ModelConfigError as err:
+        raise InputError(str(err)) from None
+    model = ModelShape.from_hf_config(source.config)
+    training = training_shape(job)
+    default_link = _default_link(args.default_link)
+    # Which nodes the job may use, and what is free there: the operator's own rules.
+    if args.nodes is not None:
+        pools = file_pools(job, _load(args.nodes, "nodes file"), default_link=default_link)
+    else:
+        pools = _live_nodes(args.kubeconfig, job, default_link)
+    catalog: Catalog = DEFAULT_CATALOG
+    if args.catalog is not None:
+        catalog = DEFAULT_CATALOG.with_overrides(_load(args.catalog, "catalog"))
+    stages = spec.pipeline.stages
+    return _Inputs(
+        job.metadata.name,
+        model,
+        source,
+        training,
+        pools,
+        catalog,
+        None if stages == "auto" else int(stages),
+        spec.pipeline.replicas,
+        Sync(spec.pipeline.sync.mode, spec.pipeline.sync.every_steps or 1),
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of `relaytrain plan`."""
+    try:
+        inputs = _inputs(args)
+        sync = _sync(args, inputs.sync)
+        replicas = inputs.replicas if args.replicas is None else args.replicas
+        if replicas == 1:
+            result: Plan | FleetPlan = plan(
+                inputs.model, inputs.training, inputs.pools, inputs.catalog, stages=inputs.stages
+            )
+        else:
+            fleet = plan_fleet(
+                inputs.model,
+                inputs.training,
+                inputs.pools,
+                inputs.catalog,
+                stages=inputs.stages,
+                replicas=None if replicas == "auto" else replicas,
+                sync=sync,
+            )
+            result = fleet.single if len(fleet.pipelines) == 1 else fleet
+    except UnknownGpuError as err:
+        print(f"relaytrain plan: error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except LoraTargetError as err:
+        # The job asks for something the model has not: bad input, not a fleet too small.
+        print(f"relaytrain plan: error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except PlanError as err:
+        print(f"relaytrain plan: the job does not fit: {err}", file=sys.stderr)
+        return EXIT_INFEASIBLE
+    except (InputError, PoolError, ModelShapeError, ValueError) as err:
+        print(f"relaytrain plan: error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if args.json:
+        model = {**inputs.model_source.to_dict(), "layers": inputs.model.num_layers}
+        print(json.dumps({"job": inputs.name, "model": model, **result.to_dict()}, indent=2))
+    else:
+        print(format_table(inputs.name, inputs.training, result, inputs.model, inputs.model_source))
+    return 0
+
+
+def _about(model: ModelShape | None, source: Resolved | None) -> list[str]:
+    if model is None or source is None:
+        return []
+    about = [
+        f"Model: {source.describe()}: {model.num_layers} layers, hidden {model.hidden_size}, "
+        f"{model.num_heads} heads ({model.num_kv_heads} KV), vocab {model.vocab_size}."
+    ]
+    return about + [f"Not read: {why}." for why in source.skipped]
+
+
+def _stage_table(result: Plan) -> list[str]:
+    rows = [("STAGE", "POOL", "GPU", "LAYERS", "N", "COMPUTE", "LINK", "PER-MB", "MEMORY")]
+    for s in result.stages:
+        used, avail = s.memory_bytes / GIB, s.memory_available_bytes / GIB
+        rows.append(
+            (
+                str(s.index),
+                s.pool,
+                s.gpu_product,
+                f"{s.layer_start}-{s.layer_end - 1}",
+                str(s.layers),
+                f"{s.compute_seconds:.3g}s",
+                f"{s.link_seconds:.3g}s",
+                f"{s.seconds:.3g}s",
+                f"{used:.1f}/{avail:.1f} GiB ({100 * used / avail:.0f}%)",
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+
+
+def format_table(
+    name: str,
+    training: TrainingShape,
+    result: Plan | FleetPlan,
+    model: ModelShape | None = None,
+    source: Resolved | None = None,
+) -> str:
+    """The plan as a readable table; with `model` and `source`, the model and its origin."""
+    if isinstance(result, FleetPlan):
+        return format_fleet(name, training, result, model, source)
+    header = (
+        f"Plan for {name}: {len(result.stages)} stage(s), 1F1B, {result.micro_batches} "
+        f"micro-batches of {training.micro_batch_size}x{training.sequence_length} tokens "
+        f"({training.method}, {training.dtype}, compression {training.compression})"
+    )
+    lines = [header, *_about(model, source), "", *_stage_table(result)]
+    b = result.bottleneck
+    lines += [
+        "",
+        f"Step {result.step_seconds:.3g}s, {result.tokens_per_second:,.0f} tokens/s, "
+        f"bubble {100 * result.bubble_fraction:.0f}%.",
+        f"Bottleneck: stage {b.stage} ({b.resource}). {b.detail}",
+        f"Search: {result.search} ({result.sequences_evaluated} sequences evaluated).",
+    ]
+    lines += [f"Note: {n}" for n in result.notes]
+    return "\n".join(lines)
+
+
+def format_fleet(
+    name: str,
+    training: TrainingShape,
+    fleet: FleetPlan,
+    model: ModelShape | None = None,
+    source: Resolved | None = None,
+) -> str:
+    """Several pipelines: each one's stages, then the sync and the whole step."""
+    header = (
+        f"Plan for {name}: {len(fleet.pipelines)} pipelines on {fleet.gpus} of "
+        f"{fleet.usable_gpus} usable GPU(s), 1F1B, {fleet.micro_batches} micro-batches of "
+        f"{training.micro_batch_size}x{training.sequence_length} tokens per step "
+        f"({training.method}, {training.dtype}, compression {training.compression})"
+    )
+    lines = [header, *_about(model, source)]
+    for i, p in enumerate(fleet.pipelines):
+        b = p.bottleneck
+        lines += [
+            "",
+            f"Pipeline {i}: {len(p.stages)} stage(s), {p.micro_batches} "
+            f"micro-batch{'' if p.micro_batches == 1 else 'es'}, "
+            f"{p.step_seconds:.3g}s, {p.tokens_per_second:,.0f} tokens/s, "
+            f"bubble {100 * p.bubble_fraction:.0f}%.",
+            *_stage_table(p),
+            f"Bottleneck: stage {b.stage} ({b.resource}). {b.detail}",
+        ]
+    s = fleet.sync
+    when = "every step" if s.sync.mode == "synchronous" else f"every {s.sync.every} steps"
+    share = "" if s.sync.every == 1 else f", {s.per_step_seconds:.3g}s per step"
+    single = fleet.single
+    lines += [
+        "",
+        f"Sync: {s.sync.mode}, {when}: {s.collective} of {s.gradient_bytes / 2**20:,.1f} MiB "
+        f"of {s.gradients.dtype} {s.gradients.what} {s.gradients.kind} among {s.pipelines} "
+        f"pipelines, "
+        f"{s.seconds:.3g}s ({s.bandwidth_seconds:.3g}s busiest link, "
+        f"{s.latency_seconds:.3g}s latency){share}.",
+        f"Step {fleet.step_seconds:.3g}s (slowest pipeline {fleet.pipeline_seconds:.3g}s + "
+        f"sync {s.per_step_seconds:.3g}s), {fleet.tokens_per_second:,.0f} tokens/s: "
+        f"{fleet.speedup:.2f}x the best single pipeline ({single.tokens_per_second:,.0f} "
+        f"tokens/s on {len(single.stages)} GPU(s)).",
+        f"Search: {fleet.search} over {fleet.candidates} candidate pipelines "
+        f"({fleet.sets_evaluated} sets evaluated).",
+    ]
+    lines += [f"Note: {n}" for n in fleet.notes]
+    return "\n".join(lines)

@@ -1,0 +1,182 @@
+"""One Pod per pipeline stage: pinned to its GPU pool, locked down, stable DNS name."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from relaytrain_contract import CONFIG_ENV, LINK_PORT, METRICS_PORT, REPLICA_PORT
+
+from relaytrain_operator.domain.builders.labels import (
+    PIPELINE_LABEL,
+    POOL_ANNOTATION,
+    STAGE_LABEL,
+    child_metadata,
+    link_secret_name,
+    stage_pod_name,
+)
+from relaytrain_operator.domain.linkcerts import CA_FILE, cert_file, key_file
+
+GPU_RESOURCE = "nvidia.com/gpu"
+MIB = 1024 * 1024
+# The worker image's numeric non-root user (worker_image/Dockerfile), so `runAsNonRoot`
+# is verified without trusting the image's metadata.
+RUN_AS_USER = 10001
+CACHE_DIR = "/cache"
+"""Writable scratch for downloaded model shards (the root filesystem is read-only); the
+worker image points RELAYTRAIN_CACHE here."""
+
+
+@dataclass(frozen=True)
+class CredentialsRef:
+    """Where the object-store credentials live: a Secret and the two keys in it."""
+
+    secret_name: str
+    """Name of the Secret in the job's namespace."""
+    access_key_key: str = "accessKey"
+    """Key in the Secret holding the access key id."""
+    secret_key_key: str = "secretKey"
+    """Key in the Secret holding the secret access key."""
+
+
+@dataclass(frozen=True)
+class StagePodInputs:
+    """Everything one stage pod is built from; filled from the spec and the plan."""
+
+    index: int
+    """0-based stage index (within its pipeline)."""
+    pool: str
+    """The pool (planner's pool name) this stage runs on."""
+    node_selector: dict[str, str]
+    """Node labels that pin the pod to its pool (GPU label, pool label, spec extras)."""
+    memory_bytes: int
+    """Memory to request (and limit), from the plan's estimate for this stage."""
+    stage_config: dict[str, Any]
+    """The stage contract document from `build_stage_configs`."""
+    image: str
+    """Worker container image."""
+    credentials: CredentialsRef | None = None
+    """Object-store credentials; None for a store that needs none."""
+    tolerations: list[dict[str, Any]] = field(default_factory=list)
+    """Tolerations copied from spec.placement."""
+    priority_class_name: str | None = None
+    """PriorityClass for the pod, from spec.placement."""
+    image_pull_policy: str = "IfNotPresent"
+    """Pull policy of the worker image."""
+    cpu: str | None = None
+    """CPU to request, if the spec names one."""
+    pipeline: int | None = None
+    """The stage's pipeline when the job trains several; None: the job's only one."""
+
+
+def _secret_env(name: str, secret: str, key: str) -> dict[str, Any]:
+    return {"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
+
+
+def _env(job_name: str, inputs: StagePodInputs) -> list[dict[str, Any]]:
+    config = inputs.stage_config
+    env: list[dict[str, Any]] = [
+        {"name": CONFIG_ENV, "value": json.dumps(config, sort_keys=True)},
+        # The root filesystem is read-only: caches go to the /tmp emptyDir.
+        {"name": "HOME", "value": "/tmp"},
+        {"name": "HF_HOME", "value": "/tmp/hf"},
+    ]
+    # The link Secret holds every stage's key; each pod gets only its own (and the CA's
+    # certificate), by reference.
+    links = config.get("links") or {}
+    link_secret = link_secret_name(job_name)
+    pipeline = inputs.pipeline or 0
+    for env_field, file in (
+        ("certEnv", cert_file(pipeline, inputs.index)),
+        ("keyEnv", key_file(pipeline, inputs.index)),
+        ("caEnv", CA_FILE),
+    ):
+        if links.get(env_field):
+            env.append(_secret_env(links[env_field], link_secret, file))
+    checkpoint = config.get("checkpoint") or {}
+    if inputs.credentials is not None:
+        ref = inputs.credentials
+        if checkpoint.get("accessKeyEnv"):
+            env.append(_secret_env(checkpoint["accessKeyEnv"], ref.secret_name, ref.access_key_key))
+        if checkpoint.get("secretKeyEnv"):
+            env.append(_secret_env(checkpoint["secretKeyEnv"], ref.secret_name, ref.secret_key_key))
+    return env
+
+
+def _resources(inputs: StagePodInputs) -> dict[str, Any]:
+    memory = f"{max(1, -(-inputs.memory_bytes // MIB))}Mi"
+    requests: dict[str, str] = {GPU_RESOURCE: "1", "memory": memory}
+    if inputs.cpu:
+        requests["cpu"] = inputs.cpu
+    # Extended resources need limit == request; a memory limit keeps a leaking stage
+    # from starving its neighbours on a shared node.
+    limits = {GPU_RESOURCE: "1", "memory": memory}
+    return {"requests": requests, "limits": limits}
+
+
+def build_stage_pod(job: dict[str, Any], inputs: StagePodInputs) -> dict[str, Any]:
+    """The Pod of one stage, owned by the job.
+
+    `restartPolicy: Never`: a stage that dies is replaced by the operator (which
+    counts restarts and restores from a checkpoint), not restarted in place by the kubelet.
+    """
+    job_name = job["metadata"]["name"]
+    name = stage_pod_name(job_name, inputs.index, inputs.pipeline)
+    metadata = child_metadata(job, name)
+    metadata["labels"][STAGE_LABEL] = str(inputs.index)
+    metadata["labels"][PIPELINE_LABEL] = str(inputs.pipeline or 0)
+    metadata["annotations"] = {POOL_ANNOTATION: inputs.pool}
+    ports = [
+        {"name": "link", "containerPort": LINK_PORT, "protocol": "TCP"},
+        {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"},
+    ]
+    if inputs.pipeline:
+        # Stages of pipelines above 0 accept the lower pipelines' stages here.
+        ports.append({"name": "replica", "containerPort": REPLICA_PORT, "protocol": "TCP"})
+    container: dict[str, Any] = {
+        "name": "worker",
+        "image": inputs.image,
+        "imagePullPolicy": inputs.image_pull_policy,
+        "command": ["python", "-m", "relaytrain_worker"],
+        "env": _env(job_name, inputs),
+        "ports": ports,
+        "resources": _resources(inputs),
+        "readinessProbe": {
+            "httpGet": {"path": "/healthz", "port": "metrics"},
+            "periodSeconds": 10,
+        },
+        "securityContext": {
+            "runAsNonRoot": True,
+            "readOnlyRootFilesystem": True,
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+        },
+        "volumeMounts": [
+            {"name": "tmp", "mountPath": "/tmp"},
+            {"name": "cache", "mountPath": CACHE_DIR},
+        ],
+    }
+    spec: dict[str, Any] = {
+        "hostname": name,
+        "subdomain": job_name,
+        "restartPolicy": "Never",
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "nodeSelector": dict(inputs.node_selector),
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": RUN_AS_USER,
+            "runAsGroup": RUN_AS_USER,
+            "fsGroup": RUN_AS_USER,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "containers": [container],
+        "volumes": [{"name": "tmp", "emptyDir": {}}, {"name": "cache", "emptyDir": {}}],
+        "terminationGracePeriodSeconds": 30,
+    }
+    if inputs.tolerations:
+        spec["tolerations"] = [dict(t) for t in inputs.tolerations]
+    if inputs.priority_class_name:
+        spec["priorityClassName"] = inputs.priority_class_name
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec}

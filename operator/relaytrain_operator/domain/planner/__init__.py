@@ -1,0 +1,67 @@
+"""The planner: split a model into pipeline stages sized to each GPU (pure Python, no I/O).
+
+Public API (stable; the operator and `relaytrain plan` call it)::
+
+    from relaytrain_operator.domain.planner import ModelShape, Pool, TrainingShape, plan
+
+    p = plan(ModelShape.from_hf_config(config), TrainingShape(4, 8, 1024), pools)
+    p.stages, p.tokens_per_second, p.bottleneck, p.to_status()
+
+    fleet = plan_fleet(model, training, pools, sync=Sync("periodic", every=8))
+    fleet.pipelines, fleet.tokens_per_second, fleet.speedup, fleet.to_dict()
+
+See docs/planner.md for the cost model, the search and the ``status.plan`` shape.
+"""
+
+from relaytrain_operator.domain.planner.api import assess, plan
+from relaytrain_operator.domain.planner.catalog import (
+    BUILTIN_GPUS,
+    DEFAULT_CATALOG,
+    Catalog,
+    GpuSpec,
+    UnknownGpuError,
+)
+from relaytrain_operator.domain.planner.cost import CostSettings
+from relaytrain_operator.domain.planner.fleet import plan_fleet
+from relaytrain_operator.domain.planner.fleet_result import FleetPlan
+from relaytrain_operator.domain.planner.model_shape import ModelShape, ModelShapeError
+from relaytrain_operator.domain.planner.pools import (
+    Pool,
+    PoolError,
+    pools_from_file,
+    pools_from_nodes,
+)
+from relaytrain_operator.domain.planner.result import Bottleneck, Plan, PlanError, StagePlan
+from relaytrain_operator.domain.planner.shares import split_micro_batches
+from relaytrain_operator.domain.planner.sync import SYNC_MODES, Sync, SyncPrice
+from relaytrain_operator.domain.planner.targets import LoraTargetError
+from relaytrain_operator.domain.planner.training import TrainingShape
+
+__all__ = [
+    "BUILTIN_GPUS",
+    "DEFAULT_CATALOG",
+    "SYNC_MODES",
+    "Bottleneck",
+    "Catalog",
+    "CostSettings",
+    "FleetPlan",
+    "GpuSpec",
+    "LoraTargetError",
+    "ModelShape",
+    "ModelShapeError",
+    "Plan",
+    "PlanError",
+    "Pool",
+    "PoolError",
+    "StagePlan",
+    "Sync",
+    "SyncPrice",
+    "TrainingShape",
+    "UnknownGpuError",
+    "assess",
+    "plan",
+    "plan_fleet",
+    "pools_from_file",
+    "pools_from_nodes",
+    "split_micro_batches",
+]

@@ -1,0 +1,143 @@
+"""`plan()`: from a model, training settings and pools to an ordered pipeline plan."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from relaytrain_operator.domain.planner.catalog import Catalog
+from relaytrain_operator.domain.planner.cost import CostSettings, PoolCost
+from relaytrain_operator.domain.planner.diagnose import infeasible_error
+from relaytrain_operator.domain.planner.model_shape import ModelShape
+from relaytrain_operator.domain.planner.pools import Pool
+from relaytrain_operator.domain.planner.problem import Problem, build_problem, solve
+from relaytrain_operator.domain.planner.result import Bottleneck, Plan, PlanError, StagePlan
+from relaytrain_operator.domain.planner.search import DEFAULT_EXHAUSTIVE_LIMIT, Candidate
+from relaytrain_operator.domain.planner.training import TrainingShape
+
+
+def plan(
+    model: ModelShape,
+    training: TrainingShape,
+    pools: Sequence[Pool],
+    catalog: Catalog | None = None,
+    *,
+    settings: CostSettings | None = None,
+    stages: int | None = None,
+    max_stages: int | None = None,
+    exhaustive_limit: int = DEFAULT_EXHAUSTIVE_LIMIT,
+) -> Plan:
+    """Plan a pipeline for ``model`` and ``training`` on ``pools`` (one GPU per stage).
+
+    ``stages`` fixes the number of stages (``pipeline.stages``); None chooses it. Raises
+    :class:`PlanError` when the job cannot fit, saying what does not fit and what would.
+    """
+    problem = build_problem(model, training, pools, catalog, settings)
+    counts = problem.stage_counts(stages, max_stages)
+    best, search, evaluated = solve(problem, counts, exhaustive_limit)
+    if best.deficit:
+        raise infeasible_error(problem, best, catalog, settings)
+    return to_plan(problem, best, search, evaluated)
+
+
+def assess(
+    model: ModelShape,
+    training: TrainingShape,
+    pools: Sequence[Pool],
+    stages: Sequence[tuple[str, int]],
+    catalog: Catalog | None = None,
+    *,
+    settings: CostSettings | None = None,
+) -> Plan:
+    """Predict a given split: ``stages`` is ``[(pool name, decoder layers), ...]`` in order.
+
+    For comparing with other splits (benchmarks) and with measured runs. Memory is not
+    enforced: check ``Plan.fits``.
+    """
+    problem = build_problem(model, training, pools, catalog, settings)
+    index = {cost.pool.name: i for i, cost in enumerate(problem.costs)}
+    unknown = sorted({name for name, _ in stages} - set(index))
+    if unknown:
+        raise PlanError(f"Split names pools that are not usable here: {', '.join(unknown)}.")
+    names = [name for name, _ in stages]
+    over = sorted(c.pool.name for c in problem.costs if names.count(c.pool.name) > c.pool.gpus)
+    if over:
+        raise PlanError(f"Split uses more GPUs than these pools have: {', '.join(over)}.")
+    counts = tuple(n for _, n in stages)
+    if min(counts, default=0) < 1 or sum(counts) != model.num_layers:
+        raise PlanError(
+            f"Split must give every stage at least one layer and {model.num_layers} in all, "
+            f"got {list(counts)}."
+        )
+    seq = tuple(index[name] for name, _ in stages)
+    terms = problem.evaluator(ignore_memory=True).stage_terms(seq)
+    seconds = tuple(a * n + c for (a, c, _), n in zip(terms, counts, strict=True))
+    candidate = Candidate(seq, 0, counts, seconds, training.micro_batches)
+    return to_plan(problem, candidate, "fixed", 1)
+
+
+def to_plan(problem: Problem, best: Candidate, search: str, evaluated: int) -> Plan:
+    """The Plan of one evaluated sequence (its micro-batches: ``problem.training``'s)."""
+    seq, p = best.seq, len(best.seq)
+    link, costs = problem.link, problem.costs
+    stages = []
+    starts = [0, *itertools.accumulate(best.counts)]
+    for k, i in enumerate(seq):
+        cost = costs[i]
+        first, last = k == 0, k == p - 1
+        prev = costs[seq[k - 1]] if k > 0 else None
+        nxt = costs[seq[k + 1]] if k < p - 1 else None
+        in_flight = min(p - k, problem.training.micro_batches)
+        stages.append(
+            StagePlan(
+                index=k,
+                pool=cost.pool.name,
+                gpu_product=cost.pool.product,
+                layer_start=starts[k],
+                layer_end=starts[k + 1],
+                compute_seconds=best.counts[k] * cost.layer_seconds
+                + cost.fixed_seconds(first, last),
+                link_seconds=link.stage_seconds(prev, cost, nxt),
+                memory_bytes=cost.stage_bytes(best.counts[k], first, last, in_flight),
+                memory_available_bytes=cost.available_bytes,
+                in_flight=in_flight,
+            )
+        )
+    slow = max(range(p), key=lambda k: best.seconds[k])
+    unconstrained = problem.evaluator(ignore_memory=True).evaluate(seq)
+    stage = stages[slow]
+    if unconstrained.bottleneck < best.bottleneck * (1 - 1e-9):
+        full = [s.index for s in stages if s.index != slow and _is_full(s, costs[seq[s.index]])]
+        detail = (
+            f"Stage {slow} carries extra layers because stages {full} are full; with more "
+            f"memory it would take {unconstrained.bottleneck:.3g}s instead of "
+            f"{best.bottleneck:.3g}s per micro-batch."
+        )
+        bottleneck = Bottleneck(slow, "memory", detail)
+    elif stage.link_seconds > stage.compute_seconds:
+        detail = (
+            f"Stage {slow} spends {stage.link_seconds:.3g}s sending boundary tensors and "
+            f"{stage.compute_seconds:.3g}s computing per micro-batch."
+        )
+        bottleneck = Bottleneck(slow, "link", detail)
+    else:
+        detail = (
+            f"Stage {slow} computes {stage.compute_seconds:.3g}s and sends "
+            f"{stage.link_seconds:.3g}s per micro-batch."
+        )
+        bottleneck = Bottleneck(slow, "compute", detail)
+    return Plan(
+        stages=tuple(stages),
+        micro_batches=problem.training.micro_batches,
+        tokens_per_micro_batch=problem.training.tokens_per_micro_batch,
+        bottleneck=bottleneck,
+        search=search,  # type: ignore[arg-type]
+        sequences_evaluated=evaluated,
+        notes=problem.notes,
+    )
+
+
+def _is_full(stage: StagePlan, cost: PoolCost) -> bool:
+    """Whether one more layer would not fit on this stage."""
+    per_layer = cost.layer_static_bytes + stage.in_flight * cost.layer_activation_bytes
+    return stage.memory_bytes + per_layer > stage.memory_available_bytes

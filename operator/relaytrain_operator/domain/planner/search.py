@@ -1,0 +1,239 @@
+"""The search: which GPUs serve the stages, in which order, with how many layers each.
+
+A candidate is a *sequence* of pools, one entry per stage (stage k runs on a GPU of pool
+``seq[k]``; a pool appears at most as often as it has GPUs). For a sequence, stage k takes
+``f_k(n) = n * a_k + c_k`` seconds per micro-batch with n layers (a_k: one layer's compute,
+c_k: its head and link time), and fits at most ``cap_k`` layers in memory.
+
+Layer split (exact): all decoder layers cost the same, so a contiguous split is fixed by the
+layer counts alone, and the best counts minimise ``max_k f_k(n_k)`` with ``1 <= n_k <=
+cap_k`` and ``sum n_k = L``. Giving every stage one layer and then, L - P times, one more
+layer to the stage whose time after the increment is smallest is optimal: each stage's
+times f_k(1) < f_k(2) < ... increase, so the greedy takes the L - P smallest increments of
+the union, and no other allocation can have a smaller largest element. O(L log P).
+
+Sequences: the step time of a 1F1B pipeline is (M + P - 1) times its slowest stage, so for
+each stage count P the search minimises the slowest stage and then picks the P with the
+smallest step time. When the number of distinct sequences is at most ``exhaustive_limit``
+every one is evaluated (exact). Otherwise a stated heuristic: for every P, seed sequences
+(the P fastest GPUs fastest-first and fastest-last, the P largest-memory GPUs largest-first)
+and, for the few best P, local search (swap two stages, or move a stage to a spare GPU of
+another pool) until no move improves (memory deficit, slowest stage, total time).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from math import factorial
+
+from relaytrain_operator.domain.planner.cost import LinkCost, PoolCost
+
+#: Sequences evaluated before switching from exhaustive search to the heuristic.
+DEFAULT_EXHAUSTIVE_LIMIT = 20_000
+#: Stage counts refined by local search in heuristic mode.
+REFINED_STAGE_COUNTS = 3
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One evaluated sequence: its layer counts and per-stage times."""
+
+    seq: tuple[int, ...]
+    """Pool index per stage."""
+    deficit: int
+    """Layers that do not fit anywhere (0 when the sequence is feasible)."""
+    counts: tuple[int, ...]
+    """Decoder layers per stage (meaningful when deficit is 0)."""
+    seconds: tuple[float, ...]
+    """Per-micro-batch time of each stage with those counts."""
+    micro_batches: int
+
+    @property
+    def bottleneck(self) -> float:
+        return max(self.seconds) if self.seconds else float("inf")
+
+    @property
+    def step_seconds(self) -> float:
+        return (self.micro_batches + len(self.seq) - 1) * self.bottleneck
+
+    def key(self) -> tuple[int, float, float]:
+        """Order within one stage count: fits first, then slowest stage, then total time."""
+        return (self.deficit, self.bottleneck, sum(self.seconds))
+
+    def overall_key(self) -> tuple[int, float, int]:
+        """Order across stage counts: fits first, then step time, then fewer stages."""
+        return (self.deficit, 0.0 if self.deficit else self.step_seconds, len(self.seq))
+
+
+class Evaluator:
+    """Evaluates sequences of pools for one job; caches what does not depend on order."""
+
+    def __init__(
+        self,
+        costs: Sequence[PoolCost],
+        link: LinkCost,
+        num_layers: int,
+        micro_batches: int,
+        ignore_memory: bool = False,
+    ) -> None:
+        self.costs = list(costs)
+        self.link = link
+        self.num_layers = num_layers
+        self.micro_batches = micro_batches
+        self.ignore_memory = ignore_memory
+        self._caps: dict[tuple[int, bool, bool, int], int] = {}
+        self.calls = 0
+        """Sequences evaluated so far."""
+
+    def stage_terms(self, seq: Sequence[int]) -> list[tuple[float, float, int]]:
+        """(seconds per layer, fixed seconds, layer capacity) of each stage of ``seq``."""
+        p = len(seq)
+        terms = []
+        for k, i in enumerate(seq):
+            cost = self.costs[i]
+            first, last = k == 0, k == p - 1
+            prev = self.costs[seq[k - 1]] if k > 0 else None
+            nxt = self.costs[seq[k + 1]] if k < p - 1 else None
+            fixed = cost.fixed_seconds(first, last) + self.link.stage_seconds(prev, cost, nxt)
+            in_flight = min(p - k, self.micro_batches)
+            key = (i, first, last, in_flight)
+            if key not in self._caps:
+                self._caps[key] = cost.max_layers(first, last, in_flight)
+            cap = self.num_layers if self.ignore_memory else self._caps[key]
+            terms.append((cost.layer_seconds, fixed, cap))
+        return terms
+
+    def evaluate(self, seq: Sequence[int]) -> Candidate:
+        """Best layer counts for ``seq`` (exact; see the module docstring)."""
+        self.calls += 1
+        terms = self.stage_terms(seq)
+        caps = [min(cap, self.num_layers) for _, _, cap in terms]
+        if min(caps) < 1 or sum(caps) < self.num_layers or len(seq) > self.num_layers:
+            # Layers left over; at least 1 when every layer has room but some stage has none.
+            short = max(self.num_layers - sum(caps), 1)
+            return Candidate(tuple(seq), short, (), (), self.micro_batches)
+        counts = [1] * len(seq)
+        heap = [(a * 2 + c, k) for k, (a, c, _) in enumerate(terms) if caps[k] > 1]
+        heapq.heapify(heap)
+        for _ in range(self.num_layers - len(seq)):
+            _, k = heapq.heappop(heap)
+            counts[k] += 1
+            if counts[k] < caps[k]:
+                a, c, _ = terms[k]
+                heapq.heappush(heap, (a * (counts[k] + 1) + c, k))
+        seconds = tuple(a * n + c for (a, c, _), n in zip(terms, counts, strict=True))
+        return Candidate(tuple(seq), 0, tuple(counts), seconds, self.micro_batches)
+
+
+def count_sequences(gpus: Sequence[int], length: int) -> int:
+    """Distinct sequences of ``length`` pools using pool i at most ``gpus[i]`` times."""
+    # Exponential generating functions: coefficient of x^n/n! counts arrangements.
+    poly = [1.0] + [0.0] * length
+    for g in gpus:
+        factor = [1 / factorial(n) if n <= g else 0.0 for n in range(length + 1)]
+        poly = [sum(poly[j] * factor[n - j] for j in range(n + 1)) for n in range(length + 1)]
+    return round(poly[length] * factorial(length))
+
+
+def sequences(gpus: Sequence[int], length: int) -> Iterator[tuple[int, ...]]:
+    """Every distinct sequence of ``length`` pools within the GPU counts."""
+    left = list(gpus)
+    seq: list[int] = []
+
+    def extend() -> Iterator[tuple[int, ...]]:
+        if len(seq) == length:
+            yield tuple(seq)
+            return
+        for i, n in enumerate(left):
+            if n:
+                left[i] -= 1
+                seq.append(i)
+                yield from extend()
+                seq.pop()
+                left[i] += 1
+
+    return extend()
+
+
+def _better(a: Candidate, b: Candidate | None) -> bool:
+    """Whether ``a`` beats ``b`` across stage counts: fits, then step time, then fewer stages."""
+    return b is None or a.overall_key() < b.overall_key()
+
+
+def exhaustive(evaluator: Evaluator, gpus: Sequence[int], stage_counts: Sequence[int]) -> Candidate:
+    """The best sequence over every distinct sequence of each stage count."""
+    best: Candidate | None = None
+    for p in stage_counts:
+        for seq in sequences(gpus, p):
+            cand = evaluator.evaluate(seq)
+            if _better(cand, best):
+                best = cand
+    assert best is not None
+    return best
+
+
+def _seeds(evaluator: Evaluator, gpus: Sequence[int], p: int) -> list[tuple[int, ...]]:
+    costs = evaluator.costs
+    units = [i for i, g in enumerate(gpus) for _ in range(g)]
+    by_speed = sorted(units, key=lambda i: (costs[i].layer_seconds, -costs[i].available_bytes))
+    by_memory = sorted(units, key=lambda i: (-costs[i].available_bytes, costs[i].layer_seconds))
+    fast = by_speed[:p]
+    return [tuple(fast), tuple(reversed(fast)), tuple(by_memory[:p])]
+
+
+def _neighbours(seq: tuple[int, ...], gpus: Sequence[int]) -> Iterator[tuple[int, ...]]:
+    p = len(seq)
+    spare = [g - seq.count(i) for i, g in enumerate(gpus)]
+    # Every pairwise swap while cheap; adjacent swaps and swaps with the ends when long.
+    if p <= 16:
+        pairs: Iterator[tuple[int, int]] = itertools.combinations(range(p), 2)
+    else:
+        pairs = itertools.chain(
+            ((k, k + 1) for k in range(p - 1)),
+            ((0, k) for k in range(2, p)),
+            ((k, p - 1) for k in range(1, p - 2)),
+        )
+    for a, b in pairs:
+        if seq[a] != seq[b]:
+            s = list(seq)
+            s[a], s[b] = s[b], s[a]
+            yield tuple(s)
+    for k in range(p):
+        for i, n in enumerate(spare):
+            if n > 0 and i != seq[k]:
+                s = list(seq)
+                s[k] = i
+                yield tuple(s)
+
+
+def local_search(evaluator: Evaluator, start: Candidate, gpus: Sequence[int]) -> Candidate:
+    """First-improvement descent from ``start`` over the moves of :func:`_neighbours`."""
+    best = start
+    improved = True
+    while improved:
+        improved = False
+        for seq in _neighbours(best.seq, gpus):
+            cand = evaluator.evaluate(seq)
+            if cand.key() < best.key():
+                best, improved = cand, True
+                break
+    return best
+
+
+def heuristic(evaluator: Evaluator, gpus: Sequence[int], stage_counts: Sequence[int]) -> Candidate:
+    """Seeds for every stage count, then local search on the most promising counts."""
+    per_count = []
+    for p in stage_counts:
+        cands = [evaluator.evaluate(s) for s in _seeds(evaluator, gpus, p)]
+        per_count.append(min(cands, key=Candidate.key))
+    per_count.sort(key=Candidate.overall_key)
+    best: Candidate | None = None
+    for cand in per_count[:REFINED_STAGE_COUNTS]:
+        refined = local_search(evaluator, cand, gpus)
+        if _better(refined, best):
+            best = refined
+    assert best is not None
+    return best

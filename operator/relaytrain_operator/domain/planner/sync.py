@@ -1,0 +1,204 @@
+"""The price of keeping several pipelines' trainable weights the same.
+
+Every pipeline holds every decoder layer exactly once, on one of its stages, and the layer
+ranges differ between pipelines. After a step (``synchronous``) each trainable gradient is
+reduced among the R stages that hold it: LoRA A and B (kept in fp32, as the cost model's
+memory says: 4 bytes a value), or for ``full`` every weight in the job's dtype, plus the
+embedding on first stages and the head and final norm on last stages. Every H steps
+(``periodic``, DiLoCo-style outer steps) the same stages average the trainable *weights*
+instead, which the worker sends as float64 (``relaytrain_worker.periodic``: the token-weighted
+sum must be exact): 8 bytes a value, twice a float32 LoRA gradient.
+
+Two ways to reduce (``CostSettings.sync_collective``); with B_g the gradient bytes a GPU
+holds, and a hop = one send between the two slowest-to-reach pipelines (the two largest of
+the pipelines' slowest one-way link latencies):
+
+* ``all-gather`` (the worker's ``relaytrain_worker.dataparallel.LinkGroup``): every holder
+  sends its gradients to the holders of the same names in every other pipeline, all at
+  once, and folds what it receives in pipeline order. A GPU moves (R - 1) x B_g each way;
+  one hop.
+* ``ring``: a reduce-scatter and an all-gather around a ring per layer: 2(R - 1)/R x B_g
+  each way, 2(R - 1) hops. Cheaper in bytes, dearer in latency.
+
+Every layer's exchange runs at once, so the bytes take ``max over GPUs (moved / bandwidth)``
+(the busiest link). ``synchronous`` adds one hop per step: the first stages swap their
+label-token counts before the first forward (the loss is normalised by the whole step's).
+``periodic`` pays one reduction every H steps. Conservative: nothing overlaps the backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+from relaytrain_operator.domain.planner.cost import (
+    FP32_TRAINABLE_BYTES,
+    Collective,
+    PoolCost,
+    lora_params_per_layer,
+)
+from relaytrain_operator.domain.planner.model_shape import ModelShape
+from relaytrain_operator.domain.planner.training import TrainingShape
+
+SyncMode = Literal["synchronous", "periodic"]
+SYNC_MODES: tuple[str, ...] = get_args(SyncMode)
+#: Bytes of an fp32 LoRA gradient value (the trainable state is 4 such values).
+LORA_GRADIENT_BYTES = FP32_TRAINABLE_BYTES // 4
+#: Bytes of a value in a periodic outer step (float64 weights, whatever the training dtype).
+OUTER_VALUE_BYTES = 8
+
+
+@dataclass(frozen=True)
+class Sync:
+    """How often the pipelines reduce their gradients (``spec.pipeline`` sync settings)."""
+
+    mode: SyncMode = "synchronous"
+    """``synchronous``: every step, so every pipeline's copy stays identical; ``periodic``:
+    every ``every`` steps (outer steps for slow links)."""
+    every: int = 1
+    """Steps between synchronisations (1 for ``synchronous``)."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in SYNC_MODES:
+            raise ValueError(f"sync mode {self.mode!r} is not one of {', '.join(SYNC_MODES)}")
+        if not isinstance(self.every, int) or isinstance(self.every, bool) or self.every < 1:
+            raise ValueError(f"sync every must be a positive integer, got {self.every!r}")
+        if self.mode == "synchronous" and self.every != 1:
+            raise ValueError(
+                f"sync every is {self.every}, but synchronous sync happens every step; "
+                "use periodic to synchronise every H steps"
+            )
+
+
+@dataclass(frozen=True)
+class Gradients:
+    """Bytes of what one copy of the model reduces per synchronisation (trainable gradients,
+    or with periodic sync the trainable weights), by where they live."""
+
+    per_layer: float
+    """One decoder layer's trainable gradient."""
+    first: float
+    """Extra on a pipeline's first stage (the embedding, when it is trained)."""
+    last: float
+    """Extra on a pipeline's last stage (output head and final norm, when trained)."""
+    dtype: str
+    """What the values are: ``float32`` for LoRA, the job's dtype for full training."""
+    what: str
+    """``LoRA`` or ``full``."""
+    kind: str = "gradients"
+    """``gradients`` (synchronous) or ``weights`` (periodic outer steps)."""
+
+    @classmethod
+    def of(cls, model: ModelShape, training: TrainingShape, sync: Sync | None = None) -> Gradients:
+        periodic = sync is not None and sync.mode == "periodic"
+        kind = "weights" if periodic else "gradients"
+        if training.method != "full":
+            e = OUTER_VALUE_BYTES if periodic else LORA_GRADIENT_BYTES
+            per_layer = lora_params_per_layer(model, training) * e
+            return cls(float(per_layer), 0.0, 0.0, "float64" if periodic else "float32", "LoRA",
+                       kind)  # fmt: skip
+        e = OUTER_VALUE_BYTES if periodic else training.dtype_bytes
+        head = 0 if model.tie_word_embeddings else model.embedding_params
+        return cls(
+            float(model.layer_params * e),
+            float(model.embedding_params * e),
+            float((head + model.hidden_size) * e),
+            "float64" if periodic else training.dtype,
+            "full",
+            kind,
+        )
+
+    def total(self, num_layers: int) -> float:
+        """Bytes of one whole copy."""
+        return self.per_layer * num_layers + self.first + self.last
+
+
+def pipeline_load_seconds(
+    grads: Gradients,
+    costs: Sequence[PoolCost],
+    seq: Sequence[int],
+    counts: Sequence[int],
+) -> float:
+    """max over a pipeline's stages of (gradient bytes it holds / its link bandwidth)."""
+    p = len(seq)
+    worst = 0.0
+    for k, (i, n) in enumerate(zip(seq, counts, strict=True)):
+        nbytes = n * grads.per_layer
+        nbytes += grads.first if k == 0 else 0.0
+        nbytes += grads.last if k == p - 1 else 0.0
+        worst = max(worst, nbytes / costs[i].bandwidth_bytes_per_s)
+    return worst
+
+
+def pipeline_latency_seconds(costs: Sequence[PoolCost], seq: Sequence[int]) -> float:
+    """The slowest one-way link latency among a pipeline's stages."""
+    return max(costs[i].latency_s for i in seq)
+
+
+def top_two(values: Sequence[float]) -> float:
+    """Sum of the two largest values (the one value when there is one)."""
+    ordered = sorted(values, reverse=True)
+    return sum(ordered[:2])
+
+
+def sync_seconds(
+    sync: Sync, collective: Collective, pipelines: int, load: float, hop: float
+) -> tuple[float, float]:
+    """(bytes, latency) seconds of one synchronisation of ``pipelines`` (0 for one), where
+    ``load`` is max over GPUs of gradient bytes / bandwidth and ``hop`` one slowest send."""
+    r = pipelines
+    if r <= 1:
+        return 0.0, 0.0
+    if collective == "ring":
+        moved, latency = 2 * (r - 1) / r * load, 2 * (r - 1) * hop
+    else:
+        moved, latency = (r - 1) * load, hop
+    if sync.mode == "synchronous":
+        latency += hop  # the label-token counts, before the step's first forward
+    return moved, latency
+
+
+@dataclass(frozen=True)
+class SyncPrice:
+    """What synchronising R pipelines costs, for the plan's output."""
+
+    sync: Sync
+    collective: Collective
+    pipelines: int
+    gradients: Gradients
+    gradient_bytes: float
+    """Bytes of one copy of the trainable gradients."""
+    load_seconds: float
+    """max over GPUs of its gradient bytes / its bandwidth."""
+    hop_latency_seconds: float
+    """One send between the two slowest-to-reach pipelines."""
+
+    def _parts(self) -> tuple[float, float]:
+        return sync_seconds(
+            self.sync,
+            self.collective,
+            self.pipelines,
+            self.load_seconds,
+            self.hop_latency_seconds,
+        )
+
+    @property
+    def bandwidth_seconds(self) -> float:
+        """Moving the bytes over the busiest link, per synchronisation."""
+        return self._parts()[0]
+
+    @property
+    def latency_seconds(self) -> float:
+        """Waiting on the slowest links, per synchronisation."""
+        return self._parts()[1]
+
+    @property
+    def seconds(self) -> float:
+        """One synchronisation."""
+        return sum(self._parts())
+
+    @property
+    def per_step_seconds(self) -> float:
+        """Its share of each optimizer step."""
+        return self.seconds / self.sync.every

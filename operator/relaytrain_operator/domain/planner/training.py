@@ -1,0 +1,101 @@
+"""The training settings that shape a plan: batch, sequence, method, precision, compression."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+from relaytrain_operator.domain.planner.model_shape import EXPERT_NAMES, FUSED_NAMES, LINEAR_NAMES
+
+Method = Literal["lora", "qlora", "full"]
+Dtype = Literal["bfloat16", "float16", "float32"]
+#: The worker's wire formats (relaytrain_worker.compression); kept in step by name.
+Compression = Literal["none", "bf16", "int8", "int4"]
+
+METHODS: tuple[str, ...] = get_args(Method)
+DTYPES: tuple[str, ...] = get_args(Dtype)
+COMPRESSIONS: tuple[str, ...] = get_args(Compression)
+
+#: Bytes per element of each dtype.
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+@dataclass(frozen=True)
+class TrainingShape:
+    """What of a FineTuneJob's settings the planner needs."""
+
+    micro_batch_size: int
+    """Sequences per micro-batch."""
+    micro_batches: int
+    """Micro-batches per optimizer step (M); 1F1B keeps up to min(M, P - k) in flight."""
+    sequence_length: int
+    """Tokens per sequence."""
+    method: Method = "lora"
+    """``lora`` (frozen base in ``dtype``), ``qlora`` (frozen 4-bit base) or ``full``."""
+    lora_rank: int = 8
+    """LoRA rank r (ignored for ``full``)."""
+    lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    """Linear layers that get adapters; ``("all-linear",)`` means all seven. MoE expert
+    weights (peft's ``target_parameters``) are named ``experts.gate_up_proj`` and
+    ``experts.down_proj`` (a longer path ending so, ``mlp.experts.down_proj``, is the same);
+    whether the model has them is checked with the model (``planner.targets``)."""
+    compression: Compression = "int8"
+    """How boundary activations and gradients travel (see the worker's compression)."""
+    dtype: Dtype = "bfloat16"
+    """Compute and weight dtype of the base model."""
+    lora_dropout: float = 0.0
+    """LoRA dropout (``spec.method.dropout``): peft cannot apply it to expert weights."""
+
+    def __post_init__(self) -> None:
+        for name in ("micro_batch_size", "micro_batches", "sequence_length", "lora_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"training {name} must be a positive integer, got {value!r}")
+        checks = (
+            ("method", self.method, METHODS),
+            ("dtype", self.dtype, DTYPES),
+            ("compression", self.compression, COMPRESSIONS),
+        )
+        for name, value, valid in checks:
+            if value not in valid:
+                raise ValueError(f"training {name} {value!r} is not one of {', '.join(valid)}")
+        targets = tuple(self.lora_targets)
+        if targets in (("all-linear",), ("all_linear",)):
+            targets = LINEAR_NAMES
+        targets = tuple(_expert_name(t) for t in targets)
+        valid = LINEAR_NAMES + FUSED_NAMES + EXPERT_NAMES
+        bad = [t for t in targets if t not in valid]
+        if bad or not targets:
+            raise ValueError(
+                f"spec.method.targetModules (lora_targets) {list(self.lora_targets)!r} must name "
+                f"some of "
+                f"{', '.join(LINEAR_NAMES + FUSED_NAMES)} (or 'all-linear'), and on "
+                f"mixture-of-experts models {', '.join(EXPERT_NAMES)} (peft's "
+                f"target_parameters); not {', '.join(map(repr, bad)) or 'nothing'}"
+            )
+        experts = [t for t in targets if t in EXPERT_NAMES]
+        if experts and self.lora_dropout:
+            raise ValueError(
+                f"spec.method.targetModules names expert weights ({', '.join(experts)}), which "
+                f"peft adapts only without dropout; spec.method.dropout is "
+                f"{self.lora_dropout}: set it to 0 or drop those targets"
+            )
+        object.__setattr__(self, "lora_targets", targets)
+
+    @property
+    def tokens_per_micro_batch(self) -> int:
+        """Tokens one micro-batch carries."""
+        return self.micro_batch_size * self.sequence_length
+
+    @property
+    def dtype_bytes(self) -> int:
+        """Bytes per element of the compute dtype."""
+        return DTYPE_BYTES[self.dtype]
+
+
+def _expert_name(name: str) -> str:
+    """``mlp.experts.down_proj`` and ``experts.down_proj`` name the same expert weight."""
+    for expert in EXPERT_NAMES:
+        if name.endswith("." + expert):
+            return expert
+    return name

@@ -1,0 +1,99 @@
+"""From a parsed job and the cluster's nodes and pods to `status.plan` (pure).
+
+The planner works on pools; `placement.job_pools` says which of them the job may use and
+what is free there (the same rules as a replacement and `relaytrain plan`). This module
+calls the planner — `plan_fleet`, which plans `spec.pipeline.replicas` pipelines (`auto`:
+the best number, one included) — and returns its result as status.plan
+(`FleetPlan.to_status()`, the shape the CRD declares: today's fields with one pipeline,
+`pipelines[]` with several). The plan is made once, when the job starts; afterwards status.plan is
+the record every replacement pod is built from, so a stage keeps its layers whatever
+happens to the cluster meanwhile.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from relaytrain_operator.domain.placement import job_pools
+from relaytrain_operator.domain.planner import (
+    Catalog,
+    LoraTargetError,
+    ModelShape,
+    PlanError,
+    PoolError,
+    Sync,
+    TrainingShape,
+    plan_fleet,
+)
+from relaytrain_operator.spec import FineTuneJob
+
+JsonDict = dict[str, Any]
+
+__all__ = ["LoraTargetError", "PlanError", "make_plan", "training_shape"]
+
+
+def training_shape(job: FineTuneJob) -> TrainingShape:
+    """The settings of `job` the planner prices."""
+    spec = job.spec
+    return TrainingShape(
+        micro_batch_size=spec.training.micro_batch_size,
+        micro_batches=spec.training.micro_batches,
+        sequence_length=spec.dataset.sequence_length,
+        method=spec.method.type,
+        lora_rank=spec.method.rank,
+        lora_targets=tuple(spec.method.target_modules),
+        lora_dropout=spec.method.dropout,
+        compression=spec.pipeline.compression,
+        dtype=spec.model.dtype,
+    )
+
+
+def make_plan(
+    job: FineTuneJob,
+    model_config: JsonDict,
+    nodes: Iterable[JsonDict],
+    pods: Iterable[JsonDict],
+    *,
+    catalog: Catalog | None = None,
+    default_link: tuple[float, float] | None = None,
+) -> JsonDict:
+    """Plan `job` onto the GPUs free now; status.plan. Raises PlanError when it cannot.
+
+    A model config the planner cannot read and nodes it cannot make pools of are
+    PlanErrors too: either way the job cannot be scheduled as written, and the message
+    says why.
+    """
+    placement = job.spec.placement
+    try:
+        shape = ModelShape.from_hf_config(model_config)
+    except ValueError as err:
+        raise PlanError(f"The model's config.json cannot be planned: {err}") from err
+    try:
+        pools = job_pools(job, nodes, pods, default_link=default_link)
+    except PoolError as err:
+        raise PlanError(f"The GPU nodes cannot be grouped into pools: {err}") from err
+    if not pools:
+        where = f" in pools {', '.join(placement.pools)}" if placement.pools else ""
+        if placement.node_selector:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(placement.node_selector.items()))
+            where += f" on nodes labelled {labels}"
+        raise PlanError(
+            f"No free GPU{where}: no ready node with label {placement.gpu_label!r} has an "
+            f"unallocated nvidia.com/gpu."
+        )
+    try:
+        training = training_shape(job)
+    except ValueError as err:
+        raise PlanError(f"The training settings cannot be planned: {err}") from err
+    pipeline = job.spec.pipeline
+    result = plan_fleet(
+        shape,
+        training,
+        pools,
+        catalog=catalog,
+        stages=None if pipeline.stages == "auto" else pipeline.stages,
+        replicas=None if pipeline.replicas == "auto" else pipeline.replicas,
+        sync=Sync(pipeline.sync.mode, pipeline.sync.every_steps or 1),
+    )
+    return result.to_status()

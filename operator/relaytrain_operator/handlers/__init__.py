@@ -1,9 +1,0 @@
-"""kopf handlers: thin glue from kopf's events to `relaytrain_operator.runner`.
-
-Importing this package registers them (with kopf's default registry); __main__ imports it
-after the options are parsed.
-"""
-
-from relaytrain_operator.handlers import indexes, jobs, pods, startup
-
-__all__ = ["indexes", "jobs", "pods", "startup"]

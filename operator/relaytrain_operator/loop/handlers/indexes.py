@@ -1,0 +1,79 @@
+"""kopf indexes of the nodes and the stage pods: what every pass reads, kept by kopf's
+watches instead of a request per pass. kopf fills them before any handler runs, so a
+restarted operator's first passes see the whole cluster.
+
+Each entry is a slim copy (what placement and the decisions read), so 1,000 nodes and
+their pods stay small in memory.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import kopf
+
+from relaytrain_operator.domain.builders.labels import JOB_LABEL
+
+JsonDict = dict[str, Any]
+
+
+def _slim_node(body: kopf.Body) -> JsonDict:
+    """Name, labels, annotations, unschedulable, taints, allocatable and conditions."""
+    status = body.get("status") or {}
+    spec = body.get("spec") or {}
+    return {
+        "metadata": {
+            "name": body.metadata.name,
+            "labels": dict(body.metadata.labels),
+            "annotations": dict(body.metadata.annotations),
+        },
+        "spec": {
+            "unschedulable": bool(spec.get("unschedulable")),
+            "taints": [dict(t) for t in spec.get("taints") or []],
+        },
+        "status": {
+            "allocatable": dict(status.get("allocatable") or {}),
+            "conditions": [
+                {k: c.get(k) for k in ("type", "status", "lastTransitionTime")}
+                for c in status.get("conditions") or []
+            ],
+        },
+    }
+
+
+def _slim_pod(body: kopf.Body) -> JsonDict:
+    """Metadata the decisions read, the node it is bound to, its phase and conditions."""
+    meta = body.metadata
+    status = body.get("status") or {}
+    slim: JsonDict = {
+        "metadata": {
+            "name": meta.name,
+            "namespace": meta.namespace,
+            "uid": meta.uid,
+            "labels": dict(meta.labels),
+            "annotations": dict(meta.annotations),
+        },
+        "spec": {"nodeName": (body.get("spec") or {}).get("nodeName")},
+        "status": {
+            "phase": status.get("phase"),
+            "reason": status.get("reason"),
+            "conditions": [
+                {k: c.get(k) for k in ("type", "status")} for c in status.get("conditions") or []
+            ],
+        },
+    }
+    if meta.deletion_timestamp:
+        slim["metadata"]["deletionTimestamp"] = meta.deletion_timestamp
+    return slim
+
+
+@kopf.index("nodes")
+async def node_index(*, name: str, body: kopf.Body, **_: Any) -> dict[str, JsonDict]:
+    return {name: _slim_node(body)}
+
+
+@kopf.index("pods", labels={JOB_LABEL: kopf.PRESENT})
+async def pod_index(
+    *, namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_: Any
+) -> dict[tuple[str, str], JsonDict]:
+    return {(namespace or "", labels[JOB_LABEL]): _slim_pod(body)}

@@ -1,0 +1,166 @@
+"""What a pass reads beyond kopf's indexes: the reads `decide.needs` asks for.
+
+The indexes (handlers/indexes.py) answer the frequent questions without a request: the
+job's stage pods and the nodes. This module fills in the rest through `apply.ClusterApi`
+and the object store, and only when a pass needs it:
+
+- the job's pods, listed when the index lacks a planned stage's pod (one just created may
+  not be indexed yet, and a pod missing by mistake would count as a failure);
+- a node a stage pod is bound to but the index lacks (one that just joined must not look
+  lost), read directly;
+- the cluster's active pods (what holds GPUs), fresh, for a plan or a pod to create;
+- the model's config.json for the first plan (cached by endpoint and URI: small and
+  immutable in practice; a restart reads it again);
+- progress.json of a started job, once per pass (and given-up.json while a pipeline is
+  given up);
+- the Workload of a job submitted to a Kueue LocalQueue, and, for a pass that creates
+  stage pods, the ResourceFlavors it was admitted with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import datetime
+from typing import Any
+
+from relaytrain_contract import GIVEN_UP_FILE, PROGRESS_FILE, ConfigError
+from relaytrain_contract import Progress as Record
+
+from relaytrain_operator.domain.builders.labels import StageKey
+from relaytrain_operator.domain.progress import Progress, fold, job_store_uri
+from relaytrain_operator.domain.queueing import priority_class_of, read_admission, workload_name
+from relaytrain_operator.loop.apply import ClusterApi
+from relaytrain_operator.loop.decide import ModelConfig, Needs, Observed, parse_spec, stage_pods
+from relaytrain_operator.spec import FineTuneJob, is_s3
+from relaytrain_operator.store.objectstore import StoreAccess, StoreError, read_json
+
+JsonDict = dict[str, Any]
+
+
+class Observer:
+    """Reads for one pass; one instance per operator process (it caches model configs)."""
+
+    def __init__(self, api: ClusterApi) -> None:
+        self.api = api
+        self._model_configs: dict[tuple[str | None, str], JsonDict] = {}
+
+    def stage_pods(self, namespace: str, name: str) -> dict[StageKey, JsonDict]:
+        """The job's stage pods as the API server has them now."""
+        return stage_pods(self.api.list_stage_pods(namespace, name))
+
+    def observe(
+        self,
+        job: JsonDict,
+        pods: Mapping[StageKey, JsonDict],
+        nodes: Mapping[str, JsonDict],
+        wanted: Needs,
+        now: datetime,
+    ) -> Observed:
+        """`Observed` for `job` from the indexed `pods` and `nodes` plus what `wanted` asks.
+
+        `nodes` must hold every node when `wanted.room`; otherwise those of the pods that
+        the index has, and the others are read here.
+        """
+        known = dict(nodes)
+        for pod in pods.values():
+            node_name = (pod.get("spec") or {}).get("nodeName")
+            if node_name and node_name not in known:
+                node = self.api.get_node(node_name)
+                if node is not None:
+                    known[node_name] = node
+        spec = parse_spec(job)
+        observed = Observed(job=job, now=now, pods=pods, nodes=known)
+        if isinstance(spec, str):
+            return observed
+        workload = (
+            self.api.get_workload(spec.metadata.namespace, workload_name(spec.metadata.name))
+            if wanted.workload
+            else None
+        )
+        priority = None
+        priority_class = priority_class_of(job)
+        if wanted.workload and workload is None and priority_class is not None:
+            priority = self.api.get_priority_value(priority_class)
+        flavors: dict[str, JsonDict] = {}
+        if workload is not None and wanted.room:
+            for name in set(read_admission(workload).pool_flavors.values()):
+                flavor = self.api.get_flavor(name)
+                if flavor is not None:
+                    flavors[name] = flavor
+        return Observed(
+            job=job,
+            now=now,
+            pods=pods,
+            nodes=known,
+            cluster_pods=self.api.list_active_pods() if wanted.room else None,
+            model=self.model_config(spec) if wanted.model else None,
+            progress=self.progress(spec, now) if wanted.progress else None,
+            workload=workload,
+            flavors=flavors,
+            priority=priority,
+            told_given_up=self.told_given_up(spec) if wanted.given_up else None,
+        )
+
+    def store_access(self, job: FineTuneJob) -> StoreAccess:
+        """Endpoint and credentials of the job's object store: its Secret's key pair, or,
+        when it names none, AWS's standard chain as the operator's pod has it (its
+        environment, credentials file, IAM role), as the job's stages use theirs."""
+        checkpoint = job.spec.checkpoint
+        ref = checkpoint.credentials_secret
+        if ref is None:
+            return StoreAccess.from_environ(checkpoint.endpoint)
+        namespace = job.metadata.namespace
+        data = self.api.get_secret_data(namespace, ref.name)
+        if data is None:
+            raise StoreError(
+                f"spec.checkpoint.credentialsSecret.name: Secret {ref.name!r} does not exist "
+                f"in namespace {namespace!r}; create it with the keys {ref.access_key_key} "
+                f"and {ref.secret_key_key}"
+            )
+        for field, key in (
+            ("accessKeyKey", ref.access_key_key),
+            ("secretKeyKey", ref.secret_key_key),
+        ):
+            if not data.get(key):
+                raise StoreError(
+                    f"spec.checkpoint.credentialsSecret.{field}: Secret {ref.name!r} has no "
+                    f"key {key!r} (it has: {', '.join(sorted(data)) or 'no keys'})"
+                )
+        return StoreAccess(checkpoint.endpoint, data[ref.access_key_key], data[ref.secret_key_key])
+
+    def model_config(self, job: FineTuneJob) -> ModelConfig:
+        """The base model's config.json, or why it cannot be read."""
+        uri = job.spec.model.uri
+        key = (job.spec.checkpoint.endpoint, uri)
+        if key in self._model_configs:
+            return ModelConfig(self._model_configs[key])
+        if uri.startswith("hf://"):
+            return ModelConfig(
+                error=f"spec.model.uri {uri}: the operator plans from the model's config.json "
+                f"and has no hub access; copy the model to an s3:// prefix"
+            )
+        try:
+            config = read_json(uri, "config.json", self.store_access(job) if is_s3(uri) else None)
+        except StoreError as err:
+            return ModelConfig(error=str(err))
+        if config is None:
+            return ModelConfig(error=f"spec.model.uri {uri} has no config.json")
+        self._model_configs[key] = config
+        return ModelConfig(config)
+
+    def told_given_up(self, job: FineTuneJob) -> tuple[int, ...] | None:
+        """The pipelines the job's store tells its stages are given up (None: no such
+        document, or the store cannot be read; the pass then writes it)."""
+        try:
+            doc = read_json(job_store_uri(job), GIVEN_UP_FILE, self.store_access(job))
+            return tuple(int(p) for p in doc["pipelines"]) if doc is not None else None
+        except (StoreError, KeyError, TypeError, ValueError):
+            return None
+
+    def progress(self, job: FineTuneJob, now: datetime) -> Progress | None:
+        """The job's progress, or None when there is none yet or the store cannot be read."""
+        try:
+            record = read_json(job_store_uri(job), PROGRESS_FILE, self.store_access(job))
+            return fold(Record.from_json(record), job, now) if record is not None else None
+        except (StoreError, ConfigError):
+            return None
