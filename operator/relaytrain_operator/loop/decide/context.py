@@ -1,0 +1,244 @@
+"""What a decision reads and returns, and the context one pass accumulates its work in.
+
+`Observed` is what a pass saw of the cluster, `Settings` the operator's settings it depends
+on, `Needs` which costly inputs it asks the observer for, and `Decision` what it returns.
+`Pass` holds one pass's actions and the job's status as decided so far; the concerns of a
+pass (admission.py, stages.py, create.py, progress.py) are plain functions over it, and its
+own methods are what they all share: update and write status, post Events, remove pods.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from relaytrain_operator.domain.builders.labels import PIPELINE_LABEL, STAGE_LABEL, StageKey
+from relaytrain_operator.domain.planner import Catalog
+from relaytrain_operator.domain.planning import training_shape
+from relaytrain_operator.domain.progress import Progress
+from relaytrain_operator.domain.queueing import Admission, queue_name
+from relaytrain_operator.domain.status import (
+    READY,
+    Verdict,
+    condition,
+    finalize,
+    load_status,
+    with_verdict,
+)
+from relaytrain_operator.loop.actions import Action, DeletePod, PatchStatus, PostEvent
+from relaytrain_operator.spec import (
+    FineTuneJob,
+    FineTuneJobStatus,
+    PlanStatus,
+    SpecError,
+    parse_job,
+)
+
+JsonDict = dict[str, Any]
+MIB = 1024 * 1024
+DEFAULT_MEMORY_BYTES = 4 * 1024 * MIB
+WAITING_ANNOTATION = "relaytrain.io/waiting"
+"""On a replacement pod created while no eligible node had a free GPU: why. It waits on
+its own pool; while it is unscheduled the job's condition says so (Unschedulable)."""
+# Reasons whose condition change is worth an Event (a user should notice these).
+EVENT_REASONS = {
+    "InvalidSpec": "Warning",
+    "Unschedulable": "Warning",
+    "ModelUnavailable": "Warning",
+    "BackoffLimitExceeded": "Warning",
+    "Suspended": "Normal",
+    "Succeeded": "Normal",
+    "Queued": "Normal",
+    "WaitingForQuota": "Normal",
+    "Evicted": "Warning",
+    "Inadmissible": "Warning",
+}
+QUEUE_REASONS = ("Queued", "WaitingForQuota", "Inadmissible", "Evicted")
+"""Why a job submitted to Kueue has no pods (docs/operator.md, "Queueing with Kueue")."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The operator's settings that decisions depend on."""
+
+    node_lost_seconds: float = 60.0
+    """How long a node may be NotReady before its stages are replaced."""
+    worker_image: str = "ghcr.io/relaytrain/worker:0.1.0"
+    """Image of jobs without spec.image."""
+    default_link: tuple[float, float] | None = None
+    """(Mbps, ms) assumed for GPU nodes without link annotations."""
+    catalog: Catalog | None = None
+    """The GPU catalog (None: the built-in one)."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The base model's config.json, or why it could not be read."""
+
+    config: JsonDict | None = None
+    """The config (None when it could not be read)."""
+    error: str = ""
+    """Why it could not be read."""
+
+
+@dataclass(frozen=True)
+class Observed:
+    """What one pass saw of the cluster."""
+
+    job: JsonDict | None
+    """The job as stored now, status included (None: it is gone)."""
+    now: datetime
+    """The time of the pass."""
+    pods: Mapping[StageKey, JsonDict] = field(default_factory=dict)
+    """The job's stage pods by (pipeline, stage), terminating ones included."""
+    nodes: Mapping[str, JsonDict] = field(default_factory=dict)
+    """Nodes by name: at least those of the stage pods (a pod's node missing here is gone);
+    every node when `cluster_pods` is observed."""
+    cluster_pods: Sequence[JsonDict] | None = None
+    """Active pods of the whole cluster (what holds GPUs); read when `needs().room`."""
+    model: ModelConfig | None = None
+    """The model's config.json; read when `needs().model`."""
+    progress: Progress | None = None
+    """The workers' progress.json, folded (None: none yet, unreadable, or not read)."""
+    workload: JsonDict | None = None
+    """The job's Kueue Workload (a job with a queue label: None means there is none yet)."""
+    flavors: Mapping[str, JsonDict] = field(default_factory=dict)
+    """The ResourceFlavors Kueue assigned, by name; read when stage pods are to be created."""
+    priority: int | None = None
+    """The value of the WorkloadPriorityClass the job's label names (None: no label, or no
+    such class); read while the job has no Workload yet."""
+    told_given_up: tuple[int, ...] | None = None
+    """The pipelines the job's store says are given up (names.GIVEN_UP_FILE, what the
+    operator wrote for the stages); None when not read, absent or unreadable."""
+
+
+@dataclass(frozen=True)
+class Needs:
+    """Which costly inputs a pass needs (the rest of `Observed` is always read)."""
+
+    pods: bool = False
+    """Confirm the stage pods with the API server: a planned stage has none in the index."""
+    room: bool = False
+    """Every node and the cluster's active pods (a plan or a pod to create); passes that
+    need them are serialised, so no two place onto one free GPU."""
+    model: bool = False
+    """The model's config.json (the first plan)."""
+    progress: bool = False
+    """progress.json (a started job whose store is s3://)."""
+    workload: bool = False
+    """The job's Kueue Workload (a job submitted to a LocalQueue), and when `room` too the
+    flavours it was admitted with."""
+    given_up: bool = False
+    """What the store tells the stages of given-up pipelines (a started job on s3:// with a
+    pipeline given up)."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What one pass decided."""
+
+    actions: tuple[Action, ...] = ()
+    """In the order they must be applied."""
+    status: FineTuneJobStatus | None = None
+    """The job's status after the pass (None: the job is gone)."""
+    restarts: int = 0
+    """Stage failures counted in this pass (for the metrics)."""
+    retry_after: float | None = None
+    """Seconds after which the job wants another pass (a replacement's back-off)."""
+
+
+def parse_spec(job: JsonDict) -> FineTuneJob | str:
+    """The parsed job, or why the operator cannot run it (a spec the API server accepted
+    but the planner and worker cannot use, e.g. a LoRA target that is no linear layer)."""
+    try:
+        parsed = parse_job(job)
+        training_shape(parsed)
+    except (SpecError, ValueError) as err:
+        return str(err)
+    return parsed
+
+
+def stage_pods(pods: Sequence[JsonDict]) -> dict[StageKey, JsonDict]:
+    """A job's pods by the (pipeline, stage) labels they carry (pods without a stage label
+    are not stages; one without a pipeline label is of pipeline 0)."""
+    result: dict[StageKey, JsonDict] = {}
+    for pod in pods:
+        labels = (pod.get("metadata") or {}).get("labels") or {}
+        stage, pipeline = labels.get(STAGE_LABEL, ""), labels.get(PIPELINE_LABEL, "0")
+        if stage.isdigit() and pipeline.isdigit():
+            result[(int(pipeline), int(stage))] = pod
+    return result
+
+
+def started(status: FineTuneJobStatus) -> bool:
+    """Whether the job's plan and `startTime` are recorded (its first plan is made)."""
+    return status.plan is not None and status.start_time is not None
+
+
+def planned_keys(plan: PlanStatus) -> list[StageKey]:
+    """Every planned stage as (pipeline, stage), in pipeline then stage order."""
+    return [(p, s.index) for p, split in enumerate(plan.splits()) for s in split]
+
+
+def given_up(status: FineTuneJobStatus) -> set[int]:
+    """Pipelines given up for good (a stage used up its restarts while others trained on)."""
+    return {p.index for p in status.pipelines or () if p.phase == "Failed"}
+
+
+class Pass:
+    """The decisions of one pass, accumulated in order."""
+
+    def __init__(self, job: JsonDict, observed: Observed, settings: Settings) -> None:
+        self.job = job
+        self.observed = observed
+        self.settings = settings
+        self.now = observed.now
+        meta = job["metadata"]
+        self.name: str = meta["name"]
+        self.namespace: str = meta["namespace"]
+        self.generation: int | None = meta.get("generation")
+        # What the cluster holds as of the last PatchStatus decided so far.
+        self.written = load_status(job.get("status"))
+        self.status = self.written
+        self.actions: list[Action] = []
+        self.restarts = 0
+        self.retry_after: float | None = None
+        self.queue = queue_name(job)
+        self.admission: Admission | None = None
+
+    def decision(self) -> Decision:
+        """What the pass decided, so far."""
+        return Decision(tuple(self.actions), self.status, self.restarts, self.retry_after)
+
+    def update(self, **fields: Any) -> None:
+        self.status = self.status.model_copy(update=fields)
+
+    def settle(self, verdict: Verdict) -> None:
+        """Apply the verdict to status, write what changed, and post an Event if due."""
+        old = condition(self.written, READY)
+        self.status = with_verdict(self.status, verdict, self.now, self.generation)
+        self.patch()
+        kind = EVENT_REASONS.get(verdict.reason)
+        moved = old is None or (old.reason, old.message) != (verdict.reason, verdict.message)
+        if kind and moved:
+            self.event(kind, verdict.reason, verdict.message)
+
+    def patch(self) -> None:
+        self.status = finalize(self.status)
+        if self.status != self.written:
+            self.actions.append(PatchStatus(self.status))
+            self.written = self.status
+
+    def event(self, kind: str, reason: str, message: str) -> None:
+        self.actions.append(PostEvent(kind, reason, message))
+
+    def remove_pods(self, pipeline: int | None = None) -> None:
+        """Delete the job's stage pods (of `pipeline` only, if given)."""
+        for key, pod in sorted(self.observed.pods.items()):
+            if pipeline is not None and key[0] != pipeline:
+                continue
+            meta = pod["metadata"]
+            if not meta.get("deletionTimestamp"):
+                self.actions.append(DeletePod(meta["name"], meta.get("uid")))

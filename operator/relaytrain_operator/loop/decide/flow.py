@@ -1,0 +1,105 @@
+"""The flow of one pass: which branch a job is in, and what the pass must read for it.
+
+The branches, in order: a job gone or being deleted (nothing: the garbage collector takes
+its children); a spec the operator cannot run (InvalidSpec); a finished job (its pods go);
+a suspended one (pods go, plan and counts stay); the first plan (Planned, ModelUnavailable,
+Unschedulable); then per stage keep, create, replace or wait (recovery.decide), with a
+replacement placed by `placement.place_replacements` after `failurePolicy.backoffSeconds`
+and the job Failed once a stage has used up `maxStageRestarts`; finally progress and
+completion. A job submitted to Kueue waits for its admission between the plan and the
+stages (admission.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from relaytrain_operator.domain.builders.labels import StageKey
+from relaytrain_operator.domain.queueing import queue_name
+from relaytrain_operator.domain.status import Verdict, idle_stage, is_terminal, load_status
+from relaytrain_operator.loop.decide.admission import admitted, hold_workload, plan
+from relaytrain_operator.loop.decide.context import (
+    Decision,
+    JsonDict,
+    Needs,
+    Observed,
+    Pass,
+    Settings,
+    given_up,
+    parse_spec,
+    planned_keys,
+    started,
+)
+from relaytrain_operator.loop.decide.stages import run_stages
+from relaytrain_operator.spec import is_s3
+
+
+def needs(job: JsonDict, pods: Mapping[StageKey, JsonDict]) -> Needs:
+    """Which costly inputs `decide` needs for `job`, given its stage pods as indexed."""
+    spec = parse_spec(job)
+    status = load_status(job.get("status"))
+    if isinstance(spec, str) or is_terminal(status):
+        return Needs()
+    queued = queue_name(job) is not None
+    if spec.spec.suspend:
+        return Needs(workload=queued)
+    if not started(status):
+        return Needs(room=True, model=True, workload=queued)
+    assert status.plan is not None
+    out = given_up(status)
+    missing = any(key not in pods for key in planned_keys(status.plan) if key[0] not in out)
+    return Needs(
+        pods=missing,
+        room=missing,
+        progress=is_s3(spec.spec.checkpoint.uri),
+        workload=queued,
+        given_up=bool(out) and is_s3(spec.spec.checkpoint.uri),
+    )
+
+
+def decide(observed: Observed, settings: Settings) -> Decision:
+    """The actions and new status for the job in `observed`."""
+    job = observed.job
+    if job is None or (job.get("metadata") or {}).get("deletionTimestamp"):
+        # Gone, or going: the garbage collector deletes its children (owner references).
+        return Decision()
+    ctx = Pass(job, observed, settings)
+    _reconcile(ctx)
+    return ctx.decision()
+
+
+def _reconcile(ctx: Pass) -> None:
+    spec = parse_spec(ctx.job)
+    if isinstance(spec, str):
+        ctx.settle(Verdict("Failed", False, False, "InvalidSpec", spec))
+        return
+    if is_terminal(ctx.written):
+        ctx.remove_pods()
+        return
+    if spec.spec.suspend:
+        _suspend(ctx)
+        return
+    if not started(ctx.status) and not plan(ctx, spec):
+        return
+    if ctx.queue is not None and not admitted(ctx, spec):
+        return
+    run_stages(ctx, spec)
+
+
+def _suspend(ctx: Pass) -> None:
+    """spec.suspend: the pods go (and a queued job's Workload goes inactive); plan, counts
+    and progress stay."""
+    ctx.remove_pods()
+    ctx.update(stages=[idle_stage(s) for s in ctx.status.stages])
+    if ctx.queue is not None:
+        hold_workload(ctx, active=False)
+    ctx.settle(
+        Verdict(
+            "Suspended",
+            False,
+            False,
+            "Suspended",
+            "spec.suspend is true: the stage pods are removed; setting it to false "
+            "resumes from the last committed checkpoint.",
+        )
+    )

@@ -1,0 +1,213 @@
+"""The stages of a started, admitted job: per stage keep, create, replace or wait.
+
+`recovery.decide` gives each planned stage of a pipeline not given up its verdict on the
+stage's pod. A failure is counted in status (and the count written) before its pod is
+deleted, so an operator restarted in between counts it once (see recovery.py). A stage
+that used up spec.failurePolicy.maxStageRestarts gives its pipeline up while the others
+train on, and fails the job when it is the last one left. Pods to create are create.py's;
+what the kept pods say, and progress.py's word on whether the job finished, make the
+job's new condition.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from relaytrain_operator.domain.builders.labels import POOL_ANNOTATION, StageKey, stage_pod_name
+from relaytrain_operator.domain.recovery import (
+    REPLACING,
+    StageDecision,
+    StageRecord,
+    after_failure,
+)
+from relaytrain_operator.domain.recovery import decide as decide_stage
+from relaytrain_operator.domain.status import (
+    fleet_verdict,
+    idle_stage,
+    observed_stage,
+    pipeline_statuses,
+    rfc3339,
+    stage_name,
+)
+from relaytrain_operator.loop.actions import DeletePod, PostEvent, PutGivenUp
+from relaytrain_operator.loop.decide.context import (
+    WAITING_ANNOTATION,
+    Pass,
+    given_up,
+    planned_keys,
+)
+from relaytrain_operator.loop.decide.create import create_stages
+from relaytrain_operator.loop.decide.progress import fail, follow_progress
+from relaytrain_operator.spec import FineTuneJob, PlanStatus, StageStatus, is_s3
+
+
+@dataclass
+class _Judged:
+    """The planned stages as judged so far in a pass."""
+
+    entries: dict[StageKey, StageStatus] = field(default_factory=dict)
+    """Every planned stage's status entry."""
+    verdicts: dict[StageKey, StageDecision] = field(default_factory=dict)
+    """What to do with the pod of each stage of a pipeline still training."""
+    restarting: list[PostEvent] = field(default_factory=list)
+    """The Events of the failures counted, posted once the count is written."""
+    exhausted: dict[int, str] = field(default_factory=dict)
+    """Pipelines given up in this pass, and why."""
+
+
+def run_stages(ctx: Pass, spec: FineTuneJob) -> None:
+    """Carry out every planned stage's verdict, then fold progress in and settle."""
+    plan = ctx.status.plan
+    assert plan is not None
+    out = given_up(ctx.status)
+    progress = ctx.observed.progress
+    if progress is not None and progress.done and follow_progress(ctx, spec, out):
+        return  # the workers finished: a stage ending afterwards is no failure
+    judged = _judge(ctx, spec, plan, out)
+    if judged is None:
+        return  # the last pipeline left used up its restarts: the job failed
+    out |= set(judged.exhausted)
+    _write_count(ctx, plan, judged, out)
+    _give_up(ctx, spec, judged.exhausted, out)
+    for key, verdict in judged.verdicts.items():
+        if verdict.action == "delete":
+            meta = ctx.observed.pods[key]["metadata"]
+            ctx.actions.append(DeletePod(meta["name"], meta.get("uid"), verdict.force))
+    waiting: dict[StageKey, str] = {}
+    creating = [key for key, v in judged.verdicts.items() if v.action == "create"]
+    if creating:
+        create_stages(ctx, spec, creating, judged.entries, waiting)
+    _keep(ctx, judged, waiting)
+    stages = [judged.entries[key] for key in sorted(judged.entries)]
+    pipelines = pipeline_statuses(plan, stages, out)
+    ctx.update(stages=stages, pipelines=pipelines)
+    if follow_progress(ctx, spec, out):
+        return
+    ctx.settle(fleet_verdict(stages, pipelines, waiting))
+
+
+def _judge(ctx: Pass, spec: FineTuneJob, plan: PlanStatus, out: set[int]) -> _Judged | None:
+    """Recovery's verdict on each planned stage of the pipelines not given up (`out`), each
+    new failure counted; None when the job failed instead (its last pipeline left used up
+    its restarts)."""
+    limit = spec.spec.failure_policy.max_stage_restarts
+    several = plan.several()
+    records = {(s.pipeline or 0, s.index): s for s in ctx.status.stages}
+    judged = _Judged()
+    for key in planned_keys(plan):
+        p, k = key
+        planned = plan.splits()[p][k]
+        entry = records.get(key) or StageStatus(
+            index=k, pipeline=p if several else None, pool=planned.pool
+        )
+        judged.entries[key] = entry
+        if p in out:
+            continue  # given up: its pods went when it was
+        verdict = _verdict(ctx, key, entry)
+        if verdict.failure is not None:
+            counted = after_failure(entry.restarts, limit)
+            if counted is None:
+                why = (
+                    f"Stage {stage_name(entry)} failed again ({verdict.failure}) after "
+                    f"{entry.restarts} restarts; spec.failurePolicy.maxStageRestarts is "
+                    f"{limit}."
+                )
+                # Any pipeline may go: the lowest one training writes the checkpoints, the
+                # progress and the result (docs/worker.md). The job fails with the last.
+                if out | set(judged.exhausted) | {p} >= set(range(len(plan.splits()))):
+                    fail(ctx, why)
+                    return None
+                judged.exhausted.setdefault(p, why)
+                continue
+            _count(ctx, judged, key, verdict.failure, counted=counted, limit=limit, several=several)
+        judged.verdicts[key] = verdict
+    return judged
+
+
+def _verdict(ctx: Pass, key: StageKey, entry: StageStatus) -> StageDecision:
+    """Recovery's verdict on the stage's pod, given the node it is bound to."""
+    pod = ctx.observed.pods.get(key)
+    node_name = ((pod or {}).get("spec") or {}).get("nodeName")
+    node = ctx.observed.nodes.get(node_name) if node_name else None
+    record = StageRecord(key[1], entry.restarts, entry.phase, entry.pool)
+    grace = timedelta(seconds=ctx.settings.node_lost_seconds)
+    return decide_stage(record, pod, node, now=ctx.now, node_grace=grace)
+
+
+def _count(
+    ctx: Pass,
+    judged: _Judged,
+    key: StageKey,
+    failure: str,
+    *,
+    counted: int,
+    limit: int,
+    several: bool,
+) -> None:
+    """Count the stage's new failure (`counted` restarts now) and say so in an Event."""
+    p, k = key
+    entry = judged.entries[key].model_copy(
+        update={
+            "restarts": counted,
+            "phase": REPLACING,
+            "last_failure": failure,
+            "last_failure_time": rfc3339(ctx.now),
+        }
+    )
+    judged.entries[key] = entry
+    ctx.restarts += 1
+    name = stage_pod_name(ctx.name, k, p if several else None)
+    judged.restarting.append(
+        PostEvent(
+            "Warning",
+            "StageRestarting",
+            f"Stage {stage_name(entry)} pod {name} ended ({failure}); "
+            f"replacing it (restart {entry.restarts} of {limit}).",
+        )
+    )
+
+
+def _write_count(ctx: Pass, plan: PlanStatus, judged: _Judged, out: set[int]) -> None:
+    """Idle the stages of the pipelines given up in this pass, and write the failures
+    counted before any pod is deleted (see recovery.py for why this order is crash-safe)."""
+    for key in [key for key in judged.entries if key[0] in judged.exhausted]:
+        judged.verdicts.pop(key, None)
+        judged.entries[key] = idle_stage(judged.entries[key])
+    if judged.restarting or judged.exhausted:
+        ctx.update(
+            stages=[judged.entries[key] for key in sorted(judged.entries)],
+            pipelines=pipeline_statuses(plan, list(judged.entries.values()), out),
+        )
+        ctx.patch()
+        ctx.actions += judged.restarting
+
+
+def _give_up(ctx: Pass, spec: FineTuneJob, exhausted: dict[int, str], out: set[int]) -> None:
+    """Remove the pods of the pipelines given up in this pass, saying so, and tell the
+    stages every pipeline given up (`out`) through the store."""
+    for p, why in sorted(exhausted.items()):
+        ctx.remove_pods(p)
+        ctx.event(
+            "Warning",
+            "PipelineFailed",
+            f"{why} Pipeline {p} is given up; the other pipelines train on without it.",
+        )
+    # The stages learn it from the store: one linking again waits for no stage of it.
+    told = tuple(sorted(out))
+    if out and is_s3(spec.spec.checkpoint.uri) and ctx.observed.told_given_up != told:
+        ctx.actions.append(PutGivenUp(told))
+
+
+def _keep(ctx: Pass, judged: _Judged, waiting: dict[StageKey, str]) -> None:
+    """Fold each pod kept into its stage's entry; one still unscheduled that was created to
+    wait for a GPU says why in `waiting`."""
+    for key, verdict in judged.verdicts.items():
+        if verdict.action != "keep":
+            continue
+        pod = ctx.observed.pods[key]
+        annotations = pod["metadata"].get("annotations") or {}
+        pool = annotations.get(POOL_ANNOTATION, judged.entries[key].pool)
+        judged.entries[key] = observed_stage(judged.entries[key], pod, pool)
+        if WAITING_ANNOTATION in annotations and not (pod.get("spec") or {}).get("nodeName"):
+            waiting[key] = annotations[WAITING_ANNOTATION]

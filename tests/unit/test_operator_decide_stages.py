@@ -1,0 +1,246 @@
+"""The stages of a started job: what each pod holds, where a replacement goes and when, what
+is counted and when it is patched, and what a kept pod reports (decide/stages.py,
+decide/create.py).
+"""
+
+from __future__ import annotations
+
+import copy
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from relaytrain_operator.domain.recovery import INCARNATION_ANNOTATION, REPLACING
+from relaytrain_operator.domain.status import READY, condition, to_manifest
+from relaytrain_operator.loop.actions import Create
+from relaytrain_operator.loop.decide import WAITING_ANNOTATION, decide
+from relaytrain_operator.spec import StageStatus
+from relaytrain_testkit.decide_cases import (
+    NOW,
+    SETTINGS,
+    events,
+    manifest,
+    node,
+    observed,
+    pod,
+    running_status,
+    stage,
+    unbound,
+)
+from relaytrain_testkit.decide_views import (
+    RUNNING,
+    created,
+    patches,
+    progress,
+    ready_reason,
+    summary,
+)
+
+pytestmark = pytest.mark.unit
+
+
+def test_a_job_image_and_no_credentials() -> None:
+    job = manifest(
+        running_status(stage(0, pod=None, node=None, phase=None, ready=None), stage(1)),
+        image="custom:2",
+        checkpoint={"uri": "/ckpt", "endpoint": None, "credentialsSecret": None},
+    )
+    job["spec"]["checkpoint"] = {"uri": "/ckpt"}
+    p = created(decide(observed(job, [pod(1)]), SETTINGS), "j-stage-0")
+    container = p["spec"]["containers"][0]
+    assert container["image"] == "custom:2"
+    assert "AWS_ACCESS_KEY_ID" not in {e["name"] for e in container["env"]}
+
+
+# --- replacements ---------------------------------------------------------------------
+
+
+def replacing_job(**spec: Any) -> dict[str, Any]:
+    """Stage 0 failed (counted: restarts 1, Replacing); its pod is gone."""
+    status = running_status(
+        stage(0, phase=REPLACING, restarts=1, ready=False, lastFailure="NodeLost"), stage(1)
+    )
+    return manifest(status, **spec)
+
+
+def test_a_replacement_never_lands_on_a_node_the_node_selector_excludes() -> None:
+    # Stage 0's pool (a100) is full: its node is gone and the other holds another job's pod.
+    # The only free GPU big enough is an H100 in zone b; the job asks for zone a.
+    job = replacing_job(placement={"nodeSelector": {"zone": "a"}})
+    nodes = [node("a100-1", "a100"), node("rtx-0", "rtx"), node("h100-0", "h100", zone="b")]
+    held = [pod(1), pod(0, job="other", node_name="a100-1")]
+    decision = decide(observed(job, [pod(1)], nodes=nodes, cluster_pods=held), SETTINGS)
+
+    successor = created(decision, "j-stage-0")
+    selector = successor["spec"]["nodeSelector"]
+    assert selector["zone"] == "a" and selector["relaytrain.io/pool"] == "a100"
+    assert successor["metadata"]["annotations"]["relaytrain.io/pool"] == "a100"
+    # ... and the job says why it waits, in its condition and an Event.
+    assert decision.status is not None
+    ready = condition(decision.status, READY)
+    assert ready is not None and ready.reason == "Unschedulable" and ready.status == "False"
+    assert "zone=a" in ready.message and "pool h100" in ready.message
+    assert "pool a100: no free GPU" in ready.message
+    assert decision.status.phase == "Recovering"
+    assert [(e.type, e.reason, e.message) for e in events(decision)] == [
+        ("Warning", "Unschedulable", ready.message)
+    ]
+    assert successor["metadata"]["annotations"][WAITING_ANNOTATION] == ready.message
+
+    # While the successor waits unscheduled, later passes keep saying so, without new Events.
+    waiting = unbound(successor)
+    later = decide(
+        observed(
+            manifest(to_manifest(decision.status), placement={"nodeSelector": {"zone": "a"}}),
+            [waiting, pod(1)],
+            nodes=nodes,
+        ),
+        SETTINGS,
+    )
+    assert ready_reason(later) == "Unschedulable" and events(later) == []
+    # Once scheduled, the job recovers as usual.
+    bound = copy.deepcopy(successor)
+    bound["spec"]["nodeName"] = "a100-1"
+    bound["status"] = {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}
+    after = decide(
+        observed(
+            manifest(to_manifest(later.status), placement={"nodeSelector": {"zone": "a"}}),  # type: ignore[arg-type]
+            [bound, pod(1)],
+            nodes=nodes,
+        ),
+        SETTINGS,
+    )
+    assert ready_reason(after) == "StagesRunning"
+
+
+def test_a_replacement_moves_to_an_eligible_pool_whose_memory_fits() -> None:
+    job = replacing_job(placement={"nodeSelector": {"zone": "a"}})
+    nodes = [
+        node("a100-1", "a100"),
+        node("rtx-0", "rtx"),
+        node("rtx-1", "rtx"),
+        node("h100-0", "h100", zone="b"),
+    ]
+    held = [pod(1), pod(0, job="other", node_name="a100-1")]
+    decision = decide(observed(job, [pod(1)], nodes=nodes, cluster_pods=held), SETTINGS)
+    successor = created(decision, "j-stage-0")
+    assert successor["spec"]["nodeSelector"]["relaytrain.io/pool"] == "rtx"
+    assert decision.status is not None and decision.status.stages[0].pool == "rtx"
+    assert WAITING_ANNOTATION not in successor["metadata"]["annotations"]
+    assert ready_reason(decision) == "StageRestarting"
+
+
+def test_a_replacement_stays_on_its_pool_when_it_has_room() -> None:
+    decision = decide(observed(replacing_job(), [pod(1)]), SETTINGS)
+    successor = created(decision, "j-stage-0")
+    assert successor["spec"]["nodeSelector"]["relaytrain.io/pool"] == "a100"
+    assert successor["metadata"]["annotations"][INCARNATION_ANNOTATION] == "1"
+
+
+def test_a_replacement_records_the_newest_committed_step() -> None:
+    job = replacing_job()
+    job["status"]["progress"] = {"step": 12, "lastCommittedStep": 10}
+    fresh = decide(observed(job, [pod(1)], progress=progress(14, 12)), SETTINGS)
+    assert fresh.status is not None and fresh.status.stages[0].restored_from_step == 12
+    # The store had no newer commit to say: the one status last folded in.
+    stale = decide(observed(job, [pod(1)], progress=progress(14)), SETTINGS)
+    assert stale.status is not None and stale.status.stages[0].restored_from_step == 10
+    # No commit known at all: nothing to say.
+    nothing = decide(observed(replacing_job(), [pod(1)]), SETTINGS)
+    assert nothing.status is not None and nothing.status.stages[0].restored_from_step is None
+
+
+def test_the_backoff_delays_a_replacement_and_asks_to_be_woken() -> None:
+    job = replacing_job(failurePolicy={"backoffSeconds": 30})
+    job["status"]["stages"][0]["lastFailureTime"] = "2026-11-22T09:59:50Z"
+    early = decide(observed(job, [pod(1)]), SETTINGS)
+    assert not any(isinstance(a, Create) for a in early.actions)
+    assert early.retry_after == 20.0
+    due = decide(observed(job, [pod(1)], now=NOW + timedelta(seconds=20)), SETTINGS)
+    assert "create:j-stage-0" in summary(due)
+    # A failure counted in this very pass waits the whole back-off, from the time recorded.
+    counted = decide(
+        observed(manifest(running_status(), failurePolicy={"backoffSeconds": 30}), [pod(1)]),
+        SETTINGS,
+    )
+    assert counted.retry_after == 30.0 and not any(isinstance(a, Create) for a in counted.actions)
+    assert counted.status is not None
+    assert counted.status.stages[0].last_failure_time == "2026-11-22T10:00:00Z"
+    later = decide(
+        observed(
+            manifest(to_manifest(counted.status), failurePolicy={"backoffSeconds": 30}),
+            [pod(1)],
+            now=NOW + timedelta(seconds=30),
+        ),
+        SETTINGS,
+    )
+    assert "create:j-stage-0" in summary(later)
+    # No record of when it failed (a status from before the field): the wait starts now and
+    # the time is recorded, so it does not start over at every pass.
+    del job["status"]["stages"][0]["lastFailureTime"]
+    unknown = decide(observed(job, [pod(1)]), SETTINGS)
+    assert unknown.retry_after == 30.0 and unknown.status is not None
+    assert unknown.status.stages[0].last_failure_time == "2026-11-22T10:00:00Z"
+    # Two stages waiting: woken for the first that is due.
+    job["status"]["stages"][0]["lastFailureTime"] = "2026-11-22T09:59:50Z"
+    job["status"]["stages"][1] = stage(
+        1, phase=REPLACING, restarts=1, ready=False, lastFailureTime="2026-11-22T09:59:40Z"
+    )
+    both = decide(observed(job, []), SETTINGS)
+    assert both.retry_after == 10.0
+
+
+def test_two_replacements_do_not_take_one_free_gpu() -> None:
+    status = running_status(
+        stage(0, phase=REPLACING, restarts=1, ready=False),
+        stage(1, phase=REPLACING, restarts=1, ready=False),
+    )
+    # One free A100 (40 GiB) and nothing else: both stages fit it, only one gets it.
+    nodes = [node("a100-0", "a100")]
+    decision = decide(observed(manifest(status), [], nodes=nodes), SETTINGS)
+    zero, one = created(decision, "j-stage-0"), created(decision, "j-stage-1")
+    assert zero["spec"]["nodeSelector"]["relaytrain.io/pool"] == "a100"
+    assert WAITING_ANNOTATION not in zero["metadata"]["annotations"]
+    # The other waits on its own pool (whose nodes are all gone).
+    assert one["metadata"]["annotations"]["relaytrain.io/pool"] == "rtx"
+    assert (
+        "Stage 1 waits for a GPU on pool rtx" in one["metadata"]["annotations"][WAITING_ANNOTATION]
+    )
+
+
+def test_a_failure_counted_before_a_crash_is_not_counted_again() -> None:
+    # The count reached 1 and the operator died before deleting the failed pod.
+    status = running_status(stage(0, phase=REPLACING, restarts=1, ready=False), stage(1))
+    decision = decide(observed(manifest(status), [pod(0, "Failed"), pod(1)]), SETTINGS)
+    assert summary(decision)[0] == "delete:j-stage-0" and events(decision) == []
+    assert decision.restarts == 0
+    assert decision.status is not None and decision.status.stages[0].restarts == 1
+
+
+def test_counting_is_patched_before_the_delete_and_events_follow_the_count() -> None:
+    decision = decide(observed(manifest(running_status()), [pod(0, "Failed"), pod(1)]), SETTINGS)
+    assert decision.restarts == 1
+    counted = patches(decision)[0]
+    assert counted.stages[0].restarts == 1 and counted.stages[0].phase == REPLACING
+    assert counted.restarts == 1
+    assert events(decision)[0].message == (
+        "Stage 0 pod j-stage-0 ended (Failed); replacing it (restart 1 of 2)."
+    )
+
+
+def test_a_pod_of_a_lost_node_in_grace_is_kept() -> None:
+    nodes = [
+        node("a100-0", "a100", ready=False, since="2026-11-22T09:59:50Z"),
+        node("rtx-0", "rtx"),
+    ]
+    decision = decide(observed(manifest(running_status()), RUNNING, nodes=nodes), SETTINGS)
+    assert summary(decision) == []
+
+
+def test_a_kept_pod_reports_its_node_phase_and_pool() -> None:
+    moved = pod(1, pool="h100", node_name="h100-0")
+    decision = decide(observed(manifest(running_status()), [pod(0), moved]), SETTINGS)
+    assert decision.status is not None
+    assert decision.status.stages[1] == StageStatus(
+        index=1, pod="j-stage-1", node="h100-0", pool="h100", phase="Running", ready=True
+    )
