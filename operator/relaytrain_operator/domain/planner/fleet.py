@@ -7,110 +7,58 @@ gradients (sync.py). The plan minimises the step: slowest pipeline + sync per st
 
 The search, in two parts:
 
-1. Candidate pipelines. GPUs of a pool are identical, so a pipeline is a *multiset* of pools,
-   a vector ``c`` of GPUs per pool, and its best order and split are those the splitter finds
-   for exactly those GPUs (every order tried up to ``CANDIDATE_EXHAUSTIVE_LIMIT`` orders, the
-   splitter's heuristic beyond). Vectors are enumerated by size, from 1 GPU up to the
-   smallest size at which any fits plus ``EXTRA_STAGES`` (and at most ``MAX_VECTORS`` in
-   all): longer pipelines only add links and bubble per GPU, where memory does not force
-   them. The best single pipeline on the whole fleet (``plan()``, any length) is a candidate
-   too. A candidate is dropped when one on a subset of its GPUs is at least as fast, with no
-   more gradient load per link: it can replace it in any set without loss.
+1. Candidate pipelines (fleet_candidates.py): every multiset of pools' GPUs of a useful
+   size, each with its best order and split, and the best single pipeline (``plan()``);
+   a candidate that another on a subset of its GPUs replaces without loss is dropped.
 
-2. Sets of candidates within the pools' GPU counts (at most M pipelines: each needs a
-   micro-batch). Starts: for the candidates on each class of links (pools with at most a given
-   latency and at least a given bandwidth; the sync is paced by the slowest link, so a good
-   set often leaves a class out) a greedy that adds the candidate giving the best step and a
-   fill that adds candidates fastest-per-GPU first; a fill that starts with as many copies
-   of each candidate as fit; every prefix priced. Then local moves
-   (add, drop or swap a pipeline, drop every pipeline on a pool) while the step improves.
-   Then a depth-first branch and bound over every multiset of candidates (fastest per GPU
-   first) bounds a set and everything that extends it by its sync (which only grows as
-   pipelines are added) plus ``(M + fill) / rate``: a valid set's slowest pipeline takes at
-   least ``(M + sum(P - 1)) / sum(1 / b)``, and the GPUs left add at most their pool's best
-   gain per GPU (:meth:`Combiner._gains`). When it finishes within ``SET_BUDGET`` sets looked
-   at, the choice is exact over the candidates ("exhaustive"); otherwise it is the best found
-   ("heuristic").
+2. Sets of candidates within the pools' GPU counts (fleet_combiner.py, :class:`Combiner`):
+   greedy and fill starts per class of links, local moves, then a branch and bound that is
+   exact over the candidates when it finishes within ``SET_BUDGET`` sets ("exhaustive"),
+   else the best found ("heuristic").
 
 One pipeline is the answer when it wins; it is then exactly ``plan()``'s result.
 """
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field, replace
-from math import factorial, prod
+from collections.abc import Sequence
+from dataclasses import replace
 
 from relaytrain_operator.domain.planner.api import plan, to_plan
 from relaytrain_operator.domain.planner.catalog import Catalog
-from relaytrain_operator.domain.planner.cost import Collective, CostSettings
+from relaytrain_operator.domain.planner.cost import CostSettings
+from relaytrain_operator.domain.planner.fleet_candidates import (
+    CANDIDATE_EXHAUSTIVE_LIMIT,
+    EXTRA_STAGES,
+    MAX_VECTORS,
+    Pipe,
+    candidates,
+    pipe_of_plan,
+    undominated,
+    with_single,
+)
+from relaytrain_operator.domain.planner.fleet_combiner import SET_BUDGET, Combiner
 from relaytrain_operator.domain.planner.fleet_result import FleetPlan
 from relaytrain_operator.domain.planner.model_shape import ModelShape
 from relaytrain_operator.domain.planner.pools import Pool
 from relaytrain_operator.domain.planner.problem import Problem, build_problem
 from relaytrain_operator.domain.planner.result import Plan, PlanError
-from relaytrain_operator.domain.planner.search import (
-    DEFAULT_EXHAUSTIVE_LIMIT,
-    Candidate,
-    exhaustive,
-    heuristic,
-)
+from relaytrain_operator.domain.planner.search import DEFAULT_EXHAUSTIVE_LIMIT
 from relaytrain_operator.domain.planner.shares import split_fast
-from relaytrain_operator.domain.planner.sync import (
-    Gradients,
-    Sync,
-    SyncPrice,
-    pipeline_latency_seconds,
-    pipeline_load_seconds,
-    sync_seconds,
-    top_two,
-)
+from relaytrain_operator.domain.planner.sync import Gradients, Sync, SyncPrice, top_two
 from relaytrain_operator.domain.planner.training import TrainingShape
 
-#: Candidate pipelines are at most this many stages longer than the shortest that fits.
-EXTRA_STAGES = 2
-#: Most GPU multisets priced as candidate pipelines.
-MAX_VECTORS = 400
-#: Orders of one candidate's GPUs tried exhaustively; the splitter's heuristic beyond.
-CANDIDATE_EXHAUSTIVE_LIMIT = 720
-#: Sets of pipelines the branch and bound may look at before it stops ("heuristic").
-SET_BUDGET = 2_000
-
-
-@dataclass(frozen=True)
-class Pipe:
-    """A candidate pipeline: its GPUs, its best order and split, and what it adds to a sync."""
-
-    counts: tuple[int, ...]
-    """GPUs per usable pool."""
-    cand: Candidate
-    load: float
-    """max over its stages of gradient bytes / link bandwidth (sync.py)."""
-    latency: float
-    """Its slowest stage link's one-way latency."""
-    search: str = "exhaustive"
-    """How its order of GPUs was found."""
-    evaluated: int = 1
-    """Orders evaluated for it."""
-    lane: tuple[int, float] = field(init=False)
-    """(stages, seconds per micro-batch): what the micro-batch split needs."""
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "lane", (len(self.cand.seq), self.cand.bottleneck))
-
-    @property
-    def stages(self) -> int:
-        return len(self.cand.seq)
-
-    @property
-    def beat(self) -> float:
-        return self.cand.bottleneck
-
-    @property
-    def rate(self) -> float:
-        """Micro-batches per second once full."""
-        return 1.0 / self.beat
+__all__ = [
+    "CANDIDATE_EXHAUSTIVE_LIMIT",
+    "EXTRA_STAGES",
+    "MAX_VECTORS",
+    "SET_BUDGET",
+    "Combiner",
+    "Pipe",
+    "candidates",
+    "plan_fleet",
+    "undominated",
+]
 
 
 def plan_fleet(
@@ -165,7 +113,7 @@ def plan_fleet(
             f"{training.micro_batches}; use at most {training.micro_batches} or 'auto'."
         )
     pipes = undominated(candidates(problem, grads, stages))
-    pipes = _with_single(pipes, _pipe_of(problem, grads, single))
+    pipes = with_single(pipes, pipe_of_plan(problem, grads, single))
     combiner = Combiner(
         pipes,
         problem.gpus,
@@ -200,388 +148,6 @@ def plan_fleet(
         exact=exact,
         candidates=len(pipes),
     )
-
-
-def _pipe_of_candidate(
-    problem: Problem,
-    grads: Gradients,
-    counts: Sequence[int],
-    cand: Candidate,
-    *,
-    search: str,
-    evaluated: int,
-) -> Pipe:
-    load = pipeline_load_seconds(grads, problem.costs, cand.seq, cand.counts)
-    latency = pipeline_latency_seconds(problem.costs, cand.seq)
-    return Pipe(tuple(counts), cand, load, latency, search, evaluated)
-
-
-def _pipe_of(problem: Problem, grads: Gradients, single: Plan) -> Pipe:
-    """The single-pipeline plan as a candidate."""
-    index = {cost.pool.name: i for i, cost in enumerate(problem.costs)}
-    seq = tuple(index[s.pool] for s in single.stages)
-    cand = Candidate(
-        seq,
-        0,
-        tuple(s.layers for s in single.stages),
-        tuple(s.seconds for s in single.stages),
-        problem.training.micro_batches,
-    )
-    counts = [seq.count(i) for i in range(len(problem.costs))]
-    return _pipe_of_candidate(
-        problem, grads, counts, cand, search=single.search, evaluated=single.sequences_evaluated
-    )
-
-
-def _vectors(gpus: Sequence[int], size: int) -> Iterator[tuple[int, ...]]:
-    """Every vector of GPUs per pool with ``size`` GPUs in all, within ``gpus``."""
-    if not gpus:
-        if size == 0:
-            yield ()
-        return
-    for n in range(min(gpus[0], size), -1, -1):
-        for rest in _vectors(gpus[1:], size - n):
-            yield (n, *rest)
-
-
-def candidates(problem: Problem, grads: Gradients, stages: int | None = None) -> list[Pipe]:
-    """Candidate pipelines: every GPU multiset of a useful size that fits, with its best
-    split (dominated ones included; see :func:`undominated`)."""
-    evaluator = problem.evaluator()
-    gpus = problem.gpus
-    most = min(sum(gpus), problem.model.num_layers)
-    sizes = [stages] if stages is not None else list(range(1, most + 1))
-    found: list[Pipe] = []
-
-    def price(counts: tuple[int, ...]) -> bool:
-        size, before = sum(counts), evaluator.calls
-        orders = factorial(size) // prod(factorial(n) for n in counts)  # distinct orders
-        if orders <= CANDIDATE_EXHAUSTIVE_LIMIT:
-            cand, search = exhaustive(evaluator, counts, [size]), "exhaustive"
-        else:
-            cand, search = heuristic(evaluator, counts, [size]), "heuristic"
-        if cand.deficit:
-            return False
-        evaluated = evaluator.calls - before
-        found.append(
-            _pipe_of_candidate(problem, grads, counts, cand, search=search, evaluated=evaluated)
-        )
-        return True
-
-    fit_size: int | None = None
-    priced, top = 0, 0
-    for size in sizes:
-        if fit_size is not None and size > fit_size + EXTRA_STAGES:
-            break
-        vectors = list(_vectors(gpus, size))
-        if priced + len(vectors) > MAX_VECTORS:
-            break  # mixed pipelines this long are too many to price; plan() and below remain
-        priced, top = priced + len(vectors), size
-        for counts in vectors:
-            if price(counts) and fit_size is None:
-                fit_size = size
-    if stages is None:
-        # A pool whose GPUs need longer pipelines than the fleet's shortest: its own ones.
-        for i, n in enumerate(gpus):
-            own = [sum(p.counts) for p in found if p.counts[i] == sum(p.counts)]
-            fit = min(own, default=None)
-            for size in range(top + 1, min(n, problem.model.num_layers) + 1):
-                if fit is not None and size > fit + EXTRA_STAGES:
-                    break
-                counts = tuple(size if k == i else 0 for k in range(len(gpus)))
-                if price(counts) and fit is None:
-                    fit = size
-    return found
-
-
-def undominated(pipes: Sequence[Pipe]) -> list[Pipe]:
-    """Drop a pipe when another on a subset of its GPUs is no slower and loads no link more."""
-
-    def beats(a: Pipe, b: Pipe) -> bool:
-        subset = all(x <= y for x, y in zip(a.counts, b.counts, strict=True))
-        return (
-            subset
-            and a.counts != b.counts
-            and a.beat <= b.beat
-            and a.load <= b.load
-            and a.latency <= b.latency
-        )
-
-    return [p for p in pipes if not any(beats(q, p) for q in pipes)]
-
-
-def _with_single(pipes: list[Pipe], single: Pipe) -> list[Pipe]:
-    """Add the whole-fleet single pipeline unless a candidate on the same GPUs is as good."""
-    same = [p for p in pipes if p.counts == single.counts]
-    if same and min(p.beat for p in same) <= single.beat:
-        return pipes
-    return [*pipes, single]
-
-
-class Combiner:
-    """Chooses the set of candidate pipelines with the smallest step (see the module doc)."""
-
-    def __init__(
-        self,
-        pipes: Sequence[Pipe],
-        gpus: Sequence[int],
-        links: Sequence[tuple[float, float]],
-        *,
-        micro_batches: int,
-        sync: Sync,
-        collective: Collective = "all-gather",
-        replicas: int | None = None,
-        budget: int = SET_BUDGET,
-    ) -> None:
-        # Fastest per GPU first: good sets are found early and bound the rest.
-        self.pipes = sorted(pipes, key=lambda p: (-p.rate / p.stages, p.stages, p.counts))
-        self.gpus = tuple(gpus)
-        self.links = tuple(links)
-        """Per pool: (one-way latency s, bandwidth B/s) of its links."""
-        self.m = micro_batches
-        self.sync = sync
-        self.collective = collective
-        self.replicas = replicas
-        self.limit = min(replicas or micro_batches, micro_batches)
-        self.budget = budget
-        self.evaluated = 0
-        """Sets priced so far."""
-        self._gains_for: float | None = None
-        self._gain: list[float] = []
-        self.best: tuple[float, int, int] | None = None
-        self.best_set: list[Pipe] | None = None
-
-    def sync_seconds(self, chosen: Sequence[Pipe]) -> float:
-        """Sync per step of a set of pipelines."""
-        if len(chosen) < 2:
-            return 0.0
-        load = max(p.load for p in chosen)
-        hop = top_two([p.latency for p in chosen])
-        return self._sync_seconds(len(chosen), load, hop)
-
-    def _sync_seconds(self, pipelines: int, load: float, hop: float) -> float:
-        moved, latency = sync_seconds(self.sync, self.collective, pipelines, load, hop)
-        return (moved + latency) / self.sync.every
-
-    def value(self, chosen: Sequence[Pipe]) -> float | None:
-        """Step time of a set; None when a pipeline would get no micro-batch (a subset wins)."""
-        self.evaluated += 1
-        lanes = [p.lane for p in chosen]
-        shares = split_fast(lanes, self.m)
-        if min(shares) == 0:
-            return None
-        slowest = max((m + n - 1) * b for (n, b), m in zip(lanes, shares, strict=True))
-        return slowest + self.sync_seconds(chosen)
-
-    def _wanted(self, size: int) -> bool:
-        return size >= 2 and (self.replicas is None or size == self.replicas)
-
-    def _offer(self, chosen: Sequence[Pipe], value: float | None) -> bool:
-        """Keep ``chosen`` if it is the best so far; whether it was."""
-        if value is None or not self._wanted(len(chosen)):
-            return False
-        key = (value, len(chosen), sum(p.stages for p in chosen))
-        if self.best is None or _better(key, self.best):
-            self.best, self.best_set = key, list(chosen)
-            return True
-        return False
-
-    @staticmethod
-    def _fits(p: Pipe, left: Sequence[int]) -> bool:
-        return all(c <= x for c, x in zip(p.counts, left, strict=True))
-
-    def _left(self, chosen: Sequence[Pipe]) -> list[int]:
-        left = list(self.gpus)
-        for p in chosen:
-            left = [x - c for x, c in zip(left, p.counts, strict=True)]
-        return left
-
-    def most_pipelines(self) -> int:
-        """How many candidates fit side by side (greedily, shortest first)."""
-        left, n = list(self.gpus), 0
-        for p in sorted(self.pipes, key=lambda p: (p.stages, p.counts)):
-            while self._fits(p, left):
-                left = [x - c for x, c in zip(left, p.counts, strict=True)]
-                n += 1
-        return n
-
-    def classes(self) -> list[list[Pipe]]:
-        """The candidates, and those on the pools whose links are at least so good: for each
-        latency and bandwidth among the pools, the pipelines on pools with no more latency and
-        no less bandwidth. The sync is paced by the slowest link of a set, so a good set often
-        leaves a whole class of pools out."""
-        out: list[list[Pipe]] = []
-        seen: set[tuple[int, ...]] = set()
-        latencies = sorted({lat for lat, _ in self.links})
-        floors = sorted({bw for _, bw in self.links})
-        for latency, floor in itertools.product(latencies, floors):
-            allowed = {
-                i for i, (lat, bw) in enumerate(self.links) if lat <= latency and bw >= floor
-            }
-            key = tuple(sorted(allowed))
-            if not allowed or key in seen:
-                continue
-            seen.add(key)
-            out.append(
-                [
-                    p
-                    for p in self.pipes
-                    if all(n == 0 or i in allowed for i, n in enumerate(p.counts))
-                ]
-            )
-        return out
-
-    def greedy(self, pipes: Sequence[Pipe]) -> None:
-        """Add the candidate that gives the best step, one at a time, while any fits."""
-        chosen: list[Pipe] = []
-        left = list(self.gpus)
-        while len(chosen) < self.limit:
-            options = [p for p in pipes if self._fits(p, left)]
-            nothing = [0] * len(left)
-            bounds = sorted((self._bound([*chosen, p], nothing), k) for k, p in enumerate(options))
-            pick: tuple[float, Pipe] | None = None
-            for bound, k in bounds:
-                if pick is not None and bound >= pick[0]:
-                    break
-                value = self.value([*chosen, options[k]])
-                if value is not None and (pick is None or value < pick[0]):
-                    pick = (value, options[k])
-            if pick is None:
-                return
-            chosen.append(pick[1])
-            left = [x - c for x, c in zip(left, pick[1].counts, strict=True)]
-            self._offer(chosen, pick[0])
-
-    def fill(self, pipes: Sequence[Pipe], first: Pipe | None = None) -> None:
-        """Add candidates fastest-per-GPU first (``first`` before them), each as often as it
-        fits; every prefix is a set."""
-        chosen: list[Pipe] = []
-        left = list(self.gpus)
-        for p in [first, *pipes] if first is not None else pipes:
-            while len(chosen) < self.limit and self._fits(p, left):
-                chosen.append(p)
-                left = [x - c for x, c in zip(left, p.counts, strict=True)]
-                self._offer(chosen, self.value(chosen))
-
-    def improve(self) -> None:
-        """From the best set: add a pipeline, drop one, swap one for another, or drop every
-        pipeline on a pool, while the step improves (first improvement; at most ``budget``
-        sets)."""
-        start = self.evaluated
-        improved = True
-        while improved and self.best_set is not None and self.evaluated - start < self.budget:
-            improved = False
-            current = self.best_set
-            left = self._left(current)
-            kinds = list(dict.fromkeys(current))
-            moves: list[list[Pipe]] = [[*current, p] for p in self.pipes if self._fits(p, left)]
-            for out in kinds:
-                rest = list(current)
-                rest.remove(out)
-                freed = [x + c for x, c in zip(left, out.counts, strict=True)]
-                moves.append(rest)
-                moves += [[*rest, p] for p in self.pipes if p != out and self._fits(p, freed)]
-            for i in range(len(self.gpus)):
-                moves.append([p for p in current if not p.counts[i]])
-            for move in moves:
-                if len(move) <= self.limit and move and self._offer(move, self.value(move)):
-                    improved = True
-                    break
-
-    def _gains(self) -> list[float]:
-        """Per pool, the most any of its GPUs can add to a set that beats the best step B:
-        max over candidates using the pool of (rate - (stages - 1) / B) / stages, at least
-        0. A set S extended by X steps at least (M + fill) / rate over S and X (module doc);
-        X beats B only if the sum over X of (rate - (stages - 1) / B) exceeds what S lacks,
-        and that sum is at most the GPUs left times these gains."""
-        best = self.best[0] if self.best is not None else float("inf")
-        if self._gains_for != best:
-            self._gains_for = best
-            self._gain = [
-                max(
-                    (
-                        (p.rate - (p.stages - 1) / best) / p.stages
-                        for p in self.pipes
-                        if p.counts[i]
-                    ),
-                    default=0.0,
-                )
-                for i in range(len(self.gpus))
-            ]
-            self._gain = [max(g, 0.0) for g in self._gain]
-        return self._gain
-
-    def _bound(self, chosen: Sequence[Pipe], left: Sequence[int]) -> float:
-        """Lower bound on the step of ``chosen`` and of every set that extends it with the
-        GPUs ``left`` while it could still beat the best (see :meth:`_gains`)."""
-        rate = sum(p.rate for p in chosen)
-        fill = sum(p.stages - 1 for p in chosen)
-        if len(chosen) < self.limit:
-            rate += sum(n * g for n, g in zip(left, self._gains(), strict=True))
-        return self.sync_seconds(chosen) + (self.m + fill) / rate
-
-    def search(self) -> bool:
-        """Branch and bound over every multiset of candidates; False if it ran out of budget."""
-        m, limit = self.m, self.limit
-        visited = 0
-
-        def visit(start: int, chosen: list[Pipe], left: list[int], agg: tuple[float, ...]) -> bool:
-            nonlocal visited
-            rate, fill, load, lat1, lat2 = agg
-            for j in range(start, len(self.pipes)):
-                p = self.pipes[j]
-                if not self._fits(p, left):
-                    continue
-                visited += 1
-                if visited > self.budget:
-                    return False
-                r = len(chosen) + 1
-                rest = [x - c for x, c in zip(left, p.counts, strict=True)]
-                g_rate, g_fill, g_load = rate + p.rate, fill + p.stages - 1, max(load, p.load)
-                g_lat1, g_lat2 = (
-                    (p.latency, lat1) if p.latency > lat1 else (lat1, max(lat2, p.latency))
-                )
-                sync = self._sync_seconds(r, g_load, g_lat1 + g_lat2)
-                best = self.best[0] if self.best is not None else float("inf")
-                more = 0.0
-                if r < limit:
-                    more = sum(n * g for n, g in zip(rest, self._gains(), strict=True))
-                if sync + (m + g_fill) / (g_rate + more) >= best:
-                    continue
-                grown = [*chosen, p]
-                if self._wanted(r) and sync + (m + g_fill) / g_rate < best:
-                    self._offer(grown, self.value(grown))
-                agg = (g_rate, g_fill, g_load, g_lat1, g_lat2)
-                if r < limit and not visit(j, grown, rest, agg):
-                    return False
-            return True
-
-        return visit(0, [], list(self.gpus), (0.0, 0.0, 0.0, 0.0, 0.0))
-
-    def run(self, single_seconds: float | None) -> tuple[list[Pipe] | None, bool]:
-        """The best set (empty: the single pipeline wins; None: nothing fits) and whether
-        the search was exhaustive over the candidates."""
-        if single_seconds is not None:
-            self.best = (single_seconds, 1, 0)
-        for pipes in self.classes():
-            self.greedy(pipes)
-            self.fill(pipes)
-        for p in self.pipes:  # as many copies of one shape as fit, then the rest
-            self.fill(self.pipes, first=p)
-        self.improve()
-        exact = self.search()
-        if self.best_set is None:
-            return ([] if single_seconds is not None else None), exact
-        return self.best_set, exact
-
-
-def _better(a: tuple[float, int, int], b: tuple[float, int, int]) -> bool:
-    """Smaller step (beyond rounding), then fewer pipelines, then fewer GPUs."""
-    if a[0] < b[0] * (1 - 1e-9):
-        return True
-    if a[0] > b[0] * (1 + 1e-9):
-        return False
-    return a[1:] < b[1:]
 
 
 def _fleet_plan(

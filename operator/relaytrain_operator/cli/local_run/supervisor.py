@@ -1,0 +1,270 @@
+"""The supervisor of a local run: `LocalRun` starts the stage processes, watches them,
+restarts one that dies by the operator's own rule (`recovery.after_failure` and
+`recovery.backoff_left`) and stops them all on SIGINT or SIGTERM.
+
+Each stage runs in its own process group, which `stop` signals whole (SIGTERM, then
+SIGKILL after a grace period). A supervisor that cannot stop them (SIGKILL, a crash) takes
+them along on Linux: each stage is started with PR_SET_PDEATHSIG (`die_with_supervisor`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from relaytrain_contract import Progress
+
+from relaytrain_operator.cli.local_run import report, storage
+from relaytrain_operator.cli.local_run.layout import Layout, local_layout
+from relaytrain_operator.cli.local_run.stages import (
+    StageProc,
+    build_stages,
+    stage_env,
+    stage_procs,
+)
+from relaytrain_operator.domain.recovery import after_failure, backoff_left
+from relaytrain_operator.spec import FineTuneJob
+
+POLL_SECONDS = 0.5
+STOP_GRACE_SECONDS = 15.0
+
+PR_SET_PDEATHSIG = 1
+"""prctl(2) option: the signal the kernel sends the caller when its parent dies (Linux)."""
+
+
+def die_with_supervisor(supervisor: int) -> Callable[[], None] | None:
+    """What a stage process runs between fork and exec so that it dies with `supervisor`
+    (the PID of the process starting it): on Linux it asks the kernel for SIGKILL when its
+    parent dies (PR_SET_PDEATHSIG, kept across exec), then checks that its parent is still
+    `supervisor`; a supervisor that died before that (a restart racing the supervisor's
+    death) gets the same SIGKILL from the stage itself. None elsewhere (nothing to ask for).
+
+    The kernel's "parent" is the thread that forked: stages are started from the
+    supervisor's main thread, which lives as long as the supervisor does.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here, not in the child
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # cannot fail for a valid signal
+        if os.getppid() != supervisor:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return preexec
+
+
+class LocalRun:
+    """Starts, watches, restarts and stops the stage processes of one job.
+
+    `prepare` reads what the run needs (the model's layer count, free ports) and mints the
+    link credentials; `write_stage_files` writes the stage documents (after the caller holds
+    the state directory's lock); `supervise` runs the stages.
+    """
+
+    def __init__(
+        self,
+        job: FineTuneJob,
+        workdir: Path,
+        layout: Layout,
+        documents: list[dict[str, Any]],
+        link_envs: list[dict[str, str]],
+    ) -> None:
+        """`documents` and `link_envs`: one per stage, pipeline after pipeline."""
+        self.job = job
+        self.workdir = workdir.resolve()
+        self.layout = layout
+        self.documents = documents
+        self.env = stage_env(len(documents))
+        self.stages = stage_procs(self.workdir, layout, link_envs)
+        ckpt = job.spec.checkpoint.uri
+        self.job_dir = f"{ckpt.rstrip('/')}/{job.metadata.namespace}/{job.metadata.name}"
+        self.output = self.documents[0]["output"]["uri"]
+        self.stopping = False
+        self.stop_signal: int | None = None
+
+    @classmethod
+    def prepare(
+        cls,
+        job: FineTuneJob,
+        workdir: Path,
+        stages: list[int] | None = None,
+        *,
+        replicas: int | None = None,
+        shares: list[int] | None = None,
+    ) -> LocalRun:
+        """Split the model (`local_layout`), pick free loopback ports, build the stage
+        documents and mint the link credentials (nothing is written)."""
+        layout = local_layout(job, storage.model_layers(job), stages, replicas, shares)
+        if stages is not None:
+            # The command line chose the stage counts; the documents follow it.
+            pipeline = job.spec.pipeline.model_copy(update={"stages": "auto"})
+            spec = job.spec.model_copy(update={"pipeline": pipeline})
+            job = job.model_copy(update={"spec": spec})
+        documents, link_envs = build_stages(job, layout)
+        return cls(job, workdir, layout, documents, link_envs)
+
+    def write_stage_files(self) -> None:
+        """Write each stage's document (never its key: that goes in its environment)."""
+        for stage, doc in zip(self.stages, self.documents, strict=True):
+            stage.config_path.parent.mkdir(parents=True, exist_ok=True)
+            stage.config_path.write_text(json.dumps(doc, indent=2))
+
+    def start(self, stage: StageProc) -> None:
+        """Start (or restart) `stage` as the leader of a process group of its own, which
+        `stop` signals whole. Nothing starts once a stop has begun."""
+        if self.stopping or self.stop_signal is not None:
+            return
+        with stage.log_path.open("ab") as log:
+            stage.proc = subprocess.Popen(
+                [sys.executable, "-m", "relaytrain_worker", "--config", str(stage.config_path)],
+                env={**self.env, **stage.link_env},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                # Its own group: a Ctrl-C in the terminal reaches only us, and stop() can
+                # signal the stage and anything it started at once.
+                start_new_session=True,
+                # And it dies with us however we die (SIGKILL included), on Linux. The
+                # function only calls prctl, getppid and at most kill, so the one other
+                # thread we may run (tqdm's monitor) holds no lock it could wait for.
+                preexec_fn=die_with_supervisor(os.getpid()),  # noqa: PLW1509
+            )
+        stage.pids.append(stage.proc.pid)
+        stage.failed_at = None
+        self._write_state()
+
+    def _write_state(self) -> None:
+        state = {
+            "pid": os.getpid(),
+            "stages": [
+                {
+                    "index": s.index,
+                    "pipeline": s.pipeline,
+                    "pid": s.proc.pid if s.proc else None,
+                    "pids": s.pids,
+                    "restarts": s.restarts,
+                    "layers": list(self.layout.splits[s.pipeline][s.index]),
+                }
+                for s in self.stages
+            ],
+        }
+        (self.workdir / "state.json").write_text(json.dumps(state, indent=2))
+
+    def read_json(self, name: str) -> Any:
+        """`name` in the job's checkpoint directory, parsed (None: none yet, or unreadable
+        this poll: the next one tries again)."""
+        return storage.read_json(self.job, self.job_dir, name)
+
+    def read_progress(self) -> Progress | None:
+        """The job's progress.json (None: none yet, or unreadable this poll)."""
+        return storage.read_progress(self.job, self.job_dir)
+
+    def stop(self) -> None:
+        """Stop every stage: SIGTERM to each stage's process group, SIGKILL to what is left
+        after a grace period. No stage is (re)started afterwards."""
+        self.stopping = True
+        # Only stages not yet reaped: until it is waited for, a stage's PID (its group's
+        # ID) cannot be reused by another process, so the signal cannot go astray.
+        live = [s.proc for s in self.stages if s.proc is not None and s.proc.returncode is None]
+        for proc in live:
+            _signal_group(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_SECONDS
+        stuck = []
+        for proc in live:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                stuck.append(proc)
+        for proc in stuck:  # ignored SIGTERM for the whole grace period
+            _signal_group(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+    def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
+        # Only a flag: raising here could land between a Popen and its bookkeeping and lose
+        # track of a process. The loop notices within one poll.
+        self.stop_signal = signum
+
+    def supervise(self, show_progress: bool) -> int:
+        """Run until every stage exits 0 (0), a stage fails more often than the failure
+        policy allows (1), or SIGINT/SIGTERM stops the run (130/143). Every stage process is
+        gone when this returns."""
+        handlers = {
+            sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)
+        }
+        bar = report.progress_bar(show_progress)
+        try:
+            return self._supervise(bar)
+        finally:
+            self.stop()  # after a success nothing is left; after anything else, no orphans
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+            if bar is not None:
+                bar.close()
+
+    def _supervise(self, bar: Any) -> int:
+        policy = self.job.spec.failure_policy
+        backoff = timedelta(seconds=policy.backoff_seconds)
+        # progress.json of an earlier run of the same job may say done; only this run's counts.
+        started = datetime.now(UTC).replace(microsecond=0)
+        for stage in self.stages:
+            self.start(stage)
+        while self.stop_signal is None:
+            time.sleep(POLL_SECONDS)
+            if self.stop_signal is not None:
+                break
+            progress = self.read_progress()
+            if bar is not None and progress is not None:
+                report.show_progress(bar, progress)
+            finished = 0
+            now = datetime.now(UTC)
+            for stage in self.stages:
+                assert stage.proc is not None
+                code = stage.proc.poll()
+                if code is None:
+                    continue
+                done_at = progress.updatedAt if progress is not None and progress.done else None
+                if code == 0 or (done_at is not None and done_at >= started):
+                    # A stage that dies after the job finished (its output written) is
+                    # not restarted: its peers are gone and nothing is left to do.
+                    finished += 1
+                    continue
+                if stage.failed_at is None:
+                    counted = after_failure(stage.restarts, policy.max_stage_restarts)
+                    if counted is None:
+                        print(
+                            f"{stage.name} failed (exit {code}) after "
+                            f"{stage.restarts} restarts; see {stage.log_path}",
+                            file=sys.stderr,
+                        )
+                        return 1
+                    stage.restarts = counted
+                    stage.failed_at = now
+                    print(
+                        f"{stage.name} exited with {code}; restarting it "
+                        f"({stage.restarts}/{policy.max_stage_restarts})",
+                        file=sys.stderr,
+                    )
+                    self._write_state()
+                if not backoff_left(stage.restarts, stage.failed_at, now, backoff):
+                    self.start(stage)
+            if finished == len(self.stages):
+                return 0
+        print("\nstopping every stage…", file=sys.stderr)
+        return 128 + self.stop_signal
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    """Signal a stage's process group; one that is gone already is fine."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
