@@ -48,13 +48,13 @@ def _main(argv: Sequence[str] | None) -> int:
     # SIGTERM (pod deletion, Ctrl-C of `relaytrain run --local`) exits like Ctrl-C.
     signal.signal(signal.SIGTERM, _terminate)
 
-    from relaytrain_worker.data import DataError
-    from relaytrain_worker.linkauth import AuthError
-    from relaytrain_worker.shards import ModelLoadError
-    from relaytrain_worker.stage import StageRuntime
+    from relaytrain_worker.model.shards import ModelLoadError
+    from relaytrain_worker.pipeline.linkauth import AuthError
+    from relaytrain_worker.process import load_runtime
+    from relaytrain_worker.state.records import DataError
 
     try:
-        runtime = StageRuntime(cfg)
+        runtime = load_runtime(cfg)
     except (ModelLoadError, DataError) as exc:
         print(f"relaytrain-worker: stage {cfg.stage.index}: {exc}", file=sys.stderr)
         return 3

@@ -14,6 +14,9 @@ token predicts or attends across examples: the mask functions of the slices
 stage, since position ids travel down the pipeline with the activations. Padding continues
 the positions of the row's last example, is masked from attention and loss.
 
+Reading the records (and holding some out for evaluation) is `records.py`; chat rendering
+is `chat.py`.
+
 Which rows form step s is a pure function of (seed, s): row i of the run is row
 perm_e[i mod N] of epoch e = i // N, with perm_e a seeded permutation. Restoring the
 data position after a rollback is therefore just "continue at step s".
@@ -25,46 +28,36 @@ import bisect
 import json
 import logging
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 import torch
 from relaytrain_contract import DatasetSpec
 
-from relaytrain_worker.schedule import MicroBatch
-from relaytrain_worker.store import ObjectNotFound, Store
+from relaytrain_worker.state.chat import assistant_spans
+from relaytrain_worker.state.records import (
+    IGNORE,
+    DataError,
+    Example,
+    Record,
+    read_jsonl,
+    split_records,
+)
+from relaytrain_worker.state.store import ObjectNotFound, Store
 
 log = logging.getLogger("relaytrain.data")
 
-IGNORE = -100
 DATA_REPORT = "data-report.json"
 """Object under the job prefix where stage 0 leaves its `DataReport` for the last stage."""
 
 
-class DataError(ValueError):
-    """The dataset cannot be used as configured; the message names the field or value."""
+@dataclass
+class MicroBatch:
+    """One micro-batch as stage 0 feeds it; later stages get the same fields by link."""
 
-
-@dataclass(frozen=True)
-class Record:
-    """One JSON object of the dataset and where it is."""
-
-    line: int
-    """1-based line of the file."""
-    fields: dict[str, Any]
-    """The object."""
-
-
-@dataclass(frozen=True)
-class Example:
-    """A tokenized record."""
-
-    ids: list[int]
-    labels: list[int]
-    """-100 where no loss is taken."""
-    line: int
-    """The record's line in the file."""
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    position_ids: torch.Tensor
+    labels: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -106,54 +99,6 @@ def read_report(store: Store, job_prefix: str) -> DataReport | None:
         return None
 
 
-def read_jsonl(uri: str, opener: Any = None) -> list[Record]:
-    """Records of a JSONL file at a local path, file:// or s3:// (via `opener(prefix)`)."""
-    parsed = urlparse(uri)
-    if parsed.scheme == "s3":
-        if opener is None:
-            raise DataError(f"dataset.uri {uri!r}: s3:// needs the checkpoint endpoint")
-        prefix, _, name = uri.rpartition("/")
-        raw = opener(prefix).get(name)
-    else:
-        path = Path(parsed.path if parsed.scheme == "file" else uri)
-        if not path.is_file():
-            raise DataError(f"dataset.uri {uri!r}: no such file")
-        raw = path.read_bytes()
-    records = []
-    for number, line in enumerate(raw.decode().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DataError(f"dataset.uri {uri!r}: line {number} is not JSON: {exc}") from exc
-        if not isinstance(record, dict):
-            raise DataError(f"dataset.uri {uri!r}: line {number} is not a JSON object")
-        records.append(Record(number, record))
-    if not records:
-        raise DataError(f"dataset.uri {uri!r}: no records")
-    return records
-
-
-def split_records(
-    records: list[Record], fraction: float, seed: int
-) -> tuple[list[Record], list[Record]]:
-    """(training, held-out) records for `dataset.validation.fraction`: round(N * fraction)
-    records, at least one, chosen by a permutation seeded from `seed` (the same every run
-    and on every stage); each record goes to exactly one side, both in file order."""
-    n = len(records)
-    held = max(1, round(n * fraction))
-    if held >= n:
-        raise DataError(
-            f"dataset.validation.fraction {fraction} of {n} records holds out {held}, "
-            "leaving none to train on"
-        )
-    gen = torch.Generator().manual_seed(seed * 104729 + 1)
-    out = set(torch.randperm(n, generator=gen)[:held].tolist())
-    train = [r for i, r in enumerate(records) if i not in out]
-    return train, [r for i, r in enumerate(records) if i in out]
-
-
 def _field(record: Record, key: str, setting: str, number: int, uri: str) -> Any:
     if key not in record.fields:
         raise DataError(
@@ -187,8 +132,6 @@ def tokenize(records: list[Record], tokenizer: Any, spec: DatasetSpec) -> list[E
             c = tokenizer(str(completion), add_special_tokens=False)["input_ids"] + [eos]
             out.append(Example(p + c, [IGNORE] * len(p) + c, record.line))
         else:
-            from relaytrain_worker.chat import assistant_spans  # chat.py imports DataError
-
             messages = _field(record, spec.messagesField, "messagesField", number, spec.uri)
             where = f"line {record.line} of {spec.uri}"
             ids, labels = assistant_spans(tokenizer, messages, where)

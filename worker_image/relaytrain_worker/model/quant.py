@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from relaytrain_worker.model_slice import StageModel
+from relaytrain_worker.model.model_slice import StageModel
 
 
 def quantize_slice(stage: StageModel, device: str | None = None) -> int:

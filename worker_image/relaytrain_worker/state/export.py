@@ -19,9 +19,9 @@ import safetensors.torch
 import torch
 from relaytrain_contract import StageConfig
 
-from relaytrain_worker.checkpoint import committed_by, load_stage, tensors_from_bytes
-from relaytrain_worker.methods import TIED_NAME, for_family, lora_config, peft_key
-from relaytrain_worker.store import Store
+from relaytrain_worker.model.methods import TIED_NAME, for_family, lora_config, peft_key
+from relaytrain_worker.state.checkpoint import committed_by, load_stage, tensors_from_bytes
+from relaytrain_worker.state.store import Store
 
 TRAINABLE_FILE = "trainable.safetensors"
 

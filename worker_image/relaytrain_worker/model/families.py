@@ -39,7 +39,7 @@ from transformers.masking_utils import (
 )
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from relaytrain_worker.shards import ModelLoadError
+from relaytrain_worker.model.shards import ModelLoadError
 
 log = logging.getLogger("relaytrain.model")
 

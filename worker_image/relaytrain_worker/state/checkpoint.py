@@ -41,7 +41,7 @@ import numpy as np
 import safetensors.torch
 import torch
 
-from relaytrain_worker.store import ObjectNotFound, Store
+from relaytrain_worker.state.store import ObjectNotFound, Store
 
 log = logging.getLogger("relaytrain.checkpoint")
 

@@ -2,7 +2,7 @@
 pipelines as processes").
 
 The stage document's `replicas` section lists this stage's peers: every stage of another
-pipeline that holds some of its layers (`dataparallel.segment_peers`, as the operator or
+pipeline that holds some of its layers (`arithmetic.segment_peers`, as the operator or
 `relaytrain run --local` computed it), with its layers, its address and its identity.
 `ReplicaLinks` turns that into one mutually authenticated link per peer and a `LinkGroup`
 over them:
@@ -26,36 +26,33 @@ over them:
 - **Hello.** Right after a replica link is made each end says whether it is training
   (`live`) or (re)joining, and at which step (`exchange_hellos`). A stage that finds no live
   peer starts as above (every pipeline restores the same commit); one that finds live peers
-  rejoins the job from their state instead (`stage.StageRuntime._rejoin`).
+  rejoins the job from their state instead (`membership.Replicated._rejoin`).
 - **A pipeline leaves alone.** A broken replica link is a peer's pipeline leaving: the
-  group (`dataparallel.LinkGroup`) goes on without it. A broken pipeline link makes the stage
+  group (`group.LinkGroup`) goes on without it. A broken pipeline link makes the stage
   close every link (so to its peers its whole pipeline has left) and rejoin. Meanwhile a
   survivor links again to the stages it lost in the background (`relink`: it dials the
   higher pipelines' stages and accepts the lower ones', as at start-up), says hello, and
   offers each link to its group, which uses it from the step that admits that pipeline.
 - **State by name.** A rejoining stage takes the weights, AdamW moments and schedule of the
   names it holds from its peers in the lowest surviving pipeline at the step boundary that
-  admits it (`state_frame`, `load_state_frames`): their split may differ.
+  admits it (`handover.py`): their split may differ.
 """
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
-import torch
 from relaytrain_contract import ReplicaPeer, ReplicasSpec, StageConfig
-from torch import nn
 
-from relaytrain_worker.dataparallel import LinkGroup, Slice
-from relaytrain_worker.linkauth import AuthError, LinkBroken, LinkCredentials
-from relaytrain_worker.training import load_merged_state, named_optimizer_state
-from relaytrain_worker.transport import Frame, Link, Listener, connect, listen
+from relaytrain_worker.pipeline.linkauth import AuthError, LinkBroken, LinkCredentials
+from relaytrain_worker.pipeline.transport import Frame, Link, Listener, connect, listen
+from relaytrain_worker.replicas.arithmetic import Slice
+from relaytrain_worker.replicas.group import LinkGroup
 
 log = logging.getLogger("relaytrain.replicas")
 
@@ -68,10 +65,6 @@ RESUME = "replica_resume"
 """Frame kind: pipeline 0's agreed resume step, sent to each peer before the first step."""
 HELLO = "replica_hello"
 """Frame kind: the first frame on every replica link, each way: training or (re)joining."""
-STATE = "replica_state"
-"""Frame kind: a live stage's weights and optimizer state for a rejoining peer."""
-STATE_KEY = "relaytrain.state"
-"""The serialised optimizer and schedule state in a `STATE` frame (no parameter's name)."""
 HELLO_SECONDS = 600.0
 """How long a live stage waits for a rejoining peer to say hello (it links to all its peers
 first, its own pipeline's replacement stage included)."""
@@ -404,48 +397,3 @@ def exchange_hellos(
             raise LinkBroken(f"expected {HELLO} from p{peer[0]}/s{peer[1]}, got {frame.kind}")
         out[peer] = frame.meta
     return out
-
-
-def state_frame(
-    step: int,
-    trainable: Sequence[tuple[str, nn.Parameter]],
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    names: Iterable[str],
-) -> Frame:
-    """This stage's state of `names` at the boundary before `step`: the weights (copies:
-    the frame is encoded later, after this stage has trained on) and, serialised under
-    `STATE_KEY`, their AdamW state by name and the schedule."""
-    wanted = set(names)
-    tensors = {n: p.detach().clone() for n, p in trainable if n in wanted}
-    named = named_optimizer_state(optimizer, [n for n, _ in trainable])
-    part = {"group": named["group"], "state": {n: v for n, v in named["state"].items()
-                                                if n in wanted}}  # fmt: skip
-    buf = io.BytesIO()
-    torch.save({"optimizer_by_name": part, "scheduler": scheduler.state_dict()}, buf)
-    tensors[STATE_KEY] = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
-    return Frame(STATE, step, -1, tensors)
-
-
-def load_state_frames(
-    frames: Sequence[Frame],
-    trainable: Sequence[tuple[str, nn.Parameter]],
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-) -> None:
-    """Take the weights and optimizer state of every trainable name from `frames` (of the
-    stages that together hold them); LinkBroken when a name is in none of them."""
-    weights: dict[str, torch.Tensor] = {}
-    parts = []
-    for frame in frames:
-        parts.append(bytes(frame.tensors[STATE_KEY].numpy()))
-        weights.update({n: t for n, t in frame.tensors.items() if n != STATE_KEY})
-    names = [n for n, _ in trainable]
-    missing = [n for n in names if n not in weights]
-    if missing:
-        raise LinkBroken(f"the live peers sent no {missing[0]} (and {len(missing) - 1} more)")
-    with torch.no_grad():
-        for name, param in trainable:
-            param.copy_(weights[name])
-    load_merged_state(parts, optimizer, scheduler, names)
-    optimizer.zero_grad(set_to_none=True)

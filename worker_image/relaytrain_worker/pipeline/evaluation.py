@@ -5,7 +5,7 @@ When: with validation data, after the last step always; with `training.evalEvery
 (`due`). Every stage knows the schedule from its config, so no frame announces a pass.
 
 How: stage 0 holds the held-out rows (`load_eval_batches`: the validation file, or the
-records `data.split_records` held out of the training file, tokenized, truncated and
+records `records.split_records` held out of the training file, tokenized, truncated and
 packed or padded exactly as training data, in file order, never shuffled) and sends them
 as micro-batches of `training.microBatchSize` down the links in frames of kind `eval`
 (the first carries the count). Each stage runs its slice under `torch.no_grad()` in eval
@@ -32,19 +32,11 @@ import torch
 from relaytrain_contract import DatasetSpec, StageConfig
 from torch import nn
 
-from relaytrain_worker.data import (
-    IGNORE,
-    DataError,
-    build_rows,
-    check_length,
-    fit,
-    read_jsonl,
-    split_records,
-    tokenize,
-)
-from relaytrain_worker.peers import Peers
-from relaytrain_worker.schedule import MicroBatch, token_loss_sum
-from relaytrain_worker.transport import Frame
+from relaytrain_worker.pipeline.peers import Peers
+from relaytrain_worker.pipeline.schedule import token_loss_sum
+from relaytrain_worker.pipeline.transport import Frame
+from relaytrain_worker.state.data import MicroBatch, build_rows, check_length, fit, tokenize
+from relaytrain_worker.state.records import IGNORE, DataError, read_jsonl, split_records
 
 log = logging.getLogger("relaytrain.evaluation")
 

@@ -16,8 +16,8 @@ from urllib.parse import urlparse
 
 from relaytrain_contract import StageConfig
 
-from relaytrain_worker.shards import INDEX_FILE, SINGLE_FILE, ModelLoadError
-from relaytrain_worker.store import ObjectNotFound, Store
+from relaytrain_worker.model.shards import INDEX_FILE, SINGLE_FILE, ModelLoadError
+from relaytrain_worker.state.store import ObjectNotFound, Store
 
 SMALL_FILES = (
     "config.json",

@@ -28,7 +28,7 @@ to a rejoining pipeline, and it is bit-identical across replicas by construction
 AdamW moments stay local: each pipeline's moments describe its own gradients, averaging
 them would triple the outer step's bytes, and DiLoCo keeps the inner optimizer state per
 worker too. Only the weights are equal after an outer step; pipeline 0's moments are the
-ones checkpointed, and a rejoining pipeline takes a live peer's (`replicas.state_frame`).
+ones checkpointed, and a rejoining pipeline takes a live peer's (`handover.state_frame`).
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from relaytrain_worker.dataparallel import ReplicaGroup
-from relaytrain_worker.methods import TIED_HEAD_NAME
-from relaytrain_worker.schedule import StepRunner
+from relaytrain_worker.model.methods import TIED_HEAD_NAME
+from relaytrain_worker.pipeline.schedule import StepRunner
+from relaytrain_worker.pipeline.stats import ReplicaGroup
 
 OUTER = "outer"
 """The `what` of an outer step's exchange (separate from a step's `grads`)."""

@@ -23,14 +23,14 @@ from peft import LoraConfig, inject_adapter_in_model
 from relaytrain_contract.families import lora_targets
 from torch import nn
 
-from relaytrain_worker.model_slice import StageModel
+from relaytrain_worker.model.model_slice import StageModel
 
 ADAPTER = "default"
 TIED_NAME = "model.embed_tokens.weight"
 """Global name of the weight that tied models share between embedding and head."""
 TIED_HEAD_NAME = "lm_head.weight"
 """The head's own name for that weight: the key of the head's half of its gradient when
-pipelines reduce it (`dataparallel`)."""
+pipelines reduce it (replicas/arithmetic.py)."""
 
 
 def lora_config(
@@ -133,7 +133,7 @@ def setup_method(
     if lora is None:
         raise ValueError(f"method {method} needs a LoRA config")
     if method == "qlora":
-        from relaytrain_worker.quant import quantize_slice
+        from relaytrain_worker.model.quant import quantize_slice
 
         quantize_slice(stage)
     return apply_lora(stage.model, lora, seed, quantized=method == "qlora")

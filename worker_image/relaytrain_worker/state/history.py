@@ -33,7 +33,7 @@ import json
 import re
 from typing import Any
 
-from relaytrain_worker.store import Store
+from relaytrain_worker.state.store import Store
 
 HISTORY_DIR = "loss-history"
 LOSSES = "loss-history.json"

@@ -37,8 +37,14 @@ from typing import Any
 
 import torch
 
-from relaytrain_worker.compression import Compression, EncodedTensor, check_mode, decode, encode
-from relaytrain_worker.linkauth import (
+from relaytrain_worker.pipeline.compression import (
+    Compression,
+    EncodedTensor,
+    check_mode,
+    decode,
+    encode,
+)
+from relaytrain_worker.pipeline.linkauth import (
     AuthError,
     Expect,
     FrameRejected,

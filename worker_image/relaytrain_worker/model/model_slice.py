@@ -43,8 +43,8 @@ from transformers.core_model_loading import (
 from transformers.modeling_utils import LoadStateDictConfig
 from transformers.utils import logging as hf_logging
 
-from relaytrain_worker import families
-from relaytrain_worker.shards import ModelLoadError, check_shard, read_index
+from relaytrain_worker.model import families
+from relaytrain_worker.model.shards import ModelLoadError, check_shard, read_index
 
 BUILD_LOCK = threading.RLock()
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

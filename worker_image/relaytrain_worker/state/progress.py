@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from relaytrain_contract import PROGRESS_FILE, Progress
 
-from relaytrain_worker.store import ObjectNotFound, Store
+from relaytrain_worker.state.store import ObjectNotFound, Store
 
 __all__ = ["Progress", "progress_key", "read_progress", "write_progress"]
 

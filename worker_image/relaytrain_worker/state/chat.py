@@ -26,7 +26,7 @@ from typing import Any
 
 from jinja2 import TemplateError
 
-from relaytrain_worker.data import IGNORE, DataError
+from relaytrain_worker.state.records import IGNORE, DataError
 
 BEGIN = "\ue000"
 END = "\ue001"

@@ -19,15 +19,16 @@ and one pass up the chain:
   (embedding on stage 0, head on the last stage); both ends add them (a + b == b + a in
   IEEE arithmetic) and so apply the identical update.
 
-With several pipelines (a `ReplicaGroup`, see `dataparallel`) two things change and nothing
-else: stage 0 swaps its share's label-token count for the global one before the first
-forward, and after the last backward every stage replaces its gradients (and the last stage
-its loss sum) by the fold over all pipelines before the pass above, which then computes the
-global norm from the reduced gradients. Without a group (one pipeline) the step is as before.
+With several pipelines (a `ReplicaGroup`, `stats.py`; the arithmetic is
+`replicas/arithmetic.py`) two things change and nothing else: stage 0 swaps its share's
+label-token count for the global one before the first forward, and after the last backward
+every stage replaces its gradients (and the last stage its loss sum) by the fold over all
+pipelines before the pass above, which then computes the global norm from the reduced
+gradients. Without a group (one pipeline) the step is as before.
 
-In periodic mode (`periodic=True`, `periodic.py`) each pipeline's step is a step of its
-own: stage 0 normalises by its share's label tokens, no gradient is reduced, and the norm
-and clipping are the pipeline's own. Only the last stages fold their loss sums and token
+In periodic mode (`periodic=True`, `replicas/periodic.py`) each pipeline's step is a step
+of its own: stage 0 normalises by its share's label tokens, no gradient is reduced, and the
+norm and clipping are the pipeline's own. Only the last stages fold their loss sums and token
 counts (exchange `stats`), so that the reported loss and tokens/s are the whole step's.
 """
 
@@ -40,27 +41,18 @@ import torch
 from torch import nn
 from torch.nn import functional
 
-from relaytrain_worker.dataparallel import (
+from relaytrain_worker.model.methods import TIED_HEAD_NAME
+from relaytrain_worker.model.model_slice import StageModel
+from relaytrain_worker.pipeline.peers import Peers
+from relaytrain_worker.pipeline.stats import (
     ITEMS_KEY,
     LOSS_KEY,
     STATS,
     TOKENS_KEY,
     ReplicaGroup,
 )
-from relaytrain_worker.methods import TIED_HEAD_NAME
-from relaytrain_worker.model_slice import StageModel
-from relaytrain_worker.peers import Peers
-from relaytrain_worker.transport import Frame
-
-
-@dataclass
-class MicroBatch:
-    """One micro-batch as stage 0 feeds it; later stages get the same fields by link."""
-
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    position_ids: torch.Tensor
-    labels: torch.Tensor
+from relaytrain_worker.pipeline.transport import Frame
+from relaytrain_worker.state.data import MicroBatch
 
 
 @dataclass

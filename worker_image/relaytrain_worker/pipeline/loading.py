@@ -1,0 +1,144 @@
+"""Loading a stage: what it reads once, before it links (`load_stage`).
+
+In this order, so that the cheapest refusal comes first: its link credentials (AuthError
+before any model is read), its checkpoint store, the model's files (`s3://` models: the
+shards this stage needs), its slice of the model with the training method applied, and on
+stage 0 (on every stage with `epochs`) the training data and the held-out micro-batches.
+Everything else a stage holds is built from these without I/O (`stage.StageRuntime`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from relaytrain_contract import StageConfig, TrainingSpec
+from torch import nn
+
+from relaytrain_worker.model.methods import lora_config, setup_method
+from relaytrain_worker.model.model_slice import SliceSpec, StageModel, build_stage_model
+from relaytrain_worker.pipeline.evaluation import load_eval_batches
+from relaytrain_worker.pipeline.linkauth import AuthError, LinkCredentials
+from relaytrain_worker.state.data import MicroBatch, StepData, load_step_data
+from relaytrain_worker.state.modelfiles import resolve_model_dir
+from relaytrain_worker.state.store import Store, open_job_store
+
+
+def link_credentials(cfg: StageConfig, environ: Mapping[str, str] = os.environ) -> LinkCredentials:
+    """This stage's link credentials from the environment variables its config names.
+
+    AuthError, before any model is loaded, when they are missing, do not load, expired, or
+    name another stage than the config says (a Secret wired to the wrong pod).
+    """
+    links = cfg.links
+    tls = LinkCredentials.from_env(links.certEnv, links.keyEnv, links.caEnv, environ)
+    if tls.identity != links.identity:
+        raise AuthError(
+            f"the link certificate in {links.certEnv} is {tls.identity}, but this stage is "
+            f"{links.identity}"
+        )
+    tls.check_valid()
+    return tls
+
+
+@dataclass
+class Loaded:
+    """What a stage read before it links."""
+
+    tls: LinkCredentials
+    """This stage's link certificate, key and the job's CA."""
+    store: Store
+    """The job's checkpoint store."""
+    model_dir: Path
+    """A local directory with the model's config, tokenizer and this stage's shards."""
+    stage: StageModel
+    """This stage's slice of the model."""
+    trainable: list[tuple[str, nn.Parameter]]
+    """The parameters the method trains, by global name, in the optimizer's order."""
+    data: StepData | None
+    """The training data (stage 0; every stage with `epochs`, to count the steps)."""
+    eval_batches: list[MicroBatch] | None
+    """The held-out micro-batches (every stage 0 with `dataset.validation`)."""
+    training: TrainingSpec
+    """The training settings with `steps` resolved (from `epochs` when that is given)."""
+
+    @property
+    def total_steps(self) -> int:
+        assert self.training.steps is not None  # resolved by `load_stage`
+        return self.training.steps
+
+
+def job_prefix(cfg: StageConfig) -> str:
+    """The job's prefix in its store (`<namespace>/<name>`)."""
+    return f"{cfg.job.namespace}/{cfg.job.name}"
+
+
+def opener(cfg: StageConfig) -> Callable[[str], Store]:
+    """Opens a store of this job by URI, with the job's store settings."""
+    return lambda uri: open_job_store(uri, cfg.checkpoint)
+
+
+def load_stage(cfg: StageConfig) -> Loaded:
+    """Read what this stage needs before it links. AuthError (credentials), ModelLoadError
+    (the model's files) or DataError (the dataset) name what cannot be used."""
+    tls = link_credentials(cfg)
+    open_store = opener(cfg)
+    store = open_store(cfg.checkpoint.uri)
+    model_dir = resolve_model_dir(cfg, open_store)
+    spec = SliceSpec(
+        cfg.stage.layerStart, cfg.stage.layerEnd, cfg.stage.is_first, cfg.stage.is_last
+    )
+    stage = build_stage_model(model_dir, spec, cfg.model.dtype)
+    method = cfg.method
+    lora = (
+        None
+        if method.type == "full"
+        else lora_config(method.rank, method.alpha, method.dropout, method.targetModules)
+    )
+    trainable = setup_method(stage, method.type, lora, cfg.training.seed)
+    # With `epochs` every stage reads the dataset to derive the same step count.
+    need_data = cfg.stage.is_first or cfg.training.steps is None
+    data = _load_data(cfg, model_dir, stage, open_store) if need_data else None
+    eval_batches = (
+        _load_data(cfg, model_dir, stage, open_store, load_eval_batches)
+        if cfg.stage.is_first and cfg.dataset.validation is not None
+        else None
+    )
+    steps = cfg.training.steps
+    if steps is None:
+        assert data is not None and cfg.training.epochs is not None
+        steps = data.steps_for_epochs(cfg.training.epochs)
+    training = cfg.training.model_copy(update={"steps": steps, "epochs": None})
+    return Loaded(tls, store, model_dir, stage, trainable, data, eval_batches, training)
+
+
+def _load_data(
+    cfg: StageConfig,
+    model_dir: Path,
+    stage: StageModel,
+    open_store: Callable[[str], Store],
+    held_out: Any = None,
+) -> Any:
+    """The training data, or with `held_out` (evaluation.load_eval_batches) that."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    t = cfg.training
+    max_pos = getattr(stage.config, "max_position_embeddings", None)
+    if held_out is not None:
+        return held_out(
+            cfg.dataset, tokenizer, max_positions=max_pos,
+            micro_batch_size=t.microBatchSize, seed=t.seed, opener=open_store,
+        )  # fmt: skip
+    return load_step_data(
+        cfg.dataset,
+        tokenizer,
+        max_positions=max_pos,
+        micro_batch_size=t.microBatchSize,
+        micro_batches=t.microBatches,
+        seed=t.seed,
+        opener=open_store,
+    )

@@ -1,0 +1,383 @@
+"""A stage as one of several pipelines (`Replicated`): the multi-pipeline side of its life
+(docs/worker.md, "Several pipelines as processes"), at the points its runtime
+(`pipeline.stage.StageRuntime`) calls `pipeline.replication.Replication`.
+
+- **Links.** Besides its pipeline links the stage holds a link to each stage of the other
+  pipelines that shares its layers (`links.ReplicaLinks`), made with its pipeline links;
+  the pipelines the operator gave up are skipped (`links.GivenUp`).
+- **Resume or rejoin.** By the hello on its replica links a (re)starting stage finds
+  whether any pipeline is training. If one is, it rejoins at a step boundary with a live
+  peer's state, by parameter name (`_rejoin`, `_hand_state`); if none is, pipeline 0 (the
+  lowest not given up) agrees on the resume step along its chain and tells the others,
+  which take it from their peers there, and every stage restores that commit.
+- **Members.** At every step the first stages agree on the pipelines that train it
+  (`group.LinkGroup.agree_members`) and send the plan down their chains; the step's
+  micro-batches are shared among those (`arithmetic.live_shares`). The step's token count,
+  gradients, loss and token rate are reduced over every pipeline (the group is the step
+  runner's).
+- **One writer.** One pipeline writes for all — saves checkpoints, commits, and writes
+  progress.json and the output: every pipeline holds the same weights. The writer of a
+  step is the lowest pipeline training it, so pipeline 0 unless it is out, when the next
+  takes over (its files under `step-N/p<w>/`, its split in the manifest) and gives the
+  writing back when pipeline 0 has rejoined.
+- **Faults.** A broken pipeline link makes the stage close every link and rejoin; a broken
+  replica link is a peer's pipeline leaving, and the others train on.
+- **Periodic.** With `replicas.sync.mode: periodic` only the loss and the counts are
+  reduced each step; an outer step (`periodic.PeriodicSync`) averages the weights every
+  `everySteps` steps, after the last, and before every checkpoint and evaluation, so that
+  what the writer saves and evaluates is every replica's weights.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+
+import torch
+from relaytrain_contract import GIVEN_UP_FILE, StageConfig
+
+from relaytrain_worker.pipeline.evaluation import due
+from relaytrain_worker.pipeline.linkauth import LinkBroken, LinkCredentials
+from relaytrain_worker.pipeline.loading import job_prefix
+from relaytrain_worker.pipeline.peers import Peers
+from relaytrain_worker.pipeline.replication import RunnerOptions
+from relaytrain_worker.pipeline.schedule import StepResult, StepRunner, count_items
+from relaytrain_worker.pipeline.stage import CONNECT_FOR, StageRuntime
+from relaytrain_worker.pipeline.transport import Frame, Link
+from relaytrain_worker.replicas.arithmetic import live_shares, micro_ranges
+from relaytrain_worker.replicas.group import LinkGroup
+from relaytrain_worker.replicas.handover import STATE, load_state_frames, state_frame
+from relaytrain_worker.replicas.links import (
+    GivenUp,
+    Peer,
+    ReplicaLinks,
+    exchange_hellos,
+    peer_stages,
+)
+from relaytrain_worker.replicas.periodic import PeriodicSync
+from relaytrain_worker.state import checkpoint as ckpt
+from relaytrain_worker.state.data import MicroBatch
+from relaytrain_worker.state.metrics import LinkCounters
+from relaytrain_worker.state.progress import Progress, read_progress
+from relaytrain_worker.state.store import ObjectNotFound, Store
+
+log = logging.getLogger("relaytrain.stage")
+
+HISTORY_KEY = "__loss_history__"
+"""The pending loss records a last stage sends a rejoining last stage with its state."""
+
+
+def job_finished(progress: Progress | None, started: datetime, total_steps: int) -> bool:
+    """Whether progress.json says the job is done for a stage that started at `started`:
+    done, and written after the stage started or at the job's last step (a replacement
+    started just as the others finished finds the job done before it began; a done record
+    of fewer steps is another run's, e.g. before the job's steps were raised)."""
+    if progress is None or not progress.done:
+        return False
+    fresh = progress.updatedAt is not None and progress.updatedAt >= started
+    return fresh or progress.step == progress.totalSteps == total_steps
+
+
+class Replicated:
+    """A stage of pipeline `replicas.pipeline` of R (`pipeline.replication.Replication`)."""
+
+    def __init__(self, cfg: StageConfig, tls: LinkCredentials, store: Store) -> None:
+        assert cfg.replicas is not None
+        self.cfg = cfg
+        self.spec = cfg.replicas
+        self.pipeline = self.spec.pipeline
+        self.name = f"p{self.pipeline}/s{cfg.stage.index}"
+        self.metrics_pipeline: int | None = self.pipeline
+        self.periodic = self.spec.sync.mode == "periodic"
+        """Whether the pipelines average their weights every few steps (periodic.py) rather
+        than reduce gradients every step."""
+        self.writer = self.pipeline == 0
+        """Whether this stage's pipeline writes for the step just trained: saves checkpoints
+        (and, as the last stage, commits them and writes progress.json, the loss history and
+        the output). The lowest pipeline training the step (`_plan`): pipeline 0 unless it
+        is out."""
+        self.replicas = ReplicaLinks(cfg, tls)
+        """The links to the other pipelines."""
+        self.store = store
+        self.prefix = job_prefix(cfg)
+        self.given_up = GivenUp(self._given_up_document)
+        """The pipelines the operator gave up (names.GIVEN_UP_FILE): linking skips them."""
+        self.joining = threading.Event()
+        """Set while this stage links and (re)joins rather than trains (`_exit_when_done`)."""
+        self.admitted: tuple[int, set[int], set[int]] | None = None
+        """(step, members, joined) of the step a rejoining pipeline was admitted at (stage 0
+        plans that step from it instead of agreeing again)."""
+        self.group: LinkGroup | None = None
+        """The step's exchange with the other pipelines (once linked)."""
+        self._links: dict[Peer, Link] = {}
+        """Replica links made and not yet handed to a group."""
+        self._stop = threading.Event()
+        """Stops the background relinking of this attempt's group."""
+        self._outer: PeriodicSync | None = None
+
+    @property
+    def writes(self) -> bool:
+        return self.writer
+
+    def _given_up_document(self) -> bytes | None:
+        try:
+            return self.store.get(f"{self.prefix}/{GIVEN_UP_FILE}")
+        except ObjectNotFound:
+            return None
+
+    # -- the process -------------------------------------------------------------------
+
+    def open(self) -> None:
+        self.replicas.open()
+
+    def start(self, stage: StageRuntime) -> None:
+        threading.Thread(
+            target=self._exit_when_done, args=(stage,), name="done-watch", daemon=True
+        ).start()
+
+    def holders(self, source: int) -> list[int]:
+        return peer_stages(self.spec.peers, source) if source != self.pipeline else []
+
+    def close(self) -> None:
+        self.replicas.close()
+
+    # -- linking, resuming, rejoining ------------------------------------------------------
+
+    def link(self, connect: Callable[[], Peers]) -> Peers:
+        """This stage's pipeline links and its links to the other pipelines but those the
+        operator gave up."""
+        self.joining.set()
+        self.group, self._links, self._stop = None, {}, threading.Event()
+        peers, self._links = self.replicas.connect(CONNECT_FOR, connect, Peers.close, self.given_up)
+        return peers
+
+    def resume(self, stage: StageRuntime, peers: Peers, restored: int | None) -> int | None:
+        """Rejoin the pipelines that are training, from their state; when none is, restore
+        the step the leader's chain agreed on, as every pipeline does."""
+        live = self._hello(stage.step)
+        if live:  # other pipelines are training: rejoin them from their state
+            self.group = self.replicas.group(self._links, members=live)
+            self._links = {}
+            self.writer = False  # until a step's plan makes it the lowest again
+            self._rejoin(stage, peers, self.group)
+        else:
+            restored = stage.take_resume(self._agree(stage, peers, restored), restored)
+            # Every pipeline starts from the commit; the leader writes first.
+            self.writer = self.pipeline == self.replicas.leader
+            self.group = self.replicas.group(self._links)
+            self._links = {}
+        self.replicas.relink(self.group, lambda: stage.step, self._stop)
+        self.joining.clear()
+        return restored
+
+    def _hello(self, step: int) -> set[int]:
+        """Tell every replica peer this stage is (re)joining; returns the pipelines whose
+        stages answer that they are training (none: the job starts, or every pipeline
+        failed, and restores the last commit)."""
+        hellos = exchange_hellos(self._links, live=False, step=step)
+        return {q for (q, _), hello in hellos.items() if hello.get("live")}
+
+    def _agree(self, stage: StageRuntime, peers: Peers, mine: int | None) -> int | None:
+        """The step every stage resumes from: the leader's chain (pipeline 0 unless it was
+        given up) agrees on it (`StageRuntime.handshake`) and tells the other pipelines,
+        which take it from their peers there."""
+        if self.pipeline != self.replicas.leader:
+            return self.replicas.recv_resume(self._links, CONNECT_FOR)
+        agreed = stage.handshake(peers, mine)
+        self.replicas.send_resume(self._links, agreed)
+        return agreed
+
+    def _rejoin(self, stage: StageRuntime, peers: Peers, group: LinkGroup) -> None:
+        """Join the pipelines that are training at a step boundary. Readiness runs up this
+        pipeline's chain (every stage has linked to its peers), then stage 0 asks to be
+        admitted (`LinkGroup.join`) and sends the step down the chain; the state itself comes
+        in `_plan` of that step, from the peers in the lowest pipeline that stayed."""
+        if peers.next is not None:
+            peers.next.recv("ready", -1)
+        if peers.prev is not None:
+            peers.prev.send(Frame("ready", -1, -1))
+            step = int(peers.prev.recv("rejoin", -1).meta["step"])
+        else:
+            step, members, joined = group.join(CONNECT_FOR)
+            self.admitted = (step, members, joined)
+        if peers.next is not None:
+            peers.next.send(Frame("rejoin", -1, -1, {}, {"step": step}))
+        stage.step = step
+        log.info("Stage %s rejoins the job at step %d", self.name, step)
+
+    def _exit_when_done(self, stage: StageRuntime) -> None:
+        """A stage of a pipeline that is still (re)joining when the others have finished the
+        job has nothing left to join: it exits with 0 rather than wait for peers that are
+        gone. Finished: progress.json says done, and was written after this process started
+        or is at this job's last step (a replacement started just as the others finished
+        finds the job done before it began)."""
+        started = datetime.now(UTC).replace(microsecond=0)
+        while True:
+            time.sleep(2.0)
+            if not self.joining.is_set():
+                continue
+            try:
+                progress = read_progress(self.store, self.prefix)
+            except Exception:  # a read that fails is tried again
+                continue
+            if job_finished(progress, started, stage.total_steps) and self.joining.is_set():
+                log.info("Stage %s found the job finished while rejoining", self.name)
+                logging.shutdown()
+                os._exit(0)
+
+    # -- the step loop -----------------------------------------------------------------
+
+    def runner_options(self) -> RunnerOptions:
+        return {"group": self.group, "pipeline": self.pipeline, "periodic": self.periodic}
+
+    def begin_training(self, stage: StageRuntime, runner: StepRunner) -> None:
+        self._outer = None
+        if self.periodic:
+            assert self.group is not None and self.spec.sync.everySteps
+            self._outer = PeriodicSync.of(
+                runner,
+                self.group,
+                every=self.spec.sync.everySteps,
+                total=stage.total_steps,
+                also=lambda step: stage.saves(step) or due(stage.cfg, step, stage.total_steps),
+            )
+
+    def begin_step(self, stage: StageRuntime, peers: Peers) -> range:
+        """This pipeline's micro-batches of the step, shared among the pipelines that
+        train it (`_plan`)."""
+        assert self.group is not None
+        members = self._plan(stage, peers, self.group)
+        shares = live_shares(self.spec.shares, members)
+        return micro_ranges(shares)[self.pipeline]
+
+    def read_step(self, step: int, micros: list[MicroBatch]) -> None:
+        if not self.periodic:  # the whole step's normaliser
+            assert self.group is not None
+            self.group.set_items(step, count_items(micros))
+
+    def after_step(self, step: int, result: StepResult) -> None:
+        if self._outer is not None:
+            self._outer.after_step(step, result.share_tokens)
+
+    def links(self) -> dict[str, LinkCounters]:
+        """The replica links, `replica:p1/s0` for pipeline 1's stage 0."""
+        if self.group is None:
+            return {}
+        return {
+            f"replica:{peer}": link
+            for peer, link in self.group.links().items()
+            if isinstance(link, Link)
+        }
+
+    def _plan(self, stage: StageRuntime, peers: Peers, group: LinkGroup) -> set[int]:
+        """The pipelines that train this step: stage 0 agrees on them with the other
+        pipelines' first stages and sends them down the chain. When pipelines rejoin with
+        this step, the stages of the lowest pipeline that stayed send each of their peers
+        there the state of the names it holds, and the rejoining stages take it."""
+        step = stage.step
+        if peers.prev is None:
+            if self.admitted is not None and self.admitted[0] == step:
+                _, members, joined = self.admitted
+            else:
+                members, joined = group.agree_members(step)
+            self.admitted = None
+            if self.pipeline not in members:
+                raise LinkBroken(f"pipeline {self.pipeline} was left out of step {step}")
+        else:
+            meta = peers.prev.recv("plan", step).meta
+            members, joined = set(meta["members"]), set(meta["joined"])
+        if peers.next is not None:
+            plan = {"members": sorted(members), "joined": sorted(joined)}
+            peers.next.send(Frame("plan", step, -1, {}, plan))
+        group.begin(step, members, joined)
+        if joined:
+            self._hand_state(stage, group, members, joined)
+        self._write_for(stage, members)
+        return members
+
+    def _hand_state(
+        self, stage: StageRuntime, group: LinkGroup, members: set[int], joined: set[int]
+    ) -> None:
+        """At the step the pipelines `joined` rejoin, the stages of the lowest pipeline that
+        stayed send each peer there the state of the names it holds (and, from a last stage,
+        its pending loss records), and the rejoining stages take it."""
+        source = min(members - joined)
+        last = stage.cfg.stage.is_last
+        if self.pipeline == source:
+            for q in sorted(joined):
+                for peer in group.peers_in(q):
+                    names = [n for n, _ in stage.trainable if group.holds(peer, n)]
+                    frame = state_frame(
+                        stage.step, stage.trainable, stage.optimizer, stage.scheduler, names
+                    )
+                    if last:  # as bytes: the records may outgrow a header
+                        pending = json.dumps(stage.history.pending).encode()
+                        frame.tensors[HISTORY_KEY] = torch.frombuffer(
+                            bytearray(pending), dtype=torch.uint8
+                        )
+                    group.send_to(peer, frame)
+            log.info(
+                "Stage %s sent its state to pipeline(s) %s rejoining at step %d",
+                self.name, sorted(joined), stage.step,
+            )  # fmt: skip
+        elif self.pipeline in joined:
+            frames = [group.recv_from(peer, STATE, stage.step) for peer in group.peers_in(source)]
+            records = [f.tensors.pop(HISTORY_KEY) for f in frames if HISTORY_KEY in f.tensors]
+            load_state_frames(frames, stage.trainable, stage.optimizer, stage.scheduler)
+            if last and records:
+                stage.history.take(json.loads(bytes(records[0].numpy())))
+            stage.seed(stage.step)
+            stage.metrics.step.set(stage.step)
+            log.info(
+                "Stage %s rejoined at step %d with the state of pipeline %d",
+                self.name, stage.step, source,
+            )  # fmt: skip
+
+    def _write_for(self, stage: StageRuntime, members: set[int]) -> None:
+        """This step's writer is the lowest pipeline training it. A pipeline that becomes it
+        (pipeline 0 is out, or has rejoined) takes over: its last stage adopts the loss
+        history and learns the newest commit from the store."""
+        was, self.writer = self.writer, self.pipeline == min(members)
+        if not self.writer or was:
+            return
+        log.info("Stage %s writes for the job from step %d", self.name, stage.step)
+        if stage.cfg.stage.is_last:
+            stage.history.adopt()
+            stage.last_committed = ckpt.latest_committed(self.store, self.prefix)
+            if stage.last_committed is not None:
+                stage.metrics.last_committed_step.set(stage.last_committed)
+
+    # -- checkpoints and the end -------------------------------------------------------
+
+    def writes_checkpoint(self, stage: StageRuntime, step: int) -> bool:
+        """The writer saves for every pipeline: they hold the same weights. A last stage of
+        another pipeline forgets the loss records the writer has surely written."""
+        if self.writer:
+            return True
+        if stage.cfg.stage.is_last:
+            stage.history.forget_through(step - stage.cfg.checkpoint.everySteps)
+        return False
+
+    def save_failed(self, step: int, exc: Exception) -> None:
+        """Another pipeline wrote this step: the two were cut apart and each took itself for
+        the lowest left. The first commit wins; this pipeline leaves and rejoins."""
+        why = f"pipeline {self.pipeline} lost the writing of step {step}: {exc}"
+        raise LinkBroken(why) from exc
+
+    def flush(self) -> None:
+        if self.group is not None:
+            self.group.flush()
+        self._stop.set()
+
+    def close_links(self) -> None:
+        self._stop.set()
+        if self.group is not None:
+            self.group.close()  # it owns the replica links
+        else:
+            for link in self._links.values():
+                link.close()

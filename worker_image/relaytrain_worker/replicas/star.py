@@ -1,0 +1,284 @@
+"""The star reduce of a replica group, tolerant of whole pipelines leaving (docs/worker.md,
+"Several pipelines as processes": faults). `group.LinkGroup` is this exchange plus
+membership; this module is how one reduce among the member pipelines ends with the same
+bits everywhere.
+
+**Star reduce.** For every name, the holder in the lowest *member* pipeline leads: the
+others send it their contributions, it folds them in pipeline order (`reduce_sum`'s
+arithmetic: the same bits as before) and sends each the result. Members are the
+pipelines training this step (`LinkGroup.members`, set by `LinkGroup.begin`; every pipeline
+until then). A member whose link has ended is gone for the rest of the step: its
+contribution is simply absent if it had not arrived (the step trains on what arrived).
+
+**Leader failure.** A holder waiting for a result whose leader's link ends turns to the
+holder of the next lowest member pipeline still linked and sends it its contribution.
+That holder, finding itself leading while a lower member has gone, first asks every
+member holder whether it already has the result of this step (a query, answered by the
+reader thread once the answerer has the result or has seen every lower pipeline gone —
+so no late result of the old leader can arrive afterwards): a result anyone has wins,
+name by name. Only the names nobody has are folded again from the contributions. A
+stage that has a step's result answers a late contribution with it (`_results`, the
+last two steps). Under crash failures (a pipeline that leaves closes all its links)
+every member therefore ends the step with the same bits.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+
+import torch
+
+from relaytrain_worker.pipeline.linkauth import LinkBroken
+from relaytrain_worker.pipeline.peers import LinkLike
+from relaytrain_worker.pipeline.transport import Frame
+from relaytrain_worker.replicas.arithmetic import Slice
+from relaytrain_worker.replicas.port import ReplicaPort
+
+log = logging.getLogger("relaytrain.replicas")
+
+
+class StarExchange:
+    """One stage's side of star reduces among the stages of other pipelines that hold some
+    of its names (`peers`: what each holds), one `ReplicaPort` per peer. `group.LinkGroup`
+    adds who is a member of each step; here, `_star` takes the members as given."""
+
+    def __init__(
+        self,
+        pipeline: int,
+        stage: int,
+        peers: Mapping[tuple[int, int], Slice],
+        timeout: float,
+    ) -> None:
+        self._peers = dict(peers)
+        self._pipeline = pipeline
+        self._stage = stage
+        self._timeout = timeout
+        self._cond = threading.Condition()
+        self._ports: dict[tuple[int, int], ReplicaPort] = {}
+        """The links of this stage to member pipelines' stages (and, after `begin`, joiners')."""
+        self._offered: dict[tuple[int, int], ReplicaPort] = {}
+        """Links to the stages of a pipeline rejoining, not admitted yet (`offer`)."""
+        self._results: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
+        """Settled results of this stage's names, by (what, step): the last two steps."""
+        self._partial: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
+        """Results of a reduce under way, name by name as they came (answers use them)."""
+        self._queries: list[tuple[ReplicaPort, tuple[int, int], str, int]] = []
+        """Queries of a takeover leader not answered yet."""
+        self.closed = False
+
+    def _port(self, peer: tuple[int, int], link: LinkLike) -> ReplicaPort:
+        port = ReplicaPort(link, f"p{peer[0]}/s{peer[1]}", self._cond, self._on_frame)
+        port.start()
+        return port
+
+    def live(self, q: int) -> bool:
+        """Whether member pipeline `q` is still linked to this stage (this one always is)."""
+        if q == self._pipeline:
+            return True
+        ports = [port for (p, _), port in self._ports.items() if p == q]
+        return bool(ports) and not any(port.gone for port in ports)
+
+    def _star(
+        self,
+        what: str,
+        step: int,
+        mine: dict[str, torch.Tensor],
+        members: list[int],
+    ) -> dict[str, torch.Tensor]:
+        """This stage's part of one star reduce of `mine` among `members`; returns the
+        result of every name (fresh tensors; also kept to answer late askers)."""
+        key = (what, step)
+        deadline = time.monotonic() + self._timeout
+        sent: set[tuple[int, int]] = set()
+        with self._cond:
+            done = self._partial.setdefault(key, {})
+            while True:
+                lead = min(q for q in members if self.live(q))
+                if lead == self._pipeline:
+                    done.update(self._lead(key, mine, members, done, deadline))
+                    break
+                want = {n for n in mine if n not in done}
+                leaders = {
+                    peer: {n for n in want if self._peers[peer].holds(n)}
+                    for peer in self._ports
+                    if peer[0] == lead
+                }
+                leaders = {peer: names for peer, names in leaders.items() if names}
+                if not leaders:
+                    raise LinkBroken(f"pipeline {lead} holds none of {sorted(want)[:3]}")
+                for peer, names in leaders.items():
+                    if peer not in sent:
+                        sent.add(peer)
+                        part = {n: mine[n] for n in sorted(names)}
+                        self._ports[peer].send(Frame(f"contrib:{what}", step, -1, part))
+
+                def answered(leaders: Iterable[tuple[int, int]] = tuple(leaders)) -> bool:
+                    return all(
+                        self._ports[p].gone or self._ports[p].has(f"result:{what}", step)
+                        for p in leaders
+                    )
+
+                self._wait(answered, deadline, key)
+                for peer in leaders:
+                    frame = self._ports[peer].take(f"result:{what}", step)
+                    if frame is not None:
+                        done.update({n: t for n, t in frame.tensors.items() if n in mine})
+                if all(n in done for n in mine):
+                    break
+            self._settle(key, done)
+        return done
+
+    def _lead(
+        self,
+        key: tuple[str, int],
+        mine: dict[str, torch.Tensor],
+        members: list[int],
+        have: dict[str, torch.Tensor],
+        deadline: float,
+    ) -> dict[str, torch.Tensor]:
+        """Lead the names of `mine` not in `have`: adopt results other holders already have
+        (when a lower member has gone: this stage takes over), else fold the contributions
+        in pipeline order; answer every contributor. The caller holds the condition."""
+        what, step = key
+        holders = {
+            peer: {n for n in mine if self._peers[peer].holds(n)}
+            for peer in self._ports
+            if peer[0] in members and peer[0] != self._pipeline
+        }
+        holders = {peer: names for peer, names in holders.items() if names}
+        have = dict(have)
+        if any(q < self._pipeline for q in members):  # a takeover: ask who has it already
+            asked = [p for p in holders if not self._ports[p].gone]
+            for peer in asked:
+                self._ports[peer].send(Frame(f"query:{what}", step, -1))
+            self._wait(
+                lambda: all(
+                    self._ports[p].gone or self._ports[p].has(f"answer:{what}", step) for p in asked
+                ),
+                deadline,
+                key,
+            )
+            for peer in sorted(asked):
+                frame = self._ports[peer].take(f"answer:{what}", step)
+                if frame is not None:
+                    for name, value in frame.tensors.items():
+                        if name in mine:
+                            have.setdefault(name, value)
+            if have:
+                log.info(
+                    "Stage p%d/s%d took over step %d's %s from a pipeline that left; %d of "
+                    "%d results were already out", self._pipeline, self._stage, step, what,
+                    len([n for n in mine if n in have]), len(mine),
+                )  # fmt: skip
+        need = [n for n in mine if n not in have]
+        givers = [p for p, names in holders.items() if names & set(need)]
+        contributions: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        joins: dict[tuple[int, int], ReplicaPort] = {}
+        if need:
+            self._wait(
+                lambda: all(
+                    self._ports[p].gone or self._ports[p].has(f"contrib:{what}", step)
+                    for p in givers
+                ),
+                deadline,
+                key,
+            )
+            for peer in givers:
+                frame = self._ports[peer].take(f"contrib:{what}", step)
+                if frame is not None:
+                    contributions[peer] = frame.tensors
+            if what == "member":  # the first stages of pipelines asking to rejoin
+                for peer, port in [*self._offered.items(), *self._ports.items()]:
+                    if peer[0] not in members and port.has("join", None):
+                        joins[peer] = port
+                        contributions[peer] = port.take("join", None).tensors  # type: ignore[union-attr]
+        order = sorted(contributions)
+        result = dict(have)
+        for name in need:
+            acc = mine[name].detach().clone()
+            for peer in order:
+                if name in contributions[peer]:
+                    acc.add_(contributions[peer][name])
+            result[name] = acc
+        for peer in contributions:
+            port = joins.get(peer) or self._ports[peer]
+            names = {n: result[n] for n in sorted(result) if self._peers[peer].holds(n)}
+            port.send(Frame(f"result:{what}", step, -1, names))
+        return {n: result[n] for n in mine}
+
+    def _settle(self, key: tuple[str, int], result: dict[str, torch.Tensor]) -> None:
+        """Keep `result` to answer late askers, and answer those waiting already."""
+        self._results[key] = result
+        self._partial.pop(key, None)
+        what, step = key
+        for old in [k for k in self._results if k[1] < step - 2]:
+            del self._results[old]
+        for peer, port in self._ports.items():
+            frame = port.take(f"contrib:{what}", step)
+            if frame is not None:
+                self._answer(port, peer, "result", what, step)
+        self._answer_queries()
+
+    def _on_frame(self, port: ReplicaPort, frame: Frame) -> bool:
+        """A frame from a peer (its reader thread, under the condition): answer what can be
+        answered now; keep the rest."""
+        kind, _, what = frame.kind.partition(":")
+        peer = self._peer_of(port)
+        if peer is None:
+            return False
+        if kind == "contrib" and (what, frame.step) in self._results:
+            self._answer(port, peer, "result", what, frame.step)
+            return True
+        if kind == "query":
+            self._queries.append((port, peer, what, frame.step))
+            self._answer_queries()
+            return True
+        return False
+
+    def _answer_queries(self) -> None:
+        """Answer each query once this stage has the result, or once every pipeline below
+        the asker has gone from it (then no result of theirs can still arrive here)."""
+        waiting = []
+        for port, peer, what, step in self._queries:
+            below = [
+                q
+                for (q, _), p in self._ports.items()
+                if q < peer[0] and (not p.gone or p.has(f"result:{what}", step))
+            ]
+            # Below the asker, this stage is alive although the asker thinks it left (a
+            # break between live pipelines): it cannot promise anything, so answers now.
+            if (what, step) in self._results or not below or self._pipeline < peer[0]:
+                self._answer(port, peer, "answer", what, step)
+            else:
+                waiting.append((port, peer, what, step))
+        self._queries = waiting
+
+    def _answer(
+        self, port: ReplicaPort, peer: tuple[int, int], kind: str, what: str, step: int
+    ) -> None:
+        result = self._results.get((what, step)) or self._partial.get((what, step), {})
+        names = {n: t for n, t in result.items() if self._peers[peer].holds(n)}
+        port.send(Frame(f"{kind}:{what}", step, -1, names))
+
+    def _peer_of(self, port: ReplicaPort) -> tuple[int, int] | None:
+        for table in (self._ports, self._offered):
+            for peer, mine in table.items():
+                if mine is port:
+                    return peer
+        return None
+
+    def _wait(self, ready: Callable[[], bool], deadline: float, key: tuple[str, int]) -> None:
+        """Wait (holding the condition) until `ready`; every answer of a query or
+        departure of a peer wakes the check."""
+
+        def check() -> bool:
+            self._answer_queries()
+            return self.closed or ready()
+
+        if not self._cond.wait_for(check, max(deadline - time.monotonic(), 0.0)):
+            raise TimeoutError(f"the other pipelines gave nothing for {key[0]} of step {key[1]}")
+        if self.closed:
+            raise LinkBroken("the replica links were closed")
