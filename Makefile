@@ -7,12 +7,13 @@ PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 export RELAYTRAIN_CACHE ?= $(HOME)/.cache/relaytrain
 
-.PHONY: help deps deps-python deps-binaries deps-model test test-unit test-contract test-k8s test-e2e \
+.PHONY: help deps deps-python deps-binaries deps-model test test-fast test-unit test-contract test-k8s test-e2e \
         chaos lint format demo bench cluster-up cluster-down kubeconfig chart-crds lock go-modules
 
 help:
 	@echo "make demo          run the main job (installs what it needs first)"
 	@echo "make test          run every test tier (installs what it needs first)"
+	@echo "make test-fast     the loop while changing code: every test without a cluster, MinIO or torch (< 1 min)"
 	@echo "make cluster-up    start the local cluster; prints its kubeconfig path"
 	@echo "make -s kubeconfig print that path alone (export KUBECONFIG=\$$(make -s kubeconfig))"
 	@echo "make cluster-down  stop everything cluster-up started"
@@ -35,6 +36,13 @@ deps-model: deps-python
 # MinIO. Tests marked gpu are reported as skipped where no CUDA exists.
 test: deps
 	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+# The loop while changing code: every test that needs no cluster, no MinIO and no torch
+# (tests/conftest.py marks a test `torch` when its module imports torch, directly or through
+# the project's modules). Under a minute here; `make test` runs the rest.
+FAST := not k8s and not e2e and not chaos and not gpu and not torch
+test-fast: deps-python
+	$(PY) -m pytest tests -m "$(FAST)" -q -p no:cacheprovider $(PYTEST_ARGS)
 
 test-unit: deps-python
 	$(PY) -m pytest tests -m "unit" $(PYTEST_ARGS)

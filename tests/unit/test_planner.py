@@ -24,8 +24,7 @@ from relaytrain_operator.domain.planner import (
     plan,
 )
 from relaytrain_operator.domain.planner.cost import LinkCost, pool_cost
-
-from tests.shapes import SMOLLM2_135M_CONFIG
+from relaytrain_testkit.shapes import SMOLLM2_135M_CONFIG
 
 pytestmark = pytest.mark.unit
 
@@ -151,7 +150,10 @@ def test_heuristic_plans_always_fit_memory(instance):
 @given(instances(max_layers=16, max_gpus_per_pool=3, huge_memory=True, same_links=True, min_m=16))
 def test_faster_gpu_never_gets_fewer_layers(instance):
     """Among stages with the same fixed costs (the interior ones when every link is alike),
-    a stage on a faster GPU holds at least as many layers as one on a slower GPU."""
+    a stage on a faster GPU holds at least as many layers as one on a slower GPU — where
+    compute decides: two stages whose compute both stay under their link's time take the
+    link's time whatever their layers, so any split of those layers is as fast (a 13-layer
+    QLoRA case on a 172 Mbit/s link gave the faster GPU one layer and the slower two)."""
     model, training, pools, catalog = instance
     result = plan(model, training, pools, catalog, settings=TINY)
     assert not any(s.memory_bytes * 2 > s.memory_available_bytes for s in result.stages)
@@ -159,7 +161,8 @@ def test_faster_gpu_never_gets_fewer_layers(instance):
     interior = result.stages[1:-1]
     event(f"{len({s.pool for s in interior})} GPU kind(s) among interior stages")
     for a, b in itertools.permutations(interior, 2):
-        if speed[a.pool] > speed[b.pool]:
+        link_bound = a.compute_seconds < a.link_seconds and b.compute_seconds < b.link_seconds
+        if speed[a.pool] > speed[b.pool] and not link_bound:
             assert a.layers >= b.layers, (a, b)
 
 
