@@ -30,10 +30,16 @@ from typing import Any
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO), str(REPO / "operator"), str(REPO / "worker_image")]
+sys.path[:0] = [
+    str(REPO),
+    str(REPO / "operator"),
+    str(REPO / "worker_image"),
+    str(REPO / "testkit"),
+]
 
-from relaytrain_worker.compression import COMPRESSIONS, decode, encode  # noqa: E402
-from relaytrain_worker.transport import (  # noqa: E402
+from relaytrain_testkit.linkcreds import stage_credentials  # noqa: E402
+from relaytrain_worker.pipeline.compression import COMPRESSIONS, decode, encode  # noqa: E402
+from relaytrain_worker.pipeline.transport import (  # noqa: E402
     Frame,
     Link,
     PreparedFrame,
@@ -41,8 +47,6 @@ from relaytrain_worker.transport import (  # noqa: E402
     listen,
     prepare,
 )
-
-from tests.linkcreds import stage_credentials  # noqa: E402
 
 
 def _pair() -> tuple[Link, Link]:
@@ -203,8 +207,10 @@ def loss_after_fixed_run(quick: bool) -> dict[str, Any]:
     import tempfile
 
     from relaytrain_contract import TrainingSpec
-    from relaytrain_worker.schedule import MicroBatch
-    from relaytrain_worker.testing import even_splits, run_pipeline_threads, tiny_model_dir
+    from relaytrain_testkit.inputs import even_splits
+    from relaytrain_testkit.pipelines import run_pipeline_threads
+    from relaytrain_testkit.tiny_models import tiny_model_dir
+    from relaytrain_worker.state.data import MicroBatch
 
     steps, micros, mbs, seq = (8, 2, 4, 64) if quick else (30, 4, 4, 64)  # 256 rows / frame
     model = tiny_model_dir(

@@ -47,9 +47,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "testkit")]
 
-from tests.local_jobs import (  # noqa: E402
+from relaytrain_testkit.local_jobs import (  # noqa: E402
     fleet_job,
     make_workspace,
     pin_pipelines,

@@ -49,7 +49,12 @@ from typing import Any
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "operator"), str(ROOT / "worker_image")]
+sys.path[:0] = [
+    str(ROOT),
+    str(ROOT / "operator"),
+    str(ROOT / "worker_image"),
+    str(ROOT / "testkit"),
+]
 
 from relaytrain_contract import TrainingSpec  # noqa: E402
 from relaytrain_operator.domain.linkcerts import mint_link_credentials, stage_pem  # noqa: E402
@@ -63,14 +68,11 @@ from relaytrain_operator.domain.planner import (  # noqa: E402
     plan_fleet,
     split_micro_batches,
 )
-from relaytrain_worker.linkauth import LinkCredentials  # noqa: E402
-from relaytrain_worker.schedule import MicroBatch  # noqa: E402
-from relaytrain_worker.testing import (  # noqa: E402
-    random_batches,
-    run_data_parallel_threads,
-    run_pipeline_threads,
-    tiny_model_dir,
-)
+from relaytrain_testkit.inputs import random_batches  # noqa: E402
+from relaytrain_testkit.pipelines import run_data_parallel_threads, run_pipeline_threads  # noqa: E402
+from relaytrain_testkit.tiny_models import tiny_model_dir  # noqa: E402
+from relaytrain_worker.pipeline.linkauth import LinkCredentials  # noqa: E402
+from relaytrain_worker.state.data import MicroBatch  # noqa: E402
 
 MBIT = 1e6 / 8
 """Bytes per second in one Mbit/s."""

@@ -30,11 +30,13 @@ import tempfile
 from pathlib import Path
 
 from relaytrain_contract import TrainingSpec
-from relaytrain_worker.schedule import MicroBatch
-from relaytrain_worker.testing import random_batches, run_pipeline_threads, tiny_model_dir
+from relaytrain_worker.state.data import MicroBatch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.linkcreds import stage_credentials
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "testkit"))
+from relaytrain_testkit.inputs import random_batches
+from relaytrain_testkit.linkcreds import stage_credentials
+from relaytrain_testkit.pipelines import run_pipeline_threads
+from relaytrain_testkit.tiny_models import tiny_model_dir
 
 MBIT = 1e6 / 8
 """Bytes per second in one Mbit/s."""

@@ -33,11 +33,15 @@ from typing import Any
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO), str(REPO / "operator"), str(REPO / "worker_image")]
+sys.path[:0] = [
+    str(REPO),
+    str(REPO / "operator"),
+    str(REPO / "worker_image"),
+    str(REPO / "testkit"),
+]
 
-from relaytrain_worker import transport as tls_transport  # noqa: E402
-
-from tests.linkcreds import stage_credentials  # noqa: E402
+from relaytrain_testkit.linkcreds import stage_credentials  # noqa: E402
+from relaytrain_worker.pipeline import transport as tls_transport  # noqa: E402
 
 PSK_REF = "b2c5210"
 """The last commit whose links use the pre-shared key and the hand-written record layer."""

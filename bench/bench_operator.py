@@ -24,13 +24,12 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO), str(REPO / "operator")]
+sys.path[:0] = [str(REPO), str(REPO / "operator"), str(REPO / "testkit")]
 
 from kubernetes import client, config  # noqa: E402
-
-from tests.harness import kwok_nodes  # noqa: E402
-from tests.harness.operator_process import OperatorProcess  # noqa: E402
-from tests.shapes import SMOLLM2_135M_CONFIG as MODEL_CONFIG  # noqa: E402
+from relaytrain_testkit.harness import kwok_nodes  # noqa: E402
+from relaytrain_testkit.harness.operator_process import OperatorProcess  # noqa: E402
+from relaytrain_testkit.shapes import SMOLLM2_135M_CONFIG as MODEL_CONFIG  # noqa: E402
 
 GROUP, VERSION, PLURAL = "relaytrain.io", "v1alpha1", "finetunejobs"
 # Three GPU types sharing the fleet: 30% H100, 30% A100, 40% RTX 4090 (all do bf16).

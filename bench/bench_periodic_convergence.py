@@ -16,8 +16,9 @@ side with `spec.pipeline.sync`:
 Reported per configuration: the training loss (mean of the last 5 steps), the held-out loss
 at each evaluation and at the end, and its ratio to synchronous (1.00 = converges as well).
 Wall time is printed but means little here: periodic sync saves link bytes, and these links
-are loopback. Each pipeline's processes are pinned to a core of their own (tests/local_jobs.
-pin_pipelines); OMP_NUM_THREADS=1. Needs the demo's model (`make deps` puts it in the cache).
+are loopback. Each pipeline's processes are pinned to a core of their own
+(relaytrain_testkit.local_jobs.pin_pipelines); OMP_NUM_THREADS=1. Needs the demo's model
+(`make deps` puts it in the cache).
 """
 
 from __future__ import annotations
@@ -34,10 +35,11 @@ from typing import Any
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "testkit")]
+
+from relaytrain_testkit.local_jobs import pin_pipelines, run_state, start_run, write_job  # noqa: E402
 
 from hack import demo_data, toolpaths  # noqa: E402
-from tests.local_jobs import pin_pipelines, run_state, start_run, write_job  # noqa: E402
 
 ENV = {"OMP_NUM_THREADS": "1"}
 

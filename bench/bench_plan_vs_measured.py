@@ -56,7 +56,7 @@ from typing import Any, Literal
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / "operator"), str(REPO / "worker_image")]
+sys.path[:0] = [str(REPO / "operator"), str(REPO / "worker_image"), str(REPO / "testkit")]
 
 from relaytrain_operator.domain.planner import (  # noqa: E402
     DEFAULT_CATALOG,
@@ -248,7 +248,7 @@ def loopback_link(values: int, frames: int = 8) -> tuple[float, float]:
     ``values`` fp32 activations (uncompressed), and half the round trip of an empty frame."""
     import torch
     from relaytrain_operator.domain.linkcerts import mint_link_credentials, stage_pem
-    from relaytrain_worker.transport import Frame, LinkCredentials, connect, listen
+    from relaytrain_worker.pipeline.transport import Frame, LinkCredentials, connect, listen
 
     files = mint_link_credentials("bench", "links", [2], now=datetime.now(UTC))
     creds = [LinkCredentials(*stage_pem(files, 0, k)) for k in range(2)]
@@ -507,7 +507,7 @@ def leave_one_out(cases: Sequence[Terms], with_overhead: bool) -> tuple[float, f
 
 
 def make_data(path: Path) -> None:
-    from relaytrain_worker.testing import CORPUS
+    from relaytrain_testkit.tiny_models import CORPUS
 
     words = " ".join(CORPUS).split()
     with path.open("w") as f:
@@ -637,7 +637,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the rows here")
     parser.add_argument("--keep", action="store_true", help="keep the workdir (runs, logs)")
     args = parser.parse_args()
-    from relaytrain_worker.testing import tiny_model_dir
+    from relaytrain_testkit.tiny_models import tiny_model_dir
 
     began = time.monotonic()
     cases = QUICK_CASES if args.quick else CASES

@@ -24,23 +24,19 @@ from pathlib import Path
 import torch
 from relaytrain_contract import TrainingSpec
 from relaytrain_worker.prepare_model import default_dir, is_prepared
-from relaytrain_worker.testing import (
-    PipelineRun,
-    even_splits,
-    random_batches,
-    run_pipeline_threads,
-    run_reference,
-    tiny_model_dir,
-)
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.linkcreds import stage_credentials
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "testkit"))
+from relaytrain_testkit.inputs import even_splits, random_batches
+from relaytrain_testkit.linkcreds import stage_credentials
+from relaytrain_testkit.pipelines import PipelineRun, run_pipeline_threads
+from relaytrain_testkit.references import run_reference
+from relaytrain_testkit.tiny_models import tiny_model_dir
 
 RSS_SCRIPT = """
 import json, sys
 from pathlib import Path
 import torch, transformers, accelerate, peft
-from relaytrain_worker.model_slice import SliceSpec, build_stage_model
+from relaytrain_worker.model.model_slice import SliceSpec, build_stage_model
 start, end, layers = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 def status(key):
     for line in open("/proc/self/status"):

@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import socket
+import sys
 import tempfile
 import time
 from datetime import UTC, datetime
@@ -26,14 +27,18 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from relaytrain_contract import TrainingSpec
 from relaytrain_operator.domain.linkcerts import mint_link_credentials, stage_pem
-from relaytrain_worker.methods import lora_config, setup_method
-from relaytrain_worker.model_slice import SliceSpec, StageModel, build_stage_model
-from relaytrain_worker.peers import Peers
-from relaytrain_worker.schedule import MicroBatch, StepRunner, token_loss_sum
-from relaytrain_worker.testing import even_splits, tiny_model_dir
-from relaytrain_worker.training import make_optimizer, optimizer_step
-from relaytrain_worker.transport import LinkCredentials, connect, listen
+from relaytrain_worker.model.methods import lora_config, setup_method
+from relaytrain_worker.model.model_slice import SliceSpec, StageModel, build_stage_model
+from relaytrain_worker.model.training import make_optimizer, optimizer_step
+from relaytrain_worker.pipeline.peers import Peers
+from relaytrain_worker.pipeline.schedule import StepRunner, token_loss_sum
+from relaytrain_worker.pipeline.transport import LinkCredentials, connect, listen
+from relaytrain_worker.state.data import MicroBatch
 from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "testkit"))
+from relaytrain_testkit.inputs import even_splits
+from relaytrain_testkit.tiny_models import tiny_model_dir
 
 LAYERS, MBS, SEQ, M = 6, 4, 128, 8
 

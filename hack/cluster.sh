@@ -116,10 +116,11 @@ YAML
     wait_serving "$sched" "$kcm"
     echo "Started cluster $name in $((SECONDS - start))s." >&2
   fi
-  # The node generator is a module of the test harness: the repository root on the path,
-  # the caller's folder off it (-P), so a relative $pools still means what it meant.
-  PYTHONPATH="$(dirname "$here")${PYTHONPATH:+:$PYTHONPATH}" \
-    "$python" -P -m tests.harness.kwok_nodes "$pools" --kubeconfig "$kubeconfig" >&2
+  # The node generator is a module of the test harness (testkit/): the repository root and
+  # testkit/ on the path, the caller's folder off it (-P), so a relative $pools still means
+  # what it meant.
+  PYTHONPATH="$(dirname "$here"):$(dirname "$here")/testkit${PYTHONPATH:+:$PYTHONPATH}" \
+    "$python" -P -m relaytrain_testkit.harness.kwok_nodes "$pools" --kubeconfig "$kubeconfig" >&2
   echo "$kubeconfig"
 }
 

@@ -31,11 +31,17 @@ from typing import Any
 import yaml
 
 from hack import demo_data, toolpaths
-from tests.harness.chart_install import ChartRelease, chart_values, restricted_namespace
-from tests.harness.kwok_runner import KwokProcessRunner
-from tests.harness.minio_server import start_minio, stop_minio
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "testkit"))  # the test harness: kwok runner, MinIO, chart
+
+from relaytrain_testkit.harness.chart_install import (  # noqa: E402
+    ChartRelease,
+    chart_values,
+    restricted_namespace,
+)
+from relaytrain_testkit.harness.kwok_runner import KwokProcessRunner  # noqa: E402
+from relaytrain_testkit.harness.minio_server import start_minio, stop_minio  # noqa: E402
 
 GROUP, VERSION, PLURAL = "relaytrain.io", "v1alpha1", "finetunejobs"
 

@@ -3,9 +3,12 @@
 Markers are registered (strictly) in pyproject.toml, and `chaos` here (`make chaos`; changing
 pyproject.toml would change what a fresh machine installs). Tests marked `gpu` run only where
 CUDA exists; elsewhere they are deselected with the reason printed, never silently.
-The local cluster and MinIO fixtures live in tests/harness/ (with the rest of what tests
-run against) and are session-scoped: one cluster per test session, stopped when the
-session ends, failures included.
+Tests marked `torch` (put here on every test whose module imports torch, directly or through
+what it imports: relaytrain_testkit.tiers) are what `make test-fast` leaves out, with the
+cluster and MinIO tiers. The local cluster and MinIO fixtures live in
+relaytrain_testkit.harness (with the rest of what tests run against) and are session-scoped:
+one cluster per test session, stopped when the session ends for any reason: failures,
+Ctrl-C, and SIGTERM or SIGHUP too (relaytrain_testkit.harness.interrupt).
 """
 
 from __future__ import annotations
@@ -13,8 +16,14 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
+from relaytrain_testkit.tiers import needs_torch
 
-pytest_plugins = ["tests.harness.cluster", "tests.harness.minio_fixture", "tests.harness.kueue"]
+pytest_plugins = [
+    "relaytrain_testkit.harness.interrupt",
+    "relaytrain_testkit.harness.cluster",
+    "relaytrain_testkit.harness.minio_fixture",
+    "relaytrain_testkit.harness.kueue",
+]
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -30,6 +39,10 @@ def _cuda_available() -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    torch_files = {path for path in {item.path for item in items} if needs_torch(path)}
+    for item in items:
+        if item.path in torch_files:
+            item.add_marker(pytest.mark.torch)
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu_items or _cuda_available():
         return

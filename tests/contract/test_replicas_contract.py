@@ -1,7 +1,8 @@
 """The stage document's `replicas` section (several pipelines), from both sides: what
 `build_pipeline_configs` writes, the worker parses into the same peers the in-process maths
-uses (`dataparallel.segment_peers`), and the replica links it names connect, authenticated
-by the certificates minted for each (pipeline, stage); invalid sections name the field."""
+uses (`replicas.arithmetic.segment_peers`), and the replica links it names connect,
+authenticated by the certificates minted for each (pipeline, stage); invalid sections name
+the field."""
 
 from __future__ import annotations
 
@@ -23,12 +24,11 @@ from relaytrain_operator.domain.stage_config import (
     local_endpoints,
 )
 from relaytrain_operator.spec import FineTuneJob, parse_job
-from relaytrain_worker.dataparallel import Slice, segment_peers
-from relaytrain_worker.linkauth import LinkCredentials
-from relaytrain_worker.replicas import ReplicaLinks, peer_slices
-from relaytrain_worker.transport import Link
-
-from tests.harness.ports import free_port
+from relaytrain_testkit.harness.ports import free_port
+from relaytrain_worker.pipeline.linkauth import LinkCredentials
+from relaytrain_worker.pipeline.transport import Link
+from relaytrain_worker.replicas.arithmetic import Slice, segment_peers
+from relaytrain_worker.replicas.links import ReplicaLinks, peer_slices
 
 pytestmark = pytest.mark.contract
 

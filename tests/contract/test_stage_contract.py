@@ -29,9 +29,9 @@ from relaytrain_operator.domain.stage_config import (
     pod_endpoints,
 )
 from relaytrain_operator.spec import FineTuneJob, parse_job
-from relaytrain_worker.stage import link_credentials
-from relaytrain_worker.store import S3Credentials, S3Store, open_job_store
-from relaytrain_worker.transport import AuthError, Frame, Link, connect, listen
+from relaytrain_worker.pipeline.loading import link_credentials
+from relaytrain_worker.pipeline.transport import AuthError, Frame, Link, connect, listen
+from relaytrain_worker.state.store import S3Credentials, S3Store, open_job_store
 
 pytestmark = pytest.mark.contract
 

@@ -1,8 +1,8 @@
 """A chaos schedule with real training (`make chaos`; issue 14 item 5).
 
 One 3-stage job of real worker processes, run by the chart-installed operator against the
-real control plane (tests/operator_env.py) with a MinIO of its own, takes in one run, at
-seeded steps, one after the other:
+real control plane (relaytrain_testkit.harness.operator_env) with a MinIO of its own, takes
+in one run, at seeded steps, one after the other:
 
 - five stage SIGKILLs (victims seeded), one of them while a checkpoint is being written
   (the committing last stage is held with SIGSTOP once the workers report the checkpoint
@@ -37,11 +37,9 @@ from typing import Any
 
 import pytest
 from kubernetes import client, watch
-
-from tests.harness import kwok_nodes
-from tests.harness.minio_server import start_minio, stop_minio
-from tests.harness.waiting import wait_for
-from tests.operator_env import (
+from relaytrain_testkit.harness import kwok_nodes
+from relaytrain_testkit.harness.minio_server import start_minio, stop_minio
+from relaytrain_testkit.harness.operator_env import (
     GROUP,
     PLURAL,
     VERSION,
@@ -50,6 +48,7 @@ from tests.operator_env import (
     operator_env,
     stored_json,
 )
+from relaytrain_testkit.harness.waiting import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.chaos]
 
@@ -353,8 +352,8 @@ def test_a_chaos_schedule_with_real_training(env: dict[str, Any]) -> None:
         expected = Counter({f"{name}-stage-{k}": 1 for k in range(3)}) + hit
         assert _starts(e, name) == expected, (_starts(e, name), expected)
         # Every commit verifies, file by file.
-        from relaytrain_worker import checkpoint as ckpt
-        from relaytrain_worker.store import open_store
+        from relaytrain_worker.state import checkpoint as ckpt
+        from relaytrain_worker.state.store import open_store
 
         minio = e["minio"]
         store = open_store(f"s3://{minio.bucket}/ckpt", endpoint=minio.url,

@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from tests.doc_commands import REPO, Shell, clean_env, doc_commands
+from relaytrain_testkit.doc_commands import REPO, Shell, clean_env, doc_commands
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -21,7 +20,7 @@ def _documented(command: str) -> None:
 
 def test_run_local_runs_as_written(tmp_path: Path) -> None:
     """`relaytrain run --local JOB.yaml`, JOB.yaml a tiny random Llama on a small data set."""
-    from relaytrain_worker.testing import CORPUS, tiny_model_dir
+    from relaytrain_testkit.tiny_models import CORPUS, tiny_model_dir
 
     command = "relaytrain run --local JOB.yaml"
     _documented(command)

@@ -1,4 +1,4 @@
-"""FineTuneJobs queued by the real Kueue controller (tests/harness/kueue.py, built from
+"""FineTuneJobs queued by the real Kueue controller (relaytrain_testkit.harness.kueue, built from
 sigs.k8s.io/kueue at its pin), under the chart-installed operator (`kueue.enabled`), with real
 worker processes training.
 
@@ -25,13 +25,10 @@ from typing import Any
 
 import pytest
 from relaytrain_operator.domain.queueing import PRIORITY_LABEL, QUEUE_LABEL, workload_name
-
-from tests.harness.chart_rbac import render_chart
-from tests.harness.kueue import GROUP as KUEUE
-from tests.harness.kueue import VERSION as KV
-from tests.harness.rbac_audit import calls_of, explain, granted_to, service_account_user
-from tests.harness.waiting import wait_for
-from tests.operator_env import (
+from relaytrain_testkit.harness.chart_rbac import render_chart
+from relaytrain_testkit.harness.kueue import GROUP as KUEUE
+from relaytrain_testkit.harness.kueue import VERSION as KV
+from relaytrain_testkit.harness.operator_env import (
     EVERY,
     GROUP,
     PLURAL,
@@ -42,6 +39,13 @@ from tests.operator_env import (
     operator_env,
     stage_pods,
 )
+from relaytrain_testkit.harness.rbac_audit import (
+    calls_of,
+    explain,
+    granted_to,
+    service_account_user,
+)
+from relaytrain_testkit.harness.waiting import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -29,8 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from tests.local_jobs import (
+from relaytrain_testkit.local_jobs import (
     fleet_job,
     make_workspace,
     progress,

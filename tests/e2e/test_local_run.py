@@ -20,8 +20,7 @@ from typing import Any
 import pytest
 from relaytrain_contract.names import LINK_CA_ENV, LINK_CERT_ENV, LINK_KEY_ENV
 from relaytrain_operator.domain.linkcerts import mint_link_credentials, stage_pem
-
-from tests.local_jobs import (
+from relaytrain_testkit.local_jobs import (
     job_manifest,
     make_workspace,
     progress,

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import yaml
-from relaytrain_worker.testing import CORPUS, tiny_model_dir
+from relaytrain_testkit.tiny_models import CORPUS, tiny_model_dir
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -18,11 +18,11 @@ import safetensors.torch
 import torch
 import yaml
 from relaytrain_contract import DatasetSpec
-from relaytrain_worker.data import load_step_data
-from relaytrain_worker.methods import apply_lora, lora_config, peft_key
-from relaytrain_worker.model_slice import SliceSpec, build_stage_model
+from relaytrain_worker.model.methods import apply_lora, lora_config, peft_key
+from relaytrain_worker.model.model_slice import SliceSpec, build_stage_model
+from relaytrain_worker.pipeline.schedule import token_loss_sum
 from relaytrain_worker.prepare_model import default_dir, prepare
-from relaytrain_worker.schedule import MicroBatch, token_loss_sum
+from relaytrain_worker.state.data import MicroBatch, load_step_data
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -15,8 +15,7 @@ from typing import Any
 
 import pytest
 import yaml
-
-from tests.local_jobs import (
+from relaytrain_testkit.local_jobs import (
     alive,
     job_manifest,
     make_workspace,

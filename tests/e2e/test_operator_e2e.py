@@ -1,11 +1,12 @@
 """A FineTuneJob end to end: operator, real control plane, MinIO and real worker processes.
 
-The kwok process runner (tests/harness/kwok_runner.py) runs each stage pod's container as
-a local process, so the stages really train a (tiny) Llama and talk over authenticated links.
+The kwok process runner (relaytrain_testkit.harness.kwok_runner) runs each stage pod's
+container as a local process, so the stages really train a (tiny) Llama and talk over
+authenticated links.
 The operator is installed as users install it: `helm install` of charts/relaytrain, its
 Deployment's pod run by the same runner as the chart's ServiceAccount (a token bound to
-the pod, no kubeconfig; tests/harness/chart_install.py), in namespaces that enforce the Pod
-Security Standard `restricted`. One job runs to completion while the chart is upgraded
+the pod, no kubeconfig; relaytrain_testkit.harness.chart_install), in namespaces that enforce
+the Pod Security Standard `restricted`. One job runs to completion while the chart is upgraded
 under it (a new operator pod; the stage pods and processes stay) and one stage's process
 is killed with SIGKILL mid-run, as a dying GPU would: the operator replaces that pod alone,
 the surviving stage processes keep running (same PIDs, same pod UIDs), roll back to the last
@@ -24,9 +25,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-
-from tests.harness.waiting import wait_for
-from tests.operator_env import (
+from relaytrain_testkit.harness.operator_env import (
     EVERY,
     GROUP,
     PLURAL,
@@ -39,6 +38,7 @@ from tests.operator_env import (
     stage_pods,
     stored_json,
 )
+from relaytrain_testkit.harness.waiting import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -427,7 +427,7 @@ def test_the_charts_alerts_and_dashboard_name_only_metrics_a_real_run_exports(
     """Two pipelines of two stages train; every stage's /metrics and the chart-installed
     operator's are read while they do. Every metric the chart's PrometheusRule and Grafana
     dashboard query is among what they export."""
-    from tests.harness.chart_rbac import render_chart
+    from relaytrain_testkit.harness.chart_rbac import render_chart
 
     e = env
     custom, ns, runner = e["custom"], e["ns"], e["runner"]

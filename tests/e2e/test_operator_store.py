@@ -15,10 +15,9 @@ from kubernetes import client
 from relaytrain_operator.loop.apply import ClusterApi
 from relaytrain_operator.loop.decide import Needs, Observed
 from relaytrain_operator.loop.observe import Observer
-
-from tests.harness.minio_server import MinioServer
-from tests.operator_cases import job_manifest, namespace
-from tests.shapes import SMOLLM2_135M_CONFIG
+from relaytrain_testkit.harness.minio_server import MinioServer
+from relaytrain_testkit.harness.operator_cases import job_manifest, namespace
+from relaytrain_testkit.shapes import SMOLLM2_135M_CONFIG
 
 pytestmark = pytest.mark.e2e
 

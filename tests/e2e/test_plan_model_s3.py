@@ -13,9 +13,8 @@ import pytest
 import yaml
 from relaytrain_operator import cli
 from relaytrain_operator.store.model_config import resolve
-
-from tests.harness.minio_server import MinioServer
-from tests.shapes import SMOLLM2_135M_CONFIG
+from relaytrain_testkit.harness.minio_server import MinioServer
+from relaytrain_testkit.shapes import SMOLLM2_135M_CONFIG
 
 pytestmark = pytest.mark.e2e
 

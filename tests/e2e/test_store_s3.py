@@ -9,12 +9,11 @@ import time
 from pathlib import Path
 
 import pytest
-from relaytrain_worker import checkpoint as ckpt
-from relaytrain_worker.checkpoint import CorruptCheckpoint
-from relaytrain_worker.progress import Progress, read_progress, write_progress
-from relaytrain_worker.store import ObjectNotFound, S3Store, StoreError, open_store
-
-from tests.harness.minio_server import MinioServer, start_minio, stop_minio
+from relaytrain_testkit.harness.minio_server import MinioServer, start_minio, stop_minio
+from relaytrain_worker.state import checkpoint as ckpt
+from relaytrain_worker.state.checkpoint import CorruptCheckpoint
+from relaytrain_worker.state.progress import Progress, read_progress, write_progress
+from relaytrain_worker.state.store import ObjectNotFound, S3Store, StoreError, open_store
 
 pytestmark = pytest.mark.e2e
 

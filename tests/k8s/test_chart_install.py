@@ -1,7 +1,8 @@
 """The operator as the chart installs it: `helm install` of charts/relaytrain into the local
-cluster, the Deployment's pod run by the kwok process runner (tests/harness/chart_install.py)
-with the in-cluster environment a kubelet gives, so the operator authenticates with a bound
-token of the chart's ServiceAccount and can do what the chart's RBAC grants, nothing else.
+cluster, the Deployment's pod run by the kwok process runner
+(relaytrain_testkit.harness.chart_install) with the in-cluster environment a kubelet gives,
+so the operator authenticates with a bound token of the chart's ServiceAccount and can do
+what the chart's RBAC grants, nothing else.
 
 Both namespaces (the release's and the jobs') enforce the Pod Security Standard
 `restricted` through the API server's PodSecurity admission: the operator pod and every
@@ -30,17 +31,16 @@ from typing import Any
 import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
-
-from tests.harness.chart_install import (
+from relaytrain_testkit.harness.chart_install import (
     ChartRelease,
     chart_values,
     pod_ready,
     restricted_namespace,
 )
-from tests.harness.rbac_audit import service_account_user
-from tests.harness.waiting import wait_for
-from tests.operator_cases import install_crd, job_manifest
-from tests.shapes import SMOLLM2_135M_CONFIG as MODEL_CONFIG
+from relaytrain_testkit.harness.operator_cases import install_crd, job_manifest
+from relaytrain_testkit.harness.rbac_audit import service_account_user
+from relaytrain_testkit.harness.waiting import wait_for
+from relaytrain_testkit.shapes import SMOLLM2_135M_CONFIG as MODEL_CONFIG
 
 pytestmark = pytest.mark.k8s
 

@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 import yaml
 from relaytrain_operator.domain.builders.labels import JOB_LABEL
+from relaytrain_testkit.harness.chart_rbac import render_chart
+from relaytrain_testkit.stage_pods import pod_for
 
 from hack import toolpaths
-from tests.harness.chart_rbac import render_chart
-from tests.unit.test_operator_builders import pod_for
 
 pytestmark = pytest.mark.k8s
 

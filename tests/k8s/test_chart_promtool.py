@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 import yaml
+from relaytrain_testkit.harness.chart_rbac import render_chart
 
 from hack import toolpaths
-from tests.harness.chart_rbac import render_chart
 
 pytestmark = pytest.mark.k8s
 

@@ -14,17 +14,16 @@ from typing import Any
 
 import pytest
 import yaml
-
-from tests.harness.chart_rbac import chart_rbac_kubeconfig
-from tests.harness.operator_process import OperatorProcess
-from tests.harness.rbac_audit import (
+from relaytrain_testkit.harness.chart_rbac import PEERING_CRDS, chart_rbac_kubeconfig
+from relaytrain_testkit.harness.operator_process import OperatorProcess
+from relaytrain_testkit.harness.rbac_audit import (
     Permission,
     calls_of,
     explain,
     granted_to,
     service_account_user,
 )
-from tests.harness.waiting import wait_for
+from relaytrain_testkit.harness.waiting import wait_for
 
 pytestmark = pytest.mark.k8s
 
@@ -213,9 +212,6 @@ def test_namespaced_rbac_stays_in_the_watched_namespaces(kube_cluster: Any) -> N
     leaked = [p for p in outside if _can(kube_cluster, sa, p, "kube-system")]
     assert leaked == []
     assert [p for p in NEVER if _can(kube_cluster, sa, p, watched)] == []
-
-
-PEERING_CRDS = REPO / "tests" / "harness" / "manifests" / "kopf-peering-crds.yaml"
 
 
 @pytest.mark.parametrize("scope", ["namespaced", "clusterwide"])

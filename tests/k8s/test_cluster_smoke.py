@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 from kubernetes import client
 from kubernetes.client.rest import ApiException
+from relaytrain_testkit.harness.waiting import wait_for
 
 from hack import toolpaths
-from tests.harness.waiting import wait_for
 
 pytestmark = pytest.mark.k8s
 

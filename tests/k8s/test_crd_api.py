@@ -25,8 +25,7 @@ from relaytrain_operator.spec import (
     parse_job,
     status_patch,
 )
-
-from tests.unit.test_spec_invalid import INVALID_CASES, Case, apply_case, base_manifest
+from relaytrain_testkit.spec_cases import INVALID_CASES, Case, apply_case, base_manifest
 
 pytestmark = pytest.mark.k8s
 

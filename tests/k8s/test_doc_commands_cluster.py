@@ -21,9 +21,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from hack import toolpaths
-from tests.doc_commands import (
+from relaytrain_testkit.doc_commands import (
     REPO,
     Block,
     Shell,
@@ -33,7 +31,9 @@ from tests.doc_commands import (
     clean_env,
     doc_blocks,
 )
-from tests.harness.waiting import wait_for
+from relaytrain_testkit.harness.waiting import wait_for
+
+from hack import toolpaths
 
 pytestmark = pytest.mark.k8s
 

@@ -8,9 +8,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-
-from tests.harness.kstatus import expected_kstatus, kstatus
-from tests.unit.test_argocd_health import CASES, job
+from relaytrain_testkit.harness.kstatus import expected_kstatus, kstatus
+from relaytrain_testkit.health_cases import CASES, job
 
 pytestmark = pytest.mark.k8s
 

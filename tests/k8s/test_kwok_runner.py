@@ -9,9 +9,8 @@ from typing import Any
 
 import pytest
 from kubernetes import client
-
-from tests.harness.kwok_runner import KwokProcessRunner
-from tests.harness.waiting import wait_for
+from relaytrain_testkit.harness.kwok_runner import KwokProcessRunner
+from relaytrain_testkit.harness.waiting import wait_for
 
 pytestmark = pytest.mark.k8s
 

@@ -7,7 +7,8 @@ nodes; a test "fails" a stage pod by setting its status phase to Failed (what a 
 reports for a crashed container with restartPolicy Never), deletes it, or deletes its node.
 
 RBAC: the operator authenticates as the Helm chart's ServiceAccount, bound by the chart's
-own (Cluster)Roles (tests/harness/chart_rbac.py), so it can do what the chart grants and no more.
+own (Cluster)Roles (relaytrain_testkit.harness.chart_rbac), so it can do what the chart grants
+and no more.
 The tests themselves use the admin kubeconfig.
 """
 
@@ -24,14 +25,18 @@ import pytest
 import yaml
 from kubernetes import client
 from kubernetes.client.rest import ApiException
-
-from tests.harness import kwok_nodes
-from tests.harness.chart_rbac import ChartIdentity, chart_rbac_kubeconfig
-from tests.harness.operator_process import PASSES, OperatorProcess
-from tests.harness.rbac_audit import calls_of, explain, granted_to, service_account_user
-from tests.harness.waiting import wait_for
-from tests.operator_cases import install_crd
-from tests.shapes import SMOLLM2_135M_CONFIG as MODEL_CONFIG
+from relaytrain_testkit.harness import kwok_nodes
+from relaytrain_testkit.harness.chart_rbac import ChartIdentity, chart_rbac_kubeconfig
+from relaytrain_testkit.harness.operator_cases import install_crd
+from relaytrain_testkit.harness.operator_process import PASSES, OperatorProcess
+from relaytrain_testkit.harness.rbac_audit import (
+    calls_of,
+    explain,
+    granted_to,
+    service_account_user,
+)
+from relaytrain_testkit.harness.waiting import wait_for
+from relaytrain_testkit.shapes import SMOLLM2_135M_CONFIG as MODEL_CONFIG
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -869,7 +874,7 @@ def _expected_health(obj: dict[str, Any]) -> str:
 def test_argocd_health_of_real_statuses() -> None:
     """The chart's Argo CD health script, run on every job status the tests above read
     from the API server: each phase real jobs went through gets its health."""
-    from tests.harness.argocd_health import health
+    from relaytrain_testkit.harness.argocd_health import health
 
     phases = {(o.get("status") or {}).get("phase") for o in SEEN}
     assert {"Pending", "Running", "Recovering", "Suspended", "Succeeded", "Failed"} <= phases
@@ -885,7 +890,7 @@ def test_argocd_health_of_real_statuses() -> None:
 def test_kstatus_of_real_statuses() -> None:
     """The real kstatus library (kstatus-check) on every job status the tests above read from
     the API server: each says what docs/operator.md "GitOps health" promises."""
-    from tests.harness.kstatus import expected_kstatus, kstatus
+    from relaytrain_testkit.harness.kstatus import expected_kstatus, kstatus
 
     verdicts = kstatus(SEEN)
     seen = set()

@@ -38,9 +38,8 @@ from relaytrain_operator.loop.decide import Needs, parse_spec
 from relaytrain_operator.loop.observe import Observer
 from relaytrain_operator.loop.options import OperatorOptions
 from relaytrain_operator.loop.runner import Runner
-
-from tests.harness.waiting import wait_for
-from tests.operator_cases import (
+from relaytrain_testkit.decide_cases import running_status
+from relaytrain_testkit.harness.operator_cases import (
     GROUP,
     PLURAL,
     VERSION,
@@ -50,8 +49,8 @@ from tests.operator_cases import (
     nodes_index,
     raw,
 )
-from tests.shapes import SMOLLM2_135M_CONFIG
-from tests.unit.test_operator_decide import running_status
+from relaytrain_testkit.harness.waiting import wait_for
+from relaytrain_testkit.shapes import SMOLLM2_135M_CONFIG
 
 pytestmark = pytest.mark.k8s
 

@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 from relaytrain_operator.domain.planner import ModelShape, split_micro_batches
-from relaytrain_worker.testing import random_batches, run_data_parallel_threads, tiny_model_dir
-from relaytrain_worker.transport import Link
+from relaytrain_testkit.inputs import random_batches
+from relaytrain_testkit.pipelines import run_data_parallel_threads
+from relaytrain_testkit.tiny_models import tiny_model_dir
+from relaytrain_worker.pipeline.transport import Link
 
 from bench import bench_fleet_measured as fm
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from relaytrain_worker import checkpoint as ckpt
-from relaytrain_worker.checkpoint import CheckpointError, CorruptCheckpoint
-from relaytrain_worker.store import LocalStore
+from relaytrain_worker.state import checkpoint as ckpt
+from relaytrain_worker.state.checkpoint import CheckpointError, CorruptCheckpoint
+from relaytrain_worker.state.store import LocalStore
 
 pytestmark = pytest.mark.unit
 

@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from relaytrain_worker.progress import Progress, read_progress, write_progress
-from relaytrain_worker.store import LocalStore, ObjectNotFound, S3Store, Store, open_store
+from relaytrain_worker.state.progress import Progress, read_progress, write_progress
+from relaytrain_worker.state.store import LocalStore, ObjectNotFound, S3Store, Store, open_store
 
 pytestmark = pytest.mark.unit
 

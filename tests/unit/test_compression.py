@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from relaytrain_worker.compression import (
+from relaytrain_worker.pipeline.compression import (
     BLOCK,
     CHANNEL_ROWS,
     COMPRESSIONS,

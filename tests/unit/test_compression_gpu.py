@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from relaytrain_worker.compression import COMPRESSIONS, decode, encode
+from relaytrain_worker.pipeline.compression import COMPRESSIONS, decode, encode
 
 pytestmark = [pytest.mark.unit, pytest.mark.gpu]
 

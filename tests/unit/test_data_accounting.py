@@ -10,11 +10,12 @@ from typing import Any
 
 import pytest
 from relaytrain_contract import ConfigError, DatasetSpec, Progress
-from relaytrain_worker.data import DataError, DataReport, load_step_data, write_report
-from relaytrain_worker.progress import read_progress
-from relaytrain_worker.stage import StageRuntime
-from relaytrain_worker.store import LocalStore
-from relaytrain_worker.testing import save_tokenizer
+from relaytrain_testkit.tiny_models import save_tokenizer
+from relaytrain_worker.pipeline.stage import StageRuntime
+from relaytrain_worker.state.data import DataReport, load_step_data, write_report
+from relaytrain_worker.state.progress import read_progress
+from relaytrain_worker.state.records import DataError
+from relaytrain_worker.state.store import LocalStore
 from transformers import AutoTokenizer
 
 pytestmark = pytest.mark.unit

@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 from relaytrain_contract import DatasetSpec
 from relaytrain_contract.families import SUPPORTED_MODEL_TYPES
-from relaytrain_worker.chat import assistant_spans
-from relaytrain_worker.data import IGNORE, DataError, load_step_data
-from relaytrain_worker.testing import chat_tokenizer
-
-from tests.chat_templates import CHAT_FAMILIES, ChatFamily
+from relaytrain_testkit.chat_templates import CHAT_FAMILIES, ChatFamily
+from relaytrain_testkit.tiny_models import chat_tokenizer
+from relaytrain_worker.state.chat import assistant_spans
+from relaytrain_worker.state.data import load_step_data
+from relaytrain_worker.state.records import IGNORE, DataError
 
 pytestmark = pytest.mark.unit
 

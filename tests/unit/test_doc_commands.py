@@ -9,8 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
-from tests.doc_commands import (
+from relaytrain_testkit.doc_commands import (
     REGISTRY,
     REPO,
     SHELL_LANGUAGES,
@@ -29,6 +28,7 @@ from tests.doc_commands import (
     undocumented,
     unregistered,
 )
+from relaytrain_testkit.tiers import needs_torch
 
 pytestmark = pytest.mark.unit
 
@@ -41,6 +41,16 @@ def _entries(mode: str) -> list[Entry]:
 
 def _id(entry: Entry) -> str:
     return entry.command[:70]
+
+
+def _bench_entries() -> list[object]:
+    """Bench commands, marked `torch` where the script imports it (make test-fast skips them)."""
+    params: list[object] = []
+    for entry in _entries("bench"):
+        script = next(REPO / a for a in shlex.split(entry.command) if a.endswith(".py"))
+        marks = [pytest.mark.torch] if needs_torch(script) else []
+        params.append(pytest.param(entry, marks=marks, id=_id(entry)))
+    return params
 
 
 SAMPLE = """\
@@ -168,7 +178,7 @@ def test_unit_command_runs_as_written(entry, tmp_path):
     assert check(entry, result) == [], result.output
 
 
-@pytest.mark.parametrize("entry", _entries("bench"), ids=_id)
+@pytest.mark.parametrize("entry", _bench_entries())
 def test_bench_command_passes_options_the_script_takes(entry, tmp_path):
     result = Shell(clean_env(), REPO).run(entry.command + " --help", timeout=120)
     assert result.rc == 0, result.output

@@ -15,16 +15,21 @@ from relaytrain_contract import DatasetSpec, Progress
 from relaytrain_contract.stage import ValidationSpec
 from relaytrain_operator.domain.progress import fold
 from relaytrain_operator.spec import parse_job
-from relaytrain_worker.data import DataError, load_step_data, read_jsonl, split_records
-from relaytrain_worker.evaluation import evaluate, load_eval_batches
-from relaytrain_worker.methods import apply_lora, lora_config
-from relaytrain_worker.model_slice import BUILD_LOCK, SliceSpec, build_stage_model, load_config
-from relaytrain_worker.peers import Peers
-from relaytrain_worker.schedule import MicroBatch, token_loss_sum
-from relaytrain_worker.testing import CORPUS, tiny_model_dir
-from relaytrain_worker.transport import Link, connect, listen
-
-from tests.linkcreds import stage_credentials
+from relaytrain_testkit.linkcreds import stage_credentials
+from relaytrain_testkit.tiny_models import CORPUS, tiny_model_dir
+from relaytrain_worker.model.methods import apply_lora, lora_config
+from relaytrain_worker.model.model_slice import (
+    BUILD_LOCK,
+    SliceSpec,
+    build_stage_model,
+    load_config,
+)
+from relaytrain_worker.pipeline.evaluation import evaluate, load_eval_batches
+from relaytrain_worker.pipeline.peers import Peers
+from relaytrain_worker.pipeline.schedule import token_loss_sum
+from relaytrain_worker.pipeline.transport import Link, connect, listen
+from relaytrain_worker.state.data import MicroBatch, load_step_data
+from relaytrain_worker.state.records import DataError, read_jsonl, split_records
 
 pytestmark = pytest.mark.unit
 
@@ -234,8 +239,8 @@ def test_the_job_status_shows_the_held_out_loss() -> None:
 
 
 def test_the_loss_history_keeps_the_held_out_losses_across_a_restart(tmp_path: Path) -> None:
-    from relaytrain_worker.history import LossHistory
-    from relaytrain_worker.store import LocalStore
+    from relaytrain_worker.state.history import LossHistory
+    from relaytrain_worker.state.store import LocalStore
 
     store = LocalStore(tmp_path)
     history = LossHistory(store, "default/job")

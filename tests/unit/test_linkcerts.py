@@ -20,9 +20,8 @@ from relaytrain_operator.domain.linkcerts import (
 )
 from relaytrain_operator.domain.stage_config import LINK_CA_ENV, LINK_CERT_ENV, LINK_KEY_ENV
 from relaytrain_operator.spec import parse_job
-
-from tests.shapes import SMOLLM2_135M_CONFIG
-from tests.unit.test_spec_invalid import base_manifest
+from relaytrain_testkit.shapes import SMOLLM2_135M_CONFIG
+from relaytrain_testkit.spec_cases import base_manifest
 
 pytestmark = pytest.mark.unit
 

@@ -18,7 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 from relaytrain_operator.domain.linkcerts import mint_link_credentials, stage_pem
-from relaytrain_worker.transport import (
+from relaytrain_testkit.harness.ports import free_port
+from relaytrain_testkit.harness.waiting import running, wait_for
+from relaytrain_testkit.linkcreds import stage_credentials
+from relaytrain_worker.pipeline.transport import (
     AuthError,
     Frame,
     FrameRejected,
@@ -30,10 +33,6 @@ from relaytrain_worker.transport import (
     listen,
     prepare,
 )
-
-from tests.harness.ports import free_port
-from tests.harness.waiting import running, wait_for
-from tests.linkcreds import stage_credentials
 
 pytestmark = pytest.mark.unit
 
@@ -380,7 +379,7 @@ def test_a_killed_peer_process_raises_link_broken_promptly(
         textwrap.dedent(
             f"""
             import os, time, torch
-            from relaytrain_worker.transport import Frame, LinkCredentials, connect
+            from relaytrain_worker.pipeline.transport import Frame, LinkCredentials, connect
             creds = LinkCredentials.from_env("CERT", "KEY", "CA")
             link = connect({_addr(listener)!r}, credentials=creds, expect={S1!r})
             link.send(Frame("activation", 0, 0, {{"h": torch.ones(4)}}))
@@ -496,7 +495,7 @@ def test_both_directions_carry_large_frames_at_once(listener: Listener) -> None:
 def test_a_peer_that_stalls_mid_frame_is_declared_gone(
     listener: Listener, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import relaytrain_worker.transport as transport
+    import relaytrain_worker.pipeline.transport as transport
 
     monkeypatch.setattr(transport, "STALL_TIMEOUT", 0.5)
     up, down = _pair(listener)

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
-from relaytrain_worker.metrics import MetricsServer, StageMetrics, serve
+from relaytrain_worker.state.metrics import MetricsServer, StageMetrics, serve
 
 pytestmark = pytest.mark.unit
 

@@ -13,9 +13,8 @@ from cryptography import x509
 from relaytrain_contract import LINK_CERT_ENV, StageConfig
 from relaytrain_operator.cli.local_run import LocalRun, local_layout
 from relaytrain_operator.spec import FineTuneJob, SpecError, parse_job
-
-from tests.shapes import SMOLLM2_135M_CONFIG
-from tests.unit.test_spec_invalid import base_manifest
+from relaytrain_testkit.shapes import SMOLLM2_135M_CONFIG
+from relaytrain_testkit.spec_cases import base_manifest
 
 pytestmark = pytest.mark.unit
 

@@ -21,8 +21,7 @@ from relaytrain_operator.cli.local_run import (
 )
 from relaytrain_operator.domain.recovery import after_failure, backoff_left
 from relaytrain_operator.spec import FineTuneJob, parse_job
-
-from tests.unit.test_spec_invalid import base_manifest
+from relaytrain_testkit.spec_cases import base_manifest
 
 pytestmark = pytest.mark.unit
 

@@ -22,9 +22,8 @@ from relaytrain_operator.store.model_config import (
     shipped_config,
     shipped_names,
 )
-
-from tests.harness.ports import free_port  # a port nothing listens on
-from tests.shapes import SMOLLM2_135M_CONFIG
+from relaytrain_testkit.harness.ports import free_port  # a port nothing listens on
+from relaytrain_testkit.shapes import SMOLLM2_135M_CONFIG
 
 pytestmark = pytest.mark.unit
 

@@ -310,8 +310,7 @@ def test_relaytrain_plan_keeps_a_job_off_nodes_its_node_selector_excludes(
 
     import yaml
     from relaytrain_operator import cli
-
-    from tests.shapes import SMOLLM2_135M_CONFIG
+    from relaytrain_testkit.shapes import SMOLLM2_135M_CONFIG
 
     root = Path(__file__).resolve().parents[2]
     fleet = yaml.safe_load((root / "examples" / "nodes-mixed.yaml").read_text())

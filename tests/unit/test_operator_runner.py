@@ -26,9 +26,8 @@ from relaytrain_operator.loop.apply import ClusterApi
 from relaytrain_operator.loop.decide import Decision, Needs, Observed, Settings
 from relaytrain_operator.loop.options import OperatorOptions
 from relaytrain_operator.loop.runner import Runner, _first
-
-from tests.harness.waiting import wait_for_async as until
-from tests.unit.test_operator_decide import NODES, manifest, pod, running_status
+from relaytrain_testkit.decide_cases import NODES, manifest, pod, running_status
+from relaytrain_testkit.harness.waiting import wait_for_async as until
 
 pytestmark = pytest.mark.unit
 

@@ -24,20 +24,18 @@ import pytest
 import torch
 from relaytrain_contract import DatasetSpec
 from relaytrain_contract.families import SUPPORTED_MODEL_TYPES
-from relaytrain_worker import families
-from relaytrain_worker.data import IGNORE, Example, build_rows
-from relaytrain_worker.model_slice import SliceSpec, build_stage_model, load_config
-from relaytrain_worker.schedule import MicroBatch, count_items
-from relaytrain_worker.testing import (
-    CLIPPED_TRAINING,
-    run_pipeline_threads,
-    run_reference,
-    tiny_model_dir,
-)
+from relaytrain_testkit.inputs import CLIPPED_TRAINING
+from relaytrain_testkit.linkcreds import stage_credentials
+from relaytrain_testkit.pipelines import run_pipeline_threads
+from relaytrain_testkit.references import run_reference
+from relaytrain_testkit.tiny_families import tiny_family_dir
+from relaytrain_testkit.tiny_models import tiny_model_dir
+from relaytrain_worker.model import families
+from relaytrain_worker.model.model_slice import SliceSpec, build_stage_model, load_config
+from relaytrain_worker.pipeline.schedule import count_items
+from relaytrain_worker.state.data import MicroBatch, build_rows
+from relaytrain_worker.state.records import IGNORE, Example
 from torch.nn import functional
-
-from tests.linkcreds import stage_credentials
-from tests.unit.test_worker_families import tiny_family_dir
 
 pytestmark = pytest.mark.unit
 

@@ -14,11 +14,11 @@ from typing import Literal
 
 import pytest
 import torch
-from relaytrain_worker.dataparallel import InProcessGroup, ReplicaGroup, Slice
-from relaytrain_worker.periodic import is_outer_step, outer_step
+from relaytrain_testkit.replica_links import link_groups, on_threads
+from relaytrain_worker.pipeline.stats import ReplicaGroup
+from relaytrain_worker.replicas.arithmetic import InProcessGroup, Slice
+from relaytrain_worker.replicas.periodic import is_outer_step, outer_step
 from torch import nn
-
-from tests.unit.test_replica_faults import _groups, _on_threads
 
 pytestmark = pytest.mark.unit
 
@@ -55,10 +55,10 @@ def _outer(
         shared = InProcessGroup([len(s) for s in SPLITS], timeout=60)
         groups = {key: shared for key in stages}
     else:
-        groups = dict(_groups(SPLITS))
+        groups = dict(link_groups(SPLITS))
     keys = sorted(stages)
     try:
-        got = _on_threads({
+        got = on_threads({
             i: (lambda p=p, k=k: outer_step(
                 groups[(p, k)], 3, p, k, stages[(p, k)], weight=TOKENS[p]
             ))

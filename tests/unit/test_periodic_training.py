@@ -16,22 +16,29 @@ from typing import Literal
 
 import pytest
 import torch
-from relaytrain_worker.periodic import PeriodicSync
-from relaytrain_worker.schedule import MicroBatch
-from relaytrain_worker.testing import PipelineRun, run_data_parallel_threads, run_periodic_reference
-
-from tests.unit.test_worker_dataparallel import SPLITS, TRAINING, _credentials, _steps, llama_dir
-
-__all__ = ["llama_dir"]  # the module fixture, shared
+from relaytrain_testkit.inputs import CLIPPED_TRAINING, masked_batches
+from relaytrain_testkit.linkcreds import pipeline_credentials
+from relaytrain_testkit.pipelines import PipelineRun, run_data_parallel_threads
+from relaytrain_testkit.references import run_periodic_reference
+from relaytrain_testkit.tiny_models import tiny_model_dir
+from relaytrain_worker.replicas.periodic import PeriodicSync
+from relaytrain_worker.state.data import MicroBatch
 
 pytestmark = pytest.mark.unit
 
+TRAINING = CLIPPED_TRAINING
+SPLITS = [[(0, 1), (1, 4)], [(0, 3), (3, 4)]]
 SHARES = [2, 1]
 
 
 @pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_model_dir(tmp_path_factory.mktemp("llama"), layers=4)
+
+
+@pytest.fixture(scope="module")
 def steps() -> list[list[MicroBatch]]:
-    return _steps(4, 3)
+    return masked_batches(4, 3)
 
 
 def _run(
@@ -45,7 +52,7 @@ def _run(
 ) -> list[PipelineRun]:
     return run_data_parallel_threads(
         model_dir, splits, SHARES, steps, TRAINING,
-        credentials=_credentials([len(s) for s in splits]), method=method,
+        credentials=pipeline_credentials([len(s) for s in splits]), method=method,
         replicas=replicas, sync_every=every,
     )  # fmt: skip
 

@@ -173,9 +173,8 @@ def test_an_moe_config_without_its_experts_names_the_key() -> None:
 def test_the_operator_refuses_an_unsupported_type_before_any_pod() -> None:
     from relaytrain_operator.loop.actions import Create
     from relaytrain_operator.loop.decide import ModelConfig, decide
-
-    from tests.shapes import SMOLLM2_135M_CONFIG
-    from tests.unit.test_operator_decide import SETTINGS, events, manifest, observed
+    from relaytrain_testkit.decide_cases import SETTINGS, events, manifest, observed
+    from relaytrain_testkit.shapes import SMOLLM2_135M_CONFIG
 
     model = ModelConfig({**SMOLLM2_135M_CONFIG, "model_type": "phimoe"})
     decision = decide(observed(manifest(), model=model), SETTINGS)

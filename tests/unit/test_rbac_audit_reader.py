@@ -7,8 +7,12 @@ import json
 from typing import Any
 
 import pytest
-
-from tests.harness.rbac_audit import Permission, calls_of, granted_to, service_account_user
+from relaytrain_testkit.harness.rbac_audit import (
+    Permission,
+    calls_of,
+    granted_to,
+    service_account_user,
+)
 
 pytestmark = pytest.mark.unit
 

@@ -12,96 +12,30 @@ rejoining stage takes a live stage's weights and AdamW state by name, equal bit 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from datetime import UTC, datetime
-from typing import Any
 
 import pytest
 import torch
-from relaytrain_operator.domain.linkcerts import mint_link_credentials, stage_pem
-from relaytrain_worker.dataparallel import LinkGroup, Slice, live_shares, segment_peers
-from relaytrain_worker.linkauth import LinkBroken, LinkCredentials
-from relaytrain_worker.replicas import STATE, GivenUp, load_state_frames, state_frame
-from relaytrain_worker.training import named_optimizer_state
-from relaytrain_worker.transport import Frame, Link, connect, listen
+from relaytrain_testkit.replica_links import (
+    Peer,
+    link_groups,
+    link_pair,
+    on_threads,
+    peer_credentials,
+    peer_links,
+)
+from relaytrain_worker.model.training import named_optimizer_state
+from relaytrain_worker.pipeline.linkauth import LinkBroken
+from relaytrain_worker.pipeline.transport import Frame
+from relaytrain_worker.replicas.arithmetic import Slice, live_shares
+from relaytrain_worker.replicas.group import LinkGroup
+from relaytrain_worker.replicas.handover import STATE, load_state_frames, state_frame
+from relaytrain_worker.replicas.links import GivenUp
 from torch import nn
 
 pytestmark = pytest.mark.unit
 
-Peer = tuple[int, int]
 NAME = "model.layers.0.self_attn.q_proj.lora_A.weight"
 ONE_STAGE = [(0, 1)]
-
-
-def _pair(me: LinkCredentials, them: LinkCredentials) -> tuple[Link, Link]:
-    """A mutually authenticated loopback link: (my end, their end)."""
-    listener = listen("127.0.0.1:0", credentials=them, expect=me.identity)
-    try:
-        with ThreadPoolExecutor(1) as dialer:
-            mine = dialer.submit(
-                connect, f"127.0.0.1:{listener.address[1]}", credentials=me, expect=them.identity
-            )
-            theirs = listener.accept(timeout=30)
-            return mine.result(), theirs
-    finally:
-        listener.close()
-
-
-def _credentials(splits: list[list[tuple[int, int]]]) -> dict[Peer, LinkCredentials]:
-    files = mint_link_credentials("test", "faults", [len(s) for s in splits], now=datetime.now(UTC))
-    return {
-        (p, k): LinkCredentials(*stage_pem(files, p, k))
-        for p, split in enumerate(splits)
-        for k in range(len(split))
-    }
-
-
-def _links(
-    splits: list[list[tuple[int, int]]],
-    order: dict[Peer, list[Peer]] | None = None,
-    creds: dict[Peer, LinkCredentials] | None = None,
-) -> dict[Peer, dict[Peer, Link]]:
-    """Every stage's links to its peers (`order[stage]`: the order its links are listed in)."""
-    creds = creds or _credentials(splits)
-    links: dict[Peer, dict[Peer, Link]] = {me: {} for me in creds}
-    for p, k in creds:
-        for q, j in segment_peers(splits, p, k):
-            if q > p:
-                links[(p, k)][(q, j)], links[(q, j)][(p, k)] = _pair(creds[(p, k)], creds[(q, j)])
-    for me, peers in (order or {}).items():
-        links[me] = {peer: links[me][peer] for peer in peers}
-    return links
-
-
-def _groups(
-    splits: list[list[tuple[int, int]]],
-    order: dict[Peer, list[Peer]] | None = None,
-    creds: dict[Peer, LinkCredentials] | None = None,
-) -> dict[Peer, LinkGroup]:
-    return {
-        (p, k): LinkGroup.from_splits(splits, p, k, links, timeout=60)
-        for (p, k), links in _links(splits, order, creds).items()
-    }
-
-
-def _on_threads(calls: dict[int, Callable[[], Any]]) -> dict[int, Any]:
-    """Run each call on its own thread; their results (or exceptions) by key."""
-    out: dict[int, Any] = {}
-
-    def run(key: int, call: Callable[[], Any]) -> None:
-        try:
-            out[key] = call()
-        except BaseException as exc:  # reported by the test
-            out[key] = exc
-
-    threads = [threading.Thread(target=run, args=item) for item in calls.items()]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(120)
-        assert not thread.is_alive(), "a stage is still waiting"
-    return out
 
 
 def _crash_when_sending_result(group: LinkGroup, to: Peer, after: Peer | None) -> None:
@@ -135,9 +69,9 @@ def test_a_leader_dying_mid_broadcast_leaves_every_survivor_with_its_result(firs
     # has it. The one that has it keeps it; the other takes it over (from the new leader's
     # cache, or, when it leads itself, by asking first): both hold the fold of all three.
     other = 3 - first
-    groups = _groups([ONE_STAGE] * 3, order={(0, 0): [(first, 0), (other, 0)]})
+    groups = link_groups([ONE_STAGE] * 3, order={(0, 0): [(first, 0), (other, 0)]})
     _crash_when_sending_result(groups[(0, 0)], to=(other, 0), after=(first, 0))
-    got = _on_threads(
+    got = on_threads(
         {p: lambda p=p: groups[(p, 0)].reduce(7, p, 0, _contribution(p)) for p in range(3)}
     )
     for group in groups.values():
@@ -151,10 +85,10 @@ def test_a_leader_dying_mid_broadcast_leaves_every_survivor_with_its_result(firs
 def test_a_leader_dying_before_any_result_is_replaced_by_the_next_pipeline() -> None:
     # Pipeline 0 dies once it holds both contributions and has sent nothing: pipeline 1
     # takes over, nobody has a result, so it folds again what is there (1 + 2).
-    groups = _groups([ONE_STAGE] * 3)
+    groups = link_groups([ONE_STAGE] * 3)
     _crash_when_sending_result(groups[(0, 0)], to=(1, 0), after=None)
     groups[(0, 0)]._ports[(2, 0)].send = lambda frame: False  # type: ignore[method-assign]
-    got = _on_threads(
+    got = on_threads(
         {p: lambda p=p: groups[(p, 0)].reduce(3, p, 0, _contribution(p)) for p in range(3)}
     )
     for group in groups.values():
@@ -164,9 +98,9 @@ def test_a_leader_dying_before_any_result_is_replaced_by_the_next_pipeline() -> 
 
 
 def test_a_pipeline_gone_before_contributing_is_simply_absent() -> None:
-    groups = _groups([ONE_STAGE] * 3)
+    groups = link_groups([ONE_STAGE] * 3)
     groups[(2, 0)].close()  # pipeline 2 has left before the step's reduce
-    got = _on_threads(
+    got = on_threads(
         {p: lambda p=p: groups[(p, 0)].reduce(0, p, 0, _contribution(p)) for p in range(2)}
     )
     for group in groups.values():
@@ -178,8 +112,8 @@ def test_a_pipeline_gone_before_contributing_is_simply_absent() -> None:
 def test_the_fold_stays_in_pipeline_order_with_every_pipeline_there() -> None:
     # (1 + 1e8) - 1e8 == 0 in float32 but 1 + (1e8 - 1e8) == 1: the leader folds in order.
     values = {0: 1.0, 1: 1e8, 2: -1e8}
-    groups = _groups([ONE_STAGE] * 3)
-    got = _on_threads(
+    groups = link_groups([ONE_STAGE] * 3)
+    got = on_threads(
         {p: lambda p=p: groups[(p, 0)].reduce(0, p, 0, {NAME: torch.tensor([values[p]])})
          for p in (2, 1, 0)}
     )  # fmt: skip
@@ -191,13 +125,13 @@ def test_the_fold_stays_in_pipeline_order_with_every_pipeline_there() -> None:
 
 def test_a_rejoining_pipeline_is_admitted_by_every_first_stage_at_one_step() -> None:
     splits = [ONE_STAGE] * 3
-    creds = _credentials(splits)
-    groups = {p: g for (p, _), g in _groups(splits, creds=creds).items()}
+    creds = peer_credentials(splits)
+    groups = {p: g for (p, _), g in link_groups(splits, creds=creds).items()}
     groups[2].close()  # pipeline 2 fails; 0 and 1 train step 10 without it
-    left = _on_threads({p: lambda p=p: groups[p].agree_members(10) for p in range(2)})
+    left = on_threads({p: lambda p=p: groups[p].agree_members(10) for p in range(2)})
     assert left[0] == left[1] == ({0, 1}, set())
     # Its new stage links to theirs again (they offer the links to their groups) and asks.
-    fresh = {p: _pair(creds[(p, 0)], creds[(2, 0)]) for p in range(2)}
+    fresh = {p: link_pair(creds[(p, 0)], creds[(2, 0)]) for p in range(2)}
     for p in range(2):
         groups[p].begin(10, {0, 1})
         groups[p].offer((2, 0), fresh[p][0])
@@ -209,14 +143,14 @@ def test_a_rejoining_pipeline_is_admitted_by_every_first_stage_at_one_step() -> 
     port = groups[0]._offered[(2, 0)]
     with groups[0]._cond:
         assert groups[0]._cond.wait_for(lambda: port.has("join", None), 30)
-    got = _on_threads({p: lambda p=p: groups[p].agree_members(11) for p in range(2)})
+    got = on_threads({p: lambda p=p: groups[p].agree_members(11) for p in range(2)})
     joiner.join(30)
     assert got[0] == got[1] == ({0, 1, 2}, {2})
     assert joined == [(11, {0, 1, 2}, {2})]
     # From that step on the three reduce together again.
     for p in range(3):
         groups[p].begin(11, {0, 1, 2}, {2})
-    sums = _on_threads(
+    sums = on_threads(
         {p: lambda p=p: groups[p].reduce(11, p, 0, _contribution(p)) for p in range(3)}
     )
     for group in groups.values():
@@ -225,16 +159,16 @@ def test_a_rejoining_pipeline_is_admitted_by_every_first_stage_at_one_step() -> 
 
 
 def test_a_pipeline_left_out_of_a_step_no_longer_counts_in_the_next_membership() -> None:
-    groups = _groups([ONE_STAGE] * 3)
+    groups = link_groups([ONE_STAGE] * 3)
     groups[(1, 0)].close()
-    got = _on_threads({p: lambda p=p: groups[(p, 0)].agree_members(4) for p in (0, 2)})
+    got = on_threads({p: lambda p=p: groups[(p, 0)].agree_members(4) for p in (0, 2)})
     for group in groups.values():
         group.close()
     assert got[0] == got[2] == ({0, 2}, set())
 
 
 def test_a_break_between_live_pipelines_makes_the_higher_one_leave() -> None:
-    groups = _groups([ONE_STAGE] * 2)
+    groups = link_groups([ONE_STAGE] * 2)
     groups[(0, 0)]._ports[(1, 0)].close()  # only this link breaks; both stages live on
     with groups[(1, 0)]._cond:
         assert groups[(1, 0)]._cond.wait_for(lambda: groups[(1, 0)]._ports[(0, 0)].gone, 30)
@@ -283,7 +217,7 @@ def _optimizer(
 def test_a_rejoining_stage_takes_a_live_stages_weights_and_adamw_state_by_name() -> None:
     # The live pipeline holds layers 0-2 on one stage; the rejoining one splits them [0 | 1-2].
     splits = [[(0, 3)], [(0, 1), (1, 3)]]
-    groups = _groups(splits)
+    groups = link_groups(splits)
     live = _lora(range(3), seed=1)
     opt, sched = _optimizer(live)
     gen = torch.Generator().manual_seed(2)
@@ -325,7 +259,7 @@ def test_a_rejoining_stage_takes_a_live_stages_weights_and_adamw_state_by_name()
 
 def test_a_state_without_every_name_is_refused() -> None:
     splits = [[(0, 3)], [(0, 3)]]
-    groups = _groups(splits)
+    groups = link_groups(splits)
     live = _lora(range(3), seed=1)
     opt, sched = _optimizer(live)
     groups[(0, 0)].send_to((1, 0), state_frame(1, live, opt, sched, [n for n, _ in live[:4]]))
@@ -341,7 +275,7 @@ def test_pipelines_given_up_are_no_members_and_need_no_links() -> None:
     # Pipeline 0 was given up (the operator said so through the store): the stages of
     # pipelines 1 and 2 link only to each other and reduce among themselves.
     splits = [ONE_STAGE] * 3
-    links = _links(splits)
+    links = peer_links(splits)
     for link in [*links.pop((0, 0)).values(), *(links[(p, 0)].pop((0, 0)) for p in (1, 2))]:
         link.close()
     peers = {(q, 0): Slice.of(ONE_STAGE, 0) for q in range(3)}
@@ -351,7 +285,7 @@ def test_pipelines_given_up_are_no_members_and_need_no_links() -> None:
                      members={1, 2}, timeout=60)
         for p in (1, 2)
     }  # fmt: skip
-    got = _on_threads({p: lambda p=p: groups[p].reduce(0, p, 0, _contribution(p)) for p in (1, 2)})
+    got = on_threads({p: lambda p=p: groups[p].reduce(0, p, 0, _contribution(p)) for p in (1, 2)})
     for group in groups.values():
         group.close()
     assert torch.equal(got[1][NAME], got[2][NAME])

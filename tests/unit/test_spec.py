@@ -15,8 +15,7 @@ from relaytrain_operator.spec import (
     parse_job,
     status_patch,
 )
-
-from tests.unit.test_spec_invalid import base_manifest
+from relaytrain_testkit.spec_cases import base_manifest
 
 pytestmark = pytest.mark.unit
 

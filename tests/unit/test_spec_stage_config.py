@@ -17,8 +17,7 @@ from relaytrain_operator.domain.stage_config import (
     pod_endpoints,
 )
 from relaytrain_operator.spec import parse_job
-
-from tests.unit.test_spec_invalid import base_manifest
+from relaytrain_testkit.spec_cases import base_manifest
 
 pytestmark = pytest.mark.unit
 

@@ -7,7 +7,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 from relaytrain_contract import Progress
-from relaytrain_worker.stage import job_finished
+from relaytrain_worker.replicas.membership import job_finished
 
 pytestmark = pytest.mark.unit
 

@@ -19,10 +19,9 @@ from relaytrain_operator.loop.observe import Observer
 from relaytrain_operator.spec import FineTuneJob, parse_job
 from relaytrain_operator.store import objectstore
 from relaytrain_operator.store.objectstore import StoreAccess
-from relaytrain_worker.store import job_credentials
-
-from tests.shapes import SMOLLM2_135M_CONFIG
-from tests.unit.test_spec_invalid import base_manifest
+from relaytrain_testkit.shapes import SMOLLM2_135M_CONFIG
+from relaytrain_testkit.spec_cases import base_manifest
+from relaytrain_worker.state.store import job_credentials
 
 pytestmark = pytest.mark.unit
 

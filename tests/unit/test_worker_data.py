@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 from relaytrain_contract import DatasetSpec
-from relaytrain_worker.data import IGNORE, DataError, load_step_data
-from relaytrain_worker.testing import save_tokenizer
+from relaytrain_testkit.tiny_models import save_tokenizer
+from relaytrain_worker.state.data import load_step_data
+from relaytrain_worker.state.records import IGNORE, DataError
 from transformers import AutoTokenizer
 
 pytestmark = pytest.mark.unit

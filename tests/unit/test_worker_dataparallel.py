@@ -16,63 +16,31 @@ from __future__ import annotations
 
 import threading
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Literal
 
 import pytest
 import torch
-from relaytrain_operator.domain.linkcerts import mint_link_credentials, stage_pem
-from relaytrain_worker.dataparallel import (
-    LOSS_KEY,
+from relaytrain_testkit.inputs import CLIPPED_TRAINING, masked_batches
+from relaytrain_testkit.linkcreds import pipeline_credentials
+from relaytrain_testkit.pipelines import PipelineRun, run_data_parallel_threads
+from relaytrain_testkit.references import run_reference
+from relaytrain_testkit.tiny_models import tiny_model_dir
+from relaytrain_worker.pipeline.schedule import count_items
+from relaytrain_worker.pipeline.stats import LOSS_KEY
+from relaytrain_worker.replicas.arithmetic import (
     InProcessGroup,
     holds,
     micro_ranges,
     reduce_sum,
     segment_peers,
 )
-from relaytrain_worker.linkauth import LinkCredentials
-from relaytrain_worker.schedule import MicroBatch, count_items
-from relaytrain_worker.testing import (
-    CLIPPED_TRAINING,
-    PipelineRun,
-    run_data_parallel_threads,
-    run_reference,
-    tiny_model_dir,
-)
+from relaytrain_worker.state.data import MicroBatch
 
 pytestmark = pytest.mark.unit
 
 TRAINING = CLIPPED_TRAINING
 SPLITS = [[(0, 1), (1, 4)], [(0, 3), (3, 4)]]
-SEQ = 12
-
-
-def _steps(n_steps: int, n_micro: int, vocab: int = 300) -> list[list[MicroBatch]]:
-    """Micro-batches with right padding and masked prompts of different lengths, so every
-    micro-batch has another label-token count."""
-    gen = torch.Generator().manual_seed(5)
-    out = []
-    for _ in range(n_steps):
-        micros = []
-        for i in range(n_micro):
-            ids = torch.randint(0, vocab, (2, SEQ), generator=gen)
-            mask = torch.ones(2, SEQ, dtype=torch.long)
-            mask[1, SEQ - 2 - 3 * i :] = 0
-            labels = ids.clone()
-            labels[mask == 0] = -100
-            labels[0, : 1 + 2 * i] = -100
-            pos = torch.arange(SEQ).expand(2, -1).contiguous()
-            micros.append(MicroBatch(ids, mask, pos, labels))
-        out.append(micros)
-    return out
-
-
-def _credentials(stages: list[int]) -> list[list[LinkCredentials]]:
-    files = mint_link_credentials("test", "replicas", stages, now=datetime.now(UTC))
-    return [
-        [LinkCredentials(*stage_pem(files, p, k)) for k in range(n)] for p, n in enumerate(stages)
-    ]
 
 
 def _run(
@@ -86,7 +54,8 @@ def _run(
 ) -> list[PipelineRun]:
     return run_data_parallel_threads(
         model_dir, splits, shares, steps, TRAINING,
-        credentials=_credentials([len(s) for s in splits]), method=method, replicas=replicas,
+        credentials=pipeline_credentials([len(s) for s in splits]), method=method,
+        replicas=replicas,
     )  # fmt: skip
 
 
@@ -131,7 +100,7 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def steps_2to1() -> list[list[MicroBatch]]:
-    steps = _steps(3, 3)
+    steps = masked_batches(3, 3)
     counts = [[count_items([m]) for m in micros] for micros in steps]
     assert all(len(set(c)) == len(c) for c in counts), counts  # unequal per micro-batch
     return steps
@@ -171,7 +140,7 @@ def test_lora_two_pipelines_sharing_1_to_2_equal_single_process_within_1e6(
 
 
 def test_lora_one_micro_batch_per_pipeline_is_bit_identical(llama_dir: Path) -> None:
-    steps = _steps(3, 2)
+    steps = masked_batches(3, 2)
     ref = run_reference(llama_dir, steps, TRAINING)
     runs = _run(llama_dir, [1, 1], steps, "lora")
     _assert_matches(runs, ref, exact=True)
@@ -179,7 +148,7 @@ def test_lora_one_micro_batch_per_pipeline_is_bit_identical(llama_dir: Path) -> 
 
 
 def test_three_pipelines_sharing_2_1_1_equal_single_process_bit_for_bit(llama_dir: Path) -> None:
-    steps = _steps(2, 4)
+    steps = masked_batches(2, 4)
     ref = run_reference(llama_dir, steps, TRAINING)
     splits = [*SPLITS, [(0, 2), (2, 4)]]
     runs = _run(llama_dir, [2, 1, 1], steps, "lora", splits=splits)

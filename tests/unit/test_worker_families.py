@@ -25,144 +25,27 @@ from typing import Any
 import pytest
 import torch
 from relaytrain_contract.families import SUPPORTED_MODEL_TYPES, family, lora_targets
-from relaytrain_worker import families
-from relaytrain_worker import testing as rt_testing
-from relaytrain_worker.export import _export_adapter
-from relaytrain_worker.methods import apply_lora, lora_config
-from relaytrain_worker.model_slice import StageModel, load_config
-from relaytrain_worker.schedule import MicroBatch
-from relaytrain_worker.shards import ModelLoadError
-from relaytrain_worker.store import LocalStore
-from relaytrain_worker.testing import (
-    CLIPPED_TRAINING,
-    PipelineRun,
-    even_splits,
-    run_pipeline_threads,
-    run_reference,
-    save_tokenizer,
-)
+from relaytrain_testkit import pipelines
+from relaytrain_testkit.inputs import CLIPPED_TRAINING, even_splits
+from relaytrain_testkit.linkcreds import stage_credentials
+from relaytrain_testkit.pipelines import PipelineRun, run_pipeline_threads
+from relaytrain_testkit.references import run_reference
+from relaytrain_testkit.tiny_families import LAYERS, family_config, tiny_family_dir
+from relaytrain_worker.model import families
+from relaytrain_worker.model.methods import apply_lora, lora_config
+from relaytrain_worker.model.model_slice import StageModel, load_config
+from relaytrain_worker.model.shards import ModelLoadError
+from relaytrain_worker.state.data import MicroBatch
+from relaytrain_worker.state.export import _export_adapter
+from relaytrain_worker.state.store import LocalStore
 from torch import nn
-
-from tests.linkcreds import stage_credentials
 
 pytestmark = pytest.mark.unit
 
-LAYERS = 4
 SEQ = 12
 TRAINING = CLIPPED_TRAINING.model_copy(update={"steps": 2})
 EXPERTS = ["experts.gate_up_proj", "experts.down_proj"]
 MOE_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", *EXPERTS]
-
-
-def _config(model_type: str, vocab: int) -> Any:
-    """The tiny config of a family, from the family's own config class."""
-    import transformers as tf
-
-    common: dict[str, Any] = {
-        "vocab_size": vocab,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": LAYERS,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 128,
-        "pad_token_id": vocab - 1,
-        "bos_token_id": 0,
-        "eos_token_id": 0,
-        "tie_word_embeddings": False,
-    }
-    moe = {"num_experts_per_tok": 2, "moe_intermediate_size": 16, "num_experts": 4}
-    gemma = {"head_dim": 8, "query_pre_attn_scalar": 8, "tie_word_embeddings": True}
-    builders: dict[str, Callable[[], Any]] = {
-        "llama": lambda: tf.LlamaConfig(**{**common, "tie_word_embeddings": True}),
-        "mistral": lambda: tf.MistralConfig(**common, sliding_window=4),
-        "qwen2": lambda: tf.Qwen2Config(
-            **common, use_sliding_window=True, sliding_window=4, max_window_layers=2
-        ),
-        "qwen3": lambda: tf.Qwen3Config(**common, head_dim=8),
-        "gemma": lambda: tf.GemmaConfig(**{**common, "tie_word_embeddings": True}, head_dim=8),
-        "gemma2": lambda: tf.Gemma2Config(
-            **{**common, **gemma},
-            sliding_window=4,
-            final_logit_softcapping=2.0,
-            attn_logit_softcapping=3.0,
-        ),
-        "gemma3_text": lambda: tf.Gemma3TextConfig(
-            **{**common, **gemma},
-            sliding_window=4,
-            layer_types=[
-                "sliding_attention",
-                "sliding_attention",
-                "full_attention",
-                "sliding_attention",
-            ],
-            rope_parameters={
-                "sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
-                "full_attention": {"rope_type": "default", "rope_theta": 100_000.0},
-            },
-            final_logit_softcapping=2.0,
-        ),
-        "phi3": lambda: tf.Phi3Config(
-            **common,
-            sliding_window=6,
-            rope_parameters={
-                "rope_type": "default",
-                "rope_theta": 10_000.0,
-                "partial_rotary_factor": 0.5,
-            },
-        ),
-        "mixtral": lambda: tf.MixtralConfig(
-            **common, sliding_window=5, num_local_experts=4, num_experts_per_tok=2
-        ),
-        "qwen2_moe": lambda: tf.Qwen2MoeConfig(
-            **common, **moe, shared_expert_intermediate_size=24, mlp_only_layers=[1]
-        ),
-        "qwen3_moe": lambda: tf.Qwen3MoeConfig(
-            **common, **moe, head_dim=8, norm_topk_prob=True, mlp_only_layers=[2]
-        ),
-        "gpt_oss": lambda: tf.GptOssConfig(
-            **common,
-            head_dim=8,
-            num_local_experts=4,
-            num_experts_per_tok=2,
-            sliding_window=4,
-            rope_parameters={
-                "rope_type": "yarn",
-                "rope_theta": 150_000.0,
-                "factor": 4.0,
-                "beta_fast": 32.0,
-                "beta_slow": 1.0,
-                "truncate": False,
-                "original_max_position_embeddings": 32,
-            },
-        ),
-        "olmo2": lambda: tf.Olmo2Config(**common),
-        "granite": lambda: tf.GraniteConfig(
-            **{**common, "tie_word_embeddings": True},
-            embedding_multiplier=6.0,
-            logits_scaling=4.0,
-            residual_multiplier=0.3,
-            attention_multiplier=0.2,
-        ),
-    }
-    return builders[model_type]()
-
-
-def tiny_family_dir(out: Path, model_type: str, seed: int = 0) -> Path:
-    """A random tiny model of `model_type`, saved like a hub checkpoint (sharded)."""
-    from transformers import AutoModelForCausalLM
-
-    out.mkdir(parents=True, exist_ok=True)
-    config = _config(model_type, save_tokenizer(out))
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
-    # Random init leaves GPT-OSS's attention sinks and some norms at values that hide
-    # them (zero sinks, unit norms); perturb every parameter so each one matters.
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(0.05 * torch.randn_like(param))
-    model.save_pretrained(str(out), max_shard_size="40KB")
-    return out
 
 
 def _targets(model_type: str) -> list[str]:
@@ -244,7 +127,7 @@ def _differences(run: PipelineRun, ref: PipelineRun, n_steps: int = 2) -> list[s
 
 def test_every_supported_family_has_a_tiny_model_here() -> None:
     for model_type in SUPPORTED_MODEL_TYPES:
-        assert _config(model_type, 320).model_type == model_type
+        assert family_config(model_type, 320).model_type == model_type
 
 
 @pytest.mark.parametrize("stages", [2, 3])
@@ -333,14 +216,14 @@ def _on_stages(change: Callable[[StageModel], None]) -> Breaker:
     """The slices' modules are changed after they are built (the reference's are not)."""
 
     def apply(mp: pytest.MonkeyPatch, model_type: str) -> None:
-        build = rt_testing.build_stage_model
+        build = pipelines.build_stage_model
 
         def broken(*args: Any, **kwargs: Any) -> StageModel:
             stage = build(*args, **kwargs)
             change(stage)
             return stage
 
-        mp.setattr(rt_testing, "build_stage_model", broken)
+        mp.setattr(pipelines, "build_stage_model", broken)
 
     return apply
 
@@ -458,7 +341,7 @@ def test_an_unsupported_model_type_is_refused_by_name(tmp_path: Path) -> None:
 
 
 def test_job_target_names_map_onto_each_family() -> None:
-    from relaytrain_worker.methods import for_family
+    from relaytrain_worker.model.methods import for_family
 
     default = ["q_proj", "k_proj", "v_proj", "o_proj"]
     assert lora_targets("llama", default).modules == tuple(default)

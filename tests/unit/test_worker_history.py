@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
-from relaytrain_worker.history import LOSSES, LossHistory, read_history
-from relaytrain_worker.store import LocalStore
+from relaytrain_worker.state.history import LOSSES, LossHistory, read_history
+from relaytrain_worker.state.store import LocalStore
 
 pytestmark = pytest.mark.unit
 

@@ -9,10 +9,10 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from relaytrain_worker import model_slice
-from relaytrain_worker.model_slice import SliceSpec, build_stage_model
-from relaytrain_worker.shards import ModelLoadError
-from relaytrain_worker.testing import tiny_model_dir
+from relaytrain_testkit.tiny_models import tiny_model_dir
+from relaytrain_worker.model import model_slice
+from relaytrain_worker.model.model_slice import SliceSpec, build_stage_model
+from relaytrain_worker.model.shards import ModelLoadError
 
 pytestmark = pytest.mark.unit
 
@@ -98,7 +98,7 @@ _RSS_SCRIPT = textwrap.dedent(
     import json, sys
     from pathlib import Path
     import torch, transformers, accelerate, peft  # imports before the baseline
-    from relaytrain_worker.model_slice import SliceSpec, build_stage_model
+    from relaytrain_worker.model.model_slice import SliceSpec, build_stage_model
     start, end, layers = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     def status(key):
         for line in open("/proc/self/status"):
@@ -141,9 +141,8 @@ def test_peak_memory_of_a_stage_tracks_its_share(tmp_path: Path) -> None:
 
 def test_from_s3_a_stage_fetches_only_the_shards_of_its_layers(model_dir: Path) -> None:
     from relaytrain_contract import StageConfig
-    from relaytrain_worker.modelfiles import stage_shards
-
-    from tests.unit.test_worker_config import DOC
+    from relaytrain_testkit.stage_document import DOC
+    from relaytrain_worker.state.modelfiles import stage_shards
 
     wm = _weight_map(model_dir)
 

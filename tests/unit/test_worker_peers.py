@@ -6,8 +6,8 @@ import json
 import threading
 
 import pytest
-from relaytrain_worker.peers import AsyncLink
-from relaytrain_worker.transport import Frame, PreparedFrame
+from relaytrain_worker.pipeline.peers import AsyncLink
+from relaytrain_worker.pipeline.transport import Frame, PreparedFrame
 
 pytestmark = pytest.mark.unit
 

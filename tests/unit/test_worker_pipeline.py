@@ -6,17 +6,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from relaytrain_worker.model_slice import SliceSpec, build_stage_model
-from relaytrain_worker.schedule import MicroBatch, one_f_one_b
-from relaytrain_worker.testing import (
-    CLIPPED_TRAINING,
-    even_splits,
-    run_pipeline_threads,
-    run_reference,
-    tiny_model_dir,
-)
-
-from tests.linkcreds import stage_credentials
+from relaytrain_testkit.inputs import CLIPPED_TRAINING, even_splits
+from relaytrain_testkit.linkcreds import stage_credentials
+from relaytrain_testkit.pipelines import run_pipeline_threads
+from relaytrain_testkit.references import run_reference
+from relaytrain_testkit.tiny_models import tiny_model_dir
+from relaytrain_worker.model.model_slice import SliceSpec, build_stage_model
+from relaytrain_worker.pipeline.schedule import one_f_one_b
+from relaytrain_worker.state.data import MicroBatch
 
 pytestmark = pytest.mark.unit
 
@@ -141,7 +138,7 @@ def test_one_f_one_b_order_bounds_activations_in_flight() -> None:
 
 def test_qlora_trains_adapters_on_a_4bit_base(llama_dir: Path) -> None:
     import bitsandbytes as bnb
-    from relaytrain_worker.quant import quantize_slice
+    from relaytrain_worker.model.quant import quantize_slice
 
     stage = build_stage_model(llama_dir, SliceSpec(0, 2, True, False))
     assert quantize_slice(stage) == 2 * 7  # q, k, v, o, gate, up, down per layer

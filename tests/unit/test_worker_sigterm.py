@@ -17,17 +17,17 @@ from pathlib import Path
 import pytest
 from relaytrain_operator.domain.stage_config import build_stage_configs, pod_endpoints
 from relaytrain_operator.spec import parse_job
+from relaytrain_testkit.stage_pods import JOB, PLAN
 
-from tests.unit.test_operator_builders import JOB, PLAN
+pytestmark = [pytest.mark.unit, pytest.mark.torch]
 
-pytestmark = pytest.mark.unit
-
-# A stand-in StageRuntime whose __init__, run() or close() receives the pod's SIGTERM; the
-# worker is imported once (torch takes seconds) and each case runs in a forked child.
+# A stand-in stage whose loading, run() or close() receives the pod's SIGTERM; the worker
+# is imported once (torch takes seconds) and each case runs in a forked child.
 _SCRIPT = """
 import json, os, signal, sys, time
-import relaytrain_worker.stage as stage
-import relaytrain_worker.data, relaytrain_worker.linkauth, relaytrain_worker.shards
+import relaytrain_worker.process as process
+import relaytrain_worker.model.shards, relaytrain_worker.pipeline.linkauth
+import relaytrain_worker.state.records
 from relaytrain_worker.__main__ import main
 
 def _sigterm_here(where):
@@ -36,15 +36,17 @@ def _sigterm_here(where):
         time.sleep(2)  # the handler runs at once; the sleep is never finished
 
 class Stand_in:
-    def __init__(self, cfg):
-        _sigterm_here("load")
     def run(self):
         _sigterm_here("run")
         return 0
     def close(self):
         _sigterm_here("close")
 
-stage.StageRuntime = Stand_in
+def load_runtime(cfg):
+    _sigterm_here("load")
+    return Stand_in()
+
+process.load_runtime = load_runtime
 codes = {}
 for WHERE in sys.argv[2:]:
     child = os.fork()

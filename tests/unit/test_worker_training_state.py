@@ -8,7 +8,7 @@ import io
 
 import pytest
 import torch
-from relaytrain_worker.training import load_state_bytes, state_bytes
+from relaytrain_worker.model.training import load_state_bytes, state_bytes
 from torch.nn import functional
 
 pytestmark = pytest.mark.unit
@@ -52,7 +52,7 @@ def test_a_restore_replays_the_cuda_dropout_masks() -> None:
 def test_optimizer_state_saved_under_one_split_restores_under_another() -> None:
     # Four parameters held [a, b | c, d] by two stages, restored as [a | b, c, d]: the state
     # travels by name, so each parameter gets its own moments whatever position it has.
-    from relaytrain_worker.training import load_named_optimizer_state, named_optimizer_state
+    from relaytrain_worker.model.training import load_named_optimizer_state, named_optimizer_state
 
     gen = torch.Generator().manual_seed(0)
     names = ["a", "b", "c", "d"]

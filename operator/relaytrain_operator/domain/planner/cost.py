@@ -46,7 +46,8 @@ MIB = 1 << 20
 lora_params_per_layer = targets.lora_params_per_layer
 GIB = 1 << 30
 
-#: Bytes per value on the wire (relaytrain_worker.compression: blocks of 64 with a bf16 scale).
+#: Bytes per value on the wire (relaytrain_worker.pipeline.compression: blocks of 64 with a
+#: bf16 scale).
 WIRE_BYTES = {"bf16": 2.0, "int8": 1.0 + 2 / 64, "int4": 0.5 + 2 / 64}
 #: Labels and attention mask travel forward with the activations, int64 each.
 LABEL_BYTES_PER_TOKEN = 16

@@ -80,7 +80,7 @@ _SLIDE_ALL = {"mistral": 4096, "mixtral": None, "phi3": None}
 #: Families that alternate: (pattern key, default pattern, default window).
 _ALTERNATE = {"gemma2": (None, 2, 4096), "gpt_oss": (None, 2, 128), "gemma3_text":
               ("sliding_window_pattern", 6, 4096)}  # fmt: skip
-#: Families the worker runs with eager attention (relaytrain_worker.families: sdpa has no
+#: Families the worker runs with eager attention (relaytrain_worker.model.families: sdpa has no
 #: logit soft-capping or attention sinks), which materialises every score.
 EAGER_ATTENTION = frozenset({"gemma2", "gpt_oss"})
 

@@ -6,14 +6,14 @@ reduced among the R stages that hold it: LoRA A and B (kept in fp32, as the cost
 memory says: 4 bytes a value), or for ``full`` every weight in the job's dtype, plus the
 embedding on first stages and the head and final norm on last stages. Every H steps
 (``periodic``, DiLoCo-style outer steps) the same stages average the trainable *weights*
-instead, which the worker sends as float64 (``relaytrain_worker.periodic``: the token-weighted
-sum must be exact): 8 bytes a value, twice a float32 LoRA gradient.
+instead, which the worker sends as float64 (``relaytrain_worker.replicas.periodic``: the
+token-weighted sum must be exact): 8 bytes a value, twice a float32 LoRA gradient.
 
 Two ways to reduce (``CostSettings.sync_collective``); with B_g the gradient bytes a GPU
 holds, and a hop = one send between the two slowest-to-reach pipelines (the two largest of
 the pipelines' slowest one-way link latencies):
 
-* ``all-gather`` (the worker's ``relaytrain_worker.dataparallel.LinkGroup``): every holder
+* ``all-gather`` (the worker's ``relaytrain_worker.replicas.group.LinkGroup``): every holder
   sends its gradients to the holders of the same names in every other pipeline, all at
   once, and folds what it receives in pipeline order. A GPU moves (R - 1) x B_g each way;
   one hop.

@@ -8,15 +8,14 @@ import json
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from tests.harness.waiting import wait_for
+from relaytrain_testkit import REPO
+from relaytrain_testkit.harness.waiting import wait_for
 
-REPO = Path(__file__).resolve().parents[1]
 GROUP, VERSION, PLURAL = "relaytrain.io", "v1alpha1", "finetunejobs"
 
 
@@ -26,10 +25,9 @@ def install_crd(cluster: Any, api: client.ApiClient) -> None:
     ext = client.ApiextensionsV1Api(api)
 
     def established() -> bool:
-        crd = ext.read_custom_resource_definition(f"{PLURAL}.{GROUP}")
-        return any(
-            c.type == "Established" and c.status == "True" for c in crd.status.conditions or []
-        )
+        status = ext.read_custom_resource_definition(f"{PLURAL}.{GROUP}").status
+        conditions = (status.conditions if status is not None else None) or []
+        return any(c.type == "Established" and c.status == "True" for c in conditions)
 
     wait_for("the FineTuneJob CRD", established)
 
@@ -50,7 +48,7 @@ def namespace(api: client.ApiClient, prefix: str) -> Iterator[str]:
     exit, and its pods waited out (stage pods hold GPUs that later tests plan on)."""
     core = client.CoreV1Api(api)
     name = f"{prefix}-{uuid.uuid4().hex[:6]}"
-    core.create_namespace({"metadata": {"name": name}})
+    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
     try:
         wait_for(
             f"the default ServiceAccount of {name}",

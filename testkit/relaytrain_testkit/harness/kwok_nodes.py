@@ -2,8 +2,8 @@
 
 `node_manifests(pools_doc)` turns hack/pools.yaml (or any file of that shape) into
 Kubernetes Node objects that kwok's controller keeps Ready, labelled the way NVIDIA's
-GPU feature discovery labels real GPU nodes. `python -m tests.harness.kwok_nodes POOLS.yaml
---kubeconfig KUBECONFIG` (what hack/cluster.sh runs) creates them on that cluster
+GPU feature discovery labels real GPU nodes. `python -m relaytrain_testkit.harness.kwok_nodes
+POOLS.yaml --kubeconfig KUBECONFIG` (what hack/cluster.sh runs) creates them on that cluster
 (existing nodes are left as they are).
 """
 

@@ -16,13 +16,13 @@ part for pods that carry the label `relaytrain.io/job`:
 - every container gets what a kubelet gives it: `KUBERNETES_SERVICE_HOST/PORT` (here the
   real API server on loopback) and its projected volumes — the ServiceAccount token from
   the TokenRequest API, the cluster CA, the namespace — mounted where the pod says, in a
-  mount namespace of its own (tests/harness/kubelet_volumes.py). A pod that does not opt
+  mount namespace of its own (harness/kubelet_volumes.py). A pod that does not opt
   out of the token therefore authenticates as its ServiceAccount, and as nothing else.
 
 A pod whose containers restart (`restartPolicy` Always or OnFailure: a Deployment's, such
 as the operator's as the chart installs it) is the runner's from the moment it is bound:
 it starts the process, posts the pod's status (Running; Ready only while the readiness
-probe passes), runs its liveness and readiness probes (tests/harness/probes.py), kills and
+probe passes), runs its liveness and readiness probes (harness/probes.py), kills and
 restarts the container when liveness fails or the process exits (restartCount, lastState,
 the kubelet's back-off), posts the kubelet's `Unhealthy` and `Killing` Events, and on
 deletion stops the process within the grace period and removes the pod. Stage pods
@@ -30,7 +30,7 @@ deletion stops the process within the grace period and removes the pod. Stage po
 
 Nothing here is product code: it stands in for a kubelet and cluster DNS, which a real
 cluster has. No library does this for kwok (kwok is built never to run containers).
-On its own: `python -m tests.harness.kwok_runner --kubeconfig K --workdir DIR`.
+On its own: `python -m relaytrain_testkit.harness.kwok_runner --kubeconfig K --workdir DIR`.
 `selector` picks the pods it runs (default: stage pods, `relaytrain.io/job`).
 """
 
@@ -54,14 +54,14 @@ from typing import Any
 from kubernetes.client.exceptions import ApiException
 from relaytrain_contract import CONFIG_ENV
 
-from tests.harness.kubelet_volumes import (
+from relaytrain_testkit.harness.kubelet_volumes import (
     IssuedToken,
     in_mount_namespace,
     pod_field,
     project_volumes,
 )
-from tests.harness.ports import free_port
-from tests.harness.probes import ProbeLoop, probe_spec
+from relaytrain_testkit.harness.ports import free_port
+from relaytrain_testkit.harness.probes import ProbeLoop, probe_spec
 
 JOB_LABEL = "relaytrain.io/job"
 RESTARTING = ("Always", "OnFailure")

@@ -20,9 +20,10 @@ from typing import Any
 
 import pytest
 import yaml
-from relaytrain_worker.testing import CORPUS, tiny_model_dir
 
-REPO = Path(__file__).resolve().parents[1]
+from relaytrain_testkit import REPO
+from relaytrain_testkit.tiny_models import CORPUS, tiny_model_dir
+
 NAMESPACE = "default"
 
 

@@ -31,8 +31,8 @@ from cryptography.hazmat.primitives.asymmetric import rsa
 from cryptography.x509.oid import NameOID
 
 from hack import toolpaths
-from tests.harness.ports import free_port
-from tests.harness.waiting import wait_for
+from relaytrain_testkit.harness.ports import free_port
+from relaytrain_testkit.harness.waiting import wait_for
 
 GROUP = "kueue.x-k8s.io"
 VERSION = "v1beta2"

@@ -1,7 +1,7 @@
 """A real MinIO server on loopback, built from github.com/minio/minio by the bootstrap.
 
 Started with a data folder and generated credentials; used by the test session's
-`minio_server` fixture (tests/harness/minio_fixture.py) and by `make demo`.
+`minio_server` fixture (harness/minio_fixture.py) and by `make demo`.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from hack import toolpaths
-from tests.harness.ports import free_port
-from tests.harness.waiting import wait_for
+from relaytrain_testkit.harness.ports import free_port
+from relaytrain_testkit.harness.waiting import wait_for
 
 
 @dataclass

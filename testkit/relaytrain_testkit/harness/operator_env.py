@@ -1,6 +1,6 @@
 """The operator end to end, as the e2e tests set it up: a namespace enforcing the Pod Security
 Standard `restricted` with the object store's key pair in a Secret, the chart installed with
-its operator run as a pod under its ServiceAccount (tests/harness/chart_install.py), a kwok
+its operator run as a pod under its ServiceAccount (harness/chart_install.py), a kwok
 process runner for the stage pods, a tiny Llama and a small data set in MinIO; and what the
 tests read back (the workers' progress.json as it changes, the stage pods, logs)."""
 
@@ -17,9 +17,13 @@ from typing import Any
 
 from kubernetes import client
 
-from tests.harness.chart_install import ChartRelease, chart_values, restricted_namespace
-from tests.harness.kwok_runner import KwokProcessRunner
-from tests.operator_cases import install_crd
+from relaytrain_testkit.harness.chart_install import (
+    ChartRelease,
+    chart_values,
+    restricted_namespace,
+)
+from relaytrain_testkit.harness.kwok_runner import KwokProcessRunner
+from relaytrain_testkit.harness.operator_cases import install_crd
 
 GROUP, VERSION, PLURAL = "relaytrain.io", "v1alpha1", "finetunejobs"
 STEPS, EVERY = 40, 4
@@ -31,7 +35,7 @@ def operator_env(
 ) -> Iterator[dict[str, Any]]:
     """Everything above, torn down on exit; yields the parts by name (core, custom, ns,
     runner, work, minio, release, values). `values`: more chart values (kueue={...})."""
-    from relaytrain_worker.testing import tiny_model_dir
+    from relaytrain_testkit.tiny_models import tiny_model_dir
 
     api = kube_cluster.api_client()
     core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
@@ -56,13 +60,13 @@ def operator_env(
     ns = restricted_namespace(core, f"rte2e-{tag}")
     core.create_namespaced_secret(
         ns,
-        {
-            "metadata": {"name": "s3"},
-            "stringData": {
+        client.V1Secret(
+            metadata=client.V1ObjectMeta(name="s3"),
+            string_data={
                 "AWS_ACCESS_KEY_ID": minio.access_key,
                 "AWS_SECRET_ACCESS_KEY": minio.secret_key,
             },
-        },
+        ),
     )
     # The operator as the chart installs it, watching this namespace.
     system = restricted_namespace(core, f"rte2e-system-{tag}")
@@ -174,4 +178,5 @@ def stage_pods(core: Any, ns: str, job: str) -> dict[str, Any]:
 
 def diagnostics(e: dict[str, Any]) -> str:
     logs = [f"--- {p}\n{p.read_text()[-3000:]}" for p in sorted(e["work"].rglob("*.log"))]
-    return "\n".join(logs) + e["release"].diagnostics()
+    release: ChartRelease = e["release"]
+    return "\n".join(logs) + release.diagnostics()

@@ -5,19 +5,13 @@ chart ships."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from lupa import LuaRuntime
 
-SCRIPT = (
-    Path(__file__).resolve().parents[2]
-    / "charts"
-    / "relaytrain"
-    / "files"
-    / "argocd"
-    / "health.lua"
-)
+from relaytrain_testkit import REPO
+
+SCRIPT = REPO / "charts" / "relaytrain" / "files" / "argocd" / "health.lua"
 STATUSES = ("Healthy", "Progressing", "Degraded", "Suspended", "Missing", "Unknown")
 """What Argo CD accepts from a health script."""
 

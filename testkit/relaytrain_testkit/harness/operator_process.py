@@ -17,10 +17,10 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.harness.ports import free_port
-from tests.harness.waiting import wait_for
+from relaytrain_testkit import REPO
+from relaytrain_testkit.harness.ports import free_port
+from relaytrain_testkit.harness.waiting import wait_for
 
-REPO = Path(__file__).resolve().parents[2]
 PASSES = "relaytrain_reconcile_passes_total"
 
 

@@ -9,7 +9,7 @@ interpreter (the venv, where the operator is installed editable), so the operato
 runs is this checkout's, in the in-cluster environment a kubelet gives (a bound token of
 the chart's ServiceAccount, the CA, KUBERNETES_SERVICE_HOST/PORT) and no kubeconfig.
 
-`python -m tests.harness.chart_install VERB RESOURCE[.GROUP]` is a helm post-renderer
+`python -m relaytrain_testkit.harness.chart_install VERB RESOURCE[.GROUP]` is a helm post-renderer
 (`--post-renderer`): it reads the rendered manifests and writes them back without that one
 grant in any (Cluster)Role, which is how a test shows what a missing grant does.
 """
@@ -25,11 +25,11 @@ from typing import Any
 
 import yaml
 
-from tests.harness.kwok_runner import KwokProcessRunner, LocalPod
-from tests.harness.ports import free_port
-from tests.harness.waiting import wait_for
+from relaytrain_testkit import REPO
+from relaytrain_testkit.harness.kwok_runner import KwokProcessRunner, LocalPod
+from relaytrain_testkit.harness.ports import free_port
+from relaytrain_testkit.harness.waiting import wait_for
 
-REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "relaytrain"
 
 
@@ -114,8 +114,10 @@ class ChartRelease:
         env = {
             **os.environ,
             "KUBECONFIG": str(self.kubeconfig),
-            # The post-renderer is a module of this harness.
-            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+            # The post-renderer is a module of this harness (which imports hack/).
+            "PYTHONPATH": os.pathsep.join(
+                [str(REPO), str(REPO / "testkit"), os.environ.get("PYTHONPATH", "")]
+            ),
             "HELM_CACHE_HOME": str(self.workdir / "helm" / "cache"),
             "HELM_CONFIG_HOME": str(self.workdir / "helm" / "config"),
             "HELM_DATA_HOME": str(self.workdir / "helm" / "data"),
@@ -154,7 +156,7 @@ class ChartRelease:
         args += ["--take-ownership"]  # a CRD another test applied becomes the release's
         if drop_grant:
             args += ["--post-renderer", sys.executable]
-            for arg in ("-m", "tests.harness.chart_install", *drop_grant.split()):
+            for arg in ("-m", "relaytrain_testkit.harness.chart_install", *drop_grant.split()):
                 args.append(f"--post-renderer-args={arg}")
         if wait:
             args += ["--wait", "--timeout", timeout]

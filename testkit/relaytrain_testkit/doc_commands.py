@@ -24,7 +24,8 @@ from typing import Any
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+from relaytrain_testkit import REPO
+
 REGISTRY = REPO / "docs" / "commands.yaml"
 SHELL_LANGUAGES = frozenset({"bash", "sh", "shell", "console"})
 RUN_MODES = frozenset({"unit", "cluster", "bench", "dry-run"})

@@ -1,11 +1,13 @@
-"""What the tests (and `make demo`, and the operator benchmark) run against, in one place.
+"""What the k8s and e2e tests (and `make demo`, and the operator benchmark) run against, in
+one place.
 
 - `cluster`: the session's local Kubernetes cluster (pytest plugin: `kube_cluster`).
 - `minio_fixture`: the session's MinIO server and a fake minio client (pytest plugin:
   `minio_server`, `fake_minio`).
 - `minio_server`: starts and stops a real MinIO server on loopback.
-- `kwok_nodes`: simulated GPU nodes from a pool layout file (also
-  `python -m tests.harness.kwok_nodes POOLS.yaml --kubeconfig ...`, as hack/cluster.sh runs it).
+- `kwok_nodes`: simulated GPU nodes from a pool layout file (also `python -m
+  relaytrain_testkit.harness.kwok_nodes POOLS.yaml --kubeconfig ...`, as hack/cluster.sh
+  runs it).
 - `kwok_runner`: plays the kubelet for kwok pods, running their containers as local processes.
 - `kubelet_volumes`: what a kubelet mounts (the ServiceAccount token from the TokenRequest API,
   the CA, the namespace), shown at the pod's mount path in a mount namespace of its own.
@@ -19,6 +21,10 @@
 - `argocd_health`: the chart's Argo CD health script, run with a real Lua runtime.
 - `ports`: a free loopback port.
 - `waiting`: waiting on observable state (a probe, a thread's stack) instead of sleeping.
+- `operator_cases`: the FineTuneJob CRD installed, a namespace of a test's own, a job.
+- `operator_env`: the operator end to end (the chart installed, stage pods run, a tiny
+  model in MinIO), as the e2e tests set it up.
 
-Import as `from tests.harness import ...` (the repository root is on pytest's path).
+Import as `from relaytrain_testkit.harness import ...` (testkit/ is on pytest's path; the
+harness also imports hack/, so the repository root must be on the path too).
 """

@@ -1,0 +1,146 @@
+"""Single-process references: the unsplit model trained with the arithmetic the
+pipelines must reproduce (one global batch per step; or periodic synchronisation as its
+definition says)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from relaytrain_contract import TrainingSpec
+from relaytrain_worker.model.methods import lora_config
+from relaytrain_worker.model.model_slice import load_config
+from relaytrain_worker.model.training import make_optimizer, optimizer_step
+from relaytrain_worker.replicas.arithmetic import micro_ranges
+from relaytrain_worker.state.data import MicroBatch
+from torch import nn
+
+from relaytrain_testkit.pipelines import PipelineRun
+
+
+def run_reference(
+    model_dir: Path,
+    steps: list[list[MicroBatch]],
+    training: TrainingSpec,
+    *,
+    method: Literal["lora", "full"] = "lora",
+    lora: dict[str, Any] | None = None,
+) -> PipelineRun:
+    """Single-process training of the unsplit model with the same arithmetic."""
+    model, trainable, optimizer, scheduler = _reference_model(model_dir, training, method, lora)
+    run = PipelineRun()
+    started = time.perf_counter()
+    for micros in steps:
+        loss_sum, items, norm = _reference_step(model, trainable, micros, training)
+        if norm is not None:
+            run.grad_norms.append(norm)
+        run.losses.append(loss_sum / items)
+        run.grads.append({n: p.grad.detach().clone() for n, p in trainable if p.grad is not None})
+        optimizer_step(optimizer, scheduler)
+    run.seconds = time.perf_counter() - started
+    run.params = {n: p.detach().clone() for n, p in trainable}
+    return run
+
+
+def run_periodic_reference(
+    model_dir: Path,
+    shares: list[int],
+    steps: list[list[MicroBatch]],
+    training: TrainingSpec,
+    every: int,
+    *,
+    method: Literal["lora", "full"] = "lora",
+    lora: dict[str, Any] | None = None,
+) -> PipelineRun:
+    """Periodic synchronisation as its definition says, in one process: one unsplit model
+    and optimizer per pipeline, each stepping on its share of every step with its loss
+    normalised by its share's label tokens; every `every` steps and after the last, every
+    model's trainable weights set to the mean of theirs weighted by the label tokens each
+    trained since the previous average (float64, rounded once). Returns the whole step's
+    losses (every share's loss sum over every share's tokens) and the weights at the end
+    (`step_params`: after each step's average, as a pipeline holds them)."""
+    replicas = [_reference_model(model_dir, training, method, lora) for _ in shares]
+    ranges = micro_ranges(shares)
+    run = PipelineRun()
+    weights = [0] * len(shares)
+    for s, micros in enumerate(steps):
+        loss_total, items_total = 0.0, 0
+        for q, (model, trainable, optimizer, scheduler) in enumerate(replicas):
+            share = [micros[i] for i in ranges[q]]
+            loss_sum, items, _ = _reference_step(model, trainable, share, training)
+            optimizer_step(optimizer, scheduler)
+            loss_total, items_total = loss_total + loss_sum, items_total + items
+            weights[q] += items
+        run.losses.append(loss_total / items_total)
+        if (s + 1) % every == 0 or s + 1 == len(steps):
+            with torch.no_grad():
+                for name, _ in replicas[0][1]:
+                    held = [dict(r[1])[name] for r in replicas]
+                    acc = torch.zeros_like(held[0], dtype=torch.float64)
+                    for w, param in zip(weights, held, strict=True):  # in pipeline order
+                        acc += param.detach().to(torch.float64) * float(w)
+                    mean = (acc / sum(weights)).to(held[0].dtype)
+                    for param in held:
+                        param.copy_(mean)
+            weights = [0] * len(shares)
+        run.step_params.append({n: p.detach().clone() for n, p in replicas[0][1]})
+    run.params = dict(run.step_params[-1])
+    return run
+
+
+def _reference_model(
+    model_dir: Path,
+    training: TrainingSpec,
+    method: Literal["lora", "full"],
+    lora: dict[str, Any] | None,
+) -> tuple[Any, list[tuple[str, nn.Parameter]], Any, Any]:
+    """The unsplit model in training mode, its trainable parameters and their optimizer."""
+    from relaytrain_worker.model.methods import apply_lora
+    from transformers import AutoModelForCausalLM
+
+    # The stages' config: the same attention implementation (sdpa, or eager where needed).
+    config = load_config(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), config=config, dtype=torch.float32)
+    model.train()
+    lcfg = lora or {"rank": 4, "alpha": 8.0, "dropout": 0.0, "targets": ["q_proj", "v_proj"]}
+    trainable: list[tuple[str, nn.Parameter]]
+    if method == "full":
+        trainable = list(model.named_parameters())
+    else:
+        for p in model.parameters():
+            p.requires_grad_(False)
+        cfg = lora_config(lcfg["rank"], lcfg["alpha"], lcfg["dropout"], lcfg["targets"])
+        trainable = apply_lora(model, cfg, training.seed)
+    optimizer, scheduler = make_optimizer(trainable, training)
+    return model, trainable, optimizer, scheduler
+
+
+def _reference_step(
+    model: Any,
+    trainable: list[tuple[str, nn.Parameter]],
+    micros: list[MicroBatch],
+    training: TrainingSpec,
+) -> tuple[float, int, float | None]:
+    """Forward and backward `micros` as one step (the token-mean loss over their label
+    tokens), then clip: (summed token loss, label tokens, norm before clipping or None)."""
+    from relaytrain_worker.pipeline.schedule import count_items, token_loss_sum
+
+    items = count_items(micros)
+    total = torch.zeros((), dtype=torch.float64)
+    for mb in micros:
+        logits = model(
+            input_ids=mb.input_ids,
+            attention_mask=mb.attention_mask,
+            position_ids=mb.position_ids,
+            use_cache=False,
+        ).logits
+        part = token_loss_sum(logits, mb.labels)
+        total += float(part.detach())
+        (part / items).backward()  # type: ignore[no-untyped-call]
+    norm = None
+    if training.maxGradNorm > 0:
+        params = [p for _, p in trainable]
+        norm = float(torch.nn.utils.clip_grad_norm_(params, training.maxGradNorm))
+    return float(total), items, norm

@@ -1,0 +1,176 @@
+"""Invalid FineTuneJobs, each with the field its refusal must name: parse_job refuses them
+(tests/unit/test_spec_invalid.py) and so does the API server, by the CRD's schema or CEL
+(tests/k8s/test_crd_api.py), so both gates agree. Also the smallest valid FineTuneJob, which
+many tests start from."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, NamedTuple
+
+DELETE = object()
+"""A `Case.value` that removes the field."""
+
+
+def base_manifest(name: str = "valid-job") -> dict[str, Any]:
+    """The smallest valid FineTuneJob."""
+    return {
+        "apiVersion": "relaytrain.io/v1alpha1",
+        "kind": "FineTuneJob",
+        "metadata": {"name": name},
+        "spec": {
+            "model": {"uri": "s3://models/smollm2-135m/"},
+            "dataset": {"uri": "s3://datasets/train.jsonl"},
+            "training": {"steps": 100},
+            "checkpoint": {"uri": "s3://relaytrain/checkpoints"},
+        },
+    }
+
+
+class Case(NamedTuple):
+    """One invalid manifest: the valid one with one field set (or removed)."""
+
+    id: str
+    path: str  # dotted path from the manifest root, e.g. "spec.training.steps"
+    value: Any  # DELETE removes the field
+    field: str  # the field the error must name
+
+
+def apply_case(manifest: dict[str, Any], case: Case) -> dict[str, Any]:
+    """A copy of `manifest` with `case` applied."""
+    out = copy.deepcopy(manifest)
+    *parents, last = case.path.split(".")
+    node = out
+    for key in parents:
+        node = node.setdefault(key, {})
+    if case.value is DELETE:
+        del node[last]
+    else:
+        node[last] = case.value
+    return out
+
+
+INVALID_CASES = [
+    Case("missing-model", "spec.model", DELETE, "spec.model"),
+    Case("missing-dataset", "spec.dataset", DELETE, "spec.dataset"),
+    Case("missing-training", "spec.training", DELETE, "spec.training"),
+    Case("missing-checkpoint", "spec.checkpoint", DELETE, "spec.checkpoint"),
+    Case("missing-model-uri", "spec.model.uri", DELETE, "spec.model.uri"),
+    Case("negative-steps", "spec.training.steps", -5, "spec.training.steps"),
+    Case("zero-steps", "spec.training.steps", 0, "spec.training.steps"),
+    Case("steps-as-string", "spec.training.steps", "100", "spec.training.steps"),
+    Case("steps-and-epochs", "spec.training.epochs", 2, "spec.training.steps"),
+    Case("neither-steps-nor-epochs", "spec.training", {"microBatches": 4}, "spec.training.steps"),
+    Case("warmup-exceeds-steps", "spec.training.warmupSteps", 500, "spec.training.warmupSteps"),
+    Case("zero-learning-rate", "spec.training.learningRate", 0, "spec.training.learningRate"),
+    Case("unknown-lr-schedule", "spec.training.schedule", "step", "spec.training.schedule"),
+    Case("unknown-compression", "spec.pipeline.compression", "zstd", "spec.pipeline.compression"),
+    Case("zero-stages", "spec.pipeline.stages", 0, "spec.pipeline.stages"),
+    Case("stages-word", "spec.pipeline.stages", "three", "spec.pipeline.stages"),
+    Case("unknown-pipeline-schedule", "spec.pipeline.schedule", "gpipe", "spec.pipeline.schedule"),
+    Case("zero-replicas", "spec.pipeline.replicas", 0, "spec.pipeline.replicas"),
+    Case("replicas-word", "spec.pipeline.replicas", "many", "spec.pipeline.replicas"),
+    Case("replicas-above-64", "spec.pipeline.replicas", 65, "spec.pipeline.replicas"),
+    # The base manifest's 8 micro-batches (the default) cannot feed 9 pipelines.
+    Case("more-replicas-than-micro-batches", "spec.pipeline.replicas", 9, "spec.pipeline.replicas"),
+    Case("sync-word", "spec.pipeline.sync.mode", "sometimes", "spec.pipeline.sync.mode"),
+    Case(
+        "periodic-without-every",
+        "spec.pipeline.sync",
+        {"mode": "periodic"},
+        "spec.pipeline.sync.everySteps",
+    ),
+    Case(
+        "periodic-every-step",
+        "spec.pipeline.sync",
+        {"mode": "periodic", "everySteps": 1},
+        "spec.pipeline.sync.everySteps",
+    ),
+    Case(
+        "every-without-periodic",
+        "spec.pipeline.sync",
+        {"everySteps": 4},
+        "spec.pipeline.sync.everySteps",
+    ),
+    Case("lora-rank-zero", "spec.method.rank", 0, "spec.method.rank"),
+    Case("dropout-1.5", "spec.method.dropout", 1.5, "spec.method.dropout"),
+    Case("dropout-exactly-1", "spec.method.dropout", 1.0, "spec.method.dropout"),
+    Case("unknown-method", "spec.method.type", "dora", "spec.method.type"),
+    Case("no-target-modules", "spec.method.targetModules", [], "spec.method.targetModules"),
+    Case(
+        "repeated-target-module",
+        "spec.method.targetModules",
+        ["q_proj", "q_proj"],
+        "spec.method.targetModules",
+    ),
+    Case("unknown-field", "spec.learningRate", 0.1, "spec.learningRate"),
+    Case("unknown-nested-field", "spec.training.batchSize", 8, "spec.training.batchSize"),
+    Case("bad-s3-bucket", "spec.model.uri", "s3://My_Models/smol", "spec.model.uri"),
+    Case("s3-without-bucket", "spec.checkpoint.uri", "s3://", "spec.checkpoint.uri"),
+    Case("http-model-uri", "spec.model.uri", "https://example.com/model", "spec.model.uri"),
+    Case("hf-dataset-uri", "spec.dataset.uri", "hf://org/data", "spec.dataset.uri"),
+    Case("unknown-dtype", "spec.model.dtype", "int8", "spec.model.dtype"),
+    Case("unknown-data-format", "spec.dataset.format", "csv", "spec.dataset.format"),
+    Case("tiny-sequence", "spec.dataset.sequenceLength", 4, "spec.dataset.sequenceLength"),
+    Case(
+        "endpoint-without-scheme",
+        "spec.checkpoint.endpoint",
+        "minio:9000",
+        "spec.checkpoint.endpoint",
+    ),
+    Case(
+        "endpoint-on-local-store",
+        "spec.checkpoint",
+        {"uri": "/var/ckpt", "endpoint": "http://minio:9000"},
+        "spec.checkpoint.endpoint",
+    ),
+    Case(
+        "secret-without-name",
+        "spec.checkpoint.credentialsSecret",
+        {"accessKeyKey": "k"},
+        "spec.checkpoint.credentialsSecret.name",
+    ),
+    Case("keep-zero", "spec.checkpoint.keep", 0, "spec.checkpoint.keep"),
+    Case(
+        "validation-uri-and-fraction",
+        "spec.dataset.validation",
+        {"uri": "s3://datasets/held-out.jsonl", "fraction": 0.1},
+        "spec.dataset.validation.uri",
+    ),
+    Case("validation-empty", "spec.dataset.validation", {}, "spec.dataset.validation.uri"),
+    Case(
+        "validation-fraction-one",
+        "spec.dataset.validation",
+        {"fraction": 1.0},
+        "spec.dataset.validation.fraction",
+    ),
+    Case(
+        "validation-fraction-zero",
+        "spec.dataset.validation",
+        {"fraction": 0.0},
+        "spec.dataset.validation.fraction",
+    ),
+    Case("eval-every-negative", "spec.training.evalEverySteps", -1, "spec.training.evalEverySteps"),
+    Case(
+        "eval-every-without-validation",
+        "spec.training.evalEverySteps",
+        10,
+        "spec.training.evalEverySteps",
+    ),
+    Case(
+        "negative-restarts",
+        "spec.failurePolicy.maxStageRestarts",
+        -1,
+        "spec.failurePolicy.maxStageRestarts",
+    ),
+    Case(
+        "bad-toleration-effect",
+        "spec.placement.tolerations",
+        [{"key": "gpu", "operator": "Exists", "effect": "Sometimes"}],
+        "spec.placement.tolerations[0].effect",
+    ),
+    Case("repeated-pool", "spec.placement.pools", ["a100", "a100"], "spec.placement.pools"),
+    Case("suspend-as-string", "spec.suspend", "yes", "spec.suspend"),
+    Case("name-too-long", "metadata.name", "a" * 51, "metadata.name"),
+    Case("name-with-dot", "metadata.name", "smol.lora", "metadata.name"),
+]
