@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 export RELAYTRAIN_CACHE ?= $(HOME)/.cache/relaytrain
 
 .PHONY: help deps deps-python deps-binaries deps-model test test-fast test-unit test-contract test-k8s test-e2e \
-        chaos lint format demo bench cluster-up cluster-down kubeconfig chart-crds lock go-modules
+        chaos lint format demo bench cluster-up cluster-down kubeconfig crds chart-crds lock go-modules
 
 help:
 	@echo "make demo          run the main job (installs what it needs first)"
@@ -20,6 +20,7 @@ help:
 	@echo "make bench         run the benchmarks in bench/"
 	@echo "make chaos         the chaos schedule with real training, its table printed"
 	@echo "make lint          ruff, mypy and import-linter"
+	@echo "make crds          regenerate the CRD (and the chart's copy) after editing the spec models"
 	@echo "make lock          refresh uv.lock after editing pyproject.toml"
 	@echo "make go-modules    regenerate hack/gomod/ after editing a pin in hack/versions.env"
 
@@ -81,11 +82,14 @@ cluster-down:
 kubeconfig:
 	@bash hack/cluster.sh kubeconfig
 
-# The chart installs its CRD from files/crds/ through a template (so crds.enabled and
-# crds.keep apply); a chart-level crds/ folder would be installed unconditionally.
-chart-crds:
-	mkdir -p charts/relaytrain/files/crds
-	cp crds/*.yaml charts/relaytrain/files/crds/
+# The CRD is generated from the spec models (operator/relaytrain_operator/spec/crd.py) into
+# crds/ and the chart's files/crds/: the chart installs it through a template (so
+# crds.enabled and crds.keep apply); a chart-level crds/ folder would be installed
+# unconditionally. tests/unit/test_crd_schema.py fails when the files are not its output.
+CRD_FILE := finetunejobs.relaytrain.io.yaml
+crds: deps-python
+	$(PY) -m relaytrain_operator.spec.crd crds/$(CRD_FILE) charts/relaytrain/files/crds/$(CRD_FILE)
+chart-crds: crds
 
 demo: deps
 	@bash hack/demo.sh

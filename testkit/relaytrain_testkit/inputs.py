@@ -14,13 +14,13 @@ from relaytrain_worker.state.data import MicroBatch
 #: so clipping by the global norm is always active.
 CLIPPED_TRAINING = TrainingSpec(
     steps=3,
-    microBatchSize=2,
-    microBatches=3,
-    learningRate=1e-2,
+    micro_batch_size=2,
+    micro_batches=3,
+    learning_rate=1e-2,
     schedule="cosine",
-    warmupSteps=1,
-    weightDecay=0.01,
-    maxGradNorm=0.05,
+    warmup_steps=1,
+    weight_decay=0.01,
+    max_grad_norm=0.05,
     seed=3,
 )
 

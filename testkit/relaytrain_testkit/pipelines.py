@@ -245,7 +245,7 @@ def _run_pipelines(
                 peers=Peers(prev, nxt, overlap_encode=overlap_encode),
                 trainable=trainable,
                 compression=compression,
-                max_grad_norm=training.maxGradNorm,
+                max_grad_norm=training.max_grad_norm,
                 tied_name=TIED_NAME if method == "full" and tied else None,
                 group=group,
                 pipeline=p,

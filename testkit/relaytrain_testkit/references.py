@@ -140,7 +140,7 @@ def _reference_step(
         total += float(part.detach())
         (part / items).backward()  # type: ignore[no-untyped-call]
     norm = None
-    if training.maxGradNorm > 0:
+    if training.max_grad_norm > 0:
         params = [p for _, p in trainable]
-        norm = float(torch.nn.utils.clip_grad_norm_(params, training.maxGradNorm))
+        norm = float(torch.nn.utils.clip_grad_norm_(params, training.max_grad_norm))
     return float(total), items, norm

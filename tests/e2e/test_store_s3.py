@@ -83,7 +83,7 @@ def test_checkpoints_commit_fall_back_and_prune_on_s3(minio_server: MinioServer)
         Progress(step=30, totalSteps=100, loss=1.5, tokensPerSecond=99.0, lastCommittedStep=20),
     )
     progress = read_progress(store, JOB)
-    assert progress is not None and progress.lastCommittedStep == 20
+    assert progress is not None and progress.last_committed_step == 20
 
 
 def test_a_store_that_goes_down_is_waited_for_and_a_refusal_is_not(tmp_path: Path) -> None:

@@ -20,14 +20,14 @@ CHART = REPO / "charts" / "relaytrain"
 
 
 def test_chart_crd_copy_equals_the_source() -> None:
-    # The chart's copy is made by `make chart-crds`; run it after editing crds/.
+    # `make crds` writes both from the spec models (tests/unit/test_crd_schema.py).
     sources = sorted(p.name for p in (REPO / "crds").glob("*.yaml"))
     copies = sorted(p.name for p in (CHART / "files" / "crds").glob("*.yaml"))
     assert copies == sources
     for name in sources:
         source = (REPO / "crds" / name).read_text()
         assert (CHART / "files" / "crds" / name).read_text() == source, (
-            f"charts/relaytrain/files/crds/{name} differs from crds/{name}: run make chart-crds"
+            f"charts/relaytrain/files/crds/{name} differs from crds/{name}: run make crds"
         )
 
 

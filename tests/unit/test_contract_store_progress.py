@@ -37,7 +37,7 @@ def test_the_default_region_serves_when_aws_region_is_unset() -> None:
 
 def test_a_progress_record_reads_back_and_tolerates_what_it_does_not_know() -> None:
     record = Progress(step=3, totalSteps=10, loss=math.inf, tokensPerSecond=5.0).stamped()
-    assert record.loss is None and record.updatedAt is not None
+    assert record.loss is None and record.updated_at is not None
     back = Progress.from_json(record.to_json())
     assert back == record
     newer = {**back.model_dump(mode="json"), "pipelines": [{"step": 3}]}

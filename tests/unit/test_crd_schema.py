@@ -1,27 +1,45 @@
-"""The CRD (what the API server enforces) and the pydantic models (what parse_job enforces)
-describe the same API: same fields both ways, types, required, enums, defaults, bounds,
-patterns. A field added to one and not the other fails here, naming the path."""
+"""The CRD is generated from the spec and status models (relaytrain_operator.spec.crd): the
+committed files (crds/ and the chart's copy) are the generator's output byte for byte, the
+schema is structural, every CEL rule is kept, and what it says matches the models read
+independently of the generator (same fields both ways, types, required, enums, defaults,
+bounds, patterns), with a description on every field for `kubectl explain`."""
 
 from __future__ import annotations
 
 import types
 import typing
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import annotated_types as at
 import pytest
 import yaml
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict, Field
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 from relaytrain_operator.spec import FineTuneJobSpec, FineTuneJobStatus, patterns
+from relaytrain_operator.spec.crd import crd, openapi_schema, render
+from relaytrain_operator.spec.openapi import Int64, Rule, cel, int_or_string, list_type
 
 pytestmark = pytest.mark.unit
 
 REPO = Path(__file__).resolve().parents[2]
 CRD_PATH = REPO / "crds" / "finetunejobs.relaytrain.io.yaml"
+CHART_COPY = REPO / "charts" / "relaytrain" / "files" / "crds" / CRD_PATH.name
 _SCALARS = {int: "integer", float: "number", str: "string", bool: "boolean"}
+
+
+@pytest.mark.parametrize("path", [CRD_PATH, CHART_COPY], ids=["crds", "chart"])
+def test_the_committed_crd_is_the_generators_output(path: Path) -> None:
+    assert path.read_text() == render(), (
+        f"{path.relative_to(REPO)} is not what the spec models generate: run `make crds`"
+    )
+
+
+def test_the_file_reads_back_as_the_generated_crd() -> None:
+    # The YAML's folded text and flow lists are a spelling only: the content is crd()'s.
+    assert yaml.safe_load(render()) == crd()
+    assert render().startswith("# The FineTuneJob CRD, generated from the pydantic models")
 
 
 def crd_schema() -> dict[str, Any]:
@@ -237,3 +255,127 @@ def test_crd_names_printer_columns_and_status_subresource() -> None:
         node = schema
         for part in path.strip(".").split("."):
             node = node["properties"][part]
+
+
+def _nodes(node: Any, path: str = "") -> typing.Iterator[tuple[str, dict[str, Any]]]:
+    """Every schema node under `node`, with its path."""
+    if not isinstance(node, dict):
+        return
+    yield path, node
+    for name, sub in node.get("properties", {}).items():
+        yield from _nodes(sub, f"{path}.{name}")
+    for key in ("items", "additionalProperties"):
+        if isinstance(node.get(key), dict):
+            yield from _nodes(node[key], f"{path}[]")
+
+
+def test_the_schema_is_structural() -> None:
+    # What the API server refuses or prunes in a CRD, and what pydantic's dialect has.
+    problems = []
+    for path, node in _nodes(crd_schema()):
+        for key in ("$ref", "anyOf", "allOf", "oneOf", "title", "const", "nullable"):
+            if key in node:
+                problems.append(f"{path}: {key}")
+        if "additionalProperties" in node and not isinstance(node["additionalProperties"], dict):
+            problems.append(f"{path}: additionalProperties {node['additionalProperties']}")
+        if "type" not in node and not node.get("x-kubernetes-int-or-string"):
+            problems.append(f"{path}: no type")
+        for key in ("exclusiveMinimum", "exclusiveMaximum"):
+            if key in node and node[key] is not True:
+                problems.append(f"{path}: {key} {node[key]!r} (OpenAPI v3.0 spells it true)")
+        problems += [f"{path}: {key}" for key in node if key.startswith("x-relaytrain")]
+    assert problems == []
+
+
+def test_every_cel_rule_is_kept_where_it_was() -> None:
+    # The API server's own checks (tests/k8s/test_crd_api.py runs each): where they sit and
+    # which field each names. Losing one in a refactor of the models fails here.
+    where = sorted(
+        (path or ".", rule.get("fieldPath", ""))
+        for path, node in _nodes(crd_schema())
+        for rule in node.get("x-kubernetes-validations", [])
+    )
+    fixed = ("model", "dataset", "method", "training", "pipeline", "checkpoint.uri")
+    assert where == sorted(
+        [
+            (".", ""),  # metadata.name
+            *((".", f".spec.{field}") for field in fixed),
+            (".spec", ".pipeline.replicas"),
+            (".spec", ".training.evalEverySteps"),
+            (".spec.dataset.validation", ".uri"),
+            (".spec.training", ".steps"),
+            (".spec.training", ".warmupSteps"),
+            (".spec.pipeline.stages", ""),
+            (".spec.pipeline.replicas", ""),
+            (".spec.pipeline.sync", ".everySteps"),
+            (".spec.checkpoint", ".endpoint"),
+            (".spec.checkpoint", ".credentialsSecret"),
+        ]
+    )
+    for rule in crd_schema()["x-kubernetes-validations"][1:]:
+        assert rule["rule"].startswith("!has(oldSelf.status) || !has(oldSelf.status.startTime)")
+        assert rule["reason"] == "FieldValueForbidden"
+
+
+class _Extra(BaseModel):
+    """An object with a rule."""
+
+    model_config = ConfigDict(
+        alias_generator=lambda name: name.replace("_c", "C"),
+        json_schema_extra=cel(Rule("self.aCount >= 0", "no.", field=".aCount")),
+        use_attribute_docstrings=True,
+    )
+
+    a_count: Int64 = 3
+    """A `count`."""
+    size: Annotated[int | Literal["auto"], Field(json_schema_extra=int_or_string())] = "auto"
+    """A size."""
+    names: Annotated[list[str], Field(json_schema_extra=list_type("map", "x"))] = Field(
+        default_factory=lambda: ["a"]
+    )
+    """Names."""
+    limit: Annotated[float, Field(gt=0, lt=1)] | None = None
+    """A share."""
+
+
+def test_a_field_and_what_is_written_on_it_reach_the_schema() -> None:
+    # One edit to a model is one edit to the CRD: its type, default, bounds, docstring and the
+    # CRD-only facts written on it (spec.openapi).
+    schema = openapi_schema(_Extra)
+    assert schema == {
+        "type": "object",
+        "description": "An object with a rule.",
+        "x-kubernetes-validations": [
+            {"rule": "self.aCount >= 0", "message": "no.", "fieldPath": ".aCount"}
+        ],
+        "properties": {
+            "aCount": {
+                "type": "integer",
+                "format": "int64",
+                "default": 3,
+                "description": "A count.",
+            },
+            "size": {
+                "x-kubernetes-int-or-string": True,
+                "default": "auto",
+                "description": "A size.",
+            },
+            "names": {
+                "type": "array",
+                "x-kubernetes-list-type": "map",
+                "x-kubernetes-list-map-keys": ["x"],
+                "default": ["a"],
+                "description": "Names.",
+                "items": {"type": "string"},
+            },
+            "limit": {
+                "type": "number",
+                "minimum": 0,
+                "exclusiveMinimum": True,
+                "maximum": 1,
+                "exclusiveMaximum": True,
+                "description": "A share.",
+            },
+        },
+    }
+    assert "default" not in openapi_schema(_Extra, defaults=False)["properties"]["aCount"]

@@ -82,7 +82,7 @@ def test_progress_carries_the_counts_only_when_known() -> None:
     full = Progress(step=1, totalSteps=2, tokensPerSecond=1.0, examples=10,
                     examplesTruncated=2, examplesDropped=0)  # fmt: skip
     again = Progress.from_json(full.to_json())
-    assert (again.examples, again.examplesTruncated, again.examplesDropped) == (10, 2, 0)
+    assert (again.examples, again.examples_truncated, again.examples_dropped) == (10, 2, 0)
     with pytest.raises(ConfigError, match="examplesDropped"):
         Progress.from_json({**json.loads(full.to_json()), "examplesDropped": 11})
 
@@ -103,4 +103,4 @@ def test_the_last_stage_reports_what_stage_zero_counted(tmp_path: Path) -> None:
     StageRuntime._publish(runtime)  # type: ignore[arg-type]
     after = read_progress(store, "ns/job")
     assert after is not None
-    assert (after.examples, after.examplesTruncated, after.examplesDropped) == (9, 4, 1)
+    assert (after.examples, after.examples_truncated, after.examples_dropped) == (9, 4, 1)

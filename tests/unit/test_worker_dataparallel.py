@@ -109,7 +109,7 @@ def steps_2to1() -> list[list[MicroBatch]]:
 @pytest.fixture(scope="module")
 def lora_reference(llama_dir: Path, steps_2to1: list[list[MicroBatch]]) -> PipelineRun:
     ref = run_reference(llama_dir, steps_2to1, TRAINING)
-    assert all(norm > TRAINING.maxGradNorm for norm in ref.grad_norms)  # clipping bites
+    assert all(norm > TRAINING.max_grad_norm for norm in ref.grad_norms)  # clipping bites
     return ref
 
 

@@ -1,11 +1,12 @@
 """The stage document (docs/stage-contract.md): what every stage process is started with.
 
 The operator (and `relaytrain run --local`) builds one StageConfig per stage and hands it
-over as JSON (`StageConfig.to_dict`); the worker parses it (`StageConfig.from_json`). The
-field names are the document's own (camelCase), so what a log or test shows is what
-travels. Every field is required unless said otherwise, types are strict (no "3" for 3),
-and unknown fields are errors: an operator and a worker of different versions fail loudly
-at start-up instead of training with a silently ignored setting.
+over as JSON (`StageConfig.to_dict`); the worker parses it (`StageConfig.from_json`). Keys
+are camelCase, attributes snake_case (relaytrain_contract.camel, as in the FineTuneJob spec
+models: `cfg.stage.layer_start` is `stage.layerStart`). Every field is required unless said
+otherwise, types are strict (no "3" for 3), and unknown fields are errors: an operator and a
+worker of different versions fail loudly at start-up instead of training with a silently
+ignored setting.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from relaytrain_contract.camel import CAMEL_CASE
 from relaytrain_contract.errors import config_error, field_error
 from relaytrain_contract.names import API_VERSION, STAGE_CONFIG_KIND
 
@@ -34,7 +36,7 @@ Name = Annotated[str, Field(min_length=1, pattern=r"^[^/]+$")]
 
 class _Part(BaseModel):
     model_config = ConfigDict(
-        extra="forbid", strict=True, frozen=True, use_attribute_docstrings=True
+        **CAMEL_CASE, extra="forbid", strict=True, frozen=True, use_attribute_docstrings=True
     )
 
 
@@ -57,18 +59,18 @@ class StageRef(_Part):
     """0-based position of this stage."""
     count: Count
     """Number of stages in the pipeline."""
-    layerStart: Annotated[int, Field(ge=0)]  # noqa: N815 - the contract's spelling
+    layer_start: Annotated[int, Field(ge=0)]
     """First global decoder layer this stage holds (inclusive)."""
-    layerEnd: int  # noqa: N815
+    layer_end: int
     """Global decoder layer where the next stage starts (exclusive)."""
 
     @model_validator(mode="after")
     def _in_range(self) -> StageRef:
         if self.index >= self.count:
             raise field_error("index", f"must be below count ({self.count}), got {self.index}")
-        if self.layerEnd <= self.layerStart:
+        if self.layer_end <= self.layer_start:
             raise field_error(
-                "layerEnd", f"must be above layerStart ({self.layerStart}), got {self.layerEnd}"
+                "layerEnd", f"must be above layerStart ({self.layer_start}), got {self.layer_end}"
             )
         return self
 
@@ -115,15 +117,15 @@ class DatasetSpec(_Part):
     """Local path, file:// or s3:// object of a JSONL file."""
     format: DatasetFormat
     """`text`, `prompt-completion` (prompt masked from the loss) or `chat`."""
-    textField: str  # noqa: N815
+    text_field: str
     """Field holding the text for format `text`."""
-    promptField: str  # noqa: N815
+    prompt_field: str
     """Field holding the prompt for format `prompt-completion`."""
-    completionField: str  # noqa: N815
+    completion_field: str
     """Field holding the completion for format `prompt-completion`."""
-    messagesField: str  # noqa: N815
+    messages_field: str
     """Field holding the list of {role, content} messages for format `chat`."""
-    sequenceLength: Annotated[int, Field(ge=2)]  # noqa: N815
+    sequence_length: Annotated[int, Field(ge=2)]
     """Tokens per sequence (packed to or padded to this length)."""
     packing: bool
     """Place several whole examples in one sequence instead of padding each one."""
@@ -145,7 +147,7 @@ class MethodSpec(_Part):
     """LoRA alpha (ignored by `full`)."""
     dropout: Annotated[float, Field(ge=0.0, lt=1.0)]
     """LoRA dropout, in [0, 1) (ignored by `full`)."""
-    targetModules: tuple[str, ...]  # noqa: N815
+    target_modules: tuple[str, ...]
     """Module names LoRA adapts, e.g. q_proj (ignored by `full`)."""
 
     @model_validator(mode="after")
@@ -153,7 +155,7 @@ class MethodSpec(_Part):
         if self.type != "full":
             if self.rank < 1:
                 raise field_error("rank", f"must be >= 1, got {self.rank}")
-            if not self.targetModules:
+            if not self.target_modules:
                 raise field_error("targetModules", "must name at least one module")
         return self
 
@@ -163,25 +165,25 @@ class TrainingSpec(_Part):
 
     steps: Count | None
     """Optimizer steps to run (null when `epochs` is given)."""
-    microBatchSize: Count  # noqa: N815
+    micro_batch_size: Count
     """Sequences per micro-batch."""
-    microBatches: Count  # noqa: N815
+    micro_batches: Count
     """Micro-batches per optimizer step (gradient accumulation)."""
-    learningRate: Annotated[float, Field(gt=0.0)]  # noqa: N815
+    learning_rate: Annotated[float, Field(gt=0.0)]
     """Peak learning rate of AdamW."""
     schedule: LrSchedule
     """Decay after warm-up: `cosine`, `linear` or `constant`."""
-    warmupSteps: Annotated[int, Field(ge=0)]  # noqa: N815
+    warmup_steps: Annotated[int, Field(ge=0)]
     """Linear warm-up steps from 0 to learningRate."""
-    weightDecay: float  # noqa: N815
+    weight_decay: float
     """AdamW weight decay."""
-    maxGradNorm: Annotated[float, Field(ge=0.0)]  # noqa: N815
+    max_grad_norm: Annotated[float, Field(ge=0.0)]
     """Global gradient-norm clip across all stages; 0 turns clipping off."""
     seed: int
     """Seed of data order, adapter initialisation and dropout."""
     epochs: Count | None = None
     """Passes over the dataset instead of `steps` (optional; exactly one of the two)."""
-    evalEverySteps: Annotated[int, Field(ge=0)] = 0  # noqa: N815
+    eval_every_steps: Annotated[int, Field(ge=0)] = 0
     """Evaluate the held-out loss before step 1 and every N steps (optional; 0: only after
     the last step). Without `dataset.validation` nothing is evaluated."""
 
@@ -210,23 +212,24 @@ class LinksSpec(_Part):
     """host:port of the next stage; null on the last stage."""
     identity: str
     """This stage's link identity (`names.link_identity`): the URI its certificate carries."""
-    prevIdentity: str | None  # noqa: N815
+    prev_identity: str | None
     """The identity the previous stage must prove (a listener accepts only it); null on stage 0."""
-    nextIdentity: str | None  # noqa: N815
+    next_identity: str | None
     """The identity the next stage must prove (we send only to it); null on the last stage."""
-    certEnv: str  # noqa: N815
+    cert_env: str
     """Environment variable holding this stage's link certificate (PEM)."""
-    keyEnv: str  # noqa: N815
+    key_env: str
     """Environment variable holding that certificate's private key (PEM)."""
-    caEnv: str  # noqa: N815
+    ca_env: str
     """Environment variable holding the job's link CA certificate (PEM)."""
 
     @model_validator(mode="after")
     def _pairs(self) -> LinksSpec:
+        links = self.model_dump()  # the document's names
         for address, identity in (("listen", "prevIdentity"), ("next", "nextIdentity")):
-            if getattr(self, address) is None and getattr(self, identity) is not None:
+            if links[address] is None and links[identity] is not None:
                 raise field_error(address, f"is null but {identity} is set")
-            if getattr(self, address) is not None and getattr(self, identity) is None:
+            if links[address] is not None and links[identity] is None:
                 raise field_error(identity, f"is null but {address} is set")
         return self
 
@@ -239,9 +242,9 @@ class ReplicaPeer(_Part):
     """The peer's pipeline index."""
     stage: Annotated[int, Field(ge=0)]
     """The peer's stage index within its pipeline."""
-    layerStart: Annotated[int, Field(ge=0)]  # noqa: N815
+    layer_start: Annotated[int, Field(ge=0)]
     """First global decoder layer the peer holds (inclusive)."""
-    layerEnd: int  # noqa: N815
+    layer_end: int
     """Global decoder layer where the peer's next stage starts (exclusive)."""
     address: str | None
     """host:port of the peer's replica listener, which this stage dials: set exactly when
@@ -252,15 +255,15 @@ class ReplicaPeer(_Part):
 
     @model_validator(mode="after")
     def _layers(self) -> ReplicaPeer:
-        if self.layerEnd <= self.layerStart:
+        if self.layer_end <= self.layer_start:
             raise field_error(
-                "layerEnd", f"must be above layerStart ({self.layerStart}), got {self.layerEnd}"
+                "layerEnd", f"must be above layerStart ({self.layer_start}), got {self.layer_end}"
             )
-        if (self.stage == 0) != (self.layerStart == 0):
+        if (self.stage == 0) != (self.layer_start == 0):
             raise field_error(
                 "layerStart",
                 f"must be 0 exactly on a pipeline's stage 0 (stage {self.stage} starts at "
-                f"{self.layerStart})",
+                f"{self.layer_start})",
             )
         return self
 
@@ -272,12 +275,12 @@ class SyncSpec(_Part):
     mode: SyncMode = "synchronous"
     """`synchronous`: gradients reduced every step; `periodic`: every pipeline takes local
     steps on its share and the weights are averaged every `everySteps` steps."""
-    everySteps: Annotated[int, Field(ge=2)] | None = None  # noqa: N815
+    every_steps: Annotated[int, Field(ge=2)] | None = None
     """Steps between outer steps; set exactly with `periodic`."""
 
     @model_validator(mode="after")
     def _every(self) -> SyncSpec:
-        if (self.mode == "periodic") != (self.everySteps is not None):
+        if (self.mode == "periodic") != (self.every_steps is not None):
             raise field_error("everySteps", "must be set exactly when mode is periodic")
         return self
 
@@ -348,22 +351,22 @@ class CheckpointSpec(_Part):
     endpoint: str | None
     """S3 endpoint URL (`http://minio:9000`); null means AWS S3 for an s3:// uri (and
     nothing for a local directory)."""
-    accessKeyEnv: str | None  # noqa: N815
+    access_key_env: str | None
     """Environment variable with the S3 access key; null: AWS's standard credential chain
     (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, then the pod's IAM role)."""
-    secretKeyEnv: str | None  # noqa: N815
+    secret_key_env: str | None
     """Environment variable with the S3 secret key; null exactly when accessKeyEnv is."""
-    everySteps: Count  # noqa: N815
+    every_steps: Count
     """Commit a checkpoint every N optimizer steps (and always after the last)."""
     keep: Count
     """Committed checkpoints to keep."""
 
     @model_validator(mode="after")
     def _key_pair(self) -> CheckpointSpec:
-        pair = ("accessKeyEnv", "secretKeyEnv")
-        for unset, other in (pair, pair[::-1]):
-            if getattr(self, unset) is None and getattr(self, other) is not None:
-                raise field_error(unset, f"is null but {other} is set")
+        if self.access_key_env is None and self.secret_key_env is not None:
+            raise field_error("accessKeyEnv", "is null but secretKeyEnv is set")
+        if self.secret_key_env is None and self.access_key_env is not None:
+            raise field_error("secretKeyEnv", "is null but accessKeyEnv is set")
         return self
 
 
@@ -384,7 +387,7 @@ class ObservabilitySpec(_Part):
 class StageConfig(_Part):
     """Everything one stage process needs; see docs/stage-contract.md."""
 
-    apiVersion: str  # noqa: N815
+    api_version: str
     """Must be relaytrain.io/v1alpha1 (names.API_VERSION)."""
     kind: str
     """Must be StageConfig (names.STAGE_CONFIG_KIND)."""
@@ -415,9 +418,13 @@ class StageConfig(_Part):
 
     @model_validator(mode="after")
     def _ends(self) -> StageConfig:
-        for key, want in (("apiVersion", API_VERSION), ("kind", STAGE_CONFIG_KIND)):
-            if getattr(self, key) != want:
-                raise field_error(key, f"expected {want!r}, got {getattr(self, key)!r}")
+        ends = (
+            ("apiVersion", self.api_version, API_VERSION),
+            ("kind", self.kind, STAGE_CONFIG_KIND),
+        )
+        for key, got, want in ends:
+            if got != want:
+                raise field_error(key, f"expected {want!r}, got {got!r}")
         if self.stage.is_first != (self.links.listen is None):
             raise field_error("links.listen", "must be null on stage 0 and set on the others")
         if self.stage.is_last != (self.links.next is None):
@@ -430,13 +437,13 @@ class StageConfig(_Part):
         """The shares fill the step; every other pipeline's peers cover this stage's layers
         with contiguous stages."""
         total = sum(replicas.shares)
-        if total != self.training.microBatches:
+        if total != self.training.micro_batches:
             raise field_error(
                 "replicas.shares",
-                f"must add up to training.microBatches ({self.training.microBatches}), "
+                f"must add up to training.microBatches ({self.training.micro_batches}), "
                 f"got {list(replicas.shares)} (sum {total})",
             )
-        start, end = self.stage.layerStart, self.stage.layerEnd
+        start, end = self.stage.layer_start, self.stage.layer_end
         for q in range(len(replicas.shares)):
             if q == replicas.pipeline:
                 continue
@@ -447,19 +454,19 @@ class StageConfig(_Part):
                     "replicas.peers", f"lists none of {where}; some hold layers {start}-{end - 1}"
                 )
             for a, b in itertools.pairwise(peers):
-                if b.stage != a.stage + 1 or b.layerStart != a.layerEnd:
+                if b.stage != a.stage + 1 or b.layer_start != a.layer_end:
                     raise field_error(
                         "replicas.peers",
                         f"{where} must be consecutive and contiguous: stage {a.stage} ends at "
-                        f"layer {a.layerEnd}, stage {b.stage} starts at {b.layerStart}",
+                        f"layer {a.layer_end}, stage {b.stage} starts at {b.layer_start}",
                     )
             first, last = peers[0], peers[-1]
-            if not (first.layerStart <= start < first.layerEnd) or not (
-                last.layerStart < end <= last.layerEnd
+            if not (first.layer_start <= start < first.layer_end) or not (
+                last.layer_start < end <= last.layer_end
             ):
                 raise field_error(
                     "replicas.peers",
-                    f"{where} listed hold layers {first.layerStart}-{last.layerEnd - 1}; they "
+                    f"{where} listed hold layers {first.layer_start}-{last.layer_end - 1}; they "
                     f"must be exactly those holding this stage's layers {start}-{end - 1}",
                 )
 

@@ -44,24 +44,25 @@ def job_store_uri(job: FineTuneJob) -> str:
 
 def fold(record: Record, job: FineTuneJob, now: datetime) -> Progress:
     """Turn a progress.json record into status.progress (pure)."""
-    step, total = record.step, record.totalSteps
+    step, total = record.step, record.total_steps
     status: JsonDict = {"step": step, "totalSteps": total, "stepOfTotal": f"{step}/{total}"}
     if record.loss is not None:
         status["loss"] = round(record.loss, 6)
-    status["tokensPerSecond"] = round(record.tokensPerSecond, 6)
-    if record.lastCommittedStep is not None:
-        status["lastCommittedStep"] = record.lastCommittedStep
-    if record.updatedAt is not None:
-        status["updatedAt"] = rfc3339(record.updatedAt)
-    for key in DATA_FIELDS:
-        if (count := getattr(record, key)) is not None:
+    status["tokensPerSecond"] = round(record.tokens_per_second, 6)
+    if record.last_committed_step is not None:
+        status["lastCommittedStep"] = record.last_committed_step
+    if record.updated_at is not None:
+        status["updatedAt"] = rfc3339(record.updated_at)
+    counts = (record.examples, record.examples_truncated, record.examples_dropped)
+    for key, count in zip(DATA_FIELDS, counts, strict=True):
+        if count is not None:
             status[key] = count
-    if record.evalLoss is not None and record.evalStep is not None:
-        status["evalLoss"] = round(record.evalLoss, 6)
-        status["evalStep"] = record.evalStep
-    if not record.done and (record.stepSeconds or record.tokensPerSecond):
-        if record.stepSeconds:
-            remaining = max(0, total - step) * record.stepSeconds
+    if record.eval_loss is not None and record.eval_step is not None:
+        status["evalLoss"] = round(record.eval_loss, 6)
+        status["evalStep"] = record.eval_step
+    if not record.done and (record.step_seconds or record.tokens_per_second):
+        if record.step_seconds:
+            remaining = max(0, total - step) * record.step_seconds
         else:
             # An older worker reports no step time: assume full rows (an upper bound when
             # the data is padded).
@@ -71,6 +72,6 @@ def fold(record: Record, job: FineTuneJob, now: datetime) -> Progress:
                 * training.micro_batches
                 * job.spec.dataset.sequence_length
             )
-            remaining = max(0, total - step) * tokens_per_step / record.tokensPerSecond
-        status["eta"] = rfc3339((record.updatedAt or now) + timedelta(seconds=remaining))
+            remaining = max(0, total - step) * tokens_per_step / record.tokens_per_second
+        status["eta"] = rfc3339((record.updated_at or now) + timedelta(seconds=remaining))
     return Progress(status=status, done=record.done, output=record.output)

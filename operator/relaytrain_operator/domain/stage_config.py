@@ -277,8 +277,8 @@ def build_pipeline_configs(
                 ReplicaPeer(
                     pipeline=q,
                     stage=j,
-                    layerStart=s,
-                    layerEnd=e,
+                    layer_start=s,
+                    layer_end=e,
                     address=endpoints[q][j].replica_address if q > p else None,
                     identity=link_identity(ns, name, q, j),
                 )
@@ -319,10 +319,10 @@ def stage_config(
     # Without a credential Secret the stage uses AWS's standard credential chain.
     secret = spec.checkpoint.credentials_secret is not None
     return StageConfig(
-        apiVersion=API_VERSION,
+        api_version=API_VERSION,
         kind=STAGE_CONFIG_KIND,
         job=JobRef(namespace=ns, name=name, uid=job.metadata.uid or ""),
-        stage=StageRef(index=k, count=count, layerStart=layers[0], layerEnd=layers[1]),
+        stage=StageRef(index=k, count=count, layer_start=layers[0], layer_end=layers[1]),
         # These four are the spec's own sections, field for field: read as they travel.
         model=_as(ModelSpec, spec.model),
         dataset=_as(DatasetSpec, spec.dataset),
@@ -335,18 +335,18 @@ def stage_config(
             listen=ends.listen,
             next=ends.next,
             identity=link_identity(ns, name, pipeline, k),
-            prevIdentity=link_identity(ns, name, pipeline, k - 1) if k > 0 else None,
-            nextIdentity=link_identity(ns, name, pipeline, k + 1) if k < count - 1 else None,
-            certEnv=LINK_CERT_ENV,
-            keyEnv=LINK_KEY_ENV,
-            caEnv=LINK_CA_ENV,
+            prev_identity=link_identity(ns, name, pipeline, k - 1) if k > 0 else None,
+            next_identity=link_identity(ns, name, pipeline, k + 1) if k < count - 1 else None,
+            cert_env=LINK_CERT_ENV,
+            key_env=LINK_KEY_ENV,
+            ca_env=LINK_CA_ENV,
         ),
         checkpoint=CheckpointSpec(
             uri=spec.checkpoint.uri,
             endpoint=spec.checkpoint.endpoint,
-            accessKeyEnv=ACCESS_KEY_ENV if secret else None,
-            secretKeyEnv=SECRET_KEY_ENV if secret else None,
-            everySteps=spec.checkpoint.every_steps,
+            access_key_env=ACCESS_KEY_ENV if secret else None,
+            secret_key_env=SECRET_KEY_ENV if secret else None,
+            every_steps=spec.checkpoint.every_steps,
             keep=spec.checkpoint.keep,
         ),
         output=OutputSpec(uri=output_uri(job)),

@@ -1,33 +1,37 @@
 """The FineTuneJob API: spec models, parse_job and SpecError, and the status shape.
 
 `from relaytrain_operator.spec import parse_job, FineTuneJob, SpecError` is the public face;
-job.py holds the spec models, status.py the status, errors.py how problems are reported.
+job.py holds the manifest and its spec (sections.py the spec's sections), status.py the
+status, errors.py how problems are reported; crd.py generates the CRD from them, with what
+openapi.py lets a model or field say beyond its type (CEL rules, list types...).
 """
 
 from relaytrain_operator.spec.errors import SpecError
 from relaytrain_operator.spec.job import (
     API_VERSION,
     KIND,
+    FineTuneJob,
+    FineTuneJobSpec,
+    ObjectMeta,
+    parse_job,
+)
+from relaytrain_operator.spec.patterns import JOB_NAME_MAX
+from relaytrain_operator.spec.sections import (
     MAX_REPLICAS,
     MAX_STAGES,
     CheckpointSpec,
     CredentialsSecret,
     DatasetSpec,
     FailurePolicy,
-    FineTuneJob,
-    FineTuneJobSpec,
     MethodSpec,
     ModelSpec,
-    ObjectMeta,
     OutputSpec,
     PipelineSpec,
     PlacementSpec,
     Toleration,
     TrainingSpec,
     is_s3,
-    parse_job,
 )
-from relaytrain_operator.spec.patterns import JOB_NAME_MAX
 from relaytrain_operator.spec.status import (
     PHASES,
     Condition,

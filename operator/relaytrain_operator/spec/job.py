@@ -1,44 +1,42 @@
-"""The FineTuneJob API as pydantic models: what a user writes under `spec`.
+"""The FineTuneJob API as pydantic models: a manifest, its spec, and `parse_job`.
 
-The CRD (crds/finetunejobs.relaytrain.io.yaml) is the one source the API server enforces;
-these models enforce the same rules for code that never meets an API server
-(`relaytrain run --local`, `relaytrain plan`) and give the operator typed access.
-tests/unit/test_crd_schema.py keeps the two in step (field names, defaults, enums, required).
+These models define the API once. The CRD (crds/finetunejobs.relaytrain.io.yaml) is
+generated from them (spec.crd, `make crds`): field names, types, bounds, patterns, enums,
+defaults and descriptions from the annotations and docstrings; the CEL rules the API server
+adds, written here beside the validators that are their pydantic twins (spec.openapi). The
+models enforce the same rules for code that never meets an API server (`relaytrain run
+--local`, `relaytrain plan`) and give the operator typed access.
 
 Field names are snake_case in Python and camelCase in manifests (aliases). Unknown fields
 are errors, and types are strict (no "3" for 3), as the API server's structural schema is.
 The enumerations that reach the stages (dtype, formats, methods, schedules, compression)
 are the stage contract's (relaytrain_contract).
-The status shape lives in relaytrain_operator.spec.status.
+The sections of the spec live in relaytrain_operator.spec.sections, the status shape in
+relaytrain_operator.spec.status.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    PlainValidator,
-    ValidationError,
-    model_validator,
-)
-from pydantic.alias_generators import to_camel
-from relaytrain_contract import (
-    Compression,
-    DatasetFormat,
-    Dtype,
-    LrSchedule,
-    MethodType,
-    PipelineSchedule,
-    Truncation,
-)
-from relaytrain_contract.stage import SyncMode
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from relaytrain_operator.spec import patterns
 from relaytrain_operator.spec.errors import SpecError, field_error, format_errors
+from relaytrain_operator.spec.openapi import Rule, cel, fixed_once_started
 from relaytrain_operator.spec.patterns import JOB_NAME_MAX
+from relaytrain_operator.spec.sections import (
+    CheckpointSpec,
+    DatasetSpec,
+    FailurePolicy,
+    MethodSpec,
+    ModelSpec,
+    OutputSpec,
+    PipelineSpec,
+    PlacementSpec,
+    SpecModel,
+    TrainingSpec,
+)
 
 __all__ = [
     "API_VERSION",
@@ -52,321 +50,55 @@ __all__ = [
 API_VERSION = "relaytrain.io/v1alpha1"
 KIND = "FineTuneJob"
 
-MAX_STAGES = 64
-MAX_REPLICAS = 64
 
-ModelUri = Annotated[str, Field(pattern=patterns.MODEL_URI, max_length=1024)]
-StoreUri = Annotated[str, Field(pattern=patterns.STORE_URI, max_length=1024)]
-Name = Annotated[str, Field(min_length=1, max_length=253)]
-
-
-def is_s3(uri: str) -> bool:
-    """True for an `s3://` URI (as opposed to a local path or `file://`)."""
-    return uri.startswith("s3://")
-
-
-class _Model(BaseModel):
-    model_config = ConfigDict(
-        alias_generator=to_camel,
-        validate_by_name=True,
-        validate_by_alias=True,
-        serialize_by_alias=True,
-        extra="forbid",
-        strict=True,
-        frozen=True,
-        use_attribute_docstrings=True,
-    )
-
-
-class ModelSpec(_Model):
-    """The base model to fine-tune."""
-
-    uri: ModelUri
-    """Where the model is: `s3://bucket/prefix` holding config.json, the safetensors shards
-    and the tokenizer; `hf://org/name` for a Hugging Face hub id; or a local directory."""
-    dtype: Dtype = "bfloat16"
-    """Precision of the base weights and of compute (QLoRA computes in it over 4-bit weights)."""
-
-
-class ValidationSpec(_Model):
-    """Held-out data: its own JSONL file or a share of the training file (exactly one)."""
-
-    uri: StoreUri | None = None
-    """Where the held-out JSONL file is (`s3://bucket/key` or a local path), in the
-    dataset's format and fields."""
-    fraction: Annotated[float, Field(gt=0.0, lt=1.0)] | None = None
-    """Share of the training file's records held out instead, in (0, 1): chosen by
-    training.seed, the same on every run, and never trained on."""
-
-    @model_validator(mode="after")
-    def _one(self) -> ValidationSpec:
-        if (self.uri is None) == (self.fraction is None):
-            raise field_error("uri", "set exactly one of uri and fraction")
-        return self
-
-
-class DatasetSpec(_Model):
-    """The training data: JSON Lines, one example per line."""
-
-    uri: StoreUri
-    """Where the JSONL file is: `s3://bucket/key` or a local path."""
-    format: DatasetFormat = "text"
-    """`text`: one text field; `prompt-completion`: loss on the completion only; `chat`: a
-    list of messages rendered with the tokenizer's chat template."""
-    text_field: Name = "text"
-    """Field holding the text (format `text`)."""
-    prompt_field: Name = "prompt"
-    """Field holding the prompt (format `prompt-completion`)."""
-    completion_field: Name = "completion"
-    """Field holding the completion (format `prompt-completion`)."""
-    messages_field: Name = "messages"
-    """Field holding the list of {role, content} messages (format `chat`)."""
-    sequence_length: Annotated[int, Field(ge=8, le=131072)] = 512
-    """Tokens per sequence; longer examples are truncated, shorter ones padded or packed."""
-    packing: bool = False
-    """Pack several whole examples into one sequence instead of padding each (positions
-    restart and attention stops at every example)."""
-    truncation: Truncation = "truncate"
-    """An example longer than `sequenceLength`: `truncate` it or `drop` it (both counted in
-    the job's progress)."""
-    validation: ValidationSpec | None = None
-    """Held-out data whose loss the pipeline evaluates (training.evalEverySteps says when);
-    empty: no evaluation."""
-
-
-class MethodSpec(_Model):
-    """What is trained: low-rank adapters (LoRA, QLoRA) or every parameter (full)."""
-
-    type: MethodType = "lora"
-    """`lora`: adapters on frozen weights in model.dtype; `qlora`: adapters on 4-bit (NF4)
-    frozen weights; `full`: every weight of each stage's slice trains."""
-    rank: Annotated[int, Field(ge=1, le=1024)] = 8
-    """LoRA rank r (lora and qlora)."""
-    alpha: Annotated[int, Field(ge=1, le=4096)] = 16
-    """LoRA scaling alpha; the update is scaled by alpha / rank (lora and qlora)."""
-    dropout: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.0
-    """Dropout on the LoRA input, in [0, 1) (lora and qlora)."""
-    target_modules: Annotated[
-        list[Annotated[str, Field(min_length=1, max_length=128)]],
-        Field(min_length=1, max_length=64),
-    ] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
-    """Names of the linear modules that get adapters (lora and qlora)."""
-
-    @model_validator(mode="after")
-    def _unique_targets(self) -> MethodSpec:
-        if len(set(self.target_modules)) != len(self.target_modules):
-            raise field_error("targetModules", "must not repeat a module name")
-        return self
-
-
-class TrainingSpec(_Model):
-    """How long and how fast to train. Exactly one of steps and epochs."""
-
-    steps: Annotated[int, Field(ge=1, le=10_000_000)] | None = None
-    """Optimizer steps to run (exactly one of steps and epochs)."""
-    epochs: Annotated[int, Field(ge=1, le=1000)] | None = None
-    """Passes over the dataset (exactly one of steps and epochs); the worker derives the
-    steps from the dataset's size."""
-    micro_batch_size: Annotated[int, Field(ge=1, le=4096)] = 1
-    """Sequences per micro-batch."""
-    micro_batches: Annotated[int, Field(ge=1, le=4096)] = 8
-    """Micro-batches per optimizer step (gradient accumulation; 1F1B keeps the pipeline busy
-    when this is at least the number of stages)."""
-    learning_rate: Annotated[float, Field(gt=0.0, le=1.0)] = 2e-4
-    """Peak learning rate."""
-    schedule: LrSchedule = "cosine"
-    """Learning-rate decay after warm-up."""
-    warmup_steps: Annotated[int, Field(ge=0, le=10_000_000)] = 0
-    """Steps of linear warm-up from 0 to learningRate; at most steps."""
-    seed: Annotated[int, Field(ge=0, le=2**31 - 1)] = 42
-    """Seed for initialisation, dropout and data order."""
-    weight_decay: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
-    """AdamW weight decay."""
-    max_grad_norm: Annotated[float, Field(ge=0.0)] = 1.0
-    """Clip the global gradient norm to this; 0 turns clipping off."""
-    eval_every_steps: Annotated[int, Field(ge=0, le=10_000_000)] = 0
-    """With dataset.validation: evaluate the held-out loss before the first step and every
-    this many steps; 0 evaluates only after the last step (which every run with validation
-    data does)."""
-
-    @model_validator(mode="after")
-    def _steps_or_epochs(self) -> TrainingSpec:
-        if (self.steps is None) == (self.epochs is None):
-            raise field_error("steps", "set exactly one of steps and epochs")
-        if self.steps is not None and self.warmup_steps > self.steps:
-            raise field_error(
-                "warmupSteps", f"must not exceed steps ({self.steps}), got {self.warmup_steps}"
-            )
-        return self
-
-
-def _stages(value: object) -> int | Literal["auto"]:
-    if value == "auto":
-        return "auto"
-    if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_STAGES:
-        return value
-    raise ValueError(f'must be "auto" or an integer from 1 to {MAX_STAGES}, got {value!r}')
-
-
-def _replicas(value: object) -> int | Literal["auto"]:
-    if value == "auto":
-        return "auto"
-    if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_REPLICAS:
-        return value
-    raise ValueError(f'must be "auto" or an integer from 1 to {MAX_REPLICAS}, got {value!r}')
-
-
-class SyncSpec(_Model):
-    """How several pipelines keep their weights equal."""
-
-    mode: SyncMode = "synchronous"
-    """`synchronous`: gradients reduced every step (every pipeline's copy stays identical);
-    `periodic`: each pipeline takes local steps on its share and the weights are averaged,
-    token-weighted, every `everySteps` steps (DiLoCo-style outer steps, for slow links)."""
-    every_steps: Annotated[int, Field(ge=2)] | None = None
-    """Steps between outer steps (at least 2); set exactly with `periodic`."""
-
-    @model_validator(mode="after")
-    def _every(self) -> SyncSpec:
-        if (self.mode == "periodic") != (self.every_steps is not None):
-            raise field_error("everySteps", "must be set exactly when mode is periodic")
-        return self
-
-
-class PipelineSpec(_Model):
-    """How the model is split into stages and what crosses the links between them."""
-
-    stages: Annotated[int | Literal["auto"], PlainValidator(_stages)] = "auto"
-    """Number of pipeline stages, or `auto` to let the planner choose."""
-    replicas: Annotated[int | Literal["auto"], PlainValidator(_replicas)] = 1
-    """Pipelines that train together on one global batch per step (each its own GPUs and
-    layer split, every step's micro-batches shared among them), or `auto` to let the planner
-    choose. At most training.microBatches. A failed stage takes only its pipeline out: the
-    others train on."""
-    schedule: PipelineSchedule = "1f1b"
-    """Pipeline schedule; one-forward-one-backward."""
-    compression: Compression = "int8"
-    """Compression of activations and their gradients on the links between stages."""
-    sync: SyncSpec = Field(default_factory=SyncSpec)
-    """How several pipelines synchronise: every step, or periodically."""
-
-
-class Toleration(_Model):
-    """A Kubernetes toleration copied onto every stage pod."""
-
-    key: Annotated[str, Field(max_length=316)] | None = None
-    """Taint key; empty with operator Exists tolerates every taint."""
-    operator: Literal["Exists", "Equal"] = "Equal"
-    """`Equal` matches key and value; `Exists` matches any value."""
-    value: Annotated[str, Field(max_length=63)] | None = None
-    """Taint value to match (operator Equal)."""
-    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
-    """Taint effect to match; empty matches all effects."""
-    toleration_seconds: int | None = None
-    """How long a NoExecute taint is tolerated before eviction; empty means forever."""
-
-
-class PlacementSpec(_Model):
-    """Which nodes may run the stages."""
-
-    gpu_label: Annotated[str, Field(min_length=1, max_length=316)] = "nvidia.com/gpu.product"
-    """Node label whose value names the GPU type; nodes sharing a value form a pool."""
-    pools: Annotated[
-        list[Annotated[str, Field(min_length=1, max_length=63)]], Field(max_length=64)
-    ] = Field(default_factory=list)
-    """Allowed pools (values of gpuLabel); empty allows every pool."""
-    tolerations: Annotated[list[Toleration], Field(max_length=32)] = Field(default_factory=list)
-    """Tolerations added to every stage pod."""
-    priority_class_name: Annotated[str, Field(min_length=1, max_length=253)] | None = None
-    """PriorityClass of the stage pods."""
-    node_selector: dict[str, Annotated[str, Field(max_length=63)]] = Field(
-        default_factory=dict, max_length=32
-    )
-    """Extra node labels every stage node must carry."""
-
-    @model_validator(mode="after")
-    def _unique_pools(self) -> PlacementSpec:
-        if len(set(self.pools)) != len(self.pools):
-            raise field_error("pools", "must not repeat a pool")
-        return self
-
-
-class CredentialsSecret(_Model):
-    """A Secret in the job's namespace holding the S3 access key pair."""
-
-    name: Annotated[str, Field(min_length=1, max_length=253)]
-    """Name of the Secret."""
-    access_key_key: Annotated[str, Field(min_length=1, max_length=253)] = "AWS_ACCESS_KEY_ID"
-    """Key in the Secret whose value is the access key id."""
-    secret_key_key: Annotated[str, Field(min_length=1, max_length=253)] = "AWS_SECRET_ACCESS_KEY"
-    """Key in the Secret whose value is the secret access key."""
-
-
-class CheckpointSpec(_Model):
-    """Where and how often the stages save what recovery needs."""
-
-    uri: StoreUri
-    """Checkpoint store: `s3://bucket/prefix` or a local directory; steps are written under
-    `<uri>/<namespace>/<job>/`. Its endpoint and credentials also serve s3:// model,
-    dataset and output URIs."""
-    endpoint: Annotated[str, Field(pattern=patterns.ENDPOINT, max_length=1024)] | None = None
-    """S3 endpoint URL, e.g. `http://minio.minio:9000`; empty means AWS S3 (s3:// only)."""
-    credentials_secret: CredentialsSecret | None = None
-    """Secret with the S3 keys (s3:// only)."""
-    every_steps: Annotated[int, Field(ge=1, le=1_000_000)] = 50
-    """Commit a checkpoint every this many optimizer steps."""
-    keep: Annotated[int, Field(ge=1, le=100)] = 2
-    """Committed checkpoints to keep; older ones are pruned after each commit."""
-
-    @model_validator(mode="after")
-    def _s3_only(self) -> CheckpointSpec:
-        if not is_s3(self.uri):
-            if self.endpoint is not None:
-                raise field_error("endpoint", "applies only to an s3:// uri")
-            if self.credentials_secret is not None:
-                raise field_error("credentialsSecret", "applies only to an s3:// uri")
-        return self
-
-
-class OutputSpec(_Model):
-    """Where the finished adapter (or full weights) goes."""
-
-    uri: StoreUri
-    """`s3://bucket/prefix` or a local directory."""
-
-
-class FailurePolicy(_Model):
-    """When a failing stage fails the job."""
-
-    max_stage_restarts: Annotated[int, Field(ge=0, le=1000)] = 3
-    """Replacements allowed per stage; one more failure fails the job."""
-    backoff_seconds: Annotated[int, Field(ge=0, le=3600)] = 10
-    """Seconds to wait before replacing a failed stage."""
-
-
-class FineTuneJobSpec(_Model):
+class FineTuneJobSpec(SpecModel):
     """The desired fine-tuning run."""
 
-    model: ModelSpec
+    model_config = ConfigDict(
+        json_schema_extra=cel(
+            Rule(
+                "!has(self.pipeline) || !has(self.pipeline.replicas) || "
+                "type(self.pipeline.replicas) == string || !has(self.training.microBatches) || "
+                "self.pipeline.replicas <= self.training.microBatches",
+                "spec.pipeline.replicas must not exceed spec.training.microBatches: every "
+                "pipeline trains at least one micro-batch of each step.",
+                field=".pipeline.replicas",
+            ),
+            Rule(
+                "!has(self.training.evalEverySteps) || self.training.evalEverySteps == 0 || "
+                "has(self.dataset.validation)",
+                "spec.training.evalEverySteps evaluates held-out data: set "
+                "spec.dataset.validation too.",
+                field=".training.evalEverySteps",
+            ),
+        )
+    )
+
+    model: Annotated[ModelSpec, Field(json_schema_extra=fixed_once_started())]
     """The base model."""
-    dataset: DatasetSpec
-    """The training data."""
-    method: MethodSpec = Field(default_factory=MethodSpec)
-    """LoRA, QLoRA or full fine-tuning."""
-    training: TrainingSpec
-    """Steps or epochs, batch and optimizer settings."""
-    pipeline: PipelineSpec = Field(default_factory=PipelineSpec)
-    """Stages, schedule and link compression."""
+    dataset: Annotated[DatasetSpec, Field(json_schema_extra=fixed_once_started())]
+    """The training data, JSON Lines with one example per line."""
+    method: Annotated[MethodSpec, Field(json_schema_extra=fixed_once_started())] = Field(
+        default_factory=MethodSpec
+    )
+    """What trains: low-rank adapters (lora, qlora) or every weight (full)."""
+    training: Annotated[TrainingSpec, Field(json_schema_extra=fixed_once_started())]
+    """How long and how fast to train. Set exactly one of steps and epochs."""
+    pipeline: Annotated[PipelineSpec, Field(json_schema_extra=fixed_once_started())] = Field(
+        default_factory=PipelineSpec
+    )
+    """How the model is split into stages and what crosses the links between them."""
     placement: PlacementSpec = Field(default_factory=PlacementSpec)
     """Which nodes may run the stages."""
     checkpoint: CheckpointSpec
-    """Checkpoint store and cadence."""
+    """Where and how often the stages save what recovery needs."""
     output: OutputSpec | None = None
-    """Where the result goes; empty means `<checkpoint.uri>/<namespace>/<job>/output`."""
+    """Where the result goes; empty means `<checkpoint.uri>/<namespace>/<job>/output/`."""
     failure_policy: FailurePolicy = Field(default_factory=FailurePolicy)
-    """Stage restarts allowed before the job fails."""
+    """When a failing stage fails the job."""
     suspend: bool = False
-    """True removes the stage pods and keeps the job; false resumes from the last checkpoint."""
+    """True removes the stage pods and keeps the job (queueing systems such as Kueue hold jobs
+    this way); false again resumes from the last checkpoint."""
     image: Annotated[str, Field(min_length=1, max_length=1024)] | None = None
     """Worker image for the stage pods; empty uses the operator's default."""
 
@@ -403,17 +135,32 @@ class ObjectMeta(BaseModel):
     generation: int | None = None
 
 
-class FineTuneJob(_Model):
-    """A FineTuneJob manifest as parsed by parse_job (status is not parsed)."""
+class FineTuneJob(SpecModel):
+    """FineTuneJob fine-tunes a language model across a pipeline of GPU stages, each holding
+    a contiguous slice of the model's layers, on whatever GPU pools the cluster has. The
+    operator plans the stages, runs one pod per stage, and replaces a failed stage alone from
+    the last committed checkpoint."""
+
+    model_config = ConfigDict(
+        json_schema_extra=cel(
+            Rule(
+                f"self.metadata.name.matches('{patterns.JOB_NAME}') && "
+                f"size(self.metadata.name) <= {JOB_NAME_MAX}",
+                f"metadata.name must be a DNS-1035 label of at most {JOB_NAME_MAX} characters "
+                "(lowercase letters, digits and '-', starting with a letter): it names the "
+                "job's Service and prefixes its stage pods' hostnames.",
+            )
+        )
+    )
 
     api_version: Literal["relaytrain.io/v1alpha1"]
-    """API group and version."""
+    """relaytrain.io/v1alpha1."""
     kind: Literal["FineTuneJob"]
-    """Kind."""
+    """FineTuneJob."""
     metadata: ObjectMeta
     """Name, namespace, uid and generation."""
     spec: FineTuneJobSpec
-    """The desired run."""
+    """The desired fine-tuning run."""
 
 
 def parse_job(

@@ -1,16 +1,18 @@
 """The FineTuneJob status: what the operator writes and `kubectl get ftj`, Flux and Argo read.
 
-Every field here is declared in the CRD (the API server prunes anything else), and the unit
-test that compares the CRD with spec/job.py compares this model too. The operator builds a
+The CRD's status schema is generated from these models (spec.crd), so every field is
+declared there (the API server prunes anything undeclared). The operator builds a
 FineTuneJobStatus and patches `status_patch(...)`; it never writes free-form dicts.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
-from pydantic.alias_generators import to_camel
+from relaytrain_contract.camel import CAMEL_CASE
+
+from relaytrain_operator.spec.openapi import Int64, Timestamp, list_type
 
 __all__ = [
     "PHASES",
@@ -33,14 +35,7 @@ PHASES: tuple[str, ...] = Phase.__args__  # type: ignore[attr-defined]
 
 
 class _Status(BaseModel):
-    model_config = ConfigDict(
-        alias_generator=to_camel,
-        validate_by_name=True,
-        validate_by_alias=True,
-        serialize_by_alias=True,
-        extra="forbid",
-        use_attribute_docstrings=True,
-    )
+    model_config = ConfigDict(**CAMEL_CASE, extra="forbid", use_attribute_docstrings=True)
 
 
 class Condition(_Status):
@@ -57,9 +52,9 @@ class Condition(_Status):
     BackoffLimitExceeded, InvalidSpec."""
     message: str = ""
     """What happened, for people."""
-    last_transition_time: str
+    last_transition_time: Timestamp
     """When status last changed (RFC 3339)."""
-    observed_generation: int | None = None
+    observed_generation: Int64 | None = None
     """The metadata.generation this condition was computed for."""
 
 
@@ -76,9 +71,9 @@ class PlannedStage(_Status):
     """Last decoder layer (exclusive)."""
     predicted_step_seconds: float | None = None
     """Predicted time of this stage per optimizer step (compute plus its outgoing link)."""
-    predicted_memory_bytes: int | None = None
+    predicted_memory_bytes: Int64 | None = None
     """Predicted peak GPU memory of this stage."""
-    available_memory_bytes: int | None = None
+    available_memory_bytes: Int64 | None = None
     """GPU memory the pool's GPUs have."""
 
 
@@ -98,7 +93,9 @@ class PlanPipeline(_Status):
     """Pipeline number, 0 first."""
     micro_batches: int
     """This pipeline's share of each step's micro-batches."""
-    stages: list[PlannedStage] = Field(default_factory=list)
+    stages: Annotated[list[PlannedStage], Field(json_schema_extra=list_type("map", "index"))] = (
+        Field(default_factory=list)
+    )
     """Its stages in pipeline order."""
     predicted_step_seconds: float | None = None
     """Predicted time of its share of a step (1F1B, bubble included)."""
@@ -113,9 +110,13 @@ class PlanPipeline(_Status):
 class PlanStatus(_Status):
     """The planner's result for this job."""
 
-    stages: list[PlannedStage] = Field(default_factory=list)
+    stages: Annotated[list[PlannedStage], Field(json_schema_extra=list_type("map", "index"))] = (
+        Field(default_factory=list)
+    )
     """Stages in pipeline order (a job with one pipeline; see `pipelines` otherwise)."""
-    pipelines: list[PlanPipeline] | None = None
+    pipelines: (
+        Annotated[list[PlanPipeline], Field(json_schema_extra=list_type("map", "index"))] | None
+    ) = None
     """The pipelines of a job that trains several, each with its stages and share (unset
     while the job has one: its stages are `stages`)."""
     predicted_sync_seconds: float | None = None
@@ -161,7 +162,7 @@ class StageStatus(_Status):
     """Checkpoint step the current pod restored from."""
     last_failure: str | None = None
     """Why the previous pod of this stage ended."""
-    last_failure_time: str | None = None
+    last_failure_time: Timestamp | None = None
     """When that failure was counted (RFC 3339): the successor's back-off runs from it."""
 
 
@@ -198,9 +199,9 @@ class ProgressStatus(_Status):
     """Measured throughput."""
     last_committed_step: int | None = None
     """Newest committed checkpoint step."""
-    eta: str | None = None
+    eta: Timestamp | None = None
     """Estimated finish time (RFC 3339)."""
-    updated_at: str | None = None
+    updated_at: Timestamp | None = None
     """When the workers last reported (RFC 3339)."""
     examples: int | None = None
     """Training examples the data set gave, after truncation or dropping."""
@@ -222,35 +223,42 @@ class OutputStatus(_Status):
 
 
 class FineTuneJobStatus(_Status):
-    """The observed state of a FineTuneJob."""
+    """The observed state, written by the operator."""
 
     phase: Phase = "Pending"
     """Pending, Planning, Running, Recovering, Succeeded, Failed or Suspended."""
-    observed_generation: int | None = None
+    observed_generation: Int64 | None = None
     """The metadata.generation the operator last acted on."""
-    conditions: list[Condition] = Field(default_factory=list)
-    """Ready and Progressing, with reasons."""
-    start_time: str | None = None
+    conditions: Annotated[list[Condition], Field(json_schema_extra=list_type("map", "type"))] = (
+        Field(default_factory=list)
+    )
+    """Ready, Progressing, kstatus's Reconciling and Stalled, and (several pipelines)
+    Degraded, with reasons such as Unschedulable or StageRestarting."""
+    start_time: Timestamp | None = None
     """When the first stage pod was created (RFC 3339); from then on model, dataset, method,
-    pipeline and training may no longer change."""
-    completion_time: str | None = None
+    pipeline, training and checkpoint.uri may no longer change."""
+    completion_time: Timestamp | None = None
     """When the job Succeeded or Failed (RFC 3339)."""
     plan: PlanStatus | None = None
-    """The stage plan."""
-    stages: list[StageStatus] = Field(default_factory=list)
-    """Per-stage pods."""
+    """The stage plan the operator runs."""
+    stages: Annotated[list[StageStatus], Field(json_schema_extra=list_type("atomic"))] = Field(
+        default_factory=list
+    )
+    """Each stage's pod as the operator last saw it."""
     ready_stages: str | None = None
     """`ready/total` stage pods, for the printer column."""
-    pipelines: list[PipelineStatus] | None = None
+    pipelines: (
+        Annotated[list[PipelineStatus], Field(json_schema_extra=list_type("map", "index"))] | None
+    ) = None
     """Per pipeline, when the job trains several (unset while it has one)."""
     ready_pipelines: str | None = None
     """`running/total` pipelines, for the printer column (several pipelines only)."""
     restarts: int = 0
     """Stage pod replacements, all stages together."""
     progress: ProgressStatus | None = None
-    """Training progress."""
+    """Training progress, from the workers' progress record."""
     output: OutputStatus | None = None
-    """Where the result is, once Succeeded."""
+    """Where the result is, once the job Succeeded."""
 
 
 def status_patch(status: FineTuneJobStatus) -> dict[str, object]:

@@ -22,12 +22,12 @@ def make_optimizer(
     # foreach=False: the per-tensor path gives the same bits however the parameters
     # are grouped into stages, which the equivalence tests rely on.
     optimizer = torch.optim.AdamW(
-        params, lr=spec.learningRate, weight_decay=spec.weightDecay, foreach=False
+        params, lr=spec.learning_rate, weight_decay=spec.weight_decay, foreach=False
     )
     scheduler = get_scheduler(
         _SCHEDULES[spec.schedule],
         optimizer,
-        num_warmup_steps=spec.warmupSteps,
+        num_warmup_steps=spec.warmup_steps,
         num_training_steps=spec.steps,
     )
     return optimizer, scheduler

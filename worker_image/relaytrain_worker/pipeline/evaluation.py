@@ -49,7 +49,7 @@ def due(cfg: StageConfig, step: int, total: int) -> bool:
     training) and every `evalEverySteps` when that is set, and at `total` always."""
     if cfg.dataset.validation is None:
         return False
-    every = cfg.training.evalEverySteps
+    every = cfg.training.eval_every_steps
     return step == total or (every > 0 and step % every == 0)
 
 

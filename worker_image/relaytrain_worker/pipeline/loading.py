@@ -34,10 +34,10 @@ def link_credentials(cfg: StageConfig, environ: Mapping[str, str] = os.environ) 
     name another stage than the config says (a Secret wired to the wrong pod).
     """
     links = cfg.links
-    tls = LinkCredentials.from_env(links.certEnv, links.keyEnv, links.caEnv, environ)
+    tls = LinkCredentials.from_env(links.cert_env, links.key_env, links.ca_env, environ)
     if tls.identity != links.identity:
         raise AuthError(
-            f"the link certificate in {links.certEnv} is {tls.identity}, but this stage is "
+            f"the link certificate in {links.cert_env} is {tls.identity}, but this stage is "
             f"{links.identity}"
         )
     tls.check_valid()
@@ -89,14 +89,14 @@ def load_stage(cfg: StageConfig) -> Loaded:
     store = open_store(cfg.checkpoint.uri)
     model_dir = resolve_model_dir(cfg, open_store)
     spec = SliceSpec(
-        cfg.stage.layerStart, cfg.stage.layerEnd, cfg.stage.is_first, cfg.stage.is_last
+        cfg.stage.layer_start, cfg.stage.layer_end, cfg.stage.is_first, cfg.stage.is_last
     )
     stage = build_stage_model(model_dir, spec, cfg.model.dtype)
     method = cfg.method
     lora = (
         None
         if method.type == "full"
-        else lora_config(method.rank, method.alpha, method.dropout, method.targetModules)
+        else lora_config(method.rank, method.alpha, method.dropout, method.target_modules)
     )
     trainable = setup_method(stage, method.type, lora, cfg.training.seed)
     # With `epochs` every stage reads the dataset to derive the same step count.
@@ -131,14 +131,14 @@ def _load_data(
     if held_out is not None:
         return held_out(
             cfg.dataset, tokenizer, max_positions=max_pos,
-            micro_batch_size=t.microBatchSize, seed=t.seed, opener=open_store,
+            micro_batch_size=t.micro_batch_size, seed=t.seed, opener=open_store,
         )  # fmt: skip
     return load_step_data(
         cfg.dataset,
         tokenizer,
         max_positions=max_pos,
-        micro_batch_size=t.microBatchSize,
-        micro_batches=t.microBatches,
+        micro_batch_size=t.micro_batch_size,
+        micro_batches=t.micro_batches,
         seed=t.seed,
         opener=open_store,
     )

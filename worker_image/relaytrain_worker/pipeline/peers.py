@@ -209,8 +209,10 @@ def link_chain(
     try:
         links = cfg.links
         if links.next is not None:
-            assert links.nextIdentity is not None  # the config checks both are set
-            nxt = connect(links.next, credentials=tls, expect=links.nextIdentity, retry_for=timeout)
+            assert links.next_identity is not None  # the config checks both are set
+            nxt = connect(
+                links.next, credentials=tls, expect=links.next_identity, retry_for=timeout
+            )
         if listener is not None:
             prev = listener.accept(timeout=timeout)
     except BaseException:

@@ -115,7 +115,7 @@ class Alone:
 
     def __init__(self, cfg: StageConfig) -> None:
         self.name = str(cfg.stage.index)
-        self.micros = range(cfg.training.microBatches)
+        self.micros = range(cfg.training.micro_batches)
         """Every micro-batch of a step."""
 
     @property

@@ -48,7 +48,7 @@ def stage_files(
     tensors = {name: p.detach().contiguous() for name, p in trainable}
     meta = {
         "step": step, "dataStep": step, "stage": cfg.stage.index,
-        "layerStart": cfg.stage.layerStart, "layerEnd": cfg.stage.layerEnd,
+        "layerStart": cfg.stage.layer_start, "layerEnd": cfg.stage.layer_end,
     }  # fmt: skip
     return {
         TRAINABLE_FILE: safetensors.torch.save(tensors),

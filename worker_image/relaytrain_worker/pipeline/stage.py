@@ -124,9 +124,9 @@ class StageRuntime:
         if self.server is None:
             self.server = serve(self.metrics, cfg.observability.port)
         if self.listener is None and cfg.links.listen is not None:
-            assert cfg.links.prevIdentity is not None  # the config checks both are set
+            assert cfg.links.prev_identity is not None  # the config checks both are set
             self.listener = listen(
-                cfg.links.listen, credentials=self.tls, expect=cfg.links.prevIdentity
+                cfg.links.listen, credentials=self.tls, expect=cfg.links.prev_identity
             )
         self.replication.open()
 
@@ -320,7 +320,7 @@ class StageRuntime:
             peers=peers,
             trainable=self.trainable,
             compression=self.cfg.pipeline.compression,
-            max_grad_norm=t.maxGradNorm,
+            max_grad_norm=t.max_grad_norm,
             tied_name=self._tied_name(),
             **self.replication.runner_options(),
         )
@@ -355,7 +355,7 @@ class StageRuntime:
 
     def saves(self, step: int) -> bool:
         """Whether the boundary after `step` steps is a checkpoint."""
-        return step % self.cfg.checkpoint.everySteps == 0 or step == self.total_steps
+        return step % self.cfg.checkpoint.every_steps == 0 or step == self.total_steps
 
     def _tied_name(self) -> str | None:
         tied = bool(getattr(self.stage.config, "tie_word_embeddings", False))
@@ -404,18 +404,18 @@ class StageRuntime:
             self.prefix,
             Progress(
                 step=self.step,
-                totalSteps=self.total_steps,
+                total_steps=self.total_steps,
                 loss=last["loss"],
-                tokensPerSecond=float(last["tokensPerSecond"] or 0.0),
-                lastCommittedStep=self.last_committed,
-                stepSeconds=self.step_seconds,
+                tokens_per_second=float(last["tokensPerSecond"] or 0.0),
+                last_committed_step=self.last_committed,
+                step_seconds=self.step_seconds,
                 done=done,
                 output=self.cfg.output.uri if done else None,
                 examples=report.examples if report else None,
-                examplesTruncated=report.truncated if report else None,
-                examplesDropped=report.dropped if report else None,
-                evalLoss=held["evalLoss"] if held else None,
-                evalStep=held["step"] if held else None,
+                examples_truncated=report.truncated if report else None,
+                examples_dropped=report.dropped if report else None,
+                eval_loss=held["evalLoss"] if held else None,
+                eval_step=held["step"] if held else None,
             ),
         )
 

@@ -82,10 +82,10 @@ def peer_slices(cfg: StageConfig) -> dict[Peer, Slice]:
     mine = cfg.stage
     return {
         (p.pipeline, p.stage): Slice(
-            p.layerStart,
-            p.layerEnd,
+            p.layer_start,
+            p.layer_end,
             first=p.stage == 0,
-            last=mine.is_last and p.layerEnd == mine.layerEnd,
+            last=mine.is_last and p.layer_end == mine.layer_end,
         )
         for p in replicas.peers
     }

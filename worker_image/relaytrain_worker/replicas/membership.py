@@ -79,8 +79,8 @@ def job_finished(progress: Progress | None, started: datetime, total_steps: int)
     of fewer steps is another run's, e.g. before the job's steps were raised)."""
     if progress is None or not progress.done:
         return False
-    fresh = progress.updatedAt is not None and progress.updatedAt >= started
-    return fresh or progress.step == progress.totalSteps == total_steps
+    fresh = progress.updated_at is not None and progress.updated_at >= started
+    return fresh or progress.step == progress.total_steps == total_steps
 
 
 class Replicated:
@@ -238,11 +238,11 @@ class Replicated:
     def begin_training(self, stage: StageRuntime, runner: StepRunner) -> None:
         self._outer = None
         if self.periodic:
-            assert self.group is not None and self.spec.sync.everySteps
+            assert self.group is not None and self.spec.sync.every_steps
             self._outer = PeriodicSync.of(
                 runner,
                 self.group,
-                every=self.spec.sync.everySteps,
+                every=self.spec.sync.every_steps,
                 total=stage.total_steps,
                 also=lambda step: stage.saves(step) or due(stage.cfg, step, stage.total_steps),
             )
@@ -360,7 +360,7 @@ class Replicated:
         if self.writer:
             return True
         if stage.cfg.stage.is_last:
-            stage.history.forget_through(step - stage.cfg.checkpoint.everySteps)
+            stage.history.forget_through(step - stage.cfg.checkpoint.every_steps)
         return False
 
     def save_failed(self, step: int, exc: Exception) -> None:

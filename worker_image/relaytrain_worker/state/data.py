@@ -121,18 +121,18 @@ def tokenize(records: list[Record], tokenizer: Any, spec: DatasetSpec) -> list[E
     out = []
     for number, record in enumerate(records, start=1):
         if spec.format == "text":
-            text = _field(record, spec.textField, "textField", number, spec.uri)
+            text = _field(record, spec.text_field, "textField", number, spec.uri)
             ids = tokenizer(str(text), add_special_tokens=False)["input_ids"] + [eos]
             out.append(Example(ids, list(ids), record.line))
         elif spec.format == "prompt-completion":
-            prompt = _field(record, spec.promptField, "promptField", number, spec.uri)
-            completion = _field(record, spec.completionField, "completionField", number,
+            prompt = _field(record, spec.prompt_field, "promptField", number, spec.uri)
+            completion = _field(record, spec.completion_field, "completionField", number,
                                 spec.uri)  # fmt: skip
             p = tokenizer(str(prompt), add_special_tokens=False)["input_ids"]
             c = tokenizer(str(completion), add_special_tokens=False)["input_ids"] + [eos]
             out.append(Example(p + c, [IGNORE] * len(p) + c, record.line))
         else:
-            messages = _field(record, spec.messagesField, "messagesField", number, spec.uri)
+            messages = _field(record, spec.messages_field, "messagesField", number, spec.uri)
             where = f"line {record.line} of {spec.uri}"
             ids, labels = assistant_spans(tokenizer, messages, where)
             out.append(Example(ids, labels, record.line))
@@ -142,7 +142,7 @@ def tokenize(records: list[Record], tokenizer: Any, spec: DatasetSpec) -> list[E
 def fit(examples: list[Example], spec: DatasetSpec) -> tuple[list[Example], int, int]:
     """Examples no longer than `sequenceLength`: longer ones truncated or dropped, as
     `truncation` says; returns (examples kept, truncated, dropped)."""
-    length = spec.sequenceLength
+    length = spec.sequence_length
     kept: list[Example] = []
     truncated = dropped = 0
     for ex in examples:
@@ -200,7 +200,7 @@ class Rows:
 
 def build_rows(examples: list[Example], spec: DatasetSpec, pad_id: int) -> Rows:
     """Pack or pad the examples (none longer than `sequenceLength`) into rows."""
-    length = spec.sequenceLength
+    length = spec.sequence_length
     layout = (
         pack([len(ex.ids) for ex in examples], length)
         if spec.packing
@@ -277,9 +277,9 @@ class StepData:
 
 def check_length(spec: DatasetSpec, max_positions: int | None) -> None:
     """A sequence longer than the model's context is an error, named by its setting."""
-    if max_positions is not None and spec.sequenceLength > max_positions:
+    if max_positions is not None and spec.sequence_length > max_positions:
         raise DataError(
-            f"dataset.sequenceLength {spec.sequenceLength} is longer than the model allows "
+            f"dataset.sequenceLength {spec.sequence_length} is longer than the model allows "
             f"(max_position_embeddings {max_positions})"
         )
 

@@ -56,7 +56,7 @@ def _export_adapter(
         for name, tensor in part.items():
             merged[peft_key(name)] = tensor.contiguous()
     config = lora_config(
-        cfg.method.rank, cfg.method.alpha, cfg.method.dropout, cfg.method.targetModules
+        cfg.method.rank, cfg.method.alpha, cfg.method.dropout, cfg.method.target_modules
     )
     # What the stages adapted: the job's names mapped onto the family's modules.
     model_type = json.loads((model_dir / "config.json").read_text())["model_type"]

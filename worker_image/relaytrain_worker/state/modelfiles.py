@@ -34,7 +34,7 @@ SMALL_FILES = (
 def stage_shards(weight_map: dict[str, str], cfg: StageConfig, tied: bool) -> set[str]:
     """The shard files holding this stage's tensors (by the layout of HF causal LMs)."""
     st = cfg.stage
-    prefixes = [f"model.layers.{i}." for i in range(st.layerStart, st.layerEnd)]
+    prefixes = [f"model.layers.{i}." for i in range(st.layer_start, st.layer_end)]
     if st.is_first or (st.is_last and tied):
         prefixes.append("model.embed_tokens.")
     if st.is_last:

@@ -166,10 +166,10 @@ def job_credentials(
     resolves it (`relaytrain_contract.aws_credentials`: the environment's key pair, else the
     shared credentials file's; none: on AWS the IAM role, see `S3Store`, else anonymous).
     """
-    if checkpoint.accessKeyEnv is not None and checkpoint.secretKeyEnv is not None:
+    if checkpoint.access_key_env is not None and checkpoint.secret_key_env is not None:
         return S3Credentials(
-            environ.get(checkpoint.accessKeyEnv) or None,
-            environ.get(checkpoint.secretKeyEnv) or None,
+            environ.get(checkpoint.access_key_env) or None,
+            environ.get(checkpoint.secret_key_env) or None,
         )
     return aws_credentials(environ)
 

@@ -43,14 +43,14 @@ def progress_bar(show: bool) -> Any:
 def show_progress(bar: Any, progress: Progress) -> None:
     """Move `bar` to `progress`: step of total steps, loss, tokens/s, last checkpoint and
     the held-out loss when there is one."""
-    bar.total = progress.totalSteps
+    bar.total = progress.total_steps
     bar.n = progress.step
     loss = progress.loss
     bar.set_postfix(
         loss=f"{loss:.4f}" if loss is not None else "-",
-        tok_s=f"{progress.tokensPerSecond:.0f}",
-        ckpt=progress.lastCommittedStep,
-        **({"eval": f"{progress.evalLoss:.4f}"} if progress.evalLoss is not None else {}),
+        tok_s=f"{progress.tokens_per_second:.0f}",
+        ckpt=progress.last_committed_step,
+        **({"eval": f"{progress.eval_loss:.4f}"} if progress.eval_loss is not None else {}),
     )
     bar.refresh()
 
@@ -101,7 +101,7 @@ def finish(run: LocalRun, started: float) -> None:
         "finalLoss": final.loss if final else None,
         "firstLoss": next((e["loss"] for e in losses if e.get("loss") is not None), None),
         **({"firstEvalLoss": held[0], "evalLoss": held[-1]} if held else {}),
-        "tokensPerSecond": final.tokensPerSecond if final else None,
+        "tokensPerSecond": final.tokens_per_second if final else None,
         "restarts": {
             (s.index if len(run.layout.splits) == 1 else f"p{s.pipeline}/s{s.index}"): s.restarts
             for s in run.stages

@@ -233,7 +233,7 @@ class LocalRun:
                 code = stage.proc.poll()
                 if code is None:
                     continue
-                done_at = progress.updatedAt if progress is not None and progress.done else None
+                done_at = progress.updated_at if progress is not None and progress.done else None
                 if code == 0 or (done_at is not None and done_at >= started):
                     # A stage that dies after the job finished (its output written) is
                     # not restarted: its peers are gone and nothing is left to do.
