@@ -50,7 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "testkit")]
 
 from relaytrain_testkit.local_jobs import (  # noqa: E402
-    fleet_job,
+    fleet,
     make_workspace,
     pin_pipelines,
     progress,
@@ -75,10 +75,8 @@ class Outcome:
 
 
 def _job(root: Path, name: str, replicas: int, steps: int) -> Path:
-    restarts = {"maxStageRestarts": 1000, "backoffSeconds": 0}
-    return fleet_job(
-        root, name, replicas=replicas, steps=steps, every=EVERY, failurePolicy=restarts
-    )
+    job = fleet(root, name, replicas=replicas, steps=steps, every=EVERY)
+    return job.failure_policy(max_stage_restarts=1000, backoff_seconds=0).write(root)
 
 
 def _base(replicas: int, pipeline: int, stage: int) -> str:

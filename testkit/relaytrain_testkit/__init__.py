@@ -9,8 +9,10 @@
 - `linkcreds`: link credentials minted as the operator mints them.
 - `shapes`: model configs the planner reads.
 - `chat_templates`: the published chat templates of the model families.
+- `jobs`: the one builder of FineTuneJob manifests (`Job("smol").pipeline(stages=2).build()`).
 - `spec_cases`, `stage_pods`, `stage_document`, `decide_cases`, `health_cases`: the
-  FineTuneJobs, pods, stage documents and statuses several test modules build on.
+  FineTuneJobs (built with `jobs`), pods, stage documents and statuses several test modules
+  build on.
 - `local_jobs`: `relaytrain run --local` jobs as child processes.
 - `doc_commands`: the commands the documentation shows, and the registry that covers them.
 - `harness`: the local cluster, kwok, MinIO, the chart and the operator that the k8s and

@@ -23,6 +23,7 @@ from relaytrain_operator.loop.decide import (
     stage_pods,
 )
 
+from relaytrain_testkit.jobs import Job
 from relaytrain_testkit.shapes import SMOLLM2_135M_CONFIG
 
 NOW = datetime(2026, 11, 22, 10, 0, 0, tzinfo=UTC)
@@ -59,31 +60,20 @@ PLAN: dict[str, Any] = {
 """The stored plan: stage 0 on an a100, stage 1 on an rtx."""
 
 
-def manifest(status: dict[str, Any] | None = None, **spec: Any) -> dict[str, Any]:
-    """A two-stage FineTuneJob (with `status`); `spec` merges into its spec's sections."""
-    base: dict[str, Any] = {
-        "model": {"uri": "s3://models/smol/"},
-        "dataset": {"uri": "s3://data/train.jsonl", "sequenceLength": 256},
-        "training": {"steps": 100, "microBatchSize": 1, "microBatches": 8},
-        "pipeline": {"stages": 2},
-        "checkpoint": {
-            "uri": "s3://ckpt/runs",
-            "endpoint": "http://minio:9000",
-            "credentialsSecret": {"name": "s3"},
-        },
-        "failurePolicy": {"maxStageRestarts": 2, "backoffSeconds": 0},
-    }
-    for key, value in spec.items():
-        base[key] = {**base[key], **value} if isinstance(base.get(key), dict) else value
-    job: dict[str, Any] = {
-        "apiVersion": "relaytrain.io/v1alpha1",
-        "kind": "FineTuneJob",
-        "metadata": {"name": "j", "namespace": "ns", "uid": "job-uid", "generation": 4},
-        "spec": base,
-    }
-    if status is not None:
-        job["status"] = status
-    return job
+JOB = (
+    Job("j", "ns")
+    .uid("job-uid")
+    .generation(4)
+    .model("s3://models/smol/")
+    .dataset("s3://data/train.jsonl", sequence_length=256)
+    .training(steps=100, micro_batch_size=1, micro_batches=8)
+    .pipeline(stages=2)
+    .checkpoint("s3://ckpt/runs", endpoint="http://minio:9000")
+    .credentials("s3")
+    .failure_policy(max_stage_restarts=2, backoff_seconds=0)
+)
+"""The job decided on: `j` in `ns`, generation 4, two stages, checkpoints in MinIO, two
+restarts a stage without back-off; `.status(...)` gives it the status a pass left."""
 
 
 def node(

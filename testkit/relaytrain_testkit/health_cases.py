@@ -10,6 +10,8 @@ from typing import Any
 from relaytrain_operator.domain.status import Verdict, to_manifest, with_verdict
 from relaytrain_operator.spec import FineTuneJobStatus, PipelineStatus
 
+from relaytrain_testkit.jobs import Job
+
 NOW = datetime(2026, 11, 23, 10, 0, 0, tzinfo=UTC)
 """When every status here was written."""
 
@@ -24,7 +26,7 @@ def job(
     generation: int = 3,
     observed: int = 3,
 ) -> dict[str, Any]:
-    """A FineTuneJob as stored, its status written by the operator's status code."""
+    """A FineTuneJob `j` as stored, its status written by the operator's status code."""
     status = FineTuneJobStatus()
     if pipelines is not None:
         status = status.model_copy(
@@ -37,11 +39,11 @@ def job(
         )
     verdict = Verdict(phase, ready, True, reason, f"{reason} says why", degraded=degraded)
     written = to_manifest(with_verdict(status, verdict, NOW, observed))
-    return {"metadata": {"name": "j", "generation": generation}, "status": written}
+    return Job("j").generation(generation).status(written).build()
 
 
 CASES = [
-    ("just created", {"metadata": {"name": "j", "generation": 1}}, "Progressing"),
+    ("just created", Job("j").generation(1).build(), "Progressing"),
     ("planning", job("Planning", "Planned"), "Progressing"),
     ("starting", job("Pending", "StagesStarting"), "Progressing"),
     ("waiting for GPUs", job("Pending", "Unschedulable"), "Progressing"),

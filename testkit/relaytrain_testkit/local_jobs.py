@@ -1,6 +1,6 @@
-"""Jobs for `relaytrain run --local` tests: a workspace with a tiny model and data, job
-manifests on it, the run as a child process, and waits on what the run leaves observable
-(its state.json, progress.json, the stage processes in /proc).
+"""Jobs for `relaytrain run --local` tests: a workspace with a tiny model and data, jobs on
+it (built with relaytrain_testkit.jobs), the run as a child process, and waits on what the
+run leaves observable (its state.json, progress.json, the stage processes in /proc).
 
 Tiny random Llama models (no downloads); every stage a real `python -m relaytrain_worker`.
 """
@@ -8,7 +8,6 @@ Tiny random Llama models (no downloads); every stage a real `python -m relaytrai
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import os
 import subprocess
@@ -19,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from relaytrain_testkit import REPO
+from relaytrain_testkit.jobs import Job
 from relaytrain_testkit.tiny_models import CORPUS, tiny_model_dir
 
 NAMESPACE = "default"
@@ -38,62 +37,45 @@ def make_workspace(root: Path, *, layers: int, records: int) -> Path:
     return root
 
 
-def job_manifest(root: Path, name: str, **sections: Any) -> dict[str, Any]:
-    """A FineTuneJob on the workspace at `root`: two stages, no link compression, a LoRA of
-    rank 2 on q_proj, 16-token sequences, up to 2 restarts without back-off, no checkpoint
-    section (run --local's default store). A keyword names a spec section: a dict is merged
-    into that section's defaults (or is the section), None leaves the section out."""
-    spec: dict[str, Any] = {
-        "model": {"uri": str(root / "model"), "dtype": "float32"},
-        "dataset": {"uri": str(root / "data.jsonl"), "format": "prompt-completion",
-                    "sequenceLength": 16},
-        "method": {"type": "lora", "rank": 2, "alpha": 4, "targetModules": ["q_proj"]},
-        "training": {"steps": 4, "microBatchSize": 1, "microBatches": 2},
-        "pipeline": {"stages": 2, "compression": "none"},
-        "failurePolicy": {"maxStageRestarts": 2, "backoffSeconds": 0},
-    }  # fmt: skip
-    for section, value in sections.items():
-        if value is None:
-            spec.pop(section, None)
-        elif isinstance(value, dict):
-            spec[section] = {**spec.get(section, {}), **copy.deepcopy(value)}
-        else:
-            spec[section] = value
-    return {
-        "apiVersion": "relaytrain.io/v1alpha1",
-        "kind": "FineTuneJob",
-        "metadata": {"name": name},
-        "spec": spec,
-    }
+def local_job(root: Path, name: str) -> Job:
+    """A FineTuneJob `name` on the workspace at `root`: two stages, no link compression, a
+    LoRA of rank 2 on q_proj, 16-token sequences, 4 steps of 2 micro-batches of 1, up to 2
+    restarts without back-off, no checkpoint section (run --local's default store)."""
+    return (
+        Job(name)
+        .model(str(root / "model"), dtype="float32")
+        .dataset(str(root / "data.jsonl"), format="prompt-completion", sequence_length=16)
+        .method("lora", rank=2, alpha=4, target_modules=["q_proj"])
+        .training(steps=4, micro_batch_size=1, micro_batches=2)
+        .pipeline(stages=2, compression="none")
+        .failure_policy(max_stage_restarts=2, backoff_seconds=0)
+        .unset("spec.checkpoint")
+    )
 
 
-def fleet_job(
-    root: Path, name: str, *, replicas: int, steps: int, every: int, **sections: Any
-) -> Path:
-    """The several-pipeline tests' and benchmarks' job on the workspace at `root`, written
-    to `root/<name>.yaml`: `replicas` pipelines of two stages, LoRA r4 on q/v, 3
-    micro-batches of 2 x 24 tokens per step, a checkpoint every `every` steps under
-    `root/ckpt`; `sections` are merged as in `job_manifest`."""
-    manifest = job_manifest(
-        root,
-        name,
-        dataset={"sequenceLength": 24},
-        method={"rank": 4, "alpha": 8, "targetModules": ["q_proj", "v_proj"]},
-        training={"steps": steps, "microBatchSize": 2, "microBatches": 3,
-                  "learningRate": 0.01, "warmupSteps": 1},
-        pipeline={"stages": 2, "compression": "none", "replicas": replicas},
-        checkpoint={"uri": str(root / "ckpt"), "everySteps": every, "keep": 2},
+def fleet(root: Path, name: str, *, replicas: int, steps: int, every: int) -> Job:
+    """The several-pipeline tests' and benchmarks' job on the workspace at `root`:
+    `replicas` pipelines of two stages, LoRA r4 on q/v, 3 micro-batches of 2 x 24 tokens per
+    step, a checkpoint every `every` steps under `root/ckpt`."""
+    return (
+        local_job(root, name)
+        .dataset(sequence_length=24)
+        .method(rank=4, alpha=8, target_modules=["q_proj", "v_proj"])
+        .training(steps=steps, micro_batch_size=2, micro_batches=3, learning_rate=0.01,
+                  warmup_steps=1)
+        .pipeline(replicas=replicas)
+        .checkpoint(str(root / "ckpt"), every_steps=every, keep=2)
     )  # fmt: skip
-    for section, value in sections.items():
-        manifest["spec"][section] = {**manifest["spec"].get(section, {}), **value}
-    return write_job(root, manifest)
+
+
+def fleet_job(root: Path, name: str, *, replicas: int, steps: int, every: int) -> Path:
+    """`fleet(...)` written to `root/<name>.yaml`; returns the path."""
+    return fleet(root, name, replicas=replicas, steps=steps, every=every).write(root)
 
 
 def write_job(root: Path, manifest: dict[str, Any]) -> Path:
     """`manifest` as `root/<name>.yaml`; returns the path."""
-    path = root / f"{manifest['metadata']['name']}.yaml"
-    path.write_text(yaml.safe_dump(manifest))
-    return path
+    return Job.of(manifest).write(root)
 
 
 def run_env() -> dict[str, str]:

@@ -1,53 +1,29 @@
 """Invalid FineTuneJobs, each with the field its refusal must name: parse_job refuses them
 (tests/unit/test_spec_invalid.py) and so does the API server, by the CRD's schema or CEL
-(tests/k8s/test_crd_api.py), so both gates agree. Also the smallest valid FineTuneJob, which
-many tests start from."""
+(tests/k8s/test_crd_api.py), so both gates agree. Each is the smallest valid job
+(relaytrain_testkit.jobs.Job()) with one field set or removed."""
 
 from __future__ import annotations
 
-import copy
 from typing import Any, NamedTuple
+
+from relaytrain_testkit.jobs import Job
 
 DELETE = object()
 """A `Case.value` that removes the field."""
 
 
-def base_manifest(name: str = "valid-job") -> dict[str, Any]:
-    """The smallest valid FineTuneJob."""
-    return {
-        "apiVersion": "relaytrain.io/v1alpha1",
-        "kind": "FineTuneJob",
-        "metadata": {"name": name},
-        "spec": {
-            "model": {"uri": "s3://models/smollm2-135m/"},
-            "dataset": {"uri": "s3://datasets/train.jsonl"},
-            "training": {"steps": 100},
-            "checkpoint": {"uri": "s3://relaytrain/checkpoints"},
-        },
-    }
-
-
 class Case(NamedTuple):
-    """One invalid manifest: the valid one with one field set (or removed)."""
+    """One invalid manifest: a valid one with one field set (or removed)."""
 
     id: str
     path: str  # dotted path from the manifest root, e.g. "spec.training.steps"
     value: Any  # DELETE removes the field
     field: str  # the field the error must name
 
-
-def apply_case(manifest: dict[str, Any], case: Case) -> dict[str, Any]:
-    """A copy of `manifest` with `case` applied."""
-    out = copy.deepcopy(manifest)
-    *parents, last = case.path.split(".")
-    node = out
-    for key in parents:
-        node = node.setdefault(key, {})
-    if case.value is DELETE:
-        del node[last]
-    else:
-        node[last] = case.value
-    return out
+    def apply(self, job: Job) -> Job:
+        """`job` with this case's field set (or removed)."""
+        return job.unset(self.path) if self.value is DELETE else job.set(self.path, self.value)
 
 
 INVALID_CASES = [
@@ -71,7 +47,7 @@ INVALID_CASES = [
     Case("zero-replicas", "spec.pipeline.replicas", 0, "spec.pipeline.replicas"),
     Case("replicas-word", "spec.pipeline.replicas", "many", "spec.pipeline.replicas"),
     Case("replicas-above-64", "spec.pipeline.replicas", 65, "spec.pipeline.replicas"),
-    # The base manifest's 8 micro-batches (the default) cannot feed 9 pipelines.
+    # The smallest job's 8 micro-batches (the default) cannot feed 9 pipelines.
     Case("more-replicas-than-micro-batches", "spec.pipeline.replicas", 9, "spec.pipeline.replicas"),
     Case("sync-word", "spec.pipeline.sync.mode", "sometimes", "spec.pipeline.sync.mode"),
     Case(

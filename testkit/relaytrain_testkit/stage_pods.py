@@ -8,22 +8,19 @@ from relaytrain_operator.domain.builders.pod import CredentialsRef, StagePodInpu
 from relaytrain_operator.domain.stage_config import build_stage_configs, pod_endpoints
 from relaytrain_operator.spec import parse_job
 
-JOB: dict[str, Any] = {
-    "apiVersion": "relaytrain.io/v1alpha1",
-    "kind": "FineTuneJob",
-    "metadata": {"name": "smol", "namespace": "team-a", "uid": "u-1", "generation": 1},
-    "spec": {
-        "model": {"uri": "s3://models/smol/"},
-        "dataset": {"uri": "s3://data/train.jsonl"},
-        "training": {"steps": 10},
-        "pipeline": {"stages": 2},
-        "checkpoint": {
-            "uri": "s3://relaytrain/ckpt",
-            "endpoint": "http://minio:9000",
-            "credentialsSecret": {"name": "s3-creds", "accessKeyKey": "id", "secretKeyKey": "key"},
-        },
-    },
-}
+from relaytrain_testkit.jobs import Job
+
+JOB = (
+    Job("smol", "team-a")
+    .uid("u-1")
+    .generation(1)
+    .model("s3://models/smol/")
+    .dataset("s3://data/train.jsonl")
+    .training(steps=10)
+    .pipeline(stages=2)
+    .checkpoint("s3://relaytrain/ckpt", endpoint="http://minio:9000")
+    .credentials("s3-creds", access_key_key="id", secret_key_key="key")
+)
 """A two-stage FineTuneJob as stored."""
 PLAN: dict[str, Any] = {
     "stages": [
@@ -37,8 +34,8 @@ PLAN: dict[str, Any] = {
 def pod_for(stage: int, **overrides: Any) -> dict[str, Any]:
     """Stage `stage`'s pod as the builders make it for JOB and PLAN (`overrides`: more
     `StagePodInputs` fields)."""
-    job = parse_job(JOB)
-    configs = build_stage_configs(job, PLAN, pod_endpoints("smol", "team-a", 2))
+    manifest = JOB.build()
+    configs = build_stage_configs(parse_job(manifest), PLAN, pod_endpoints("smol", "team-a", 2))
     inputs = StagePodInputs(
         index=stage,
         pool=PLAN["stages"][stage]["pool"],
@@ -49,4 +46,4 @@ def pod_for(stage: int, **overrides: Any) -> dict[str, Any]:
         credentials=CredentialsRef("s3-creds", "id", "key"),
         **overrides,
     )
-    return build_stage_pod(JOB, inputs)
+    return build_stage_pod(manifest, inputs)

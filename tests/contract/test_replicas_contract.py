@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from relaytrain_contract import ConfigError, StageConfig
 from relaytrain_operator.domain.linkcerts import mint_link_credentials, stage_pem
 from relaytrain_operator.domain.stage_config import (
@@ -23,8 +22,9 @@ from relaytrain_operator.domain.stage_config import (
     build_stage_configs,
     local_endpoints,
 )
-from relaytrain_operator.spec import FineTuneJob, parse_job
+from relaytrain_operator.spec import parse_job
 from relaytrain_testkit.harness.ports import free_port
+from relaytrain_testkit.jobs import Job
 from relaytrain_worker.pipeline.linkauth import LinkCredentials
 from relaytrain_worker.pipeline.transport import Link
 from relaytrain_worker.replicas.arithmetic import Slice, segment_peers
@@ -37,11 +37,10 @@ SPLITS = [[(0, 15), (15, 30)], [(0, 10), (10, 20), (20, 30)], [(0, 30)]]
 SHARES = [3, 2, 1]
 
 
-def _job(micro_batches: int = 6) -> FineTuneJob:
-    manifest: dict[str, Any] = yaml.safe_load((REPO / "examples/finetunejob-lora.yaml").read_text())
-    manifest["spec"]["pipeline"] = {"stages": "auto", "replicas": 3}
-    manifest["spec"]["training"]["microBatches"] = micro_batches
-    return parse_job(manifest)
+THREE = (
+    Job.example("finetunejob-lora").pipeline(stages="auto", replicas=3).training(micro_batches=6)
+)
+"""The lora example as 3 pipelines, 6 micro-batches a step."""
 
 
 def _endpoints(splits: list[list[tuple[int, int]]]) -> list[list[StageEndpoints]]:
@@ -65,7 +64,7 @@ def _endpoints(splits: list[list[tuple[int, int]]]) -> list[list[StageEndpoints]
 
 @pytest.fixture(scope="module")
 def documents() -> list[list[dict[str, Any]]]:
-    return build_pipeline_configs(_job(), SPLITS, _endpoints(SPLITS), SHARES)
+    return build_pipeline_configs(parse_job(THREE.build()), SPLITS, _endpoints(SPLITS), SHARES)
 
 
 def test_the_worker_reads_back_every_document_and_the_peers_the_maths_uses(
@@ -99,7 +98,7 @@ def test_the_worker_reads_back_every_document_and_the_peers_the_maths_uses(
 
 
 def test_one_pipeline_has_no_replicas_section() -> None:
-    job = _job()
+    job = parse_job(THREE.build())
     ends = local_endpoints(2, 29500, 9400)
     (row,) = build_pipeline_configs(job, [SPLITS[0]], [ends], [6])
     assert row == build_stage_configs(job, SPLITS[0], ends)
@@ -108,9 +107,9 @@ def test_one_pipeline_has_no_replicas_section() -> None:
 
 def test_the_builder_refuses_shares_that_do_not_fill_the_step() -> None:
     with pytest.raises(ValueError, match=r"add up to spec.training.microBatches \(6\)"):
-        build_pipeline_configs(_job(), SPLITS, _endpoints(SPLITS), [3, 2, 2])
+        build_pipeline_configs(parse_job(THREE.build()), SPLITS, _endpoints(SPLITS), [3, 2, 2])
     with pytest.raises(ValueError, match="at least one micro-batch"):
-        build_pipeline_configs(_job(), SPLITS, _endpoints(SPLITS), [4, 2, 0])
+        build_pipeline_configs(parse_job(THREE.build()), SPLITS, _endpoints(SPLITS), [4, 2, 0])
 
 
 def _edit(document: dict[str, Any], change: Any) -> dict[str, Any]:
@@ -193,7 +192,7 @@ def test_an_invalid_replicas_section_is_refused_naming_the_field(
 def test_the_replica_links_connect_with_the_minted_certificates() -> None:
     # Two pipelines, [0-1 | 2-3] and [0-3]: p1/s0 shares layers with both stages of p0.
     splits = [[(0, 2), (2, 4)], [(0, 4)]]
-    job = _job(micro_batches=3)
+    job = parse_job(THREE.training(micro_batches=3).build())
     ends = [
         [StageEndpoints(None, "127.0.0.1:1", 0), StageEndpoints("127.0.0.1:1", None, 0)],
         [StageEndpoints(None, None, 0, f"127.0.0.1:{(port := free_port())}", f"127.0.0.1:{port}")],

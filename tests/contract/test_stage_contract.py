@@ -9,7 +9,6 @@ stores and links it names. A field one side adds without the other fails here.
 from __future__ import annotations
 
 import base64
-import copy
 import itertools
 import json
 import threading
@@ -18,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from relaytrain_contract import StageConfig
 from relaytrain_operator.domain.builders.pod import CredentialsRef, StagePodInputs, build_stage_pod
 from relaytrain_operator.domain.builders.secret import build_link_secret
@@ -29,6 +27,7 @@ from relaytrain_operator.domain.stage_config import (
     pod_endpoints,
 )
 from relaytrain_operator.spec import FineTuneJob, parse_job
+from relaytrain_testkit.jobs import Job
 from relaytrain_worker.pipeline.loading import link_credentials
 from relaytrain_worker.pipeline.transport import AuthError, Frame, Link, connect, listen
 from relaytrain_worker.state.store import S3Credentials, S3Store, open_job_store
@@ -39,10 +38,9 @@ REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((REPO / "examples").glob("finetunejob-*.yaml"))
 
 
-def _example(path: Path) -> dict[str, Any]:
-    manifest: dict[str, Any] = yaml.safe_load(path.read_text())
-    manifest["metadata"].setdefault("uid", "0b6f0d1e-uid")
-    return manifest
+UID = "0b6f0d1e-uid"
+"""The uid the API server would have given the jobs here."""
+LORA = Job.example("finetunejob-lora").uid(UID)
 
 
 def _split(layers: int, stages: int) -> list[tuple[int, int]]:
@@ -68,61 +66,54 @@ def _roundtrip(job: FineTuneJob, stages: int, local: bool) -> list[dict[str, Any
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
 @pytest.mark.parametrize("local", [False, True], ids=["pods", "local"])
 def test_worker_parses_every_example_stage_by_stage(path: Path, local: bool) -> None:
-    job = parse_job(_example(path))
+    job = parse_job(Job.from_file(path).uid(UID).build())
     stages = job.spec.pipeline.stages if job.spec.pipeline.stages != "auto" else 3
     documents = _roundtrip(job, stages, local)
     assert len(documents) == stages
 
 
-VARIANTS: dict[str, dict[str, Any]] = {
-    "single-stage": {"pipeline": {"stages": 1}},
-    "two-stages-no-compression": {"pipeline": {"stages": 2, "compression": "none"}},
-    "int4-qlora": {"method": {"type": "qlora", "rank": 4}, "pipeline": {"compression": "int4"}},
-    "bf16-full": {"method": {"type": "full"}, "pipeline": {"compression": "bf16"}},
-    "chat-packed": {
-        "dataset": {"uri": "/data/chat.jsonl", "format": "chat", "packing": True},
-    },
-    "epochs": {"training": {"epochs": 2, "microBatches": 4}},
-    "held-out-file": {
-        "dataset": {"uri": "/data/chat.jsonl", "validation": {"uri": "/data/held-out.jsonl"}},
-        "training": {"steps": 10, "evalEverySteps": 5},
-    },
-    "held-out-share": {"dataset": {"uri": "/data/train.jsonl", "validation": {"fraction": 0.1}}},
-    "local-store": {"checkpoint": {"uri": "/tmp/relaytrain-ckpt"}},
-    "explicit-output": {"output": {"uri": "file:///srv/adapters/smol"}},
+VARIANTS: dict[str, Job] = {
+    "single-stage": LORA.pipeline(stages=1),
+    "two-stages-no-compression": LORA.pipeline(stages=2, compression="none"),
+    "int4-qlora": LORA.method("qlora", rank=4).pipeline(compression="int4"),
+    "bf16-full": LORA.method("full").pipeline(compression="bf16"),
+    "chat-packed": LORA.dataset("/data/chat.jsonl", format="chat", packing=True),
+    "epochs": LORA.set("spec.training", {"epochs": 2, "microBatches": 4}),
+    "held-out-file": (
+        LORA.dataset("/data/chat.jsonl")
+        .validation("/data/held-out.jsonl")
+        .set("spec.training", {"steps": 10, "evalEverySteps": 5})
+    ),
+    "held-out-share": LORA.dataset("/data/train.jsonl").validation(fraction=0.1),
+    "local-store": LORA.set("spec.checkpoint", {"uri": "/tmp/relaytrain-ckpt"}),
+    "explicit-output": LORA.output("file:///srv/adapters/smol"),
 }
+"""The lora example with one setting changed (`set`: the whole section replaced)."""
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_worker_parses_each_setting(name: str) -> None:
-    manifest = _example(REPO / "examples" / "finetunejob-lora.yaml")
-    spec = copy.deepcopy(manifest["spec"])
-    for key, value in VARIANTS[name].items():
-        spec[key] = value if key not in ("dataset",) else {**spec[key], **value}
-    manifest["spec"] = spec
-    job = parse_job(manifest)
+    job = parse_job(VARIANTS[name].build())
     stages = job.spec.pipeline.stages if job.spec.pipeline.stages != "auto" else 3
     _roundtrip(job, stages, local=True)
 
 
 def test_the_held_out_data_and_its_cadence_reach_every_stage() -> None:
-    manifest = _example(REPO / "examples" / "finetunejob-lora.yaml")
-    manifest["spec"]["dataset"]["validation"] = {"fraction": 0.2}
-    manifest["spec"]["training"]["evalEverySteps"] = 5
+    manifest = LORA.validation(fraction=0.2).training(eval_every_steps=5).build()
     for document in _roundtrip(parse_job(manifest), 3, local=False):
         parsed = StageConfig.from_json(json.dumps(document))
         assert parsed.dataset.validation is not None
         assert (parsed.dataset.validation.fraction, parsed.dataset.validation.uri) == (0.2, None)
-        assert parsed.training.evalEverySteps == 5
+        assert parsed.training.eval_every_steps == 5
     # Without them the documents carry neither field (a worker without evaluation reads them).
-    plain = _roundtrip(parse_job(_example(REPO / "examples" / "finetunejob-lora.yaml")), 2, True)
+    plain = _roundtrip(parse_job(LORA.build()), 2, True)
     assert all("validation" not in d["dataset"] for d in plain)
     assert all("evalEverySteps" not in d["training"] for d in plain)
 
 
 def test_worker_refuses_a_document_with_a_field_it_does_not_know() -> None:
     # The contract says unknown fields are errors, so mismatched versions fail loudly.
-    job = parse_job(_example(REPO / "examples" / "finetunejob-lora.yaml"))
+    job = parse_job(LORA.build())
     document = build_stage_configs(job, _split(30, 2), pod_endpoints("smollm-lora", "default", 2))[
         1
     ]
@@ -134,14 +125,12 @@ def test_worker_refuses_a_document_with_a_field_it_does_not_know() -> None:
 def test_an_aws_job_reaches_aws_s3_from_the_worker(fake_minio: list[dict[str, Any]]) -> None:
     # spec.checkpoint.endpoint empty means AWS S3: the operator accepts the job, and the
     # worker's store must be built for AWS from the document, not refuse it.
-    manifest = _example(REPO / "examples" / "finetunejob-lora.yaml")
-    manifest["spec"]["checkpoint"] = {"uri": "s3://team-ckpt/relaytrain"}
-    job = parse_job(manifest)
+    job = parse_job(LORA.set("spec.checkpoint", {"uri": "s3://team-ckpt/relaytrain"}).build())
     documents = build_stage_configs(job, _split(30, 2), pod_endpoints(job.metadata.name, "ml", 2))
     cfg = StageConfig.from_json(json.dumps(documents[1]))
     assert cfg.checkpoint.endpoint is None
     # No credential Secret: the document names no variables; AWS's standard ones serve.
-    assert (cfg.checkpoint.accessKeyEnv, cfg.checkpoint.secretKeyEnv) == (None, None)
+    assert (cfg.checkpoint.access_key_env, cfg.checkpoint.secret_key_env) == (None, None)
     aws_env = {
         "AWS_ACCESS_KEY_ID": "ASIAEXAMPLE",
         "AWS_SECRET_ACCESS_KEY": "secret",
@@ -175,19 +164,14 @@ def test_an_aws_job_reaches_aws_s3_from_the_worker(fake_minio: list[dict[str, An
 def test_a_credential_secret_reaches_the_worker_by_the_names_in_the_document(
     fake_minio: list[dict[str, Any]],
 ) -> None:
-    manifest = _example(REPO / "examples" / "finetunejob-lora.yaml")
-    manifest["spec"]["checkpoint"] = {
-        "uri": "s3://ckpt/x",
-        "endpoint": "https://minio.example:9000",
-        "credentialsSecret": {"name": "s3"},
-    }
-    manifest["metadata"].setdefault("namespace", "ml")
+    store = {"uri": "s3://ckpt/x", "endpoint": "https://minio.example:9000"}
+    manifest = LORA.namespace("ml").set("spec.checkpoint", store).credentials("s3").build()
     job = parse_job(manifest)
     ends = pod_endpoints(job.metadata.name, "ml", 1)
     document = build_stage_configs(job, _split(30, 1), ends)[0]
     cfg = StageConfig.from_json(document)
     pod_env = {e["name"] for e in _pod_container(manifest, document, "s3")["env"]}
-    assert {cfg.checkpoint.accessKeyEnv, cfg.checkpoint.secretKeyEnv} <= pod_env
+    assert {cfg.checkpoint.access_key_env, cfg.checkpoint.secret_key_env} <= pod_env
     store = open_job_store(
         cfg.checkpoint.uri,
         cfg.checkpoint,
@@ -209,13 +193,13 @@ def test_operator_minted_credentials_reach_a_stage_and_open_its_links() -> None:
     ]
     cfg = [StageConfig.from_json(d) for d in documents]
     assert [c.identity for c in creds] == [c.links.identity for c in cfg]
-    with listen("127.0.0.1:0", credentials=creds[1], expect=str(cfg[1].links.prevIdentity)) as lst:
+    with listen("127.0.0.1:0", credentials=creds[1], expect=str(cfg[1].links.prev_identity)) as lst:
         out: dict[str, Link] = {}
         t = threading.Thread(target=lambda: out.setdefault("down", lst.accept(timeout=10)))
         t.start()
         up = connect(
             f"127.0.0.1:{lst.address[1]}", credentials=creds[0],
-            expect=str(cfg[0].links.nextIdentity), retry_for=5,
+            expect=str(cfg[0].links.next_identity), retry_for=5,
         )  # fmt: skip
         t.join(10)
         with up, out["down"] as down:
@@ -234,8 +218,7 @@ def test_a_stage_handed_another_stages_certificate_stops_at_start_up() -> None:
 
 def _three_stage_pods() -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any]]:
     """The lora example as three stage pods: its manifest, documents and link Secret."""
-    manifest = _example(REPO / "examples" / "finetunejob-lora.yaml")
-    manifest["metadata"].setdefault("namespace", "default")
+    manifest = LORA.namespace("default").build()
     job = parse_job(manifest)
     ns, name = job.metadata.namespace, job.metadata.name
     documents = build_stage_configs(job, _split(30, 3), pod_endpoints(name, ns, 3))

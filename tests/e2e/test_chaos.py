@@ -44,9 +44,9 @@ from relaytrain_testkit.harness.operator_env import (
     PLURAL,
     VERSION,
     diagnostics,
-    job_manifest,
     operator_env,
     stored_json,
+    tiny_job,
 )
 from relaytrain_testkit.harness.waiting import wait_for
 
@@ -235,13 +235,14 @@ def _finished(e: dict[str, Any], name: str, timeout: float) -> dict[str, Any]:
 
 
 def _job(e: dict[str, Any], name: str, pools: list[str]) -> dict[str, Any]:
-    manifest = job_manifest(name, e["minio"], stages=3)
-    spec = manifest["spec"]
-    spec["training"]["steps"] = STEPS
-    spec["checkpoint"].update({"everySteps": EVERY, "keep": 100})  # every commit kept (50)
-    spec["failurePolicy"] = {"maxStageRestarts": 20, "backoffSeconds": 0}
-    spec["placement"] = {"pools": pools}
-    return manifest
+    return (
+        tiny_job(name, e["minio"])
+        .training(steps=STEPS)
+        .checkpoint(every_steps=EVERY, keep=100)  # every commit kept (50)
+        .failure_policy(max_stage_restarts=20, backoff_seconds=0)
+        .placement(pools=pools)
+        .build()
+    )
 
 
 def _final_loss(e: dict[str, Any], name: str) -> float:

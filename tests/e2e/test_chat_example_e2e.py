@@ -17,22 +17,17 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
+from relaytrain_testkit.jobs import Job
 from relaytrain_worker.prepare_model import default_dir, prepare
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
-EXAMPLE = REPO / "examples" / "chat" / "finetunejob-chat.yaml"
 
 
 def test_the_chat_example_lowers_its_held_out_assistant_loss(tmp_path: Path) -> None:
-    manifest = yaml.safe_load(EXAMPLE.read_text())
-    spec = manifest["spec"]
-    spec["model"]["uri"] = str(prepare(default_dir()))
-    spec["checkpoint"]["uri"] = str(tmp_path / "ckpt")
-    job = tmp_path / "job.yaml"
-    job.write_text(yaml.safe_dump(manifest))
+    chat = Job.example("chat/finetunejob-chat").model(str(prepare(default_dir())))
+    job = chat.checkpoint(str(tmp_path / "ckpt")).write(tmp_path / "job.yaml")
     env = {**os.environ, "PYTHONPATH": f"{REPO / 'operator'}{os.pathsep}{REPO / 'worker_image'}"}
     done = subprocess.run(
         [sys.executable, "-m", "relaytrain_operator.cli", "run", str(job), "--local",

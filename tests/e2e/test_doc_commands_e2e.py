@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 
 import pytest
-import yaml
 from relaytrain_testkit.doc_commands import REPO, Shell, clean_env, doc_commands
+from relaytrain_testkit.jobs import Job
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -29,24 +29,16 @@ def test_run_local_runs_as_written(tmp_path: Path) -> None:
         for i in range(16):
             record = {"prompt": f"q{i}: {CORPUS[i % 5][:12]}", "completion": CORPUS[(i + 1) % 5]}
             f.write(json.dumps(record) + "\n")
-    job = {
-        "apiVersion": "relaytrain.io/v1alpha1",
-        "kind": "FineTuneJob",
-        "metadata": {"name": "doc-local"},
-        "spec": {
-            "model": {"uri": str(tmp_path / "model"), "dtype": "float32"},
-            "dataset": {
-                "uri": str(tmp_path / "data.jsonl"),
-                "format": "prompt-completion",
-                "sequenceLength": 24,
-            },
-            "method": {"type": "lora", "rank": 4, "alpha": 8},
-            "training": {"steps": 3, "microBatchSize": 2, "microBatches": 2},
-            "pipeline": {"stages": 2, "compression": "int8"},
-            "checkpoint": {"uri": str(tmp_path / "checkpoints"), "everySteps": 3},
-        },
-    }
-    (tmp_path / "JOB.yaml").write_text(yaml.safe_dump(job))
+    (
+        Job("doc-local")
+        .model(str(tmp_path / "model"), dtype="float32")
+        .dataset(str(tmp_path / "data.jsonl"), format="prompt-completion", sequence_length=24)
+        .method("lora", rank=4, alpha=8)
+        .training(steps=3, micro_batch_size=2, micro_batches=2)
+        .pipeline(stages=2, compression="int8")
+        .checkpoint(str(tmp_path / "checkpoints"), every_steps=3)
+        .write(tmp_path / "JOB.yaml")
+    )
     result = Shell(clean_env(), tmp_path).run(command, timeout=600)
     assert result.rc == 0, result.output
     assert "finalLoss" in result.output

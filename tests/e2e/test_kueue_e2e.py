@@ -35,9 +35,9 @@ from relaytrain_testkit.harness.operator_env import (
     VERSION,
     ProgressWatcher,
     diagnostics,
-    job_manifest,
     operator_env,
     stage_pods,
+    tiny_job,
 )
 from relaytrain_testkit.harness.rbac_audit import (
     calls_of,
@@ -96,10 +96,8 @@ def _cluster_queue(name: str, pools: list[str], quota: dict[str, int]) -> dict[s
 
 
 def _job(name: str, minio: Any, queue: str, priority: str, steps: int) -> dict[str, Any]:
-    job = job_manifest(name, minio)
-    job["metadata"]["labels"] = {QUEUE_LABEL: queue, PRIORITY_LABEL: priority}
-    job["spec"]["training"]["steps"] = steps
-    return job
+    job = tiny_job(name, minio).label(QUEUE_LABEL, queue).label(PRIORITY_LABEL, priority)
+    return job.training(steps=steps).build()
 
 
 def test_kueue_admits_waits_preempts_and_resumes(env: dict[str, Any], kube_cluster: Any) -> None:

@@ -30,6 +30,7 @@ from typing import Any
 
 import pytest
 from relaytrain_testkit.local_jobs import (
+    fleet,
     fleet_job,
     make_workspace,
     progress,
@@ -416,10 +417,8 @@ def test_periodic_pipelines_average_their_weights_and_ride_out_a_kill(
     name, workdir = "periodic", workspace / "wd-periodic"
     started = time.monotonic()
     sync = {"mode": "periodic", "everySteps": PERIODIC_EVERY}
-    job = fleet_job(
-        workspace, name, replicas=2, steps=KILL_STEPS, every=PERIODIC_COMMIT,
-        pipeline={"sync": sync},
-    )  # fmt: skip
+    periodic = fleet(workspace, name, replicas=2, steps=KILL_STEPS, every=PERIODIC_COMMIT)
+    job = periodic.sync("periodic", every_steps=PERIODIC_EVERY).write(workspace)
     proc = start_run(job, workdir, flags=[*PIPELINES, "--shares", "2,1"], env=ENV)
     killed_at, _ = _kill_stage(workspace, name, workdir, proc, PERIODIC_COMMIT + 1, (1, 1))
     watched = _watch_after_the_kill(proc, workspace, name, workdir, started)

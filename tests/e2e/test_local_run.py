@@ -20,15 +20,15 @@ from typing import Any
 import pytest
 from relaytrain_contract.names import LINK_CA_ENV, LINK_CERT_ENV, LINK_KEY_ENV
 from relaytrain_operator.domain.linkcerts import mint_link_credentials, stage_pem
+from relaytrain_testkit.jobs import Job
 from relaytrain_testkit.local_jobs import (
-    job_manifest,
+    local_job,
     make_workspace,
     progress,
     run_env,
     run_state,
     start_run,
     wait_while_running,
-    write_job,
 )
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -42,20 +42,17 @@ def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_workspace(tmp_path_factory.mktemp("local"), layers=4, records=48)
 
 
-def _manifest(root: Path, name: str, **training: Any) -> dict[str, Any]:
-    return job_manifest(
-        root,
-        name,
-        dataset={"sequenceLength": 24},
-        method={"rank": 4, "alpha": 8, "targetModules": ["q_proj", "v_proj"]},
-        training={"steps": STEPS, "microBatchSize": 2, "microBatches": 2,
-                  "learningRate": 0.01, "warmupSteps": 1, **training},
-        checkpoint={"uri": str(root / "ckpt"), "everySteps": EVERY, "keep": 2},
+def _job(root: Path, name: str) -> Job:
+    """This module's job on the workspace at `root`: LoRA r4 on q and v, STEPS steps of 2
+    micro-batches of 2 x 24 tokens, a checkpoint every EVERY steps under `root/ckpt`."""
+    return (
+        local_job(root, name)
+        .dataset(sequence_length=24)
+        .method(rank=4, alpha=8, target_modules=["q_proj", "v_proj"])
+        .training(steps=STEPS, micro_batch_size=2, micro_batches=2, learning_rate=0.01,
+                  warmup_steps=1)
+        .checkpoint(str(root / "ckpt"), every_steps=EVERY, keep=2)
     )  # fmt: skip
-
-
-def _job(root: Path, name: str, **training: Any) -> Path:
-    return write_job(root, _manifest(root, name, **training))
 
 
 def _losses(ckpt: Path, name: str) -> list[float]:
@@ -65,7 +62,7 @@ def _losses(ckpt: Path, name: str) -> list[float]:
 
 @pytest.fixture(scope="module")
 def uninterrupted(workspace: Path) -> list[float]:
-    proc = start_run(_job(workspace, "calm"), workspace / "wd-calm")
+    proc = start_run(_job(workspace, "calm").write(workspace), workspace / "wd-calm")
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out
     assert "finalLoss" in out and (workspace / "wd-calm" / "loss.png").is_file()
@@ -83,7 +80,7 @@ def uninterrupted(workspace: Path) -> list[float]:
 
 def test_kill_9_of_a_stage_is_survived(workspace: Path, uninterrupted: list[float]) -> None:
     workdir = workspace / "wd-kill"
-    proc = start_run(_job(workspace, "kill"), workdir)
+    proc = start_run(_job(workspace, "kill").write(workspace), workdir)
 
     def past_first_commit() -> dict[str, Any] | None:
         at = progress(workspace / "ckpt", "kill")
@@ -132,7 +129,7 @@ def test_a_corrupt_manifest_is_never_restored(workspace: Path, uninterrupted: li
     manifest = job_dir / f"step-{STEPS}" / "manifest.json"
     manifest.write_text(manifest.read_text()[:-20] + "garbage")
     (job_dir / "output" / "adapter_model.safetensors").unlink()
-    proc = start_run(_job(workspace, "calm"), workspace / "wd-calm")
+    proc = start_run(_job(workspace, "calm").write(workspace), workspace / "wd-calm")
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out
     logs = "".join(p.read_text() for p in (workspace / "wd-calm" / "stages").glob("*.log"))
@@ -155,7 +152,7 @@ def test_a_corrupt_stage_file_is_never_restored(
     stages = workspace / "wd-calm" / "stages"
     # Stage logs are appended to by every run of this job: read only this run's part.
     before = {p.name: p.stat().st_size for p in stages.glob("*.log")}
-    proc = start_run(_job(workspace, "calm"), workspace / "wd-calm")
+    proc = start_run(_job(workspace, "calm").write(workspace), workspace / "wd-calm")
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out
     logs = {p.name: p.read_bytes()[before.get(p.name, 0) :].decode() for p in stages.glob("*.log")}
@@ -180,7 +177,7 @@ def test_a_stage_with_another_jobs_certificate_is_refused(workspace: Path) -> No
 
     # Two runs of one job name mint two CAs, as two incarnations of a job would: a stage
     # holding the other CA's certificate (same identity) must get nowhere.
-    manifest = _manifest(workspace, "intruded")
+    manifest = _job(workspace, "intruded").build()
     run = LocalRun.prepare(parse_job(manifest), workspace / "wd-intruded", None)
     other = LocalRun.prepare(parse_job(manifest), workspace / "wd-intruder", None)
     run.write_stage_files()
@@ -213,9 +210,10 @@ def test_full_training_writes_weights_that_load_as_a_model(workspace: Path) -> N
     import torch
     from transformers import AutoModelForCausalLM
 
-    manifest = _manifest(workspace, "full", steps=4, learningRate=1e-3)
-    manifest["spec"]["method"] = {"type": "full"}
-    proc = start_run(write_job(workspace, manifest), workspace / "wd-full")
+    job = _job(workspace, "full").training(steps=4, learning_rate=1e-3)
+    proc = start_run(
+        job.set("spec.method", {"type": "full"}).write(workspace), workspace / "wd-full"
+    )
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out
     output = workspace / "ckpt" / "default" / "full" / "output"
@@ -232,7 +230,7 @@ def test_metrics_while_running_and_ctrl_c_stops_every_stage(workspace: Path) -> 
     import urllib.request
 
     workdir = workspace / "wd-ctrlc"
-    proc = start_run(_job(workspace, "ctrlc", steps=200), workdir)
+    proc = start_run(_job(workspace, "ctrlc").training(steps=200).write(workspace), workdir)
     wait_while_running("a step finished", lambda: progress(workspace / "ckpt", "ctrlc"), proc)
     state = run_state(workdir)
     assert state is not None
@@ -261,7 +259,7 @@ def test_a_stage_restarted_after_the_final_commit_finishes_without_its_peers(
     # exited, so its replacement has nobody to wait for. It must see that nothing is left
     # to train: the output writer (the last stage) writes the output, any other stage exits.
     workdir = workspace / "wd-end"
-    proc = start_run(_job(workspace, "end"), workdir)
+    proc = start_run(_job(workspace, "end").write(workspace), workdir)
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out
     job_dir = workspace / "ckpt" / "default" / "end"

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
+from relaytrain_testkit.jobs import Job
 from relaytrain_testkit.tiny_models import CORPUS, tiny_model_dir
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -35,24 +35,17 @@ def test_a_job_on_s3_trains_from_and_writes_to_the_bucket(
         json.dumps({"text": f"{CORPUS[i % 5]} number {i}"}) + "\n" for i in range(32)
     ).encode()
     client.put_object(bucket, "data/train.jsonl", io.BytesIO(records), len(records))
-    manifest = {
-        "apiVersion": "relaytrain.io/v1alpha1",
-        "kind": "FineTuneJob",
-        "metadata": {"name": "s3job", "namespace": "team"},
-        "spec": {
-            "model": {"uri": f"s3://{bucket}/models/tiny/", "dtype": "float32"},
-            "dataset": {"uri": f"s3://{bucket}/data/train.jsonl", "format": "text",
-                        "sequenceLength": 16, "packing": True},
-            "method": {"type": "lora", "rank": 4, "alpha": 8, "targetModules": ["q_proj"]},
-            "training": {"steps": 4, "microBatchSize": 2, "microBatches": 2,
-                         "learningRate": 0.01},
-            "pipeline": {"stages": 2, "compression": "int4"},
-            "checkpoint": {"uri": f"s3://{bucket}/ckpt", "endpoint": minio_server.url,
-                           "everySteps": 2, "keep": 1},
-        },
-    }  # fmt: skip
-    job = tmp_path / "job.yaml"
-    job.write_text(yaml.safe_dump(manifest))
+    job = (
+        Job("s3job", "team")
+        .model(f"s3://{bucket}/models/tiny/", dtype="float32")
+        .dataset(f"s3://{bucket}/data/train.jsonl", format="text", sequence_length=16,
+                 packing=True)
+        .method("lora", rank=4, alpha=8, target_modules=["q_proj"])
+        .training(steps=4, micro_batch_size=2, micro_batches=2, learning_rate=0.01)
+        .pipeline(stages=2, compression="int4")
+        .checkpoint(f"s3://{bucket}/ckpt", endpoint=minio_server.url, every_steps=2, keep=1)
+        .write(tmp_path / "job.yaml")
+    )  # fmt: skip
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(REPO / "operator"), str(REPO / "worker_image")]),

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
-import yaml
 from relaytrain_contract import DatasetSpec
+from relaytrain_testkit.jobs import Job
 from relaytrain_worker.model.methods import apply_lora, lora_config, peft_key
 from relaytrain_worker.model.model_slice import SliceSpec, build_stage_model
 from relaytrain_worker.pipeline.schedule import token_loss_sum
@@ -66,23 +66,17 @@ def test_smollm2_fine_tune_through_three_stages(tmp_path: Path) -> None:
     train = [_record(i) for i in range(64)]
     held_out = [_record(i) for i in range(100, 108)]
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train))
-    manifest = {
-        "apiVersion": "relaytrain.io/v1alpha1",
-        "kind": "FineTuneJob",
-        "metadata": {"name": "smollm"},
-        "spec": {
-            "model": {"uri": str(model_dir), "dtype": "float32"},
-            "dataset": {"uri": str(tmp_path / "train.jsonl"), "format": "prompt-completion",
-                        "sequenceLength": 32},
-            "method": {"type": "lora", "rank": 8, "alpha": 16, "targetModules": TARGETS},
-            "training": {"steps": 8, "microBatchSize": 2, "microBatches": 3,
-                         "learningRate": 0.003, "warmupSteps": 1, "seed": 1},
-            "pipeline": {"stages": 3, "compression": "int8"},
-            "checkpoint": {"uri": str(tmp_path / "ckpt"), "everySteps": 4, "keep": 1},
-        },
-    }  # fmt: skip
-    job = tmp_path / "job.yaml"
-    job.write_text(yaml.safe_dump(manifest))
+    job = (
+        Job("smollm")
+        .model(str(model_dir), dtype="float32")
+        .dataset(str(tmp_path / "train.jsonl"), format="prompt-completion", sequence_length=32)
+        .method("lora", rank=8, alpha=16, target_modules=TARGETS)
+        .training(steps=8, micro_batch_size=2, micro_batches=3, learning_rate=0.003,
+                  warmup_steps=1, seed=1)
+        .pipeline(stages=3, compression="int8")
+        .checkpoint(str(tmp_path / "ckpt"), every_steps=4, keep=1)
+        .write(tmp_path / "job.yaml")
+    )  # fmt: skip
     env = {**os.environ, "PYTHONPATH": f"{REPO / 'operator'}{os.pathsep}{REPO / 'worker_image'}"}
     done = subprocess.run(
         [sys.executable, "-m", "relaytrain_operator.cli", "run", str(job), "--local",

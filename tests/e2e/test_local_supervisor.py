@@ -11,13 +11,13 @@ import json
 import os
 import signal
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
+from relaytrain_testkit.jobs import Job
 from relaytrain_testkit.local_jobs import (
     alive,
-    job_manifest,
+    local_job,
     make_workspace,
     progress,
     run_state,
@@ -27,7 +27,6 @@ from relaytrain_testkit.local_jobs import (
     started_pids,
     wait_until_no_stage_is_left,
     wait_while_running,
-    write_job,
 )
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -38,22 +37,21 @@ def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_workspace(tmp_path_factory.mktemp("supervisor"), layers=2, records=16)
 
 
-def _job(root: Path, name: str, *, steps: int, checkpoint: bool = True, **spec: Any) -> Path:
-    store = {"uri": str(root / "ckpt"), "everySteps": 2} if checkpoint else None
-    manifest = job_manifest(root, name, training={"steps": steps}, checkpoint=store, **spec)
-    return write_job(root, manifest)
+def _job(root: Path, name: str, steps: int) -> Job:
+    """The local job `name`, `steps` steps long, a checkpoint every 2 steps under
+    `root/ckpt`."""
+    return local_job(root, name).training(steps=steps).checkpoint(str(root / "ckpt"), every_steps=2)
 
 
-def _crash_looping_job(root: Path, name: str, **failure_policy: Any) -> Path:
-    """Stage 0 cannot read its data and exits at start-up, again and again; stage 1 waits."""
-    manifest = job_manifest(
-        root,
-        name,
-        training={"steps": 500},
-        dataset={"uri": str(root / "missing.jsonl")},
-        failurePolicy={"maxStageRestarts": 100, **failure_policy},
+def _crash_looping_job(root: Path, name: str) -> Job:
+    """Stage 0 cannot read its data and exits at start-up, again and again (100 restarts
+    allowed); stage 1 waits."""
+    return (
+        local_job(root, name)
+        .training(steps=500)
+        .dataset(str(root / "missing.jsonl"))
+        .failure_policy(max_stage_restarts=100)
     )
-    return write_job(root, manifest)
 
 
 def _stage_0_restarted(workdir: Path, times: int) -> bool:
@@ -63,7 +61,7 @@ def _stage_0_restarted(workdir: Path, times: int) -> bool:
 
 def test_sigterm_mid_run_stops_every_stage(workspace: Path) -> None:
     workdir = workspace / "wd-term"
-    proc = start_run(_job(workspace, "term", steps=500), workdir)
+    proc = start_run(_job(workspace, "term", 500).write(workspace), workdir)
     wait_while_running("a step finished", lambda: progress(workspace / "ckpt", "term"), proc)
     assert len(stage_processes(workdir)) == 2  # the scan sees the stages while they run
     proc.send_signal(signal.SIGTERM)
@@ -77,7 +75,8 @@ def test_sigterm_mid_run_stops_every_stage(workspace: Path) -> None:
 def test_sigterm_while_a_stage_crash_loops_restarts_nothing(workspace: Path) -> None:
     # The supervisor is stopped while it restarts stage 0, after a back-off of 1 s.
     workdir = workspace / "wd-loop"
-    proc = start_run(_crash_looping_job(workspace, "loop", backoffSeconds=1), workdir)
+    job = _crash_looping_job(workspace, "loop").failure_policy(backoff_seconds=1)
+    proc = start_run(job.write(workspace), workdir)
     wait_while_running("stage 0 restarted twice", lambda: _stage_0_restarted(workdir, 2), proc)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=60)
@@ -91,7 +90,7 @@ def test_a_killed_supervisor_takes_its_stages_along(workspace: Path) -> None:
 
     # SIGKILL: the supervisor cannot stop anything; the kernel stops the stages for it.
     workdir = workspace / "wd-kill9"
-    job = _job(workspace, "kill9", steps=500)
+    job = _job(workspace, "kill9", 500).write(workspace)
     proc = start_run(job, workdir)
     wait_while_running("a step finished", lambda: progress(workspace / "ckpt", "kill9"), proc)
     pids = wait_while_running("both stages started", lambda: started_pids(workdir), proc)
@@ -107,7 +106,8 @@ def test_a_killed_supervisor_leaves_no_stage_of_a_crash_loop(workspace: Path) ->
     # Killed while it restarts stage 0 as fast as it can (no back-off): a stage started just
     # before the supervisor died goes too, and none is started after.
     workdir = workspace / "wd-kill9-loop"
-    proc = start_run(_crash_looping_job(workspace, "kill9loop", backoffSeconds=0), workdir)
+    job = _crash_looping_job(workspace, "kill9loop").failure_policy(backoff_seconds=0)
+    proc = start_run(job.write(workspace), workdir)
     wait_while_running("stage 0 restarted twice", lambda: _stage_0_restarted(workdir, 2), proc)
     proc.kill()
     proc.communicate(timeout=30)
@@ -116,7 +116,7 @@ def test_a_killed_supervisor_leaves_no_stage_of_a_crash_loop(workspace: Path) ->
 
 def test_a_second_run_of_a_live_job_is_refused(workspace: Path) -> None:
     workdir = workspace / "wd-twice"
-    job = _job(workspace, "twice", steps=500)
+    job = _job(workspace, "twice", 500).write(workspace)
     first = start_run(job, workdir)
     pids = wait_while_running("the stages started", lambda: started_pids(workdir), first)
     documents = {p.name: p.stat().st_mtime_ns for p in (workdir / "stages").glob("*.json")}
@@ -141,7 +141,7 @@ def test_two_jobs_started_from_one_directory_keep_their_own_state(
     workspace: Path, tmp_path: Path
 ) -> None:
     names = ("alpha", "beta")
-    jobs = {n: _job(workspace, n, steps=2, checkpoint=False) for n in names}
+    jobs = {n: local_job(workspace, n).training(steps=2).write(workspace) for n in names}
     runs = {n: start_run(jobs[n], None, cwd=tmp_path) for n in names}  # side by side
     for name, proc in runs.items():
         out, _ = proc.communicate(timeout=600)

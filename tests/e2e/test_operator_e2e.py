@@ -33,10 +33,10 @@ from relaytrain_testkit.harness.operator_env import (
     VERSION,
     ProgressWatcher,
     diagnostics,
-    job_manifest,
     operator_env,
     stage_pods,
     stored_json,
+    tiny_job,
 )
 from relaytrain_testkit.harness.waiting import wait_for
 
@@ -64,7 +64,7 @@ def test_job_survives_a_stage_killed_mid_run(env: dict[str, Any]) -> None:
     core, custom, ns, runner = e["core"], e["custom"], e["ns"], e["runner"]
     name = "tiny-lora"
     custom.create_namespaced_custom_object(
-        GROUP, VERSION, ns, PLURAL, job_manifest(name, e["minio"])
+        GROUP, VERSION, ns, PLURAL, tiny_job(name, e["minio"]).build()
     )
 
     status = functools.partial(_job_status, custom, ns, name)
@@ -205,8 +205,9 @@ def test_two_pipelines_train_one_job_and_a_killed_stage_takes_out_its_pipeline_o
     # an idle machine pipeline 0 alone takes about ten steps a second, and the replacement
     # needs about ten seconds to load and link (150 steps were not enough there).
     name, steps = "tiny-fleet", 400
-    manifest = job_manifest(name, e["minio"], stages=2, replicas=2)
-    manifest["spec"]["training"]["steps"] = steps
+    manifest = (
+        tiny_job(name, e["minio"]).pipeline(stages=2, replicas=2).training(steps=steps).build()
+    )
     custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, manifest)
 
     status = functools.partial(_job_status, custom, ns, name)
@@ -295,9 +296,13 @@ def test_pipeline_0_given_up_leaves_pipeline_1_to_write_resume_and_finish_the_jo
     e = env
     core, custom, ns, runner = e["core"], e["custom"], e["ns"], e["runner"]
     name, steps = "tiny-writer", 600
-    manifest = job_manifest(name, e["minio"], stages=2, replicas=2)
-    manifest["spec"]["training"]["steps"] = steps
-    manifest["spec"]["failurePolicy"]["maxStageRestarts"] = 0
+    manifest = (
+        tiny_job(name, e["minio"])
+        .pipeline(stages=2, replicas=2)
+        .training(steps=steps)
+        .failure_policy(max_stage_restarts=0)
+        .build()
+    )
     custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, manifest)
     status = functools.partial(_job_status, custom, ns, name)
     mc, bucket = e["minio"].client(), e["minio"].bucket
@@ -432,8 +437,7 @@ def test_the_charts_alerts_and_dashboard_name_only_metrics_a_real_run_exports(
     e = env
     custom, ns, runner = e["custom"], e["ns"], e["runner"]
     name = "tiny-metrics"
-    manifest = job_manifest(name, e["minio"], stages=2, replicas=2)
-    manifest["spec"]["training"]["steps"] = 400
+    manifest = tiny_job(name, e["minio"]).pipeline(stages=2, replicas=2).training(steps=400).build()
     custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, manifest)
     stages = [f"{name}-p{p}-s{k}" for p in range(2) for k in range(2)]
 

@@ -16,7 +16,7 @@ from relaytrain_operator.loop.apply import ClusterApi
 from relaytrain_operator.loop.decide import Needs, Observed
 from relaytrain_operator.loop.observe import Observer
 from relaytrain_testkit.harness.minio_server import MinioServer
-from relaytrain_testkit.harness.operator_cases import job_manifest, namespace
+from relaytrain_testkit.harness.operator_cases import cluster_job, namespace
 from relaytrain_testkit.shapes import SMOLLM2_135M_CONFIG
 
 pytestmark = pytest.mark.e2e
@@ -41,16 +41,11 @@ def put_json(minio: MinioServer, key: str, value: dict[str, Any]) -> None:
 
 
 def store_job(ns: str, minio: MinioServer, prefix: str, endpoint: str) -> dict[str, Any]:
-    return job_manifest(
-        "j",
-        ns,
-        f"s3://{minio.bucket}/{prefix}/models/smol/",
-        checkpoint={
-            "uri": f"s3://{minio.bucket}/{prefix}/runs",
-            "endpoint": endpoint,
-            "credentialsSecret": {"name": "s3"},
-        },
-    )
+    """Job `j` with its model and checkpoints under `prefix` in MinIO, reached at `endpoint`
+    with the keys in Secret `s3`."""
+    job = cluster_job("j", f"s3://{minio.bucket}/{prefix}/models/smol/", ns)
+    job = job.checkpoint(f"s3://{minio.bucket}/{prefix}/runs", endpoint=endpoint)
+    return job.credentials("s3").build()
 
 
 def test_the_observer_reads_the_store_with_the_job_s_credentials(

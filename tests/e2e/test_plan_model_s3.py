@@ -10,10 +10,10 @@ import secrets
 from pathlib import Path
 
 import pytest
-import yaml
 from relaytrain_operator import cli
 from relaytrain_operator.store.model_config import resolve
 from relaytrain_testkit.harness.minio_server import MinioServer
+from relaytrain_testkit.jobs import Job
 from relaytrain_testkit.shapes import SMOLLM2_135M_CONFIG
 
 pytestmark = pytest.mark.e2e
@@ -50,15 +50,10 @@ def _keys(minio: MinioServer, secret_key: str | None = None) -> dict[str, str]:
 
 
 def _job(tmp_path: Path, model_uri: str, endpoint: str | None) -> Path:
-    manifest = yaml.safe_load((ROOT / "examples" / "finetunejob-lora.yaml").read_text())
-    manifest["spec"]["model"]["uri"] = model_uri
-    if endpoint is None:
-        del manifest["spec"]["checkpoint"]["endpoint"]
-    else:
-        manifest["spec"]["checkpoint"]["endpoint"] = endpoint
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(manifest))
-    return path
+    """The lora example on `model_uri`, its store at `endpoint` (None: AWS S3), written."""
+    job = Job.example("finetunejob-lora").model(model_uri)
+    job = job.checkpoint(endpoint=endpoint) if endpoint else job.unset("spec.checkpoint.endpoint")
+    return job.write(tmp_path / "job.yaml")
 
 
 @pytest.fixture

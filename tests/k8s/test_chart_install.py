@@ -37,7 +37,7 @@ from relaytrain_testkit.harness.chart_install import (
     pod_ready,
     restricted_namespace,
 )
-from relaytrain_testkit.harness.operator_cases import install_crd, job_manifest
+from relaytrain_testkit.harness.operator_cases import cluster_job, install_crd
 from relaytrain_testkit.harness.rbac_audit import service_account_user
 from relaytrain_testkit.harness.waiting import wait_for
 from relaytrain_testkit.shapes import SMOLLM2_135M_CONFIG as MODEL_CONFIG
@@ -64,7 +64,7 @@ class Setup:
 
     def create_job(self, name: str, model_dir: Path) -> None:
         self.custom.create_namespaced_custom_object(
-            GROUP, VERSION, self.jobs, PLURAL, job_manifest(name, self.jobs, str(model_dir))
+            GROUP, VERSION, self.jobs, PLURAL, cluster_job(name, str(model_dir), self.jobs).build()
         )
 
     def status(self, name: str) -> dict[str, Any]:
@@ -365,19 +365,9 @@ def test_a_removed_read_grant_is_the_operators_forbidden_error_in_an_event(
     # refused, and the refusal reaches the job as an Event like a refused write.
     setup = without_secrets_get
     setup.release.ready_operator()
-    store = {"endpoint": "http://127.0.0.1:9", "credentialsSecret": {"name": "s3"}}
-    setup.custom.create_namespaced_custom_object(
-        GROUP,
-        VERSION,
-        setup.jobs,
-        PLURAL,
-        job_manifest(
-            "no-secrets",
-            setup.jobs,
-            "s3://models/smol/",
-            checkpoint={"uri": "s3://ckpt", **store},
-        ),
-    )
+    job = cluster_job("no-secrets", "s3://models/smol/", setup.jobs)
+    job = job.checkpoint("s3://ckpt", endpoint="http://127.0.0.1:9").credentials("s3")
+    setup.custom.create_namespaced_custom_object(GROUP, VERSION, setup.jobs, PLURAL, job.build())
 
     _refused_with_an_event(setup, "no-secrets", 'cannot get resource "secrets"')
 

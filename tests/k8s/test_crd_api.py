@@ -25,7 +25,8 @@ from relaytrain_operator.spec import (
     parse_job,
     status_patch,
 )
-from relaytrain_testkit.spec_cases import INVALID_CASES, Case, apply_case, base_manifest
+from relaytrain_testkit.jobs import Job
+from relaytrain_testkit.spec_cases import INVALID_CASES, Case
 
 pytestmark = pytest.mark.k8s
 
@@ -83,14 +84,14 @@ def test_examples_are_accepted(api: Any, namespace: str, path: Path) -> None:
 
 
 def test_server_defaults_equal_parse_job_defaults(api: Any, namespace: str) -> None:
-    manifest = base_manifest(f"defaults-{uuid.uuid4().hex[:6]}")
+    manifest = Job(f"defaults-{uuid.uuid4().hex[:6]}").build()
     created = _create(api, namespace, manifest)
     assert parse_job(created).spec == parse_job(manifest).spec
 
 
 @pytest.mark.parametrize("case", INVALID_CASES, ids=[c.id for c in INVALID_CASES])
 def test_invalid_jobs_are_refused_naming_the_field(api: Any, namespace: str, case: Case) -> None:
-    manifest = apply_case(base_manifest(f"bad-{uuid.uuid4().hex[:6]}"), case)
+    manifest = case.apply(Job(f"bad-{uuid.uuid4().hex[:6]}")).build()
     message = _refusal(api, namespace, manifest)
     assert case.field in message, message
     # Nothing was stored under that name.
@@ -126,7 +127,7 @@ def test_a_started_job_refuses_changes_to_what_it_trains(
     from kubernetes.client.exceptions import ApiException
 
     name = f"frozen-{part}-{uuid.uuid4().hex[:6]}"
-    _create(api, namespace, base_manifest(name))
+    _create(api, namespace, Job(name).build())
     # Before the first pod exists the job may still be edited...
     api.patch_namespaced_custom_object(
         GROUP, VERSION, namespace, PLURAL, name, {"spec": {part: before}}
@@ -143,7 +144,7 @@ def test_a_started_job_refuses_changes_to_what_it_trains(
 
 def test_a_started_job_may_still_be_suspended_and_resumed(api: Any, namespace: str) -> None:
     name = f"suspend-{uuid.uuid4().hex[:6]}"
-    _create(api, namespace, base_manifest(name))
+    _create(api, namespace, Job(name).build())
     _start(api, namespace, name)
     for value in (True, False):
         api.patch_namespaced_custom_object(
@@ -227,7 +228,7 @@ def _full_status() -> FineTuneJobStatus:
 
 def test_every_status_field_is_stored_not_pruned(api: Any, namespace: str) -> None:
     name = f"status-{uuid.uuid4().hex[:6]}"
-    _create(api, namespace, base_manifest(name))
+    _create(api, namespace, Job(name).build())
     patch = status_patch(_full_status())
     api.patch_namespaced_custom_object_status(
         GROUP, VERSION, namespace, PLURAL, name, {"status": patch}
@@ -238,7 +239,7 @@ def test_every_status_field_is_stored_not_pruned(api: Any, namespace: str) -> No
 
 def test_kubectl_get_shows_progress_columns(kube_cluster: Any, api: Any, namespace: str) -> None:
     name = f"columns-{uuid.uuid4().hex[:6]}"
-    _create(api, namespace, base_manifest(name))
+    _create(api, namespace, Job(name).build())
     api.patch_namespaced_custom_object_status(
         GROUP, VERSION, namespace, PLURAL, name, {"status": status_patch(_full_status())}
     )

@@ -1,6 +1,6 @@
 """The status as the real kstatus library reads it (kstatus-check, built from
 sigs.k8s.io/cli-utils at its pin), one status per phase as the operator's status code writes
-it; tests/k8s/test_operator.py runs it on every status the k8s tests' real jobs went through.
+it; tests/k8s/test_operator.py runs it on every status each of its tests' real jobs went through.
 A status changed to the wrong phase changes the verdict."""
 
 from __future__ import annotations

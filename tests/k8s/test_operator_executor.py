@@ -43,8 +43,8 @@ from relaytrain_testkit.harness.operator_cases import (
     GROUP,
     PLURAL,
     VERSION,
+    cluster_job,
     install_crd,
-    job_manifest,
     namespace,
     nodes_index,
     raw,
@@ -192,7 +192,7 @@ def test_the_executor_applies_actions_in_order_and_patches_only_what_changed(
 ) -> None:
     progress = {"step": 5, "totalSteps": 100, "stepOfTotal": "5/100"}
     kube.create_job(
-        job_manifest("j", kube.ns, "s3://models/smol/"), running_status(progress=progress)
+        cluster_job("j", "s3://models/smol/", kube.ns).build(), running_status(progress=progress)
     )
     first_stage_0 = kube.create_pod(stage_pod(kube.ns, 0))
     stage_1 = kube.create_pod(stage_pod(kube.ns, 1))
@@ -247,7 +247,7 @@ def test_the_executor_applies_actions_in_order_and_patches_only_what_changed(
 def test_actions_applied_again_change_nothing_and_a_stale_delete_spares_the_successor(
     kube: Kube, api: ClusterApi
 ) -> None:
-    job = kube.create_job(job_manifest("j", kube.ns, "s3://models/smol/"))
+    job = kube.create_job(cluster_job("j", "s3://models/smol/", kube.ns).build())
     first = kube.create_pod(stage_pod(kube.ns, 0))
     actions: list[Action] = [
         DeletePod("j-stage-0", first),
@@ -272,7 +272,7 @@ def test_actions_applied_again_change_nothing_and_a_stale_delete_spares_the_succ
 
 
 def test_the_link_secret_is_minted_once_for_every_stage(kube: Kube, api: ClusterApi) -> None:
-    job = kube.create_job(job_manifest("j", kube.ns, "s3://models/smol/"))
+    job = kube.create_job(cluster_job("j", "s3://models/smol/", kube.ns).build())
     executor = Executor(api, lambda *a: None)
     executor.run(job, [CreateLinkSecret((2,))], datetime.now(UTC))
     secret = kube.secret("j-link")
@@ -301,7 +301,7 @@ def _decoded(secret: JsonDict, name: str) -> bytes:
 def test_the_observer_reads_only_what_is_needed(
     kube: Kube, api: ClusterApi, admin: client.ApiClient
 ) -> None:
-    job = kube.create_job(job_manifest("j", kube.ns, "s3://models/smol/"), running_status())
+    job = kube.create_job(cluster_job("j", "s3://models/smol/", kube.ns).build(), running_status())
     kube.create_pod(stage_pod(kube.ns, 0, node="a100-0"))
     kube.create_pod(stage_pod(kube.ns, 1, node="rtx4090-0"))
     kube.create_pod(stage_pod(kube.ns, 0, job="other", node="a100-1"))
@@ -341,7 +341,7 @@ def test_the_observer_reads_only_what_is_needed(
 def test_the_observer_caches_model_configs_and_reports_why_one_cannot_be_read(
     kube: Kube, api: ClusterApi, model_dir: Path, tmp_path: Path
 ) -> None:
-    job = kube.create_job(job_manifest("j", kube.ns, str(model_dir)))
+    job = kube.create_job(cluster_job("j", str(model_dir), kube.ns).build())
     observer = Observer(api)
     wanted = Needs(room=True, model=True)
     now = datetime.now(UTC)
@@ -351,8 +351,8 @@ def test_the_observer_caches_model_configs_and_reports_why_one_cannot_be_read(
     (model_dir / "config.json").unlink()
     assert observer.observe(job, {}, {}, wanted, now).model == first.model  # cached
 
-    def model_error(name: str, uri: str, **spec: Any) -> str:
-        other = kube.create_job(job_manifest(name, kube.ns, uri, **spec))
+    def model_error(name: str, uri: str) -> str:
+        other = kube.create_job(cluster_job(name, uri, kube.ns).build())
         model = observer.observe(other, {}, {}, wanted, now).model
         assert model is not None and model.config is None
         return model.error
@@ -361,7 +361,7 @@ def test_the_observer_caches_model_configs_and_reports_why_one_cannot_be_read(
     assert "has no config.json" in model_error("empty", str(tmp_path / "none"))
     # A spec the API server accepts but the operator cannot run: nothing is read.
     bad = kube.create_job(
-        job_manifest("bad", kube.ns, str(model_dir), method={"targetModules": ["lm_head"]})
+        cluster_job("bad", str(model_dir), kube.ns).method(target_modules=["lm_head"]).build()
     )
     assert isinstance(parse_spec(bad), str)
     unread = observer.observe(bad, {}, {}, wanted, now)
@@ -383,7 +383,7 @@ def start(
     kube: Kube, runner: Runner, model_dir: Path, admin: client.ApiClient
 ) -> dict[str, JsonDict]:
     """Create job `j`, run its first pass, wait for its two pods to run, and record them."""
-    kube.create_job(job_manifest("j", kube.ns, str(model_dir)))
+    kube.create_job(cluster_job("j", str(model_dir), kube.ns).build())
     nodes = nodes_index(admin)
     first = asyncio.run(runner.reconcile(kube.ns, "j", nodes, {}))
     assert first.status is not None and first.status.phase == "Pending"
@@ -400,7 +400,7 @@ def test_a_pass_creates_a_new_job_s_pods_and_a_pass_with_nothing_new_does_nothin
     posted: list[tuple[str, str]] = []
     runner = runner_over(api, posted)
     nodes = nodes_index(admin)
-    kube.create_job(job_manifest("j", kube.ns, str(model_dir)))
+    kube.create_job(cluster_job("j", str(model_dir), kube.ns).build())
 
     first = asyncio.run(runner.reconcile(kube.ns, "j", nodes, {}))
     assert first.status is not None and first.status.phase == "Pending"

@@ -15,6 +15,7 @@ from relaytrain_contract import DatasetSpec, Progress
 from relaytrain_contract.stage import ValidationSpec
 from relaytrain_operator.domain.progress import fold
 from relaytrain_operator.spec import parse_job
+from relaytrain_testkit.jobs import Job
 from relaytrain_testkit.linkcreds import stage_credentials
 from relaytrain_testkit.tiny_models import CORPUS, tiny_model_dir
 from relaytrain_worker.model.methods import apply_lora, lora_config
@@ -221,12 +222,15 @@ def test_a_missing_validation_file_is_named(model_dir: Path, tmp_path: Path) -> 
 
 
 def test_the_job_status_shows_the_held_out_loss() -> None:
-    job = parse_job({
-        "apiVersion": "relaytrain.io/v1alpha1", "kind": "FineTuneJob", "metadata": {"name": "j"},
-        "spec": {"model": {"uri": "s3://models/m/"}, "dataset": {"uri": "s3://data/t.jsonl",
-                 "validation": {"fraction": 0.1}}, "training": {"steps": 10,
-                 "evalEverySteps": 5}, "checkpoint": {"uri": "s3://ckpt/c"}},
-    })  # fmt: skip
+    manifest = (
+        Job("j")
+        .model("s3://models/m/")
+        .dataset("s3://data/t.jsonl")
+        .validation(fraction=0.1)
+        .training(steps=10, eval_every_steps=5)
+        .checkpoint("s3://ckpt/c")
+    )
+    job = parse_job(manifest.build())
     record = Progress(step=6, totalSteps=10, loss=1.5, tokensPerSecond=10.0,
                       evalLoss=1.2345678, evalStep=5)  # fmt: skip
     status = fold(record, job, datetime.now(UTC)).status

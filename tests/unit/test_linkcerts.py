@@ -20,8 +20,8 @@ from relaytrain_operator.domain.linkcerts import (
 )
 from relaytrain_operator.domain.stage_config import LINK_CA_ENV, LINK_CERT_ENV, LINK_KEY_ENV
 from relaytrain_operator.spec import parse_job
+from relaytrain_testkit.jobs import Job
 from relaytrain_testkit.shapes import SMOLLM2_135M_CONFIG
-from relaytrain_testkit.spec_cases import base_manifest
 
 pytestmark = pytest.mark.unit
 
@@ -144,11 +144,8 @@ def test_a_local_run_hands_each_stage_its_own_credentials_and_writes_no_key(
     model.mkdir()
     config = {**SMOLLM2_135M_CONFIG, "num_hidden_layers": 4}
     (model / "config.json").write_text(json.dumps(config))
-    manifest = base_manifest("local-tls")
-    manifest["spec"]["model"] = {"uri": str(model)}
-    manifest["spec"]["pipeline"] = {"stages": 3}
-    manifest["spec"]["checkpoint"] = {"uri": str(tmp_path / "ckpt")}
-    run = LocalRun.prepare(parse_job(manifest), tmp_path / "wd", None)
+    job = Job("local-tls").model(str(model)).pipeline(stages=3).checkpoint(str(tmp_path / "ckpt"))
+    run = LocalRun.prepare(parse_job(job.build()), tmp_path / "wd", None)
     assert not (tmp_path / "wd").exists()  # preparing writes nothing
     run.write_stage_files()
     cas = {s.link_env[LINK_CA_ENV] for s in run.stages}

@@ -13,41 +13,41 @@ from cryptography import x509
 from relaytrain_contract import LINK_CERT_ENV, StageConfig
 from relaytrain_operator.cli.local_run import LocalRun, local_layout
 from relaytrain_operator.spec import FineTuneJob, SpecError, parse_job
+from relaytrain_testkit.jobs import Job
 from relaytrain_testkit.shapes import SMOLLM2_135M_CONFIG
-from relaytrain_testkit.spec_cases import base_manifest
 
 pytestmark = pytest.mark.unit
 
 
-def _job(tmp_path: Path | None = None, **pipeline: Any) -> FineTuneJob:
-    manifest = base_manifest("pipes")
-    manifest["spec"]["pipeline"] = {"stages": 2, **pipeline}
-    manifest["spec"]["training"]["microBatches"] = 3
-    if tmp_path is not None:
-        model = tmp_path / "model"
-        model.mkdir(exist_ok=True)
-        (model / "config.json").write_text(
-            json.dumps({**SMOLLM2_135M_CONFIG, "num_hidden_layers": 4})
-        )
-        manifest["spec"]["model"] = {"uri": str(model)}
-        manifest["spec"]["checkpoint"] = {"uri": str(tmp_path / "ckpt")}
-    return parse_job(manifest)
+PIPES = Job("pipes").pipeline(stages=2).training(micro_batches=3)
+"""Two stages, 3 micro-batches a step."""
+
+
+def _on_disk(job: Job, tmp_path: Path) -> FineTuneJob:
+    """`job` with its model a 4-layer config.json in `tmp_path/model` and its checkpoints in
+    `tmp_path/ckpt`, parsed."""
+    model = tmp_path / "model"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text(json.dumps({**SMOLLM2_135M_CONFIG, "num_hidden_layers": 4}))
+    return parse_job(job.model(str(model)).checkpoint(str(tmp_path / "ckpt")).build())
 
 
 def test_one_pipeline_is_the_default() -> None:
-    layout = local_layout(_job(), 4)
+    layout = local_layout(parse_job(PIPES.build()), 4)
     assert layout.splits == [[(0, 2), (2, 4)]] and layout.shares == [3]
 
 
 def test_each_pipeline_gets_its_own_stage_count_and_even_split() -> None:
-    layout = local_layout(_job(replicas=2), 4, stages=[2, 3])
+    one, two = parse_job(PIPES.build()), parse_job(PIPES.pipeline(replicas=2).build())
+    layout = local_layout(two, 4, stages=[2, 3])
     assert layout.splits == [[(0, 2), (2, 4)], [(0, 1), (1, 3), (3, 4)]]
     # The planner's split with every layer costing the same: beats of 2 layers each, the
     # longer pipeline pays one more beat of fill, so it gets one micro-batch of three.
     assert layout.shares == [2, 1]
-    assert local_layout(_job(replicas=2), 4).splits == [[(0, 2), (2, 4)]] * 2  # spec stages
-    assert local_layout(_job(replicas="auto"), 4, stages=[1, 2, 4]).shares == [1, 1, 1]
-    assert local_layout(_job(), 4, stages=[2, 3], replicas=2, shares=[1, 2]).shares == [1, 2]
+    assert local_layout(two, 4).splits == [[(0, 2), (2, 4)]] * 2  # spec stages
+    auto = parse_job(PIPES.pipeline(replicas="auto").build())
+    assert local_layout(auto, 4, stages=[1, 2, 4]).shares == [1, 1, 1]
+    assert local_layout(one, 4, stages=[2, 3], replicas=2, shares=[1, 2]).shares == [1, 2]
 
 
 @pytest.mark.parametrize(
@@ -66,7 +66,7 @@ def test_flags_that_do_not_fit_are_refused_by_name(
     pipeline: dict[str, Any], flags: dict[str, Any], field: str, message: str
 ) -> None:
     with pytest.raises(SpecError) as refused:
-        local_layout(_job(**pipeline), 4, **flags)
+        local_layout(parse_job(PIPES.pipeline(**pipeline).build()), 4, **flags)
     assert refused.value.paths == [field]
     assert message in str(refused.value)
 
@@ -74,7 +74,7 @@ def test_flags_that_do_not_fit_are_refused_by_name(
 def test_each_stage_of_each_pipeline_is_handed_its_own_document_and_certificate(
     tmp_path: Path,
 ) -> None:
-    run = LocalRun.prepare(_job(tmp_path, replicas=2), tmp_path / "wd", [2, 3])
+    run = LocalRun.prepare(_on_disk(PIPES.pipeline(replicas=2), tmp_path), tmp_path / "wd", [2, 3])
     assert [(s.pipeline, s.index, s.name) for s in run.stages] == [
         (0, 0, "stage p0/s0"), (0, 1, "stage p0/s1"),
         (1, 0, "stage p1/s0"), (1, 1, "stage p1/s1"), (1, 2, "stage p1/s2"),
@@ -108,7 +108,7 @@ def test_each_stage_of_each_pipeline_is_handed_its_own_document_and_certificate(
 def test_a_stages_override_on_a_job_with_a_fixed_stage_count_is_followed(tmp_path: Path) -> None:
     # `--stages 3` on a job that says `stages: 2`: the command line wins (it used to be
     # refused by the documents' check against the job's count).
-    run = LocalRun.prepare(_job(tmp_path), tmp_path / "wd", [3])
+    run = LocalRun.prepare(_on_disk(PIPES, tmp_path), tmp_path / "wd", [3])
     assert [d["stage"]["count"] for d in run.documents] == [3, 3, 3]
     assert all("replicas" not in d for d in run.documents)
     assert [s.config_path.name for s in run.stages] == [
@@ -117,7 +117,7 @@ def test_a_stages_override_on_a_job_with_a_fixed_stage_count_is_followed(tmp_pat
 
 
 def test_an_unsupported_model_type_is_refused_before_any_stage(tmp_path: Path) -> None:
-    job = _job(tmp_path)
+    job = _on_disk(PIPES, tmp_path)
     config = {**SMOLLM2_135M_CONFIG, "model_type": "bert"}
     (Path(job.spec.model.uri) / "config.json").write_text(json.dumps(config))
     with pytest.raises(SpecError) as refused:
@@ -130,6 +130,10 @@ def test_an_unsupported_model_type_is_refused_before_any_stage(tmp_path: Path) -
 
 def test_periodic_sync_reaches_every_stage_document(tmp_path: Path) -> None:
     sync = {"mode": "periodic", "everySteps": 4}
-    run = LocalRun.prepare(_job(tmp_path, replicas=2, sync=sync), tmp_path / "wd", [2, 1])
+    run = LocalRun.prepare(
+        _on_disk(PIPES.pipeline(replicas=2).sync("periodic", every_steps=4), tmp_path),
+        tmp_path / "wd",
+        [2, 1],
+    )
     assert [d["replicas"]["sync"] for d in run.documents] == [sync] * 3
-    assert all(StageConfig.from_json(d).replicas.sync.everySteps == 4 for d in run.documents)  # type: ignore[union-attr]
+    assert all(StageConfig.from_json(d).replicas.sync.every_steps == 4 for d in run.documents)  # type: ignore[union-attr]

@@ -20,19 +20,12 @@ from relaytrain_operator.cli.local_run import (
     lock_workdir,
 )
 from relaytrain_operator.domain.recovery import after_failure, backoff_left
-from relaytrain_operator.spec import FineTuneJob, parse_job
-from relaytrain_testkit.spec_cases import base_manifest
+from relaytrain_operator.spec import parse_job
+from relaytrain_testkit.jobs import Job
 
 pytestmark = pytest.mark.unit
 
 NOW = datetime(2026, 11, 23, 15, 0, tzinfo=UTC)
-
-
-def _job(name: str, namespace: str | None = None) -> FineTuneJob:
-    manifest = base_manifest(name)
-    if namespace is not None:
-        manifest["metadata"]["namespace"] = namespace
-    return parse_job(manifest)
 
 
 def test_the_failure_policy_counts_each_failure_until_it_allows_no_more() -> None:
@@ -52,7 +45,8 @@ def test_the_back_off_runs_from_the_counted_failure() -> None:
 
 
 def test_each_job_gets_its_own_state_directory() -> None:
-    dirs = {default_workdir(_job(n, ns)) for n, ns in [("a", None), ("b", None), ("a", "team")]}
+    jobs = [Job("a"), Job("b"), Job("a", "team")]
+    dirs = {default_workdir(parse_job(job.build())) for job in jobs}
     assert dirs == {
         Path("relaytrain-local/default/a"),
         Path("relaytrain-local/default/b"),
@@ -61,7 +55,7 @@ def test_each_job_gets_its_own_state_directory() -> None:
 
 
 def test_a_held_state_directory_refuses_a_second_run_naming_the_holder(tmp_path: Path) -> None:
-    job = _job("busy")
+    job = parse_job(Job("busy").build())
     held = lock_workdir(tmp_path / "wd", job)
     try:
         assert (tmp_path / "wd" / "run.lock").read_text() == f"{os.getpid()}\n"

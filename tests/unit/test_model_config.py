@@ -23,6 +23,7 @@ from relaytrain_operator.store.model_config import (
     shipped_names,
 )
 from relaytrain_testkit.harness.ports import free_port  # a port nothing listens on
+from relaytrain_testkit.jobs import Job
 from relaytrain_testkit.shapes import SMOLLM2_135M_CONFIG
 
 pytestmark = pytest.mark.unit
@@ -266,13 +267,8 @@ def test_plan_table_and_json_say_where_the_architecture_came_from(tmp_path, caps
 
 
 def test_plan_exits_2_when_no_source_has_the_architecture(tmp_path, capsys, monkeypatch):
-    import yaml
-
-    manifest = yaml.safe_load((ROOT / "examples" / "finetunejob-lora.yaml").read_text())
-    manifest["spec"]["model"]["uri"] = "s3://models/my-model/"
-    manifest["spec"]["checkpoint"]["endpoint"] = f"http://127.0.0.1:{free_port()}"
-    job = tmp_path / "job.yaml"
-    job.write_text(yaml.safe_dump(manifest))
+    lora = Job.example("finetunejob-lora").model("s3://models/my-model/")
+    job = lora.checkpoint(endpoint=f"http://127.0.0.1:{free_port()}").write(tmp_path / "job.yaml")
     nodes = ROOT / "examples" / "nodes-mixed.yaml"
     assert cli.main(["plan", str(job), "--nodes", str(nodes)]) == 2
     err = capsys.readouterr().err

@@ -25,7 +25,7 @@ def test_stage_pod_has_a_stable_dns_name_under_the_job_service() -> None:
     assert pod["metadata"]["labels"][STAGE_LABEL] == "1"
     assert stage_dns_name("smol", "team-a", 1) == "smol-stage-1.smol.team-a.svc"
     # The service selects exactly the job's pods by the label every stage pod carries.
-    service = build_service(JOB)
+    service = build_service(JOB.build())
     assert service["spec"]["selector"] == {JOB_LABEL: "smol"}
     assert service["spec"]["clusterIP"] == "None"
     assert service["spec"]["publishNotReadyAddresses"] is True
@@ -95,8 +95,8 @@ def test_each_stage_pod_gets_only_its_own_link_key() -> None:
 
 def test_every_child_is_owned_by_the_job() -> None:
     files = mint_link_credentials("team-a", "smol", [2], now=datetime.now(UTC))
-    secret = build_link_secret(JOB, files)
-    for child in (pod_for(0), build_service(JOB), secret):
+    secret = build_link_secret(JOB.build(), files)
+    for child in (pod_for(0), build_service(JOB.build()), secret):
         (owner,) = child["metadata"]["ownerReferences"]
         assert owner == {
             "apiVersion": "relaytrain.io/v1alpha1",
@@ -122,4 +122,4 @@ def test_tolerations_and_priority_are_copied() -> None:
 
 def test_builders_are_pure() -> None:
     assert pod_for(1) == pod_for(1)
-    assert build_service(JOB) == build_service(JOB)
+    assert build_service(JOB.build()) == build_service(JOB.build())

@@ -29,9 +29,9 @@ from relaytrain_operator.loop.decide import (
     stage_pods,
 )
 from relaytrain_testkit.decide_cases import (
+    JOB,
     SETTINGS,
     T_RUNNING,
-    manifest,
     node,
     observed,
     pod,
@@ -76,7 +76,7 @@ CASES = [
     # --- first creation ---
     Case(
         "first pass plans, records the plan, then creates the pods",
-        observed(manifest(), nodes=[node("a100-0", "a100"), node("rtx-0", "rtx")]),
+        observed(JOB.build(), nodes=[node("a100-0", "a100"), node("rtx-0", "rtx")]),
         [
             "patch",
             "event:Planned",
@@ -92,28 +92,28 @@ CASES = [
     ),
     Case(
         "a model config that cannot be read",
-        observed(manifest(), model=ModelConfig(error="no config.json")),
+        observed(JOB.build(), model=ModelConfig(error="no config.json")),
         ["patch", "event:ModelUnavailable"],
         "Pending",
         "ModelUnavailable",
     ),
     Case(
         "no free GPU anywhere: Unschedulable",
-        observed(manifest(), nodes=[node("a100-0", "a100", ready=False)]),
+        observed(JOB.build(), nodes=[node("a100-0", "a100", ready=False)]),
         ["patch", "event:Unschedulable"],
         "Pending",
         "Unschedulable",
     ),
     Case(
         "an invalid spec",
-        observed(manifest(method={"targetModules": ["lm_head"]})),
+        observed(JOB.method(target_modules=["lm_head"]).build()),
         ["patch", "event:InvalidSpec"],
         "Failed",
         "InvalidSpec",
     ),
     Case(
         "pods starting",
-        observed(manifest(running_status()), [pod(0), pod(1, "Pending")]),
+        observed(JOB.status(running_status()).build(), [pod(0), pod(1, "Pending")]),
         ["patch"],
         "Pending",
         "StagesStarting",
@@ -121,7 +121,7 @@ CASES = [
     ),
     Case(
         "all running and nothing changed: no action at all",
-        observed(manifest(running_status()), RUNNING),
+        observed(JOB.status(running_status()).build(), RUNNING),
         [],
         "Running",
         "StagesRunning",
@@ -130,7 +130,7 @@ CASES = [
     # --- suspend / resume ---
     Case(
         "suspend removes the pods",
-        observed(manifest(running_status(), suspend=True), RUNNING),
+        observed(JOB.status(running_status()).suspend().build(), RUNNING),
         ["delete:j-stage-0", "delete:j-stage-1", "patch", "event:Suspended"],
         "Suspended",
         "Suspended",
@@ -139,12 +139,12 @@ CASES = [
     Case(
         "resume creates the pods again from the same plan",
         observed(
-            manifest(
+            JOB.status(
                 running_status(
                     stage(0, pod=None, node=None, phase=None, ready=None),
                     stage(1, pod=None, node=None, phase=None, ready=None),
                 )
-            ),
+            ).build(),
             [],
         ),
         ["secret", "create:j", "create:j-stage-0", "create:j-stage-1", "patch"],
@@ -155,7 +155,9 @@ CASES = [
     # --- stage failure and replacement ---
     Case(
         "a failed pod is counted, then deleted",
-        observed(manifest(running_status()), [pod(0, "Failed", reason="OOMKilled"), pod(1)]),
+        observed(
+            JOB.status(running_status()).build(), [pod(0, "Failed", reason="OOMKilled"), pod(1)]
+        ),
         ["patch", "event:StageRestarting", "delete:j-stage-0", "patch"],
         "Recovering",
         "StageRestarting",
@@ -163,7 +165,7 @@ CASES = [
     ),
     Case(
         "a pod deleted by someone else is counted and replaced at once",
-        observed(manifest(running_status()), [pod(1)]),
+        observed(JOB.status(running_status()).build(), [pod(1)]),
         [
             "patch",
             "event:StageRestarting",
@@ -178,7 +180,7 @@ CASES = [
     ),
     Case(
         "a pod being deleted is counted and waited for",
-        observed(manifest(running_status()), [pod(0, deleting=True), pod(1)]),
+        observed(JOB.status(running_status()).build(), [pod(0, deleting=True), pod(1)]),
         ["patch", "event:StageRestarting", "patch"],
         "Recovering",
         "StageRestarting",
@@ -187,12 +189,12 @@ CASES = [
     Case(
         "the successor of a counted failure is created",
         observed(
-            manifest(
+            JOB.status(
                 running_status(
                     stage(0, phase=REPLACING, restarts=1, ready=False, lastFailure="Error"),
                     stage(1),
                 )
-            ),
+            ).build(),
             [pod(1)],
         ),
         ["secret", "create:j", "create:j-stage-0", "patch"],
@@ -203,7 +205,7 @@ CASES = [
     # --- node gone ---
     Case(
         "a pod whose node is gone is counted and force-deleted",
-        observed(manifest(running_status()), RUNNING, nodes=[node("rtx-0", "rtx")]),
+        observed(JOB.status(running_status()).build(), RUNNING, nodes=[node("rtx-0", "rtx")]),
         ["patch", "event:StageRestarting", "delete:j-stage-0!", "patch"],
         "Recovering",
         "StageRestarting",
@@ -213,7 +215,7 @@ CASES = [
     Case(
         "a failure past maxStageRestarts fails the job and removes its pods",
         observed(
-            manifest(running_status(stage(0, restarts=2), stage(1))),
+            JOB.status(running_status(stage(0, restarts=2), stage(1))).build(),
             [pod(0, "Failed", incarnation=2), pod(1), pod(2, deleting=True)],
         ),
         [
@@ -230,7 +232,7 @@ CASES = [
     Case(
         "progress.json says done: Succeeded, pods removed",
         observed(
-            manifest(running_status()),
+            JOB.status(running_status()).build(),
             RUNNING,
             progress=progress(100, 100, done=True, output="s3://out/adapter/"),
         ),
@@ -244,7 +246,7 @@ CASES = [
         # (even past maxStageRestarts): the job is done, not failed.
         "progress.json says done and a stage ends badly after it: Succeeded",
         observed(
-            manifest(running_status(stage(0, restarts=2), stage(1))),
+            JOB.status(running_status(stage(0, restarts=2), stage(1))).build(),
             [pod(0, "Failed", incarnation=2), pod(1)],
             progress=progress(100, 100, done=True, output="s3://out/adapter/"),
         ),
@@ -255,7 +257,7 @@ CASES = [
     ),
     Case(
         "every stage pod Succeeded: Succeeded",
-        observed(manifest(running_status()), [pod(0, "Succeeded"), pod(1, "Succeeded")]),
+        observed(JOB.status(running_status()).build(), [pod(0, "Succeeded"), pod(1, "Succeeded")]),
         ["delete:j-stage-0", "delete:j-stage-1", "patch", "event:Succeeded"],
         "Succeeded",
         "Succeeded",
@@ -263,7 +265,7 @@ CASES = [
     ),
     Case(
         "a finished job only has its pods removed",
-        observed(manifest(SUCCEEDED), [pod(0, "Succeeded"), pod(1, deleting=True)]),
+        observed(JOB.status(SUCCEEDED).build(), [pod(0, "Succeeded"), pod(1, deleting=True)]),
         ["delete:j-stage-0"],
         "Succeeded",
         "Succeeded",
@@ -291,29 +293,27 @@ def test_decision_table(case: Case) -> None:
 
 
 def test_a_job_being_deleted_gets_no_action() -> None:
-    job = manifest(running_status())
-    job["metadata"]["deletionTimestamp"] = "2026-11-22T09:59:00Z"
-    assert decide(observed(job, RUNNING), SETTINGS) == Decision()
+    job = JOB.status(running_status()).set("metadata.deletionTimestamp", "2026-11-22T09:59:00Z")
+    assert decide(observed(job.build(), RUNNING), SETTINGS) == Decision()
 
 
 def test_needs_reads_only_what_the_decision_uses() -> None:
-    started = manifest(running_status())
+    started = JOB.status(running_status()).build()
     assert needs(started, stage_pods(RUNNING)) == Needs(progress=True)
     assert needs(started, stage_pods([pod(1)])) == Needs(pods=True, room=True, progress=True)
-    assert needs(manifest(), {}) == Needs(room=True, model=True)
-    local = manifest(running_status(), checkpoint={"uri": "/ckpt", "endpoint": None})
-    local["spec"]["checkpoint"] = {"uri": "/ckpt"}
+    assert needs(JOB.build(), {}) == Needs(room=True, model=True)
+    local = JOB.status(running_status()).set("spec.checkpoint", {"uri": "/ckpt"}).build()
     assert needs(local, stage_pods(RUNNING)) == Needs()
     # Nothing costly for jobs that do not run: invalid, suspended, finished.
-    assert needs(manifest(method={"targetModules": ["lm_head"]}), {}) == Needs()
-    assert needs(manifest(running_status(), suspend=True), {}) == Needs()
-    assert needs(manifest(SUCCEEDED), {}) == Needs()
+    assert needs(JOB.method(target_modules=["lm_head"]).build(), {}) == Needs()
+    assert needs(JOB.status(running_status()).suspend().build(), {}) == Needs()
+    assert needs(JOB.status(SUCCEEDED).build(), {}) == Needs()
 
 
 def test_parse_spec_says_why_a_job_cannot_run() -> None:
-    assert "spec.training" in str(parse_spec(manifest(training={"steps": 0})))
-    assert "lm_head" in str(parse_spec(manifest(method={"targetModules": ["lm_head"]})))
-    assert not isinstance(parse_spec(manifest()), str)
+    assert "spec.training" in str(parse_spec(JOB.training(steps=0).build()))
+    assert "lm_head" in str(parse_spec(JOB.method(target_modules=["lm_head"]).build()))
+    assert not isinstance(parse_spec(JOB.build()), str)
 
 
 def test_stage_pods_are_keyed_by_their_stage_label() -> None:
@@ -326,17 +326,21 @@ def test_stage_pods_are_keyed_by_their_stage_label() -> None:
 
 
 def test_resuming_a_suspended_job_posts_no_second_suspended_event() -> None:
-    suspended = decide(observed(manifest(running_status(), suspend=True), RUNNING), SETTINGS)
+    suspended = decide(observed(JOB.status(running_status()).suspend().build(), RUNNING), SETTINGS)
     assert suspended.status is not None
     again = decide(
-        observed(manifest(to_manifest(suspended.status), suspend=True), [pod(0, deleting=True)]),
+        observed(
+            JOB.status(to_manifest(suspended.status)).suspend().build(), [pod(0, deleting=True)]
+        ),
         SETTINGS,
     )
     assert summary(again) == []
 
 
 def test_the_generation_and_transition_times_are_kept_in_status() -> None:
-    decision = decide(observed(manifest(running_status()), [pod(0), pod(1, "Pending")]), SETTINGS)
+    decision = decide(
+        observed(JOB.status(running_status()).build(), [pod(0), pod(1, "Pending")]), SETTINGS
+    )
     assert decision.status is not None
     assert decision.status.observed_generation == 4
     ready = condition(decision.status, READY)
@@ -347,5 +351,5 @@ def test_the_generation_and_transition_times_are_kept_in_status() -> None:
 
 
 def test_a_decision_is_deterministic() -> None:
-    obs = observed(manifest(running_status()), [pod(0, "Failed"), pod(1)])
+    obs = observed(JOB.status(running_status()).build(), [pod(0, "Failed"), pod(1)])
     assert decide(obs, SETTINGS) == decide(replace(obs), SETTINGS)

@@ -15,13 +15,13 @@ from relaytrain_operator.loop.actions import Create, CreateLinkSecret
 from relaytrain_operator.loop.decide import Decision, ModelConfig, Observed, Settings, decide, needs
 from relaytrain_testkit.decide_cases import (
     GIB,
+    JOB,
     NODES,
     NOW,
     PLAN,
     SETTINGS,
     T_RUNNING,
     events,
-    manifest,
     node,
     observed,
     pod,
@@ -46,7 +46,7 @@ pytestmark = pytest.mark.unit
 
 def test_first_pass_records_the_plan_before_any_pod_and_builds_pods_from_it() -> None:
     decision = decide(
-        observed(manifest(), nodes=[node("a100-0", "a100"), node("rtx-0", "rtx")]), SETTINGS
+        observed(JOB.build(), nodes=[node("a100-0", "a100"), node("rtx-0", "rtx")]), SETTINGS
     )
     first = patches(decision)[0]
     assert first.phase == "Planning" and first.plan is not None and first.start_time
@@ -68,13 +68,17 @@ def test_first_pass_records_the_plan_before_any_pod_and_builds_pods_from_it() ->
 def test_a_plan_counts_gpus_other_pods_hold() -> None:
     nodes = [node("a100-0", "a100"), node("rtx-0", "rtx"), node("rtx-1", "rtx")]
     busy = pod(0, job="other", node_name="a100-0")
-    decision = decide(observed(manifest(), nodes=nodes, cluster_pods=[busy]), SETTINGS)
+    decision = decide(observed(JOB.build(), nodes=nodes, cluster_pods=[busy]), SETTINGS)
     assert decision.status is not None and decision.status.plan is not None
     assert {s.pool for s in decision.status.plan.stages} == {"rtx"}
 
 
 def test_unschedulable_clears_a_stale_plan_and_says_why() -> None:
-    job = manifest({"phase": "Pending", "plan": PLAN}, placement={"nodeSelector": {"zone": "z"}})
+    job = (
+        JOB.status({"phase": "Pending", "plan": PLAN})
+        .placement(node_selector={"zone": "z"})
+        .build()
+    )
     decision = decide(observed(job), SETTINGS)
     assert decision.status is not None and decision.status.plan is None
     message = condition(decision.status, READY).message  # type: ignore[union-attr]
@@ -82,7 +86,9 @@ def test_unschedulable_clears_a_stale_plan_and_says_why() -> None:
     assert [e.reason for e in events(decision)] == ["Unschedulable"]
     # A later pass that still cannot plan writes nothing and posts no second Event.
     again = decide(
-        observed(manifest(to_manifest(decision.status), placement={"nodeSelector": {"zone": "z"}})),
+        observed(
+            JOB.status(to_manifest(decision.status)).placement(node_selector={"zone": "z"}).build()
+        ),
         SETTINGS,
     )
     assert summary(again) == []
@@ -106,7 +112,7 @@ def test_unschedulable_clears_a_stale_plan_and_says_why() -> None:
 def test_a_plan_that_cannot_be_made_is_unschedulable_with_the_reason(
     model: ModelConfig, settings: Settings, message: str
 ) -> None:
-    decision = decide(observed(manifest(), model=model), settings)
+    decision = decide(observed(JOB.build(), model=model), settings)
     assert ready_reason(decision) == "Unschedulable"
     assert message in condition(decision.status, READY).message  # type: ignore[arg-type,union-attr]
 
@@ -115,14 +121,14 @@ def test_make_plan_refuses_training_settings_it_cannot_price() -> None:
     from relaytrain_operator.domain.planning import PlanError, make_plan
     from relaytrain_operator.spec import parse_job
 
-    job = parse_job(manifest(method={"targetModules": ["lm_head"]}))
+    job = parse_job(JOB.method(target_modules=["lm_head"]).build())
     with pytest.raises(PlanError, match="training settings cannot be planned"):
         make_plan(job, SMOLLM2_135M_CONFIG, NODES, [], default_link=(1000.0, 10.0))
 
 
 def test_a_lora_target_the_model_has_not_is_an_invalid_spec_not_a_full_fleet() -> None:
     # Expert weights on a dense model: only the model's config says so, at the first plan.
-    job = manifest(method={"targetModules": ["experts.down_proj"]})
+    job = JOB.method(target_modules=["experts.down_proj"]).build()
     decision = decide(observed(job), SETTINGS)
     assert decision.status is not None and decision.status.plan is None
     assert (decision.status.phase, ready_reason(decision)) == ("Failed", "InvalidSpec")
@@ -133,15 +139,8 @@ def test_a_lora_target_the_model_has_not_is_an_invalid_spec_not_a_full_fleet() -
 
 # --- Kueue (relaytrain_operator/domain/queueing.py) -----------------------------------
 
-QUEUE = {"kueue.x-k8s.io/queue-name": "team"}
-
-
-def queued(
-    status: dict[str, Any] | None = None, labels: dict[str, str] | None = None, **spec: Any
-) -> dict[str, Any]:
-    job = manifest(status, **spec)
-    job["metadata"]["labels"] = {**QUEUE, **(labels or {})}
-    return job
+QUEUED = JOB.queue("team")
+"""The job, queued for Kueue's LocalQueue `team`."""
 
 
 def workload_of(
@@ -233,7 +232,7 @@ def applied(decision: Decision) -> list[Any]:
 
 
 def test_a_queued_job_plans_for_the_whole_fleet_submits_a_workload_and_waits() -> None:
-    job = queued()
+    job = QUEUED.build()
     busy = [pod(0, job="other"), pod(1, job="other", node_name="a100-1")]
     decision = decide(kobserved(job, [], cluster_pods=busy), SETTINGS)
     # The GPUs other pods hold do not matter: Kueue's quota decides when.
@@ -252,7 +251,7 @@ def test_a_queued_job_plans_for_the_whole_fleet_submits_a_workload_and_waits() -
 
 
 def test_a_queued_job_takes_its_priority_from_the_class_its_label_names() -> None:
-    job = queued(running_status(), labels={"kueue.x-k8s.io/priority-class": "high"})
+    job = QUEUED.status(running_status()).label("kueue.x-k8s.io/priority-class", "high").build()
     missing = decide(kobserved(job, []), SETTINGS)
     assert missing.status is not None and missing.status.phase == "Failed"
     assert ready_reason(missing) == "InvalidSpec"
@@ -275,14 +274,16 @@ def test_a_plan_over_more_pools_than_a_workload_holds_is_refused() -> None:
         for k in range(9)
     ]
     entries = [{"index": k, "pool": f"pool{k}", "restarts": 0} for k in range(9)]
-    job = queued(running_status(*entries, plan={"stages": stages}), pipeline={"stages": 9})
+    job = (
+        QUEUED.status(running_status(*entries, plan={"stages": stages})).pipeline(stages=9).build()
+    )
     decision = decide(kobserved(job, []), SETTINGS)
     assert ready_reason(decision) == "InvalidSpec"
     assert "at most 8 pod sets" in str(condition(decision.status, READY))  # type: ignore[arg-type]
 
 
 def test_a_queued_job_waits_for_quota_with_kueues_words_and_no_pod() -> None:
-    job = queued(running_status())
+    job = QUEUED.status(running_status()).build()
     decision = decide(kobserved(job, [], workload_of(job, *PENDING)), SETTINGS)
     assert decision.status is not None and decision.status.phase == "Suspended"
     assert ready_reason(decision) == "WaitingForQuota"
@@ -305,7 +306,7 @@ def test_an_admitted_job_starts_with_its_flavors_labels_and_tolerations() -> Non
     waiting = with_verdict(
         load_status(running_status()), Verdict("Suspended", False, False, "Queued", "q"), NOW, 4
     )
-    job = queued(to_manifest(waiting))
+    job = QUEUED.status(to_manifest(waiting)).build()
     decision = decide(kobserved(job, [], workload_of(job, *ADMITTED)), SETTINGS)
     first = created(decision, "j-stage-0")["spec"]
     assert first["nodeSelector"]["tier"] == "gold"
@@ -315,17 +316,18 @@ def test_an_admitted_job_starts_with_its_flavors_labels_and_tolerations() -> Non
     assert "a100 → fa" in admitted.message and "rtx → fr" in admitted.message
     # Running already: admitted again is no news.
     again = decide(
-        kobserved(queued(running_status()), RUNNING, workload_of(job, *ADMITTED)), SETTINGS
+        kobserved(QUEUED.status(running_status()).build(), RUNNING, workload_of(job, *ADMITTED)),
+        SETTINGS,
     )
     assert [e for e in events(again) if e.reason == "Admitted"] == []
 
 
 def test_a_queued_replacement_stays_on_the_pool_it_was_admitted_on() -> None:
-    job = queued(
+    job = QUEUED.status(
         running_status(
             stage(0), stage(1, restarts=1, phase=REPLACING, pod=None, node=None, ready=False)
         )
-    )
+    ).build()
     nodes = [node("a100-0", "a100"), node("a100-1", "a100"), node("rtx-0", "rtx")]
     # The rtx GPU is held by another pod: without Kueue the replacement would move pools.
     decision = decide(
@@ -344,7 +346,7 @@ def test_a_queued_replacement_stays_on_the_pool_it_was_admitted_on() -> None:
 def test_an_evicted_job_stops_and_hands_its_quota_back_once_its_pods_are_gone() -> None:
     from relaytrain_operator.domain.queueing import ADMISSION_MANAGER
 
-    job = queued(running_status())
+    job = QUEUED.status(running_status()).build()
     workload = workload_of(job, *EVICTED)
     stopping = decide(kobserved(job, RUNNING, workload), SETTINGS)
     assert sorted(s for s in summary(stopping) if s.startswith("delete")) == [
@@ -354,7 +356,9 @@ def test_an_evicted_job_stops_and_hands_its_quota_back_once_its_pods_are_gone() 
     assert applied(stopping) == []  # the pods still hold their GPUs
     assert ready_reason(stopping) == "Evicted"
     assert "Preempted" in str(condition(stopping.status, READY))  # type: ignore[arg-type]
-    gone = decide(kobserved(queued(to_manifest(stopping.status)), [], workload), SETTINGS)  # type: ignore[arg-type]
+    gone = decide(
+        kobserved(QUEUED.status(to_manifest(stopping.status)).build(), [], workload), SETTINGS
+    )  # type: ignore[arg-type]
     (release,) = applied(gone)
     assert release.manager == ADMISSION_MANAGER
     assert "admission" not in release.body["status"]
@@ -365,14 +369,16 @@ def test_an_evicted_job_stops_and_hands_its_quota_back_once_its_pods_are_gone() 
     )
     assert conditions["Evicted"]["reason"] == "Preempted"
     released = workload_of(job, ("QuotaReserved", "False", "Pending", "x"), EVICTED[-1])
-    waiting = decide(kobserved(queued(to_manifest(gone.status)), [], released), SETTINGS)  # type: ignore[arg-type]
+    waiting = decide(
+        kobserved(QUEUED.status(to_manifest(gone.status)).build(), [], released), SETTINGS
+    )  # type: ignore[arg-type]
     assert applied(waiting) == [] and ready_reason(waiting) == "Evicted"
 
 
 def test_suspend_deactivates_the_workload_and_resume_activates_it() -> None:
     from relaytrain_operator.loop.actions import PatchWorkload
 
-    job = queued(running_status(), suspend=True)
+    job = QUEUED.status(running_status()).suspend().build()
     decision = decide(kobserved(job, RUNNING, workload_of(job, *ADMITTED)), SETTINGS)
     assert [a.patch for a in decision.actions if isinstance(a, PatchWorkload)] == [
         {"spec": {"active": False}}
@@ -385,7 +391,7 @@ def test_suspend_deactivates_the_workload_and_resume_activates_it() -> None:
     assert len(applied(released)) == 1
     assert applied(decide(kobserved(job, [pod(0, deleting=True)], inactive), SETTINGS)) == []
     assert applied(decide(kobserved(job, [], None), SETTINGS)) == []  # no Workload yet: nothing
-    resumed = queued(running_status())
+    resumed = QUEUED.status(running_status()).build()
     back = decide(kobserved(resumed, [], workload_of(resumed, *PENDING, active=False)), SETTINGS)
     assert [a.patch for a in back.actions if isinstance(a, PatchWorkload)] == [
         {"spec": {"active": True}}
@@ -395,7 +401,7 @@ def test_suspend_deactivates_the_workload_and_resume_activates_it() -> None:
 def test_a_finished_job_marks_its_workload_finished_before_its_own_status() -> None:
     from relaytrain_operator.domain.queueing import FINISHED_MANAGER
 
-    job = queued(running_status())
+    job = QUEUED.status(running_status()).build()
     workload = workload_of(job, *ADMITTED)
     done = decide(
         kobserved(job, RUNNING, workload, progress=progress(100, 100, done=True)), SETTINGS
@@ -416,7 +422,7 @@ def test_a_finished_job_marks_its_workload_finished_before_its_own_status() -> N
         )
         == []
     )
-    exhausted = queued(running_status(stage(0), stage(1, restarts=2)))
+    exhausted = QUEUED.status(running_status(stage(0), stage(1, restarts=2))).build()
     failed = decide(
         kobserved(
             exhausted, [pod(0), pod(1, "Failed", incarnation=2)], workload_of(job, *ADMITTED)

@@ -23,11 +23,11 @@ from relaytrain_operator.loop.decide import (
     stage_pods,
 )
 from relaytrain_testkit.decide_cases import (
+    JOB,
     NODES,
     PRODUCTS,
     SETTINGS,
     events,
-    manifest,
     observed,
     pod,
 )
@@ -36,7 +36,8 @@ from relaytrain_testkit.decide_views import created, progress, ready_reason, sum
 pytestmark = pytest.mark.unit
 
 
-FLEET_SPEC: dict[str, Any] = {"pipeline": {"stages": 2, "replicas": 2}}
+FLEET = JOB.pipeline(stages=2, replicas=2)
+"""The job as two pipelines of two stages."""
 
 
 def stage_document(decision: Decision, name: str) -> dict[str, Any]:
@@ -64,12 +65,12 @@ def run_pods(decision: Decision) -> list[dict[str, Any]]:
 
 def fleet() -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """A job of two 2-stage pipelines on NODES' four GPUs, planned and running."""
-    first = decide(observed(manifest(**FLEET_SPEC)), SETTINGS)
+    first = decide(observed(FLEET.build()), SETTINGS)
     assert first.status is not None
     pods = run_pods(first)
-    running = decide(observed(manifest(to_manifest(first.status), **FLEET_SPEC), pods), SETTINGS)
+    running = decide(observed(FLEET.status(to_manifest(first.status)).build(), pods), SETTINGS)
     assert running.status is not None
-    return manifest(to_manifest(running.status), **FLEET_SPEC), pods
+    return FLEET.status(to_manifest(running.status)).build(), pods
 
 
 def named(pods: list[dict[str, Any]], name: str) -> dict[str, Any]:
@@ -87,7 +88,7 @@ def failed(p: dict[str, Any]) -> dict[str, Any]:
 
 
 def test_several_pipelines_are_planned_named_and_wired_per_pipeline() -> None:
-    decision = decide(observed(manifest(**FLEET_SPEC)), SETTINGS)
+    decision = decide(observed(FLEET.build()), SETTINGS)
     assert decision.status is not None and decision.status.plan is not None
     plan = decision.status.plan
     assert [len(p.stages) for p in plan.pipelines] == [2, 2] and plan.stages == []
@@ -167,7 +168,7 @@ def test_a_failed_stage_takes_out_its_pipeline_only() -> None:
     assert "pipeline 1 is recovering" in degraded.message
     # The successor rejoins from the live pipeline, not from a checkpoint.
     gone = without(pods, "j-p1-s0")
-    job = manifest(to_manifest(status), **FLEET_SPEC)
+    job = FLEET.status(to_manifest(status)).build()
     job["status"]["progress"] = {"step": 9, "lastCommittedStep": 5}
     successor = decide(observed(job, gone), SETTINGS)
     assert "create:j-p1-s0" in summary(successor)
@@ -176,7 +177,7 @@ def test_a_failed_stage_takes_out_its_pipeline_only() -> None:
     # Once it runs, the fleet is whole again.
     back = run_pods(successor)
     whole = decide(
-        observed(manifest(to_manifest(successor.status), **FLEET_SPEC), [*gone, *back]), SETTINGS
+        observed(FLEET.status(to_manifest(successor.status)).build(), [*gone, *back]), SETTINGS
     )
     assert whole.status is not None and whole.status.ready_pipelines == "2/2"
     assert condition(whole.status, "Degraded").status == "False"  # type: ignore[union-attr]
@@ -216,7 +217,7 @@ def test_a_pipeline_out_of_restarts_is_given_up_and_the_others_train_on() -> Non
     assert condition(status, "Degraded").status == "True"  # type: ignore[union-attr]
     # Later passes leave pipeline 1 alone and read nothing costly for it; they read what
     # the store tells the stages, and write it again only when it is not that.
-    job = manifest(to_manifest(status), **FLEET_SPEC)
+    job = FLEET.status(to_manifest(status)).build()
     alive = without(pods, "j-p1-s0", "j-p1-s1")
     assert needs(job, stage_pods(alive)) == Needs(progress=True, given_up=True)
     told = replace(observed(job, alive), told_given_up=(1,))
@@ -257,7 +258,7 @@ def test_pipeline_0_out_of_restarts_is_given_up_like_any_other_as_the_next_write
     ]
     # The job finishes when pipeline 1 does: by its pods, or by progress.json while they
     # still run (pipeline 1 finished with the job either way).
-    job = manifest(to_manifest(status), **FLEET_SPEC)
+    job = FLEET.status(to_manifest(status)).build()
     alive = without(pods, "j-p0-s0", "j-p0-s1")
     done = [p | {"status": {"phase": "Succeeded"}} for p in alive]
     for finished in (
@@ -281,9 +282,7 @@ def test_a_replacement_that_waits_for_a_gpu_says_which_pipeline() -> None:
 
 def test_periodic_sync_reaches_every_stage_of_every_pipeline() -> None:
     sync = {"mode": "periodic", "everySteps": 4}
-    decision = decide(
-        observed(manifest(pipeline={**FLEET_SPEC["pipeline"], "sync": sync})), SETTINGS
-    )
+    decision = decide(observed(FLEET.sync("periodic", every_steps=4).build()), SETTINGS)
     assert decision.status is not None and decision.status.plan is not None
     assert decision.status.phase != "Failed"
     configs = {
@@ -294,5 +293,5 @@ def test_periodic_sync_reaches_every_stage_of_every_pipeline() -> None:
         configs, sync
     )
     # Synchronous, the default, is left out of the documents.
-    synchronous = decide(observed(manifest(**FLEET_SPEC)), SETTINGS)
+    synchronous = decide(observed(FLEET.build()), SETTINGS)
     assert "sync" not in stage_document(synchronous, "j-p1-s0")["replicas"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 from relaytrain_operator.loop.decide import decide
-from relaytrain_testkit.decide_cases import SETTINGS, manifest, observed, pod, running_status
+from relaytrain_testkit.decide_cases import JOB, SETTINGS, observed, pod, running_status
 from relaytrain_testkit.decide_views import RUNNING, progress, summary
 
 pytestmark = pytest.mark.unit
@@ -14,7 +14,7 @@ pytestmark = pytest.mark.unit
 
 def test_progress_is_folded_into_status() -> None:
     decision = decide(
-        observed(manifest(running_status()), RUNNING, progress=progress(7, 5)), SETTINGS
+        observed(JOB.status(running_status()).build(), RUNNING, progress=progress(7, 5)), SETTINGS
     )
     assert decision.status is not None and decision.status.progress is not None
     assert (decision.status.progress.step, decision.status.progress.last_committed_step) == (7, 5)
@@ -23,7 +23,8 @@ def test_progress_is_folded_into_status() -> None:
 
 def test_completion_without_an_output_in_progress_uses_the_default_output() -> None:
     decision = decide(
-        observed(manifest(running_status()), [pod(0, "Succeeded"), pod(1, "Succeeded")]), SETTINGS
+        observed(JOB.status(running_status()).build(), [pod(0, "Succeeded"), pod(1, "Succeeded")]),
+        SETTINGS,
     )
     assert decision.status is not None and decision.status.output is not None
     assert decision.status.output.uri == "s3://ckpt/runs/ns/j/output/"

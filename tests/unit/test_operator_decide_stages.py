@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 from datetime import timedelta
-from typing import Any
 
 import pytest
 from relaytrain_operator.domain.recovery import INCARNATION_ANNOTATION, REPLACING
@@ -16,10 +15,10 @@ from relaytrain_operator.loop.actions import Create
 from relaytrain_operator.loop.decide import WAITING_ANNOTATION, decide
 from relaytrain_operator.spec import StageStatus
 from relaytrain_testkit.decide_cases import (
+    JOB,
     NOW,
     SETTINGS,
     events,
-    manifest,
     node,
     observed,
     pod,
@@ -40,12 +39,12 @@ pytestmark = pytest.mark.unit
 
 
 def test_a_job_image_and_no_credentials() -> None:
-    job = manifest(
-        running_status(stage(0, pod=None, node=None, phase=None, ready=None), stage(1)),
-        image="custom:2",
-        checkpoint={"uri": "/ckpt", "endpoint": None, "credentialsSecret": None},
+    job = (
+        JOB.status(running_status(stage(0, pod=None, node=None, phase=None, ready=None), stage(1)))
+        .image("custom:2")
+        .set("spec.checkpoint", {"uri": "/ckpt"})
+        .build()
     )
-    job["spec"]["checkpoint"] = {"uri": "/ckpt"}
     p = created(decide(observed(job, [pod(1)]), SETTINGS), "j-stage-0")
     container = p["spec"]["containers"][0]
     assert container["image"] == "custom:2"
@@ -55,18 +54,18 @@ def test_a_job_image_and_no_credentials() -> None:
 # --- replacements ---------------------------------------------------------------------
 
 
-def replacing_job(**spec: Any) -> dict[str, Any]:
-    """Stage 0 failed (counted: restarts 1, Replacing); its pod is gone."""
-    status = running_status(
+REPLACING_JOB = JOB.status(
+    running_status(
         stage(0, phase=REPLACING, restarts=1, ready=False, lastFailure="NodeLost"), stage(1)
     )
-    return manifest(status, **spec)
+)
+"""Stage 0 failed (counted: restarts 1, Replacing); its pod is gone."""
 
 
 def test_a_replacement_never_lands_on_a_node_the_node_selector_excludes() -> None:
     # Stage 0's pool (a100) is full: its node is gone and the other holds another job's pod.
     # The only free GPU big enough is an H100 in zone b; the job asks for zone a.
-    job = replacing_job(placement={"nodeSelector": {"zone": "a"}})
+    job = REPLACING_JOB.placement(node_selector={"zone": "a"}).build()
     nodes = [node("a100-1", "a100"), node("rtx-0", "rtx"), node("h100-0", "h100", zone="b")]
     held = [pod(1), pod(0, job="other", node_name="a100-1")]
     decision = decide(observed(job, [pod(1)], nodes=nodes, cluster_pods=held), SETTINGS)
@@ -91,7 +90,7 @@ def test_a_replacement_never_lands_on_a_node_the_node_selector_excludes() -> Non
     waiting = unbound(successor)
     later = decide(
         observed(
-            manifest(to_manifest(decision.status), placement={"nodeSelector": {"zone": "a"}}),
+            JOB.status(to_manifest(decision.status)).placement(node_selector={"zone": "a"}).build(),
             [waiting, pod(1)],
             nodes=nodes,
         ),
@@ -104,7 +103,7 @@ def test_a_replacement_never_lands_on_a_node_the_node_selector_excludes() -> Non
     bound["status"] = {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}
     after = decide(
         observed(
-            manifest(to_manifest(later.status), placement={"nodeSelector": {"zone": "a"}}),  # type: ignore[arg-type]
+            JOB.status(to_manifest(later.status)).placement(node_selector={"zone": "a"}).build(),  # type: ignore[arg-type]
             [bound, pod(1)],
             nodes=nodes,
         ),
@@ -114,7 +113,7 @@ def test_a_replacement_never_lands_on_a_node_the_node_selector_excludes() -> Non
 
 
 def test_a_replacement_moves_to_an_eligible_pool_whose_memory_fits() -> None:
-    job = replacing_job(placement={"nodeSelector": {"zone": "a"}})
+    job = REPLACING_JOB.placement(node_selector={"zone": "a"}).build()
     nodes = [
         node("a100-1", "a100"),
         node("rtx-0", "rtx"),
@@ -131,14 +130,14 @@ def test_a_replacement_moves_to_an_eligible_pool_whose_memory_fits() -> None:
 
 
 def test_a_replacement_stays_on_its_pool_when_it_has_room() -> None:
-    decision = decide(observed(replacing_job(), [pod(1)]), SETTINGS)
+    decision = decide(observed(REPLACING_JOB.build(), [pod(1)]), SETTINGS)
     successor = created(decision, "j-stage-0")
     assert successor["spec"]["nodeSelector"]["relaytrain.io/pool"] == "a100"
     assert successor["metadata"]["annotations"][INCARNATION_ANNOTATION] == "1"
 
 
 def test_a_replacement_records_the_newest_committed_step() -> None:
-    job = replacing_job()
+    job = REPLACING_JOB.build()
     job["status"]["progress"] = {"step": 12, "lastCommittedStep": 10}
     fresh = decide(observed(job, [pod(1)], progress=progress(14, 12)), SETTINGS)
     assert fresh.status is not None and fresh.status.stages[0].restored_from_step == 12
@@ -146,12 +145,12 @@ def test_a_replacement_records_the_newest_committed_step() -> None:
     stale = decide(observed(job, [pod(1)], progress=progress(14)), SETTINGS)
     assert stale.status is not None and stale.status.stages[0].restored_from_step == 10
     # No commit known at all: nothing to say.
-    nothing = decide(observed(replacing_job(), [pod(1)]), SETTINGS)
+    nothing = decide(observed(REPLACING_JOB.build(), [pod(1)]), SETTINGS)
     assert nothing.status is not None and nothing.status.stages[0].restored_from_step is None
 
 
 def test_the_backoff_delays_a_replacement_and_asks_to_be_woken() -> None:
-    job = replacing_job(failurePolicy={"backoffSeconds": 30})
+    job = REPLACING_JOB.failure_policy(backoff_seconds=30).build()
     job["status"]["stages"][0]["lastFailureTime"] = "2026-11-22T09:59:50Z"
     early = decide(observed(job, [pod(1)]), SETTINGS)
     assert not any(isinstance(a, Create) for a in early.actions)
@@ -160,7 +159,7 @@ def test_the_backoff_delays_a_replacement_and_asks_to_be_woken() -> None:
     assert "create:j-stage-0" in summary(due)
     # A failure counted in this very pass waits the whole back-off, from the time recorded.
     counted = decide(
-        observed(manifest(running_status(), failurePolicy={"backoffSeconds": 30}), [pod(1)]),
+        observed(JOB.status(running_status()).failure_policy(backoff_seconds=30).build(), [pod(1)]),
         SETTINGS,
     )
     assert counted.retry_after == 30.0 and not any(isinstance(a, Create) for a in counted.actions)
@@ -168,7 +167,7 @@ def test_the_backoff_delays_a_replacement_and_asks_to_be_woken() -> None:
     assert counted.status.stages[0].last_failure_time == "2026-11-22T10:00:00Z"
     later = decide(
         observed(
-            manifest(to_manifest(counted.status), failurePolicy={"backoffSeconds": 30}),
+            JOB.status(to_manifest(counted.status)).failure_policy(backoff_seconds=30).build(),
             [pod(1)],
             now=NOW + timedelta(seconds=30),
         ),
@@ -197,7 +196,7 @@ def test_two_replacements_do_not_take_one_free_gpu() -> None:
     )
     # One free A100 (40 GiB) and nothing else: both stages fit it, only one gets it.
     nodes = [node("a100-0", "a100")]
-    decision = decide(observed(manifest(status), [], nodes=nodes), SETTINGS)
+    decision = decide(observed(JOB.status(status).build(), [], nodes=nodes), SETTINGS)
     zero, one = created(decision, "j-stage-0"), created(decision, "j-stage-1")
     assert zero["spec"]["nodeSelector"]["relaytrain.io/pool"] == "a100"
     assert WAITING_ANNOTATION not in zero["metadata"]["annotations"]
@@ -211,14 +210,16 @@ def test_two_replacements_do_not_take_one_free_gpu() -> None:
 def test_a_failure_counted_before_a_crash_is_not_counted_again() -> None:
     # The count reached 1 and the operator died before deleting the failed pod.
     status = running_status(stage(0, phase=REPLACING, restarts=1, ready=False), stage(1))
-    decision = decide(observed(manifest(status), [pod(0, "Failed"), pod(1)]), SETTINGS)
+    decision = decide(observed(JOB.status(status).build(), [pod(0, "Failed"), pod(1)]), SETTINGS)
     assert summary(decision)[0] == "delete:j-stage-0" and events(decision) == []
     assert decision.restarts == 0
     assert decision.status is not None and decision.status.stages[0].restarts == 1
 
 
 def test_counting_is_patched_before_the_delete_and_events_follow_the_count() -> None:
-    decision = decide(observed(manifest(running_status()), [pod(0, "Failed"), pod(1)]), SETTINGS)
+    decision = decide(
+        observed(JOB.status(running_status()).build(), [pod(0, "Failed"), pod(1)]), SETTINGS
+    )
     assert decision.restarts == 1
     counted = patches(decision)[0]
     assert counted.stages[0].restarts == 1 and counted.stages[0].phase == REPLACING
@@ -233,13 +234,15 @@ def test_a_pod_of_a_lost_node_in_grace_is_kept() -> None:
         node("a100-0", "a100", ready=False, since="2026-11-22T09:59:50Z"),
         node("rtx-0", "rtx"),
     ]
-    decision = decide(observed(manifest(running_status()), RUNNING, nodes=nodes), SETTINGS)
+    decision = decide(
+        observed(JOB.status(running_status()).build(), RUNNING, nodes=nodes), SETTINGS
+    )
     assert summary(decision) == []
 
 
 def test_a_kept_pod_reports_its_node_phase_and_pool() -> None:
     moved = pod(1, pool="h100", node_name="h100-0")
-    decision = decide(observed(manifest(running_status()), [pod(0), moved]), SETTINGS)
+    decision = decide(observed(JOB.status(running_status()).build(), [pod(0), moved]), SETTINGS)
     assert decision.status is not None
     assert decision.status.stages[1] == StageStatus(
         index=1, pod="j-stage-1", node="h100-0", pool="h100", phase="Running", ready=True

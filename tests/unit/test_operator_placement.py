@@ -24,6 +24,7 @@ from relaytrain_operator.domain.placement import (
 )
 from relaytrain_operator.domain.planner import DEFAULT_CATALOG, PlanError, PoolError
 from relaytrain_operator.spec import PlacementSpec, parse_job
+from relaytrain_testkit.jobs import Job
 
 pytestmark = pytest.mark.unit
 
@@ -62,21 +63,14 @@ def placement(**fields: Any) -> PlacementSpec:
     return PlacementSpec.model_validate(fields)
 
 
-def job(**placement_fields: Any) -> Any:
-    return parse_job(
-        {
-            "apiVersion": "relaytrain.io/v1alpha1",
-            "kind": "FineTuneJob",
-            "metadata": {"name": "j", "namespace": "ns"},
-            "spec": {
-                "model": {"uri": "s3://models/m/"},
-                "dataset": {"uri": "s3://data/d.jsonl"},
-                "training": {"steps": 10},
-                "checkpoint": {"uri": "s3://ckpt/x"},
-                "placement": placement_fields,
-            },
-        }
-    )
+JOB = (
+    Job("j", "ns")
+    .model("s3://models/m/")
+    .dataset("s3://data/d.jsonl")
+    .training(steps=10)
+    .checkpoint("s3://ckpt/x")
+)
+"""The job placed: `j` in `ns`."""
 
 
 def gpu_pod(
@@ -193,7 +187,12 @@ def test_job_pools_apply_the_job_s_placement() -> None:
         node("b", "NVIDIA-H100-80GB-HBM3", pool="h100", labels={"zone": "b"}),
     ]
     own = gpu_pod("a", job_name="j")  # the job's own pod: its GPU is the job's to use
-    pools = job_pools(job(nodeSelector={"zone": "a"}), nodes, [own], default_link=(1000, 10))
+    pools = job_pools(
+        parse_job(JOB.placement(node_selector={"zone": "a"}).build()),
+        nodes,
+        [own],
+        default_link=(1000, 10),
+    )
     assert [(p.name, p.gpus) for p in pools] == [("a100", 1)]
 
 
@@ -233,8 +232,13 @@ def test_a_replacement_keeps_to_the_allowed_pools() -> None:
     ]
     held = [gpu_pod("a0")]
     need = {0: ("a100", 30 * GIB)}
-    assert place_replacements(job(), need, nodes, held)[0].pool == "l40s"
-    assert place_replacements(job(pools=["a100", "h100"]), need, nodes, held)[0].pool == "h100"
+    assert place_replacements(parse_job(JOB.build()), need, nodes, held)[0].pool == "l40s"
+    assert (
+        place_replacements(
+            parse_job(JOB.placement(pools=["a100", "h100"]).build()), need, nodes, held
+        )[0].pool
+        == "h100"
+    )
 
 
 def test_replacements_skip_excluded_pools_and_say_why_when_nothing_fits() -> None:
@@ -246,7 +250,10 @@ def test_replacements_skip_excluded_pools_and_say_why_when_nothing_fits() -> Non
     ]
     held = [gpu_pod("a0")]
     choices = place_replacements(
-        job(nodeSelector={"zone": "a"}), {0: ("a100", 30 * GIB)}, nodes, held
+        parse_job(JOB.placement(node_selector={"zone": "a"}).build()),
+        {0: ("a100", 30 * GIB)},
+        nodes,
+        held,
     )
     assert choices[0].pool == "a100" and not choices[0].free
     why = choices[0].why
@@ -256,13 +263,15 @@ def test_replacements_skip_excluded_pools_and_say_why_when_nothing_fits() -> Non
     assert "pool rtx: 24.0 GiB per GPU" in why
     assert "pool t4: not Ready or cordoned" in why
     # Without the nodeSelector the H100 takes it.
-    assert place_replacements(job(), {0: ("a100", 30 * GIB)}, nodes, held) == {
+    assert place_replacements(parse_job(JOB.build()), {0: ("a100", 30 * GIB)}, nodes, held) == {
         0: Choice("h100", True)
     }
 
 
 def test_no_gpu_nodes_at_all_is_said_plainly() -> None:
-    choices = place_replacements(job(), {0: ("a100", GIB)}, [{"metadata": {"name": "cpu"}}], [])
+    choices = place_replacements(
+        parse_job(JOB.build()), {0: ("a100", GIB)}, [{"metadata": {"name": "cpu"}}], []
+    )
     assert choices[0] == Choice("a100", False, "no eligible node has a free GPU with 1.0 GiB")
 
 
@@ -277,16 +286,26 @@ def test_file_pools_apply_the_job_s_placement_to_a_node_list() -> None:
             node("b", "NVIDIA-H100-80GB-HBM3", pool="h100", labels={"zone": "b"}, ready=None),
         ],
     }
-    pools = file_pools(job(nodeSelector={"zone": "a"}), nodes, default_link=(1000, 10))
+    pools = file_pools(
+        parse_job(JOB.placement(node_selector={"zone": "a"}).build()),
+        nodes,
+        default_link=(1000, 10),
+    )
     assert [p.name for p in pools] == ["a100"]
     assert [
         p.name
-        for p in file_pools(job(), {**nodes["items"][1], "kind": "Node"}, default_link=(1000, 10))
+        for p in file_pools(
+            parse_job(JOB.build()), {**nodes["items"][1], "kind": "Node"}, default_link=(1000, 10)
+        )
     ] == ["h100"]
     with pytest.raises(PlanError, match=r"No node in the file is eligible .*b: no label zone=c"):
-        file_pools(job(nodeSelector={"zone": "c"}), nodes["items"], default_link=(1000, 10))
+        file_pools(
+            parse_job(JOB.placement(node_selector={"zone": "c"}).build()),
+            nodes["items"],
+            default_link=(1000, 10),
+        )
     with pytest.raises(PoolError, match="nodes file must be"):
-        file_pools(job(), "nodes", default_link=(1000, 10))
+        file_pools(parse_job(JOB.build()), "nodes", default_link=(1000, 10))
 
 
 def test_file_pools_of_a_pools_file_apply_the_allowed_pools() -> None:
@@ -296,10 +315,12 @@ def test_file_pools_of_a_pools_file_apply_the_allowed_pools() -> None:
             {"name": "l4", "product": "NVIDIA-L4", "linkBandwidthMbps": 1000},
         ]
     }
-    assert [p.name for p in file_pools(job(pools=["NVIDIA-L4"]), doc)] == ["l4"]
-    assert len(file_pools(job(), doc)) == 2
+    assert [
+        p.name for p in file_pools(parse_job(JOB.placement(pools=["NVIDIA-L4"]).build()), doc)
+    ] == ["l4"]
+    assert len(file_pools(parse_job(JOB.build()), doc)) == 2
     with pytest.raises(PlanError, match=r"matches none of the pools: a100, l4"):
-        file_pools(job(pools=["h100"]), doc)
+        file_pools(parse_job(JOB.placement(pools=["h100"]).build()), doc)
 
 
 def test_relaytrain_plan_keeps_a_job_off_nodes_its_node_selector_excludes(
@@ -318,10 +339,8 @@ def test_relaytrain_plan_keeps_a_job_off_nodes_its_node_selector_excludes(
         item["metadata"]["labels"]["site"] = "b" if "h100" in item["metadata"]["name"] else "a"
     (tmp_path / "nodes.yaml").write_text(yaml.safe_dump(fleet))
     (tmp_path / "config.json").write_text(json.dumps(SMOLLM2_135M_CONFIG))
-    manifest = yaml.safe_load((root / "examples" / "finetunejob-lora.yaml").read_text())
-    manifest["spec"]["placement"] = {"nodeSelector": {"site": "a"}}
-    (tmp_path / "job.yaml").write_text(yaml.safe_dump(manifest))
-    argv = ["plan", str(tmp_path / "job.yaml"), "--nodes", str(tmp_path / "nodes.yaml")]
+    job = Job.example("finetunejob-lora").placement(node_selector={"site": "a"})
+    argv = ["plan", str(job.write(tmp_path / "job.yaml")), "--nodes", str(tmp_path / "nodes.yaml")]
     rc = cli.main([*argv, "--model-config", str(tmp_path / "config.json"), "--json"])
     assert rc == 0
     pools = {s["pool"] for s in json.loads(capsys.readouterr().out)["stages"]}

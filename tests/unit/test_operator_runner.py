@@ -26,13 +26,14 @@ from relaytrain_operator.loop.apply import ClusterApi
 from relaytrain_operator.loop.decide import Decision, Needs, Observed, Settings
 from relaytrain_operator.loop.options import OperatorOptions
 from relaytrain_operator.loop.runner import Runner, _first
-from relaytrain_testkit.decide_cases import NODES, manifest, pod, running_status
+from relaytrain_testkit.decide_cases import JOB, NODES, pod, running_status
 from relaytrain_testkit.harness.waiting import wait_for_async as until
+from relaytrain_testkit.jobs import Job
 
 pytestmark = pytest.mark.unit
 
 JsonDict = dict[str, Any]
-JOB = manifest(running_status())  # namespace "ns", name "j", generation 4; two stages
+RUNNING_JOB = JOB.status(running_status())  # namespace "ns", name "j", generation 4; two stages
 PODS = {("ns", "j"): [pod(0), pod(1)]}  # both stages indexed: no pod listing is needed
 NODES_INDEX = {n["metadata"]["name"]: [n] for n in NODES}
 
@@ -65,13 +66,13 @@ class Loop:
         self,
         monkeypatch: pytest.MonkeyPatch,
         *,
-        job: JsonDict | None = JOB,
+        job: Job | None = RUNNING_JOB,
         decisions: list[Decision] | None = None,
         resync_seconds: float = 30.0,
         fail: str | None = None,
         gate: threading.Event | None = None,
     ) -> None:
-        self.job = job
+        self.job = job.build() if job is not None else None
         self.decisions = list(decisions or [])
         self.fail = fail
         self.gate = gate
@@ -135,14 +136,14 @@ def test_a_pass_observes_the_job_it_read_and_applies_what_was_decided(
     decision = asyncio.run(loop.runner.reconcile("ns", "j", NODES_INDEX, PODS))
     assert decision.actions == (event,) and decision.retry_after == 5.0
     ((job, pods, nodes, wanted),) = loop.observed
-    assert job == JOB
+    assert job == RUNNING_JOB.build()
     assert {k: p["metadata"]["name"] for k, p in pods.items()} == {
         (0, 0): "j-stage-0",
         (0, 1): "j-stage-1",
     }
     assert nodes == {"a100-0", "rtx-0"}  # the nodes of the job's pods, not every node
     assert not wanted.pods and not wanted.room  # every stage is indexed
-    assert loop.applied == [(JOB, (event,))]
+    assert loop.applied == [(RUNNING_JOB.build(), (event,))]
 
 
 def test_the_loop_runs_when_rung_and_stops_when_told(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
-from typing import Any
 
 import pytest
 from relaytrain_contract import Progress as Record
@@ -22,6 +21,7 @@ from relaytrain_operator.domain.status import (
     with_verdict,
 )
 from relaytrain_operator.spec import FineTuneJobStatus, StageStatus, parse_job
+from relaytrain_testkit.jobs import Job
 
 pytestmark = pytest.mark.unit
 
@@ -119,25 +119,18 @@ def test_changes_is_empty_when_nothing_changed_and_removes_dropped_fields() -> N
     assert changes({**old, "kopf": {}}, old) == {}
 
 
-def progress_job() -> Any:
-    """100 steps of 2 x 5 rows of 100 tokens: 1,000 tokens per full step."""
-    return parse_job(
-        {
-            "apiVersion": "relaytrain.io/v1alpha1",
-            "kind": "FineTuneJob",
-            "metadata": {"name": "j", "namespace": "n"},
-            "spec": {
-                "model": {"uri": "s3://models/m/"},
-                "dataset": {"uri": "s3://data/d.jsonl", "sequenceLength": 100},
-                "training": {"steps": 100, "microBatchSize": 2, "microBatches": 5},
-                "checkpoint": {"uri": "s3://ckpt/x"},
-            },
-        }
-    )
+PROGRESS_JOB = (
+    Job("j", "n")
+    .model("s3://models/m/")
+    .dataset("s3://data/d.jsonl", sequence_length=100)
+    .training(steps=100, micro_batch_size=2, micro_batches=5)
+    .checkpoint("s3://ckpt/x")
+)
+"""100 steps of 2 x 5 rows of 100 tokens: 1,000 tokens per full step."""
 
 
 def test_progress_record_becomes_status_progress_with_an_eta() -> None:
-    job = progress_job()
+    job = parse_job(PROGRESS_JOB.build())
     record = {
         "step": 40,
         "totalSteps": 100,
@@ -169,7 +162,7 @@ def test_progress_record_becomes_status_progress_with_an_eta() -> None:
 
 
 def test_eta_follows_the_reported_step_time_when_there_is_one() -> None:
-    job = progress_job()
+    job = parse_job(PROGRESS_JOB.build())
     record = {
         "step": 40,
         "totalSteps": 100,
@@ -201,7 +194,7 @@ def test_completion_time_is_set_once() -> None:
 def test_what_the_data_loader_kept_is_reported_in_status() -> None:
     """examples, examplesTruncated and examplesDropped travel from progress.json to
     status.progress (declared in the CRD), and are left out while the workers have not said."""
-    job = progress_job()
+    job = parse_job(PROGRESS_JOB.build())
     record = {"step": 3, "totalSteps": 100, "tokensPerSecond": 1.0, "done": False}
     assert not {"examples", "examplesTruncated", "examplesDropped"} & set(
         fold(Record.from_json(record), job, T0).status

@@ -9,13 +9,14 @@ from pathlib import Path
 import pytest
 import yaml
 from relaytrain_operator import cli
+from relaytrain_testkit.jobs import Job
 
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
-LORA_JOB = ROOT / "examples" / "finetunejob-lora.yaml"
 MIXED_NODES = ROOT / "examples" / "nodes-mixed.yaml"
 HACK_POOLS = ROOT / "hack" / "pools.yaml"
+LORA = Job.example("finetunejob-lora")
 
 LLAMA3_8B = {
     "model_type": "llama",
@@ -40,17 +41,9 @@ def model_config(tmp_path: Path) -> Path:
     return path
 
 
-def job(tmp_path: Path, **spec_changes: object) -> Path:
-    """The LoRA example with spec sections replaced."""
-    manifest = yaml.safe_load(LORA_JOB.read_text())
-    manifest["spec"].update(spec_changes)
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(manifest))
-    return path
-
-
 def test_table_names_every_stage_and_the_bottleneck(tmp_path, model_config, capsys):
-    manifest = job(tmp_path, dataset={"uri": "s3://data/x.jsonl", "sequenceLength": 2048})
+    dataset = {"uri": "s3://data/x.jsonl", "sequenceLength": 2048}  # the whole section
+    manifest = LORA.set("spec.dataset", dataset).write(tmp_path / "job.yaml")
     rc = relaytrain(
         "plan", str(manifest), "--nodes", str(HACK_POOLS), "--model-config", str(model_config)
     )
@@ -69,7 +62,7 @@ def test_table_names_every_stage_and_the_bottleneck(tmp_path, model_config, caps
 def test_json_is_the_plan_for_scripts(tmp_path, model_config, capsys):
     rc = relaytrain(
         "plan",
-        str(job(tmp_path)),
+        str(LORA.write(tmp_path / "job.yaml")),
         "--nodes",
         str(MIXED_NODES),
         "--model-config",
@@ -92,12 +85,8 @@ def test_json_is_the_plan_for_scripts(tmp_path, model_config, capsys):
 
 
 def test_fixed_stage_count_and_allowed_pools_come_from_the_job(tmp_path, model_config, capsys):
-    manifest = job(
-        tmp_path,
-        pipeline={"stages": 3},
-        placement={"pools": ["rtx4090", "NVIDIA-L40S"]},
-        method={"type": "qlora"},
-    )
+    job = LORA.pipeline(stages=3).placement(pools=["rtx4090", "NVIDIA-L40S"]).method("qlora")
+    manifest = job.write(tmp_path / "job.yaml")
     rc = relaytrain(
         "plan",
         str(manifest),
@@ -130,7 +119,7 @@ def test_catalog_file_adds_a_gpu(tmp_path, model_config, capsys):
     (tmp_path / "nodes.yaml").write_text(yaml.safe_dump(nodes))
     args = [
         "plan",
-        str(job(tmp_path, method={"type": "qlora"})),
+        str(LORA.method("qlora").write(tmp_path / "job.yaml")),
         "--nodes",
         str(tmp_path / "nodes.yaml"),
         "--model-config",
@@ -159,7 +148,7 @@ def test_a_job_that_does_not_fit_exits_1_and_says_why(tmp_path, model_config, ca
         "pools": [{"name": "t4", "product": "Tesla-T4", "nodes": 1, "linkBandwidthMbps": 1000}]
     }
     (tmp_path / "nodes.yaml").write_text(yaml.safe_dump(nodes))
-    manifest = job(tmp_path, model={"uri": "s3://models/llama/", "dtype": "float16"})
+    manifest = LORA.model("s3://models/llama/", dtype="float16").write(tmp_path / "job.yaml")
     rc = relaytrain(
         "plan",
         str(manifest),
@@ -178,7 +167,7 @@ def test_model_config_is_read_from_a_local_model_uri(tmp_path, capsys):
     model_dir = tmp_path / "model"
     model_dir.mkdir()
     (model_dir / "config.json").write_text(json.dumps(LLAMA3_8B))
-    manifest = job(tmp_path, model={"uri": str(model_dir)})
+    manifest = LORA.model(str(model_dir)).write(tmp_path / "job.yaml")
     args = ["--nodes", str(MIXED_NODES), "--json", "--replicas", "1"]
     assert relaytrain("plan", str(manifest), *args) == 0
     assert json.loads(capsys.readouterr().out)["stages"][-1]["layerEnd"] == 32
@@ -215,12 +204,11 @@ def test_model_config_is_read_from_a_local_model_uri(tmp_path, capsys):
     ],
 )
 def test_bad_input_exits_2_naming_the_problem(tmp_path, model_config, change, message, capsys):
-    spec = {"training": change["job_training"]} if "job_training" in change else {}
-    if "job_method" in change:
-        spec["method"] = change["job_method"]
-    if "job_model" in change:
-        spec["model"] = change["job_model"]
-    manifest = job(tmp_path, **spec)
+    job = LORA
+    for key in ("job_training", "job_method", "job_model"):
+        if key in change:  # the whole section replaced
+            job = job.set(f"spec.{key.removeprefix('job_')}", change[key])
+    manifest = job.write(tmp_path / "job.yaml")
     nodes = str(HACK_POOLS)
     if "nodes" in change:
         nodes = str(tmp_path / change["nodes"])
@@ -271,7 +259,7 @@ def test_kubeconfig_reads_live_nodes_and_leaves_out_gpus_pods_hold(
     monkeypatch.setattr(client, "CoreV1Api", FakeCore)
     rc = relaytrain(
         "plan",
-        str(job(tmp_path)),
+        str(LORA.write(tmp_path / "job.yaml")),
         "--kubeconfig",
         str(tmp_path / "kc.yaml"),
         "--model-config",

@@ -173,11 +173,11 @@ def test_an_moe_config_without_its_experts_names_the_key() -> None:
 def test_the_operator_refuses_an_unsupported_type_before_any_pod() -> None:
     from relaytrain_operator.loop.actions import Create
     from relaytrain_operator.loop.decide import ModelConfig, decide
-    from relaytrain_testkit.decide_cases import SETTINGS, events, manifest, observed
+    from relaytrain_testkit.decide_cases import JOB, SETTINGS, events, observed
     from relaytrain_testkit.shapes import SMOLLM2_135M_CONFIG
 
     model = ModelConfig({**SMOLLM2_135M_CONFIG, "model_type": "phimoe"})
-    decision = decide(observed(manifest(), model=model), SETTINGS)
+    decision = decide(observed(JOB.build(), model=model), SETTINGS)
     assert not [a for a in decision.actions if isinstance(a, Create)]
     (event,) = events(decision)
     listed = ", ".join(SUPPORTED_MODEL_TYPES)
@@ -374,14 +374,13 @@ def test_relaytrain_plan_refuses_experts_on_a_dense_model(tmp_path: Any, capsys:
     import json
     from pathlib import Path
 
-    import yaml
     from relaytrain_operator import cli
+    from relaytrain_testkit.jobs import Job
 
     root = Path(__file__).resolve().parents[2]
-    manifest = yaml.safe_load((root / "examples" / "finetunejob-lora.yaml").read_text())
-    manifest["spec"]["method"] = {"type": "lora", "targetModules": ["q_proj", "experts.down_proj"]}
-    job, config = tmp_path / "job.yaml", tmp_path / "config.json"
-    job.write_text(yaml.safe_dump(manifest))
+    experts = ["q_proj", "experts.down_proj"]
+    lora = Job.example("finetunejob-lora").method("lora", target_modules=experts)
+    job, config = lora.write(tmp_path / "job.yaml"), tmp_path / "config.json"
     config.write_text(json.dumps({"model_type": "llama", **CONFIGS["llama"][1]}))
     nodes = root / "examples" / "nodes-mixed.yaml"
     rc = cli.main(["plan", str(job), "--nodes", str(nodes), "--model-config", str(config)])

@@ -35,12 +35,14 @@ from relaytrain_operator.domain.planner.fleet_candidates import pipe_of_plan
 from relaytrain_operator.domain.planner.problem import build_problem
 from relaytrain_operator.domain.planner.shares import pipeline_seconds, slowest_seconds, split_fast
 from relaytrain_operator.domain.planner.sync import Gradients, sync_seconds, top_two
+from relaytrain_testkit.jobs import Job
 
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
 HACK_POOLS = ROOT / "hack" / "pools.yaml"
-LORA_JOB = ROOT / "examples" / "finetunejob-lora.yaml"
+LAB = Job.example("finetunejob-lora").training(micro_batches=64)
+"""The LoRA example with 64 micro-batches a step: room for many pipelines."""
 LLAMA_CONFIG = ROOT / "operator" / "relaytrain_operator" / "known_models" / "llama-3.1-8b.json"
 
 
@@ -313,11 +315,7 @@ def test_too_many_replicas_say_how_many_fit():
 
 @pytest.fixture
 def lab_job(tmp_path: Path) -> Path:
-    manifest = yaml.safe_load(LORA_JOB.read_text())
-    manifest["spec"]["training"]["microBatches"] = 64
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(manifest))
-    return path
+    return LAB.write(tmp_path / "job.yaml")
 
 
 def plan_args(job: Path, *extra: str) -> list[str]:
@@ -386,9 +384,7 @@ def test_without_replicas_the_plan_is_the_single_pipeline_the_operator_deploys(l
 
 
 def test_the_jobs_replicas_are_the_default_and_the_flag_overrides_them(lab_job, capsys):
-    manifest = yaml.safe_load(lab_job.read_text())
-    manifest["spec"].setdefault("pipeline", {})["replicas"] = "auto"
-    lab_job.write_text(yaml.safe_dump(manifest))
+    LAB.pipeline(replicas="auto").write(lab_job)
     args = ["plan", str(lab_job), "--nodes", str(HACK_POOLS), "--model-config", str(LLAMA_CONFIG)]
     assert relaytrain(*args, "--json") == 0
     default = json.loads(capsys.readouterr().out)
@@ -397,8 +393,7 @@ def test_the_jobs_replicas_are_the_default_and_the_flag_overrides_them(lab_job, 
     assert default["pipelineCount"] >= 2
     assert relaytrain(*args, "--json", "--replicas", "1") == 0
     assert "pipelines" not in json.loads(capsys.readouterr().out)
-    manifest["spec"]["pipeline"]["replicas"] = 2
-    lab_job.write_text(yaml.safe_dump(manifest))
+    LAB.pipeline(replicas=2).write(lab_job)
     assert relaytrain(*args, "--json") == 0
     assert json.loads(capsys.readouterr().out)["pipelineCount"] == 2
 

@@ -22,13 +22,13 @@ from relaytrain_operator import cli
 from relaytrain_operator.domain.planner import DEFAULT_CATALOG, ModelShape, TrainingShape
 from relaytrain_operator.domain.planner.cost import CostSettings, pool_cost
 from relaytrain_operator.domain.planner.pools import pools_from_nodes
+from relaytrain_testkit.jobs import Job
 
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "tests" / "data" / "planner"
 NODES = ROOT / "examples" / "nodes-mixed.yaml"
-LORA_JOB = ROOT / "examples" / "finetunejob-lora.yaml"
 
 _COMMON: dict[str, Any] = {
     "vocab_size": 96,
@@ -140,35 +140,32 @@ def test_expert_lora_parameters_are_what_peft_adds(model_type: str) -> None:
     assert added == shape.num_layers * lora_params_per_layer(shape, training)
 
 
-def _plan_json(tmp_path: Path, config: Path, capsys: Any, **spec: Any) -> dict[str, Any]:
-    manifest = yaml.safe_load(LORA_JOB.read_text())
-    for section, values in spec.items():
-        manifest["spec"].setdefault(section, {}).update(values)
-    job = tmp_path / "job.yaml"
-    job.write_text(yaml.safe_dump(manifest))
+def _plan_json(tmp_path: Path, config: Path, capsys: Any, job: Job) -> dict[str, Any]:
+    path = job.write(tmp_path / "job.yaml")
     rc = cli.main(
-        ["plan", str(job), "--nodes", str(NODES), "--model-config", str(config), "--json",
+        ["plan", str(path), "--nodes", str(NODES), "--model-config", str(config), "--json",
          "--replicas", "1"]
     )  # fmt: skip
     out = capsys.readouterr()
     assert rc == 0, out.err
-    return {**json.loads(out.out), "manifest": manifest}
+    return {**json.loads(out.out), "manifest": job.build()}
 
 
+LORA = Job.example("finetunejob-lora")
 CASES = {
     # Mixtral-8x7B: 46.7e9 parameters, every expert held by the stage that holds its layer.
-    "mixtral-8x7b": {
-        "method": {"type": "lora", "targetModules": ["q_proj", "v_proj", "experts.down_proj"]},
-        "dataset": {"sequenceLength": 2048},
-        "pipeline": {"stages": 4},
-    },
+    "mixtral-8x7b": (
+        LORA.method("lora", target_modules=["q_proj", "v_proj", "experts.down_proj"])
+        .dataset(sequence_length=2048)
+        .pipeline(stages=4)
+    ),
     # Gemma-2-27B: tied 256k vocabulary, so the last stage holds a copy of the embedding.
-    "gemma-2-27b": {
-        "method": {"type": "lora"},
-        "dataset": {"sequenceLength": 1024},
-        "pipeline": {"stages": 3},
-        "training": {"microBatchSize": 1},
-    },
+    "gemma-2-27b": (
+        LORA.method("lora")
+        .dataset(sequence_length=1024)
+        .pipeline(stages=3)
+        .training(micro_batch_size=1)
+    ),
 }
 
 
@@ -182,9 +179,9 @@ def test_plan_stage_memory_matches_a_meta_build_of_each_slice(
 
     path = DATA / f"{name}.json"
     config = json.loads(path.read_text())
-    result = _plan_json(tmp_path, path, capsys, **CASES[name])
+    result = _plan_json(tmp_path, path, capsys, CASES[name])
     stages = result["stages"]
-    assert len(stages) == CASES[name]["pipeline"]["stages"]
+    assert len(stages) == result["manifest"]["spec"]["pipeline"]["stages"]
     # The breakdown the test compares is the one the command printed.
     shape = ModelShape.from_hf_config(config)
     training = training_shape(parse_job(result["manifest"], default_checkpoint_uri="checkpoints"))

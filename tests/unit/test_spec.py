@@ -15,7 +15,7 @@ from relaytrain_operator.spec import (
     parse_job,
     status_patch,
 )
-from relaytrain_testkit.spec_cases import base_manifest
+from relaytrain_testkit.jobs import Job
 
 pytestmark = pytest.mark.unit
 
@@ -24,7 +24,7 @@ EXAMPLES = sorted((REPO / "examples").glob("finetunejob-*.yaml"))
 
 
 def test_defaults_match_the_design() -> None:
-    spec = parse_job(base_manifest()).spec
+    spec = parse_job(Job().build()).spec
     assert spec.model.dtype == "bfloat16"
     assert spec.method.type == "lora" and spec.method.rank == 8 and spec.method.alpha == 16
     assert spec.method.target_modules == ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -52,26 +52,25 @@ def test_every_example_parses() -> None:
 def test_object_from_the_api_server_parses() -> None:
     # What kopf hands the operator: defaults filled in (JSON ints where floats are meant),
     # server metadata, and a status the operator wrote.
-    manifest = base_manifest()
-    manifest["metadata"].update(
-        uid="b3594e34",
-        generation=3,
-        namespace="team-a",
-        resourceVersion="42",
-        managedFields=[{"manager": "kubectl"}],
-        creationTimestamp="2026-11-22T05:00:00Z",
+    manifest = (
+        Job("job", "team-a")
+        .uid("b3594e34")
+        .generation(3)
+        .set("metadata.resourceVersion", "42")
+        .set("metadata.managedFields", [{"manager": "kubectl"}])
+        .set("metadata.creationTimestamp", "2026-11-22T05:00:00Z")
+        .method("lora", dropout=0)
+        .training(max_grad_norm=1, learning_rate=1)
+        .status({"phase": "Running", "whatever": "the operator wrote"})
     )
-    manifest["spec"]["method"] = {"dropout": 0, "type": "lora"}
-    manifest["spec"]["training"].update(maxGradNorm=1, learningRate=1)
-    manifest["status"] = {"phase": "Running", "whatever": "the operator wrote"}
-    job = parse_job(manifest)
+    job = parse_job(manifest.build())
     assert job.metadata.uid == "b3594e34" and job.metadata.generation == 3
     assert job.metadata.namespace == "team-a"
     assert job.spec.method.dropout == 0.0 and job.spec.training.learning_rate == 1.0
 
 
 def test_namespace_defaults_for_local_manifests() -> None:
-    assert parse_job(base_manifest()).metadata.namespace == "default"
+    assert parse_job(Job().build()).metadata.namespace == "default"
 
 
 def test_python_names_and_manifest_names_round_trip() -> None:
@@ -83,13 +82,12 @@ def test_python_names_and_manifest_names_round_trip() -> None:
 
 
 def test_default_checkpoint_fills_only_a_missing_checkpoint() -> None:
-    manifest = base_manifest()
-    del manifest["spec"]["checkpoint"]
+    manifest = Job().unset("spec.checkpoint").build()
     with pytest.raises(SpecError, match=r"spec\.checkpoint"):
         parse_job(manifest)
     job = parse_job(manifest, default_checkpoint_uri="/tmp/relaytrain-ckpt")
     assert job.spec.checkpoint.uri == "/tmp/relaytrain-ckpt"
-    given = parse_job(base_manifest(), default_checkpoint_uri="/tmp/other")
+    given = parse_job(Job().build(), default_checkpoint_uri="/tmp/other")
     assert given.spec.checkpoint.uri == "s3://relaytrain/checkpoints"
 
 
@@ -100,41 +98,31 @@ def test_local_paths_and_hf_ids_are_accepted_uris() -> None:
         "file:///data/smol",
         "hf://HuggingFaceTB/SmolLM2-135M",
     ):
-        manifest = base_manifest()
-        manifest["spec"]["model"]["uri"] = uri
-        assert parse_job(manifest).spec.model.uri == uri
+        assert parse_job(Job().model(uri).build()).spec.model.uri == uri
 
 
 def test_epochs_instead_of_steps() -> None:
-    manifest = base_manifest()
-    manifest["spec"]["training"] = {"epochs": 3, "warmupSteps": 10}
+    manifest = Job().set("spec.training", {"epochs": 3, "warmupSteps": 10}).build()
     training = parse_job(manifest).spec.training
     assert training.epochs == 3 and training.steps is None
 
 
 def test_stages_take_a_number() -> None:
-    manifest = base_manifest()
-    manifest["spec"]["pipeline"] = {"stages": 3}
-    assert parse_job(manifest).spec.pipeline.stages == 3
+    assert parse_job(Job().pipeline(stages=3).build()).spec.pipeline.stages == 3
 
 
 @pytest.mark.parametrize("replicas", [1, 2, 8, "auto"])
 def test_replicas_take_a_number_up_to_the_micro_batches_or_auto(replicas: int | str) -> None:
-    manifest = base_manifest()
-    manifest["spec"]["pipeline"] = {"replicas": replicas}  # 8 micro-batches by default
+    manifest = Job().pipeline(replicas=replicas).build()  # 8 micro-batches by default
     assert parse_job(manifest).spec.pipeline.replicas == replicas
 
 
 def test_replicas_errors_say_what_is_valid() -> None:
-    manifest = base_manifest()
-    manifest["spec"]["pipeline"] = {"replicas": True}
     with pytest.raises(SpecError, match=r'spec.pipeline.replicas: must be "auto" or an integer '
                        r"from 1 to 64, got True"):  # fmt: skip
-        parse_job(manifest)
-    manifest["spec"]["pipeline"] = {"replicas": 3}
-    manifest["spec"]["training"]["microBatches"] = 2
+        parse_job(Job().pipeline(replicas=True).build())
     with pytest.raises(SpecError) as info:
-        parse_job(manifest)
+        parse_job(Job().pipeline(replicas=3).training(micro_batches=2).build())
     assert info.value.paths == ["spec.pipeline.replicas"]
     assert "must not exceed training.microBatches (2)" in str(info.value)
 

@@ -17,22 +17,20 @@ from relaytrain_operator.domain.stage_config import (
     pod_endpoints,
 )
 from relaytrain_operator.spec import parse_job
-from relaytrain_testkit.spec_cases import base_manifest
+from relaytrain_testkit.jobs import Job
 
 pytestmark = pytest.mark.unit
 
 RANGES = [(0, 10), (10, 20), (20, 30)]
 
 
-def job(**spec_updates: object):  # type: ignore[no-untyped-def]
-    manifest = base_manifest("smollm-lora")
-    manifest["metadata"].update(namespace="team-a", uid="u-1")
-    manifest["spec"].update(spec_updates)
-    return parse_job(manifest)
+JOB = Job("smollm-lora", "team-a").uid("u-1")
 
 
 def test_pods_chain_through_stable_dns_names() -> None:
-    docs = build_stage_configs(job(), RANGES, pod_endpoints("smollm-lora", "team-a", 3))
+    docs = build_stage_configs(
+        parse_job(JOB.build()), RANGES, pod_endpoints("smollm-lora", "team-a", 3)
+    )
     assert [d["links"]["listen"] for d in docs] == [None, "0.0.0.0:29500", "0.0.0.0:29500"]
     assert [d["links"]["next"] for d in docs] == [
         "smollm-lora-stage-1.smollm-lora.team-a.svc:29500",
@@ -48,7 +46,9 @@ def test_pods_chain_through_stable_dns_names() -> None:
 
 
 def test_each_stage_knows_its_link_identity_and_its_neighbours() -> None:
-    docs = build_stage_configs(job(), RANGES, pod_endpoints("smollm-lora", "team-a", 3))
+    docs = build_stage_configs(
+        parse_job(JOB.build()), RANGES, pod_endpoints("smollm-lora", "team-a", 3)
+    )
     ids = [f"relaytrain://team-a/smollm-lora/p0/s{k}" for k in range(3)]
     assert [d["links"]["identity"] for d in docs] == ids
     assert [d["links"]["prevIdentity"] for d in docs] == [None, ids[0], ids[1]]
@@ -56,7 +56,9 @@ def test_each_stage_knows_its_link_identity_and_its_neighbours() -> None:
 
 
 def test_stage_numbers_and_layers_follow_the_plan() -> None:
-    docs = build_stage_configs(job(), RANGES, pod_endpoints("smollm-lora", "team-a", 3))
+    docs = build_stage_configs(
+        parse_job(JOB.build()), RANGES, pod_endpoints("smollm-lora", "team-a", 3)
+    )
     assert [d["stage"] for d in docs] == [
         {"index": k, "count": 3, "layerStart": s, "layerEnd": e} for k, (s, e) in enumerate(RANGES)
     ]
@@ -65,7 +67,7 @@ def test_stage_numbers_and_layers_follow_the_plan() -> None:
 
 def test_spec_reaches_the_worker_in_contract_names() -> None:
     docs = build_stage_configs(
-        job(method={"type": "qlora", "rank": 4}, pipeline={"compression": "int4"}),
+        parse_job(JOB.method("qlora", rank=4).pipeline(compression="int4").build()),
         [*RANGES[:1], (10, 30)],
         local_endpoints(2, 29500, 9400),
     )
@@ -81,20 +83,25 @@ def test_spec_reaches_the_worker_in_contract_names() -> None:
 
 
 def test_local_processes_get_distinct_ports() -> None:
-    docs = build_stage_configs(job(), RANGES, local_endpoints(3, 31000, 9500))
+    docs = build_stage_configs(parse_job(JOB.build()), RANGES, local_endpoints(3, 31000, 9500))
     assert [d["links"]["listen"] for d in docs] == [None, "127.0.0.1:31001", "127.0.0.1:31002"]
     assert [d["links"]["next"] for d in docs] == ["127.0.0.1:31001", "127.0.0.1:31002", None]
     assert [d["observability"]["port"] for d in docs] == [9500, 9501, 9502]
 
 
 def test_output_defaults_under_the_checkpoint_store() -> None:
-    assert output_uri(job()) == "s3://relaytrain/checkpoints/team-a/smollm-lora/output/"
-    explicit = job(output={"uri": "s3://adapters/smol/"})
+    assert (
+        output_uri(parse_job(JOB.build()))
+        == "s3://relaytrain/checkpoints/team-a/smollm-lora/output/"
+    )
+    explicit = parse_job(JOB.output("s3://adapters/smol/").build())
     assert output_uri(explicit) == "s3://adapters/smol/"
 
 
 def test_documents_are_independent() -> None:
-    docs = build_stage_configs(job(), RANGES, pod_endpoints("smollm-lora", "team-a", 3))
+    docs = build_stage_configs(
+        parse_job(JOB.build()), RANGES, pod_endpoints("smollm-lora", "team-a", 3)
+    )
     docs[0]["method"]["targetModules"].append("gate_proj")
     assert docs[1]["method"]["targetModules"] == ["q_proj", "k_proj", "v_proj", "o_proj"]
 
@@ -133,21 +140,27 @@ def test_plan_shapes_accepted() -> None:
 )
 def test_broken_plans_are_refused(ranges: list[tuple[int, int]], message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        build_stage_configs(job(), ranges, pod_endpoints("smollm-lora", "team-a", len(ranges)))
+        build_stage_configs(
+            parse_job(JOB.build()), ranges, pod_endpoints("smollm-lora", "team-a", len(ranges))
+        )
 
 
 def test_stage_count_must_match_spec_and_endpoints() -> None:
     with pytest.raises(ValueError, match=r"pipeline\.stages is 2"):
         build_stage_configs(
-            job(pipeline={"stages": 2}), RANGES, pod_endpoints("smollm-lora", "team-a", 3)
+            parse_job(JOB.pipeline(stages=2).build()),
+            RANGES,
+            pod_endpoints("smollm-lora", "team-a", 3),
         )
     with pytest.raises(ValueError, match="2 endpoints for 3 stages"):
-        build_stage_configs(job(), RANGES, pod_endpoints("smollm-lora", "team-a", 2))
+        build_stage_configs(
+            parse_job(JOB.build()), RANGES, pod_endpoints("smollm-lora", "team-a", 2)
+        )
 
 
 def test_a_credential_secret_is_named_by_its_environment_variables() -> None:
     docs = build_stage_configs(
-        job(checkpoint={"uri": "s3://ckpt/x", "credentialsSecret": {"name": "s3"}}),
+        parse_job(JOB.checkpoint("s3://ckpt/x").credentials("s3").build()),
         RANGES,
         pod_endpoints("smollm-lora", "team-a", 3),
     )

@@ -16,11 +16,11 @@ from minio.credentials.providers import IamAwsProvider
 from relaytrain_contract import CheckpointSpec, S3Credentials, aws_credentials, s3_endpoint
 from relaytrain_operator.cli import local_run
 from relaytrain_operator.loop.observe import Observer
-from relaytrain_operator.spec import FineTuneJob, parse_job
+from relaytrain_operator.spec import parse_job
 from relaytrain_operator.store import objectstore
 from relaytrain_operator.store.objectstore import StoreAccess
+from relaytrain_testkit.jobs import Job
 from relaytrain_testkit.shapes import SMOLLM2_135M_CONFIG
-from relaytrain_testkit.spec_cases import base_manifest
 from relaytrain_worker.state.store import job_credentials
 
 pytestmark = pytest.mark.unit
@@ -102,10 +102,8 @@ def s3_reads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Minio, str, str]]:
     return reads
 
 
-def _aws_job(**checkpoint: Any) -> FineTuneJob:
-    manifest = base_manifest("aws-job")  # s3:// URIs, no endpoint: AWS S3; no Secret
-    manifest["spec"]["checkpoint"].update(checkpoint)
-    return parse_job(manifest)
+AWS_JOB = Job("aws-job")
+"""s3:// URIs, no endpoint: AWS S3; no Secret."""
 
 
 def _signed_with(client: Minio) -> S3Credentials | None:
@@ -186,7 +184,7 @@ def test_the_operator_reads_an_aws_jobs_progress_with_the_environments_key_pair(
     for name, value in {**ENV_PAIR, "AWS_REGION": "eu-west-3"}.items():
         monkeypatch.setenv(name, value)
     observer = Observer(cast(Any, None))  # no Secret named: the API server is not asked
-    progress = observer.progress(_aws_job(), datetime(2026, 1, 1, tzinfo=UTC))
+    progress = observer.progress(parse_job(AWS_JOB.build()), datetime(2026, 1, 1, tzinfo=UTC))
     assert progress is not None and progress.status["step"] == 3
     ((client, bucket, key),) = s3_reads
     assert (bucket, key) == ("relaytrain", "checkpoints/default/aws-job/progress.json")
@@ -198,7 +196,7 @@ def test_the_operator_reads_with_the_credentials_file_when_the_environment_has_n
     clean_env: Path, s3_reads: list[tuple[Minio, str, str]]
 ) -> None:
     _credentials_file(clean_env / ".aws" / "credentials")
-    config = Observer(cast(Any, None)).model_config(_aws_job())
+    config = Observer(cast(Any, None)).model_config(parse_job(AWS_JOB.build()))
     assert config.config is not None and config.config["num_hidden_layers"] == 6
     ((client, bucket, key),) = s3_reads
     assert (bucket, key) == ("models", "smollm2-135m/config.json")
@@ -208,7 +206,7 @@ def test_the_operator_reads_with_the_credentials_file_when_the_environment_has_n
 def test_with_no_key_pair_anywhere_the_operator_uses_the_iam_role_on_aws(
     clean_env: Path, s3_reads: list[tuple[Minio, str, str]]
 ) -> None:
-    Observer(cast(Any, None)).progress(_aws_job(), datetime(2026, 1, 1, tzinfo=UTC))
+    Observer(cast(Any, None)).progress(parse_job(AWS_JOB.build()), datetime(2026, 1, 1, tzinfo=UTC))
     ((client, _, _),) = s3_reads
     assert isinstance(client._provider, IamAwsProvider)
 
@@ -216,7 +214,7 @@ def test_with_no_key_pair_anywhere_the_operator_uses_the_iam_role_on_aws(
 def test_another_store_without_a_key_pair_is_read_anonymously(
     clean_env: Path, s3_reads: list[tuple[Minio, str, str]]
 ) -> None:
-    job = _aws_job(endpoint="http://minio.example:9000")
+    job = parse_job(AWS_JOB.checkpoint(endpoint="http://minio.example:9000").build())
     Observer(cast(Any, None)).progress(job, datetime(2026, 1, 1, tzinfo=UTC))
     ((client, _, _),) = s3_reads
     assert client._provider is None
@@ -238,7 +236,7 @@ def test_run_local_reaches_a_jobs_store_as_the_contract_says(
     env = {**ENV_PAIR, "AWS_REGION": "eu-west-3"}
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    job = _aws_job(endpoint=endpoint)
+    job = parse_job(AWS_JOB.checkpoint(endpoint=endpoint).build())
     assert local_run._model_layers(job) == 6  # the model's config.json, read from S3
     ((client, bucket, key),) = s3_reads
     assert (bucket, key) == ("models", "smollm2-135m/config.json")

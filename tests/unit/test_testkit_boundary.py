@@ -1,7 +1,8 @@
 """The test toolkit stays out of the product: the wheel's packages (setuptools' find, as
 pyproject.toml configures it) leave relaytrain_testkit out, and nothing in bench/, hack/ or
 a test module imports from tests/ (what they share is relaytrain_testkit's; conftest.py
-fixtures aside)."""
+fixtures aside). Tests build FineTuneJobs with one builder (relaytrain_testkit.jobs): no test
+or testkit module spells a job manifest out."""
 
 from __future__ import annotations
 
@@ -83,3 +84,48 @@ def test_the_import_reader_sees_imports_at_any_depth() -> None:
     source = "import os\n\ndef f():\n    from tests.unit.x import y\n    import tests.harness\n"
     assert imports_tests(source) == ["tests.harness", "tests.unit.x"]
     assert imports_tests("from relaytrain_testkit import tiny_models\nimport testsuite\n") == []
+
+
+def _keys(node: ast.Dict) -> dict[str, ast.expr]:
+    return {
+        k.value: v
+        for k, v in zip(node.keys, node.values, strict=True)
+        if isinstance(k, ast.Constant) and isinstance(k.value, str)
+    }
+
+
+def manifest_literals(source: str, filename: str = "<source>") -> list[int]:
+    """The lines where `source` spells a FineTuneJob out as a dict: a literal with kind
+    FineTuneJob and a metadata or spec, or a literal spec naming a model, dataset or
+    training."""
+    found = []
+    for node in ast.walk(ast.parse(source, filename)):
+        if not isinstance(node, ast.Dict):
+            continue
+        fields = _keys(node)
+        kind, spec = fields.get("kind"), fields.get("spec")
+        a_job = isinstance(kind, ast.Constant) and kind.value == "FineTuneJob"
+        a_spec = isinstance(spec, ast.Dict) and {"model", "dataset", "training"} & set(_keys(spec))
+        if (a_job and {"metadata", "spec"} & fields.keys()) or a_spec:
+            found.append(node.lineno)
+    return found
+
+
+def test_tests_build_jobs_with_the_one_builder() -> None:
+    builder = REPO / "testkit" / "relaytrain_testkit" / "jobs.py"
+    files = sorted([*(REPO / "tests").rglob("*.py"), *(REPO / "testkit").rglob("*.py")])
+    assert builder in files
+    offenders = {
+        str(f.relative_to(REPO)): found
+        for f in files
+        if f != builder and (found := manifest_literals(f.read_text(), str(f)))
+    }
+    assert offenders == {}
+
+
+def test_the_builder_check_sees_a_job_spelt_out() -> None:
+    job = '{"apiVersion": "relaytrain.io/v1alpha1", "kind": "FineTuneJob", "metadata": {}}'
+    spec = '{"spec": {"model": {"uri": "s3://m/"}}}'
+    owner = '{"apiVersion": "relaytrain.io/v1alpha1", "kind": "FineTuneJob", "name": "j"}'
+    pod = '{"spec": {"containers": []}}'
+    assert manifest_literals(f"a = {job}\nb = {spec}\nc = {owner}\nd = {pod}\n") == [1, 2]

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.unit
 
 def test_the_contract_example_round_trips() -> None:
     cfg = StageConfig.from_json(json.dumps(DOC))
-    assert cfg.stage.layerStart == 10 and cfg.method.targetModules[0] == "q_proj"
+    assert cfg.stage.layer_start == 10 and cfg.method.target_modules[0] == "q_proj"
     assert cfg.to_dict() == json.loads(json.dumps(DOC))
 
 

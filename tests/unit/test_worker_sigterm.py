@@ -66,7 +66,8 @@ CLEAN = {
 
 
 def test_a_sigterm_never_reads_as_a_crash(tmp_path: Path) -> None:
-    config = build_stage_configs(parse_job(JOB), PLAN, pod_endpoints("smol", "team-a", 2))[1]
+    job = parse_job(JOB.build())
+    config = build_stage_configs(job, PLAN, pod_endpoints("smol", "team-a", 2))[1]
     path = tmp_path / "stage.json"
     path.write_text(json.dumps(config))
     done = subprocess.run(

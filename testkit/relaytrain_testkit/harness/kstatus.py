@@ -12,11 +12,11 @@ from hack import toolpaths
 
 
 def kstatus(objects: list[dict[str, Any]]) -> list[tuple[str, str]]:
-    """(status, message) of each FineTuneJob in `objects`: InProgress, Current, Failed, ..."""
-    docs = [{"apiVersion": "relaytrain.io/v1alpha1", "kind": "FineTuneJob", **o} for o in objects]
+    """(status, message) of each FineTuneJob in `objects` (whole objects, apiVersion and kind
+    included): InProgress, Current, Failed, ..."""
     proc = subprocess.run(
         [str(toolpaths.binary("kstatus-check"))],
-        input=json.dumps(docs),
+        input=json.dumps(objects),
         capture_output=True,
         text=True,
         timeout=60,

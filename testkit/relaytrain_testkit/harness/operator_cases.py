@@ -1,5 +1,5 @@
 """Set-up that tests of the operator's pieces share against the session cluster: the
-FineTuneJob CRD, a namespace of a test's own, a job manifest, and objects as plain JSON
+FineTuneJob CRD, a namespace of a test's own, a job, and objects as plain JSON
 (what the operator's indexes and `apply.ClusterApi` hand around)."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from kubernetes.client.exceptions import ApiException
 
 from relaytrain_testkit import REPO
 from relaytrain_testkit.harness.waiting import wait_for
+from relaytrain_testkit.jobs import Job
 
 GROUP, VERSION, PLURAL = "relaytrain.io", "v1alpha1", "finetunejobs"
 
@@ -67,23 +68,19 @@ def namespace(api: client.ApiClient, prefix: str) -> Iterator[str]:
         wait_for(f"the pods of {name} to go", lambda: not core.list_namespaced_pod(name).items)
 
 
-def job_manifest(name: str, namespace: str, model_uri: str, **spec: Any) -> dict[str, Any]:
-    """A two-stage FineTuneJob; `spec` replaces top-level spec fields."""
-    base: dict[str, Any] = {
-        "model": {"uri": model_uri, "dtype": "bfloat16"},
-        "dataset": {"uri": "s3://data/train.jsonl", "sequenceLength": 256},
-        "training": {"steps": 100, "microBatchSize": 1, "microBatches": 8},
-        "pipeline": {"stages": 2},
-        "checkpoint": {"uri": "/var/tmp/relaytrain-checkpoints"},
-        "failurePolicy": {"maxStageRestarts": 2, "backoffSeconds": 0},
-        **spec,
-    }
-    return {
-        "apiVersion": f"{GROUP}/{VERSION}",
-        "kind": "FineTuneJob",
-        "metadata": {"name": name, "namespace": namespace},
-        "spec": base,
-    }
+def cluster_job(name: str, model_uri: str, namespace: str | None = None) -> Job:
+    """A two-stage FineTuneJob for the session cluster: a bf16 model at `model_uri`, 100
+    steps of 8 micro-batches of 1 x 256 tokens, checkpoints in a local directory, 2 restarts
+    a stage without back-off."""
+    return (
+        Job(name, namespace)
+        .model(model_uri, dtype="bfloat16")
+        .dataset("s3://data/train.jsonl", sequence_length=256)
+        .training(steps=100, micro_batch_size=1, micro_batches=8)
+        .pipeline(stages=2)
+        .checkpoint("/var/tmp/relaytrain-checkpoints")
+        .failure_policy(max_stage_restarts=2, backoff_seconds=0)
+    )
 
 
 def raw(response: Any) -> Any:

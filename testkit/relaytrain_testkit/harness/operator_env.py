@@ -24,6 +24,7 @@ from relaytrain_testkit.harness.chart_install import (
 )
 from relaytrain_testkit.harness.kwok_runner import KwokProcessRunner
 from relaytrain_testkit.harness.operator_cases import install_crd
+from relaytrain_testkit.jobs import Job
 
 GROUP, VERSION, PLURAL = "relaytrain.io", "v1alpha1", "finetunejobs"
 STEPS, EVERY = 40, 4
@@ -96,40 +97,25 @@ def operator_env(
         core.delete_namespace(system)
 
 
-def job_manifest(name: str, minio: Any, **pipeline: Any) -> dict[str, Any]:
+def tiny_job(name: str, minio: Any) -> Job:
+    """The e2e tests' job on the tiny Llama and the sums data in `minio`: three stages with
+    int8 links, LoRA r4, STEPS steps of 3 micro-batches of 2 x 16 tokens, a checkpoint every
+    EVERY steps (2 kept) with the keys in Secret `s3`, the adapter under adapters/<name>/, 2
+    restarts a stage without back-off."""
     bucket = minio.bucket
-    return {
-        "apiVersion": f"{GROUP}/{VERSION}",
-        "kind": "FineTuneJob",
-        "metadata": {"name": name},
-        "spec": {
-            "model": {"uri": f"s3://{bucket}/models/tiny/", "dtype": "float32"},
-            "dataset": {
-                "uri": f"s3://{bucket}/data/sums.jsonl",
-                "format": "prompt-completion",
-                "sequenceLength": 16,
-            },
-            "method": {"type": "lora", "rank": 4, "alpha": 8},
-            "training": {
-                "steps": STEPS,
-                "microBatchSize": 2,
-                "microBatches": 3,
-                "learningRate": 0.01,
-                "warmupSteps": 1,
-                "seed": 3,
-            },
-            "pipeline": {"stages": 3, "compression": "int8", **pipeline},
-            "checkpoint": {
-                "uri": f"s3://{bucket}/ckpt",
-                "endpoint": minio.url,
-                "credentialsSecret": {"name": "s3"},
-                "everySteps": EVERY,
-                "keep": 2,
-            },
-            "output": {"uri": f"s3://{bucket}/adapters/{name}/"},
-            "failurePolicy": {"maxStageRestarts": 2, "backoffSeconds": 0},
-        },
-    }
+    return (
+        Job(name)
+        .model(f"s3://{bucket}/models/tiny/", dtype="float32")
+        .dataset(f"s3://{bucket}/data/sums.jsonl", format="prompt-completion", sequence_length=16)
+        .method("lora", rank=4, alpha=8)
+        .training(steps=STEPS, micro_batch_size=2, micro_batches=3, learning_rate=0.01,
+                  warmup_steps=1, seed=3)
+        .pipeline(stages=3, compression="int8")
+        .checkpoint(f"s3://{bucket}/ckpt", endpoint=minio.url, every_steps=EVERY, keep=2)
+        .credentials("s3")
+        .output(f"s3://{bucket}/adapters/{name}/")
+        .failure_policy(max_stage_restarts=2, backoff_seconds=0)
+    )  # fmt: skip
 
 
 def stored_json(mc: Any, bucket: str, key: str) -> Any:
