@@ -30,16 +30,12 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
-
-import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "testkit")]
 
-from relaytrain_testkit.local_jobs import pin_pipelines, run_state, start_run, write_job  # noqa: E402
-
-from hack import demo_data, toolpaths  # noqa: E402
+from relaytrain_testkit.demo_job import demo_job, loss_history, model_dir  # noqa: E402
+from relaytrain_testkit.local_jobs import pin_pipelines, run_state, start_run  # noqa: E402
 
 ENV = {"OMP_NUM_THREADS": "1"}
 
@@ -55,26 +51,11 @@ class Outcome:
     """Held-out loss by step."""
 
 
-def _job(root: Path, name: str, steps: int, every: int | None) -> Path:
-    """The demo's job on local files, as `name`; periodic every `every` steps, or not."""
-    job = yaml.safe_load((ROOT / "examples" / "demo" / "finetunejob-demo.yaml").read_text())
-    spec = job["spec"]
-    job["metadata"] = {"name": name}
-    spec["model"]["uri"] = str(toolpaths.cache_dir() / "models" / "smollm2-135m-instruct")
-    spec["dataset"]["uri"] = str(root / "reverse-words.jsonl")
-    spec["training"]["steps"] = steps
-    spec["checkpoint"] = {"uri": str(root / "ckpt"), "everySteps": 5, "keep": 2}
-    spec["output"] = {"uri": str(root / "out" / name)}
-    if every is not None:
-        spec["pipeline"]["sync"] = {"mode": "periodic", "everySteps": every}
-    return write_job(root, job)
-
-
 def run(root: Path, steps: int, every: int | None) -> Outcome:
     config = "synchronous" if every is None else f"periodic every {every}"
     name = "sync" if every is None else f"periodic-{every}"
     started = time.monotonic()
-    proc = start_run(_job(root, name, steps, every), root / f"wd-{name}", env=ENV)
+    proc = start_run(demo_job(root, name, steps=steps, every=every), root / f"wd-{name}", env=ENV)
     while proc.poll() is None:
         pin_pipelines(run_state(root / f"wd-{name}"))
         time.sleep(0.2)
@@ -82,9 +63,7 @@ def run(root: Path, steps: int, every: int | None) -> Outcome:
     if proc.returncode != 0:
         raise SystemExit(f"{config}: the run failed:\n{out}")
     wall = time.monotonic() - started
-    records: list[dict[str, Any]] = json.loads(
-        (root / "ckpt" / "default" / name / "loss-history.json").read_text()
-    )
+    records = loss_history(root, name)
     train = [r["loss"] for r in records if r.get("loss") is not None][-5:]
     evals = {r["step"]: r["evalLoss"] for r in records if r.get("evalLoss") is not None}
     return Outcome(config, steps, wall, sum(train) / len(train), evals)
@@ -100,13 +79,12 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args()
     steps = args.steps or (20 if args.quick else 60)
-    model = toolpaths.cache_dir() / "models" / "smollm2-135m-instruct" / "config.json"
+    model = model_dir() / "config.json"
     if not model.exists():
         raise SystemExit(f"{model.parent} is missing: run `make deps` first")
     results: list[Outcome] = []
     with tempfile.TemporaryDirectory(prefix="bench-periodic-") as tmp:
         root = Path(tmp)
-        demo_data.write(root / "reverse-words.jsonl")
         for every in (None, *(args.every or (4, 8))):
             results.append(run(root, steps, every))
             r = results[-1]
