@@ -112,12 +112,16 @@ def test_every_child_is_owned_by_the_job() -> None:
     assert {k: base64.b64decode(v).decode() for k, v in secret["data"].items()} == files
 
 
-def test_tolerations_and_priority_are_copied() -> None:
+def test_tolerations_priority_and_runtime_class_are_copied() -> None:
     toleration = {"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}
-    pod = pod_for(0, tolerations=[toleration], priority_class_name="training")
+    pod = pod_for(
+        0, tolerations=[toleration], priority_class_name="training", runtime_class_name="nvidia"
+    )
     assert pod["spec"]["tolerations"] == [toleration]
     assert pod["spec"]["priorityClassName"] == "training"
+    assert pod["spec"]["runtimeClassName"] == "nvidia"
     assert "tolerations" not in pod_for(0)["spec"]
+    assert "runtimeClassName" not in pod_for(0)["spec"]
 
 
 def test_builders_are_pure() -> None:

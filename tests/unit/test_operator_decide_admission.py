@@ -65,6 +65,14 @@ def test_first_pass_records_the_plan_before_any_pod_and_builds_pods_from_it() ->
     assert events(decision)[0].message.startswith("Planned 2 stages: ")
 
 
+def test_every_stage_pod_runs_in_the_jobs_runtime_class() -> None:
+    job = JOB.set("spec.placement.runtimeClassName", "nvidia").build()
+    nodes = [node("a100-0", "a100"), node("rtx-0", "rtx")]
+    decision = decide(observed(job, nodes=nodes), SETTINGS)
+    pods = [created(decision, f"j-stage-{k}") for k in (0, 1)]
+    assert [p["spec"]["runtimeClassName"] for p in pods] == ["nvidia", "nvidia"]
+
+
 def test_a_plan_counts_gpus_other_pods_hold() -> None:
     nodes = [node("a100-0", "a100"), node("rtx-0", "rtx"), node("rtx-1", "rtx")]
     busy = pod(0, job="other", node_name="a100-0")

@@ -340,6 +340,9 @@ class PlacementSpec(SpecModel):
     """Tolerations added to every stage pod."""
     priority_class_name: Annotated[str, Field(min_length=1, max_length=253)] | None = None
     """PriorityClass of the stage pods."""
+    runtime_class_name: Annotated[str, Field(min_length=1, max_length=253)] | None = None
+    """RuntimeClass of the stage pods, e.g. `nvidia` where the NVIDIA container runtime is not
+    the nodes' default; empty uses the default runtime."""
     node_selector: dict[str, Annotated[str, Field(max_length=63)]] = Field(
         default_factory=dict, max_length=32
     )

@@ -62,6 +62,8 @@ class StagePodInputs:
     """Tolerations copied from spec.placement."""
     priority_class_name: str | None = None
     """PriorityClass for the pod, from spec.placement."""
+    runtime_class_name: str | None = None
+    """RuntimeClass for the pod, from spec.placement."""
     image_pull_policy: str = "IfNotPresent"
     """Pull policy of the worker image."""
     cpu: str | None = None
@@ -179,4 +181,6 @@ def build_stage_pod(job: dict[str, Any], inputs: StagePodInputs) -> dict[str, An
         spec["tolerations"] = [dict(t) for t in inputs.tolerations]
     if inputs.priority_class_name:
         spec["priorityClassName"] = inputs.priority_class_name
+    if inputs.runtime_class_name:
+        spec["runtimeClassName"] = inputs.runtime_class_name
     return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec}

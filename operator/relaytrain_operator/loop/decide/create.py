@@ -228,6 +228,7 @@ def pod_inputs(
             tolerations,
         ),
         priority_class_name=placement.priority_class_name,
+        runtime_class_name=placement.runtime_class_name,
     )
 
 
