@@ -162,7 +162,7 @@ def test_exported_adapter_loads_on_the_unsplit_model(
     lcfg = _lora(model_type)
     cfg = SimpleNamespace(
         method=SimpleNamespace(
-            rank=lcfg["rank"], alpha=lcfg["alpha"], dropout=0.0, targetModules=lcfg["targets"]
+            rank=lcfg["rank"], alpha=lcfg["alpha"], dropout=0.0, target_modules=lcfg["targets"]
         ),
         model=SimpleNamespace(uri=str(ref.model_dir)),
     )
