@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 export RELAYTRAIN_CACHE ?= $(HOME)/.cache/relaytrain
 
 .PHONY: help deps deps-python deps-binaries deps-model test test-fast test-unit test-contract test-k8s test-e2e \
-        chaos lint format demo bench cluster-up cluster-down kubeconfig crds chart-crds lock go-modules
+        chaos lint format demo bench gpu-check cluster-up cluster-down kubeconfig crds chart-crds lock go-modules
 
 help:
 	@echo "make demo          run the main job (installs what it needs first)"
@@ -18,6 +18,7 @@ help:
 	@echo "make -s kubeconfig print that path alone (export KUBECONFIG=\$$(make -s kubeconfig))"
 	@echo "make cluster-down  stop everything cluster-up started"
 	@echo "make bench         run the benchmarks in bench/"
+	@echo "make gpu-check     prepare the GPU check (wheels into .whl/) and print what a GPU host runs"
 	@echo "make chaos         the chaos schedule with real training, its table printed"
 	@echo "make lint          ruff, mypy and import-linter"
 	@echo "make crds          regenerate the CRD (and the chart's copy) after editing the spec models"
@@ -97,3 +98,9 @@ demo: deps
 # `make bench BENCH_ARGS=--quick` for the short variants.
 bench: deps
 	@bash hack/bench.sh
+
+# The GPU check (docs/gpu-check.md): the wheels a GPU host lacks, from uv.lock's pins and
+# hashes, into .whl/ (git-ignored), and the one command that host runs
+# (`bash hack/gpu-check.sh run`: bench/gpu_check.py --device cuda and the gpu-marked tests).
+gpu-check: deps-python
+	@bash hack/gpu-check.sh prepare

@@ -2,6 +2,8 @@
 
 - `tiny_models`, `tiny_families`: random tiny models saved like hub checkpoints, with a
   tokenizer trained on the spot (no downloads).
+- `random_models`: random models built straight on a device from a config alone (weights
+  drawn by name, so slices and the whole model agree): the GPU check's 8B-shaped model.
 - `inputs`: the exactness tests' training, layer splits and micro-batches.
 - `pipelines`: pipelines run in process (every stage a thread, real loopback links).
 - `references`: the same training in one process, to compare the pipelines against.

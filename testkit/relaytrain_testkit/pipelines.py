@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -16,7 +16,7 @@ from typing import Any, Literal
 import torch
 from relaytrain_contract import TrainingSpec
 from relaytrain_worker.model.methods import TIED_NAME, lora_config, setup_method
-from relaytrain_worker.model.model_slice import BUILD_LOCK, SliceSpec, build_stage_model
+from relaytrain_worker.model.model_slice import BUILD_LOCK, SliceSpec, StageModel, build_stage_model
 from relaytrain_worker.model.training import make_optimizer, optimizer_step
 from relaytrain_worker.pipeline.peers import Peers
 from relaytrain_worker.pipeline.schedule import StepRunner
@@ -27,6 +27,9 @@ from relaytrain_worker.replicas.group import LinkGroup
 from relaytrain_worker.replicas.periodic import PeriodicSync
 from relaytrain_worker.state.data import MicroBatch
 from torch.nn.utils import parametrize
+
+StageBuilder = Callable[[SliceSpec], StageModel]
+"""Builds one stage's slice (instead of loading it from a model directory)."""
 
 
 @dataclass
@@ -40,9 +43,11 @@ class PipelineRun:
     """Trainable parameters after the run (global names; a tied weight once per holder)."""
     stage_params: list[dict[str, torch.Tensor]] = field(default_factory=list)
     seconds: float = 0.0
-    """Wall time of the training steps alone (no model loading or link set-up)."""
+    """Wall time of the training steps alone (no model loading or link set-up, no warm-up
+    steps; on a GPU, up to the end of their last kernel)."""
     input_tokens: list[int] = field(default_factory=list)
-    """Per step: non-padding input tokens the last stage counted (what tokens/s counts)."""
+    """Per step: non-padding input tokens the last stage counted (what tokens/s counts),
+    warm-up steps included."""
     boundary_bytes: list[list[int]] = field(default_factory=list)
     """Per boundary k (stage k to k+1): [bytes sent down, bytes sent up], on the wire."""
     step_params: list[dict[str, torch.Tensor]] = field(default_factory=list)
@@ -52,7 +57,7 @@ class PipelineRun:
 
 
 def run_pipeline_threads(
-    model_dir: Path,
+    model: Path | StageBuilder,
     splits: list[tuple[int, int]],
     steps: list[list[MicroBatch]],
     training: TrainingSpec,
@@ -63,19 +68,27 @@ def run_pipeline_threads(
     lora: dict[str, Any] | None = None,
     link_rate: float | None = None,
     overlap_encode: bool = True,
+    warmup: int = 0,
+    grads: Literal["every", "last"] = "every",
 ) -> PipelineRun:
     """Run a P-stage pipeline as P threads over real loopback links (tests, benches).
 
+    ``model``: the model directory each stage loads its slice from, or a function that
+    builds a stage's slice (relaytrain_testkit.random_models: random weights on a GPU).
     ``credentials``: each stage's link credentials, in stage order (relaytrain_testkit.linkcreds
     mints them as the operator does). ``link_rate`` (bytes per second, each direction)
     paces every link to emulate a slow network; ``overlap_encode`` is passed to `Peers`.
+    The first ``warmup`` steps train but are not timed: every stage finishes them, waits for
+    the others, and only then starts the clock. ``grads="last"`` keeps only the last step's
+    gradients (the other steps' dicts stay empty), so a long run on a GPU holds one copy.
     """
     if len(credentials) != len(splits):
         raise ValueError(f"{len(credentials)} link credentials for {len(splits)} stages")
     return _run_pipelines(
-        model_dir, [splits], [steps], training,
+        model, [splits], [steps], training,
         credentials=[credentials], groups=None, method=method, compression=compression,
         lora=lora, link_rate=link_rate, overlap_encode=overlap_encode, record_steps=False,
+        warmup=warmup, grads=grads,
     )[0]  # fmt: skip
 
 
@@ -169,7 +182,7 @@ def _link_groups(
 
 
 def _run_pipelines(
-    model_dir: Path,
+    model: Path | StageBuilder,
     splits: list[list[tuple[int, int]]],
     steps: list[list[list[MicroBatch]]],
     training: TrainingSpec,
@@ -183,6 +196,8 @@ def _run_pipelines(
     overlap_encode: bool,
     record_steps: bool,
     sync_every: int | None = None,
+    warmup: int = 0,
+    grads: Literal["every", "last"] = "every",
 ) -> list[PipelineRun]:
     """Every stage of every pipeline as a thread; ``steps[p]``: pipeline p's micro-batches."""
     listeners = [
@@ -206,6 +221,7 @@ def _run_pipelines(
     errors: list[BaseException] = []
     lock = threading.Lock()
     built = threading.Barrier(sum(len(split) for split in splits))
+    warm = threading.Barrier(sum(len(split) for split in splits))
     lcfg = lora or {"rank": 4, "alpha": 8.0, "dropout": 0.0, "targets": ["q_proj", "v_proj"]}
 
     def stage_main(p: int, k: int) -> None:
@@ -216,7 +232,7 @@ def _run_pipelines(
         nxt: Link | None = None
         try:
             spec = SliceSpec(split[k][0], split[k][1], k == 0, k == count - 1)
-            stage = build_stage_model(model_dir, spec)
+            stage = build_stage_model(model, spec) if isinstance(model, Path) else model(spec)
             cfg = (
                 None
                 if method == "full"
@@ -256,7 +272,12 @@ def _run_pipelines(
                 assert group is not None
                 outer = PeriodicSync.of(runner, group, every=sync_every, total=len(steps[p]))
             started = time.perf_counter()
+            last = len(steps[p]) - 1
             for s, micros in enumerate(steps[p]):
+                if warmup and s == warmup:
+                    synchronize(runner.device)
+                    warm.wait(timeout=600)
+                    started = time.perf_counter()
                 result = runner.run(s, micros if k == 0 else None, len(micros))
                 with lock:
                     if result.loss is not None:
@@ -264,7 +285,7 @@ def _run_pipelines(
                         run.input_tokens.append(result.input_tokens)
                         run.grad_norms.append(result.grad_norm)
                     for name, param in trainable:
-                        if param.grad is not None:
+                        if param.grad is not None and (grads == "every" or s == last):
                             run.grads[s][name] = param.grad.detach().clone()
                 optimizer_step(optimizer, scheduler)
                 if outer is not None:
@@ -276,6 +297,7 @@ def _run_pipelines(
             for queued in (runner.peers.prev, runner.peers.next):
                 if queued is not None:
                     queued.flush()
+            synchronize(runner.device)
             with lock:
                 run.seconds = max(run.seconds, time.perf_counter() - started)
                 if nxt is not None:
@@ -289,6 +311,7 @@ def _run_pipelines(
             with lock:
                 errors.append(exc)
             built.abort()
+            warm.abort()
             if isinstance(group, InProcessGroup):
                 group.abort(f"pipeline {p} stage {k} failed: {exc!r}")
             elif isinstance(group, LinkGroup):
@@ -314,6 +337,12 @@ def _run_pipelines(
     if errors:
         raise errors[0]
     return runs
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on `device` (a GPU's kernels) before a clock is read."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 _PARAMETRIZE = threading.RLock()

@@ -5,6 +5,7 @@ definition says)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -17,28 +18,47 @@ from relaytrain_worker.replicas.arithmetic import micro_ranges
 from relaytrain_worker.state.data import MicroBatch
 from torch import nn
 
-from relaytrain_testkit.pipelines import PipelineRun
+from relaytrain_testkit.pipelines import PipelineRun, synchronize
+
+ModelBuilder = Callable[[], nn.Module]
+"""Builds the unsplit model, frozen and in training mode (instead of loading it from a model
+directory): relaytrain_testkit.random_models.random_model."""
 
 
 def run_reference(
-    model_dir: Path,
+    model: Path | ModelBuilder,
     steps: list[list[MicroBatch]],
     training: TrainingSpec,
     *,
     method: Literal["lora", "full"] = "lora",
     lora: dict[str, Any] | None = None,
+    warmup: int = 0,
+    grads: Literal["every", "last"] = "every",
 ) -> PipelineRun:
-    """Single-process training of the unsplit model with the same arithmetic."""
-    model, trainable, optimizer, scheduler = _reference_model(model_dir, training, method, lora)
+    """Single-process training of the unsplit model with the same arithmetic.
+
+    ``model``: the model directory (loaded in float32), or a function that builds the
+    model. ``warmup`` and ``grads`` as in `run_pipeline_threads`: the first ``warmup`` steps
+    are not timed; ``grads="last"`` keeps only the last step's gradients.
+    """
+    built, trainable, optimizer, scheduler = _reference_model(model, training, method, lora)
+    device = next(built.parameters()).device
     run = PipelineRun()
     started = time.perf_counter()
-    for micros in steps:
-        loss_sum, items, norm = _reference_step(model, trainable, micros, training)
+    for s, micros in enumerate(steps):
+        if warmup and s == warmup:
+            synchronize(device)
+            started = time.perf_counter()
+        loss_sum, items, norm = _reference_step(built, trainable, micros, training)
         if norm is not None:
             run.grad_norms.append(norm)
         run.losses.append(loss_sum / items)
-        run.grads.append({n: p.grad.detach().clone() for n, p in trainable if p.grad is not None})
+        keep = grads == "every" or s == len(steps) - 1
+        run.grads.append(
+            {n: p.grad.detach().clone() for n, p in trainable if keep and p.grad is not None}
+        )
         optimizer_step(optimizer, scheduler)
+    synchronize(device)
     run.seconds = time.perf_counter() - started
     run.params = {n: p.detach().clone() for n, p in trainable}
     return run
@@ -91,7 +111,7 @@ def run_periodic_reference(
 
 
 def _reference_model(
-    model_dir: Path,
+    source: Path | ModelBuilder,
     training: TrainingSpec,
     method: Literal["lora", "full"],
     lora: dict[str, Any] | None,
@@ -100,9 +120,15 @@ def _reference_model(
     from relaytrain_worker.model.methods import apply_lora
     from transformers import AutoModelForCausalLM
 
-    # The stages' config: the same attention implementation (sdpa, or eager where needed).
-    config = load_config(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), config=config, dtype=torch.float32)
+    model: Any
+    if isinstance(source, Path):
+        # The stages' config: the same attention implementation (sdpa, or eager where needed).
+        config = load_config(source)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(source), config=config, dtype=torch.float32
+        )
+    else:
+        model = source()
     model.train()
     lcfg = lora or {"rank": 4, "alpha": 8.0, "dropout": 0.0, "targets": ["q_proj", "v_proj"]}
     trainable: list[tuple[str, nn.Parameter]]
@@ -124,19 +150,27 @@ def _reference_step(
     training: TrainingSpec,
 ) -> tuple[float, int, float | None]:
     """Forward and backward `micros` as one step (the token-mean loss over their label
-    tokens), then clip: (summed token loss, label tokens, norm before clipping or None)."""
+    tokens), then clip: (summed token loss, label tokens, norm before clipping or None).
+
+    The micro-batches go where the model is. Packed rows without padding go in without an
+    attention mask: transformers then finds the documents where positions restart, as the
+    slices do (`families.document_ids`); given a mask, it would not look."""
+    from relaytrain_worker.model import families
     from relaytrain_worker.pipeline.schedule import count_items, token_loss_sum
 
     items = count_items(micros)
     total = torch.zeros((), dtype=torch.float64)
+    device = next(model.parameters()).device
     for mb in micros:
+        mask, pos = mb.attention_mask.to(device), mb.position_ids.to(device)
+        packed = bool(mask.all()) and families.document_ids(pos) is not None
         logits = model(
-            input_ids=mb.input_ids,
-            attention_mask=mb.attention_mask,
-            position_ids=mb.position_ids,
+            input_ids=mb.input_ids.to(device),
+            attention_mask=None if packed else mask,
+            position_ids=pos,
             use_cache=False,
         ).logits
-        part = token_loss_sum(logits, mb.labels)
+        part = token_loss_sum(logits, mb.labels.to(device))
         total += float(part.detach())
         (part / items).backward()  # type: ignore[no-untyped-call]
     norm = None

@@ -81,12 +81,17 @@ def apply_lora(
 
 
 def init_lora(model: nn.Module, seed: int) -> None:
-    """Re-initialise lora_A (kaiming-uniform, peft's default) and zero lora_B, by name."""
+    """Re-initialise lora_A (kaiming-uniform, peft's default) and zero lora_B, by name.
+
+    lora_A is drawn on the CPU and copied to wherever the adapter lives, so a stage on a
+    GPU starts from the numbers a stage on the CPU does."""
     with torch.no_grad():
         for name, param in model.named_parameters():
             if ".lora_A." in name:
                 gen = torch.Generator().manual_seed(_name_seed(seed, name))
-                nn.init.kaiming_uniform_(param, a=math.sqrt(5), generator=gen)
+                drawn = torch.empty(param.shape, dtype=param.dtype)
+                nn.init.kaiming_uniform_(drawn, a=math.sqrt(5), generator=gen)
+                param.copy_(drawn)
             elif ".lora_B." in name:
                 param.zero_()
 

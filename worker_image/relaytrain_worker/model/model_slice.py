@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -125,16 +126,30 @@ class StageModel(nn.Module):
         return hidden
 
 
-def build_stage_model(model_dir: Path, spec: SliceSpec, dtype: str = "float32") -> StageModel:
-    """Build the slice on the meta device and load only its tensors from the shards."""
+def build_stage_model(
+    model_dir: Path,
+    spec: SliceSpec,
+    dtype: str = "float32",
+    *,
+    fill: Callable[[nn.Module], None] | None = None,
+) -> StageModel:
+    """Build the slice on the meta device and load only its tensors from the shards.
+
+    ``fill`` replaces the loading: it gets the slice's transformers model, every parameter
+    still on the meta device under its global name, and must put each one in place (random
+    weights straight on a GPU for benchmarks: relaytrain_testkit.random_models); the model
+    directory then needs only its config.json.
+    """
     # init_empty_weights patches nn.Module process-wide: while it is active, a parameter
     # another thread registers lands on the meta device. In-process pipelines (tests,
     # benchmarks) hold BUILD_LOCK around every module construction.
     with BUILD_LOCK:
-        return _build_stage_model(model_dir, spec, dtype)
+        return _build_stage_model(model_dir, spec, dtype, fill)
 
 
-def _build_stage_model(model_dir: Path, spec: SliceSpec, dtype: str) -> StageModel:
+def _build_stage_model(
+    model_dir: Path, spec: SliceSpec, dtype: str, fill: Callable[[nn.Module], None] | None
+) -> StageModel:
     config = load_config(model_dir)
     n_layers = int(config.num_hidden_layers)
     if spec.layer_end > n_layers or spec.layer_start < 0 or spec.layer_start >= spec.layer_end:
@@ -158,7 +173,10 @@ def _build_stage_model(model_dir: Path, spec: SliceSpec, dtype: str) -> StageMod
         # A slice ties nothing inside itself (the shared weight is held by two processes);
         # peft's tie detection would otherwise look for the embedding this slice lacks.
         model._tied_weights_keys = None
-    _load_tensors(model, model_dir, tied, DTYPES[dtype])
+    if fill is None:
+        _load_tensors(model, model_dir, tied, DTYPES[dtype])
+    else:
+        fill(model)
     if tied and spec.first and spec.last:
         model.lm_head.weight = inner.embed_tokens.weight
     model.train()

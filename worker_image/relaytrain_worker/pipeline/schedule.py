@@ -19,6 +19,10 @@ and one pass up the chain:
   (embedding on stage 0, head on the last stage); both ends add them (a + b == b + a in
   IEEE arithmetic) and so apply the identical update.
 
+The stage computes where its parameters are (or on ``device``): micro-batches and what
+arrives over the links (which the codec always decodes on the CPU) are moved there, and what
+is sent is copied to the CPU by the codec. On the CPU every move is a no-op.
+
 With several pipelines (a `ReplicaGroup`, `stats.py`; the arithmetic is
 `replicas/arithmetic.py`) two things change and nothing else: stage 0 swaps its share's
 label-token count for the global one before the first forward, and after the last backward
@@ -119,6 +123,7 @@ class StepRunner:
         group: ReplicaGroup | None = None,
         pipeline: int = 0,
         periodic: bool = False,
+        device: torch.device | None = None,
     ) -> None:
         self.stage = stage
         self.index = index
@@ -136,6 +141,8 @@ class StepRunner:
         self.periodic = periodic
         """Whether the pipelines synchronise periodically (only the loss and counts are
         reduced each step) rather than every step."""
+        self.device = device if device is not None else _device_of(stage)
+        """Where the stage computes: micro-batches and received tensors are moved here."""
         self.on_micro: Callable[[], None] | None = None
         self._input_tokens = 0
         self._step_input_tokens = -1
@@ -187,17 +194,18 @@ class StepRunner:
         if self.first:
             assert micros is not None
             mb = micros[m]
-            x, inp = mb.input_ids, None
-            mask, pos, labels = mb.attention_mask, mb.position_ids, mb.labels
+            x, inp = mb.input_ids.to(self.device), None
+            mask, pos, labels = self._here(mb.attention_mask, mb.position_ids, mb.labels)
         else:
             assert self.peers.prev is not None
             frame = self.peers.prev.recv("activation", step, m)
             items = int(frame.meta["items"])
-            inp = frame.tensors["hidden"].requires_grad_(True)
+            got = frame.tensors
+            hidden, mask, pos, labels = self._here(
+                got["hidden"], got["attention_mask"], got["position_ids"], got["labels"]
+            )
+            inp = hidden.requires_grad_(True)
             x = inp
-            mask = frame.tensors["attention_mask"]
-            pos = frame.tensors["position_ids"]
-            labels = frame.tensors["labels"]
         self._input_tokens += int(mask.sum())
         out = self.stage(x, mask, pos)
         if self.last:
@@ -221,7 +229,7 @@ class StepRunner:
         else:
             assert self.peers.next is not None
             grad = self.peers.next.recv("gradient", step, m).tensors["grad"]
-            torch.autograd.backward(out, grad)
+            torch.autograd.backward(out, grad.to(self.device))
         if not self.first:
             assert self.peers.prev is not None and inp is not None
             assert inp.grad is not None
@@ -290,14 +298,16 @@ class StepRunner:
         own = [(n, g) for n, g in grads if n != self.tied_name] if sharing else grads
         mine = next((g for n, g in grads if n == self.tied_name), None) if sharing else None
         norms = (
-            torch.stack(torch._foreach_norm([g for _, g in own], 2.0)) if own else torch.zeros(0)
+            torch.stack(torch._foreach_norm([g for _, g in own], 2.0))
+            if own
+            else torch.zeros(0, device=self.device)
         )
         relay = mine  # stage 0's half of the shared gradient, travelling down
         if not self.first:
             assert self.peers.prev is not None
             frame = self.peers.prev.recv("norms", step)
-            norms = torch.cat([frame.tensors["norms"], norms])
-            relay = frame.tensors.get("tied")
+            norms = torch.cat([frame.tensors["norms"].to(self.device), norms])
+            relay = self._here_or_none(frame.tensors.get("tied"))
         summed = None
         if self.last:
             if sharing:
@@ -314,8 +324,8 @@ class StepRunner:
                 down["tied"] = relay
             self.peers.next.send(Frame("norms", step, -1, down), "none")
             frame = self.peers.next.recv("step_end", step)
-            total = frame.tensors["total_norm"]
-            up = frame.tensors.get("tied")
+            total = frame.tensors["total_norm"].to(self.device)
+            up = self._here_or_none(frame.tensors.get("tied"))
             if self.first and sharing:
                 assert mine is not None and up is not None
                 summed = mine + up
@@ -334,3 +344,15 @@ class StepRunner:
 
     def _param(self, name: str | None) -> nn.Parameter:
         return next(p for n, p in self.trainable if n == name)
+
+    def _here(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """`tensors` on the stage's device (the same tensors where they already are)."""
+        return tuple(t.to(self.device) for t in tensors)
+
+    def _here_or_none(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
+        return None if tensor is None else tensor.to(self.device)
+
+
+def _device_of(stage: nn.Module) -> torch.device:
+    """Where the stage's parameters are (the CPU for a stage without any)."""
+    return next((p.device for p in stage.parameters()), torch.device("cpu"))

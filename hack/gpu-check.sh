@@ -1,0 +1,119 @@
+#!/usr/bin/env bash
+# The GPU check (docs/gpu-check.md), both halves:
+#   bash hack/gpu-check.sh prepare   here (`make gpu-check`): downloads the wheels the GPU
+#                                    host lacks, at uv.lock's versions and checked against its
+#                                    hashes, into .whl/ (git-ignored), checks that the working
+#                                    tree and the wheels stay under the 64 MiB a device run
+#                                    carries, and prints the command to run there
+#   bash hack/gpu-check.sh run       there: installs .whl/ into /tmp/site, runs
+#                                    bench/gpu_check.py --device cuda (report in $OUT) and the
+#                                    gpu-marked tests, each under a timeout, 9 minutes in all
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+repo=$(cd "$here/.." && pwd)
+cd "$repo"
+
+# What the GPU image (python3 3.12 with torch, transformers, peft, accelerate, safetensors,
+# pyyaml, numpy, pytest) lacks: pydantic and its parts for relaytrain_contract, cryptography
+# for the links' certificates, bitsandbytes for QLoRA. Versions and hashes come from uv.lock.
+WHEELS=(pydantic pydantic-core annotated-types typing-inspection typing-extensions
+  cryptography cffi pycparser bitsandbytes)
+PLATFORMS=(manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64
+  manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64)
+LIMIT_MIB=64
+# The layout the check imports the repository's packages with, from its source tree.
+SOURCE_PATH=operator:worker_image:testkit:.
+BENCH_TIMEOUT=${BENCH_TIMEOUT:-420}
+TESTS_TIMEOUT=${TESTS_TIMEOUT:-90}
+
+# requirements: one `name==version --hash=...` line per wheel, every hash the lock lists.
+requirements() {
+  "${PYTHON:-$repo/.venv/bin/python}" - "$@" <<'EOF'
+import sys, tomllib
+lock = tomllib.load(open("uv.lock", "rb"))
+versions = {}
+for package in lock["package"]:
+    versions.setdefault(package["name"], []).append(package)
+for name in sys.argv[1:]:
+    found = versions.get(name)
+    if not found or len(found) != 1:
+        sys.exit(f"uv.lock pins {len(found or [])} versions of {name}; expected one")
+    (package,) = found
+    hashes = [wheel["hash"] for wheel in package.get("wheels", [])]
+    print(f"{name}=={package['version']} " + " ".join(f"--hash={h}" for h in hashes))
+EOF
+}
+
+prepare() {
+  local req
+  req=$(mktemp)
+  trap 'rm -f "$req"' RETURN
+  requirements "${WHEELS[@]}" >"$req"
+  mkdir -p .whl
+  local platform_args=()
+  for p in "${PLATFORMS[@]}"; do platform_args+=(--platform "$p"); done
+  python3 -m pip download -q --require-hashes --no-deps --only-binary=:all: \
+    --python-version 3.12 --implementation cp "${platform_args[@]}" -d .whl -r "$req"
+  # Keep exactly the pinned versions: a wheel of another version would stop the install.
+  local keep=() line name version
+  while read -r line; do
+    name=${line%%==*}
+    version=${line#*==}
+    version=${version%% *}
+    keep+=("${name//-/_}-${version}-")
+  done <"$req"
+  for wheel in .whl/*.whl; do
+    local base=${wheel#.whl/} ok=no
+    for prefix in "${keep[@]}"; do [[ $base == "$prefix"* ]] && ok=yes; done
+    if [[ $ok == no ]]; then
+      echo "Removed $wheel (not a pin of uv.lock)"
+      rm -f "$wheel"
+    fi
+  done
+  local tree wheels total
+  # What a device run carries: tracked files and untracked ones git does not ignore.
+  tree=$(git ls-files -z --cached --others --exclude-standard | "${PYTHON:-$repo/.venv/bin/python}" -c '
+import os, sys
+names = sys.stdin.buffer.read().split(b"\0")
+print(sum(os.lstat(n).st_size for n in names if n and os.path.lexists(n)))')
+  wheels=$(du -cb .whl/*.whl | tail -n 1 | cut -f1)
+  total=$((tree + wheels))
+  echo "Prepared .whl/: $(ls .whl | wc -l) wheels, $((wheels >> 20)) MiB (bitsandbytes" \
+    "$(($(du -b .whl/bitsandbytes-*.whl | cut -f1) >> 20)) MiB); with the working tree" \
+    "($((tree >> 20)) MiB) $((total >> 20)) MiB of the $LIMIT_MIB MiB a device run carries"
+  if ((total > LIMIT_MIB << 20)); then
+    echo "Too large to carry: $((total >> 20)) MiB > $LIMIT_MIB MiB" >&2
+    exit 1
+  fi
+  echo "Run on the GPU host (the device tool: run, carry [\".whl\"], timeout_s 600):"
+  echo "  bash hack/gpu-check.sh run"
+}
+
+run() {
+  local site=/tmp/site out=${OUT:-$repo/out/gpu-check}
+  mkdir -p "$out"
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target "$site" .whl/*.whl
+  export PYTHONPATH=$site:$SOURCE_PATH PYTHONUNBUFFERED=1
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+  local bench=0 tests=0
+  timeout "$BENCH_TIMEOUT" python3 bench/gpu_check.py --device cuda --json "$out/gpu-check.json" \
+    2>&1 | tee "$out/gpu-check.log" || bench=$?
+  # The gpu-marked test modules alone: collecting all of tests/ would import what this host
+  # lacks (kubernetes, kopf, minio) for the other tiers.
+  mapfile -t files < <(grep -rlE --include='test_*.py' 'pytest\.mark\.gpu' tests | sort)
+  ((${#files[@]})) || { echo "no gpu-marked test modules found" >&2; exit 1; }
+  timeout "$TESTS_TIMEOUT" python3 -m pytest -m gpu -q -p no:cacheprovider "${files[@]}" \
+    2>&1 | tee "$out/gpu-tests.log" || tests=$?
+  echo "gpu-check: bench rc=$bench, gpu tests rc=$tests (report: $out/gpu-check.json)"
+  ((bench == 0 && tests == 0))
+}
+
+case ${1:-} in
+  prepare) prepare ;;
+  run) run ;;
+  *)
+    echo "usage: $0 prepare|run" >&2
+    exit 2
+    ;;
+esac

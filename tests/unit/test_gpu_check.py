@@ -1,0 +1,89 @@
+"""The GPU check's CPU twin, so the script a GPU host runs cannot rot: bench/gpu_check.py
+--device cpu, run as the GPU host runs it (a subprocess importing the repository's packages
+from its source tree through PYTHONPATH=operator:worker_image:testkit:.), on a tiny Llama of
+the 8B config's family. It must report every set-up with positive tokens/s and its peak
+memory beside the planner's estimate, and two stages over a loopback link must train what
+one stage trains, the unsplit peft model too (float32: equal within float tolerance), so the
+twin checks the arithmetic, not only that the script runs.
+
+Marked torch by hand: the module imports no torch, but the script it runs trains with it
+(`make test-fast` leaves it out)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+from relaytrain_testkit import REPO
+
+pytestmark = [pytest.mark.unit, pytest.mark.slow, pytest.mark.torch]
+
+SOURCE_PATH = "operator:worker_image:testkit:."
+"""What hack/gpu-check.sh puts after the carried wheels on the GPU host."""
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("gpu-check") / "gpu-check.json"
+    env = {**os.environ, "PYTHONPATH": SOURCE_PATH}
+    done = subprocess.run(
+        [sys.executable, "bench/gpu_check.py", "--device", "cpu", "--json", str(out)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert "ratios: (b)/(a) = " in done.stdout
+    loaded: dict[str, Any] = json.loads(out.read_text())
+    return loaded
+
+
+def test_the_hosts_source_path_is_the_scripts() -> None:
+    script = (REPO / "hack" / "gpu-check.sh").read_text()
+    assert f"SOURCE_PATH={SOURCE_PATH}\n" in script
+    assert "bench/gpu_check.py --device cuda --json" in script
+
+
+def test_every_setup_reports_speed_and_memory_beside_the_estimate(report: dict[str, Any]) -> None:
+    assert report["device"] == "cpu" and report["model"]["layers"] == 4
+    runs = report["runs"]
+    assert runs["b"]["stage_layers"] == [2, 2]
+    for key in ("a", "b", "c"):
+        row = runs[key]
+        assert "error" not in row, row
+        assert row["tokens_per_s"] > 0
+        assert row["tokens"] == report["training"]["timed_tokens"] > 0
+        assert row["estimate_bytes"] > 0
+        assert row["peak_bytes"] is None or row["peak_bytes"] > 0
+        assert "mfu" in row and "peak_over_estimate" in row
+    # (b)'s two stages are priced as two stages: the first holds two micro-batches in flight.
+    first, second = runs["b"]["estimate_per_stage"]
+    assert runs["b"]["estimate_bytes"] == first + second
+    assert report["ratios"]["b_over_a"] > 0 and report["ratios"]["a_over_c"] > 0
+    assert report["flops"]["model_flops_per_token"] > 0
+
+
+def test_qlora_runs_where_bitsandbytes_imports(report: dict[str, Any]) -> None:
+    row = report["runs"]["qlora"]
+    if importlib.util.find_spec("bitsandbytes") is None:
+        assert row["skipped"].startswith("bitsandbytes does not import")
+    else:
+        assert "error" not in row and row["tokens_per_s"] > 0, row
+
+
+def test_two_stages_train_what_one_stage_trains(report: dict[str, Any]) -> None:
+    check = report["checks"]["b_vs_a"]
+    assert check["grad_max_abs"] > 0  # gradients that exist: equal zeros would prove nothing
+    assert check["loss_max_abs_diff"] <= 1e-6 * check["last_loss"]
+    assert check["grad_max_rel_diff"] <= 1e-6
+    assert check["params_max_abs_diff"] <= 1e-7
+
+
+def test_the_unsplit_peft_model_trains_the_same(report: dict[str, Any]) -> None:
+    check = report["checks"]["c_vs_a"]
+    assert check["loss_max_abs_diff"] <= 1e-5 * check["last_loss"]
+    assert check["grad_max_rel_diff"] <= 1e-4
+    assert check["params_max_abs_diff"] <= 1e-6
