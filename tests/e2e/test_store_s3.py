@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import threading
@@ -86,10 +87,14 @@ def test_checkpoints_commit_fall_back_and_prune_on_s3(minio_server: MinioServer)
     assert progress is not None and progress.last_committed_step == 20
 
 
-def test_a_store_that_goes_down_is_waited_for_and_a_refusal_is_not(tmp_path: Path) -> None:
+@pytest.mark.timeout(600)  # retrying for ever would end here
+def test_a_store_that_goes_down_is_waited_for_and_a_refusal_is_not(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """A MinIO of its own, stopped and started again at the same address: an operation
     issued while it is down waits and then succeeds; one that outlasts the retry budget
-    fails; wrong keys fail at once."""
+    fails; wrong keys fail at once (no retry: the store's retry warning is never logged)."""
+    caplog.set_level(logging.WARNING, logger="relaytrain.store")
     proc, server = start_minio(tmp_path / "data", tmp_path / "minio.log")
     try:
         server.client().make_bucket(server.bucket)
@@ -111,6 +116,7 @@ def test_a_store_that_goes_down_is_waited_for_and_a_refusal_is_not(tmp_path: Pat
         proc, _ = start_minio(tmp_path / "data", tmp_path / "minio.log", again=server)
         writer.join(timeout=120)
         assert not writer.is_alive() and took["put"] >= outage, took
+        assert any("did not answer" in r.message for r in caplog.records)  # it said so
         assert store.get(f"{JOB}/during") == b"2" and store.get(f"{JOB}/before") == b"1"
         # Down for longer than the budget: the error comes out.
         stop_minio(proc)
@@ -118,13 +124,13 @@ def test_a_store_that_goes_down_is_waited_for_and_a_refusal_is_not(tmp_path: Pat
         started = time.monotonic()
         with pytest.raises(Exception) as down:
             store.get(f"{JOB}/before")
-        assert 2.0 <= time.monotonic() - started < 60, down.value
+        assert time.monotonic() - started >= 2.0, down.value  # the budget, waited out
         proc, _ = start_minio(tmp_path / "data", tmp_path / "minio.log", again=server)
         # Wrong keys are an answer, not an outage: no retries.
-        started = time.monotonic()
+        caplog.clear()
         with pytest.raises(StoreError, match="cannot open bucket"):
             open_store(f"s3://{server.bucket}/x", endpoint=server.url,
                        access_key=server.access_key, secret_key="not-the-key")  # fmt: skip
-        assert time.monotonic() - started < 5
+        assert [r.message for r in caplog.records if "did not answer" in r.message] == []
     finally:
         stop_minio(proc)
