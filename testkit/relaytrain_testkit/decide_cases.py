@@ -15,6 +15,7 @@ from relaytrain_operator.domain.status import load_status, to_manifest
 from relaytrain_operator.loop.actions import PostEvent
 from relaytrain_operator.loop.decide import (
     Decision,
+    InputProblem,
     ModelConfig,
     Needs,
     Observed,
@@ -132,8 +133,13 @@ def pod(
     pool: str | None = None,
     job: str = "j",
     annotations: dict[str, str] | None = None,
+    exit_code: int | None = None,
+    message: str | None = None,
+    waiting: tuple[str, str] | None = None,
 ) -> dict[str, Any]:
-    """Stage `k`'s pod of job `job`, on its plan's node unless `node_name` says otherwise."""
+    """Stage `k`'s pod of job `job`, on its plan's node unless `node_name` says otherwise;
+    with `exit_code`, its container ended so (and left `message` as its termination
+    message); with `waiting` (the kubelet's reason and message), its container waits so."""
     pool = pool or PLAN["stages"][k]["pool"] if k < 2 else "a100"
     meta: dict[str, Any] = {
         "name": f"{job}-stage-{k}",
@@ -154,6 +160,14 @@ def pod(
     }
     if reason:
         status["reason"] = reason
+    if exit_code is not None:
+        terminated: dict[str, Any] = {"exitCode": exit_code, "reason": "Error"}
+        if message is not None:
+            terminated["message"] = message
+        status["containerStatuses"] = [{"name": "worker", "state": {"terminated": terminated}}]
+    if waiting is not None:
+        state = {"waiting": {"reason": waiting[0], "message": waiting[1]}}
+        status["containerStatuses"] = [{"name": "worker", "image": "w:1", "state": state}]
     default_node = {0: "a100-0", 1: "rtx-0"}.get(k)
     return {
         "metadata": meta,
@@ -232,6 +246,7 @@ def observed(
     model: ModelConfig | None = None,
     progress: Progress | None = None,
     now: datetime = NOW,
+    inputs: InputProblem | None = None,
 ) -> Observed:
     """What the observer would hand over: it reads what `needs` asks for."""
     by_stage = stage_pods(pods)
@@ -246,6 +261,7 @@ def observed(
         if wanted.room
         else None,
         model=(model or ModelConfig(SMOLLM2_135M_CONFIG)) if wanted.model else None,
+        inputs=inputs if wanted.model else None,
         progress=progress if wanted.progress else None,
     )
 

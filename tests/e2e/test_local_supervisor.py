@@ -44,12 +44,14 @@ def _job(root: Path, name: str, steps: int) -> Job:
 
 
 def _crash_looping_job(root: Path, name: str) -> Job:
-    """Stage 0 cannot read its data and exits at start-up, again and again (100 restarts
-    allowed); stage 1 waits."""
+    """Stage 0 cannot write its first record (its checkpoint directory would be under a
+    plain file) and crashes at start-up, again and again (100 restarts allowed: a crash may
+    pass, unlike bad input, which stops a stage for good); stage 1 waits."""
+    (root / "a-file").write_text("not a directory")
     return (
         local_job(root, name)
         .training(steps=500)
-        .dataset(str(root / "missing.jsonl"))
+        .checkpoint(str(root / "a-file" / "ckpt"), every_steps=2)
         .failure_policy(max_stage_restarts=100)
     )
 
@@ -77,7 +79,7 @@ def test_sigterm_while_a_stage_crash_loops_restarts_nothing(workspace: Path) -> 
     workdir = workspace / "wd-loop"
     job = _crash_looping_job(workspace, "loop").failure_policy(backoff_seconds=1)
     proc = start_run(job.write(workspace), workdir)
-    wait_while_running("stage 0 restarted twice", lambda: _stage_0_restarted(workdir, 2), proc)
+    wait_while_running("stage 0 restarted", lambda: _stage_0_restarted(workdir, 1), proc)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGTERM, out
@@ -108,7 +110,7 @@ def test_a_killed_supervisor_leaves_no_stage_of_a_crash_loop(workspace: Path) ->
     workdir = workspace / "wd-kill9-loop"
     job = _crash_looping_job(workspace, "kill9loop").failure_policy(backoff_seconds=0)
     proc = start_run(job.write(workspace), workdir)
-    wait_while_running("stage 0 restarted twice", lambda: _stage_0_restarted(workdir, 2), proc)
+    wait_while_running("stage 0 restarted", lambda: _stage_0_restarted(workdir, 1), proc)
     proc.kill()
     proc.communicate(timeout=30)
     wait_until_no_stage_is_left(workdir)

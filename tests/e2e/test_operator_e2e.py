@@ -16,6 +16,7 @@ committed checkpoint, and the job finishes with an adapter in MinIO.
 from __future__ import annotations
 
 import functools
+import io
 import json
 import os
 import re
@@ -525,3 +526,58 @@ def test_no_credential_leaves_its_secret(env: dict[str, Any], kube_cluster: Any)
         (where, value[:4]) for where, text in texts.items() for value in values if value in text
     ]
     assert leaks == [], f"credentials found in: {leaks}"
+
+
+def test_bad_data_is_told_before_any_pod_or_in_the_stage_s_own_words(
+    env: dict[str, Any],
+) -> None:
+    """An empty data set object: the operator sees it before any pod exists (Pending,
+    DatasetUnavailable, one Warning Event). A data set whose record lacks the configured
+    field: only a stage finds out; it says so in its termination message and exits with its
+    bad-input code, and the operator fails the job with that line (InvalidInput, one Warning
+    Event), restarting nothing."""
+    e = env
+    core, custom, ns, mc = e["core"], e["custom"], e["ns"], e["minio"].client()
+    bucket = e["minio"].bucket
+
+    def create(name: str, key: str, data: bytes) -> str:
+        mc.put_object(bucket, key, io.BytesIO(data), len(data))
+        uri = f"s3://{bucket}/{key}"
+        job = tiny_job(name, e["minio"]).dataset(uri)
+        custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, job.build())
+        return uri
+
+    def settled(name: str, phase: str, reason: str) -> Any:
+        status = _job_status(custom, ns, name)
+        ready = [c for c in status.get("conditions") or [] if c["type"] == "Ready"]
+        return status.get("phase") == phase and ready and ready[0]["reason"] == reason and (
+            status, ready[0])  # fmt: skip
+
+    def warnings(name: str) -> list[tuple[str, str]]:
+        return [
+            (ev.reason, ev.message)
+            for ev in core.list_namespaced_event(ns).items
+            if ev.involved_object.name == name and ev.type == "Warning"
+        ]
+
+    empty = create("empty-data", "data/empty.jsonl", b"")
+    _, ready = wait_for(
+        "the empty data set told",
+        lambda: settled("empty-data", "Pending", "DatasetUnavailable"),
+        timeout=90,
+    )
+    told = f"spec.dataset.uri {empty}: the object is empty; it needs at least one record"
+    assert ready["message"] == told, ready
+    assert stage_pods(core, ns, "empty-data") == {}
+    assert warnings("empty-data") == [("DatasetUnavailable", told)]
+    custom.delete_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, "empty-data")
+
+    create("odd-data", "data/odd.jsonl", b'{"prompt": "1+1=", "answer": "2"}\n')
+    status, ready = wait_for(
+        "the job failed", lambda: settled("odd-data", "Failed", "InvalidInput"), timeout=90
+    )
+    said = ready["message"].removeprefix("Stage 0 stopped, not to be restarted (InvalidInput): ")
+    assert said.startswith("relaytrain-worker: stage 0: dataset."), ready
+    assert "field 'completion' does not exist in record 1" in said, ready
+    assert [s.get("restarts", 0) for s in status["stages"]] == [0, 0, 0], status
+    assert warnings("odd-data") == [("InvalidInput", ready["message"])]

@@ -14,7 +14,13 @@ from relaytrain_testkit.harness.minio_server import MinioServer, start_minio, st
 from relaytrain_worker.state import checkpoint as ckpt
 from relaytrain_worker.state.checkpoint import CorruptCheckpoint
 from relaytrain_worker.state.progress import Progress, read_progress, write_progress
-from relaytrain_worker.state.store import ObjectNotFound, S3Store, StoreError, open_store
+from relaytrain_worker.state.store import (
+    ObjectNotFound,
+    S3Store,
+    StoreError,
+    open_store,
+    refusal,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -128,9 +134,16 @@ def test_a_store_that_goes_down_is_waited_for_and_a_refusal_is_not(
         proc, _ = start_minio(tmp_path / "data", tmp_path / "minio.log", again=server)
         # Wrong keys are an answer, not an outage: no retries.
         caplog.clear()
-        with pytest.raises(StoreError, match="cannot open bucket"):
+        with pytest.raises(StoreError, match="cannot open bucket") as refused:
             open_store(f"s3://{server.bucket}/x", endpoint=server.url,
                        access_key=server.access_key, secret_key="not-the-key")  # fmt: skip
         assert [r.message for r in caplog.records if "did not answer" in r.message] == []
+        # ... which a stage ends on, in one line (its exit code says: do not retry).
+        assert refusal(refused.value) == (
+            f"the object store refused s3://{server.bucket} (SignatureDoesNotMatch: the secret "
+            "key does not match the access key); check spec.checkpoint.credentialsSecret (its "
+            "keys) and the bucket in the job's URIs"
+        )
+        assert refusal(down.value) is None  # an outage is no refusal
     finally:
         stop_minio(proc)

@@ -67,6 +67,80 @@ def test_runs_pod_as_process_and_posts_its_exit(kube_cluster: Any, ns: Any, tmp_
     assert not runner.errors
 
 
+def test_the_termination_message_is_what_the_process_wrote_or_the_end_of_its_log(
+    kube_cluster: Any, ns: Any, tmp_path: Path
+) -> None:
+    core, namespace = ns
+    wrote = (
+        "import os,sys; open(os.environ['RELAYTRAIN_TERMINATION_LOG'], 'w').write('my words');"
+        " print('noise'); sys.exit(3)"
+    )
+    crashed = "import sys; print('line 1'); print('the end'); sys.exit(1)"
+    runner = KwokProcessRunner(kube_cluster.api_client(), tmp_path, namespace)
+    runner.start()
+    try:
+        cases = [("wrote", wrote, "File"), ("crashed", crashed, "FallbackToLogsOnError"),
+                 ("quiet", crashed, "File")]  # fmt: skip
+        for name, code, policy in cases:
+            manifest = pod(name, code, [])
+            manifest["spec"]["containers"][0]["terminationMessagePolicy"] = policy
+            core.create_namespaced_pod(namespace, manifest)
+
+        def ended(name: str) -> Any:
+            p = core.read_namespaced_pod(name, namespace)
+            return p.status.phase == "Failed" and p.status.container_statuses[0].state.terminated
+
+        assert wait_for("wrote ended", lambda: ended("wrote")).message == "my words"
+        assert wait_for("crashed ended", lambda: ended("crashed")).message == "line 1\nthe end"
+        assert wait_for("quiet ended", lambda: ended("quiet")).message is None
+    finally:
+        runner.stop()
+    assert not runner.errors
+
+
+def test_a_missing_secret_holds_the_container_as_a_kubelet_does_until_it_exists(
+    kube_cluster: Any, ns: Any, tmp_path: Path
+) -> None:
+    core, namespace = ns
+    env = [{"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "late", "key": "token"}}}]
+    runner = KwokProcessRunner(kube_cluster.api_client(), tmp_path, namespace)
+    runner.start()
+    try:
+        core.create_namespaced_pod(namespace, pod("held", "import time; time.sleep(600)", env))
+        core.create_namespaced_pod(namespace, pod("free", "import time; time.sleep(600)", []))
+
+        def waiting() -> Any:
+            p = core.read_namespaced_pod("held", namespace)
+            statuses = p.status.container_statuses or []
+            return p.status.phase == "Pending" and statuses and statuses[0].state.waiting
+
+        held = wait_for("the container held", waiting)
+        assert (held.reason, held.message) == (
+            "CreateContainerConfigError",
+            'secret "late" not found',
+        )
+        # The runner's pass goes on for the other pods.
+        wait_for("the other pod's process", lambda: runner.local_pod(namespace, "free"))
+        events = core.list_namespaced_event(namespace).items
+        assert [
+            (e.reason, e.message)
+            for e in events
+            if e.involved_object.name == "held" and e.type == "Warning"
+        ] == [("Failed", 'Error: secret "late" not found')]
+        core.create_namespaced_secret(
+            namespace, {"metadata": {"name": "late"}, "stringData": {"token": "t"}}
+        )
+
+        def running() -> Any:
+            p = core.read_namespaced_pod("held", namespace)
+            return p.status.phase == "Running" and runner.local_pod(namespace, "held")
+
+        wait_for("the container started once the Secret exists", running)
+    finally:
+        runner.stop()
+    assert not runner.errors
+
+
 def test_deleting_the_pod_kills_its_process(kube_cluster: Any, ns: Any, tmp_path: Path) -> None:
     core, namespace = ns
     runner = KwokProcessRunner(kube_cluster.api_client(), tmp_path, namespace)

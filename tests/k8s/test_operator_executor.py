@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import io
 import json
 from collections.abc import Iterator
 from datetime import UTC, datetime
@@ -366,6 +367,88 @@ def test_the_observer_caches_model_configs_and_reports_why_one_cannot_be_read(
     assert isinstance(parse_spec(bad), str)
     unread = observer.observe(bad, {}, {}, wanted, now)
     assert unread.model is None and unread.cluster_pods is None
+
+
+def test_each_job_s_credentials_and_data_set_are_checked_before_its_pods(
+    kube: Kube, api: ClusterApi, minio_server: Any, model_dir: Path
+) -> None:
+    """Jobs on one s3:// model: the first, with good keys, reads config.json; the others
+    name a Secret that does not exist, one without the key, and one with a key the store
+    refuses: each is told so, none is planned on the first job's read (whatever another
+    job read before). Then a Secret, keys and a data set that are wrong are told, for a job
+    whose model the operator reads from a local directory too."""
+    mc, bucket = minio_server.client(), minio_server.bucket
+    body = json.dumps(SMOLLM2_135M_CONFIG).encode()
+    mc.put_object(bucket, "models/creds/config.json", io.BytesIO(body), len(body))
+    uri = f"s3://{bucket}/models/creds/"
+    keys = {"AWS_ACCESS_KEY_ID": minio_server.access_key,
+            "AWS_SECRET_ACCESS_KEY": minio_server.secret_key}  # fmt: skip
+    for name, data in (("good", keys), ("partial", {"AWS_ACCESS_KEY_ID": minio_server.access_key}),
+                       ("refused", {**keys, "AWS_SECRET_ACCESS_KEY": "not-the-key"})):  # fmt: skip
+        kube.core.create_namespaced_secret(
+            kube.ns, client.V1Secret(metadata=client.V1ObjectMeta(name=name), string_data=data)
+        )
+    observer = Observer(api)
+
+    def model(name: str, secret: str) -> Any:
+        job = (
+            cluster_job(name, uri, kube.ns)
+            .checkpoint(f"s3://{bucket}/ckpt", endpoint=minio_server.url)
+            .credentials(secret)
+        )
+        return observer.observe(kube.create_job(job.build()), {}, {}, Needs(model=True),
+                                datetime.now(UTC)).model  # fmt: skip
+
+    assert model("first", "good").config == SMOLLM2_135M_CONFIG
+    missing = model("second", "absent")
+    assert missing.config is None and missing.error.startswith(
+        "spec.checkpoint.credentialsSecret.name: Secret 'absent' does not exist"
+    )
+    partial = model("third", "partial")
+    assert partial.config is None and partial.error.startswith(
+        "spec.checkpoint.credentialsSecret.secretKeyKey: Secret 'partial' has no key"
+    )
+    refused = model("fourth", "refused")
+    assert refused.config is None and "SignatureDoesNotMatch" in refused.error, refused.error
+    assert model("fifth", "good").config == SMOLLM2_135M_CONFIG  # the same keys: read once
+
+    # The inputs are looked at before any pod exists: the Secret, the store's answer to its
+    # keys, the data set (missing, empty, or there), for a job on a local model too.
+    mc.put_object(bucket, "data/empty.jsonl", io.BytesIO(b""), 0)
+    mc.put_object(bucket, "data/one.jsonl", io.BytesIO(b'{"text": "a"}\n'), 14)
+
+    def problem(name: str, key: str, secret: str = "good") -> tuple[str, str] | None:
+        job = (
+            cluster_job(name, str(model_dir), kube.ns)
+            .dataset(f"s3://{bucket}/{key}")
+            .checkpoint(f"s3://{bucket}/ckpt", endpoint=minio_server.url)
+            .credentials(secret)
+        )
+        found = observer.observe(kube.create_job(job.build()), {}, {}, Needs(model=True),
+                                 datetime.now(UTC)).inputs  # fmt: skip
+        return (found.reason, found.message) if found is not None else None
+
+    assert problem("d1", "data/one.jsonl") is None
+    data = f"s3://{bucket}/data"
+    assert problem("d2", "data/none.jsonl") == (
+        "DatasetUnavailable",
+        f"spec.dataset.uri {data}/none.jsonl: no such object; upload the JSONL file",
+    )
+    assert problem("d3", "data/empty.jsonl") == (
+        "DatasetUnavailable",
+        f"spec.dataset.uri {data}/empty.jsonl: the object is empty; it needs at least one record",
+    )
+    assert problem("d4", "data/one.jsonl", "absent") == (
+        "CredentialsUnavailable",
+        f"spec.checkpoint.credentialsSecret.name: Secret 'absent' does not exist in namespace "
+        f"{kube.ns!r}; create it with the keys AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY",
+    )
+    refused = problem("d5", "data/one.jsonl", "refused")
+    assert refused is not None and refused[0] == "CredentialsUnavailable", refused
+    assert refused[1].startswith(
+        f"spec.checkpoint.credentialsSecret: the store at {minio_server.url} refused the keys "
+        f"of Secret 'refused' for s3://{bucket}/ckpt (SignatureDoesNotMatch: "
+    ), refused
 
 
 # --- a runner's passes --------------------------------------------------------------------

@@ -20,6 +20,7 @@ from relaytrain_operator.domain.recovery import REPLACING
 from relaytrain_operator.domain.status import READY, condition, to_manifest
 from relaytrain_operator.loop.decide import (
     Decision,
+    InputProblem,
     ModelConfig,
     Needs,
     Observed,
@@ -96,6 +97,13 @@ CASES = [
         ["patch", "event:ModelUnavailable"],
         "Pending",
         "ModelUnavailable",
+    ),
+    Case(
+        "a data set the store has not (or holds empty): nothing is created",
+        observed(JOB.build(), inputs=InputProblem("DatasetUnavailable", "no such object")),
+        ["patch", "event:DatasetUnavailable"],
+        "Pending",
+        "DatasetUnavailable",
     ),
     Case(
         "no free GPU anywhere: Unschedulable",
@@ -227,6 +235,36 @@ CASES = [
         "Failed",
         "BackoffLimitExceeded",
         [2, 0],
+    ),
+    Case(
+        "a stage that stops on bad input fails the job at once, counting no restart",
+        observed(
+            JOB.status(running_status()).build(),
+            [
+                pod(0, "Failed", exit_code=3, message="relaytrain-worker: stage 0: no records"),
+                pod(1),
+            ],
+        ),
+        ["delete:j-stage-0", "delete:j-stage-1", "patch", "event:InvalidInput"],
+        "Failed",
+        "InvalidInput",
+        [0, 0],
+    ),
+    Case(
+        "a stage the store refused fails the job at once",
+        observed(JOB.status(running_status()).build(), [pod(0), pod(1, "Failed", exit_code=5)]),
+        ["delete:j-stage-0", "delete:j-stage-1", "patch", "event:StoreAccessDenied"],
+        "Failed",
+        "StoreAccessDenied",
+        [0, 0],
+    ),
+    Case(
+        "a stage refused by a neighbour's link check is restarted (a replacement may fix it)",
+        observed(JOB.status(running_status()).build(), [pod(0, "Failed", exit_code=4), pod(1)]),
+        ["patch", "event:StageRestarting", "delete:j-stage-0", "patch"],
+        "Recovering",
+        "StageRestarting",
+        [1, 0],
     ),
     # --- completion ---
     Case(

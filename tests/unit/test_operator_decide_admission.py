@@ -102,14 +102,20 @@ def test_unschedulable_clears_a_stale_plan_and_says_why() -> None:
     assert summary(again) == []
 
 
+def test_a_model_no_fleet_can_train_is_an_invalid_spec_not_a_wait() -> None:
+    # A config.json without the sizes (an unsupported family: test_planner_families.py).
+    config: dict[str, Any] = {"model_type": "llama"}
+    message = "The model's config.json cannot be planned: "
+    decision = decide(observed(JOB.build(), model=ModelConfig(config)), SETTINGS)
+    assert decision.status is not None and decision.status.plan is None
+    assert (decision.status.phase, ready_reason(decision)) == ("Failed", "InvalidSpec")
+    assert condition(decision.status, READY).message.startswith(message)  # type: ignore[union-attr]
+    assert [e.reason for e in events(decision)] == ["InvalidSpec"]
+
+
 @pytest.mark.parametrize(
     ("model", "settings", "message"),
     [
-        (
-            ModelConfig({"model_type": "llama"}),
-            SETTINGS,
-            "The model's config.json cannot be planned",
-        ),
         (
             ModelConfig(SMOLLM2_135M_CONFIG),
             replace(SETTINGS, default_link=None),

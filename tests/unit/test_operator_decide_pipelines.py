@@ -150,6 +150,31 @@ def test_several_pipelines_running_are_ready_and_not_degraded() -> None:
     assert summary(decide(observed(job, pods), SETTINGS)) == []
 
 
+def _held(p: dict[str, Any]) -> dict[str, Any]:
+    """`p` Pending, its container held by the kubelet for a missing Secret."""
+    p = copy.deepcopy(p)
+    state = {"waiting": {"reason": "CreateContainerConfigError", "message": 'secret "s" not found'}}
+    p["status"] = {"phase": "Pending", "containerStatuses": [{"name": "worker", "state": state}]}
+    return p
+
+
+def test_a_stage_that_cannot_start_says_why_its_pipeline_is_out() -> None:
+    job, pods = fleet()
+    held = [*without(pods, "j-p1-s0"), _held(named(pods, "j-p1-s0"))]
+    decision = decide(observed(job, held), SETTINGS)
+    assert decision.status is not None and ready_reason(decision) == "PipelinesDegraded"
+    assert condition(decision.status, READY).message == (  # type: ignore[union-attr]
+        "1/2 pipelines are training (pipeline 1 is pending: Stage p1/s0 cannot start its "
+        'container (CreateContainerConfigError): secret "s" not found); the others train on '
+        "with the step's micro-batches shared among them."
+    )
+    # Held in every pipeline: the job says so as for one pipeline.
+    all_held = [_held(named(pods, n)) if n.endswith("s0") else named(pods, n)
+                for n in sorted(p["metadata"]["name"] for p in pods)]  # fmt: skip
+    stuck = decide(observed(job, all_held), SETTINGS)
+    assert stuck.status is not None and ready_reason(stuck) == "CreateContainerConfigError"
+
+
 def test_a_failed_stage_takes_out_its_pipeline_only() -> None:
     job, pods = fleet()
     broken = [*without(pods, "j-p1-s0"), failed(named(pods, "j-p1-s0"))]

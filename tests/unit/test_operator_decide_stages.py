@@ -229,6 +229,102 @@ def test_counting_is_patched_before_the_delete_and_events_follow_the_count() -> 
     )
 
 
+def test_a_stage_stopped_on_bad_input_is_quoted_in_the_condition_and_its_one_event() -> None:
+    said = "relaytrain-worker: stage 1: dataset.uri 's3://b/d.jsonl': no records"
+    decision = decide(
+        observed(JOB.status(running_status()).build(), [pod(0), pod(1, "Failed", exit_code=3,
+                                                                   message=said + "\n")]),
+        SETTINGS,
+    )  # fmt: skip
+    want = f"Stage 1 stopped, not to be restarted (InvalidInput): {said}"
+    assert decision.status is not None
+    ready = condition(decision.status, READY)
+    assert ready is not None and (ready.reason, ready.message) == ("InvalidInput", want)
+    assert [(e.type, e.reason, e.message) for e in events(decision)] == [
+        ("Warning", "InvalidInput", want)
+    ]
+    assert decision.restarts == 0 and [s.restarts for s in decision.status.stages] == [0, 0]
+    # Without a termination message, the condition says where to look.
+    silent = decide(
+        observed(JOB.status(running_status()).build(), [pod(0, "Failed", exit_code=2), pod(1)]),
+        SETTINGS,
+    )
+    assert silent.status is not None and ready_reason(silent) == "InvalidStageConfig"
+    silent_ready = condition(silent.status, READY)
+    assert silent_ready is not None and silent_ready.message.endswith(
+        "it left no termination message (see its pod's log)"
+    )
+
+
+def test_a_crash_ends_the_restart_event_and_the_failure_with_its_last_words() -> None:
+    log = "Traceback (most recent call last):\n  ...\nRuntimeError: CUDA error: " + "x" * 500
+    crashed = pod(0, "Failed", exit_code=1, message=log)
+    first = decide(observed(JOB.status(running_status()).build(), [crashed, pod(1)]), SETTINGS)
+    words = " Its last words: RuntimeError: CUDA error: " + "x" * 373 + "…"  # 400 characters
+    assert events(first)[0].message == (
+        "Stage 0 pod j-stage-0 ended (Failed); replacing it (restart 1 of 2)." + words
+    )
+    spent = JOB.status(running_status(stage(0, restarts=2), stage(1))).build()
+    last = decide(observed(spent, [pod(0, "Failed", incarnation=2, exit_code=1, message=log),
+                                   pod(1)]), SETTINGS)  # fmt: skip
+    assert last.status is not None and ready_reason(last) == "BackoffLimitExceeded"
+    last_ready = condition(last.status, READY)
+    assert last_ready is not None and last_ready.message == (
+        "Stage 0 failed again (Failed) after 2 restarts; spec.failurePolicy.maxStageRestarts "
+        "is 2." + words
+    )
+    # A crash without any words (nothing logged) adds nothing.
+    silent_crash = pod(0, "Failed", exit_code=137, message=" \n")
+    mute = decide(observed(JOB.status(running_status()).build(), [silent_crash, pod(1)]), SETTINGS)
+    assert events(mute)[0].message.endswith("(restart 1 of 2).")
+
+
+def test_a_container_that_cannot_start_is_named_in_the_condition_once() -> None:
+    # The Secret went after the plan: the kubelet holds the container (its words).
+    no_secret = ("CreateContainerConfigError", 'secret "s3" not found')
+    first = decide(
+        observed(
+            JOB.status(running_status()).build(), [pod(0), pod(1, "Pending", waiting=no_secret)]
+        ),
+        SETTINGS,
+    )
+    want = 'Stage 1 cannot start its container (CreateContainerConfigError): secret "s3" not found'
+    assert first.status is not None and ready_reason(first) == "CreateContainerConfigError"
+    assert condition(first.status, READY).message == want  # type: ignore[union-attr]
+    assert [(e.type, e.reason) for e in events(first)] == [
+        ("Warning", "CreateContainerConfigError")
+    ]
+    again = decide(
+        observed(JOB.status(to_manifest(first.status)).build(),
+                 [pod(0), pod(1, "Pending", waiting=no_secret)]),
+        SETTINGS,
+    )  # fmt: skip
+    assert events(again) == []  # the same words: no second Event
+    # An image pull's two alternating reasons read as one, with words that do not change.
+    for kubelet in (("ErrImagePull", "rpc error: not found"), ("ImagePullBackOff", "Back-off")):
+        pulling = decide(
+            observed(
+                JOB.status(running_status()).build(), [pod(0, "Pending", waiting=kubelet), pod(1)]
+            ),
+            SETTINGS,
+        )
+        assert pulling.status is not None and ready_reason(pulling) == "ImagePullBackOff"
+        assert condition(pulling.status, READY).message == (  # type: ignore[union-attr]
+            "Stage 0 cannot start its container (ImagePullBackOff): the kubelet cannot pull "
+            "image 'w:1' (its Events on the pod say why; a private registry needs "
+            "imagePullSecrets)"
+        )
+    # A container that merely starts (ContainerCreating) is no problem.
+    creating = ("ContainerCreating", "")
+    fine = decide(
+        observed(
+            JOB.status(running_status()).build(), [pod(0, "Pending", waiting=creating), pod(1)]
+        ),
+        SETTINGS,
+    )
+    assert ready_reason(fine) == "StagesStarting"
+
+
 def test_a_pod_of_a_lost_node_in_grace_is_kept() -> None:
     nodes = [
         node("a100-0", "a100", ready=False, since="2026-11-22T09:59:50Z"),

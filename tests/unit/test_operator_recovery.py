@@ -220,3 +220,34 @@ def test_a_terminating_pod_on_a_lost_node_is_force_deleted_and_counted_once() ->
     assert again == StageDecision("delete", force=True)
     failed_again = decide(StageRecord(0, restarts=1, phase=REPLACING), pod(incarnation=0), None)
     assert failed_again == StageDecision("delete", force=True)
+
+
+def _ended(code: Any, message: str | None = None, incarnation: int = 0) -> dict[str, Any]:
+    failed = pod("Failed", incarnation=incarnation)
+    terminated: dict[str, Any] = {"exitCode": code, "reason": "Error"}
+    if message is not None:
+        terminated["message"] = message
+    failed["status"]["containerStatuses"] = [
+        {"name": "worker", "state": {"terminated": terminated}}
+    ]
+    return failed
+
+
+def test_a_non_retryable_exit_of_the_current_pod_is_fatal_with_the_stage_s_words() -> None:
+    verdict = decide(StageRecord(0, phase="Running"), _ended(3, " no records\n"), READY_NODE)
+    assert (verdict.action, verdict.failure) == ("delete", "Failed")
+    assert (verdict.fatal, verdict.message) == ("InvalidInput", "no records")
+    # A crash, a link refused, an exit code that is no number: restarted as before.
+    for code in (1, 4, 137, "3", None):
+        plain = decide(StageRecord(0, phase="Running"), _ended(code), READY_NODE)
+        assert (plain.failure, plain.fatal) == ("Failed", None), code
+    # A past incarnation's exit was judged when it happened: it is only deleted.
+    past = decide(StageRecord(0, restarts=1, phase=REPLACING), _ended(3), READY_NODE)
+    assert past == StageDecision("delete")
+
+
+def test_a_pod_still_running_has_no_exit() -> None:
+    assert recovery.stage_exit(pod()) == (None, "")
+    waiting = pod("Pending")
+    waiting["status"]["containerStatuses"] = [{"name": "worker", "state": {"waiting": {}}}]
+    assert recovery.stage_exit(waiting) == (None, "")

@@ -182,11 +182,12 @@ def test_the_operator_refuses_an_unsupported_type_before_any_pod() -> None:
     (event,) = events(decision)
     listed = ", ".join(SUPPORTED_MODEL_TYPES)
     want = f"model_type 'phimoe' is not supported; supported: {listed}"
-    assert (event.type, event.reason) == ("Warning", "Unschedulable")
+    # No fleet trains it: the spec must name another model (not a wait for GPUs).
+    assert (event.type, event.reason) == ("Warning", "InvalidSpec")
     assert want in event.message
-    assert decision.status is not None
+    assert decision.status is not None and decision.status.phase == "Failed"
     ready = next(c for c in decision.status.conditions if c.type == "Ready")
-    assert ready.reason == "Unschedulable" and want in ready.message
+    assert ready.reason == "InvalidSpec" and want in ready.message
 
 
 # --- per-family costing --------------------------------------------------------------

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 from relaytrain_contract import CONFIG_ENV, ConfigError, StageConfig
+from relaytrain_contract.exits import TERMINATION_LOG_ENV, StageExit
 from relaytrain_testkit.stage_document import DOC
 
 pytestmark = pytest.mark.unit
@@ -90,16 +91,26 @@ def test_the_worker_refuses_a_bad_document_at_start_up(tmp_path: Any) -> None:
 
     worker_root = Path(__file__).resolve().parents[2] / "worker_image"
     bad = _with("training.microBatchSize", "4")
-    env = {**os.environ, "PYTHONPATH": str(worker_root), CONFIG_ENV: json.dumps(bad)}
+    said = tmp_path / "termination-log"  # where a kubelet's file would be
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(worker_root),
+        CONFIG_ENV: json.dumps(bad),
+        TERMINATION_LOG_ENV: str(said),
+    }
     done = subprocess.run(
         [sys.executable, "-m", "relaytrain_worker"],
         capture_output=True, text=True, check=False, timeout=60, env=env,
     )  # fmt: skip
-    assert done.returncode == 2
-    assert (
-        "invalid stage config: training.microBatchSize: should be a valid integer (got '4')"
-        in done.stderr
+    assert done.returncode == StageExit.INVALID_CONFIG == 2
+    line = (
+        "relaytrain-worker: invalid stage config: training.microBatchSize: should be a valid "
+        "integer (got '4')"
     )
+    assert line in done.stderr
+    # The same line is the container's termination message, which the operator quotes.
+    assert said.read_text() == line
+    env.pop(TERMINATION_LOG_ENV)
     # The same from a file, for a constraint rather than a type.
     path = tmp_path / "stage.json"
     path.write_text(json.dumps(_with("method.rank", 0)))

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from relaytrain_contract import CONFIG_ENV as ENV
+from relaytrain_contract.exits import MESSAGE_LIMIT, TERMINATION_LOG, TERMINATION_LOG_ENV, StageExit
 
 
 def _terminate(_signum: int, _frame: object) -> None:
@@ -21,7 +22,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _main(argv)
     except KeyboardInterrupt:  # SIGTERM while loading, or while closing links once done
-        return 130
+        return StageExit.STOPPED
+
+
+def stop(code: StageExit, line: str) -> int:
+    """End the stage on `line`: one line on stderr and in the container's termination
+    message (relaytrain_contract.exits), which the operator quotes in the job's condition.
+    Returns `code`."""
+    text = f"relaytrain-worker: {line}"
+    print(text, file=sys.stderr)
+    path = os.environ.get(TERMINATION_LOG_ENV) or TERMINATION_LOG
+    try:  # a kubelet provides the file; elsewhere (a shell, run --local) there is none
+        if os.environ.get(TERMINATION_LOG_ENV) or os.path.exists(path):
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(text.encode()[:MESSAGE_LIMIT].decode(errors="ignore"))
+    except OSError:
+        pass
+    return code
 
 
 def _main(argv: Sequence[str] | None) -> int:
@@ -43,8 +60,7 @@ def _main(argv: Sequence[str] | None) -> int:
     try:
         cfg = StageConfig.from_json(document)
     except ConfigError as exc:
-        print(f"relaytrain-worker: invalid stage config: {exc}", file=sys.stderr)
-        return 2
+        return stop(StageExit.INVALID_CONFIG, f"invalid stage config: {exc}")
     # SIGTERM (pod deletion, Ctrl-C of `relaytrain run --local`) exits like Ctrl-C.
     signal.signal(signal.SIGTERM, _terminate)
 
@@ -53,29 +69,46 @@ def _main(argv: Sequence[str] | None) -> int:
     from relaytrain_worker.process import load_runtime
     from relaytrain_worker.state.records import DataError
 
+    where = f"stage {cfg.stage.index}"
+    if cfg.replicas is not None:
+        where = f"stage p{cfg.replicas.pipeline}/s{cfg.stage.index}"
     try:
         runtime = load_runtime(cfg)
     except (ModelLoadError, DataError) as exc:
-        print(f"relaytrain-worker: stage {cfg.stage.index}: {exc}", file=sys.stderr)
-        return 3
+        return stop(StageExit.INVALID_INPUT, f"{where}: {exc}")
     except AuthError as exc:
-        print(
-            f"relaytrain-worker: stage {cfg.stage.index}: link credentials: {exc}", file=sys.stderr
-        )
-        return 4
+        return stop(StageExit.LINK_REFUSED, f"{where}: link credentials: {exc}")
+    except Exception as exc:
+        return _store_failure(where, exc)
     try:
         return runtime.run()
     except AuthError as exc:
-        print(f"relaytrain-worker: stage {cfg.stage.index}: link refused: {exc}", file=sys.stderr)
-        return 4
+        return stop(StageExit.LINK_REFUSED, f"{where}: link refused: {exc}")
     except KeyboardInterrupt:
         logging.getLogger("relaytrain.stage").info("Stage %d stopped", cfg.stage.index)
-        return 130
+        return StageExit.STOPPED
+    except (ModelLoadError, DataError) as exc:  # a held-out file read at its first pass
+        return stop(StageExit.INVALID_INPUT, f"{where}: {exc}")
+    except Exception as exc:
+        return _store_failure(where, exc)
     finally:
         # The outcome is decided: a SIGTERM from here on (the pod deleted once the job is
         # done) ends the process as any program's, never as an uncaught KeyboardInterrupt.
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         runtime.close()
+
+
+def _store_failure(where: str, exc: Exception) -> int:
+    """A store error as one line and its code (the store's refusal is not retried; an
+    outage past the store's retries is); any other error goes up as the crash it is."""
+    from relaytrain_worker.state.store import StoreError, refusal
+
+    refused = refusal(exc)
+    if refused is not None:
+        return stop(StageExit.STORE_REFUSED, f"{where}: {refused}")
+    if isinstance(exc, StoreError):
+        return stop(StageExit.FAILED, f"{where}: {exc}")
+    raise exc
 
 
 def _exit(code: int) -> None:

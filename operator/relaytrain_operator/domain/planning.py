@@ -30,7 +30,7 @@ from relaytrain_operator.spec import FineTuneJob
 
 JsonDict = dict[str, Any]
 
-__all__ = ["LoraTargetError", "PlanError", "make_plan", "training_shape"]
+__all__ = ["LoraTargetError", "ModelConfigError", "PlanError", "make_plan", "training_shape"]
 
 
 def training_shape(job: FineTuneJob) -> TrainingShape:
@@ -49,6 +49,11 @@ def training_shape(job: FineTuneJob) -> TrainingShape:
     )
 
 
+class ModelConfigError(PlanError):
+    """The model at spec.model.uri is one the planner cannot plan (its family unsupported,
+    its config.json missing a field): the spec must name another, whatever GPUs there are."""
+
+
 def make_plan(
     job: FineTuneJob,
     model_config: JsonDict,
@@ -60,7 +65,8 @@ def make_plan(
 ) -> JsonDict:
     """Plan `job` onto the GPUs free now; status.plan. Raises PlanError when it cannot.
 
-    A model config the planner cannot read and nodes it cannot make pools of are
+    A model config the planner cannot read (`ModelConfigError`: an unsupported family, a
+    missing field — no fleet will change that) and nodes it cannot make pools of are
     PlanErrors too: either way the job cannot be scheduled as written, and the message
     says why.
     """
@@ -68,7 +74,7 @@ def make_plan(
     try:
         shape = ModelShape.from_hf_config(model_config)
     except ValueError as err:
-        raise PlanError(f"The model's config.json cannot be planned: {err}") from err
+        raise ModelConfigError(f"The model's config.json cannot be planned: {err}") from err
     try:
         pools = job_pools(job, nodes, pods, default_link=default_link)
     except PoolError as err:

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
+from relaytrain_contract.exits import non_retryable
+
 INCARNATION_ANNOTATION = "relaytrain.io/incarnation"
 REPLACING = "Replacing"
 """Stage phase while its successor pod is due (the failure is counted)."""
@@ -57,6 +59,12 @@ class StageDecision:
     NodeLost). The caller counts it (or fails the job when the policy allows no more)."""
     force: bool = False
     """Delete without grace: the pod's node is gone or not ready, no kubelet will confirm."""
+    fatal: str | None = None
+    """Set with `failure` when the stage exited with a code no restart can help
+    (relaytrain_contract.exits.NON_RETRYABLE): the job condition's reason. The caller fails
+    the job at once instead of counting a restart."""
+    message: str = ""
+    """The stage's termination message (its own words on why it stopped), if it left one."""
 
 
 def after_failure(restarts: int, max_restarts: int) -> int | None:
@@ -111,6 +119,48 @@ def node_lost(node: JsonDict | None, now: datetime, grace: timedelta) -> bool:
     return False
 
 
+def stage_exit(pod: JsonDict) -> tuple[int | None, str]:
+    """How the stage's container ended, from the pod's status: its exit code (None while it
+    has not ended) and its termination message, stripped ("" when it left none)."""
+    for status in (pod.get("status") or {}).get("containerStatuses") or []:
+        terminated = (status.get("state") or {}).get("terminated")
+        if terminated:
+            code = terminated.get("exitCode")
+            message = str(terminated.get("message") or "").strip()
+            return (code if isinstance(code, int) else None), message
+    return None, ""
+
+
+STUCK_REASONS = {
+    "CreateContainerConfigError": "CreateContainerConfigError",
+    "CreateContainerError": "CreateContainerError",
+    "InvalidImageName": "InvalidImageName",
+    "ErrImagePull": "ImagePullBackOff",
+    "ImagePullBackOff": "ImagePullBackOff",
+    "ErrImageNeverPull": "ImagePullBackOff",
+}
+"""The kubelet's reasons for a container that waits and will not start by itself (a
+missing Secret, an image it cannot pull), and the job condition's reason for each: a pull's
+two alternating reasons are one, so the condition does not flip on every back-off."""
+
+
+def stuck(pod: JsonDict) -> tuple[str, str] | None:
+    """(reason, what the kubelet says) when the pod's container waits on something it will
+    not get by itself (`STUCK_REASONS`); None otherwise. A pull names the image: the
+    registry's answer varies from try to try and is in the pod's Events."""
+    for status in (pod.get("status") or {}).get("containerStatuses") or []:
+        waiting = (status.get("state") or {}).get("waiting") or {}
+        reason = STUCK_REASONS.get(str(waiting.get("reason")))
+        if reason == "ImagePullBackOff":
+            return reason, (
+                f"the kubelet cannot pull image {status.get('image')!r} (its Events on the "
+                "pod say why; a private registry needs imagePullSecrets)"
+            )
+        if reason is not None:
+            return reason, str(waiting.get("message") or "").strip()
+    return None
+
+
 def pod_failure(
     pod: JsonDict, node: JsonDict | None, now: datetime, grace: timedelta
 ) -> str | None:
@@ -158,5 +208,7 @@ def decide(
         return StageDecision("delete")
     force = failure == "NodeLost"
     if current:
-        return StageDecision("delete", failure=failure, force=force)
+        code, message = stage_exit(pod)
+        fatal = non_retryable(code)
+        return StageDecision("delete", failure=failure, force=force, fatal=fatal, message=message)
     return StageDecision("delete", force=force)

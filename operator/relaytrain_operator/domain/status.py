@@ -14,6 +14,8 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any, Literal
 
+from relaytrain_contract.exits import NON_RETRYABLE
+
 from relaytrain_operator.domain.recovery import REPLACING
 from relaytrain_operator.spec import (
     Condition,
@@ -34,14 +36,24 @@ what it asks for (planning, starting, recovering, waiting for GPUs, a pipeline o
 STALLED = "Stalled"
 """kstatus's abnormal-true condition: True when nothing more happens without the user
 (an invalid spec, a model that cannot be read, restarts used up)."""
-STALLED_REASONS = ("InvalidSpec", "ModelUnavailable", "BackoffLimitExceeded")
+WORKER_REASONS = tuple(NON_RETRYABLE.values())
+"""Why a job failed at once on a stage's own word (relaytrain_contract.exits): InvalidInput,
+InvalidStageConfig, StoreAccessDenied."""
+STALLED_REASONS = (
+    "InvalidSpec",
+    "ModelUnavailable",
+    "DatasetUnavailable",
+    "CredentialsUnavailable",
+    "BackoffLimitExceeded",
+    *WORKER_REASONS,
+)
 DEGRADED = "Degraded"
 """Condition of a job that trains several pipelines: True while one of them is out
 (recovering or given up) and the others train on."""
 
 # Reasons after which nothing more happens to the job (an InvalidSpec "Failed" is not
 # one: a corrected spec clears it).
-TERMINAL_REASONS = ("Succeeded", "BackoffLimitExceeded")
+TERMINAL_REASONS = ("Succeeded", "BackoffLimitExceeded", *WORKER_REASONS)
 
 
 def rfc3339(moment: datetime) -> str:
@@ -237,22 +249,24 @@ def stage_name(entry: StageStatus) -> str:
 
 
 def running_verdict(
-    stages: list[StageStatus], waiting: Mapping[tuple[int, int], str] | None = None
+    stages: list[StageStatus],
+    waiting: Mapping[tuple[int, int], str] | None = None,
+    *,
+    stuck: Mapping[tuple[int, int], tuple[str, str]] | None = None,
 ) -> Verdict:
     """Phase and conditions of a started job from its stage entries. `waiting`: stages
     (pipeline, stage) whose pod waits on a full pool because no eligible node had a free
-    GPU, and why."""
+    GPU, and why. `stuck`: stages whose container waits on what it will not get by itself
+    (a missing Secret, an image that cannot be pulled), with the reason and message."""
     total = len(stages)
     running = [s for s in stages if s.phase == "Running"]
+    phase = "Recovering" if any(s.restarts for s in stages) else "Pending"
     if waiting:
         first = min(waiting)
-        return Verdict(
-            "Recovering" if any(s.restarts for s in stages) else "Pending",
-            False,
-            False,
-            "Unschedulable",
-            waiting[first],
-        )
+        return Verdict(phase, False, False, "Unschedulable", waiting[first])
+    if stuck:
+        reason, message = stuck[min(stuck)]
+        return Verdict(phase, False, False, reason, message)
     recovering = [
         stage_name(s)
         for s in stages
@@ -315,20 +329,23 @@ def fleet_verdict(
     stages: list[StageStatus],
     pipelines: list[PipelineStatus] | None,
     waiting: Mapping[tuple[int, int], str] | None = None,
+    *,
+    stuck: Mapping[tuple[int, int], tuple[str, str]] | None = None,
 ) -> Verdict:
     """Phase and conditions of a started job: `running_verdict` for one pipeline. With
     several, the job is Running while any pipeline trains, Degraded while another is out
-    (recovering, or given up); with none training, the live pipelines' stages decide as
-    for one pipeline."""
+    (recovering, or given up; a stage that cannot start its container says why); with
+    none training, the live pipelines' stages decide as for one pipeline."""
     if not pipelines:
-        return running_verdict(stages, waiting)
+        return running_verdict(stages, waiting, stuck=stuck)
     failed = {p.index for p in pipelines if p.phase == "Failed"}
     training = [p for p in pipelines if p.phase == "Running"]
     out = [p for p in pipelines if p.phase != "Running"]
     if not training:
         live = [s for s in stages if s.pipeline not in failed]
         waits = {k: why for k, why in (waiting or {}).items() if k[0] not in failed}
-        return replace(running_verdict(live, waits), degraded=bool(failed))
+        blocked = {k: why for k, why in (stuck or {}).items() if k[0] not in failed}
+        return replace(running_verdict(live, waits, stuck=blocked), degraded=bool(failed))
     total = len(pipelines)
     if not out:
         return Verdict(
@@ -343,6 +360,8 @@ def fleet_verdict(
         f"pipeline {p.index} is {'given up' if p.phase == 'Failed' else p.phase.lower()}"
         for p in out
     )
+    if stuck:  # the first stage that cannot start says why its pipeline waits
+        why += f": {stuck[min(stuck)][1]}"
     return Verdict(
         "Running",
         True,

@@ -30,9 +30,22 @@ from relaytrain_operator.domain.builders.labels import StageKey
 from relaytrain_operator.domain.progress import Progress, fold, job_store_uri
 from relaytrain_operator.domain.queueing import priority_class_of, read_admission, workload_name
 from relaytrain_operator.loop.apply import ClusterApi
-from relaytrain_operator.loop.decide import ModelConfig, Needs, Observed, parse_spec, stage_pods
+from relaytrain_operator.loop.decide import (
+    InputProblem,
+    ModelConfig,
+    Needs,
+    Observed,
+    parse_spec,
+    stage_pods,
+)
 from relaytrain_operator.spec import FineTuneJob, is_s3
-from relaytrain_operator.store.objectstore import StoreAccess, StoreError, read_json
+from relaytrain_operator.store.objectstore import (
+    StoreAccess,
+    StoreError,
+    object_size,
+    read_json,
+    store_refusal,
+)
 
 JsonDict = dict[str, Any]
 
@@ -42,7 +55,9 @@ class Observer:
 
     def __init__(self, api: ClusterApi) -> None:
         self.api = api
-        self._model_configs: dict[tuple[str | None, str], JsonDict] = {}
+        self._model_configs: dict[tuple[StoreAccess | None, str], JsonDict] = {}
+        """config.json by the credentials that read it and the model's URI: a job with other
+        (or missing) credentials checks them itself, whatever another job read before."""
 
     def stage_pods(self, namespace: str, name: str) -> dict[StageKey, JsonDict]:
         """The job's stage pods as the API server has them now."""
@@ -94,6 +109,7 @@ class Observer:
             nodes=known,
             cluster_pods=self.api.list_active_pods() if wanted.room else None,
             model=self.model_config(spec) if wanted.model else None,
+            inputs=self.input_problem(spec) if wanted.model else None,
             progress=self.progress(spec, now) if wanted.progress else None,
             workload=workload,
             flavors=flavors,
@@ -131,22 +147,71 @@ class Observer:
     def model_config(self, job: FineTuneJob) -> ModelConfig:
         """The base model's config.json, or why it cannot be read."""
         uri = job.spec.model.uri
-        key = (job.spec.checkpoint.endpoint, uri)
-        if key in self._model_configs:
-            return ModelConfig(self._model_configs[key])
         if uri.startswith("hf://"):
             return ModelConfig(
                 error=f"spec.model.uri {uri}: the operator plans from the model's config.json "
                 f"and has no hub access; copy the model to an s3:// prefix"
             )
+        try:  # the job's Secret is read for every job, never taken from another's read
+            access = self.store_access(job) if is_s3(uri) else None
+        except StoreError as err:
+            return ModelConfig(error=str(err))
+        key = (access, uri)
+        if key in self._model_configs:
+            return ModelConfig(self._model_configs[key])
         try:
-            config = read_json(uri, "config.json", self.store_access(job) if is_s3(uri) else None)
+            config = read_json(uri, "config.json", access)
         except StoreError as err:
             return ModelConfig(error=str(err))
         if config is None:
             return ModelConfig(error=f"spec.model.uri {uri} has no config.json")
         self._model_configs[key] = config
         return ModelConfig(config)
+
+    def input_problem(self, job: FineTuneJob) -> InputProblem | None:
+        """What is wrong with the job's inputs that the operator can see before any pod
+        exists, checked for every job (nothing here is cached): the credentials Secret it
+        names (exists, holds both keys), the store's answer to those keys, and its s3://
+        data set and held-out file (exist, not empty). None when nothing is, or the store
+        cannot be reached (no verdict: the stages will say). With no Secret named, the
+        operator's own credentials may not be the stages' (an IAM role), so only a missing
+        or empty object counts."""
+        spec, secret = job.spec, job.spec.checkpoint.credentials_secret
+        named = secret is not None
+        try:
+            access = self.store_access(job)
+        except StoreError as err:
+            return InputProblem("CredentialsUnavailable", str(err))
+        if secret is not None and is_s3(spec.checkpoint.uri):
+            refused = store_refusal(spec.checkpoint.uri, access)
+            if refused is not None:
+                return InputProblem(
+                    "CredentialsUnavailable",
+                    f"spec.checkpoint.credentialsSecret: the store at "
+                    f"{spec.checkpoint.endpoint or 'AWS S3'} refused the keys of Secret "
+                    f"{secret.name!r} for {spec.checkpoint.uri} ({refused})",
+                )
+        validation = spec.dataset.validation.uri if spec.dataset.validation else None
+        for field, uri in (("spec.dataset.uri", spec.dataset.uri),
+                           ("spec.dataset.validation.uri", validation)):  # fmt: skip
+            if uri is None or not is_s3(uri):
+                continue  # a local path is the nodes' to read: its stage says so
+            try:
+                size = object_size(uri, access)
+            except StoreError as err:
+                if named:
+                    return InputProblem("DatasetUnavailable", f"{field} {uri}: {err}")
+                continue
+            if size is None:
+                return InputProblem(
+                    "DatasetUnavailable", f"{field} {uri}: no such object; upload the JSONL file"
+                )
+            if size == 0:
+                return InputProblem(
+                    "DatasetUnavailable",
+                    f"{field} {uri}: the object is empty; it needs at least one record",
+                )
+        return None
 
     def told_given_up(self, job: FineTuneJob) -> tuple[int, ...] | None:
         """The pipelines the job's store tells its stages are given up (None: no such

@@ -49,7 +49,8 @@ class Condition(_Status):
     """Whether the condition holds."""
     reason: str
     """One CamelCase word: e.g. Planned, Unschedulable, StageRestarting, Suspended, Succeeded,
-    BackoffLimitExceeded, InvalidSpec."""
+    BackoffLimitExceeded, InvalidSpec, InvalidInput (a stage's own word, quoted in the
+    message)."""
     message: str = ""
     """What happened, for people."""
     last_transition_time: Timestamp

@@ -135,6 +135,39 @@ def read_object(uri: str, name: str, access: StoreAccess | None) -> bytes | None
         raise StoreError(f"reading {name} under {uri}: {exc}") from exc
 
 
+def object_size(uri: str, access: StoreAccess | None) -> int | None:
+    """The size in bytes of the object `s3://bucket/key` itself, or None when there is no
+    such object (or bucket). Raises StoreError when the store cannot be reached or refuses."""
+    bucket, key = split_s3(uri)
+    try:
+        return int(_client(access or StoreAccess(None)).stat_object(bucket, key).size or 0)
+    except S3Error as exc:
+        if exc.code in ("NoSuchKey", "NoSuchBucket", "NoSuchObject", "ResponseCode"):
+            return None
+        raise StoreError(f"reading {uri}: {exc.code}: {exc.message}") from exc
+    except (urllib3.exceptions.HTTPError, ValueError) as exc:
+        raise StoreError(f"reading {uri}: {exc}") from exc
+
+
+REFUSALS = ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken",
+            "ExpiredToken", "AllAccessDisabled")  # fmt: skip
+"""S3 error codes with which a store refuses the keys it was given."""
+
+
+def store_refusal(uri: str, access: StoreAccess | None) -> str | None:
+    """`code: message` when the store refuses `access` for the bucket of `uri`; None when
+    it takes them (a bucket that does not exist yet is fine: the stages create it) or
+    cannot be reached (no verdict)."""
+    bucket, _ = split_s3(uri)
+    try:
+        _client(access or StoreAccess(None)).bucket_exists(bucket)
+    except S3Error as exc:
+        return f"{exc.code}: {exc.message}" if exc.code in REFUSALS else None
+    except (urllib3.exceptions.HTTPError, ValueError):
+        return None
+    return None
+
+
 def write_json(uri: str, name: str, value: JsonDict, access: StoreAccess | None) -> None:
     """Write `value` as `<uri>/<name>` (`uri` as for `read_object`); StoreError when the
     store cannot be reached or refuses."""

@@ -12,7 +12,11 @@ part for pods that carry the label `relaytrain.io/job`:
   runner, so a replacement pod with the same hostname is reached at the same address,
   as DNS would give it), and the stage contract document is rewritten to use them;
 - when the process exits the pod's status is posted as a kubelet would (Succeeded or
-  Failed with the exit code); a pod that is deleted has its process killed;
+  Failed with the exit code and the termination message: what the process wrote to the
+  file the container's `terminationMessagePath` names — here a file of the pod's own that
+  `RELAYTRAIN_TERMINATION_LOG` points the worker at, where a kubelet would bind-mount it —
+  or, under `FallbackToLogsOnError` after a failure with none, the end of its log); a pod
+  that is deleted has its process killed;
 - every container gets what a kubelet gives it: `KUBERNETES_SERVICE_HOST/PORT` (here the
   real API server on loopback) and its projected volumes — the ServiceAccount token from
   the TokenRequest API, the cluster CA, the namespace — mounted where the pod says, in a
@@ -53,6 +57,7 @@ from typing import Any
 
 from kubernetes.client.exceptions import ApiException
 from relaytrain_contract import CONFIG_ENV
+from relaytrain_contract.exits import MESSAGE_LIMIT, TERMINATION_LOG_ENV
 
 from relaytrain_testkit.harness.kubelet_volumes import (
     IssuedToken,
@@ -92,6 +97,11 @@ class LocalPod:
     tokens_at: float = field(default_factory=time.monotonic)
 
 
+class ContainerConfigError(Exception):
+    """A container cannot be started as its pod says (a missing Secret or key): the
+    kubelet's `CreateContainerConfigError`, in its words."""
+
+
 @dataclass(frozen=True)
 class _Restart:
     """A container that exited and will be started again (restartPolicy Always/OnFailure)."""
@@ -128,6 +138,7 @@ class KwokProcessRunner:
         self.pods: dict[str, LocalPod] = {}  # by pod uid
         self.history: list[LocalPod] = []  # every process started, in order
         self.finished: dict[str, int] = {}  # pod uid -> exit code
+        self.config_errors: dict[str, str] = {}  # pod uid -> why its container cannot start
         self.ports: dict[str, int] = {}  # stable DNS address -> loopback port
         self.errors: list[str] = []
         self._restarts: dict[str, _Restart] = {}  # by pod uid: containers waiting to restart
@@ -191,8 +202,12 @@ class KwokProcessRunner:
                 continue
             if _restarting(pod):
                 self._sync_restarting(pod, local)
-            elif local is None and uid not in self.finished and pod.status.phase == "Running":
-                self._start(pod)
+            elif (
+                local is None
+                and uid not in self.finished
+                and (pod.status.phase == "Running" or uid in self.config_errors)
+            ):
+                self._try_start(pod)
             elif local is not None and local.process.poll() is not None:
                 self._finish(pod, local)
         with self._lock:
@@ -228,10 +243,10 @@ class KwokProcessRunner:
             self._forget(local, kill=False, done=False)
             # The kubelet's back-off: at once the first time, then 10 s, 20 s, ... 5 min.
             delay = 0.0 if local.restarts == 0 else min(300.0, 10.0 * 2 ** (local.restarts - 1))
+            reason = "Completed" if code == 0 else "Error"
+            ended = _terminated(local, code, reason, pod.spec.containers[0])
             self._restarts[uid] = _Restart(
-                local.restarts + 1,
-                time.monotonic() + delay,
-                {"terminated": _terminated(local, code, "Completed" if code == 0 else "Error")},
+                local.restarts + 1, time.monotonic() + delay, {"terminated": ended}
             )
         elif local.tokens and time.monotonic() - local.tokens_at > 0.8 * min(
             t.seconds for t in local.tokens
@@ -239,6 +254,50 @@ class KwokProcessRunner:
             # Refreshed in place before they expire, as a kubelet does (at 80% of their life).
             project_volumes(self.core, pod, pod.spec.containers[0], _pod_dir(self.workdir, pod))
             local.tokens_at = time.monotonic()
+
+    def _try_start(self, pod: Any) -> None:
+        """Start a stage pod's container, or, while its configuration cannot be resolved,
+        hold it as a kubelet does: Pending, the container Waiting with reason
+        CreateContainerConfigError and the kubelet's message, one `Failed` Warning Event,
+        tried again on every pass until the Secret appears."""
+        uid = pod.metadata.uid
+        try:
+            local = self._start(pod)
+        except ContainerConfigError as exc:
+            if self.config_errors.get(uid) != str(exc):
+                self.config_errors[uid] = str(exc)
+                self._claim(pod)
+                self._post_waiting(pod, "CreateContainerConfigError", str(exc))
+                self._event(pod, "Warning", "Failed", f"Error: {exc}")
+            return
+        if self.config_errors.pop(uid, None) is not None:
+            local.ready = True  # no probe runs for such pods; kwok would have said Ready
+            self._post_running(pod, local, first=True)
+
+    def _post_waiting(self, pod: Any, reason: str, message: str) -> None:
+        container = pod.spec.containers[0]
+        status = {
+            "phase": "Pending",
+            "conditions": [
+                {"type": "PodScheduled", "status": "True"},
+                {"type": "Ready", "status": "False", "lastTransitionTime": _now()},
+            ],
+            "containerStatuses": [
+                {
+                    "name": container.name,
+                    "image": container.image,
+                    "imageID": "",
+                    "ready": False,
+                    "started": False,
+                    "restartCount": 0,
+                    "state": {"waiting": {"reason": reason, "message": message}},
+                }
+            ],
+        }
+        with contextlib.suppress(ApiException):  # a pod deleted meanwhile needs no status
+            self.core.patch_namespaced_pod_status(
+                pod.metadata.name, pod.metadata.namespace, {"status": status}
+            )
 
     def _claim(self, pod: Any) -> None:
         # kwok leaves the status of pods annotated so to whoever posts it (here, us).
@@ -380,6 +439,9 @@ class KwokProcessRunner:
         argv = in_mount_namespace(argv, mounts)
         env["TMPDIR"] = str(tmp)
         env["HOME"] = str(tmp)
+        if container.termination_message_path:  # a fresh file for each container start
+            env[TERMINATION_LOG_ENV] = str(tmp / "termination-log")
+            (tmp / "termination-log").write_bytes(b"")
         log_path = tmp / "container.log"
         with log_path.open("ab") as log:
             if restarts:
@@ -428,8 +490,7 @@ class KwokProcessRunner:
         self._forget(local, kill=False)
         phase = "Succeeded" if code == 0 else "Failed"
         reason = "Completed" if code == 0 else ("OOMKilled" if code == -9 else "Error")
-        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        exit_code = code if code >= 0 else 128 - code
+        now = _now()
         name = pod.spec.containers[0].name
         # kwok leaves the status of pods annotated so to whoever posts it (here, us).
         self.core.patch_namespaced_pod(
@@ -452,14 +513,9 @@ class KwokProcessRunner:
                             "image": pod.spec.containers[0].image,
                             "imageID": "",
                             "state": {
-                                "terminated": {
-                                    "exitCode": exit_code,
-                                    "reason": reason,
-                                    "finishedAt": now,
-                                    "startedAt": time.strftime(
-                                        "%Y-%m-%dT%H:%M:%SZ", time.gmtime(local.started_at)
-                                    ),
-                                }
+                                "terminated": _terminated(
+                                    local, code, reason, pod.spec.containers[0]
+                                )
                             },
                         }
                     ],
@@ -484,25 +540,45 @@ class KwokProcessRunner:
 
     # -- env and addresses ------------------------------------------------------------
     def _resolve_env(self, pod: Any, env: list[Any]) -> dict[str, str]:
+        """The container's environment; ContainerConfigError, in the kubelet's words, when
+        a Secret or ConfigMap (or a key of one) it names is missing."""
         out: dict[str, str] = {}
+        ns = pod.metadata.namespace
         for var in env:
             if var.value is not None:
                 out[var.name] = var.value
             elif var.value_from is not None:
                 src = var.value_from
                 if src.secret_key_ref is not None:
-                    secret = self.core.read_namespaced_secret(
-                        src.secret_key_ref.name, pod.metadata.namespace
-                    )
-                    out[var.name] = base64.b64decode(secret.data[src.secret_key_ref.key]).decode()
+                    ref = src.secret_key_ref
+                    data = self._read(self.core.read_namespaced_secret, "secret", ref.name, ns)
+                    if ref.key not in data:
+                        raise ContainerConfigError(
+                            f"couldn't find key {ref.key} in Secret {ns}/{ref.name}"
+                        )
+                    out[var.name] = base64.b64decode(data[ref.key]).decode()
                 elif src.config_map_key_ref is not None:
-                    cm = self.core.read_namespaced_config_map(
-                        src.config_map_key_ref.name, pod.metadata.namespace
+                    ref = src.config_map_key_ref
+                    data = self._read(
+                        self.core.read_namespaced_config_map, "configmap", ref.name, ns
                     )
-                    out[var.name] = cm.data[src.config_map_key_ref.key]
+                    if ref.key not in data:
+                        raise ContainerConfigError(
+                            f"couldn't find key {ref.key} in ConfigMap {ns}/{ref.name}"
+                        )
+                    out[var.name] = data[ref.key]
                 elif src.field_ref is not None:
                     out[var.name] = pod_field(pod, src.field_ref.field_path)
         return out
+
+    @staticmethod
+    def _read(read: Any, kind: str, name: str, namespace: str) -> dict[str, str]:
+        try:
+            return dict(read(name, namespace).data or {})
+        except ApiException as exc:
+            if exc.status == 404:
+                raise ContainerConfigError(f'{kind} "{name}" not found') from None
+            raise
 
     def port_for(self, address: str) -> int:
         """The loopback port standing in for a stable pod address."""
@@ -556,13 +632,36 @@ def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
-def _terminated(local: LocalPod, code: int, reason: str) -> dict[str, Any]:
-    return {
+def _terminated(local: LocalPod, code: int, reason: str, container: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {
         "exitCode": code if code >= 0 else 128 - code,
         "reason": reason,
         "startedAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(local.started_at)),
         "finishedAt": _now(),
     }
+    message = _termination_message(local, code, container)
+    if message:
+        out["message"] = message
+    return out
+
+
+def _termination_message(local: LocalPod, code: int, container: Any) -> str:
+    """What a kubelet reports as the container's termination message: the file at its
+    terminationMessagePath (at most 4096 bytes); with `FallbackToLogsOnError`, after a
+    failure that left it empty, the last 80 lines of its log (at most 2048 bytes)."""
+    if not container.termination_message_path:
+        return ""
+    path = local.log_path.parent / "termination-log"
+    with contextlib.suppress(OSError):
+        written = path.read_bytes()[:MESSAGE_LIMIT]
+        if written:
+            return written.decode(errors="replace")
+    if code == 0 or container.termination_message_policy != "FallbackToLogsOnError":
+        return ""
+    with contextlib.suppress(OSError):
+        tail = b"\n".join(local.log_path.read_bytes().splitlines()[-80:])
+        return tail[-2048:].decode(errors="replace")
+    return ""
 
 
 def _base_env() -> dict[str, str]:

@@ -54,6 +54,35 @@ def transient(e: BaseException) -> bool:
     return isinstance(e, ServerError | HTTPError | ConnectionError | TimeoutError)
 
 
+_REFUSAL_CODES = {
+    "AccessDenied": "access denied",
+    "InvalidAccessKeyId": "the access key is not known to the store",
+    "SignatureDoesNotMatch": "the secret key does not match the access key",
+    "InvalidToken": "the session token is not valid",
+    "ExpiredToken": "the session token has expired",
+    "NoSuchBucket": "no such bucket",
+    "AllAccessDisabled": "all access to the bucket is disabled",
+}
+"""S3 error codes that answer for the credentials or the bucket: a retry gets the same."""
+
+
+def refusal(e: BaseException) -> str | None:
+    """One line on why the store refused (bad keys, access denied, no such bucket), naming
+    the store, bucket and object; None when `e` (or the error it wraps) is no such answer."""
+    from minio.error import S3Error
+
+    seen: BaseException | None = e
+    while seen is not None and not isinstance(seen, S3Error):
+        seen = seen.__cause__
+    if not isinstance(seen, S3Error) or seen.code not in _REFUSAL_CODES:
+        return None
+    where = f"s3://{seen.bucket_name or ''}/{seen.object_name or ''}".rstrip("/")
+    return (
+        f"the object store refused {where} ({seen.code}: {_REFUSAL_CODES[seen.code]}); check "
+        "spec.checkpoint.credentialsSecret (its keys) and the bucket in the job's URIs"
+    )
+
+
 class StoreError(Exception):
     """A store operation failed (the message names the store and key)."""
 

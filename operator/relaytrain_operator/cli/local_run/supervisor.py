@@ -24,6 +24,7 @@ from types import FrameType
 from typing import Any
 
 from relaytrain_contract import Progress
+from relaytrain_contract.exits import non_retryable
 
 from relaytrain_operator.cli.local_run import report, storage
 from relaytrain_operator.cli.local_run.layout import Layout, local_layout
@@ -239,12 +240,20 @@ class LocalRun:
                     # not restarted: its peers are gone and nothing is left to do.
                     finished += 1
                     continue
+                reason = non_retryable(code)
+                if reason is not None:  # the stage's own word: a restart would say it again
+                    print(
+                        f"{stage.name} stopped ({reason}, exit {code}), not to be restarted: "
+                        f"{_last_line(stage.log_path)}",
+                        file=sys.stderr,
+                    )
+                    return 1
                 if stage.failed_at is None:
                     counted = after_failure(stage.restarts, policy.max_stage_restarts)
                     if counted is None:
                         print(
-                            f"{stage.name} failed (exit {code}) after "
-                            f"{stage.restarts} restarts; see {stage.log_path}",
+                            f"{stage.name} failed (exit {code}) after {stage.restarts} "
+                            f"restarts: {_last_line(stage.log_path)} (log: {stage.log_path})",
                             file=sys.stderr,
                         )
                         return 1
@@ -262,6 +271,15 @@ class LocalRun:
                 return 0
         print("\nstopping every stage…", file=sys.stderr)
         return 128 + self.stop_signal
+
+
+def _last_line(log_path: Path) -> str:
+    """The last line a stage wrote (its one line on why it stopped), or where its log is."""
+    try:
+        lines = [line for line in log_path.read_text(errors="replace").splitlines() if line]
+    except OSError:
+        lines = []
+    return lines[-1] if lines else f"see {log_path}"
 
 
 def _signal_group(pgid: int, sig: int) -> None:

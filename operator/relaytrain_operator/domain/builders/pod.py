@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from relaytrain_contract import CONFIG_ENV, LINK_PORT, METRICS_PORT, REPLICA_PORT
+from relaytrain_contract.exits import TERMINATION_LOG
 
 from relaytrain_operator.domain.builders.labels import (
     PIPELINE_LABEL,
@@ -144,6 +145,10 @@ def build_stage_pod(job: dict[str, Any], inputs: StagePodInputs) -> dict[str, An
         "env": _env(job_name, inputs),
         "ports": ports,
         "resources": _resources(inputs),
+        # The worker's one line on why it stopped (relaytrain_contract.exits), or the end
+        # of its log when it crashed without one: the operator quotes it in the job.
+        "terminationMessagePath": TERMINATION_LOG,
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         "readinessProbe": {
             "httpGet": {"path": "/healthz", "port": "metrics"},
             "periodSeconds": 10,

@@ -22,6 +22,7 @@ pods: back-off, placement, what each pod holds), progress.py (progress, and how 
 from relaytrain_operator.loop.decide.context import (
     WAITING_ANNOTATION,
     Decision,
+    InputProblem,
     ModelConfig,
     Needs,
     Observed,
@@ -34,6 +35,7 @@ from relaytrain_operator.loop.decide.flow import decide, needs
 __all__ = [
     "WAITING_ANNOTATION",
     "Decision",
+    "InputProblem",
     "ModelConfig",
     "Needs",
     "Observed",

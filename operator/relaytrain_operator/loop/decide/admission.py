@@ -16,7 +16,12 @@ from typing import Any
 
 from relaytrain_operator.domain import queueing
 from relaytrain_operator.domain.placement import pool_selector
-from relaytrain_operator.domain.planning import LoraTargetError, PlanError, make_plan
+from relaytrain_operator.domain.planning import (
+    LoraTargetError,
+    ModelConfigError,
+    PlanError,
+    make_plan,
+)
 from relaytrain_operator.domain.queueing import (
     ADMISSION_MANAGER,
     FINISHED_MANAGER,
@@ -62,6 +67,10 @@ def plan(ctx: Pass, spec: FineTuneJob) -> bool:
     if model.config is None:
         ctx.settle(Verdict("Pending", False, False, "ModelUnavailable", model.error))
         return False
+    problem = ctx.observed.inputs
+    if problem is not None:
+        ctx.settle(Verdict("Pending", False, False, problem.reason, problem.message))
+        return False
     try:
         planned = make_plan(
             spec,
@@ -71,8 +80,9 @@ def plan(ctx: Pass, spec: FineTuneJob) -> bool:
             catalog=ctx.settings.catalog,
             default_link=ctx.settings.default_link,
         )
-    except LoraTargetError as err:
-        # Not a fleet too small: the spec asks for what this model has not.
+    except (LoraTargetError, ModelConfigError) as err:
+        # Not a fleet too small: the spec asks for what this model has not, or names a
+        # model no fleet can train (an unsupported family).
         ctx.update(plan=None)
         ctx.settle(Verdict("Failed", False, False, "InvalidSpec", str(err)))
         return False

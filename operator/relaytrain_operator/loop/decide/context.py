@@ -19,8 +19,10 @@ from relaytrain_operator.domain.planner import Catalog
 from relaytrain_operator.domain.planning import training_shape
 from relaytrain_operator.domain.progress import Progress
 from relaytrain_operator.domain.queueing import Admission, queue_name
+from relaytrain_operator.domain.recovery import STUCK_REASONS
 from relaytrain_operator.domain.status import (
     READY,
+    WORKER_REASONS,
     Verdict,
     condition,
     finalize,
@@ -47,6 +49,8 @@ EVENT_REASONS = {
     "InvalidSpec": "Warning",
     "Unschedulable": "Warning",
     "ModelUnavailable": "Warning",
+    "DatasetUnavailable": "Warning",
+    "CredentialsUnavailable": "Warning",
     "BackoffLimitExceeded": "Warning",
     "Suspended": "Normal",
     "Succeeded": "Normal",
@@ -54,6 +58,8 @@ EVENT_REASONS = {
     "WaitingForQuota": "Normal",
     "Evicted": "Warning",
     "Inadmissible": "Warning",
+    **dict.fromkeys(WORKER_REASONS, "Warning"),
+    **dict.fromkeys(set(STUCK_REASONS.values()), "Warning"),
 }
 QUEUE_REASONS = ("Queued", "WaitingForQuota", "Inadmissible", "Evicted")
 """Why a job submitted to Kueue has no pods (docs/operator.md, "Queueing with Kueue")."""
@@ -84,6 +90,16 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class InputProblem:
+    """Why a job cannot start as written, found before any pod exists."""
+
+    reason: str
+    """The condition's reason: CredentialsUnavailable or DatasetUnavailable."""
+    message: str
+    """What is wrong, naming the field."""
+
+
+@dataclass(frozen=True)
 class Observed:
     """What one pass saw of the cluster."""
 
@@ -100,6 +116,9 @@ class Observed:
     """Active pods of the whole cluster (what holds GPUs); read when `needs().room`."""
     model: ModelConfig | None = None
     """The model's config.json; read when `needs().model`."""
+    inputs: InputProblem | None = None
+    """What the operator can tell is wrong with the job's inputs before any pod exists (its
+    Secret, the store's answer to its keys, the data set); read with `model`."""
     progress: Progress | None = None
     """The workers' progress.json, folded (None: none yet, unreadable, or not read)."""
     workload: JsonDict | None = None

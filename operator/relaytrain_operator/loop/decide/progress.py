@@ -52,10 +52,11 @@ def follow_progress(ctx: Pass, spec: FineTuneJob, out: set[int]) -> bool:
     return True
 
 
-def fail(ctx: Pass, why: str) -> None:
-    """The policy allows no more restarts (of the last pipeline left): the job is Failed
-    and its pods go."""
+def fail(ctx: Pass, why: str, reason: str = "BackoffLimitExceeded") -> None:
+    """The job is Failed and its pods go: the policy allows no more restarts (of the last
+    pipeline left), or a stage stopped on input no restart can fix (`reason` one of
+    domain.status.WORKER_REASONS)."""
     ctx.remove_pods()
     ctx.update(stages=[idle_stage(s) for s in ctx.status.stages])
     finish_workload(ctx, False, why)
-    ctx.settle(Verdict("Failed", False, False, "BackoffLimitExceeded", why))
+    ctx.settle(Verdict("Failed", False, False, reason, why))

@@ -22,6 +22,7 @@ from relaytrain_operator.domain.recovery import (
     after_failure,
 )
 from relaytrain_operator.domain.recovery import decide as decide_stage
+from relaytrain_operator.domain.recovery import stuck as stuck_container
 from relaytrain_operator.domain.status import (
     fleet_verdict,
     idle_stage,
@@ -78,13 +79,13 @@ def run_stages(ctx: Pass, spec: FineTuneJob) -> None:
     creating = [key for key, v in judged.verdicts.items() if v.action == "create"]
     if creating:
         create_stages(ctx, spec, creating, judged.entries, waiting)
-    _keep(ctx, judged, waiting)
+    stuck = _keep(ctx, judged, waiting)
     stages = [judged.entries[key] for key in sorted(judged.entries)]
     pipelines = pipeline_statuses(plan, stages, out)
     ctx.update(stages=stages, pipelines=pipelines)
     if follow_progress(ctx, spec, out):
         return
-    ctx.settle(fleet_verdict(stages, pipelines, waiting))
+    ctx.settle(fleet_verdict(stages, pipelines, waiting, stuck=stuck))
 
 
 def _judge(ctx: Pass, spec: FineTuneJob, plan: PlanStatus, out: set[int]) -> _Judged | None:
@@ -105,13 +106,18 @@ def _judge(ctx: Pass, spec: FineTuneJob, plan: PlanStatus, out: set[int]) -> _Ju
         if p in out:
             continue  # given up: its pods went when it was
         verdict = _verdict(ctx, key, entry)
+        if verdict.fatal is not None:
+            # The stage's own word that no restart can help (a Job's podFailurePolicy
+            # FailJob on its exit code): every pipeline reads the same model, data and store.
+            fail(ctx, _stopped(entry, verdict), verdict.fatal)
+            return None
         if verdict.failure is not None:
             counted = after_failure(entry.restarts, limit)
             if counted is None:
                 why = (
                     f"Stage {stage_name(entry)} failed again ({verdict.failure}) after "
                     f"{entry.restarts} restarts; spec.failurePolicy.maxStageRestarts is "
-                    f"{limit}."
+                    f"{limit}.{_last_words(verdict.message)}"
                 )
                 # Any pipeline may go: the lowest one training writes the checkpoints, the
                 # progress and the result (docs/worker.md). The job fails with the last.
@@ -120,9 +126,25 @@ def _judge(ctx: Pass, spec: FineTuneJob, plan: PlanStatus, out: set[int]) -> _Ju
                     return None
                 judged.exhausted.setdefault(p, why)
                 continue
-            _count(ctx, judged, key, verdict.failure, counted=counted, limit=limit, several=several)
+            _count(ctx, judged, key, verdict, counted=counted, limit=limit, several=several)
         judged.verdicts[key] = verdict
     return judged
+
+
+def _stopped(entry: StageStatus, verdict: StageDecision) -> str:
+    """The condition's message of a job failed on a stage's non-retryable exit."""
+    said = verdict.message or "it left no termination message (see its pod's log)"
+    return f"Stage {stage_name(entry)} stopped, not to be restarted ({verdict.fatal}): {said}"
+
+
+def _last_words(message: str, limit: int = 400) -> str:
+    """The last line of a stage's termination message (its own line, or the end of its log
+    for a crash), to end a condition's message with; "" without one."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    if not lines:
+        return ""
+    last = lines[-1] if len(lines[-1]) <= limit else lines[-1][: limit - 1] + "…"
+    return f" Its last words: {last}"
 
 
 def _verdict(ctx: Pass, key: StageKey, entry: StageStatus) -> StageDecision:
@@ -139,7 +161,7 @@ def _count(
     ctx: Pass,
     judged: _Judged,
     key: StageKey,
-    failure: str,
+    verdict: StageDecision,
     *,
     counted: int,
     limit: int,
@@ -147,6 +169,7 @@ def _count(
 ) -> None:
     """Count the stage's new failure (`counted` restarts now) and say so in an Event."""
     p, k = key
+    failure = verdict.failure
     entry = judged.entries[key].model_copy(
         update={
             "restarts": counted,
@@ -163,7 +186,7 @@ def _count(
             "Warning",
             "StageRestarting",
             f"Stage {stage_name(entry)} pod {name} ended ({failure}); "
-            f"replacing it (restart {entry.restarts} of {limit}).",
+            f"replacing it (restart {entry.restarts} of {limit}).{_last_words(verdict.message)}",
         )
     )
 
@@ -199,9 +222,13 @@ def _give_up(ctx: Pass, spec: FineTuneJob, exhausted: dict[int, str], out: set[i
         ctx.actions.append(PutGivenUp(told))
 
 
-def _keep(ctx: Pass, judged: _Judged, waiting: dict[StageKey, str]) -> None:
+def _keep(
+    ctx: Pass, judged: _Judged, waiting: dict[StageKey, str]
+) -> dict[StageKey, tuple[str, str]]:
     """Fold each pod kept into its stage's entry; one still unscheduled that was created to
-    wait for a GPU says why in `waiting`."""
+    wait for a GPU says why in `waiting`. Returns the stages whose container waits on what
+    it will not get by itself (recovery.stuck), with the condition's reason and message."""
+    stuck: dict[StageKey, tuple[str, str]] = {}
     for key, verdict in judged.verdicts.items():
         if verdict.action != "keep":
             continue
@@ -211,3 +238,9 @@ def _keep(ctx: Pass, judged: _Judged, waiting: dict[StageKey, str]) -> None:
         judged.entries[key] = observed_stage(judged.entries[key], pod, pool)
         if WAITING_ANNOTATION in annotations and not (pod.get("spec") or {}).get("nodeName"):
             waiting[key] = annotations[WAITING_ANNOTATION]
+        blocked = stuck_container(pod)
+        if blocked is not None:
+            reason, said = blocked
+            name = stage_name(judged.entries[key])
+            stuck[key] = (reason, f"Stage {name} cannot start its container ({reason}): {said}")
+    return stuck

@@ -41,8 +41,26 @@ def _slim_node(body: kopf.Body) -> JsonDict:
     }
 
 
+def _containers(status: JsonDict) -> list[JsonDict]:
+    """How each ended container ended (its exit code and termination message: the stage's
+    own words, relaytrain_contract.exits) and why each waiting one waits (the kubelet's
+    reason and message: a missing Secret, an image it cannot pull); nothing of a running
+    one."""
+    out = []
+    for container in status.get("containerStatuses") or []:
+        state = container.get("state") or {}
+        for kind, keys in (("terminated", ("exitCode", "message")),
+                           ("waiting", ("reason", "message"))):  # fmt: skip
+            if state.get(kind):
+                kept = {k: state[kind].get(k) for k in keys if k in state[kind]}
+                out.append({"name": container.get("name"), "image": container.get("image"),
+                            "state": {kind: kept}})  # fmt: skip
+    return out
+
+
 def _slim_pod(body: kopf.Body) -> JsonDict:
-    """Metadata the decisions read, the node it is bound to, its phase and conditions."""
+    """Metadata the decisions read, the node it is bound to, its phase and conditions, and
+    how its containers ended."""
     meta = body.metadata
     status = body.get("status") or {}
     slim: JsonDict = {
@@ -62,6 +80,9 @@ def _slim_pod(body: kopf.Body) -> JsonDict:
             ],
         },
     }
+    containers = _containers(status)
+    if containers:
+        slim["status"]["containerStatuses"] = containers
     if meta.deletion_timestamp:
         slim["metadata"]["deletionTimestamp"] = meta.deletion_timestamp
     return slim
