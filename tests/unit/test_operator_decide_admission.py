@@ -102,6 +102,18 @@ def test_unschedulable_clears_a_stale_plan_and_says_why() -> None:
     assert summary(again) == []
 
 
+def test_words_that_change_while_the_reason_holds_post_no_second_event() -> None:
+    # The store's answer changes between passes (other jobs come and go, so do an
+    # Unschedulable job's free GPUs): the condition follows, the Events do not repeat.
+    first = decide(observed(JOB.build(), model=ModelConfig(error="timed out")), SETTINGS)
+    assert first.status is not None and [e.reason for e in events(first)] == ["ModelUnavailable"]
+    later = JOB.status(to_manifest(first.status)).build()
+    moved = decide(observed(later, model=ModelConfig(error="connection refused")), SETTINGS)
+    assert moved.status is not None and ready_reason(moved) == "ModelUnavailable"
+    assert condition(moved.status, READY).message == "connection refused"  # type: ignore[union-attr]
+    assert events(moved) == [] and summary(moved) == ["patch"]
+
+
 def test_a_model_no_fleet_can_train_is_an_invalid_spec_not_a_wait() -> None:
     # A config.json without the sizes (an unsupported family: test_planner_families.py).
     config: dict[str, Any] = {"model_type": "llama"}

@@ -240,7 +240,10 @@ class Pass:
         self.status = with_verdict(self.status, verdict, self.now, self.generation)
         self.patch()
         kind = EVENT_REASONS.get(verdict.reason)
-        moved = old is None or (old.reason, old.message) != (verdict.reason, verdict.message)
+        # One Event per reason the job enters: words that change while the reason holds
+        # (an Unschedulable job's count of free GPUs as other jobs come and go) update the
+        # condition, not the Events.
+        moved = old is None or old.reason != verdict.reason
         if kind and moved:
             self.event(kind, verdict.reason, verdict.message)
 
