@@ -11,7 +11,8 @@
 5. kills one stage's process of pipeline 1 mid-run (as a GPU dying would), and shows the
    operator replacing that pod alone while every other stage keeps its process, pipeline 0
    training on without a step back, and pipeline 1 rejoining;
-6. prints where the adapter went, and stops everything it started.
+6. leaves the loss curve (loss.png) and the per-step loss history (loss-history.json) in
+   its working folder, prints where the adapter went, and stops everything it started.
 
 Run from the repository root as a module (hack/demo.sh does): `python -m hack.demo --help`.
 """
@@ -61,7 +62,7 @@ def upload_dir(mc: Any, bucket: str, prefix: str, folder: Path) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--kill-pipeline", type=int, default=1)
     parser.add_argument("--kill-stage", type=int, default=1, help="-1 kills none")
     parser.add_argument("--kill-at-step", type=int, default=12)
@@ -269,21 +270,27 @@ def follow(
             for row in log.read_text(errors="replace").splitlines():
                 if "rejoined at step" in row:
                     say(f"{victim}'s replacement: {row.split(': ', 1)[-1]}")
-    held_out = held_out_losses(mc, ns, name)
+    records = loss_history(mc, ns, name)
+    if records:
+        path = workdir / "loss-history.json"
+        path.write_text(json.dumps(records, indent=1) + "\n")
+        say(f"Loss history (one record per step, held-out losses included): {path}")
+    held_out = {r["step"]: r["evalLoss"] for r in records if r.get("evalLoss") is not None}
     return summarise(status, phase, runner, survivors, losses, first_loss, held_out, workdir, mc)
 
 
-def held_out_losses(mc: Any, ns: str, name: str) -> dict[int, float]:
-    """The held-out losses of the whole run, from the workers' loss history in MinIO (the
-    job's status holds only the newest one)."""
+def loss_history(mc: Any, ns: str, name: str) -> list[dict[str, Any]]:
+    """The whole run's loss history, one record per step (`step`, `loss`, `evalLoss` where
+    the held-out loss was evaluated, ...): the workers' loss-history.json in MinIO (the job's
+    status holds only the newest step)."""
     try:
         resp = mc.get_object("relaytrain", f"checkpoints/{ns}/{name}/loss-history.json")
-        records = json.loads(resp.read())
+        records: list[dict[str, Any]] = json.loads(resp.read())
         resp.close()
         resp.release_conn()
     except Exception:  # no history: the job did not get that far
-        return {}
-    return {r["step"]: r["evalLoss"] for r in records if r.get("evalLoss") is not None}
+        return []
+    return records
 
 
 def kill_stage(

@@ -1,16 +1,24 @@
 """The job `make demo` runs (examples/demo/finetunejob-demo.yaml), on local files, for
 `relaytrain run --local`: the SmolLM2-135M-Instruct model `make deps` prepares in the cache,
 the reverse-words data (hack/demo_data.py) and a checkpoint directory beside them. The
-periodic-sync benchmark and the committed loss curves run it.
+periodic-sync benchmark runs it.
+
+And `make demo` itself, as a user types it (`make_demo`): the e2e tests share one run (the
+`made_demo` fixture, tests/e2e/conftest.py), its output and the working folder it leaves
+(loss.png, loss-history.json, the operator's and each stage's log).
 """
 
 from __future__ import annotations
 
 import json
+import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from hack import demo_data, toolpaths
+from relaytrain_testkit import REPO
+from relaytrain_testkit.doc_commands import Result, Shell, clean_env
 from relaytrain_testkit.jobs import Job
 from relaytrain_testkit.local_jobs import NAMESPACE
 
@@ -47,3 +55,32 @@ def loss_history(root: Path, name: str) -> list[dict[str, Any]]:
         (root / "ckpt" / NAMESPACE / name / "loss-history.json").read_text()
     )
     return records
+
+
+@dataclass(frozen=True)
+class MadeDemo:
+    """One `make demo` run: what it printed and the working folder it left."""
+
+    result: Result
+    workdir: Path | None
+    """From its `[demo] Working folder: PATH` line (None when it printed none)."""
+
+    def killed_after(self) -> int | None:
+        """The job's step when the demo killed a stage (`After the kill at step N`): steps up
+        to N had ended everywhere, so their losses are the same in every run."""
+        match = re.search(r"^\[demo\] After the kill at step (\d+) ", self.result.output, re.M)
+        return int(match.group(1)) if match else None
+
+    def loss_history(self) -> list[dict[str, Any]]:
+        """The run's loss history, one record per step, as the demo left it in its working
+        folder (`loss-history.json`, the workers' own file from MinIO)."""
+        assert self.workdir is not None, self.result.output[-20000:]
+        records: list[dict[str, Any]] = json.loads((self.workdir / "loss-history.json").read_text())
+        return records
+
+
+def make_demo(timeout: float = 1800) -> MadeDemo:
+    """`make demo` in the repository, as a user types it (a fresh shell's environment)."""
+    result = Shell(clean_env(), REPO).run("make demo", timeout=timeout)
+    match = re.search(r"^\[demo\] Working folder: (.+)$", result.output, re.M)
+    return MadeDemo(result, Path(match.group(1).strip()) if match else None)

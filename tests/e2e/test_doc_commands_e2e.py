@@ -7,7 +7,8 @@ import json
 from pathlib import Path
 
 import pytest
-from relaytrain_testkit.doc_commands import REPO, Shell, clean_env, doc_commands
+from relaytrain_testkit.demo_job import MadeDemo
+from relaytrain_testkit.doc_commands import Shell, clean_env, doc_commands
 from relaytrain_testkit.jobs import Job
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -49,11 +50,12 @@ def test_run_local_runs_as_written(tmp_path: Path) -> None:
     assert (adapter / "adapter_model.safetensors").is_file(), result.output
 
 
-def test_make_demo_runs_as_written() -> None:
-    """`make demo` in the repository, as a user types it (about 3 minutes)."""
+def test_make_demo_runs_as_written(made_demo: MadeDemo) -> None:
+    """`make demo` in the repository, as a user types it: the session's one run (the
+    `made_demo` fixture, tests/e2e/conftest.py; test_loss_curves reads its losses too)."""
     command = "make demo"
     _documented(command)
-    result = Shell(clean_env(), REPO).run(command, timeout=1800)
+    result = made_demo.result
     assert result.rc == 0, result.output[-20000:]
     for line in (
         "[demo] Killed stage p1/s1's process",
