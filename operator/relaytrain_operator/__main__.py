@@ -30,9 +30,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Only then: watching a resource the operator may not list would fail forever.
         import relaytrain_operator.loop.handlers.workloads  # noqa: F401
 
+    # Plain names are watched one by one (loop/handlers/startup.py); globs are served by
+    # watching the cluster and filtering each handler by namespace (handlers/filters.py),
+    # never by kopf's namespace scan, whose list and watch leave a gap (a namespace made
+    # between them is never served).
+    cluster = not opts.patterns or opts.globbed
     kopf.run(
-        clusterwide=not opts.namespaces,
-        namespaces=list(opts.namespaces),
+        clusterwide=cluster,
+        namespaces=[] if cluster else list(opts.patterns),
         liveness_endpoint=opts.liveness_endpoint,
         memo=kopf.Memo(options=opts),
     )

@@ -115,10 +115,14 @@ def test_the_observer_reads_the_store_with_the_job_s_credentials(
     }
 
     # Without the Secret the store is not asked at all: no progress, and the model config,
-    # read before, comes from the cache.
+    # though read before, is not served from the cache (every job's credentials are
+    # checked, whatever an earlier read found).
     core.delete_namespaced_secret("s3", ns)
     anonymous = observe()
-    assert anonymous.progress is None and anonymous.model == read.model
+    assert anonymous.progress is None and anonymous.model is not None
+    assert anonymous.model.config is None and anonymous.model.error.startswith(
+        "spec.checkpoint.credentialsSecret.name: Secret 's3' does not exist"
+    )
 
     # With its keys again, a progress.json that is not there yet is no progress either.
     core.create_namespaced_secret(ns, credentials(minio_server.access_key, minio_server.secret_key))

@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -81,38 +80,12 @@ def operator(
     log = tmp_path_factory.mktemp("operator") / "operator.log"
     args = ("--namespace", "rtop-*", "--resync-seconds", "1")
     proc = OperatorProcess(identity.kubeconfig, log, *args)
-    with _probe_job(api, model_dir) as acted:
-        proc.start()
-        acted()
+    # The tests start once /metrics answers: a namespace (and job) made while kopf still
+    # sets up its watches is served all the same (tests/k8s/test_operator_namespaces.py).
+    proc.start()
     yield proc
     proc.stop()
     print(f"\nOperator log ({log}):\n{proc.tail(40)}")
-
-
-@contextmanager
-def _probe_job(api: client.ApiClient, model_dir: Path) -> Iterator[Callable[[], None]]:
-    """A suspended job in a namespace of its own, made before the operator starts; the call
-    waits until the operator has given it a status. Its /metrics answer before kopf watches
-    namespaces, and a namespace made in between was seen only when it changed again (the
-    first test's, once, when it was deleted): the tests start once the operator acts."""
-    core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
-    name = f"rtop-probe-{uuid.uuid4().hex[:6]}"
-    core.create_namespace({"metadata": {"name": name}})
-
-    def acted() -> None:
-        wait_for(
-            "the operator to act on a job",
-            lambda: (custom.get_namespaced_custom_object(GROUP, VERSION, name, PLURAL, "probe")
-                     .get("status") or {}).get("phase"),
-            timeout=120,
-        )  # fmt: skip
-
-    try:
-        job = _job("probe", model_dir).suspend().build()
-        custom.create_namespaced_custom_object(GROUP, VERSION, name, PLURAL, job)
-        yield acted
-    finally:
-        core.delete_namespace(name)
 
 
 @pytest.fixture(scope="module")
@@ -645,8 +618,11 @@ def test_progress_from_the_store_is_reported_and_completion_succeeds(
     )
     # The operator plans from the model's config.json in the store, read with the job's keys.
     put_json(minio, f"models/{kube.ns}/config.json", MODEL_CONFIG)
+    # ... and looks at the data set there before any pod exists.
+    put_json(minio, f"data/{kube.ns}.jsonl", {"prompt": "q", "completion": "a"})
     manifest = (
         _job("prog", f"s3://{minio.bucket}/models/{kube.ns}/")
+        .dataset(f"s3://{minio.bucket}/data/{kube.ns}.jsonl")
         .checkpoint(f"s3://{minio.bucket}/ckpt", endpoint=minio.url)
         .credentials("s3")
         .build()

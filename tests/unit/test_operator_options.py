@@ -47,3 +47,17 @@ def test_a_bad_value_is_a_usage_error_naming_the_flag(capsys: pytest.CaptureFixt
 def test_options_are_frozen() -> None:
     with pytest.raises(ValueError, match="frozen"):
         OperatorOptions().resync_seconds = 1  # type: ignore[misc]
+
+
+def test_which_namespaces_an_operator_serves() -> None:
+    everything = parse_options([], {})
+    assert everything.serves("any") and not everything.globbed
+    named = parse_options(["--namespace", "team-a", "--namespace", "team-b"], {})
+    assert not named.globbed and named.patterns == ("team-a", "team-b")
+    assert named.serves("team-b") and not named.serves("team-c")
+    globs = parse_options([], {"RELAYTRAIN_NAMESPACES": "team-*,!*-test"})
+    assert globs.globbed and globs.patterns == ("team-*", "!*-test")
+    assert globs.serves("team-a") and not globs.serves("team-a-test")
+    assert not globs.serves("other") and globs.serves(None)  # a node: cluster-scoped
+    only_out = parse_options(["--namespace", "!kube-*"], {})
+    assert only_out.serves("team-a") and not only_out.serves("kube-system")

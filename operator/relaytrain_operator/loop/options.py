@@ -8,6 +8,7 @@ starts, and handed to the startup handler in kopf's memo.
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -21,7 +22,8 @@ class OperatorOptions(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
     namespaces: tuple[str, ...] = ()
-    """Namespaces to watch (globs allowed); empty watches the whole cluster."""
+    """Namespaces to watch: names, or globs (`team-*`, `!*-test` to leave some out);
+    empty watches the whole cluster."""
     peering: str | None = None
     """kopf peering object name; None runs standalone (one operator replica, the default)."""
     metrics_port: int = Field(8080, ge=0, le=65535)
@@ -48,6 +50,27 @@ class OperatorOptions(BaseModel):
     `kueue.enabled`)."""
     max_workers: int = Field(8, ge=1)
     """Threads that run reconciliations (API calls, store reads, planning) side by side."""
+
+    @property
+    def patterns(self) -> tuple[str, ...]:
+        """Each namespace pattern on its own (a comma-separated entry split up)."""
+        return tuple(p.strip() for entry in self.namespaces for p in entry.split(",") if p.strip())
+
+    @property
+    def globbed(self) -> bool:
+        """Whether any pattern is a glob or an exclusion, not a plain name."""
+        return any(c in p for p in self.patterns for c in "*?[!")
+
+    def serves(self, namespace: str | None) -> bool:
+        """Whether this operator serves objects in `namespace` (a cluster-scoped object,
+        None, always): no patterns, or one glob matches and no `!glob` does (only
+        exclusions: every other namespace)."""
+        if namespace is None or not self.patterns:
+            return True
+        keep = [p for p in self.patterns if not p.startswith("!")]
+        drop = [p[1:] for p in self.patterns if p.startswith("!")]
+        included = not keep or any(fnmatch.fnmatchcase(namespace, p) for p in keep)
+        return included and not any(fnmatch.fnmatchcase(namespace, p) for p in drop)
 
 
 # (flag, field, environment variable suffix): the environment gives the default.

@@ -13,6 +13,7 @@ from typing import Any
 import kopf
 
 from relaytrain_operator.domain.builders.labels import JOB_LABEL
+from relaytrain_operator.loop.handlers.filters import served
 
 JsonDict = dict[str, Any]
 
@@ -93,7 +94,7 @@ async def node_index(*, name: str, body: kopf.Body, **_: Any) -> dict[str, JsonD
     return {name: _slim_node(body)}
 
 
-@kopf.index("pods", labels={JOB_LABEL: kopf.PRESENT})
+@kopf.index("pods", labels={JOB_LABEL: kopf.PRESENT}, when=served)
 async def pod_index(
     *, namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_: Any
 ) -> dict[tuple[str, str], JsonDict]:

@@ -14,13 +14,14 @@ import kopf
 
 from relaytrain_operator.domain.status import is_finished
 from relaytrain_operator.loop import metrics
+from relaytrain_operator.loop.handlers.filters import served
 from relaytrain_operator.loop.runner import Runner
 
 GROUP, VERSION, PLURAL = "relaytrain.io", "v1alpha1", "finetunejobs"
 
 
-def _unfinished(status: kopf.Status, **_: Any) -> bool:
-    return not is_finished(status)
+def _unfinished(status: kopf.Status, **kwargs: Any) -> bool:
+    return served(**kwargs) and not is_finished(status)
 
 
 # kopf hands its indexes over as keyword arguments named after them, which its DaemonFn
@@ -49,7 +50,7 @@ async def job_daemon(
         ) from err
 
 
-@kopf.on.event(GROUP, VERSION, PLURAL)
+@kopf.on.event(GROUP, VERSION, PLURAL, when=served)
 async def job_event(
     *,
     type: str,

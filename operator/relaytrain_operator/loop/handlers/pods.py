@@ -8,11 +8,12 @@ from typing import Any
 import kopf
 
 from relaytrain_operator.domain.builders.labels import JOB_LABEL
+from relaytrain_operator.loop.handlers.filters import served
 from relaytrain_operator.loop.runner import Runner
 
 
-def _ending(type: str, body: kopf.Body, **_: Any) -> bool:
-    return (
+def _ending(type: str, body: kopf.Body, **kwargs: Any) -> bool:
+    return served(**kwargs) and (
         type == "DELETED"
         or body.status.get("phase") in ("Failed", "Succeeded")
         or body.metadata.get("deletionTimestamp") is not None

@@ -73,6 +73,11 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     settings.watching.connect_timeout = 10
+    # Named namespaces are watched directly, whether they exist yet or not: no namespace
+    # scan. kopf's (1.45) lists namespaces, then starts a watch that lists them again and
+    # ignores that listing: a namespace made in between is never served. With globs the
+    # operator watches the cluster and filters (handlers/filters.py).
+    settings.scanning.disabled = bool(opts.patterns) and not opts.globbed
     settings.peering.standalone = opts.peering is None
     if opts.peering is not None:
         settings.peering.name = opts.peering

@@ -10,10 +10,11 @@ import kopf
 
 from relaytrain_operator.domain.builders.labels import JOB_LABEL
 from relaytrain_operator.domain.queueing import GROUP, PLURAL, VERSION
+from relaytrain_operator.loop.handlers.filters import served
 from relaytrain_operator.loop.runner import Runner
 
 
-@kopf.on.event(GROUP, VERSION, PLURAL, labels={JOB_LABEL: kopf.PRESENT})
+@kopf.on.event(GROUP, VERSION, PLURAL, labels={JOB_LABEL: kopf.PRESENT}, when=served)
 async def workload_event(
     *, namespace: str | None, labels: kopf.Labels, memo: Any, **_: Any
 ) -> None:
