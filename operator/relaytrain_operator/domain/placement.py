@@ -215,7 +215,10 @@ def free_nodes(
             pinned[annotations[POOL_ANNOTATION]] += gpus
 
     result: list[JsonDict] = []
-    for node in nodes:
+    # In name order, whatever order the nodes were listed in: which of a pool's equally
+    # free nodes a pinned pod takes (and so the pool's memory, the plan and its message)
+    # must not change from pass to pass.
+    for node in sorted(nodes, key=lambda n: str((n.get("metadata") or {}).get("name"))):
         if label_key not in _labels(node) or (require_ready and not node_ready(node)):
             continue
         allocatable = (node.get("status") or {}).get("allocatable") or {}

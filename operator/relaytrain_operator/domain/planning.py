@@ -93,13 +93,28 @@ def make_plan(
     except ValueError as err:
         raise PlanError(f"The training settings cannot be planned: {err}") from err
     pipeline = job.spec.pipeline
-    result = plan_fleet(
-        shape,
-        training,
-        pools,
-        catalog=catalog,
-        stages=None if pipeline.stages == "auto" else pipeline.stages,
-        replicas=None if pipeline.replicas == "auto" else pipeline.replicas,
-        sync=Sync(pipeline.sync.mode, pipeline.sync.every_steps or 1),
-    )
+    stages = None if pipeline.stages == "auto" else pipeline.stages
+    replicas = None if pipeline.replicas == "auto" else pipeline.replicas
+    sync = Sync(pipeline.sync.mode, pipeline.sync.every_steps or 1)
+    # A job that does not fit is planned again on every pass, and its diagnosis re-plans
+    # each suggestion (seconds on a large fleet): the same inputs give the same refusal.
+    key = repr((shape, training, pools, id(catalog), stages, replicas, sync))
+    refused = _REFUSED.get(key)
+    if refused is not None:
+        raise refused.with_traceback(None)
+    try:
+        result = plan_fleet(
+            shape, training, pools, catalog=catalog, stages=stages, replicas=replicas, sync=sync
+        )
+    except PlanError as err:
+        if len(_REFUSED) >= _REFUSED_KEPT:
+            _REFUSED.pop(next(iter(_REFUSED)))
+        _REFUSED[key] = err
+        raise
     return result.to_status()
+
+
+_REFUSED: dict[str, PlanError] = {}
+"""The latest refusals by their whole input (model, training, free pools, bounds), oldest
+first: a memo, so the decision stays a function of its inputs."""
+_REFUSED_KEPT = 64

@@ -4,13 +4,23 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from functools import partial
 
 from relaytrain_operator.domain.planner.catalog import Catalog
 from relaytrain_operator.domain.planner.cost import CostSettings, PoolCost
-from relaytrain_operator.domain.planner.diagnose import infeasible_error
+from relaytrain_operator.domain.planner.diagnose import (
+    Replan,
+    infeasible_error,
+    unusable_dtype_error,
+)
 from relaytrain_operator.domain.planner.model_shape import ModelShape
 from relaytrain_operator.domain.planner.pools import Pool
-from relaytrain_operator.domain.planner.problem import Problem, build_problem, solve
+from relaytrain_operator.domain.planner.problem import (
+    Problem,
+    UnusableDtypeError,
+    build_problem,
+    solve,
+)
 from relaytrain_operator.domain.planner.result import Bottleneck, Plan, PlanError, StagePlan
 from relaytrain_operator.domain.planner.search import DEFAULT_EXHAUSTIVE_LIMIT, Candidate
 from relaytrain_operator.domain.planner.training import TrainingShape
@@ -26,17 +36,37 @@ def plan(
     stages: int | None = None,
     max_stages: int | None = None,
     exhaustive_limit: int = DEFAULT_EXHAUSTIVE_LIMIT,
+    suggest: bool = True,
+    replan: Replan | None = None,
 ) -> Plan:
     """Plan a pipeline for ``model`` and ``training`` on ``pools`` (one GPU per stage).
 
     ``stages`` fixes the number of stages (``pipeline.stages``); None chooses it. Raises
-    :class:`PlanError` when the job cannot fit, saying what does not fit and what would.
+    :class:`PlanError` when the job cannot fit, saying what does not fit and what would:
+    each suggestion re-planned by ``replan`` (None: this same call; ``plan_fleet`` passes
+    itself), none with ``suggest`` False (what a re-plan asks for).
     """
-    problem = build_problem(model, training, pools, catalog, settings)
+    if not suggest:
+        replan = None
+    elif replan is None:
+        replan = partial(
+            plan,
+            model,
+            catalog=catalog,
+            settings=settings,
+            stages=stages,
+            max_stages=max_stages,
+            exhaustive_limit=exhaustive_limit,
+            suggest=False,
+        )
+    try:
+        problem = build_problem(model, training, pools, catalog, settings)
+    except UnusableDtypeError as err:
+        raise unusable_dtype_error(err, model, training, pools, replan) from None
     counts = problem.stage_counts(stages, max_stages)
     best, search, evaluated = solve(problem, counts, exhaustive_limit)
     if best.deficit:
-        raise infeasible_error(problem, best, catalog, settings)
+        raise infeasible_error(problem, best, pools, replan, catalog=catalog, settings=settings)
     return to_plan(problem, best, search, evaluated)
 
 

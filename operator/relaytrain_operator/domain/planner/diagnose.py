@@ -1,24 +1,35 @@
 """Why a job does not fit, by how much, and what would make it fit.
 
-Called only when the search found no sequence of GPUs that holds every layer. The message
-names the tightest constraint in bytes; the suggestions are not guesses: each one is
-re-planned (heuristic search) and offered only if it fits.
+Called only when the plan fails: no sequence of GPUs holds every layer, or no pool can train
+in the job's dtype. The message names the tightest constraint in bytes; the suggestions are
+not guesses. A suggestion *fits* when the planner entry point that refused the job, called
+as the job called it (``plan()`` or ``plan_fleet()``: its stage count, replicas, sync and
+search limits), returns a plan for the changed settings on the fleet that would run them:
+every pool given, left-out ones included, in the order given (one pool grown for "N more
+GPUs"). Only suggestions that fit are offered, always in the same order, so one fleet gives
+one message.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from relaytrain_operator.domain.planner.catalog import Catalog
 from relaytrain_operator.domain.planner.cost import GIB, CostSettings
+from relaytrain_operator.domain.planner.model_shape import ModelShape
 from relaytrain_operator.domain.planner.pools import Pool
-from relaytrain_operator.domain.planner.problem import Problem, build_problem, solve
+from relaytrain_operator.domain.planner.problem import Problem, build_problem
 from relaytrain_operator.domain.planner.result import PlanError
 from relaytrain_operator.domain.planner.search import Candidate
 from relaytrain_operator.domain.planner.training import TrainingShape
 
 #: Most GPUs the "add more GPUs" suggestion will consider.
 MAX_EXTRA_GPUS = 1024
+
+Replan = Callable[[TrainingShape, Sequence[Pool]], object]
+"""The planner entry point as the job called it, less the training settings and the pools:
+returns a plan, or raises PlanError when the job does not fit (without suggestions)."""
 
 
 def _gib(nbytes: float) -> str:
@@ -31,10 +42,14 @@ def _gib(nbytes: float) -> str:
 def infeasible_error(
     problem: Problem,
     best: Candidate,
-    catalog: Catalog | None,
-    settings: CostSettings | None,
+    pools: Sequence[Pool],
+    replan: Replan | None,
+    *,
+    catalog: Catalog | None = None,
+    settings: CostSettings | None = None,
 ) -> PlanError:
-    """A PlanError for ``problem`` whose best candidate still lacks room for some layers."""
+    """A PlanError for ``problem`` (priced on ``pools``) whose best candidate still lacks room
+    for some layers; with suggestions checked by ``replan`` (None: no suggestions)."""
     model, training = problem.model, problem.training
     layers = model.num_layers
     largest = max(problem.costs, key=lambda c: c.available_bytes)
@@ -70,36 +85,52 @@ def infeasible_error(
         )
     if problem.notes:
         reason += " " + " ".join(problem.notes)
-    job = _Job(problem.pools, problem, catalog, settings)
+    if replan is None:
+        return PlanError(reason)
+    job = _Job(model, tuple(pools), replan, catalog, settings)
     return PlanError(reason, job.suggestions(training, largest.pool, problem.excluded))
+
+
+def unusable_dtype_error(
+    err: PlanError,
+    model: ModelShape,
+    training: TrainingShape,
+    pools: Sequence[Pool],
+    replan: Replan | None,
+) -> PlanError:
+    """``err`` (no pool can train in the job's dtype) with "dtype float16" when that fits."""
+    if replan is None:
+        return err
+    fits = _Job(model, tuple(pools), replan, None, None).fits(replace(training, dtype="float16"))
+    return PlanError(err.reason, ["dtype float16"] if fits else [])
 
 
 @dataclass(frozen=True)
 class _Job:
     """What a what-if re-plan needs besides the changed training settings or pools."""
 
+    model: ModelShape
     pools: tuple[Pool, ...]
-    problem: Problem
+    """Every pool given to the plan, left-out ones included, in the order given."""
+    replan: Replan
     catalog: Catalog | None
     settings: CostSettings | None
 
     def fits(self, training: TrainingShape, pools: tuple[Pool, ...] | None = None) -> bool:
-        """Whether the heuristic search finds room for every layer."""
+        """Whether the job's own planner call plans ``training`` on ``pools`` (default: the
+        pools given), as defined in the module docstring."""
         try:
-            problem = build_problem(
-                self.problem.model, training, pools or self.pools, self.catalog, self.settings
-            )
+            self.replan(training, self.pools if pools is None else pools)
         except PlanError:
             return False
-        best, _, _ = solve(problem, problem.stage_counts(None, None), exhaustive_limit=0)
-        return best.deficit == 0
+        return True
 
     def suggestions(
         self, training: TrainingShape, largest: Pool, excluded: tuple[Pool, ...] = ()
     ) -> list[str]:
-        """Changes that make the job fit, each checked by re-planning."""
+        """Changes that make the job fit, each checked by re-planning, in a fixed order."""
         found = []
-        if excluded and self.fits(replace(training, dtype="float16"), self.pools + excluded):
+        if excluded and self.fits(replace(training, dtype="float16")):
             found.append("dtype float16 (which lets the left-out pools join)")
         if training.method != "qlora" and self.fits(replace(training, method="qlora")):
             found.append("method qlora (4-bit base weights)")
@@ -117,11 +148,10 @@ class _Job:
         return found
 
     def one_layer_per_stage_fits(self, training: TrainingShape, largest: Pool) -> bool:
-        """Whether GPUs like ``largest`` can hold one layer in every stage position."""
+        """Whether GPUs like ``largest`` can hold one layer in every stage position (else no
+        number of them helps, and the search for one is skipped)."""
         try:
-            problem = build_problem(
-                self.problem.model, training, [largest], self.catalog, self.settings
-            )
+            problem = build_problem(self.model, training, [largest], self.catalog, self.settings)
         except PlanError:
             return False
         cost, m = problem.costs[0], training.micro_batches
@@ -132,7 +162,10 @@ class _Job:
         )
 
     def extra_gpus(self, training: TrainingShape, largest: Pool) -> int | None:
-        """Fewest GPUs to add to the largest-memory pool so the job fits (None: none do)."""
+        """Fewest GPUs to add to the largest-memory pool so the job fits (None: none do).
+
+        The number returned is one that was re-planned and fits, whatever the search does.
+        """
         if not self.one_layer_per_stage_fits(training, largest):
             return None
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
+from functools import partial
 
 from relaytrain_operator.domain.planner.api import plan, to_plan
 from relaytrain_operator.domain.planner.catalog import Catalog
@@ -73,16 +74,35 @@ def plan_fleet(
     sync: Sync | None = None,
     exhaustive_limit: int = DEFAULT_EXHAUSTIVE_LIMIT,
     set_budget: int = SET_BUDGET,
+    suggest: bool = True,
 ) -> FleetPlan:
     """Plan ``replicas`` pipelines (None: the best number, 1 included) on ``pools``.
 
     ``stages`` fixes every pipeline's stage count. Raises :class:`PlanError` when not even one
-    pipeline fits (the message of :func:`plan`) or when ``replicas`` pipelines cannot be made.
+    pipeline fits (the message of :func:`plan`, its suggestions re-planned by this call; none
+    with ``suggest`` False) or when ``replicas`` pipelines cannot be made.
     """
     sync = sync or Sync()
     collective = (settings or CostSettings()).sync_collective
     if replicas is not None and (isinstance(replicas, bool) or replicas < 1):
         raise ValueError(f"replicas must be a positive integer or None, got {replicas!r}")
+    # With None or 1 replicas this call fails only where plan() does: plan() checks its own.
+    replan = (
+        None
+        if replicas in (None, 1)
+        else partial(
+            plan_fleet,
+            model,
+            catalog=catalog,
+            settings=settings,
+            stages=stages,
+            replicas=replicas,
+            sync=sync,
+            exhaustive_limit=exhaustive_limit,
+            set_budget=set_budget,
+            suggest=False,
+        )
+    )
     single = plan(
         model,
         training,
@@ -91,6 +111,8 @@ def plan_fleet(
         settings=settings,
         stages=stages,
         exhaustive_limit=exhaustive_limit,
+        suggest=suggest,
+        replan=replan,
     )
     problem = build_problem(model, training, pools, catalog, settings)
     grads = Gradients.of(model, training, sync)

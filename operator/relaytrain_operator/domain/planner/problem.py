@@ -21,6 +21,11 @@ from relaytrain_operator.domain.planner.search import (
 from relaytrain_operator.domain.planner.training import TrainingShape
 
 
+class UnusableDtypeError(PlanError):
+    """No pool given can train in the job's dtype (``plan()`` adds "dtype float16" when
+    re-planning says it fits)."""
+
+
 @dataclass(frozen=True)
 class Problem:
     """A job's costs on the usable pools: what the search and the diagnosis share."""
@@ -92,10 +97,7 @@ def build_problem(
         usable.append(pool)
         costs.append(pool_cost(model, training, pool, gpu, settings))
     if not usable:
-        raise PlanError(
-            f"No pool can train in {training.dtype}: {' '.join(notes)}",
-            ["dtype float16"] if training.dtype == "bfloat16" else [],
-        )
+        raise UnusableDtypeError(f"No pool can train in {training.dtype}: {' '.join(notes)}")
     return Problem(
         model,
         training,
