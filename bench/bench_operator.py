@@ -29,6 +29,7 @@ sys.path[:0] = [str(REPO), str(REPO / "operator"), str(REPO / "testkit")]
 from kubernetes import client, config  # noqa: E402
 from relaytrain_testkit.harness import kwok_nodes  # noqa: E402
 from relaytrain_testkit.harness.operator_process import OperatorProcess  # noqa: E402
+from relaytrain_testkit.jobs import Job  # noqa: E402
 from relaytrain_testkit.shapes import SMOLLM2_135M_CONFIG as MODEL_CONFIG  # noqa: E402
 
 GROUP, VERSION, PLURAL = "relaytrain.io", "v1alpha1", "finetunejobs"
@@ -60,19 +61,16 @@ def pools(nodes: int) -> list[dict[str, Any]]:
 
 
 def job(name: str, model: Path, stages: int) -> dict[str, Any]:
-    return {
-        "apiVersion": f"{GROUP}/{VERSION}",
-        "kind": "FineTuneJob",
-        "metadata": {"name": name},
-        "spec": {
-            "model": {"uri": str(model)},
-            "dataset": {"uri": "s3://data/train.jsonl", "sequenceLength": 256},
-            "training": {"steps": 1000, "microBatches": 8},
-            "pipeline": {"stages": stages},
-            "placement": {"pools": [p[0] for p in FLEET]},
-            "checkpoint": {"uri": "/var/tmp/relaytrain-bench"},
-        },
-    }
+    return (
+        Job(name)
+        .model(str(model))
+        .dataset("s3://data/train.jsonl", sequence_length=256)
+        .training(steps=1000, micro_batches=8)
+        .pipeline(stages=stages)
+        .placement(pools=[p[0] for p in FLEET])
+        .checkpoint("/var/tmp/relaytrain-bench")
+        .build()
+    )
 
 
 def peak_rss_mib(pid: int) -> float:

@@ -53,8 +53,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "operator"), str(REPO / "worker_image"), str(REPO / "testkit")]
 
@@ -68,6 +66,7 @@ from relaytrain_operator.domain.planner import (  # noqa: E402
     assess,
 )
 from relaytrain_operator.domain.planner.model_shape import LINEAR_NAMES  # noqa: E402
+from relaytrain_testkit.jobs import Job  # noqa: E402
 
 PRODUCT = "CPU-local-stage"
 """The catalog entry calibrated here: one core of this machine, as one stage uses it."""
@@ -340,29 +339,22 @@ def predict(
 
 
 def write_job(case: Case, model: Path, data: Path, root: Path) -> Path:
-    method: dict[str, Any] = {"type": case.method}
-    if case.method != "full":
-        method |= {"rank": LORA_RANK, "alpha": 2 * LORA_RANK, "targetModules": list(LORA_TARGETS)}
-    manifest = {
-        "apiVersion": "relaytrain.io/v1alpha1",
-        "kind": "FineTuneJob",
-        "metadata": {"name": JOB},
-        "spec": {
-            "model": {"uri": str(model), "dtype": "float32"},
-            "dataset": {"uri": str(data), "format": "text", "sequenceLength": case.seq,
-                        "packing": True},
-            "method": method,
-            "training": {"steps": case.steps, "microBatchSize": case.mbs,
-                         "microBatches": case.micro_batches, "learningRate": 1e-4,
-                         "warmupSteps": 0},
-            "pipeline": {"stages": case.stages, "compression": case.compression},
-            "checkpoint": {"uri": str(root / "ckpt"), "everySteps": case.steps, "keep": 1},
-        },
-    }  # fmt: skip
+    job = (
+        Job(JOB)
+        .model(str(model), dtype="float32")
+        .dataset(str(data), format="text", sequence_length=case.seq, packing=True)
+        .training(steps=case.steps, micro_batch_size=case.mbs, micro_batches=case.micro_batches,
+                  learning_rate=1e-4, warmup_steps=0)
+        .pipeline(stages=case.stages, compression=case.compression)
+        .checkpoint(str(root / "ckpt"), every_steps=case.steps, keep=1)
+    )  # fmt: skip
+    if case.method == "full":
+        job = job.method("full")
+    else:
+        job = job.method(case.method, rank=LORA_RANK, alpha=2 * LORA_RANK,
+                         target_modules=list(LORA_TARGETS))  # fmt: skip
     root.mkdir(parents=True, exist_ok=True)
-    path = root / "job.yaml"
-    path.write_text(yaml.safe_dump(manifest))
-    return path
+    return job.write(root / "job.yaml")
 
 
 def step_seconds(history: list[dict[str, Any]], label_tokens: int) -> list[float]:

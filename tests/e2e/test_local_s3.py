@@ -59,6 +59,15 @@ def test_a_job_on_s3_trains_from_and_writes_to_the_bucket(
         env=env, capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
+    # The store's keys went to the stages by their environment only: not into the run's
+    # output, its logs, its state directory or the stage documents it wrote.
+    written = [p for p in (tmp_path / "wd").rglob("*") if p.is_file()]
+    assert any(p.name.endswith(".log") for p in written) and len(written) > 3, written
+    for text, where in [(done.stdout + done.stderr, "the output")] + [
+        (p.read_bytes().decode(errors="replace"), str(p)) for p in written
+    ]:
+        assert minio_server.secret_key not in text, f"the secret key is in {where}"
+        assert minio_server.access_key not in text, f"the access key is in {where}"
     names = {o.object_name for o in client.list_objects(bucket, "ckpt/", recursive=True)}
     prefix = "ckpt/team/s3job/"
     assert f"{prefix}output/adapter_model.safetensors" in names

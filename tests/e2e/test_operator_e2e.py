@@ -564,9 +564,8 @@ def test_jobs_wrong_in_the_world_end_saying_why_while_a_good_one_trains(
     for wrong in WRONG:
         job = wrong.change(tiny_job(wrong.name, e["minio"]).pipeline(stages=2), bucket)
         custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, job.build())
-    custom.create_namespaced_custom_object(
-        GROUP, VERSION, ns, PLURAL, tiny_job("good-beside", e["minio"]).build()
-    )
+    good_job = tiny_job("good-beside", e["minio"]).training(steps=2 * EVERY)
+    custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, good_job.build())
 
     def ready(name: str) -> dict[str, Any]:
         status = _job_status(custom, ns, name)
@@ -648,6 +647,13 @@ def test_no_credential_leaves_its_secret(env: dict[str, Any], kube_cluster: Any)
     texts["events"] = json.dumps(
         [ev.to_dict() for ev in e["core"].list_namespaced_event(ns).items], default=str
     )
+    # The operator's own namespace too: its pod's Events, and its log (among the logs below).
+    system = e["release"].namespace
+    texts["operator namespace events"] = json.dumps(
+        [ev.to_dict() for ev in e["core"].list_namespaced_event(system).items], default=str
+    )
+    operator_logs = [p for p in e["work"].rglob("*.log") if system in str(p)]
+    assert operator_logs, f"no log of the operator's pod under {e['work']}"
     for path in sorted(e["work"].rglob("*.log")):
         texts[str(path)] = path.read_text(errors="replace")
     mc = minio.client()
