@@ -75,6 +75,13 @@ def uninterrupted(workspace: Path) -> list[float]:
     assert [r["step"] for r in lines] == list(range(1, STEPS + 1))
     losses = _losses(workspace / "ckpt", "calm")
     assert losses == [r["loss"] for r in lines]
+    # Where training stands in the data: STEPS steps of 2 x 2 rows over the rows the 48
+    # records (less the held-out none) filled, every example's tokens counted once a pass.
+    done = progress(workspace / "ckpt", "calm")
+    assert done is not None and done["done"]
+    report = json.loads((workspace / "ckpt" / "default" / "calm" / "data-report.json").read_text())
+    assert done["epoch"] == STEPS * 4 / report["rows"]
+    assert 0 < done["tokensTrained"] < done["tokensSeen"] and done["examplesSeen"] >= STEPS * 4
     return losses
 
 
@@ -119,6 +126,10 @@ def test_kill_9_of_a_stage_is_survived(workspace: Path, uninterrupted: list[floa
     # rollback is the uninterrupted one (tolerance only for float summation order).
     losses = _losses(workspace / "ckpt", "kill")
     assert len(losses) == STEPS
+    # The replacement and the rollback neither repeat nor skip data: the same counts.
+    seen = ("epoch", "examplesSeen", "tokensSeen", "tokensTrained")
+    calm, killed = progress(workspace / "ckpt", "calm"), progress(workspace / "ckpt", "kill")
+    assert calm and killed and {k: killed[k] for k in seen} == {k: calm[k] for k in seen}
     assert losses[-1] == pytest.approx(uninterrupted[-1], rel=1e-6)
     adapter = workspace / "ckpt" / "default" / "kill" / "output" / "adapter_model.safetensors"
     assert adapter.is_file()

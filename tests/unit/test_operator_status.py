@@ -208,6 +208,12 @@ def test_what_the_data_loader_kept_is_reported_in_status() -> None:
     )
     stored = load_status({"phase": "Running", "progress": status})
     assert stored.progress is not None and stored.progress.examples_truncated == 7
+    # Where training stands in the data, for `kubectl get ftj` (Epoch) and -o yaml.
+    seen = {"epoch": 1.23456, "examplesSeen": 150, "tokensSeen": 4800, "tokensTrained": 900}
+    status = fold(Record.from_json({**counted, **seen}), job, T0).status
+    assert {k: status[k] for k in seen} == {**seen, "epoch": 1.2346}
+    stored = load_status({"phase": "Running", "progress": status})
+    assert stored.progress is not None and stored.progress.tokens_trained == 900
 
 
 @pytest.mark.parametrize(

@@ -23,6 +23,8 @@ Steps = Annotated[int, Field(ge=0)]
 DATA_FIELDS = ("examples", "examplesTruncated", "examplesDropped")
 """The keys of the dataset's example counts in a record (what stage 0 read, truncated and
 dropped)."""
+SEEN_FIELDS = ("epoch", "examplesSeen", "tokensSeen", "tokensTrained")
+"""The keys of where training stands in the data (after `step` steps)."""
 
 
 class Progress(BaseModel):
@@ -62,6 +64,17 @@ class Progress(BaseModel):
     examples_dropped: Steps | None = None
     """Examples longer than dataset.sequenceLength that were left out
     (`dataset.truncation: drop`; optional like `examples`)."""
+    epoch: Annotated[float, Field(ge=0.0)] | None = None
+    """Passes over the training rows the `step` steps made (1.5: halfway through the
+    second); optional like `examples`."""
+    examples_seen: Steps | None = None
+    """Examples the `step` steps trained on, each counted again in every pass that holds it
+    (optional like `examples`)."""
+    tokens_seen: Steps | None = None
+    """Non-padding input tokens of those steps (optional like `examples`)."""
+    tokens_trained: Steps | None = None
+    """Of those, the tokens that had a loss (completion or assistant tokens; all but each
+    example's first for `text`; optional like `examples`)."""
     eval_loss: float | None = None
     """Token-mean loss on the held-out data (`dataset.validation`) at `evalStep` (optional:
     absent before the first evaluation, without validation data, or when not finite)."""
@@ -92,10 +105,10 @@ class Progress(BaseModel):
         return self.model_copy(update={"updated_at": moment})
 
     def to_json(self) -> bytes:
-        """The record as written: `output`, `stepSeconds`, the example counts and the
-        held-out loss only when known."""
+        """The record as written: `output`, `stepSeconds`, the example counts, where training
+        stands in the data and the held-out loss only when known."""
         record = self.model_dump(mode="json")
-        for key in ("output", "stepSeconds", *DATA_FIELDS, "evalLoss", "evalStep"):
+        for key in ("output", "stepSeconds", *DATA_FIELDS, *SEEN_FIELDS, "evalLoss", "evalStep"):
             if record[key] is None:
                 del record[key]
         return json.dumps(record, indent=1).encode()

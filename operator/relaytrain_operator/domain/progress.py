@@ -16,7 +16,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from relaytrain_contract import Progress as Record
-from relaytrain_contract.progress import DATA_FIELDS
+from relaytrain_contract.progress import DATA_FIELDS, SEEN_FIELDS
 
 from relaytrain_operator.domain.status import rfc3339
 from relaytrain_operator.spec import FineTuneJob
@@ -55,6 +55,12 @@ def fold(record: Record, job: FineTuneJob, now: datetime) -> Progress:
         status["updatedAt"] = rfc3339(record.updated_at)
     counts = (record.examples, record.examples_truncated, record.examples_dropped)
     for key, count in zip(DATA_FIELDS, counts, strict=True):
+        if count is not None:
+            status[key] = count
+    if record.epoch is not None:
+        status["epoch"] = round(record.epoch, 4)
+    seen = (record.examples_seen, record.tokens_seen, record.tokens_trained)
+    for key, count in zip(SEEN_FIELDS[1:], seen, strict=True):
         if count is not None:
             status[key] = count
     if record.eval_loss is not None and record.eval_step is not None:

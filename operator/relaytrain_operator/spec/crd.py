@@ -75,6 +75,12 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
         "description": "Training pipelines of all pipelines (jobs that train several).",
     },
     {
+        "name": "Epoch",
+        "type": "number",
+        "jsonPath": ".status.progress.epoch",
+        "description": "Passes over the training data so far (1.5: halfway through the second).",
+    },
+    {
         "name": "Eval Loss",
         "type": "number",
         "jsonPath": ".status.progress.evalLoss",

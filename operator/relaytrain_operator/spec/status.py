@@ -210,6 +210,14 @@ class ProgressStatus(_Status):
     """Examples cut to dataset.sequenceLength (dataset.truncation: truncate)."""
     examples_dropped: int | None = None
     """Examples left out for being longer than dataset.sequenceLength (truncation: drop)."""
+    epoch: float | None = None
+    """Passes over the training rows made so far (1.5: halfway through the second)."""
+    examples_seen: int | None = None
+    """Examples trained on so far, each counted again in every pass."""
+    tokens_seen: int | None = None
+    """Non-padding input tokens trained on so far."""
+    tokens_trained: int | None = None
+    """Of those, the tokens that had a loss (the completions, the assistant turns)."""
     eval_loss: float | None = None
     """Token-mean loss on the held-out data (dataset.validation) at evalStep."""
     eval_step: int | None = None

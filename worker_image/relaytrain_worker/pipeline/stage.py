@@ -398,6 +398,10 @@ class StageRuntime:
         if self.data_report is None:
             self.data_report = read_report(self.store, self.prefix)
         report = self.data_report
+        t = self.cfg.training
+        seen = (
+            report.seen(self.step, t.micro_batch_size * t.micro_batches, t.seed) if report else None
+        )
         held = self.history.last_eval
         write_progress(
             self.store,
@@ -414,6 +418,10 @@ class StageRuntime:
                 examples=report.examples if report else None,
                 examples_truncated=report.truncated if report else None,
                 examples_dropped=report.dropped if report else None,
+                epoch=seen.epoch if seen else None,
+                examples_seen=seen.examples if seen else None,
+                tokens_seen=seen.tokens if seen else None,
+                tokens_trained=seen.trained if seen else None,
                 eval_loss=held["evalLoss"] if held else None,
                 eval_step=held["step"] if held else None,
             ),

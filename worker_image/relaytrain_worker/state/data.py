@@ -72,13 +72,57 @@ class DataReport:
     """Examples longer than sequenceLength left out (`truncation: drop`)."""
     rows: int
     """Rows of sequenceLength tokens the kept examples fill (packed or padded)."""
+    row_counts: tuple[tuple[int, int, int], ...] = ()
+    """Per row: (examples, non-padding tokens, tokens with a loss); empty from an older
+    stage 0."""
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self)).encode()
 
     @classmethod
     def from_json(cls, data: bytes) -> DataReport:
-        return cls(**json.loads(data))
+        doc = json.loads(data)
+        doc["row_counts"] = tuple(tuple(c) for c in doc.get("row_counts", ()))
+        return cls(**doc)
+
+    def seen(self, steps: int, rows_per_step: int, seed: int) -> DataSeen | None:
+        """Where `steps` optimizer steps of `rows_per_step` rows stand in the data: a pure
+        function of the step (as the rows of each step are), so a replaced, re-joined or
+        resumed stage reports the same. None without the per-row counts."""
+        n = self.rows
+        if not self.row_counts or n == 0:
+            return None
+        counts = torch.tensor(self.row_counts, dtype=torch.int64)
+        used = steps * rows_per_step
+        passes, rest = divmod(used, n)
+        total = counts.sum(dim=0) * passes + counts[row_order(seed, passes, n)[:rest]].sum(dim=0)
+        examples, tokens, trained = (int(v) for v in total)
+        return DataSeen(used / n, examples, tokens, trained)
+
+
+@dataclass(frozen=True)
+class DataSeen:
+    """Where training stands in the data (progress.json's `epoch` ... `tokensTrained`)."""
+
+    epoch: float
+    examples: int
+    tokens: int
+    trained: int
+
+
+def row_order(seed: int, epoch: int, n: int) -> torch.Tensor:
+    """The order of the `n` rows in pass `epoch` (0-based) of a run seeded `seed`."""
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 7919 + epoch))
+
+
+def row_counts(rows: Rows) -> tuple[tuple[int, int, int], ...]:
+    """Per row: examples (where positions restart at 0 inside the row's tokens), non-padding
+    tokens, and tokens with a loss."""
+    real = rows.attention_mask.bool()
+    starts = ((rows.position_ids == 0) & real).sum(dim=1)
+    tokens = real.sum(dim=1)
+    trained = ((rows.labels != IGNORE) & real).sum(dim=1)
+    return tuple(zip(starts.tolist(), tokens.tolist(), trained.tolist(), strict=True))
 
 
 def report_key(job_prefix: str) -> str:
@@ -250,8 +294,7 @@ class StepData:
         n = self.rows.input_ids.shape[0]
         epoch, pos = divmod(i, n)
         if epoch not in self._perms:
-            gen = torch.Generator().manual_seed(self.seed * 7919 + epoch)
-            self._perms = {epoch: torch.randperm(n, generator=gen)}
+            self._perms = {epoch: row_order(self.seed, epoch, n)}
         return int(self._perms[epoch][pos])
 
     def steps_for_epochs(self, epochs: int) -> int:
@@ -303,5 +346,7 @@ def load_step_data(
     kept, truncated, dropped = fit(examples, spec)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     rows = build_rows(kept, spec, int(pad))
-    report = DataReport(len(examples), truncated, dropped, int(rows.input_ids.shape[0]))
+    report = DataReport(
+        len(examples), truncated, dropped, int(rows.input_ids.shape[0]), row_counts(rows)
+    )
     return StepData(rows, micro_batch_size, micro_batches, seed, report)
