@@ -23,6 +23,7 @@ from relaytrain_worker.state.data import (
     row_counts,
     write_report,
 )
+from relaytrain_worker.state.metrics import StageMetrics
 from relaytrain_worker.state.progress import read_progress
 from relaytrain_worker.state.records import IGNORE, DataError
 from relaytrain_worker.state.store import LocalStore
@@ -107,7 +108,7 @@ def test_the_last_stage_reports_what_stage_zero_counted(tmp_path: Path) -> None:
     runtime = SimpleNamespace(
         history=SimpleNamespace(last={"loss": 2.5, "tokensPerSecond": 10.0}, last_eval=None),
         data_report=None, store=store, prefix="ns/job", step=1, total_steps=4,
-        last_committed=None, step_seconds=0.5,
+        last_committed=None, step_seconds=0.5, metrics=StageMetrics("job", 1),
         cfg=SimpleNamespace(output=SimpleNamespace(uri="out"),
                             training=SimpleNamespace(micro_batch_size=1, micro_batches=2, seed=3)),
     )  # fmt: skip
@@ -123,6 +124,9 @@ def test_the_last_stage_reports_what_stage_zero_counted(tmp_path: Path) -> None:
     assert (after.examples, after.examples_truncated, after.examples_dropped) == (9, 4, 1)
     seen = report.seen(1, 2, 3)  # step 1 of 2 rows, seed 3
     assert seen is not None and after.epoch == 2 / 8
+    exported = runtime.metrics.exposition().decode()
+    assert 'relaytrain_epoch{job="job",stage="1"} 0.25' in exported
+    assert f'relaytrain_tokens_trained{{job="job",stage="1"}} {float(seen.trained)}' in exported
     assert (after.examples_seen, after.tokens_seen, after.tokens_trained) == (
         seen.examples,
         seen.tokens,

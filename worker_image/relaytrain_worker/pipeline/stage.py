@@ -402,6 +402,8 @@ class StageRuntime:
         seen = (
             report.seen(self.step, t.micro_batch_size * t.micro_batches, t.seed) if report else None
         )
+        if seen is not None:
+            self.metrics.set_seen(seen.epoch, seen.examples, seen.tokens, seen.trained)
         held = self.history.last_eval
         write_progress(
             self.store,

@@ -57,6 +57,15 @@ class StageMetrics:
         self.tokens_per_second = gauge(
             "relaytrain_tokens_per_second", "Training tokens per second"
         ).labels(**labels)
+        self._data = {
+            name: gauge(f"relaytrain_{name}", doc).labels(**labels)
+            for name, doc in (
+                ("epoch", "Passes over the training rows so far (last stage)"),
+                ("examples_seen", "Examples the steps done trained on, every pass counted"),
+                ("tokens_seen", "Non-padding input tokens the steps done trained on"),
+                ("tokens_trained", "Tokens with a loss the steps done trained on"),
+            )
+        }
         self._bytes_sent = Counter(
             "relaytrain_link_sent_bytes", "Bytes sent on a link", [*labels, "link"], registry=r
         )
@@ -105,6 +114,11 @@ class StageMetrics:
         if link.raw_bytes_sent:
             ratio = link.payload_bytes_sent / link.raw_bytes_sent
             self._ratio.labels(**self._labels, link=name).set(ratio)
+
+    def set_seen(self, epoch: float, examples: int, tokens: int, trained: int) -> None:
+        """Where training stands in the data (gauges: a rollback takes them back)."""
+        for name, value in zip(self._data, (epoch, examples, tokens, trained), strict=True):
+            self._data[name].set(value)
 
     def set_health(self, state: Health, **detail: Any) -> None:
         """Set what ``/healthz`` reports; ``detail`` (JSON-able) is included in the body."""
