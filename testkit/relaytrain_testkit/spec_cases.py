@@ -38,6 +38,13 @@ INVALID_CASES = [
     Case("steps-and-epochs", "spec.training.epochs", 2, "spec.training.steps"),
     Case("neither-steps-nor-epochs", "spec.training", {"microBatches": 4}, "spec.training.steps"),
     Case("warmup-exceeds-steps", "spec.training.warmupSteps", 500, "spec.training.warmupSteps"),
+    Case(
+        "stop-with-epochs",
+        "spec.training",
+        {"epochs": 2, "endOfData": "stop"},
+        "spec.training.endOfData",
+    ),
+    Case("unknown-end-of-data", "spec.training.endOfData", "wrap", "spec.training.endOfData"),
     Case("zero-learning-rate", "spec.training.learningRate", 0, "spec.training.learningRate"),
     Case("unknown-lr-schedule", "spec.training.schedule", "step", "spec.training.schedule"),
     Case("unknown-compression", "spec.pipeline.compression", "zstd", "spec.pipeline.compression"),

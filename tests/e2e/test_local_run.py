@@ -302,3 +302,21 @@ def test_a_stage_restarted_after_the_final_commit_finishes_without_its_peers(
     final = progress(workspace / "ckpt", "end")
     assert final is not None and final["done"] and final["step"] == STEPS
     assert _losses(workspace / "ckpt", "end") == losses
+
+
+def test_a_run_told_to_stop_at_the_end_of_the_data_trains_each_example_once(
+    workspace: Path,
+) -> None:
+    """training.endOfData stop: steps that would outrun one pass end with it, and every
+    stage agrees on the shorter run (progress's totalSteps and epoch say so)."""
+    job = _job(workspace, "once").training(steps=500).set("spec.training.endOfData", "stop")
+    proc = start_run(job.write(workspace), workspace / "wd-once")
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out
+    done = progress(workspace / "ckpt", "once")
+    report = json.loads((workspace / "ckpt" / "default" / "once" / "data-report.json").read_text())
+    one_pass = -(-report["rows"] // 4)  # rows over 2 micro-batches of 2 rows, the last partial
+    assert done is not None and done["done"] and done["step"] == done["totalSteps"] == one_pass
+    assert done["epoch"] == one_pass * 4 / report["rows"] >= 1.0
+    log0 = (workspace / "wd-once" / "stages" / "stage-0.log").read_text()
+    assert f"The data runs out after {one_pass} of training.steps 500" in log0

@@ -25,6 +25,7 @@ DatasetFormat = Literal["text", "prompt-completion", "chat"]
 Truncation = Literal["truncate", "drop"]
 MethodType = Literal["lora", "qlora", "full"]
 LrSchedule = Literal["cosine", "linear", "constant"]
+EndOfData = Literal["cycle", "stop"]
 PipelineSchedule = Literal["1f1b"]
 Compression = Literal["none", "bf16", "int8", "int4"]
 SyncMode = Literal["synchronous", "periodic"]
@@ -186,6 +187,9 @@ class TrainingSpec(_Part):
     eval_every_steps: Annotated[int, Field(ge=0)] = 0
     """Evaluate the held-out loss before step 1 and every N steps (optional; 0: only after
     the last step). Without `dataset.validation` nothing is evaluated."""
+    end_of_data: EndOfData = "cycle"
+    """When `steps` outrun one pass over the data: `cycle` (another pass, in a new order)
+    or `stop` (train on each example once: the run ends after one pass; optional)."""
 
     @model_validator(mode="after")
     def _steps_or_epochs(self) -> TrainingSpec:
@@ -483,14 +487,17 @@ class StageConfig(_Part):
             raise config_error(exc, "stage config") from None
 
     def to_dict(self) -> dict[str, Any]:
-        """The document as JSON-ready data; an unset `training.epochs` and an absent
-        `replicas` are left out, so a steps-based, one-pipeline document carries no field an
-        older worker might not know."""
+        """The document as JSON-ready data; an unset `training.epochs`, the default
+        `evalEverySteps` and `endOfData`, and an absent `replicas` are left out, so a
+        steps-based, one-pipeline document carries no field an older worker might not
+        know."""
         document = self.model_dump(mode="json")
         if document["training"]["epochs"] is None:
             del document["training"]["epochs"]
         if document["training"]["evalEverySteps"] == 0:
             del document["training"]["evalEverySteps"]
+        if document["training"]["endOfData"] == "cycle":
+            del document["training"]["endOfData"]
         if document["dataset"]["validation"] is None:
             del document["dataset"]["validation"]
         if document["replicas"] is None:

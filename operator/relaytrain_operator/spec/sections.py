@@ -21,7 +21,7 @@ from relaytrain_contract import (
     Truncation,
 )
 from relaytrain_contract.camel import CAMEL_CASE
-from relaytrain_contract.stage import SyncMode
+from relaytrain_contract.stage import EndOfData, SyncMode
 
 from relaytrain_operator.spec import patterns
 from relaytrain_operator.spec.errors import field_error
@@ -187,6 +187,12 @@ class TrainingSpec(SpecModel):
                 "spec.training.warmupSteps must not exceed spec.training.steps.",
                 field=".warmupSteps",
             ),
+            Rule(
+                "!has(self.epochs) || self.endOfData == 'cycle'",
+                "spec.training.endOfData stop ends the run after one pass, which epochs "
+                "already decide; use steps with stop, or epochs with cycle.",
+                field=".endOfData",
+            ),
         )
     )
 
@@ -216,11 +222,21 @@ class TrainingSpec(SpecModel):
     """With dataset.validation: evaluate the held-out loss before the first step and every
     this many steps; 0 evaluates only after the last step (which every run with validation
     data does)."""
+    end_of_data: EndOfData = "cycle"
+    """What steps do once they have used every example: cycle (another pass over the data,
+    in a new order) or stop (each example is trained on once: the run ends after one pass,
+    before `steps` when that is sooner, and totalSteps says so). With epochs, only cycle."""
 
     @model_validator(mode="after")
     def _steps_or_epochs(self) -> TrainingSpec:
         if (self.steps is None) == (self.epochs is None):
             raise field_error("steps", "set exactly one of steps and epochs")
+        if self.end_of_data == "stop" and self.epochs is not None:
+            raise field_error(
+                "endOfData",
+                "stop ends the run after one pass, which epochs already decide; use steps "
+                "with stop, or epochs with cycle",
+            )
         if self.steps is not None and self.warmup_steps > self.steps:
             raise field_error(
                 "warmupSteps", f"must not exceed steps ({self.steps}), got {self.warmup_steps}"

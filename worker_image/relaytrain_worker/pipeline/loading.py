@@ -3,12 +3,14 @@
 In this order, so that the cheapest refusal comes first: its link credentials (AuthError
 before any model is read), its checkpoint store, the model's files (`s3://` models: the
 shards this stage needs), its slice of the model with the training method applied, and on
-stage 0 (on every stage with `epochs`) the training data and the held-out micro-batches.
+stage 0 (on every stage with `epochs` or `endOfData: stop`) the training data and the
+held-out micro-batches.
 Everything else a stage holds is built from these without I/O (`stage.StageRuntime`).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -25,6 +27,8 @@ from relaytrain_worker.pipeline.linkauth import AuthError, LinkCredentials
 from relaytrain_worker.state.data import MicroBatch, StepData, load_step_data
 from relaytrain_worker.state.modelfiles import resolve_model_dir
 from relaytrain_worker.state.store import Store, open_job_store
+
+log = logging.getLogger("relaytrain.stage")
 
 
 def link_credentials(cfg: StageConfig, environ: Mapping[str, str] = os.environ) -> LinkCredentials:
@@ -99,8 +103,10 @@ def load_stage(cfg: StageConfig) -> Loaded:
         else lora_config(method.rank, method.alpha, method.dropout, method.target_modules)
     )
     trainable = setup_method(stage, method.type, lora, cfg.training.seed)
-    # With `epochs` every stage reads the dataset to derive the same step count.
-    need_data = cfg.stage.is_first or cfg.training.steps is None
+    # With `epochs`, or a run that stops at the end of the data, every stage reads the
+    # dataset to derive the same step count.
+    stop = cfg.training.end_of_data == "stop"
+    need_data = cfg.stage.is_first or cfg.training.steps is None or stop
     data = _load_data(cfg, model_dir, stage, open_store) if need_data else None
     eval_batches = (
         _load_data(cfg, model_dir, stage, open_store, load_eval_batches)
@@ -111,6 +117,11 @@ def load_stage(cfg: StageConfig) -> Loaded:
     if steps is None:
         assert data is not None and cfg.training.epochs is not None
         steps = data.steps_for_epochs(cfg.training.epochs)
+    elif stop and data is not None and data.steps_for_epochs(1) < steps:
+        log.info("The data runs out after %d of training.steps %d (one pass over its %d rows): "
+                 "the run stops there (training.endOfData: stop)", data.steps_for_epochs(1),
+                 steps, data.rows.input_ids.shape[0])  # fmt: skip
+        steps = data.steps_for_epochs(1)
     training = cfg.training.model_copy(update={"steps": steps, "epochs": None})
     return Loaded(tls, store, model_dir, stage, trainable, data, eval_batches, training)
 
