@@ -2,14 +2,14 @@
 (relaytrain_contract.exits), through `relaytrain run --local`: no restart is spent on it.
 
 The operator reads the same exit codes and lines from a pod's status
-(tests/k8s/test_world_errors.py); a crash, which a restart may pass, is still restarted
-(tests/e2e/test_local_supervisor.py's crash loops).
+(tests/e2e/test_operator_e2e.py, the corpus of jobs wrong in the world); a store that
+refuses the keys ends a stage with its own code (tests/unit/test_worker_config.py); a crash,
+which a restart may pass, is still restarted (tests/e2e/test_local_supervisor.py).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 from relaytrain_testkit.local_jobs import local_job, make_workspace, run_state, start_run
@@ -41,15 +41,3 @@ def test_an_empty_data_set_stops_the_run_and_says_so(workspace: Path) -> None:
         "stage 0 stopped (InvalidInput, exit 3), not to be restarted: relaytrain-worker: "
         f"stage 0: dataset.uri {str(empty)!r}: no records"
     ) in out
-
-
-def test_keys_the_store_refuses_stop_the_run_and_say_so(workspace: Path, minio_server: Any) -> None:
-    job = (
-        local_job(workspace, "keys")
-        .checkpoint(f"s3://{minio_server.bucket}/ckpt", endpoint=minio_server.url)
-        .write(workspace)
-    )
-    env = {"AWS_ACCESS_KEY_ID": minio_server.access_key, "AWS_SECRET_ACCESS_KEY": "wrong"}
-    out = _run(job, workspace / "wd-keys", env)
-    assert "stopped (StoreAccessDenied, exit 5), not to be restarted: relaytrain-worker: " in out
-    assert "(SignatureDoesNotMatch: the secret key does not match the access key)" in out

@@ -320,3 +320,66 @@ def test_a_run_told_to_stop_at_the_end_of_the_data_trains_each_example_once(
     assert done["epoch"] == one_pass * 4 / report["rows"] >= 1.0
     log0 = (workspace / "wd-once" / "stages" / "stage-0.log").read_text()
     assert f"The data runs out after {one_pass} of training.steps 500" in log0
+
+
+STEPS_LISTED = 60
+"""Five passes of the module's data (48 rows, 4 a step): the run is stopped at step 16 or
+later, and the tiny job must not finish in the moment that takes."""
+
+
+def test_no_example_is_repeated_or_skipped_across_a_replacement_and_a_stop_and_start(
+    workspace: Path,
+) -> None:
+    """Five passes over the data, with a stage killed (its peer rolls back to the last
+    commit and redoes steps) and the whole run stopped (SIGTERM) and started again from its
+    last commit: the rows each step finally trained, listed from stage 0's own log, take
+    every row exactly once per pass; and progress.json's counts are those of five passes."""
+    job = _job(workspace, "listed").training(steps=STEPS_LISTED).write(workspace)
+    debug = {"RELAYTRAIN_LOG_LEVEL": "DEBUG"}
+    first = start_run(job, workspace / "wd-listed", env=debug)
+
+    def at(step: int) -> Any:
+        now = progress(workspace / "ckpt", "listed")
+        return now if now is not None and now["step"] >= step else None
+
+    wait_while_running("a step past the first commits", lambda: at(7), first, interval=0.005)
+    state = run_state(workspace / "wd-listed")
+    assert state is not None
+    os.kill(state["stages"][1]["pid"], signal.SIGKILL)  # replaced; stage 0 rolls back
+    wait_while_running("a step well past the kill", lambda: at(16), first, interval=0.005)
+    # Stage 0 held (SIGSTOP) so that the tiny job cannot finish first; then the run stops
+    # (SIGTERM: a suspend) ...
+    feeder = run_state(workspace / "wd-listed")["stages"][0]["pid"]  # type: ignore[index]
+    os.kill(feeder, signal.SIGSTOP)
+    first.send_signal(signal.SIGTERM)
+    os.kill(feeder, signal.SIGCONT)
+    out, _ = first.communicate(timeout=120)
+    assert first.returncode == 128 + signal.SIGTERM, out
+    stopped = progress(workspace / "ckpt", "listed")
+    assert stopped is not None and not stopped["done"], stopped
+    second = start_run(job, workspace / "wd-listed-again", env=debug)  # ... and starts again
+    out, _ = second.communicate(timeout=600)
+    assert second.returncode == 0, out
+
+    line = re.compile(r"Step (\d+) trains rows \[([\d, ]*)\]")
+    trained: dict[int, list[int]] = {}
+    resumed_at = None
+    for run in ("wd-listed", "wd-listed-again"):
+        for m in line.finditer((workspace / run / "stages" / "stage-0.log").read_text()):
+            step = int(m.group(1))
+            resumed_at = step if run == "wd-listed-again" and resumed_at is None else resumed_at
+            trained[step] = [int(r) for r in m.group(2).split(",")]  # a redone step: its last
+    assert resumed_at is not None and resumed_at > 1, "the second run started from scratch"
+    assert sorted(trained) == list(range(1, STEPS_LISTED + 1))
+    report = json.loads(
+        (workspace / "ckpt" / "default" / "listed" / "data-report.json").read_text()
+    )
+    rows = report["rows"]
+    order = [r for step in range(1, STEPS_LISTED + 1) for r in trained[step]]
+    passes = [order[i : i + rows] for i in range(0, len(order), rows)]
+    for p, taken in enumerate(passes):
+        assert len(set(taken)) == len(taken), f"pass {p + 1} repeats a row"
+        if len(taken) == rows:
+            assert sorted(taken) == list(range(rows)), f"pass {p + 1} skips a row"
+    done = progress(workspace / "ckpt", "listed")
+    assert done is not None and done["epoch"] == len(order) / rows

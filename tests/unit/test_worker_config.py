@@ -121,3 +121,32 @@ def test_the_worker_refuses_a_bad_document_at_start_up(tmp_path: Any) -> None:
     )  # fmt: skip
     assert done.returncode == 2
     assert "invalid stage config: method.rank: must be >= 1, got 0" in done.stderr
+
+
+def test_a_store_that_refuses_the_keys_ends_the_stage_in_one_line_with_its_code(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Bad keys are an answer, not an outage: one line naming the store's code and what to
+    check, the termination message, and the code the operator does not retry. An error that
+    is no answer of the store's goes up as the crash it is."""
+    from minio.error import S3Error
+    from relaytrain_worker.__main__ import _store_failure
+    from relaytrain_worker.state.store import StoreError
+
+    said = tmp_path / "termination-log"
+    monkeypatch.setenv(TERMINATION_LOG_ENV, str(said))
+    answer = S3Error(None, "SignatureDoesNotMatch", "no", "/b", "r", "h", bucket_name="b")  # type: ignore[arg-type]
+    try:
+        raise StoreError("cannot open bucket 'b'") from answer
+    except StoreError as wrapped:
+        code = _store_failure("stage p1/s0", wrapped)
+    assert code == StageExit.STORE_REFUSED == 5
+    line = (
+        "relaytrain-worker: stage p1/s0: the object store refused s3://b (SignatureDoesNotMatch: "
+        "the secret key does not match the access key); check "
+        "spec.checkpoint.credentialsSecret (its keys) and the bucket in the job's URIs"
+    )
+    assert capsys.readouterr().err.strip() == line and said.read_text() == line
+    assert _store_failure("stage 0", StoreError("the store did not answer")) == StageExit.FAILED
+    with pytest.raises(ZeroDivisionError):
+        _store_failure("stage 0", ZeroDivisionError("a bug"))

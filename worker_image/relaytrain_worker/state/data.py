@@ -306,6 +306,9 @@ class StepData:
         """The M micro-batches of optimizer step `step` (0-based)."""
         per_step = self.mbs * self.m
         out = []
+        if log.isEnabledFor(logging.DEBUG):  # which rows, for a test (or a person) to list
+            rows = [self._row(step * per_step + r) for r in range(per_step)]
+            log.debug("Step %d trains rows %s", step + 1, rows)
         for m in range(self.m):
             base = step * per_step + m * self.mbs
             idx = torch.tensor([self._row(base + r) for r in range(self.mbs)])
