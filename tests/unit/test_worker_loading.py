@@ -125,16 +125,19 @@ def test_peak_memory_of_a_stage_tracks_its_share(tmp_path: Path) -> None:
     )
     layer_bytes = sum(p.stat().st_size for p in model_dir.glob("*.safetensors")) / 8
 
-    def grow(start: int, end: int) -> float:
-        out = subprocess.run(
-            [sys.executable, "-c", _RSS_SCRIPT, str(model_dir), str(start), str(end), "8"],
-            capture_output=True, text=True, check=True,
-        )  # fmt: skip
-        doc = json.loads(out.stdout.strip().splitlines()[-1])
+    def start(first: int, end: int) -> subprocess.Popen[str]:
+        argv = [sys.executable, "-c", _RSS_SCRIPT, str(model_dir), str(first), str(end), "8"]
+        return subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+
+    def grown(proc: subprocess.Popen[str]) -> float:
+        out, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, out
+        doc = json.loads(out.strip().splitlines()[-1])
         return float(doc["peak"] - doc["base"])
 
-    quarter = grow(2, 4)
-    whole = grow(0, 8)
+    # Each process measures its own peak: the two run side by side.
+    procs = start(2, 4), start(0, 8)
+    quarter, whole = (grown(p) for p in procs)
     assert quarter < 0.4 * whole, (quarter, whole)
     assert quarter < 3.5 * layer_bytes * 2, (quarter, layer_bytes)
 
