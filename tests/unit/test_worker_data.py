@@ -112,3 +112,18 @@ def test_a_sequence_longer_than_the_model_allows_is_refused(
 def test_a_missing_file_is_named(tmp_path: Path, tokenizer: object) -> None:
     with pytest.raises(DataError, match="no such file"):
         _load(_spec(tmp_path / "nope.jsonl"), tokenizer)
+
+
+def test_an_object_the_store_has_not_and_bytes_that_are_not_text_are_bad_input(
+    tmp_path: Path,
+) -> None:
+    # The store answers "no such key" (an answer a restart would get again), not an outage.
+    from relaytrain_worker.state.records import read_jsonl
+    from relaytrain_worker.state.store import LocalStore
+
+    store = LocalStore(tmp_path)
+    store.put("latin1.jsonl", '{"text": "caf\u00e9"}\n'.encode("latin-1"))
+    with pytest.raises(DataError, match=r"^dataset.uri 's3://b/data/gone.jsonl': no such object$"):
+        read_jsonl("s3://b/data/gone.jsonl", lambda prefix: store)  # a store at the prefix
+    with pytest.raises(DataError, match=r"^dataset.uri 's3://b/data/latin1.jsonl': not UTF-8 text"):
+        read_jsonl("s3://b/data/latin1.jsonl", lambda prefix: store)

@@ -51,14 +51,21 @@ def read_jsonl(uri: str, opener: Any = None) -> list[Record]:
         if opener is None:
             raise DataError(f"dataset.uri {uri!r}: s3:// needs the checkpoint endpoint")
         prefix, _, name = uri.rpartition("/")
-        raw = opener(prefix).get(name)
+        try:
+            raw = opener(prefix).get(name)
+        except KeyError:  # the store's ObjectNotFound: an answer, not an outage to retry
+            raise DataError(f"dataset.uri {uri!r}: no such object") from None
     else:
         path = Path(parsed.path if parsed.scheme == "file" else uri)
         if not path.is_file():
             raise DataError(f"dataset.uri {uri!r}: no such file")
         raw = path.read_bytes()
+    try:
+        text = raw.decode()
+    except UnicodeDecodeError as exc:
+        raise DataError(f"dataset.uri {uri!r}: not UTF-8 text ({exc})") from None
     records = []
-    for number, line in enumerate(raw.decode().splitlines(), start=1):
+    for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:
