@@ -6,6 +6,7 @@ import logging
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import textwrap
@@ -368,6 +369,26 @@ def test_close_on_one_side_breaks_the_other_promptly(listener: Listener) -> None
     assert isinstance(out.get("error"), LinkBroken), out
     with pytest.raises(LinkBroken):
         up.send(Frame("control", 0, -1))
+
+
+def test_a_peer_gone_mid_frame_raises_link_broken_and_does_not_spin(listener: Listener) -> None:
+    """A peer that dies part-way through a frame (its TLS records end without a close):
+    the receiver's recv raises LinkBroken. It once spun forever on the closed socket at
+    100 % CPU (a stage whose upstream container was killed mid-send)."""
+    up, down = _pair(listener)
+    # Half a frame: a header of 100 bytes announced, 10 of them sent, then the peer's end
+    # is gone without a TLS close (as the kernel closes a killed process's socket).
+    sealed = up._tls.seal(struct.pack(">I", 100) + b"{" * 10)
+    up._sock.sendall(sealed[:20])
+    up._sock.shutdown(socket.SHUT_RDWR)
+    try:
+        t, out = _in_thread(lambda: down.recv(timeout=30))
+        t.join(30)
+        assert not t.is_alive(), "recv still runs on a link whose peer is gone"
+        assert isinstance(out.get("error"), LinkBroken), out
+    finally:
+        up.close()
+        down.close()
 
 
 def test_a_killed_peer_process_raises_link_broken_promptly(

@@ -285,7 +285,8 @@ class StageRuntime:
                 self.replication.flush()
                 break
             except (LinkBroken, TimeoutError) as exc:
-                attempt += 1
+                # Failures in a row back off longer; one after training went on is a new one.
+                attempt = attempt + 1 if self.step <= (restored or 0) else 1
                 self.metrics.set_health("recovering", reason=str(exc))
                 log.warning("Stage %s lost a link at step %d: %s", self.name, self.step, exc)
                 self._close(peers)

@@ -317,17 +317,21 @@ class Link:
     def _recv_into(self, view: memoryview) -> None:
         """Fill ``view`` with plaintext, decrypting straight into it."""
         got = 0
+        ended = False
         while got < len(view):
             n = self._tls.read_into(view[got:], self.peer)
             if n:
                 got += n
                 continue
+            if ended:  # the socket ended and the session holds nothing more: it is gone
+                raise LinkBroken(f"{self.peer} closed the link mid-frame (stage gone?)")
             # What the session holds is not a whole record: more must come from the socket.
             if not self._wait_readable(STALL_TIMEOUT, socket_only=True):
                 raise LinkBroken(f"{self.peer} stalled for {STALL_TIMEOUT:.0f} s mid-frame")
             k = self._sock.recv_into(self._wire)
             self.bytes_received += k
             self._tls.feed(memoryview(self._wire)[:k])
+            ended = k == 0
 
     def _wait_readable(self, timeout: float | None, socket_only: bool = False) -> bool:
         if self._closed:
