@@ -32,14 +32,16 @@ def test_stage_pod_has_a_stable_dns_name_under_the_job_service() -> None:
     assert service["metadata"]["name"] == pod["spec"]["subdomain"]
 
 
-def test_stage_pod_is_pinned_and_requests_one_gpu_and_the_planned_memory() -> None:
+def test_stage_pod_is_pinned_and_requests_one_gpu_and_the_planned_memory_and_the_runtime() -> None:
     pod = pod_for(0)
     spec = pod["spec"]
     assert spec["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
     resources = spec["containers"][0]["resources"]
     assert resources["requests"]["nvidia.com/gpu"] == "1"
     assert resources["limits"]["nvidia.com/gpu"] == "1"
-    assert resources["requests"]["memory"] == "3073Mi"  # rounded up, never under the plan
+    # The plan's 3 GiB + 1 byte rounded up, never under it, and 2 GiB for Python and torch.
+    assert resources["requests"]["memory"] == "5121Mi"
+    assert resources["limits"]["memory"] == "5121Mi"
     assert spec["restartPolicy"] == "Never"
 
 

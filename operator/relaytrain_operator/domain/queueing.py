@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from relaytrain_operator.domain.builders.labels import job_labels, owner_reference
+from relaytrain_operator.domain.builders.pod import memory_request
 
 JsonDict = dict[str, Any]
 
@@ -119,8 +120,8 @@ def build_workload(
     taken: set[str] = set()
     pod_sets = []
     for pool, demands in pools.items():
-        mib = max(1, -(-max(d.memory_bytes for d in demands) // (1024 * 1024)))
-        amount = {gpu_resource: "1", "memory": f"{mib}Mi"}
+        # What each stage pod requests (builders.pod): the pod set's pods must ask no more.
+        amount = {gpu_resource: "1", "memory": memory_request(max(d.memory_bytes for d in demands))}
         spec: JsonDict = {
             "restartPolicy": "Never",
             "nodeSelector": dict(demands[0].selector),

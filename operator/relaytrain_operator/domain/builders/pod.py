@@ -107,8 +107,21 @@ def _env(job_name: str, inputs: StagePodInputs) -> list[dict[str, Any]]:
     return env
 
 
+HOST_RUNTIME_BYTES = 2048 * MIB
+"""Host memory a stage's process needs besides its share of the model: Python, torch (and
+its CUDA libraries on a GPU node), the data loader and the link buffers."""
+
+
+def memory_request(planned_bytes: int) -> str:
+    """The host memory a stage pod requests (and is limited to): the runtime's, and the
+    stage's planned share of the model (its GPU memory), which the weights pass through on
+    their way to the GPU and which a stage on CPU holds entirely. The plan's figure alone
+    would have a real kubelet kill a small model's stage as it starts."""
+    return f"{max(1, -(-(planned_bytes + HOST_RUNTIME_BYTES) // MIB))}Mi"
+
+
 def _resources(inputs: StagePodInputs) -> dict[str, Any]:
-    memory = f"{max(1, -(-inputs.memory_bytes // MIB))}Mi"
+    memory = memory_request(inputs.memory_bytes)
     requests: dict[str, str] = {GPU_RESOURCE: "1", "memory": memory}
     if inputs.cpu:
         requests["cpu"] = inputs.cpu
