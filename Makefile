@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 export RELAYTRAIN_CACHE ?= $(HOME)/.cache/relaytrain
 
 .PHONY: help deps deps-python deps-binaries deps-model test test-fast test-unit test-contract test-k8s test-e2e \
-        chaos lint format demo bench gpu-check cluster-up cluster-down kubeconfig crds chart-crds lock go-modules
+        chaos lint format demo bench images gpu-check cluster-up cluster-down kubeconfig crds chart-crds lock go-modules
 
 help:
 	@echo "make demo          run the main job (installs what it needs first)"
@@ -18,6 +18,7 @@ help:
 	@echo "make -s kubeconfig print that path alone (export KUBECONFIG=\$$(make -s kubeconfig))"
 	@echo "make cluster-down  stop everything cluster-up started"
 	@echo "make bench         run the benchmarks in bench/"
+	@echo "make images        build the operator and worker images with buildah (hack/images.sh)"
 	@echo "make gpu-check     prepare the GPU check (wheels into .whl/) and print what a GPU host runs"
 	@echo "make chaos         the chaos schedule with real training, its table printed"
 	@echo "make lint          ruff, mypy and import-linter"
@@ -36,7 +37,7 @@ deps-model: deps-python
 
 # Every tier in one pytest session, so the k8s and e2e tiers share one cluster and one
 # MinIO. Tests marked gpu are reported as skipped where no CUDA exists.
-test: deps
+test: deps images
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
 # The loop while changing code: every test that needs no cluster, no MinIO and no torch
@@ -52,7 +53,7 @@ test-contract: deps-python
 	$(PY) -m pytest tests -m "contract" $(PYTEST_ARGS)
 test-k8s: deps
 	$(PY) -m pytest tests -m "k8s" $(PYTEST_ARGS)
-test-e2e: deps
+test-e2e: deps images
 	$(PY) -m pytest tests -m "e2e" $(PYTEST_ARGS)
 # The chaos schedule alone (it is part of `make test` too): faults, survived, time to recover.
 chaos: deps
@@ -98,6 +99,11 @@ demo: deps
 # `make bench BENCH_ARGS=--quick` for the short variants.
 bench: deps
 	@bash hack/bench.sh
+
+# The operator and worker images, without a Docker daemon: buildah into a container storage
+# under $(RELAYTRAIN_CACHE) (hack/images.sh; the e2e tier runs stage pods from the worker image).
+images:
+	@bash hack/images.sh build
 
 # The GPU check (docs/gpu-check.md): the wheels a GPU host lacks, from uv.lock's pins and
 # hashes, into .whl/ (git-ignored), and the one command that host runs

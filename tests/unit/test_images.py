@@ -31,16 +31,28 @@ def _run_lines(dockerfile: Path) -> list[str]:
     return [m.group(1).strip() for m in re.finditer(r"^RUN (.+)$", text, flags=re.M)]
 
 
+def _commands(dockerfile: Path) -> list[str]:
+    """Every command of every RUN instruction (split at `&&`)."""
+    return [c.strip() for r in _run_lines(dockerfile) for c in r.split("&&")]
+
+
 def _locked_install(dockerfile: Path) -> list[str]:
-    runs = [r for r in _run_lines(dockerfile) if r.startswith("uv sync")]
-    assert len(runs) == 1, f"{dockerfile}: expected one `RUN uv sync ...`, found {runs}"
-    return shlex.split(runs[0].split("&&")[0])
+    """The image's last `uv sync`: the one that installs the project with its dependencies
+    (the one before installs the dependencies alone, in a layer of their own)."""
+    syncs = [shlex.split(c) for c in _commands(dockerfile) if " sync " in f" {c} "]
+    assert len(syncs) == 2, f"{dockerfile}: expected two `uv sync` (deps, then project): {syncs}"
+    deps, project = syncs
+    assert deps == [*project, "--no-install-project"], (deps, project)
+    return project
 
 
 @pytest.mark.parametrize("path", sorted(IMAGES))
 def test_the_image_installs_the_pinned_uv_with_hashes(path: str) -> None:
-    runs = _run_lines(REPO / path)
-    assert "python -m pip install --require-hashes -r hack/uv-requirements.txt" in runs
+    installs = [c for c in _commands(REPO / path) if "pip install" in c]
+    assert installs, f"{path} installs no uv"
+    for command in installs:  # each RUN that uses uv installs it, hash-checked, and drops it
+        assert command.endswith("--require-hashes -r uv-requirements.txt"), command
+    assert all(c.startswith("/tmp/uv/bin/uv ") for c in _commands(REPO / path) if " uv " in c)
 
 
 @pytest.mark.parametrize("path", sorted(IMAGES))
