@@ -24,10 +24,13 @@ import signal
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
 from kubernetes import client
+from relaytrain_testkit.harness import containers
+from relaytrain_testkit.harness.containers import require_image
 from relaytrain_testkit.harness.operator_env import (
     EVERY,
     GROUP,
@@ -63,12 +66,18 @@ def env(
         yield parts
 
 
+# peft 0.21.2's PeftModel.from_pretrained calls a transformers 5.23 API deprecated for v6.
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
 def test_job_survives_a_stage_killed_mid_run(env: dict[str, Any]) -> None:
+    """The stage pods run in real containers from the worker image `make images` built
+    (podman and runc, harness/containers.py), under the pod's securityContext in a
+    namespace that enforces `restricted`; one is SIGKILLed mid-run."""
     e = env
     core, custom, ns, runner = e["core"], e["custom"], e["ns"], e["runner"]
     name = "tiny-lora"
+    worker_image = require_image("worker")
     custom.create_namespaced_custom_object(
-        GROUP, VERSION, ns, PLURAL, tiny_job(name, e["minio"]).build()
+        GROUP, VERSION, ns, PLURAL, tiny_job(name, e["minio"]).image(worker_image).build()
     )
 
     status = functools.partial(_job_status, custom, ns, name)
@@ -76,6 +85,8 @@ def test_job_survives_a_stage_killed_mid_run(env: dict[str, Any]) -> None:
     watcher = ProgressWatcher(e["minio"], f"ckpt/{ns}/{name}/progress.json")
 
     def progressed_past_a_commit() -> Any:
+        if status().get("phase") == "Failed":  # say why now, not when the wait runs out
+            raise AssertionError(f"the job failed: {status()}")
         prog = watcher.latest()
         committed = prog.get("lastCommittedStep")
         return committed is not None and committed >= EVERY and prog
@@ -89,6 +100,16 @@ def test_job_survives_a_stage_killed_mid_run(env: dict[str, Any]) -> None:
     pods = stage_pods(core, ns, name)
     assert before["step"] < STEPS - EVERY, f"the job ran too fast to be interrupted: {before}"
     assert sorted(pods) == [f"{name}-stage-{k}" for k in range(3)]
+    # Inside a stage's container: the pod's numeric non-root user, a root filesystem that
+    # refuses a write, and the pod's volumes (/tmp, the cache) that take one.
+    inside = runner.local_pod(ns, f"{name}-stage-0").container
+    assert inside is not None, "the stage pod did not run in a container"
+    probe = containers.exec_in(inside, "python", "-c", _WRITES)
+    assert probe.returncode == 0, probe.stderr
+    assert json.loads(probe.stdout) == {
+        "uid": 10001, "gid": 10001, "/opt/venv/x": "EROFS", "/x": "EROFS",
+        "/tmp/x": "written", "/cache/x": "written",
+    }, probe.stdout  # fmt: skip
 
     # `helm upgrade` while it trains: a new operator pod; the stage pods and their
     # processes stay as they are (checked with the survivors at the end). Stage 0 is held
@@ -96,7 +117,7 @@ def test_job_survives_a_stage_killed_mid_run(env: dict[str, Any]) -> None:
     # upgrade and leave nothing to interrupt; the others wait on its activations.
     release, values = e["release"], e["values"]
     old_operator = release.operator_pod().metadata.uid
-    processes = {n: runner.local_pod(ns, n).process.pid for n in pods}
+    processes = {n: runner.local_pod(ns, n).pid for n in pods}
     held = processes[f"{name}-stage-0"]
     os.kill(held, signal.SIGSTOP)
     try:
@@ -111,14 +132,12 @@ def test_job_survives_a_stage_killed_mid_run(env: dict[str, Any]) -> None:
     assert {n: p.metadata.uid for n, p in now.items()} == {
         n: p.metadata.uid for n, p in pods.items()
     }
-    assert {n: runner.local_pod(ns, n).process.pid for n in now} == processes
+    assert {n: runner.local_pod(ns, n).pid for n in now} == processes
     victim = f"{name}-stage-1"
     survivors = {
-        n: (p.metadata.uid, runner.local_pod(ns, n).process.pid)
-        for n, p in pods.items()
-        if n != victim
+        n: (p.metadata.uid, runner.local_pod(ns, n).pid) for n, p in pods.items() if n != victim
     }
-    victim_pid = runner.local_pod(ns, victim).process.pid
+    victim_pid = runner.local_pod(ns, victim).pid
     before = watcher.latest()  # where training is at the moment of the kill
     assert before["step"] < STEPS - EVERY, f"the job ran too fast to be interrupted: {before}"
     os.kill(victim_pid, signal.SIGKILL)
@@ -152,13 +171,14 @@ def test_job_survives_a_stage_killed_mid_run(env: dict[str, Any]) -> None:
 
     # Survivors: one pod and one process each, from before the kill to a clean exit.
     for n, (uid, pid) in survivors.items():
-        started = [(lp.uid, lp.process.pid) for lp in runner.history if lp.name == n]
+        started = [(lp.uid, lp.pid) for lp in runner.history if lp.name == n]
         assert started == [(uid, pid)], f"{n} was restarted: {started}"
         # It ended by itself (0) or was stopped by its pod's deletion once the job succeeded
-        # (130 while it still ran, -15 once it had finished: tests/unit/test_worker_sigterm.py).
-        wait_for(f"{n}'s process to end", lambda uid=uid: uid in runner.finished, timeout=60)
+        # (130 while it still ran, 143 — SIGTERM — once it had finished:
+        # tests/unit/test_worker_sigterm.py).
+        wait_for(f"{n}'s container to end", lambda uid=uid: uid in runner.finished, timeout=60)
         code = runner.finished[uid]
-        assert code in (0, 130, -signal.SIGTERM), f"{n} exited with {code}"
+        assert code in (0, 130, 128 + signal.SIGTERM), f"{n} exited with {code}"
     assert [lp.name for lp in runner.history].count(victim) == 2
     history = {s["index"]: s for s in final.get("stages", [])}
     assert history[1]["restarts"] == 1
@@ -193,6 +213,37 @@ def test_job_survives_a_stage_killed_mid_run(env: dict[str, Any]) -> None:
         for o in mc.list_objects(e["minio"].bucket, f"adapters/{name}/", recursive=True)
     }
     assert {"adapter_config.json", "adapter_model.safetensors"} <= files, (out, files)
+    # What the containers wrote loads with peft onto the model it was trained from.
+    adapter = e["work"] / f"adapter-{name}"
+    for f in files:
+        mc.fget_object(e["minio"].bucket, f"adapters/{name}/{f}", str(adapter / f))
+    _load_with_peft(e["model"], adapter)
+
+
+_WRITES = """
+import errno, json, os
+out = {"uid": os.getuid(), "gid": os.getgid()}
+for path in ("/opt/venv/x", "/x", "/tmp/x", "/cache/x"):
+    try:
+        open(path, "w").close()
+        out[path] = "written"
+    except OSError as exc:
+        out[path] = errno.errorcode[exc.errno]
+print(json.dumps(out))
+"""
+
+
+def _load_with_peft(model_dir: Path, adapter: Path) -> None:
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    tuned = PeftModel.from_pretrained(base, adapter)
+    lora = [n for n, _ in tuned.named_parameters() if "lora_B" in n]
+    assert lora, "the adapter added no LoRA weights"
+    trained = [n for n, p in tuned.named_parameters() if "lora_B" in n and p.abs().sum() > 0]
+    assert trained, "every lora_B is zero: the adapter was never trained"
 
 
 def test_two_pipelines_train_one_job_and_a_killed_stage_takes_out_its_pipeline_only(

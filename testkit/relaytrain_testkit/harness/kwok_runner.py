@@ -32,6 +32,11 @@ the kubelet's back-off), posts the kubelet's `Unhealthy` and `Killing` Events, a
 deletion stops the process within the grace period and removes the pod. Stage pods
 (`restartPolicy: Never`) keep kwok's status until their process exits.
 
+A pod whose image is in `images` (the worker image `make images` built, in the e2e tier)
+runs in a real container instead: podman and runc start it from that image with the pod's
+securityContext, environment, emptyDir volumes and termination-message file
+(harness/containers.py); `LocalPod.pid` is then its container's main process.
+
 Nothing here is product code: it stands in for a kubelet and cluster DNS, which a real
 cluster has. No library does this for kwok (kwok is built never to run containers).
 On its own: `python -m relaytrain_testkit.harness.kwok_runner --kubeconfig K --workdir DIR`.
@@ -59,6 +64,8 @@ from kubernetes.client.exceptions import ApiException
 from relaytrain_contract import CONFIG_ENV
 from relaytrain_contract.exits import MESSAGE_LIMIT, TERMINATION_LOG_ENV
 
+from relaytrain_testkit.harness import containers
+from relaytrain_testkit.harness.containers import ContainerConfigError
 from relaytrain_testkit.harness.kubelet_volumes import (
     IssuedToken,
     in_mount_namespace,
@@ -95,11 +102,21 @@ class LocalPod:
     probes: list[ProbeLoop] = field(default_factory=list)
     tokens: list[IssuedToken] = field(default_factory=list)
     tokens_at: float = field(default_factory=time.monotonic)
+    container: str | None = None
+    """The podman container it runs in (harness/containers.py); None: a local process."""
+    _pid: int | None = None
 
-
-class ContainerConfigError(Exception):
-    """A container cannot be started as its pod says (a missing Secret or key): the
-    kubelet's `CreateContainerConfigError`, in its words."""
+    @property
+    def pid(self) -> int:
+        """The pid of the container's own process: the local process, or the main process
+        of its container (podman's client is not it)."""
+        if self.container is None:
+            return self.process.pid
+        if self._pid is None:
+            self._pid = containers.pid(self.container)
+            if self._pid is None:
+                raise ProcessLookupError(f"container {self.container} is not running")
+        return self._pid
 
 
 @dataclass(frozen=True)
@@ -120,6 +137,7 @@ class KwokProcessRunner:
         workdir: Path,
         namespace: str | None = None,
         selector: str = JOB_LABEL,
+        images: frozenset[str] = frozenset(),
     ) -> None:
         from urllib.parse import urlsplit
 
@@ -127,6 +145,7 @@ class KwokProcessRunner:
 
         self.core: Any = client.CoreV1Api(api_client)  # its objects are read as Any here
         self.selector = selector
+        self.images = images  # pods of these images run in containers (harness/containers.py)
         server = urlsplit(api_client.configuration.host)
         self.service_env = {  # what a kubelet sets for the `kubernetes` Service
             "KUBERNETES_SERVICE_HOST": server.hostname or "127.0.0.1",
@@ -159,7 +178,7 @@ class KwokProcessRunner:
             for pod in list(self.pods.values()):
                 for probe in pod.probes:
                     probe.stop()
-                _kill(pod.process)
+                _stop(pod)
             self.pods.clear()
 
     def _loop(self) -> None:
@@ -375,7 +394,7 @@ class KwokProcessRunner:
             for probe in local.probes:
                 if probe.spec.kind != kind:
                     probe.stop()
-            _kill(local.process, grace=_grace(pod))
+            _stop(local, grace=_grace(pod))
 
     def _event(self, pod: Any, type: str, reason: str, message: str) -> None:
         """An Event on the pod, from the kubelet, as `kubectl describe pod` shows them."""
@@ -424,24 +443,32 @@ class KwokProcessRunner:
         container = pod.spec.containers[0]
         tmp = _pod_dir(self.workdir, pod)
         tmp.mkdir(parents=True, exist_ok=True)
+        in_container = container.image in self.images
         env = {
-            **_base_env(),
+            **({} if in_container else _base_env()),
             **self.service_env,
             **self._resolve_env(pod, container.env or []),
         }
         metrics_port = None
         if CONFIG_ENV in env:
             env[CONFIG_ENV], metrics_port = self._rewrite_config(pod, env[CONFIG_ENV])
-        argv = list(container.command or []) + list(container.args or [])
-        if argv and argv[0] in ("python", "python3"):
-            argv[0] = sys.executable
         mounts, tokens = project_volumes(self.core, pod, container, tmp)
-        argv = in_mount_namespace(argv, mounts)
-        env["TMPDIR"] = str(tmp)
-        env["HOME"] = str(tmp)
-        if container.termination_message_path:  # a fresh file for each container start
-            env[TERMINATION_LOG_ENV] = str(tmp / "termination-log")
-            (tmp / "termination-log").write_bytes(b"")
+        termination_log = tmp / "termination-log"  # a fresh file for each container start
+        name = None
+        if in_container:
+            launch = containers.launch(pod, env, tmp, mounts, termination_log)
+            argv, env, name = launch.argv, launch.env, launch.name
+            containers.remove(name)  # one left by a runner that was stopped hard
+        else:
+            argv = list(container.command or []) + list(container.args or [])
+            if argv and argv[0] in ("python", "python3"):
+                argv[0] = sys.executable
+            argv = in_mount_namespace(argv, mounts)
+            env["TMPDIR"] = str(tmp)
+            env["HOME"] = str(tmp)
+            if container.termination_message_path:
+                env[TERMINATION_LOG_ENV] = str(termination_log)
+                termination_log.write_bytes(b"")
         log_path = tmp / "container.log"
         with log_path.open("ab") as log:
             if restarts:
@@ -464,6 +491,7 @@ class KwokProcessRunner:
             metrics_port,
             restarts=restarts,
             tokens=tokens,
+            container=name,
         )
         if _restarting(pod):
             for kind, probe in (
@@ -529,7 +557,7 @@ class KwokProcessRunner:
         for probe in local.probes:
             probe.stop()
         if kill:
-            _kill(local.process, grace=10 if grace is None else grace)
+            _stop(local, grace=10 if grace is None else grace)
         with self._lock:
             if self.pods.get(local.uid) is local:
                 self.pods.pop(local.uid, None)
@@ -670,6 +698,14 @@ def _base_env() -> dict[str, str]:
     env.setdefault("OMP_NUM_THREADS", "1")  # several stages share a few cores
     env["PYTHONUNBUFFERED"] = "1"
     return env
+
+
+def _stop(local: LocalPod, grace: float = 10) -> None:
+    """Stops a pod's process, and removes its container if it has one (a container whose
+    podman client had to be killed would be left running)."""
+    _kill(local.process, grace=grace)
+    if local.container is not None:
+        containers.remove(local.container)
 
 
 def _kill(process: subprocess.Popen[bytes], grace: float = 10) -> None:

@@ -1,8 +1,9 @@
 """The operator end to end, as the e2e tests set it up: a namespace enforcing the Pod Security
 Standard `restricted` with the object store's key pair in a Secret, the chart installed with
 its operator run as a pod under its ServiceAccount (harness/chart_install.py), a kwok
-process runner for the stage pods, a tiny Llama and a small data set in MinIO; and what the
-tests read back (the workers' progress.json as it changes, the stage pods, logs)."""
+process runner for the stage pods (in real containers for the worker image), a tiny Llama
+and a small data set in MinIO; and what the tests read back (the workers' progress.json as
+it changes, the stage pods, logs)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from relaytrain_testkit.harness.chart_install import (
     chart_values,
     restricted_namespace,
 )
+from relaytrain_testkit.harness.containers import image_ref
 from relaytrain_testkit.harness.kwok_runner import KwokProcessRunner
 from relaytrain_testkit.harness.operator_cases import install_crd
 from relaytrain_testkit.jobs import Job
@@ -35,7 +37,8 @@ def operator_env(
     kube_cluster: Any, minio: Any, work: Path, **values: Any
 ) -> Iterator[dict[str, Any]]:
     """Everything above, torn down on exit; yields the parts by name (core, custom, ns,
-    runner, work, minio, release, values). `values`: more chart values (kueue={...})."""
+    runner, work, minio, release, values, and model: the tiny model's folder). `values`:
+    more chart values (kueue={...})."""
     from relaytrain_testkit.tiny_models import tiny_model_dir
 
     api = kube_cluster.api_client()
@@ -73,7 +76,9 @@ def operator_env(
     system = restricted_namespace(core, f"rte2e-system-{tag}")
     release = ChartRelease(f"rte2e{tag}", system, kube_cluster.kubeconfig, api, work / "chart")
     values = {**chart_values(ns), **values}
-    runner = KwokProcessRunner(api, work / "pods", ns)
+    # Stage pods of the worker image `make images` built run in real containers
+    # (harness/containers.py); those of any other image as local processes.
+    runner = KwokProcessRunner(api, work / "pods", ns, images=frozenset({image_ref("worker")}))
     try:
         release.start_kubelet()
         release.install(values)
@@ -88,6 +93,7 @@ def operator_env(
             "minio": minio,
             "release": release,
             "values": values,
+            "model": model,
         }
     finally:
         runner.stop()
