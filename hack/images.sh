@@ -153,7 +153,7 @@ build_image() {
     ca=(-v "$HOST_CA:/run/host-ca.crt:ro" --build-arg PIP_CERT=/run/host-ca.crt
         --build-arg SSL_CERT_FILE=/run/host-ca.crt --build-arg UV_SYSTEM_CERTS=1)
   fi
-  buildah bud --isolation chroot --layers -f "$repo/$dockerfile" --build-arg "BASE=$base" \
+  buildah bud --isolation chroot --layers --force-rm -f "$repo/$dockerfile" --build-arg "BASE=$base" \
     --build-arg "VERSION=$(version)" --build-arg "REVISION=$revision" "${ca[@]}" \
     --label "io.relaytrain.source-digest=$(source_digest)" \
     -t "$(ref "$name")" "$repo"
@@ -167,7 +167,10 @@ build() {
   for pair in operator:operator/Dockerfile worker:worker_image/Dockerfile; do
     run_step "image $(ref "${pair%%:*}")" build_image "${pair%%:*}" "${pair#*:}" "$base"
   done
-  podman image prune -f >/dev/null  # the layers of earlier builds that nothing uses now
+  # The working containers a build stopped half-way left (a build that fails leaves its
+  # own: --force-rm), then the layers of earlier builds that nothing uses now.
+  buildah rm --all >/dev/null
+  podman image prune -f >/dev/null
   for name in operator worker; do
     podman image inspect --format "[images] $(ref "$name") {{.Id}} {{.Size}} bytes, user {{.Config.User}}" "$(ref "$name")"
   done
