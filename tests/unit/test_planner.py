@@ -24,7 +24,7 @@ from relaytrain_operator.domain.planner import (
     plan,
 )
 from relaytrain_operator.domain.planner.cost import LinkCost, pool_cost
-from relaytrain_testkit.shapes import SMOLLM2_135M_CONFIG
+from relaytrain_testkit.shapes import LLAMA31_8B_CONFIG, SMOLLM2_135M_CONFIG
 
 pytestmark = pytest.mark.unit
 
@@ -166,18 +166,7 @@ def test_faster_gpu_never_gets_fewer_layers(instance):
             assert a.layers >= b.layers, (a, b)
 
 
-LLAMA_8B = ModelShape.from_hf_config(
-    {
-        "model_type": "llama",
-        "num_hidden_layers": 32,
-        "hidden_size": 4096,
-        "intermediate_size": 14336,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "vocab_size": 128256,
-        "max_position_embeddings": 131072,
-    }
-)
+LLAMA_8B = ModelShape.from_hf_config(LLAMA31_8B_CONFIG)
 
 
 def test_h100_gets_more_layers_than_v100():

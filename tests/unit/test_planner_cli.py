@@ -10,6 +10,7 @@ import pytest
 import yaml
 from relaytrain_operator import cli
 from relaytrain_testkit.jobs import Job
+from relaytrain_testkit.shapes import LLAMA3_8B_CONFIG
 
 pytestmark = pytest.mark.unit
 
@@ -18,15 +19,7 @@ MIXED_NODES = ROOT / "examples" / "nodes-mixed.yaml"
 HACK_POOLS = ROOT / "hack" / "pools.yaml"
 LORA = Job.example("finetunejob-lora")
 
-LLAMA3_8B = {
-    "model_type": "llama",
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_attention_heads": 32,
-    "num_hidden_layers": 32,
-    "num_key_value_heads": 8,
-    "vocab_size": 128256,
-}
+LLAMA3_8B = LLAMA3_8B_CONFIG
 
 
 def relaytrain(*argv: str) -> int:

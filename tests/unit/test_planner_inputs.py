@@ -18,6 +18,7 @@ from relaytrain_operator.domain.planner import (
     pools_from_file,
     pools_from_nodes,
 )
+from relaytrain_testkit.shapes import LLAMA3_8B_CONFIG
 
 pytestmark = pytest.mark.unit
 
@@ -33,17 +34,7 @@ SMOLLM2_135M = {
     "tie_word_embeddings": True,
     "max_position_embeddings": 8192,
 }
-LLAMA3_8B = {
-    "model_type": "llama",
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_attention_heads": 32,
-    "num_hidden_layers": 32,
-    "num_key_value_heads": 8,
-    "vocab_size": 128256,
-    "tie_word_embeddings": False,
-    "max_position_embeddings": 8192,
-}
+LLAMA3_8B = LLAMA3_8B_CONFIG
 QWEN2_7B = {
     "model_type": "qwen2",
     "hidden_size": 3584,

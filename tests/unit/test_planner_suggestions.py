@@ -27,22 +27,13 @@ from relaytrain_testkit.decide_cases import (
     unbound,
 )
 from relaytrain_testkit.jobs import Job
+from relaytrain_testkit.shapes import LLAMA3_8B_CONFIG
 
 pytestmark = pytest.mark.unit
 
 JsonDict = dict[str, Any]
 
-LLAMA3_8B = {
-    "model_type": "llama",
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_attention_heads": 32,
-    "num_hidden_layers": 32,
-    "num_key_value_heads": 8,
-    "vocab_size": 128256,
-    "tie_word_embeddings": False,
-    "max_position_embeddings": 8192,
-}
+LLAMA3_8B = LLAMA3_8B_CONFIG
 
 
 def v100(name: str, gpus: int) -> JsonDict:
