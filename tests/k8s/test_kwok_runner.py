@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -9,6 +10,7 @@ from typing import Any
 
 import pytest
 from kubernetes import client
+from relaytrain_testkit.harness.containers import image_ref, require_image
 from relaytrain_testkit.harness.kwok_runner import KwokProcessRunner
 from relaytrain_testkit.harness.waiting import wait_for
 
@@ -22,6 +24,19 @@ def ns(kube_cluster: Any) -> Iterator[tuple[client.CoreV1Api, str]]:
     core.create_namespace({"metadata": {"name": name}})
     yield core, name
     core.delete_namespace(name)
+
+
+@pytest.fixture
+def runner(kube_cluster: Any, ns: Any, tmp_path: Path) -> Iterator[KwokProcessRunner]:
+    """A runner for the test's namespace, stopped after it; nothing may have gone wrong in
+    its passes."""
+    running = KwokProcessRunner(
+        kube_cluster.api_client(), tmp_path, ns[1], images=frozenset({image_ref("operator")})
+    )
+    running.start()
+    yield running
+    running.stop()
+    assert not running.errors
 
 
 def pod(name: str, code: str, env: list[dict[str, Any]]) -> dict[str, Any]:
@@ -39,7 +54,9 @@ def pod(name: str, code: str, env: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def test_runs_pod_as_process_and_posts_its_exit(kube_cluster: Any, ns: Any, tmp_path: Path) -> None:
+def test_runs_pod_as_process_and_posts_its_exit(
+    ns: Any, runner: KwokProcessRunner, tmp_path: Path
+) -> None:
     core, namespace = ns
     core.create_namespaced_secret(
         namespace, {"metadata": {"name": "s"}, "stringData": {"token": "sekrit"}}
@@ -49,26 +66,20 @@ def test_runs_pod_as_process_and_posts_its_exit(kube_cluster: Any, ns: Any, tmp_
         {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "s", "key": "token"}}},
         {"name": "ME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
     ]
-    runner = KwokProcessRunner(kube_cluster.api_client(), tmp_path, namespace)
-    runner.start()
-    try:
-        core.create_namespaced_pod(namespace, pod("exits", code, env))
+    core.create_namespaced_pod(namespace, pod("exits", code, env))
 
-        def failed() -> Any:
-            p = core.read_namespaced_pod("exits", namespace)
-            return p if p.status.phase == "Failed" else None
+    def failed() -> Any:
+        p = core.read_namespaced_pod("exits", namespace)
+        return p if p.status.phase == "Failed" else None
 
-        p = wait_for("the pod to be reported Failed", failed)
-        assert p.status.container_statuses[0].state.terminated.exit_code == 3
-        logs = list(tmp_path.glob(f"{namespace}/exits/*/container.log"))
-        assert logs and "token sekrit exits" in logs[0].read_text()
-    finally:
-        runner.stop()
-    assert not runner.errors
+    p = wait_for("the pod to be reported Failed", failed)
+    assert p.status.container_statuses[0].state.terminated.exit_code == 3
+    logs = list(tmp_path.glob(f"{namespace}/exits/*/container.log"))
+    assert logs and "token sekrit exits" in logs[0].read_text()
 
 
 def test_the_termination_message_is_what_the_process_wrote_or_the_end_of_its_log(
-    kube_cluster: Any, ns: Any, tmp_path: Path
+    ns: Any, runner: KwokProcessRunner, tmp_path: Path
 ) -> None:
     core, namespace = ns
     wrote = (
@@ -76,80 +87,118 @@ def test_the_termination_message_is_what_the_process_wrote_or_the_end_of_its_log
         " print('noise'); sys.exit(3)"
     )
     crashed = "import sys; print('line 1'); print('the end'); sys.exit(1)"
-    runner = KwokProcessRunner(kube_cluster.api_client(), tmp_path, namespace)
-    runner.start()
-    try:
-        cases = [("wrote", wrote, "File"), ("crashed", crashed, "FallbackToLogsOnError"),
-                 ("quiet", crashed, "File")]  # fmt: skip
-        for name, code, policy in cases:
-            manifest = pod(name, code, [])
-            manifest["spec"]["containers"][0]["terminationMessagePolicy"] = policy
-            core.create_namespaced_pod(namespace, manifest)
+    cases = [("wrote", wrote, "File"), ("crashed", crashed, "FallbackToLogsOnError"),
+             ("quiet", crashed, "File")]  # fmt: skip
+    for name, code, policy in cases:
+        manifest = pod(name, code, [])
+        manifest["spec"]["containers"][0]["terminationMessagePolicy"] = policy
+        core.create_namespaced_pod(namespace, manifest)
 
-        def ended(name: str) -> Any:
-            p = core.read_namespaced_pod(name, namespace)
-            return p.status.phase == "Failed" and p.status.container_statuses[0].state.terminated
+    def ended(name: str) -> Any:
+        p = core.read_namespaced_pod(name, namespace)
+        return p.status.phase == "Failed" and p.status.container_statuses[0].state.terminated
 
-        assert wait_for("wrote ended", lambda: ended("wrote")).message == "my words"
-        assert wait_for("crashed ended", lambda: ended("crashed")).message == "line 1\nthe end"
-        assert wait_for("quiet ended", lambda: ended("quiet")).message is None
-    finally:
-        runner.stop()
-    assert not runner.errors
+    assert wait_for("wrote ended", lambda: ended("wrote")).message == "my words"
+    assert wait_for("crashed ended", lambda: ended("crashed")).message == "line 1\nthe end"
+    assert wait_for("quiet ended", lambda: ended("quiet")).message is None
 
 
 def test_a_missing_secret_holds_the_container_as_a_kubelet_does_until_it_exists(
-    kube_cluster: Any, ns: Any, tmp_path: Path
+    ns: Any, runner: KwokProcessRunner, tmp_path: Path
 ) -> None:
     core, namespace = ns
     env = [{"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "late", "key": "token"}}}]
-    runner = KwokProcessRunner(kube_cluster.api_client(), tmp_path, namespace)
-    runner.start()
-    try:
-        core.create_namespaced_pod(namespace, pod("held", "import time; time.sleep(600)", env))
-        core.create_namespaced_pod(namespace, pod("free", "import time; time.sleep(600)", []))
+    core.create_namespaced_pod(namespace, pod("held", "import time; time.sleep(600)", env))
+    core.create_namespaced_pod(namespace, pod("free", "import time; time.sleep(600)", []))
 
-        def waiting() -> Any:
-            p = core.read_namespaced_pod("held", namespace)
-            statuses = p.status.container_statuses or []
-            return p.status.phase == "Pending" and statuses and statuses[0].state.waiting
+    def waiting() -> Any:
+        p = core.read_namespaced_pod("held", namespace)
+        statuses = p.status.container_statuses or []
+        return p.status.phase == "Pending" and statuses and statuses[0].state.waiting
 
-        held = wait_for("the container held", waiting)
-        assert (held.reason, held.message) == (
-            "CreateContainerConfigError",
-            'secret "late" not found',
-        )
-        # The runner's pass goes on for the other pods.
-        wait_for("the other pod's process", lambda: runner.local_pod(namespace, "free"))
-        events = core.list_namespaced_event(namespace).items
-        assert [
-            (e.reason, e.message)
-            for e in events
-            if e.involved_object.name == "held" and e.type == "Warning"
-        ] == [("Failed", 'Error: secret "late" not found')]
-        core.create_namespaced_secret(
-            namespace, {"metadata": {"name": "late"}, "stringData": {"token": "t"}}
-        )
+    held = wait_for("the container held", waiting)
+    assert (held.reason, held.message) == (
+        "CreateContainerConfigError",
+        'secret "late" not found',
+    )
+    # The runner's pass goes on for the other pods.
+    wait_for("the other pod's process", lambda: runner.local_pod(namespace, "free"))
+    events = core.list_namespaced_event(namespace).items
+    assert [
+        (e.reason, e.message)
+        for e in events
+        if e.involved_object.name == "held" and e.type == "Warning"
+    ] == [("Failed", 'Error: secret "late" not found')]
+    core.create_namespaced_secret(
+        namespace, {"metadata": {"name": "late"}, "stringData": {"token": "t"}}
+    )
 
-        def running() -> Any:
-            p = core.read_namespaced_pod("held", namespace)
-            return p.status.phase == "Running" and runner.local_pod(namespace, "held")
+    def running() -> Any:
+        p = core.read_namespaced_pod("held", namespace)
+        return p.status.phase == "Running" and runner.local_pod(namespace, "held")
 
-        wait_for("the container started once the Secret exists", running)
-    finally:
-        runner.stop()
-    assert not runner.errors
+    wait_for("the container started once the Secret exists", running)
 
 
-def test_deleting_the_pod_kills_its_process(kube_cluster: Any, ns: Any, tmp_path: Path) -> None:
+def test_deleting_the_pod_kills_its_process(
+    ns: Any, runner: KwokProcessRunner, tmp_path: Path
+) -> None:
     core, namespace = ns
-    runner = KwokProcessRunner(kube_cluster.api_client(), tmp_path, namespace)
-    runner.start()
+    core.create_namespaced_pod(namespace, pod("sleeper", "import time; time.sleep(600)", []))
+    local = wait_for("the process to start", lambda: runner.local_pod(namespace, "sleeper"))
+    assert local.process.poll() is None
+    core.delete_namespaced_pod("sleeper", namespace, grace_period_seconds=0)
+    wait_for("the process to end", lambda: local.process.poll() is not None)
+
+
+_INSIDE = """
+import errno, json, os
+out = {"uid": os.getuid(), "gid": os.getgid(), "home": os.environ.get("HOME")}
+for path in ("/x", "/tmp/x"):
     try:
-        core.create_namespaced_pod(namespace, pod("sleeper", "import time; time.sleep(600)", []))
-        local = wait_for("the process to start", lambda: runner.local_pod(namespace, "sleeper"))
-        assert local.process.poll() is None
-        core.delete_namespaced_pod("sleeper", namespace, grace_period_seconds=0)
-        wait_for("the process to end", lambda: local.process.poll() is not None)
-    finally:
-        runner.stop()
+        open(path, "w").close()
+        out[path] = "written"
+    except OSError as exc:
+        out[path] = errno.errorcode[exc.errno]
+open("/dev/termination-log", "w").write(json.dumps(out))
+raise SystemExit(3)
+"""
+
+
+def test_a_pod_of_our_image_runs_in_a_container_as_its_pod_says(
+    ns: Any, runner: KwokProcessRunner
+) -> None:
+    """The pod's own numeric user (not the image's), a read-only root with its emptyDir
+    writable, its environment and its termination-message file, from a real container."""
+    core, namespace = ns
+    manifest = pod("contained", _INSIDE, [{"name": "HOME", "value": "/tmp"}])
+    manifest["spec"]["securityContext"] = {"runAsNonRoot": True, "runAsUser": 4242,
+                                           "runAsGroup": 4242, "fsGroup": 4242}  # fmt: skip
+    manifest["spec"]["volumes"] = [{"name": "tmp", "emptyDir": {}}]
+    container = manifest["spec"]["containers"][0]
+    container.update(
+        image=require_image("operator"),
+        command=["python", "-c"],
+        args=[_INSIDE],
+        terminationMessagePath="/dev/termination-log",
+        securityContext={
+            "readOnlyRootFilesystem": True,
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+        },
+        volumeMounts=[{"name": "tmp", "mountPath": "/tmp"}],
+    )
+    core.create_namespaced_pod(namespace, manifest)
+
+    def ended() -> Any:
+        p = core.read_namespaced_pod("contained", namespace)
+        return p.status.phase == "Failed" and p.status.container_statuses[0].state.terminated
+
+    done = wait_for("the container to end", ended, timeout=120)
+    assert done.exit_code == 3
+    assert json.loads(done.message) == {
+        "uid": 4242, "gid": 4242, "home": "/tmp", "/x": "EROFS", "/tmp/x": "written",
+    }  # fmt: skip
+    # It ran in a container, not as a local process.
+    (ran,) = [lp for lp in runner.history if lp.name == "contained"]
+    assert ran.container is not None and ran.container.startswith("k8s_worker_contained_")
