@@ -102,19 +102,21 @@ class Observer:
                 flavor = self.api.get_flavor(name)
                 if flavor is not None:
                     flavors[name] = flavor
+        # The job's Secret is read once a pass, for everything that reads its store.
+        access = self._access(spec) if wanted.model or wanted.progress or wanted.given_up else None
         return Observed(
             job=job,
             now=now,
             pods=pods,
             nodes=known,
             cluster_pods=self.api.list_active_pods() if wanted.room else None,
-            model=self.model_config(spec) if wanted.model else None,
-            inputs=self.input_problem(spec) if wanted.model else None,
-            progress=self.progress(spec, now) if wanted.progress else None,
+            model=self.model_config(spec, access) if wanted.model else None,
+            inputs=self.input_problem(spec, access) if wanted.model else None,
+            progress=self.progress(spec, now, access) if wanted.progress else None,
             workload=workload,
             flavors=flavors,
             priority=priority,
-            told_given_up=self.told_given_up(spec) if wanted.given_up else None,
+            told_given_up=self.told_given_up(spec, access) if wanted.given_up else None,
         )
 
     def store_access(self, job: FineTuneJob) -> StoreAccess:
@@ -144,7 +146,24 @@ class Observer:
                 )
         return StoreAccess(checkpoint.endpoint, data[ref.access_key_key], data[ref.secret_key_key])
 
-    def model_config(self, job: FineTuneJob) -> ModelConfig:
+    def _access(self, job: FineTuneJob) -> StoreAccess | StoreError:
+        """The job's store access, or why there is none (told by whatever needs it)."""
+        try:
+            return self.store_access(job)
+        except StoreError as err:
+            return err
+
+    def _use(self, job: FineTuneJob, access: StoreAccess | StoreError | None) -> StoreAccess:
+        """`access` as this pass read it (None: read it now); StoreError when there is none."""
+        if access is None:
+            return self.store_access(job)
+        if isinstance(access, StoreError):
+            raise StoreError(str(access))
+        return access
+
+    def model_config(
+        self, job: FineTuneJob, access: StoreAccess | StoreError | None = None
+    ) -> ModelConfig:
         """The base model's config.json, or why it cannot be read."""
         uri = job.spec.model.uri
         if uri.startswith("hf://"):
@@ -153,14 +172,14 @@ class Observer:
                 f"and has no hub access; copy the model to an s3:// prefix"
             )
         try:  # the job's Secret is read for every job, never taken from another's read
-            access = self.store_access(job) if is_s3(uri) else None
+            store = self._use(job, access) if is_s3(uri) else None
         except StoreError as err:
             return ModelConfig(error=str(err))
-        key = (access, uri)
+        key = (store, uri)
         if key in self._model_configs:
             return ModelConfig(self._model_configs[key])
         try:
-            config = read_json(uri, "config.json", access)
+            config = read_json(uri, "config.json", store)
         except StoreError as err:
             return ModelConfig(error=str(err))
         if config is None:
@@ -168,7 +187,9 @@ class Observer:
         self._model_configs[key] = config
         return ModelConfig(config)
 
-    def input_problem(self, job: FineTuneJob) -> InputProblem | None:
+    def input_problem(
+        self, job: FineTuneJob, access: StoreAccess | StoreError | None = None
+    ) -> InputProblem | None:
         """What is wrong with the job's inputs that the operator can see before any pod
         exists, checked for every job (nothing here is cached): the credentials Secret it
         names (exists, holds both keys), the store's answer to those keys, and its s3://
@@ -179,11 +200,11 @@ class Observer:
         spec, secret = job.spec, job.spec.checkpoint.credentials_secret
         named = secret is not None
         try:
-            access = self.store_access(job)
+            store = self._use(job, access)
         except StoreError as err:
             return InputProblem("CredentialsUnavailable", str(err))
         if secret is not None and is_s3(spec.checkpoint.uri):
-            refused = store_refusal(spec.checkpoint.uri, access)
+            refused = store_refusal(spec.checkpoint.uri, store)
             if refused is not None:
                 return InputProblem(
                     "CredentialsUnavailable",
@@ -197,7 +218,7 @@ class Observer:
             if uri is None or not is_s3(uri):
                 continue  # a local path is the nodes' to read: its stage says so
             try:
-                size = object_size(uri, access)
+                size = object_size(uri, store)
             except StoreError as err:
                 if named:
                     return InputProblem("DatasetUnavailable", f"{field} {uri}: {err}")
@@ -213,19 +234,23 @@ class Observer:
                 )
         return None
 
-    def told_given_up(self, job: FineTuneJob) -> tuple[int, ...] | None:
+    def told_given_up(
+        self, job: FineTuneJob, access: StoreAccess | StoreError | None = None
+    ) -> tuple[int, ...] | None:
         """The pipelines the job's store tells its stages are given up (None: no such
         document, or the store cannot be read; the pass then writes it)."""
         try:
-            doc = read_json(job_store_uri(job), GIVEN_UP_FILE, self.store_access(job))
+            doc = read_json(job_store_uri(job), GIVEN_UP_FILE, self._use(job, access))
             return tuple(int(p) for p in doc["pipelines"]) if doc is not None else None
         except (StoreError, KeyError, TypeError, ValueError):
             return None
 
-    def progress(self, job: FineTuneJob, now: datetime) -> Progress | None:
+    def progress(
+        self, job: FineTuneJob, now: datetime, access: StoreAccess | StoreError | None = None
+    ) -> Progress | None:
         """The job's progress, or None when there is none yet or the store cannot be read."""
         try:
-            record = read_json(job_store_uri(job), PROGRESS_FILE, self.store_access(job))
+            record = read_json(job_store_uri(job), PROGRESS_FILE, self._use(job, access))
             return fold(Record.from_json(record), job, now) if record is not None else None
         except (StoreError, ConfigError):
             return None
