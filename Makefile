@@ -21,7 +21,7 @@ help:
 	@echo "make images        build the operator and worker images with buildah (hack/images.sh)"
 	@echo "make gpu-check     prepare the GPU check (wheels into .whl/) and print what a GPU host runs"
 	@echo "make chaos         the chaos schedule with real training, its table printed"
-	@echo "make lint          ruff, mypy and import-linter"
+	@echo "make lint          ruff, mypy, import-linter and actionlint"
 	@echo "make crds          regenerate the CRD (and the chart's copy) after editing the spec models"
 	@echo "make lock          refresh uv.lock after editing pyproject.toml"
 	@echo "make go-modules    regenerate hack/gomod/ after editing a pin in hack/versions.env"
@@ -59,11 +59,12 @@ test-e2e: deps images
 chaos: deps
 	$(PY) -m pytest tests -m "chaos" -s $(PYTEST_ARGS)
 
-lint: deps-python
+lint: deps-python deps-binaries
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/mypy
+	$$($(PY) -c 'from hack import toolpaths; print(toolpaths.binary("actionlint"))') .github/workflows/*.yml
 
 # The two commands that change what a fresh machine installs; review and commit their diff.
 lock:

@@ -1,7 +1,7 @@
 # The Go-built components: which module each comes from, its pin in versions.env, the
 # packages built into its cache folder, and the link flags that make each binary report
 # its pin. Sourced by build-go-binaries.sh and update-go-modules.sh (after versions.env).
-COMPONENTS=(etcd kwok kubernetes minio helm kstatus kueue promtool promoperator)
+COMPONENTS=(etcd kwok kubernetes minio helm kstatus kueue promtool promoperator actionlint)
 
 component_module() {
   case $1 in
@@ -14,6 +14,7 @@ component_module() {
     kueue) echo sigs.k8s.io/kueue ;;
     promtool) echo github.com/prometheus/prometheus ;;
     promoperator) echo github.com/prometheus-operator/prometheus-operator ;;
+    actionlint) echo github.com/rhysd/actionlint ;;
   esac
 }
 
@@ -42,6 +43,7 @@ component_packages() {
     kstatus) echo . ;;
     kueue) echo sigs.k8s.io/kueue/cmd/kueue ;;
     promtool) echo github.com/prometheus/prometheus/cmd/promtool ;;
+    actionlint) echo github.com/rhysd/actionlint/cmd/actionlint ;;
   esac
 }
 
@@ -122,5 +124,6 @@ component_version_checks() {
     # kueue has no --version: it logs its version first, then fails on the missing kubeconfig.
     kueue) echo "kueue|--kubeconfig=/nonexistent/relaytrain-version-check|\"gitVersion\":\"$v\"" ;;
     promtool) echo "promtool|--version|revision: $v" ;;
+    actionlint) echo "actionlint|-version|$v" ;;
   esac
 }

@@ -22,6 +22,7 @@ _BINARIES = {
     "kstatus-check": ("KSTATUS_VERSION", "kstatus"),
     "kueue": ("KUEUE_VERSION", "kueue"),
     "promtool": ("PROMTOOL_VERSION", "promtool"),
+    "actionlint": ("ACTIONLINT_VERSION", "actionlint"),
 }
 
 
