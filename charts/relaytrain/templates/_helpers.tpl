@@ -34,12 +34,21 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- end -}}
 {{- end -}}
 
+{{/* An image by digest when one is given (what a release pins), else by tag (the appVersion). */}}
 {{- define "relaytrain.image" -}}
+{{- if .Values.image.digest -}}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest -}}
+{{- else -}}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
 {{- end -}}
 
 {{- define "relaytrain.workerImage" -}}
+{{- if .Values.workerImage.digest -}}
+{{- printf "%s@%s" .Values.workerImage.repository .Values.workerImage.digest -}}
+{{- else -}}
 {{- printf "%s:%s" .Values.workerImage.repository (default .Chart.AppVersion .Values.workerImage.tag) -}}
+{{- end -}}
 {{- end -}}
 
 {{/* ClusterRole for what is cluster-scoped or read across namespaces (nodes, GPU accounting). */}}
