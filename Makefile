@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 export RELAYTRAIN_CACHE ?= $(HOME)/.cache/relaytrain
 
 .PHONY: help deps deps-python deps-binaries deps-model test test-fast test-unit test-contract test-k8s test-e2e \
-        chaos lint format demo bench images gpu-check cluster-up cluster-down kubeconfig crds chart-crds lock go-modules
+        chaos lint format demo bench images push gpu-check cluster-up cluster-down kubeconfig crds chart-crds lock go-modules
 
 help:
 	@echo "make demo          run the main job (installs what it needs first)"
@@ -19,6 +19,7 @@ help:
 	@echo "make cluster-down  stop everything cluster-up started"
 	@echo "make bench         run the benchmarks in bench/"
 	@echo "make images        build the operator and worker images with buildah (hack/images.sh)"
+	@echo "make push REGISTRY=host[:port]  copy both images there; prints each one's digest"
 	@echo "make gpu-check     prepare the GPU check (wheels into .whl/) and print what a GPU host runs"
 	@echo "make chaos         the chaos schedule with real training, its table printed"
 	@echo "make lint          ruff, mypy, import-linter and actionlint"
@@ -105,6 +106,12 @@ bench: deps
 # under $(RELAYTRAIN_CACHE) (hack/images.sh; the e2e tier runs stage pods from the worker image).
 images:
 	@bash hack/images.sh build
+
+# Both images to a registry of your own (`make images push REGISTRY=registry.example.com`):
+# relaytrain/operator and relaytrain/worker, tagged with the version; prints each by digest.
+push:
+	@test -n "$(REGISTRY)" || { echo "make push needs REGISTRY=host[:port][/path]" >&2; exit 2; }
+	@bash hack/images.sh push "$(REGISTRY)"
 
 # The GPU check (docs/gpu-check.md): the wheels a GPU host lacks, from uv.lock's pins and
 # hashes, into .whl/ (git-ignored), and the one command that host runs

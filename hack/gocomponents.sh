@@ -1,7 +1,7 @@
 # The Go-built components: which module each comes from, its pin in versions.env, the
 # packages built into its cache folder, and the link flags that make each binary report
 # its pin. Sourced by build-go-binaries.sh and update-go-modules.sh (after versions.env).
-COMPONENTS=(etcd kwok kubernetes minio helm kstatus kueue promtool promoperator actionlint)
+COMPONENTS=(etcd kwok kubernetes minio helm kstatus kueue promtool promoperator actionlint registry)
 
 component_module() {
   case $1 in
@@ -15,6 +15,7 @@ component_module() {
     promtool) echo github.com/prometheus/prometheus ;;
     promoperator) echo github.com/prometheus-operator/prometheus-operator ;;
     actionlint) echo github.com/rhysd/actionlint ;;
+    registry) echo github.com/distribution/distribution/v3 ;;
   esac
 }
 
@@ -44,6 +45,7 @@ component_packages() {
     kueue) echo sigs.k8s.io/kueue/cmd/kueue ;;
     promtool) echo github.com/prometheus/prometheus/cmd/promtool ;;
     actionlint) echo github.com/rhysd/actionlint/cmd/actionlint ;;
+    registry) echo github.com/distribution/distribution/v3/cmd/registry ;;
   esac
 }
 
@@ -94,6 +96,8 @@ component_ldflags() {
       echo "-X main.version=$v" ;;
     kueue)
       echo "-X sigs.k8s.io/kueue/pkg/version.GitVersion=$v -X sigs.k8s.io/kueue/pkg/version.BuildDate=1970-01-01" ;;
+    registry)
+      echo "-X github.com/distribution/distribution/v3/version.version=$v" ;;
     promtool)
       # The module's v0.3MM.P is Prometheus 3.MM.P.
       local mm=${v#v0.3}; mm=${mm%%.*}
@@ -125,5 +129,6 @@ component_version_checks() {
     kueue) echo "kueue|--kubeconfig=/nonexistent/relaytrain-version-check|\"gitVersion\":\"$v\"" ;;
     promtool) echo "promtool|--version|revision: $v" ;;
     actionlint) echo "actionlint|-version|$v" ;;
+    registry) echo "registry|--version|github.com/distribution/distribution/v3 $v" ;;
   esac
 }

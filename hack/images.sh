@@ -7,6 +7,7 @@
 #   hack/images.sh tools           Debian's container tools at their pins (CONTAINER_TOOLS)
 #   hack/images.sh ref NAME        the local reference of image NAME (operator, worker)
 #   hack/images.sh fresh NAME      fails unless that image was built from this tree
+#   hack/images.sh push REGISTRY [NAME...]  copies them to a registry; prints refs by digest
 #   hack/images.sh podman ARGS...  podman on that storage, with runc and this machine's limits
 #
 # The base (IMAGE_BASE): `public` is the Dockerfiles' default, python:3.11-slim-bookworm
@@ -176,11 +177,32 @@ build() {
   done
 }
 
+# push REGISTRY [NAME...]: copies the images (both by default) to REGISTRY (host[:port][/path])
+# as relaytrain/NAME:<version>, and prints each one's reference by digest. TLS is verified
+# unless PUSH_TLS_VERIFY=false (a registry on this machine's loopback serves plain HTTP).
+push() {
+  local registry=${1:?usage: push REGISTRY [NAME...]} name dest digest tmp names
+  shift
+  names=("$@")
+  ((${#names[@]})) || names=(operator worker)
+  configure run
+  tmp=$(mktemp)
+  for name in "${names[@]}"; do
+    dest="$registry/relaytrain/$name:$(version)"
+    skopeo copy --quiet --dest-tls-verify="${PUSH_TLS_VERIFY:-true}" --digestfile "$tmp" \
+      "containers-storage:$(ref "$name")" "docker://$dest" >&2
+    digest=$(cat "$tmp")
+    echo "$registry/relaytrain/$name@$digest"
+  done
+  rm -f "$tmp"
+}
+
 case ${1:-build} in
   build) build ;;
   tools) tools ;;
   ref) ref "$2" ;;
   fresh) fresh "$2" ;;
+  push) shift; push "$@" ;;
   podman) shift; configure run; exec podman "$@" ;;
-  *) echo "usage: $0 [build|tools|ref NAME|fresh NAME|podman ARGS...]" >&2; exit 2 ;;
+  *) echo "usage: $0 [build|tools|ref NAME|fresh NAME|push REGISTRY [NAME...]|podman ARGS...]" >&2; exit 2 ;;
 esac

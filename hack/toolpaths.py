@@ -23,6 +23,7 @@ _BINARIES = {
     "kueue": ("KUEUE_VERSION", "kueue"),
     "promtool": ("PROMTOOL_VERSION", "promtool"),
     "actionlint": ("ACTIONLINT_VERSION", "actionlint"),
+    "registry": ("REGISTRY_VERSION", "registry"),
 }
 
 

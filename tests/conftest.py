@@ -23,6 +23,7 @@ pytest_plugins = [
     "relaytrain_testkit.harness.cluster",
     "relaytrain_testkit.harness.minio_fixture",
     "relaytrain_testkit.harness.kueue",
+    "relaytrain_testkit.harness.registry",
 ]
 
 

@@ -8,7 +8,10 @@ one place.
 - `kwok_nodes`: simulated GPU nodes from a pool layout file (also `python -m
   relaytrain_testkit.harness.kwok_nodes POOLS.yaml --kubeconfig ...`, as hack/cluster.sh
   runs it).
-- `kwok_runner`: plays the kubelet for kwok pods, running their containers as local processes.
+- `kwok_runner`: plays the kubelet for kwok pods, running their containers as local processes
+  (or, for our images, as real containers: `containers`, podman and runc).
+- `registry`: a container registry on loopback (pytest plugin: `image_registry`) that images
+  are pushed to and pulled from by digest.
 - `kubelet_volumes`: what a kubelet mounts (the ServiceAccount token from the TokenRequest API,
   the CA, the namespace), shown at the pod's mount path in a mount namespace of its own.
 - `probes`: a kubelet's startup, liveness and readiness probes.

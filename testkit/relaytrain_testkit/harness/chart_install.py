@@ -175,11 +175,16 @@ class ChartRelease:
     def selector(self) -> str:
         return f"app.kubernetes.io/instance={self.name},app.kubernetes.io/component=operator"
 
-    def start_kubelet(self) -> KwokProcessRunner:
+    def start_kubelet(self, registries: frozenset[str] = frozenset()) -> KwokProcessRunner:
         """The kwok process runner for this release's operator pods (start before install:
-        `helm install --wait` waits for the pod the runner makes Ready)."""
+        `helm install --wait` waits for the pod the runner makes Ready). An operator image in
+        one of `registries` is pulled and run in a container (harness/containers.py)."""
         runner = KwokProcessRunner(
-            self.api_client, self.workdir / "pods", self.namespace, selector=self.selector
+            self.api_client,
+            self.workdir / "pods",
+            self.namespace,
+            selector=self.selector,
+            registries=registries,
         )
         runner.start()
         self.runner = runner
@@ -214,7 +219,7 @@ class ChartRelease:
             statuses = pods[0].status.container_statuses or []
             if local is None or not statuses:
                 return None
-            if statuses[0].container_id != f"local://{local.process.pid}":
+            if statuses[0].container_id != local.container_id:
                 return None
             return pods[0], local
 

@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parents[3]
 IMAGES_SH = REPO / "hack" / "images.sh"
 
 
-def _env() -> dict[str, str]:
+def podman_env() -> dict[str, str]:
     return {**os.environ, "RELAYTRAIN_CACHE": str(cache_dir())}
 
 
@@ -47,7 +47,7 @@ def podman(*args: str, timeout: float = 120, check: bool = True) -> str:
     """Runs podman on the project's container storage (hack/images.sh) and returns stdout."""
     proc = subprocess.run(
         ["bash", str(IMAGES_SH), "podman", *args],
-        env=_env(),
+        env=podman_env(),
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -62,7 +62,7 @@ def image_ref(name: str) -> str:
     """The local reference of image `name` ("operator", "worker") as `make images` tags it."""
     out = subprocess.run(
         ["bash", str(IMAGES_SH), "ref", name],
-        env=_env(),
+        env=podman_env(),
         capture_output=True,
         text=True,
         check=True,
@@ -75,7 +75,7 @@ def require_image(name: str) -> str:
     it from this tree (an image of other code would test that code)."""
     proc = subprocess.run(
         ["bash", str(IMAGES_SH), "fresh", name],
-        env=_env(),
+        env=podman_env(),
         capture_output=True,
         text=True,
         check=False,
@@ -95,6 +95,46 @@ def container_name(pod: Any) -> str:
 
 class ContainerConfigError(Exception):
     """The container cannot start as its pod says: the kubelet's CreateContainerConfigError."""
+
+    reason = "CreateContainerConfigError"
+
+
+class ImagePullError(ContainerConfigError):
+    """The image cannot be pulled from its registry: the kubelet's ErrImagePull."""
+
+    reason = "ErrImagePull"
+
+
+def in_registry(image: str, registries: frozenset[str]) -> bool:
+    """Whether `image` names one of `registries` (host:port)."""
+    return "/" in image and image.split("/", 1)[0] in registries
+
+
+def pull(image: str) -> None:
+    """Pulls `image` from its registry (plain HTTP on loopback, as the test registry
+    serves) unless the storage has it, as a kubelet with `IfNotPresent` does; by digest
+    when the reference has one."""
+    if (
+        subprocess.run(
+            ["bash", str(IMAGES_SH), "podman", "image", "exists", image],
+            env=podman_env(),
+            check=False,
+            timeout=60,
+        ).returncode
+        == 0
+    ):
+        return
+    proc = subprocess.run(
+        ["bash", str(IMAGES_SH), "podman", "pull", "--quiet", "--tls-verify=false", image],
+        env=podman_env(),
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=600,
+    )
+    if proc.returncode != 0:
+        said = proc.stderr.strip().splitlines()[-1:] or ["no output"]
+        raise ImagePullError(f'failed to pull image "{image}": {said[0]}')
 
 
 @dataclass(frozen=True)
@@ -196,7 +236,7 @@ def exec_in(name: str, *argv: str) -> subprocess.CompletedProcess[str]:
     """Runs `argv` in the running container, as `kubectl exec` would."""
     return subprocess.run(
         ["bash", str(IMAGES_SH), "podman", "exec", name, *argv],
-        env=_env(),
+        env=podman_env(),
         capture_output=True,
         text=True,
         timeout=120,

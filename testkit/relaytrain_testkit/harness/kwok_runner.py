@@ -107,6 +107,13 @@ class LocalPod:
     _pid: int | None = None
 
     @property
+    def container_id(self) -> str:
+        """What the pod's status says runs: the container, or the local process."""
+        if self.container is not None:
+            return f"podman://{self.container}"
+        return f"local://{self.process.pid}"
+
+    @property
     def pid(self) -> int:
         """The pid of the container's own process: the local process, or the main process
         of its container (podman's client is not it)."""
@@ -138,6 +145,7 @@ class KwokProcessRunner:
         namespace: str | None = None,
         selector: str = JOB_LABEL,
         images: frozenset[str] = frozenset(),
+        registries: frozenset[str] = frozenset(),
     ) -> None:
         from urllib.parse import urlsplit
 
@@ -145,7 +153,10 @@ class KwokProcessRunner:
 
         self.core: Any = client.CoreV1Api(api_client)  # its objects are read as Any here
         self.selector = selector
-        self.images = images  # pods of these images run in containers (harness/containers.py)
+        # Pods of these images, or of images in these registries (host:port; pulled first),
+        # run in containers (harness/containers.py).
+        self.images = images
+        self.registries = registries
         server = urlsplit(api_client.configuration.host)
         self.service_env = {  # what a kubelet sets for the `kubernetes` Service
             "KUBERNETES_SERVICE_HOST": server.hostname or "127.0.0.1",
@@ -286,7 +297,7 @@ class KwokProcessRunner:
             if self.config_errors.get(uid) != str(exc):
                 self.config_errors[uid] = str(exc)
                 self._claim(pod)
-                self._post_waiting(pod, "CreateContainerConfigError", str(exc))
+                self._post_waiting(pod, exc.reason, str(exc))
                 self._event(pod, "Warning", "Failed", f"Error: {exc}")
             return
         if self.config_errors.pop(uid, None) is not None:
@@ -345,7 +356,7 @@ class KwokProcessRunner:
                     "name": container.name,
                     "image": container.image,
                     "imageID": "",
-                    "containerID": f"local://{local.process.pid}",
+                    "containerID": local.container_id,
                     "ready": local.ready,
                     "started": True,
                     "restartCount": local.restarts,
@@ -443,7 +454,11 @@ class KwokProcessRunner:
         container = pod.spec.containers[0]
         tmp = _pod_dir(self.workdir, pod)
         tmp.mkdir(parents=True, exist_ok=True)
-        in_container = container.image in self.images
+        in_container = container.image in self.images or containers.in_registry(
+            container.image, self.registries
+        )
+        if in_container and containers.in_registry(container.image, self.registries):
+            containers.pull(container.image)
         env = {
             **({} if in_container else _base_env()),
             **self.service_env,

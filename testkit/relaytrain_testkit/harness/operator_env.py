@@ -34,11 +34,13 @@ STEPS, EVERY = 40, 4
 
 @contextmanager
 def operator_env(
-    kube_cluster: Any, minio: Any, work: Path, **values: Any
+    kube_cluster: Any, minio: Any, work: Path, operator_image: str | None = None, **values: Any
 ) -> Iterator[dict[str, Any]]:
     """Everything above, torn down on exit; yields the parts by name (core, custom, ns,
     runner, work, minio, release, values, and model: the tiny model's folder). `values`:
-    more chart values (kueue={...})."""
+    more chart values (kueue={...}). `operator_image`: a registry's reference by digest
+    (`host:port/repository@sha256:...`) the chart's operator pod pulls and runs in a
+    container; None runs it as a local process of this checkout."""
     from relaytrain_testkit.tiny_models import tiny_model_dir
 
     api = kube_cluster.api_client()
@@ -76,11 +78,16 @@ def operator_env(
     system = restricted_namespace(core, f"rte2e-system-{tag}")
     release = ChartRelease(f"rte2e{tag}", system, kube_cluster.kubeconfig, api, work / "chart")
     values = {**chart_values(ns), **values}
+    registries: frozenset[str] = frozenset()
+    if operator_image is not None:
+        repository, _, digest = operator_image.partition("@")
+        values["image"] = {"repository": repository, "digest": digest}
+        registries = frozenset({repository.split("/", 1)[0]})
     # Stage pods of the worker image `make images` built run in real containers
     # (harness/containers.py); those of any other image as local processes.
     runner = KwokProcessRunner(api, work / "pods", ns, images=frozenset({image_ref("worker")}))
     try:
-        release.start_kubelet()
+        release.start_kubelet(registries)
         release.install(values)
         release.ready_operator()
         runner.start()
@@ -94,6 +101,7 @@ def operator_env(
             "release": release,
             "values": values,
             "model": model,
+            "operator_image": operator_image,
         }
     finally:
         runner.stop()
