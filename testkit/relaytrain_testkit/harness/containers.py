@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,16 +42,23 @@ def podman_env() -> dict[str, str]:
     return {**os.environ, "RELAYTRAIN_CACHE": str(cache_dir())}
 
 
-def podman(*args: str, timeout: float = 120, check: bool = True) -> str:
-    """Runs podman on the project's container storage (hack/images.sh) and returns stdout."""
-    proc = subprocess.run(
-        ["bash", str(IMAGES_SH), "podman", *args],
-        env=podman_env(),
+def images_sh(
+    *args: str, timeout: float = 120, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """`hack/images.sh ARGS...` on the project's container storage, its output captured."""
+    return subprocess.run(
+        ["bash", str(IMAGES_SH), *args],
+        env={**podman_env(), **(env or {})},
         capture_output=True,
         text=True,
         timeout=timeout,
         check=False,
     )
+
+
+def podman(*args: str, timeout: float = 120, check: bool = True) -> str:
+    """Runs podman on the project's container storage (hack/images.sh) and returns stdout."""
+    proc = images_sh("podman", *args, timeout=timeout)
     if check and proc.returncode != 0:
         raise RuntimeError(f"podman {' '.join(args)}: exit {proc.returncode}\n{proc.stderr}")
     return proc.stdout
@@ -60,27 +66,15 @@ def podman(*args: str, timeout: float = 120, check: bool = True) -> str:
 
 def image_ref(name: str) -> str:
     """The local reference of image `name` ("operator", "worker") as `make images` tags it."""
-    out = subprocess.run(
-        ["bash", str(IMAGES_SH), "ref", name],
-        env=podman_env(),
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+    out = images_sh("ref", name)
+    out.check_returncode()
     return out.stdout.strip()
 
 
 def require_image(name: str) -> str:
     """The reference of image `name`; fails, saying what to run, unless `make images` built
     it from this tree (an image of other code would test that code)."""
-    proc = subprocess.run(
-        ["bash", str(IMAGES_SH), "fresh", name],
-        env=podman_env(),
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=120,
-    )
+    proc = images_sh("fresh", name)
     if proc.returncode != 0:
         raise AssertionError(proc.stderr.strip())
     return image_ref(name)
@@ -114,24 +108,9 @@ def pull(image: str) -> None:
     """Pulls `image` from its registry (plain HTTP on loopback, as the test registry
     serves) unless the storage has it, as a kubelet with `IfNotPresent` does; by digest
     when the reference has one."""
-    if (
-        subprocess.run(
-            ["bash", str(IMAGES_SH), "podman", "image", "exists", image],
-            env=podman_env(),
-            check=False,
-            timeout=60,
-        ).returncode
-        == 0
-    ):
+    if images_sh("podman", "image", "exists", image, timeout=60).returncode == 0:
         return
-    proc = subprocess.run(
-        ["bash", str(IMAGES_SH), "podman", "pull", "--quiet", "--tls-verify=false", image],
-        env=podman_env(),
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=600,
-    )
+    proc = images_sh("podman", "pull", "--quiet", "--tls-verify=false", image, timeout=600)
     if proc.returncode != 0:
         said = proc.stderr.strip().splitlines()[-1:] or ["no output"]
         raise ImagePullError(f'failed to pull image "{image}": {said[0]}')
@@ -234,18 +213,7 @@ def remove(name: str) -> None:
 
 def exec_in(name: str, *argv: str) -> subprocess.CompletedProcess[str]:
     """Runs `argv` in the running container, as `kubectl exec` would."""
-    return subprocess.run(
-        ["bash", str(IMAGES_SH), "podman", "exec", name, *argv],
-        env=podman_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-
-
-def signal_container(name: str, sig: signal.Signals) -> None:
-    podman("kill", "--signal", sig.name, name)
+    return images_sh("podman", "exec", name, *argv)
 
 
 def _first(sc: Any, pod_sc: Any, attr: str) -> Any:

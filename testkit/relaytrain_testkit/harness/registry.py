@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from hack import toolpaths
-from relaytrain_testkit.harness.containers import IMAGES_SH, podman_env
+from relaytrain_testkit.harness.containers import images_sh
 from relaytrain_testkit.harness.ports import free_port
 from relaytrain_testkit.harness.waiting import wait_for
 
@@ -29,14 +29,7 @@ class Registry:
 
     def push(self, name: str) -> str:
         """Copies image `name` ("operator", "worker") here; its reference by digest."""
-        proc = subprocess.run(
-            ["bash", str(IMAGES_SH), "push", self.address, name],
-            env={**podman_env(), "PUSH_TLS_VERIFY": "false"},
-            capture_output=True,
-            text=True,
-            check=False,
-            timeout=900,
-        )
+        proc = images_sh("push", self.address, name, timeout=900, env={"PUSH_TLS_VERIFY": "false"})
         assert proc.returncode == 0, proc.stderr
         return proc.stdout.strip().splitlines()[-1]
 
