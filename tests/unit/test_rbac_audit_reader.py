@@ -118,3 +118,14 @@ def test_a_wildcard_grant_is_refused() -> None:
             "ops",
             "rt-relaytrain",
         )
+
+
+def test_a_last_line_still_being_written_is_left_for_later_and_a_broken_one_is_not() -> None:
+    whole = event("list", "pods") + "\n" + event("get", "secrets") + "\n"
+    half = event("delete", "nodes")[:60]
+    assert calls_of(whole + half, USER, PLURALS).used == {
+        Permission("", "pods", "list"),
+        Permission("", "secrets", "get"),
+    }
+    with pytest.raises(json.JSONDecodeError):
+        calls_of(half + "\n" + whole, USER, PLURALS)
