@@ -105,6 +105,8 @@ def run_data_parallel_threads(
     replicas: Literal["memory", "links"] = "memory",
     link_rate: float | None = None,
     sync_every: int | None = None,
+    step_shares: Sequence[Sequence[int]] | None = None,
+    grads: Literal["every", "last"] = "every",
 ) -> list[PipelineRun]:
     """Train R pipelines (``splits[p]``: pipeline p's stages) on one global batch per step,
     every stage a thread, each pipeline over its own loopback links, the pipelines
@@ -117,19 +119,26 @@ def run_data_parallel_threads(
     order (`dataparallel.micro_ranges`). Returns one PipelineRun per pipeline, with
     ``step_params`` recorded (after the step's outer step, if any). ``sync_every``: periodic
     synchronisation (`periodic.PeriodicSync`) every that many steps instead of a gradient
-    reduce every step.
+    reduce every step. ``step_shares[s]``, when given, are step s's shares instead (a
+    pipeline given 0 trains nothing that step, as one that left the step's members).
+    ``grads="last"`` keeps only the last step's gradients.
     """
     if len(credentials) != len(splits) or any(
         len(c) != len(s) for c, s in zip(credentials, splits, strict=True)
     ):
         raise ValueError("one link credential per stage of every pipeline, in order")
-    ranges = micro_ranges(shares)
-    for micros in steps:
-        if len(micros) != sum(shares):
+    every = [shares] * len(steps) if step_shares is None else list(step_shares)
+    if len(every) != len(steps) or any(len(c) != len(splits) for c in every):
+        raise ValueError("step_shares: one share per pipeline for every step")
+    for micros, counts in zip(steps, every, strict=True):
+        if len(micros) != sum(counts):
             raise ValueError(
-                f"a step has {len(micros)} micro-batches; the shares add to {sum(shares)}"
+                f"a step has {len(micros)} micro-batches; the shares add to {sum(counts)}"
             )
-    per_pipeline = [[[micros[i] for i in r] for micros in steps] for r in ranges]
+    per_pipeline: list[list[list[MicroBatch]]] = [[] for _ in splits]
+    for micros, counts in zip(steps, every, strict=True):
+        for p, r in enumerate(micro_ranges(counts)):
+            per_pipeline[p].append([micros[i] for i in r])
     groups: dict[tuple[int, int], ReplicaGroup]
     if replicas == "memory":
         shared = InProcessGroup([len(s) for s in splits])
@@ -141,7 +150,7 @@ def run_data_parallel_threads(
             model_dir, splits, per_pipeline, training,
             credentials=credentials, groups=groups, method=method, compression="none",
             lora=lora, link_rate=link_rate, overlap_encode=True, record_steps=True,
-            sync_every=sync_every,
+            sync_every=sync_every, grads=grads,
         )  # fmt: skip
     finally:
         for group in groups.values():
@@ -266,6 +275,7 @@ def _run_pipelines(
                 group=group,
                 pipeline=p,
                 periodic=sync_every is not None,
+                ordered_terms=method != "full",
             )
             outer = None
             if sync_every is not None:

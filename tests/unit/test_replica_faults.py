@@ -119,8 +119,78 @@ def test_the_fold_stays_in_pipeline_order_with_every_pipeline_there() -> None:
     )  # fmt: skip
     for group in groups.values():
         group.close()
-    want = (torch.tensor([1.0]) + torch.tensor([1e8])) + torch.tensor([-1e8])
+    # Each contribution is a stack of one term (a `TERMS` exchange): the result is the term.
+    want = ((torch.tensor([1.0]) + torch.tensor([1e8])) + torch.tensor([-1e8]))[0]
     assert all(torch.equal(got[p][NAME], want) for p in range(3))
+
+
+def _terms(*values: float) -> dict[str, torch.Tensor]:
+    return {NAME: torch.tensor(values)}
+
+
+def test_a_pipeline_with_several_terms_adds_them_onto_the_sum_so_far() -> None:
+    # Pipeline 1 trained two micro-batches: added onto pipeline 0's term in order, then
+    # pipeline 2's, ((1 + 1e8) - 1e8) + 1 == 1 in float32; pipeline 1 summing its own two
+    # first would give 1 + (1e8 - 1e8) + 1 == 2. Pipeline 1 takes a round (`ready`,
+    # `prefix`, `sum`): it sends one copy, not two.
+    stacks = {0: _terms(1.0), 1: _terms(1e8, -1e8), 2: _terms(1.0)}
+    groups = link_groups([ONE_STAGE] * 3)
+    sent: dict[str, list[int]] = {}
+    for port in groups[(1, 0)]._ports.values():
+        send = port.send
+
+        def counting(frame: Frame, send=send) -> bool:  # type: ignore[no-untyped-def]
+            sent.setdefault(frame.kind, []).extend(len(t) for t in frame.tensors.values())
+            return send(frame)
+
+        port.send = counting  # type: ignore[method-assign]
+    got = on_threads({p: lambda p=p: groups[(p, 0)].reduce(3, p, 0, stacks[p]) for p in (2, 1, 0)})
+    for group in groups.values():
+        group.close()
+    assert all(got[p][NAME].item() == 1.0 for p in range(3)), got
+    assert sent == {"ready:grads": [], "sum:grads": [1]}
+
+
+def test_with_two_pipelines_a_round_moves_one_copy_each_way() -> None:
+    # The leader sends the sum so far; pipeline 1's sum back is the result, which it keeps
+    # (`own`): no third copy, as in a plain star (contribution in, result out).
+    stacks = {0: _terms(1.0, 2.0), 1: _terms(1e8, -1e8)}
+    groups = link_groups([ONE_STAGE] * 2)
+    sent: dict[str, list[int]] = {}
+    port = groups[(0, 0)]._ports[(1, 0)]
+    send = port.send
+
+    def counting(frame: Frame) -> bool:
+        sent.setdefault(frame.kind, []).extend(len(t) for t in frame.tensors.values())
+        return send(frame)
+
+    port.send = counting  # type: ignore[method-assign]
+    got = on_threads({p: lambda p=p: groups[(p, 0)].reduce(5, p, 0, stacks[p]) for p in (1, 0)})
+    for group in groups.values():
+        group.close()
+    want = ((torch.tensor(1.0) + 2.0) + 1e8) - 1e8  # 0.0 in float32
+    assert torch.equal(got[0][NAME], want) and torch.equal(got[1][NAME], want), got
+    assert sent == {"prefix:grads": [1], "result:grads": []}
+
+
+def test_a_pipeline_gone_in_its_round_is_absent_and_the_others_agree() -> None:
+    stacks = {0: _terms(3.0), 1: _terms(0.5, 0.5), 2: _terms(2.0)}
+    groups = link_groups([ONE_STAGE] * 3)
+    port = groups[(1, 0)]._ports[(0, 0)]
+    send = port.send
+
+    def dying(frame: Frame) -> bool:
+        if frame.kind.startswith("sum:"):
+            groups[(1, 0)].close()  # pipeline 1 dies with the sum so far in hand
+            return False
+        return send(frame)
+
+    port.send = dying  # type: ignore[method-assign]
+    got = on_threads({p: lambda p=p: groups[(p, 0)].reduce(4, p, 0, stacks[p]) for p in range(3)})
+    for group in groups.values():
+        group.close()
+    assert isinstance(got[1], LinkBroken), got[1]
+    assert got[0][NAME].item() == got[2][NAME].item() == 5.0
 
 
 def test_a_rejoining_pipeline_is_admitted_by_every_first_stage_at_one_step() -> None:

@@ -6,8 +6,9 @@ authenticated loopback links and the pipelines reduce through `InProcessGroup` (
 one variant, `LinkGroup` over authenticated loopback links between the stages that hold the
 same layers). Against single-process training of the whole global batch (AdamW, warm-up,
 cosine decay, weight decay, clipping by the global norm active): LoRA losses, gradients and
-weights bit for bit when only pipeline 0 trains several micro-batches (2:1, 1:1, 2:1:1),
-within 1e-6 otherwise (1:2); full training (tied embedding) within 1e-6; every pipeline's
+weights bit for bit for any shares (2:1, 1:2, 1:1, 2:1:1; three pipelines of other splits
+3:2:1, 3:3:1, 4:1:1 and a membership that changes twice, over 200 steps); full training
+(tied embedding) within 1e-6; every pipeline's
 copy of every parameter torch.equal to the others' after every step. With a per-pipeline
 token count the same comparison fails.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
@@ -30,7 +32,9 @@ from relaytrain_worker.pipeline.schedule import count_items
 from relaytrain_worker.pipeline.stats import LOSS_KEY
 from relaytrain_worker.replicas.arithmetic import (
     InProcessGroup,
+    fold,
     holds,
+    live_shares,
     micro_ranges,
     reduce_sum,
     segment_peers,
@@ -129,13 +133,100 @@ def test_lora_two_pipelines_sharing_2_to_1_equal_single_process_bit_for_bit(
     _assert_replicas_equal(runs)
 
 
-def test_lora_two_pipelines_sharing_1_to_2_equal_single_process_within_1e6(
+def test_lora_two_pipelines_sharing_1_to_2_equal_single_process_bit_for_bit(
     llama_dir: Path, steps_2to1: list[list[MicroBatch]], lora_reference: PipelineRun
 ) -> None:
-    # Pipeline 1 adds its two micro-batches first, g0 + (g1 + g2): float32 rounding apart
-    # from ((g0 + g1) + g2), and still the same bits on both replicas.
+    # Pipeline 1 gives its two micro-batches' gradients as two terms, so the fold is
+    # ((g0 + g1) + g2), not g0 + (g1 + g2).
     runs = _run(llama_dir, [1, 2], steps_2to1, "lora")
-    _assert_matches(runs, lora_reference, exact=False)
+    _assert_matches(runs, lora_reference, exact=True)
+    _assert_replicas_equal(runs)
+
+
+THREE_SPLITS = [[(0, 1), (1, 4)], [(0, 3), (3, 4)], [(0, 1), (1, 2), (2, 4)]]
+"""Three pipelines of 2, 2 and 3 stages, each cut elsewhere (the tiny model ties its
+embedding and head)."""
+LONG_RUN = 200
+LongRuns = Callable[[int], tuple[list[list[MicroBatch]], PipelineRun]]
+
+
+LONG_TRAINING = TRAINING.model_copy(update={"steps": LONG_RUN})
+
+
+@pytest.fixture(scope="module")
+def long_runs(llama_dir: Path) -> LongRuns:
+    """(the steps, single-process training over them) for `m` micro-batches a step."""
+    made: dict[int, tuple[list[list[MicroBatch]], PipelineRun]] = {}
+
+    def get(m: int) -> tuple[list[list[MicroBatch]], PipelineRun]:
+        if m not in made:
+            steps = masked_batches(LONG_RUN, m)
+            training = LONG_TRAINING.model_copy(update={"micro_batches": m})
+            made[m] = steps, run_reference(llama_dir, steps, training, grads="last")
+        return made[m]
+
+    return get
+
+
+def _assert_adapter_equal(runs: list[PipelineRun], ref: PipelineRun) -> None:
+    for p, run in enumerate(runs):
+        assert run.losses == ref.losses, p
+        assert run.grad_norms == ref.grad_norms, p
+        assert set(run.params) == set(ref.params)
+        for name, value in ref.params.items():
+            assert torch.equal(run.params[name], value), (p, name)
+
+
+@pytest.mark.parametrize("shares", [[3, 2, 1], [3, 3, 1], [4, 1, 1]], ids=str)
+def test_any_shares_equal_single_process_bit_for_bit_over_200_steps(
+    llama_dir: Path, long_runs: LongRuns, shares: list[int]
+) -> None:
+    long_steps, long_reference = long_runs(sum(shares))
+    training = LONG_TRAINING.model_copy(update={"micro_batches": sum(shares)})
+    runs = run_data_parallel_threads(
+        llama_dir, THREE_SPLITS, shares, long_steps, training,
+        credentials=pipeline_credentials([len(s) for s in THREE_SPLITS]), grads="last",
+    )  # fmt: skip
+    _assert_adapter_equal(runs, long_reference)
+
+
+def test_a_membership_that_changes_twice_equals_single_process_bit_for_bit(
+    llama_dir: Path, long_runs: LongRuns
+) -> None:
+    long_steps, long_reference = long_runs(7)
+    # Pipeline 0 leaves at step 70 (the others take its micro-batches, as `live_shares`
+    # deals them) and comes back at step 140; pipeline 2 is out from step 170.
+    full = [3, 3, 1]
+    history = (
+        [full] * 70
+        + [live_shares(full, {1, 2})] * 70
+        + [full] * 30
+        + [live_shares(full, {0, 1})] * 30
+    )
+    assert history[70] != full and history[170] != full
+    training = LONG_TRAINING.model_copy(update={"micro_batches": 7})
+    runs = run_data_parallel_threads(
+        llama_dir, THREE_SPLITS, full, long_steps, training,
+        credentials=pipeline_credentials([len(s) for s in THREE_SPLITS]), grads="last",
+        step_shares=history,
+    )  # fmt: skip
+    # Every pipeline reports the losses of the steps it trained a last micro-batch of;
+    # the weights are what counts: every copy equals single-process training's.
+    for p, run in enumerate(runs):
+        for name, value in long_reference.params.items():
+            assert torch.equal(run.params[name], value), (p, name)
+    assert runs[1].losses == long_reference.losses
+
+
+def test_terms_travel_over_links_as_through_memory(llama_dir: Path) -> None:
+    steps = masked_batches(6, 7)
+    training = TRAINING.model_copy(update={"steps": len(steps), "micro_batches": 7})
+    ref = run_reference(llama_dir, steps, training)
+    runs = run_data_parallel_threads(
+        llama_dir, THREE_SPLITS, [3, 2, 2], steps, training,
+        credentials=pipeline_credentials([len(s) for s in THREE_SPLITS]), replicas="links",
+    )  # fmt: skip
+    _assert_matches(runs, ref, exact=True)
     _assert_replicas_equal(runs)
 
 
@@ -214,13 +305,25 @@ def test_the_fold_is_in_pipeline_order_whoever_arrives_first() -> None:
         time.sleep(0.05)
     for t in threads:
         t.join()
-    want = (values[0] + values[1]) + values[2]
-    other = values[2] + values[1] + values[0]
+    # Each contribution is a stack of one term: the fold is of the terms.
+    want = ((values[0] + values[1]) + values[2])[0]
+    other = (values[2] + values[1] + values[0])[0]
     assert not torch.equal(want, other)  # the order matters for these values
     for p in range(3):
         assert torch.equal(got[p], want)
     assert got[0] is not got[1]  # each caller gets its own tensor (clipping is in place)
     assert values[0].item() == 1.0  # contributions are not written
+
+
+def test_the_fold_adds_every_term_in_turn_not_a_pipeline_s_own_sum_first() -> None:
+    one, big = torch.tensor(1.0), torch.tensor(1e8)
+    stacks = [torch.stack([one]), torch.stack([big, -big]), torch.zeros(0), torch.stack([one])]
+    # ((1 + 1e8) - 1e8) + 1 == 1 in float32; 1 + (1e8 - 1e8) + 1 would be 2.
+    assert fold(stacks, terms=True).item() == 1.0
+    assert fold([one, big - big, one]).item() == 2.0  # pipeline sums first: another result
+    assert fold([torch.zeros((0, 3))], terms=True).tolist() == [0.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="nothing to fold"):
+        fold([])
 
 
 def test_reduce_sum_refuses_pipelines_with_other_names() -> None:

@@ -28,7 +28,10 @@ With several pipelines (a `ReplicaGroup`, `stats.py`; the arithmetic is
 label-token count for the global one before the first forward, and after the last backward
 every stage replaces its gradients (and the last stage its loss sum) by the fold over all
 pipelines before the pass above, which then computes the global norm from the reduced
-gradients. Without a group (one pipeline) the step is as before.
+gradients. With the adapter methods (`ordered_terms`), a pipeline other than the step's
+first keeps each micro-batch's gradients apart for that fold, so that it is single-process
+accumulation in micro-batch order, bit for bit. Without a group (one pipeline) the step is
+as before.
 
 In periodic mode (`periodic=True`, `replicas/periodic.py`) each pipeline's step is a step
 of its own: stage 0 normalises by its share's label tokens, no gradient is reduced, and the
@@ -123,6 +126,7 @@ class StepRunner:
         group: ReplicaGroup | None = None,
         pipeline: int = 0,
         periodic: bool = False,
+        ordered_terms: bool = False,
         device: torch.device | None = None,
     ) -> None:
         self.stage = stage
@@ -141,11 +145,18 @@ class StepRunner:
         self.periodic = periodic
         """Whether the pipelines synchronise periodically (only the loss and counts are
         reduced each step) rather than every step."""
+        self.ordered_terms = ordered_terms and tied_name is None
+        """Whether, in a pipeline other than the step's first member, each micro-batch's
+        gradients and loss are kept apart and given to the group as terms, so that the fold
+        over pipelines is single-process accumulation (`replicas/arithmetic.py`, 3). For the
+        adapter methods; `full` training gives one accumulated term."""
         self.device = device if device is not None else _device_of(stage)
         """Where the stage computes: micro-batches and received tensors are moved here."""
         self.on_micro: Callable[[], None] | None = None
         self._input_tokens = 0
         self._step_input_tokens = -1
+        self._terms: dict[str, list[torch.Tensor]] | None = None
+        """This step's gradient terms by name, when kept apart (see `ordered_terms`)."""
 
     @property
     def first(self) -> bool:
@@ -162,14 +173,21 @@ class StepRunner:
             items = self.group.total_tokens(step, self.pipeline, items)
         saved: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         loss_sum = torch.zeros((), dtype=torch.float64)
+        losses: list[float] = []
         self._input_tokens = 0
         self._step_input_tokens = -1
+        # Terms apart, except in the step's first member pipeline, whose accumulated sum
+        # opens the fold (one that trains nothing gives no term at all).
+        group = None if self.periodic or not self.ordered_terms else self.group
+        apart = group is not None and (group.first_member != self.pipeline or n_micro == 0)
+        self._terms = {} if apart else None
         for kind, m in one_f_one_b(self.index, self.count, n_micro):
             if kind == "F":
                 out, inp, items, part = self._forward(step, m, micros, items)
                 saved[m] = (out, inp)
                 if part is not None:
                     loss_sum += part
+                    losses.append(part)
             else:
                 out, inp = saved.pop(m)
                 self._backward(step, m, out, inp)
@@ -178,7 +196,7 @@ class StepRunner:
             if self.last:
                 loss_sum, items = self._reduce_stats(step, loss_sum, share)
         elif self.group is not None:
-            loss_sum = self._reduce(step, loss_sum)
+            loss_sum = self._reduce(step, loss_sum, losses)
         norm = self._finish(step)
         loss = float(loss_sum / items) if self.last and items > 0 else None
         mine = self._input_tokens
@@ -234,25 +252,43 @@ class StepRunner:
             assert self.peers.prev is not None and inp is not None
             assert inp.grad is not None
             self.peers.prev.send(Frame("gradient", step, m, {"grad": inp.grad}), self.compression)
+        if self._terms is not None:  # this micro-batch's gradients, as a term of their own
+            for name, param in self.trainable:
+                if param.grad is not None:
+                    self._terms.setdefault(name, []).append(param.grad)
+                    param.grad = None
         if self.on_micro is not None:
             self.on_micro()
 
     # -- step end: replicas, global norm and tied weight ------------------------------
 
-    def _reduce(self, step: int, loss_sum: torch.Tensor) -> torch.Tensor:
+    def _reduce(self, step: int, loss_sum: torch.Tensor, losses: list[float]) -> torch.Tensor:
         """Swap this stage's gradients (and the last stage's loss sum) for their fold over
-        every pipeline; returns the (reduced) loss sum."""
+        every pipeline, given as stacks of terms (`stats.TERMS`): each micro-batch's own
+        when they were kept apart, else one accumulated; returns the (reduced) loss sum."""
         assert self.group is not None
+        terms = self._terms
         given: dict[str, torch.Tensor] = {}
         for name, grad in self._grads():
-            given[self.replica_key(name)] = grad
+            if terms is None:
+                given[self.replica_key(name)] = grad.unsqueeze(0)
+            else:
+                kept = terms.get(name)
+                given[self.replica_key(name)] = (
+                    torch.stack(kept) if kept else grad.new_zeros((0, *grad.shape))
+                )
         if self.tied_name is not None and self.first and self.last:
             # One stage holds both halves, already added by autograd: it gives the whole
             # gradient as the embedding's half and nothing as the head's.
             given[TIED_HEAD_NAME] = torch.zeros_like(given[self.tied_name])
         if self.last:
-            given[LOSS_KEY] = loss_sum
-            given[TOKENS_KEY] = torch.tensor(float(self._input_tokens), dtype=torch.float64)
+            given[LOSS_KEY] = (
+                loss_sum.unsqueeze(0)
+                if terms is None
+                else torch.tensor(losses, dtype=torch.float64).reshape(-1)
+            )
+            given[TOKENS_KEY] = torch.tensor([float(self._input_tokens)], dtype=torch.float64)
+        self._terms = None
         reduced = self.group.reduce(step, self.pipeline, self.index, given)
         if self.last:
             self._step_input_tokens = int(reduced[TOKENS_KEY])

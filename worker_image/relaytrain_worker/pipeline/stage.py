@@ -323,6 +323,7 @@ class StageRuntime:
             compression=self.cfg.pipeline.compression,
             max_grad_norm=t.max_grad_norm,
             tied_name=self._tied_name(),
+            ordered_terms=self.cfg.method.type != "full",
             **self.replication.runner_options(),
         )
         self.replication.begin_training(self, runner)

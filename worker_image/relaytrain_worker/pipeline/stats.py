@@ -26,6 +26,14 @@ sum in periodic mode, where each pipeline's loss is normalised by its own share.
 
 STATS = "stats"
 """The exchange of the last stages alone (periodic mode's loss and counts, every step)."""
+GRADS = "grads"
+"""The exchange of a synchronous step's gradients (and the last stage's loss and counts).
+Its contributions are stacks of terms (`TERMS`)."""
+TERMS = frozenset({GRADS})
+"""The exchanges whose contributions are stacks of terms: each tensor's leading dimension
+lists terms in the pipeline's micro-batch order (a stage that accumulated its micro-batches
+gives a stack of one), and the fold adds every term of every pipeline in turn
+(`replicas/arithmetic.py`, `fold`). In the other exchanges a contribution is one term."""
 
 
 class ReplicaGroup(Protocol):
@@ -47,12 +55,18 @@ class ReplicaGroup(Protocol):
         stage: int,
         tensors: Mapping[str, torch.Tensor],
         *,
-        what: str = "grads",
+        what: str = GRADS,
     ) -> dict[str, torch.Tensor]:
         """Stage `stage` of `pipeline` gives its contributions by name; returns, for each of
         those names, the fold of every pipeline's contribution in pipeline order
-        (`reduce_sum`, replicas/arithmetic.py). Contributions are not written to. `what`
-        names the exchange: every stage of every pipeline makes one of each per step
-        (`grads`: the step's gradients; `outer`: a periodic outer step's weights,
-        replicas/periodic.py)."""
+        (`reduce_sum`, replicas/arithmetic.py; in `TERMS` exchanges, term by term).
+        Contributions are not written to. `what` names the exchange: every stage of every
+        pipeline makes one of each per step (`grads`: the step's gradients; `outer`: a
+        periodic outer step's weights, replicas/periodic.py)."""
+        ...
+
+    @property
+    def first_member(self) -> int:
+        """The lowest pipeline training the current step: its contributions open every
+        fold, so its stages may accumulate their micro-batches (a stack of one term)."""
         ...

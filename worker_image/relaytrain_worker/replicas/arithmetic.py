@@ -9,19 +9,27 @@ whole global batch, and every pipeline ends the step with bit-identical weights:
 2. **Normaliser.** Stage 0 of every pipeline counts the label tokens of its share; the
    group sums the counts (`total_label_tokens`, integers: order-free) and every micro-batch's
    summed token loss is divided by that global count, as one pipeline divides by its step's.
-3. **Gradient sum.** After its last backward every stage hands its accumulated gradients
-   (scaled by 1/global count, so they are summed, never averaged) to the group, keyed by
-   parameter name; the last stage adds its float64 loss sum under `LOSS_KEY`. For each
-   name the reduced value is the left fold in pipeline order (`reduce_sum`):
-   ``((c_0 + c_1) + c_2) + ...``. Every holder of a name in every pipeline folds the same
-   R tensors in the same order, so all get the same bits. Against single-process
-   accumulation over the global batch, ``((g_0 + g_1) + g_2) + ...`` in micro-batch order:
-   the shares are contiguous and autograd accumulates a stage's micro-batches in order, so
-   pipeline 0 gives ``(g_0 + g_1) + ...`` and the fold continues that very sum as long as
-   every later pipeline gives a single micro-batch's gradient (shares such as 2:1, 1:1,
-   3:1:1): then LoRA gradients and the loss are equal bit for bit. A later pipeline with
-   several micro-batches adds them among themselves first (``g_0 + (g_1 + g_2)``): equal
-   to float32 rounding, not bit for bit — and every replica still gets the same bits.
+3. **Gradient sum.** After its last backward every stage hands its gradients (scaled by
+   1/global count, so they are summed, never averaged) to the group, keyed by parameter
+   name; the last stage adds its float64 loss under `LOSS_KEY`. Single-process
+   accumulation over the global batch is the left fold ``((g_0 + g_1) + g_2) + ...`` in
+   micro-batch order, and float32 addition is not associative: a later pipeline that added
+   its own micro-batches first (``g_0 + (g_1 + g_2)``) would land float32 rounding away,
+   and AdamW magnifies that over a run. So a stage gives *terms* (`stats.TERMS`): the stages
+   of the step's lowest member pipeline (`ReplicaGroup.first_member`) accumulate their
+   micro-batches as one pipeline does (a stack of one term: the fold's opening prefix); with
+   the adapter methods (`ordered_terms`) every other pipeline keeps each micro-batch's
+   gradient and loss apart and gives them as a stack in micro-batch order. For each name
+   the reduced value is `fold`: every term of every pipeline added in turn, pipeline by
+   pipeline. The shares are contiguous runs, so that is single-process accumulation itself:
+   LoRA gradients, loss and (below) norm and weights equal it bit for bit for *any* shares
+   and any membership from step to step, and every holder of a name folds the same terms
+   in the same order, so all get the same bits. The cost: a stage of a pipeline other than
+   the first sends its share's count of gradient copies instead of one, and holds them until
+   the step ends (adapter gradients: a few MB per stage). `full` training keeps one
+   accumulated term per pipeline (its gradients are the whole model's), so it equals
+   single-process within float32 rounding — bit for bit where every later pipeline trains
+   one micro-batch.
    A tied weight (`full` training: the embedding on stage 0, the head on the last stage)
    is reduced as two halves under two keys, `TIED_NAME` (the embedding's half) and
    `TIED_HEAD_NAME` (the head's); the pipeline then adds the two reduced halves as it does
@@ -61,7 +69,14 @@ from typing import Any
 import torch
 
 from relaytrain_worker.model.methods import TIED_HEAD_NAME, TIED_NAME
-from relaytrain_worker.pipeline.stats import ITEMS_KEY, LOSS_KEY, STATS, TOKENS_KEY
+from relaytrain_worker.pipeline.stats import (
+    GRADS,
+    ITEMS_KEY,
+    LOSS_KEY,
+    STATS,
+    TERMS,
+    TOKENS_KEY,
+)
 
 MEMBER_KEY = "relaytrain.members"
 """Stage 0's membership mark (1 at its pipeline's index; 2 when rejoining), folded by the
@@ -118,12 +133,46 @@ def total_label_tokens(counts: Sequence[int]) -> int:
     return int(sum(counts))
 
 
-def reduce_sum(contributions: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Per name, the left fold ``((c[0] + c[1]) + c[2]) + ...`` in pipeline order.
+def fold(parts: Sequence[torch.Tensor], *, terms: bool = False) -> torch.Tensor:
+    """The left fold ``((t_0 + t_1) + t_2) + ...`` of `parts` in order, as a fresh tensor.
 
-    `contributions[p]` is pipeline p's {name: tensor}; every pipeline must contribute the
-    same names (they hold the same model). The result is fresh tensors (the inputs are
-    not written), the same bits for every caller given the same inputs.
+    With `terms`, each part is a stack whose leading dimension lists its terms (empty for a
+    pipeline that trained no micro-batch), and every term of every part is added in turn:
+    folding ``[a, b]`` then ``[c]`` is folding ``a, b, c``. Without, each part is one term.
+    All parts empty: zeros.
+    """
+    if not parts:
+        raise ValueError("nothing to fold")
+    if not terms:
+        return prefix([part.unsqueeze(0) for part in parts])[0]
+    acc = prefix(parts)
+    return acc[0] if len(acc) else acc.new_zeros(acc.shape[1:])
+
+
+def prefix(stacks: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The fold of every term of `stacks` (see `fold`) as a stack of one term, or of none
+    when there is no term: what a star's leader passes on as the sum so far, so that the
+    next pipeline continues it with its own terms (`star.py`, rounds)."""
+    if not stacks:
+        raise ValueError("nothing to fold")
+    rows = [row for stack in stacks for row in stack.unbind(0)]
+    if not rows:
+        return stacks[0].detach().clone()
+    acc = rows[0].detach().clone()
+    for row in rows[1:]:
+        acc.add_(row)
+    return acc.unsqueeze(0)
+
+
+def reduce_sum(
+    contributions: Sequence[Mapping[str, torch.Tensor]], *, terms: bool = False
+) -> dict[str, torch.Tensor]:
+    """Per name, the `fold` of every pipeline's contribution in pipeline order.
+
+    `contributions[p]` is pipeline p's {name: tensor} (with `terms`, a stack of terms per
+    name); every pipeline must contribute the same names (they hold the same model). The
+    result is fresh tensors (the inputs are not written), the same bits for every caller
+    given the same inputs.
     """
     if not contributions:
         raise ValueError("no contributions to reduce")
@@ -132,13 +181,7 @@ def reduce_sum(contributions: Sequence[Mapping[str, torch.Tensor]]) -> dict[str,
         if set(c) != set(names):
             diff = sorted(set(c) ^ set(names))
             raise ValueError(f"pipeline {p} contributes other names than pipeline 0: {diff}")
-    out = {}
-    for name in names:
-        acc = contributions[0][name].detach().clone()
-        for c in contributions[1:]:
-            acc.add_(c[name])
-        out[name] = acc
-    return out
+    return {name: fold([c[name] for c in contributions], terms=terms) for name in names}
 
 
 def layer_of(name: str) -> int | None:
@@ -228,6 +271,10 @@ class InProcessGroup:
     def pipelines(self) -> int:
         return len(self._stages)
 
+    @property
+    def first_member(self) -> int:
+        return 0  # every pipeline trains every step
+
     def abort(self, reason: str) -> None:
         """Wake every waiter with an error (a pipeline failed)."""
         with self._cond:
@@ -254,7 +301,7 @@ class InProcessGroup:
         stage: int,
         tensors: Mapping[str, torch.Tensor],
         *,
-        what: str = "grads",
+        what: str = GRADS,
     ) -> dict[str, torch.Tensor]:
         key = (what, step)
         with self._cond:
@@ -271,7 +318,7 @@ class InProcessGroup:
             self._wait(lambda: all(len(board[n]) == self.pipelines for n in tensors), step)
             contributions = [{n: board[n][p] for n in tensors} for p in range(self.pipelines)]
             self._read(key, self._posts, key)
-        return reduce_sum(contributions)
+        return reduce_sum(contributions, terms=what in TERMS)
 
     def _wait(self, ready: Callable[[], bool], step: int) -> None:
         ok = self._cond.wait_for(lambda: self._error is not None or ready(), self._timeout)

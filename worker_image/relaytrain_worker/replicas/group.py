@@ -14,6 +14,7 @@ import torch
 
 from relaytrain_worker.pipeline.linkauth import LinkBroken
 from relaytrain_worker.pipeline.peers import LinkLike
+from relaytrain_worker.pipeline.stats import GRADS
 from relaytrain_worker.pipeline.transport import Frame
 from relaytrain_worker.replicas.arithmetic import (
     COUNT_KEY,
@@ -210,7 +211,11 @@ class LinkGroup(StarExchange):
         members, joined = _members(frame.tensors[MEMBER_KEY])
         return frame.step, members, joined
 
-    # -- the two calls of a ReplicaGroup ---------------------------------------------
+    # -- the calls of a ReplicaGroup -------------------------------------------------
+
+    @property
+    def first_member(self) -> int:
+        return min(self.members)
 
     def set_items(self, step: int, items: int) -> None:
         """The global label-token count of `step`, known to stage 0 from the whole step's
@@ -232,7 +237,7 @@ class LinkGroup(StarExchange):
         stage: int,
         tensors: Mapping[str, torch.Tensor],
         *,
-        what: str = "grads",
+        what: str = GRADS,
     ) -> dict[str, torch.Tensor]:
         self._check(pipeline, stage)
         got = self._star(what, step, dict(tensors), sorted(self.members))

@@ -5,7 +5,7 @@ bits everywhere.
 
 **Star reduce.** For every name, the holder in the lowest *member* pipeline leads: the
 others send it their contributions, it folds them in pipeline order (`reduce_sum`'s
-arithmetic: the same bits as before) and sends each the result. Members are the
+arithmetic) and sends each the result. Members are the
 pipelines training this step (`LinkGroup.members`, set by `LinkGroup.begin`; every pipeline
 until then). A member whose link has ended is gone for the rest of the step: its
 contribution is simply absent if it had not arrived (the step trains on what arrived).
@@ -33,8 +33,9 @@ import torch
 
 from relaytrain_worker.pipeline.linkauth import LinkBroken
 from relaytrain_worker.pipeline.peers import LinkLike
+from relaytrain_worker.pipeline.stats import TERMS
 from relaytrain_worker.pipeline.transport import Frame
-from relaytrain_worker.replicas.arithmetic import Slice
+from relaytrain_worker.replicas.arithmetic import Slice, fold, prefix
 from relaytrain_worker.replicas.port import ReplicaPort
 
 log = logging.getLogger("relaytrain.replicas")
@@ -93,6 +94,11 @@ class StarExchange:
         key = (what, step)
         deadline = time.monotonic() + self._timeout
         sent: set[tuple[int, int]] = set()
+        rounds: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        """Leaders this stage gives its terms to by a round (`_lead_rounds`): its names
+        each holds."""
+        sums: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        """What this stage sent back in each round: the result, when the leader says so."""
         with self._cond:
             done = self._partial.setdefault(key, {})
             while True:
@@ -113,19 +119,35 @@ class StarExchange:
                     if peer not in sent:
                         sent.add(peer)
                         part = {n: mine[n] for n in sorted(names)}
-                        self._ports[peer].send(Frame(f"contrib:{what}", step, -1, part))
+                        if what in TERMS and any(len(t) > 1 for t in part.values()):
+                            rounds[peer] = part  # folded onto the leader's sum so far
+                            self._ports[peer].send(Frame(f"ready:{what}", step, -1))
+                        else:
+                            self._ports[peer].send(Frame(f"contrib:{what}", step, -1, part))
 
                 def answered(leaders: Iterable[tuple[int, int]] = tuple(leaders)) -> bool:
                     return all(
-                        self._ports[p].gone or self._ports[p].has(f"result:{what}", step)
+                        self._ports[p].gone
+                        or self._ports[p].has(f"result:{what}", step)
+                        or (p in rounds and self._ports[p].has(f"prefix:{what}", step))
                         for p in leaders
                     )
 
                 self._wait(answered, deadline, key)
                 for peer in leaders:
+                    asked = self._ports[peer].take(f"prefix:{what}", step)
+                    if asked is not None and peer in rounds:
+                        part = rounds[peer]
+                        summed = {
+                            n: prefix([t, part[n]]) for n, t in asked.tensors.items() if n in part
+                        }
+                        self._ports[peer].send(Frame(f"sum:{what}", step, -1, summed))
+                        sums[peer] = summed
                     frame = self._ports[peer].take(f"result:{what}", step)
                     if frame is not None:
                         done.update({n: t for n, t in frame.tensors.items() if n in mine})
+                        if frame.meta.get("own") and peer in sums:  # the sum sent was the last
+                            done.update({n: _row(t) for n, t in sums[peer].items() if n in mine})
                 if all(n in done for n in mine):
                     break
             self._settle(key, done)
@@ -175,6 +197,8 @@ class StarExchange:
                 )  # fmt: skip
         need = [n for n in mine if n not in have]
         givers = [p for p, names in holders.items() if names & set(need)]
+        if what in TERMS:
+            return self._lead_rounds(key, mine, need, givers, have=have, deadline=deadline)
         contributions: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         joins: dict[tuple[int, int], ReplicaPort] = {}
         if need:
@@ -198,15 +222,89 @@ class StarExchange:
         order = sorted(contributions)
         result = dict(have)
         for name in need:
-            acc = mine[name].detach().clone()
-            for peer in order:
-                if name in contributions[peer]:
-                    acc.add_(contributions[peer][name])
-            result[name] = acc
+            parts = [
+                mine[name],
+                *(contributions[p][name] for p in order if name in contributions[p]),
+            ]
+            result[name] = fold(parts)
         for peer in contributions:
             port = joins.get(peer) or self._ports[peer]
             names = {n: result[n] for n in sorted(result) if self._peers[peer].holds(n)}
             port.send(Frame(f"result:{what}", step, -1, names))
+        return {n: result[n] for n in mine}
+
+    def _lead_rounds(
+        self,
+        key: tuple[str, int],
+        mine: dict[str, torch.Tensor],
+        need: list[str],
+        givers: list[tuple[int, int]],
+        *,
+        have: dict[str, torch.Tensor],
+        deadline: float,
+    ) -> dict[str, torch.Tensor]:
+        """Lead a `TERMS` exchange: the sum so far starts as this stage's own terms and
+        goes through the member pipelines in order. A holder with at most one term per name
+        sent them (`contrib`): they are added here. One with more asked for a round
+        (`ready`): it gets the sum so far (`prefix`), adds its terms in order and sends it
+        back (`sum`) — so every term is added in the global micro-batch order while no
+        pipeline sends more than one copy of its gradients. A holder whose sum nothing was
+        added to after is told to keep it as its result (`own`): for two pipelines a round
+        moves no more than a plain star. A holder gone adds nothing. The caller holds the
+        condition."""
+        what, step = key
+        acc = {n: prefix([mine[n]]) for n in need}
+        answered: list[tuple[int, int]] = []
+        last: dict[str, tuple[int, int]] = {}
+        """The holder whose sum each name's value is, while nothing was added after it."""
+        for q in sorted({peer[0] for peer in givers}):
+            peers = [peer for peer in givers if peer[0] == q]
+
+            def spoke(peers: list[tuple[int, int]] = peers) -> bool:
+                return all(
+                    self._ports[p].gone
+                    or self._ports[p].has(f"contrib:{what}", step)
+                    or self._ports[p].has(f"ready:{what}", step)
+                    for p in peers
+                )
+
+            self._wait(spoke, deadline, key)
+            asked: list[tuple[int, int]] = []
+            for peer in peers:
+                port = self._ports[peer]
+                frame = port.take(f"contrib:{what}", step)
+                if frame is not None:
+                    for name, terms in frame.tensors.items():
+                        if name in acc:
+                            acc[name] = prefix([acc[name], terms])
+                            last.pop(name, None)
+                    answered.append(peer)
+                elif port.take(f"ready:{what}", step) is not None:
+                    names = {n: acc[n] for n in need if self._peers[peer].holds(n)}
+                    port.send(Frame(f"prefix:{what}", step, -1, names))
+                    asked.append(peer)
+
+            def summed(asked: list[tuple[int, int]] = asked) -> bool:
+                return all(
+                    self._ports[p].gone or self._ports[p].has(f"sum:{what}", step) for p in asked
+                )
+
+            self._wait(summed, deadline, key)
+            for peer in asked:
+                frame = self._ports[peer].take(f"sum:{what}", step)
+                if frame is not None:
+                    got = {n: t for n, t in frame.tensors.items() if n in acc}
+                    acc.update(got)
+                    last.update(dict.fromkeys(got, peer))
+                    answered.append(peer)
+        result = dict(have)
+        result.update({name: _row(stack) for name, stack in acc.items()})
+        for peer in [p for p in givers if p in answered]:  # in the ports' order, as `_lead`
+            names = {n: result[n] for n in sorted(result) if self._peers[peer].holds(n)}
+            if names and all(last.get(n) == peer for n in names):
+                self._ports[peer].send(Frame(f"result:{what}", step, -1, {}, {"own": True}))
+            else:
+                self._ports[peer].send(Frame(f"result:{what}", step, -1, names))
         return {n: result[n] for n in mine}
 
     def _settle(self, key: tuple[str, int], result: dict[str, torch.Tensor]) -> None:
@@ -217,8 +315,8 @@ class StarExchange:
         for old in [k for k in self._results if k[1] < step - 2]:
             del self._results[old]
         for peer, port in self._ports.items():
-            frame = port.take(f"contrib:{what}", step)
-            if frame is not None:
+            late = [port.take(f"{kind}:{what}", step) for kind in ("contrib", "ready")]
+            if any(frame is not None for frame in late):
                 self._answer(port, peer, "result", what, step)
         self._answer_queries()
 
@@ -229,7 +327,7 @@ class StarExchange:
         peer = self._peer_of(port)
         if peer is None:
             return False
-        if kind == "contrib" and (what, frame.step) in self._results:
+        if kind in {"contrib", "ready"} and (what, frame.step) in self._results:
             self._answer(port, peer, "result", what, frame.step)
             return True
         if kind == "query":
@@ -282,3 +380,8 @@ class StarExchange:
             raise TimeoutError(f"the other pipelines gave nothing for {key[0]} of step {key[1]}")
         if self.closed:
             raise LinkBroken("the replica links were closed")
+
+
+def _row(stack: torch.Tensor) -> torch.Tensor:
+    """The value of a sum so far (`prefix`): its one term, or zeros when it has none."""
+    return stack[0] if len(stack) else stack.new_zeros(stack.shape[1:])
