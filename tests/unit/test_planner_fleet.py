@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -34,7 +35,7 @@ from relaytrain_operator.domain.planner.fleet import Pipe, candidates
 from relaytrain_operator.domain.planner.fleet_candidates import pipe_of_plan
 from relaytrain_operator.domain.planner.problem import build_problem
 from relaytrain_operator.domain.planner.shares import pipeline_seconds, slowest_seconds, split_fast
-from relaytrain_operator.domain.planner.sync import Gradients, sync_seconds, top_two
+from relaytrain_operator.domain.planner.sync import Gradients, fold_rounds, sync_seconds, top_two
 from relaytrain_testkit.jobs import Job
 
 pytestmark = pytest.mark.unit
@@ -158,7 +159,7 @@ def fleets(draw):
 
 
 def brute_force_sets(
-    pipes: list[Pipe], gpus: list[int], m: int, sync: Sync, collective: str
+    pipes: list[Pipe], gpus: list[int], m: int, sync: Sync, collective: str, adapters: bool
 ) -> float:
     """Smallest step over every multiset of ``pipes`` that fits the GPUs (R >= 2)."""
     best = float("inf")
@@ -170,7 +171,8 @@ def brute_force_sets(
             shares = split_micro_batches(lanes, m)
             hop = top_two([p.latency for p in chosen])
             load = max(p.load for p in chosen)
-            moved, latency = sync_seconds(sync, collective, len(chosen), load, hop)
+            rounds = fold_rounds(sync, collective, adapters, shares)
+            moved, latency = sync_seconds(sync, collective, len(chosen), load, hop, rounds=rounds)
             best = min(best, slowest_seconds(lanes, shares) + (moved + latency) / sync.every)
         if len(chosen) == m:
             return
@@ -204,7 +206,14 @@ def test_set_search_equals_brute_force_over_its_candidates(fleet):
     pipes = [*candidates(problem, grads), pipe_of_plan(problem, grads, single)]
     optimum = min(
         single.step_seconds,
-        brute_force_sets(pipes, problem.gpus, training.micro_batches, sync, cost.sync_collective),
+        brute_force_sets(
+            pipes,
+            problem.gpus,
+            training.micro_batches,
+            sync,
+            cost.sync_collective,
+            training.method != "full",
+        ),
     )
     # Unbounded, the search is exact; within its default budget it is at least no worse.
     result = plan_fleet(model, training, pools, catalog, settings=cost, sync=sync, set_budget=10**9)
@@ -253,11 +262,14 @@ def test_lab_fleet_uses_most_gpus_for_at_least_1_8x_the_best_single_pipeline():
     assert every4.gpus == 4 and 1.8 <= every4.speedup < periodic.speedup
     assert periodic.single == single
     # Synchronous, every usable GPU: the per-step exchange of the fp32 LoRA gradients costs
-    # more than the 4090 pairs add; left to choose, the planner leaves them out.
+    # more than the 4090 pairs add; left to choose, the planner leaves them out. Adding the
+    # micro-batches' gradients in the global order (bit for bit single-process training for
+    # any shares) costs a round per pipeline with several micro-batches: the two H100s
+    # (1.78x) now beat the three pipelines that were 1.82x with each pipeline's own sum.
     auto = plan_fleet(LLAMA, LAB_TRAINING, pools)
     everyone = plan_fleet(LLAMA, LAB_TRAINING, pools, replicas=6)
     assert everyone.gpus == 8
-    assert auto.speedup >= 1.8 and auto.speedup > everyone.speedup > 1.0
+    assert auto.speedup >= 1.75 and auto.speedup > everyone.speedup > 1.0
     assert auto.step_seconds == pytest.approx(auto.pipeline_seconds + auto.sync.per_step_seconds)
 
 
@@ -267,12 +279,24 @@ def test_sync_price_by_hand():
     lora = 32 * 8 * (4096 + 4096 + 4096 + 1024 + 4096 + 1024 + 4096 + 4096) * 4
     hop = 0.010 + 0.010
     # All-gather (the worker's): each GPU sends its copy to the R - 1 others, one hop, and a
-    # hop for the label-token counts at the start of a synchronous step.
+    # hop for the label-token counts at the start of a synchronous step. Every pipeline but
+    # the first trains several micro-batches, so each takes a round (two hops) to add them
+    # in order; the last round's sum is its result, the others cost the leader one copy more.
     two = plan_fleet(LLAMA, LAB_TRAINING, pools, replicas=2)
     assert two.sync.gradient_bytes == lora
-    assert two.sync.seconds == pytest.approx(lora / 1e6 + 2 * hop)
+    assert [p.micro_batches for p in two.pipelines] == [32, 32] and two.sync.rounds == 1
+    assert two.sync.seconds == pytest.approx(lora / 1e6 + 2 * hop + hop)
     three = plan_fleet(LLAMA, LAB_TRAINING, pools, replicas=3)
-    assert three.sync.seconds == pytest.approx(2 * lora / 1e6 + 2 * hop)
+    assert three.sync.rounds == 2
+    assert three.sync.seconds == pytest.approx(3 * lora / 1e6 + 4 * hop + hop)
+    # A round per pipeline after the largest share's with several micro-batches; none for
+    # full training (each pipeline's own sum), periodic outer steps or a ring.
+    rounds = partial(fold_rounds, Sync(), "all-gather", True)
+    cases = ([4, 1, 1], [3, 2, 1], [3, 3, 1], [1, 1], [2, 2, 2])
+    assert [rounds(c) for c in cases] == [0, 1, 1, 0, 2]
+    assert fold_rounds(Sync(), "all-gather", False, [3, 3, 1]) == 0
+    assert fold_rounds(Sync("periodic", 4), "all-gather", True, [3, 3, 1]) == 0
+    assert fold_rounds(Sync(), "ring", True, [3, 3, 1]) == 0
     # A ring: 2(R - 1)/R copies, 2(R - 1) hops.
     ring = CostSettings(sync_collective="ring")
     three_ring = plan_fleet(LLAMA, LAB_TRAINING, pools, settings=ring, replicas=3)

@@ -46,7 +46,7 @@ from relaytrain_operator.domain.planner.problem import Problem, build_problem
 from relaytrain_operator.domain.planner.result import Plan, PlanError
 from relaytrain_operator.domain.planner.search import DEFAULT_EXHAUSTIVE_LIMIT
 from relaytrain_operator.domain.planner.shares import split_fast
-from relaytrain_operator.domain.planner.sync import Gradients, Sync, SyncPrice, top_two
+from relaytrain_operator.domain.planner.sync import Gradients, Sync, SyncPrice, fold_rounds, top_two
 from relaytrain_operator.domain.planner.training import TrainingShape
 
 __all__ = [
@@ -143,6 +143,7 @@ def plan_fleet(
         micro_batches=training.micro_batches,
         sync=sync,
         collective=collective,
+        adapters=training.method != "full",
         replicas=replicas,
         budget=set_budget,
     )
@@ -200,6 +201,7 @@ def _fleet_plan(
         grads.total(problem.model.num_layers),
         max(p.load for p in chosen),
         top_two([p.latency for p in chosen]),
+        fold_rounds(combiner.sync, combiner.collective, combiner.adapters, shares),
     )
     return FleetPlan(
         pipelines=tuple(plans),

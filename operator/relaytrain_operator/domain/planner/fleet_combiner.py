@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from relaytrain_operator.domain.planner.cost import Collective
 from relaytrain_operator.domain.planner.fleet_candidates import Pipe
 from relaytrain_operator.domain.planner.shares import split_fast
-from relaytrain_operator.domain.planner.sync import Sync, sync_seconds, top_two
+from relaytrain_operator.domain.planner.sync import Sync, fold_rounds, sync_seconds, top_two
 
 #: Sets of pipelines the branch and bound may look at before it stops ("heuristic").
 SET_BUDGET = 2_000
@@ -41,6 +41,7 @@ class Combiner:
         micro_batches: int,
         sync: Sync,
         collective: Collective = "all-gather",
+        adapters: bool = False,
         replicas: int | None = None,
         budget: int = SET_BUDGET,
     ) -> None:
@@ -52,6 +53,8 @@ class Combiner:
         self.m = micro_batches
         self.sync = sync
         self.collective = collective
+        self.adapters = adapters
+        """Whether the gradients are adapters' (added in micro-batch order: `sync.fold_rounds`)."""
         self.replicas = replicas
         self.limit = min(replicas or micro_batches, micro_batches)
         self.budget = budget
@@ -62,16 +65,22 @@ class Combiner:
         self.best: tuple[float, int, int] | None = None
         self.best_set: list[Pipe] | None = None
 
-    def sync_seconds(self, chosen: Sequence[Pipe]) -> float:
-        """Sync per step of a set of pipelines."""
+    def sync_seconds(self, chosen: Sequence[Pipe], shares: Sequence[int] | None = None) -> float:
+        """Sync per step of a set of pipelines given ``shares`` (None: a lower bound for any
+        shares)."""
         if len(chosen) < 2:
             return 0.0
         load = max(p.load for p in chosen)
         hop = top_two([p.latency for p in chosen])
-        return self._sync_seconds(len(chosen), load, hop)
+        rounds = (
+            0 if shares is None else fold_rounds(self.sync, self.collective, self.adapters, shares)
+        )
+        return self._sync_seconds(len(chosen), load, hop, rounds)
 
-    def _sync_seconds(self, pipelines: int, load: float, hop: float) -> float:
-        moved, latency = sync_seconds(self.sync, self.collective, pipelines, load, hop)
+    def _sync_seconds(self, pipelines: int, load: float, hop: float, rounds: int = 0) -> float:
+        moved, latency = sync_seconds(
+            self.sync, self.collective, pipelines, load, hop, rounds=rounds
+        )
         return (moved + latency) / self.sync.every
 
     def value(self, chosen: Sequence[Pipe]) -> float | None:
@@ -82,7 +91,7 @@ class Combiner:
         if min(shares) == 0:
             return None
         slowest = max((m + n - 1) * b for (n, b), m in zip(lanes, shares, strict=True))
-        return slowest + self.sync_seconds(chosen)
+        return slowest + self.sync_seconds(chosen, shares)
 
     def _wanted(self, size: int) -> bool:
         return size >= 2 and (self.replicas is None or size == self.replicas)

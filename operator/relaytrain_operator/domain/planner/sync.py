@@ -16,7 +16,15 @@ the pipelines' slowest one-way link latencies):
 * ``all-gather`` (the worker's ``relaytrain_worker.replicas.group.LinkGroup``): every holder
   sends its gradients to the holders of the same names in every other pipeline, all at
   once, and folds what it receives in pipeline order. A GPU moves (R - 1) x B_g each way;
-  one hop.
+  one hop. With adapters and ``synchronous`` sync the worker adds every micro-batch's
+  gradient in the global micro-batch order, so that any shares give single-process
+  training's bits (``relaytrain_worker.replicas.arithmetic``): a pipeline with more than
+  one micro-batch, other than the one leading the fold (pipeline 0, the largest share),
+  takes a *round* (``relaytrain_worker.replicas.star``): the leader sends it the sum so
+  far, it adds its terms and sends the sum back, one copy each way (the last round's sum is
+  that pipeline's result: nothing comes back). The rounds run one after another, two hops
+  each, and every round but the last costs the leader one more copy out (``fold_rounds``);
+  the shares are known once a set is chosen, and no round is a lower bound for any.
 * ``ring``: a reduce-scatter and an all-gather around a ring per layer: 2(R - 1)/R x B_g
   each way, 2(R - 1) hops. Cheaper in bytes, dearer in latency.
 
@@ -142,18 +150,35 @@ def top_two(values: Sequence[float]) -> float:
     return sum(ordered[:2])
 
 
+def fold_rounds(sync: Sync, collective: Collective, adapters: bool, shares: Sequence[int]) -> int:
+    """Rounds of an ``all-gather`` synchronisation (see the module doc) for pipelines given
+    ``shares`` micro-batches, the largest leading: with adapters and ``synchronous`` sync,
+    the other pipelines with more than one micro-batch; else none."""
+    if not (adapters and sync.mode == "synchronous" and collective == "all-gather"):
+        return 0
+    several = sum(1 for share in shares if share > 1)
+    return several - (1 if shares and max(shares) > 1 else 0)
+
+
 def sync_seconds(
-    sync: Sync, collective: Collective, pipelines: int, load: float, hop: float
+    sync: Sync,
+    collective: Collective,
+    pipelines: int,
+    load: float,
+    hop: float,
+    *,
+    rounds: int = 0,
 ) -> tuple[float, float]:
     """(bytes, latency) seconds of one synchronisation of ``pipelines`` (0 for one), where
-    ``load`` is max over GPUs of gradient bytes / bandwidth and ``hop`` one slowest send."""
+    ``load`` is max over GPUs of gradient bytes / bandwidth and ``hop`` one slowest send;
+    ``rounds``: of an ``all-gather`` (``fold_rounds``; see the module doc)."""
     r = pipelines
     if r <= 1:
         return 0.0, 0.0
     if collective == "ring":
         moved, latency = 2 * (r - 1) / r * load, 2 * (r - 1) * hop
     else:
-        moved, latency = (r - 1) * load, hop
+        moved, latency = (r - 1 + max(rounds - 1, 0)) * load, max(1, 2 * rounds) * hop
     if sync.mode == "synchronous":
         latency += hop  # the label-token counts, before the step's first forward
     return moved, latency
@@ -173,6 +198,8 @@ class SyncPrice:
     """max over GPUs of its gradient bytes / its bandwidth."""
     hop_latency_seconds: float
     """One send between the two slowest-to-reach pipelines."""
+    rounds: int = 0
+    """Rounds of the all-gather (``fold_rounds``)."""
 
     def _parts(self) -> tuple[float, float]:
         return sync_seconds(
@@ -181,6 +208,7 @@ class SyncPrice:
             self.pipelines,
             self.load_seconds,
             self.hop_latency_seconds,
+            rounds=self.rounds,
         )
 
     @property
