@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -60,6 +61,22 @@ def upload_dir(mc: Any, bucket: str, prefix: str, folder: Path) -> int:
     return count
 
 
+KEEP_RUNS = 4
+"""Earlier runs' working folders `make demo` keeps (their logs, curves and adapter)."""
+
+
+def prune_runs(root: Path, keep: int) -> list[Path]:
+    """Remove all but the `keep` newest run folders under `root` (named by their start
+    time, so by name is by age); returns what was removed, oldest first."""
+    if keep < 0:
+        raise ValueError(f"--keep-runs must be 0 or more, got {keep}")
+    runs = sorted(p for p in root.glob("*") if p.is_dir()) if root.is_dir() else []
+    old = runs[: max(len(runs) - keep, 0)]
+    for path in old:
+        shutil.rmtree(path)
+    return old
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
@@ -68,6 +85,12 @@ def main() -> int:
     parser.add_argument("--kill-at-step", type=int, default=12)
     parser.add_argument("--timeout", type=float, default=1500)
     parser.add_argument("--keep", action="store_true", help="leave cluster and MinIO running")
+    parser.add_argument(
+        "--keep-runs",
+        type=int,
+        default=KEEP_RUNS,
+        help=f"working folders of earlier runs to keep (default {KEEP_RUNS}; older ones go)",
+    )
     args = parser.parse_args()
     # A SIGTERM (a CI timeout, `kill`) unwinds like Ctrl-C, so everything started is stopped.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -77,6 +100,8 @@ def main() -> int:
     if not (model_dir / "config.json").exists():
         say(f"{model_dir} is missing: run `make deps` first")
         return 1
+    for old in prune_runs(cache / "demo", args.keep_runs):
+        say(f"Removed an earlier run's working folder: {old}")
     workdir = cache / "demo" / time.strftime("%Y%m%d-%H%M%S")
     workdir.mkdir(parents=True)
     say(f"Working folder: {workdir}")
@@ -119,6 +144,10 @@ def run(args: argparse.Namespace, model_dir: Path, workdir: Path, stack: list[An
     core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
 
     (workdir / "minio").mkdir()
+    # The store's data (the model, checkpoints: ~0.6 GB) goes once MinIO has stopped (the
+    # stack unwinds last first); the adapter was copied into the working folder
+    # (`try_adapter`), the logs and curves stay.
+    stack.append(lambda: shutil.rmtree(workdir / "minio", ignore_errors=True))
     minio_proc, minio = start_minio(workdir / "minio", workdir / "minio.log")
     stack.append(lambda: stop_minio(minio_proc))
     mc = minio.client()
