@@ -160,9 +160,25 @@ build_image() {
     -t "$(ref "$name")" "$repo"
 }
 
+# room: fails, saying how much is missing, unless the storage's file system has the space a
+# build needs: about 16 GiB from an empty storage (the worker image is 6.3 GB and its build
+# holds a working copy of its layers), 2 GiB when the images exist and only layers change.
+# IMAGES_MIN_FREE_GB overrides the figure.
+room() {
+  local need free
+  if podman image exists "$(ref worker)"; then need=${IMAGES_MIN_FREE_GB:-2}; else need=${IMAGES_MIN_FREE_GB:-16}; fi
+  free=$(df -B1G --output=avail "$store" | tail -1 | tr -d ' ')
+  if (( free < need )); then
+    echo "[images] $store has ${free} GiB free; building the images needs about ${need} GiB:" \
+         "free some space or set RELAYTRAIN_CACHE to a larger disk (IMAGES_MIN_FREE_GB overrides)" >&2
+    return 1
+  fi
+}
+
 build() {
   tools
   configure
+  room
   local base start
   base=$(base)
   for pair in operator:operator/Dockerfile worker:worker_image/Dockerfile; do

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 from packaging.markers import Marker
-from relaytrain_testkit.harness.containers import podman, require_image
+from relaytrain_testkit.harness.containers import images_sh, podman, require_image
 
 from hack import toolpaths
 
@@ -111,3 +111,12 @@ import importlib.metadata as m, json, re
 print(json.dumps({re.sub(r"[-_.]+", "-", d.metadata["Name"]).lower(): d.version
                   for d in m.distributions()}))
 """
+
+
+def test_a_build_without_room_stops_before_it_starts_and_says_how_much() -> None:
+    require_image("worker")  # built: the figure asked for is the rebuild's
+    done = images_sh("build", env={"IMAGES_MIN_FREE_GB": str(10**7)}, timeout=300)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "needs about 10000000 GiB" in done.stderr
+    assert "GiB free" in done.stderr and "RELAYTRAIN_CACHE" in done.stderr
+    assert "STEP" not in done.stdout  # buildah never started
