@@ -38,7 +38,8 @@ component_packages() {
   case $1 in
     etcd) echo go.etcd.io/etcd/server/v3 ;;
     kwok) echo sigs.k8s.io/kwok/cmd/kwok sigs.k8s.io/kwok/cmd/kwokctl ;;
-    kubernetes) printf 'k8s.io/kubernetes/cmd/%s ' kube-apiserver kube-controller-manager kube-scheduler kubectl ;;
+    # kubelet: the real node of tests/e2e/test_real_kubelet.py (harness/real_kubelet.py).
+    kubernetes) printf 'k8s.io/kubernetes/cmd/%s ' kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet ;;
     minio) echo github.com/minio/minio ;;
     helm) echo helm.sh/helm/v3/cmd/helm ;;
     kstatus) echo . ;;
@@ -117,6 +118,7 @@ component_version_checks() {
       echo "kube-apiserver|--version|Kubernetes $v"
       echo "kube-controller-manager|--version|Kubernetes $v"
       echo "kube-scheduler|--version|Kubernetes $v"
+      echo "kubelet|--version|Kubernetes $v"
       echo "kubectl|version --client|Client Version: $v"
       local minor=${v#v1.}
       echo "kubectl|version --client -o json|\"minor\": \"${minor%%.*}\"" ;;

@@ -82,7 +82,7 @@ tools() {
     fi
     run_step "container tools (apt)" apt_install "${missing[@]}"
   else
-    step_skip "container tools" "buildah, podman, runc, mmdebstrap, skopeo at their pins"
+    step_skip "container tools" "buildah, podman, runc, mmdebstrap, skopeo, containerd at their pins"
   fi
 }
 

@@ -14,6 +14,7 @@ _BINARIES = {
     "kube-controller-manager": ("KUBERNETES_VERSION", "kubernetes"),
     "kube-scheduler": ("KUBERNETES_VERSION", "kubernetes"),
     "kubectl": ("KUBERNETES_VERSION", "kubernetes"),
+    "kubelet": ("KUBERNETES_VERSION", "kubernetes"),
     "etcd": ("ETCD_VERSION", "etcd"),
     "kwok": ("KWOK_VERSION", "kwok"),
     "kwokctl": ("KWOK_VERSION", "kwok"),

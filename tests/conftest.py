@@ -24,6 +24,7 @@ pytest_plugins = [
     "relaytrain_testkit.harness.minio_fixture",
     "relaytrain_testkit.harness.kueue",
     "relaytrain_testkit.harness.registry",
+    "relaytrain_testkit.harness.real_kubelet",
 ]
 
 

@@ -33,6 +33,7 @@ def _kubernetes_folder(cache: Path, apiserver_says: str) -> Path:
     _fake_binary(folder, "kube-apiserver", apiserver_says)
     _fake_binary(folder, "kube-controller-manager", f"Kubernetes {v}")
     _fake_binary(folder, "kube-scheduler", f"Kubernetes {v}")
+    _fake_binary(folder, "kubelet", f"Kubernetes {v}")
     minor = v.split(".")[1]
     _fake_binary(folder, "kubectl", f'Client Version: {v}\n"minor": "{minor}"')
     return folder

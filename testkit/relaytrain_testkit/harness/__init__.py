@@ -12,6 +12,9 @@ one place.
   (or, for our images, as real containers: `containers`, podman and runc).
 - `registry`: a container registry on loopback (pytest plugin: `image_registry`) that images
   are pushed to and pulled from by digest.
+- `real_kubelet`: a real node (pytest plugin: `real_node`): containerd and the pinned kubelet
+  registered with the session's cluster as Node `real-0`, pulling from the session's registry;
+  needs root, and leaves the host as it found it.
 - `kubelet_volumes`: what a kubelet mounts (the ServiceAccount token from the TokenRequest API,
   the CA, the namespace), shown at the pod's mount path in a mount namespace of its own.
 - `probes`: a kubelet's startup, liveness and readiness probes.
