@@ -40,7 +40,22 @@ def _cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
+TIER_ORDER = ("unit", "contract", "k8s", "e2e")
+"""The order the tiers run in one session: the tiers without a cluster first, so that they
+run before the session's cluster, MinIO and registry exist (their processes' background
+load slowed the thread-heavy unit tests by up to 2x when they ran last), then the k8s and
+e2e tiers. Within a tier, the collection's order."""
+
+
+def _tier(item: pytest.Item) -> int:
+    for rank, tier in enumerate(TIER_ORDER):
+        if item.get_closest_marker(tier):
+            return rank
+    return len(TIER_ORDER)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    items.sort(key=_tier)  # stable: each tier keeps its files' and tests' order
     torch_files = {path for path in {item.path for item in items} if needs_torch(path)}
     for item in items:
         if item.path in torch_files:

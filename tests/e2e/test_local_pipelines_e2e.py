@@ -149,6 +149,22 @@ def test_two_pipelines_train_the_same_bits_as_one(
     ]  # fmt: skip
 
 
+def test_a_pipeline_that_adds_several_micro_batches_in_a_round_changes_no_bit(
+    workspace: Path, one_pipeline: list[float]
+) -> None:
+    import torch
+
+    # Shares 1:2: pipeline 1's stages hold two micro-batches' gradients apart and add them
+    # onto pipeline 0's sum in a round over their replica links (replicas/star.py), so the
+    # step's sum is one pipeline's, in the same order.
+    summary = _run(workspace, "rounds", 2, *PIPELINES, "--shares", "1,2")
+    assert [p["microBatches"] for p in summary["pipelines"]] == [1, 2]
+    assert [r["loss"] for r in _history(workspace, "rounds")] == one_pipeline
+    mine, reference = _adapter(workspace, "rounds"), _adapter(workspace, "one")
+    assert set(mine) == set(reference)
+    assert all(torch.equal(mine[name], reference[name]) for name in mine)
+
+
 def _metric_steps(workdir: Path, stages: list[tuple[int, int]]) -> dict[tuple[int, int], int]:
     """`relaytrain_step` of each of `stages` from its /metrics now (a stage that does not
     answer this poll is left out)."""

@@ -6,11 +6,10 @@ authenticated loopback links and the pipelines reduce through `InProcessGroup` (
 one variant, `LinkGroup` over authenticated loopback links between the stages that hold the
 same layers). Against single-process training of the whole global batch (AdamW, warm-up,
 cosine decay, weight decay, clipping by the global norm active): LoRA losses, gradients and
-weights bit for bit for any shares (2:1, 1:2, 1:1, 2:1:1; three pipelines of other splits
-3:2:1, 3:3:1, 4:1:1 and a membership that changes twice, over 200 steps); full training
-(tied embedding) within 1e-6; every pipeline's
-copy of every parameter torch.equal to the others' after every step. With a per-pipeline
-token count the same comparison fails.
+weights bit for bit for any shares (2:1, 1:2, 1:1, 2:1:1; and over three pipelines of 2, 3
+and 1 stages 3:2:1, 3:3:1, 4:1:1 and a membership that changes twice, for 200 steps); full
+training (tied embedding) within 1e-6; every pipeline's copy of every parameter torch.equal
+to the others' after every step. With a per-pipeline token count the same comparison fails.
 """
 
 from __future__ import annotations
@@ -143,8 +142,8 @@ def test_lora_two_pipelines_sharing_1_to_2_equal_single_process_bit_for_bit(
     _assert_replicas_equal(runs)
 
 
-THREE_SPLITS = [[(0, 1), (1, 4)], [(0, 3), (3, 4)], [(0, 1), (1, 2), (2, 4)]]
-"""Three pipelines of 2, 2 and 3 stages, each cut elsewhere (the tiny model ties its
+THREE_SPLITS = [[(0, 1), (1, 4)], [(0, 1), (1, 3), (3, 4)], [(0, 4)]]
+"""Three pipelines of 2, 3 and 1 stages, each cut elsewhere (the tiny model ties its
 embedding and head)."""
 LONG_RUN = 200
 LongRuns = Callable[[int], tuple[list[list[MicroBatch]], PipelineRun]]
