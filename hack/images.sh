@@ -63,11 +63,13 @@ CONF
 }
 
 tools() {
-  local spec pkg want have missing=()
+  local spec pkg want have status missing=()
   for spec in ${CONTAINER_TOOLS//,/ }; do
     pkg=${spec%%=*} want=${spec#*=}
-    have=$(dpkg-query -W -f '${Version}' "$pkg" 2>/dev/null || true)
-    if [[ -z $have ]]; then
+    # Installed means dpkg's "installed": a package removed but not purged ("config-files")
+    # still has a version, and no binaries.
+    read -r status have < <(dpkg-query -W -f '${db:Status-Status} ${Version}\n' "$pkg" 2>/dev/null || true)
+    if [[ $status != installed ]]; then
       missing+=("$spec")
     elif [[ $have != "$want" ]]; then
       echo "[images] $pkg $have is installed; the pin is $want (CONTAINER_TOOLS in hack/versions.env):" \
