@@ -145,8 +145,7 @@ def fold(parts: Sequence[torch.Tensor], *, terms: bool = False) -> torch.Tensor:
         raise ValueError("nothing to fold")
     if not terms:
         return prefix([part.unsqueeze(0) for part in parts])[0]
-    acc = prefix(parts)
-    return acc[0] if len(acc) else acc.new_zeros(acc.shape[1:])
+    return value_of(prefix(parts))
 
 
 def prefix(stacks: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -162,6 +161,11 @@ def prefix(stacks: Sequence[torch.Tensor]) -> torch.Tensor:
     for row in rows[1:]:
         acc.add_(row)
     return acc.unsqueeze(0)
+
+
+def value_of(stack: torch.Tensor) -> torch.Tensor:
+    """The value of a sum so far (`prefix`): its one term, or zeros when it has none."""
+    return stack[0] if len(stack) else stack.new_zeros(stack.shape[1:])
 
 
 def reduce_sum(

@@ -35,7 +35,7 @@ from relaytrain_worker.pipeline.linkauth import LinkBroken
 from relaytrain_worker.pipeline.peers import LinkLike
 from relaytrain_worker.pipeline.stats import TERMS
 from relaytrain_worker.pipeline.transport import Frame
-from relaytrain_worker.replicas.arithmetic import Slice, fold, prefix
+from relaytrain_worker.replicas.arithmetic import Slice, fold, prefix, value_of
 from relaytrain_worker.replicas.port import ReplicaPort
 
 log = logging.getLogger("relaytrain.replicas")
@@ -147,7 +147,8 @@ class StarExchange:
                     if frame is not None:
                         done.update({n: t for n, t in frame.tensors.items() if n in mine})
                         if frame.meta.get("own") and peer in sums:  # the sum sent was the last
-                            done.update({n: _row(t) for n, t in sums[peer].items() if n in mine})
+                            own = sums[peer].items()
+                            done.update({n: value_of(t) for n, t in own if n in mine})
                 if all(n in done for n in mine):
                     break
             self._settle(key, done)
@@ -298,7 +299,7 @@ class StarExchange:
                     last.update(dict.fromkeys(got, peer))
                     answered.append(peer)
         result = dict(have)
-        result.update({name: _row(stack) for name, stack in acc.items()})
+        result.update({name: value_of(stack) for name, stack in acc.items()})
         for peer in [p for p in givers if p in answered]:  # in the ports' order, as `_lead`
             names = {n: result[n] for n in sorted(result) if self._peers[peer].holds(n)}
             if names and all(last.get(n) == peer for n in names):
@@ -380,8 +381,3 @@ class StarExchange:
             raise TimeoutError(f"the other pipelines gave nothing for {key[0]} of step {key[1]}")
         if self.closed:
             raise LinkBroken("the replica links were closed")
-
-
-def _row(stack: torch.Tensor) -> torch.Tensor:
-    """The value of a sum so far (`prefix`): its one term, or zeros when it has none."""
-    return stack[0] if len(stack) else stack.new_zeros(stack.shape[1:])
