@@ -37,6 +37,7 @@ from relaytrain_testkit.harness.operator_env import (
     diagnostics,
     operator_env,
     stage_pods,
+    stored_json,
     tiny_job,
 )
 from relaytrain_testkit.harness.rbac_audit import (
@@ -246,10 +247,14 @@ def test_kueue_admits_waits_preempts_and_resumes(env: dict[str, Any], kube_clust
         assert core.list_namespaced_pod(ns, label_selector=f"relaytrain.io/job={low}").items == []
         assert wl_condition(low, "QuotaReserved").get("status") == "False"
         assert wl_condition(low, "Evicted").get("reason") == "Preempted"
-        stopped_at = watcher.latest().get("step") or 0
+        # The stopped run's last record, once the watcher has it too (its pods are gone, so
+        # the record no longer changes until the resume).
+        mc, bucket = e["minio"].client(), e["minio"].bucket
+        final = stored_json(mc, bucket, f"ckpt/{ns}/{low}/progress.json")
+        wait_for("the watcher at the stopped run's last record", lambda: watcher.latest() == final)
+        stopped_at = final.get("step") or 0
         # The newest commit made before the preemption, as the store has it (progress.json
         # can lag it by one: a committer stopped between its commit and its record).
-        mc, bucket = e["minio"].client(), e["minio"].bucket
         last_commit = max(
             int(found.group(1))
             for o in mc.list_objects(bucket, f"ckpt/{ns}/{low}/", recursive=True)
@@ -320,7 +325,9 @@ def test_kueue_admits_waits_preempts_and_resumes(env: dict[str, Any], kube_clust
         at_stop = max(
             i for i, (_, doc) in enumerate(watcher.history) if doc.get("step") == stopped_at
         )
-        later = [doc.get("step") or 0 for _, doc in watcher.history[at_stop:]]
+        # What came after the record read at the preemption (that record itself can lag the
+        # newest commit by one, as above).
+        later = [doc.get("step") or 0 for _, doc in watcher.history[at_stop + 1 :]]
         assert min(later) >= last_commit and max(later) == STEPS, (later, last_commit)
         # The chart's Kueue grants are exactly the Kueue calls its operator made.
         release = e["release"]
