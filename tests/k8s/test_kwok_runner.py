@@ -140,6 +140,83 @@ def test_a_missing_secret_holds_the_container_as_a_kubelet_does_until_it_exists(
     wait_for("the container started once the Secret exists", running)
 
 
+_READS_LINK = """
+import os, time
+d = "/var/run/relaytrain/link"
+def read(name):
+    with open(os.path.join(d, name)) as f:
+        return f.read()
+first = read("tls.crt")
+names = sorted(n for n in os.listdir(d) if not n.startswith(".."))
+mode = oct(os.stat(os.path.join(d, "tls.key")).st_mode & 0o777)
+print("first", first, names, mode, os.readlink(os.path.join(d, "..data"))[:4], flush=True)
+while read("tls.crt") == first:
+    time.sleep(0.1)
+print("then", read("tls.crt"), read("tls.key"), flush=True)
+"""
+
+
+def test_a_secret_volume_is_mounted_when_its_secret_exists_and_follows_its_updates(
+    ns: Any, runner: KwokProcessRunner, tmp_path: Path
+) -> None:
+    """A stage pod's link credentials as the operator mounts them: held (FailedMount) while
+    the Secret is missing, then the files inside the running container, then a renewal
+    read by the same process."""
+    core, namespace = ns
+    manifest = pod("linked", _READS_LINK, [])
+    manifest["spec"]["volumes"] = [
+        {
+            "name": "link",
+            "secret": {
+                "secretName": "job-link",
+                "defaultMode": 0o440,
+                "items": [
+                    {"key": "ca.crt", "path": "ca.crt"},
+                    {"key": "p0-s1.crt", "path": "tls.crt"},
+                    {"key": "p0-s1.key", "path": "tls.key"},
+                ],
+            },
+        }
+    ]
+    manifest["spec"]["containers"][0]["volumeMounts"] = [
+        {"name": "link", "mountPath": "/var/run/relaytrain/link", "readOnly": True}
+    ]
+    core.create_namespaced_pod(namespace, manifest)
+
+    def waiting() -> Any:
+        p = core.read_namespaced_pod("linked", namespace)
+        statuses = p.status.container_statuses or []
+        return p.status.phase == "Pending" and statuses and statuses[0].state.waiting
+
+    held = wait_for("the container held", waiting)
+    said = 'MountVolume.SetUp failed for volume "link" : secret "job-link" not found'
+    assert (held.reason, held.message) == ("ContainerCreating", said)
+    events = core.list_namespaced_event(namespace).items
+    warnings = [e for e in events if e.involved_object.name == "linked" and e.type == "Warning"]
+    assert [(e.reason, e.message) for e in warnings] == [("FailedMount", said)]
+    data = {"ca.crt": "CA", "p0-s1.crt": "CRT1", "p0-s1.key": "KEY1", "p1-s0.key": "NOT MINE"}
+    core.create_namespaced_secret(namespace, {"metadata": {"name": "job-link"}, "stringData": data})
+    local = wait_for("the process to start", lambda: runner.local_pod(namespace, "linked"))
+
+    def log_says(word: str) -> Any:
+        text = local.log_path.read_text()
+        return next((line for line in text.splitlines() if line.startswith(word)), None)
+
+    first = wait_for("the process to read its volume", lambda: log_says("first "))
+    assert first == "first CRT1 ['ca.crt', 'tls.crt', 'tls.key'] 0o440 ..20"
+    core.patch_namespaced_secret(
+        "job-link", namespace, {"stringData": {"p0-s1.crt": "CRT2", "p0-s1.key": "KEY2"}}
+    )
+    assert wait_for("the renewal to reach the process", lambda: log_says("then ")) == (
+        "then CRT2 KEY2"
+    )
+
+    def succeeded() -> Any:
+        return core.read_namespaced_pod("linked", namespace).status.phase == "Succeeded"
+
+    wait_for("the pod to be reported Succeeded", succeeded)
+
+
 def test_deleting_the_pod_kills_its_process(
     ns: Any, runner: KwokProcessRunner, tmp_path: Path
 ) -> None:

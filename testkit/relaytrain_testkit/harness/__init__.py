@@ -16,7 +16,8 @@ one place.
   registered with the session's cluster as Node `real-0`, pulling from the session's registry;
   needs root, and leaves the host as it found it.
 - `kubelet_volumes`: what a kubelet mounts (the ServiceAccount token from the TokenRequest API,
-  the CA, the namespace), shown at the pod's mount path in a mount namespace of its own.
+  the CA, the namespace; Secret volumes, written and updated as its atomic writer does),
+  shown at the pod's mount path in a mount namespace of its own.
 - `probes`: a kubelet's startup, liveness and readiness probes.
 - `chart_install`: `helm install` of charts/relaytrain, its operator pod run by the runner as
   the chart's ServiceAccount (and a post-renderer that drops one grant).

@@ -18,10 +18,16 @@ part for pods that carry the label `relaytrain.io/job`:
   or, under `FallbackToLogsOnError` after a failure with none, the end of its log); a pod
   that is deleted has its process killed;
 - every container gets what a kubelet gives it: `KUBERNETES_SERVICE_HOST/PORT` (here the
-  real API server on loopback) and its projected volumes — the ServiceAccount token from
-  the TokenRequest API, the cluster CA, the namespace — mounted where the pod says, in a
-  mount namespace of its own (harness/kubelet_volumes.py). A pod that does not opt
-  out of the token therefore authenticates as its ServiceAccount, and as nothing else.
+  real API server on loopback), its projected volumes — the ServiceAccount token from
+  the TokenRequest API, the cluster CA, the namespace — and its Secret volumes (in the
+  kubelet's atomic-writer layout), mounted where the pod says, in a mount namespace of its
+  own (harness/kubelet_volumes.py). A pod that does not opt out of the token therefore
+  authenticates as its ServiceAccount, and as nothing else. While the container runs, its
+  Secret volumes follow their Secrets (read again about once a second; a change is swapped
+  in atomically, as a kubelet does it) and its tokens are renewed before they expire. A
+  Secret volume that cannot be set up (its Secret, or a key `items` names, is missing)
+  holds the container as a kubelet does: Waiting (ContainerCreating) with a `FailedMount`
+  Event, until it can.
 
 A pod whose containers restart (`restartPolicy` Always or OnFailure: a Deployment's, such
 as the operator's as the chart installs it) is the runner's from the moment it is bound:
@@ -68,15 +74,18 @@ from relaytrain_testkit.harness import containers
 from relaytrain_testkit.harness.containers import ContainerConfigError
 from relaytrain_testkit.harness.kubelet_volumes import (
     IssuedToken,
+    MountError,
     in_mount_namespace,
     pod_field,
     project_volumes,
+    refresh_secret_volumes,
 )
 from relaytrain_testkit.harness.ports import free_port
 from relaytrain_testkit.harness.probes import ProbeLoop, probe_spec
 
 JOB_LABEL = "relaytrain.io/job"
 RESTARTING = ("Always", "OnFailure")
+SECRET_SYNC_SECONDS = 1.0  # how often a running container's Secret volumes are read again
 _SVC_ADDRESS = re.compile(r"^[a-z0-9.-]+\.svc(\.cluster\.local)?:\d+$")
 
 
@@ -102,6 +111,10 @@ class LocalPod:
     probes: list[ProbeLoop] = field(default_factory=list)
     tokens: list[IssuedToken] = field(default_factory=list)
     tokens_at: float = field(default_factory=time.monotonic)
+    secrets_at: float = field(default_factory=time.monotonic)
+    """When its Secret volumes were last brought up to date."""
+    mount_error: str | None = None
+    """Why its Secret volumes could not be brought up to date last time, if they could not."""
     container: str | None = None
     """The podman container it runs in (harness/containers.py); None: a local process."""
     _pid: int | None = None
@@ -240,6 +253,8 @@ class KwokProcessRunner:
                 self._try_start(pod)
             elif local is not None and local.process.poll() is not None:
                 self._finish(pod, local)
+            elif local is not None:
+                self._refresh_volumes(pod, local)
         with self._lock:
             gone = [p for uid, p in self.pods.items() if uid not in seen]
         for local in gone:
@@ -254,10 +269,15 @@ class KwokProcessRunner:
                 return
             if waiting is not None and time.monotonic() < waiting.not_before:
                 return
-            self._restarts.pop(uid, None)
-            if waiting is None:
+            if waiting is None and uid not in self.config_errors:
                 self._claim(pod)
-            local = self._start(pod, restarts=waiting.count if waiting else 0)
+            try:
+                local = self._start(pod, restarts=waiting.count if waiting else 0)
+            except (ContainerConfigError, MountError) as exc:
+                self._hold(pod, exc)
+                return
+            self._restarts.pop(uid, None)
+            self.config_errors.pop(uid, None)
             local.last_state = waiting.last_state if waiting else {}
             self._post_running(pod, local, first=True)
             # A startup probe holds the others off until it passes, as a kubelet's does.
@@ -278,31 +298,62 @@ class KwokProcessRunner:
             self._restarts[uid] = _Restart(
                 local.restarts + 1, time.monotonic() + delay, {"terminated": ended}
             )
-        elif local.tokens and time.monotonic() - local.tokens_at > 0.8 * min(
+        else:
+            self._refresh_volumes(pod, local)
+
+    def _refresh_volumes(self, pod: Any, local: LocalPod) -> None:
+        """What a kubelet keeps up to date in a running container's volumes: its Secret
+        volumes follow their Secrets (rewritten only when the files would change), its
+        projected tokens are renewed at 80% of their life. A Secret volume that cannot be
+        brought up to date keeps its files and gets one `FailedMount` Event per reason."""
+        now = time.monotonic()
+        renew = bool(local.tokens) and now - local.tokens_at > 0.8 * min(
             t.seconds for t in local.tokens
-        ):
-            # Refreshed in place before they expire, as a kubelet does (at 80% of their life).
-            project_volumes(self.core, pod, pod.spec.containers[0], _pod_dir(self.workdir, pod))
-            local.tokens_at = time.monotonic()
+        )
+        if not renew and now - local.secrets_at < SECRET_SYNC_SECONDS:
+            return
+        container, root = pod.spec.containers[0], _pod_dir(self.workdir, pod)
+        try:
+            if renew:
+                project_volumes(self.core, pod, container, root)
+                local.tokens_at = now
+            refresh_secret_volumes(self.core, pod, container, root)
+        except MountError as exc:
+            if local.mount_error != str(exc):
+                self._event(pod, "Warning", exc.event_reason, str(exc))
+            local.mount_error = str(exc)
+        else:
+            local.mount_error = None
+        local.secrets_at = now
 
     def _try_start(self, pod: Any) -> None:
-        """Start a stage pod's container, or, while its configuration cannot be resolved,
-        hold it as a kubelet does: Pending, the container Waiting with reason
-        CreateContainerConfigError and the kubelet's message, one `Failed` Warning Event,
+        """Start a stage pod's container, or, while it cannot start, hold it (`_hold`),
         tried again on every pass until the Secret appears."""
         uid = pod.metadata.uid
         try:
             local = self._start(pod)
-        except ContainerConfigError as exc:
-            if self.config_errors.get(uid) != str(exc):
-                self.config_errors[uid] = str(exc)
-                self._claim(pod)
-                self._post_waiting(pod, exc.reason, str(exc))
-                self._event(pod, "Warning", "Failed", f"Error: {exc}")
+        except (ContainerConfigError, MountError) as exc:
+            self._hold(pod, exc)
             return
         if self.config_errors.pop(uid, None) is not None:
             local.ready = True  # no probe runs for such pods; kwok would have said Ready
             self._post_running(pod, local, first=True)
+
+    def _hold(self, pod: Any, exc: ContainerConfigError | MountError) -> None:
+        """A container that cannot start, held as a kubelet holds it: Pending, the container
+        Waiting with the kubelet's reason and message, one Warning Event per message — a
+        missing Secret or key of the environment is CreateContainerConfigError and `Failed`,
+        one of a Secret volume ContainerCreating and `FailedMount`."""
+        uid = pod.metadata.uid
+        if self.config_errors.get(uid) == str(exc):
+            return
+        self.config_errors[uid] = str(exc)
+        self._claim(pod)
+        self._post_waiting(pod, exc.reason, str(exc))
+        if isinstance(exc, MountError):
+            self._event(pod, "Warning", exc.event_reason, str(exc))
+        else:
+            self._event(pod, "Warning", "Failed", f"Error: {exc}")
 
     def _post_waiting(self, pod: Any, reason: str, message: str) -> None:
         container = pod.spec.containers[0]
