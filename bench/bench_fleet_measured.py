@@ -71,7 +71,7 @@ from relaytrain_operator.domain.planner import (  # noqa: E402
 from relaytrain_testkit.inputs import random_batches  # noqa: E402
 from relaytrain_testkit.pipelines import run_data_parallel_threads, run_pipeline_threads  # noqa: E402
 from relaytrain_testkit.tiny_models import tiny_model_dir  # noqa: E402
-from relaytrain_worker.pipeline.linkauth import LinkCredentials  # noqa: E402
+from relaytrain_worker.pipeline.credentials import LinkCredentials  # noqa: E402
 from relaytrain_worker.state.data import MicroBatch  # noqa: E402
 
 MBIT = 1e6 / 8

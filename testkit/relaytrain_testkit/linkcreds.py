@@ -6,7 +6,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 from relaytrain_operator.domain.linkcerts import mint_link_credentials, stage_pem
-from relaytrain_worker.pipeline.linkauth import LinkCredentials
+from relaytrain_worker.pipeline.credentials import LinkCredentials
 
 
 def stage_credentials(

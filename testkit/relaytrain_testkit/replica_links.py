@@ -11,7 +11,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from relaytrain_operator.domain.linkcerts import mint_link_credentials, stage_pem
-from relaytrain_worker.pipeline.linkauth import LinkCredentials
+from relaytrain_worker.pipeline.credentials import LinkCredentials
 from relaytrain_worker.pipeline.transport import Link, connect, listen
 from relaytrain_worker.replicas.arithmetic import segment_peers
 from relaytrain_worker.replicas.group import LinkGroup

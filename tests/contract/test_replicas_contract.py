@@ -25,7 +25,7 @@ from relaytrain_operator.domain.stage_config import (
 from relaytrain_operator.spec import parse_job
 from relaytrain_testkit.harness.ports import free_port
 from relaytrain_testkit.jobs import Job
-from relaytrain_worker.pipeline.linkauth import LinkCredentials
+from relaytrain_worker.pipeline.credentials import LinkCredentials
 from relaytrain_worker.pipeline.transport import Link
 from relaytrain_worker.replicas.arithmetic import Slice, segment_peers
 from relaytrain_worker.replicas.links import ReplicaLinks, peer_slices

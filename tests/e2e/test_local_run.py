@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from relaytrain_contract.names import LINK_CA_ENV, LINK_CERT_ENV, LINK_KEY_ENV
+from relaytrain_contract.names import LINK_CA_FILE
+from relaytrain_operator.cli.local_run.stages import write_link_folder
 from relaytrain_operator.domain.linkcerts import mint_link_credentials, stage_pem
 from relaytrain_testkit.jobs import Job
 from relaytrain_testkit.local_jobs import (
@@ -192,17 +193,22 @@ def test_a_stage_with_another_jobs_certificate_is_refused(workspace: Path) -> No
     run = LocalRun.prepare(parse_job(manifest), workspace / "wd-intruded", None)
     other = LocalRun.prepare(parse_job(manifest), workspace / "wd-intruder", None)
     run.write_stage_files()
-    assert run.stages[0].link_env != other.stages[0].link_env
+    other.write_stage_files()
+    ours, theirs = run.stages[0].link_dir, other.stages[0].link_dir
+    assert ours is not None and theirs is not None
+    assert (ours / LINK_CA_FILE).read_text() != (theirs / LINK_CA_FILE).read_text()
+    # This run's stage 0 (its ports, its identity), holding the other run's credentials.
+    links = {**run.documents[0]["links"], "credentialsDir": str(theirs)}
+    intruder_doc = workspace / "wd-intruder" / "intruder.json"
+    intruder_doc.write_text(json.dumps({**run.documents[0], "links": links}))
     cmd = [sys.executable, "-m", "relaytrain_worker", "--config"]
     listener = subprocess.Popen(
-        [*cmd, str(run.stages[1].config_path)],
-        env={**run_env(), **run.stages[1].link_env},
+        [*cmd, str(run.stages[1].config_path)], env=run_env(),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     try:
         intruder = subprocess.run(
-            [*cmd, str(run.stages[0].config_path)],
-            env={**run_env(), **other.stages[0].link_env},
+            [*cmd, str(intruder_doc)], env=run_env(),
             capture_output=True, text=True, timeout=300, check=False,
         )  # fmt: skip
         assert intruder.returncode == 4, intruder.stderr
@@ -213,6 +219,8 @@ def test_a_stage_with_another_jobs_certificate_is_refused(workspace: Path) -> No
     finally:
         listener.kill()
         out = listener.communicate()[0]
+        run.remove_credentials()
+        other.remove_credentials()
     assert "Refused link" in out and "refused this stage's certificate" in out
     assert not (workspace / "ckpt" / "default" / "intruded").exists()  # nothing half-written
 
@@ -281,14 +289,20 @@ def test_a_stage_restarted_after_the_final_commit_finishes_without_its_peers(
     losses = _losses(workspace / "ckpt", "end")
 
     pki = mint_link_credentials("default", "end", [2], now=datetime.now(UTC))
+    alone = workspace / "end-alone"
+    alone.mkdir()
 
     def stage_alone(k: int) -> str:
-        doc = workdir / "stages" / f"stage-{k}.json"
-        cmd = [sys.executable, "-m", "relaytrain_worker", "--config", str(doc)]
-        cert, key, ca = stage_pem(pki, 0, k)
-        env = {**run_env(), LINK_CERT_ENV: cert, LINK_KEY_ENV: key, LINK_CA_ENV: ca}
+        doc = json.loads((workdir / "stages" / f"stage-{k}.json").read_text())
+        # The run removed its stages' keys when it ended; this stage gets fresh ones.
+        assert not Path(doc["links"]["credentialsDir"]).exists()
+        folder, path = alone / f"stage-{k}", alone / f"stage-{k}.json"
+        write_link_folder(folder, stage_pem(pki, 0, k))
+        doc["links"]["credentialsDir"] = str(folder)
+        path.write_text(json.dumps(doc))
+        cmd = [sys.executable, "-m", "relaytrain_worker", "--config", str(path)]
         done = subprocess.run(
-            cmd, env=env, capture_output=True, text=True, timeout=180, check=False
+            cmd, env=run_env(), capture_output=True, text=True, timeout=180, check=False
         )
         assert done.returncode == 0, done.stdout + done.stderr
         return done.stdout + done.stderr

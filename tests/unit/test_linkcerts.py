@@ -18,7 +18,7 @@ from relaytrain_operator.domain.linkcerts import (
     key_file,
     mint_link_credentials,
 )
-from relaytrain_operator.domain.stage_config import LINK_CA_ENV, LINK_CERT_ENV, LINK_KEY_ENV
+from relaytrain_operator.domain.stage_config import LINK_CREDENTIALS_DIR
 from relaytrain_operator.spec import parse_job
 from relaytrain_testkit.jobs import Job
 from relaytrain_testkit.shapes import SMOLLM2_135M_CONFIG
@@ -137,7 +137,7 @@ def test_bad_inputs_are_refused(stages: list[int], now: datetime, message: str) 
         mint_link_credentials("team-a", "smol", stages, now=now)
 
 
-def test_a_local_run_hands_each_stage_its_own_credentials_and_writes_no_key(
+def test_a_local_run_hands_each_stage_its_own_private_credentials_folder_and_removes_it(
     tmp_path: Path,
 ) -> None:
     model = tmp_path / "model"
@@ -147,16 +147,76 @@ def test_a_local_run_hands_each_stage_its_own_credentials_and_writes_no_key(
     job = Job("local-tls").model(str(model)).pipeline(stages=3).checkpoint(str(tmp_path / "ckpt"))
     run = LocalRun.prepare(parse_job(job.build()), tmp_path / "wd", None)
     assert not (tmp_path / "wd").exists()  # preparing writes nothing
+    assert all(d["links"]["credentialsDir"] == LINK_CREDENTIALS_DIR for d in run.documents)
     run.write_stage_files()
-    cas = {s.link_env[LINK_CA_ENV] for s in run.stages}
-    assert len(cas) == 1  # one CA for the run
-    for stage, doc in zip(run.stages, run.documents, strict=True):
-        cert = _cert(stage.link_env[LINK_CERT_ENV])
-        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-        assert san.get_values_for_type(x509.UniformResourceIdentifier) == [doc["links"]["identity"]]
-        key = serialization.load_pem_private_key(stage.link_env[LINK_KEY_ENV].encode(), None)
-        assert isinstance(key, ec.EllipticCurvePrivateKey)
-        assert key.public_key() == cert.public_key()
-    assert len({s.link_env[LINK_KEY_ENV] for s in run.stages}) == 3
-    written = [p.read_text() for p in (tmp_path / "wd").rglob("*") if p.is_file()]
-    assert written and not any("PRIVATE KEY" in text for text in written)
+    try:
+        folders = [s.link_dir for s in run.stages]
+        cas = set()
+        for stage, folder in zip(run.stages, folders, strict=True):
+            assert folder is not None and (folder.stat().st_mode & 0o777) == 0o700
+            assert not folder.is_relative_to(tmp_path / "wd")  # never in the run's directory
+            # As a kubelet shows a mounted Secret: the names through `..data`, one set.
+            files = {p.name: p for p in folder.iterdir() if not p.name.startswith("..")}
+            assert sorted(files) == ["ca.crt", "tls.crt", "tls.key"]
+            assert (folder / "..data").is_symlink()
+            assert all((p.stat().st_mode & 0o777) == 0o600 for p in files.values())
+            doc = json.loads(stage.config_path.read_text())
+            assert doc["links"]["credentialsDir"] == str(folder)  # what the stage reads
+            cert = _cert(files["tls.crt"].read_text())
+            san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+            identity = doc["links"]["identity"]
+            assert san.get_values_for_type(x509.UniformResourceIdentifier) == [identity]
+            key = serialization.load_pem_private_key(files["tls.key"].read_bytes(), None)
+            assert isinstance(key, ec.EllipticCurvePrivateKey)
+            assert key.public_key() == cert.public_key()
+            cas.add(files["ca.crt"].read_text())
+        assert len(cas) == 1  # one CA for the run
+        assert len({(f / "tls.key").read_text() for f in folders if f is not None}) == 3
+        written = [p.read_text() for p in (tmp_path / "wd").rglob("*") if p.is_file()]
+        assert written and not any("PRIVATE KEY" in text for text in written)
+    finally:
+        run.remove_credentials()
+    # The keys are gone with the run (`supervise` removes them when its stages are gone).
+    assert not any(f is not None and f.exists() for f in folders)
+    assert all(s.link_dir is None for s in run.stages)
+
+
+def test_a_local_run_renews_its_certificates_in_every_stage_folder_as_the_operator_does(
+    tmp_path: Path,
+) -> None:
+    """`relaytrain run --local` for longer than its certificates last: the supervisor takes
+    the operator's three phases on every stage's folder at once, and a stage that reads
+    its folder again links with the new certificates."""
+    from relaytrain_operator.cli.local_run.supervisor import LOCAL_PROPAGATION
+    from relaytrain_worker.pipeline.credentials import LinkCredentials
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({**SMOLLM2_135M_CONFIG, "num_hidden_layers": 4}))
+    job = (
+        Job("local-renew").model(str(model)).pipeline(stages=2)
+        .checkpoint(str(tmp_path / "ckpt")).link_certificates(lifetime_seconds=3600)
+    )  # fmt: skip
+    run = LocalRun.prepare(parse_job(job.build()), tmp_path / "wd", None)
+    run.write_stage_files()
+    try:
+        folder = run.stages[1].link_dir
+        assert folder is not None
+        stage1 = LinkCredentials.from_folder(folder)
+        first = stage1.not_after
+        start = first - timedelta(hours=1)  # when the run minted them
+        assert run.renew_links(start + timedelta(minutes=30)) is None  # not yet (67%)
+        due = start + timedelta(hours=1) * 0.67
+        messages = [run.renew_links(due + k * LOCAL_PROPAGATION) for k in range(3)]
+        assert messages[:2] == [None, None] and "generation 1" in str(messages[2])
+        stage1.contexts()  # what a stage does before its next link
+        assert stage1.not_after > first
+        ca = (folder / "ca.crt").read_text()
+        assert [
+            c.subject.rfc4514_string() for c in x509.load_pem_x509_certificates(ca.encode())
+        ] == ["CN=relaytrain link CA g1"]
+        # One set shows at a time: the earlier ones are gone from the folder.
+        sets = [p for p in folder.iterdir() if p.is_dir() and not p.is_symlink()]
+        assert len(sets) == 1 and (folder / "..data").resolve() == sets[0]
+    finally:
+        run.remove_credentials()

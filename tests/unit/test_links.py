@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import shutil
 import signal
 import socket
+import ssl
 import struct
 import subprocess
 import sys
@@ -18,12 +21,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from relaytrain_operator.domain.linkcerts import mint_link_credentials, stage_pem
+from cryptography import x509
+from relaytrain_contract import LINK_CA_FILE, LINK_CERT_FILE, LINK_KEY_FILE
+from relaytrain_operator.domain.linkcerts import StagePem, mint_link_credentials, stage_pem
 from relaytrain_testkit.harness.ports import free_port
 from relaytrain_testkit.harness.waiting import running, wait_for
 from relaytrain_testkit.linkcreds import stage_credentials
 from relaytrain_worker.pipeline.transport import (
     AuthError,
+    CertificateRefused,
     Frame,
     FrameRejected,
     Link,
@@ -72,10 +78,10 @@ def _in_thread(fn: Callable[[], object]) -> tuple[threading.Thread, dict[str, ob
     return t, out
 
 
-def _pair(lst: Listener) -> tuple[Link, Link]:
+def _pair(lst: Listener, creds: LinkCredentials = CREDS[0]) -> tuple[Link, Link]:
     """(upstream link of stage 0, downstream link of stage 1)."""
     t, out = _in_thread(lambda: lst.accept(timeout=10))
-    up = _connect(_addr(lst))
+    up = _connect(_addr(lst), creds)
     t.join(10)
     down = out["value"]
     assert isinstance(down, Link)
@@ -176,8 +182,8 @@ def test_a_stage_of_another_job_is_refused_naming_what_was_expected(
     other = stage_credentials(3, namespace=NS, job="other-job")
     t, out = _in_thread(lambda: listener.accept(timeout=10))
     with caplog.at_level(logging.WARNING, logger="relaytrain.links"):
-        with pytest.raises(AuthError) as refused:
-            _connect(_addr(listener), other[0])
+        with pytest.raises(CertificateRefused) as refused:
+            _connect(_addr(listener), other[0], retry_for=0)  # one try (see the retry below)
         # The listener keeps waiting and accepts the right peer afterwards.
         good = _connect(_addr(listener))
         t.join(10)
@@ -197,8 +203,8 @@ def test_a_listener_of_another_job_never_gets_a_frame() -> None:
     impostor_creds = stage_credentials(3, namespace=NS, job=JOB)  # same names, another CA
     with listen("127.0.0.1:0", credentials=impostor_creds[1], expect=S0) as impostor:
         out = _no_link_within(impostor, 2)
-        with pytest.raises(AuthError, match=f"does not verify against .*expected {S1}"):
-            _connect(_addr(impostor))
+        with pytest.raises(CertificateRefused, match=f"does not verify against .*expected {S1}"):
+            _connect(_addr(impostor), retry_for=0)
         out["thread"].join(10)  # type: ignore[attr-defined]
     assert isinstance(out.get("error"), TimeoutError)  # it never got a link
 
@@ -230,8 +236,8 @@ def test_an_expired_certificate_is_refused() -> None:
     old = stage_credentials(2, namespace=NS, job=JOB, now=datetime.now(UTC) - timedelta(days=40))
     with listen("127.0.0.1:0", credentials=old[1], expect=S0) as lst:
         out = _no_link_within(lst, 2)
-        with pytest.raises(AuthError, match="certificate has expired"):
-            _connect(_addr(lst), old[0])
+        with pytest.raises(CertificateRefused, match="certificate has expired"):
+            _connect(_addr(lst), old[0], retry_for=0)
         out["thread"].join(10)  # type: ignore[attr-defined]
     with pytest.raises(AuthError, match="expired at"):
         old[0].check_valid()
@@ -395,26 +401,21 @@ def test_a_killed_peer_process_raises_link_broken_promptly(
     listener: Listener, tmp_path: Path
 ) -> None:
     script = tmp_path / "peer.py"
+    folder = tmp_path / "creds"
+    _write_folder(folder, stage_pem(FILES, 0, 0))
     script.write_text(
         textwrap.dedent(
             f"""
             import os, time, torch
             from relaytrain_worker.pipeline.transport import Frame, LinkCredentials, connect
-            creds = LinkCredentials.from_env("CERT", "KEY", "CA")
+            creds = LinkCredentials.from_folder({str(folder)!r})
             link = connect({_addr(listener)!r}, credentials=creds, expect={S1!r})
             link.send(Frame("activation", 0, 0, {{"h": torch.ones(4)}}))
             time.sleep(60)
             """
         )
     )
-    cert, key, ca = stage_pem(FILES, 0, 0)
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(["worker_image", *sys.path]),
-        "CERT": cert,
-        "KEY": key,
-        "CA": ca,
-    }
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(["worker_image", *sys.path])}
     peer = subprocess.Popen([sys.executable, str(script)], env=env)
     try:
         down = listener.accept(timeout=60)
@@ -461,18 +462,26 @@ def test_recv_timeout_leaves_the_link_usable(listener: Listener) -> None:
         assert down.recv(timeout=5).step == 4
 
 
-def test_credentials_that_do_not_fit_are_refused_before_anything_is_sent() -> None:
+def test_credentials_that_do_not_fit_are_refused_before_anything_is_sent(
+    tmp_path: Path,
+) -> None:
     cert0, _, ca = stage_pem(FILES, 0, 0)
     _, key1, _ = stage_pem(FILES, 0, 1)
     with pytest.raises(AuthError, match="do not load"):
         LinkCredentials(cert0, key1, ca)  # stage 1's key with stage 0's certificate
-    with pytest.raises(AuthError, match=r"RELAYTRAIN_LINK_KEY .* is empty"):
-        LinkCredentials.from_env(
-            "RELAYTRAIN_LINK_CERT", "RELAYTRAIN_LINK_KEY", "RELAYTRAIN_LINK_CA",
-            environ={"RELAYTRAIN_LINK_CERT": cert0, "RELAYTRAIN_LINK_CA": ca},
-        )  # fmt: skip
     with pytest.raises(AuthError, match="not a PEM certificate"):
         LinkCredentials("not a certificate", key1, ca)
+    folder = tmp_path / "creds"
+    _write_folder(folder, StagePem(cert0, "", ca))
+    where = re.escape(str(folder))
+    with pytest.raises(AuthError, match=rf"tls.key in {where} \(link credentials\) is missing"):
+        LinkCredentials.from_folder(folder)
+    (folder / LINK_KEY_FILE).unlink()
+    with pytest.raises(AuthError, match=rf"tls.key in {where} .* is missing or empty"):
+        LinkCredentials.from_folder(folder)
+    (folder / LINK_KEY_FILE).write_text(key1)
+    with pytest.raises(AuthError, match=rf"do not load .*files in {where}"):
+        LinkCredentials.from_folder(folder)
 
 
 def test_closing_a_listener_wakes_a_blocked_accept() -> None:
@@ -557,3 +566,181 @@ def test_frames_prepared_ahead_go_out_in_send_order(listener: Listener) -> None:
             assert got.micro == i
             assert torch.allclose(got.tensors["h"], h, atol=h.abs().max().item() / 100)
         assert up.payload_bytes_sent < up.raw_bytes_sent / 3
+
+
+# -- credentials from a folder, renewed while links run ----------------------------------
+
+
+def _write_folder(folder: Path, pem: StagePem) -> None:
+    """The three files, written in place one by one (a writer that is not atomic)."""
+    folder.mkdir(exist_ok=True)
+    for name, text in zip((LINK_CERT_FILE, LINK_KEY_FILE, LINK_CA_FILE), pem, strict=True):
+        (folder / name).write_text(text)
+
+
+def _kubelet_update(folder: Path, pem: StagePem) -> None:
+    """Write the files as the kubelet updates a mounted Secret: into a new timestamped
+    folder, then `..data` swapped to it at once (rename over it); the three names are links
+    through `..data`; the previous generation is deleted."""
+    folder.mkdir(exist_ok=True)
+    data = folder / "..data"
+    previous = data.resolve() if data.is_symlink() else None
+    generation = folder / f"..{time.monotonic_ns()}"
+    generation.mkdir()
+    names = (LINK_CERT_FILE, LINK_KEY_FILE, LINK_CA_FILE)
+    for name, text in zip(names, pem, strict=True):
+        (generation / name).write_text(text)
+    (folder / "..data_tmp").symlink_to(generation.name)
+    os.replace(folder / "..data_tmp", data)
+    for name in names:
+        if not (folder / name).is_symlink():
+            (folder / name).symlink_to(f"..data/{name}")
+    if previous is not None:
+        shutil.rmtree(previous)
+
+
+def _peer_cert(link: Link) -> bytes:
+    """The certificate (DER) the link's peer presented when the link was opened."""
+    der = link._tls._obj.getpeercert(binary_form=True)
+    assert der is not None
+    return der
+
+
+def _der(pem: str) -> bytes:
+    return ssl.PEM_cert_to_DER_cert(pem)
+
+
+def _generations() -> tuple[dict[str, str], dict[str, str], str]:
+    """A job's credentials before and after a renewal (a day apart, each with its own CA),
+    and the bundle of both CAs that `ca.crt` holds during the renewal."""
+    old = mint_link_credentials(NS, JOB, [2], now=datetime.now(UTC) - timedelta(days=1))
+    new = mint_link_credentials(NS, JOB, [2], now=datetime.now(UTC))
+    return old, new, stage_pem(old, 0, 0).ca + stage_pem(new, 0, 0).ca
+
+
+def _talk(up: Link, down: Link, step: int) -> None:
+    """A frame each way over a pair of links."""
+    up.send(Frame("control", step, -1, meta={"down": step}))
+    assert down.recv(timeout=5).meta == {"down": step}
+    down.send(Frame("control", step, -1, meta={"up": step}))
+    assert up.recv(timeout=5).meta == {"up": step}
+
+
+def test_renewed_credentials_serve_new_links_while_links_opened_before_carry_on(
+    tmp_path: Path,
+) -> None:
+    old, new, bundle = _generations()
+    f0, f1 = tmp_path / "s0", tmp_path / "s1"
+    _kubelet_update(f0, stage_pem(old, 0, 0))
+    _kubelet_update(f1, stage_pem(old, 0, 1))
+    me0, me1 = LinkCredentials.from_folder(f0), LinkCredentials.from_folder(f1)
+    with listen("127.0.0.1:0", credentials=me1, expect=S0) as lst:
+        before = _pair(lst, me0)
+        # Mid-renewal: both stages trust both CAs; stage 0 already holds the new CA's
+        # certificate, stage 1 still the old one.
+        _kubelet_update(f1, stage_pem(old, 0, 1)._replace(ca=bundle))
+        _kubelet_update(f0, stage_pem(new, 0, 0)._replace(ca=bundle))
+        during = _pair(lst, me0)
+        assert _peer_cert(during[1]) == _der(stage_pem(new, 0, 0).cert)
+        assert _peer_cert(during[0]) == _der(stage_pem(old, 0, 1).cert)
+        new_cert = x509.load_pem_x509_certificate(stage_pem(new, 0, 0).cert.encode())
+        assert me0.not_after == new_cert.not_valid_after_utc
+        # Renewed: the new CA alone.
+        _kubelet_update(f1, stage_pem(new, 0, 1))
+        _kubelet_update(f0, stage_pem(new, 0, 0))
+        after = _pair(lst, me0)
+        assert _peer_cert(after[0]) == _der(stage_pem(new, 0, 1).cert)
+        # The link opened first keeps its session (old certificates, files long deleted).
+        assert _peer_cert(before[1]) == _der(stage_pem(old, 0, 0).cert)
+        for step, (up, down) in enumerate((before, during, after)):
+            with up, down:
+                _talk(up, down, step)
+
+
+def test_a_half_written_folder_keeps_the_earlier_credentials_until_it_loads(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    old, new, bundle = _generations()
+    folder = tmp_path / "s0"
+    _write_folder(folder, stage_pem(old, 0, 0)._replace(ca=bundle))
+    me0 = LinkCredentials.from_folder(folder)
+    them = LinkCredentials(*stage_pem(old, 0, 1)._replace(ca=bundle))
+    kept = "Kept the earlier link credentials"
+    with (
+        listen("127.0.0.1:0", credentials=them, expect=S0) as lst,
+        caplog.at_level(logging.WARNING, logger="relaytrain.links"),
+    ):
+        (folder / LINK_CERT_FILE).write_text(stage_pem(new, 0, 0).cert)  # the old key still
+        half = [_pair(lst, me0) for _ in range(2)]
+        assert all(_peer_cert(down) == _der(stage_pem(old, 0, 0).cert) for _, down in half)
+        (warning,) = [m for m in caplog.messages if m.startswith(kept)]  # once, not per link
+        assert f"{S0}: the files in {folder} do not load" in warning
+        (folder / LINK_KEY_FILE).write_text(stage_pem(new, 0, 0).key)
+        whole = _pair(lst, me0)
+        assert _peer_cert(whole[1]) == _der(stage_pem(new, 0, 0).cert)
+        for step, (up, down) in enumerate([*half, whole]):
+            with up, down:
+                _talk(up, down, step)
+
+
+def test_a_folder_that_now_holds_another_stages_credentials_is_refused(
+    listener: Listener, tmp_path: Path
+) -> None:
+    folder = tmp_path / "s0"
+    _kubelet_update(folder, stage_pem(FILES, 0, 0))
+    me0 = LinkCredentials.from_folder(folder)
+    up, down = _pair(listener, me0)
+    _kubelet_update(folder, stage_pem(FILES, 0, 2))  # stage 2's, of the same job
+    refusal = f"the link certificate in {folder} now names {S2}, but this stage is {S0}"
+    with pytest.raises(AuthError, match=re.escape(refusal)):
+        _connect(_addr(listener), me0)
+    with pytest.raises(AuthError, match=re.escape(refusal)):
+        me0.check_valid()
+    assert me0.identity == S0
+    with up, down:  # the link opened before is unharmed
+        _talk(up, down, 0)
+
+
+def test_a_chain_refused_while_a_renewal_reaches_one_end_first_is_tried_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The listener already holds the renewed files (the new CA alone); the connector's
+    still name the old CA: refused on the chain, both ways. Its files arrive a moment
+    later, and the retry (for `refused_for`, the stage document's renewal grace), reading
+    them again, links. Without a grace such a refusal is final at once (the tests above)."""
+    old, new, _ = _generations()
+    folder = tmp_path / "s0"
+    _kubelet_update(folder, stage_pem(old, 0, 0))
+    me0 = LinkCredentials.from_folder(folder)
+    them = LinkCredentials(*stage_pem(new, 0, 1))
+    with (
+        listen("127.0.0.1:0", credentials=them, expect=S0) as lst,
+        caplog.at_level(logging.WARNING, logger="relaytrain.links"),
+    ):
+        t, out = _in_thread(lambda: lst.accept(timeout=20))
+        retried = threading.Event()
+
+        class _Arrives(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                if record.getMessage().startswith("Link refused on the certificate chain"):
+                    retried.set()
+
+        handler = _Arrives()
+        logging.getLogger("relaytrain.links").addHandler(handler)
+        try:
+            c, up = _in_thread(
+                lambda: connect(
+                    _addr(lst), credentials=me0, expect=S1, retry_for=20, refused_for=20
+                )
+            )
+            assert retried.wait(10), "the refusal was not retried"
+            _kubelet_update(folder, stage_pem(new, 0, 0))  # the renewal reaches stage 0
+            c.join(20)
+            t.join(20)
+        finally:
+            logging.getLogger("relaytrain.links").removeHandler(handler)
+    link, down = up.get("value"), out.get("value")
+    assert isinstance(link, Link) and isinstance(down, Link), (up, out)
+    assert _peer_cert(down) == _der(stage_pem(new, 0, 0).cert)
+    with link, down:
+        _talk(link, down, 0)

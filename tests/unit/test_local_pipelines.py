@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 from cryptography import x509
-from relaytrain_contract import LINK_CERT_ENV, StageConfig
+from relaytrain_contract import LINK_CERT_FILE, StageConfig
 from relaytrain_operator.cli.local_run import LocalRun, local_layout
 from relaytrain_operator.spec import FineTuneJob, SpecError, parse_job
 from relaytrain_testkit.jobs import Job
@@ -72,9 +72,11 @@ def test_flags_that_do_not_fit_are_refused_by_name(
 
 
 def test_each_stage_of_each_pipeline_is_handed_its_own_document_and_certificate(
-    tmp_path: Path,
+    tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
     run = LocalRun.prepare(_on_disk(PIPES.pipeline(replicas=2), tmp_path), tmp_path / "wd", [2, 3])
+    run.write_stage_files()
+    request.addfinalizer(run.remove_credentials)
     assert [(s.pipeline, s.index, s.name) for s in run.stages] == [
         (0, 0, "stage p0/s0"), (0, 1, "stage p0/s1"),
         (1, 0, "stage p1/s0"), (1, 1, "stage p1/s1"), (1, 2, "stage p1/s2"),
@@ -89,7 +91,8 @@ def test_each_stage_of_each_pipeline_is_handed_its_own_document_and_certificate(
         assert list(cfg.replicas.shares) == [2, 1]
         assert cfg.stage.index == stage.index
         identity = f"relaytrain://default/pipes/p{stage.pipeline}/s{stage.index}"
-        cert = x509.load_pem_x509_certificate(stage.link_env[LINK_CERT_ENV].encode())
+        assert stage.link_dir is not None and cfg.links.credentials_dir == str(stage.link_dir)
+        cert = x509.load_pem_x509_certificate((stage.link_dir / LINK_CERT_FILE).read_bytes())
         san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
         assert san.get_values_for_type(x509.UniformResourceIdentifier) == [identity]
         assert cfg.links.identity == identity

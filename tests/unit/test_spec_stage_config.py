@@ -7,9 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 from relaytrain_operator.domain.stage_config import (
-    LINK_CA_ENV,
-    LINK_CERT_ENV,
-    LINK_KEY_ENV,
+    LINK_CREDENTIALS_DIR,
     build_stage_configs,
     layer_ranges,
     local_endpoints,
@@ -37,12 +35,9 @@ def test_pods_chain_through_stable_dns_names() -> None:
         "smollm-lora-stage-2.smollm-lora.team-a.svc:29500",
         None,
     ]
-    for d in docs:
-        assert (d["links"]["certEnv"], d["links"]["keyEnv"], d["links"]["caEnv"]) == (
-            LINK_CERT_ENV,
-            LINK_KEY_ENV,
-            LINK_CA_ENV,
-        )
+    # Each pod reads its credentials where the job's link Secret is mounted.
+    assert [d["links"]["credentialsDir"] for d in docs] == [LINK_CREDENTIALS_DIR] * 3
+    assert all("certEnv" not in d["links"] for d in docs)
 
 
 def test_each_stage_knows_its_link_identity_and_its_neighbours() -> None:

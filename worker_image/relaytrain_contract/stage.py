@@ -220,12 +220,16 @@ class LinksSpec(_Part):
     """The identity the previous stage must prove (a listener accepts only it); null on stage 0."""
     next_identity: str | None
     """The identity the next stage must prove (we send only to it); null on the last stage."""
-    cert_env: str
-    """Environment variable holding this stage's link certificate (PEM)."""
-    key_env: str
-    """Environment variable holding that certificate's private key (PEM)."""
-    ca_env: str
-    """Environment variable holding the job's link CA certificate (PEM)."""
+    credentials_dir: str
+    """Folder holding this stage's link certificate (`tls.crt`), its key (`tls.key`) and the
+    CA certificates it trusts (`ca.crt`): in a pod, the job's link Secret mounted at
+    `names.LINK_CREDENTIALS_DIR`. The stage reads it again before each new link, so the
+    certificates the operator renews are used without a restart."""
+    renewal_grace_seconds: Annotated[float, Field(ge=0)] = 0.0
+    """How long a link refused on its certificate chain is tried again, reading the folder
+    again each time: a renewal of the job's certificates reaches the two ends of a link
+    within this (twice the operator's Secret propagation delay). 0, where nothing renews
+    them (`relaytrain run --local`): such a refusal ends the stage at once."""
 
     @model_validator(mode="after")
     def _pairs(self) -> LinksSpec:

@@ -19,17 +19,30 @@ ecdsa_secp256r1_sha256 is a signature scheme every TLS 1.3 implementation must s
 costs nothing on the wire: signatures are used once per connection, bulk data is AES-GCM.
 
 Lifetime: every certificate is valid from 5 minutes before `now` (clock skew between the
-operator and the nodes) for `lifetime` (30 days by default), a generous bound on a job's
-run. The Secret is created once per job and never rewritten (replacement pods reuse it);
-a job that runs past the bound cannot open new links (open ones keep working) until its
-`<job>-link` Secret and its pods are recreated.
+operator and the nodes) for `lifetime` (spec.linkCertificates.lifetimeSeconds, 30 days by
+default). Each CA is named after its generation (`relaytrain link CA g<n>`): a job renews its
+certificates with a new CA before they expire, and its stages trust two CAs while they do.
+
+Renewal (`renewal_step`, `renewed_files`): the Secret goes through three phases, each
+applied only once every stage pod can have seen the previous one (the kubelet refreshes a
+mounted Secret within its sync period: `propagation`):
+
+1. Trusting: `ca.crt` holds the current CA and the next one; the next generation's stage
+   certificates wait in the Secret under `next-…` names no pod mounts.
+2. Switching: the stage certificates are the next generation's; `ca.crt` still holds both.
+3. Current: `ca.crt` holds the new CA alone.
+
+Any two stages one phase apart trust each other's certificates (a stage re-reads its files
+before each new link; open links are never re-checked), so neighbours never refuse each
+other during a renewal, and a replacement started at any point links to them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -40,11 +53,17 @@ from relaytrain_contract import link_identity
 __all__ = [
     "CA_FILE",
     "CERT_LIFETIME",
+    "LinkState",
+    "Phase",
     "StagePem",
+    "Step",
     "cert_file",
     "key_file",
     "mint_link_credentials",
     "new_key",
+    "renewal_due",
+    "renewal_step",
+    "renewed_files",
     "stage_pem",
 ]
 
@@ -97,11 +116,13 @@ def mint_link_credentials(
     lifetime: timedelta = CERT_LIFETIME,
     make_key: KeyFactory = new_key,
     make_serial: Callable[[], int] = x509.random_serial_number,
+    generation: int = 0,
 ) -> dict[str, str]:
     """The link Secret's files for a job whose pipeline i has `stages[i]` stages.
 
     Returns `{CA_FILE: ca PEM, cert_file(i, k): cert PEM, key_file(i, k): key PEM, ...}`.
-    `now` must be timezone-aware. The CA's private key is not returned.
+    `now` must be timezone-aware. The CA's private key is not returned. `generation` names
+    the CA (renewals count up from 0).
     """
     if not stages or any(n < 1 for n in stages):
         raise ValueError(f"every pipeline needs at least one stage, got {list(stages)}")
@@ -109,7 +130,8 @@ def mint_link_credentials(
         raise ValueError("now must be timezone-aware")
     start, end = now - CLOCK_SKEW, now + lifetime
     ca_key = make_key()
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "relaytrain link CA")])
+    ca_cn = f"relaytrain link CA g{generation}"
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, ca_cn)])
     ca_ski = x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key())
     ca = (
         x509.CertificateBuilder()
@@ -183,3 +205,127 @@ def _key_usage(*, cert_sign: bool) -> x509.KeyUsage:
 
 def _pem(cert: x509.Certificate) -> str:
     return cert.public_bytes(serialization.Encoding.PEM).decode()
+
+
+# -- renewal ------------------------------------------------------------------------------
+
+Phase = Literal["Current", "Trusting", "Switching"]
+"""Where a renewal stands (the module docstring): none under way, next CA trusted, next
+certificates in use."""
+Step = Literal["trust", "switch", "retire", "reissue"]
+"""A change of the link Secret: the three phases of a renewal, or, once the certificates
+have expired (a job suspended for longer than their lifetime), a fresh set at once."""
+
+NEXT = "next-"
+"""Prefix of the next generation's files while a renewal is under way (no pod mounts them)."""
+GENERATION_ANNOTATION = "relaytrain.io/link-generation"
+PHASE_ANNOTATION = "relaytrain.io/link-phase"
+SINCE_ANNOTATION = "relaytrain.io/link-phase-since"
+
+_AFTER: dict[Phase, Step] = {"Current": "trust", "Trusting": "switch", "Switching": "retire"}
+
+
+@dataclass(frozen=True)
+class LinkState:
+    """A job's link certificates as its Secret holds them."""
+
+    generation: int
+    """The generation (CA) of the certificates the stages use: 0 at first, +1 per renewal."""
+    phase: Phase
+    """Where a renewal stands."""
+    since: datetime
+    """When the phase began."""
+    issued: datetime
+    """When the certificates the stages use were minted."""
+    not_after: datetime
+    """When they expire."""
+
+
+def link_state(files: Mapping[str, str], annotations: Mapping[str, str]) -> LinkState:
+    """The state of the link Secret with `files` (decoded) and `annotations`. The times
+    come from the certificates themselves; a Secret without the annotations (written by an
+    operator before renewal existed) is generation 0, Current since it was minted."""
+    cert = x509.load_pem_x509_certificate(files[cert_file(0, 0)].encode())
+    issued = cert.not_valid_before_utc + CLOCK_SKEW
+    phase = annotations.get(PHASE_ANNOTATION, "Current")
+    if phase not in _AFTER:
+        phase = "Current"
+    since = annotations.get(SINCE_ANNOTATION)
+    return LinkState(
+        generation=int(annotations.get(GENERATION_ANNOTATION, "0")),
+        phase=phase,  # type: ignore[arg-type]  # checked against _AFTER above
+        since=datetime.fromisoformat(since) if since else issued,
+        issued=issued,
+        not_after=cert.not_valid_after_utc,
+    )
+
+
+def state_annotations(state: LinkState) -> dict[str, str]:
+    """The Secret annotations that record `state`'s generation and phase."""
+    return {
+        GENERATION_ANNOTATION: str(state.generation),
+        PHASE_ANNOTATION: state.phase,
+        SINCE_ANNOTATION: state.since.isoformat(),
+    }
+
+
+def renewal_due(state: LinkState, renew_at: float, propagation: timedelta) -> datetime:
+    """When the next step of `state`'s renewal is due: a renewal starts once `renew_at` (a
+    fraction) of the certificates' lifetime has passed, and early enough that its three
+    phases, `propagation` apart, end before they expire; each later phase `propagation`
+    after the one before."""
+    if state.phase != "Current":
+        return state.since + propagation
+    start = state.issued + (state.not_after - state.issued) * renew_at
+    return max(state.issued, min(start, state.not_after - 3 * propagation))
+
+
+def renewal_step(
+    state: LinkState, now: datetime, renew_at: float, propagation: timedelta
+) -> Step | None:
+    """The change the Secret needs at `now`, if any."""
+    if now >= state.not_after:
+        return "reissue"
+    if now < renewal_due(state, renew_at, propagation):
+        return None
+    return _AFTER[state.phase]
+
+
+def renewed_files(
+    step: Step, files: Mapping[str, str], minted: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """The link Secret's files after `step`. `minted` (for "trust" and "reissue"): a fresh
+    `mint_link_credentials` of the next generation."""
+    current = {name: pem for name, pem in files.items() if not name.startswith(NEXT)}
+    if step in ("trust", "reissue"):
+        if minted is None:
+            raise ValueError(f"step {step} needs freshly minted credentials")
+        if step == "reissue":
+            return dict(minted)
+        staged = {NEXT + name: pem for name, pem in minted.items()}
+        bundle = current[CA_FILE].rstrip("\n") + "\n" + minted[CA_FILE]
+        return {**current, CA_FILE: bundle, **staged}
+    if step == "switch":
+        switched = {
+            name[len(NEXT) :]: pem
+            for name, pem in files.items()
+            if name.startswith(NEXT) and name != NEXT + CA_FILE
+        }
+        return {**current, **switched, NEXT + CA_FILE: files[NEXT + CA_FILE]}
+    return {**current, CA_FILE: files[NEXT + CA_FILE]}  # retire
+
+
+def advanced(
+    state: LinkState, step: Step, now: datetime, lifetime: timedelta, files: Mapping[str, str]
+) -> LinkState:
+    """The state after `step` taken at `now` on the Secret holding `files` (before it); a
+    step that mints does so at `now` for `lifetime`."""
+    if step == "trust":
+        return LinkState(state.generation, "Trusting", now, state.issued, state.not_after)
+    if step == "switch":
+        staged = x509.load_pem_x509_certificate(files[NEXT + cert_file(0, 0)].encode())
+        issued = staged.not_valid_before_utc + CLOCK_SKEW
+        return LinkState(state.generation + 1, "Switching", now, issued, staged.not_valid_after_utc)
+    if step == "retire":
+        return LinkState(state.generation, "Current", now, state.issued, state.not_after)
+    return LinkState(state.generation + 1, "Current", now, now, now + lifetime)  # reissue

@@ -5,10 +5,11 @@ one `relaytrain_contract.StageConfig` per stage out, as the plain dict that trav
 operator puts a document into each stage pod's environment; `relaytrain run --local` writes
 one file per stage; the worker parses it with the same model (tests/contract/ checks it).
 
-Secrets never enter a document: it names the environment variables that hold them
-(LINK_CERT_ENV, LINK_KEY_ENV, LINK_CA_ENV, and ACCESS_KEY_ENV, SECRET_KEY_ENV when the job
-names a credential Secret; without one, null: AWS's standard credential chain), and whoever
-starts the stage fills those. It does name each stage's link identity and its neighbours'
+Secrets never enter a document: it names where they are, the folder of the stage's link
+credentials (LINK_CREDENTIALS_DIR in a pod, where the link Secret is mounted) and the
+environment variables of the store's (ACCESS_KEY_ENV, SECRET_KEY_ENV when the job names a
+credential Secret; without one, null: AWS's standard credential chain), and whoever starts
+the stage fills those. It does name each stage's link identity and its neighbours'
 (`link_identity`): what their TLS certificates must carry.
 """
 
@@ -22,9 +23,7 @@ from pydantic import BaseModel
 from relaytrain_contract import (
     ACCESS_KEY_ENV,
     API_VERSION,
-    LINK_CA_ENV,
-    LINK_CERT_ENV,
-    LINK_KEY_ENV,
+    LINK_CREDENTIALS_DIR,
     LINK_PORT,
     METRICS_PORT,
     REPLICA_PORT,
@@ -53,9 +52,7 @@ from relaytrain_operator.spec import FineTuneJob
 
 __all__ = [
     "ACCESS_KEY_ENV",
-    "LINK_CA_ENV",
-    "LINK_CERT_ENV",
-    "LINK_KEY_ENV",
+    "LINK_CREDENTIALS_DIR",
     "LINK_PORT",
     "METRICS_PORT",
     "SECRET_KEY_ENV",
@@ -215,19 +212,25 @@ def _check(
 
 
 def build_stage_configs(
-    job: FineTuneJob, plan: Any, endpoints: Sequence[StageEndpoints]
+    job: FineTuneJob,
+    plan: Any,
+    endpoints: Sequence[StageEndpoints],
+    *,
+    renewal_grace: float = 0.0,
 ) -> list[dict[str, Any]]:
     """One stage-contract document per stage, in stage order (each a fresh dict).
 
     `plan`: anything layer_ranges accepts. `endpoints`: one StageEndpoints per stage
-    (pod_endpoints for a cluster, local_endpoints for local processes).
+    (pod_endpoints for a cluster, local_endpoints for local processes). `renewal_grace`:
+    how long a link refused on its certificate chain is tried again (a renewal reaches the
+    two ends of a link within this; 0 where the certificates are never renewed).
     Raises ValueError when the plan and endpoints do not describe one pipeline.
     """
     ranges = layer_ranges(plan)
     _check(job, ranges, endpoints)
     count = len(ranges)
     return [
-        stage_config(job, k, count, layers, ends).to_dict()
+        stage_config(job, k, count, layers, ends, renewal_grace=renewal_grace).to_dict()
         for k, (layers, ends) in enumerate(zip(ranges, endpoints, strict=True))
     ]
 
@@ -237,6 +240,8 @@ def build_pipeline_configs(
     plans: Sequence[Any],
     endpoints: Sequence[Sequence[StageEndpoints]],
     shares: Sequence[int],
+    *,
+    renewal_grace: float = 0.0,
 ) -> list[list[dict[str, Any]]]:
     """The documents of every stage of R pipelines that train as one job: `[p][k]`.
 
@@ -246,7 +251,8 @@ def build_pipeline_configs(
     per step (they add up to spec.training.microBatches). With one pipeline the documents
     are `build_stage_configs`'s, without a replicas section. Each stage's `replicas.peers`
     are the stages of the other pipelines whose layers overlap its own (the embedding and
-    the head go with the first and last layer). Raises ValueError when they do not fit.
+    the head go with the first and last layer). `renewal_grace`: as `build_stage_configs`'s.
+    Raises ValueError when they do not fit.
     """
     micro = job.spec.training.micro_batches
     if not plans or len(endpoints) != len(plans) or len(shares) != len(plans):
@@ -259,7 +265,7 @@ def build_pipeline_configs(
             f"up to spec.training.microBatches ({micro})"
         )
     if len(plans) == 1:
-        return [build_stage_configs(job, plans[0], endpoints[0])]
+        return [build_stage_configs(job, plans[0], endpoints[0], renewal_grace=renewal_grace)]
     splits = [layer_ranges(plan) for plan in plans]
     for ranges, ends in zip(splits, endpoints, strict=True):
         _check(job, ranges, ends)
@@ -295,8 +301,9 @@ def build_pipeline_configs(
                 sync=sync,
             )
             cfg = stage_config(
-                job, k, len(ranges), (start, end), mine, pipeline=p, replicas=replicas
-            )
+                job, k, len(ranges), (start, end), mine, pipeline=p, replicas=replicas,
+                renewal_grace=renewal_grace,
+            )  # fmt: skip
             documents.append(cfg.to_dict())
         out.append(documents)
     return out
@@ -311,6 +318,7 @@ def stage_config(
     *,
     pipeline: int = 0,
     replicas: ReplicasSpec | None = None,
+    renewal_grace: float = 0.0,
 ) -> StageConfig:
     """The document of stage `k` of `count` of pipeline `pipeline`, holding `layers` and
     reached at `ends`; `replicas` says where the other pipelines are (None: there are none)."""
@@ -337,9 +345,8 @@ def stage_config(
             identity=link_identity(ns, name, pipeline, k),
             prev_identity=link_identity(ns, name, pipeline, k - 1) if k > 0 else None,
             next_identity=link_identity(ns, name, pipeline, k + 1) if k < count - 1 else None,
-            cert_env=LINK_CERT_ENV,
-            key_env=LINK_KEY_ENV,
-            ca_env=LINK_CA_ENV,
+            credentials_dir=LINK_CREDENTIALS_DIR,
+            renewal_grace_seconds=renewal_grace,
         ),
         checkpoint=CheckpointSpec(
             uri=spec.checkpoint.uri,

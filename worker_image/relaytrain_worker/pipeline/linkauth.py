@@ -9,6 +9,7 @@ neighbour it expects: the listening stage k accepts only stage k-1, the connecti
 k-1 talks only to stage k. A stage of another job fails the chain; a stage of the same job
 in the wrong place fails the identity check. Both ends then tell each other their verdict
 (a refusal carries its reason), so the refused side raises an AuthError that says why.
+The credentials each end brings (loaded, and reloaded when renewed) are credentials.py's.
 
 Host names are not checked (`check_hostname = False`): a stage is reached by its Service
 DNS name in a cluster and by 127.0.0.1 in local runs, and neither says *which stage of
@@ -24,18 +25,14 @@ caller, outside the lock.
 from __future__ import annotations
 
 import contextlib
-import os
 import socket
 import ssl
 import struct
-import tempfile
 import threading
-from collections.abc import Mapping
-from datetime import UTC, datetime
-from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
-from cryptography import x509
+if TYPE_CHECKING:  # credentials.py imports this module's errors and ALPN
+    from relaytrain_worker.pipeline.credentials import LinkCredentials
 
 ALPN = "relaytrain-link/2"
 """The link protocol (TLS application protocol); a peer that does not speak it is refused."""
@@ -43,7 +40,6 @@ _HANDSHAKE_READ = 16 << 10
 _MAX_REASON = 1024
 _OK = 0
 _REFUSED = 1
-
 
 Expect = str | frozenset[str]
 """The identity a link's peer must prove, or the set of identities it may prove."""
@@ -65,46 +61,10 @@ class AuthError(LinkError):
     """The peer could not prove it is the expected stage of this job (or refused us)."""
 
 
-class LinkCredentials:
-    """One stage's side of the links: its certificate and key, and the job's CA certificate.
-
-    Raises AuthError when they do not fit together (a key of another certificate, a
-    certificate without exactly one relaytrain identity, PEM that does not parse).
-    """
-
-    def __init__(self, cert_pem: str, key_pem: str, ca_pem: str) -> None:
-        try:
-            cert = x509.load_pem_x509_certificate(cert_pem.encode())
-        except ValueError as e:
-            raise AuthError(f"the link certificate is not a PEM certificate: {e}") from None
-        self.identity = _identity_of(cert)
-        """This stage's identity: the URI SAN of its certificate."""
-        self.not_after: datetime = cert.not_valid_after_utc
-        """When the certificate expires; no new link can be opened after that."""
-        self.server_context = _context(ssl.PROTOCOL_TLS_SERVER, cert_pem, key_pem, ca_pem)
-        self.client_context = _context(ssl.PROTOCOL_TLS_CLIENT, cert_pem, key_pem, ca_pem)
-
-    @classmethod
-    def from_env(
-        cls, cert_env: str, key_env: str, ca_env: str, environ: Mapping[str, str] = os.environ
-    ) -> LinkCredentials:
-        """Load the PEM texts from the three environment variables the stage config names."""
-        values = {}
-        for name in (cert_env, key_env, ca_env):
-            values[name] = environ.get(name, "")
-            if not values[name].strip():
-                raise AuthError(f"environment variable {name} (link credentials) is empty")
-        return cls(values[cert_env], values[key_env], values[ca_env])
-
-    def check_valid(self, now: datetime | None = None) -> None:
-        """AuthError if the certificate has expired (links could no longer be opened)."""
-        now = now or datetime.now(UTC)
-        if now >= self.not_after:
-            raise AuthError(
-                f"the link certificate of {self.identity} expired at "
-                f"{self.not_after:%Y-%m-%d %H:%M} UTC; recreate the job's link Secret and its "
-                "stage pods"
-            )
+class CertificateRefused(AuthError):  # noqa: N818 - a refusal, like LinkBroken
+    """A certificate chain did not verify, on this end or on the peer's: a stage of another
+    job or of an earlier link Secret — or a renewal that has reached one end and not yet the
+    other (`transport.connect` tries again for a while, reading its files again)."""
 
 
 class TlsSession:
@@ -204,12 +164,13 @@ def _handshake(
     allowed = {expected} if isinstance(expected, str) else set(expected)
     expect = " or ".join(sorted(allowed))
     incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
-    context = me.server_context if server else me.client_context
+    contexts = me.contexts()  # the folder's current files, for this new link
+    context = contexts.server if server else contexts.client
     obj = context.wrap_bio(incoming, outgoing, server_side=server)
     try:
         _drive(sock, obj, incoming, outgoing)
     except ssl.SSLCertVerificationError as e:
-        raise AuthError(
+        raise CertificateRefused(
             f"refused {who}: its certificate does not verify against this job's link CA "
             f"({e.verify_message}); expected {expect} (a stage of another job, or of an "
             "earlier link Secret?)"
@@ -314,7 +275,7 @@ def _handshake_error(
     if isinstance(e, ssl.SSLZeroReturnError | ssl.SSLEOFError):
         return LinkBroken(f"{peer_name} closed the connection during the TLS handshake")
     if "ALERT" in reason and ("UNKNOWN_CA" in reason or "CERTIFICATE" in reason):
-        return AuthError(
+        return CertificateRefused(
             f"{peer_name} refused this stage's certificate (TLS alert: {reason}): it does not "
             f"trust {me.identity} (another job's CA, or an earlier link Secret?); expected "
             f"it to be {expect}"
@@ -341,54 +302,3 @@ def _record_error(e: ssl.SSLError, peer: str) -> LinkBroken:
         f"a TLS record from {peer} failed authentication ({reason}): tampered with, replayed "
         "or reordered on the way; link dropped"
     )
-
-
-# -- credentials internals ---------------------------------------------------------------
-
-
-def _identity_of(cert: x509.Certificate) -> str:
-    try:
-        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-    except x509.ExtensionNotFound:
-        san = x509.SubjectAlternativeName([])
-    uris = san.get_values_for_type(x509.UniformResourceIdentifier)
-    if len(uris) != 1 or not uris[0].startswith("relaytrain://"):
-        raise AuthError(f"the link certificate must name exactly one relaytrain:// URI, has {uris}")
-    return uris[0]
-
-
-def _context(protocol: int, cert_pem: str, key_pem: str, ca_pem: str) -> ssl.SSLContext:
-    ctx = ssl.SSLContext(protocol)
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
-    ctx.maximum_version = ssl.TLSVersion.TLSv1_3
-    ctx.check_hostname = False  # identity is the URI SAN, checked after the handshake
-    ctx.verify_mode = ssl.CERT_REQUIRED
-    ctx.verify_flags |= ssl.VERIFY_X509_STRICT
-    ctx.set_alpn_protocols([ALPN])
-    if protocol == ssl.PROTOCOL_TLS_SERVER:
-        ctx.num_tickets = 0  # no resumption: every link proves itself from scratch
-    try:
-        ctx.load_verify_locations(cadata=ca_pem)  # the job's CA is the only trust anchor
-        _load_chain(ctx, cert_pem + "\n" + key_pem)
-    except (ssl.SSLError, ValueError) as e:
-        raise AuthError(f"the link credentials do not load ({e})") from None
-    return ctx
-
-
-def _load_chain(ctx: ssl.SSLContext, pem: str) -> None:
-    """`load_cert_chain` reads only files: hand it an in-memory one where the OS has them,
-    so the private key never touches a disk; else a private temporary file, removed at once."""
-    if hasattr(os, "memfd_create"):
-        fd = os.memfd_create("relaytrain-link", os.MFD_CLOEXEC)
-        try:
-            with open(fd, "wb", closefd=False) as f:
-                f.write(pem.encode())
-            ctx.load_cert_chain(f"/proc/self/fd/{fd}")
-        finally:
-            os.close(fd)
-        return
-    with tempfile.TemporaryDirectory(prefix="relaytrain-link-") as tmp:  # mode 0700
-        path = Path(tmp) / "link.pem"
-        path.touch(mode=0o600)
-        path.write_text(pem)
-        ctx.load_cert_chain(path)

@@ -11,8 +11,7 @@ Everything else a stage holds is built from these without I/O (`stage.StageRunti
 from __future__ import annotations
 
 import logging
-import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,8 +21,9 @@ from torch import nn
 
 from relaytrain_worker.model.methods import lora_config, setup_method
 from relaytrain_worker.model.model_slice import SliceSpec, StageModel, build_stage_model
+from relaytrain_worker.pipeline.credentials import LinkCredentials
 from relaytrain_worker.pipeline.evaluation import load_eval_batches
-from relaytrain_worker.pipeline.linkauth import AuthError, LinkCredentials
+from relaytrain_worker.pipeline.linkauth import AuthError
 from relaytrain_worker.state.data import MicroBatch, StepData, load_step_data
 from relaytrain_worker.state.modelfiles import resolve_model_dir
 from relaytrain_worker.state.store import Store, open_job_store
@@ -31,18 +31,19 @@ from relaytrain_worker.state.store import Store, open_job_store
 log = logging.getLogger("relaytrain.stage")
 
 
-def link_credentials(cfg: StageConfig, environ: Mapping[str, str] = os.environ) -> LinkCredentials:
-    """This stage's link credentials from the environment variables its config names.
+def link_credentials(cfg: StageConfig) -> LinkCredentials:
+    """This stage's link credentials from the folder its config names (`credentialsDir`),
+    which it re-reads before each new link (renewed certificates need no restart).
 
     AuthError, before any model is loaded, when they are missing, do not load, expired, or
     name another stage than the config says (a Secret wired to the wrong pod).
     """
     links = cfg.links
-    tls = LinkCredentials.from_env(links.cert_env, links.key_env, links.ca_env, environ)
+    tls = LinkCredentials.from_folder(links.credentials_dir)
     if tls.identity != links.identity:
         raise AuthError(
-            f"the link certificate in {links.cert_env} is {tls.identity}, but this stage is "
-            f"{links.identity}"
+            f"the link certificate in {links.credentials_dir} is {tls.identity}, but this "
+            f"stage is {links.identity}"
         )
     tls.check_valid()
     return tls
@@ -53,7 +54,7 @@ class Loaded:
     """What a stage read before it links."""
 
     tls: LinkCredentials
-    """This stage's link certificate, key and the job's CA."""
+    """This stage's link certificate, key and the CAs it trusts (re-read for new links)."""
     store: Store
     """The job's checkpoint store."""
     model_dir: Path

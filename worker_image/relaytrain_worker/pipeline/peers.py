@@ -21,7 +21,8 @@ from typing import Protocol
 
 from relaytrain_contract import StageConfig
 
-from relaytrain_worker.pipeline.linkauth import LinkBroken, LinkCredentials
+from relaytrain_worker.pipeline.credentials import LinkCredentials
+from relaytrain_worker.pipeline.linkauth import LinkBroken
 from relaytrain_worker.pipeline.transport import (
     Frame,
     Link,
@@ -211,8 +212,9 @@ def link_chain(
         if links.next is not None:
             assert links.next_identity is not None  # the config checks both are set
             nxt = connect(
-                links.next, credentials=tls, expect=links.next_identity, retry_for=timeout
-            )
+                links.next, credentials=tls, expect=links.next_identity, retry_for=timeout,
+                refused_for=links.renewal_grace_seconds,
+            )  # fmt: skip
         if listener is not None:
             prev = listener.accept(timeout=timeout)
     except BaseException:

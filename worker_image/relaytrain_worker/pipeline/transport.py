@@ -2,7 +2,7 @@
 
 Stage k listens, stage k-1 connects (``listen`` / ``connect``); after the TLS 1.3 handshake
 of ``linkauth`` (both ends present certificates of the job's CA and check that the other
-is exactly the neighbour they expect) a ``Link`` sends and receives ``Frame``s: a kind,
+is exactly the neighbour they expect) a ``Link`` sends and receives ``Frame``s (frames.py): a kind,
 the step and micro-batch ids, named tensors (floating ones compressed with the job's
 mode) and a little JSON.
 
@@ -32,24 +32,19 @@ import socket
 import struct
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from relaytrain_worker.pipeline.compression import (
-    Compression,
-    EncodedTensor,
-    check_mode,
-    decode,
-    encode,
-)
+from relaytrain_worker.pipeline.compression import Compression, EncodedTensor, check_mode, decode
+from relaytrain_worker.pipeline.credentials import LinkCredentials
+from relaytrain_worker.pipeline.frames import MAX_HEADER, Frame, PreparedFrame, prepare, wire_dtype
 from relaytrain_worker.pipeline.linkauth import (
     AuthError,
+    CertificateRefused,
     Expect,
     FrameRejected,
     LinkBroken,
-    LinkCredentials,
     LinkError,
     TlsSession,
     client_handshake,
@@ -58,6 +53,7 @@ from relaytrain_worker.pipeline.linkauth import (
 
 __all__ = [
     "AuthError",
+    "CertificateRefused",
     "Frame",
     "FrameRejected",
     "Link",
@@ -77,82 +73,10 @@ SEAL_BYTES = 256 << 10
 """Plaintext encrypted per call (16 TLS records): bounds the ciphertext held in memory and
 how long a send holds the TLS session's lock; pacing (``limit_rate``) works per chunk."""
 _RECV_BYTES = 1 << 20
-_MAX_HEADER = 1 << 20
 _LEN = struct.Struct(">I")
 HANDSHAKE_TIMEOUT = 10.0
 STALL_TIMEOUT = 120.0
 """A frame that has started must keep arriving; a peer silent this long mid-frame is gone."""
-
-_DTYPES: dict[str, torch.dtype] = {
-    str(d): d
-    for d in (
-        torch.float64, torch.float32, torch.float16, torch.bfloat16,
-        torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
-    )
-}  # fmt: skip
-
-
-@dataclass
-class Frame:
-    """One message between stages."""
-
-    kind: str
-    """What it is: ``activation``, ``gradient`` or ``control`` (free-form; the worker decides)."""
-    step: int
-    """Optimizer step the frame belongs to."""
-    micro: int
-    """Micro-batch index within the step (-1 for control frames)."""
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-    """Named tensors; floating ones are compressed with the mode given to ``send``."""
-    meta: dict[str, Any] = field(default_factory=dict)
-    """Small JSON-serialisable extras."""
-
-
-@dataclass(frozen=True)
-class PreparedFrame:
-    """A frame encoded for the wire, not yet sent (see ``prepare``)."""
-
-    head: bytes
-    """The JSON header."""
-    parts: list[memoryview]
-    """Every tensor part's bytes, in header order."""
-    raw_bytes: int
-    """Bytes of the tensors before compression."""
-    payload_bytes: int
-    """Bytes of the tensors after compression."""
-
-
-def prepare(frame: Frame, compression: Compression | str = "none") -> PreparedFrame:
-    """Encode ``frame`` (compression included) without touching any link."""
-    encoded = {name: encode(t, compression) for name, t in frame.tensors.items()}
-    parts: list[memoryview] = []
-    layout = []
-    for name, enc in encoded.items():
-        entry: dict[str, Any] = {
-            "name": name, "mode": enc.mode, "dtype": str(enc.dtype),
-            "shape": list(enc.shape), "data": _nbytes(enc.data),
-            "scales": None if enc.scales is None else _nbytes(enc.scales),
-            "wire": None if enc.wire_dtype is None else str(enc.wire_dtype),
-            "channels": None if enc.channel_scales is None else _nbytes(enc.channel_scales),
-        }  # fmt: skip
-        layout.append(entry)
-        parts.append(_bytes_view(enc.data))
-        for extra in (enc.scales, enc.channel_scales):
-            if extra is not None:
-                parts.append(_bytes_view(extra))
-    header = {
-        "kind": frame.kind, "step": frame.step, "micro": frame.micro,
-        "meta": frame.meta, "tensors": layout,
-    }  # fmt: skip
-    head = json.dumps(header, separators=(",", ":")).encode()
-    if len(head) > _MAX_HEADER:
-        raise ValueError(f"frame header is {len(head)} bytes; meta must stay small")
-    return PreparedFrame(
-        head,
-        parts,
-        raw_bytes=sum(t.numel() * t.element_size() for t in frame.tensors.values()),
-        payload_bytes=sum(e.nbytes for e in encoded.values()),
-    )
 
 
 class Link:
@@ -231,7 +155,7 @@ class Link:
                 raise TimeoutError(f"no frame from {self.peer} within {timeout} s")
             try:
                 size = _LEN.unpack(self._recv_bytes(_LEN.size))[0]
-                if size > _MAX_HEADER:
+                if size > MAX_HEADER:
                     raise ValueError(f"frame header of {size} bytes is out of bounds")
                 header = json.loads(bytes(self._recv_bytes(size)))
                 tensors: dict[str, torch.Tensor] = {}
@@ -245,8 +169,9 @@ class Link:
                         channels = self._recv_part(entry["channels"], torch.bfloat16)
                     wire = entry.get("wire")
                     enc = EncodedTensor(
-                        check_mode(entry["mode"]), _dtype(entry["dtype"]), tuple(entry["shape"]),
-                        data, scales, None if wire is None else _dtype(wire), channels,
+                        check_mode(entry["mode"]), wire_dtype(entry["dtype"]),
+                        tuple(entry["shape"]), data, scales,
+                        None if wire is None else wire_dtype(wire), channels,
                     )  # fmt: skip
                     tensors[entry["name"]] = decode(enc)
             except LinkBroken:
@@ -423,16 +348,26 @@ def listen(addr: str, *, credentials: LinkCredentials, expect: Expect) -> Listen
 
 
 def connect(
-    addr: str, *, credentials: LinkCredentials, expect: str, retry_for: float = 60.0
+    addr: str,
+    *,
+    credentials: LinkCredentials,
+    expect: str,
+    retry_for: float = 60.0,
+    refused_for: float = 0.0,
 ) -> Link:
     """Connect with this stage's ``credentials`` to the stage at ``addr`` whose identity
     must be ``expect`` (the next stage of the same pipeline).
 
     Unreachable or not-yet-resolvable peers are retried with exponential back-off (0.1 s
-    doubling to 5 s) for ``retry_for`` seconds, then LinkBroken. AuthError is not retried.
+    doubling to 5 s) for ``retry_for`` seconds, then LinkBroken. A certificate chain that
+    does not verify on one end (CertificateRefused) is tried again for ``refused_for``
+    seconds (at most ``retry_for``), each try with the credentials' files read again: a
+    renewal of the job's certificates may have reached one end first. Then it is raised,
+    as any other AuthError (the wrong stage, the wrong protocol) is at once.
     """
     host, port = _parse_addr(addr)
-    deadline = time.monotonic() + retry_for
+    start = time.monotonic()
+    deadline, refused_until = start + retry_for, start + min(refused_for, retry_for)
     delay = 0.1
     while True:
         sock = None
@@ -443,6 +378,17 @@ def connect(
             sock.settimeout(None)
             log.info("Connected to %s at %s", session.peer_identity, addr)
             return Link(sock, session, addr)
+        except CertificateRefused as e:
+            if sock is not None:
+                sock.close()
+            left = refused_until - time.monotonic()
+            if left <= 0:
+                log.error("Link refused: %s", e)
+                raise
+            log.warning("Link refused on the certificate chain (%s); trying again in %.1f s, "
+                        "in case a renewal has reached one end first", e, delay)  # fmt: skip
+            time.sleep(min(delay, left))
+            delay = min(delay * 2, 5.0)
         except AuthError as e:
             if sock is not None:
                 sock.close()
@@ -477,22 +423,3 @@ def _tune(sock: socket.socket) -> None:
     for opt, val in (("TCP_KEEPIDLE", 15), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 6)):
         if hasattr(socket, opt):
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), val)
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def _bytes_view(t: torch.Tensor) -> memoryview:
-    """The tensor's bytes without a copy (CPU, contiguous, 1-D)."""
-    if t.numel() == 0:
-        return memoryview(b"")
-    array: Any = t.view(torch.uint8).numpy()
-    return memoryview(array).cast("B")
-
-
-def _dtype(name: str) -> torch.dtype:
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise ValueError(f"unsupported dtype {name!r} in frame") from None

@@ -49,7 +49,8 @@ from typing import Any, TypeVar
 
 from relaytrain_contract import ReplicaPeer, ReplicasSpec, StageConfig
 
-from relaytrain_worker.pipeline.linkauth import AuthError, LinkBroken, LinkCredentials
+from relaytrain_worker.pipeline.credentials import LinkCredentials
+from relaytrain_worker.pipeline.linkauth import AuthError, CertificateRefused, LinkBroken
 from relaytrain_worker.pipeline.transport import Frame, Link, Listener, connect, listen
 from relaytrain_worker.replicas.arithmetic import Slice
 from relaytrain_worker.replicas.group import LinkGroup
@@ -130,6 +131,8 @@ class ReplicaLinks:
         self.pipeline = self.spec.pipeline
         self.stage = cfg.stage.index
         self.tls = tls
+        self.grace = cfg.links.renewal_grace_seconds
+        """How long a dial refused on the certificate chain is tried again (a renewal)."""
         self.peers = peer_slices(cfg)
         self.listener: Listener | None = None
         self._lower = [p for p in self.spec.peers if p.pipeline < self.pipeline]
@@ -209,6 +212,7 @@ class ReplicaLinks:
         """Dial a higher pipeline's stage until it answers (or the deadline: LinkBroken);
         None once its pipeline is given up."""
         assert peer.address is not None  # the contract sets it on higher pipelines
+        refused_until: float | None = None
         while True:
             if peer.pipeline in given_up():
                 return None
@@ -216,8 +220,13 @@ class ReplicaLinks:
             try:
                 return connect(
                     peer.address, credentials=self.tls, expect=peer.identity,
-                    retry_for=max(min(left, 5.0), 1.0),
+                    retry_for=max(min(left, 5.0), 1.0), refused_for=self.grace,
                 )  # fmt: skip
+            except CertificateRefused:
+                now = time.monotonic()
+                refused_until = refused_until or now + self.grace
+                if now >= refused_until or left <= 5.0:
+                    raise
             except LinkBroken:
                 if left <= 5.0:
                     raise

@@ -41,8 +41,9 @@ from datetime import UTC, datetime
 import torch
 from relaytrain_contract import GIVEN_UP_FILE, StageConfig
 
+from relaytrain_worker.pipeline.credentials import LinkCredentials
 from relaytrain_worker.pipeline.evaluation import due
-from relaytrain_worker.pipeline.linkauth import LinkBroken, LinkCredentials
+from relaytrain_worker.pipeline.linkauth import LinkBroken
 from relaytrain_worker.pipeline.loading import job_prefix
 from relaytrain_worker.pipeline.peers import Peers
 from relaytrain_worker.pipeline.replication import RunnerOptions

@@ -3,12 +3,14 @@
 The same manifest the operator takes; the same stage documents the operator builds
 (`stage_config.build_stage_configs`); the same worker (`python -m relaytrain_worker`).
 What the operator does with pods this does with processes: one per stage on loopback
-ports, a fresh link CA and stage certificates (minted as the operator mints them, handed
-to each process in its environment, never written to disk), a local checkpoint directory
-unless the job names S3, and supervision — a stage process that dies is restarted alone,
-after failurePolicy.backoffSeconds, up to failurePolicy.maxStageRestarts times (the
-operator's own rule: `recovery.after_failure` and `recovery.backoff_left`); the survivors
-roll back to the last committed checkpoint by themselves.
+ports, a fresh link CA and stage certificates (minted as the operator mints them; each
+stage's are written into a private folder its document names, as a pod's Secret volume
+is: in memory where the OS offers one, never in the run's directory, removed when the run
+ends), a local checkpoint directory unless the job names S3, and supervision — a stage
+process that dies is restarted alone, after failurePolicy.backoffSeconds, up to
+failurePolicy.maxStageRestarts times (the operator's own rule: `recovery.after_failure` and
+`recovery.backoff_left`); the survivors roll back to the last committed checkpoint by
+themselves.
 
 State: one directory per job, `./relaytrain-local/<namespace>/<name>` unless `--workdir`
 says otherwise, holding the stage documents and logs, `state.json` and `run.lock`. The
@@ -184,12 +186,15 @@ def run_local(
 
 
 def _run_locked(run: LocalRun, progress: bool, started: float) -> int:
-    run.write_stage_files()
-    print(
-        f"relaytrain: {run.job.metadata.name}: {describe(run.layout)}, "
-        f"checkpoints in {run.job_dir}, logs in {run.workdir / 'stages'}"
-    )
-    code = run.supervise(progress)
+    try:
+        run.write_stage_files()
+        print(
+            f"relaytrain: {run.job.metadata.name}: {describe(run.layout)}, "
+            f"checkpoints in {run.job_dir}, logs in {run.workdir / 'stages'}"
+        )
+        code = run.supervise(progress)
+    finally:
+        run.remove_credentials()  # supervise did; this covers a failure before it ran
     if code != 0:
         return code
     finish(run, started)

@@ -3,26 +3,34 @@ its stage document, loopback ports and link credentials, and the environment it 
 
 `build_stages` is what the operator does when it builds a job's pods, for processes: the
 same stage documents (`stage_config.build_pipeline_configs`) and link certificates
-(`linkcerts`, handed to each process in its environment, never written to disk).
+(`linkcerts`). `write_link_folder` writes a stage's credentials where its document's
+`links.credentialsDir` points, as the operator's Secret volume does in a pod: into a
+private folder (`private_folder`: in memory where the OS offers one, removed when the run
+ends), never into the run's directory.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import socket
 import subprocess
+import tempfile
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from relaytrain_contract import LINK_CA_ENV, LINK_CERT_ENV, LINK_KEY_ENV
+from relaytrain_contract import LINK_CA_FILE, LINK_CERT_FILE, LINK_KEY_FILE
 
 from relaytrain_operator.cli.local_run.layout import Layout
-from relaytrain_operator.domain.linkcerts import mint_link_credentials, stage_pem
+from relaytrain_operator.domain.linkcerts import StagePem, mint_link_credentials
 from relaytrain_operator.domain.stage_config import StageEndpoints, build_pipeline_configs
 from relaytrain_operator.spec import FineTuneJob
+
+DATA_LINK = "..data"
+"""The link in a stage's credentials folder to the set of files it shows now."""
 
 
 @dataclass
@@ -40,11 +48,13 @@ class StageProc:
     pids: list[int] = field(default_factory=list)
     failed_at: datetime | None = None
     """When its last failure was counted, while its successor waits out the back-off."""
-    link_env: dict[str, str] = field(default_factory=dict)
-    """This stage's link certificate, key and the job's CA, by env var name."""
+    link_dir: Path | None = None
+    """The private folder holding its link certificate, key and the run's CA (`tls.crt`,
+    `tls.key`, `ca.crt`), its document's `links.credentialsDir`; None until the run writes
+    them (`LocalRun.write_stage_files`) and again once it removed them."""
 
 
-def stage_procs(workdir: Path, layout: Layout, link_envs: list[dict[str, str]]) -> list[StageProc]:
+def stage_procs(workdir: Path, layout: Layout) -> list[StageProc]:
     """One StageProc a stage, pipeline after pipeline, with its files under
     `workdir/stages`: `stage-K.{json,log}`, or `pP-stage-K.{json,log}` with several
     pipelines."""
@@ -52,7 +62,7 @@ def stage_procs(workdir: Path, layout: Layout, link_envs: list[dict[str, str]]) 
     several = len(layout.splits) > 1
     places = [(p, k) for p, split in enumerate(layout.splits) for k in range(len(split))]
     stages = []
-    for (p, k), env in zip(places, link_envs, strict=True):
+    for p, k in places:
         base = f"p{p}-stage-{k}" if several else f"stage-{k}"
         stages.append(
             StageProc(
@@ -61,17 +71,15 @@ def stage_procs(workdir: Path, layout: Layout, link_envs: list[dict[str, str]]) 
                 stages_dir / f"{base}.log",
                 pipeline=p,
                 name=f"stage p{p}/s{k}" if several else f"stage {k}",
-                link_env=env,
             )
         )
     return stages
 
 
-def build_stages(
-    job: FineTuneJob, layout: Layout
-) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
-    """Every stage's document and link environment, pipeline after pipeline: free loopback
-    ports, the operator's stage documents, and link credentials from a fresh CA (nothing is
+def build_stages(job: FineTuneJob, layout: Layout) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """Every stage's document, pipeline after pipeline (free loopback ports, the operator's
+    stage documents), and the run's link credentials from a fresh CA, as the files of the
+    operator's link Secret (`linkcerts.stage_pem` gives each stage its share; nothing is
     written)."""
     counts = [len(split) for split in layout.splits]
     # Free ports, three a stage (any fixed port may be taken): its pipeline listener,
@@ -95,14 +103,46 @@ def build_stages(
         )
     configs = build_pipeline_configs(job, layout.splits, endpoints, layout.shares)
     meta = job.metadata
-    pki = mint_link_credentials(meta.namespace, meta.name, counts, now=datetime.now(UTC))
-    link_envs = []
-    for p, count in enumerate(counts):
-        for k in range(count):
-            cert, key, ca = stage_pem(pki, p, k)
-            link_envs.append({LINK_CERT_ENV: cert, LINK_KEY_ENV: key, LINK_CA_ENV: ca})
+    lifetime = timedelta(seconds=job.spec.link_certificates.lifetime_seconds)
+    pki = mint_link_credentials(
+        meta.namespace, meta.name, counts, now=datetime.now(UTC), lifetime=lifetime
+    )
     documents = [doc for pipeline_docs in configs for doc in pipeline_docs]
-    return documents, link_envs
+    return documents, pki
+
+
+def private_folder() -> Path:
+    """A new folder only this user can enter (mode 0700) for a run's link credentials: in
+    /dev/shm where there is one (memory, so no private key reaches a disk), else in the
+    temporary directory. The run removes it when it ends."""
+    shm = Path("/dev/shm")
+    parent = shm if shm.is_dir() and os.access(shm, os.W_OK | os.X_OK) else None
+    return Path(tempfile.mkdtemp(prefix="relaytrain-link-", dir=parent))
+
+
+def write_link_folder(folder: Path, pem: StagePem) -> None:
+    """Show one stage's credentials in `folder` (made 0700 when new) under the names a stage
+    reads, the way a kubelet updates a mounted Secret, so that a renewal is read whole: the
+    files (each created 0600) go to a new hidden folder, a `..data` link is swapped to it in
+    one rename (a stage resolves `..data` once and reads one set, old or new), the names are
+    links through `..data`, and the set before is removed."""
+    folder.mkdir(mode=0o700, exist_ok=True)
+    data = folder / DATA_LINK
+    old = os.readlink(data) if data.is_symlink() else None
+    new = Path(tempfile.mkdtemp(prefix="..", dir=folder))
+    files = {LINK_CERT_FILE: pem.cert, LINK_KEY_FILE: pem.key, LINK_CA_FILE: pem.ca}
+    for name, text in files.items():
+        fd = os.open(new / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with open(fd, "w") as f:
+            f.write(text)
+        if not (folder / name).is_symlink():
+            (folder / name).symlink_to(f"{DATA_LINK}/{name}")
+    swap = folder / f"{DATA_LINK}_tmp"
+    swap.unlink(missing_ok=True)
+    swap.symlink_to(new.name)
+    os.replace(swap, data)
+    if old is not None:
+        shutil.rmtree(folder / old, ignore_errors=True)
 
 
 def free_ports(n: int) -> list[int]:
@@ -120,7 +160,7 @@ def free_ports(n: int) -> list[int]:
 
 
 def stage_env(count: int) -> dict[str, str]:
-    """The environment `count` stage processes start in (before each one's link env)."""
+    """The environment `count` stage processes start in."""
     env = dict(os.environ)
     # The stages share this machine's cores: without a cap each one starts a thread per
     # core and they spin against each other (several times slower on a small machine).

@@ -13,6 +13,7 @@ import contextlib
 import ctypes
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -31,13 +32,27 @@ from relaytrain_operator.cli.local_run.layout import Layout, local_layout
 from relaytrain_operator.cli.local_run.stages import (
     StageProc,
     build_stages,
+    private_folder,
     stage_env,
     stage_procs,
+    write_link_folder,
+)
+from relaytrain_operator.domain.linkcerts import (
+    advanced,
+    link_state,
+    mint_link_credentials,
+    renewal_step,
+    renewed_files,
+    stage_pem,
 )
 from relaytrain_operator.domain.recovery import after_failure, backoff_left
 from relaytrain_operator.spec import FineTuneJob
 
 POLL_SECONDS = 0.5
+LOCAL_PROPAGATION = timedelta(seconds=5)
+"""How far apart the phases of a link certificate renewal are in a local run: every
+stage's folder changes at once, and a stage reads it before each link, so this only needs
+to outlast a handshake."""
 STOP_GRACE_SECONDS = 15.0
 
 PR_SET_PDEATHSIG = 1
@@ -70,8 +85,9 @@ class LocalRun:
     """Starts, watches, restarts and stops the stage processes of one job.
 
     `prepare` reads what the run needs (the model's layer count, free ports) and mints the
-    link credentials; `write_stage_files` writes the stage documents (after the caller holds
-    the state directory's lock); `supervise` runs the stages.
+    link credentials; `write_stage_files` writes the stage documents and each stage's
+    credentials folder (after the caller holds the state directory's lock); `supervise` runs
+    the stages and then removes the credentials (`remove_credentials`).
     """
 
     def __init__(
@@ -80,15 +96,20 @@ class LocalRun:
         workdir: Path,
         layout: Layout,
         documents: list[dict[str, Any]],
-        link_envs: list[dict[str, str]],
+        credentials: dict[str, str],
     ) -> None:
-        """`documents` and `link_envs`: one per stage, pipeline after pipeline."""
+        """`documents`: one per stage, pipeline after pipeline; `credentials`: the run's link
+        credentials, as the files of the operator's link Secret."""
         self.job = job
         self.workdir = workdir.resolve()
         self.layout = layout
         self.documents = documents
         self.env = stage_env(len(documents))
-        self.stages = stage_procs(self.workdir, layout, link_envs)
+        self.stages = stage_procs(self.workdir, layout)
+        self._credentials = credentials
+        self._links = link_state(credentials, {})
+        self.credentials_root: Path | None = None
+        """The private folder holding every stage's credentials folder, while written."""
         ckpt = job.spec.checkpoint.uri
         self.job_dir = f"{ckpt.rstrip('/')}/{job.metadata.namespace}/{job.metadata.name}"
         self.output = self.documents[0]["output"]["uri"]
@@ -113,14 +134,65 @@ class LocalRun:
             pipeline = job.spec.pipeline.model_copy(update={"stages": "auto"})
             spec = job.spec.model_copy(update={"pipeline": pipeline})
             job = job.model_copy(update={"spec": spec})
-        documents, link_envs = build_stages(job, layout)
-        return cls(job, workdir, layout, documents, link_envs)
+        documents, credentials = build_stages(job, layout)
+        return cls(job, workdir, layout, documents, credentials)
 
     def write_stage_files(self) -> None:
-        """Write each stage's document (never its key: that goes in its environment)."""
-        for stage, doc in zip(self.stages, self.documents, strict=True):
-            stage.config_path.parent.mkdir(parents=True, exist_ok=True)
-            stage.config_path.write_text(json.dumps(doc, indent=2))
+        """Write each stage's link credentials into a private folder of its own
+        (`private_folder`, outside the run's directory) and its document, which names that
+        folder (`links.credentialsDir`) and never holds a key."""
+        try:
+            root = self.credentials_root = private_folder()
+            for stage, doc in zip(self.stages, self.documents, strict=True):
+                stage.link_dir = root / stage.config_path.stem
+                write_link_folder(
+                    stage.link_dir, stage_pem(self._credentials, stage.pipeline, stage.index)
+                )
+                doc["links"]["credentialsDir"] = str(stage.link_dir)
+                stage.config_path.parent.mkdir(parents=True, exist_ok=True)
+                stage.config_path.write_text(json.dumps(doc, indent=2))
+        except BaseException:
+            self.remove_credentials()
+            raise
+
+    def renew_links(self, now: datetime) -> str | None:
+        """Take the step of a link certificate renewal that is due at `now` (the operator's
+        phases, `linkcerts`, `LOCAL_PROPAGATION` apart: every stage's folder is rewritten at
+        once), and say so when a renewal ends; None when nothing was due."""
+        policy = self.job.spec.link_certificates
+        renew_at = policy.renew_at_percent / 100
+        lifetime = timedelta(seconds=policy.lifetime_seconds)
+        step = renewal_step(self._links, now, renew_at, LOCAL_PROPAGATION)
+        if step is None:
+            return None
+        minted = None
+        if step in ("trust", "reissue"):
+            meta, counts = self.job.metadata, [len(split) for split in self.layout.splits]
+            minted = mint_link_credentials(
+                meta.namespace, meta.name, counts, now=now, lifetime=lifetime,
+                generation=self._links.generation + 1,
+            )  # fmt: skip
+        self._links = advanced(self._links, step, now, lifetime, self._credentials)
+        self._credentials = renewed_files(step, self._credentials, minted)
+        for stage in self.stages:
+            if stage.link_dir is not None:
+                write_link_folder(
+                    stage.link_dir, stage_pem(self._credentials, stage.pipeline, stage.index)
+                )
+        if self._links.phase != "Current":
+            return None
+        until = self._links.not_after.strftime("%Y-%m-%d %H:%M:%S")
+        generation = self._links.generation
+        return f"link certificates renewed (generation {generation}), valid until {until} UTC"
+
+    def remove_credentials(self) -> None:
+        """Remove every stage's credentials folder (the private keys on this machine); a
+        stage started after this could not link. Nothing to do when none is written."""
+        root, self.credentials_root = self.credentials_root, None
+        if root is not None:
+            shutil.rmtree(root, ignore_errors=True)
+        for stage in self.stages:
+            stage.link_dir = None
 
     def start(self, stage: StageProc) -> None:
         """Start (or restart) `stage` as the leader of a process group of its own, which
@@ -130,7 +202,7 @@ class LocalRun:
         with stage.log_path.open("ab") as log:
             stage.proc = subprocess.Popen(
                 [sys.executable, "-m", "relaytrain_worker", "--config", str(stage.config_path)],
-                env={**self.env, **stage.link_env},
+                env=self.env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 # Its own group: a Ctrl-C in the terminal reaches only us, and stop() can
@@ -199,7 +271,7 @@ class LocalRun:
     def supervise(self, show_progress: bool) -> int:
         """Run until every stage exits 0 (0), a stage fails more often than the failure
         policy allows (1), or SIGINT/SIGTERM stops the run (130/143). Every stage process is
-        gone when this returns."""
+        gone when this returns, and so are their link credentials (`remove_credentials`)."""
         handlers = {
             sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)
         }
@@ -208,6 +280,7 @@ class LocalRun:
             return self._supervise(bar)
         finally:
             self.stop()  # after a success nothing is left; after anything else, no orphans
+            self.remove_credentials()  # no stage is left to read them
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
             if bar is not None:
@@ -229,6 +302,9 @@ class LocalRun:
                 report.show_progress(bar, progress)
             finished = 0
             now = datetime.now(UTC)
+            renewed = self.renew_links(now)
+            if renewed is not None:
+                print(renewed, file=sys.stderr)
             for stage in self.stages:
                 assert stage.proc is not None
                 code = stage.proc.poll()
