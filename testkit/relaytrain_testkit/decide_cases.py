@@ -247,11 +247,12 @@ def observed(
     progress: Progress | None = None,
     now: datetime = NOW,
     inputs: InputProblem | None = None,
+    link_secret: dict[str, Any] | None = None,
 ) -> Observed:
     """What the observer would hand over: it reads what `needs` asks for."""
     by_stage = stage_pods(pods)
     nodes = NODES if nodes is None else nodes
-    wanted = needs(job, by_stage) if job is not None else Needs()
+    wanted = needs(job, by_stage, now) if job is not None else Needs()
     return Observed(
         job=job,
         now=now,
@@ -263,6 +264,7 @@ def observed(
         model=(model or ModelConfig(SMOLLM2_135M_CONFIG)) if wanted.model else None,
         inputs=inputs if wanted.model else None,
         progress=progress if wanted.progress else None,
+        link_secret=link_secret if wanted.link_secret else None,
     )
 
 

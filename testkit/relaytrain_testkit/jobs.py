@@ -317,6 +317,15 @@ class Job:
             backoff_seconds=backoff_seconds,
         )
 
+    def link_certificates(
+        self, *, lifetime_seconds: int | None = None, renew_at_percent: int | None = None
+    ) -> Job:
+        return self._section(
+            "spec.linkCertificates",
+            lifetime_seconds=lifetime_seconds,
+            renew_at_percent=renew_at_percent,
+        )
+
     def suspend(self, suspend: bool = True) -> Job:
         return self.set("spec.suspend", suspend)
 

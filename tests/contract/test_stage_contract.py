@@ -27,6 +27,7 @@ from relaytrain_operator.domain.stage_config import (
     pod_endpoints,
 )
 from relaytrain_operator.spec import FineTuneJob, parse_job
+from relaytrain_testkit.harness.kubelet_volumes import FileProjection, write_atomically
 from relaytrain_testkit.jobs import Job
 from relaytrain_worker.pipeline.loading import link_credentials
 from relaytrain_worker.pipeline.transport import AuthError, Frame, Link, connect, listen
@@ -183,15 +184,13 @@ def test_a_credential_secret_reaches_the_worker_by_the_names_in_the_document(
     assert store.credentials == S3Credentials("minio", "pw", None)
 
 
-def test_operator_minted_credentials_reach_a_stage_and_open_its_links() -> None:
-    # The pod's env (secretKeyRef into the link Secret, resolved as the kubelet does) gives
-    # each stage the credentials its document names; neighbours then link up over TLS.
+def test_operator_minted_credentials_reach_a_stage_and_open_its_links(tmp_path: Path) -> None:
+    # The pod's link volume (the Secret's items, written as the kubelet writes them) gives
+    # each stage the credentials at the folder its document names; neighbours then link.
     manifest, documents, secret = _three_stage_pods()
     name = manifest["metadata"]["name"]
-    creds = [
-        link_credentials(StageConfig.from_json(d), _pod_env(manifest, d, secret)) for d in documents
-    ]
-    cfg = [StageConfig.from_json(d) for d in documents]
+    cfg = [_mounted(manifest, d, secret, tmp_path / f"s{k}") for k, d in enumerate(documents)]
+    creds = [link_credentials(c) for c in cfg]
     assert [c.identity for c in creds] == [c.links.identity for c in cfg]
     with listen("127.0.0.1:0", credentials=creds[1], expect=str(cfg[1].links.prev_identity)) as lst:
         out: dict[str, Link] = {}
@@ -208,12 +207,17 @@ def test_operator_minted_credentials_reach_a_stage_and_open_its_links() -> None:
             assert down.peer_identity == cfg[0].links.identity
 
 
-def test_a_stage_handed_another_stages_certificate_stops_at_start_up() -> None:
+def test_a_stage_handed_another_stages_certificate_stops_at_start_up(tmp_path: Path) -> None:
     manifest, documents, secret = _three_stage_pods()
     ns, name = manifest["metadata"]["namespace"], manifest["metadata"]["name"]
-    env_of_stage_2 = _pod_env(manifest, documents[2], secret)
+    stage_2 = _mounted(manifest, documents[2], secret, tmp_path)
+    stage_1 = StageConfig.from_json(documents[1])
+    wired_wrong = stage_1.model_copy(
+        update={"links": stage_1.links.model_copy(update={"credentials_dir": str(tmp_path)})}
+    )
     with pytest.raises(AuthError, match=f"is relaytrain://{ns}/{name}/p0/s2, but this stage is"):
-        link_credentials(StageConfig.from_json(documents[1]), env_of_stage_2)
+        link_credentials(wired_wrong)
+    assert link_credentials(stage_2).identity == stage_2.links.identity
 
 
 def _three_stage_pods() -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any]]:
@@ -223,27 +227,43 @@ def _three_stage_pods() -> tuple[dict[str, Any], list[dict[str, Any]], dict[str,
     ns, name = job.metadata.namespace, job.metadata.name
     documents = build_stage_configs(job, _split(30, 3), pod_endpoints(name, ns, 3))
     minted = mint_link_credentials(ns, name, [3], now=datetime.now(UTC))
-    return manifest, documents, build_link_secret(manifest, minted)
+    return manifest, documents, build_link_secret(manifest, minted, {})
+
+
+def _pod_inputs(document: dict[str, Any], credentials: str | None = None) -> StagePodInputs:
+    return StagePodInputs(
+        index=document["stage"]["index"], pool="p", node_selector={}, memory_bytes=1 << 30,
+        stage_config=document, image="worker",
+        credentials=CredentialsRef(credentials) if credentials else None,
+    )  # fmt: skip
 
 
 def _pod_container(
     manifest: dict[str, Any], document: dict[str, Any], credentials: str | None = None
 ) -> dict[str, Any]:
-    inputs = StagePodInputs(
-        index=document["stage"]["index"], pool="p", node_selector={}, memory_bytes=1 << 30,
-        stage_config=document, image="worker",
-        credentials=CredentialsRef(credentials) if credentials else None,
-    )  # fmt: skip
-    container: dict[str, Any] = build_stage_pod(manifest, inputs)["spec"]["containers"][0]
+    pod = build_stage_pod(manifest, _pod_inputs(document, credentials))
+    container: dict[str, Any] = pod["spec"]["containers"][0]
     return container
 
 
-def _pod_env(
-    manifest: dict[str, Any], document: dict[str, Any], secret: dict[str, Any]
-) -> dict[str, str]:
-    env = {}
-    for var in _pod_container(manifest, document)["env"]:
-        ref = var.get("valueFrom", {}).get("secretKeyRef")
-        if ref and ref["name"] == secret["metadata"]["name"]:
-            env[var["name"]] = base64.b64decode(secret["data"][ref["key"]]).decode()
-    return env
+def _mounted(
+    manifest: dict[str, Any], document: dict[str, Any], secret: dict[str, Any], folder: Path
+) -> StageConfig:
+    """The stage's document as its pod sees it: the link volume's items written to `folder`
+    the way a kubelet writes a Secret volume, at the folder the document names."""
+    pod = build_stage_pod(manifest, _pod_inputs(document))
+    (volume,) = [v for v in pod["spec"]["volumes"] if "secret" in v]
+    assert volume["secret"]["secretName"] == secret["metadata"]["name"]
+    (mount,) = [
+        m for m in pod["spec"]["containers"][0]["volumeMounts"] if m["name"] == volume["name"]
+    ]
+    cfg = StageConfig.from_json(document)
+    assert mount["mountPath"] == cfg.links.credentials_dir
+    mode = volume["secret"]["defaultMode"]
+    payload = {
+        item["path"]: FileProjection(base64.b64decode(secret["data"][item["key"]]), mode)
+        for item in volume["secret"]["items"]
+    }
+    write_atomically(folder, payload)
+    links = cfg.links.model_copy(update={"credentials_dir": str(folder)})
+    return cfg.model_copy(update={"links": links})

@@ -24,6 +24,7 @@ import signal
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -79,18 +80,25 @@ def env(
 def test_job_survives_a_stage_killed_mid_run(env: dict[str, Any]) -> None:
     """The stage pods run in real containers from the worker image `make images` built
     (podman and runc, harness/containers.py), under the pod's securityContext in a
-    namespace that enforces `restricted`; one is SIGKILLed mid-run."""
+    namespace that enforces `restricted`; one is SIGKILLed mid-run, after the job's first
+    link certificates expired and renewed ones reached the running stages."""
     e = env
     core, custom, ns, runner = e["core"], e["custom"], e["ns"], e["runner"]
     name = "tiny-lora"
     worker_image = require_image("worker")
-    custom.create_namespaced_custom_object(
-        GROUP, VERSION, ns, PLURAL, tiny_job(name, e["minio"]).image(worker_image).build()
-    )
+    # Certificates of one minute, renewed halfway: the first ones expire mid-run, and the
+    # replacement below links with renewed ones to neighbours that read theirs again.
+    job = tiny_job(name, e["minio"]).image(worker_image)
+    job = job.link_certificates(lifetime_seconds=60, renew_at_percent=50)
+    custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, job.build())
 
     status = functools.partial(_job_status, custom, ns, name)
 
     watcher = ProgressWatcher(e["minio"], f"ckpt/{ns}/{name}/progress.json")
+    first_links = wait_for(
+        "status.linkCertificates", lambda: status().get("linkCertificates"), timeout=120
+    )
+    assert first_links["generation"] == 0, first_links
 
     def progressed_past_a_commit() -> Any:
         if status().get("phase") == "Failed":  # say why now, not when the wait runs out
@@ -146,6 +154,20 @@ def test_job_survives_a_stage_killed_mid_run(env: dict[str, Any]) -> None:
         os.kill(held, signal.SIGCONT)
         raise
     assert upgraded.metadata.uid != old_operator
+    # Still held: the job's first certificates run out, renewed ones are in place.
+    first_expiry = datetime.fromisoformat(first_links["notAfter"])
+
+    def renewed_and_first_expired() -> Any:
+        links = status().get("linkCertificates") or {}
+        expired = datetime.now(UTC) > first_expiry
+        return expired and links.get("generation", 0) >= 1 and links
+
+    try:
+        renewed = wait_for("the first certificates expired", renewed_and_first_expired, timeout=120)
+    except BaseException:
+        os.kill(held, signal.SIGCONT)
+        raise
+    print(f"Link certificates at generation {renewed['generation']} ({renewed['phase']})")
     now = stage_pods(core, ns, name)
     assert {n: p.metadata.uid for n, p in now.items()} == {
         n: p.metadata.uid for n, p in pods.items()
@@ -224,6 +246,7 @@ def test_job_survives_a_stage_killed_mid_run(env: dict[str, Any]) -> None:
 
     events = core.list_namespaced_event(ns).items
     assert any(ev.reason == "StageRestarting" and victim in (ev.message or "") for ev in events)
+    assert any(ev.reason == "LinkCertificatesRenewed" for ev in events)
 
     out = final.get("output") or {}
     mc = e["minio"].client()

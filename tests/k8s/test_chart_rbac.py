@@ -144,8 +144,12 @@ NEVER = [
     Permission("relaytrain.io", "finetunejobs", "delete"),
     Permission("relaytrain.io", "finetunejobs", "create"),
     Permission("", "pods", "patch"),
-    Permission("", "secrets", "update"),
+    # Updating Secrets is granted (renewing a job's link Secret in place: RBAC cannot name
+    # Secrets made at run time); reading them all, or deleting any, is not.
     Permission("", "secrets", "list"),
+    Permission("", "secrets", "watch"),
+    Permission("", "secrets", "delete"),
+    Permission("", "secrets", "patch"),
     Permission("", "pods/exec", "create"),
     Permission("relaytrain.io", "finetunejobs/scale", "update"),
     Permission("apiextensions.k8s.io", "customresourcedefinitions", "delete"),

@@ -14,6 +14,7 @@ The tests themselves use the admin kubeconfig.
 
 from __future__ import annotations
 
+import base64
 import json
 import uuid
 from collections.abc import Iterator
@@ -78,7 +79,7 @@ def operator(
     model_dir: Path,
 ) -> Iterator[OperatorProcess]:
     log = tmp_path_factory.mktemp("operator") / "operator.log"
-    args = ("--namespace", "rtop-*", "--resync-seconds", "1")
+    args = ("--namespace", "rtop-*", "--resync-seconds", "1", "--secret-propagation-seconds", "1")
     proc = OperatorProcess(identity.kubeconfig, log, *args)
     # The tests start once /metrics answers: a namespace (and job) made while kopf still
     # sets up its watches is served all the same (tests/k8s/test_operator_namespaces.py).
@@ -221,16 +222,19 @@ def test_three_stage_job_runs_on_its_planned_pools(kube: Cluster, model_dir: Pat
         assert container.security_context.capabilities.drop == ["ALL"]
         assert pod.metadata.owner_references[0].kind == "FineTuneJob"
         env = {e.name: e for e in container.env}
-        # Each pod gets the CA and only its own certificate and key from the link Secret.
-        refs = {
-            n: (env[n].value_from.secret_key_ref.name, env[n].value_from.secret_key_ref.key)
-            for n in ("RELAYTRAIN_LINK_CERT", "RELAYTRAIN_LINK_KEY", "RELAYTRAIN_LINK_CA")
+        from relaytrain_contract import LINK_CREDENTIALS_DIR
+
+        # Each pod mounts the CA and only its own certificate and key from the link Secret,
+        # where the worker reads them (and finds them renewed).
+        (link,) = [v for v in pod.spec.volumes if v.secret is not None]
+        assert link.secret.secret_name == "llm-link"
+        assert {i.key: i.path for i in link.secret.items} == {
+            "ca.crt": "ca.crt",
+            f"p0-s{k}.crt": "tls.crt",
+            f"p0-s{k}.key": "tls.key",
         }
-        assert refs == {
-            "RELAYTRAIN_LINK_CERT": ("llm-link", f"p0-s{k}.crt"),
-            "RELAYTRAIN_LINK_KEY": ("llm-link", f"p0-s{k}.key"),
-            "RELAYTRAIN_LINK_CA": ("llm-link", "ca.crt"),
-        }
+        (mount,) = [m for m in container.volume_mounts if m.name == link.name]
+        assert (mount.mount_path, mount.read_only) == (LINK_CREDENTIALS_DIR, True)
         # The worker parses what the operator wrote, with this stage's layers.
         config = StageConfig.from_json(env["RELAYTRAIN_STAGE_CONFIG"].value)
         assert (config.stage.index, config.stage.layer_start, config.stage.layer_end) == (
@@ -324,7 +328,8 @@ def test_two_pipelines_land_and_a_failed_stage_takes_out_its_pipeline_only(
         stage = plan["pipelines"][p]["stages"][k]
         assert pod.spec.node_selector["relaytrain.io/pool"] == stage["pool"]
         env = {e.name: e for e in pod.spec.containers[0].env}
-        assert env["RELAYTRAIN_LINK_CERT"].value_from.secret_key_ref.key == f"p{p}-s{k}.crt"
+        (link,) = [v for v in pod.spec.volumes if v.secret is not None]
+        assert {i.path: i.key for i in link.secret.items}["tls.crt"] == f"p{p}-s{k}.crt"
         config = StageConfig.from_json(env["RELAYTRAIN_STAGE_CONFIG"].value)
         assert config.replicas is not None and config.replicas.pipeline == p
         assert (config.stage.layer_start, config.stage.layer_end) == (
@@ -429,6 +434,54 @@ def test_an_unschedulable_job_gets_a_condition_and_no_pods(
     operator.wait_for_passes(kube.ns, "big", more=3)  # the periodic checks find no room either
     assert not kube.pods("big")
     assert kube.status("big")["phase"] == "Pending"
+
+
+def test_link_certificates_renew_in_three_phases_and_no_stage_restarts(
+    kube: Cluster, model_dir: Path
+) -> None:
+    """Certificates of a minute, renewed at 10% of it: the Secret passes through its three
+    phases a propagation delay apart (1 s here), the pods stay, and the status and one
+    Event say so (what each phase holds, and that stages link across them: unit tests)."""
+    from cryptography import x509
+
+    job = _job("certs", model_dir).link_certificates(lifetime_seconds=60, renew_at_percent=10)
+    kube.create_job(job.build())
+    wait_for("3 running stage pods", lambda: kube.running("certs", 3))
+    uids = kube.uids("certs")
+    first = kube.core.read_namespaced_secret("certs-link", kube.ns)
+    seen: list[str] = []
+
+    def renewed() -> Any:
+        secret = kube.core.read_namespaced_secret("certs-link", kube.ns)
+        notes = secret.metadata.annotations or {}
+        phase = (
+            f"{notes.get('relaytrain.io/link-generation')}:{notes.get('relaytrain.io/link-phase')}"
+        )
+        if not seen or seen[-1] != phase:
+            seen.append(phase)
+        return phase == "1:Current" and secret
+
+    secret = wait_for("the certificates renewed once", renewed, timeout=60, interval=0.1)
+    assert seen == ["0:Current", "0:Trusting", "1:Switching", "1:Current"], seen
+    files = {k: base64.b64decode(v).decode() for k, v in secret.data.items()}
+    assert sorted(files) == sorted(first.data)  # nothing staged is left
+    (ca,) = x509.load_pem_x509_certificates(files["ca.crt"].encode())
+    for k in range(3):
+        cert = x509.load_pem_x509_certificate(files[f"p0-s{k}.crt"].encode())
+        cert.verify_directly_issued_by(ca)
+        assert files[f"p0-s{k}.crt"] != base64.b64decode(first.data[f"p0-s{k}.crt"]).decode()
+    status = wait_for(
+        "the status at generation 1",
+        lambda: (s := kube.status("certs")).get("linkCertificates", {}).get("generation") and s,
+    )
+    links = status["linkCertificates"]
+    assert links["notAfter"] == ca.not_valid_after_utc.strftime("%Y-%m-%dT%H:%M:%SZ")
+    assert links["phase"] in ("Current", "Trusting")  # the next renewal may have begun
+    assert kube.uids("certs") == uids
+    assert kube.status("certs")["restarts"] == 0
+    wait_for(
+        "a LinkCertificatesRenewed event", lambda: kube.events("certs", "LinkCertificatesRenewed")
+    )
 
 
 def test_suspend_removes_pods_and_resume_brings_them_back(kube: Cluster, model_dir: Path) -> None:

@@ -7,6 +7,7 @@ import json
 from datetime import UTC, datetime
 
 import pytest
+from relaytrain_contract import CONFIG_ENV
 from relaytrain_operator.domain.builders.labels import JOB_LABEL, STAGE_LABEL, stage_dns_name
 from relaytrain_operator.domain.builders.secret import build_link_secret
 from relaytrain_operator.domain.builders.service import build_service
@@ -71,9 +72,6 @@ def test_secrets_reach_the_pod_only_by_reference() -> None:
     for name, (secret, key) in {
         "AWS_ACCESS_KEY_ID": ("s3-creds", "id"),
         "AWS_SECRET_ACCESS_KEY": ("s3-creds", "key"),
-        "RELAYTRAIN_LINK_CERT": ("smol-link", "p0-s0.crt"),
-        "RELAYTRAIN_LINK_KEY": ("smol-link", "p0-s0.key"),
-        "RELAYTRAIN_LINK_CA": ("smol-link", "ca.crt"),
     }.items():
         assert "value" not in env[name]
         assert env[name]["valueFrom"]["secretKeyRef"] == {"name": secret, "key": key}
@@ -82,22 +80,31 @@ def test_secrets_reach_the_pod_only_by_reference() -> None:
     assert "PRIVATE KEY" not in json.dumps(pod)
 
 
-def test_each_stage_pod_gets_only_its_own_link_key() -> None:
-    refs = {
-        (e["name"], e["valueFrom"]["secretKeyRef"]["key"])
-        for e in pod_for(1)["spec"]["containers"][0]["env"]
-        if e["name"].startswith("RELAYTRAIN_LINK_")
+def test_each_stage_pod_mounts_only_its_own_link_key_where_its_document_says() -> None:
+    pod = pod_for(1)
+    (volume,) = [v for v in pod["spec"]["volumes"] if "secret" in v]
+    assert volume["secret"]["secretName"] == "smol-link"
+    assert volume["secret"]["defaultMode"] == 0o440  # the worker's group reads it, no one else
+    assert pod["spec"]["securityContext"]["fsGroup"] == 10001
+    assert {i["key"]: i["path"] for i in volume["secret"]["items"]} == {
+        "ca.crt": "ca.crt",
+        "p0-s1.crt": "tls.crt",
+        "p0-s1.key": "tls.key",
     }
-    assert refs == {
-        ("RELAYTRAIN_LINK_CERT", "p0-s1.crt"),
-        ("RELAYTRAIN_LINK_KEY", "p0-s1.key"),
-        ("RELAYTRAIN_LINK_CA", "ca.crt"),
+    container = pod["spec"]["containers"][0]
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == volume["name"]]
+    document = json.loads(next(e["value"] for e in container["env"] if e["name"] == CONFIG_ENV))
+    assert mount == {
+        "name": volume["name"],
+        "mountPath": document["links"]["credentialsDir"],
+        "readOnly": True,
     }
+    assert not [e for e in container["env"] if "LINK" in e["name"]]
 
 
 def test_every_child_is_owned_by_the_job() -> None:
     files = mint_link_credentials("team-a", "smol", [2], now=datetime.now(UTC))
-    secret = build_link_secret(JOB.build(), files)
+    secret = build_link_secret(JOB.build(), files, {})
     for child in (pod_for(0), build_service(JOB.build()), secret):
         (owner,) = child["metadata"]["ownerReferences"]
         assert owner == {

@@ -114,7 +114,8 @@ def test_several_pipelines_are_planned_named_and_wired_per_pipeline() -> None:
     container = pod10["spec"]["containers"][0]
     assert {"name": "replica", "containerPort": 29501, "protocol": "TCP"} in container["ports"]
     env = {e["name"]: e for e in container["env"]}
-    assert env["RELAYTRAIN_LINK_CERT"]["valueFrom"]["secretKeyRef"]["key"] == "p1-s0.crt"
+    (link,) = [v for v in pod10["spec"]["volumes"] if "secret" in v]
+    assert {i["path"]: i["key"] for i in link["secret"]["items"]}["tls.crt"] == "p1-s0.crt"
     config = json.loads(env["RELAYTRAIN_STAGE_CONFIG"]["value"])
     assert config["links"]["next"] == "j-p1-s1.j.ns.svc:29500"
     assert config["replicas"]["pipeline"] == 1 and config["replicas"]["listen"] == "0.0.0.0:29501"

@@ -7,9 +7,12 @@ patch that changes nothing: all fine), so a pass cut short by a crash is simply 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
+from relaytrain_operator.domain.linkcerts import LinkState, Step
 from relaytrain_operator.spec import FineTuneJobStatus
 
 JsonDict = dict[str, Any]
@@ -26,10 +29,32 @@ class PatchStatus:
 @dataclass(frozen=True)
 class CreateLinkSecret:
     """Create the job's link Secret (kept if it exists: every stage, replacements included,
-    shares the first one)."""
+    shares it; `RenewLinkSecret` keeps it valid)."""
 
     stage_counts: tuple[int, ...]
     """Stages of each pipeline (one certificate per stage)."""
+    lifetime: timedelta
+    """How long its certificates are valid."""
+
+
+@dataclass(frozen=True)
+class RenewLinkSecret:
+    """Replace the job's link Secret by its next state in a renewal (`linkcerts`)."""
+
+    step: Step
+    """The change: one phase of a renewal, or a fresh set."""
+    files: Mapping[str, str]
+    """The Secret's files as read (decoded)."""
+    resource_version: str
+    """The version they were read at: a Secret changed since is not overwritten."""
+    after: LinkState
+    """The state the Secret records after the step."""
+    mint: int | None
+    """The generation to mint certificates of (trust, reissue); None: nothing to mint."""
+    stage_counts: tuple[int, ...]
+    """Stages of each pipeline, for what is minted."""
+    lifetime: timedelta
+    """How long minted certificates are valid."""
 
 
 @dataclass(frozen=True)
@@ -95,6 +120,7 @@ class PutGivenUp:
 Action = (
     PatchStatus
     | CreateLinkSecret
+    | RenewLinkSecret
     | Create
     | DeletePod
     | PostEvent

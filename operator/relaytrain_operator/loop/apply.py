@@ -15,7 +15,6 @@ patch is sent only for the fields that differ from the stored ones.
 
 from __future__ import annotations
 
-import base64
 import json
 import logging
 from collections.abc import Callable, Iterator, Sequence
@@ -30,8 +29,13 @@ from relaytrain_contract import GIVEN_UP_FILE
 
 from relaytrain_operator.domain import queueing
 from relaytrain_operator.domain.builders.labels import JOB_LABEL
-from relaytrain_operator.domain.builders.secret import build_link_secret
-from relaytrain_operator.domain.linkcerts import mint_link_credentials
+from relaytrain_operator.domain.builders.secret import build_link_secret, secret_files
+from relaytrain_operator.domain.linkcerts import (
+    LinkState,
+    mint_link_credentials,
+    renewed_files,
+    state_annotations,
+)
 from relaytrain_operator.domain.progress import job_store_uri
 from relaytrain_operator.domain.status import changes, to_manifest
 from relaytrain_operator.loop.actions import (
@@ -43,6 +47,7 @@ from relaytrain_operator.loop.actions import (
     PatchStatus,
     PatchWorkload,
     PutGivenUp,
+    RenewLinkSecret,
 )
 from relaytrain_operator.spec import FineTuneJob, parse_job
 from relaytrain_operator.store.objectstore import StoreAccess, StoreError, write_json
@@ -166,17 +171,30 @@ class ClusterApi:
         items: list[JsonDict] = _json(response)["items"]
         return items
 
-    def get_secret_data(self, namespace: str, name: str) -> dict[str, str] | None:
-        """A Secret's keys and decoded values; None if the Secret does not exist. A read the
-        operator's RBAC forbids raises (the pass fails and the job gets a Forbidden Event),
-        rather than passing for a missing Secret."""
+    def get_secret(self, namespace: str, name: str) -> JsonDict | None:
+        """A Secret as stored; None if it does not exist. A read the operator's RBAC forbids
+        raises (the pass fails and the job gets a Forbidden Event), rather than passing for
+        a missing Secret."""
         try:
-            secret = _json(self._core.read_namespaced_secret(name, namespace, **_RAW))
+            secret: JsonDict = _json(self._core.read_namespaced_secret(name, namespace, **_RAW))
         except ApiException as exc:
             if exc.status == 404:
                 return None
             raise
-        return {k: base64.b64decode(v).decode() for k, v in (secret.get("data") or {}).items()}
+        return secret
+
+    def get_secret_data(self, namespace: str, name: str) -> dict[str, str] | None:
+        """A Secret's keys and decoded values; None if the Secret does not exist."""
+        secret = self.get_secret(namespace, name)
+        return None if secret is None else secret_files(secret)
+
+    def replace_secret(self, obj: JsonDict) -> None:
+        """Replace a Secret; its metadata.resourceVersion must be the one it was read at (a
+        Secret changed since answers 409, which fails the pass: the next reads it again)."""
+        meta = obj["metadata"]
+        replace: Any = self._core.replace_namespaced_secret  # takes the manifest as a dict
+        replace(meta["name"], meta["namespace"], obj, **_RAW)
+        logger.info("Replaced Secret %s/%s.", meta["namespace"], meta["name"])
 
     # --- Kueue -----------------------------------------------------------------------
 
@@ -318,6 +336,8 @@ class Executor:
                 stored = new
             elif isinstance(action, CreateLinkSecret):
                 self._create_link_secret(job, action, now)
+            elif isinstance(action, RenewLinkSecret):
+                self._renew_link_secret(job, action, now)
             elif isinstance(action, Create):
                 self.api.create(action.obj)
             elif isinstance(action, DeletePod):
@@ -357,9 +377,28 @@ class Executor:
     def _create_link_secret(self, job: JsonDict, action: CreateLinkSecret, now: datetime) -> None:
         meta = job["metadata"]
         pki = mint_link_credentials(
-            meta["namespace"], meta["name"], list(action.stage_counts), now=now
-        )
-        self.api.create(build_link_secret(job, pki))
+            meta["namespace"], meta["name"], list(action.stage_counts), now=now,
+            lifetime=action.lifetime,
+        )  # fmt: skip
+        state = LinkState(0, "Current", now, now, now + action.lifetime)
+        self.api.create(build_link_secret(job, pki, state_annotations(state)))
+
+    def _renew_link_secret(self, job: JsonDict, action: RenewLinkSecret, now: datetime) -> None:
+        meta = job["metadata"]
+        minted = None
+        if action.mint is not None:
+            minted = mint_link_credentials(
+                meta["namespace"], meta["name"], list(action.stage_counts), now=now,
+                lifetime=action.lifetime, generation=action.mint,
+            )  # fmt: skip
+        files = renewed_files(action.step, action.files, minted)
+        annotations = state_annotations(action.after)
+        self.api.replace_secret(build_link_secret(job, files, annotations, action.resource_version))
+        logger.info(
+            "Link certificates of %s/%s: %s (generation %d, %s, valid until %s).",
+            meta["namespace"], meta["name"], action.step, action.after.generation,
+            action.after.phase, action.after.not_after.isoformat(),
+        )  # fmt: skip
 
     def _create_pods(self, pods: list[JsonDict]) -> None:
         if pods:

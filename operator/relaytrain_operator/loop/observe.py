@@ -13,6 +13,8 @@ and the object store, and only when a pass needs it:
   immutable in practice; a restart reads it again);
 - progress.json of a started job, once per pass (and given-up.json while a pipeline is
   given up);
+- the job's link Secret when its certificates are due for a change (status.linkCertificates
+  says when), or the status does not say yet;
 - the Workload of a job submitted to a Kueue LocalQueue, and, for a pass that creates
   stage pods, the ResourceFlavors it was admitted with.
 """
@@ -26,7 +28,7 @@ from typing import Any
 from relaytrain_contract import GIVEN_UP_FILE, PROGRESS_FILE, ConfigError
 from relaytrain_contract import Progress as Record
 
-from relaytrain_operator.domain.builders.labels import StageKey
+from relaytrain_operator.domain.builders.labels import StageKey, link_secret_name
 from relaytrain_operator.domain.progress import Progress, fold, job_store_uri
 from relaytrain_operator.domain.queueing import priority_class_of, read_admission, workload_name
 from relaytrain_operator.loop.apply import ClusterApi
@@ -117,6 +119,11 @@ class Observer:
             flavors=flavors,
             priority=priority,
             told_given_up=self.told_given_up(spec, access) if wanted.given_up else None,
+            link_secret=(
+                self.api.get_secret(spec.metadata.namespace, link_secret_name(spec.metadata.name))
+                if wanted.link_secret
+                else None
+            ),
         )
 
     def store_access(self, job: FineTuneJob) -> StoreAccess:

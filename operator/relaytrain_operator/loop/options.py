@@ -40,6 +40,10 @@ class OperatorOptions(BaseModel):
     """Link latency assumed for GPU nodes without the relaytrain.io link annotations."""
     node_lost_seconds: float = Field(60.0, ge=0)
     """How long a node may be NotReady before its stage pods are replaced elsewhere."""
+    secret_propagation_seconds: float = Field(90.0, ge=0)
+    """How long a changed Secret may take to reach the pods that mount it (the kubelet's
+    sync period plus its cache's): the phases of a link certificate renewal wait this
+    long for each other."""
     gpu_catalog: str | None = None
     """YAML/JSON file of GPU catalog overrides (the chart mounts one from its values)."""
     debug: bool = False
@@ -81,6 +85,7 @@ _FLAGS = (
     ("--resync-seconds", "resync_seconds", "RESYNC_SECONDS"),
     ("--worker-image", "worker_image", "WORKER_IMAGE"),
     ("--node-lost-seconds", "node_lost_seconds", "NODE_LOST_SECONDS"),
+    ("--secret-propagation-seconds", "secret_propagation_seconds", "SECRET_PROPAGATION_SECONDS"),
     ("--max-workers", "max_workers", "MAX_WORKERS"),
     ("--gpu-catalog", "gpu_catalog", "GPU_CATALOG"),
 )

@@ -77,6 +77,7 @@ class Runner:
             worker_image=options.worker_image,
             default_link=(options.default_link_mbps, options.default_link_latency_ms),
             catalog=catalog,
+            secret_propagation_seconds=options.secret_propagation_seconds,
         )
         self.observer = Observer(api)
         self.executor = Executor(api, post_event, store_access=self.observer.store_access)
@@ -136,10 +137,10 @@ class Runner:
         """Observe what the decision needs, decide, and apply its actions."""
         namespace, name = job["metadata"]["namespace"], job["metadata"]["name"]
         indexed = stage_pods(list(pods.get((namespace, name), ())))
-        wanted = needs(job, indexed)
+        wanted = needs(job, indexed, now)
         if wanted.pods:
             indexed = await self._in_thread(self.observer.stage_pods, namespace, name)
-            wanted = needs(job, indexed)
+            wanted = needs(job, indexed, now)
         async with self._placing if wanted.room else contextlib.nullcontext():
             known = _nodes(nodes, None if wanted.room else indexed.values())
             observed = await self._in_thread(

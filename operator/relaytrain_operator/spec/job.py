@@ -29,6 +29,7 @@ from relaytrain_operator.spec.sections import (
     CheckpointSpec,
     DatasetSpec,
     FailurePolicy,
+    LinkCertificatesSpec,
     MethodSpec,
     ModelSpec,
     OutputSpec,
@@ -96,6 +97,8 @@ class FineTuneJobSpec(SpecModel):
     """Where the result goes; empty means `<checkpoint.uri>/<namespace>/<job>/output/`."""
     failure_policy: FailurePolicy = Field(default_factory=FailurePolicy)
     """When a failing stage fails the job."""
+    link_certificates: LinkCertificatesSpec = Field(default_factory=LinkCertificatesSpec)
+    """How long the links' certificates are valid and when they are renewed."""
     suspend: bool = False
     """True removes the stage pods and keeps the job (queueing systems such as Kueue hold jobs
     this way); false again resumes from the last checkpoint."""

@@ -40,6 +40,7 @@ __all__ = [
     "CredentialsSecret",
     "DatasetSpec",
     "FailurePolicy",
+    "LinkCertificatesSpec",
     "MethodSpec",
     "ModelSpec",
     "OutputSpec",
@@ -431,6 +432,18 @@ class OutputSpec(SpecModel):
     uri: StoreUri
     """`s3://bucket/prefix` or a local directory; receives the adapter in PEFT format (lora,
     qlora) or safetensors of the trained weights (full)."""
+
+
+class LinkCertificatesSpec(SpecModel):
+    """The certificates the stages prove themselves with on their links (mutual TLS, one
+    CA per job), renewed while the job runs."""
+
+    lifetime_seconds: Annotated[int, Field(ge=60, le=31_536_000)] = 2_592_000
+    """How long each certificate is valid (30 days by default); a renewal mints the next
+    ones for as long."""
+    renew_at_percent: Annotated[int, Field(ge=10, le=90)] = 67
+    """The share of that lifetime after which the operator renews them (and, at the
+    latest, three Secret propagation delays before they expire)."""
 
 
 class FailurePolicy(SpecModel):

@@ -18,6 +18,7 @@ __all__ = [
     "PHASES",
     "Condition",
     "FineTuneJobStatus",
+    "LinkCertificatesStatus",
     "OutputStatus",
     "Phase",
     "PipelineStatus",
@@ -224,6 +225,20 @@ class ProgressStatus(_Status):
     """Optimizer steps finished when evalLoss was evaluated (0: the base model)."""
 
 
+class LinkCertificatesStatus(_Status):
+    """The links' certificates, as the job's link Secret holds them."""
+
+    generation: int
+    """Renewals so far (0: the certificates minted at the start)."""
+    phase: Literal["Current", "Trusting", "Switching"]
+    """Where a renewal stands: none under way, the next CA trusted, the next certificates in
+    use (docs/operator.md)."""
+    not_after: Timestamp
+    """When the certificates the stages use expire (RFC 3339)."""
+    next_step_at: Timestamp
+    """When the operator next changes them: the next renewal, or its next phase."""
+
+
 class OutputStatus(_Status):
     """Where the result is."""
 
@@ -268,6 +283,8 @@ class FineTuneJobStatus(_Status):
     """Training progress, from the workers' progress record."""
     output: OutputStatus | None = None
     """Where the result is, once the job Succeeded."""
+    link_certificates: LinkCertificatesStatus | None = None
+    """The links' certificates: when they expire and when they are renewed."""
 
 
 def status_patch(status: FineTuneJobStatus) -> dict[str, object]:

@@ -71,6 +71,9 @@ def chart_values(jobs_namespace: str) -> dict[str, Any]:
     return {
         "watchNamespaces": [jobs_namespace],
         "resyncSeconds": 1,
+        # The test kubelet refreshes a mounted Secret every second (a real one within a
+        # minute or so: the chart's default is 90).
+        "secretPropagationSeconds": 3,
         "metrics": {"port": free_port()},
         "healthPort": free_port(),
         "probes": {

@@ -6,7 +6,16 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from relaytrain_contract import CONFIG_ENV, LINK_PORT, METRICS_PORT, REPLICA_PORT
+from relaytrain_contract import (
+    CONFIG_ENV,
+    LINK_CA_FILE,
+    LINK_CERT_FILE,
+    LINK_CREDENTIALS_DIR,
+    LINK_KEY_FILE,
+    LINK_PORT,
+    METRICS_PORT,
+    REPLICA_PORT,
+)
 from relaytrain_contract.exits import TERMINATION_LOG
 
 from relaytrain_operator.domain.builders.labels import (
@@ -85,18 +94,6 @@ def _env(job_name: str, inputs: StagePodInputs) -> list[dict[str, Any]]:
         {"name": "HOME", "value": "/tmp"},
         {"name": "HF_HOME", "value": "/tmp/hf"},
     ]
-    # The link Secret holds every stage's key; each pod gets only its own (and the CA's
-    # certificate), by reference.
-    links = config.get("links") or {}
-    link_secret = link_secret_name(job_name)
-    pipeline = inputs.pipeline or 0
-    for env_field, file in (
-        ("certEnv", cert_file(pipeline, inputs.index)),
-        ("keyEnv", key_file(pipeline, inputs.index)),
-        ("caEnv", CA_FILE),
-    ):
-        if links.get(env_field):
-            env.append(_secret_env(links[env_field], link_secret, file))
     checkpoint = config.get("checkpoint") or {}
     if inputs.credentials is not None:
         ref = inputs.credentials
@@ -129,6 +126,30 @@ def _resources(inputs: StagePodInputs) -> dict[str, Any]:
     # from starving its neighbours on a shared node.
     limits = {GPU_RESOURCE: "1", "memory": memory}
     return {"requests": requests, "limits": limits}
+
+
+LINK_VOLUME = "link"
+"""The stage pod's volume of its link credentials."""
+
+
+def _link_volume(job_name: str, inputs: StagePodInputs) -> dict[str, Any]:
+    """The job's link Secret as a volume: of its files, only this stage's certificate and key
+    (and the CA certificates every stage trusts), under the names the worker reads. A
+    mounted Secret (unlike an environment variable) follows the Secret: the kubelet swaps
+    the files in when the operator renews the certificates."""
+    pipeline = inputs.pipeline or 0
+    return {
+        "name": LINK_VOLUME,
+        "secret": {
+            "secretName": link_secret_name(job_name),
+            "defaultMode": 0o440,  # the worker's group (fsGroup) reads it; no one else
+            "items": [
+                {"key": CA_FILE, "path": LINK_CA_FILE},
+                {"key": cert_file(pipeline, inputs.index), "path": LINK_CERT_FILE},
+                {"key": key_file(pipeline, inputs.index), "path": LINK_KEY_FILE},
+            ],
+        },
+    }
 
 
 def build_stage_pod(job: dict[str, Any], inputs: StagePodInputs) -> dict[str, Any]:
@@ -175,6 +196,7 @@ def build_stage_pod(job: dict[str, Any], inputs: StagePodInputs) -> dict[str, An
         "volumeMounts": [
             {"name": "tmp", "mountPath": "/tmp"},
             {"name": "cache", "mountPath": CACHE_DIR},
+            {"name": LINK_VOLUME, "mountPath": LINK_CREDENTIALS_DIR, "readOnly": True},
         ],
     }
     spec: dict[str, Any] = {
@@ -192,7 +214,11 @@ def build_stage_pod(job: dict[str, Any], inputs: StagePodInputs) -> dict[str, An
             "seccompProfile": {"type": "RuntimeDefault"},
         },
         "containers": [container],
-        "volumes": [{"name": "tmp", "emptyDir": {}}, {"name": "cache", "emptyDir": {}}],
+        "volumes": [
+            {"name": "tmp", "emptyDir": {}},
+            {"name": "cache", "emptyDir": {}},
+            _link_volume(job_name, inputs),
+        ],
         "terminationGracePeriodSeconds": 30,
     }
     if inputs.tolerations:

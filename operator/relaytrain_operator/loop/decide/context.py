@@ -77,6 +77,9 @@ class Settings:
     """(Mbps, ms) assumed for GPU nodes without link annotations."""
     catalog: Catalog | None = None
     """The GPU catalog (None: the built-in one)."""
+    secret_propagation_seconds: float = 90.0
+    """How long a changed Secret may take to reach the pods that mount it (the kubelet's
+    sync period and cache): the phases of a link certificate renewal are this far apart."""
 
 
 @dataclass(frozen=True)
@@ -131,6 +134,9 @@ class Observed:
     told_given_up: tuple[int, ...] | None = None
     """The pipelines the job's store says are given up (names.GIVEN_UP_FILE, what the
     operator wrote for the stages); None when not read, absent or unreadable."""
+    link_secret: JsonDict | None = None
+    """The job's link Secret as stored; read when `needs().link_secret` (None: not read, or
+    there is none)."""
 
 
 @dataclass(frozen=True)
@@ -152,6 +158,9 @@ class Needs:
     given_up: bool = False
     """What the store tells the stages of given-up pipelines (a started job on s3:// with a
     pipeline given up)."""
+    link_secret: bool = False
+    """The job's link Secret (a started job whose certificates are due for a change, or
+    whose status does not say yet when they are)."""
 
 
 @dataclass(frozen=True)

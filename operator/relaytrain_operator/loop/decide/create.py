@@ -56,16 +56,21 @@ def create_stages(
     assert plan is not None and cluster_pods is not None
     splits = plan.splits()
     counts = tuple(len(split) for split in splits)
-    ctx.actions.append(CreateLinkSecret(counts))
+    lifetime = timedelta(seconds=spec.spec.link_certificates.lifetime_seconds)
+    ctx.actions.append(CreateLinkSecret(counts, lifetime))
     ctx.actions.append(Create(build_service(ctx.job)))
     shares = (
         [p.micro_batches for p in plan.pipelines]
         if plan.pipelines
         else [spec.spec.training.micro_batches]
     )
+    # A renewal's phase reaches every pod within one propagation delay: a link refused on
+    # its certificate chain while one end has the newer files is tried again that long.
+    grace = 2 * ctx.settings.secret_propagation_seconds
     configs = build_pipeline_configs(
-        spec, splits, job_pod_endpoints(ctx.name, ctx.namespace, counts), shares
-    )
+        spec, splits, job_pod_endpoints(ctx.name, ctx.namespace, counts), shares,
+        renewal_grace=grace,
+    )  # fmt: skip
     replacing = {
         key: (_pool(plan, entries[key], key), _memory(plan, key))
         for key in due

@@ -13,10 +13,17 @@ stages (admission.py).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from datetime import datetime
 
 from relaytrain_operator.domain.builders.labels import StageKey
 from relaytrain_operator.domain.queueing import queue_name
-from relaytrain_operator.domain.status import Verdict, idle_stage, is_terminal, load_status
+from relaytrain_operator.domain.status import (
+    Verdict,
+    idle_stage,
+    is_terminal,
+    load_status,
+    parse_time,
+)
 from relaytrain_operator.loop.decide.admission import admitted, hold_workload, plan
 from relaytrain_operator.loop.decide.context import (
     Decision,
@@ -34,8 +41,9 @@ from relaytrain_operator.loop.decide.stages import run_stages
 from relaytrain_operator.spec import is_s3
 
 
-def needs(job: JsonDict, pods: Mapping[StageKey, JsonDict]) -> Needs:
-    """Which costly inputs `decide` needs for `job`, given its stage pods as indexed."""
+def needs(job: JsonDict, pods: Mapping[StageKey, JsonDict], now: datetime | None = None) -> Needs:
+    """Which costly inputs `decide` needs for `job`, given its stage pods as indexed, at
+    `now` (None: no time-driven read, the link Secret's)."""
     spec = parse_spec(job)
     status = load_status(job.get("status"))
     if isinstance(spec, str) or is_terminal(status):
@@ -48,7 +56,10 @@ def needs(job: JsonDict, pods: Mapping[StageKey, JsonDict]) -> Needs:
     assert status.plan is not None
     out = given_up(status)
     missing = any(key not in pods for key in planned_keys(status.plan) if key[0] not in out)
+    links = status.link_certificates
+    due = parse_time(links.next_step_at) if links is not None else None
     return Needs(
+        link_secret=now is not None and (due is None or now >= due),
         pods=missing,
         room=missing,
         progress=is_s3(spec.spec.checkpoint.uri),

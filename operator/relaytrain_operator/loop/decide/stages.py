@@ -39,6 +39,7 @@ from relaytrain_operator.loop.decide.context import (
     planned_keys,
 )
 from relaytrain_operator.loop.decide.create import create_stages
+from relaytrain_operator.loop.decide.links import keep_links_valid
 from relaytrain_operator.loop.decide.progress import fail, follow_progress
 from relaytrain_operator.spec import FineTuneJob, PlanStatus, StageStatus, is_s3
 
@@ -75,6 +76,9 @@ def run_stages(ctx: Pass, spec: FineTuneJob) -> None:
         if verdict.action == "delete":
             meta = ctx.observed.pods[key]["metadata"]
             ctx.actions.append(DeletePod(meta["name"], meta.get("uid"), verdict.force))
+    # Certificates renewed (or reissued, after a long suspension) before any pod is
+    # created with them.
+    keep_links_valid(ctx, spec)
     waiting: dict[StageKey, str] = {}
     creating = [key for key, v in judged.verdicts.items() if v.action == "create"]
     if creating:

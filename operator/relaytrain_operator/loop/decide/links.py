@@ -1,0 +1,84 @@
+"""The links' certificates of a running job: renewed before they expire.
+
+The job's link Secret (`<job>-link`) is the record: its certificates say when they were
+minted and expire, its annotations where a renewal stands (domain/linkcerts.py). A pass
+reads it only when status.linkCertificates says a change is due (or does not say yet),
+takes the step `linkcerts.renewal_step` names, mirrors the result into status, and asks
+for another pass when the next step is due. A step replaces the Secret at the version it
+was read at, so two operators (or a pass redone after a crash) never apply one twice.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from relaytrain_operator.domain.builders.secret import secret_files
+from relaytrain_operator.domain.linkcerts import (
+    LinkState,
+    advanced,
+    link_state,
+    renewal_due,
+    renewal_step,
+)
+from relaytrain_operator.domain.status import parse_time, rfc3339
+from relaytrain_operator.loop.actions import RenewLinkSecret
+from relaytrain_operator.loop.decide.context import Pass
+from relaytrain_operator.spec import FineTuneJob, LinkCertificatesStatus
+
+
+def keep_links_valid(ctx: Pass, spec: FineTuneJob) -> None:
+    """Take the renewal step that is due on the job's link Secret, if one is, and keep
+    status.linkCertificates and the next pass's time in step with it."""
+    policy = spec.spec.link_certificates
+    renew_at = policy.renew_at_percent / 100
+    propagation = timedelta(seconds=ctx.settings.secret_propagation_seconds)
+    secret = ctx.observed.link_secret
+    if secret is not None:
+        files = secret_files(secret)
+        state = link_state(files, (secret.get("metadata") or {}).get("annotations") or {})
+        step = renewal_step(state, ctx.now, renew_at, propagation)
+        if step is not None:
+            plan = ctx.status.plan
+            assert plan is not None
+            lifetime = timedelta(seconds=policy.lifetime_seconds)
+            after = advanced(state, step, ctx.now, lifetime, files)
+            mint = None
+            if step in ("trust", "reissue"):
+                mint = state.generation + 1
+            ctx.actions.append(
+                RenewLinkSecret(
+                    step,
+                    files,
+                    secret["metadata"]["resourceVersion"],
+                    after,
+                    mint,
+                    tuple(len(split) for split in plan.splits()),
+                    lifetime,
+                )
+            )
+            if after.phase == "Current":
+                ctx.event(
+                    "Normal",
+                    "LinkCertificatesRenewed",
+                    f"The links' certificates were renewed (generation {after.generation}, a "
+                    f"new CA); they are valid until {rfc3339(after.not_after)}.",
+                )
+            state = after
+        ctx.update(link_certificates=_status(state, renew_at, propagation))
+    links = ctx.status.link_certificates
+    due = parse_time(links.next_step_at) if links is not None else None
+    if due is not None:
+        wait = (due - ctx.now).total_seconds()
+        ctx.retry_after = wait if ctx.retry_after is None else min(ctx.retry_after, wait)
+
+
+def _status(state: LinkState, renew_at: float, propagation: timedelta) -> LinkCertificatesStatus:
+    due = min(renewal_due(state, renew_at, propagation), state.not_after)
+    if due.microsecond:  # status keeps whole seconds: the next read must not come early
+        due = due.replace(microsecond=0) + timedelta(seconds=1)
+    return LinkCertificatesStatus(
+        generation=state.generation,
+        phase=state.phase,
+        not_after=rfc3339(state.not_after),
+        next_step_at=rfc3339(due),
+    )
