@@ -121,3 +121,13 @@ def test_expired_certificates_are_reissued_before_a_replacement_is_created() -> 
     document = json.loads(env[CONFIG_ENV])
     assert document["links"]["renewalGraceSeconds"] == 2 * P.total_seconds()
     assert _links(decision)["generation"] == 1
+
+
+def test_a_link_secret_gone_is_not_polled_faster_than_the_periodic_check() -> None:
+    """Due, read, and not there (someone deleted it): no renewal to take, and no early
+    wake-up either (the next periodic pass reads again)."""
+    links = {"generation": 0, "phase": "Current", "notAfter": "2026-12-20T00:00:00Z"}
+    status = running_status(linkCertificates={**links, "nextStepAt": rfc3339(NOW - P)})
+    decision = decide(observed(JOB.status(status).build(), [pod(0), pod(1)]), SETTINGS)
+    assert not [a for a in decision.actions if isinstance(a, RenewLinkSecret)]
+    assert decision.retry_after is None

@@ -67,7 +67,9 @@ def keep_links_valid(ctx: Pass, spec: FineTuneJob) -> None:
         ctx.update(link_certificates=_status(state, renew_at, propagation))
     links = ctx.status.link_certificates
     due = parse_time(links.next_step_at) if links is not None else None
-    if due is not None:
+    # A time already past (the Secret is gone: nothing was read to move it on) wakes no
+    # one early; the periodic check reads again.
+    if due is not None and due > ctx.now:
         wait = (due - ctx.now).total_seconds()
         ctx.retry_after = wait if ctx.retry_after is None else min(ctx.retry_after, wait)
 
