@@ -16,7 +16,7 @@ import base64
 import io
 import json
 from collections.abc import Iterator
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -218,7 +218,7 @@ def test_the_executor_applies_actions_in_order_and_patches_only_what_changed(
         job,
         [
             DeletePod("j-stage-0", first_stage_0, force=True),
-            CreateLinkSecret((2,)),
+            CreateLinkSecret((2,), timedelta(days=30)),
             Create(build_service(job)),
             Create(stage_pod(kube.ns, 0)),
             Create(stage_pod(kube.ns, 2)),
@@ -252,7 +252,7 @@ def test_actions_applied_again_change_nothing_and_a_stale_delete_spares_the_succ
     first = kube.create_pod(stage_pod(kube.ns, 0))
     actions: list[Action] = [
         DeletePod("j-stage-0", first),
-        CreateLinkSecret((2,)),
+        CreateLinkSecret((2,), timedelta(days=30)),
         Create(build_service(job)),
         Create(stage_pod(kube.ns, 0)),
     ]
@@ -275,7 +275,7 @@ def test_actions_applied_again_change_nothing_and_a_stale_delete_spares_the_succ
 def test_the_link_secret_is_minted_once_for_every_stage(kube: Kube, api: ClusterApi) -> None:
     job = kube.create_job(cluster_job("j", "s3://models/smol/", kube.ns).build())
     executor = Executor(api, lambda *a: None)
-    executor.run(job, [CreateLinkSecret((2,))], datetime.now(UTC))
+    executor.run(job, [CreateLinkSecret((2,), timedelta(days=30))], datetime.now(UTC))
     secret = kube.secret("j-link")
     assert secret["type"] == "Opaque"
     assert owner_uid(secret) == ("FineTuneJob", job["metadata"]["uid"])
@@ -288,7 +288,7 @@ def test_the_link_secret_is_minted_once_for_every_stage(kube: Kube, api: Cluster
     for stage in ("p0-s0.crt", "p0-s1.crt"):
         files[stage].verify_directly_issued_by(files["ca.crt"])
     # A second mint (a replacement's pass) keeps the first: every stage shares one CA.
-    executor.run(job, [CreateLinkSecret((2,))], datetime.now(UTC))
+    executor.run(job, [CreateLinkSecret((2,), timedelta(days=30))], datetime.now(UTC))
     assert kube.secret("j-link") == secret
 
 
