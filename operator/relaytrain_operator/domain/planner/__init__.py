@@ -10,6 +10,9 @@ Public API (stable; the operator and `relaytrain plan` call it)::
     fleet = plan_fleet(model, training, pools, sync=Sync("periodic", every=8))
     fleet.pipelines, fleet.tokens_per_second, fleet.speedup, fleet.to_dict()
 
+    growth = plan_growth(model, training, fleet.pipelines, pools, free, steps_left=500)
+    growth.added, growth.shares, growth.pays, growth.reason
+
 See docs/planner.md for the cost model, the search and the ``status.plan`` shape.
 """
 
@@ -24,6 +27,7 @@ from relaytrain_operator.domain.planner.catalog import (
 from relaytrain_operator.domain.planner.cost import CostSettings
 from relaytrain_operator.domain.planner.fleet import plan_fleet
 from relaytrain_operator.domain.planner.fleet_result import FleetPlan
+from relaytrain_operator.domain.planner.growth import Growth, plan_growth
 from relaytrain_operator.domain.planner.model_shape import ModelShape, ModelShapeError
 from relaytrain_operator.domain.planner.pools import (
     Pool,
@@ -46,6 +50,7 @@ __all__ = [
     "CostSettings",
     "FleetPlan",
     "GpuSpec",
+    "Growth",
     "LoraTargetError",
     "ModelShape",
     "ModelShapeError",
@@ -61,6 +66,7 @@ __all__ = [
     "assess",
     "plan",
     "plan_fleet",
+    "plan_growth",
     "pools_from_file",
     "pools_from_nodes",
     "split_micro_batches",
