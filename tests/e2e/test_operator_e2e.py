@@ -86,10 +86,10 @@ def test_job_survives_a_stage_killed_mid_run(env: dict[str, Any]) -> None:
     core, custom, ns, runner = e["core"], e["custom"], e["ns"], e["runner"]
     name = "tiny-lora"
     worker_image = require_image("worker")
-    # Certificates of one minute, renewed halfway: the first ones expire mid-run, and the
+    # Certificates of 30 s, renewed halfway: the first ones expire mid-run, and the
     # replacement below links with renewed ones to neighbours that read theirs again.
     job = tiny_job(name, e["minio"]).image(worker_image)
-    job = job.link_certificates(lifetime_seconds=60, renew_at_percent=50)
+    job = job.link_certificates(lifetime_seconds=30, renew_at_percent=50)
     custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, job.build())
 
     status = functools.partial(_job_status, custom, ns, name)

@@ -438,9 +438,10 @@ class LinkCertificatesSpec(SpecModel):
     """The certificates the stages prove themselves with on their links (mutual TLS, one
     CA per job), renewed while the job runs."""
 
-    lifetime_seconds: Annotated[int, Field(ge=60, le=31_536_000)] = 2_592_000
+    lifetime_seconds: Annotated[int, Field(ge=30, le=31_536_000)] = 2_592_000
     """How long each certificate is valid (30 days by default); a renewal mints the next
-    ones for as long."""
+    ones for as long. It must exceed three Secret propagation delays (the operator's
+    `--secret-propagation-seconds`, 90 by default): a renewal's phases take that long."""
     renew_at_percent: Annotated[int, Field(ge=10, le=90)] = 67
     """The share of that lifetime after which the operator renews them (and, at the
     latest, three Secret propagation delays before they expire)."""
