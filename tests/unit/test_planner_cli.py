@@ -264,3 +264,46 @@ def test_kubeconfig_reads_live_nodes_and_leaves_out_gpus_pods_hold(
     assert rc == 0 and seen == [str(tmp_path / "kc.yaml")]
     pools = {s["pool"] for s in json.loads(capsys.readouterr().out)["stages"]}
     assert "h100" not in pools  # both H100s are held by another job's pod
+
+
+JOINING_NODES = ROOT / "examples" / "nodes-joining.yaml"
+
+
+def test_join_shows_what_the_job_would_add_and_whether_it_pays(tmp_path, model_config, capsys):
+    """Two H100 join a job that runs two H100 pipelines (periodic sync): two more pipelines,
+    the shares even at 2 each; worth it over 20,000 steps, not over the job's 200 (joining
+    costs more than the 9.9 % would save)."""
+    job = str(LORA.write(tmp_path / "job.yaml"))
+    common = ["plan", job, "--nodes", str(MIXED_NODES), "--model-config", str(model_config),
+              "--replicas", "auto", "--sync", "periodic", "--sync-every", "8",
+              "--join", str(JOINING_NODES)]  # fmt: skip
+    assert relaytrain(*common, "--steps-left", "20000", "--json") == 0
+    growth = json.loads(capsys.readouterr().out)["growth"]
+    assert [[s["pool"] for s in p["stages"]] for p in growth["added"]] == [["h100"], ["h100"]]
+    assert growth["shares"] == [2, 2, 2, 2] and growth["pays"]
+    assert growth["tokensPerSecondAfter"] > 1.05 * growth["tokensPerSecondBefore"]
+    assert relaytrain(*common) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith(f"If the nodes of {JOINING_NODES} joined: add 2 pipeline(s): h100")
+    assert "Not done: " in last and "over the 200 steps left" in last
+    # One pipeline (the job's default replicas, periodic sync as above): nothing is added.
+    assert relaytrain(*common[:6], *common[8:]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("Plan for smollm-lora: 1 stage(s)")
+    last = out.strip().splitlines()[-1]
+    assert last.endswith("joined: nothing to add (the job runs as many pipelines as it may (1)).")
+
+
+def test_join_refuses_what_it_cannot_judge(tmp_path, model_config, capsys):
+    base = ["--nodes", str(MIXED_NODES), "--model-config", str(model_config)]
+    epochs = LORA.set("spec.training", {"epochs": 2}).write(tmp_path / "epochs.yaml")
+    assert relaytrain("plan", str(epochs), *base, "--join", str(JOINING_NODES)) == 2
+    assert "--join needs --steps-left N" in capsys.readouterr().err
+    clash = tmp_path / "clash.yaml"
+    nodes = yaml.safe_load(JOINING_NODES.read_text())
+    nodes["items"][0]["metadata"]["labels"]["nvidia.com/gpu.product"] = "NVIDIA-L40S"
+    clash.write_text(yaml.safe_dump(nodes))
+    job = str(LORA.write(tmp_path / "job.yaml"))
+    assert relaytrain("plan", job, *base, "--join", str(clash)) == 2
+    err = capsys.readouterr().err
+    assert "--join's pool 'h100' is NVIDIA-L40S, but the fleet's pool of that name" in err

@@ -107,6 +107,7 @@ def test_the_job_s_bounds_on_pipelines_and_stages_hold() -> None:
         max_pipelines=2,
     )  # fmt: skip
     assert full.added == () and full.tokens_per_second_after == full.tokens_per_second_before
+    assert full.reason == "the job runs as many pipelines as it may (2)"
 
 
 def test_growth_never_predicts_more_than_planning_the_whole_fleet_afresh() -> None:

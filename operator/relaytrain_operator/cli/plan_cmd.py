@@ -9,7 +9,10 @@ hold). Prints a table, or with ``--json`` the plan as a JSON object; both say wh
 architecture came from. The job's ``spec.pipeline.replicas`` (default 1, the one pipeline
 the operator deploys) says how many pipelines to plan; ``--replicas`` overrides it (``auto``
 plans as many as make the step fastest, one included); ``--sync`` says how they keep their
-weights equal. Exit status: 0 planned, 1 the job does not fit, 2 bad input.
+weights equal. ``--join NODES`` also shows what the job would do once those nodes joined
+it while it runs: the pipelines it would add, its running ones kept
+(``planner.plan_growth``), and whether that pays. Exit status: 0 planned, 1 the job does
+not fit, 2 bad input.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -31,6 +35,7 @@ from relaytrain_operator.domain.planner import (
     SYNC_MODES,
     Catalog,
     FleetPlan,
+    Growth,
     LoraTargetError,
     ModelShape,
     ModelShapeError,
@@ -43,6 +48,7 @@ from relaytrain_operator.domain.planner import (
     UnknownGpuError,
     plan,
     plan_fleet,
+    plan_growth,
 )
 from relaytrain_operator.domain.planner.cost import GIB
 from relaytrain_operator.store.model_config import ModelConfigError, Resolved, resolve
@@ -106,6 +112,20 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         metavar="H",
         help="steps between synchronisations with --sync periodic; default: the job's "
         "spec.pipeline.sync.everySteps",
+    )
+    parser.add_argument(
+        "--join",
+        type=Path,
+        metavar="NODES",
+        help="nodes file of GPUs that join once the job runs: also show which pipelines the "
+        "job would add on them (its running pipelines kept) and whether that pays",
+    )
+    parser.add_argument(
+        "--steps-left",
+        type=cli.positive_int,
+        metavar="N",
+        help="with --join: steps the job has left when they join (default: its "
+        "spec.training.steps)",
     )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.set_defaults(func=run)
@@ -184,6 +204,10 @@ class _Inputs:
     """The job's spec.pipeline.replicas."""
     sync: Sync
     """The job's spec.pipeline.sync."""
+    joining: list[Pool]
+    """The pools of --join's nodes (empty without it)."""
+    steps: int | None
+    """The job's spec.training.steps (None: it counts epochs)."""
 
 
 def _inputs(args: argparse.Namespace) -> _Inputs:
@@ -217,6 +241,14 @@ def _inputs(args: argparse.Namespace) -> _Inputs:
     catalog: Catalog = DEFAULT_CATALOG
     if args.catalog is not None:
         catalog = DEFAULT_CATALOG.with_overrides(_load(args.catalog, "catalog"))
+    joining = []
+    if args.join is not None:
+        try:
+            joining = file_pools(
+                job, _load(args.join, "--join nodes file"), default_link=default_link
+            )
+        except PlanError as err:
+            raise InputError(f"--join {str(args.join)!r}: {err}") from None
     stages = spec.pipeline.stages
     return _Inputs(
         job.metadata.name,
@@ -228,6 +260,8 @@ def _inputs(args: argparse.Namespace) -> _Inputs:
         None if stages == "auto" else int(stages),
         spec.pipeline.replicas,
         Sync(spec.pipeline.sync.mode, spec.pipeline.sync.every_steps or 1),
+        joining,
+        spec.training.steps,
     )
 
 
@@ -252,6 +286,9 @@ def run(args: argparse.Namespace) -> int:
                 sync=sync,
             )
             result = fleet.single if len(fleet.pipelines) == 1 else fleet
+        growth = None
+        if args.join is not None:
+            growth = _growth(args, inputs, result, sync, replicas)
     except UnknownGpuError as err:
         print(f"relaytrain plan: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -267,10 +304,82 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_BAD_INPUT
     if args.json:
         model = {**inputs.model_source.to_dict(), "layers": inputs.model.num_layers}
-        print(json.dumps({"job": inputs.name, "model": model, **result.to_dict()}, indent=2))
+        doc = {"job": inputs.name, "model": model, **result.to_dict()}
+        if growth is not None:
+            doc["growth"] = _growth_dict(growth)
+        print(json.dumps(doc, indent=2))
     else:
         print(format_table(inputs.name, inputs.training, result, inputs.model, inputs.model_source))
+        if growth is not None:
+            print("\n" + format_growth(args.join, growth))
     return 0
+
+
+def _growth(
+    args: argparse.Namespace,
+    inputs: _Inputs,
+    result: Plan | FleetPlan,
+    sync: Sync,
+    replicas: int | Literal["auto"],
+) -> Growth:
+    """What the job would add if --join's nodes joined (its pipelines as planned, kept)."""
+    steps_left = args.steps_left or inputs.steps
+    if steps_left is None:
+        raise InputError(
+            "--join needs --steps-left N: the job counts epochs, so its steps are not known here"
+        )
+    running = result.pipelines if isinstance(result, FleetPlan) else (result,)
+    return plan_growth(
+        inputs.model, inputs.training, running, merged_pools(inputs.pools, inputs.joining),
+        inputs.joining, steps_left=steps_left, catalog=inputs.catalog, sync=sync,
+        stages=inputs.stages, max_pipelines=None if replicas == "auto" else replicas,
+    )  # fmt: skip
+
+
+def merged_pools(pools: Sequence[Pool], joining: Sequence[Pool]) -> list[Pool]:
+    """The fleet once `joining` has joined `pools`: a pool of the same name grows by its
+    GPUs (InputError when the two name different GPUs)."""
+    out = {p.name: p for p in pools}
+    for p in joining:
+        have = out.get(p.name)
+        if have is None:
+            out[p.name] = p
+        elif have.product != p.product:
+            raise InputError(
+                f"--join's pool {p.name!r} is {p.product}, but the fleet's pool of that name "
+                f"is {have.product}"
+            )
+        else:
+            out[p.name] = replace(have, gpus=have.gpus + p.gpus, nodes=have.nodes + p.nodes)
+    return list(out.values())
+
+
+def format_growth(source: Path, growth: Growth) -> str:
+    """What --join shows: the pipelines added (their pools and shares) and the verdict."""
+    if not growth.added:
+        return f"If the nodes of {source} joined: nothing to add ({growth.reason})."
+    added = "; ".join(
+        f"{'+'.join(s.pool for s in p.stages)} ({p.micro_batches} micro-batches)"
+        for p in growth.added
+    )
+    verdict = "Worth it" if growth.pays else "Not done"
+    return (
+        f"If the nodes of {source} joined: add {len(growth.added)} pipeline(s): {added}; "
+        f"shares {'+'.join(str(m) for m in growth.shares)}; "
+        f"{growth.tokens_per_second_before:,.0f} -> {growth.tokens_per_second_after:,.0f} "
+        f"tokens/s. {verdict}: {growth.reason}."
+    )
+
+
+def _growth_dict(growth: Growth) -> dict[str, Any]:
+    return {
+        "added": [p.to_dict() for p in growth.added],
+        "shares": list(growth.shares),
+        "tokensPerSecondBefore": round(growth.tokens_per_second_before, 1),
+        "tokensPerSecondAfter": round(growth.tokens_per_second_after, 1),
+        "pays": growth.pays,
+        "reason": growth.reason,
+    }
 
 
 def _about(model: ModelShape | None, source: Resolved | None) -> list[str]:

@@ -147,6 +147,8 @@ def plan_growth(
     pays, reason = _verdict(
         before, step, len(chosen), steps_left=steps_left, join_seconds=join_seconds, margin=margin
     )
+    if len(fixed) >= limit:
+        reason = f"the job runs as many pipelines as it may ({limit})"
     return Growth(
         added=tuple(added),
         shares=tuple(shares),
