@@ -21,6 +21,7 @@ import pytest
 from relaytrain_contract.names import LINK_CA_FILE
 from relaytrain_operator.cli.local_run.stages import write_link_folder
 from relaytrain_operator.domain.linkcerts import mint_link_credentials, stage_pem
+from relaytrain_testkit.harness.waiting import wait_for
 from relaytrain_testkit.jobs import Job
 from relaytrain_testkit.local_jobs import (
     local_job,
@@ -363,6 +364,14 @@ def test_no_example_is_repeated_or_skipped_across_a_stop_and_start(
     feeder = run_state(workspace / "wd-listed")["stages"][0]["pid"]  # type: ignore[index]
     os.kill(feeder, signal.SIGSTOP)
     first.send_signal(signal.SIGTERM)
+    # Held until the supervisor's SIGTERM reached it (the supervisor acts within its poll,
+    # half a second: long enough for the tiny job to finish were stage 0 let go at once).
+    wait_for(
+        "the supervisor's SIGTERM pending at stage 0",
+        lambda: _pending(feeder) & (1 << (signal.SIGTERM - 1)),
+        timeout=30,
+        interval=0.02,
+    )
     os.kill(feeder, signal.SIGCONT)
     out, _ = first.communicate(timeout=120)
     assert first.returncode == 128 + signal.SIGTERM, out
@@ -394,3 +403,11 @@ def test_no_example_is_repeated_or_skipped_across_a_stop_and_start(
             assert sorted(taken) == list(range(rows)), f"pass {p + 1} skips a row"
     done = progress(workspace / "ckpt", "listed")
     assert done is not None and done["epoch"] == len(order) / rows
+
+
+def _pending(pid: int) -> int:
+    """The signals pending at process `pid` (its own and its thread group's), as a mask."""
+    fields = dict(
+        line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+    )
+    return int(fields["SigPnd"], 16) | int(fields["ShdPnd"], 16)
