@@ -288,14 +288,19 @@ def _load_with_peft(model_dir: Path, adapter: Path) -> None:
     assert trained, "every lora_B is zero: the adapter was never trained"
 
 
-def test_two_pipelines_train_one_job_and_a_killed_stage_takes_out_its_pipeline_only(
+def test_two_pipelines_train_one_job_export_what_the_chart_queries_and_survive_a_kill(
     env: dict[str, Any],
 ) -> None:
     """Two 2-stage pipelines of real worker processes, wired by the operator through the
     Service's stable names, train one job: each pipeline's share of every step, gradients
-    reduced across them, one progress record and one adapter. A stage of pipeline 1 is
-    killed mid-run: the operator replaces that pod alone, pipeline 0's processes keep
-    running and never step back, the job is Degraded meanwhile, and pipeline 1 rejoins."""
+    reduced across them, one progress record and one adapter. Every stage's /metrics and
+    the chart-installed operator's are read while they train: every metric the chart's
+    PrometheusRule and Grafana dashboard query is among what they export. A stage of
+    pipeline 1 is then killed mid-run and takes out its pipeline only: the operator replaces
+    that pod alone, pipeline 0's processes keep running and never step back, the job is
+    Degraded meanwhile, and pipeline 1 rejoins."""
+    from relaytrain_testkit.harness.chart_rbac import render_chart
+
     e = env
     core, custom, ns, runner = e["core"], e["custom"], e["ns"], e["runner"]
     # Enough steps for the replacement to start and rejoin while pipeline 0 trains on: on
@@ -310,7 +315,15 @@ def test_two_pipelines_train_one_job_and_a_killed_stage_takes_out_its_pipeline_o
     status = functools.partial(_job_status, custom, ns, name)
 
     watcher = ProgressWatcher(e["minio"], f"ckpt/{ns}/{name}/progress.json")
+    stages = [f"{name}-p{p}-s{k}" for p in range(2) for k in range(2)]
     try:
+        # What the four stages and the operator export, read while they train.
+        exported = wait_for(
+            "every stage's /metrics",
+            functools.partial(_every_stage_exports, runner, ns, stages),
+            timeout=300,
+        )
+        exported |= _families(f"http://127.0.0.1:{e['values']['metrics']['port']}/metrics")
         at = wait_for(
             "a few steps of both pipelines",
             lambda: (p := watcher.latest()).get("step", 0) >= 4 and p,
@@ -379,6 +392,19 @@ def test_two_pipelines_train_one_job_and_a_killed_stage_takes_out_its_pipeline_o
         f"\nTwo pipelines: killed {victim} at step {at['step']}; the job finished "
         f"{time.monotonic() - killed_at:.1f}s later at step {after[-1]} without a step back"
     )
+    # Every metric the chart's alerts and dashboard query is among what the run exported.
+    docs = render_chart("mon", "relaytrain-system",
+                        "monitoring.prometheusRule.enabled=true",
+                        "monitoring.grafanaDashboard.enabled=true")  # fmt: skip
+    rules = next(d for d in docs if d["kind"] == "PrometheusRule")
+    exprs = [r["expr"] for g in rules["spec"]["groups"] for r in g["rules"]]
+    board = next(d for d in docs if d["kind"] == "ConfigMap" and "relaytrain.json" in d["data"])
+    panels = json.loads(board["data"]["relaytrain.json"])["panels"]
+    queries = [t["expr"] for panel in panels for t in panel["targets"]]
+    named = {n for q in exprs + queries for n in re.findall(r"\brelaytrain_[a-z0-9_]+", q)}
+    assert len(exprs) == 4 and len(queries) >= 10 and len(named) >= 12, (exprs, named)
+    assert named - exported == set(), f"queried but not exported: {sorted(named - exported)}"
+    print(f"{len(named)} metrics queried by the chart, all among {len(exported)} exported")
 
 
 def test_pipeline_0_given_up_leaves_pipeline_1_to_write_resume_and_finish_the_job(
@@ -392,7 +418,10 @@ def test_pipeline_0_given_up_leaves_pipeline_1_to_write_resume_and_finish_the_jo
     pipeline 0's stages, and writes the adapter: the job Succeeds with every step done."""
     e = env
     core, custom, ns, runner = e["core"], e["custom"], e["ns"], e["runner"]
-    name, steps = "tiny-writer", 600
+    # Steps enough that pipeline 1 is still training when the suspend lands: it is killed at
+    # the first commit and suspended two of its own commits later (step 20 to 30 or so); the
+    # rest is trained after the resume, where only the last step and commit are looked at.
+    name, steps = "tiny-writer", 240
     manifest = (
         tiny_job(name, e["minio"])
         .pipeline(stages=2, replicas=2)
@@ -523,53 +552,22 @@ def _families(url: str) -> set[str]:
     return names
 
 
-def test_the_charts_alerts_and_dashboard_name_only_metrics_a_real_run_exports(
-    env: dict[str, Any],
-) -> None:
-    """Two pipelines of two stages train; every stage's /metrics and the chart-installed
-    operator's are read while they do. Every metric the chart's PrometheusRule and Grafana
-    dashboard query is among what they export."""
-    from relaytrain_testkit.harness.chart_rbac import render_chart
-
-    e = env
-    custom, ns, runner = e["custom"], e["ns"], e["runner"]
-    name = "tiny-metrics"
-    manifest = tiny_job(name, e["minio"]).pipeline(stages=2, replicas=2).training(steps=400).build()
-    custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, manifest)
-    stages = [f"{name}-p{p}-s{k}" for p in range(2) for k in range(2)]
-
-    def every_stage_exports() -> set[str] | None:
-        names: set[str] = set()
-        for stage in stages:
-            local = runner.local_pod(ns, stage)
-            if local is None or local.metrics_port is None:
-                return None
-            try:
-                found = _families(f"http://127.0.0.1:{local.metrics_port}/metrics")
-            except OSError:
-                return None
-            if "relaytrain_step" not in found:
-                return None
-            names |= found
-        return names
-
-    try:
-        exported = wait_for("every stage's /metrics", every_stage_exports, timeout=300)
-        exported |= _families(f"http://127.0.0.1:{e['values']['metrics']['port']}/metrics")
-    finally:
-        custom.delete_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name)
-    docs = render_chart("mon", "relaytrain-system",
-                        "monitoring.prometheusRule.enabled=true",
-                        "monitoring.grafanaDashboard.enabled=true")  # fmt: skip
-    rules = next(d for d in docs if d["kind"] == "PrometheusRule")
-    exprs = [r["expr"] for g in rules["spec"]["groups"] for r in g["rules"]]
-    board = next(d for d in docs if d["kind"] == "ConfigMap" and "relaytrain.json" in d["data"])
-    panels = json.loads(board["data"]["relaytrain.json"])["panels"]
-    queries = [t["expr"] for panel in panels for t in panel["targets"]]
-    named = {n for q in exprs + queries for n in re.findall(r"\brelaytrain_[a-z0-9_]+", q)}
-    assert len(exprs) == 4 and len(queries) >= 10 and len(named) >= 12, (exprs, named)
-    assert named - exported == set(), f"queried but not exported: {sorted(named - exported)}"
-    print(f"\n{len(named)} metrics queried by the chart, all among {len(exported)} exported")
+def _every_stage_exports(runner: Any, ns: str, stages: list[str]) -> set[str] | None:
+    """The metric names the `stages`' /metrics declare together, once each of them serves
+    them with `relaytrain_step` among them (None until then)."""
+    names: set[str] = set()
+    for stage in stages:
+        local = runner.local_pod(ns, stage)
+        if local is None or local.metrics_port is None:
+            return None
+        try:
+            found = _families(f"http://127.0.0.1:{local.metrics_port}/metrics")
+        except OSError:
+            return None
+        if "relaytrain_step" not in found:
+            return None
+        names |= found
+    return names
 
 
 @dataclass(frozen=True)
