@@ -105,6 +105,7 @@ def run_data_parallel_threads(
     replicas: Literal["memory", "links"] = "memory",
     link_rate: float | None = None,
     sync_every: int | None = None,
+    sync_code: str = "float64",
     step_shares: Sequence[Sequence[int]] | None = None,
     grads: Literal["every", "last"] = "every",
 ) -> list[PipelineRun]:
@@ -119,8 +120,9 @@ def run_data_parallel_threads(
     order (`dataparallel.micro_ranges`). Returns one PipelineRun per pipeline, with
     ``step_params`` recorded (after the step's outer step, if any). ``sync_every``: periodic
     synchronisation (`periodic.PeriodicSync`) every that many steps instead of a gradient
-    reduce every step. ``step_shares[s]``, when given, are step s's shares instead (a
-    pipeline given 0 trains nothing that step, as one that left the step's members).
+    reduce every step, sending `sync_code` (`sync.outerCode`). ``step_shares[s]``, when
+    given, are step s's shares instead (a pipeline given 0 trains nothing that step, as one
+    that left the step's members).
     ``grads="last"`` keeps only the last step's gradients.
     """
     if len(credentials) != len(splits) or any(
@@ -150,7 +152,7 @@ def run_data_parallel_threads(
             model_dir, splits, per_pipeline, training,
             credentials=credentials, groups=groups, method=method, compression="none",
             lora=lora, link_rate=link_rate, overlap_encode=True, record_steps=True,
-            sync_every=sync_every, grads=grads,
+            sync_every=sync_every, sync_code=sync_code, grads=grads,
         )  # fmt: skip
     finally:
         for group in groups.values():
@@ -205,6 +207,7 @@ def _run_pipelines(
     overlap_encode: bool,
     record_steps: bool,
     sync_every: int | None = None,
+    sync_code: str = "float64",
     warmup: int = 0,
     grads: Literal["every", "last"] = "every",
 ) -> list[PipelineRun]:
@@ -280,7 +283,9 @@ def _run_pipelines(
             outer = None
             if sync_every is not None:
                 assert group is not None
-                outer = PeriodicSync.of(runner, group, every=sync_every, total=len(steps[p]))
+                outer = PeriodicSync.of(
+                    runner, group, every=sync_every, total=len(steps[p]), code=sync_code
+                )
             started = time.perf_counter()
             last = len(steps[p]) - 1
             for s, micros in enumerate(steps[p]):

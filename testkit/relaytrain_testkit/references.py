@@ -73,6 +73,7 @@ def run_periodic_reference(
     *,
     method: Literal["lora", "full"] = "lora",
     lora: dict[str, Any] | None = None,
+    code: str = "float64",
 ) -> PipelineRun:
     """Periodic synchronisation as its definition says, in one process: one unsplit model
     and optimizer per pipeline, each stepping on its share of every step with its loss
@@ -80,11 +81,21 @@ def run_periodic_reference(
     model's trainable weights set to the mean of theirs weighted by the label tokens each
     trained since the previous average (float64, rounded once). Returns the whole step's
     losses (every share's loss sum over every share's tokens) and the weights at the end
-    (`step_params`: after each step's average, as a pipeline holds them)."""
+    (`step_params`: after each step's average, as a pipeline holds them).
+
+    With a low-bit `code` (`sync.outerCode`) the average is instead: every replica's update
+    since the last average plus its residual, coded (`outer_codec.encode`, the rotation of
+    the step), and every weight set to the last average plus the token-weighted mean of the
+    decoded updates; each replica keeps what its code left out."""
+    from relaytrain_worker.replicas import outer_codec
+
     replicas = [_reference_model(model_dir, training, method, lora) for _ in shares]
     ranges = micro_ranges(shares)
     run = PipelineRun()
     weights = [0] * len(shares)
+    bits = None if code == "float64" else outer_codec.bits_of(code)
+    anchor = {n: p.detach().to(torch.float32, copy=True) for n, p in replicas[0][1]}
+    residual = [{n: torch.zeros_like(a) for n, a in anchor.items()} for _ in shares]
     for s, micros in enumerate(steps):
         loss_total, items_total = 0.0, 0
         for q, (model, trainable, optimizer, scheduler) in enumerate(replicas):
@@ -98,6 +109,19 @@ def run_periodic_reference(
             with torch.no_grad():
                 for name, _ in replicas[0][1]:
                     held = [dict(r[1])[name] for r in replicas]
+                    if bits is not None:
+                        codes = []
+                        for q, param in enumerate(held):
+                            update = param.detach().float() - anchor[name] + residual[q][name]
+                            c, residual[q][name] = outer_codec.encode(
+                                update, weights[q], bits, s + 1
+                            )
+                            codes.append(c)
+                        mean = outer_codec.weighted_mean(codes, anchor[name].numel(), bits, s + 1)
+                        anchor[name] = anchor[name] + mean.reshape(anchor[name].shape)
+                        for param in held:
+                            param.copy_(anchor[name].to(param.dtype))
+                        continue
                     acc = torch.zeros_like(held[0], dtype=torch.float64)
                     for w, param in zip(weights, held, strict=True):  # in pipeline order
                         acc += param.detach().to(torch.float64) * float(w)

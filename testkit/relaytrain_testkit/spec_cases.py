@@ -75,6 +75,18 @@ INVALID_CASES = [
         {"everySteps": 4},
         "spec.pipeline.sync.everySteps",
     ),
+    Case(
+        "outer-code-without-periodic",
+        "spec.pipeline.sync",
+        {"outerCode": "int2"},
+        "spec.pipeline.sync.outerCode",
+    ),
+    Case(
+        "outer-code-word",
+        "spec.pipeline.sync",
+        {"mode": "periodic", "everySteps": 4, "outerCode": "int3"},
+        "spec.pipeline.sync.outerCode",
+    ),
     Case("lora-rank-zero", "spec.method.rank", 0, "spec.method.rank"),
     Case("dropout-1.5", "spec.method.dropout", 1.5, "spec.method.dropout"),
     Case("dropout-exactly-1", "spec.method.dropout", 1.0, "spec.method.dropout"),

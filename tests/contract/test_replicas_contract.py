@@ -175,6 +175,16 @@ INVALID = [
         lambda r: r.update(sync={"mode": "periodic", "everySteps": 1}),
         "replicas.sync.everySteps",
     ),
+    (
+        "an-outer-code-without-outer-steps",
+        lambda r: r.update(sync={"mode": "synchronous", "outerCode": "int2"}),
+        "replicas.sync.outerCode: is int2, but only periodic sync has outer steps",
+    ),
+    (
+        "an-unknown-outer-code",
+        lambda r: r.update(sync={"mode": "periodic", "everySteps": 4, "outerCode": "int3"}),
+        "replicas.sync.outerCode",
+    ),
 ]
 
 

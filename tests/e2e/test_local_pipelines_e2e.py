@@ -38,6 +38,7 @@ from relaytrain_testkit.local_jobs import (
     start_run,
     wait_while_running,
 )
+from relaytrain_worker.replicas import outer_codec
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -428,13 +429,15 @@ def test_periodic_pipelines_average_their_weights_and_ride_out_a_kill(
     workspace: Path, long_reference: list[float]
 ) -> None:
     # `sync: periodic`: each pipeline steps on its own share; every 4 steps (and at every
-    # commit) the stages average their weights over the replica links. A stage of pipeline 1
-    # killed mid-run: pipeline 0 trains on alone, without a rollback, and pipeline 1 rejoins.
+    # commit) the stages average their weights over the replica links, each sending its
+    # update as a 2-bit code (`outerCode: int2`). A stage of pipeline 1 killed mid-run:
+    # pipeline 0 trains on alone, without a rollback, and pipeline 1 rejoins, taking the
+    # last outer step's weights (the anchor of the codes) with the live ones.
     name, workdir = "periodic", workspace / "wd-periodic"
     started = time.monotonic()
-    sync = {"mode": "periodic", "everySteps": PERIODIC_EVERY}
+    sync = {"mode": "periodic", "everySteps": PERIODIC_EVERY, "outerCode": "int2"}
     periodic = fleet(workspace, name, replicas=2, steps=KILL_STEPS, every=PERIODIC_COMMIT)
-    job = periodic.sync("periodic", every_steps=PERIODIC_EVERY).write(workspace)
+    job = periodic.sync("periodic", PERIODIC_EVERY, "int2").write(workspace)
     proc = start_run(job, workdir, flags=[*PIPELINES, "--shares", "2,1"], env=ENV)
     killed_at, _ = _kill_stage(workspace, name, workdir, proc, PERIODIC_COMMIT + 1, (1, 1))
     watched = _watch_after_the_kill(proc, workspace, name, workdir, started)
@@ -457,9 +460,9 @@ def test_periodic_pipelines_average_their_weights_and_ride_out_a_kill(
     assert losses[-1] < losses[0]
     assert abs(losses[-1] - long_reference[-1]) <= LOSS_TOLERANCE * long_reference[-1]
     # What crossed the replica links: p0/s0 leads the outer steps of layers 0-1, so from
-    # pipeline 1 it received each outer step's float64 copy of those layers' adapter (with
-    # one weight per name) — and less than a float32 gradient reduce every step alone would
-    # bring (measured: about 0.7 of it, with each step's membership and loss frames).
+    # pipeline 1 it received each outer step's 2-bit code of those layers' adapter update
+    # (2.25 bits a value and one weight per name) — and much less than a float32 gradient
+    # reduce every step alone would bring, or the float64 weights of the same outer steps.
     assert watched.exposition is not None
     found = re.search(r"^relaytrain_step\{[^}]*\} ([0-9.e+]+)$", watched.exposition, re.MULTILINE)
     assert found is not None
@@ -470,9 +473,12 @@ def test_periodic_pipelines_average_their_weights_and_ride_out_a_kill(
     received = sum(
         _replica_bytes(watched.exposition)["relaytrain_link_received_bytes_total"].values()
     )
-    floor = _outer_boundaries(rejoined, step_at) * 8 * (numel + names)
+    outer = _outer_boundaries(rejoined, step_at)
+    floor = outer * sum(outer_codec.code_bytes(t.numel(), 2) for t in layers01)
     present = step_at - (rejoined - killed_at)  # steps pipeline 1 trained in, about
     every_step = 4 * numel * present
+    float64_weights = outer * 8 * (numel + names)
     print(f"p0/s0 received {received:.0f} replica bytes: outer steps' floor {floor}, "
-          f"a gradient reduce every step {every_step}")  # fmt: skip
-    assert floor <= received < every_step
+          f"a gradient reduce every step {every_step}, "
+          f"float64 weights {float64_weights}")  # fmt: skip
+    assert floor <= received < min(every_step, float64_weights)

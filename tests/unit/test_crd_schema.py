@@ -309,6 +309,7 @@ def test_every_cel_rule_is_kept_where_it_was() -> None:
             (".spec.pipeline.stages", ""),
             (".spec.pipeline.replicas", ""),
             (".spec.pipeline.sync", ".everySteps"),
+            (".spec.pipeline.sync", ".outerCode"),
             (".spec.checkpoint", ".endpoint"),
             (".spec.checkpoint", ".credentialsSecret"),
         ]

@@ -16,8 +16,9 @@ import pytest
 import torch
 from relaytrain_testkit.replica_links import link_groups, on_threads
 from relaytrain_worker.pipeline.stats import ReplicaGroup
+from relaytrain_worker.replicas import outer_codec
 from relaytrain_worker.replicas.arithmetic import InProcessGroup, Slice
-from relaytrain_worker.replicas.periodic import is_outer_step, outer_step
+from relaytrain_worker.replicas.periodic import PeriodicSync, is_outer_step, outer_step
 from torch import nn
 
 pytestmark = pytest.mark.unit
@@ -107,3 +108,119 @@ def test_replicas_already_equal_stay_bit_for_bit_what_they_were(kind: str) -> No
 def test_outer_steps_fall_every_h_steps_and_after_the_last() -> None:
     assert [s for s in range(1, 11) if is_outer_step(s, 4, 10)] == [4, 8, 10]
     assert [s for s in range(1, 9) if is_outer_step(s, 4, 8)] == [4, 8]
+
+
+# -- outer steps that send codes (`outerCode: int2`) -----------------------------------
+
+
+def _syncs(
+    groups: dict[tuple[int, int], ReplicaGroup],
+    stages: dict[tuple[int, int], list[tuple[str, nn.Parameter]]],
+) -> dict[tuple[int, int], PeriodicSync]:
+    return {
+        key: PeriodicSync(groups[key], key[0], key[1], params, every=2, total=10, code="int2")
+        for key, params in stages.items()
+    }
+
+
+def _train(stages: dict[tuple[int, int], list[tuple[str, nn.Parameter]]], seed: int) -> None:
+    """Local steps: every pipeline's copy moves its own way."""
+    with torch.no_grad():
+        for (p, _), params in stages.items():
+            for name, param in params:
+                gen = torch.Generator().manual_seed(seed + 100 * p + NAMES.index(name))
+                param.add_(torch.randn(param.shape, generator=gen) * 0.1)
+
+
+def _coded_outer(syncs: dict[tuple[int, int], PeriodicSync], step: int) -> None:
+    got = on_threads({
+        i: (lambda key=key: syncs[key].after_step(step, TOKENS[key[0]]))
+        for i, key in enumerate(sorted(syncs))
+    })  # fmt: skip
+    errors = [v for v in got.values() if isinstance(v, BaseException)]
+    if errors:
+        raise errors[0]
+
+
+def _held(
+    stages: dict[tuple[int, int], list[tuple[str, nn.Parameter]]],
+) -> list[dict[str, torch.Tensor]]:
+    return _by_pipeline({k: {n: t.detach().clone() for n, t in v} for k, v in stages.items()})
+
+
+@pytest.mark.parametrize("kind", ["memory", "links"])
+def test_a_coded_outer_step_lands_every_replica_on_the_anchor_plus_the_decoded_mean(
+    kind: str,
+) -> None:
+    stages = {
+        (p, k): _stage_params(p, k, same=True) for p, s in enumerate(SPLITS) for k in range(len(s))
+    }
+    groups: dict[tuple[int, int], ReplicaGroup]
+    if kind == "memory":
+        shared = InProcessGroup([len(s) for s in SPLITS], timeout=60)
+        groups = {key: shared for key in stages}
+    else:
+        groups = dict(link_groups(SPLITS))
+    try:
+        syncs = _syncs(groups, stages)
+        _train(stages, 1)
+        trained = _held(stages)
+        _coded_outer(syncs, 2)
+        copies = _held(stages)
+    finally:
+        for group in groups.values():
+            close = getattr(group, "close", None)
+            if close is not None:
+                close()
+    for name in NAMES:
+        anchor = _value(0, name)
+        codes = [
+            outer_codec.encode(trained[p][name] - anchor, TOKENS[p], 2, 2)[0]
+            for p in range(len(SPLITS))
+        ]
+        want = anchor + outer_codec.weighted_mean(codes, anchor.numel(), 2, 2).reshape(anchor.shape)
+        for p, params in enumerate(copies):
+            assert torch.equal(params[name], want), (p, name)
+
+
+def test_a_rejoining_stage_takes_the_anchor_or_its_replicas_drift_apart() -> None:
+    def rejoin(take: bool) -> list[dict[str, torch.Tensor]]:
+        stages = {
+            (p, k): _stage_params(p, k, same=True)
+            for p, s in enumerate(SPLITS)
+            for k in range(len(s))
+        }
+        shared = InProcessGroup([len(s) for s in SPLITS], timeout=60)
+        syncs = _syncs({key: shared for key in stages}, stages)
+        _train(stages, 1)
+        _coded_outer(syncs, 2)
+        _train(stages, 2)  # pipeline 2 then fails and restarts from stale weights...
+        live = {n: t for (p, _), params in stages.items() if p == 0 for n, t in params}
+        anchors = {}
+        for (p, _), sync in syncs.items():
+            if p == 0:
+                anchors.update(sync.anchor_tensors(NAMES))
+        shared = InProcessGroup([len(s) for s in SPLITS], timeout=60)
+        for key in [k for k in stages if k[0] == 2]:
+            # ...and rejoins mid-round with pipeline 0's weights (and, with `take`, anchors).
+            stages[key] = _stage_params(2, key[1], same=False)
+            with torch.no_grad():
+                for name, param in stages[key]:
+                    param.copy_(live[name])
+        syncs = _syncs({key: shared for key in stages}, stages) | {
+            key: sync for key, sync in syncs.items() if key[0] != 2
+        }
+        for key, sync in syncs.items():
+            sync.group = shared
+            if key[0] == 2 and take:
+                sync.take_anchor(anchors)
+        _train(stages, 3)
+        _coded_outer(syncs, 4)
+        return _held(stages)
+
+    copies = rejoin(take=True)
+    for name in NAMES:
+        for p, params in enumerate(copies):
+            assert torch.equal(params[name], copies[0][name]), (p, name)
+    drifted = rejoin(take=False)
+    assert any(not torch.equal(drifted[2][n], drifted[0][n]) for n in NAMES)

@@ -49,11 +49,12 @@ def _run(
     splits: list[list[tuple[int, int]]] = SPLITS,
     method: Literal["lora", "full"] = "lora",
     replicas: Literal["memory", "links"] = "memory",
+    code: str = "float64",
 ) -> list[PipelineRun]:
     return run_data_parallel_threads(
         model_dir, splits, SHARES, steps, TRAINING,
         credentials=pipeline_credentials([len(s) for s in splits]), method=method,
-        replicas=replicas, sync_every=every,
+        replicas=replicas, sync_every=every, sync_code=code,
     )  # fmt: skip
 
 
@@ -103,14 +104,34 @@ def test_the_outer_step_over_replica_links_gives_the_same_bits(
     _assert_periodic(_run(llama_dir, steps, 2, replicas="links"), ref, 2)
 
 
+@pytest.mark.parametrize("replicas", ["memory", "links"])
+def test_coded_outer_steps_follow_their_definition(
+    llama_dir: Path, steps: list[list[MicroBatch]], replicas: Literal["memory", "links"]
+) -> None:
+    # `outerCode: int2`: each pipeline sends its update as a 2-bit code (its residual kept),
+    # every pipeline decodes every code and lands on the same bits as the reference.
+    ref = run_periodic_reference(llama_dir, SHARES, steps, TRAINING, 2, code="int2")
+    runs = _run(llama_dir, steps, 2, replicas=replicas, code="int2")
+    _assert_periodic(runs, ref, 2)
+    # The code is lossy: the weights after the first outer step are not the exact mean's.
+    exact = run_periodic_reference(llama_dir, SHARES, steps, TRAINING, 2)
+    assert any(
+        not torch.equal(runs[0].step_params[1][n], v) for n, v in exact.step_params[1].items()
+    )
+
+
+@pytest.mark.parametrize("code", ["float64", "int4"])
 def test_full_training_of_a_tied_model_with_a_one_stage_pipeline(
-    llama_dir: Path, steps: list[list[MicroBatch]]
+    llama_dir: Path, steps: list[list[MicroBatch]], code: str
 ) -> None:
     # Pipeline 1 is one stage holding the embedding and the head, which are one weight: it
     # averages it under both names, so the two-stage pipeline's two copies stay one value.
     splits = [[(0, 2), (2, 4)], [(0, 4)]]
-    ref = run_periodic_reference(llama_dir, SHARES, steps[:2], TRAINING, 2, method="full")
-    runs = _run(llama_dir, steps[:2], 2, splits=splits, method="full")
+    # With a code, both names of the shared weight send the same code.
+    ref = run_periodic_reference(
+        llama_dir, SHARES, steps[:2], TRAINING, 2, method="full", code=code
+    )
+    runs = _run(llama_dir, steps[:2], 2, splits=splits, method="full", code=code)
     _assert_periodic(runs, ref, 2, atol=1e-6)
 
 

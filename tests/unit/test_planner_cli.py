@@ -307,3 +307,27 @@ def test_join_refuses_what_it_cannot_judge(tmp_path, model_config, capsys):
     assert relaytrain("plan", job, *base, "--join", str(clash)) == 2
     err = capsys.readouterr().err
     assert "--join's pool 'h100' is NVIDIA-L40S, but the fleet's pool of that name" in err
+
+
+def test_an_outer_code_prices_a_gather_of_its_bits(tmp_path, model_config, capsys):
+    """`--outer-code int2` (or the job's spec.pipeline.sync.outerCode): the outer step moves
+    2.25 bits a LoRA value instead of float64's 64, gathered (codes do not add): the
+    leading stage sends both codes to the other pipeline, 2 x 2.25 bits against 64."""
+    job = str(LORA.write(tmp_path / "job.yaml"))
+    common = ["plan", job, "--nodes", str(MIXED_NODES), "--model-config", str(model_config),
+              "--replicas", "2", "--sync", "periodic", "--sync-every", "8", "--json"]  # fmt: skip
+    assert relaytrain(*common) == 0
+    weights = json.loads(capsys.readouterr().out)["sync"]
+    assert relaytrain(*common, "--outer-code", "int2") == 0
+    coded = json.loads(capsys.readouterr().out)["sync"]
+    assert weights["outerCode"] == "float64" and coded["outerCode"] == "int2"
+    assert coded["gradientBytes"] == round(weights["gradientBytes"] * 2.25 / 64)
+    assert coded["collective"] == "all-gather" and coded["exchanged"] == "updates"
+    ratio = weights["predictedBandwidthSeconds"] / coded["predictedBandwidthSeconds"]
+    assert ratio == pytest.approx(64 / (2 * 2.25), rel=0.01)
+    int2 = {"mode": "periodic", "everySteps": 8, "outerCode": "int2"}
+    from_job = LORA.set("spec.pipeline.sync", int2).write(tmp_path / "int2.yaml")
+    assert relaytrain("plan", str(from_job), *common[2:6], "--replicas", "2", "--json") == 0
+    assert json.loads(capsys.readouterr().out)["sync"]["gradientBytes"] == coded["gradientBytes"]
+    assert relaytrain("plan", job, *common[2:6], "--outer-code", "int2") == 2
+    assert "--outer-code int2 needs --sync periodic (outer steps)" in capsys.readouterr().err

@@ -29,6 +29,7 @@ EndOfData = Literal["cycle", "stop"]
 PipelineSchedule = Literal["1f1b"]
 Compression = Literal["none", "bf16", "int8", "int4"]
 SyncMode = Literal["synchronous", "periodic"]
+OuterCode = Literal["float64", "int4", "int2", "int1"]
 Dtype = Literal["float32", "bfloat16", "float16"]
 
 Count = Annotated[int, Field(ge=1)]
@@ -285,11 +286,19 @@ class SyncSpec(_Part):
     steps on its share and the weights are averaged every `everySteps` steps."""
     every_steps: Annotated[int, Field(ge=2)] | None = None
     """Steps between outer steps; set exactly with `periodic`."""
+    outer_code: OuterCode = "float64"
+    """What an outer step sends: `float64` weights (the exact token-weighted mean) or an
+    error-fed low-bit code of each pipeline's update (`int4`, `int2`, `int1`; periodic only;
+    docs/worker.md, "Periodic synchronisation")."""
 
     @model_validator(mode="after")
     def _every(self) -> SyncSpec:
         if (self.mode == "periodic") != (self.every_steps is not None):
             raise field_error("everySteps", "must be set exactly when mode is periodic")
+        if self.outer_code != "float64" and self.mode != "periodic":
+            raise field_error(
+                "outerCode", f"is {self.outer_code}, but only periodic sync has outer steps"
+            )
         return self
 
 

@@ -32,6 +32,7 @@ from relaytrain_operator import cli
 from relaytrain_operator.domain.placement import file_pools, job_pools
 from relaytrain_operator.domain.planner import (
     DEFAULT_CATALOG,
+    OUTER_CODES,
     SYNC_MODES,
     Catalog,
     FleetPlan,
@@ -114,6 +115,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "spec.pipeline.sync.everySteps",
     )
     parser.add_argument(
+        "--outer-code",
+        choices=OUTER_CODES,
+        help="what a periodic outer step sends: float64 weights or an int4/int2/int1 code of "
+        "each pipeline's update; default: the job's spec.pipeline.sync.outerCode",
+    )
+    parser.add_argument(
         "--join",
         type=Path,
         metavar="NODES",
@@ -134,16 +141,16 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 def _sync(args: argparse.Namespace, job: Sync) -> Sync:
     """The command line's --sync/--sync-every over the job's spec.pipeline.sync."""
-    mode = args.sync or job.mode
-    if mode == "periodic":
-        every = args.sync_every
-        if every is None and job.mode == "periodic":
-            every = job.every
+    if (args.sync or job.mode) == "periodic":
+        periodic = job.mode == "periodic"
+        every = args.sync_every or (job.every if periodic else None)
         if every is None:
             raise InputError(
                 "--sync periodic needs --sync-every H (steps between synchronisations)"
             )
-        return Sync("periodic", every)
+        return Sync("periodic", every, args.outer_code or (job.code if periodic else "float64"))
+    if args.outer_code not in (None, "float64"):
+        raise InputError(f"--outer-code {args.outer_code} needs --sync periodic (outer steps)")
     if args.sync_every is not None:
         raise InputError(
             f"--sync-every {args.sync_every} needs --sync periodic; synchronous pipelines "
@@ -259,7 +266,11 @@ def _inputs(args: argparse.Namespace) -> _Inputs:
         catalog,
         None if stages == "auto" else int(stages),
         spec.pipeline.replicas,
-        Sync(spec.pipeline.sync.mode, spec.pipeline.sync.every_steps or 1),
+        Sync(
+            spec.pipeline.sync.mode,
+            spec.pipeline.sync.every_steps or 1,
+            spec.pipeline.sync.outer_code,
+        ),
         joining,
         spec.training.steps,
     )

@@ -29,11 +29,17 @@ STATS = "stats"
 GRADS = "grads"
 """The exchange of a synchronous step's gradients (and the last stage's loss and counts).
 Its contributions are stacks of terms (`TERMS`)."""
+OUTER_CODES = "outer-codes"
+"""The exchange of a periodic outer step's low-bit codes (`replicas/outer_codec.py`)."""
 TERMS = frozenset({GRADS})
 """The exchanges whose contributions are stacks of terms: each tensor's leading dimension
 lists terms in the pipeline's micro-batch order (a stage that accumulated its micro-batches
 gives a stack of one), and the fold adds every term of every pipeline in turn
 (`replicas/arithmetic.py`, `fold`). In the other exchanges a contribution is one term."""
+GATHERS = frozenset({OUTER_CODES})
+"""The exchanges whose result is not a sum but every contribution as given, stacked in
+pipeline order (`replicas/arithmetic.py`, `gather`): codes that cannot be added, which
+every pipeline decodes and folds itself in the same order."""
 
 
 class ReplicaGroup(Protocol):

@@ -70,6 +70,7 @@ import torch
 
 from relaytrain_worker.model.methods import TIED_HEAD_NAME, TIED_NAME
 from relaytrain_worker.pipeline.stats import (
+    GATHERS,
     GRADS,
     ITEMS_KEY,
     LOSS_KEY,
@@ -168,10 +169,21 @@ def value_of(stack: torch.Tensor) -> torch.Tensor:
     return stack[0] if len(stack) else stack.new_zeros(stack.shape[1:])
 
 
+def gather(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The parts as given, stacked in order (a `GATHERS` exchange's result)."""
+    if not parts:
+        raise ValueError("nothing to gather")
+    return torch.stack([part.detach() for part in parts])
+
+
 def reduce_sum(
-    contributions: Sequence[Mapping[str, torch.Tensor]], *, terms: bool = False
+    contributions: Sequence[Mapping[str, torch.Tensor]],
+    *,
+    terms: bool = False,
+    gathered: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """Per name, the `fold` of every pipeline's contribution in pipeline order.
+    """Per name, the `fold` of every pipeline's contribution in pipeline order (with
+    `gathered`, their `gather` instead).
 
     `contributions[p]` is pipeline p's {name: tensor} (with `terms`, a stack of terms per
     name); every pipeline must contribute the same names (they hold the same model). The
@@ -185,6 +197,8 @@ def reduce_sum(
         if set(c) != set(names):
             diff = sorted(set(c) ^ set(names))
             raise ValueError(f"pipeline {p} contributes other names than pipeline 0: {diff}")
+    if gathered:
+        return {name: gather([c[name] for c in contributions]) for name in names}
     return {name: fold([c[name] for c in contributions], terms=terms) for name in names}
 
 
@@ -322,7 +336,7 @@ class InProcessGroup:
             self._wait(lambda: all(len(board[n]) == self.pipelines for n in tensors), step)
             contributions = [{n: board[n][p] for n in tensors} for p in range(self.pipelines)]
             self._read(key, self._posts, key)
-        return reduce_sum(contributions, terms=what in TERMS)
+        return reduce_sum(contributions, terms=what in TERMS, gathered=what in GATHERS)
 
     def _wait(self, ready: Callable[[], bool], step: int) -> None:
         ok = self._cond.wait_for(lambda: self._error is not None or ready(), self._timeout)

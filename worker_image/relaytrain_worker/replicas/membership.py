@@ -60,7 +60,7 @@ from relaytrain_worker.replicas.links import (
     exchange_hellos,
     peer_stages,
 )
-from relaytrain_worker.replicas.periodic import PeriodicSync
+from relaytrain_worker.replicas.periodic import ANCHOR_PREFIX, PeriodicSync
 from relaytrain_worker.state import checkpoint as ckpt
 from relaytrain_worker.state.data import MicroBatch
 from relaytrain_worker.state.metrics import LinkCounters
@@ -246,6 +246,7 @@ class Replicated:
                 every=self.spec.sync.every_steps,
                 total=stage.total_steps,
                 also=lambda step: stage.saves(step) or due(stage.cfg, step, stage.total_steps),
+                code=self.spec.sync.outer_code,
             )
 
     def begin_step(self, stage: StageRuntime, peers: Peers) -> range:
@@ -316,6 +317,8 @@ class Replicated:
                     frame = state_frame(
                         stage.step, stage.trainable, stage.optimizer, stage.scheduler, names
                     )
+                    if self._outer is not None:
+                        frame.tensors.update(self._outer.anchor_tensors(names))
                     if last:  # as bytes: the records may outgrow a header
                         pending = json.dumps(stage.history.pending).encode()
                         frame.tensors[HISTORY_KEY] = torch.frombuffer(
@@ -329,7 +332,15 @@ class Replicated:
         elif self.pipeline in joined:
             frames = [group.recv_from(peer, STATE, stage.step) for peer in group.peers_in(source)]
             records = [f.tensors.pop(HISTORY_KEY) for f in frames if HISTORY_KEY in f.tensors]
+            anchors = {
+                n: t for f in frames for n, t in f.tensors.items() if n.startswith(ANCHOR_PREFIX)
+            }
+            for f in frames:
+                for n in anchors:
+                    f.tensors.pop(n, None)
             load_state_frames(frames, stage.trainable, stage.optimizer, stage.scheduler)
+            if self._outer is not None:
+                self._outer.take_anchor(anchors)
             if last and records:
                 stage.history.take(json.loads(bytes(records[0].numpy())))
             stage.seed(stage.step)

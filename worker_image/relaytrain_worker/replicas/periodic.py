@@ -25,6 +25,17 @@ for fine-tuning with small H, averaging is the baseline whose H=1 case has an ex
 statement (tests/unit/test_periodic_sync.py), it has no outer state to checkpoint or hand
 to a rejoining pipeline, and it is bit-identical across replicas by construction.
 
+With `sync.outerCode` int4, int2 or int1 an outer step sends, instead of the weights, each
+pipeline's update since the last outer step as an error-fed, rotated low-bit code
+(`outer_codec.py`), gathered (exchange `outer-codes`); every pipeline sets each weight to
+the anchor (the weights of the last outer step, kept on the CPU in float32) plus the
+token-weighted mean of every pipeline's decoded update, folded in pipeline order, so every
+replica again holds the same bits. What its code left out stays in the pipeline's residual
+and goes with its next update. The rotation differs per outer step (its step number). The
+residual is not checkpointed: a restart loses at most one code's error, and checkpoints
+are taken at outer steps, so the restored weights are the anchor. A pipeline that rejoins
+takes the anchor with the weights from its live peer (`anchor_tensors`, `take_anchor`).
+
 AdamW moments stay local: each pipeline's moments describe its own gradients, averaging
 them would triple the outer step's bytes, and DiLoCo keeps the inner optimizer state per
 worker too. Only the weights are equal after an outer step; pipeline 0's moments are the
@@ -40,10 +51,13 @@ from torch import nn
 
 from relaytrain_worker.model.methods import TIED_HEAD_NAME
 from relaytrain_worker.pipeline.schedule import StepRunner
-from relaytrain_worker.pipeline.stats import ReplicaGroup
+from relaytrain_worker.pipeline.stats import OUTER_CODES, ReplicaGroup
+from relaytrain_worker.replicas import outer_codec
 
 OUTER = "outer"
 """The `what` of an outer step's exchange (separate from a step's `grads`)."""
+ANCHOR_PREFIX = "relaytrain.anchor:"
+"""Handover tensors' prefix for the anchor of a coded outer step (no parameter's name)."""
 
 
 def is_outer_step(step: int, every: int, total: int) -> bool:
@@ -74,12 +88,24 @@ class PeriodicSync:
         total: int,
         also: Callable[[int], bool] = lambda step: False,
         key: Callable[[str], str] = lambda name: name,
+        code: str = "float64",
     ) -> None:
         self.group, self.pipeline, self.stage = group, pipeline, stage
         self.trainable = list(trainable)
         self.every, self.total, self.also, self.key = every, total, also, key
         self.weight = 0
         """Label tokens this pipeline trained since the last outer step."""
+        self.bits = None if code == "float64" else outer_codec.bits_of(code)
+        """Bits of the outer code; None: the weights themselves, in float64."""
+        self.anchor: list[torch.Tensor] = []
+        """Per trainable entry, its float32 CPU value after the last outer step (coded)."""
+        self.residual: list[torch.Tensor] = []
+        """Per trainable entry, what this pipeline's codes have left out so far (coded)."""
+        if self.bits is not None:
+            self.anchor = [
+                p.detach().to("cpu", torch.float32, copy=True) for _, p in self.trainable
+            ]
+            self.residual = [torch.zeros_like(a) for a in self.anchor]
 
     @classmethod
     def of(
@@ -90,6 +116,7 @@ class PeriodicSync:
         every: int,
         total: int,
         also: Callable[[int], bool] = lambda step: False,
+        code: str = "float64",
     ) -> PeriodicSync:
         """The periodic side of the stage that `runner` steps: its trainable parameters under
         their replica keys. A lone stage (first and last) of a tied model gives its shared
@@ -100,7 +127,7 @@ class PeriodicSync:
             tied = next(param for name, param in pairs if name == runner.tied_name)
             pairs.append((TIED_HEAD_NAME, tied))
         return cls(group, runner.pipeline, runner.index, pairs, every=every, total=total,
-                   also=also, key=runner.replica_key)  # fmt: skip
+                   also=also, key=runner.replica_key, code=code)  # fmt: skip
 
     def due(self, step: int) -> bool:
         return is_outer_step(step, self.every, self.total) or self.also(step)
@@ -111,10 +138,53 @@ class PeriodicSync:
         self.weight += max(tokens, 0)
         if not self.due(step):
             return False
-        outer_step(self.group, step, self.pipeline, self.stage, self.trainable,
-                   weight=self.weight, key=self.key)  # fmt: skip
+        if self.bits is None:
+            outer_step(self.group, step, self.pipeline, self.stage, self.trainable,
+                       weight=self.weight, key=self.key)  # fmt: skip
+        else:
+            self._coded_outer_step(step)
         self.weight = 0
         return True
+
+    def _coded_outer_step(self, step: int) -> None:
+        """Send this pipeline's update since the last outer step as a code (with what the
+        earlier codes left out), gather every pipeline's, and set every weight to the
+        anchor plus their token-weighted mean (see the module docstring)."""
+        assert self.bits is not None
+        given = {}
+        for i, (name, param) in enumerate(self.trainable):
+            update = param.detach().to("cpu", torch.float32) - self.anchor[i] + self.residual[i]
+            code, self.residual[i] = outer_codec.encode(update, self.weight, self.bits, step)
+            given[self.key(name)] = code
+        gathered = self.group.reduce(step, self.pipeline, self.stage, given, what=OUTER_CODES)
+        with torch.no_grad():
+            for i, (name, param) in enumerate(self.trainable):
+                anchor = self.anchor[i]
+                mean = outer_codec.weighted_mean(gathered[self.key(name)], anchor.numel(),
+                                                 self.bits, step)  # fmt: skip
+                self.anchor[i] = anchor + mean.reshape(anchor.shape)
+                param.copy_(self.anchor[i].to(param.dtype))
+
+    def anchor_tensors(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        """The anchors of `names` under `ANCHOR_PREFIX`, for a rejoining peer (none when
+        the outer step sends weights)."""
+        wanted = set(names)
+        pairs = zip(self.trainable, self.anchor, strict=True)
+        return {ANCHOR_PREFIX + n: a for (n, _), a in pairs if n in wanted}
+
+    def take_anchor(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Rejoining: the live peers' anchors (`anchor_tensors`) become this stage's, and
+        its residuals start empty. A tied head entry takes its weight's anchor."""
+        if self.bits is None:
+            return
+        by_param: dict[int, torch.Tensor] = {}
+        for i, (name, param) in enumerate(self.trainable):
+            value = tensors.get(ANCHOR_PREFIX + name, by_param.get(id(param)))
+            if value is None:
+                raise ValueError(f"the live peers sent no outer-step anchor of {name}")
+            self.anchor[i] = value.to("cpu", torch.float32, copy=True)
+            self.residual[i] = torch.zeros_like(self.anchor[i])
+            by_param[id(param)] = self.anchor[i]
 
 
 def outer_contributions(

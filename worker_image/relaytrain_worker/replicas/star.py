@@ -33,9 +33,9 @@ import torch
 
 from relaytrain_worker.pipeline.linkauth import LinkBroken
 from relaytrain_worker.pipeline.peers import LinkLike
-from relaytrain_worker.pipeline.stats import TERMS
+from relaytrain_worker.pipeline.stats import GATHERS, TERMS
 from relaytrain_worker.pipeline.transport import Frame
-from relaytrain_worker.replicas.arithmetic import Slice, fold, prefix, value_of
+from relaytrain_worker.replicas.arithmetic import Slice, fold, gather, prefix, value_of
 from relaytrain_worker.replicas.port import ReplicaPort
 
 log = logging.getLogger("relaytrain.replicas")
@@ -227,7 +227,7 @@ class StarExchange:
                 mine[name],
                 *(contributions[p][name] for p in order if name in contributions[p]),
             ]
-            result[name] = fold(parts)
+            result[name] = gather(parts) if what in GATHERS else fold(parts)
         for peer in contributions:
             port = joins.get(peer) or self._ports[peer]
             names = {n: result[n] for n in sorted(result) if self._peers[peer].holds(n)}

@@ -37,13 +37,14 @@ from relaytrain_operator.domain.planner.pools import (
 )
 from relaytrain_operator.domain.planner.result import Bottleneck, Plan, PlanError, StagePlan
 from relaytrain_operator.domain.planner.shares import split_micro_batches
-from relaytrain_operator.domain.planner.sync import SYNC_MODES, Sync, SyncPrice
+from relaytrain_operator.domain.planner.sync import OUTER_CODES, SYNC_MODES, Sync, SyncPrice
 from relaytrain_operator.domain.planner.targets import LoraTargetError
 from relaytrain_operator.domain.planner.training import TrainingShape
 
 __all__ = [
     "BUILTIN_GPUS",
     "DEFAULT_CATALOG",
+    "OUTER_CODES",
     "SYNC_MODES",
     "Bottleneck",
     "Catalog",

@@ -46,7 +46,14 @@ from relaytrain_operator.domain.planner.problem import Problem, build_problem
 from relaytrain_operator.domain.planner.result import Plan, PlanError
 from relaytrain_operator.domain.planner.search import DEFAULT_EXHAUSTIVE_LIMIT
 from relaytrain_operator.domain.planner.shares import split_fast
-from relaytrain_operator.domain.planner.sync import Gradients, Sync, SyncPrice, fold_rounds, top_two
+from relaytrain_operator.domain.planner.sync import (
+    Gradients,
+    Sync,
+    SyncPrice,
+    collective_of,
+    fold_rounds,
+    top_two,
+)
 from relaytrain_operator.domain.planner.training import TrainingShape
 
 __all__ = [
@@ -83,7 +90,7 @@ def plan_fleet(
     with ``suggest`` False) or when ``replicas`` pipelines cannot be made.
     """
     sync = sync or Sync()
-    collective = (settings or CostSettings()).sync_collective
+    collective = collective_of(sync, (settings or CostSettings()).sync_collective)
     if replicas is not None and (isinstance(replicas, bool) or replicas < 1):
         raise ValueError(f"replicas must be a positive integer or None, got {replicas!r}")
     # With None or 1 replicas this call fails only where plan() does: plan() checks its own.

@@ -96,6 +96,7 @@ class FleetPlan:
             "sync": {
                 "mode": s.sync.mode,
                 "everySteps": s.sync.every,
+                "outerCode": s.sync.code,
                 "collective": s.collective,
                 "trained": s.gradients.what,
                 "exchanged": s.gradients.kind,

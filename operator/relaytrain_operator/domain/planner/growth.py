@@ -38,7 +38,7 @@ from relaytrain_operator.domain.planner.pools import Pool
 from relaytrain_operator.domain.planner.problem import Problem, build_problem
 from relaytrain_operator.domain.planner.result import Plan, PlanError
 from relaytrain_operator.domain.planner.shares import split_fast
-from relaytrain_operator.domain.planner.sync import Gradients, Sync
+from relaytrain_operator.domain.planner.sync import Gradients, Sync, collective_of
 from relaytrain_operator.domain.planner.training import TrainingShape
 
 __all__ = ["GROWTH_MARGIN", "JOIN_SECONDS", "Growth", "plan_growth"]
@@ -105,7 +105,7 @@ def plan_growth(
     if not running:
         raise ValueError("a running job has at least one pipeline: plan it with plan_fleet")
     sync = sync or Sync()
-    collective = (settings or CostSettings()).sync_collective
+    collective = collective_of(sync, (settings or CostSettings()).sync_collective)
     grads = Gradients.of(model, training, sync)
     whole = build_problem(model, training, pools, catalog, settings)
     known = {cost.pool.name for cost in whole.costs}

@@ -7,7 +7,14 @@ memory says: 4 bytes a value), or for ``full`` every weight in the job's dtype, 
 embedding on first stages and the head and final norm on last stages. Every H steps
 (``periodic``, DiLoCo-style outer steps) the same stages average the trainable *weights*
 instead, which the worker sends as float64 (``relaytrain_worker.replicas.periodic``: the
-token-weighted sum must be exact): 8 bytes a value, twice a float32 LoRA gradient.
+token-weighted sum must be exact): 8 bytes a value, twice a float32 LoRA gradient. With
+an outer code (``spec.pipeline.sync.outerCode`` int4, int2 or int1;
+``relaytrain_worker.replicas.outer_codec``) they send each pipeline's update as a rotated
+low-bit code instead, ``(bits + 0.25) / 8`` bytes a value, and every pipeline receives every
+code: a gather whatever ``sync_collective`` says (codes do not add, so there is no
+reduce-scatter to make a ring cheaper). The worker's star sends every holder the whole
+stack, its own code included, so the leading holder sends R (R - 1) codes: that is the
+price here (each way counted as the busiest, two hops).
 
 Two ways to reduce (``CostSettings.sync_collective``); with B_g the gradient bytes a GPU
 holds, and a hop = one send between the two slowest-to-reach pipelines (the two largest of
@@ -55,6 +62,10 @@ SYNC_MODES: tuple[str, ...] = get_args(SyncMode)
 LORA_GRADIENT_BYTES = FP32_TRAINABLE_BYTES // 4
 #: Bytes of a value in a periodic outer step (float64 weights, whatever the training dtype).
 OUTER_VALUE_BYTES = 8
+OuterCode = Literal["float64", "int4", "int2", "int1"]
+OUTER_CODES: tuple[str, ...] = get_args(OuterCode)
+#: Bits of a low-bit outer code's values, with its bf16 scale per 64 values.
+CODE_BITS = {"int4": 4.25, "int2": 2.25, "int1": 1.25}
 
 
 @dataclass(frozen=True)
@@ -66,10 +77,16 @@ class Sync:
     every ``every`` steps (outer steps for slow links)."""
     every: int = 1
     """Steps between synchronisations (1 for ``synchronous``)."""
+    code: str = "float64"
+    """What a periodic outer step sends (``outerCode``): float64 weights or a low-bit code."""
 
     def __post_init__(self) -> None:
         if self.mode not in SYNC_MODES:
             raise ValueError(f"sync mode {self.mode!r} is not one of {', '.join(SYNC_MODES)}")
+        if self.code not in OUTER_CODES:
+            raise ValueError(f"outer code {self.code!r} is not one of {', '.join(OUTER_CODES)}")
+        if self.code != "float64" and self.mode != "periodic":
+            raise ValueError(f"outer code {self.code} needs periodic sync (outer steps)")
         if not isinstance(self.every, int) or isinstance(self.every, bool) or self.every < 1:
             raise ValueError(f"sync every must be a positive integer, got {self.every!r}")
         if self.mode == "synchronous" and self.every != 1:
@@ -101,18 +118,23 @@ class Gradients:
     def of(cls, model: ModelShape, training: TrainingShape, sync: Sync | None = None) -> Gradients:
         periodic = sync is not None and sync.mode == "periodic"
         kind = "weights" if periodic else "gradients"
+        coded = sync is not None and periodic and sync.code != "float64"
+        outer = CODE_BITS[sync.code] / 8 if coded and sync else OUTER_VALUE_BYTES
+        label = f"{sync.code} codes of" if coded and sync else "float64"
+        if coded:
+            kind = "updates"
         if training.method != "full":
-            e = OUTER_VALUE_BYTES if periodic else LORA_GRADIENT_BYTES
+            e = outer if periodic else LORA_GRADIENT_BYTES
             per_layer = lora_params_per_layer(model, training) * e
-            return cls(float(per_layer), 0.0, 0.0, "float64" if periodic else "float32", "LoRA",
+            return cls(float(per_layer), 0.0, 0.0, label if periodic else "float32", "LoRA",
                        kind)  # fmt: skip
-        e = OUTER_VALUE_BYTES if periodic else training.dtype_bytes
+        e = outer if periodic else training.dtype_bytes
         head = 0 if model.tie_word_embeddings else model.embedding_params
         return cls(
             float(model.layer_params * e),
             float(model.embedding_params * e),
             float((head + model.hidden_size) * e),
-            "float64" if periodic else training.dtype,
+            label if periodic else training.dtype,
             "full",
             kind,
         )
@@ -150,6 +172,11 @@ def top_two(values: Sequence[float]) -> float:
     return sum(ordered[:2])
 
 
+def collective_of(sync: Sync, collective: Collective) -> Collective:
+    """The collective that prices `sync`: an outer code's are gathered (see the module doc)."""
+    return "all-gather" if sync.code != "float64" else collective
+
+
 def fold_rounds(sync: Sync, collective: Collective, adapters: bool, shares: Sequence[int]) -> int:
     """Rounds of an ``all-gather`` synchronisation (see the module doc) for pipelines given
     ``shares`` micro-batches, the largest leading: with adapters and ``synchronous`` sync,
@@ -175,7 +202,9 @@ def sync_seconds(
     r = pipelines
     if r <= 1:
         return 0.0, 0.0
-    if collective == "ring":
+    if sync.code != "float64":  # the star's gather: the leader sends every code to each
+        moved, latency = r * (r - 1) * load, 2 * hop
+    elif collective == "ring":
         moved, latency = 2 * (r - 1) / r * load, 2 * (r - 1) * hop
     else:
         moved, latency = (r - 1 + max(rounds - 1, 0)) * load, max(1, 2 * rounds) * hop
