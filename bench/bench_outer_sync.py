@@ -1,0 +1,249 @@
+"""Four pipelines' outer steps: bytes against exact data parallelism, loss against exact.
+
+    .venv/bin/python bench/bench_outer_sync.py [--quick] [--steps S] [--json OUT]
+
+The maths of periodic synchronisation with a cheaper outer step, in one process (one
+unsplit model per pipeline, as `testkit.references.run_periodic_reference` does; no links):
+a 4-layer, 64-wide tiny Llama with LoRA r8 on every linear layer learns a noisy bigram
+language (each token followed by a fixed permutation of itself, 10 % random), four
+pipelines each training one micro-batch of 4 x 24 tokens of every step. Side by side:
+
+- `exact synchronous`: one model stepping on the whole step (what synchronous data
+  parallelism computes, bit for bit: tests/unit/test_worker_dataparallel.py);
+- `periodic`, every H steps (and after the last) an outer step that either averages the
+  factors one by one (`naive`, what periodic sync does) or merges the adapters exactly
+  (`exact`: the means plus the aggregation bias folded into the frozen weight,
+  replicas/lora_merge.py; not in the worker yet), sending the weights in float64
+  (`outerCode: float64`) or each pipeline's update since the last outer step as an
+  error-fed rotated low-bit code (`int4`, `int2`, `int1`; replicas/outer_codec.py, the
+  rotation of the step; every pipeline gets every pipeline's code and decodes the same
+  mean, which the exact merge then merges).
+
+Bytes per optimizer step are the bytes on every replica link of a star (R - 1 followers
+and one leader), against exact synchronous data parallelism priced as its lightest exact
+exchange: a bf16 gradient up and the bf16 sum down, every step. `float64` sends the weights
+and token weights up and the folded mean down (periodic.py); with the exact merge every
+pipeline needs every pipeline's factors, so the leader sends each follower all R of them,
+as the worker's star does with codes (gathered: `stats.OUTER_CODES`, every code back to
+every follower, its own included). Eval loss is on 8 held-out batches
+after the last step; `vs exact` is its relative difference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "testkit")]
+
+from relaytrain_contract import TrainingSpec  # noqa: E402
+from relaytrain_testkit.tiny_models import tiny_model_dir  # noqa: E402
+from relaytrain_worker.model.methods import apply_lora, lora_config  # noqa: E402
+from relaytrain_worker.model.training import make_optimizer, optimizer_step  # noqa: E402
+from relaytrain_worker.pipeline.schedule import token_loss_sum  # noqa: E402
+from relaytrain_worker.replicas import lora_merge, outer_codec  # noqa: E402
+from relaytrain_worker.state.data import MicroBatch  # noqa: E402
+
+R, SEQ, ROWS, VOCAB = 4, 24, 4, 300
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclass
+class Outcome:
+    config: str
+    eval_loss: float
+    vs_exact: float
+    """Relative eval-loss difference from exact synchronous training."""
+    bytes_per_step: float
+    ratio: float
+    """Exact synchronous data parallelism's bytes per step over this configuration's."""
+
+
+def bigram_batches(steps: int, seed: int) -> list[list[MicroBatch]]:
+    perm = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(1))
+    gen = torch.Generator().manual_seed(seed)
+
+    def one() -> MicroBatch:
+        x = torch.empty(ROWS, SEQ, dtype=torch.long)
+        x[:, 0] = torch.randint(0, VOCAB, (ROWS,), generator=gen)
+        for t in range(1, SEQ):
+            noise = torch.rand(ROWS, generator=gen) < 0.1
+            x[:, t] = torch.where(
+                noise, torch.randint(0, VOCAB, (ROWS,), generator=gen), perm[x[:, t - 1]]
+            )
+        pos = torch.arange(SEQ).expand(ROWS, -1).contiguous()
+        return MicroBatch(x, torch.ones_like(x), pos, x.clone())
+
+    return [[one() for _ in range(R)] for _ in range(steps)]
+
+
+def build(
+    model_dir: Path, training: TrainingSpec
+) -> tuple[Any, list[tuple[str, torch.nn.Parameter]], Any, Any]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    trainable = apply_lora(model, lora_config(8, 16.0, 0.0, TARGETS), training.seed)
+    model.train()
+    return (model, trainable, *make_optimizer(trainable, training))
+
+
+def train_step(
+    model: Any,
+    trainable: list[tuple[str, torch.nn.Parameter]],
+    micros: list[MicroBatch],
+    clip: float,
+) -> None:
+    items = sum(int((mb.labels[:, 1:] != -100).sum()) for mb in micros)
+    for mb in micros:
+        logits = model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False).logits
+        (token_loss_sum(logits, mb.labels) / items).backward()
+    torch.nn.utils.clip_grad_norm_([p for _, p in trainable], clip)
+
+
+def evaluate(model: Any, held: list[MicroBatch]) -> float:
+    total, items = 0.0, 0
+    with torch.no_grad():
+        for mb in held:
+            logits = model(
+                input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False
+            ).logits
+            total += float(token_loss_sum(logits, mb.labels))
+            items += int((mb.labels[:, 1:] != -100).sum())
+    return total / items
+
+
+def run_exact(
+    model_dir: Path, training: TrainingSpec, steps: list[list[MicroBatch]], held: list[MicroBatch]
+) -> tuple[float, int]:
+    model, trainable, optimizer, scheduler = build(model_dir, training)
+    for micros in steps:
+        train_step(model, trainable, micros, training.max_grad_norm)
+        optimizer_step(optimizer, scheduler)
+    return evaluate(model, held), sum(p.numel() for _, p in trainable)
+
+
+def run_periodic(
+    model_dir: Path,
+    training: TrainingSpec,
+    steps: list[list[MicroBatch]],
+    held: list[MicroBatch],
+    *,
+    every: int,
+    exact: bool,
+    code: str,
+) -> tuple[float, int]:
+    """Eval loss and total replica-link bytes of a periodic run (see the module docstring)."""
+    replicas = [build(model_dir, training) for _ in range(R)]
+    layers = [lora_merge.lora_layers(r[0]) for r in replicas]
+    params = [dict(r[1]) for r in replicas]
+    anchor = {n: p.detach().clone() for n, p in replicas[0][1]}
+    residual = [{n: torch.zeros_like(p) for n, p in r[1]} for r in replicas]
+    bits = None if code == "float64" else outer_codec.bits_of(code)
+    sent = 0
+    for s, micros in enumerate(steps):
+        for q, (model, trainable, optimizer, scheduler) in enumerate(replicas):
+            train_step(model, trainable, [micros[q]], training.max_grad_norm)
+            optimizer_step(optimizer, scheduler)
+        if (s + 1) % every and s + 1 != len(steps):
+            continue
+        with torch.no_grad():
+            held_by = {}  # per name: every pipeline's value as the others receive it
+            for name, base in anchor.items():
+                if bits is None:
+                    held_by[name] = [p[name].detach().clone() for p in params]
+                    size = 8 * (base.numel() + 1)
+                    sent += (R - 1) * ((R + 1) * size if exact else 2 * size)
+                    continue
+                values = []
+                for q in range(R):
+                    update = params[q][name].detach() - base + residual[q][name]
+                    c, residual[q][name] = outer_codec.encode(update, 1.0, bits, s + 1)
+                    decoded = outer_codec.decode(c, base.numel(), bits, s + 1)[1]
+                    values.append(base + decoded.reshape(base.shape))
+                # The star: every follower sends its code and gets all R back.
+                sent += (R - 1) * (R + 1) * outer_codec.code_bytes(base.numel(), bits)
+                held_by[name] = values
+            means = {n: (sum(v.double() for v in vs) / R).float() for n, vs in held_by.items()}
+            for module in layers[0]:
+                b_name = next(n for n in anchor if n.startswith(module + ".lora_B"))
+                a_name = next(n for n in anchor if n.startswith(module + ".lora_A"))
+                factors = [(1.0, held_by[b_name][q], held_by[a_name][q]) for q in range(R)]
+                means[b_name], means[a_name], fold = lora_merge.exact_merge(factors)
+                if exact:
+                    for q in range(R):
+                        lora_merge.fold_into(layers[q][module], fold)
+            for name, mean in means.items():
+                for q in range(R):
+                    params[q][name].copy_(mean)
+                anchor[name] = mean.clone()
+    return evaluate(replicas[0][0], held), sent
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="60 steps, four configurations")
+    parser.add_argument("--steps", type=int, help="steps per run (default 300)")
+    parser.add_argument("--json", type=Path, help="write the results here")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    n_steps = args.steps or (60 if args.quick else 300)
+    training = TrainingSpec(
+        steps=n_steps, micro_batch_size=ROWS, micro_batches=R, learning_rate=1e-2,
+        schedule="cosine", warmup_steps=5, weight_decay=0.0, max_grad_norm=1.0, seed=3,
+    )  # fmt: skip
+    grid = (
+        [(16, "float64"), (16, "int2")]
+        if args.quick
+        else [(16, c) for c in ("float64", "int4", "int2", "int1")]
+        + [(32, "float64"), (32, "int2"), (64, "int2")]
+    )
+    configs = [
+        (f"periodic every {h}, {code}, {'exact' if ex else 'naive'} merge", h, ex, code)
+        for h, code in grid
+        for ex in (False, True)
+    ]
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = tiny_model_dir(Path(tmp) / "llama", layers=4, hidden=64)
+        steps, held = bigram_batches(n_steps, 2), bigram_batches(2, 99)
+        held_out = [mb for step in held for mb in step]
+        started = time.monotonic()
+        base_loss, trainable = run_exact(model_dir, training, steps, held_out)
+        baseline = (R - 1) * 2 * 2 * trainable  # bf16 gradient up and bf16 sum down, per step
+        outcomes = [Outcome("exact synchronous", base_loss, 0.0, baseline, 1.0)]
+        for name, every, ex, code in configs:
+            loss, sent = run_periodic(
+                model_dir, training, steps, held_out, every=every, exact=ex, code=code
+            )
+            per_step = sent / n_steps
+            outcomes.append(
+                Outcome(name, loss, loss / base_loss - 1, per_step, baseline / per_step)
+            )
+        wall = time.monotonic() - started
+    print(
+        f"\n{n_steps} steps, 4 pipelines, LoRA r8 ({trainable:,} trainable values), {wall:.0f} s\n"
+    )
+    print("| configuration | eval loss | vs exact | bytes per step | fewer bytes than exact DP |")
+    print("|---|---|---|---|---|")
+    for o in outcomes:
+        print(
+            f"| {o.config} | {o.eval_loss:.4f} | {o.vs_exact * 100:+.2f} % "
+            f"| {o.bytes_per_step:,.0f} | {o.ratio:,.0f}x |"
+        )
+    if args.json:
+        args.json.write_text(json.dumps([asdict(o) for o in outcomes], indent=2))
+
+
+if __name__ == "__main__":
+    main()
