@@ -113,6 +113,21 @@ def test_committed_steps_are_never_overwritten(store: LocalStore) -> None:
     assert ckpt.load_stage(store, JOB, 10, 0) == _files(10, 0)
 
 
+def test_nothing_is_committed_behind_the_newest_checkpoint(store: LocalStore) -> None:
+    # A writer the job went on without (cut off from the other pipelines) comes back at
+    # step 10 while the job has committed 10 and 20 and pruned 10: it must not re-create
+    # step 10 behind step 20.
+    _save_all(store, 10)
+    _save_all(store, 20)
+    assert ckpt.prune(store, JOB, keep=1) == [10]
+    with pytest.raises(CheckpointError, match=r"step 20 of .* is already committed, after step 15"):
+        ckpt.save_stage(store, JOB, 15, 0, {"adapter.safetensors": b"stale"}, pipeline=1)
+    assert ckpt.committed_steps(store, JOB)[-1] == 20
+    # A rollback removes the later steps first; then the step is written again.
+    ckpt.discard_after(store, JOB, 10)
+    ckpt.save_stage(store, JOB, 15, 0, {"adapter.safetensors": b"retrained"})
+
+
 def test_a_retried_step_never_commits_a_stale_listing(store: LocalStore) -> None:
     ckpt.save_stage(store, JOB, 20, 0, {"a.bin": b"first attempt"})
     # Recovery rolls back; on the rerun stage 0 rewrites its files.
@@ -123,9 +138,11 @@ def test_a_retried_step_never_commits_a_stale_listing(store: LocalStore) -> None
 
 
 def test_prune_keeps_the_newest_n_commits_and_in_flight_steps(store: LocalStore) -> None:
-    for step in (10, 20, 30, 40):
+    for step in (10, 20):
         _save_all(store, step)
     ckpt.save_stage(store, JOB, 25, 0, _files(25, 0))  # abandoned partial step
+    for step in (30, 40):
+        _save_all(store, step)
     ckpt.save_stage(store, JOB, 50, 0, _files(50, 0))  # in flight right now
     assert ckpt.prune(store, JOB, keep=2) == [10, 20, 25]
     assert ckpt.list_steps(store, JOB) == [30, 40, 50]

@@ -104,13 +104,24 @@ def save_stage(
     """Write one stage's files for ``step`` (of ``pipeline``, the writer), then its
     ``files.json``. Returns the listing.
 
-    Raises CheckpointError if ``step`` is already committed (nothing is overwritten).
+    Raises CheckpointError if ``step`` is already committed (nothing is overwritten), or if
+    a later step is: a writer the job went on without (a pipeline cut off from the others)
+    must not commit behind the job's newest checkpoint, where the step it writes may have
+    been committed and pruned already (a rollback removes the later steps first).
     """
     if store.exists(manifest_key(job_prefix, step)):
         raise CheckpointError(
             f"step {step} of {job_prefix!r} is already committed; committed checkpoints are "
             "never overwritten (discard_after() the restore point first)"
         )
+    for later in reversed(list_steps(store, job_prefix)):
+        if later <= step:
+            break
+        if store.exists(manifest_key(job_prefix, later)):
+            raise CheckpointError(
+                f"step {later} of {job_prefix!r} is already committed, after step {step}: "
+                "nothing is committed behind the newest checkpoint"
+            )
     base = stage_key(job_prefix, step, stage, pipeline)
     # A listing left by an earlier attempt at this step must not be committed with the new
     # files, so it goes before any file is rewritten.
