@@ -92,10 +92,12 @@ def start_run(
     *,
     flags: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
+    wrap: Sequence[str] = (),
 ) -> subprocess.Popen[str]:
     """`relaytrain run JOB --local --no-progress [--workdir WORKDIR] [FLAGS...]`, output
-    piped; `env` is added to `run_env()`."""
-    cmd = [sys.executable, "-m", "relaytrain_operator.cli", "run", str(job), "--local",
+    piped; `env` is added to `run_env()`; `wrap` goes before the command (one that execs
+    it, so the process is the run's: `own_network`)."""
+    cmd = [*wrap, sys.executable, "-m", "relaytrain_operator.cli", "run", str(job), "--local",
            "--no-progress"]  # fmt: skip
     if workdir is not None:
         cmd += ["--workdir", str(workdir)]
@@ -108,6 +110,19 @@ def start_run(
         stderr=subprocess.STDOUT,
         text=True,
     )
+
+
+OWN_NETWORK = ("unshare", "--user", "--map-root-user", "--net", "sh", "-c",
+               'ip link set lo up && exec "$@"', "sh")  # fmt: skip
+"""A `wrap` for `start_run`: the run in a network namespace of its own (loopback only), so
+a test can cut its links with iptables (`in_network`) without touching the machine's."""
+
+
+def in_network(pid: int, *command: str) -> subprocess.CompletedProcess[str]:
+    """Run `command` (e.g. iptables) in the network namespace of process `pid`; raises
+    CalledProcessError with its output when it fails."""
+    return subprocess.run(["nsenter", "--target", str(pid), "--net", *command],
+                          check=True, capture_output=True, text=True)  # fmt: skip
 
 
 def pin_pipelines(state: dict[str, Any] | None) -> None:
