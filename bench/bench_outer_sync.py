@@ -23,9 +23,8 @@ Bytes per optimizer step are the bytes on every replica link of a star (R - 1 fo
 and one leader), against exact synchronous data parallelism priced as its lightest exact
 exchange: a bf16 gradient up and the bf16 sum down, every step. `float64` sends the weights
 and token weights up and the folded mean down (periodic.py); with the exact merge every
-pipeline needs every pipeline's factors, so the leader sends each follower all R of them,
-as the worker's star does with codes (gathered: `stats.OUTER_CODES`, every code back to
-every follower, its own included). Eval loss is on 8 held-out batches
+pipeline needs every pipeline's factors, so the leader sends each follower the R - 1 it
+lacks, as the worker's star does with codes (gathered: `stats.OUTER_CODES`). Eval loss is on 8 held-out batches
 after the last step; `vs exact` is its relative difference.
 """
 
@@ -164,7 +163,7 @@ def run_periodic(
                 if bits is None:
                     held_by[name] = [p[name].detach().clone() for p in params]
                     size = 8 * (base.numel() + 1)
-                    sent += (R - 1) * ((R + 1) * size if exact else 2 * size)
+                    sent += (R - 1) * (R * size if exact else 2 * size)
                     continue
                 values = []
                 for q in range(R):
@@ -172,8 +171,8 @@ def run_periodic(
                     c, residual[q][name] = outer_codec.encode(update, 1.0, bits, s + 1)
                     decoded = outer_codec.decode(c, base.numel(), bits, s + 1)[1]
                     values.append(base + decoded.reshape(base.shape))
-                # The star: every follower sends its code and gets all R back.
-                sent += (R - 1) * (R + 1) * outer_codec.code_bytes(base.numel(), bits)
+                # The star: every follower sends its code and gets the R - 1 others.
+                sent += (R - 1) * R * outer_codec.code_bytes(base.numel(), bits)
                 held_by[name] = values
             means = {n: (sum(v.double() for v in vs) / R).float() for n, vs in held_by.items()}
             for module in layers[0]:

@@ -224,3 +224,31 @@ def test_a_rejoining_stage_takes_the_anchor_or_its_replicas_drift_apart() -> Non
             assert torch.equal(params[name], copies[0][name]), (p, name)
     drifted = rejoin(take=False)
     assert any(not torch.equal(drifted[2][n], drifted[0][n]) for n in NAMES)
+
+
+def test_over_links_each_holder_gets_the_other_pipelines_codes_not_its_own_back() -> None:
+    splits = [[(0, 4)], [(0, 4)]]
+    names = [f"model.layers.{i}.mlp.up_proj.lora_B.weight" for i in range(4)]
+    groups = dict(link_groups(splits))
+    stages = {(p, 0): [(n, nn.Parameter(torch.zeros(64, 64))) for n in names] for p in range(2)}
+    try:
+        syncs = {
+            key: PeriodicSync(groups[key], key[0], 0, params, every=2, total=4, code="int2")
+            for key, params in stages.items()
+        }
+        with torch.no_grad():
+            for (p, _), params in stages.items():
+                for _, param in params:
+                    param.normal_(generator=torch.Generator().manual_seed(p))
+        _coded_outer(syncs, 2)
+        received = {key: sum(link.bytes_received for link in group.links().values())
+                    for key, group in groups.items()}  # fmt: skip
+    finally:
+        for group in groups.values():
+            group.close()
+    for name, _ in stages[(0, 0)]:
+        assert torch.equal(dict(stages[(0, 0)])[name], dict(stages[(1, 0)])[name])
+    # One code per name each way (plus framing): the follower is not sent its own code.
+    code = sum(outer_codec.code_bytes(64 * 64, 2) for _ in names)
+    assert code <= received[(0, 0)] < 1.5 * code
+    assert code <= received[(1, 0)] < 1.5 * code

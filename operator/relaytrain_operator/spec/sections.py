@@ -300,8 +300,8 @@ class SyncSpec(SpecModel):
     """What a periodic outer step sends: `float64`, every pipeline's weights (the exact
     token-weighted mean), or `int4`, `int2`, `int1`, an error-fed, rotated low-bit code of
     each pipeline's update since the last outer step (what a code leaves out goes with the
-    next one): 10x, 19x, 34x fewer bytes on the replica links than `float64` with two
-    pipelines, 6x, 11x, 20x with four (every pipeline receives every code)."""
+    next one): 15x, 28x, 51x fewer bytes on the replica links than `float64` with two
+    pipelines, 7.5x, 14x, 26x with four (every pipeline receives every other's code)."""
 
     @model_validator(mode="after")
     def _every(self) -> SyncSpec:

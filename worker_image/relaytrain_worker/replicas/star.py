@@ -145,7 +145,11 @@ class StarExchange:
                         sums[peer] = summed
                     frame = self._ports[peer].take(f"result:{what}", step)
                     if frame is not None:
-                        done.update({n: t for n, t in frame.tensors.items() if n in mine})
+                        own_at = frame.meta.get("own_at", {})
+                        done.update({
+                            n: _with_row(t, mine[n], own_at[n]) if n in own_at else t
+                            for n, t in frame.tensors.items() if n in mine
+                        })  # fmt: skip
                         if frame.meta.get("own") and peer in sums:  # the sum sent was the last
                             own = sums[peer].items()
                             done.update({n: value_of(t) for n, t in own if n in mine})
@@ -222,16 +226,24 @@ class StarExchange:
                         contributions[peer] = port.take("join", None).tensors  # type: ignore[union-attr]
         order = sorted(contributions)
         result = dict(have)
+        rows: dict[str, list[int]] = {}  # a gathered name's stack: whose row is where
         for name in need:
-            parts = [
-                mine[name],
-                *(contributions[p][name] for p in order if name in contributions[p]),
-            ]
-            result[name] = gather(parts) if what in GATHERS else fold(parts)
+            givers = [p for p in order if name in contributions[p]]
+            parts = [mine[name], *(contributions[p][name] for p in givers)]
+            if what in GATHERS:
+                result[name] = gather(parts)
+                rows[name] = [self._pipeline, *(p[0] for p in givers)]
+            else:
+                result[name] = fold(parts)
         for peer in contributions:
             port = joins.get(peer) or self._ports[peer]
             names = {n: result[n] for n in sorted(result) if self._peers[peer].holds(n)}
-            port.send(Frame(f"result:{what}", step, -1, names))
+            meta = {}
+            if rows:  # a gather: each holder gets the others' rows; it has its own
+                own = {n: rows[n].index(peer[0]) for n in names if peer[0] in rows.get(n, [])}
+                names = {n: _without_row(t, own[n]) if n in own else t for n, t in names.items()}
+                meta = {"own_at": own}
+            port.send(Frame(f"result:{what}", step, -1, names, meta))
         return {n: result[n] for n in mine}
 
     def _lead_rounds(
@@ -381,3 +393,13 @@ class StarExchange:
             raise TimeoutError(f"the other pipelines gave nothing for {key[0]} of step {key[1]}")
         if self.closed:
             raise LinkBroken("the replica links were closed")
+
+
+def _without_row(stack: torch.Tensor, at: int) -> torch.Tensor:
+    """A gathered stack less row `at` (what its holder gave: it has it already)."""
+    return torch.cat([stack[:at], stack[at + 1 :]])
+
+
+def _with_row(stack: torch.Tensor, row: torch.Tensor, at: int) -> torch.Tensor:
+    """A gathered stack with this holder's own `row` put back at `at`."""
+    return torch.cat([stack[:at], row.unsqueeze(0), stack[at:]])

@@ -12,9 +12,9 @@ an outer code (``spec.pipeline.sync.outerCode`` int4, int2 or int1;
 ``relaytrain_worker.replicas.outer_codec``) they send each pipeline's update as a rotated
 low-bit code instead, ``(bits + 0.25) / 8`` bytes a value, and every pipeline receives every
 code: a gather whatever ``sync_collective`` says (codes do not add, so there is no
-reduce-scatter to make a ring cheaper). The worker's star sends every holder the whole
-stack, its own code included, so the leading holder sends R (R - 1) codes: that is the
-price here (each way counted as the busiest, two hops).
+reduce-scatter to make a ring cheaper). In the worker's star the leading holder receives
+R - 1 codes and sends each of the R - 1 others the R - 1 codes it lacks: (R - 1)^2 codes
+its busiest way, two hops.
 
 Two ways to reduce (``CostSettings.sync_collective``); with B_g the gradient bytes a GPU
 holds, and a hop = one send between the two slowest-to-reach pipelines (the two largest of
@@ -202,8 +202,8 @@ def sync_seconds(
     r = pipelines
     if r <= 1:
         return 0.0, 0.0
-    if sync.code != "float64":  # the star's gather: the leader sends every code to each
-        moved, latency = r * (r - 1) * load, 2 * hop
+    if sync.code != "float64":  # the star's gather: the leader sends each the others' codes
+        moved, latency = (r - 1) ** 2 * load, 2 * hop
     elif collective == "ring":
         moved, latency = 2 * (r - 1) / r * load, 2 * (r - 1) * hop
     else:
