@@ -115,3 +115,37 @@ def test_a_pipeline_taking_the_writing_over_writes_each_step_once(tmp_path: Path
     assert [r["loss"] for r in records] == [float(s) for s in range(1, 21)]
     assert {r["step"]: r["evalLoss"] for r in records if "evalLoss" in r} == {5: 0.5, 15: 0.25}
     assert rejoined.last_eval is not None and rejoined.last_eval["step"] == 15
+
+
+def test_a_writer_that_commits_after_the_other_adopted_is_not_written_twice(
+    tmp_path: Path,
+) -> None:
+    """Two pipelines cut apart: pipeline 1 takes the writing over at step 6 (its `adopt`
+    reads the store), and pipeline 0, not yet aware, still commits steps 4-6 after that.
+    Pipeline 1's next chunk starts after what the store then holds, so the history has
+    every step once (the live partition test found 4, 5, 6 twice); and a reader given
+    overlapping chunks still lists each step once, from the chunk that starts first."""
+    store = LocalStore(tmp_path)
+    p0, p1 = LossHistory(store, PREFIX), LossHistory(store, PREFIX)
+    for step in range(1, 7):
+        for h in (p0, p1):
+            h.append(step, float(step), 100.0)
+        if step == 3:
+            p0.write(3)
+            p1.forget_through(0)
+    p1.adopt()
+    assert [r["step"] for r in p1.pending] == [4, 5, 6]
+    p0.write(6)  # committed after pipeline 1 looked
+    for step in range(7, 10):
+        p1.append(step, float(step), 100.0)
+    p1.write(9)
+    chunks = sorted(p.name for p in (tmp_path / PREFIX / "loss-history").iterdir())
+    assert chunks == [f"{a:09d}-{b:09d}.jsonl" for a, b in ((1, 3), (4, 6), (7, 9))]
+    assert [r["step"] for r in read_history(store, PREFIX)] == list(range(1, 10))
+    overlapping = tmp_path / PREFIX / "loss-history" / "000000004-000000009.jsonl"
+    overlapping.write_text(
+        "".join(json.dumps({"step": s, "loss": -1.0}) + "\n" for s in range(4, 10))
+    )
+    records = read_history(store, PREFIX)
+    assert [r["step"] for r in records] == list(range(1, 10))
+    assert [r["loss"] for r in records[3:6]] == [4.0, 5.0, 6.0]  # chunk 4-6 starts first

@@ -20,9 +20,11 @@ array after every step wrote O(steps²) bytes in all.
 With several pipelines every pipeline's last stage keeps the records (each has the whole
 step's loss), and the writer of the moment — the lowest pipeline training — writes them.
 A last stage that becomes the writer (`adopt`) drops what the store already holds and
-writes the rest with its next commit; one that is not trims what the writer has surely
-written (`forget_through`); a rejoining last stage takes the records of the peer whose state
-it takes (`take`), so whoever writes next has the steps it was out for.
+writes the rest with its next commit (looking at the store again then: the writer before
+may have committed one more chunk meanwhile, as two pipelines cut apart do); one that is
+not trims what the writer has surely written (`forget_through`); a rejoining last stage
+takes the records of the peer whose state it takes (`take`), so whoever writes next has the
+steps it was out for. A reader lists each step once even where chunks overlap.
 
 `read_history` is the one reader of the chunks.
 """
@@ -59,17 +61,20 @@ def _chunks(store: Store, job_prefix: str) -> list[tuple[int, int, str]]:
 
 
 def read_history(store: Store, job_prefix: str, upto: int | None = None) -> list[Record]:
-    """Every committed record (of steps up to `upto`, when given), in step order."""
-    records: list[Record] = []
+    """Every committed record (of steps up to `upto`, when given), in step order, each
+    step once: where two chunks overlap (two writers around a change of writer), the
+    chunk that starts first has it."""
+    records: dict[int, Record] = {}
     for first, _, key in _chunks(store, job_prefix):
         if upto is not None and first > upto:
             break
         for line in store.get(key).decode().splitlines():
             if line.strip():
                 record = json.loads(line)
-                if upto is None or int(record["step"]) <= upto:
-                    records.append(record)
-    return records
+                step = int(record["step"])
+                if upto is None or step <= upto:
+                    records.setdefault(step, record)
+    return [records[step] for step in sorted(records)]
 
 
 class LossHistory:
@@ -84,6 +89,9 @@ class LossHistory:
         """The newest record (pending or written)."""
         self.last_eval: Record | None = None
         """The newest record with an `evalLoss` (pending or written)."""
+        self._adopted = False
+        """Became the writer since the last write: look at the store again before writing
+        (the writer before may have committed a chunk after `adopt` read it)."""
 
     def resume(self, step: int | None) -> None:
         """Continue after committed `step` (None: from the start): the written records up
@@ -114,6 +122,11 @@ class LossHistory:
 
     def write(self, step: int) -> None:
         """Write the records up to `step` (about to be committed) as one chunk."""
+        if self._adopted:
+            self._adopted = False
+            stored = [last for _, last, _ in _chunks(self.store, self.prefix)]
+            if stored:
+                self.pending = [r for r in self.pending if r["step"] > max(stored)]
         due = [r for r in self.pending if r["step"] <= step]
         if not due:
             return
@@ -145,6 +158,7 @@ class LossHistory:
         stored = read_history(self.store, self.prefix)
         written = int(stored[-1]["step"]) if stored else -1
         self.pending = [r for r in self.pending if r["step"] > written]
+        self._adopted = True
         held = [r for r in (*stored, *self.pending) if "evalLoss" in r]
         self.last_eval = held[-1] if held else None
         if self.last is None and stored:
