@@ -102,13 +102,18 @@ def one_pipeline(workspace: Path) -> list[float]:
     return [r["loss"] for r in _history(workspace, "one")]
 
 
+def _uninterrupted(workspace: Path, name: str, steps: int) -> list[float]:
+    """The losses of the job of `steps` run by one pipeline, uninterrupted."""
+    proc = start_run(_job(workspace, name, 1, steps=steps), workspace / f"wd-{name}", env=ENV)
+    out, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, out
+    return [r["loss"] for r in _history(workspace, name)]
+
+
 @pytest.fixture(scope="module")
 def long_reference(workspace: Path) -> list[float]:
     """The uninterrupted run's losses for the kill test: one pipeline, the same job."""
-    proc = start_run(_job(workspace, "long", 1, steps=KILL_STEPS), workspace / "wd-long", env=ENV)
-    out, _ = proc.communicate(timeout=900)
-    assert proc.returncode == 0, out
-    return [r["loss"] for r in _history(workspace, "long")]
+    return _uninterrupted(workspace, "long", KILL_STEPS)
 
 
 def test_two_pipelines_train_the_same_bits_as_one(
@@ -519,11 +524,7 @@ links healing (at about step 30)."""
 @pytest.fixture(scope="module")
 def partition_reference(workspace: Path) -> list[float]:
     """The partition test's job uninterrupted: one pipeline."""
-    job = _job(workspace, "partition-ref", 1, steps=PARTITION_STEPS)
-    proc = start_run(job, workspace / "wd-partition-ref", env=ENV)
-    out, _ = proc.communicate(timeout=900)
-    assert proc.returncode == 0, out
-    return [r["loss"] for r in _history(workspace, "partition-ref")]
+    return _uninterrupted(workspace, "partition-ref", PARTITION_STEPS)
 
 
 def test_two_live_pipelines_cut_apart_commit_each_step_once_and_come_back_together(

@@ -10,7 +10,7 @@ replicas that were equal already stay bit for bit what they were.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import pytest
 import torch
@@ -51,12 +51,7 @@ def _outer(
     stages = {
         (p, k): _stage_params(p, k, same) for p, s in enumerate(SPLITS) for k in range(len(s))
     }
-    groups: dict[tuple[int, int], ReplicaGroup]
-    if kind == "memory":
-        shared = InProcessGroup([len(s) for s in SPLITS], timeout=60)
-        groups = {key: shared for key in stages}
-    else:
-        groups = dict(link_groups(SPLITS))
+    groups = _groups(kind, stages)
     keys = sorted(stages)
     try:
         got = on_threads({
@@ -66,14 +61,26 @@ def _outer(
             for i, (p, k) in enumerate(keys)
         })  # fmt: skip
     finally:
-        for group in groups.values():
-            close = getattr(group, "close", None)
-            if close is not None:
-                close()
+        _close(groups)
     errors = [v for v in got.values() if isinstance(v, BaseException)]
     if errors:
         raise errors[0]
     return {key: {n: t.detach().clone() for n, t in params} for key, params in stages.items()}
+
+
+def _groups(kind: str, stages: dict[tuple[int, int], Any]) -> dict[tuple[int, int], ReplicaGroup]:
+    """One `InProcessGroup` shared by every stage (`memory`) or a `LinkGroup` each (`links`)."""
+    if kind == "memory":
+        shared = InProcessGroup([len(s) for s in SPLITS], timeout=60)
+        return {key: shared for key in stages}
+    return dict(link_groups(SPLITS))
+
+
+def _close(groups: dict[tuple[int, int], ReplicaGroup]) -> None:
+    for group in groups.values():
+        close = getattr(group, "close", None)
+        if close is not None:
+            close()
 
 
 def _by_pipeline(
@@ -155,12 +162,7 @@ def test_a_coded_outer_step_lands_every_replica_on_the_anchor_plus_the_decoded_m
     stages = {
         (p, k): _stage_params(p, k, same=True) for p, s in enumerate(SPLITS) for k in range(len(s))
     }
-    groups: dict[tuple[int, int], ReplicaGroup]
-    if kind == "memory":
-        shared = InProcessGroup([len(s) for s in SPLITS], timeout=60)
-        groups = {key: shared for key in stages}
-    else:
-        groups = dict(link_groups(SPLITS))
+    groups = _groups(kind, stages)
     try:
         syncs = _syncs(groups, stages)
         _train(stages, 1)
@@ -168,10 +170,7 @@ def test_a_coded_outer_step_lands_every_replica_on_the_anchor_plus_the_decoded_m
         _coded_outer(syncs, 2)
         copies = _held(stages)
     finally:
-        for group in groups.values():
-            close = getattr(group, "close", None)
-            if close is not None:
-                close()
+        _close(groups)
     for name in NAMES:
         anchor = _value(0, name)
         codes = [
