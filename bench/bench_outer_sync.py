@@ -24,8 +24,8 @@ and one leader), against exact synchronous data parallelism priced as its lighte
 exchange: a bf16 gradient up and the bf16 sum down, every step. `float64` sends the weights
 and token weights up and the folded mean down (periodic.py); with the exact merge every
 pipeline needs every pipeline's factors, so the leader sends each follower the R - 1 it
-lacks, as the worker's star does with codes (gathered: `stats.OUTER_CODES`). Eval loss is on 8 held-out batches
-after the last step; `vs exact` is its relative difference.
+lacks, as the worker's star does with codes (gathered: `stats.OUTER_CODES`). Eval loss is
+on 8 held-out batches after the last step; `vs exact` is its relative difference.
 """
 
 from __future__ import annotations
