@@ -6,6 +6,7 @@
   drawn by name, so slices and the whole model agree): the GPU check's 8B-shaped model.
 - `inputs`: the exactness tests' training, layer splits and micro-batches.
 - `pipelines`: pipelines run in process (every stage a thread, real loopback links).
+- `shaped_links`: commands in a network namespace whose loopback the kernel makes slow.
 - `references`: the same training in one process, to compare the pipelines against.
 - `replica_links`: replica groups of stages over real loopback links.
 - `linkcreds`: link credentials minted as the operator mints them.

@@ -67,6 +67,7 @@ def run_pipeline_threads(
     compression: str = "none",
     lora: dict[str, Any] | None = None,
     link_rate: float | None = None,
+    link_latency: float = 0.0,
     overlap_encode: bool = True,
     warmup: int = 0,
     grads: Literal["every", "last"] = "every",
@@ -77,7 +78,9 @@ def run_pipeline_threads(
     builds a stage's slice (relaytrain_testkit.random_models: random weights on a GPU).
     ``credentials``: each stage's link credentials, in stage order (relaytrain_testkit.linkcreds
     mints them as the operator does). ``link_rate`` (bytes per second, each direction)
-    paces every link to emulate a slow network; ``overlap_encode`` is passed to `Peers`.
+    paces every link to emulate a slow network, ``link_latency`` (seconds, each direction)
+    delays what every link carries (`Link.set_latency`); ``overlap_encode`` is passed to
+    `Peers`.
     The first ``warmup`` steps train but are not timed: every stage finishes them, waits for
     the others, and only then starts the clock. ``grads="last"`` keeps only the last step's
     gradients (the other steps' dicts stay empty), so a long run on a GPU holds one copy.
@@ -88,7 +91,7 @@ def run_pipeline_threads(
         model, [splits], [steps], training,
         credentials=[credentials], groups=None, method=method, compression=compression,
         lora=lora, link_rate=link_rate, overlap_encode=overlap_encode, record_steps=False,
-        warmup=warmup, grads=grads,
+        warmup=warmup, grads=grads, link_latency=link_latency,
     )[0]  # fmt: skip
 
 
@@ -210,6 +213,7 @@ def _run_pipelines(
     sync_code: str = "float64",
     warmup: int = 0,
     grads: Literal["every", "last"] = "every",
+    link_latency: float = 0.0,
 ) -> list[PipelineRun]:
     """Every stage of every pipeline as a thread; ``steps[p]``: pipeline p's micro-batches."""
     listeners = [
@@ -265,6 +269,7 @@ def _run_pipelines(
             for link in (prev, nxt):
                 if link is not None:
                     link.limit_rate(link_rate)
+                    link.set_latency(link_latency)
             tied = getattr(stage.config, "tie_word_embeddings", False)
             runner = StepRunner(
                 stage,

@@ -38,6 +38,7 @@ import torch
 
 from relaytrain_worker.pipeline.compression import Compression, EncodedTensor, check_mode, decode
 from relaytrain_worker.pipeline.credentials import LinkCredentials
+from relaytrain_worker.pipeline.delayline import DelayLine
 from relaytrain_worker.pipeline.frames import MAX_HEADER, Frame, PreparedFrame, prepare, wire_dtype
 from relaytrain_worker.pipeline.linkauth import (
     AuthError,
@@ -107,6 +108,7 @@ class Link:
         self._recv_lock = threading.Lock()
         self._rate: float | None = None
         self._paced_until = 0.0
+        self._line: DelayLine | None = None
         self._closed = False
         self._rbuf = bytearray(64 << 10)
         self._wire = bytearray(_RECV_BYTES)
@@ -122,6 +124,19 @@ class Link:
             raise ValueError("rate must be positive")
         self._rate = bytes_per_second
         self._paced_until = time.monotonic()
+
+    def set_latency(self, seconds: float) -> None:
+        """Make what this end sends readable at the other end ``seconds`` later (a one-way
+        latency, for benchmarks and tests: delayline.py), without holding up this end's
+        next sends; 0 sends without delay. Off unless called; combines with ``limit_rate``
+        (the pacing decides when a chunk leaves, the delay when it arrives)."""
+        if seconds < 0:
+            raise ValueError("a latency cannot be negative")
+        if self._line is None:
+            if seconds == 0:
+                return
+            self._line = DelayLine(self._sock, seconds, self.peer)
+        self._line.delay = seconds
 
     def send(self, frame: Frame, compression: Compression | str = "none") -> None:
         """Send ``frame``; floating tensors are encoded with ``compression``."""
@@ -190,9 +205,16 @@ class Link:
             return Frame(header["kind"], header["step"], header["micro"], tensors, header["meta"])
 
     def close(self) -> None:
-        """Close the link; the peer sees LinkBroken on its next recv. Idempotent."""
+        """Close the link; the peer sees LinkBroken on its next recv. Idempotent. With a
+        latency set, what was sent is delivered first (waiting up to the latency and
+        `delayline.DRAIN_GRACE`), as a closed socket still sends what it was given."""
+        self._close(drain=True)
+
+    def _close(self, drain: bool) -> None:
         if self._closed:
             return
+        if self._line is not None:  # what was sent is delivered, as a closed socket's is
+            self._line.close(drain=drain)
         self._closed = True
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
@@ -211,11 +233,14 @@ class Link:
             raise LinkBroken(f"link to {self.peer} is closed")
 
     def _fail(self) -> None:
-        self.close()
+        self._close(drain=False)
 
     def _send_bytes(self, plaintext: bytes | memoryview) -> None:
         sealed = self._tls.seal(plaintext)
-        self._sock.sendall(sealed)
+        if self._line is not None:
+            self._line.put(sealed)
+        else:
+            self._sock.sendall(sealed)
         if self._rate is not None:
             # Token-bucket pacing: each chunk may leave only when the link would be free.
             now = time.monotonic()

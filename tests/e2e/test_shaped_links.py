@@ -1,0 +1,68 @@
+"""`relaytrain run --local` over links the kernel makes slow: two real stage processes in a
+user and network namespace whose loopback gives every link 1 Mbit/s in each direction
+(relaytrain_testkit.shaped_links: htb classes per port, no pacing in the links)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from relaytrain_testkit import shaped_links
+from relaytrain_testkit.local_jobs import local_job, progress, run_env
+from relaytrain_testkit.tiny_models import CORPUS, tiny_model_dir
+
+pytestmark = pytest.mark.e2e
+
+RATE = 1e6 / 8
+"""Bytes per second, each link and direction: 1 Mbit/s."""
+STEPS, MICROS, ROWS, SEQ, HIDDEN = 4, 4, 2, 32, 256
+ACTIVATION = ROWS * SEQ * HIDDEN * 4
+"""Bytes of one micro-batch's hidden states (float32, no compression): the least an
+activation frame (and a gradient frame) carries."""
+
+
+def test_training_over_a_kernel_shaped_link_finishes_at_the_links_speed(tmp_path: Path) -> None:
+    problem = shaped_links.missing()
+    if problem is not None:
+        pytest.fail(f"this test needs a user and network namespace with htb: {problem}")
+    tiny_model_dir(tmp_path / "model", layers=2, hidden=HIDDEN)
+    with (tmp_path / "data.jsonl").open("w") as f:
+        for i in range(16):  # every row longer than SEQ: cut to it, no padding
+            f.write(json.dumps({"prompt": f"q{i}:", "completion": " ".join(CORPUS)}) + "\n")
+    job = (
+        local_job(tmp_path, "slow")
+        .dataset(sequence_length=SEQ)
+        .training(steps=STEPS, micro_batch_size=ROWS, micro_batches=MICROS)
+        .checkpoint(str(tmp_path / "ckpt"), every_steps=STEPS, keep=1)
+        .write(tmp_path)
+    )
+    run = [sys.executable, "-m", "relaytrain_operator.cli", "run", str(job), "--local",
+           "--no-progress", "--workdir", str(tmp_path / "wd")]  # fmt: skip
+    stats = tmp_path / "shaper.json"
+    argv = shaped_links.command(run, shaped_links.Shaping(RATE), stats=str(stats))
+    done = subprocess.run(
+        argv, check=False, env=run_env(), capture_output=True, text=True, timeout=180
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "relaytrain: done" in done.stdout
+
+    final = progress(tmp_path / "ckpt", "slow")
+    assert final is not None and final["done"] and final["step"] == STEPS
+    tokens = STEPS * MICROS * ROWS * SEQ
+    assert final["tokensSeen"] == tokens, "rows were padded: the per-step bound below is off"
+    # Both directions of the stage link went through a shaped class of their own: the
+    # busiest two carried at least every activation (down) and every gradient (up).
+    carried = sorted(json.loads(stats.read_text())["classBytes"].values(), reverse=True)
+    assert len(carried) >= 2 and carried[1] >= STEPS * MICROS * ACTIVATION, carried
+
+    # What the user reads: every step's tokens/s is at most what 1 Mbit/s allows. A step
+    # moves its MICROS activations over the link; one may have left before the last stage
+    # started the step's clock, and the bucket's burst passes at once.
+    history = json.loads((tmp_path / "ckpt" / "default" / "slow" / "loss-history.json").read_text())
+    least_seconds = ((MICROS - 1) * ACTIVATION - shaped_links.MIN_BURST) / RATE
+    most = tokens / STEPS / least_seconds
+    rates = [entry["tokensPerSecond"] for entry in history]
+    assert len(rates) == STEPS and max(rates) <= most, (rates, most)
