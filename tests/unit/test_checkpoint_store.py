@@ -95,6 +95,27 @@ def test_progress_round_trip_in_the_contract_format(tmp_path: Path) -> None:
         Progress(step=101, totalSteps=100, loss=1.0, tokensPerSecond=0.0)
 
 
+def test_a_writer_that_may_not_be_alone_never_moves_progress_back(tmp_path: Path) -> None:
+    # Two pipelines cut apart each take themselves for the writer; the one behind (found by
+    # the live partition test: it wrote step 12 over the finished job's step 200) must not
+    # make the job look unfinished or earlier.
+    store = LocalStore(tmp_path)
+
+    def record(step: int, done: bool = False) -> Progress:
+        return Progress(step=step, totalSteps=200, loss=1.0, tokensPerSecond=1.0, done=done)
+
+    assert write_progress(store, "j", record(20), unless_behind=True)
+    assert not write_progress(store, "j", record(12), unless_behind=True)
+    assert write_progress(store, "j", record(21), unless_behind=True)
+    assert write_progress(store, "j", record(200, done=True), unless_behind=True)
+    assert not write_progress(store, "j", record(200), unless_behind=True)
+    progress = read_progress(store, "j")
+    assert progress is not None and progress.done and progress.step == 200
+    # A writer sure to be alone writes what it is told (a rollback may go back).
+    assert write_progress(store, "j", record(54))
+    assert read_progress(store, "j").step == 54  # type: ignore[union-attr]
+
+
 def test_an_s3_uri_without_an_endpoint_is_aws_s3(
     fake_minio: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
 ) -> None:

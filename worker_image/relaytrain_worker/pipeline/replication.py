@@ -49,6 +49,13 @@ class Replication(Protocol):
         progress.json, the loss history, held-out evaluation and the output."""
         ...
 
+    @property
+    def unsure_writer(self) -> bool:
+        """Whether another pipeline may be writing too (several pipelines: two cut apart
+        each take themselves for the writer), so progress.json is read before it is
+        written and never moves back."""
+        ...
+
     def open(self) -> None:
         """Bind what must listen from the start (with the stage's own listener)."""
 
@@ -121,6 +128,10 @@ class Alone:
     @property
     def writes(self) -> bool:
         return True
+
+    @property
+    def unsure_writer(self) -> bool:
+        return False
 
     def open(self) -> None:
         pass

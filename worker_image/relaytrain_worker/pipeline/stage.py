@@ -174,11 +174,18 @@ class StageRuntime:
         start as a lone pipeline's do; the others differ (their micro-batches differ)."""
         torch.manual_seed(rng_seed(self.cfg, self.pipeline, step))
 
+    def _done(self, restored: int) -> int:
+        """Exit 0 with the final commit restored (see `_nothing_left`)."""
+        log.info("Stage %s restored the job's final commit: nothing left to train", self.name)
+        if self.cfg.stage.is_last and ckpt.committed_by(self.store, self.prefix, restored)[0] == self.pipeline:  # fmt: skip  # noqa: E501
+            self._finish()
+        self.metrics.set_health("done", step=self.step)
+        return 0
+
     def _nothing_left(self, restored: int | None) -> bool:
-        """Whether this (re)started stage restored the job's final commit with every file
-        of every stage intact: nothing is left to train, and the stages that finished it
-        may have exited, so it waits for no peer (the output writer exports again; a stage
-        killed between the final commit and the output would otherwise wait forever)."""
+        """Whether this (re)started or recovering stage restored the job's final commit with
+        every file intact: nothing is left, it waits for no peer (they may have exited: one
+        killed before the output, or cut off while they finished, waited forever)."""
         return (
             restored == self.total_steps
             and ckpt.latest_committed(self.store, self.prefix, verify_files=True, at_most=restored)
@@ -257,14 +264,8 @@ class StageRuntime:
         self.replication.start(self)
         restored = self.restore_newest()
         self.step = restored or 0
-        if self._nothing_left(restored):
-            log.info("Stage %s restored the job's final commit: nothing left to train", self.name)
-            assert restored is not None
-            wrote = ckpt.committed_by(self.store, self.prefix, restored)[0] == self.pipeline
-            if self.cfg.stage.is_last and wrote:
-                self._finish()
-            self.metrics.set_health("done", step=self.step)
-            return 0
+        if restored is not None and self._nothing_left(restored):
+            return self._done(restored)
         attempt = 0
         # A stage that restored the final step of a commit with a bad file joins one
         # handshake: every stage redoes the end from the newest intact commit.
@@ -293,6 +294,8 @@ class StageRuntime:
                 time.sleep(min(2.0 * attempt, 10.0))
                 restored = self.restore_newest()
                 self.step = restored or 0
+                if restored is not None and self._nothing_left(restored):  # finished meanwhile
+                    return self._done(restored)
             except AuthError:
                 self._close(peers)
                 raise
@@ -407,28 +410,27 @@ class StageRuntime:
         if seen is not None:
             self.metrics.set_seen(seen.epoch, seen.examples, seen.tokens, seen.trained)
         held = self.history.last_eval
+        progress = Progress(
+            step=self.step,
+            total_steps=self.total_steps,
+            loss=last["loss"],
+            tokens_per_second=float(last["tokensPerSecond"] or 0.0),
+            last_committed_step=self.last_committed,
+            step_seconds=self.step_seconds,
+            done=done,
+            output=self.cfg.output.uri if done else None,
+            examples=report.examples if report else None,
+            examples_truncated=report.truncated if report else None,
+            examples_dropped=report.dropped if report else None,
+            epoch=seen.epoch if seen else None,
+            examples_seen=seen.examples if seen else None,
+            tokens_seen=seen.tokens if seen else None,
+            tokens_trained=seen.trained if seen else None,
+            eval_loss=held["evalLoss"] if held else None,
+            eval_step=held["step"] if held else None,
+        )
         write_progress(
-            self.store,
-            self.prefix,
-            Progress(
-                step=self.step,
-                total_steps=self.total_steps,
-                loss=last["loss"],
-                tokens_per_second=float(last["tokensPerSecond"] or 0.0),
-                last_committed_step=self.last_committed,
-                step_seconds=self.step_seconds,
-                done=done,
-                output=self.cfg.output.uri if done else None,
-                examples=report.examples if report else None,
-                examples_truncated=report.truncated if report else None,
-                examples_dropped=report.dropped if report else None,
-                epoch=seen.epoch if seen else None,
-                examples_seen=seen.examples if seen else None,
-                tokens_seen=seen.tokens if seen else None,
-                tokens_trained=seen.trained if seen else None,
-                eval_loss=held["evalLoss"] if held else None,
-                eval_step=held["step"] if held else None,
-            ),
+            self.store, self.prefix, progress, unless_behind=self.replication.unsure_writer
         )
 
     def _checkpoint(self, peers: Peers, step: int) -> None:

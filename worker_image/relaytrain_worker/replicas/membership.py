@@ -125,6 +125,12 @@ class Replicated:
     def writes(self) -> bool:
         return self.writer
 
+    @property
+    def unsure_writer(self) -> bool:
+        # Always: a cut can fall in the middle of a step whose plan still had every
+        # pipeline, and a side that waited on the other (TCP keepalive) wakes far behind.
+        return True
+
     def _given_up_document(self) -> bytes | None:
         try:
             return self.store.get(f"{self.prefix}/{GIVEN_UP_FILE}")
