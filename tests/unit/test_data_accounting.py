@@ -109,6 +109,7 @@ def test_the_last_stage_reports_what_stage_zero_counted(tmp_path: Path) -> None:
         history=SimpleNamespace(last={"loss": 2.5, "tokensPerSecond": 10.0}, last_eval=None),
         data_report=None, store=store, prefix="ns/job", step=1, total_steps=4,
         last_committed=None, step_seconds=0.5, metrics=StageMetrics("job", 1),
+        replication=SimpleNamespace(unsure_writer=False),
         cfg=SimpleNamespace(output=SimpleNamespace(uri="out"),
                             training=SimpleNamespace(micro_batch_size=1, micro_batches=2, seed=3)),
     )  # fmt: skip
