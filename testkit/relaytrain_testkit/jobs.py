@@ -311,12 +311,17 @@ class Job:
         return self.set("spec.output", {"uri": uri})
 
     def failure_policy(
-        self, *, max_stage_restarts: int | None = None, backoff_seconds: int | None = None
+        self,
+        *,
+        max_stage_restarts: int | None = None,
+        backoff_seconds: int | None = None,
+        return_after_seconds: int | None = None,
     ) -> Job:
         return self._section(
             "spec.failurePolicy",
             max_stage_restarts=max_stage_restarts,
             backoff_seconds=backoff_seconds,
+            return_after_seconds=return_after_seconds,
         )
 
     def link_certificates(

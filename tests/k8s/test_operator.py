@@ -596,6 +596,71 @@ def test_a_lost_node_moves_its_stage_to_a_pool_with_room(
                     raise
 
 
+def test_a_cordoned_node_takes_its_pipeline_out_and_a_new_node_brings_it_back(
+    kube: Cluster, model_dir: Path, api: client.ApiClient
+) -> None:
+    """A drain's cordon is a planned departure: the pipeline with a stage on the node
+    leaves (its pods go, no restart counted, a PipelineLeaving Event) while the other
+    trains on untouched. It waits for room, since the node is no longer eligible; a node
+    that joins the pool brings it back (PipelineAdded), its stages on free GPUs."""
+    pool = {
+        "name": f"{kube.ns}-g",
+        "product": "NVIDIA-A100-SXM4-40GB",
+        "gpuMemoryMiB": 40960,
+        "cpu": "16",
+        "memory": "64Gi",
+    }
+    nodes = [kwok_nodes.node_manifest(pool, i) for i in range(5)]
+    kwok_nodes.create_nodes(api, nodes[:4])
+    created = [n["metadata"]["name"] for n in nodes]
+    try:
+        kube.create_job(
+            _job("follow", model_dir)
+            .pipeline(stages=2, replicas=2)
+            .placement(pools=[pool["name"]])
+            .build()
+        )
+        pods = wait_for("4 running stage pods", lambda: kube.running("follow", 4))
+        before = kube.uids("follow")
+        drained = pods["follow-p1-s1"].spec.node_name
+        kube.core.patch_node(drained, {"spec": {"unschedulable": True}})
+        left = wait_for(
+            "pipeline 1 left",
+            lambda: (s := kube.status("follow"))["pipelines"][1]["phase"] == "Left" and s,
+        )
+        assert left["phase"] == "Running" and left["restarts"] == 0
+        assert left["pipelines"][1]["leftReason"] == (
+            f"node {drained} is cordoned (a drain or maintenance)"
+        )
+        wait_for(
+            "its pods gone", lambda: set(kube.pods("follow")) == {"follow-p0-s0", "follow-p0-s1"}
+        )
+        assert kube.uids("follow") == {n: before[n] for n in ("follow-p0-s0", "follow-p0-s1")}
+        (leaving,) = wait_for("PipelineLeaving", lambda: kube.events("follow", "PipelineLeaving"))
+        assert f"Pipeline 1 leaves at step 0: node {drained} is cordoned" in leaving.message
+        # One GPU of the pool is free, pipeline 1 needs two: it waits, Degraded.
+        assert kube.condition("follow", "Degraded")["status"] == "True"
+        kwok_nodes.create_nodes(api, nodes[4:])
+        back = wait_for("pipeline 1 back", lambda: kube.running("follow", 4), timeout=60)
+        assert drained not in {p.spec.node_name for p in back.values()}
+        for name in ("follow-p0-s0", "follow-p0-s1"):
+            assert back[name].metadata.uid == before[name]
+        status = wait_for(
+            "pipeline 1 running again",
+            lambda: (s := kube.status("follow"))["pipelines"][1]["phase"] == "Running" and s,
+        )
+        assert status["pipelines"][1]["returns"] == 1 and status["restarts"] == 0
+        (added,) = kube.events("follow", "PipelineAdded")
+        assert "Pipeline 1 comes back after step 0 (it left at step 0: node" in added.message
+    finally:
+        for name in created:
+            try:
+                kube.core.delete_node(name)
+            except ApiException as exc:
+                if exc.status != 404:
+                    raise
+
+
 def test_operator_restart_creates_no_duplicates_and_keeps_status(
     kube: Cluster, model_dir: Path, operator: OperatorProcess
 ) -> None:

@@ -241,11 +241,11 @@ def test_a_pipeline_out_of_restarts_is_given_up_and_the_others_train_on() -> Non
     assert [p.phase for p in status.pipelines] == ["Running", "Failed"]
     assert [s.pod for s in status.stages] == ["j-p0-s0", "j-p0-s1", None, None]
     assert condition(status, "Degraded").status == "True"  # type: ignore[union-attr]
-    # Later passes leave pipeline 1 alone and read nothing costly for it; they read what
-    # the store tells the stages, and write it again only when it is not that.
+    # Later passes leave pipeline 1 alone until it may come back, and look for room for it;
+    # they read what the store tells the stages, and write it again only when it is not that.
     job = FLEET.status(to_manifest(status)).build()
     alive = without(pods, "j-p1-s0", "j-p1-s1")
-    assert needs(job, stage_pods(alive)) == Needs(progress=True, given_up=True)
+    assert needs(job, stage_pods(alive)) == Needs(room=True, progress=True, given_up=True)
     told = replace(observed(job, alive), told_given_up=(1,))
     assert summary(decide(told, SETTINGS)) == []
     assert summary(decide(observed(job, alive), SETTINGS)) == ["given-up:1"]

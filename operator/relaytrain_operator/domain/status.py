@@ -9,7 +9,7 @@ quiet job costs the API server nothing.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any, Literal
@@ -48,6 +48,11 @@ STALLED_REASONS = (
     *WORKER_REASONS,
 )
 DEGRADED = "Degraded"
+PipelinePhase = Literal["Pending", "Running", "Recovering", "Succeeded", "Failed", "Left"]
+OUT_PHASES = ("Failed", "Left")
+"""The phases of a pipeline out of the job: given up, or gone with its nodes."""
+LIFE_FIELDS = ("left_at_step", "left_time", "left_reason", "returns", "returned_at_step")
+"""What status.pipelines[] keeps of a pipeline's life from pass to pass."""
 """Condition of a job that trains several pipelines: True while one of them is out
 (recovering or given up) and the others train on."""
 
@@ -165,7 +170,7 @@ def with_verdict(
     # A pipeline out is being reconciled while it is replaced; once given up (its phase
     # Failed, the others Running) the job trains on as it now is: Ready, not Reconciling.
     replacing = not status.pipelines or any(
-        p.phase not in ("Running", "Failed") for p in status.pipelines
+        p.phase not in ("Running", *OUT_PHASES) for p in status.pipelines
     )
     reconciling = not stalled and (
         verdict.phase in ("Pending", "Planning", "Recovering")
@@ -293,18 +298,24 @@ def _recovering(stage: StageStatus) -> bool:
 
 
 def pipeline_statuses(
-    plan: PlanStatus, stages: list[StageStatus], given_up: set[int]
+    plan: PlanStatus,
+    stages: list[StageStatus],
+    out: set[int],
+    previous: Sequence[PipelineStatus] | None = None,
 ) -> list[PipelineStatus] | None:
     """status.pipelines of a job that trains several (None for one): each pipeline's
-    phase, ready stages, restarts and planned share."""
+    phase, ready stages, restarts and planned share, and its life as `previous` recorded it
+    (left and returned). A pipeline `out` is Left when `previous` says so, else Failed."""
     if not plan.pipelines:
         return None
+    before = {p.index: p for p in previous or ()}
     result = []
     for planned in plan.pipelines:
         mine = [s for s in stages if s.pipeline == planned.index]
-        phase: Literal["Pending", "Running", "Recovering", "Succeeded", "Failed"]
-        if planned.index in given_up:
-            phase = "Failed"
+        old = before.get(planned.index)
+        phase: PipelinePhase
+        if planned.index in out:
+            phase = "Left" if old is not None and old.phase == "Left" else "Failed"
         elif mine and all(s.phase == "Running" for s in mine):
             phase = "Running"
         elif mine and all(s.phase == "Succeeded" for s in mine):
@@ -313,6 +324,7 @@ def pipeline_statuses(
             phase = "Recovering"
         else:
             phase = "Pending"
+        life = old.model_dump(include=set(LIFE_FIELDS)) if old is not None else {}
         result.append(
             PipelineStatus(
                 index=planned.index,
@@ -320,6 +332,7 @@ def pipeline_statuses(
                 ready_stages=f"{sum(1 for s in mine if s.ready)}/{len(planned.stages)}",
                 restarts=sum(s.restarts for s in mine),
                 micro_batches=planned.micro_batches,
+                **life,
             )
         )
     return result
@@ -338,9 +351,19 @@ def fleet_verdict(
     none training, the live pipelines' stages decide as for one pipeline."""
     if not pipelines:
         return running_verdict(stages, waiting, stuck=stuck)
-    failed = {p.index for p in pipelines if p.phase == "Failed"}
+    failed = {p.index for p in pipelines if p.phase in OUT_PHASES}
     training = [p for p in pipelines if p.phase == "Running"]
     out = [p for p in pipelines if p.phase != "Running"]
+    if len(failed) == len(pipelines):  # only when the last left with its nodes
+        return Verdict(
+            "Suspended",
+            False,
+            False,
+            "FleetGone",
+            "Every pipeline left (" + "; ".join(_out_why(p) for p in pipelines) + "): the job "
+            "waits with its last commit and resumes from it when its stages fit on free GPUs.",
+            degraded=True,
+        )
     if not training:
         live = [s for s in stages if s.pipeline not in failed]
         waits = {k: why for k, why in (waiting or {}).items() if k[0] not in failed}
@@ -356,10 +379,7 @@ def fleet_verdict(
             f"All {total} pipelines ({len(stages)} stages) are training.",
             degraded=False,
         )
-    why = "; ".join(
-        f"pipeline {p.index} is {'given up' if p.phase == 'Failed' else p.phase.lower()}"
-        for p in out
-    )
+    why = "; ".join(_out_why(p) for p in out)
     if stuck:  # the first stage that cannot start says why its pipeline waits
         why += f": {stuck[min(stuck)][1]}"
     return Verdict(
@@ -371,6 +391,13 @@ def fleet_verdict(
         f"with the step's micro-batches shared among them.",
         degraded=True,
     )
+
+
+def _out_why(p: PipelineStatus) -> str:
+    """Why pipeline `p` does not train, in a few words."""
+    if p.phase == "Left":
+        return f"pipeline {p.index} left" + (f": {p.left_reason}" if p.left_reason else "")
+    return f"pipeline {p.index} is {'given up' if p.phase == 'Failed' else p.phase.lower()}"
 
 
 def finalize(status: FineTuneJobStatus) -> FineTuneJobStatus:

@@ -20,6 +20,14 @@ JOBS = Gauge("relaytrain_jobs", "FineTuneJobs this operator sees, by phase.", ["
 STAGE_RESTARTS = Counter(
     "relaytrain_stage_restarts_total", "Stage pods replaced after a failure.", ["namespace"]
 )
+PIPELINE_CHANGES = Counter(
+    "relaytrain_pipeline_changes_total",
+    "Pipelines that left a running job (their node announced its end), were given up, or "
+    "came back.",
+    ["namespace", "change"],
+)
+CHANGES = {"PipelineLeaving": "left", "PipelineFailed": "given_up", "PipelineAdded": "returned"}
+"""The Events that say a job's pipelines changed, by the `change` label they count under."""
 RECONCILE_ERRORS = Counter(
     "relaytrain_reconcile_errors_total", "Reconciliations that raised an unexpected error."
 )

@@ -30,6 +30,7 @@ from kubernetes.client.exceptions import ApiException
 
 from relaytrain_operator.domain.planner import Catalog
 from relaytrain_operator.loop import metrics
+from relaytrain_operator.loop.actions import PostEvent
 from relaytrain_operator.loop.apply import ClusterApi, EventPoster, Executor
 from relaytrain_operator.loop.decide import Decision, Settings, decide, needs, stage_pods
 from relaytrain_operator.loop.observe import Observer
@@ -94,6 +95,11 @@ class Runner:
         if bell is not None and (generation is None or generation != bell.generation):
             bell.event.set()
 
+    def ring_all(self) -> None:
+        """Make every job's loop run a pass now (a node joined: a pipeline may fit)."""
+        for bell in list(self._bells.values()):
+            bell.event.set()
+
     async def run(
         self, namespace: str, name: str, stopped: Stopped, nodes: Index, pods: Index
     ) -> None:
@@ -131,6 +137,10 @@ class Runner:
                 raise
             if decision.restarts:
                 metrics.STAGE_RESTARTS.labels(namespace=namespace).inc(decision.restarts)
+            for action in decision.actions:
+                if isinstance(action, PostEvent) and action.reason in metrics.CHANGES:
+                    change = metrics.CHANGES[action.reason]
+                    metrics.PIPELINE_CHANGES.labels(namespace=namespace, change=change).inc()
             return decision
 
     async def _pass(self, job: JsonDict, now: datetime, nodes: Index, pods: Index) -> Decision:

@@ -471,3 +471,7 @@ class FailurePolicy(SpecModel):
     """Replacements allowed per stage; one more failure fails the job."""
     backoff_seconds: Annotated[int, Field(ge=0, le=3600)] = 10
     """Seconds to wait before replacing a failed stage."""
+    return_after_seconds: Annotated[int, Field(ge=0, le=86_400)] = 300
+    """How long a pipeline given up (a stage used up maxStageRestarts while the others
+    train on) waits before it is tried again, where its stages fit on free GPUs; the wait
+    doubles with each return (up to 64 times). 0: a pipeline given up stays given up."""

@@ -173,17 +173,31 @@ class PipelineStatus(_Status):
 
     index: int
     """Pipeline number."""
-    phase: Literal["Pending", "Running", "Recovering", "Succeeded", "Failed"]
+    phase: Literal["Pending", "Running", "Recovering", "Succeeded", "Failed", "Left"]
     """Running: every stage pod runs; Recovering: a stage is being replaced (the other
     pipelines train on); Failed: a stage used up spec.failurePolicy.maxStageRestarts, so the
-    pipeline was given up and the others train on without it; Succeeded: its stages
-    finished; Pending: starting."""
+    pipeline was given up and the others train on without it (it is tried again after
+    spec.failurePolicy.returnAfterSeconds); Left: a node of its stages announced its end (a
+    cordon, a drain, a spot-termination or scale-down taint), so its pods were removed
+    without counting a failure (it comes back where its stages fit on free GPUs);
+    Succeeded: its stages finished; Pending: starting."""
     ready_stages: str
     """`ready/total` stage pods of this pipeline."""
     restarts: int = 0
     """Stage pod replacements in this pipeline."""
     micro_batches: int
     """Its planned share of each step's micro-batches."""
+    left_at_step: int | None = None
+    """The job's last finished step when the pipeline last left (given up or removed)."""
+    left_time: Timestamp | None = None
+    """When it last left (RFC 3339): a return is timed from it."""
+    left_reason: str | None = None
+    """Why it last left."""
+    returns: int = 0
+    """How many times it came back after leaving."""
+    returned_at_step: int | None = None
+    """The job's last finished step when it last came back (it rejoins at the next step
+    boundary)."""
 
 
 class ProgressStatus(_Status):

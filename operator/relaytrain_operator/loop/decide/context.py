@@ -21,6 +21,7 @@ from relaytrain_operator.domain.progress import Progress
 from relaytrain_operator.domain.queueing import Admission, queue_name
 from relaytrain_operator.domain.recovery import STUCK_REASONS
 from relaytrain_operator.domain.status import (
+    OUT_PHASES,
     READY,
     WORKER_REASONS,
     Verdict,
@@ -53,6 +54,7 @@ EVENT_REASONS = {
     "CredentialsUnavailable": "Warning",
     "BackoffLimitExceeded": "Warning",
     "Suspended": "Normal",
+    "FleetGone": "Warning",
     "Succeeded": "Normal",
     "Queued": "Normal",
     "WaitingForQuota": "Normal",
@@ -211,8 +213,9 @@ def planned_keys(plan: PlanStatus) -> list[StageKey]:
 
 
 def given_up(status: FineTuneJobStatus) -> set[int]:
-    """Pipelines given up for good (a stage used up its restarts while others trained on)."""
-    return {p.index for p in status.pipelines or () if p.phase == "Failed"}
+    """Pipelines out of the job: given up (a stage used up its restarts while others
+    trained on) or left with their nodes; the stages are told they are out."""
+    return {p.index for p in status.pipelines or () if p.phase in OUT_PHASES}
 
 
 class Pass:

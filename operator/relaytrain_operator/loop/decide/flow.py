@@ -58,13 +58,14 @@ def needs(job: JsonDict, pods: Mapping[StageKey, JsonDict], now: datetime | None
     missing = any(key not in pods for key in planned_keys(status.plan) if key[0] not in out)
     links = status.link_certificates
     due = parse_time(links.next_step_at) if links is not None else None
+    returned = any(p.returns for p in status.pipelines or ())
     return Needs(
         link_secret=now is not None and (due is None or now >= due),
         pods=missing,
-        room=missing,
+        room=missing or bool(out),  # a pipeline out comes back where it fits
         progress=is_s3(spec.spec.checkpoint.uri),
         workload=queued,
-        given_up=bool(out) and is_s3(spec.spec.checkpoint.uri),
+        given_up=(bool(out) or returned) and is_s3(spec.spec.checkpoint.uri),
     )
 
 

@@ -9,7 +9,7 @@ a job submitted to Kueue has its Workload marked Finished before its own status 
 from __future__ import annotations
 
 from relaytrain_operator.domain.stage_config import output_uri
-from relaytrain_operator.domain.status import Verdict, idle_stage
+from relaytrain_operator.domain.status import OUT_PHASES, Verdict, idle_stage
 from relaytrain_operator.loop.decide.admission import finish_workload
 from relaytrain_operator.loop.decide.context import Pass
 from relaytrain_operator.spec import FineTuneJob, OutputStatus, ProgressStatus
@@ -35,7 +35,7 @@ def follow_progress(ctx: Pass, spec: FineTuneJob, out: set[int]) -> bool:
     ctx.remove_pods()
     # Every pipeline not given up finished with the job, whatever its pods said last.
     pipelines = [
-        p if p.phase == "Failed" else p.model_copy(update={"phase": "Succeeded"})
+        p if p.phase in OUT_PHASES else p.model_copy(update={"phase": "Succeeded"})
         for p in ctx.status.pipelines or ()
     ]
     ctx.update(stages=[idle_stage(s) for s in stages], pipelines=pipelines or None)

@@ -4,9 +4,10 @@
 stage's pod. A failure is counted in status (and the count written) before its pod is
 deleted, so an operator restarted in between counts it once (see recovery.py). A stage
 that used up spec.failurePolicy.maxStageRestarts gives its pipeline up while the others
-train on, and fails the job when it is the last one left. Pods to create are create.py's;
-what the kept pods say, and progress.py's word on whether the job finished, make the
-job's new condition.
+train on, and fails the job when it is the last one left. A pipeline whose node announced
+its end leaves first, and one out comes back where it fits (membership.py). Pods to create
+are create.py's; what the kept pods say, and progress.py's word on whether the job
+finished, make the job's new condition.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from relaytrain_operator.loop.decide.context import (
 )
 from relaytrain_operator.loop.decide.create import create_stages
 from relaytrain_operator.loop.decide.links import keep_links_valid
+from relaytrain_operator.loop.decide.membership import bring_back, departed, leave_departing
 from relaytrain_operator.loop.decide.progress import fail, follow_progress
 from relaytrain_operator.spec import FineTuneJob, PlanStatus, StageStatus, is_s3
 
@@ -66,12 +68,15 @@ def run_stages(ctx: Pass, spec: FineTuneJob) -> None:
     progress = ctx.observed.progress
     if progress is not None and progress.done and follow_progress(ctx, spec, out):
         return  # the workers finished: a stage ending afterwards is no failure
+    out |= leave_departing(ctx, plan, out)
     judged = _judge(ctx, spec, plan, out)
     if judged is None:
         return  # the last pipeline left used up its restarts: the job failed
     out |= set(judged.exhausted)
     _write_count(ctx, plan, judged, out)
-    _give_up(ctx, spec, judged.exhausted, out)
+    returning = bring_back(ctx, spec, plan, out, judged.entries)
+    out -= {key[0] for key in returning}
+    _give_up(ctx, spec, judged.exhausted, out, back=bool(returning))
     for key, verdict in judged.verdicts.items():
         if verdict.action == "delete":
             meta = ctx.observed.pods[key]["metadata"]
@@ -80,12 +85,12 @@ def run_stages(ctx: Pass, spec: FineTuneJob) -> None:
     # created with them.
     keep_links_valid(ctx, spec)
     waiting: dict[StageKey, str] = {}
-    creating = [key for key, v in judged.verdicts.items() if v.action == "create"]
+    creating = [key for key, v in judged.verdicts.items() if v.action == "create"] + returning
     if creating:
         create_stages(ctx, spec, creating, judged.entries, waiting)
     stuck = _keep(ctx, judged, waiting)
     stages = [judged.entries[key] for key in sorted(judged.entries)]
-    pipelines = pipeline_statuses(plan, stages, out)
+    pipelines = pipeline_statuses(plan, stages, out, ctx.status.pipelines)
     ctx.update(stages=stages, pipelines=pipelines)
     if follow_progress(ctx, spec, out):
         return
@@ -202,17 +207,22 @@ def _write_count(ctx: Pass, plan: PlanStatus, judged: _Judged, out: set[int]) ->
         judged.verdicts.pop(key, None)
         judged.entries[key] = idle_stage(judged.entries[key])
     if judged.restarting or judged.exhausted:
+        before = ctx.status.pipelines
+        for p, why in judged.exhausted.items():
+            before = departed(ctx, before, p, "Failed", why)
         ctx.update(
             stages=[judged.entries[key] for key in sorted(judged.entries)],
-            pipelines=pipeline_statuses(plan, list(judged.entries.values()), out),
+            pipelines=pipeline_statuses(plan, list(judged.entries.values()), out, before),
         )
         ctx.patch()
         ctx.actions += judged.restarting
 
 
-def _give_up(ctx: Pass, spec: FineTuneJob, exhausted: dict[int, str], out: set[int]) -> None:
+def _give_up(
+    ctx: Pass, spec: FineTuneJob, exhausted: dict[int, str], out: set[int], *, back: bool
+) -> None:
     """Remove the pods of the pipelines given up in this pass, saying so, and tell the
-    stages every pipeline given up (`out`) through the store."""
+    stages every pipeline out (`out`) through the store: always when one comes `back`."""
     for p, why in sorted(exhausted.items()):
         ctx.remove_pods(p)
         ctx.event(
@@ -220,9 +230,10 @@ def _give_up(ctx: Pass, spec: FineTuneJob, exhausted: dict[int, str], out: set[i
             "PipelineFailed",
             f"{why} Pipeline {p} is given up; the other pipelines train on without it.",
         )
-    # The stages learn it from the store: one linking again waits for no stage of it.
-    told = tuple(sorted(out))
-    if out and is_s3(spec.spec.checkpoint.uri) and ctx.observed.told_given_up != told:
+    # The stages learn it from the store: one linking again waits for no stage of it. A
+    # pipeline that comes back is no longer named there before its pods are created.
+    told, was = tuple(sorted(out)), ctx.observed.told_given_up
+    if (out or was or back) and is_s3(spec.spec.checkpoint.uri) and (was != told or back):
         ctx.actions.append(PutGivenUp(told))
 
 

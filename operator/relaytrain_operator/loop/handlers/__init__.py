@@ -4,6 +4,6 @@ Importing this package registers them (with kopf's default registry); __main__ i
 after the options are parsed.
 """
 
-from relaytrain_operator.loop.handlers import indexes, jobs, pods, startup
+from relaytrain_operator.loop.handlers import indexes, jobs, nodes, pods, startup
 
-__all__ = ["indexes", "jobs", "pods", "startup"]
+__all__ = ["indexes", "jobs", "nodes", "pods", "startup"]

@@ -1,0 +1,170 @@
+"""The pipelines of a running job as its fleet changes: those whose node announced its end
+leave, and those out of the job come back where they fit (domain/membership.py decides
+which; docs/operator.md, "The job follows the fleet").
+
+A pipeline that leaves has its pods deleted (SIGTERM, then the pod's grace period) without
+a failure counted, its stages idle, and its life recorded in status.pipelines[] (at which
+step, when, why); the stages of the others learn from the store that it is out, as of a
+pipeline given up. One that comes back has its stages created afresh, their restart
+counts at zero, on the pools the placement found free, after the store no longer names it:
+its stages rejoin the pipelines training at a step boundary with their state (or, with none
+training, every pipeline restores the last commit). One pipeline comes back per pass, so
+the next pass sees its pods hold their GPUs before it places another.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from relaytrain_operator.domain.builders.labels import StageKey
+from relaytrain_operator.domain.membership import departure, return_wait, worth_returning
+from relaytrain_operator.domain.placement import place_replacements
+from relaytrain_operator.domain.status import (
+    OUT_PHASES,
+    idle_stage,
+    parse_time,
+    pipeline_statuses,
+    rfc3339,
+)
+from relaytrain_operator.loop.decide.context import DEFAULT_MEMORY_BYTES, Pass
+from relaytrain_operator.spec import FineTuneJob, PipelineStatus, PlanStatus, StageStatus
+
+NEXT_RETURN_SECONDS = 5.0
+"""After a pipeline came back, how soon the pass looks for room for the next."""
+
+
+def leave_departing(ctx: Pass, plan: PlanStatus, out: set[int]) -> set[int]:
+    """The pipelines not `out` with a stage pod on a node that announced its end: each
+    leaves now (its pods deleted, its stages idled, a PipelineLeaving Event). Returns them."""
+    leaving: dict[int, str] = {}
+    for (p, _), pod in sorted(ctx.observed.pods.items()):
+        # A pod being deleted counts too: a drain evicts the pods of a cordoned node.
+        if p in out or p in leaving:
+            continue
+        node_name = (pod.get("spec") or {}).get("nodeName")
+        why = departure(ctx.observed.nodes.get(node_name)) if node_name else None
+        if why is not None:
+            leaving[p] = why
+    for p, why in leaving.items():
+        ctx.remove_pods(p)
+        stages = [idle_stage(s) if (s.pipeline or 0) == p else s for s in ctx.status.stages]
+        before = departed(ctx, ctx.status.pipelines, p, "Left", why)
+        ctx.update(stages=stages, pipelines=pipeline_statuses(plan, stages, out | {p}, before))
+        out = out | {p}
+        ctx.event(
+            "Warning",
+            "PipelineLeaving",
+            f"Pipeline {p} leaves at step {_step(ctx)}: {why}. Its stage pods are removed "
+            "without counting a failure; the other pipelines train on. It comes back where "
+            "its stages fit on free GPUs.",
+        )
+    return set(leaving)
+
+
+def departed(
+    ctx: Pass, pipelines: list[PipelineStatus] | None, p: int, phase: str, why: str
+) -> list[PipelineStatus]:
+    """`pipelines` with pipeline `p` out (`phase` Left or Failed) since now, at the job's
+    last step, for `why`."""
+    life = {"phase": phase, "left_at_step": _step(ctx), "left_time": rfc3339(ctx.now)}
+    return [
+        s.model_copy(update={**life, "left_reason": why}) if s.index == p else s
+        for s in pipelines or ()
+    ]
+
+
+def bring_back(
+    ctx: Pass,
+    spec: FineTuneJob,
+    plan: PlanStatus,
+    out: set[int],
+    entries: dict[StageKey, StageStatus],
+) -> list[StageKey]:
+    """The first pipeline `out` that may come back now and fits: its stages' entries made
+    fresh on the pools found free (in `entries`), its return recorded and told in a
+    PipelineAdded Event; returns its stages to create ([] when none comes back)."""
+    cluster_pods = ctx.observed.cluster_pods
+    progress = ctx.status.progress
+    eta = parse_time(progress.eta) if progress is not None else None
+    if cluster_pods is None or not worth_returning(eta, ctx.now):
+        return []
+    nodes = list(ctx.observed.nodes.values())
+    waits: list[timedelta] = []
+    for pipeline in ctx.status.pipelines or ():
+        p = pipeline.index
+        if p not in out or pipeline.phase not in OUT_PHASES:
+            continue
+        if any(key[0] == p for key in ctx.observed.pods):
+            continue  # its last pods are still going: their names are taken
+        dated = pipeline if pipeline.left_time else _since_now(ctx, pipeline)  # given up before
+        wait = return_wait(dated, spec.spec.failure_policy, ctx.now)
+        if wait is None:
+            continue
+        if wait:
+            waits.append(wait)
+            continue
+        keys = [key for key in sorted(entries) if key[0] == p]
+        stages = {
+            key: (
+                entries[key].pool or plan.splits()[p][key[1]].pool,
+                plan.splits()[p][key[1]].predicted_memory_bytes or DEFAULT_MEMORY_BYTES,
+            )
+            for key in keys
+        }
+        choices = place_replacements(spec, stages, nodes, cluster_pods, ctx.settings.catalog)
+        # Under Kueue a stage stays on the pool it was admitted on (quota Kueue granted).
+        if not all(
+            c.free and (ctx.queue is None or c.pool == stages[k][0]) for k, c in choices.items()
+        ):
+            continue
+        for key in keys:
+            entries[key] = StageStatus(
+                index=key[1], pipeline=p if plan.several() else None, pool=choices[key].pool
+            )
+        _record_return(ctx, dated)
+        pools = ", ".join(choices[key].pool for key in keys)
+        ctx.event(
+            "Normal",
+            "PipelineAdded",
+            f"Pipeline {p} comes back after step {_step(ctx)} ({_was(dated)}): its "
+            f"{len(keys)} stages fit on free GPUs ({pools}). It rejoins the pipelines "
+            "training at a step boundary with their state.",
+        )
+        ctx.retry_after = NEXT_RETURN_SECONDS
+        return keys
+    if waits:
+        first = min(waits).total_seconds()
+        ctx.retry_after = first if ctx.retry_after is None else min(ctx.retry_after, first)
+    return []
+
+
+def _record_return(ctx: Pass, pipeline: PipelineStatus) -> None:
+    update = {"phase": "Pending", "returns": pipeline.returns + 1, "returned_at_step": _step(ctx)}
+    _replace(ctx, pipeline.model_copy(update=update))
+
+
+def _since_now(ctx: Pass, pipeline: PipelineStatus) -> PipelineStatus:
+    dated = pipeline.model_copy(update={"left_time": rfc3339(ctx.now)})
+    _replace(ctx, dated)
+    return dated
+
+
+def _replace(ctx: Pass, pipeline: PipelineStatus) -> None:
+    ctx.update(
+        pipelines=[pipeline if p.index == pipeline.index else p for p in ctx.status.pipelines or ()]
+    )
+
+
+def _was(pipeline: PipelineStatus) -> str:
+    what = "it left" if pipeline.phase == "Left" else "given up"
+    at = f" at step {pipeline.left_at_step}" if pipeline.left_at_step is not None else ""
+    return f"{what}{at}: {pipeline.left_reason}" if pipeline.left_reason else f"{what}{at}"
+
+
+def _step(ctx: Pass) -> int:
+    """The job's last finished step as last read."""
+    fresh = ctx.observed.progress
+    if fresh is not None and "step" in fresh.status:
+        return int(fresh.status["step"])
+    progress = ctx.status.progress
+    return progress.step if progress is not None else 0
