@@ -1,6 +1,8 @@
 """`python -m relaytrain_worker` and SIGTERM: a pod deleted at any moment ends the stage
 cleanly (130 while it trains, its own code or a plain SIGTERM once the outcome is decided),
-never as an uncaught KeyboardInterrupt (-2, which reads as a crash).
+never as an uncaught KeyboardInterrupt (-2, which reads as a crash). A stage of several
+pipelines asked to stop while it trains goes on to its step boundary and leaves there
+(`Replication.depart`, exercised with real stages in tests/e2e/test_local_pipelines_e2e.py).
 
 The stage itself is stood in for here so that the signal lands at a chosen moment; the
 real stages are stopped by pod deletion throughout tests/e2e.
@@ -35,9 +37,24 @@ def _sigterm_here(where):
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(2)  # the handler runs at once; the sleep is never finished
 
+from relaytrain_worker.pipeline.replication import DepartedError
+
+class Replication:
+    asked = False
+    def depart(self):  # a stage of several pipelines leaves at its next step boundary
+        if WHERE != "leave" or self.asked:
+            return False
+        self.asked = True
+        return True
+
 class Stand_in:
+    replication = Replication()
     def run(self):
         _sigterm_here("run")
+        if WHERE == "leave":
+            os.kill(os.getpid(), signal.SIGTERM)  # handled: training goes on to the boundary
+            assert self.replication.asked
+            raise DepartedError("stage p1/s0 left at step 7")
         return 0
     def close(self):
         _sigterm_here("close")
@@ -60,6 +77,7 @@ print(json.dumps(codes))
 CLEAN = {
     "load": {130},  # stopped while loading the model
     "run": {130},  # stopped while training
+    "leave": {130},  # several pipelines: left at the step boundary after the SIGTERM
     "close": {0, -signal.SIGTERM},  # done; the pod deleted while the links close
     "nowhere": {0},
 }
@@ -83,3 +101,4 @@ def test_a_sigterm_never_reads_as_a_crash(tmp_path: Path) -> None:
         CLEAN, True
     ), (codes, done.stderr[-3000:])
     assert "Traceback" not in done.stderr
+    assert "stage p1/s0 left at step 7" in done.stderr  # the leave, not a stop at the signal

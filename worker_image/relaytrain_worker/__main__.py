@@ -7,7 +7,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from relaytrain_contract import CONFIG_ENV as ENV
@@ -16,6 +16,17 @@ from relaytrain_contract.exits import MESSAGE_LIMIT, TERMINATION_LOG, TERMINATIO
 
 def _terminate(_signum: int, _frame: object) -> None:
     raise KeyboardInterrupt
+
+
+def _depart_or_terminate(depart: Callable[[], bool]) -> Callable[[int, object], None]:
+    """SIGTERM once training: a stage of several pipelines leaves at the next step boundary
+    (`Replication.depart`); otherwise, or at a second SIGTERM, it stops at once."""
+
+    def handle(signum: int, frame: object) -> None:
+        if not depart():
+            _terminate(signum, frame)
+
+    return handle
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -66,6 +77,7 @@ def _main(argv: Sequence[str] | None) -> int:
 
     from relaytrain_worker.model.shards import ModelLoadError
     from relaytrain_worker.pipeline.linkauth import AuthError
+    from relaytrain_worker.pipeline.replication import DepartedError
     from relaytrain_worker.process import load_runtime
     from relaytrain_worker.state.records import DataError
 
@@ -80,8 +92,12 @@ def _main(argv: Sequence[str] | None) -> int:
         return stop(StageExit.LINK_REFUSED, f"{where}: link credentials: {exc}")
     except Exception as exc:
         return _store_failure(where, exc)
+    signal.signal(signal.SIGTERM, _depart_or_terminate(runtime.replication.depart))
     try:
         return runtime.run()
+    except DepartedError as exc:
+        logging.getLogger("relaytrain.stage").info("%s", exc)
+        return StageExit.STOPPED
     except AuthError as exc:
         return stop(StageExit.LINK_REFUSED, f"{where}: link refused: {exc}")
     except KeyboardInterrupt:

@@ -24,6 +24,11 @@ if TYPE_CHECKING:
     from relaytrain_worker.pipeline.stage import StageRuntime
 
 
+class DepartedError(Exception):
+    """The stage left the job at a step boundary, as asked (SIGTERM: its node is being
+    drained, reclaimed or scaled down); the other pipelines train on without a step lost."""
+
+
 class RunnerOptions(TypedDict, total=False):
     """What the step runner (`schedule.StepRunner`) is given beyond its own pipeline."""
 
@@ -113,6 +118,11 @@ class Replication(Protocol):
     def close(self) -> None:
         """The process ends: release what `open` bound."""
 
+    def depart(self) -> bool:
+        """SIGTERM: True when the stage leaves at its next step boundary (raising
+        `DepartedError` there) rather than stopping at once."""
+        ...
+
 
 class Alone:
     """A pipeline that trains alone: nothing to agree on with anyone else."""
@@ -180,3 +190,6 @@ class Alone:
 
     def close(self) -> None:
         pass
+
+    def depart(self) -> bool:
+        return False  # nobody to hand the job to: the last commit is its state

@@ -46,7 +46,7 @@ from relaytrain_worker.pipeline.evaluation import due
 from relaytrain_worker.pipeline.linkauth import LinkBroken
 from relaytrain_worker.pipeline.loading import job_prefix
 from relaytrain_worker.pipeline.peers import Peers
-from relaytrain_worker.pipeline.replication import RunnerOptions
+from relaytrain_worker.pipeline.replication import DepartedError, RunnerOptions
 from relaytrain_worker.pipeline.schedule import StepResult, StepRunner, count_items
 from relaytrain_worker.pipeline.stage import CONNECT_FOR, StageRuntime
 from relaytrain_worker.pipeline.transport import Frame, Link
@@ -69,6 +69,8 @@ from relaytrain_worker.state.store import ObjectNotFound, Store
 
 log = logging.getLogger("relaytrain.stage")
 
+LEAVE_PLANS = 2
+"""Steps a stage asked to stop waits for its stage 0 to lead the pipeline out."""
 HISTORY_KEY = "__loss_history__"
 """The pending loss records a last stage sends a rejoining last stage with its state."""
 
@@ -120,6 +122,11 @@ class Replicated:
         self._stop = threading.Event()
         """Stops the background relinking of this attempt's group."""
         self._outer: PeriodicSync | None = None
+        self.leaving = threading.Event()
+        """Set by SIGTERM while training: leave at the next step boundary (`depart`)."""
+        self._plans_since = 0
+        """Plans received since `leaving` was set that did not say leave (a stage other
+        than the first)."""
 
     @property
     def writes(self) -> bool:
@@ -158,6 +165,8 @@ class Replicated:
     def link(self, connect: Callable[[], Peers]) -> Peers:
         """This stage's pipeline links and its links to the other pipelines but those the
         operator gave up."""
+        if self.leaving.is_set():  # asked to stop, and its links broke before it could
+            raise KeyboardInterrupt
         self.joining.set()
         self.group, self._links, self._stop = None, {}, threading.Event()
         peers, self._links = self.replicas.connect(CONNECT_FOR, connect, Peers.close, self.given_up)
@@ -288,6 +297,8 @@ class Replicated:
         this step, the stages of the lowest pipeline that stayed send each of their peers
         there the state of the names it holds, and the rejoining stages take it."""
         step = stage.step
+        if peers.prev is None and self.leaving.is_set():
+            self._leave(stage, peers)
         if peers.prev is None:
             if self.admitted is not None and self.admitted[0] == step:
                 _, members, joined = self.admitted
@@ -298,6 +309,9 @@ class Replicated:
                 raise LinkBroken(f"pipeline {self.pipeline} was left out of step {step}")
         else:
             meta = peers.prev.recv("plan", step).meta
+            if meta.get("leave"):
+                self._leave(stage, peers)
+            self._leave_alone()
             members, joined = set(meta["members"]), set(meta["joined"])
         if peers.next is not None:
             plan = {"members": sorted(members), "joined": sorted(joined)}
@@ -307,6 +321,39 @@ class Replicated:
             self._hand_state(stage, group, members, joined)
         self._write_for(stage, members)
         return members
+
+    def depart(self) -> bool:
+        """SIGTERM while training: the pipeline leaves at the next step boundary, where its
+        stage 0 would plan the step. A second SIGTERM, or one while linking or rejoining,
+        stops the stage at once."""
+        if self.joining.is_set() or self.leaving.is_set():
+            return False
+        self.leaving.set()
+        log.info("Stage %s was asked to stop: it leaves at the next step boundary", self.name)
+        return True
+
+    def _leave(self, stage: StageRuntime, peers: Peers) -> None:
+        """Leave the job at this step boundary: stage 0 takes no part in agreeing on the
+        step (its replica links close first, so the other pipelines plan it without this
+        one) and tells its chain, stage after stage; each closes its links and ends."""
+        if peers.next is not None:
+            peers.next.send(Frame("plan", stage.step, -1, {}, {"leave": True}))
+            peers.next.flush()
+        self.close_links()
+        log.info(
+            "Stage %s left the job at step %d, as asked; the other pipelines train on",
+            self.name, stage.step,
+        )  # fmt: skip
+        raise DepartedError(f"stage {self.name} left at step {stage.step}")
+
+    def _leave_alone(self) -> None:
+        """A stage asked to stop whose stage 0 was not (only its own pod is going) stops
+        after LEAVE_PLANS steps, as a crash would: its pipeline then rejoins."""
+        if not self.leaving.is_set():
+            return
+        self._plans_since += 1
+        if self._plans_since > LEAVE_PLANS:
+            raise KeyboardInterrupt
 
     def _hand_state(
         self, stage: StageRuntime, group: LinkGroup, members: set[int], joined: set[int]
