@@ -363,41 +363,71 @@ def test_a_stage_killed_in_one_pipeline_takes_only_that_pipeline_out(
 def test_a_pipeline_asked_to_stop_leaves_at_a_step_boundary_and_no_step_is_lost(
     workspace: Path, long_reference: list[float]
 ) -> None:
-    # SIGTERM to every stage of pipeline 1, as the kubelet sends when the operator removes a
-    # pipeline whose node announced its end (or a drain evicts it): its stage 0 leads it out
-    # at the next step boundary, so the step is planned without it and pipeline 0 trains
-    # the whole global batch from there. `run --local` then starts the stages again and
-    # they rejoin. Every step, the one it left at included, equals the uninterrupted run's
-    # bit for bit: a planned departure costs no step (a crash costs one, above).
+    # `kill -USR1` to the supervisor takes pipeline 1 out: SIGTERM to each of its stages,
+    # as the kubelet sends when the operator removes a pipeline whose node announced its
+    # end. Its stage 0 leads it out at the next step boundary, so the step is planned
+    # without it and pipeline 0 trains the whole global batch from there. `kill -USR2`
+    # brings it back and it rejoins. Every step, the ones it left and came back at
+    # included, equals the uninterrupted run's bit for bit: a planned departure costs no
+    # step (a crash costs one, above), and no failure is counted.
     name, workdir = "leave", workspace / "wd-leave"
     proc = _start_fleet(workspace, name, workdir)
 
-    def past_it() -> dict[str, Any] | None:
-        at = progress(workspace / "ckpt", name)
-        return at if at is not None and at["step"] >= EVERY + 1 else None
+    def past(step: int) -> Any:
+        def check() -> dict[str, Any] | None:
+            at = progress(workspace / "ckpt", name)
+            return at if at is not None and at["step"] >= step else None
 
-    wait_while_running("a step to leave at", past_it, proc, interval=0.005)
+        return check
+
+    wait_while_running("a step to leave at", past(EVERY + 1), proc, interval=0.005)
     state = run_state(workdir)
     assert state is not None
     before = {(s["pipeline"], s["index"]): s["pid"] for s in state["stages"]}
-    for k in range(3):
-        os.kill(before[(1, k)], signal.SIGTERM)
+    os.kill(state["pid"], signal.SIGUSR1)
+
+    def gone() -> bool:
+        return all(not _alive(before[(1, k)]) for k in range(3))
+
+    wait_while_running("pipeline 1's stages to leave", gone, proc, interval=0.05)
+    told = json.loads((workspace / "ckpt" / "default" / name / "given-up.json").read_text())
+    assert told == {"pipelines": [1]}
+    at = progress(workspace / "ckpt", name)
+    assert at is not None and not at["done"], f"the job finished before the return: {at}"
+    wait_while_running("a step without it", past(at["step"] + 2), proc, interval=0.005)
+    os.kill(state["pid"], signal.SIGUSR2)
     out, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, out
     said = r"Stage p1/s{} left the job at step (\d+), as asked"
     left = [re.findall(said.format(k), _log(workdir, 1, k)) for k in range(3)]
-    assert all(steps == left[0][:1] for steps in left), left  # all at the same boundary
+    assert len(left[0]) == 1 and left[1] == left[2] == left[0], left  # one boundary
     rejoined = re.findall(r"Stage p1/s0 rejoined at step (\d+)", _log(workdir, 1, 0))
-    assert rejoined and int(rejoined[0]) > int(left[0][0]), (left, rejoined)
-    after = {(s["pipeline"], s["index"]): s["pid"] for s in run_state(workdir)["stages"]}  # type: ignore[index]
-    assert all(after[(0, k)] == before[(0, k)] for k in range(2)), "pipeline 0 restarted"
+    assert rejoined and int(rejoined[0]) > int(left[0][0]) + 1, (left, rejoined)
+    after = json.loads((workdir / "state.json").read_text())["stages"]
+    assert [s["pid"] for s in after if s["pipeline"] == 0] == [before[(0, 0)], before[(0, 1)]]
     for k in range(2):  # no step of pipeline 0 missed pipeline 1's share
         log = _log(workdir, 0, k)
         assert "from a pipeline that left" not in log and "lost a link" not in log, log
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert summary["restarts"] == {}
+    assert [(c["pipeline"], c["change"]) for c in summary["pipelineChanges"]] == [
+        (1, "left"), (1, "returned"),
+    ]  # fmt: skip
+    assert json.loads((workspace / "ckpt" / "default" / name / "given-up.json").read_text()) == {
+        "pipelines": []
+    }
     history = _history(workspace, name)
     assert [r["step"] for r in history] == list(range(1, KILL_STEPS + 1))
     assert [r["loss"] for r in history] == long_reference
     print(f"pipeline 1 left at step {left[0][0]} and rejoined at step {rejoined[0]}")
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, ended and not yet reaped, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def test_pipeline_0_killed_hands_the_writing_to_pipeline_1_and_takes_it_back(

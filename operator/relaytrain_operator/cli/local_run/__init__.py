@@ -44,7 +44,12 @@ free port for the stages of lower pipelines. A stage that fails is restarted alo
 one pipeline, and nothing else is: its pipeline's other stages close their links and wait
 for it, the other pipelines train on without a rollback (taking over its micro-batches), and
 the restarted pipeline rejoins them at a step boundary from their state (docs/worker.md,
-"Several pipelines as processes").
+"Several pipelines as processes"). The fleet may change while the run goes on:
+`kill -USR1 <pid>` (the supervisor's, in state.json) takes the highest pipeline training
+out — its stages leave at their next step boundary and are not restarted, and the store
+names it out, as the operator does for a node that announces its end — and `kill -USR2
+<pid>` brings the lowest one out back, its stages rejoining at a step boundary; the summary
+lists each change (`pipelineChanges`).
 
 The package, by concern: `layout` (the pipelines' layer splits and shares, the state
 directory and its lock), `storage` (config.json, progress.json and the loss history, on

@@ -107,6 +107,7 @@ def finish(run: LocalRun, started: float) -> None:
             for s in run.stages
             if s.restarts
         },
+        **({"pipelineChanges": run.changes} if run.changes else {}),
         "output": (final.output if final else None) or run.output,
         "lossCurve": str(png) if have_png else None,
         "wallSeconds": round(time.monotonic() - started, 1),

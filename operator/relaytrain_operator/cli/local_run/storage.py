@@ -80,3 +80,20 @@ def read_progress(job: FineTuneJob, job_dir: str) -> Progress | None:
         return Progress.from_json(record) if isinstance(record, dict) else None
     except ConfigError:
         return None
+
+
+def write_json(job: FineTuneJob, job_dir: str, name: str, value: dict[str, Any]) -> None:
+    """Write `name` into the job's checkpoint directory `job_dir` (on disk or S3), as the
+    operator writes what it tells the stages. Raises OSError when it cannot."""
+    if job_dir.startswith("s3://"):
+        from relaytrain_operator.store.objectstore import StoreAccess, StoreError
+        from relaytrain_operator.store.objectstore import write_json as s3_write
+
+        try:
+            s3_write(job_dir, name, value, StoreAccess.from_environ(job.spec.checkpoint.endpoint))
+        except StoreError as err:
+            raise OSError(str(err)) from err
+        return
+    path = Path(job_dir.removeprefix("file://")) / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(value))

@@ -24,7 +24,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from relaytrain_contract import Progress
+from relaytrain_contract import GIVEN_UP_FILE, Progress
 from relaytrain_contract.exits import non_retryable
 
 from relaytrain_operator.cli.local_run import report, storage
@@ -115,6 +115,12 @@ class LocalRun:
         self.output = self.documents[0]["output"]["uri"]
         self.stopping = False
         self.stop_signal: int | None = None
+        self.out: set[int] = set()
+        """Pipelines taken out of the run (SIGUSR1) and not brought back yet (SIGUSR2)."""
+        self._asked: list[int] = []
+        """SIGUSR1 and SIGUSR2 received and not acted on yet."""
+        self.changes: list[dict[str, Any]] = []
+        """Every pipeline that left or came back: pipeline, change, the job's step then."""
 
     @classmethod
     def prepare(
@@ -263,18 +269,75 @@ class LocalRun:
             _signal_group(proc.pid, signal.SIGKILL)
             proc.wait()
 
+    def _change_membership(self, signum: int, progress: Progress | None) -> None:
+        """SIGUSR1: the highest pipeline training leaves — SIGTERM to its stages, which leave
+        at their next step boundary (docs/worker.md), and the store names it out, as the
+        operator does for a pipeline whose node announced its end; the last one stays.
+        SIGUSR2: the lowest pipeline out whose stages have all ended comes back — started
+        afresh, its stages rejoin the others at a step boundary with their state."""
+        step = progress.step if progress is not None else 0
+        pipelines = sorted({s.pipeline for s in self.stages})
+        if signum == signal.SIGUSR1:
+            training = [p for p in pipelines if p not in self.out]
+            if len(training) < 2:  # one must stay to hold the job's state
+                print("SIGUSR1: the last pipeline training stays (Ctrl-C stops the run)",
+                      file=sys.stderr)  # fmt: skip
+                return
+            p = training[-1]
+            self.out.add(p)
+            self._tell_out()
+            for stage in self.stages:
+                if stage.pipeline == p and stage.proc is not None and stage.proc.poll() is None:
+                    _signal_group(stage.proc.pid, signal.SIGTERM)
+            print(f"pipeline {p} leaves at its next step boundary (SIGUSR1; SIGUSR2 brings "
+                  f"it back)", file=sys.stderr)  # fmt: skip
+            self.changes.append({"pipeline": p, "change": "left", "step": step})
+            return
+        ended = [p for p in sorted(self.out)
+                 if all(s.proc is None or s.proc.poll() is not None
+                        for s in self.stages if s.pipeline == p)]  # fmt: skip
+        if not ended:
+            print("SIGUSR2: no pipeline is out (or its stages are still leaving)",
+                  file=sys.stderr)  # fmt: skip
+            return
+        p = ended[0]
+        self.out.discard(p)
+        self._tell_out()
+        for stage in self.stages:
+            if stage.pipeline == p:
+                self.start(stage)
+        print(f"pipeline {p} comes back: its stages rejoin at a step boundary (SIGUSR2)",
+              file=sys.stderr)  # fmt: skip
+        self.changes.append({"pipeline": p, "change": "returned", "step": step})
+
+    def _tell_out(self) -> None:
+        """The pipelines out, in the job's store (names.GIVEN_UP_FILE): a stage linking
+        again waits for none of them."""
+        try:
+            storage.write_json(self.job, self.job_dir, GIVEN_UP_FILE,
+                               {"pipelines": sorted(self.out)})  # fmt: skip
+        except OSError as err:  # the stages then wait for it as for a restarting one
+            print(f"could not write {GIVEN_UP_FILE}: {err}", file=sys.stderr)
+
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
         # Only a flag: raising here could land between a Popen and its bookkeeping and lose
         # track of a process. The loop notices within one poll.
         self.stop_signal = signum
 
+    def _on_membership(self, signum: int, _frame: FrameType | None) -> None:
+        self._asked.append(signum)  # acted on by the loop, as a stop is
+
     def supervise(self, show_progress: bool) -> int:
         """Run until every stage exits 0 (0), a stage fails more often than the failure
         policy allows (1), or SIGINT/SIGTERM stops the run (130/143). Every stage process is
-        gone when this returns, and so are their link credentials (`remove_credentials`)."""
+        gone when this returns, and so are their link credentials (`remove_credentials`).
+        With several pipelines, SIGUSR1 takes one out and SIGUSR2 brings it back
+        (`_change_membership`)."""
         handlers = {
             sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)
         }
+        for sig in (signal.SIGUSR1, signal.SIGUSR2):
+            handlers[sig] = signal.signal(sig, self._on_membership)
         bar = report.progress_bar(show_progress)
         try:
             return self._supervise(bar)
@@ -305,11 +368,13 @@ class LocalRun:
             renewed = self.renew_links(now)
             if renewed is not None:
                 print(renewed, file=sys.stderr)
+            while self._asked:
+                self._change_membership(self._asked.pop(0), progress)
             for stage in self.stages:
                 assert stage.proc is not None
                 code = stage.proc.poll()
-                if code is None:
-                    continue
+                if code is None or stage.pipeline in self.out:
+                    continue  # a stage of a pipeline taken out is neither counted nor started
                 done_at = progress.updated_at if progress is not None and progress.done else None
                 if code == 0 or (done_at is not None and done_at >= started):
                     # A stage that dies after the job finished (its output written) is
@@ -343,7 +408,7 @@ class LocalRun:
                     self._write_state()
                 if not backoff_left(stage.restarts, stage.failed_at, now, backoff):
                     self.start(stage)
-            if finished == len(self.stages):
+            if finished == len([s for s in self.stages if s.pipeline not in self.out]):
                 return 0
         print("\nstopping every stage…", file=sys.stderr)
         return 128 + self.stop_signal
