@@ -82,7 +82,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--kill-pipeline", type=int, default=1)
     parser.add_argument("--kill-stage", type=int, default=1, help="-1 kills none")
-    parser.add_argument("--kill-at-step", type=int, default=12)
+    parser.add_argument("--kill-at-step", type=int, default=10)
     parser.add_argument("--timeout", type=float, default=1500)
     parser.add_argument("--keep", action="store_true", help="leave cluster and MinIO running")
     parser.add_argument(

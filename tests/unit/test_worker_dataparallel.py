@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Literal
 
@@ -94,6 +94,18 @@ def _assert_replicas_equal(runs: list[PipelineRun]) -> None:
             assert set(run.step_params[step]) == set(params)
             for name, value in params.items():
                 assert torch.equal(run.step_params[step][name], value), (step, name)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread_per_stage() -> Iterator[None]:
+    """One intra-op thread for every stage and the reference, as each stage process has in a
+    pod (OMP_NUM_THREADS=1): six stage threads that each start a two-thread OpenMP team for a
+    tiny op oversubscribe two cores (a 200-step test took 19 s against 14 s with one, and
+    280 s once beside another busy process)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
