@@ -526,6 +526,102 @@ def test_pipeline_0_given_up_leaves_pipeline_1_to_write_resume_and_finish_the_jo
     )
 
 
+def test_a_drained_node_moves_its_pipeline_at_a_step_boundary_without_a_step_lost(
+    env: dict[str, Any],
+) -> None:
+    """`kubectl drain` of a node under pipeline 0: the cordon makes it a planned departure,
+    so the operator removes pipeline 0 (no failure counted; the eviction of its pod counts
+    the same), its stages leave at a step boundary and pipeline 1 trains on and writes with
+    no rollback. Pipeline 0 comes back at once on free GPUs elsewhere and rejoins from
+    pipeline 1's state; the job finishes every step."""
+    e = env
+    core, custom, ns, runner = e["core"], e["custom"], e["ns"], e["runner"]
+    name, steps = "tiny-drain", 400
+    manifest = (
+        tiny_job(name, e["minio"]).pipeline(stages=2, replicas=2).training(steps=steps).build()
+    )
+    custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, manifest)
+    status = functools.partial(_job_status, custom, ns, name)
+    watcher = ProgressWatcher(e["minio"], f"ckpt/{ns}/{name}/progress.json")
+    drained = None
+    try:
+        at = wait_for(
+            "a few steps of both pipelines",
+            lambda: (p := watcher.latest()).get("step", 0) >= 4 and p,
+            timeout=400,
+        )
+        pods = stage_pods(core, ns, name)
+        survivors = {n: runner.local_pod(ns, n).process.pid for n in pods if "-p1-" in n}
+        leaving = [runner.local_pod(ns, n).process for n in pods if "-p0-" in n]
+        drained = pods[f"{name}-p0-s1"].spec.node_name
+        core.patch_node(drained, {"spec": {"unschedulable": True}})
+        evict = client.V1Eviction(metadata=client.V1ObjectMeta(name=f"{name}-p0-s1", namespace=ns))
+        core.create_namespaced_pod_eviction(f"{name}-p0-s1", ns, evict)
+        left = wait_for(
+            "pipeline 0 left",
+            lambda: (st := status())["pipelines"][0]["phase"] == "Left" and st,
+            timeout=120,
+        )
+        wait_for(
+            "pipeline 0's processes ended",
+            lambda: all(proc.poll() is not None for proc in leaving),
+            timeout=120,
+        )
+        # Pipeline 1 is held while pipeline 0 comes back, so that the job cannot finish
+        # first on a fast machine; it trains on once pipeline 0's new pods run.
+        held = survivors[f"{name}-p1-s0"]
+        os.kill(held, signal.SIGSTOP)
+        try:
+            back = wait_for(
+                "pipeline 0's new pods running",
+                lambda: (
+                    len(now := stage_pods(core, ns, name)) == 4
+                    and now[f"{name}-p0-s0"].metadata.uid != pods[f"{name}-p0-s0"].metadata.uid
+                    and all(p.status.phase == "Running" for p in now.values())
+                    and now
+                ),
+                timeout=120,
+            )
+        finally:
+            os.kill(held, signal.SIGCONT)
+        final = wait_for(
+            "the job to finish",
+            lambda: (st := status()).get("phase") in ("Succeeded", "Failed") and st,
+            timeout=600,
+        )
+    except AssertionError as err:
+        raise AssertionError(f"{err}\n{diagnostics(e)}") from None
+    finally:
+        watcher.stop()
+        if drained is not None:
+            core.patch_node(drained, {"spec": {"unschedulable": None}})
+    assert final["phase"] == "Succeeded", f"{final}\n{diagnostics(e)}"
+    assert (
+        left["pipelines"][0]["leftReason"] == f"node {drained} is cordoned (a drain or maintenance)"
+    )
+    assert drained not in {p.spec.node_name for p in back.values()}
+    assert final["restarts"] == 0  # a departure, not a failure
+    assert final["pipelines"][0]["returns"] == 1
+    # Pipeline 1: one process each from start to end; the job never stepped back.
+    for n, pid in survivors.items():
+        assert [lp.process.pid for lp in runner.history if lp.name == n] == [pid], n
+    steps_seen = [doc["step"] for _, doc in watcher.history]
+    assert steps_seen == sorted(steps_seen) and steps_seen[-1] == steps, steps_seen
+
+    def log(n: str, k: int = -1) -> str:
+        paths = sorted((e["work"] / "pods" / ns / n).rglob("container.log"))
+        return "".join(p.read_text() for p in paths)
+
+    for k in range(2):
+        assert "left the job at step" in log(f"{name}-p0-s{k}"), log(f"{name}-p0-s{k}")
+        assert "from a pipeline that left" not in log(f"{name}-p1-s{k}")
+    assert "rejoined at step" in log(f"{name}-p0-s0")
+    reasons = [ev.reason for ev in core.list_namespaced_event(
+        ns, field_selector=f"involvedObject.name={name}").items]  # fmt: skip
+    assert "PipelineLeaving" in reasons and "PipelineAdded" in reasons, reasons
+    print(f"\nDrained {drained} at step {at['step']}: pipeline 0 left and came back")
+
+
 def _stored_or_none(mc: Any, bucket: str, key: str) -> Any:
     """The JSON document at `key`, or None while there is none."""
     try:

@@ -5,6 +5,7 @@ stages fit on free GPUs (domain/membership.py, decide/membership.py)."""
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -191,6 +192,12 @@ def test_a_pipeline_given_up_stays_out_with_return_after_zero_or_near_the_end() 
     near = copy.deepcopy(job)
     near["status"]["progress"] = {"step": 99, "eta": "2026-11-22T10:01:00Z"}
     assert [s for s in summary(decide(observed(near, alive), SETTINGS)) if "create" in s] == []
+    # Where a join costs 30 s (--join-seconds: a small model), the minute left pays for it.
+    quick = replace(SETTINGS, join_seconds=30.0)
+    assert [s for s in summary(decide(observed(near, alive), quick)) if "create:j-" in s] == [
+        "create:j-p1-s0",
+        "create:j-p1-s1",
+    ]
     # Given up before the time was recorded: its wait counts from this pass.
     undated = copy.deepcopy(job)
     del undated["status"]["pipelines"][1]["leftTime"]

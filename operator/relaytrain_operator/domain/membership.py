@@ -78,8 +78,11 @@ def return_wait(pipeline: PipelineStatus, policy: FailurePolicy, now: datetime) 
     return max(timedelta(0), since + wait - now)
 
 
-def worth_returning(eta: datetime | None, now: datetime) -> bool:
+def worth_returning(
+    eta: datetime | None, now: datetime, join_seconds: float = JOIN_SECONDS
+) -> bool:
     """Whether a pipeline joining now pays: its stages load the model and take a peer's
-    state before they add anything (planner.growth.JOIN_SECONDS, 120 s), so a job whose
-    estimated end is nearer than that finishes without it. Unknown: it pays."""
-    return eta is None or eta - now > timedelta(seconds=JOIN_SECONDS)
+    state before they add anything (`join_seconds`: the operator's --join-seconds, by
+    default planner.growth.JOIN_SECONDS, 120 s), so a job whose estimated end is nearer
+    than that finishes without it. Unknown: it pays."""
+    return eta is None or eta - now > timedelta(seconds=join_seconds)

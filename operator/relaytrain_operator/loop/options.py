@@ -44,6 +44,9 @@ class OperatorOptions(BaseModel):
     """How long a changed Secret may take to reach the pods that mount it (the kubelet's
     sync period plus its cache's): the phases of a link certificate renewal wait this
     long for each other."""
+    join_seconds: float = Field(120.0, ge=0)
+    """What a pipeline coming back to a running job costs before it adds a step (loading its
+    slice, taking a peer's state): none comes back when the job's estimated end is nearer."""
     gpu_catalog: str | None = None
     """YAML/JSON file of GPU catalog overrides (the chart mounts one from its values)."""
     debug: bool = False
@@ -86,6 +89,7 @@ _FLAGS = (
     ("--worker-image", "worker_image", "WORKER_IMAGE"),
     ("--node-lost-seconds", "node_lost_seconds", "NODE_LOST_SECONDS"),
     ("--secret-propagation-seconds", "secret_propagation_seconds", "SECRET_PROPAGATION_SECONDS"),
+    ("--join-seconds", "join_seconds", "JOIN_SECONDS"),
     ("--max-workers", "max_workers", "MAX_WORKERS"),
     ("--gpu-catalog", "gpu_catalog", "GPU_CATALOG"),
 )

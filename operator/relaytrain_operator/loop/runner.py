@@ -79,6 +79,7 @@ class Runner:
             default_link=(options.default_link_mbps, options.default_link_latency_ms),
             catalog=catalog,
             secret_propagation_seconds=options.secret_propagation_seconds,
+            join_seconds=options.join_seconds,
         )
         self.observer = Observer(api)
         self.executor = Executor(api, post_event, store_access=self.observer.store_access)

@@ -74,6 +74,8 @@ def chart_values(jobs_namespace: str) -> dict[str, Any]:
         # The test kubelet refreshes a mounted Secret every second (a real one within a
         # minute or so: the chart's default is 90).
         "secretPropagationSeconds": 3,
+        # A tiny model's pipeline loads and rejoins in seconds (a real one's in minutes).
+        "joinSeconds": 5,
         "metrics": {"port": free_port()},
         "healthPort": free_port(),
         "probes": {

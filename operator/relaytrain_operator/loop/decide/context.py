@@ -16,6 +16,7 @@ from typing import Any
 
 from relaytrain_operator.domain.builders.labels import PIPELINE_LABEL, STAGE_LABEL, StageKey
 from relaytrain_operator.domain.planner import Catalog
+from relaytrain_operator.domain.planner.growth import JOIN_SECONDS
 from relaytrain_operator.domain.planning import training_shape
 from relaytrain_operator.domain.progress import Progress
 from relaytrain_operator.domain.queueing import Admission, queue_name
@@ -80,6 +81,8 @@ class Settings:
     catalog: Catalog | None = None
     """The GPU catalog (None: the built-in one)."""
     secret_propagation_seconds: float = 90.0
+    join_seconds: float = JOIN_SECONDS
+    """What a pipeline coming back costs before it adds a step (domain/membership.py)."""
     """How long a changed Secret may take to reach the pods that mount it (the kubelet's
     sync period and cache): the phases of a link certificate renewal are this far apart."""
 

@@ -86,7 +86,7 @@ def bring_back(
     cluster_pods = ctx.observed.cluster_pods
     progress = ctx.status.progress
     eta = parse_time(progress.eta) if progress is not None else None
-    if cluster_pods is None or not worth_returning(eta, ctx.now):
+    if cluster_pods is None or not worth_returning(eta, ctx.now, ctx.settings.join_seconds):
         return []
     nodes = list(ctx.observed.nodes.values())
     waits: list[timedelta] = []
