@@ -74,6 +74,11 @@ def _main(argv: Sequence[str] | None) -> int:
         return stop(StageExit.INVALID_CONFIG, f"invalid stage config: {exc}")
     # SIGTERM (pod deletion, Ctrl-C of `relaytrain run --local`) exits like Ctrl-C.
     signal.signal(signal.SIGTERM, _terminate)
+    if cfg.method.type != "qlora":
+        # Only QLoRA's NF4 base uses bitsandbytes, but peft imports it whenever it is
+        # installed: about a second of CPU at every stage start (and restart). A None entry
+        # in sys.modules makes it absent to find_spec and to import alike.
+        sys.modules.setdefault("bitsandbytes", None)  # type: ignore[arg-type]
 
     from relaytrain_worker.model.shards import ModelLoadError
     from relaytrain_worker.pipeline.linkauth import AuthError
