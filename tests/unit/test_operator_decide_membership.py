@@ -20,7 +20,18 @@ from relaytrain_operator.domain.recovery import INCARNATION_ANNOTATION
 from relaytrain_operator.domain.status import condition, to_manifest
 from relaytrain_operator.loop.decide import Decision, decide
 from relaytrain_operator.spec import FailurePolicy, PipelineStatus
-from relaytrain_testkit.decide_cases import NODES, NOW, SETTINGS, events, node, observed
+from relaytrain_testkit.decide_cases import (
+    JOB,
+    NODES,
+    NOW,
+    SETTINGS,
+    events,
+    node,
+    observed,
+    pod,
+    running_status,
+    stage,
+)
 from relaytrain_testkit.decide_views import created, progress, ready_reason, summary
 from test_operator_decide_pipelines import FLEET, failed, fleet, named, without
 
@@ -103,6 +114,14 @@ def test_a_cordoned_node_takes_its_pipeline_out_without_a_failure_and_it_comes_b
     assert (again.phase, again.returns, again.returned_at_step) == ("Pending", 1, 55)
     assert again.left_at_step == 40  # its last departure stays on record
     assert back.retry_after is not None  # the next pass soon: another may fit then
+
+
+def test_a_job_of_one_pipeline_keeps_its_stage_on_a_cordoned_node() -> None:
+    # Nothing to hand the job to: its stage trains on until the drain evicts it, and is
+    # then replaced as a failed stage is.
+    job = JOB.status(running_status(stage(0), stage(1))).build()
+    pods = [pod(0), pod(1)]  # on a100-0 and rtx-0
+    assert summary(decide(observed(job, pods, nodes=cordoned("a100-0")), SETTINGS)) == []
 
 
 def test_a_drain_eviction_and_a_spot_taint_are_departures_too() -> None:

@@ -37,6 +37,8 @@ def leave_departing(ctx: Pass, plan: PlanStatus, out: set[int]) -> set[int]:
     """The pipelines not `out` with a stage pod on a node that announced its end: each
     leaves now (its pods deleted, its stages idled, a PipelineLeaving Event). Returns them."""
     leaving: dict[int, str] = {}
+    if not plan.several():
+        return set()  # one pipeline: a drained stage is replaced, as a failed one is
     for (p, _), pod in sorted(ctx.observed.pods.items()):
         # A pod being deleted counts too: a drain evicts the pods of a cordoned node.
         if p in out or p in leaving:
@@ -130,7 +132,7 @@ def bring_back(
             f"{len(keys)} stages fit on free GPUs ({pools}). It rejoins the pipelines "
             "training at a step boundary with their state.",
         )
-        ctx.retry_after = NEXT_RETURN_SECONDS
+        ctx.retry_after = NEXT_RETURN_SECONDS  # (nothing earlier in a pass sets one)
         return keys
     if waits:
         first = min(waits).total_seconds()
