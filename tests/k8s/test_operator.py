@@ -172,6 +172,15 @@ class Cluster:
             name, self.ns, {"status": {"phase": "Failed", "reason": reason}}
         )
 
+    def delete_nodes(self, names: list[str]) -> None:
+        """Delete the nodes a test made (those already gone are no error)."""
+        for name in names:
+            try:
+                self.core.delete_node(name)
+            except ApiException as exc:
+                if exc.status != 404:
+                    raise
+
     def events(self, job: str, reason: str) -> list[client.CoreV1Event]:
         items = self.core.list_namespaced_event(
             self.ns, field_selector=f"involvedObject.name={job},reason={reason}"
@@ -588,12 +597,7 @@ def test_a_lost_node_moves_its_stage_to_a_pool_with_room(
         assert status["stages"][1]["restarts"] == 1
         assert status["stages"][1]["lastFailure"] == "NodeLost"
     finally:
-        for name in created:
-            try:
-                kube.core.delete_node(name)
-            except ApiException as exc:
-                if exc.status != 404:
-                    raise
+        kube.delete_nodes(created)
 
 
 def test_a_cordoned_node_takes_its_pipeline_out_and_a_new_node_brings_it_back(
@@ -653,12 +657,7 @@ def test_a_cordoned_node_takes_its_pipeline_out_and_a_new_node_brings_it_back(
         (added,) = kube.events("follow", "PipelineAdded")
         assert "Pipeline 1 comes back after step 0 (it left at step 0: node" in added.message
     finally:
-        for name in created:
-            try:
-                kube.core.delete_node(name)
-            except ApiException as exc:
-                if exc.status != 404:
-                    raise
+        kube.delete_nodes(created)
 
 
 def test_operator_restart_creates_no_duplicates_and_keeps_status(
