@@ -216,10 +216,14 @@ def test_job_survives_a_stage_killed_mid_run(env: dict[str, Any]) -> None:
         # It ended by itself (0) or was stopped by its pod's deletion once the job succeeded
         # (130 while it still ran, 143 — SIGTERM — once it had finished:
         # tests/unit/test_worker_sigterm.py; -15 when the SIGTERM found podman's client
-        # itself tearing the ended container down).
+        # itself tearing the ended container down, and podman's own 127 when the container
+        # it forwarded the SIGTERM to had already ended and been removed, as its log says).
         wait_for(f"{n}'s container to end", lambda uid=uid: uid in runner.finished, timeout=60)
         code = runner.finished[uid]
-        assert code in (0, 130, 128 + signal.SIGTERM, -signal.SIGTERM), f"{n} exited with {code}"
+        said = "".join(p.read_text() for p in (e["work"] / "pods" / ns / n).rglob("container.log"))
+        raced = code == 127 and "container has already been removed" in said
+        clean = code in (0, 130, 128 + signal.SIGTERM, -signal.SIGTERM) or raced
+        assert clean, f"{n} exited with {code}: {said[-2000:]}"
     assert [lp.name for lp in runner.history].count(victim) == 2
     history = {s["index"]: s for s in final.get("stages", [])}
     assert history[1]["restarts"] == 1
@@ -288,7 +292,7 @@ def _load_with_peft(model_dir: Path, adapter: Path) -> None:
     assert trained, "every lora_B is zero: the adapter was never trained"
 
 
-def test_two_pipelines_train_one_job_export_what_the_chart_queries_and_survive_a_kill(
+def test_two_pipelines_train_one_job_export_what_the_chart_queries_and_survive_a_kill_and_a_drain(
     env: dict[str, Any],
 ) -> None:
     """Two 2-stage pipelines of real worker processes, wired by the operator through the
@@ -298,7 +302,10 @@ def test_two_pipelines_train_one_job_export_what_the_chart_queries_and_survive_a
     PrometheusRule and Grafana dashboard query is among what they export. A stage of
     pipeline 1 is then killed mid-run and takes out its pipeline only: the operator replaces
     that pod alone, pipeline 0's processes keep running and never step back, the job is
-    Degraded meanwhile, and pipeline 1 rejoins."""
+    Degraded meanwhile, and pipeline 1 rejoins. Then `kubectl drain` of a node under
+    pipeline 0 (its cordon, and the eviction of the pod) is a planned departure: pipeline 0
+    leaves at a step boundary with no failure counted, pipeline 1 trains on and writes with
+    no step back, and pipeline 0 comes back at once on free GPUs elsewhere and rejoins."""
     from relaytrain_testkit.harness.chart_rbac import render_chart
 
     e = env
@@ -343,15 +350,18 @@ def test_two_pipelines_train_one_job_export_what_the_chart_queries_and_survive_a
     }
     os.kill(runner.local_pod(ns, victim).process.pid, signal.SIGKILL)
     killed_at = time.monotonic()
-    wait_for(
-        "the job Degraded",
-        lambda: any(
-            c["type"] == "Degraded" and c["status"] == "True"
-            for c in status().get("conditions") or []
-        ),
-        timeout=120,
-    )
+    drained = None
     try:
+        wait_for(
+            "the job Degraded",
+            lambda: any(
+                c["type"] == "Degraded" and c["status"] == "True"
+                for c in status().get("conditions") or []
+            ),
+            timeout=120,
+        )
+        wait_for("pipeline 1 rejoined", lambda: "rejoined at step" in _log(e, victim), timeout=300)
+        drained, left, back = _drain_pipeline_0(e, name, status)
         final = wait_for(
             "the two-pipeline job to finish",
             lambda: (st := status()).get("phase") in ("Succeeded", "Failed") and st,
@@ -361,26 +371,39 @@ def test_two_pipelines_train_one_job_export_what_the_chart_queries_and_survive_a
         raise AssertionError(f"{err}\n{diagnostics(e)}") from None
     finally:
         watcher.stop()
+        if drained is not None:
+            core.patch_node(drained, {"spec": {"unschedulable": None}})
     assert final["phase"] == "Succeeded", f"{final}\n{diagnostics(e)}"
     shares = [p["microBatches"] for p in final["plan"]["pipelines"]]
     assert len(shares) == 2 and sum(shares) == 3 and min(shares) >= 1
-    # Pipeline 0: one pod and one process each from start to end; only the victim restarted.
+    # Pipeline 0: one pod and one process each until the drain, then one more each; only
+    # the victim restarted in pipeline 1.
     for n, (uid, pid) in survivors.items():
         started = [(lp.uid, lp.process.pid) for lp in runner.history if lp.name == n]
-        assert started == [(uid, pid)], f"{n} was restarted: {started}"
+        assert len(started) == 2 and started[0] == (uid, pid), f"{n}: {started}"
     ran = [lp.name for lp in runner.history if lp.name.startswith(f"{name}-")]
     assert sorted(set(ran)) == [f"{name}-p{p}-s{k}" for p in range(2) for k in range(2)]
     assert ran.count(victim) == 2 and ran.count(f"{name}-p1-s0") == 1
     # The job never stepped back: no rollback, the steps after the kill only go up.
     after = [doc["step"] for t, doc in watcher.history if t > killed_at]
     assert after == sorted(after) and after[-1] == steps, after
-    assert final["restarts"] == 1
+    assert final["restarts"] == 1  # the kill; the drain was a departure, not a failure
     assert [p["restarts"] for p in final["pipelines"]] == [0, 1]
     assert final["progress"]["step"] == steps and final["progress"]["loss"] > 0
     degraded = next(c for c in final["conditions"] if c["type"] == "Degraded")
     assert degraded["status"] == "False"
-    logs = (e["work"] / "pods" / ns / victim).rglob("container.log")
-    assert any("rejoined at step" in path.read_text() for path in logs), diagnostics(e)
+    # The drain: pipeline 0 left at a step boundary and came back elsewhere.
+    reason = left["pipelines"][0]["leftReason"]
+    assert reason == f"node {drained} is cordoned (a drain or maintenance)", reason
+    assert drained not in {p.spec.node_name for p in back.values()}
+    assert final["pipelines"][0]["returns"] == 1
+    for k in range(2):
+        assert "left the job at step" in _log(e, f"{name}-p0-s{k}")
+        assert "from a pipeline that left" not in _log(e, f"{name}-p1-s{k}")
+    assert "rejoined at step" in _log(e, f"{name}-p0-s0")
+    reasons = {ev.reason for ev in core.list_namespaced_event(
+        ns, field_selector=f"involvedObject.name={name}").items}  # fmt: skip
+    assert {"PipelineLeaving", "PipelineAdded"} <= reasons, reasons
     files = {
         o.object_name.rsplit("/", 1)[-1]
         for o in e["minio"]
@@ -526,100 +549,49 @@ def test_pipeline_0_given_up_leaves_pipeline_1_to_write_resume_and_finish_the_jo
     )
 
 
-def test_a_drained_node_moves_its_pipeline_at_a_step_boundary_without_a_step_lost(
-    env: dict[str, Any],
-) -> None:
-    """`kubectl drain` of a node under pipeline 0: the cordon makes it a planned departure,
-    so the operator removes pipeline 0 (no failure counted; the eviction of its pod counts
-    the same), its stages leave at a step boundary and pipeline 1 trains on and writes with
-    no rollback. Pipeline 0 comes back at once on free GPUs elsewhere and rejoins from
-    pipeline 1's state; the job finishes every step."""
-    e = env
-    core, custom, ns, runner = e["core"], e["custom"], e["ns"], e["runner"]
-    name, steps = "tiny-drain", 400
-    manifest = (
-        tiny_job(name, e["minio"]).pipeline(stages=2, replicas=2).training(steps=steps).build()
+def _log(e: dict[str, Any], pod: str) -> str:
+    """Everything the containers of stage pod `pod` wrote, every incarnation."""
+    paths = sorted((e["work"] / "pods" / e["ns"] / pod).rglob("container.log"))
+    return "".join(p.read_text() for p in paths)
+
+
+def _drain_pipeline_0(
+    e: dict[str, Any], name: str, status: Callable[[], Any]
+) -> tuple[str, Any, Any]:
+    """`kubectl drain` of the node under stage p0/s1 of job `name`: cordon, then evict. Waits
+    until pipeline 0 has left (its record says why: its Left phase may last one pass) and its
+    processes ended, then holds pipeline 1's first stage until pipeline 0's new pods run, so
+    that the job cannot finish first on a fast machine. Returns the node, the status that
+    said pipeline 0 left, and the pods once pipeline 0 is back."""
+    core, ns, runner = e["core"], e["ns"], e["runner"]
+    pods = stage_pods(core, ns, name)
+    leaving = [runner.local_pod(ns, n).process for n in pods if "-p0-" in n]
+    drained = str(pods[f"{name}-p0-s1"].spec.node_name)
+    core.patch_node(drained, {"spec": {"unschedulable": True}})
+    evict = client.V1Eviction(metadata=client.V1ObjectMeta(name=f"{name}-p0-s1", namespace=ns))
+    core.create_namespaced_pod_eviction(f"{name}-p0-s1", ns, evict)
+    left = wait_for(
+        "pipeline 0 left",
+        lambda: (st := status())["pipelines"][0].get("leftReason") and st,
+        timeout=120,
     )
-    custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, manifest)
-    status = functools.partial(_job_status, custom, ns, name)
-    watcher = ProgressWatcher(e["minio"], f"ckpt/{ns}/{name}/progress.json")
-    drained = None
+    wait_for("pipeline 0's processes ended", lambda: all(p.poll() is not None for p in leaving))
+    held = runner.local_pod(ns, f"{name}-p1-s0").process.pid
+    os.kill(held, signal.SIGSTOP)
     try:
-        at = wait_for(
-            "a few steps of both pipelines",
-            lambda: (p := watcher.latest()).get("step", 0) >= 4 and p,
-            timeout=400,
-        )
-        pods = stage_pods(core, ns, name)
-        survivors = {n: runner.local_pod(ns, n).process.pid for n in pods if "-p1-" in n}
-        leaving = [runner.local_pod(ns, n).process for n in pods if "-p0-" in n]
-        drained = pods[f"{name}-p0-s1"].spec.node_name
-        core.patch_node(drained, {"spec": {"unschedulable": True}})
-        evict = client.V1Eviction(metadata=client.V1ObjectMeta(name=f"{name}-p0-s1", namespace=ns))
-        core.create_namespaced_pod_eviction(f"{name}-p0-s1", ns, evict)
-        left = wait_for(
-            "pipeline 0 left",
-            lambda: (st := status())["pipelines"][0]["phase"] == "Left" and st,
+        back = wait_for(
+            "pipeline 0's new pods running",
+            lambda: (
+                len(now := stage_pods(core, ns, name)) == 4
+                and now[f"{name}-p0-s0"].metadata.uid != pods[f"{name}-p0-s0"].metadata.uid
+                and all(p.status.phase == "Running" for p in now.values())
+                and now
+            ),
             timeout=120,
         )
-        wait_for(
-            "pipeline 0's processes ended",
-            lambda: all(proc.poll() is not None for proc in leaving),
-            timeout=120,
-        )
-        # Pipeline 1 is held while pipeline 0 comes back, so that the job cannot finish
-        # first on a fast machine; it trains on once pipeline 0's new pods run.
-        held = survivors[f"{name}-p1-s0"]
-        os.kill(held, signal.SIGSTOP)
-        try:
-            back = wait_for(
-                "pipeline 0's new pods running",
-                lambda: (
-                    len(now := stage_pods(core, ns, name)) == 4
-                    and now[f"{name}-p0-s0"].metadata.uid != pods[f"{name}-p0-s0"].metadata.uid
-                    and all(p.status.phase == "Running" for p in now.values())
-                    and now
-                ),
-                timeout=120,
-            )
-        finally:
-            os.kill(held, signal.SIGCONT)
-        final = wait_for(
-            "the job to finish",
-            lambda: (st := status()).get("phase") in ("Succeeded", "Failed") and st,
-            timeout=600,
-        )
-    except AssertionError as err:
-        raise AssertionError(f"{err}\n{diagnostics(e)}") from None
     finally:
-        watcher.stop()
-        if drained is not None:
-            core.patch_node(drained, {"spec": {"unschedulable": None}})
-    assert final["phase"] == "Succeeded", f"{final}\n{diagnostics(e)}"
-    assert (
-        left["pipelines"][0]["leftReason"] == f"node {drained} is cordoned (a drain or maintenance)"
-    )
-    assert drained not in {p.spec.node_name for p in back.values()}
-    assert final["restarts"] == 0  # a departure, not a failure
-    assert final["pipelines"][0]["returns"] == 1
-    # Pipeline 1: one process each from start to end; the job never stepped back.
-    for n, pid in survivors.items():
-        assert [lp.process.pid for lp in runner.history if lp.name == n] == [pid], n
-    steps_seen = [doc["step"] for _, doc in watcher.history]
-    assert steps_seen == sorted(steps_seen) and steps_seen[-1] == steps, steps_seen
-
-    def log(n: str, k: int = -1) -> str:
-        paths = sorted((e["work"] / "pods" / ns / n).rglob("container.log"))
-        return "".join(p.read_text() for p in paths)
-
-    for k in range(2):
-        assert "left the job at step" in log(f"{name}-p0-s{k}"), log(f"{name}-p0-s{k}")
-        assert "from a pipeline that left" not in log(f"{name}-p1-s{k}")
-    assert "rejoined at step" in log(f"{name}-p0-s0")
-    reasons = [ev.reason for ev in core.list_namespaced_event(
-        ns, field_selector=f"involvedObject.name={name}").items]  # fmt: skip
-    assert "PipelineLeaving" in reasons and "PipelineAdded" in reasons, reasons
-    print(f"\nDrained {drained} at step {at['step']}: pipeline 0 left and came back")
+        os.kill(held, signal.SIGCONT)
+    return drained, left, back
 
 
 def _stored_or_none(mc: Any, bucket: str, key: str) -> Any:
