@@ -18,7 +18,7 @@ from relaytrain_operator.domain.membership import (
 )
 from relaytrain_operator.domain.recovery import INCARNATION_ANNOTATION
 from relaytrain_operator.domain.status import condition, to_manifest
-from relaytrain_operator.loop.decide import Decision, decide
+from relaytrain_operator.loop.decide import Decision, decide, needs, stage_pods
 from relaytrain_operator.spec import FailurePolicy, PipelineStatus
 from relaytrain_testkit.decide_cases import (
     JOB,
@@ -207,6 +207,16 @@ def test_a_pipeline_given_up_stays_out_with_return_after_zero_or_near_the_end() 
     never = copy.deepcopy(job)
     never["spec"]["failurePolicy"]["returnAfterSeconds"] = 0
     assert [s for s in summary(decide(observed(never, alive), SETTINGS)) if "create" in s] == []
+    assert not needs(never, stage_pods(alive)).room  # nothing to place: no cluster-wide read
+    assert needs(job, stage_pods(alive)).room
+    # Beside a pipeline that left (and comes back), the one given up still stays out.
+    never["status"]["pipelines"][0] |= {"phase": "Failed", "leftTime": "2026-11-22T09:00:00Z"}
+    never["status"]["pipelines"][1] |= {"phase": "Left"}
+    both = decide(observed(never, []), SETTINGS)
+    assert [s for s in summary(both) if s.startswith("create:j-")] == [
+        "create:j-p1-s0",
+        "create:j-p1-s1",
+    ]
     # The job ends in under two minutes: joining would not pay.
     near = copy.deepcopy(job)
     near["status"]["progress"] = {"step": 99, "eta": "2026-11-22T10:01:00Z"}
