@@ -361,7 +361,8 @@ def test_two_pipelines_train_one_job_export_what_the_chart_queries_and_survive_a
             timeout=120,
         )
         wait_for("pipeline 1 rejoined", lambda: "rejoined at step" in _log(e, victim), timeout=300)
-        drained, left, back = _drain_pipeline_0(e, name, status)
+        drained = str(stage_pods(core, ns, name)[f"{name}-p0-s1"].spec.node_name)
+        left, back = _drain_pipeline_0(e, name, drained, status)
         final = wait_for(
             "the two-pipeline job to finish",
             lambda: (st := status()).get("phase") in ("Succeeded", "Failed") and st,
@@ -556,17 +557,16 @@ def _log(e: dict[str, Any], pod: str) -> str:
 
 
 def _drain_pipeline_0(
-    e: dict[str, Any], name: str, status: Callable[[], Any]
-) -> tuple[str, Any, Any]:
-    """`kubectl drain` of the node under stage p0/s1 of job `name`: cordon, then evict. Waits
-    until pipeline 0 has left (its record says why: its Left phase may last one pass) and its
-    processes ended, then holds pipeline 1's first stage until pipeline 0's new pods run, so
-    that the job cannot finish first on a fast machine. Returns the node, the status that
-    said pipeline 0 left, and the pods once pipeline 0 is back."""
+    e: dict[str, Any], name: str, drained: str, status: Callable[[], Any]
+) -> tuple[Any, Any]:
+    """`kubectl drain` of node `drained`, under stage p0/s1 of job `name`: cordon, then
+    evict. Waits until pipeline 0 has left (its record says why: its Left phase may last one
+    pass) and its processes ended, then holds pipeline 1's first stage until pipeline 0's
+    new pods run, so that the job cannot finish first on a fast machine. Returns the status
+    that said pipeline 0 left, and the pods once pipeline 0 is back. The caller uncordons."""
     core, ns, runner = e["core"], e["ns"], e["runner"]
     pods = stage_pods(core, ns, name)
     leaving = [runner.local_pod(ns, n).process for n in pods if "-p0-" in n]
-    drained = str(pods[f"{name}-p0-s1"].spec.node_name)
     core.patch_node(drained, {"spec": {"unschedulable": True}})
     evict = client.V1Eviction(metadata=client.V1ObjectMeta(name=f"{name}-p0-s1", namespace=ns))
     core.create_namespaced_pod_eviction(f"{name}-p0-s1", ns, evict)
@@ -591,7 +591,7 @@ def _drain_pipeline_0(
         )
     finally:
         os.kill(held, signal.SIGCONT)
-    return drained, left, back
+    return left, back
 
 
 def _stored_or_none(mc: Any, bucket: str, key: str) -> Any:

@@ -137,6 +137,11 @@ def test_a_drain_eviction_and_a_spot_taint_are_departures_too() -> None:
     drained = decide(observed(job, evicted, nodes=cordoned("h100-0")), SETTINGS)
     assert summary(drained)[:2] == ["delete:j-p0-s0", "event:PipelineLeaving"]
     assert pipeline(drained, 0).phase == "Left" and pipeline(drained, 0).restarts == 0
+    # The evicted pod already gone when the pass looks: its recorded node still says why.
+    gone = decide(observed(job, without(pods, "j-p0-s1"), nodes=cordoned("h100-0")), SETTINGS)
+    assert summary(gone)[:2] == ["delete:j-p0-s0", "event:PipelineLeaving"]
+    assert gone.status is not None and gone.status.restarts == 0
+    assert pipeline(gone, 0).left_reason == "node h100-0 is cordoned (a drain or maintenance)"
     spot = decide(observed(job, pods, nodes=tainted("rtx-0", SPOT)), SETTINGS)
     assert pipeline(spot, 1).left_reason == (
         "node rtx-0 has the taint cloud.google.com/impending-node-termination: "

@@ -69,8 +69,10 @@ from relaytrain_worker.state.store import ObjectNotFound, Store
 
 log = logging.getLogger("relaytrain.stage")
 
-LEAVE_PLANS = 2
-"""Steps a stage asked to stop waits for its stage 0 to lead the pipeline out."""
+LEAVE_WAIT_SECONDS = 10.0
+"""How long a stage asked to stop trains on, waiting for its stage 0 to lead the pipeline
+out (the operator removes the rest of a pipeline within a pass of seeing one of its pods go
+from a node that announced its end); well inside a pod's 30 s grace period."""
 HISTORY_KEY = "__loss_history__"
 """The pending loss records a last stage sends a rejoining last stage with its state."""
 
@@ -124,9 +126,9 @@ class Replicated:
         self._outer: PeriodicSync | None = None
         self.leaving = threading.Event()
         """Set by SIGTERM while training: leave at the next step boundary (`depart`)."""
-        self._plans_since = 0
-        """Plans received since `leaving` was set that did not say leave (a stage other
-        than the first)."""
+        self._leave_by = float("inf")
+        """When a stage asked to stop stops unless its stage 0 led the pipeline out first
+        (time.monotonic(); LEAVE_WAIT_SECONDS after the SIGTERM)."""
 
     @property
     def writes(self) -> bool:
@@ -328,6 +330,7 @@ class Replicated:
         stops the stage at once."""
         if self.joining.is_set() or self.leaving.is_set():
             return False
+        self._leave_by = time.monotonic() + LEAVE_WAIT_SECONDS
         self.leaving.set()
         log.info("Stage %s was asked to stop: it leaves at the next step boundary", self.name)
         return True
@@ -347,12 +350,10 @@ class Replicated:
         raise DepartedError(f"stage {self.name} left at step {stage.step}")
 
     def _leave_alone(self) -> None:
-        """A stage asked to stop whose stage 0 was not (only its own pod is going) stops
-        after LEAVE_PLANS steps, as a crash would: its pipeline then rejoins."""
-        if not self.leaving.is_set():
-            return
-        self._plans_since += 1
-        if self._plans_since > LEAVE_PLANS:
+        """A stage asked to stop whose stage 0 has not led the pipeline out within
+        LEAVE_WAIT_SECONDS (only its own pod is going) stops at a step boundary, as a crash
+        would: its pipeline then rejoins."""
+        if self.leaving.is_set() and time.monotonic() > self._leave_by:
             raise KeyboardInterrupt
 
     def _hand_state(

@@ -47,6 +47,15 @@ def leave_departing(ctx: Pass, plan: PlanStatus, out: set[int]) -> set[int]:
         why = departure(ctx.observed.nodes.get(node_name)) if node_name else None
         if why is not None:
             leaving[p] = why
+    for entry in ctx.status.stages:
+        # A pod already gone (an eviction the pass did not see) from a node that announced
+        # its end left with it: no failure either.
+        p = entry.pipeline or 0
+        if p in out or p in leaving or (p, entry.index) in ctx.observed.pods or not entry.node:
+            continue
+        why = departure(ctx.observed.nodes.get(entry.node))
+        if why is not None:
+            leaving[p] = why
     for p, why in leaving.items():
         ctx.remove_pods(p)
         stages = [idle_stage(s) if (s.pipeline or 0) == p else s for s in ctx.status.stages]
