@@ -123,12 +123,18 @@ def test_a_missing_secret_holds_the_container_as_a_kubelet_does_until_it_exists(
     )
     # The runner's pass goes on for the other pods.
     wait_for("the other pod's process", lambda: runner.local_pod(namespace, "free"))
-    events = core.list_namespaced_event(namespace).items
-    assert [
-        (e.reason, e.message)
-        for e in events
-        if e.involved_object.name == "held" and e.type == "Warning"
-    ] == [("Failed", 'Error: secret "late" not found')]
+
+    def warnings() -> list[tuple[str, str]]:
+        events = core.list_namespaced_event(namespace).items
+        return [
+            (e.reason, e.message)
+            for e in events
+            if e.involved_object.name == "held" and e.type == "Warning"
+        ]
+
+    # The Event is posted beside the status, not before it: wait for it, then say what came.
+    wait_for("the held container's Warning", warnings)
+    assert warnings() == [("Failed", 'Error: secret "late" not found')]
     core.create_namespaced_secret(
         namespace, {"metadata": {"name": "late"}, "stringData": {"token": "t"}}
     )
