@@ -172,6 +172,11 @@ class Cluster:
             name, self.ns, {"status": {"phase": "Failed", "reason": reason}}
         )
 
+    def ready_node(self, name: str) -> bool:
+        """Whether node `name` reports Ready."""
+        conditions = self.core.read_node(name).status.conditions or []
+        return any(c.type == "Ready" and c.status == "True" for c in conditions)
+
     def delete_nodes(self, names: list[str]) -> None:
         """Delete the nodes a test made (those already gone are no error)."""
         for name in names:
@@ -573,6 +578,8 @@ def test_a_lost_node_moves_its_stage_to_a_pool_with_room(
         spare_node = kwok_nodes.node_manifest(spare, 0)
         kwok_nodes.create_nodes(api, [spare_node])
         created.append(spare_node["metadata"]["name"])
+        # Appeared means Ready (kwok marks it a moment later): only a Ready node is eligible.
+        wait_for("the spare node Ready", lambda: kube.ready_node(spare_node["metadata"]["name"]))
         kube.core.delete_node(pods["mv-stage-1"].spec.node_name)
 
         moved = wait_for(
