@@ -336,7 +336,10 @@ class PipelineSpec(SpecModel):
     """Pipeline schedule; one-forward-one-backward."""
     compression: Compression = "int8"
     """Compression of activations and their gradients on the links between stages: `none`
-    (the model's dtype), `bf16`, `int8` (blockwise absmax) or `int4`."""
+    (the model's dtype), `bf16`, `int8` (blockwise absmax), `int4`, or `delta` (each
+    training row's activation as a 1-bit change against what the next stage decoded for it
+    the epoch before, its first sight at 4 bits, gradients at 2 bits: for slow links and
+    several epochs)."""
     sync: SyncSpec = Field(default_factory=SyncSpec)
     """How several pipelines keep their weights equal: `synchronous` (gradients reduced every
     step) or `periodic` (local steps, weights averaged every `everySteps` steps, for slow

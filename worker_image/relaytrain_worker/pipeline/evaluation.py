@@ -32,6 +32,7 @@ import torch
 from relaytrain_contract import DatasetSpec, StageConfig
 from torch import nn
 
+from relaytrain_worker.pipeline.boundary import MODE, ROWS
 from relaytrain_worker.pipeline.peers import Peers
 from relaytrain_worker.pipeline.schedule import token_loss_sum
 from relaytrain_worker.pipeline.transport import Frame
@@ -90,7 +91,13 @@ def load_eval_batches(
         labels = rows.labels[part].clone()
         labels[mask == 0] = IGNORE
         batches.append(
-            MicroBatch(rows.input_ids[part], mask, rows.position_ids[part].contiguous(), labels)
+            MicroBatch(
+                rows.input_ids[part],
+                mask,
+                rows.position_ids[part].contiguous(),
+                labels,
+                torch.arange(part.start, part.stop),
+            )
         )
     log.info(
         "Held out %d examples (%d truncated, %d dropped) in %d rows, %d micro-batches",
@@ -141,12 +148,14 @@ def _pass(
             assert batches is not None
             mb = batches[m]
             x, mask, pos, labels = mb.input_ids, mb.attention_mask, mb.position_ids, mb.labels
+            keys = mb.rows if compression == MODE else None
         else:
             assert peers.prev is not None
             frame = peers.prev.recv(EVAL, step, m)
             count = int(frame.meta["count"])
             t = frame.tensors
             x, mask, pos, labels = t["hidden"], t["attention_mask"], t["position_ids"], t["labels"]
+            keys = t.get(ROWS)
         out = stage(x, mask, pos)
         if last:
             loss_sum += token_loss_sum(out, labels).double()
@@ -155,6 +164,8 @@ def _pass(
             assert peers.next is not None and count is not None
             tensors = {"hidden": out, "attention_mask": mask, "position_ids": pos,
                        "labels": labels}  # fmt: skip
+            if keys is not None:
+                tensors[ROWS] = keys
             peers.next.send(Frame(EVAL, step, m, tensors, {"count": count}), compression)
         m += 1
     if not last or tokens == 0:

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from relaytrain_worker.pipeline.boundary import MODE, BoundaryCodec
 from relaytrain_worker.pipeline.compression import Compression, encode
 
 __all__ = ["MAX_HEADER", "Frame", "PreparedFrame", "prepare", "wire_dtype"]
@@ -60,24 +61,39 @@ class PreparedFrame:
     """Bytes of the tensors after compression."""
 
 
-def prepare(frame: Frame, compression: Compression | str = "none") -> PreparedFrame:
-    """Encode ``frame`` (compression included) without touching any link."""
-    encoded = {name: encode(t, compression) for name, t in frame.tensors.items()}
+def prepare(
+    frame: Frame, compression: Compression | str = "none", codec: BoundaryCodec | None = None
+) -> PreparedFrame:
+    """Encode ``frame`` (compression included) without touching any link. The ``delta``
+    compression needs the sending link's ``codec`` (`boundary.py`)."""
+    coded: dict[str, tuple[dict[str, Any], list[torch.Tensor]]] = {}
+    if compression == MODE:
+        if codec is None:
+            raise ValueError("the delta compression needs the link's BoundaryCodec")
+        coded = {
+            entry["name"]: (entry, parts)
+            for entry, parts in codec.encode(frame.kind, frame.tensors)
+        }
     parts: list[memoryview] = []
     layout = []
-    for name, enc in encoded.items():
-        entry: dict[str, Any] = {
-            "name": name, "mode": enc.mode, "dtype": str(enc.dtype),
-            "shape": list(enc.shape), "data": _nbytes(enc.data),
-            "scales": None if enc.scales is None else _nbytes(enc.scales),
-            "wire": None if enc.wire_dtype is None else str(enc.wire_dtype),
-            "channels": None if enc.channel_scales is None else _nbytes(enc.channel_scales),
-        }  # fmt: skip
+    payload = 0
+    for name, t in frame.tensors.items():
+        if name in coded:
+            entry, tensors = coded[name]
+        else:
+            enc = encode(t, "int8" if compression == MODE else compression)
+            entry = {
+                "name": name, "mode": enc.mode, "dtype": str(enc.dtype),
+                "shape": list(enc.shape), "data": _nbytes(enc.data),
+                "scales": None if enc.scales is None else _nbytes(enc.scales),
+                "wire": None if enc.wire_dtype is None else str(enc.wire_dtype),
+                "channels": None if enc.channel_scales is None else _nbytes(enc.channel_scales),
+            }  # fmt: skip
+            tensors = [x for x in (enc.data, enc.scales, enc.channel_scales) if x is not None]
         layout.append(entry)
-        parts.append(_bytes_view(enc.data))
-        for extra in (enc.scales, enc.channel_scales):
-            if extra is not None:
-                parts.append(_bytes_view(extra))
+        for x in tensors:
+            parts.append(_bytes_view(x))
+            payload += _nbytes(x)
     header = {
         "kind": frame.kind, "step": frame.step, "micro": frame.micro,
         "meta": frame.meta, "tensors": layout,
@@ -89,7 +105,7 @@ def prepare(frame: Frame, compression: Compression | str = "none") -> PreparedFr
         head,
         parts,
         raw_bytes=sum(t.numel() * t.element_size() for t in frame.tensors.values()),
-        payload_bytes=sum(e.nbytes for e in encoded.values()),
+        payload_bytes=payload,
     )
 
 

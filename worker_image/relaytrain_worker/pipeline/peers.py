@@ -92,7 +92,7 @@ class AsyncLink:
                 self._prepared.put(_Deferred(*item))
                 continue
             try:
-                self._prepared.put(prepare(item[0], item[1]))
+                self._prepared.put(prepare(item[0], item[1], self.link.codec))
             except BaseException as exc:
                 self._fail(exc)
                 self._done_one()
@@ -105,7 +105,7 @@ class AsyncLink:
             try:
                 if self._error is None:
                     if isinstance(item, _Deferred):
-                        item = prepare(item.frame, item.compression)
+                        item = prepare(item.frame, item.compression, self.link.codec)
                     self.link.send_prepared(item)
             except BaseException as exc:
                 self._fail(exc)

@@ -50,6 +50,7 @@ from torch.nn import functional
 
 from relaytrain_worker.model.methods import TIED_HEAD_NAME
 from relaytrain_worker.model.model_slice import StageModel
+from relaytrain_worker.pipeline.boundary import MODE, ROWS
 from relaytrain_worker.pipeline.peers import Peers
 from relaytrain_worker.pipeline.stats import (
     ITEMS_KEY,
@@ -214,6 +215,7 @@ class StepRunner:
             mb = micros[m]
             x, inp = mb.input_ids.to(self.device), None
             mask, pos, labels = self._here(mb.attention_mask, mb.position_ids, mb.labels)
+            keys = mb.rows if self.compression == MODE else None
         else:
             assert self.peers.prev is not None
             frame = self.peers.prev.recv("activation", step, m)
@@ -224,6 +226,7 @@ class StepRunner:
             )
             inp = hidden.requires_grad_(True)
             x = inp
+            keys = got.get(ROWS)
         self._input_tokens += int(mask.sum())
         out = self.stage(x, mask, pos)
         if self.last:
@@ -237,6 +240,8 @@ class StepRunner:
             "position_ids": pos,
             "labels": labels,
         }
+        if keys is not None:  # the rows' keys, for the delta compression's caches
+            tensors[ROWS] = keys
         frame = Frame("activation", step, m, tensors, {"items": items})
         self.peers.next.send(frame, self.compression)
         return out, inp, items, None

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from relaytrain_worker.pipeline.boundary import CODEC_MODES, BoundaryCodec
 from relaytrain_worker.pipeline.compression import Compression, EncodedTensor, check_mode, decode
 from relaytrain_worker.pipeline.credentials import LinkCredentials
 from relaytrain_worker.pipeline.delayline import DelayLine
@@ -110,6 +111,8 @@ class Link:
         self._paced_until = 0.0
         self._line: DelayLine | None = None
         self._closed = False
+        self.codec = BoundaryCodec()
+        """What the ``delta`` compression keeps for this connection, both directions."""
         self._rbuf = bytearray(64 << 10)
         self._wire = bytearray(_RECV_BYTES)
 
@@ -140,7 +143,7 @@ class Link:
 
     def send(self, frame: Frame, compression: Compression | str = "none") -> None:
         """Send ``frame``; floating tensors are encoded with ``compression``."""
-        self.send_prepared(prepare(frame, compression))
+        self.send_prepared(prepare(frame, compression, self.codec))
 
     def send_prepared(self, prepared: PreparedFrame) -> None:
         """Send a frame encoded earlier by ``prepare`` (possibly on another thread, so that
@@ -175,6 +178,11 @@ class Link:
                 header = json.loads(bytes(self._recv_bytes(size)))
                 tensors: dict[str, torch.Tensor] = {}
                 for entry in header["tensors"]:
+                    if entry["mode"] in CODEC_MODES:
+                        tensors[entry["name"]] = self.codec.decode(
+                            entry, wire_dtype(entry["dtype"]), self._recv_elements
+                        )
+                        continue
                     data = self._recv_part(entry["data"], torch.uint8)
                     scales = None
                     if entry["scales"] is not None:
@@ -256,6 +264,9 @@ class Link:
         view = memoryview(self._rbuf)[:n]
         self._recv_into(view)
         return view
+
+    def _recv_elements(self, count: int, dtype: torch.dtype) -> torch.Tensor:
+        return self._recv_part(count * torch.empty((), dtype=dtype).element_size(), dtype)
 
     def _recv_part(self, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
         out = torch.empty(nbytes, dtype=torch.uint8)  # not zero-filled: every byte is written

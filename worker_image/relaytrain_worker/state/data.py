@@ -58,6 +58,9 @@ class MicroBatch:
     attention_mask: torch.Tensor
     position_ids: torch.Tensor
     labels: torch.Tensor
+    rows: torch.Tensor | None = None
+    """Each sequence's index among the job's rows (training or held-out): the key the
+    ``delta`` compression caches a sequence's boundary activation under."""
 
 
 @dataclass(frozen=True)
@@ -317,7 +320,7 @@ class StepData:
             labels = self.rows.labels[idx].clone()
             labels[mask == 0] = IGNORE
             pos = self.rows.position_ids[idx].contiguous()
-            out.append(MicroBatch(ids, mask, pos, labels))
+            out.append(MicroBatch(ids, mask, pos, labels, idx))
         return out
 
 

@@ -49,6 +49,13 @@ GIB = 1 << 30
 #: Bytes per value on the wire (relaytrain_worker.pipeline.compression: blocks of 64 with a
 #: bf16 scale).
 WIRE_BYTES = {"bf16": 2.0, "int8": 1.0 + 2 / 64, "int4": 0.5 + 2 / 64}
+#: ``delta`` (relaytrain_worker.pipeline.boundary): activations at 4 bits the first time a
+#: training row crosses a boundary and as a 1-bit change every later epoch; gradients at 2
+#: bits always (a bf16 scale per 64 values each). A plan is priced at the first epoch's rate,
+#: the slowest; `delta_forward_bytes_per_value` gives every epoch's.
+DELTA_FIRST_BYTES = (4 + 16 / 64) / 8
+DELTA_LATER_BYTES = (1 + 16 / 64 + 1 / 64) / 8
+DELTA_GRADIENT_BYTES = (2 + 16 / 64) / 8
 #: Labels and attention mask travel forward with the activations, int64 each.
 LABEL_BYTES_PER_TOKEN = 16
 #: 4-bit NF4 weight plus one fp32 absmax per block of 64 (bitsandbytes, no double quant).
@@ -186,10 +193,18 @@ class PoolCost:
         return max(room // per_layer, 0) if room > 0 else 0
 
 
-def _wire_bytes_per_value(training: TrainingShape) -> float:
+def _wire_bytes_per_value(training: TrainingShape, backward: bool = False) -> float:
     if training.compression == "none":
         return float(training.dtype_bytes)
+    if training.compression == "delta":
+        return DELTA_GRADIENT_BYTES if backward else DELTA_FIRST_BYTES
     return WIRE_BYTES[training.compression]
+
+
+def delta_forward_bytes_per_value(epoch: int) -> float:
+    """Bytes per activation value of ``delta`` in ``epoch`` (1-based): a full code the first
+    time each row is seen, a 1-bit change (and its block bitmap) every later time."""
+    return DELTA_FIRST_BYTES if epoch <= 1 else DELTA_LATER_BYTES
 
 
 @dataclass(frozen=True)
@@ -203,9 +218,10 @@ class LinkCost:
 
     @classmethod
     def of(cls, model: ModelShape, training: TrainingShape) -> LinkCost:
-        tokens = training.tokens_per_micro_batch
-        values = tokens * model.hidden_size * _wire_bytes_per_value(training)
-        return cls(values + tokens * LABEL_BYTES_PER_TOKEN, values)
+        values = training.tokens_per_micro_batch * model.hidden_size
+        forward = values * _wire_bytes_per_value(training)
+        backward = values * _wire_bytes_per_value(training, backward=True)
+        return cls(forward + training.tokens_per_micro_batch * LABEL_BYTES_PER_TOKEN, backward)
 
     def send_seconds(self, nbytes: float, a: PoolCost, b: PoolCost) -> float:
         """Time to send ``nbytes`` between a GPU of pool ``a`` and one of pool ``b``."""

@@ -10,7 +10,7 @@ from relaytrain_operator.domain.planner.model_shape import EXPERT_NAMES, FUSED_N
 Method = Literal["lora", "qlora", "full"]
 Dtype = Literal["bfloat16", "float16", "float32"]
 #: The worker's wire formats (relaytrain_worker.pipeline.compression); kept in step by name.
-Compression = Literal["none", "bf16", "int8", "int4"]
+Compression = Literal["none", "bf16", "int8", "int4", "delta"]
 
 METHODS: tuple[str, ...] = get_args(Method)
 DTYPES: tuple[str, ...] = get_args(Dtype)

@@ -1,0 +1,168 @@
+"""The ``delta`` boundary compression on a real link: each row's activation as a change against
+what the other end decoded for it last time, both caches in step, a new connection starting
+from full codes, and a stale delta breaking the link with a message naming the sample."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import pytest
+import torch
+from relaytrain_testkit.linkcreds import stage_credentials
+from relaytrain_worker.pipeline.boundary import ROWS
+from relaytrain_worker.pipeline.transport import Frame, Link, LinkBroken, connect, listen
+
+pytestmark = pytest.mark.unit
+
+CREDS = stage_credentials(2, job="delta")
+S0, S1 = (f"relaytrain://test/delta/p0/s{k}" for k in range(2))
+ROWS_TOTAL, PER_MICRO, SEQ, HIDDEN = 8, 2, 32, 128
+
+
+def _pair() -> tuple[Link, Link]:
+    """A fresh connection: (stage 0's link down, stage 1's link up)."""
+    lst = listen("127.0.0.1:0", credentials=CREDS[1], expect=S0)
+    got: dict[str, Link] = {}
+    t = threading.Thread(target=lambda: got.setdefault("down", lst.accept(timeout=10)))
+    t.start()
+    up = connect(f"127.0.0.1:{lst.address[1]}", credentials=CREDS[0], expect=S1, retry_for=5)
+    t.join(10)
+    lst.close()
+    return up, got["down"]
+
+
+@pytest.fixture
+def link() -> Iterator[tuple[Link, Link]]:
+    up, down = _pair()
+    yield up, down
+    up.close()
+    down.close()
+
+
+def _rows(seed: int = 0) -> torch.Tensor:
+    """Each row's activation: a fixed part per row plus outlier channels, as hidden states have."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(ROWS_TOTAL, SEQ, HIDDEN, generator=gen)
+    x[..., :3] *= 20
+    return x
+
+
+def _frame(kind: str, step: int, micro: int, hidden: torch.Tensor, rows: torch.Tensor) -> Frame:
+    labels = torch.randint(0, 49152, (len(rows), SEQ))
+    tensors = {
+        "hidden": hidden,
+        "attention_mask": torch.ones(len(rows), SEQ, dtype=torch.long),
+        "labels": labels,
+        ROWS: rows,
+    }
+    return Frame(kind, step, micro, tensors, {"items": 7})
+
+
+def _epoch(up: Link, down: Link, data: torch.Tensor, step: int) -> tuple[int, float]:
+    """Send every row once in micro-batches of PER_MICRO (a shuffled order); returns the payload
+    bytes sent and the largest relative error of a decoded row."""
+    before = up.payload_bytes_sent
+    order = torch.randperm(ROWS_TOTAL, generator=torch.Generator().manual_seed(step))
+    worst = 0.0
+    for m in range(ROWS_TOTAL // PER_MICRO):
+        rows = order[m * PER_MICRO : (m + 1) * PER_MICRO]
+        sent = _frame("activation", step, m, data[rows], rows)
+        up.send(sent, "delta")
+        got = down.recv(timeout=10)
+        assert (got.kind, got.step, got.micro, got.meta) == ("activation", step, m, {"items": 7})
+        for name in ("attention_mask", "labels", ROWS):  # integers travel losslessly
+            assert torch.equal(got.tensors[name], sent.tensors[name]), name
+        assert got.tensors["hidden"].dtype == torch.float32
+        for i, row in enumerate(rows.tolist()):
+            key = f"activation:{row}"
+            # The sender's mirror and the receiver's cache hold the same bits, and the
+            # decoded row is that cache entry.
+            mine, theirs = up.codec.sender.cached(key), down.codec.receiver.cached(key)
+            assert mine is not None and theirs is not None
+            assert torch.equal(mine, theirs)
+            assert torch.equal(got.tensors["hidden"][i], theirs.to(torch.float32))
+            error = (got.tensors["hidden"][i] - data[row]).norm() / data[row].norm()
+            worst = max(worst, float(error))
+    return up.payload_bytes_sent - before, worst
+
+
+def test_later_epochs_send_each_row_as_a_one_bit_change_and_both_caches_agree(
+    link: tuple[Link, Link],
+) -> None:
+    up, down = link
+    base = _rows()
+    drift = torch.Generator().manual_seed(1)
+    sizes, errors = [], []
+    data = base
+    for epoch in range(4):
+        if epoch:  # adapters move slowly: each row's activation drifts by 1 % per epoch
+            data = data + 0.01 * base.std() * torch.randn(base.shape, generator=drift)
+        size, error = _epoch(up, down, data, epoch)
+        sizes.append(size)
+        errors.append(error)
+    values = ROWS_TOTAL * SEQ * HIDDEN
+    ints = ROWS_TOTAL * SEQ * (1 + 4) + ROWS_TOTAL  # mask uint8, labels int32, rows uint8
+    # Epoch 1 is a 4-bit code of every row (4.25 bits a value), every later epoch a 1-bit
+    # change (1.25 bits a value): 3.4x fewer bytes than the first epoch, 12.8x fewer than bf16.
+    assert sizes[0] == values * 4.25 / 8 + ints
+    for size in sizes[1:]:
+        assert size == values * 1.25 / 8 + ints
+    assert (up.codec.full_codes, up.codec.delta_codes) == (ROWS_TOTAL, 3 * ROWS_TOTAL)
+    # The first code has int4's error; each change re-codes what the last one left out
+    # in a fresh rotation, so the error shrinks while the rows drift slowly.
+    assert errors[0] < 0.1
+    assert errors == sorted(errors, reverse=True) and errors[3] < errors[0] / 2, errors
+
+
+def test_gradients_and_rows_without_keys_are_coded_alone_and_cached_nowhere(
+    link: tuple[Link, Link],
+) -> None:
+    up, down = link
+    grad = torch.randn(PER_MICRO, SEQ, HIDDEN)
+    hidden = torch.randn(PER_MICRO, SEQ, HIDDEN)
+    up.send(Frame("gradient", 0, 0, {"grad": grad}), "delta")
+    up.send(Frame("eval", 0, 0, {"hidden": hidden}), "delta")
+    got_grad = down.recv(timeout=10).tensors["grad"]
+    got_hidden = down.recv(timeout=10).tensors["hidden"]
+    assert up.payload_bytes_sent == grad.numel() * (2.25 + 4.25) / 8
+    assert float((got_grad - grad).norm() / grad.norm()) < 0.4  # 2-bit Lloyd-Max: ~34 %
+    assert float((got_hidden - hidden).norm() / hidden.norm()) < 0.12  # 4-bit: ~9 %
+    assert len(up.codec.sender) == len(down.codec.receiver) == 0
+
+
+def test_a_held_out_row_and_a_training_row_of_one_index_are_different_samples(
+    link: tuple[Link, Link],
+) -> None:
+    up, down = link
+    data = _rows()
+    rows = torch.tensor([0, 1])
+    up.send(_frame("activation", 0, 0, data[:2], rows), "delta")
+    up.send(_frame("eval", 0, 0, data[2:4], rows), "delta")
+    down.recv(timeout=10)
+    got = down.recv(timeout=10).tensors["hidden"]
+    assert up.codec.full_codes == 4  # nothing of the training rows was taken as a base
+    assert float((got - data[2:4]).norm() / data[2:4].norm()) < 0.12
+
+
+def test_a_new_connection_starts_from_full_codes_and_a_stale_delta_breaks_the_link() -> None:
+    data = _rows()
+    up, down = _pair()
+    with up, down:
+        _epoch(up, down, data, 0)
+        _epoch(up, down, data, 1)
+        assert up.codec.delta_codes == ROWS_TOTAL
+    # A replaced stage links anew: both ends of the new connection start empty, so every row
+    # is a full code again (the cache is rebuilt in one epoch, not restored), and decodes.
+    up, down = _pair()
+    with up, down:
+        size, error = _epoch(up, down, data, 2)
+        assert size < ROWS_TOTAL * SEQ * HIDDEN * 4.25 / 8 * 1.1
+        assert (up.codec.full_codes, up.codec.delta_codes) == (ROWS_TOTAL, 0)
+        assert error < 0.12
+        # An end that lost its entries while the other kept them is told which sample and
+        # which versions, and the link is broken rather than training on a wrong base.
+        down.codec.receiver.forget("activation:3")
+        up.send(_frame("activation", 3, 0, data[[3]], torch.tensor([3])), "delta")
+        with pytest.raises(LinkBroken, match=r"sample 'activation:3' is against cache version 1"):
+            down.recv(timeout=10)

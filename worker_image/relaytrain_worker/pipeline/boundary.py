@@ -1,0 +1,167 @@
+"""The ``delta`` boundary compression: what a link keeps to send each sample's activation as a
+low-bit change against what the other end decoded last time (`deltacache.py`), and how those
+codes are laid out in a frame.
+
+Per link (`transport.Link`) one `BoundaryCodec`: a `DeltaSender` for what this end sends and a
+`DeltaReceiver` for what it receives. They live as long as the connection, so both ends of a
+connection start empty together: a replaced stage, or any re-link after a failure, begins with
+full codes, and neither end can hold a version the other lacks. The cache is *rebuilt*, not
+checkpointed: its entries are re-learned by sending each sample once more as a full code (one
+epoch at ``FULL_BITS`` instead of ``DELTA_BITS``, about 2 bits per value more for that epoch),
+where a checkpoint of it would write 16 bits per value (bf16) of every sample to the store and
+read them back (`deltacache.py`: 42 GB per boundary for Llama-3.1-8B-sized samples).
+
+What is coded how in a frame under ``delta``:
+
+- a floating tensor named ``hidden`` in a frame that carries ``rows`` (the rows' indices in the
+  job's training rows, `state/data.py`, or in the held-out rows): one `DeltaMessage` per row,
+  keyed by the frame kind and the row (``activation:17``, ``eval:3``), so a training row and a
+  held-out row never share an entry. A row's first sight is a full code at ``FULL_BITS``; every
+  later one a delta at ``DELTA_BITS`` against the previous version;
+- ``hidden`` without ``rows`` (nothing to key it by): a full code at ``FULL_BITS``, cached
+  nowhere;
+- any other floating tensor (the gradients of a boundary): a rotated code at
+  ``GRADIENT_BITS`` (`lowbit.py`, nearest). A gradient depends on the whole
+  later pipeline and on the labels and changes more between epochs than an activation does;
+  a per-sample cache saved nothing on it (bench/bench_boundary_codec.py, part d);
+- integer and bool tensors: lossless and narrowed, as every other mode (`compression.py`).
+
+The sender encodes in the link's encoder thread and the receiver decodes in the thread that
+receives; frames on a link are applied in the order they were encoded, which is the order they
+are sent and received, so the two caches stay in step. A delta against a version the receiver
+does not hold (`deltacache.StaleCacheError`) cannot happen between two ends of one connection;
+if it does, the frame is malformed and the link breaks, naming the sample and versions.
+
+Memory: each end holds one bf16 entry per row it has seen (rows x sequence x hidden x 2 bytes
+per boundary), in host memory. The caches are not counted in the plan's GPU memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from relaytrain_worker.pipeline import lowbit
+from relaytrain_worker.pipeline.deltacache import (
+    DeltaConfig,
+    DeltaMessage,
+    DeltaReceiver,
+    DeltaSender,
+)
+
+MODE = "delta"
+"""The `pipeline.compression` value this module implements."""
+CODEC_MODES = ("lowbit", MODE)
+"""Layout modes a frame entry has under ``delta`` (besides the lossless ``none``)."""
+ROWS = "rows"
+"""Name of the frame tensor that holds the rows' indices (the samples' keys)."""
+KEYED = "hidden"
+"""The tensor coded per row against the cache."""
+FULL_BITS = 4
+"""Bits per value of a row's first code (int4's error: the first epoch trains as int4 does)."""
+DELTA_BITS = 1
+"""Bits per value of a row's later codes: the change since the receiver's last decode."""
+GRADIENT_BITS = 2
+"""Bits per value of every other floating tensor (the gradients going back)."""
+CONFIG = DeltaConfig(full_bits=FULL_BITS, delta_bits=DELTA_BITS)
+
+
+def bytes_per_value(bits: int) -> float:
+    """Wire bytes per value of a code of ``bits`` bits (codes and one bf16 scale per block)."""
+    return lowbit.bits_per_value(bits) / 8
+
+
+class BoundaryCodec:
+    """One link's delta state: what this end sent and what it received, per sample."""
+
+    def __init__(self, config: DeltaConfig = CONFIG, gradient_bits: int = GRADIENT_BITS) -> None:
+        self.sender = DeltaSender(config)
+        self.receiver = DeltaReceiver(config)
+        self.gradient_bits = lowbit.check_bits(gradient_bits)
+        self.full_codes = 0
+        """Rows sent as full codes."""
+        self.delta_codes = 0
+        """Rows sent as deltas."""
+
+    def encode(
+        self, kind: str, tensors: dict[str, torch.Tensor]
+    ) -> list[tuple[dict[str, Any], list[torch.Tensor]]]:
+        """The floating tensors of a frame of ``kind`` as layout entries and their parts
+        (integer tensors are left to the caller)."""
+        rows = tensors.get(ROWS)
+        out = []
+        for name, t in tensors.items():
+            if not t.is_floating_point() or t.numel() == 0:
+                continue
+            if name == KEYED and rows is not None:
+                out.append(self._encode_rows(name, kind, t, rows))
+            else:
+                enc = lowbit.encode(t, FULL_BITS if name == KEYED else self.gradient_bits)
+                entry = {
+                    "name": name, "mode": "lowbit", "bits": enc.bits, "dtype": str(t.dtype),
+                    "shape": list(enc.shape), "data": enc.codes.numel(),
+                    "scales": enc.scales.numel(),
+                }  # fmt: skip
+                out.append((entry, [enc.codes, enc.scales]))
+        return out
+
+    def _encode_rows(
+        self, name: str, kind: str, t: torch.Tensor, rows: torch.Tensor
+    ) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        if rows.dim() != 1 or rows.numel() != t.shape[0]:
+            raise ValueError(
+                f"frame tensor {ROWS!r} must hold one index per row of {name!r} "
+                f"({t.shape[0]}), got shape {list(rows.shape)}"
+            )
+        messages = []
+        parts: list[torch.Tensor] = []
+        for i, row in enumerate(rows.tolist()):
+            msg = self.sender.encode(t[i], f"{kind}:{int(row)}")
+            if msg.kind == "full":
+                self.full_codes += 1
+            else:
+                self.delta_codes += 1
+            sent = None if msg.sent is None else msg.sent.numel()
+            messages.append(
+                [msg.key, msg.kind, msg.version, msg.base_version, msg.bits,
+                 msg.codes.numel(), msg.scales.numel(), sent]
+            )  # fmt: skip
+            parts += [msg.codes, msg.scales] + ([] if msg.sent is None else [msg.sent])
+        entry = {
+            "name": name, "mode": MODE, "dtype": str(t.dtype), "shape": list(t.shape),
+            "messages": messages,
+        }  # fmt: skip
+        return entry, parts
+
+    def decode(
+        self,
+        entry: dict[str, Any],
+        dtype: torch.dtype,
+        read: Callable[[int, torch.dtype], torch.Tensor],
+    ) -> torch.Tensor:
+        """The tensor a ``lowbit`` or ``delta`` layout entry stands for; ``read(n, dtype)``
+        reads the next part of ``n`` elements of ``dtype`` from the frame."""
+        shape = tuple(int(d) for d in entry["shape"])
+        if entry["mode"] == "lowbit":
+            codes = read(int(entry["data"]), torch.uint8)
+            scales = read(int(entry["scales"]), torch.bfloat16)
+            enc = lowbit.LowBitTensor(lowbit.check_bits(entry["bits"]), dtype, shape, codes, scales)
+            return lowbit.decode(enc)
+        messages = entry["messages"]
+        if len(shape) < 1 or len(messages) != shape[0]:
+            raise ValueError(f"{len(messages)} row codes for a tensor of shape {list(shape)}")
+        out = torch.empty(shape, dtype=dtype)
+        for i, (key, kind, version, base, bits, ncodes, nscales, nsent) in enumerate(messages):
+            if kind not in ("full", "delta"):
+                raise ValueError(f"unknown row code kind {kind!r}")
+            codes = read(int(ncodes), torch.uint8)
+            scales = read(int(nscales), torch.bfloat16)
+            sent = None if nsent is None else read(int(nsent), torch.uint8)
+            msg = DeltaMessage(
+                str(key), kind, int(version), None if base is None else int(base),
+                lowbit.check_bits(bits), dtype, shape[1:], codes, scales, sent,
+            )  # fmt: skip
+            out[i] = self.receiver.decode(msg)
+        return out
