@@ -1,7 +1,7 @@
 """`relaytrain run --local` against S3 (a real MinIO): model, data, checkpoints and output.
 
 Each stage downloads only the shards that hold its layers; checkpoints, progress.json
-and the adapter go to the bucket.
+and the adapter go to the bucket. The links use the `delta` compression.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def test_a_job_on_s3_trains_from_and_writes_to_the_bucket(
                  packing=True)
         .method("lora", rank=4, alpha=8, target_modules=["q_proj"])
         .training(steps=4, micro_batch_size=2, micro_batches=2, learning_rate=0.01)
-        .pipeline(stages=2, compression="int4")
+        .pipeline(stages=2, compression="delta")  # rows' keys cross real stage processes
         .checkpoint(f"s3://{bucket}/ckpt", endpoint=minio_server.url, every_steps=2, keep=1)
         .write(tmp_path / "job.yaml")
     )  # fmt: skip

@@ -50,6 +50,7 @@ from relaytrain_worker.pipeline.deltacache import (
     DeltaReceiver,
     DeltaSender,
 )
+from relaytrain_worker.pipeline.lowbit import Bits
 
 MODE = "delta"
 """The `pipeline.compression` value this module implements."""
@@ -59,11 +60,11 @@ ROWS = "rows"
 """Name of the frame tensor that holds the rows' indices (the samples' keys)."""
 KEYED = "hidden"
 """The tensor coded per row against the cache."""
-FULL_BITS = 4
+FULL_BITS: Bits = 4
 """Bits per value of a row's first code (int4's error: the first epoch trains as int4 does)."""
-DELTA_BITS = 1
+DELTA_BITS: Bits = 1
 """Bits per value of a row's later codes: the change since the receiver's last decode."""
-GRADIENT_BITS = 2
+GRADIENT_BITS: Bits = 2
 """Bits per value of every other floating tensor (the gradients going back)."""
 CONFIG = DeltaConfig(full_bits=FULL_BITS, delta_bits=DELTA_BITS)
 
@@ -124,10 +125,10 @@ class BoundaryCodec:
             else:
                 self.delta_codes += 1
             sent = None if msg.sent is None else msg.sent.numel()
-            messages.append(
-                [msg.key, msg.kind, msg.version, msg.base_version, msg.bits,
-                 msg.codes.numel(), msg.scales.numel(), sent]
-            )  # fmt: skip
+            # [row, 1 for a full code, version, bits, sent blocks, bitmap bytes]: a delta is
+            # always against the version before, and the codes are 8 * bits bytes a block.
+            full = int(msg.kind == "full")
+            messages.append([int(row), full, msg.version, msg.bits, msg.scales.numel(), sent])
             parts += [msg.codes, msg.scales] + ([] if msg.sent is None else [msg.sent])
         entry = {
             "name": name, "mode": MODE, "dtype": str(t.dtype), "shape": list(t.shape),
@@ -137,12 +138,13 @@ class BoundaryCodec:
 
     def decode(
         self,
+        kind: str,
         entry: dict[str, Any],
         dtype: torch.dtype,
         read: Callable[[int, torch.dtype], torch.Tensor],
     ) -> torch.Tensor:
-        """The tensor a ``lowbit`` or ``delta`` layout entry stands for; ``read(n, dtype)``
-        reads the next part of ``n`` elements of ``dtype`` from the frame."""
+        """The tensor a ``lowbit`` or ``delta`` layout entry of a frame of ``kind`` stands for;
+        ``read(n, dtype)`` reads the next part of ``n`` elements of ``dtype`` from the frame."""
         shape = tuple(int(d) for d in entry["shape"])
         if entry["mode"] == "lowbit":
             codes = read(int(entry["data"]), torch.uint8)
@@ -153,15 +155,14 @@ class BoundaryCodec:
         if len(shape) < 1 or len(messages) != shape[0]:
             raise ValueError(f"{len(messages)} row codes for a tensor of shape {list(shape)}")
         out = torch.empty(shape, dtype=dtype)
-        for i, (key, kind, version, base, bits, ncodes, nscales, nsent) in enumerate(messages):
-            if kind not in ("full", "delta"):
-                raise ValueError(f"unknown row code kind {kind!r}")
-            codes = read(int(ncodes), torch.uint8)
-            scales = read(int(nscales), torch.bfloat16)
+        for i, (row, full, at, given_bits, blocks, nsent) in enumerate(messages):
+            bits, version = lowbit.check_bits(given_bits), int(at)
+            codes = read(8 * bits * int(blocks), torch.uint8)
+            scales = read(int(blocks), torch.bfloat16)
             sent = None if nsent is None else read(int(nsent), torch.uint8)
             msg = DeltaMessage(
-                str(key), kind, int(version), None if base is None else int(base),
-                lowbit.check_bits(bits), dtype, shape[1:], codes, scales, sent,
+                f"{kind}:{int(row)}", "full" if full else "delta", version,
+                None if full else version - 1, bits, dtype, shape[1:], codes, scales, sent,
             )  # fmt: skip
             out[i] = self.receiver.decode(msg)
         return out

@@ -21,6 +21,7 @@ from typing import Protocol
 
 from relaytrain_contract import StageConfig
 
+from relaytrain_worker.pipeline.boundary import MODE, BoundaryCodec
 from relaytrain_worker.pipeline.credentials import LinkCredentials
 from relaytrain_worker.pipeline.linkauth import LinkBroken
 from relaytrain_worker.pipeline.transport import (
@@ -38,6 +39,9 @@ RECV_TIMEOUT = 900.0
 
 class LinkLike(Protocol):
     """What the schedule needs from a transport link."""
+
+    codec: BoundaryCodec
+    """The connection's delta state (only the ``delta`` compression reads it)."""
 
     def send_prepared(self, prepared: PreparedFrame) -> None: ...
 
@@ -92,7 +96,7 @@ class AsyncLink:
                 self._prepared.put(_Deferred(*item))
                 continue
             try:
-                self._prepared.put(prepare(item[0], item[1], self.link.codec))
+                self._prepared.put(self._prepare(*item))
             except BaseException as exc:
                 self._fail(exc)
                 self._done_one()
@@ -105,12 +109,16 @@ class AsyncLink:
             try:
                 if self._error is None:
                     if isinstance(item, _Deferred):
-                        item = prepare(item.frame, item.compression, self.link.codec)
+                        item = self._prepare(item.frame, item.compression)
                     self.link.send_prepared(item)
             except BaseException as exc:
                 self._fail(exc)
             finally:
                 self._done_one()
+
+    def _prepare(self, frame: Frame, compression: str) -> PreparedFrame:
+        """Encode on this thread; only ``delta`` needs the link's per-connection codec."""
+        return prepare(frame, compression, self.link.codec if compression == MODE else None)
 
     def _fail(self, exc: BaseException) -> None:
         self._error = exc

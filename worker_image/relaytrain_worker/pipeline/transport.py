@@ -180,7 +180,7 @@ class Link:
                 for entry in header["tensors"]:
                     if entry["mode"] in CODEC_MODES:
                         tensors[entry["name"]] = self.codec.decode(
-                            entry, wire_dtype(entry["dtype"]), self._recv_elements
+                            header["kind"], entry, wire_dtype(entry["dtype"]), self._recv_elements
                         )
                         continue
                     data = self._recv_part(entry["data"], torch.uint8)
