@@ -384,13 +384,16 @@ def test_table_shows_every_pipeline_the_sync_and_the_gain(lab_job, capsys):
 
 
 def test_replicas_1_is_todays_output(lab_job, capsys):
-    from relaytrain_operator.cli.plan_cmd import format_table
+    from relaytrain_operator.cli.plan_format import format_table
     from relaytrain_operator.domain.planner import DEFAULT_CATALOG
 
     today = plan(LLAMA, LAB_TRAINING, lab_pools(), DEFAULT_CATALOG)
     assert relaytrain(*plan_args(lab_job, "--replicas", "1", "--json")) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert {k: v for k, v in doc.items() if k not in ("job", "model")} == today.to_dict()
+    assert {k: v for k, v in doc.items() if k not in ("job", "model", "compression")} == (
+        today.to_dict()
+    )
+    assert doc["compression"] == "int8"  # the job's code, which the plan priced
     assert relaytrain(*plan_args(lab_job, "--replicas", "1")) == 0
     out = capsys.readouterr().out
     body = format_table("smollm-lora", LAB_TRAINING, today).split("\n")

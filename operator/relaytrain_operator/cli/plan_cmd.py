@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import yaml
 
 from relaytrain_operator import cli
+from relaytrain_operator.cli.plan_format import format_table
 from relaytrain_operator.domain.placement import file_pools, job_pools
 from relaytrain_operator.domain.planner import (
     DEFAULT_CATALOG,
@@ -47,11 +48,11 @@ from relaytrain_operator.domain.planner import (
     Sync,
     TrainingShape,
     UnknownGpuError,
+    choose_compression,
     plan,
     plan_fleet,
     plan_growth,
 )
-from relaytrain_operator.domain.planner.cost import GIB
 from relaytrain_operator.store.model_config import ModelConfigError, Resolved, resolve
 
 if TYPE_CHECKING:
@@ -215,6 +216,8 @@ class _Inputs:
     """The pools of --join's nodes (empty without it)."""
     steps: int | None
     """The job's spec.training.steps (None: it counts epochs)."""
+    auto: bool
+    """Whether the job's spec.pipeline.compression is `auto` (the planner chooses)."""
 
 
 def _inputs(args: argparse.Namespace) -> _Inputs:
@@ -273,6 +276,7 @@ def _inputs(args: argparse.Namespace) -> _Inputs:
         ),
         joining,
         spec.training.steps,
+        spec.pipeline.compression == "auto",
     )
 
 
@@ -282,21 +286,23 @@ def run(args: argparse.Namespace) -> int:
         inputs = _inputs(args)
         sync = _sync(args, inputs.sync)
         replicas = inputs.replicas if args.replicas is None else args.replicas
-        if replicas == 1:
-            result: Plan | FleetPlan = plan(
-                inputs.model, inputs.training, inputs.pools, inputs.catalog, stages=inputs.stages
-            )
-        else:
+
+        def plan_with(training: TrainingShape) -> Plan | FleetPlan:
+            if replicas == 1:
+                return plan(
+                    inputs.model, training, inputs.pools, inputs.catalog, stages=inputs.stages
+                )
             fleet = plan_fleet(
-                inputs.model,
-                inputs.training,
-                inputs.pools,
-                inputs.catalog,
-                stages=inputs.stages,
-                replicas=None if replicas == "auto" else replicas,
-                sync=sync,
-            )
-            result = fleet.single if len(fleet.pipelines) == 1 else fleet
+                inputs.model, training, inputs.pools, inputs.catalog, stages=inputs.stages,
+                replicas=None if replicas == "auto" else replicas, sync=sync,
+            )  # fmt: skip
+            return fleet.single if len(fleet.pipelines) == 1 else fleet
+
+        if inputs.auto:  # compression: auto; the table and --json say which code it took
+            chosen, result = choose_compression(plan_with, inputs.training)
+            inputs = replace(inputs, training=replace(inputs.training, compression=chosen))
+        else:
+            result = plan_with(inputs.training)
         growth = None
         if args.join is not None:
             growth = _growth(args, inputs, result, sync, replicas)
@@ -316,6 +322,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         model = {**inputs.model_source.to_dict(), "layers": inputs.model.num_layers}
         doc = {"job": inputs.name, "model": model, **result.to_dict()}
+        doc["compression"] = inputs.training.compression
         if growth is not None:
             doc["growth"] = _growth_dict(growth)
         print(json.dumps(doc, indent=2))
@@ -391,110 +398,3 @@ def _growth_dict(growth: Growth) -> dict[str, Any]:
         "pays": growth.pays,
         "reason": growth.reason,
     }
-
-
-def _about(model: ModelShape | None, source: Resolved | None) -> list[str]:
-    if model is None or source is None:
-        return []
-    about = [
-        f"Model: {source.describe()}: {model.num_layers} layers, hidden {model.hidden_size}, "
-        f"{model.num_heads} heads ({model.num_kv_heads} KV), vocab {model.vocab_size}."
-    ]
-    return about + [f"Not read: {why}." for why in source.skipped]
-
-
-def _stage_table(result: Plan) -> list[str]:
-    rows = [("STAGE", "POOL", "GPU", "LAYERS", "N", "COMPUTE", "LINK", "PER-MB", "MEMORY")]
-    for s in result.stages:
-        used, avail = s.memory_bytes / GIB, s.memory_available_bytes / GIB
-        rows.append(
-            (
-                str(s.index),
-                s.pool,
-                s.gpu_product,
-                f"{s.layer_start}-{s.layer_end - 1}",
-                str(s.layers),
-                f"{s.compute_seconds:.3g}s",
-                f"{s.link_seconds:.3g}s",
-                f"{s.seconds:.3g}s",
-                f"{used:.1f}/{avail:.1f} GiB ({100 * used / avail:.0f}%)",
-            )
-        )
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
-
-
-def format_table(
-    name: str,
-    training: TrainingShape,
-    result: Plan | FleetPlan,
-    model: ModelShape | None = None,
-    source: Resolved | None = None,
-) -> str:
-    """The plan as a readable table; with `model` and `source`, the model and its origin."""
-    if isinstance(result, FleetPlan):
-        return format_fleet(name, training, result, model, source)
-    header = (
-        f"Plan for {name}: {len(result.stages)} stage(s), 1F1B, {result.micro_batches} "
-        f"micro-batches of {training.micro_batch_size}x{training.sequence_length} tokens "
-        f"({training.method}, {training.dtype}, compression {training.compression})"
-    )
-    lines = [header, *_about(model, source), "", *_stage_table(result)]
-    b = result.bottleneck
-    lines += [
-        "",
-        f"Step {result.step_seconds:.3g}s, {result.tokens_per_second:,.0f} tokens/s, "
-        f"bubble {100 * result.bubble_fraction:.0f}%.",
-        f"Bottleneck: stage {b.stage} ({b.resource}). {b.detail}",
-        f"Search: {result.search} ({result.sequences_evaluated} sequences evaluated).",
-    ]
-    lines += [f"Note: {n}" for n in result.notes]
-    return "\n".join(lines)
-
-
-def format_fleet(
-    name: str,
-    training: TrainingShape,
-    fleet: FleetPlan,
-    model: ModelShape | None = None,
-    source: Resolved | None = None,
-) -> str:
-    """Several pipelines: each one's stages, then the sync and the whole step."""
-    header = (
-        f"Plan for {name}: {len(fleet.pipelines)} pipelines on {fleet.gpus} of "
-        f"{fleet.usable_gpus} usable GPU(s), 1F1B, {fleet.micro_batches} micro-batches of "
-        f"{training.micro_batch_size}x{training.sequence_length} tokens per step "
-        f"({training.method}, {training.dtype}, compression {training.compression})"
-    )
-    lines = [header, *_about(model, source)]
-    for i, p in enumerate(fleet.pipelines):
-        b = p.bottleneck
-        lines += [
-            "",
-            f"Pipeline {i}: {len(p.stages)} stage(s), {p.micro_batches} "
-            f"micro-batch{'' if p.micro_batches == 1 else 'es'}, "
-            f"{p.step_seconds:.3g}s, {p.tokens_per_second:,.0f} tokens/s, "
-            f"bubble {100 * p.bubble_fraction:.0f}%.",
-            *_stage_table(p),
-            f"Bottleneck: stage {b.stage} ({b.resource}). {b.detail}",
-        ]
-    s = fleet.sync
-    when = "every step" if s.sync.mode == "synchronous" else f"every {s.sync.every} steps"
-    share = "" if s.sync.every == 1 else f", {s.per_step_seconds:.3g}s per step"
-    single = fleet.single
-    lines += [
-        "",
-        f"Sync: {s.sync.mode}, {when}: {s.collective} of {s.gradient_bytes / 2**20:,.1f} MiB "
-        f"of {s.gradients.dtype} {s.gradients.what} {s.gradients.kind} among {s.pipelines} "
-        f"pipelines, "
-        f"{s.seconds:.3g}s ({s.bandwidth_seconds:.3g}s busiest link, "
-        f"{s.latency_seconds:.3g}s latency){share}.",
-        f"Step {fleet.step_seconds:.3g}s (slowest pipeline {fleet.pipeline_seconds:.3g}s + "
-        f"sync {s.per_step_seconds:.3g}s), {fleet.tokens_per_second:,.0f} tokens/s: "
-        f"{fleet.speedup:.2f}x the best single pipeline ({single.tokens_per_second:,.0f} "
-        f"tokens/s on {len(single.stages)} GPU(s)).",
-        f"Search: {fleet.search} over {fleet.candidates} candidate pipelines "
-        f"({fleet.sets_evaluated} sets evaluated).",
-    ]
-    lines += [f"Note: {n}" for n in fleet.notes]
-    return "\n".join(lines)

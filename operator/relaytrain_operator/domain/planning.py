@@ -17,13 +17,17 @@ from typing import Any
 
 from relaytrain_operator.domain.placement import job_pools
 from relaytrain_operator.domain.planner import (
+    AUTO,
+    AUTO_ORDER,
     Catalog,
+    FleetPlan,
     LoraTargetError,
     ModelShape,
     PlanError,
     PoolError,
     Sync,
     TrainingShape,
+    choose_compression,
     plan_fleet,
 )
 from relaytrain_operator.spec import FineTuneJob
@@ -34,8 +38,10 @@ __all__ = ["LoraTargetError", "ModelConfigError", "PlanError", "make_plan", "tra
 
 
 def training_shape(job: FineTuneJob) -> TrainingShape:
-    """The settings of `job` the planner prices."""
+    """The settings of `job` the planner prices (with `compression: auto`, the first code the
+    planner tries: `choose_compression` tries them all)."""
     spec = job.spec
+    compression = spec.pipeline.compression
     return TrainingShape(
         micro_batch_size=spec.training.micro_batch_size,
         micro_batches=spec.training.micro_batches,
@@ -44,7 +50,7 @@ def training_shape(job: FineTuneJob) -> TrainingShape:
         lora_rank=spec.method.rank,
         lora_targets=tuple(spec.method.target_modules),
         lora_dropout=spec.method.dropout,
-        compression=spec.pipeline.compression,
+        compression=AUTO_ORDER[0] if compression == "auto" else compression,
         dtype=spec.model.dtype,
     )
 
@@ -102,16 +108,23 @@ def make_plan(
     refused = _REFUSED.get(key)
     if refused is not None:
         raise refused.with_traceback(None)
-    try:
-        result = plan_fleet(
-            shape, training, pools, catalog=catalog, stages=stages, replicas=replicas, sync=sync
+
+    def plan_with(shape_of: TrainingShape) -> FleetPlan:
+        return plan_fleet(
+            shape, shape_of, pools, catalog=catalog, stages=stages, replicas=replicas, sync=sync
         )
+
+    try:
+        if pipeline.compression == AUTO:
+            compression, result = choose_compression(plan_with, training)
+        else:
+            compression, result = training.compression, plan_with(training)
     except PlanError as err:
         if len(_REFUSED) >= _REFUSED_KEPT:
             _REFUSED.pop(next(iter(_REFUSED)))
         _REFUSED[key] = err
         raise
-    return result.to_status()
+    return {**result.to_status(), "compression": compression}
 
 
 _REFUSED: dict[str, PlanError] = {}

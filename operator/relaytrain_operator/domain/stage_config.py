@@ -217,6 +217,7 @@ def build_stage_configs(
     endpoints: Sequence[StageEndpoints],
     *,
     renewal_grace: float = 0.0,
+    compression: str | None = None,
 ) -> list[dict[str, Any]]:
     """One stage-contract document per stage, in stage order (each a fresh dict).
 
@@ -230,7 +231,9 @@ def build_stage_configs(
     _check(job, ranges, endpoints)
     count = len(ranges)
     return [
-        stage_config(job, k, count, layers, ends, renewal_grace=renewal_grace).to_dict()
+        stage_config(
+            job, k, count, layers, ends, renewal_grace=renewal_grace, compression=compression
+        ).to_dict()
         for k, (layers, ends) in enumerate(zip(ranges, endpoints, strict=True))
     ]
 
@@ -242,6 +245,7 @@ def build_pipeline_configs(
     shares: Sequence[int],
     *,
     renewal_grace: float = 0.0,
+    compression: str | None = None,
 ) -> list[list[dict[str, Any]]]:
     """The documents of every stage of R pipelines that train as one job: `[p][k]`.
 
@@ -265,7 +269,11 @@ def build_pipeline_configs(
             f"up to spec.training.microBatches ({micro})"
         )
     if len(plans) == 1:
-        return [build_stage_configs(job, plans[0], endpoints[0], renewal_grace=renewal_grace)]
+        return [
+            build_stage_configs(
+                job, plans[0], endpoints[0], renewal_grace=renewal_grace, compression=compression
+            )
+        ]
     splits = [layer_ranges(plan) for plan in plans]
     for ranges, ends in zip(splits, endpoints, strict=True):
         _check(job, ranges, ends)
@@ -302,7 +310,7 @@ def build_pipeline_configs(
             )
             cfg = stage_config(
                 job, k, len(ranges), (start, end), mine, pipeline=p, replicas=replicas,
-                renewal_grace=renewal_grace,
+                renewal_grace=renewal_grace, compression=compression,
             )  # fmt: skip
             documents.append(cfg.to_dict())
         out.append(documents)
@@ -319,10 +327,19 @@ def stage_config(
     pipeline: int = 0,
     replicas: ReplicasSpec | None = None,
     renewal_grace: float = 0.0,
+    compression: str | None = None,
 ) -> StageConfig:
     """The document of stage `k` of `count` of pipeline `pipeline`, holding `layers` and
-    reached at `ends`; `replicas` says where the other pipelines are (None: there are none)."""
+    reached at `ends`; `replicas` says where the other pipelines are (None: there are none).
+    `compression`: the plan's boundary code (status.plan.compression), which the spec's
+    `auto` needs; None takes the spec's."""
     spec = job.spec
+    mode = compression or spec.pipeline.compression
+    if mode == "auto":
+        raise ValueError(
+            "spec.pipeline.compression is auto: the stage documents need the plan's choice "
+            "(status.plan.compression)"
+        )
     ns, name = job.metadata.namespace, job.metadata.name
     # Without a credential Secret the stage uses AWS's standard credential chain.
     secret = spec.checkpoint.credentials_secret is not None
@@ -337,7 +354,8 @@ def stage_config(
         method=_as(MethodSpec, spec.method),
         training=_as(TrainingSpec, spec.training),
         pipeline=PipelineSpec(
-            schedule=spec.pipeline.schedule, compression=spec.pipeline.compression
+            schedule=spec.pipeline.schedule,
+            compression=mode,  # type: ignore[arg-type]  # checked by the contract model
         ),
         links=LinksSpec(
             listen=ends.listen,

@@ -334,12 +334,13 @@ class PipelineSpec(SpecModel):
     others train on."""
     schedule: PipelineSchedule = "1f1b"
     """Pipeline schedule; one-forward-one-backward."""
-    compression: Compression = "int8"
+    compression: Literal[Compression, "auto"] = "int8"
     """Compression of activations and their gradients on the links between stages: `none`
-    (the model's dtype), `bf16`, `int8` (blockwise absmax), `int4`, or `delta` (each
-    training row's activation as a 1-bit change against what the next stage decoded for it
-    the epoch before, its first sight at 4 bits, gradients at 2 bits: for slow links and
-    several epochs)."""
+    (the model's dtype), `bf16`, `int8` (blockwise absmax), `int4`, `delta` (each training
+    row's activation as a 1-bit change against what the next stage decoded for it the epoch
+    before, its first sight at 4 bits, gradients at 2 bits: for slow links and several
+    epochs), or `auto`: the planner takes the most faithful of these whose predicted
+    tokens/s is within 5 % of the fastest (status.plan.compression says which)."""
     sync: SyncSpec = Field(default_factory=SyncSpec)
     """How several pipelines keep their weights equal: `synchronous` (gradients reduced every
     step) or `periodic` (local steps, weights averaged every `everySteps` steps, for slow

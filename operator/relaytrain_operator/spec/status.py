@@ -131,6 +131,8 @@ class PlanStatus(_Status):
     """Predicted share of time stages wait in the pipeline's fill and drain."""
     bottleneck: PlanBottleneck | None = None
     """The stage and resource that limit throughput."""
+    compression: str | None = None
+    """The boundary code the stages use, the planner's choice under `compression: auto`."""
 
     def splits(self) -> list[list[PlannedStage]]:
         """Every pipeline's stages, in pipeline order (`[stages]` for one pipeline)."""

@@ -26,6 +26,7 @@ from relaytrain_contract import LINK_CA_FILE, LINK_CERT_FILE, LINK_KEY_FILE
 
 from relaytrain_operator.cli.local_run.layout import Layout
 from relaytrain_operator.domain.linkcerts import StagePem, mint_link_credentials
+from relaytrain_operator.domain.planner import AUTO, AUTO_ORDER
 from relaytrain_operator.domain.stage_config import StageEndpoints, build_pipeline_configs
 from relaytrain_operator.spec import FineTuneJob
 
@@ -101,7 +102,11 @@ def build_stages(job: FineTuneJob, layout: Layout) -> tuple[list[dict[str, Any]]
                 for k in range(count)
             ]
         )
-    configs = build_pipeline_configs(job, layout.splits, endpoints, layout.shares)
+    # Local links are loopback: every code is as fast, so `auto` takes the exact one.
+    auto = job.spec.pipeline.compression == AUTO
+    configs = build_pipeline_configs(
+        job, layout.splits, endpoints, layout.shares, compression=AUTO_ORDER[0] if auto else None
+    )
     meta = job.metadata
     lifetime = timedelta(seconds=job.spec.link_certificates.lifetime_seconds)
     pki = mint_link_credentials(

@@ -24,6 +24,7 @@ from relaytrain_operator.domain.planner.catalog import (
     GpuSpec,
     UnknownGpuError,
 )
+from relaytrain_operator.domain.planner.choose import AUTO, AUTO_ORDER, choose_compression
 from relaytrain_operator.domain.planner.cost import CostSettings
 from relaytrain_operator.domain.planner.fleet import plan_fleet
 from relaytrain_operator.domain.planner.fleet_result import FleetPlan
@@ -42,6 +43,8 @@ from relaytrain_operator.domain.planner.targets import LoraTargetError
 from relaytrain_operator.domain.planner.training import TrainingShape
 
 __all__ = [
+    "AUTO",
+    "AUTO_ORDER",
     "BUILTIN_GPUS",
     "DEFAULT_CATALOG",
     "OUTER_CODES",
@@ -65,6 +68,7 @@ __all__ = [
     "TrainingShape",
     "UnknownGpuError",
     "assess",
+    "choose_compression",
     "plan",
     "plan_fleet",
     "plan_growth",

@@ -69,7 +69,7 @@ def create_stages(
     grace = 2 * ctx.settings.secret_propagation_seconds
     configs = build_pipeline_configs(
         spec, splits, job_pod_endpoints(ctx.name, ctx.namespace, counts), shares,
-        renewal_grace=grace,
+        renewal_grace=grace, compression=plan.compression,
     )  # fmt: skip
     replacing = {
         key: (_pool(plan, entries[key], key), _memory(plan, key))

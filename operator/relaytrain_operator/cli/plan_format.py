@@ -1,0 +1,114 @@
+"""`relaytrain plan`'s readable output: the plan as tables (one pipeline or several)."""
+
+from __future__ import annotations
+
+from relaytrain_operator.domain.planner import FleetPlan, ModelShape, Plan, TrainingShape
+from relaytrain_operator.domain.planner.cost import GIB
+from relaytrain_operator.store.model_config import Resolved
+
+
+def _about(model: ModelShape | None, source: Resolved | None) -> list[str]:
+    if model is None or source is None:
+        return []
+    about = [
+        f"Model: {source.describe()}: {model.num_layers} layers, hidden {model.hidden_size}, "
+        f"{model.num_heads} heads ({model.num_kv_heads} KV), vocab {model.vocab_size}."
+    ]
+    return about + [f"Not read: {why}." for why in source.skipped]
+
+
+def _stage_table(result: Plan) -> list[str]:
+    rows = [("STAGE", "POOL", "GPU", "LAYERS", "N", "COMPUTE", "LINK", "PER-MB", "MEMORY")]
+    for s in result.stages:
+        used, avail = s.memory_bytes / GIB, s.memory_available_bytes / GIB
+        rows.append(
+            (
+                str(s.index),
+                s.pool,
+                s.gpu_product,
+                f"{s.layer_start}-{s.layer_end - 1}",
+                str(s.layers),
+                f"{s.compute_seconds:.3g}s",
+                f"{s.link_seconds:.3g}s",
+                f"{s.seconds:.3g}s",
+                f"{used:.1f}/{avail:.1f} GiB ({100 * used / avail:.0f}%)",
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+
+
+def format_table(
+    name: str,
+    training: TrainingShape,
+    result: Plan | FleetPlan,
+    model: ModelShape | None = None,
+    source: Resolved | None = None,
+) -> str:
+    """The plan as a readable table; with `model` and `source`, the model and its origin."""
+    if isinstance(result, FleetPlan):
+        return format_fleet(name, training, result, model, source)
+    header = (
+        f"Plan for {name}: {len(result.stages)} stage(s), 1F1B, {result.micro_batches} "
+        f"micro-batches of {training.micro_batch_size}x{training.sequence_length} tokens "
+        f"({training.method}, {training.dtype}, compression {training.compression})"
+    )
+    lines = [header, *_about(model, source), "", *_stage_table(result)]
+    b = result.bottleneck
+    lines += [
+        "",
+        f"Step {result.step_seconds:.3g}s, {result.tokens_per_second:,.0f} tokens/s, "
+        f"bubble {100 * result.bubble_fraction:.0f}%.",
+        f"Bottleneck: stage {b.stage} ({b.resource}). {b.detail}",
+        f"Search: {result.search} ({result.sequences_evaluated} sequences evaluated).",
+    ]
+    lines += [f"Note: {n}" for n in result.notes]
+    return "\n".join(lines)
+
+
+def format_fleet(
+    name: str,
+    training: TrainingShape,
+    fleet: FleetPlan,
+    model: ModelShape | None = None,
+    source: Resolved | None = None,
+) -> str:
+    """Several pipelines: each one's stages, then the sync and the whole step."""
+    header = (
+        f"Plan for {name}: {len(fleet.pipelines)} pipelines on {fleet.gpus} of "
+        f"{fleet.usable_gpus} usable GPU(s), 1F1B, {fleet.micro_batches} micro-batches of "
+        f"{training.micro_batch_size}x{training.sequence_length} tokens per step "
+        f"({training.method}, {training.dtype}, compression {training.compression})"
+    )
+    lines = [header, *_about(model, source)]
+    for i, p in enumerate(fleet.pipelines):
+        b = p.bottleneck
+        lines += [
+            "",
+            f"Pipeline {i}: {len(p.stages)} stage(s), {p.micro_batches} "
+            f"micro-batch{'' if p.micro_batches == 1 else 'es'}, "
+            f"{p.step_seconds:.3g}s, {p.tokens_per_second:,.0f} tokens/s, "
+            f"bubble {100 * p.bubble_fraction:.0f}%.",
+            *_stage_table(p),
+            f"Bottleneck: stage {b.stage} ({b.resource}). {b.detail}",
+        ]
+    s = fleet.sync
+    when = "every step" if s.sync.mode == "synchronous" else f"every {s.sync.every} steps"
+    share = "" if s.sync.every == 1 else f", {s.per_step_seconds:.3g}s per step"
+    single = fleet.single
+    lines += [
+        "",
+        f"Sync: {s.sync.mode}, {when}: {s.collective} of {s.gradient_bytes / 2**20:,.1f} MiB "
+        f"of {s.gradients.dtype} {s.gradients.what} {s.gradients.kind} among {s.pipelines} "
+        f"pipelines, "
+        f"{s.seconds:.3g}s ({s.bandwidth_seconds:.3g}s busiest link, "
+        f"{s.latency_seconds:.3g}s latency){share}.",
+        f"Step {fleet.step_seconds:.3g}s (slowest pipeline {fleet.pipeline_seconds:.3g}s + "
+        f"sync {s.per_step_seconds:.3g}s), {fleet.tokens_per_second:,.0f} tokens/s: "
+        f"{fleet.speedup:.2f}x the best single pipeline ({single.tokens_per_second:,.0f} "
+        f"tokens/s on {len(single.stages)} GPU(s)).",
+        f"Search: {fleet.search} over {fleet.candidates} candidate pipelines "
+        f"({fleet.sets_evaluated} sets evaluated).",
+    ]
+    lines += [f"Note: {n}" for n in fleet.notes]
+    return "\n".join(lines)
