@@ -124,17 +124,23 @@ def test_forward_of_slices_equals_the_unsplit_model(tmp_path: Path, arch: str) -
     assert torch.equal(hidden, want)
 
 
-def test_one_f_one_b_order_bounds_activations_in_flight() -> None:
+@pytest.mark.parametrize("ahead", [0, 2])
+def test_one_f_one_b_order_bounds_activations_in_flight(ahead: int) -> None:
+    from relaytrain_operator.domain.planner.training import in_flight
+
     for stages in (1, 2, 4):
         for k in range(stages):
-            order = one_f_one_b(k, stages, 6)
+            order = one_f_one_b(k, stages, 6, ahead)
             assert sorted(m for kind, m in order if kind == "F") == list(range(6))
             assert [m for kind, m in order if kind == "B"] == list(range(6))
             live = peak = 0
             for kind, _ in order:
                 live += 1 if kind == "F" else -1
                 peak = max(peak, live)
-            assert peak == min(stages - k, 6)
+            # Forwards ahead on every stage but the last (whose backward needs nothing
+            # from later): what the planner counts in each stage's memory.
+            assert peak == min(stages - k + (ahead if k < stages - 1 else 0), 6)
+            assert peak == in_flight(k, stages, 6, ahead)
 
 
 def test_qlora_trains_adapters_on_a_4bit_base(llama_dir: Path) -> None:

@@ -206,6 +206,9 @@ class PipelineSpec(_Part):
     """Only `1f1b` for now."""
     compression: Compression
     """Activation/gradient compression on the links."""
+    forwards_ahead: int = 0
+    """Forwards every stage but the last runs ahead of 1F1B before its first backward (more
+    activations on the link and in memory; the same gradients in the same order)."""
 
 
 class LinksSpec(_Part):

@@ -52,6 +52,7 @@ def training_shape(job: FineTuneJob) -> TrainingShape:
         lora_dropout=spec.method.dropout,
         compression=AUTO_ORDER[0] if compression == "auto" else compression,
         dtype=spec.model.dtype,
+        forwards_ahead=spec.pipeline.forwards_ahead,
     )
 
 

@@ -356,6 +356,7 @@ def stage_config(
         pipeline=PipelineSpec(
             schedule=spec.pipeline.schedule,
             compression=mode,  # type: ignore[arg-type]  # checked by the contract model
+            forwards_ahead=spec.pipeline.forwards_ahead,
         ),
         links=LinksSpec(
             listen=ends.listen,

@@ -56,6 +56,7 @@ __all__ = [
 
 MAX_STAGES = 64
 MAX_REPLICAS = 64
+MAX_FORWARDS_AHEAD = 16
 
 ModelUri = Annotated[str, Field(pattern=patterns.MODEL_URI, max_length=1024)]
 StoreUri = Annotated[str, Field(pattern=patterns.STORE_URI, max_length=1024)]
@@ -341,6 +342,12 @@ class PipelineSpec(SpecModel):
     before, its first sight at 4 bits, gradients at 2 bits: for slow links and several
     epochs), or `auto`: the planner takes the most faithful of these whose predicted
     tokens/s is within 5 % of the fastest (status.plan.compression says which)."""
+    forwards_ahead: Annotated[int, Field(ge=0, le=MAX_FORWARDS_AHEAD)] = 0
+    """Forwards each stage but the last runs ahead of 1F1B before its first backward (0 to
+    16): more activations cross a slow link while the previous micro-batches compute, at the
+    memory of that many more micro-batches in flight (the planner counts it). The gradients
+    are the same, in the same order. 1-2 lift a 50-200 Mbit/s link's use (docs/links-and-
+    checkpoints.md, "The link bound")."""
     sync: SyncSpec = Field(default_factory=SyncSpec)
     """How several pipelines keep their weights equal: `synchronous` (gradients reduced every
     step) or `periodic` (local steps, weights averaged every `everySteps` steps, for slow

@@ -97,9 +97,14 @@ def count_items(micros: list[MicroBatch]) -> int:
     return int(sum(int((m.labels[:, 1:] != -100).sum()) for m in micros))
 
 
-def one_f_one_b(stage_index: int, stages: int, micro_batches: int) -> list[tuple[str, int]]:
-    """The order of ("F"|"B", micro) this stage runs in one step."""
-    warmup = min(stages - stage_index - 1, micro_batches)
+def one_f_one_b(
+    stage_index: int, stages: int, micro_batches: int, ahead: int = 0
+) -> list[tuple[str, int]]:
+    """The order of ("F"|"B", micro) this stage runs in one step. ``ahead``: forwards every
+    stage but the last runs before its first backward on top of 1F1B's (the backwards keep
+    micro-batch order, so the gradients are the same bits)."""
+    extra = ahead if stage_index < stages - 1 else 0
+    warmup = min(stages - stage_index - 1 + extra, micro_batches)
     order: list[tuple[str, int]] = [("F", m) for m in range(warmup)]
     backward = 0
     for m in range(warmup, micro_batches):
@@ -129,6 +134,7 @@ class StepRunner:
         periodic: bool = False,
         ordered_terms: bool = False,
         device: torch.device | None = None,
+        ahead: int = 0,
     ) -> None:
         self.stage = stage
         self.index = index
@@ -136,6 +142,8 @@ class StepRunner:
         self.peers = peers
         self.trainable = trainable
         self.compression = compression
+        self.ahead = ahead
+        """Forwards run ahead of 1F1B (`one_f_one_b`)."""
         self.max_grad_norm = max_grad_norm
         self.tied_name = tied_name
         """Global name of a weight shared by stage 0 and the last stage (full + tied), else None."""
@@ -182,7 +190,7 @@ class StepRunner:
         group = None if self.periodic or not self.ordered_terms else self.group
         apart = group is not None and (group.first_member != self.pipeline or n_micro == 0)
         self._terms = {} if apart else None
-        for kind, m in one_f_one_b(self.index, self.count, n_micro):
+        for kind, m in one_f_one_b(self.index, self.count, n_micro, self.ahead):
             if kind == "F":
                 out, inp, items, part = self._forward(step, m, micros, items)
                 saved[m] = (out, inp)

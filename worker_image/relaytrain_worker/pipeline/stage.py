@@ -324,6 +324,7 @@ class StageRuntime:
             peers=peers,
             trainable=self.trainable,
             compression=self.cfg.pipeline.compression,
+            ahead=self.cfg.pipeline.forwards_ahead,
             max_grad_norm=t.max_grad_norm,
             tied_name=self._tied_name(),
             ordered_terms=self.cfg.method.type != "full",

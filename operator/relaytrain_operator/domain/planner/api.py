@@ -117,7 +117,7 @@ def to_plan(problem: Problem, best: Candidate, search: str, evaluated: int) -> P
         first, last = k == 0, k == p - 1
         prev = costs[seq[k - 1]] if k > 0 else None
         nxt = costs[seq[k + 1]] if k < p - 1 else None
-        in_flight = min(p - k, problem.training.micro_batches)
+        in_flight = problem.training.in_flight(k, p)
         stages.append(
             StagePlan(
                 index=k,

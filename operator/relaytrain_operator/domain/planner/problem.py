@@ -51,6 +51,7 @@ class Problem:
             self.model.num_layers,
             self.training.micro_batches,
             ignore_memory,
+            ahead=self.training.forwards_ahead,
         )
 
     def stage_counts(self, stages: int | None, max_stages: int | None) -> list[int]:

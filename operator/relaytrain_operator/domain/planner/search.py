@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from math import factorial
 
 from relaytrain_operator.domain.planner.cost import LinkCost, PoolCost
+from relaytrain_operator.domain.planner.training import in_flight
 
 #: Sequences evaluated before switching from exhaustive search to the heuristic.
 DEFAULT_EXHAUSTIVE_LIMIT = 20_000
@@ -78,8 +79,12 @@ class Evaluator:
         num_layers: int,
         micro_batches: int,
         ignore_memory: bool = False,
+        *,
+        ahead: int = 0,
     ) -> None:
         self.costs = list(costs)
+        self.ahead = ahead
+        """Forwards run ahead of 1F1B (TrainingShape.forwards_ahead)."""
         self.link = link
         self.num_layers = num_layers
         self.micro_batches = micro_batches
@@ -98,10 +103,10 @@ class Evaluator:
             prev = self.costs[seq[k - 1]] if k > 0 else None
             nxt = self.costs[seq[k + 1]] if k < p - 1 else None
             fixed = cost.fixed_seconds(first, last) + self.link.stage_seconds(prev, cost, nxt)
-            in_flight = min(p - k, self.micro_batches)
-            key = (i, first, last, in_flight)
+            held = in_flight(k, p, self.micro_batches, self.ahead)
+            key = (i, first, last, held)
             if key not in self._caps:
-                self._caps[key] = cost.max_layers(first, last, in_flight)
+                self._caps[key] = cost.max_layers(first, last, held)
             cap = self.num_layers if self.ignore_memory else self._caps[key]
             terms.append((cost.layer_seconds, fixed, cap))
         return terms

@@ -45,6 +45,9 @@ class TrainingShape:
     """Compute and weight dtype of the base model."""
     lora_dropout: float = 0.0
     """LoRA dropout (``spec.method.dropout``): peft cannot apply it to expert weights."""
+    forwards_ahead: int = 0
+    """Forwards every stage but the last runs ahead of 1F1B (``spec.pipeline.forwardsAhead``):
+    that many more micro-batches of activations held (`in_flight`)."""
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "micro_batches", "sequence_length", "lora_rank"):
@@ -82,6 +85,10 @@ class TrainingShape:
             )
         object.__setattr__(self, "lora_targets", targets)
 
+    def in_flight(self, k: int, stages: int) -> int:
+        """Micro-batches of activations stage ``k`` of ``stages`` holds at most."""
+        return in_flight(k, stages, self.micro_batches, self.forwards_ahead)
+
     @property
     def tokens_per_micro_batch(self) -> int:
         """Tokens one micro-batch carries."""
@@ -91,6 +98,14 @@ class TrainingShape:
     def dtype_bytes(self) -> int:
         """Bytes per element of the compute dtype."""
         return DTYPE_BYTES[self.dtype]
+
+
+def in_flight(k: int, stages: int, micro_batches: int, ahead: int) -> int:
+    """Micro-batches of activations stage ``k`` of ``stages`` holds at most: 1F1B's ``P - k``,
+    plus the ``ahead`` forwards run before the first backward on every stage but the last
+    (the worker's ``schedule.one_f_one_b``), never more than the step's micro-batches."""
+    extra = ahead if k < stages - 1 else 0
+    return min(stages - k + extra, micro_batches)
 
 
 def _expert_name(name: str) -> str:
