@@ -1,0 +1,102 @@
+"""The planner's settings for slow links. `pipeline.compression: auto` takes the most faithful
+code that costs at most 5 % of the fastest plan's tokens/s, and the stage documents carry its
+choice; `pipeline.forwardsAhead` is counted in every stage's memory but the last's."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from relaytrain_operator.domain.planner import (
+    AUTO_ORDER,
+    ModelShape,
+    Pool,
+    TrainingShape,
+    choose_compression,
+    plan,
+)
+from relaytrain_operator.domain.planner.choose import AUTO_MARGIN
+from relaytrain_operator.domain.planning import make_plan
+from relaytrain_operator.domain.stage_config import build_pipeline_configs, local_endpoints
+from relaytrain_operator.spec import parse_job
+from relaytrain_testkit.decide_cases import node
+from relaytrain_testkit.jobs import Job
+
+pytestmark = pytest.mark.unit
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = json.loads(
+    (REPO / "operator/relaytrain_operator/known_models/llama-3.1-8b.json").read_text()
+)
+LLAMA = ModelShape.from_hf_config(CONFIG)
+TRAINING = TrainingShape(2, 16, 2048, method="qlora", lora_rank=16)
+
+
+def _fleet(mbps: float) -> list[Pool]:
+    """Four RTX 4090s, each on its own node behind a link of ``mbps``."""
+    return [Pool("rtx", "NVIDIA-GeForce-RTX-4090", 4, mbps, 20.0)]
+
+
+@pytest.mark.parametrize("mbps", [100.0, 1_000.0, 100_000.0])
+def test_auto_takes_the_most_faithful_code_within_five_percent_of_the_fastest(
+    mbps: float,
+) -> None:
+    pools = _fleet(mbps)
+    every = {
+        mode: plan(LLAMA, TrainingShape(**{**TRAINING.__dict__, "compression": mode}), pools)
+        for mode in AUTO_ORDER
+    }
+    fastest = max(p.tokens_per_second for p in every.values())
+    chosen, result = choose_compression(lambda t: plan(LLAMA, t, pools), TRAINING)
+    assert result.tokens_per_second == every[chosen].tokens_per_second
+    assert result.tokens_per_second >= (1 - AUTO_MARGIN) * fastest
+    # Every more faithful code is more than 5 % slower than the fastest.
+    for mode in AUTO_ORDER[: AUTO_ORDER.index(chosen)]:
+        assert every[mode].tokens_per_second < (1 - AUTO_MARGIN) * fastest, mode
+    if mbps >= 100_000:  # a link no code is waiting on: exact boundaries
+        assert chosen == "none"
+    if mbps <= 100:  # a home connection: the smallest code pays
+        assert chosen == "delta"
+
+
+def test_a_job_with_auto_records_the_choice_in_its_plan_and_its_stage_documents() -> None:
+    manifest = (
+        Job("auto-links")
+        .model("s3://models/llama-3.1-8b/", dtype="bfloat16")
+        .dataset("s3://data/train.jsonl", sequence_length=2048)
+        .method("qlora", rank=16)
+        .training(steps=10, micro_batch_size=2, micro_batches=16)
+        .pipeline(stages=4, compression="auto")
+        .build()
+    )
+    job = parse_job(manifest, default_checkpoint_uri="s3://ckpt")
+    nodes = [node(f"rtx-{i}", "rtx") for i in range(4)]
+    status = make_plan(job, CONFIG, nodes, [], default_link=(100.0, 20.0))  # home links
+    assert status["compression"] == "delta"
+    ranges = [(s["layerStart"], s["layerEnd"]) for s in status["stages"]]
+    (docs,) = build_pipeline_configs(
+        job,
+        [ranges],
+        [local_endpoints(len(ranges), 9000, 9100)],
+        [16],
+        compression=status["compression"],
+    )
+    assert {d["pipeline"]["compression"] for d in docs} == {"delta"}
+    # Without the plan's choice there is no code to give the stages, and that is said.
+    with pytest.raises(ValueError, match=r"compression is auto.*status\.plan\.compression"):
+        build_pipeline_configs(job, [ranges], [local_endpoints(len(ranges), 9000, 9100)], [16])
+
+
+def test_forwards_ahead_are_held_in_every_stage_but_the_last() -> None:
+    pools = [Pool("h100", "NVIDIA-H100-80GB-HBM3", 4, 100.0, 20.0)]  # memory to spare
+    before = plan(LLAMA, TRAINING, pools, stages=4)
+    after = plan(LLAMA, replace(TRAINING, forwards_ahead=2), pools, stages=4)
+    for was, now in zip(before.stages, after.stages, strict=True):
+        assert (now.layer_start, now.layer_end) == (was.layer_start, was.layer_end)
+        if now.index < 3:
+            assert now.in_flight == was.in_flight + 2
+            assert now.memory_bytes > was.memory_bytes
+        else:  # the last stage's backward needs nothing from later: it runs none ahead
+            assert (now.in_flight, now.memory_bytes) == (was.in_flight, was.memory_bytes)
