@@ -116,12 +116,25 @@ def test_a_cordoned_node_takes_its_pipeline_out_without_a_failure_and_it_comes_b
     assert back.retry_after is not None  # the next pass soon: another may fit then
 
 
-def test_a_job_of_one_pipeline_keeps_its_stage_on_a_cordoned_node() -> None:
-    # Nothing to hand the job to: its stage trains on until the drain evicts it, and is
-    # then replaced as a failed stage is.
+def test_a_job_of_one_pipeline_moves_a_drained_stage_without_counting_a_restart() -> None:
+    # Nothing to hand the job to: its stage trains on until the drain evicts it.
     job = JOB.status(running_status(stage(0), stage(1))).build()
     pods = [pod(0), pod(1)]  # on a100-0 and rtx-0
     assert summary(decide(observed(job, pods, nodes=cordoned("a100-0")), SETTINGS)) == []
+    # Evicted, then gone: replaced elsewhere as a failed stage is, but no restart counted,
+    # and the Event says why.
+    moved = decide(observed(job, [pod(1)], nodes=cordoned("a100-0")), SETTINGS)
+    assert "create:j-stage-0" in summary(moved)
+    assert moved.status is not None and moved.status.restarts == 0
+    assert moved.status.stages[0].restarts == 0
+    assert moved.status.stages[0].last_failure == (
+        "NodeLeaving: node a100-0 is cordoned (a drain or maintenance)"
+    )
+    (said,) = [e for e in events(moved) if e.reason == "StageMoving"]
+    assert said.type == "Normal" and "not counted as a restart" in said.message
+    # The same pod gone from a node that announced nothing is a failure, counted.
+    failed_here = decide(observed(job, [pod(1)]), SETTINGS)
+    assert failed_here.status is not None and failed_here.status.stages[0].restarts == 1
 
 
 def test_a_drain_eviction_and_a_spot_taint_are_departures_too() -> None:

@@ -38,7 +38,7 @@ def leave_departing(ctx: Pass, plan: PlanStatus, out: set[int]) -> set[int]:
     leaves now (its pods deleted, its stages idled, a PipelineLeaving Event). Returns them."""
     leaving: dict[int, str] = {}
     if not plan.several():
-        return set()  # one pipeline: a drained stage is replaced, as a failed one is
+        return set()  # one pipeline: a drained stage is moved, uncounted (stages._move)
     for (p, _), pod in sorted(ctx.observed.pods.items()):
         # A pod being deleted counts too: a drain evicts the pods of a cordoned node.
         if p in out or p in leaving:
@@ -70,6 +70,14 @@ def leave_departing(ctx: Pass, plan: PlanStatus, out: set[int]) -> set[int]:
             "its stages fit on free GPUs.",
         )
     return set(leaving)
+
+
+def stage_departure(ctx: Pass, key: StageKey, entry: StageStatus) -> str | None:
+    """Why the node of stage `key`'s pod (or, the pod gone, the node its entry recorded)
+    announced its end, or None: a stage that ends there moved, it did not fail."""
+    pod = ctx.observed.pods.get(key)
+    node_name = ((pod or {}).get("spec") or {}).get("nodeName") or entry.node
+    return departure(ctx.observed.nodes.get(node_name)) if node_name else None
 
 
 def departed(

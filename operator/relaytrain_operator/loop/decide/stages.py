@@ -41,7 +41,12 @@ from relaytrain_operator.loop.decide.context import (
 )
 from relaytrain_operator.loop.decide.create import create_stages
 from relaytrain_operator.loop.decide.links import keep_links_valid
-from relaytrain_operator.loop.decide.membership import bring_back, departed, leave_departing
+from relaytrain_operator.loop.decide.membership import (
+    bring_back,
+    departed,
+    leave_departing,
+    stage_departure,
+)
 from relaytrain_operator.loop.decide.progress import fail, follow_progress
 from relaytrain_operator.spec import FineTuneJob, PlanStatus, StageStatus, is_s3
 
@@ -120,7 +125,11 @@ def _judge(ctx: Pass, spec: FineTuneJob, plan: PlanStatus, out: set[int]) -> _Ju
             # FailJob on its exit code): every pipeline reads the same model, data and store.
             fail(ctx, _stopped(entry, verdict), verdict.fatal)
             return None
-        if verdict.failure is not None:
+        if verdict.failure is not None and (moved := stage_departure(ctx, key, entry)):
+            # One pipeline (several leave whole, `leave_departing`): its stage is replaced
+            # on another node, as a failed one is, but a drain is not its failure.
+            _move(ctx, judged, key, verdict, moved, several=several)
+        elif verdict.failure is not None:
             counted = after_failure(entry.restarts, limit)
             if counted is None:
                 why = (
@@ -164,6 +173,29 @@ def _verdict(ctx: Pass, key: StageKey, entry: StageStatus) -> StageDecision:
     record = StageRecord(key[1], entry.restarts, entry.phase, entry.pool)
     grace = timedelta(seconds=ctx.settings.node_lost_seconds)
     return decide_stage(record, pod, node, now=ctx.now, node_grace=grace)
+
+
+def _move(
+    ctx: Pass, judged: _Judged, key: StageKey, verdict: StageDecision, why: str, *, several: bool
+) -> None:
+    """Replace the stage whose node announced its end without counting a restart, and say
+    so in an Event."""
+    p, k = key
+    entry = judged.entries[key].model_copy(
+        update={
+            "phase": REPLACING,
+            "last_failure": f"NodeLeaving: {why}",
+            "last_failure_time": rfc3339(ctx.now),
+        }
+    )
+    judged.entries[key] = entry
+    name = stage_pod_name(ctx.name, k, p if several else None)
+    ctx.event(
+        "Normal",
+        "StageMoving",
+        f"Stage {stage_name(entry)} pod {name} ended ({verdict.failure}) on a node that "
+        f"announced its end ({why}); replacing it on another node, not counted as a restart.",
+    )
 
 
 def _count(
