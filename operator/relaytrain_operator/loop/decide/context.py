@@ -246,6 +246,10 @@ class Pass:
         """What the pass decided, so far."""
         return Decision(tuple(self.actions), self.status, self.restarts, self.retry_after)
 
+    def wake_within(self, seconds: float) -> None:
+        """Ask for the next pass within `seconds` (the soonest of every such ask)."""
+        self.retry_after = seconds if self.retry_after is None else min(self.retry_after, seconds)
+
     def update(self, **fields: Any) -> None:
         self.status = self.status.model_copy(update=fields)
 

@@ -121,7 +121,7 @@ def _due(
         else:
             due.append(key)
     if waits:
-        ctx.retry_after = min(waits).total_seconds()
+        ctx.wake_within(min(waits).total_seconds())
     return due
 
 

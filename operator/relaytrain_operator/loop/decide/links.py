@@ -70,8 +70,7 @@ def keep_links_valid(ctx: Pass, spec: FineTuneJob) -> None:
     # A time already past (the Secret is gone: nothing was read to move it on) wakes no
     # one early; the periodic check reads again.
     if due is not None and due > ctx.now:
-        wait = (due - ctx.now).total_seconds()
-        ctx.retry_after = wait if ctx.retry_after is None else min(ctx.retry_after, wait)
+        ctx.wake_within((due - ctx.now).total_seconds())
 
 
 def _status(state: LinkState, renew_at: float, propagation: timedelta) -> LinkCertificatesStatus:

@@ -149,11 +149,10 @@ def bring_back(
             f"{len(keys)} stages fit on free GPUs ({pools}). It rejoins the pipelines "
             "training at a step boundary with their state.",
         )
-        ctx.retry_after = NEXT_RETURN_SECONDS  # (nothing earlier in a pass sets one)
+        ctx.wake_within(NEXT_RETURN_SECONDS)
         return keys
     if waits:
-        first = min(waits).total_seconds()
-        ctx.retry_after = first if ctx.retry_after is None else min(ctx.retry_after, first)
+        ctx.wake_within(min(waits).total_seconds())
     return []
 
 
