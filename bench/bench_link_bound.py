@@ -30,7 +30,7 @@ line: the kernel here has no netem). For each rate and compression mode:
   m / (m + 1) of the bound with m micro-batches: the last gradient crosses after the last
   activation (`drain`), which the bound does not count.
 
-`--ahead K` (an experiment, not the worker's schedule): stage 0 runs K more forwards
+`--ahead K` is the worker's `spec.pipeline.forwardsAhead`: stage 0 runs K more forwards
 before its first backward than 1F1B does, so K more activations are in flight (and held
 in memory) while the link carries them; the gradients are the same, in the same order.
 
@@ -54,7 +54,6 @@ from pathlib import Path
 from typing import Any
 
 from relaytrain_contract import TrainingSpec
-from relaytrain_worker.pipeline import schedule
 from relaytrain_worker.pipeline.transport import Frame, Link, PreparedFrame
 from relaytrain_worker.state.data import MicroBatch
 
@@ -101,23 +100,6 @@ def _trace() -> None:
     Link.recv = traced_recv  # type: ignore[method-assign]
 
 
-def _run_ahead(extra: int) -> None:
-    """Stage 0 of every pipeline runs ``extra`` more warm-up forwards (see the docstring)."""
-    one_f_one_b = schedule.one_f_one_b
-
-    def ahead(stage_index: int, stages: int, micro_batches: int) -> list[tuple[str, int]]:
-        if stage_index != 0 or stages < 2:
-            return one_f_one_b(stage_index, stages, micro_batches)
-        warmup = min(stages - 1 + extra, micro_batches)
-        order = [("F", m) for m in range(warmup)]
-        for m in range(warmup, micro_batches):
-            order += [("F", m), ("B", m - warmup)]
-        order += [("B", m) for m in range(micro_batches - warmup, micro_batches)]
-        return order
-
-    schedule.one_f_one_b = ahead
-
-
 def phases(events: list[tuple[float, str, str, int, int]]) -> dict[str, float]:
     """Mean seconds of each phase (PHASES) per step, over the steps that have a next one."""
     at: dict[tuple[str, int], list[float]] = defaultdict(list)
@@ -149,6 +131,7 @@ def measure(
     *,
     kernel: bool = False,
     latency: float = 0.0,
+    ahead: int = 0,
 ) -> dict[str, Any]:
     """One run; with ``kernel`` the namespace's loopback is shaped to ``rate`` (None:
     unshaped) and the links are not paced."""
@@ -169,6 +152,7 @@ def measure(
         link_rate=None if kernel else rate,
         link_latency=latency,
         overlap_encode=overlap,
+        ahead=ahead,
     )
     down, up = run.boundary_bytes[0]
     spent = phases(_events)
@@ -191,7 +175,9 @@ def main() -> None:
     parser.add_argument("--micro-batches", type=int, help="per step (default 8; 4 --quick)")
     parser.add_argument("--encode", choices=["both", "own"], default="both",
                         help="own: only the encoder on its own thread")  # fmt: skip
-    parser.add_argument("--ahead", type=int, default=0, help="stage 0's extra forwards")
+    parser.add_argument(
+        "--ahead", type=int, default=0, help="forwards ahead of 1F1B (pipeline.forwardsAhead)"
+    )
     parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args()
     kernel = args.shaper == "kernel"
@@ -202,8 +188,6 @@ def main() -> None:
         argv = shaped_links.command([sys.executable, *sys.argv], None)
         os.execvp(argv[0], argv)  # this benchmark again, inside a fresh namespace
     _trace()
-    if args.ahead:
-        _run_ahead(args.ahead)
     # One decoder layer per stage keeps compute small against the boundary tensors, so
     # the link can be the bottleneck even on a CPU.
     model = tiny_model_dir(
@@ -218,7 +202,7 @@ def main() -> None:
         schedule="constant", warmupSteps=0, weightDecay=0.0, maxGradNorm=1.0, seed=0,
     )  # fmt: skip
     latency = args.latency_ms / 1000
-    how = dict(kernel=kernel, latency=latency)
+    how = dict(kernel=kernel, latency=latency, ahead=args.ahead)
     measure(model, data[:1], training, "int8", None, True, **how)  # warm-up: first calls
     rows = []
     for mode in args.modes:

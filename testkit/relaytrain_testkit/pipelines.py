@@ -54,6 +54,12 @@ class PipelineRun:
     """Per step: trainable parameters after the optimizer step (data-parallel runs only)."""
     grad_norms: list[float] = field(default_factory=list)
     """Per step: the global gradient norm before clipping, as the last stage computed it."""
+    step_boundary_bytes: list[list[list[int]]] = field(default_factory=list)
+    """Per step, per boundary: [bytes sent down, bytes sent up] on the wire from the start up
+    to the end of that step (`run_pipeline_threads(per_step=True)` only)."""
+    step_seconds: list[float] = field(default_factory=list)
+    """Per step: seconds from the clock's start to the end of that step, the latest stage's
+    (`run_pipeline_threads(per_step=True)` only)."""
 
 
 def run_pipeline_threads(
@@ -71,6 +77,8 @@ def run_pipeline_threads(
     overlap_encode: bool = True,
     warmup: int = 0,
     grads: Literal["every", "last"] = "every",
+    per_step: bool = False,
+    ahead: int = 0,
 ) -> PipelineRun:
     """Run a P-stage pipeline as P threads over real loopback links (tests, benches).
 
@@ -84,14 +92,19 @@ def run_pipeline_threads(
     The first ``warmup`` steps train but are not timed: every stage finishes them, waits for
     the others, and only then starts the clock. ``grads="last"`` keeps only the last step's
     gradients (the other steps' dicts stay empty), so a long run on a GPU holds one copy.
+    ``per_step`` also keeps each step's trainable parameters (``step_params``), the bytes
+    every boundary carried up to each step's end (``step_boundary_bytes``: every stage
+    flushes its sends after each step, so they count exactly that step's frames) and the
+    seconds to each step's end (``step_seconds``). ``ahead``: the stages' forwards ahead of
+    1F1B (``spec.pipeline.forwardsAhead``).
     """
     if len(credentials) != len(splits):
         raise ValueError(f"{len(credentials)} link credentials for {len(splits)} stages")
     return _run_pipelines(
         model, [splits], [steps], training,
         credentials=[credentials], groups=None, method=method, compression=compression,
-        lora=lora, link_rate=link_rate, overlap_encode=overlap_encode, record_steps=False,
-        warmup=warmup, grads=grads, link_latency=link_latency,
+        lora=lora, link_rate=link_rate, overlap_encode=overlap_encode, record_steps=per_step,
+        warmup=warmup, grads=grads, link_latency=link_latency, step_bytes=per_step, ahead=ahead,
     )[0]  # fmt: skip
 
 
@@ -214,8 +227,11 @@ def _run_pipelines(
     warmup: int = 0,
     grads: Literal["every", "last"] = "every",
     link_latency: float = 0.0,
+    step_bytes: bool = False,
+    ahead: int = 0,
 ) -> list[PipelineRun]:
-    """Every stage of every pipeline as a thread; ``steps[p]``: pipeline p's micro-batches."""
+    """Every stage of every pipeline as a thread; ``steps[p]``: pipeline p's micro-batches.
+    ``step_bytes``: record `PipelineRun.step_boundary_bytes` and ``step_seconds``."""
     listeners = [
         [
             listen("127.0.0.1:0", credentials=creds[k], expect=creds[k - 1].identity)
@@ -231,6 +247,10 @@ def _run_pipelines(
             stage_params=[{} for _ in split],
             boundary_bytes=[[0, 0] for _ in split[1:]],
             step_params=[{} for _ in steps[p]] if record_steps else [],
+            step_boundary_bytes=[[[0, 0] for _ in split[1:]] for _ in steps[p]]
+            if step_bytes
+            else [],
+            step_seconds=[0.0 for _ in steps[p]] if step_bytes else [],
         )
         for p, split in enumerate(splits)
     ]
@@ -284,6 +304,7 @@ def _run_pipelines(
                 pipeline=p,
                 periodic=sync_every is not None,
                 ordered_terms=method != "full",
+                ahead=ahead,
             )
             outer = None
             if sync_every is not None:
@@ -314,6 +335,18 @@ def _run_pipelines(
                     with lock:
                         for name, param in trainable:
                             run.step_params[s][name] = param.detach().clone()
+                if step_bytes:
+                    for queued in (runner.peers.prev, runner.peers.next):
+                        if queued is not None:
+                            queued.flush()
+                    synchronize(runner.device)
+                    with lock:
+                        at = time.perf_counter() - started
+                        run.step_seconds[s] = max(run.step_seconds[s], at)
+                        if nxt is not None:
+                            run.step_boundary_bytes[s][k][0] = nxt.bytes_sent
+                        if prev is not None:
+                            run.step_boundary_bytes[s][k - 1][1] = prev.bytes_sent
             for queued in (runner.peers.prev, runner.peers.next):
                 if queued is not None:
                     queued.flush()
