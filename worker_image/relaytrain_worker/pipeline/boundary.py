@@ -7,7 +7,7 @@ Per link (`transport.Link`) one `BoundaryCodec`: a `DeltaSender` for what this e
 connection start empty together: a replaced stage, or any re-link after a failure, begins with
 full codes, and neither end can hold a version the other lacks. The cache is *rebuilt*, not
 checkpointed: its entries are re-learned by sending each sample once more as a full code (one
-epoch at ``FULL_BITS`` instead of ``DELTA_BITS``, about 2 bits per value more for that epoch),
+epoch at ``FULL_BITS`` instead of a change's bits, at most 3 bits per value more that epoch),
 where a checkpoint of it would write 16 bits per value (bf16) of every sample to the store and
 read them back (`deltacache.py`: 42 GB per boundary for Llama-3.1-8B-sized samples).
 
@@ -17,13 +17,18 @@ What is coded how in a frame under ``delta``:
   job's training rows, `state/data.py`, or in the held-out rows): one `DeltaMessage` per row,
   keyed by the frame kind and the row (``activation:17``, ``eval:3``), so a training row and a
   held-out row never share an entry. A row's first sight is a full code at ``FULL_BITS``; every
-  later one a delta at ``DELTA_BITS`` against the previous version;
+  later one a delta against the previous version, at the fewest bits (``DELTA_BITS`` to
+  ``FULL_BITS``) whose expected error is within the full code's (`DeltaConfig.adaptive`), or
+  a full code again where the row changed as much as it is large. So a row is never coded
+  worse than int4 codes it, and costs 1.25 bits a value where it drifts by less than about
+  16 % of its norm (sqrt(D_4 / D_1), `lowbit.DISTORTION`), 2.25 below 28 %, 3.25 below 52 %;
 - ``hidden`` without ``rows`` (nothing to key it by): a full code at ``FULL_BITS``, cached
   nowhere;
 - any other floating tensor (the gradients of a boundary): a rotated code at
-  ``GRADIENT_BITS`` (`lowbit.py`, nearest). A gradient depends on the whole
-  later pipeline and on the labels and changes more between epochs than an activation does;
-  a per-sample cache saved nothing on it (bench/bench_boundary_codec.py, part d);
+  ``GRADIENT_BITS`` (`lowbit.py`, nearest; 3 bits: 17 % error; 2 bits cost 1.4 points of
+  held-out loss in bench/bench_delta_boundary.py). A gradient depends on the whole later
+  pipeline and on the labels and changes more between epochs than an activation does; a
+  per-sample cache saved nothing on it (bench/bench_boundary_codec.py, part d);
 - integer and bool tensors: lossless and narrowed, as every other mode (`compression.py`).
 
 The sender encodes in the link's encoder thread and the receiver decodes in the thread that
@@ -64,9 +69,9 @@ FULL_BITS: Bits = 4
 """Bits per value of a row's first code (int4's error: the first epoch trains as int4 does)."""
 DELTA_BITS: Bits = 1
 """Bits per value of a row's later codes: the change since the receiver's last decode."""
-GRADIENT_BITS: Bits = 2
+GRADIENT_BITS: Bits = 3
 """Bits per value of every other floating tensor (the gradients going back)."""
-CONFIG = DeltaConfig(full_bits=FULL_BITS, delta_bits=DELTA_BITS)
+CONFIG = DeltaConfig(full_bits=FULL_BITS, delta_bits=DELTA_BITS, adaptive=True)
 
 
 def bytes_per_value(bits: int) -> float:

@@ -61,6 +61,7 @@ import torch
 
 from relaytrain_worker.pipeline.lowbit import (
     BLOCK,
+    DISTORTION,
     Bits,
     check_bits,
     dequantise_blocks,
@@ -95,7 +96,13 @@ class DeltaConfig:
     full_bits: Bits = 2
     """Bits per value of a full code (first sight of a sample)."""
     delta_bits: Bits = 1
-    """Bits per value of a delta code."""
+    """Bits per value of a delta code (the fewest, with ``adaptive``)."""
+    adaptive: bool = False
+    """Choose each delta's bits from the change itself: the fewest bits from ``delta_bits``
+    up to ``full_bits`` whose expected error, ``D_b * ||x - cache||^2`` (lowbit.DISTORTION),
+    is at most a full code's, ``D_full * ||x||^2``; a change larger than that at
+    ``full_bits`` is sent as a full code. So no row is coded worse than its first sight was,
+    and a row that drifts little costs ``delta_bits``."""
     skip_below: float = 0.0
     """Skip a block whose delta RMS is at most this times the cached block's RMS (0: skip
     only blocks whose delta is exactly zero)."""
@@ -252,6 +259,14 @@ class DeltaSender(_Side):
         assert entry is not None
         cached = entry.value.to(torch.float32)
         delta = blocks - cached
+        bits = self._bits(delta, blocks) if cfg.adaptive else cfg.delta_bits
+        if bits is None:  # changed as much as the row itself: a full code costs no more
+            codes, scales = quantise_blocks(blocks, cfg.full_bits, variant=version)
+            msg = DeltaMessage(
+                key, "full", version, None, cfg.full_bits, x.dtype, shape, codes, scales, None
+            )
+            self._apply(msg, None)
+            return msg
         delta_rms = delta.square().mean(dim=1).sqrt_()
         keep = delta_rms > cached.square().mean(dim=1).sqrt_() * cfg.skip_below
         if bool(keep.all()):
@@ -259,13 +274,13 @@ class DeltaSender(_Side):
         else:
             delta = delta[keep]
             sent = pack_bits(torch.nn.functional.pad(keep, (0, (-keep.numel()) % 8)), 1)
-        codes, scales = quantise_blocks(delta, cfg.delta_bits, variant=version)
+        codes, scales = quantise_blocks(delta, bits, variant=version)
         msg = DeltaMessage(
             key,
             "delta",
             entry.version + 1,
             entry.version,
-            cfg.delta_bits,
+            bits,
             x.dtype,
             shape,
             codes,
@@ -274,6 +289,17 @@ class DeltaSender(_Side):
         )
         self._apply(msg, entry)
         return msg
+
+    def _bits(self, delta: torch.Tensor, blocks: torch.Tensor) -> Bits | None:
+        """The fewest bits whose expected error on ``delta`` is within a full code's on
+        ``blocks`` (see DeltaConfig.adaptive); None when not even ``full_bits`` are."""
+        cfg = self.config
+        change, whole = float(delta.square().sum()), float(blocks.square().sum())
+        budget = DISTORTION[cfg.full_bits] * whole
+        for bits in range(cfg.delta_bits, cfg.full_bits + 1):
+            if DISTORTION[bits] * change <= budget:
+                return check_bits(bits)
+        return None
 
 
 class DeltaReceiver(_Side):
