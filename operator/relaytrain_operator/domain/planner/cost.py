@@ -50,12 +50,13 @@ GIB = 1 << 30
 #: bf16 scale).
 WIRE_BYTES = {"bf16": 2.0, "int8": 1.0 + 2 / 64, "int4": 0.5 + 2 / 64}
 #: ``delta`` (relaytrain_worker.pipeline.boundary): activations at 4 bits the first time a
-#: training row crosses a boundary and as a 1-bit change every later epoch; gradients at 2
+#: training row crosses a boundary and as a 1-bit change every later epoch (a row that drifts
+#: by less than 16 %; more costs up to 4 bits); gradients at 3
 #: bits always (a bf16 scale per 64 values each). A plan is priced at the first epoch's rate,
 #: the slowest; `delta_forward_bytes_per_value` gives every epoch's.
 DELTA_FIRST_BYTES = (4 + 16 / 64) / 8
 DELTA_LATER_BYTES = (1 + 16 / 64 + 1 / 64) / 8
-DELTA_GRADIENT_BYTES = (2 + 16 / 64) / 8
+DELTA_GRADIENT_BYTES = (3 + 16 / 64) / 8
 #: Labels and attention mask travel forward with the activations, int64 each.
 LABEL_BYTES_PER_TOKEN = 16
 #: 4-bit NF4 weight plus one fp32 absmax per block of 64 (bitsandbytes, no double quant).
