@@ -1,0 +1,453 @@
+"""The ``delta`` boundary compression over epochs: bytes per token, eval loss, time to a loss.
+
+Run: OMP_NUM_THREADS=1 .venv/bin/python bench/bench_delta_boundary.py [--quick] [--epochs E]
+    [--json OUT]
+
+A tiny random Llama (4 layers, hidden 256, testkit) with LoRA r8 on every linear layer is
+fine-tuned through 4 stages (one layer each; `run_pipeline_threads`: the worker's
+StepRunner, 1F1B, Peers and encrypted loopback links, every stage a thread) on a fixed
+training set of rows of a noisy bigram language (each token followed by a fixed
+permutation of itself, 10 % random, as in bench_outer_sync.py). Every epoch visits every
+row once, in a seeded permutation of its own; micro-batches of 4 rows of 64 tokens carry
+their rows' indices (``MicroBatch.rows``: the key the ``delta`` caches are kept under). The
+same data, steps and seeds for every compression mode (``none``, ``bf16``, ``int8``,
+``int4``, ``delta``); AdamW, cosine schedule, learning rate 5e-3 (chosen on ``none`` alone:
+of 1e-3 to 2e-2 the lowest eval loss after 6 epochs). Default: 128 rows, 2 micro-batches a
+step (16 steps an epoch), 6 epochs; ``--quick``: 64 rows, 3 epochs.
+
+1. Bytes per token per boundary: what the links carried (TLS records, frame headers, masks,
+   positions, labels, the step-end control frames: the links' own counters), per epoch and
+   over the run, divided by the tokens that crossed (every training token crosses every
+   boundary once an epoch) and averaged over the 3 boundaries; ``down`` is activations,
+   ``up`` gradients. ``x bf16``: bf16's bytes over the mode's.
+2. Eval loss at equal steps: the trained adapters after each epoch, loaded into the unsplit
+   model and evaluated uncompressed on held-out rows of the same language (a fixed set,
+   never trained on); ``vs none``: the relative difference from ``none`` after the last
+   epoch. With it, each run's drift: how far a training row's boundary activations moved
+   in an epoch (unsplit model, adapters at the end of the epoch against the end of the one
+   before, ||change|| / ||activation||), which is what a row's delta code has to carry.
+3. Time to a target eval loss over an emulated 100 Mbit/s link with 50 ms one-way latency
+   (``Link.limit_rate`` and ``Link.set_latency`` on every link, each direction), ``int8``
+   against ``delta``: the target is ``none``'s final eval loss + 1 % (and, second, what
+   ``int8`` reaches at the end); the time is the training wall time up to the end of the
+   first step after which the eval loss is at or below the target (adapters evaluated after
+   every step). Besides the measured time, a link-bound model of it (no compute):
+   per step ``4 (P - 1) latency`` (the first activation down and the last gradient up cross
+   P - 1 links each, then the step-end gradient norms go down and the total comes back
+   up, `schedule.StepRunner._finish`) plus the bytes of the step's busiest link direction
+   over the rate; and the bandwidth term alone, which is what the ratio tends to once
+   frames are large against the latency (big models, long sequences).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "worker_image"), str(REPO / "testkit")]
+
+MODES = ("none", "bf16", "int8", "int4", "delta")
+STAGES, LAYERS, HIDDEN = 4, 4, 256
+SEQ, MBS, VOCAB = 64, 4, 300
+LORA: dict[str, Any] = {
+    "rank": 8,
+    "alpha": 16.0,
+    "dropout": 0.0,
+    "targets": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+}
+LINK_RATE = 100e6 / 8
+"""The emulated link's rate, bytes per second in each direction (100 Mbit/s)."""
+LINK_LATENCY = 0.05
+"""The emulated link's one-way latency, seconds."""
+
+
+@dataclass
+class Setup:
+    rows: int
+    """Training rows (one epoch visits each once)."""
+    micros: int
+    """Micro-batches of MBS rows per step."""
+    epochs: int
+    held_out: int
+    """Held-out rows."""
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.rows // (MBS * self.micros)
+
+
+@dataclass
+class ModeRun:
+    mode: str
+    link: str
+    """``unlimited`` (loopback) or ``100Mbit/50ms``."""
+    seconds: float
+    step_seconds: list[float]
+    step_eval: list[float]
+    """Held-out loss after each step."""
+    step_bytes: list[list[list[int]]]
+    """Per step, per boundary: [down, up] bytes sent in that step."""
+    drift: list[float]
+    """Per epoch after the first: the boundary activations' relative change (`epoch_drift`)."""
+    train_losses: list[float] = field(default_factory=list)
+
+
+def bigram_rows(n: int, seed: int) -> torch.Tensor:
+    """``n`` rows of SEQ tokens of the noisy bigram language (its permutation is fixed)."""
+    perm = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(1))
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.empty(n, SEQ, dtype=torch.long)
+    x[:, 0] = torch.randint(0, VOCAB, (n,), generator=gen)
+    for t in range(1, SEQ):
+        noise = torch.rand(n, generator=gen) < 0.1
+        random = torch.randint(0, VOCAB, (n,), generator=gen)
+        x[:, t] = torch.where(noise, random, perm[x[:, t - 1]])
+    return x
+
+
+def micro_batch(ids: torch.Tensor, rows: torch.Tensor | None) -> Any:
+    from relaytrain_worker.state.data import MicroBatch
+
+    pos = torch.arange(SEQ).expand(ids.shape[0], -1).contiguous()
+    return MicroBatch(ids, torch.ones_like(ids), pos, ids.clone(), rows=rows)
+
+
+def epoch_steps(train: torch.Tensor, setup: Setup, seed: int) -> list[list[Any]]:
+    """Every epoch every row once, in a permutation of the epoch's own (seed + epoch)."""
+    steps = []
+    for e in range(setup.epochs):
+        order = torch.randperm(setup.rows, generator=torch.Generator().manual_seed(seed + e))
+        chunks = [idx for idx in torch.split(order, MBS) if len(idx) == MBS]
+        micros = [micro_batch(train[idx], idx.clone()) for idx in chunks]
+        steps += [micros[i : i + setup.micros] for i in range(0, len(micros), setup.micros)][
+            : setup.steps_per_epoch
+        ]
+    return steps
+
+
+class Evaluator:
+    """The unsplit model with the same LoRA, evaluating given adapters on the held-out rows."""
+
+    def __init__(self, model_dir: Path, held: torch.Tensor, seed: int) -> None:
+        from relaytrain_worker.model.methods import apply_lora, lora_config
+        from relaytrain_worker.model.model_slice import load_config
+        from transformers import AutoModelForCausalLM
+
+        config = load_config(model_dir)
+        self.model: Any = AutoModelForCausalLM.from_pretrained(
+            str(model_dir), config=config, dtype=torch.float32
+        )
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        cfg = lora_config(LORA["rank"], LORA["alpha"], LORA["dropout"], LORA["targets"])
+        self.params = dict(apply_lora(self.model, cfg, seed))
+        self.initial = {n: p.detach().clone() for n, p in self.params.items()}
+        self.model.train(False)
+        self.held = [micro_batch(chunk, None) for chunk in torch.split(held, 8)]
+
+    def _load(self, params: dict[str, torch.Tensor] | None) -> None:
+        values = self.initial if params is None else params
+        if set(values) != set(self.params):
+            raise ValueError("the run's trainable parameters are not the unsplit model's")
+        with torch.no_grad():
+            for name, p in self.params.items():
+                p.copy_(values[name])
+
+    def loss(self, params: dict[str, torch.Tensor] | None = None) -> float:
+        from relaytrain_worker.pipeline.schedule import token_loss_sum
+
+        self._load(params)
+        total, items = 0.0, 0
+        with torch.no_grad():
+            for mb in self.held:
+                logits = self.model(
+                    input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False
+                ).logits
+                total += float(token_loss_sum(logits, mb.labels))
+                items += int((mb.labels[:, 1:] != -100).sum())
+        return total / items
+
+    def boundary_states(self, params: dict[str, torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
+        """[boundaries, rows, SEQ, HIDDEN]: what each stage boundary carries for ``rows``
+        (one layer a stage: the hidden state after layers 1 to P - 1)."""
+        self._load(params)
+        out = []
+        with torch.no_grad():
+            for chunk in torch.split(rows, 16):
+                mb = micro_batch(chunk, None)
+                hidden = self.model(
+                    input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False,
+                    output_hidden_states=True,
+                ).hidden_states  # fmt: skip
+                out.append(torch.stack([hidden[k + 1] for k in range(STAGES - 1)]))
+        return torch.cat(out, dim=1)
+
+
+def epoch_drift(
+    params: list[dict[str, torch.Tensor]], evaluator: Evaluator, train_rows: torch.Tensor
+) -> list[float]:
+    """Per epoch after the first: a training row's boundary activations at the end of the
+    epoch against the end of the one before, ||change|| / ||activation|| per row and
+    boundary, averaged (about what a row's delta code has to carry)."""
+    states = [evaluator.boundary_states(p, train_rows) for p in params]
+    out = []
+    for before, now in itertools.pairwise(states):
+        rel = (now - before).flatten(2).norm(dim=2) / now.flatten(2).norm(dim=2)
+        out.append(float(rel.mean()))
+    return out
+
+
+@dataclass
+class Job:
+    """What every run trains on and is evaluated with."""
+
+    setup: Setup
+    model_dir: Path
+    train_rows: torch.Tensor
+    steps: list[list[Any]]
+    training: Any
+    evaluator: Evaluator
+
+
+def train(job: Job, mode: str, *, limited: bool) -> ModeRun:
+    """Train ``job`` through the pipeline with ``mode``; evaluate after every step."""
+    from relaytrain_testkit.inputs import even_splits
+    from relaytrain_testkit.linkcreds import stage_credentials
+    from relaytrain_testkit.pipelines import run_pipeline_threads
+
+    run = run_pipeline_threads(
+        job.model_dir, even_splits(LAYERS, STAGES), job.steps, job.training,
+        credentials=stage_credentials(STAGES, job="bench"), compression=mode, lora=LORA,
+        link_rate=LINK_RATE if limited else None,
+        link_latency=LINK_LATENCY if limited else 0.0, per_step=True,
+    )  # fmt: skip
+    spe = job.setup.steps_per_epoch
+    cumulative = run.step_boundary_bytes
+    per_step = [
+        [
+            [now[d] - (cumulative[s - 1][b][d] if s else 0) for d in range(2)]
+            for b, now in enumerate(cumulative[s])
+        ]
+        for s in range(len(cumulative))
+    ]
+    return ModeRun(
+        mode=mode,
+        link="100Mbit/50ms" if limited else "unlimited",
+        seconds=run.seconds,
+        step_seconds=run.step_seconds,
+        step_eval=[job.evaluator.loss(p) for p in run.step_params],
+        step_bytes=per_step,
+        drift=epoch_drift(run.step_params[spe - 1 :: spe], job.evaluator, job.train_rows),
+        train_losses=run.losses,
+    )
+
+
+def epoch_bytes(run: ModeRun, setup: Setup) -> list[list[float]]:
+    """Per epoch: [down, up] bytes per token per boundary (mean over the boundaries)."""
+    tokens = setup.rows * SEQ
+    out = []
+    for e in range(setup.epochs):
+        span = run.step_bytes[e * setup.steps_per_epoch : (e + 1) * setup.steps_per_epoch]
+        out.append(
+            [
+                sum(step[b][d] for step in span for b in range(STAGES - 1)) / (STAGES - 1) / tokens
+                for d in range(2)
+            ]
+        )
+    return out
+
+
+def link_model(run: ModeRun, upto: int) -> tuple[float, float]:
+    """(link-bound seconds, bandwidth term alone) of the first ``upto`` steps."""
+    bandwidth = sum(
+        max(step[b][d] for b in range(STAGES - 1) for d in range(2)) / LINK_RATE
+        for step in run.step_bytes[:upto]
+    )
+    return bandwidth + upto * 4 * (STAGES - 1) * LINK_LATENCY, bandwidth
+
+
+def first_step_at(run: ModeRun, target: float) -> int | None:
+    """Number of steps until the eval loss is first at or below ``target`` (None: never)."""
+    return next((s + 1 for s, loss in enumerate(run.step_eval) if loss <= target), None)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer rows and 3 epochs")
+    parser.add_argument("--epochs", type=int, help="epochs (default 6; --quick 3)")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args()
+
+    from relaytrain_contract import TrainingSpec
+    from relaytrain_testkit.tiny_models import tiny_model_dir
+
+    torch.set_num_threads(1)
+    setup = (
+        Setup(rows=64, micros=2, epochs=args.epochs or 3, held_out=16)
+        if args.quick
+        else Setup(rows=128, micros=2, epochs=args.epochs or 6, held_out=32)
+    )
+    n_steps = setup.steps_per_epoch * setup.epochs
+    training = TrainingSpec(
+        steps=n_steps, micro_batch_size=MBS, micro_batches=setup.micros, learning_rate=5e-3,
+        schedule="cosine", warmup_steps=2, weight_decay=0.0, max_grad_norm=1.0, seed=0,
+    )  # fmt: skip
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = tiny_model_dir(
+            Path(tmp) / "llama", layers=LAYERS, hidden=HIDDEN, max_shard_size="2MB"
+        )
+        train_rows = bigram_rows(setup.rows, seed=2)
+        evaluator = Evaluator(model_dir, bigram_rows(setup.held_out, seed=99), training.seed)
+        steps = epoch_steps(train_rows, setup, seed=10)
+        job = Job(setup, model_dir, train_rows, steps, training, evaluator)
+        base_loss = evaluator.loss()
+        runs = {}
+        for mode in MODES:
+            print(f"  training {mode} ...", file=sys.stderr, flush=True)
+            runs[mode] = train(job, mode, limited=False)
+        linked = {}
+        for mode in ("int8", "delta"):
+            print(f"  training {mode} over 100 Mbit/s, 50 ms ...", file=sys.stderr, flush=True)
+            linked[mode] = train(job, mode, limited=True)
+    wall = time.monotonic() - started
+    report(setup, runs, linked, base_loss, wall, args.json)
+
+
+def report(
+    setup: Setup,
+    runs: dict[str, ModeRun],
+    linked: dict[str, ModeRun],
+    base_loss: float,
+    wall: float,
+    out: Path | None,
+) -> None:
+    spe, epochs = setup.steps_per_epoch, setup.epochs
+    print(
+        f"\nTiny Llama ({LAYERS} layers, hidden {HIDDEN}), LoRA r{LORA['rank']} on every linear, "
+        f"{STAGES} stages; {setup.rows} training rows of {SEQ} tokens, {epochs} epochs of "
+        f"{spe} steps x {setup.micros} micro-batches x {MBS} rows; {setup.held_out} held-out "
+        f"rows (eval loss before training {base_loss:.4f}); {wall:.0f} s\n"
+    )
+    per_epoch = {m: epoch_bytes(r, setup) for m, r in runs.items()}
+    overall = {m: [sum(e[d] for e in per_epoch[m]) / epochs for d in range(2)] for m in runs}
+    ref = overall["bf16"]
+    print("Bytes per token per boundary over the run (on the wire), and bf16's over the mode's\n")
+    print("| mode | down B/tok | up B/tok | total B/tok | x bf16 down | x bf16 up | x bf16 total |")
+    print("|---|---|---|---|---|---|---|")
+    for m, (down, up) in overall.items():
+        print(
+            f"| {m} | {down:.1f} | {up:.1f} | {down + up:.1f} | {ref[0] / down:.2f}x "
+            f"| {ref[1] / up:.2f}x | {sum(ref) / (down + up):.2f}x |"
+        )
+    head = " | ".join(f"epoch {e + 1}" for e in range(epochs))
+    for label, dirs in (
+        ("total (down + up)", (0, 1)),
+        ("down (activations)", (0,)),
+        ("up (gradients)", (1,)),
+    ):
+
+        def pick(v: list[float], dirs: tuple[int, ...] = dirs) -> float:
+            return sum(v[d] for d in dirs)
+
+        print(f"\nPer epoch, {label}: B/tok per boundary (x bf16)\n")
+        print(f"| mode | {head} |")
+        print("|---|" + "---|" * epochs)
+        for m, eps in per_epoch.items():
+            cells = " | ".join(
+                f"{pick(v):.1f} ({pick(per_epoch['bf16'][e]) / pick(v):.2f}x)"
+                for e, v in enumerate(eps)
+            )
+            print(f"| {m} | {cells} |")
+
+    none_final = runs["none"].step_eval[-1]
+    print("\nHeld-out eval loss after each epoch (equal steps), unsplit model, uncompressed\n")
+    print(f"| mode | {head} | vs none (last) |")
+    print("|---|" + "---|" * (epochs + 1))
+    for m, r in runs.items():
+        cells = " | ".join(f"{r.step_eval[(e + 1) * spe - 1]:.4f}" for e in range(epochs))
+        print(f"| {m} | {cells} | {100 * (r.step_eval[-1] / none_final - 1):+.2f} % |")
+    print(
+        "\nDrift of the boundary activations: a training row's activation at each boundary at "
+        "the end of the epoch against the end of the one before, ||change|| / ||activation||, "
+        "mean over rows and boundaries (unsplit model)\n"
+    )
+    print("| mode | " + " | ".join(f"epoch {e + 1}" for e in range(1, epochs)) + " |")
+    print("|---|" + "---|" * (epochs - 1))
+    for m, r in runs.items():
+        print(f"| {m} | " + " | ".join(f"{100 * d:.1f} %" for d in r.drift) + " |")
+
+    targets = {
+        "none's final + 1 %": none_final * 1.01,
+        "int8's final": linked["int8"].step_eval[-1],
+    }
+    print(
+        f"\nTime to a target eval loss over a {LINK_RATE * 8 / 1e6:.0f} Mbit/s link, "
+        f"{LINK_LATENCY * 1e3:.0f} ms one-way latency (measured wall time; link-bound model; "
+        "its bandwidth term alone)\n"
+    )
+    print(
+        "| target | mode | steps | measured s | int8 / delta | model s | int8 / delta "
+        "| bandwidth s | int8 / delta |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    results_t: dict[str, Any] = {}
+    for label, target in targets.items():
+        rows: dict[str, Any] = {}
+        for m, r in linked.items():
+            n = first_step_at(r, target)
+            if n is None:
+                rows[m] = {"steps": None, "measured": None, "model": None, "bandwidth": None}
+                continue
+            model_s, band_s = link_model(r, n)
+            rows[m] = {
+                "steps": n, "measured": r.step_seconds[n - 1], "model": model_s,
+                "bandwidth": band_s,
+            }  # fmt: skip
+        results_t[label] = {"target": target, **rows}
+        for m, v in rows.items():
+            parts = []
+            for key in ("measured", "model", "bandwidth"):
+                a, b = rows["int8"][key], rows["delta"][key]
+                ratio = "" if m != "delta" or a is None or b is None else f"{a / b:.2f}x"
+                parts.append(("never" if v[key] is None else f"{v[key]:.2f}") + f" | {ratio}")
+            steps_cell = "never" if v["steps"] is None else str(v["steps"])
+            print(f"| {label} ({target:.4f}) | {m} | {steps_cell} | " + " | ".join(parts) + " |")
+    print(
+        "\nWhole run over the emulated link: "
+        + ", ".join(
+            f"{m} {r.seconds:.1f} s (unlimited link: {runs[m].seconds:.1f} s)"
+            for m, r in linked.items()
+        )
+    )
+    if out is not None:
+        out.write_text(
+            json.dumps(
+                {
+                    "setup": asdict(setup),
+                    "eval_loss_before": base_loss,
+                    "bytes_per_token_per_boundary": {
+                        m: {"per_epoch": per_epoch[m], "overall": overall[m]} for m in runs
+                    },
+                    "time_to_target": results_t,
+                    "runs": {m: asdict(r) for m, r in runs.items()},
+                    "linked_runs": {m: asdict(r) for m, r in linked.items()},
+                    "wall_seconds": wall,
+                },
+                indent=1,
+            )
+        )
+
+
+if __name__ == "__main__":
+    main()
