@@ -8,7 +8,7 @@ in one run, at seeded steps, one after the other:
   (the committing last stage is held with SIGSTOP once the workers report the checkpoint
   step and killed once another stage's files of that step are in the store, its manifest
   not), and one followed by a SIGKILL of the operator pod while the replacement is in flight;
-- MinIO stopped for 30 s and started again at its address;
+- MinIO stopped for 12 s and started again at its address;
 - the node under a stage deleted, its pool full, so that the stage moves to another pool;
 - the link between stages 0 and 1 cut mid-step (its TCP connections reset with `ss -K`).
 
@@ -57,7 +57,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.chaos]
 
 SEED = 20261124
 STEPS, EVERY = 300, 10
-OUTAGE_SECONDS = 30.0
+OUTAGE_SECONDS = 12.0
 LOSS_TOLERANCE = 0.02
 """The chaos run's final loss against the uninterrupted run's, relative."""
 SCHEDULE = ["kill", "kill-mid-checkpoint", "kill+operator", "minio", "kill", "node", "link",
