@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import subprocess
 import sys
@@ -40,8 +41,10 @@ def test_a_job_on_s3_trains_from_and_writes_to_the_bucket(
         .model(f"s3://{bucket}/models/tiny/", dtype="float32")
         .dataset(f"s3://{bucket}/data/train.jsonl", format="text", sequence_length=16,
                  packing=True)
+        .validation(fraction=0.25)
         .method("lora", rank=4, alpha=8, target_modules=["q_proj"])
-        .training(steps=4, micro_batch_size=2, micro_batches=2, learning_rate=0.01)
+        .training(steps=4, micro_batch_size=2, micro_batches=2, learning_rate=0.01,
+                  eval_every_steps=2)
         .pipeline(stages=2, compression="delta")  # rows' keys cross real stage processes
         .checkpoint(f"s3://{bucket}/ckpt", endpoint=minio_server.url, every_steps=2, keep=1)
         .write(tmp_path / "job.yaml")
@@ -75,6 +78,8 @@ def test_a_job_on_s3_trains_from_and_writes_to_the_bucket(
     assert f"{prefix}step-4/manifest.json" in names and f"{prefix}step-2/manifest.json" not in names
     progress = json.loads(client.get_object(bucket, f"{prefix}progress.json").read())
     assert progress["done"] and progress["step"] == 4 and progress["lastCommittedStep"] == 4
+    # Held-out rows crossed the delta links too, keyed apart from the training rows.
+    assert progress["evalStep"] == 4 and math.isfinite(progress["evalLoss"]), progress
     # Both stages fetched into one cache directory for this model URI (which shards each
     # one fetches is tested in tests/unit/test_worker_loading.py).
     index = json.loads((model / "model.safetensors.index.json").read_text())["weight_map"]
