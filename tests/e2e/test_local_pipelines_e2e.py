@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from relaytrain_testkit.harness.procs import alive
 from relaytrain_testkit.local_jobs import (
     OWN_NETWORK,
     fleet,
@@ -388,7 +389,7 @@ def test_a_pipeline_asked_to_stop_leaves_at_a_step_boundary_and_no_step_is_lost(
     os.kill(state["pid"], signal.SIGUSR1)
 
     def gone() -> bool:
-        return all(not _alive(before[(1, k)]) for k in range(3))
+        return all(not alive(before[(1, k)]) for k in range(3))
 
     wait_while_running("pipeline 1's stages to leave", gone, proc, interval=0.05)
     told = json.loads((workspace / "ckpt" / "default" / name / "given-up.json").read_text())
@@ -421,14 +422,6 @@ def test_a_pipeline_asked_to_stop_leaves_at_a_step_boundary_and_no_step_is_lost(
     assert [r["step"] for r in history] == list(range(1, KILL_STEPS + 1))
     assert [r["loss"] for r in history] == long_reference
     print(f"pipeline 1 left at step {left[0][0]} and rejoined at step {rejoined[0]}")
-
-
-def _alive(pid: int) -> bool:
-    """Whether process `pid` runs (a zombie, ended and not yet reaped, does not)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_pipeline_0_killed_hands_the_writing_to_pipeline_1_and_takes_it_back(

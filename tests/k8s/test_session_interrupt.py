@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from relaytrain_testkit import REPO
+from relaytrain_testkit.harness.procs import alive
 from relaytrain_testkit.harness.waiting import wait_for
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
@@ -51,15 +52,7 @@ def _pids_naming(marker: str) -> set[int]:
 
 
 def _alive(pids: set[int]) -> set[int]:
-    alive = set()
-    for pid in pids:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
-        except OSError:
-            continue
-        if state != "Z":
-            alive.add(pid)
-    return alive
+    return {pid for pid in pids if alive(pid)}
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])

@@ -63,6 +63,7 @@ from hack import toolpaths
 from relaytrain_testkit.harness.cluster import KubeCluster
 from relaytrain_testkit.harness.containers import require_image
 from relaytrain_testkit.harness.ports import free_port
+from relaytrain_testkit.harness.procs import alive
 from relaytrain_testkit.harness.registry import Registry
 from relaytrain_testkit.harness.waiting import wait_for
 
@@ -660,7 +661,7 @@ def _kill_shims(started: _Started) -> None:
     for pid in mine:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-    wait_for("the shims to exit", lambda: not any(Path(f"/proc/{p}").exists() for p in mine), 15)
+    wait_for("the shims to exit", lambda: not any(alive(p) for p in mine), 15)
 
 
 def mounts_under(folder: Path) -> list[str]:
