@@ -217,11 +217,15 @@ def test_a_given_up_pipeline_comes_back_after_its_wait_doubled_by_each_return() 
     assert wait.retry_after == 300.0
 
 
-def test_a_pipeline_given_up_stays_out_with_return_after_zero_or_near_the_end() -> None:
+def out_of_the_job(**entry: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The fleet with pipeline 1 out of the job: its pods gone, `entry` in its status."""
     job, pods = fleet()
-    alive = without(pods, "j-p1-s0", "j-p1-s1")
-    status = job["status"]
-    status["pipelines"][1] |= {"phase": "Failed", "leftTime": "2026-11-22T09:00:00Z"}
+    job["status"]["pipelines"][1] |= entry
+    return job, without(pods, "j-p1-s0", "j-p1-s1")
+
+
+def test_a_pipeline_given_up_stays_out_with_return_after_zero_or_near_the_end() -> None:
+    job, alive = out_of_the_job(phase="Failed", leftTime="2026-11-22T09:00:00Z")
     never = copy.deepcopy(job)
     never["spec"]["failurePolicy"]["returnAfterSeconds"] = 0
     assert [s for s in summary(decide(observed(never, alive), SETTINGS)) if "create" in s] == []
@@ -254,10 +258,7 @@ def test_a_pipeline_given_up_stays_out_with_return_after_zero_or_near_the_end() 
 
 
 def test_under_kueue_a_pipeline_comes_back_only_on_its_admitted_pools() -> None:
-    job, pods = fleet()
-    alive = without(pods, "j-p1-s0", "j-p1-s1")
-    status = job["status"]
-    status["pipelines"][1] |= {"phase": "Left", "leftReason": "node a100-0 is cordoned"}
+    job, alive = out_of_the_job(phase="Left", leftReason="node a100-0 is cordoned")
     queued = copy.deepcopy(job)
     queued["metadata"]["labels"] = {"kueue.x-k8s.io/queue-name": "q"}
     # a100-0 is gone; an h100 is free, which fits but is not what Kueue admitted.
