@@ -6,6 +6,7 @@ decide/create.py).
 from __future__ import annotations
 
 import copy
+import json
 from datetime import timedelta
 
 import pytest
@@ -343,3 +344,13 @@ def test_a_kept_pod_reports_its_node_phase_and_pool() -> None:
     assert decision.status.stages[1] == StageStatus(
         index=1, pod="j-stage-1", node="h100-0", pool="h100", phase="Running", ready=True
     )
+
+
+def test_a_replacement_takes_the_boundary_code_the_plan_chose_for_compression_auto() -> None:
+    # spec.pipeline.compression auto: status.plan.compression is the planner's choice, and a
+    # pod made later (a replacement here) gets that code, not the word auto.
+    job = REPLACING_JOB.pipeline(compression="auto").set("status.plan.compression", "delta").build()
+    successor = created(decide(observed(job, [pod(1)]), SETTINGS), "j-stage-0")
+    env = {e["name"]: e for e in successor["spec"]["containers"][0]["env"]}
+    config = json.loads(env["RELAYTRAIN_STAGE_CONFIG"]["value"])
+    assert config["pipeline"]["compression"] == "delta"
