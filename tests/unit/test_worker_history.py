@@ -1,4 +1,4 @@
-"""The loss history: each step's record is written once, so bytes grow linearly with steps."""
+"""The loss history: chunks per commit, merged so that a long job keeps about log2(commits)."""
 
 from __future__ import annotations
 
@@ -34,27 +34,51 @@ def _train(history: LossHistory, steps: range, every: int) -> None:
             history.write(step)
 
 
-def test_bytes_written_per_step_stay_constant(tmp_path: Path) -> None:
+def test_a_long_job_keeps_log2_chunks_and_writes_each_record_log2_times(tmp_path: Path) -> None:
     store = CountingStore(tmp_path)
     history = LossHistory(store, PREFIX)
-    every, per_interval = 5, []
-    for start in range(1, 401, every):
-        before = store.written
+    every, commits = 5, 400  # 2,000 steps
+    most = 0
+    for start in range(1, every * commits + 1, every):
         _train(history, range(start, start + every), every)
-        per_interval.append(store.written - before)
-    # Every checkpoint interval writes its own records and nothing else: the same bytes
-    # at step 400 as at step 5 (rewriting the whole history grew them linearly, O(steps²)
-    # in all). A step number one digit longer adds a byte per record.
-    assert max(per_interval) - min(per_interval) <= 2 * every
+        most = max(most, len(list((tmp_path / PREFIX / "loss-history").iterdir())))
+    assert most <= 9  # log2(400) + 1
+    # Chunks merge as a binary counter carries: 400 commits (0b110010000) leave 3 chunks,
+    # never more than log2(commits) + 1 on the way (a chunk per commit left 400).
+    names = sorted(p.name for p in (tmp_path / PREFIX / "loss-history").iterdir())
+    assert names == ["000000001-000001280.jsonl", "000001281-000001920.jsonl",
+                     "000001921-000002000.jsonl"]  # fmt: skip
     records = read_history(store, PREFIX)
-    assert [r["step"] for r in records] == list(range(1, 401))
+    assert [r["step"] for r in records] == list(range(1, every * commits + 1))
+    # Each record is rewritten once per merge it takes part in: at most log2(400) + 1 = 9
+    # times (O(steps log steps) bytes in all; rewriting one array per step was O(steps²)).
     line_bytes = sum(len(json.dumps(r)) + 1 for r in records)
-    assert store.written == line_bytes  # each record written exactly once
+    assert line_bytes < store.written <= 9 * line_bytes
     # The consolidated array is written once, at the end.
     before = store.written
     assert history.finish() == records
     assert store.written - before == len(json.dumps(records))
     assert json.loads((tmp_path / PREFIX / LOSSES).read_text()) == records
+
+
+def test_a_rollback_into_a_merged_chunk_keeps_the_steps_before_it(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path)
+    history = LossHistory(store, PREFIX)
+    _train(history, range(1, 41), every=5)  # 8 commits: one chunk of steps 1-40
+    # The newest commits turned out corrupt: the coordinator goes back to step 25, inside
+    # the merged chunk. Steps 1-25 stay; 26-40 go, and a rerun writes them again.
+    history.discard_after(25)
+    history.resume(25)
+    assert [r["step"] for r in read_history(store, PREFIX)] == list(range(1, 26))
+    _train(history, range(26, 46), every=5)
+    assert [r["step"] for r in read_history(store, PREFIX)] == list(range(1, 46))
+    # A merge a crash cut short (the merged chunk written, its parts not yet deleted)
+    # leaves parts the next write deletes.
+    part = tmp_path / PREFIX / "loss-history" / "000000001-000000005.jsonl"
+    part.write_text("".join(json.dumps({"step": s, "loss": 2.5}) + "\n" for s in range(1, 6)))
+    _train(history, range(46, 51), every=5)
+    assert not part.exists()
+    assert [r["step"] for r in read_history(store, PREFIX)] == list(range(1, 51))
 
 
 def test_a_rollback_drops_records_after_the_commit_and_a_rerun_replaces_them(
@@ -140,7 +164,8 @@ def test_a_writer_that_commits_after_the_other_adopted_is_not_written_twice(
         p1.append(step, float(step), 100.0)
     p1.write(9)
     chunks = sorted(p.name for p in (tmp_path / PREFIX / "loss-history").iterdir())
-    assert chunks == [f"{a:09d}-{b:09d}.jsonl" for a, b in ((1, 3), (4, 6), (7, 9))]
+    # 1-3 and 4-6 merged as a binary counter carries (`_compact`).
+    assert chunks == [f"{a:09d}-{b:09d}.jsonl" for a, b in ((1, 6), (7, 9))]
     assert [r["step"] for r in read_history(store, PREFIX)] == list(range(1, 10))
     overlapping = tmp_path / PREFIX / "loss-history" / "000000004-000000009.jsonl"
     overlapping.write_text(

@@ -13,9 +13,15 @@ A record is ``{"step": N, "loss": L, "tokensPerSecond": R}``, plus ``"evalLoss":
 held-out loss was evaluated after step N (`append_eval`; step 0's record, the base model's
 held-out loss, has loss null and tokensPerSecond 0). Records of steps after the
 newest commit stay in memory until the next commit: a rollback drops them, and a rerun of
-the same steps writes the same chunk names again (commits fall on the same steps). So the
-bytes written per step stay constant however long the job runs, where rewriting one JSON
-array after every step wrote O(steps²) bytes in all.
+the same steps writes the same chunk names again (commits fall on the same steps).
+
+Chunks are merged as a binary counter adds (`_compact`): after a write, while the
+second-newest chunk spans no more steps than the newest, the two become one. So a job of C
+commits keeps about log2(C) chunks (a month of commits every 10 steps at a step a second:
+about 18, not 260,000), and each record is rewritten about log2(C) times: O(steps log
+steps) bytes in all, where rewriting one JSON array after every step wrote O(steps²). A
+merge writes the merged chunk before it deletes the two, and a chunk that another holds
+whole (a merge a crash cut short, two writers around a change of writer) is deleted.
 
 With several pipelines every pipeline's last stage keeps the records (each has the whole
 step's loss), and the writer of the moment — the lowest pipeline training — writes them.
@@ -35,7 +41,7 @@ import json
 import re
 from typing import Any
 
-from relaytrain_worker.state.store import Store
+from relaytrain_worker.state.store import ObjectNotFound, Store
 
 HISTORY_DIR = "loss-history"
 LOSSES = "loss-history.json"
@@ -47,6 +53,14 @@ Record = dict[str, Any]
 def _key(job_prefix: str, name: str) -> str:
     prefix = job_prefix.strip("/")
     return f"{prefix}/{name}" if prefix else name
+
+
+def _chunk_key(job_prefix: str, first: int, last: int) -> str:
+    return _key(job_prefix, f"{HISTORY_DIR}/{first:09d}-{last:09d}.jsonl")
+
+
+def _span(chunk: tuple[int, int, str]) -> int:
+    return chunk[1] - chunk[0] + 1
 
 
 def _chunks(store: Store, job_prefix: str) -> list[tuple[int, int, str]]:
@@ -132,10 +146,31 @@ class LossHistory:
             return
         first = due[0]["step"]
         lines = "".join(json.dumps(r) + "\n" for r in due)
-        self.store.put(
-            _key(self.prefix, f"{HISTORY_DIR}/{first:09d}-{step:09d}.jsonl"), lines.encode()
-        )
+        self.store.put(_chunk_key(self.prefix, first, step), lines.encode())
         self.pending = [r for r in self.pending if r["step"] > step]
+        self._compact()
+
+    def _compact(self) -> None:
+        """Merge the newest chunks as a binary counter carries (see the module's doc)."""
+        chunks = _chunks(self.store, self.prefix)
+        kept = []
+        for first, last, key in chunks:
+            if any(a <= first and last <= b and (a, b) != (first, last) for a, b, _ in chunks):
+                self.store.delete(key)  # another chunk holds all of it
+            else:
+                kept.append((first, last, key))
+        while len(kept) >= 2 and _span(kept[-2]) <= _span(kept[-1]):
+            (first, _, older), (_, last, newer) = kept[-2], kept[-1]
+            try:
+                data = self.store.get(older) + self.store.get(newer)
+            except ObjectNotFound:
+                return  # another writer is merging them (two writers around a change)
+            merged = _chunk_key(self.prefix, first, last)
+            self.store.put(merged, data)
+            for key in (older, newer):
+                if key != merged:
+                    self.store.delete(key)
+            kept[-2:] = [(first, last, merged)]
 
     def forget_through(self, step: int) -> None:
         """Drop the pending records up to `step` (a last stage that is not the writer, at a
@@ -165,11 +200,23 @@ class LossHistory:
             self.last = stored[-1]
 
     def discard_after(self, step: int | None) -> None:
-        """Delete chunks of steps after `step` (None: all), with the checkpoints the
-        coordinator discards, so a rerun cannot meet stale records."""
-        for _, last, key in _chunks(self.store, self.prefix):
-            if step is None or last > step:
-                self.store.delete(key)
+        """Delete the records of steps after `step` (None: all), with the checkpoints the
+        coordinator discards, so a rerun cannot meet stale records. A merged chunk that
+        holds steps on both sides keeps those up to `step`, under its new span."""
+        for first, last, key in _chunks(self.store, self.prefix):
+            if step is not None and last <= step:
+                continue
+            if step is not None and first <= step:
+                lines = [
+                    line
+                    for line in self.store.get(key).decode().splitlines()
+                    if line.strip() and int(json.loads(line)["step"]) <= step
+                ]
+                self.store.put(
+                    _chunk_key(self.prefix, first, step),
+                    "".join(line + "\n" for line in lines).encode(),
+                )
+            self.store.delete(key)
 
     def finish(self) -> list[Record]:
         """Write ``loss-history.json``, every record in one array, once; returns them."""
