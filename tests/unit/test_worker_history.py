@@ -174,3 +174,36 @@ def test_a_writer_that_commits_after_the_other_adopted_is_not_written_twice(
     records = read_history(store, PREFIX)
     assert [r["step"] for r in records] == list(range(1, 10))
     assert [r["loss"] for r in records[3:6]] == [4.0, 5.0, 6.0]  # chunk 4-6 starts first
+
+
+class StaleListing(LocalStore):
+    """A LocalStore whose next listing is one taken earlier (another writer merged since)."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.stale: list[str] | None = None
+
+    def list(self, prefix: str) -> list[str]:
+        if self.stale is not None:
+            keys, self.stale = self.stale, None
+            return keys
+        return super().list(prefix)
+
+
+def test_a_reader_whose_chunks_another_writer_merged_away_reads_the_merged_one(
+    tmp_path: Path,
+) -> None:
+    # A rejoining last stage that takes the writing over (`adopt`) listed the chunks just
+    # before the writer of the moment merged them (the two-pipeline e2e test met this: the
+    # stage exited with "loss-history/000000161-000000168.jsonl not found").
+    store = StaleListing(tmp_path)
+    writer = LossHistory(store, PREFIX)
+    _train(writer, range(1, 6), every=5)
+    listed = store.list(f"{PREFIX}/loss-history/")
+    _train(writer, range(6, 11), every=5)  # 1-5 and 6-10 merged into 1-10
+    assert not (tmp_path / PREFIX / "loss-history" / "000000001-000000005.jsonl").exists()
+    store.stale = listed
+    taker = LossHistory(store, PREFIX)
+    taker.adopt()
+    assert taker.last is not None and taker.last["step"] == 10
+    assert [r["step"] for r in read_history(store, PREFIX)] == list(range(1, 11))

@@ -46,6 +46,8 @@ from relaytrain_worker.state.store import ObjectNotFound, Store
 HISTORY_DIR = "loss-history"
 LOSSES = "loss-history.json"
 _CHUNK = re.compile(r"^(\d+)-(\d+)\.jsonl$")
+READ_TRIES = 5
+"""Listings a reader makes while merges keep replacing the chunks it listed."""
 
 Record = dict[str, Any]
 
@@ -77,7 +79,18 @@ def _chunks(store: Store, job_prefix: str) -> list[tuple[int, int, str]]:
 def read_history(store: Store, job_prefix: str, upto: int | None = None) -> list[Record]:
     """Every committed record (of steps up to `upto`, when given), in step order, each
     step once: where two chunks overlap (two writers around a change of writer), the
-    chunk that starts first has it."""
+    chunk that starts first has it. A chunk that another writer's merge deleted between
+    the listing and the read (its records are in the merged chunk, written first) makes
+    the reader list again."""
+    for _ in range(READ_TRIES - 1):
+        try:
+            return _read_history(store, job_prefix, upto)
+        except ObjectNotFound:
+            continue
+    return _read_history(store, job_prefix, upto)
+
+
+def _read_history(store: Store, job_prefix: str, upto: int | None) -> list[Record]:
     records: dict[int, Record] = {}
     for first, _, key in _chunks(store, job_prefix):
         if upto is not None and first > upto:
@@ -207,9 +220,13 @@ class LossHistory:
             if step is not None and last <= step:
                 continue
             if step is not None and first <= step:
+                try:
+                    data = self.store.get(key)
+                except ObjectNotFound:
+                    continue  # merged away meanwhile: the merged chunk holds its records
                 lines = [
                     line
-                    for line in self.store.get(key).decode().splitlines()
+                    for line in data.decode().splitlines()
                     if line.strip() and int(json.loads(line)["step"]) <= step
                 ]
                 self.store.put(
