@@ -8,6 +8,9 @@
 #   bash hack/gpu-check.sh run       there: installs .whl/ into /tmp/site, runs
 #                                    bench/gpu_check.py --device cuda (report in $OUT) and the
 #                                    gpu-marked tests, each under a timeout, 9 minutes in all
+#   bash hack/gpu-check.sh tests [pytest args]   the gpu-marked test modules alone, as `run`
+#                                    runs them (tests/unit/test_gpu_check.py collects them so
+#                                    on a path without the cluster packages)
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/.." && pwd)
@@ -99,21 +102,30 @@ run() {
   local bench=0 tests=0
   timeout "$BENCH_TIMEOUT" python3 bench/gpu_check.py --device cuda --json "$out/gpu-check.json" \
     2>&1 | tee "$out/gpu-check.log" || bench=$?
-  # The gpu-marked test modules alone: collecting all of tests/ would import what this host
-  # lacks (kubernetes, kopf, minio) for the other tiers.
-  mapfile -t files < <(grep -rlE --include='test_*.py' 'pytest\.mark\.gpu' tests | sort)
-  ((${#files[@]})) || { echo "no gpu-marked test modules found" >&2; exit 1; }
-  timeout "$TESTS_TIMEOUT" python3 -m pytest -m gpu -q -p no:cacheprovider "${files[@]}" \
-    2>&1 | tee "$out/gpu-tests.log" || tests=$?
+  timeout "$TESTS_TIMEOUT" bash "$here/gpu-check.sh" tests 2>&1 | tee "$out/gpu-tests.log" || tests=$?
   echo "gpu-check: bench rc=$bench, gpu tests rc=$tests (report: $out/gpu-check.json)"
   ((bench == 0 && tests == 0))
+}
+
+# The gpu-marked test modules alone, without tests/conftest.py: collecting all of tests/, or
+# loading the conftest's harness plugins, would import what the GPU host lacks (kubernetes,
+# kopf, minio) for the other tiers. The markers stay registered (pyproject.toml).
+gpu_tests() {
+  export PYTHONPATH=${PYTHONPATH:-$SOURCE_PATH}
+  mapfile -t files < <(grep -rlE --include='test_*.py' 'pytest\.mark\.gpu' tests | sort)
+  ((${#files[@]})) || { echo "no gpu-marked test modules found" >&2; exit 1; }
+  "${PYTHON:-python3}" -m pytest --noconftest -m gpu -q -p no:cacheprovider "$@" "${files[@]}"
 }
 
 case ${1:-} in
   prepare) prepare ;;
   run) run ;;
+  tests)
+    shift
+    gpu_tests "$@"
+    ;;
   *)
-    echo "usage: $0 prepare|run" >&2
+    echo "usage: $0 prepare|run|tests [pytest args]" >&2
     exit 2
     ;;
 esac

@@ -214,7 +214,11 @@ def _quantise(flat: torch.Tensor, qmax: int) -> tuple[torch.Tensor, torch.Tensor
     # Round the scale up to bf16 first and quantise with the rounded value, so the decoder
     # multiplies by exactly the scale the encoder divided by, and |x / scale| <= qmax
     # holds without a clamp (rounding down would clip the block's largest value).
-    exact = absmax / qmax
+    # A tensor divisor, not the int: CUDA divides by a scalar as a multiplication by its
+    # rounded reciprocal, which differs from the CPU's division in the last bit and, where
+    # that crosses a bf16 step, moves a whole block's scale (the first card run saw int4's
+    # bytes differ). Tensor by tensor, both devices divide with IEEE rounding.
+    exact = absmax / torch.full_like(absmax, qmax)
     scales = exact.to(torch.bfloat16)
     low = scales.to(torch.float32) < exact
     scales = torch.where(low, (scales.view(torch.int16) + 1).view(torch.bfloat16), scales)
