@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import re
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path

@@ -138,7 +138,7 @@ def test_catalog_file_adds_a_gpu(tmp_path, model_config, capsys):
 
 def test_a_job_that_does_not_fit_exits_1_and_says_why(tmp_path, model_config, capsys):
     nodes = {
-        "pools": [{"name": "t4", "product": "Tesla-T4", "nodes": 1, "linkBandwidthMbps": 1000}]
+        "pools": [{"name": "a10", "product": "NVIDIA-A10", "nodes": 1, "linkBandwidthMbps": 1000}]
     }
     (tmp_path / "nodes.yaml").write_text(yaml.safe_dump(nodes))
     manifest = LORA.model("s3://models/llama/", dtype="float16").write(tmp_path / "job.yaml")

@@ -294,8 +294,15 @@ def test_eager_attention_families_hold_every_score() -> None:
     gemma = _cost(
         ModelShape.from_hf_config({**CONFIGS["gemma2"][1], "model_type": "gemma"}), training
     )
-    # Gemma 2 runs eager (soft-capping): fp32 softmax, its bf16 copy and the tanh output.
-    assert gemma2.layer_activation_bytes - gemma.layer_activation_bytes == 8 * 4096**2 * 8
+    # Gemma 2 runs eager (soft-capping): fp32 softmax, its bf16 copy and the tanh output;
+    # eager attention repeats k and v to its 8 query heads (q 2048 wide, k and v 1024), and
+    # Gemma 2 norms attention's and the MLP's outputs too (fp32 inputs and rsqrt).
+    scores = 8 * 4096**2 * 8
+    repeated = 4096 * 2 * (2048 - 1024) * 2
+    post_norms = 4096 * 2 * (2304 + 1) * 4
+    assert gemma2.layer_activation_bytes - gemma.layer_activation_bytes == (
+        scores + repeated + post_norms
+    )
 
 
 # --- LoRA targets on experts ----------------------------------------------------------

@@ -90,9 +90,10 @@ def test_a_job_with_auto_records_the_choice_in_its_plan_and_its_stage_documents(
 
 
 def test_forwards_ahead_are_held_in_every_stage_but_the_last() -> None:
-    pools = [Pool("h100", "NVIDIA-H100-80GB-HBM3", 4, 100.0, 20.0)]  # memory to spare
-    before = plan(LLAMA, TRAINING, pools, stages=4)
-    after = plan(LLAMA, replace(TRAINING, forwards_ahead=2), pools, stages=4)
+    pools = [Pool("h100", "NVIDIA-H100-80GB-HBM3", 4, 100.0, 20.0)]
+    training = replace(TRAINING, sequence_length=1024)  # memory to spare with 2 more held
+    before = plan(LLAMA, training, pools, stages=4)
+    after = plan(LLAMA, replace(training, forwards_ahead=2), pools, stages=4)
     for was, now in zip(before.stages, after.stages, strict=True):
         assert (now.layer_start, now.layer_end) == (was.layer_start, was.layer_end)
         if now.index < 3:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Literal
 
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The decoder layer's linears under their Llama names: what `targetModules` names."""
@@ -46,6 +47,12 @@ class Family:
     """Llama linear name -> the module of this family that holds it (Phi-3: q_proj -> qkv_proj)."""
     expert_parameters: tuple[str, ...] = ()
     """The 3-D expert weights of an MoE layer, by their path in a decoder layer."""
+    qk_norm: Literal["", "head", "width"] = ""
+    """Whether q and k are normed before attention: per head (Qwen3, Gemma 3) or over their
+    whole width (OLMo 2). The planner prices what those norms keep for backward."""
+    post_norms: bool = False
+    """Whether attention's and the MLP's outputs are normed too (Gemma 2 and 3: four norms
+    a layer)."""
 
     @property
     def moe(self) -> bool:
@@ -57,16 +64,16 @@ FAMILIES: tuple[Family, ...] = (
     Family("llama", "Llama (and SmolLM)"),
     Family("mistral", "Mistral"),
     Family("qwen2", "Qwen2 / Qwen2.5"),
-    Family("qwen3", "Qwen3"),
+    Family("qwen3", "Qwen3", qk_norm="head"),
     Family("gemma", "Gemma"),
-    Family("gemma2", "Gemma 2"),
-    Family("gemma3_text", "Gemma 3 (text)"),
+    Family("gemma2", "Gemma 2", post_norms=True),
+    Family("gemma3_text", "Gemma 3 (text)", qk_norm="head", post_norms=True),
     Family("phi3", "Phi-3 / Phi-4", fused=_FUSED_PHI3),
     Family("mixtral", "Mixtral", expert_parameters=_EXPERTS),
     Family("qwen2_moe", "Qwen2-MoE", expert_parameters=_EXPERTS),
-    Family("qwen3_moe", "Qwen3-MoE", expert_parameters=_EXPERTS),
+    Family("qwen3_moe", "Qwen3-MoE", expert_parameters=_EXPERTS, qk_norm="head"),
     Family("gpt_oss", "GPT-OSS", expert_parameters=_EXPERTS),
-    Family("olmo2", "OLMo 2"),
+    Family("olmo2", "OLMo 2", qk_norm="width"),
     Family("granite", "Granite"),
 )
 

@@ -20,8 +20,9 @@ Time = FLOPs / (peak · efficiency). The efficiency stands for everything a roof
 Memory (bytes): weights in their precision (4-bit + a fp32 absmax per 64 for qlora), LoRA
 parameters with fp32 weight, gradient and two Adam moments (16 B each), or for full training
 weights + gradients in dtype + two fp32 Adam moments; activations saved for backward for each
-micro-batch in flight (1F1B: stage k of P holds min(M, P - k)); fp32 logits and their gradient
-on the last stage; a fixed reserve for the CUDA context and a margin of the GPU's memory.
+micro-batch in flight (1F1B: stage k of P holds min(M, P - k)), the norms' inputs in fp32;
+the logits, the fp32 log-probabilities and two fp32 gradients on the last stage; a fixed
+reserve for the CUDA context and a margin of the GPU's memory.
 
 Links: a boundary carries activations forward (plus labels and mask, int64 per token) and
 their gradients backward, each compressed. A send takes bytes / min(bandwidth of both ends)
@@ -33,6 +34,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal, get_args
+
+from relaytrain_contract.families import family
 
 from relaytrain_operator.domain.planner import targets
 from relaytrain_operator.domain.planner.catalog import GpuSpec
@@ -65,6 +68,8 @@ QLORA_BYTES_PER_PARAM = 0.5 + 4 / 64
 FP32_TRAINABLE_BYTES = 16
 #: Adam's two moments in fp32.
 ADAM_BYTES = 8
+#: Bytes of a float32 value (what norms and the loss compute in, whatever the dtype).
+FP32 = 4
 #: How several pipelines reduce their gradients (planner/sync.py).
 Collective = Literal["all-gather", "ring"]
 COLLECTIVES: tuple[str, ...] = get_args(Collective)
@@ -131,7 +136,8 @@ class PoolCost:
     to the embedding: the last stage then holds a copy of it (none when also first) and
     ``norm_bytes``."""
     logits_bytes: int
-    """Logits and their gradient in fp32 for one micro-batch (last stage)."""
+    """The loss's peak for one micro-batch (last stage): logits in dtype, fp32
+    log-probabilities and two fp32 gradients."""
     workspace_bytes: int
     """Transient buffers every stage needs (qlora: a dequantised weight)."""
     available_bytes: int
@@ -270,6 +276,52 @@ def step_flops(model: ModelShape, training: TrainingShape) -> tuple[float, float
     return layer, 2 * 2.0 * tokens * h * v
 
 
+def saved_bytes_per_token(model: ModelShape, training: TrainingShape) -> int:
+    """Bytes one decoder layer saves for backward per token, as torch saves them
+    (tests/unit/test_planner_memory.py counts a real layer's saved tensors in every dense
+    family; the GPU check on an H200, 2026-11-27, found the peak 8-9.5 % above an estimate
+    that counted the norms' inputs in dtype and no adapter intermediates).
+
+    Each norm keeps its input upcast to fp32 and its fp32 rsqrt (and, when its weight
+    trains, its output before the weight); so do q/k norms and the Gemma 2/3 output norms.
+    Attention keeps q, k and v after the rotary embedding (eager attention: k and v repeated
+    to every query head), its output and an fp32 log-sum-exp per head; the MLP its gate, up
+    and act(gate) outputs - per routed expert, and the shared expert's. A frozen linear
+    keeps no input, so a norm's output (the next linears' input) and the MLP's product (the
+    down projection's) are kept only where a linear reading them trains; every adapter
+    keeps its rank-wide x·A for B's gradient. Phi-3's fused qkv output is kept whole (v is
+    a view of it) and its attention output copied for o_proj. MoE layers are counted as if
+    every input were kept.
+    """
+    e, h, q, kv = training.dtype_bytes, model.hidden_size, model.q_dim, model.kv_dim
+    full = training.method == "full"
+    targets = set(training.lora_targets) if not full else set()
+    kind = family(model.model_type)
+
+    def read_by(*names: str) -> bool:
+        return full or model.moe or bool(targets.intersection(names))
+
+    mlp = 3 * model.intermediate_size
+    product = model.intermediate_size if read_by("down_proj", "gate_up_proj") else 0
+    if model.moe:
+        routed = 4 * model.intermediate_size * model.experts_per_token
+        mlp = routed + 4 * model.shared_expert_size + 2 * model.num_experts
+        product = 0
+        if model.dense_layers:
+            mlp = max(mlp, 4 * model.dense_intermediate_size)
+    normed = h * (read_by("q_proj", "k_proj", "v_proj", "qkv_proj")
+                  + read_by("gate_proj", "up_proj", "gate_up_proj"))  # fmt: skip
+    modules = {kind.fused.get(t, t) for t in targets if t not in EXPERT_NAMES}
+    keys = q if model.eager_attention else kv  # eager repeats k and v to every head
+    elems = normed + 2 * q + 2 * keys + mlp + product + training.lora_rank * len(modules)
+    elems += 2 * h if full else 0  # the norms' weights train: their input to the weight
+    elems += 2 * q + kv if kind.fused else 0
+    norms = (4 if kind.post_norms else 2) * (h + 1)
+    if kind.qk_norm:
+        norms += q + kv + (model.num_heads + model.num_kv_heads if kind.qk_norm == "head" else 2)
+    return elems * e + (norms + model.num_heads) * FP32
+
+
 def pool_cost(
     model: ModelShape,
     training: TrainingShape,
@@ -320,16 +372,7 @@ def pool_cost(
     head = 0 if model.tie_word_embeddings else embed + norm
     head_weights = 0 if model.tie_word_embeddings else embed_weights + h * e
 
-    # Saved for backward, per token (elements): the layer input and its normed copy, q, k and v,
-    # the attention output, the residual and its normed copy, and the MLP's gate, up,
-    # act(gate) and their product - per routed expert, and the shared expert's.
-    mlp = 4 * model.intermediate_size
-    if model.moe:
-        mlp = mlp * model.experts_per_token + 4 * model.shared_expert_size + 2 * model.num_experts
-        if model.dense_layers:
-            mlp = max(mlp, 4 * model.dense_intermediate_size)
-    act_elems = 4 * h + 2 * model.q_dim + 2 * model.kv_dim + mlp
-    activation = tokens * act_elems * e
+    activation = tokens * saved_bytes_per_token(model, training)
     if model.eager_attention:
         # Eager attention keeps every score: softmax output in fp32, its dtype copy for AV,
         # and (soft-capped, Gemma 2) the tanh output.
@@ -341,7 +384,9 @@ def pool_cost(
         workspace = 2 * largest * e
     if experts:
         workspace += 2 * max(experts) * e  # a merged expert weight and its gradient
-    logits = tokens * v * (e + 8 + (e if model.logit_softcapping else 0))
+    # The loss's peak, in its backward: the logits in dtype, the fp32 log-probabilities
+    # cross-entropy saved, the gradient it gets and the one it returns (fp32 both).
+    logits = tokens * v * (e + 12 + (e if model.logit_softcapping else 0))
     memory_mib = pool.memory_mib if pool.memory_mib is not None else gpu.memory_mib
     available = int(memory_mib * MIB * (1 - settings.memory_margin)) - settings.reserved_mib * MIB
     return PoolCost(
