@@ -20,6 +20,7 @@ from relaytrain_operator.domain.placement import (
     pod_gpus,
     pool_rooms,
     pool_selector,
+    usable_mib,
     why_ineligible,
 )
 from relaytrain_operator.domain.planner import DEFAULT_CATALOG, PlanError, PoolError
@@ -224,6 +225,16 @@ def test_choose_pool_prefers_its_own_then_the_smallest_memory_that_fits() -> Non
     assert choose_pool("A", 30000, {**rooms, "D": PoolRoom(1, 49140)}) == "D"
 
 
+def test_another_pool_fits_a_stage_only_within_what_a_plan_may_use_of_it() -> None:
+    """An RTX 4090 has 24,564 MiB; a plan may use 90 % of it less a 1 GiB reserve (21,083
+    MiB). A stage planned at 21,811 MiB on an H100 would fit the total but not that: it
+    goes to the A100, where the planner itself would have put it."""
+    rooms = {"h100": PoolRoom(0, 81559), "rtx": PoolRoom(1, 24564), "a100": PoolRoom(1, 81920)}
+    assert usable_mib(24564) == 21083
+    assert choose_pool("h100", 21811, rooms) == "a100"
+    assert choose_pool("h100", 21083, rooms) == "rtx"
+
+
 def test_a_replacement_keeps_to_the_allowed_pools() -> None:
     nodes = [
         node("a0", pool="a100"),
@@ -260,12 +271,26 @@ def test_replacements_skip_excluded_pools_and_say_why_when_nothing_fits() -> Non
     assert why.startswith("no eligible node has a free GPU with 30.0 GiB")
     assert "pool a100: no free GPU" in why
     assert "pool h100: no label zone=a (spec.placement.nodeSelector)" in why
-    assert "pool rtx: 24.0 GiB per GPU" in why
+    assert "pool rtx: 24.0 GiB per GPU, 20.6 usable" in why
     assert "pool t4: not Ready or cordoned" in why
     # Without the nodeSelector the H100 takes it.
     assert place_replacements(parse_job(JOB.build()), {0: ("a100", 30 * GIB)}, nodes, held) == {
         0: Choice("h100", True)
     }
+
+
+def test_a_replacement_never_goes_to_a_gpu_without_the_job_s_dtype() -> None:
+    """A V100 has no bfloat16: the planner leaves it out of a bf16 plan, and a replaced
+    stage of that job does not go there either."""
+    nodes = [node("a0", pool="a100"), node("v0", "Tesla-V100-SXM2-32GB", pool="v100")]
+    job = parse_job(JOB.build())
+    assert job.spec.model.dtype == "bfloat16"
+    choice = place_replacements(job, {0: ("a100", GIB)}, nodes, [gpu_pod("a0")])[0]
+    assert not choice.free and "pool v100: no native bfloat16" in choice.why
+    fp16 = parse_job(JOB.set("spec.model.dtype", "float16").build())
+    assert place_replacements(fp16, {0: ("a100", GIB)}, nodes, [gpu_pod("a0")])[0] == Choice(
+        "v100", True
+    )
 
 
 def test_no_gpu_nodes_at_all_is_said_plainly() -> None:

@@ -35,6 +35,7 @@ from relaytrain_operator.domain.planner import (
     UnknownGpuError,
     pools_from_file,
 )
+from relaytrain_operator.domain.planner.cost import CostSettings
 from relaytrain_operator.domain.planner.pools import GPU_RESOURCE, MEMORY_LABEL, POOL_LABEL
 from relaytrain_operator.domain.planner.pools import pools_from_nodes as _pools_from_nodes
 from relaytrain_operator.spec import FineTuneJob, PlacementSpec, Toleration
@@ -55,6 +56,7 @@ __all__ = [
     "pod_gpus",
     "pool_rooms",
     "pool_selector",
+    "usable_mib",
     "why_ineligible",
 ]
 
@@ -352,18 +354,25 @@ def pool_rooms(
     return {pool: PoolRoom(gpus[pool], memory[pool]) for pool in gpus}
 
 
+def usable_mib(memory_mib: int) -> int:
+    """What a plan may use of a GPU of ``memory_mib`` (the planner's margin and reserve):
+    a stage planned for one pool fits another's GPU only within this."""
+    return CostSettings().usable_bytes(memory_mib) // MIB
+
+
 def choose_pool(current: str, need_mib: int, rooms: Mapping[str, PoolRoom]) -> str:
     """Where a replaced stage goes, among the eligible pools in `rooms`: its own pool if it
-    has a free GPU, else the pool with a free GPU whose memory fits the stage, least memory
-    first (ties by name), keeping larger GPUs for stages that need them. With no room
-    anywhere the stage stays on its pool and waits there for a GPU.
+    has a free GPU, else the pool with a free GPU whose usable memory (`usable_mib`, what
+    the planner would give a stage there) fits the stage, least memory first (ties by
+    name), keeping larger GPUs for stages that need them. With no room anywhere the stage
+    stays on its pool and waits there for a GPU.
     """
     if rooms.get(current, PoolRoom(0, 0)).free_gpus > 0:
         return current
     fits = [
         (room.memory_mib, pool)
         for pool, room in rooms.items()
-        if room.free_gpus > 0 and room.memory_mib >= need_mib
+        if room.free_gpus > 0 and usable_mib(room.memory_mib) >= need_mib
     ]
     return min(fits)[1] if fits else current
 
@@ -399,14 +408,30 @@ def _why_no_room(
     for pool, pool_nodes in members.items():
         room = rooms.get(pool)
         if room is not None and room.free_gpus > 0:
-            reasons[pool] = f"{room.memory_mib / 1024:.1f} GiB per GPU"
+            usable = usable_mib(room.memory_mib) / 1024
+            reasons[pool] = f"{room.memory_mib / 1024:.1f} GiB per GPU, {usable:.1f} usable"
             continue
         whys = [why_ineligible(n, placement) for n in pool_nodes]
-        reasons[pool] = str(whys[0]) if all(whys) else "no free GPU"
+        dtype = job.spec.model.dtype
+        if all(whys):
+            reasons[pool] = str(whys[0])
+        elif not any(_trains_in(n, label_key, dtype, catalog) for n in pool_nodes):
+            reasons[pool] = f"no native {dtype}"
+        else:
+            reasons[pool] = "no free GPU"
     listed = "; ".join(f"pool {p}: {r}" for p, r in sorted(reasons.items()))
     return f"no eligible node has a free GPU with {need_mib / 1024:.1f} GiB" + (
         f" ({listed})" if listed else ""
     )
+
+
+def _trains_in(node: Mapping[str, Any], label_key: str, dtype: str, catalog: Catalog) -> bool:
+    """Whether the node's GPU trains in ``dtype`` as the planner requires (a V100 has no
+    bfloat16); a GPU the catalog lacks is not judged."""
+    try:
+        return catalog[str(_labels(node).get(label_key))].supports(dtype)
+    except UnknownGpuError:
+        return True
 
 
 def place_replacements(
@@ -417,11 +442,16 @@ def place_replacements(
     catalog: Catalog | None = None,
 ) -> dict[Key, Choice]:
     """Where each replaced stage goes: `stages` maps (pipeline, stage) to (its current pool,
-    the bytes it needs). The GPUs free now on the job's eligible nodes are handed out in stage
-    order, so two replacements do not both count one free GPU."""
+    the bytes it needs). The GPUs free now on the job's eligible nodes whose GPU trains in the
+    job's dtype are handed out in stage order, so two replacements do not both count one free
+    GPU."""
     catalog = catalog or DEFAULT_CATALOG
     label_key = job.spec.placement.gpu_label
-    eligible = eligible_nodes(nodes, job.spec.placement)
+    eligible = [
+        n
+        for n in eligible_nodes(nodes, job.spec.placement)
+        if _trains_in(n, label_key, job.spec.model.dtype, catalog)
+    ]
     rooms = dict(pool_rooms(free_nodes(eligible, pods, label_key), label_key, catalog))
     choices: dict[Key, Choice] = {}
     for k in sorted(stages):

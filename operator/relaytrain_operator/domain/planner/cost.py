@@ -95,6 +95,10 @@ class CostSettings:
     """How several pipelines reduce their gradients (planner/sync.py): ``all-gather``, what
     the worker does (every holder sends to every other holder), or ``ring``."""
 
+    def usable_bytes(self, memory_mib: int) -> int:
+        """What a plan may use of a GPU of ``memory_mib``: less the margin and the reserve."""
+        return int(memory_mib * MIB * (1 - self.memory_margin)) - self.reserved_mib * MIB
+
     def __post_init__(self) -> None:
         if not 0 < self.efficiency <= 1:
             raise ValueError(f"efficiency must be in (0, 1], got {self.efficiency}")
@@ -388,7 +392,7 @@ def pool_cost(
     # cross-entropy saved, the gradient it gets and the one it returns (fp32 both).
     logits = tokens * v * (e + 12 + (e if model.logit_softcapping else 0))
     memory_mib = pool.memory_mib if pool.memory_mib is not None else gpu.memory_mib
-    available = int(memory_mib * MIB * (1 - settings.memory_margin)) - settings.reserved_mib * MIB
+    available = settings.usable_bytes(memory_mib)
     return PoolCost(
         pool=pool,
         gpu=gpu,
