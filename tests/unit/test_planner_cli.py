@@ -331,3 +331,43 @@ def test_an_outer_code_prices_a_gather_of_its_bits(tmp_path, model_config, capsy
     assert json.loads(capsys.readouterr().out)["sync"]["gradientBytes"] == coded["gradientBytes"]
     assert relaytrain("plan", job, *common[2:6], "--outer-code", "int2") == 2
     assert "--outer-code int2 needs --sync periodic (outer steps)" in capsys.readouterr().err
+
+
+def test_leave_shows_what_the_job_would_do_if_nodes_left(tmp_path, model_config, capsys):
+    """The lab job on the mixed fleet: two H100 pipelines (one node of two H100). If that
+    node left, both pipelines leave at a step boundary and come back at once on the L40S
+    pool (the smallest free GPUs whose usable memory fits 21.3 GiB: a 4090's 20.6 does
+    not; the V100 has no bfloat16). With one pipeline, its stage moves there instead."""
+    job = str(LORA.write(tmp_path / "job.yaml"))
+    common = ["plan", job, "--nodes", str(MIXED_NODES), "--model-config", str(model_config),
+              "--leave", "h100-0"]  # fmt: skip
+    assert relaytrain(*common, "--replicas", "auto", "--json") == 0
+    left = json.loads(capsys.readouterr().out)["ifLeft"]
+    assert left["lost"] == {"h100": 2} and left["leaving"] == [0, 1] and left["waiting"] == []
+    assert {m["pool"] for m in left["moves"]} == {"l40s"} and left["sharesOut"] == []
+    assert 0 < left["tokensPerSecondAfter"] < left["tokensPerSecondBefore"]
+    assert relaytrain(*common, "--replicas", "auto") == 0
+    out = capsys.readouterr().out
+    tail = out[out.index("If h100-0 left (pool h100: 2 GPU(s)):") :].splitlines()
+    assert tail[1] == "- pipeline 0 (h100) leaves at a step boundary: no step lost."
+    assert "- pipeline 1 comes back at once on l40s." in tail
+    assert relaytrain(*common) == 0
+    out = capsys.readouterr().out
+    assert "- stage 0 (h100, 21.3 GiB) trains on until its node ends, then starts on a free " \
+        "GPU of pool l40s from the last commit, no restart counted." in out  # fmt: skip
+    # A node the job may not use (the example's placement allows H100 and RTX 4090 only).
+    qlora = str(ROOT / "examples" / "finetunejob-qlora-mixed.yaml")
+    assert relaytrain("plan", qlora, "--nodes", str(MIXED_NODES), "--leave", "l40s-0") == 0
+    out = capsys.readouterr().out
+    assert "If l40s-0 left (none of the GPUs the job may use):\n- no stage of the job is on " \
+        "them: nothing changes." in out  # fmt: skip
+
+
+def test_leave_names_nodes_of_the_fleet(tmp_path, model_config, capsys):
+    job = str(LORA.write(tmp_path / "job.yaml"))
+    base = ["plan", job, "--model-config", str(model_config)]
+    assert relaytrain(*base, "--nodes", str(MIXED_NODES), "--leave", "h100-9") == 2
+    err = capsys.readouterr().err
+    assert "--leave 'h100-9': no node named h100-9 in the fleet; its nodes: a100-0, a100-1" in err
+    assert relaytrain(*base, "--nodes", str(HACK_POOLS), "--leave", "h100-0") == 2
+    assert "--nodes is a pools file without node names: give a NodeList" in capsys.readouterr().err

@@ -11,7 +11,8 @@ the operator deploys) says how many pipelines to plan; ``--replicas`` overrides 
 plans as many as make the step fastest, one included); ``--sync`` says how they keep their
 weights equal. ``--join NODES`` also shows what the job would do once those nodes joined
 it while it runs: the pipelines it would add, its running ones kept
-(``planner.plan_growth``), and whether that pays. Exit status: 0 planned, 1 the job does
+(``planner.plan_growth``), and whether that pays; ``--leave NODE,...`` what it would do
+if those nodes of the fleet left (``membership.if_left``). Exit status: 0 planned, 1 the job does
 not fit, 2 bad input.
 """
 
@@ -29,7 +30,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import yaml
 
 from relaytrain_operator import cli
-from relaytrain_operator.cli.plan_format import format_table
+from relaytrain_operator.cli.plan_format import format_if_left, format_table, if_left_dict
+from relaytrain_operator.domain.membership import if_left
 from relaytrain_operator.domain.placement import file_pools, job_pools
 from relaytrain_operator.domain.planner import (
     DEFAULT_CATALOG,
@@ -129,6 +131,13 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "job would add on them (its running pipelines kept) and whether that pays",
     )
     parser.add_argument(
+        "--leave",
+        metavar="NODE[,NODE...]",
+        help="nodes of the fleet (by name) that leave once the job runs: also show what the "
+        "job would do (a stage moved, or pipelines leaving at a step boundary and coming "
+        "back where they fit) and its tokens/s before and after",
+    )
+    parser.add_argument(
         "--steps-left",
         type=cli.positive_int,
         metavar="N",
@@ -174,7 +183,9 @@ def _load(path: Path, what: str) -> Any:
     return docs[0]
 
 
-def _live_nodes(kubeconfig: Path, job: FineTuneJob, default_link: Any) -> list[Pool]:
+def _live_nodes(
+    kubeconfig: Path, job: FineTuneJob, default_link: Any
+) -> tuple[list[Pool], list[Any]]:
     # Imported here: `relaytrain plan --nodes` must work without the kubernetes client.
     from kubernetes import client, config
 
@@ -182,7 +193,30 @@ def _live_nodes(kubeconfig: Path, job: FineTuneJob, default_link: Any) -> list[P
     core = client.CoreV1Api(api)
     nodes = api.sanitize_for_serialization(core.list_node())["items"]
     pods = api.sanitize_for_serialization(core.list_pod_for_all_namespaces())["items"]
-    return job_pools(job, nodes, pods, default_link=default_link)
+    return job_pools(job, nodes, pods, default_link=default_link), nodes
+
+
+def _leaving(
+    job: FineTuneJob, names: str, nodes: list[Any] | None, default_link: Any
+) -> list[Pool]:
+    """The pools of --leave's nodes, each with the GPUs it would lose."""
+    if nodes is None:
+        raise InputError(
+            "--leave names nodes, but --nodes is a pools file without node names: give a "
+            "NodeList (or --kubeconfig)"
+        )
+    wanted = [n for n in names.split(",") if n]
+    have = {(n.get("metadata") or {}).get("name"): n for n in nodes if isinstance(n, dict)}
+    unknown = [n for n in wanted if n not in have]
+    if unknown or not wanted:
+        raise InputError(
+            f"--leave {names!r}: no node named {', '.join(unknown) or '(none given)'} in the "
+            f"fleet; its nodes: {', '.join(sorted(str(k) for k in have))}"
+        )
+    try:
+        return file_pools(job, {"items": [have[n] for n in wanted]}, default_link=default_link)
+    except PlanError:
+        return []  # none of them is one the job may use: their leaving changes nothing
 
 
 def _default_link(raw: str | None) -> tuple[float, float] | None:
@@ -214,6 +248,8 @@ class _Inputs:
     """The job's spec.pipeline.sync."""
     joining: list[Pool]
     """The pools of --join's nodes (empty without it)."""
+    leaving: list[Pool]
+    """The pools of --leave's nodes, with the GPUs that leave (empty without it)."""
     steps: int | None
     """The job's spec.training.steps (None: it counts epochs)."""
     auto: bool
@@ -245,9 +281,12 @@ def _inputs(args: argparse.Namespace) -> _Inputs:
     default_link = _default_link(args.default_link)
     # Which nodes the job may use, and what is free there: the operator's own rules.
     if args.nodes is not None:
-        pools = file_pools(job, _load(args.nodes, "nodes file"), default_link=default_link)
+        doc = _load(args.nodes, "nodes file")
+        pools = file_pools(job, doc, default_link=default_link)
+        nodes = doc.get("items") if isinstance(doc, dict) else None
     else:
-        pools = _live_nodes(args.kubeconfig, job, default_link)
+        pools, nodes = _live_nodes(args.kubeconfig, job, default_link)
+    leaving = [] if args.leave is None else _leaving(job, args.leave, nodes, default_link)
     catalog: Catalog = DEFAULT_CATALOG
     if args.catalog is not None:
         catalog = DEFAULT_CATALOG.with_overrides(_load(args.catalog, "catalog"))
@@ -275,6 +314,7 @@ def _inputs(args: argparse.Namespace) -> _Inputs:
             spec.pipeline.sync.outer_code,
         ),
         joining,
+        leaving,
         spec.training.steps,
         spec.pipeline.compression == "auto",
     )
@@ -306,6 +346,11 @@ def run(args: argparse.Namespace) -> int:
         growth = None
         if args.join is not None:
             growth = _growth(args, inputs, result, sync, replicas)
+        pipelines = result.pipelines if isinstance(result, FleetPlan) else (result,)
+        left = None
+        if args.leave is not None:
+            left = if_left(inputs.model, inputs.training, pipelines, inputs.pools,
+                           inputs.leaving, catalog=inputs.catalog, sync=sync)  # fmt: skip
     except UnknownGpuError as err:
         print(f"relaytrain plan: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -325,11 +370,15 @@ def run(args: argparse.Namespace) -> int:
         doc["compression"] = inputs.training.compression
         if growth is not None:
             doc["growth"] = _growth_dict(growth)
+        if left is not None:
+            doc["ifLeft"] = if_left_dict(left)
         print(json.dumps(doc, indent=2))
     else:
         print(format_table(inputs.name, inputs.training, result, inputs.model, inputs.model_source))
         if growth is not None:
             print("\n" + format_growth(args.join, growth))
+        if left is not None:
+            print("\n" + format_if_left(args.leave, left, pipelines))
     return 0
 
 

@@ -1,7 +1,11 @@
-"""`relaytrain plan`'s readable output: the plan as tables (one pipeline or several)."""
+"""`relaytrain plan`'s readable output: the plan as tables (one pipeline or several), and
+what --leave's departure would do."""
 
 from __future__ import annotations
 
+from typing import Any
+
+from relaytrain_operator.domain.membership import IfLeft
 from relaytrain_operator.domain.planner import FleetPlan, ModelShape, Plan, TrainingShape
 from relaytrain_operator.domain.planner.cost import GIB
 from relaytrain_operator.store.model_config import Resolved
@@ -112,3 +116,78 @@ def format_fleet(
     ]
     lines += [f"Note: {n}" for n in fleet.notes]
     return "\n".join(lines)
+
+
+def format_if_left(nodes: str, left: IfLeft, pipelines: tuple[Plan, ...]) -> str:
+    """What --leave shows: the stages on the leaving GPUs and what the job would do
+    (docs/operator.md, "The job follows the fleet")."""
+    lost = ", ".join(f"pool {pool}: {n} GPU(s)" for pool, n in left.lost.items())
+    lines = [f"If {nodes} left ({lost or 'none of the GPUs the job may use'}):"]
+    speed = f"{left.tokens_per_second_before:,.0f} -> {{:,.0f}} tokens/s"
+    if not left.hit:
+        return "\n".join([*lines, "- no stage of the job is on them: nothing changes."])
+    if not left.leaving:  # one pipeline: its stages there are replaced elsewhere
+        hit = [pipelines[0].stages[k] for _, k in left.hit]
+        if left.waiting:
+            needs = ", ".join(f"stage {s.index} {s.memory_bytes / GIB:.1f} GiB" for s in hit)
+            lines.append(
+                f"- no free GPUs fit what must move ({needs}): once the node ends, the job "
+                "waits for them (phase Recovering, reason Unschedulable)."
+            )
+        for s in [] if left.waiting else hit:
+            lines.append(
+                f"- stage {s.index} ({s.pool}, {s.memory_bytes / GIB:.1f} GiB) trains on until "
+                f"its node ends, then starts on a free GPU of pool {left.moves[(0, s.index)]} "
+                "from the last commit, no restart counted."
+            )
+        return "\n".join([*lines, "- " + speed.format(left.tokens_per_second_after) + "."])
+    for i in left.leaving:
+        pools = "+".join(s.pool for s in pipelines[i].stages)
+        lines.append(f"- pipeline {i} ({pools}) leaves at a step boundary: no step lost.")
+    if left.shares_out:
+        shares = "+".join(map(str, left.shares_out))
+        lines.append(
+            f"- {len(left.shares_out)} pipeline(s) train on, micro-batches {shares}: "
+            + speed.format(left.tokens_per_second_out)
+            + "."
+        )
+    elif len(left.waiting) == len(left.leaving):
+        lines.append(
+            "- every pipeline has left: the job is Suspended (reason FleetGone) with its last "
+            "commit until one fits again."
+        )
+    else:
+        lines.append(
+            "- no pipeline trains until one comes back; with none training to take state "
+            "from, those that come back restore the last commit."
+        )
+    for i in left.leaving:
+        if i in left.waiting:
+            need = max(s.memory_bytes for s in pipelines[i].stages) / GIB
+            lines.append(
+                f"- pipeline {i} comes back, its split kept, once free GPUs fit its stages "
+                f"(up to {need:.1f} GiB): none do now."
+            )
+        else:
+            pools = "+".join(left.moves[(i, s.index)] for s in pipelines[i].stages)
+            lines.append(f"- pipeline {i} comes back at once on {pools}.")
+    if len(left.waiting) < len(left.leaving):
+        lines.append("- then " + speed.format(left.tokens_per_second_after) + ".")
+    return "\n".join(lines)
+
+
+def if_left_dict(left: IfLeft) -> dict[str, Any]:
+    """--leave in --json."""
+    return {
+        "lost": dict(left.lost),
+        "hit": [{"pipeline": i, "stage": k} for i, k in left.hit],
+        "leaving": list(left.leaving),
+        "moves": [
+            {"pipeline": i, "stage": k, "pool": pool} for (i, k), pool in sorted(left.moves.items())
+        ],
+        "waiting": list(left.waiting),
+        "tokensPerSecondBefore": round(left.tokens_per_second_before, 1),
+        "tokensPerSecondOut": round(left.tokens_per_second_out, 1),
+        "sharesOut": list(left.shares_out),
+        "tokensPerSecondAfter": round(left.tokens_per_second_after, 1),
+    }

@@ -11,14 +11,29 @@ the job's record (docs/operator.md, "The job follows the fleet").
   eligible node (the placement of replacements decides, so a pool that is gone is
   replaced by another whose memory fits), when its wait is over (`return_wait`), and when
   the job has enough left to pay for the join (`worth_returning`).
+- **What if.** `if_left` answers, for a job as planned, what these rules would do if some
+  of its fleet's GPUs left (`relaytrain plan --leave`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
 
+from relaytrain_operator.domain.placement import PoolRoom, choose_pool
+from relaytrain_operator.domain.planner import (
+    DEFAULT_CATALOG,
+    Catalog,
+    ModelShape,
+    Plan,
+    Pool,
+    Sync,
+    TrainingShape,
+    assess,
+    plan_growth,
+)
 from relaytrain_operator.domain.planner.growth import JOIN_SECONDS
 from relaytrain_operator.domain.status import parse_time
 from relaytrain_operator.spec import FailurePolicy, PipelineStatus
@@ -86,3 +101,156 @@ def worth_returning(
     default planner.growth.JOIN_SECONDS, 120 s), so a job whose estimated end is nearer
     than that finishes without it. Unknown: it pays."""
     return eta is None or eta - now > timedelta(seconds=join_seconds)
+
+
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class IfLeft:
+    """What the job would do if some GPUs of its fleet left (`if_left`)."""
+
+    lost: Mapping[str, int]
+    """Pool -> GPUs that leave."""
+    hit: tuple[tuple[int, int], ...]
+    """(pipeline, stage) on a leaving GPU: the job's stages are assumed to sit on the leaving
+    nodes first (the worst case; the scheduler decides which), highest pipeline first."""
+    leaving: tuple[int, ...]
+    """Pipelines that leave at a step boundary (several pipelines; one is moved instead)."""
+    moves: Mapping[tuple[int, int], str]
+    """(pipeline, stage) -> the pool it goes to: a moved stage (one pipeline) or a stage of
+    a pipeline that comes back at once on the GPUs still free."""
+    waiting: tuple[int, ...]
+    """Pipelines that cannot go on or come back until their pools have room again."""
+    tokens_per_second_before: float
+    tokens_per_second_out: float
+    """While the hit pipelines are out (0: no pipeline trains, as while one moves)."""
+    shares_out: tuple[int, ...]
+    """Micro-batches of each pipeline that trains on, in order (empty: none)."""
+    tokens_per_second_after: float
+    """Once every pipeline that fits has moved or come back (0: the job waits)."""
+
+
+def shrunk_pools(pools: Sequence[Pool], leaving: Sequence[Pool]) -> list[Pool]:
+    """The fleet once ``leaving`` has left ``pools``: each pool loses their GPUs (a pool
+    left with none is gone). ValueError when they are not the fleet's."""
+    gpus = {p.name: p.gpus for p in pools}
+    for p in leaving:
+        have = next((q for q in pools if q.name == p.name), None)
+        if have is None or have.product != p.product:
+            names = ", ".join(f"{q.name} ({q.product})" for q in pools)
+            raise ValueError(f"pool {p.name!r} ({p.product}) is not in the fleet: {names}")
+        gpus[p.name] -= p.gpus
+    return [replace(p, gpus=gpus[p.name]) for p in pools if gpus[p.name] > 0]
+
+
+def if_left(
+    model: ModelShape,
+    training: TrainingShape,
+    pipelines: Sequence[Plan],
+    pools: Sequence[Pool],
+    leaving: Sequence[Pool],
+    *,
+    catalog: Catalog | None = None,
+    sync: Sync | None = None,
+) -> IfLeft:
+    """What the operator's rules do if ``leaving``'s GPUs leave ``pools`` while
+    ``pipelines`` (the job as planned on ``pools``) train: one pipeline moves each stage on
+    a leaving GPU to a free one (``choose_pool``: its pool, else the smallest that fits),
+    uncounted; several lose every pipeline with such a stage, which leaves at a step
+    boundary and comes back at once where all its stages fit on the GPUs still free."""
+    catalog = catalog or DEFAULT_CATALOG
+    after = shrunk_pools(pools, leaving)
+    lost = {p.name: p.gpus for p in leaving}
+    hit: list[tuple[int, int]] = []
+    for name, k in lost.items():
+        on_pool = [(i, s.index) for i in reversed(range(len(pipelines)))
+                   for s in pipelines[i].stages if s.pool == name]  # fmt: skip
+        hit += on_pool[:k]
+    several = len(pipelines) > 1
+    leaving_pipes = tuple(sorted({i for i, _ in hit})) if several else ()
+    rooms = _rooms(after, pipelines, set(hit), set(leaving_pipes), catalog=catalog,
+                   dtype=training.dtype)  # fmt: skip
+    moves: dict[tuple[int, int], str] = {}
+    waiting: list[int] = []
+    back: dict[int, Plan] = {}
+    for i in leaving_pipes if several else sorted({i for i, _ in hit}):
+        stages = pipelines[i].stages
+        todo = [s for s in stages if several or (i, s.index) in hit]
+        chosen = _place(todo, rooms)
+        if chosen is None:
+            waiting.append(i)
+            continue
+        for s, pool in zip(todo, chosen, strict=True):
+            moves[(i, s.index)] = pool
+        pools_now = [moves.get((i, s.index), s.pool) for s in stages]
+        own = replace(training, micro_batches=pipelines[i].micro_batches)
+        back[i] = assess(model, own, after, [(pool, s.layer_end - s.layer_start)
+                                             for pool, s in zip(pools_now, stages, strict=True)],
+                         catalog)  # fmt: skip
+    out, shares = 0.0, tuple[int, ...]()
+    if several:
+        on = [p for i, p in enumerate(pipelines) if i not in leaving_pipes]
+        out, shares = _speed(model, training, on, after, catalog=catalog, sync=sync)
+    finally_on = [back.get(i, p) for i, p in enumerate(pipelines) if i not in waiting]
+    final, _ = _speed(model, training, finally_on, after, catalog=catalog, sync=sync)
+    before, _ = _speed(model, training, list(pipelines), pools, catalog=catalog, sync=sync)
+    return IfLeft(lost, tuple(sorted(hit)), leaving_pipes, moves, tuple(waiting), before,
+                  out, shares, final)  # fmt: skip
+
+
+def _rooms(
+    after: Sequence[Pool],
+    pipelines: Sequence[Plan],
+    hit: set[tuple[int, int]],
+    leaving: set[int],
+    *,
+    catalog: Catalog,
+    dtype: str,
+) -> dict[str, PoolRoom]:
+    """Free GPUs per pool once the GPUs have left: what no stage that stays holds."""
+    used: dict[str, int] = {}
+    for i, p in enumerate(pipelines):
+        for s in p.stages:
+            if i not in leaving and (i, s.index) not in hit:
+                used[s.pool] = used.get(s.pool, 0) + 1
+    return {
+        p.name: PoolRoom(max(p.gpus - used.get(p.name, 0), 0),
+                         p.memory_mib or catalog[p.product].memory_mib)
+        for p in after
+        if catalog[p.product].supports(dtype)  # the operator's rule: a V100 takes no bf16
+    }  # fmt: skip
+
+
+def _place(stages: Sequence[Any], rooms: dict[str, PoolRoom]) -> list[str] | None:
+    """A pool for every one of ``stages`` (the operator's choose_pool, in stage order), the
+    GPUs taken from ``rooms``; None, ``rooms`` untouched, when one does not fit."""
+    trial = dict(rooms)
+    chosen = []
+    for s in stages:
+        pool = choose_pool(s.pool, -(-s.memory_bytes // MIB), trial)
+        room = trial.get(pool)
+        if room is None or room.free_gpus <= 0:
+            return None
+        trial[pool] = PoolRoom(room.free_gpus - 1, room.memory_mib)
+        chosen.append(pool)
+    rooms.update(trial)
+    return chosen
+
+
+def _speed(
+    model: ModelShape,
+    training: TrainingShape,
+    pipelines: Sequence[Plan],
+    pools: Sequence[Pool],
+    *,
+    catalog: Catalog,
+    sync: Sync | None,
+) -> tuple[float, tuple[int, ...]]:
+    """Tokens/s of ``pipelines`` training together (the step's micro-batches shared among
+    them, their sync priced) and their shares; (0, ()) for none."""
+    if not pipelines:
+        return 0.0, ()
+    growth = plan_growth(model, training, pipelines, pools, [], steps_left=1, catalog=catalog,
+                         sync=sync)  # fmt: skip
+    return growth.tokens_per_second_before, growth.shares

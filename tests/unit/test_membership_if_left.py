@@ -1,0 +1,81 @@
+"""`membership.if_left`: what the operator's rules do when GPUs of a running job's fleet
+leave (`relaytrain plan --leave`): one pipeline moves its stage, several lose the pipelines
+with a stage there, which train on elsewhere or come back where their stages fit."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from relaytrain_operator.domain.membership import if_left, shrunk_pools
+from relaytrain_operator.domain.planner import ModelShape, Pool, TrainingShape, plan, plan_fleet
+from relaytrain_operator.domain.planner.cost import GIB
+from relaytrain_testkit.shapes import LLAMA3_8B_CONFIG
+
+pytestmark = pytest.mark.unit
+
+MODEL = ModelShape.from_hf_config(LLAMA3_8B_CONFIG)
+TRAINING = TrainingShape(1, 8, 256, method="lora", lora_rank=16)
+"""Llama-3.1-8B LoRA whose one-stage pipeline fits an RTX 4090 (about 17 GiB)."""
+H100 = Pool("h100", "NVIDIA-H100-80GB-HBM3", 1, 100_000.0, 0.1)
+A100 = Pool("a100", "NVIDIA-A100-SXM4-80GB", 1, 100_000.0, 0.1)
+RTX = Pool("rtx", "NVIDIA-GeForce-RTX-4090", 1, 100_000.0, 0.1)
+
+
+def _two_pipelines() -> tuple[list[Pool], tuple]:
+    pools = [H100, A100]
+    fleet = plan_fleet(MODEL, TRAINING, pools, replicas=2)
+    assert sorted(p.stages[0].pool for p in fleet.pipelines) == ["a100", "h100"]
+    return pools, fleet.pipelines
+
+
+def test_the_pipeline_on_a_leaving_gpu_leaves_and_the_other_takes_the_step() -> None:
+    pools, pipes = _two_pipelines()
+    on_a100 = next(i for i, p in enumerate(pipes) if p.stages[0].pool == "a100")
+    left = if_left(MODEL, TRAINING, pipes, pools, [A100])
+    assert left.hit == ((on_a100, 0),) and left.leaving == (on_a100,)
+    # Nothing is free for it: it waits, and the H100 trains every micro-batch of the step.
+    assert left.waiting == (on_a100,) and left.shares_out == (8,)
+    alone = plan(MODEL, TRAINING, [H100]).tokens_per_second
+    assert left.tokens_per_second_out == pytest.approx(alone, rel=1e-6)
+    assert left.tokens_per_second_out < left.tokens_per_second_before
+    assert left.tokens_per_second_after == left.tokens_per_second_out
+
+
+def test_a_pipeline_that_fits_the_free_gpus_comes_back_at_once() -> None:
+    pools, pipes = _two_pipelines()
+    on_a100 = next(i for i, p in enumerate(pipes) if p.stages[0].pool == "a100")
+    left = if_left(MODEL, TRAINING, pipes, [*pools, RTX], [A100])
+    assert left.waiting == () and left.moves == {(on_a100, 0): "rtx"}
+    # Back on a slower card: faster than the H100 alone, slower than before.
+    assert left.tokens_per_second_out < left.tokens_per_second_after
+    assert left.tokens_per_second_after < left.tokens_per_second_before
+
+
+def test_one_pipeline_moves_its_stage_to_the_smallest_gpu_that_fits() -> None:
+    pools = [H100, A100, RTX]
+    single = plan(MODEL, TRAINING, [H100])
+    left = if_left(MODEL, TRAINING, (single,), pools, [H100])
+    assert left.leaving == () and left.moves == {(0, 0): "rtx"}  # 24 GB fits before 80 GB
+    assert left.tokens_per_second_out == 0 and left.shares_out == ()
+    on_rtx = plan(MODEL, TRAINING, [RTX]).tokens_per_second
+    assert left.tokens_per_second_after == pytest.approx(on_rtx, rel=1e-6)
+    # A stage of 21.3 GiB fits the 4090's 24 GiB but not the 20.6 GiB a plan may use of it
+    # (the planner's margin and reserve): it goes to the A100, as the planner would put it.
+    big = replace(TRAINING, micro_batch_size=4)
+    heavy = plan(MODEL, big, [H100])
+    assert 20.6 * GIB < heavy.stages[0].memory_bytes < 24 * GIB
+    assert if_left(MODEL, big, (heavy,), pools, [H100]).moves == {(0, 0): "a100"}
+    # With no free GPU it waits.
+    stuck = if_left(MODEL, TRAINING, (single,), [H100], [H100])
+    assert stuck.waiting == (0,) and stuck.tokens_per_second_after == 0
+
+
+def test_a_gpu_no_stage_uses_changes_nothing_and_unknown_pools_are_refused() -> None:
+    two = Pool("h100", "NVIDIA-H100-80GB-HBM3", 2, 100_000.0, 0.1)
+    single = plan(MODEL, TRAINING, [two], stages=1)
+    left = if_left(MODEL, TRAINING, (single,), [two, RTX], [RTX])
+    assert left.hit == () and left.tokens_per_second_after == left.tokens_per_second_before
+    assert [p.gpus for p in shrunk_pools([two, RTX], [H100])] == [1, 1]
+    with pytest.raises(ValueError, match=r"pool 'a100' \(NVIDIA-A100-SXM4-80GB\) is not in"):
+        shrunk_pools([two], [A100])
