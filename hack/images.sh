@@ -68,7 +68,9 @@ tools() {
     pkg=${spec%%=*} want=${spec#*=}
     # Installed means dpkg's "installed": a package removed but not purged ("config-files")
     # still has a version, and no binaries.
-    read -r status have < <(dpkg-query -W -f '${db:Status-Status} ${Version}\n' "$pkg" 2>/dev/null || true)
+    # `|| true` twice: a package dpkg never saw prints nothing, and read at end of input fails
+    # (under set -e that ended the script silently on a fresh machine).
+    read -r status have < <(dpkg-query -W -f '${db:Status-Status} ${Version}\n' "$pkg" 2>/dev/null || true) || true
     if [[ $status != installed ]]; then
       missing+=("$spec")
     elif [[ $have != "$want" ]]; then
