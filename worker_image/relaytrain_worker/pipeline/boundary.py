@@ -65,6 +65,9 @@ ROWS = "rows"
 """Name of the frame tensor that holds the rows' indices (the samples' keys)."""
 KEYED = "hidden"
 """The tensor coded per row against the cache."""
+UNKEYED = "int8"
+"""The compression.py code the frame's other tensors travel with under ``delta``: integer
+ones (labels, masks, rows) narrowed losslessly as under every code, floating ones as int8."""
 FULL_BITS: Bits = 4
 """Bits per value of a row's first code (int4's error: the first epoch trains as int4 does)."""
 DELTA_BITS: Bits = 1

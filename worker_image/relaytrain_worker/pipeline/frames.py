@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from relaytrain_worker.pipeline.boundary import MODE, BoundaryCodec
+from relaytrain_worker.pipeline.boundary import MODE, UNKEYED, BoundaryCodec
 from relaytrain_worker.pipeline.compression import Compression, encode
 
 __all__ = ["MAX_HEADER", "Frame", "PreparedFrame", "prepare", "wire_dtype"]
@@ -81,7 +81,7 @@ def prepare(
         if name in coded:
             entry, tensors = coded[name]
         else:
-            enc = encode(t, "int8" if compression == MODE else compression)
+            enc = encode(t, UNKEYED if compression == MODE else compression)
             entry = {
                 "name": name, "mode": enc.mode, "dtype": str(enc.dtype),
                 "shape": list(enc.shape), "data": _nbytes(enc.data),
