@@ -12,8 +12,8 @@ plans as many as make the step fastest, one included); ``--sync`` says how they 
 weights equal. ``--join NODES`` also shows what the job would do once those nodes joined
 it while it runs: the pipelines it would add, its running ones kept
 (``planner.plan_growth``), and whether that pays; ``--leave NODE,...`` what it would do
-if those nodes of the fleet left (``membership.if_left``). Exit status: 0 planned, 1 the job does
-not fit, 2 bad input.
+if those nodes of the fleet left (``membership.if_left``). Exit status: 0 planned, 1 the
+job does not fit, 2 bad input.
 """
 
 from __future__ import annotations
@@ -196,6 +196,16 @@ def _live_nodes(
     return job_pools(job, nodes, pods, default_link=default_link), nodes
 
 
+def _node_items(doc: Any) -> list[Any] | None:
+    """The nodes of a nodes file (a NodeList or List, a list, or one Node); None for a pools
+    file, which names no nodes."""
+    if isinstance(doc, dict) and isinstance(doc.get("items"), list):
+        return list(doc["items"])
+    if isinstance(doc, dict) and doc.get("kind") == "Node":
+        return [doc]
+    return list(doc) if isinstance(doc, list) else None
+
+
 def _leaving(
     job: FineTuneJob, names: str, nodes: list[Any] | None, default_link: Any
 ) -> list[Pool]:
@@ -283,7 +293,7 @@ def _inputs(args: argparse.Namespace) -> _Inputs:
     if args.nodes is not None:
         doc = _load(args.nodes, "nodes file")
         pools = file_pools(job, doc, default_link=default_link)
-        nodes = doc.get("items") if isinstance(doc, dict) else None
+        nodes = _node_items(doc)
     else:
         pools, nodes = _live_nodes(args.kubeconfig, job, default_link)
     leaving = [] if args.leave is None else _leaving(job, args.leave, nodes, default_link)

@@ -55,6 +55,8 @@ scale-down taint is NoSchedule, the out-of-service one NoExecute."""
 MAX_DOUBLINGS = 6
 """A pipeline given up again and again waits at most 2**6 times returnAfterSeconds."""
 
+MIB = 1 << 20
+
 
 def departure(node: Mapping[str, Any] | None) -> str | None:
     """Why `node` is going away, in words ("node n1 is cordoned..."), or None when it has
@@ -101,9 +103,6 @@ def worth_returning(
     default planner.growth.JOIN_SECONDS, 120 s), so a job whose estimated end is nearer
     than that finishes without it. Unknown: it pays."""
     return eta is None or eta - now > timedelta(seconds=join_seconds)
-
-
-MIB = 1 << 20
 
 
 @dataclass(frozen=True)

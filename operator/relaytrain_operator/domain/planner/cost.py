@@ -299,11 +299,11 @@ def saved_bytes_per_token(model: ModelShape, training: TrainingShape) -> int:
     """
     e, h, q, kv = training.dtype_bytes, model.hidden_size, model.q_dim, model.kv_dim
     full = training.method == "full"
-    targets = set(training.lora_targets) if not full else set()
+    adapted = set(training.lora_targets) if not full else set()
     kind = family(model.model_type)
 
     def read_by(*names: str) -> bool:
-        return full or model.moe or bool(targets.intersection(names))
+        return full or model.moe or bool(adapted.intersection(names))
 
     mlp = 3 * model.intermediate_size
     product = model.intermediate_size if read_by("down_proj", "gate_up_proj") else 0
@@ -315,7 +315,7 @@ def saved_bytes_per_token(model: ModelShape, training: TrainingShape) -> int:
             mlp = max(mlp, 4 * model.dense_intermediate_size)
     normed = h * (read_by("q_proj", "k_proj", "v_proj", "qkv_proj")
                   + read_by("gate_proj", "up_proj", "gate_up_proj"))  # fmt: skip
-    modules = {kind.fused.get(t, t) for t in targets if t not in EXPERT_NAMES}
+    modules = {kind.fused.get(t, t) for t in adapted if t not in EXPERT_NAMES}
     keys = q if model.eager_attention else kv  # eager repeats k and v to every head
     elems = normed + 2 * q + 2 * keys + mlp + product + training.lora_rank * len(modules)
     elems += 2 * h if full else 0  # the norms' weights train: their input to the weight
