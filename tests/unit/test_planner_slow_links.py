@@ -15,9 +15,11 @@ from relaytrain_operator.domain.planner import (
     Pool,
     TrainingShape,
     choose_compression,
+    cost,
     plan,
 )
 from relaytrain_operator.domain.planner.choose import AUTO_MARGIN
+from relaytrain_operator.domain.planner.cost import LinkCost
 from relaytrain_operator.domain.planning import make_plan
 from relaytrain_operator.domain.stage_config import build_pipeline_configs, local_endpoints
 from relaytrain_operator.spec import parse_job
@@ -57,8 +59,27 @@ def test_auto_takes_the_most_faithful_code_within_five_percent_of_the_fastest(
         assert every[mode].tokens_per_second < (1 - AUTO_MARGIN) * fastest, mode
     if mbps >= 100_000:  # a link no code is waiting on: exact boundaries
         assert chosen == "none"
-    if mbps <= 100:  # a home connection: the smallest code pays
-        assert chosen == "delta"
+    if mbps <= 100:  # a home connection: the smallest code whose coding is not the bottleneck
+        assert chosen == "int4"
+
+
+def test_auto_weighs_the_cpu_time_of_the_delta_codec(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At 100 Mbit/s delta's wire bytes are the fewest (int4's forward, 3.25 bits back), but
+    its codec runs on the host's CPU at about 200 ns a value (bench/bench_codec_speed.py):
+    3.5 s of a micro-batch's 16.8 M boundary values each way, more than its bytes save. Were
+    it free, auto would take it."""
+    pools = _fleet(100.0)
+    delta = TrainingShape(**{**TRAINING.__dict__, "compression": "delta"})
+    int4 = TrainingShape(**{**TRAINING.__dict__, "compression": "int4"})
+    link = LinkCost.of(LLAMA, delta)
+    values = TRAINING.tokens_per_micro_batch * LLAMA.hidden_size
+    assert link.forward_codec_seconds == pytest.approx(values * cost.DELTA_FORWARD_CODEC_SECONDS)
+    assert LinkCost.of(LLAMA, int4).forward_codec_seconds == 0
+    assert plan(LLAMA, delta, pools).tokens_per_second < plan(LLAMA, int4, pools).tokens_per_second
+    monkeypatch.setattr(cost, "DELTA_FORWARD_CODEC_SECONDS", 0.0)
+    monkeypatch.setattr(cost, "DELTA_BACKWARD_CODEC_SECONDS", 0.0)
+    chosen, _ = choose_compression(lambda t: plan(LLAMA, t, pools), TRAINING)
+    assert chosen == "delta"
 
 
 def test_a_job_with_auto_records_the_choice_in_its_plan_and_its_stage_documents() -> None:
@@ -74,7 +95,7 @@ def test_a_job_with_auto_records_the_choice_in_its_plan_and_its_stage_documents(
     job = parse_job(manifest, default_checkpoint_uri="s3://ckpt")
     nodes = [node(f"rtx-{i}", "rtx") for i in range(4)]
     status = make_plan(job, CONFIG, nodes, [], default_link=(100.0, 20.0))  # home links
-    assert status["compression"] == "delta"
+    assert status["compression"] == "int4"
     ranges = [(s["layerStart"], s["layerEnd"]) for s in status["stages"]]
     (docs,) = build_pipeline_configs(
         job,
@@ -83,7 +104,7 @@ def test_a_job_with_auto_records_the_choice_in_its_plan_and_its_stage_documents(
         [16],
         compression=status["compression"],
     )
-    assert {d["pipeline"]["compression"] for d in docs} == {"delta"}
+    assert {d["pipeline"]["compression"] for d in docs} == {"int4"}
     # Without the plan's choice there is no code to give the stages, and that is said.
     with pytest.raises(ValueError, match=r"compression is auto.*status\.plan\.compression"):
         build_pipeline_configs(job, [ranges], [local_endpoints(len(ranges), 9000, 9100)], [16])

@@ -60,6 +60,13 @@ WIRE_BYTES = {"bf16": 2.0, "int8": 1.0 + 2 / 64, "int4": 0.5 + 2 / 64}
 DELTA_FIRST_BYTES = (4 + 16 / 64) / 8
 DELTA_LATER_BYTES = (1 + 16 / 64 + 1 / 64) / 8
 DELTA_GRADIENT_BYTES = (3 + 16 / 64) / 8
+#: CPU seconds per boundary value of the ``delta`` codec, encode plus decode: it runs on the
+#: host's CPU wherever the stage runs (boundary.py copies the tensor there), one thread per
+#: link; forward a row's 4-bit first code (a later 1-bit change costs about as much),
+#: backward the gradients' 3-bit code. `bench/bench_codec_speed.py`, one core of the 2-core
+#: dev VM, 2026-11-27. The other codes run on the stage's device (next to nothing on a GPU).
+DELTA_FORWARD_CODEC_SECONDS = 240e-9
+DELTA_BACKWARD_CODEC_SECONDS = 200e-9
 #: Labels and attention mask travel forward with the activations, int64 each.
 LABEL_BYTES_PER_TOKEN = 16
 #: 4-bit NF4 weight plus one fp32 absmax per block of 64 (bitsandbytes, no double quant).
@@ -226,13 +233,23 @@ class LinkCost:
     """Activations (compressed) plus labels and mask, sent from stage k to k+1."""
     backward_bytes: float
     """Gradients of those activations (compressed), sent from k+1 back to k."""
+    forward_codec_seconds: float = 0.0
+    """CPU time to encode and decode the activations (``delta`` only)."""
+    backward_codec_seconds: float = 0.0
+    """CPU time to encode and decode their gradients (``delta`` only)."""
 
     @classmethod
     def of(cls, model: ModelShape, training: TrainingShape) -> LinkCost:
         values = training.tokens_per_micro_batch * model.hidden_size
         forward = values * _wire_bytes_per_value(training)
         backward = values * _wire_bytes_per_value(training, backward=True)
-        return cls(forward + training.tokens_per_micro_batch * LABEL_BYTES_PER_TOKEN, backward)
+        delta = training.compression == "delta"
+        return cls(
+            forward + training.tokens_per_micro_batch * LABEL_BYTES_PER_TOKEN,
+            backward,
+            values * DELTA_FORWARD_CODEC_SECONDS if delta else 0.0,
+            values * DELTA_BACKWARD_CODEC_SECONDS if delta else 0.0,
+        )
 
     def send_seconds(self, nbytes: float, a: PoolCost, b: PoolCost) -> float:
         """Time to send ``nbytes`` between a GPU of pool ``a`` and one of pool ``b``."""
@@ -240,12 +257,14 @@ class LinkCost:
         return nbytes / bandwidth + a.latency_s + b.latency_s
 
     def stage_seconds(self, prev: PoolCost | None, this: PoolCost, nxt: PoolCost | None) -> float:
-        """Link time a stage pays per micro-batch: its sends to both neighbours."""
+        """Link time a stage pays per micro-batch: its sends to both neighbours, each with
+        the CPU time of coding it."""
         total = 0.0
         if nxt is not None:
-            total += self.send_seconds(self.forward_bytes, this, nxt)
+            total += self.send_seconds(self.forward_bytes, this, nxt) + self.forward_codec_seconds
         if prev is not None:
             total += self.send_seconds(self.backward_bytes, this, prev)
+            total += self.backward_codec_seconds
         return total
 
 

@@ -1,0 +1,127 @@
+"""CPU time of each boundary code per value: what the planner charges a link for coding.
+
+Run: .venv/bin/python bench/bench_codec_speed.py [--quick] [--json OUT]
+
+A boundary tensor of a micro-batch ([2, 1024, 1024] bf16 by default, 2.1 M values: hidden
+states of two rows of 1,024 tokens) is encoded and decoded on one CPU thread, each code side
+by side in one process, median of the repetitions:
+
+- ``compression.py``'s bf16, int8 and int4 (on a GPU host these run on the GPU, where they
+  cost next to nothing: the planner charges them nothing);
+- the ``delta`` codec (``boundary.py``): a row's first crossing (a rotated 4-bit code), a
+  later crossing after a 5 % drift (a 1-bit change), and the gradients' 3-bit code. It runs
+  on the host's CPU wherever the stage runs (it copies the tensor there), so the planner
+  charges it (``cost.DELTA_FORWARD_CODEC_SECONDS``, ``cost.DELTA_BACKWARD_CODEC_SECONDS``,
+  printed beside the measurement).
+
+Each row gives ns per value for encode and decode, and their sum against int4's (the
+baseline, measured in the same run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO / "operator"), str(REPO / "worker_image")]
+
+from relaytrain_operator.domain.planner import cost  # noqa: E402
+from relaytrain_worker.pipeline import compression, lowbit  # noqa: E402
+from relaytrain_worker.pipeline.boundary import GRADIENT_BITS, BoundaryCodec  # noqa: E402
+
+
+def timed(fn: Callable[[], Any], reps: int) -> float:
+    """Median seconds of ``fn`` over ``reps`` calls, after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def delta_rows(x: torch.Tensor, reps: int) -> dict[str, tuple[float, float]]:
+    """Encode and decode seconds of a row's first crossing and of a later one (5 % drift)."""
+    rows = torch.arange(x.shape[0])
+    sender, receiver = BoundaryCodec(), BoundaryCodec()
+    gen = torch.Generator().manual_seed(0)
+
+    def crossing(t: torch.Tensor) -> tuple[float, float]:
+        start = time.perf_counter()
+        ((entry, parts),) = sender.encode("activation", {"hidden": t, "rows": rows})
+        middle = time.perf_counter()
+        it = iter(parts)
+        receiver.decode("activation", entry, t.dtype, lambda n, dtype: next(it))
+        return middle - start, time.perf_counter() - middle
+
+    first = crossing(x)
+    later = []
+    y = x.float()
+    for _ in range(reps):
+        y = y + 0.05 * y.std() * torch.randn(y.shape, generator=gen)
+        later.append(crossing(y.to(x.dtype)))
+    return {
+        "first": first,
+        "later": (statistics.median(e for e, _ in later), statistics.median(d for _, d in later)),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="3 repetitions, not 7")
+    parser.add_argument("--tokens", type=int, default=1024, help="tokens a row (default 1024)")
+    parser.add_argument("--hidden", type=int, default=1024, help="hidden size (default 1024)")
+    parser.add_argument("--json", type=Path, help="write the figures here")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    reps = 3 if args.quick else 7
+    x = torch.randn(2, args.tokens, args.hidden, generator=torch.Generator().manual_seed(0))
+    x = x.to(torch.bfloat16)
+    n = x.numel()
+    rows: dict[str, tuple[float, float]] = {}
+    for mode in ("bf16", "int8", "int4"):
+        enc = compression.encode(x, mode)
+        rows[mode] = (
+            timed(lambda mode=mode: compression.encode(x, mode), reps),
+            timed(lambda enc=enc: compression.decode(enc), reps),
+        )
+    delta = delta_rows(x, reps)
+    rows["delta, first crossing (4 bits)"] = delta["first"]
+    rows["delta, later crossing (5 % drift)"] = delta["later"]
+    grad = lowbit.encode(x, GRADIENT_BITS)
+    rows[f"delta, gradient ({GRADIENT_BITS} bits)"] = (
+        timed(lambda: lowbit.encode(x, GRADIENT_BITS), reps),
+        timed(lambda: lowbit.decode(grad), reps),
+    )
+    base = sum(rows["int4"])
+    print(f"Codec CPU time, one thread, {list(x.shape)} bf16 ({n:,} values), median of {reps}")
+    print()
+    print("| code | encode ns/value | decode ns/value | both, x int4 |")
+    print("|---|---|---|---|")
+    figures = {}
+    for name, (e, d) in rows.items():
+        figures[name] = {"encode_ns": e / n * 1e9, "decode_ns": d / n * 1e9}
+        print(f"| {name} | {e / n * 1e9:.1f} | {d / n * 1e9:.1f} | {(e + d) / base:.1f}x |")
+    print()
+    print(
+        "The planner charges delta "
+        f"{cost.DELTA_FORWARD_CODEC_SECONDS * 1e9:.0f} ns a value forward and "
+        f"{cost.DELTA_BACKWARD_CODEC_SECONDS * 1e9:.0f} backward (encode + decode)."
+    )
+    if args.json:
+        args.json.write_text(json.dumps({"shape": list(x.shape), "codes": figures}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
