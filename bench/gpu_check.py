@@ -134,7 +134,7 @@ def presets() -> dict[str, Preset]:
         "eos_token_id": 2,
     }
     return {
-        "cuda": Preset(KNOWN.name, full, "bfloat16", 2048, 1, 8, warmup=2, steps=4),
+        "cuda": Preset(KNOWN.name, full, "bfloat16", 2048, 1, 8, warmup=2, steps=12),
         "cpu": Preset(
             "tiny Llama (that config, small sizes)", tiny, "float32", 128, 2, 4, warmup=1, steps=2
         ),
