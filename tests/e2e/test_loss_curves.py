@@ -26,15 +26,21 @@ pipeline) is compared step by step with tests/assets/losses/<case>.json:
   over real links) as three pipelines of two stages, each step's three micro-batches shared
   among them, no compression, 12 steps.
 
-Tolerance: 2e-3 relative per step. The same run twice gives the same bits here; the
-tolerance is room for rounding (a sum in another order, another CPU's kernels), not for a
-change of the maths, which moves the losses far more: on the demo's compared steps,
-measured 2026-11-26 (demo runs without the kill, the largest relative difference at any of
-steps 1–12 and held-out 0, 5, 10, when the comparison went to step 12), a learning rate
-1 % higher 4.4e-2, a linear schedule instead of cosine 1.2e-1, int4 links instead of int8
-7.1e-1. To regenerate after an intended change, run this file with
-RELAYTRAIN_WRITE_LOSS_CURVES=1 and commit the files with the change that explains them (the
-demo's steps, its kill step or its job change the demo's curve).
+Tolerance, relative per step: 2e-3 for `three-pipelines`, 1.5e-2 for the demo. The same run
+twice gives the same bits on one machine; the tolerance is room for rounding (a sum in
+another order, another CPU's kernels), not for a change of the maths, which moves the losses
+far more: on the demo's compared steps, measured 2026-11-26 (demo runs without the kill, the
+largest relative difference at any of steps 1–12 and held-out 0, 5, 10, when the comparison
+went to step 12), a learning rate 1 % higher 4.4e-2, a linear schedule instead of cosine
+1.2e-1, int4 links instead of int8 7.1e-1. Another CPU moves the demo more than 2e-3: on
+2026-11-27's machine (AVX-512 with AMX; torch's CPU capability AVX512) the same code and
+inputs gave a held-out loss at step 0 5.7e-6 away from the committed one (the same weights
+and rows: only the kernels differ) and losses up to 7.6e-3 away by step 10, the gap growing
+with the steps (the demo's learning rate takes the loss from 4.9 to 0.45 in ten). 1.5e-2 is
+twice that, and a third of the smallest change of the maths measured. To regenerate after an
+intended change, run this file with RELAYTRAIN_WRITE_LOSS_CURVES=1 and commit the files with
+the change that explains them (the demo's steps, its kill step or its job change the demo's
+curve).
 """
 
 from __future__ import annotations
@@ -54,6 +60,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 CURVES = REPO / "tests" / "assets" / "losses"
 RTOL = 2e-3
+DEMO_RTOL = 1.5e-2
+"""The demo's: its kernels' rounding on another CPU grows to 7.6e-3 by step 10 (above)."""
 DEMO_KILLED_AFTER = 10
 """hack/demo.py's --kill-at-step default: the demo's steps up to it are compared."""
 WRITE = os.environ.get("RELAYTRAIN_WRITE_LOSS_CURVES") == "1"
@@ -124,4 +132,4 @@ def test_the_loss_curve_is_the_committed_one(
         path.write_text(json.dumps(got, indent=1, sort_keys=True) + "\n")
     want = json.loads(path.read_text())
     assert len(want["loss"]) >= 10
-    assert differences(got, want, RTOL) == []
+    assert differences(got, want, DEMO_RTOL if case == "demo" else RTOL) == []
