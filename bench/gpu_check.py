@@ -36,7 +36,9 @@ Packed rows mask attention across documents; A still counts whole rows, as the p
 
 Also: (b)'s and (c)'s loss at every step and LoRA gradients and weights after the last step
 against (a)'s (max |Δ|), the ratios (b)/(a) and (a)/(c), and on a GPU the design targets
-(≥ 8,000 tokens/s for (a); (b)/(a) ≥ 0.90). Exit status 1 when a set-up failed.
+(≥ 8,000 tokens/s for (a); (b)/(a) ≥ 0.90) and (b0): (b) with every frame encoded on the
+default stream, the baseline of the encoders' own streams (pipeline/peers.py), as (b)/(b0).
+Exit status 1 when a set-up failed.
 """
 
 from __future__ import annotations
@@ -435,10 +437,13 @@ def run_check(
     }
     runs, checks = report["runs"], report["checks"]
 
-    def pipeline(splits: list[tuple[int, int]], method: Literal["lora", "qlora"]) -> PipelineRun:
+    def pipeline(
+        splits: list[tuple[int, int]], method: Literal["lora", "qlora"], side_stream: bool = True
+    ) -> PipelineRun:
         creds = stage_credentials(len(splits), job="gpu-check")
         return run_pipeline_threads(check.stage, splits, steps, training, credentials=creds,
-                                    method=method, lora=LORA, warmup=w, grads="last")  # fmt: skip
+                                    method=method, lora=LORA, warmup=w, grads="last",
+                                    side_stream=side_stream)  # fmt: skip
 
     def reference() -> PipelineRun:
         return run_reference(check.unsplit, steps, training, lora=LORA, warmup=w, grads="last")
@@ -460,6 +465,13 @@ def run_check(
         checks["b_vs_a"] = compared(a, other)
     done("b", row)
     del other
+    if device.type == "cuda":
+        # The baseline of the encoders' own streams (peers.py), side by side: the same two
+        # stages with every frame encoded on the default stream, which all threads share.
+        row, _ = measure(check, "(b0) (b), frames encoded on the default stream",
+                         [e - s for s, e in halves], "lora",
+                         lambda: pipeline(halves, "lora", side_stream=False))  # fmt: skip
+        done("b0", row)
     row, other = measure(check, "(c) single-process peft", [n], "lora",
                          lambda: _in_thread(reference))  # fmt: skip
     if a and other:
@@ -482,6 +494,9 @@ def run_check(
     ra, rb, rc = rate("a"), rate("b"), rate("c")
     b_over_a = round(rb / ra, 3) if ra and rb else None
     report["ratios"] = {"b_over_a": b_over_a, "a_over_c": round(ra / rc, 3) if ra and rc else None}
+    rb0 = rate("b0") if "b0" in runs else None
+    if rb and rb0:
+        report["ratios"]["b_over_b0"] = round(rb / rb0, 3)
     if device.type == "cuda":
         report["targets"] = {
             "a_tokens_per_s_at_least_8000": bool(ra and ra >= TOKENS_TARGET),
@@ -526,7 +541,8 @@ def print_report(report: dict[str, Any]) -> None:
               f"{_mib(row['estimate_bytes']):>9} {row['peak_over_estimate'] or 'n/a':>9} "
               f"{mfu:>7}")  # fmt: skip
     r = report["ratios"]
-    print(f"ratios: (b)/(a) = {r['b_over_a']}, (a)/(c) = {r['a_over_c']}")
+    b0 = f", (b)/(b0) = {r['b_over_b0']}" if "b_over_b0" in r else ""
+    print(f"ratios: (b)/(a) = {r['b_over_a']}, (a)/(c) = {r['a_over_c']}{b0}")
     for name, c in report["checks"].items():
         if "error" in c:
             print(f"{name.replace('_vs_', ' vs ')}: FAILED: {c['error']}")

@@ -75,6 +75,7 @@ def run_pipeline_threads(
     link_rate: float | None = None,
     link_latency: float = 0.0,
     overlap_encode: bool = True,
+    side_stream: bool = True,
     warmup: int = 0,
     grads: Literal["every", "last"] = "every",
     per_step: bool = False,
@@ -87,8 +88,8 @@ def run_pipeline_threads(
     ``credentials``: each stage's link credentials, in stage order (relaytrain_testkit.linkcreds
     mints them as the operator does). ``link_rate`` (bytes per second, each direction)
     paces every link to emulate a slow network, ``link_latency`` (seconds, each direction)
-    delays what every link carries (`Link.set_latency`); ``overlap_encode`` is passed to
-    `Peers`.
+    delays what every link carries (`Link.set_latency`); ``overlap_encode`` and
+    ``side_stream`` are passed to `Peers`.
     The first ``warmup`` steps train but are not timed: every stage finishes them, waits for
     the others, and only then starts the clock. ``grads="last"`` keeps only the last step's
     gradients (the other steps' dicts stay empty), so a long run on a GPU holds one copy.
@@ -104,7 +105,8 @@ def run_pipeline_threads(
         model, [splits], [steps], training,
         credentials=[credentials], groups=None, method=method, compression=compression,
         lora=lora, link_rate=link_rate, overlap_encode=overlap_encode, record_steps=per_step,
-        warmup=warmup, grads=grads, link_latency=link_latency, step_bytes=per_step, ahead=ahead,
+        side_stream=side_stream, warmup=warmup, grads=grads, link_latency=link_latency,
+        step_bytes=per_step, ahead=ahead,
     )[0]  # fmt: skip
 
 
@@ -221,6 +223,7 @@ def _run_pipelines(
     lora: dict[str, Any] | None,
     link_rate: float | None,
     overlap_encode: bool,
+    side_stream: bool = True,
     record_steps: bool,
     sync_every: int | None = None,
     sync_code: str = "float64",
@@ -295,7 +298,7 @@ def _run_pipelines(
                 stage,
                 index=k,
                 count=count,
-                peers=Peers(prev, nxt, overlap_encode=overlap_encode),
+                peers=Peers(prev, nxt, overlap_encode=overlap_encode, side_stream=side_stream),
                 trainable=trainable,
                 compression=compression,
                 max_grad_norm=training.max_grad_norm,

@@ -10,6 +10,11 @@ Each link has two threads in a row: an encoder (`transport.prepare`: compression
 framing) and a sender (`Link.send_prepared`: encryption and the socket). On a slow link
 the next frame is compressed while the current one is on the wire, so compression costs
 no link time; encoding on the sender thread would leave the link idle for every encode.
+
+On a GPU the encoder works on a stream of its own, after an event `send` records on the
+sending thread's stream: its copy to the host waits for the kernels that made the frame,
+not for the kernels queued after it (on the default stream, which every thread shares, the
+copy waited for both, and a neighbour for this frame while the stage computed the next).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import threading
 import time
 from typing import Protocol
 
+import torch
 from relaytrain_contract import StageConfig
 
 from relaytrain_worker.pipeline.boundary import MODE, BoundaryCodec
@@ -35,6 +41,9 @@ from relaytrain_worker.pipeline.transport import (
 
 RECV_TIMEOUT = 900.0
 """Longest wait for a neighbour's frame; a live stage never takes this long per frame."""
+
+_Ready = tuple[torch.device, torch.cuda.Event] | None
+"""What a GPU frame's encoding waits for (`AsyncLink._ready`); None on the CPU."""
 
 
 class LinkLike(Protocol):
@@ -53,12 +62,18 @@ class LinkLike(Protocol):
 class AsyncLink:
     """A link whose sends are encoded and sent on two background threads, in order."""
 
-    def __init__(self, link: LinkLike, name: str, *, overlap_encode: bool = True) -> None:
+    def __init__(
+        self, link: LinkLike, name: str, *, overlap_encode: bool = True, side_stream: bool = True
+    ) -> None:
         self.link = link
         self.name = name
         self.overlap_encode = overlap_encode
         """False encodes on the sender thread (no overlap; kept for the benchmark)."""
-        self._frames: queue.Queue[tuple[Frame, str] | None] = queue.Queue()
+        self.side_stream = side_stream
+        """False encodes a GPU frame on the default stream (kept for the GPU check)."""
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        """The encoding thread's stream per GPU (only that thread touches it)."""
+        self._frames: queue.Queue[tuple[Frame, str, _Ready] | None] = queue.Queue()
         self._prepared: queue.Queue[PreparedFrame | _Deferred | None] = queue.Queue()
         self._error: BaseException | None = None
         self._pending = 0
@@ -109,16 +124,30 @@ class AsyncLink:
             try:
                 if self._error is None:
                     if isinstance(item, _Deferred):
-                        item = self._prepare(item.frame, item.compression)
+                        item = self._prepare(item.frame, item.compression, item.ready)
                     self.link.send_prepared(item)
             except BaseException as exc:
                 self._fail(exc)
             finally:
                 self._done_one()
 
-    def _prepare(self, frame: Frame, compression: str) -> PreparedFrame:
-        """Encode on this thread; only ``delta`` needs the link's per-connection codec."""
-        return prepare(frame, compression, self.link.codec if compression == MODE else None)
+    def _prepare(self, frame: Frame, compression: str, ready: _Ready) -> PreparedFrame:
+        """Encode on this thread; only ``delta`` needs the link's per-connection codec.
+
+        A GPU frame is encoded on this thread's own stream once the sender's kernels up to
+        `send` (`ready`) are done. `prepare` ends with a blocking copy to the host, so when
+        it returns nothing of this stream still reads the frame's tensors, and the memory
+        the sender frees after is safe to reuse on its stream."""
+        codec = self.link.codec if compression == MODE else None
+        if ready is None:
+            return prepare(frame, compression, codec)
+        device, event = ready
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        with torch.cuda.stream(stream):
+            stream.wait_event(event)
+            return prepare(frame, compression, codec)
 
     def _fail(self, exc: BaseException) -> None:
         self._error = exc
@@ -136,7 +165,19 @@ class AsyncLink:
         self.start()
         with self._idle:
             self._pending += 1
-        self._frames.put((frame, compression))
+        self._frames.put((frame, compression, self._ready(frame)))
+
+    def _ready(self, frame: Frame) -> _Ready:
+        """For a frame on a GPU (and a side stream): an event on the sending thread's
+        current stream, marking the kernels the frame's tensors wait for."""
+        if not self.side_stream:
+            return None
+        device = next((t.device for t in frame.tensors.values() if t.is_cuda), None)
+        if device is None:
+            return None
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(torch.cuda.current_stream(device))
+        return device, event
 
     def recv(self, kind: str, step: int, micro: int = -1) -> Frame:
         """Receive the next frame and check it is the one the schedule expects."""
@@ -180,21 +221,27 @@ class AsyncLink:
 class _Deferred:
     """A frame the sender thread encodes itself (``overlap_encode=False``)."""
 
-    def __init__(self, frame: Frame, compression: str) -> None:
+    def __init__(self, frame: Frame, compression: str, ready: _Ready) -> None:
         self.frame = frame
         self.compression = compression
+        self.ready = ready
 
 
 class Peers:
     """The previous and next links of one stage (either may be None at the ends)."""
 
     def __init__(
-        self, prev: LinkLike | None, next_: LinkLike | None, *, overlap_encode: bool = True
+        self,
+        prev: LinkLike | None,
+        next_: LinkLike | None,
+        *,
+        overlap_encode: bool = True,
+        side_stream: bool = True,
     ) -> None:
         def wrap(link: LinkLike | None, name: str) -> AsyncLink | None:
             if link is None:
                 return None
-            wrapped = AsyncLink(link, name, overlap_encode=overlap_encode)
+            wrapped = AsyncLink(link, name, overlap_encode=overlap_encode, side_stream=side_stream)
             wrapped.start()
             return wrapped
 
