@@ -257,7 +257,8 @@ def test_replacements_skip_excluded_pools_and_say_why_when_nothing_fits() -> Non
         node("a0", pool="a100", labels={"zone": "a"}),
         node("h0", "NVIDIA-H100-80GB-HBM3", pool="h100", labels={"zone": "b"}),
         node("r0", "NVIDIA-GeForce-RTX-4090", pool="rtx", memory=24564, labels={"zone": "a"}),
-        node("t0", "Tesla-T4", pool="t4", labels={"zone": "a"}, ready=False),
+        node("t0", "Tesla-T4", pool="t4", labels={"zone": "a"}),
+        node("l0", "NVIDIA-L4", pool="l4", labels={"zone": "a"}, ready=False),
     ]
     held = [gpu_pod("a0")]
     choices = place_replacements(
@@ -272,7 +273,8 @@ def test_replacements_skip_excluded_pools_and_say_why_when_nothing_fits() -> Non
     assert "pool a100: no free GPU" in why
     assert "pool h100: no label zone=a (spec.placement.nodeSelector)" in why
     assert "pool rtx: 24.0 GiB per GPU, 20.6 usable" in why
-    assert "pool t4: not Ready or cordoned" in why
+    assert "pool t4: no native bfloat16 (spec.model.dtype)" in why  # before its readiness
+    assert "pool l4: not Ready or cordoned" in why
     # Without the nodeSelector the H100 takes it.
     assert place_replacements(parse_job(JOB.build()), {0: ("a100", 30 * GIB)}, nodes, held) == {
         0: Choice("h100", True)

@@ -126,10 +126,18 @@ def _tolerated(taint: Mapping[str, Any], tolerations: Sequence[Toleration]) -> b
 
 
 def why_ineligible(
-    node: Mapping[str, Any], placement: PlacementSpec, *, require_ready: bool = True
+    node: Mapping[str, Any],
+    placement: PlacementSpec,
+    *,
+    require_ready: bool = True,
+    dtype: str | None = None,
+    catalog: Catalog | None = None,
 ) -> str | None:
     """Why the job may not use `node` (None: it may). `require_ready` is False for node
-    lists read from a file, which carry no conditions."""
+    lists read from a file, which carry no conditions. With `dtype`, a node whose GPU does
+    not train in it natively (a V100 has no bfloat16) is not eligible either; a GPU the
+    catalog lacks is not judged. Planning leaves `dtype` out: the planner drops such a pool
+    itself and says so."""
     labels = _labels(node)
     label_key = placement.gpu_label
     if label_key not in labels:
@@ -137,6 +145,12 @@ def why_ineligible(
     pool = node_pool(node, label_key)
     if placement.pools and pool not in placement.pools and labels[label_key] not in placement.pools:
         return "not in spec.placement.pools"
+    if dtype is not None:
+        try:
+            if not (catalog or DEFAULT_CATALOG)[labels[label_key]].supports(dtype):
+                return f"no native {dtype} (spec.model.dtype)"
+        except UnknownGpuError:
+            pass
     for key, value in sorted(placement.node_selector.items()):
         if labels.get(key) != value:
             return f"no label {key}={value} (spec.placement.nodeSelector)"
@@ -150,10 +164,20 @@ def why_ineligible(
 
 
 def eligible_nodes(
-    nodes: Iterable[Mapping[str, Any]], placement: PlacementSpec, *, require_ready: bool = True
+    nodes: Iterable[Mapping[str, Any]],
+    placement: PlacementSpec,
+    *,
+    require_ready: bool = True,
+    dtype: str | None = None,
+    catalog: Catalog | None = None,
 ) -> list[Mapping[str, Any]]:
-    """The nodes a job with `placement` may use."""
-    return [n for n in nodes if why_ineligible(n, placement, require_ready=require_ready) is None]
+    """The nodes a job with `placement` may use (`why_ineligible`)."""
+    return [
+        n
+        for n in nodes
+        if why_ineligible(n, placement, require_ready=require_ready, dtype=dtype, catalog=catalog)
+        is None
+    ]
 
 
 def _belongs_to(pod: Mapping[str, Any], job: tuple[str, str] | None) -> bool:
@@ -411,27 +435,13 @@ def _why_no_room(
             usable = usable_mib(room.memory_mib) / 1024
             reasons[pool] = f"{room.memory_mib / 1024:.1f} GiB per GPU, {usable:.1f} usable"
             continue
-        whys = [why_ineligible(n, placement) for n in pool_nodes]
         dtype = job.spec.model.dtype
-        if all(whys):
-            reasons[pool] = str(whys[0])
-        elif not any(_trains_in(n, label_key, dtype, catalog) for n in pool_nodes):
-            reasons[pool] = f"no native {dtype}"
-        else:
-            reasons[pool] = "no free GPU"
+        whys = [why_ineligible(n, placement, dtype=dtype, catalog=catalog) for n in pool_nodes]
+        reasons[pool] = str(whys[0]) if all(whys) else "no free GPU"
     listed = "; ".join(f"pool {p}: {r}" for p, r in sorted(reasons.items()))
     return f"no eligible node has a free GPU with {need_mib / 1024:.1f} GiB" + (
         f" ({listed})" if listed else ""
     )
-
-
-def _trains_in(node: Mapping[str, Any], label_key: str, dtype: str, catalog: Catalog) -> bool:
-    """Whether the node's GPU trains in ``dtype`` as the planner requires (a V100 has no
-    bfloat16); a GPU the catalog lacks is not judged."""
-    try:
-        return catalog[str(_labels(node).get(label_key))].supports(dtype)
-    except UnknownGpuError:
-        return True
 
 
 def place_replacements(
@@ -447,11 +457,9 @@ def place_replacements(
     GPU."""
     catalog = catalog or DEFAULT_CATALOG
     label_key = job.spec.placement.gpu_label
-    eligible = [
-        n
-        for n in eligible_nodes(nodes, job.spec.placement)
-        if _trains_in(n, label_key, job.spec.model.dtype, catalog)
-    ]
+    eligible = eligible_nodes(
+        nodes, job.spec.placement, dtype=job.spec.model.dtype, catalog=catalog
+    )
     rooms = dict(pool_rooms(free_nodes(eligible, pods, label_key), label_key, catalog))
     choices: dict[Key, Choice] = {}
     for k in sorted(stages):
