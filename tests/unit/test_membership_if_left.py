@@ -7,8 +7,21 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from relaytrain_operator.domain.membership import if_left, shrunk_pools
-from relaytrain_operator.domain.planner import ModelShape, Pool, TrainingShape, plan, plan_fleet
+from relaytrain_operator.cli.plan_format import format_if_left, if_left_dict
+from relaytrain_operator.domain.membership import (
+    RETURN_GAIN,
+    if_left,
+    price_return,
+    shrunk_pools,
+)
+from relaytrain_operator.domain.planner import (
+    ModelShape,
+    PlanError,
+    Pool,
+    TrainingShape,
+    plan,
+    plan_fleet,
+)
 from relaytrain_operator.domain.planner.cost import GIB
 from relaytrain_testkit.shapes import LLAMA3_8B_CONFIG
 
@@ -79,3 +92,60 @@ def test_a_gpu_no_stage_uses_changes_nothing_and_unknown_pools_are_refused() -> 
     assert [p.gpus for p in shrunk_pools([two, RTX], [H100])] == [1, 1]
     with pytest.raises(ValueError, match=r"pool 'a100' \(NVIDIA-A100-SXM4-80GB\) is not in"):
         shrunk_pools([two], [A100])
+
+
+def test_a_return_is_priced_against_the_pipelines_training_and_alone_always_pays() -> None:
+    pools = [H100, A100, RTX]
+    # The H100 trains; the pipeline out would come back on the A100, or on the RTX.
+    on_h100 = (8, [("h100", MODEL.num_layers)])
+    alone = plan(MODEL, TRAINING, [H100]).tokens_per_second
+    to_a100 = price_return(MODEL, TRAINING, [on_h100], (8, [("a100", MODEL.num_layers)]), pools)
+    to_rtx = price_return(MODEL, TRAINING, [on_h100], (8, [("rtx", MODEL.num_layers)]), pools)
+    assert to_a100.before == to_rtx.before == pytest.approx(alone, rel=1e-6)
+    assert to_a100.after > to_rtx.after > alone * (1 + RETURN_GAIN)  # on 100 Gbit/s, both pay
+    assert to_a100.pays and to_rtx.pays
+    assert (
+        to_rtx.words() == f"{to_rtx.before:,.0f} -> {to_rtx.after:,.0f} predicted tokens/s (+10%)"
+    )
+    # The RTX behind 1 Gbit/s: the adapters' sync each step costs more than its share brings.
+    slow = [H100, A100, replace(RTX, link_bandwidth_mbps=1000.0)]
+    behind = price_return(MODEL, TRAINING, [on_h100], (8, [("rtx", MODEL.num_layers)]), slow)
+    assert behind.after < behind.before and not behind.pays
+    # With no pipeline training, a return is the job's only speed: it pays.
+    first = price_return(MODEL, TRAINING, [], on_h100, pools)
+    assert first.before == 0 and first.pays
+    assert first.words() == f"{first.after:,.0f} predicted tokens/s"
+    with pytest.raises(PlanError, match="not usable here: l40s"):
+        price_return(MODEL, TRAINING, [on_h100], (8, [("l40s", MODEL.num_layers)]), pools)
+
+
+def test_with_replicas_auto_a_return_that_does_not_pay_is_held_out() -> None:
+    pools, pipes = _two_pipelines()
+    on_a100 = next(i for i, p in enumerate(pipes) if p.stages[0].pool == "a100")
+    # The only free GPU is an RTX behind 1 Gbit/s: coming back there slows the job.
+    fleet = [*pools, replace(RTX, link_bandwidth_mbps=1000.0)]
+    plain = if_left(MODEL, TRAINING, pipes, fleet, [A100])
+    assert plain.moves == {(on_a100, 0): "rtx"} and plain.held_out == {}
+    assert plain.tokens_per_second_after < plain.tokens_per_second_out
+    paying = if_left(MODEL, TRAINING, pipes, fleet, [A100], paying_only=True)
+    assert paying.moves == {} and paying.waiting == ()
+    assert list(paying.held_out) == [on_a100]
+    where, price = paying.held_out[on_a100]
+    assert where == ("rtx",) and not price.pays
+    assert price.before == pytest.approx(paying.tokens_per_second_out)
+    assert price.after == pytest.approx(plain.tokens_per_second_after)
+    assert paying.tokens_per_second_after == pytest.approx(paying.tokens_per_second_out)
+    shown = format_if_left("a100-0", paying, pipes)
+    assert (
+        f"- pipeline {on_a100} would fit on rtx but stays out: its return would not raise "
+        f"tokens/s by 5% ({price.words()})." in shown
+    )
+    assert "- then" not in shown  # nothing comes back
+    assert if_left_dict(paying)["heldOut"] == [
+        {
+            "pipeline": on_a100,
+            "pools": ["rtx"],
+            "tokensPerSecondWithout": round(price.before, 1),
+            "tokensPerSecondWith": round(price.after, 1),
+        }
+    ]

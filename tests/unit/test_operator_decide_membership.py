@@ -5,6 +5,8 @@ stages fit on free GPUs (domain/membership.py, decide/membership.py)."""
 from __future__ import annotations
 
 import copy
+import json
+import re
 from dataclasses import replace
 from datetime import timedelta
 from typing import Any
@@ -18,8 +20,9 @@ from relaytrain_operator.domain.membership import (
 )
 from relaytrain_operator.domain.recovery import INCARNATION_ANNOTATION
 from relaytrain_operator.domain.status import condition, to_manifest
-from relaytrain_operator.loop.decide import Decision, decide, needs, stage_pods
+from relaytrain_operator.loop.decide import Decision, ModelConfig, decide, needs, stage_pods
 from relaytrain_operator.spec import FailurePolicy, PipelineStatus
+from relaytrain_testkit import REPO
 from relaytrain_testkit.decide_cases import (
     JOB,
     NODES,
@@ -33,7 +36,9 @@ from relaytrain_testkit.decide_cases import (
     stage,
 )
 from relaytrain_testkit.decide_views import created, progress, ready_reason, summary
-from test_operator_decide_pipelines import FLEET, failed, fleet, named, without
+from relaytrain_testkit.jobs import Job
+from relaytrain_testkit.shapes import SMOLLM2_135M_CONFIG
+from test_operator_decide_pipelines import FLEET, failed, fleet, named, run_pods, without
 
 pytestmark = pytest.mark.unit
 
@@ -287,3 +292,86 @@ def test_the_wait_of_a_pipeline_given_up_again_and_again_stops_doubling() -> Non
         left_time="2026-11-22T10:00:00Z",
     )  # fmt: skip
     assert return_wait(given, policy, NOW) == timedelta(seconds=60 * 2**MAX_DOUBLINGS)
+
+
+LLAMA_8B = ModelConfig(
+    json.loads((REPO / "operator/relaytrain_operator/known_models/llama-3.1-8b.json").read_text())
+)
+
+
+def auto_fleet(job: Job, model: ModelConfig) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """`job` with `replicas: auto`, planned on NODES and running."""
+    first = decide(observed(job.build(), model=model), SETTINGS)
+    assert first.status is not None and first.status.plan is not None
+    assert first.status.plan.pipelines, "auto chose several pipelines"
+    pods = run_pods(first)
+    running = decide(observed(job.status(to_manifest(first.status)).build(), pods), SETTINGS)
+    assert running.status is not None
+    return job.status(to_manifest(running.status)).build(), pods
+
+
+def leaves(
+    job: dict[str, Any], pods: list[dict[str, Any]], p: int, model: ModelConfig
+) -> tuple[dict[str, Any], list[dict[str, Any]], str]:
+    """Pipeline `p`'s node cordoned and its pods gone: the job, the pods left, the node."""
+    name = named(pods, f"j-p{p}-s0")["spec"]["nodeName"]
+    left = decide(observed(job, pods, nodes=cordoned(name), model=model), SETTINGS)
+    assert pipeline(left, p).phase == "Left"
+    gone = [q for q in pods if not q["metadata"]["name"].startswith(f"j-p{p}-")]
+    return stored(left, job), gone, name
+
+
+def test_with_replicas_auto_a_pipeline_comes_back_only_where_its_return_pays() -> None:
+    # SmolLM2 in two stages: the planner's second pipeline adds almost nothing (the
+    # adapters' sync over the default link eats its share), so once out it stays out.
+    small = JOB.pipeline(stages=2, replicas="auto")
+    job, pods = auto_fleet(small, ModelConfig(SMOLLM2_135M_CONFIG))
+    job, alive, gone = leaves(job, pods, 1, ModelConfig(SMOLLM2_135M_CONFIG))
+    joined = [*cordoned(gone), node("a100-9", "a100")]
+    held = decide(observed(job, alive, nodes=joined, progress=progress(55)), SETTINGS)
+    assert summary(held) == ["event:PipelineHeldOut", "given-up:1", "patch"]
+    out = pipeline(held, 1)
+    assert out.phase == "Left" and out.held_out is not None
+    assert "would not raise the job's predicted tokens/s by 5%" in out.held_out
+    assert re.search(r"[\d,]+ -> [\d,]+ predicted tokens/s \([+-]\d+%\)", out.held_out)
+    assert f"Pipeline 1 stays out: {out.held_out}" in events(held)[0].message
+    # The same reason on the next pass: no second Event.
+    again = decide(observed(stored(held, job), alive, nodes=joined), SETTINGS)
+    assert summary(again) == ["given-up:1"]
+    # The user fixed two pipelines: it comes back, paying or not.
+    fixed = copy.deepcopy(stored(held, job))
+    fixed["spec"]["pipeline"]["replicas"] = 2
+    back = decide(observed(fixed, alive, nodes=joined), SETTINGS)
+    assert [s for s in summary(back) if s.startswith("create:j-")] == [
+        "create:j-p1-s0",
+        "create:j-p1-s1",
+    ]
+    assert pipeline(back, 1).held_out is None  # cleared on its return
+    # A model config that cannot be priced any more: it comes back as before the rule.
+    unreadable = ModelConfig({"model_type": "mystery"})
+    blind = decide(observed(stored(held, job), alive, nodes=joined, model=unreadable), SETTINGS)
+    assert "create:j-p1-s0" in summary(blind)
+
+
+def test_a_return_that_raises_the_job_s_speed_is_made() -> None:
+    # Llama-3.1-8B, one GPU per pipeline, 64 micro-batches a step: every big GPU pays.
+    big = (
+        JOB.dataset("s3://data/train.jsonl", sequence_length=2048)
+        .training(steps=100, micro_batch_size=1, micro_batches=64)
+        .pipeline(stages=1, replicas="auto")
+    )
+    job, pods = auto_fleet(big, LLAMA_8B)
+    a100 = next(
+        p
+        for p in range(3)
+        if named(pods, f"j-p{p}-s0")["spec"]["nodeSelector"]["relaytrain.io/pool"] == "a100"
+    )
+    job, alive, gone = leaves(job, pods, a100, LLAMA_8B)
+    joined = [*cordoned(gone), node("a100-9", "a100")]
+    back = decide(observed(job, alive, nodes=joined, model=LLAMA_8B), SETTINGS)
+    assert [s for s in summary(back) if s.startswith("create:j-")] == [f"create:j-p{a100}-s0"]
+    added = next(e.message for e in events(back) if e.reason == "PipelineAdded")
+    gain = re.search(r"With it: ([\d,]+) -> ([\d,]+) predicted tokens/s \(\+(\d+)%\)", added)
+    assert gain is not None, added
+    assert int(gain[3]) >= 5
+    assert pipeline(back, a100).held_out is None

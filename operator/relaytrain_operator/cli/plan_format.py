@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from relaytrain_operator.domain.membership import IfLeft
+from relaytrain_operator.domain.membership import RETURN_GAIN, IfLeft
 from relaytrain_operator.domain.planner import FleetPlan, ModelShape, Plan, TrainingShape
 from relaytrain_operator.domain.planner.cost import GIB
 from relaytrain_operator.store.model_config import Resolved
@@ -151,7 +151,7 @@ def format_if_left(nodes: str, left: IfLeft, pipelines: tuple[Plan, ...]) -> str
             + speed.format(left.tokens_per_second_out)
             + "."
         )
-    elif len(left.waiting) == len(left.leaving):
+    elif len(left.waiting) + len(left.held_out) == len(left.leaving):
         lines.append(
             "- every pipeline has left: the job is Suspended (reason FleetGone) with its last "
             "commit until one fits again."
@@ -168,10 +168,16 @@ def format_if_left(nodes: str, left: IfLeft, pipelines: tuple[Plan, ...]) -> str
                 f"- pipeline {i} comes back, its split kept, once free GPUs fit its stages "
                 f"(up to {need:.1f} GiB): none do now."
             )
+        elif i in left.held_out:
+            fits, price = left.held_out[i]
+            lines.append(
+                f"- pipeline {i} would fit on {'+'.join(fits)} but stays out: its return "
+                f"would not raise tokens/s by {RETURN_GAIN:.0%} ({price.words()})."
+            )
         else:
             pools = "+".join(left.moves[(i, s.index)] for s in pipelines[i].stages)
             lines.append(f"- pipeline {i} comes back at once on {pools}.")
-    if len(left.waiting) < len(left.leaving):
+    if len(left.waiting) + len(left.held_out) < len(left.leaving):
         lines.append("- then " + speed.format(left.tokens_per_second_after) + ".")
     return "\n".join(lines)
 
@@ -186,6 +192,15 @@ def if_left_dict(left: IfLeft) -> dict[str, Any]:
             {"pipeline": i, "stage": k, "pool": pool} for (i, k), pool in sorted(left.moves.items())
         ],
         "waiting": list(left.waiting),
+        "heldOut": [
+            {
+                "pipeline": i,
+                "pools": list(pools),
+                "tokensPerSecondWithout": round(price.before, 1),
+                "tokensPerSecondWith": round(price.after, 1),
+            }
+            for i, (pools, price) in sorted(left.held_out.items())
+        ],
         "tokensPerSecondBefore": round(left.tokens_per_second_before, 1),
         "tokensPerSecondOut": round(left.tokens_per_second_out, 1),
         "sharesOut": list(left.shares_out),

@@ -11,6 +11,9 @@ the job's record (docs/operator.md, "The job follows the fleet").
   eligible node (the placement of replacements decides, so a pool that is gone is
   replaced by another whose memory fits), when its wait is over (`return_wait`), and when
   the job has enough left to pay for the join (`worth_returning`).
+- **Whether a return pays.** A pipeline comes back only where the job's predicted tokens/s
+  rise by `RETURN_GAIN` with it (`price_return`): on slower GPUs, or over links whose
+  synchronisation costs more than its share brings, it would slow the pipelines it joins.
 - **What if.** `if_left` answers, for a job as planned, what these rules would do if some
   of its fleet's GPUs left (`relaytrain plan --leave`).
 """
@@ -18,7 +21,7 @@ the job's record (docs/operator.md, "The job follows the fleet").
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -56,6 +59,42 @@ MAX_DOUBLINGS = 6
 """A pipeline given up again and again waits at most 2**6 times returnAfterSeconds."""
 
 MIB = 1 << 20
+
+RETURN_GAIN = 0.05
+"""A pipeline comes back only when the job's predicted tokens/s rise by at least this share
+with it. A return is not free: its stages load their slice and take a live peer's state,
+the step they join at waits for that transfer, and every step after is shared one way more.
+And the prediction is a model: on one H200 it was 1.4-1.7x optimistic in absolute speed
+(docs/gpu-check.md), an error that largely cancels when two fleets of the same GPUs are
+compared but not one we have measured between GPU types. A gain under 5 % is not worth a
+join on that evidence; a pipeline brought back for nothing is churn."""
+
+Layout = tuple[int, Sequence[tuple[str, int]]]
+"""A pipeline as it runs: its share of each step's micro-batches and its stages' (pool,
+decoder layers) in order."""
+
+
+@dataclass(frozen=True)
+class ReturnPrice:
+    """The job's predicted tokens/s without and with a pipeline that would come back."""
+
+    before: float
+    """The pipelines training now (0: none)."""
+    after: float
+    """With the returning one on the pools found for it."""
+
+    @property
+    def pays(self) -> bool:
+        """Whether the return raises tokens/s by `RETURN_GAIN` (always, with none training)."""
+        return self.after >= self.before * (1 + RETURN_GAIN) and self.after > 0
+
+    def words(self) -> str:
+        return (
+            f"{self.before:,.0f} -> {self.after:,.0f} predicted tokens/s "
+            f"({self.after / self.before - 1:+.0%})"
+            if self.before > 0
+            else f"{self.after:,.0f} predicted tokens/s"
+        )
 
 
 def departure(node: Mapping[str, Any] | None) -> str | None:
@@ -128,6 +167,37 @@ class IfLeft:
     """Micro-batches of each pipeline that trains on, in order (empty: none)."""
     tokens_per_second_after: float
     """Once every pipeline that fits has moved or come back (0: the job waits)."""
+    held_out: Mapping[int, tuple[tuple[str, ...], ReturnPrice]] = field(default_factory=dict)
+    """Pipelines that fit (on these pools) but stay out: their return does not pay
+    (`paying_only`)."""
+
+
+def price_return(
+    model: ModelShape,
+    training: TrainingShape,
+    training_now: Sequence[Layout],
+    returning: Layout,
+    pools: Sequence[Pool],
+    *,
+    catalog: Catalog | None = None,
+    sync: Sync | None = None,
+) -> ReturnPrice:
+    """What `returning` adds to the pipelines `training_now` (each priced where it runs,
+    the step's micro-batches shared among them as the planner shares them): the operator's
+    rule for a pipeline that fits on free GPUs. PlanError when a layout names a pool not in
+    `pools`."""
+    catalog = catalog or DEFAULT_CATALOG
+
+    def priced(layout: Layout) -> Plan:
+        micro_batches, stages = layout
+        own = replace(training, micro_batches=micro_batches)
+        return assess(model, own, pools, list(stages), catalog)
+
+    live = [priced(layout) for layout in training_now]
+    before, _ = _speed(model, training, live, pools, catalog=catalog, sync=sync)
+    after, _ = _speed(model, training, [*live, priced(returning)], pools, catalog=catalog,
+                      sync=sync)  # fmt: skip
+    return ReturnPrice(before, after)
 
 
 def shrunk_pools(pools: Sequence[Pool], leaving: Sequence[Pool]) -> list[Pool]:
@@ -152,12 +222,15 @@ def if_left(
     *,
     catalog: Catalog | None = None,
     sync: Sync | None = None,
+    paying_only: bool = False,
 ) -> IfLeft:
     """What the operator's rules do if ``leaving``'s GPUs leave ``pools`` while
     ``pipelines`` (the job as planned on ``pools``) train: one pipeline moves each stage on
     a leaving GPU to a free one (``choose_pool``: its pool, else the smallest that fits),
     uncounted; several lose every pipeline with such a stage, which leaves at a step
-    boundary and comes back at once where all its stages fit on the GPUs still free."""
+    boundary and comes back at once where all its stages fit on the GPUs still free — with
+    ``paying_only`` (a job of ``replicas: auto``), only where its return pays
+    (`ReturnPrice.pays`, against the pipelines training then)."""
     catalog = catalog or DEFAULT_CATALOG
     after = shrunk_pools(pools, leaving)
     lost = {p.name: p.gpus for p in leaving}
@@ -173,29 +246,45 @@ def if_left(
     moves: dict[tuple[int, int], str] = {}
     waiting: list[int] = []
     back: dict[int, Plan] = {}
+    held: dict[int, tuple[tuple[str, ...], ReturnPrice]] = {}
+    on = [p for i, p in enumerate(pipelines) if i not in leaving_pipes] if several else []
     for i in leaving_pipes if several else sorted({i for i, _ in hit}):
         stages = pipelines[i].stages
         todo = [s for s in stages if several or (i, s.index) in hit]
+        free = dict(rooms)
         chosen = _place(todo, rooms)
         if chosen is None:
             waiting.append(i)
             continue
-        for s, pool in zip(todo, chosen, strict=True):
-            moves[(i, s.index)] = pool
-        pools_now = [moves.get((i, s.index), s.pool) for s in stages]
+        where = dict(zip((s.index for s in todo), chosen, strict=True))
+        pools_now = [where.get(s.index, s.pool) for s in stages]
         own = replace(training, micro_batches=pipelines[i].micro_batches)
-        back[i] = assess(model, own, after, [(pool, s.layer_end - s.layer_start)
-                                             for pool, s in zip(pools_now, stages, strict=True)],
-                         catalog)  # fmt: skip
+        plan_i = assess(model, own, after, [(pool, s.layer_end - s.layer_start)
+                                            for pool, s in zip(pools_now, stages, strict=True)],
+                        catalog)  # fmt: skip
+        if several and paying_only:
+            now = [*on, *back.values()]
+            price = ReturnPrice(
+                _speed(model, training, now, after, catalog=catalog, sync=sync)[0],
+                _speed(model, training, [*now, plan_i], after, catalog=catalog, sync=sync)[0],
+            )
+            if not price.pays:
+                rooms.clear()
+                rooms.update(free)  # its GPUs stay free
+                held[i] = (tuple(pools_now), price)
+                continue
+        moves.update({(i, k): pool for k, pool in where.items()})
+        back[i] = plan_i
     out, shares = 0.0, tuple[int, ...]()
     if several:
-        on = [p for i, p in enumerate(pipelines) if i not in leaving_pipes]
         out, shares = _speed(model, training, on, after, catalog=catalog, sync=sync)
-    finally_on = [back.get(i, p) for i, p in enumerate(pipelines) if i not in waiting]
+    finally_on = [
+        back.get(i, p) for i, p in enumerate(pipelines) if i not in waiting and i not in held
+    ]
     final, _ = _speed(model, training, finally_on, after, catalog=catalog, sync=sync)
     before, _ = _speed(model, training, list(pipelines), pools, catalog=catalog, sync=sync)
     return IfLeft(lost, tuple(sorted(hit)), leaving_pipes, moves, tuple(waiting), before,
-                  out, shares, final)  # fmt: skip
+                  out, shares, final, held)  # fmt: skip
 
 
 def _rooms(

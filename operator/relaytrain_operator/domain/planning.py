@@ -37,11 +37,14 @@ JsonDict = dict[str, Any]
 __all__ = ["LoraTargetError", "ModelConfigError", "PlanError", "make_plan", "training_shape"]
 
 
-def training_shape(job: FineTuneJob) -> TrainingShape:
-    """The settings of `job` the planner prices (with `compression: auto`, the first code the
-    planner tries: `choose_compression` tries them all)."""
+def training_shape(job: FineTuneJob, chosen: str | None = None) -> TrainingShape:
+    """The settings of `job` the planner prices (with `compression: auto`, the code the plan
+    `chosen` — status.plan.compression — or, before a plan, the first code the planner
+    tries: `choose_compression` tries them all)."""
     spec = job.spec
-    compression = spec.pipeline.compression
+    compression: str = spec.pipeline.compression
+    if compression == AUTO:
+        compression = chosen or AUTO_ORDER[0]
     return TrainingShape(
         micro_batch_size=spec.training.micro_batch_size,
         micro_batches=spec.training.micro_batches,
@@ -50,7 +53,7 @@ def training_shape(job: FineTuneJob) -> TrainingShape:
         lora_rank=spec.method.rank,
         lora_targets=tuple(spec.method.target_modules),
         lora_dropout=spec.method.dropout,
-        compression=AUTO_ORDER[0] if compression == "auto" else compression,
+        compression=compression,  # type: ignore[arg-type]  # TrainingShape checks it
         dtype=spec.model.dtype,
         forwards_ahead=spec.pipeline.forwards_ahead,
     )

@@ -51,7 +51,9 @@ DEGRADED = "Degraded"
 PipelinePhase = Literal["Pending", "Running", "Recovering", "Succeeded", "Failed", "Left"]
 OUT_PHASES = ("Failed", "Left")
 """The phases of a pipeline out of the job: given up, or gone with its nodes."""
-LIFE_FIELDS = ("left_at_step", "left_time", "left_reason", "returns", "returned_at_step")
+LIFE_FIELDS = (
+    "left_at_step", "left_time", "left_reason", "returns", "returned_at_step", "held_out",
+)  # fmt: skip
 """What status.pipelines[] keeps of a pipeline's life from pass to pass."""
 """Condition of a job that trains several pipelines: True while one of them is out
 (recovering or given up) and the others train on."""

@@ -59,8 +59,9 @@ def needs(job: JsonDict, pods: Mapping[StageKey, JsonDict], now: datetime | None
     links = status.link_certificates
     due = parse_time(links.next_step_at) if links is not None else None
     returned = any(p.returns for p in status.pipelines or ())
-    # A pipeline out comes back where it fits: one that left, or one given up while the
-    # policy tries those again.
+    # A pipeline out comes back where it fits (and, with `replicas: auto`, where its
+    # return pays, priced on the model): one that left, or one given up while the policy
+    # tries those again.
     again = spec.spec.failure_policy.return_after_seconds > 0
     returnable = any(
         p.phase == "Left" or (p.phase == "Failed" and again) for p in status.pipelines or ()
@@ -69,6 +70,7 @@ def needs(job: JsonDict, pods: Mapping[StageKey, JsonDict], now: datetime | None
         link_secret=now is not None and (due is None or now >= due),
         pods=missing,
         room=missing or returnable,
+        model=returnable and spec.spec.pipeline.replicas == "auto",
         progress=is_s3(spec.spec.checkpoint.uri),
         workload=queued,
         given_up=(bool(out) or returned) and is_s3(spec.spec.checkpoint.uri),

@@ -9,7 +9,9 @@ pipeline given up. One that comes back has its stages created afresh, their rest
 counts at zero, on the pools the placement found free, after the store no longer names it:
 its stages rejoin the pipelines training at a step boundary with their state (or, with none
 training, every pipeline restores the last commit). One pipeline comes back per pass, so
-the next pass sees its pods hold their GPUs before it places another.
+the next pass sees its pods hold their GPUs before it places another. One whose return
+would not raise the job's predicted tokens/s by `RETURN_GAIN` stays out, and says so in
+status.pipelines[i].heldOut and a PipelineHeldOut Event (once per different reason).
 """
 
 from __future__ import annotations
@@ -17,8 +19,18 @@ from __future__ import annotations
 from datetime import timedelta
 
 from relaytrain_operator.domain.builders.labels import StageKey
-from relaytrain_operator.domain.membership import departure, return_wait, worth_returning
-from relaytrain_operator.domain.placement import place_replacements
+from relaytrain_operator.domain.membership import (
+    RETURN_GAIN,
+    Layout,
+    ReturnPrice,
+    departure,
+    price_return,
+    return_wait,
+    worth_returning,
+)
+from relaytrain_operator.domain.placement import Choice, job_pools, place_replacements
+from relaytrain_operator.domain.planner import ModelShape, PlanError, PoolError, Sync
+from relaytrain_operator.domain.planning import training_shape
 from relaytrain_operator.domain.status import (
     OUT_PHASES,
     idle_stage,
@@ -136,6 +148,12 @@ def bring_back(
             c.free and (ctx.queue is None or c.pool == stages[k][0]) for k, c in choices.items()
         ):
             continue
+        price = _price(
+            ctx, spec, plan, out=out, p=p, chosen={k: c.pool for k, c in choices.items()}
+        )
+        if price is not None and not price.pays:
+            _hold_out(ctx, dated, price, choices)
+            continue
         for key in keys:
             entries[key] = StageStatus(
                 index=key[1], pipeline=p if plan.several() else None, pool=choices[key].pool
@@ -147,7 +165,8 @@ def bring_back(
             "PipelineAdded",
             f"Pipeline {p} comes back after step {_step(ctx)} ({_was(dated)}): its "
             f"{len(keys)} stages fit on free GPUs ({pools}). It rejoins the pipelines "
-            "training at a step boundary with their state.",
+            "training at a step boundary with their state."
+            + (f" With it: {price.words()}." if price is not None else ""),
         )
         ctx.wake_within(NEXT_RETURN_SECONDS)
         return keys
@@ -156,8 +175,77 @@ def bring_back(
     return []
 
 
+def _price(
+    ctx: Pass,
+    spec: FineTuneJob,
+    plan: PlanStatus,
+    *,
+    out: set[int],
+    p: int,
+    chosen: dict[StageKey, str],
+) -> ReturnPrice | None:
+    """What pipeline `p` on the pools `chosen` adds to the pipelines not `out` (each on the
+    pools its stages hold now, with its planned share); None where the rule does not apply
+    — the user fixed `spec.pipeline.replicas`, and asked for that many — or where it cannot
+    be priced (the model's config unread, nodes the planner cannot make pools of, a stage on
+    a pool no node makes now): then it comes back, as before the rule."""
+    model, planned = ctx.observed.model, plan.pipelines
+    if spec.spec.pipeline.replicas != "auto" or model is None or model.config is None:
+        return None
+    assert planned, "only a job of several pipelines has one out"
+    pools_now = {(s.pipeline or 0, s.index): s.pool for s in ctx.status.stages if s.pool}
+
+    def layout(i: int, pool_of: dict[StageKey, str]) -> Layout:
+        stages = plan.splits()[i]
+        return planned[i].micro_batches, [
+            (pool_of.get((i, s.index)) or s.pool, s.layer_end - s.layer_start) for s in stages
+        ]
+
+    sync = spec.spec.pipeline.sync
+    try:
+        training = training_shape(spec, plan.compression)
+        nodes = list(ctx.observed.nodes.values())
+        return price_return(
+            ModelShape.from_hf_config(model.config),
+            training,
+            [layout(i, pools_now) for i in range(len(planned)) if i not in out],
+            layout(p, chosen),
+            job_pools(spec, nodes, [], default_link=ctx.settings.default_link,
+                      require_ready=False),
+            catalog=ctx.settings.catalog,
+            sync=Sync(sync.mode, sync.every_steps or 1),
+        )  # fmt: skip
+    except (PlanError, PoolError, ValueError):
+        return None
+
+
+def _hold_out(
+    ctx: Pass, pipeline: PipelineStatus, price: ReturnPrice, choices: dict[StageKey, Choice]
+) -> None:
+    """Keep `pipeline` out although it fits: say why in its status and, when the reason is
+    new, in a PipelineHeldOut Event."""
+    pools = ", ".join(choices[key].pool for key in sorted(choices))
+    why = (
+        f"its stages fit on free GPUs ({pools}), but its return would not raise the job's "
+        f"predicted tokens/s by {RETURN_GAIN:.0%}: {price.words()}"
+    )
+    if pipeline.held_out == why:
+        return
+    _replace(ctx, pipeline.model_copy(update={"held_out": why}))
+    ctx.event(
+        "Normal",
+        "PipelineHeldOut",
+        f"Pipeline {pipeline.index} stays out: {why}. It comes back when a return pays.",
+    )
+
+
 def _record_return(ctx: Pass, pipeline: PipelineStatus) -> None:
-    update = {"phase": "Pending", "returns": pipeline.returns + 1, "returned_at_step": _step(ctx)}
+    update = {
+        "phase": "Pending",
+        "returns": pipeline.returns + 1,
+        "returned_at_step": _step(ctx),
+        "held_out": None,
+    }
     _replace(ctx, pipeline.model_copy(update=update))
 
 
