@@ -35,10 +35,9 @@ from relaytrain_testkit.decide_cases import (
     running_status,
     stage,
 )
+from relaytrain_testkit.decide_fleet import FLEET, failed, fleet, named, without
 from relaytrain_testkit.decide_views import created, progress, ready_reason, summary
-from relaytrain_testkit.jobs import Job
 from relaytrain_testkit.shapes import SMOLLM2_135M_CONFIG
-from test_operator_decide_pipelines import FLEET, failed, fleet, named, run_pods, without
 
 pytestmark = pytest.mark.unit
 
@@ -299,17 +298,6 @@ LLAMA_8B = ModelConfig(
 )
 
 
-def auto_fleet(job: Job, model: ModelConfig) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """`job` with `replicas: auto`, planned on NODES and running."""
-    first = decide(observed(job.build(), model=model), SETTINGS)
-    assert first.status is not None and first.status.plan is not None
-    assert first.status.plan.pipelines, "auto chose several pipelines"
-    pods = run_pods(first)
-    running = decide(observed(job.status(to_manifest(first.status)).build(), pods), SETTINGS)
-    assert running.status is not None
-    return job.status(to_manifest(running.status)).build(), pods
-
-
 def leaves(
     job: dict[str, Any], pods: list[dict[str, Any]], p: int, model: ModelConfig
 ) -> tuple[dict[str, Any], list[dict[str, Any]], str]:
@@ -325,7 +313,7 @@ def test_with_replicas_auto_a_pipeline_comes_back_only_where_its_return_pays() -
     # SmolLM2 in two stages: the planner's second pipeline adds almost nothing (the
     # adapters' sync over the default link eats its share), so once out it stays out.
     small = JOB.pipeline(stages=2, replicas="auto")
-    job, pods = auto_fleet(small, ModelConfig(SMOLLM2_135M_CONFIG))
+    job, pods = fleet(small)
     job, alive, gone = leaves(job, pods, 1, ModelConfig(SMOLLM2_135M_CONFIG))
     joined = [*cordoned(gone), node("a100-9", "a100")]
     held = decide(observed(job, alive, nodes=joined, progress=progress(55)), SETTINGS)
@@ -360,7 +348,7 @@ def test_a_return_that_raises_the_job_s_speed_is_made() -> None:
         .training(steps=100, micro_batch_size=1, micro_batches=64)
         .pipeline(stages=1, replicas="auto")
     )
-    job, pods = auto_fleet(big, LLAMA_8B)
+    job, pods = fleet(big, LLAMA_8B)
     a100 = next(
         p
         for p in range(3)

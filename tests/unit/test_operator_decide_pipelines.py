@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from relaytrain_operator.domain.recovery import INCARNATION_ANNOTATION
 from relaytrain_operator.domain.status import READY, condition, load_status, to_manifest
-from relaytrain_operator.loop.actions import Create, CreateLinkSecret, DeletePod
+from relaytrain_operator.loop.actions import CreateLinkSecret, DeletePod
 from relaytrain_operator.loop.decide import (
     WAITING_ANNOTATION,
     Decision,
@@ -23,68 +23,21 @@ from relaytrain_operator.loop.decide import (
     stage_pods,
 )
 from relaytrain_testkit.decide_cases import (
-    JOB,
-    NODES,
-    PRODUCTS,
     SETTINGS,
     events,
     observed,
     pod,
 )
+from relaytrain_testkit.decide_fleet import FLEET, failed, fleet, named, run_pods, without
 from relaytrain_testkit.decide_views import created, progress, ready_reason, summary
 
 pytestmark = pytest.mark.unit
-
-
-FLEET = JOB.pipeline(stages=2, replicas=2)
-"""The job as two pipelines of two stages."""
 
 
 def stage_document(decision: Decision, name: str) -> dict[str, Any]:
     """The stage-contract document of the pod `decision` created as `name`."""
     env = created(decision, name)["spec"]["containers"][0]["env"]
     return json.loads(next(e["value"] for e in env if e["name"] == "RELAYTRAIN_STAGE_CONFIG"))  # type: ignore[no-any-return]
-
-
-def run_pods(decision: Decision) -> list[dict[str, Any]]:
-    """The stage pods `decision` created, bound to a node of their pool and Running."""
-    free = {
-        pool: [n["metadata"]["name"] for n in NODES if pool in n["metadata"]["name"]]
-        for pool in PRODUCTS
-    }
-    out = []
-    for action in decision.actions:
-        if isinstance(action, Create) and action.obj["kind"] == "Pod":
-            p = copy.deepcopy(action.obj)
-            p["metadata"]["uid"] = f"uid-{p['metadata']['name']}"
-            p["spec"]["nodeName"] = free[p["spec"]["nodeSelector"]["relaytrain.io/pool"]].pop()
-            p["status"] = {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}
-            out.append(p)
-    return out
-
-
-def fleet() -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """A job of two 2-stage pipelines on NODES' four GPUs, planned and running."""
-    first = decide(observed(FLEET.build()), SETTINGS)
-    assert first.status is not None
-    pods = run_pods(first)
-    running = decide(observed(FLEET.status(to_manifest(first.status)).build(), pods), SETTINGS)
-    assert running.status is not None
-    return FLEET.status(to_manifest(running.status)).build(), pods
-
-
-def named(pods: list[dict[str, Any]], name: str) -> dict[str, Any]:
-    return next(p for p in pods if p["metadata"]["name"] == name)
-
-
-def without(pods: list[dict[str, Any]], *names: str) -> list[dict[str, Any]]:
-    return [p for p in pods if p["metadata"]["name"] not in names]
-
-
-def failed(p: dict[str, Any]) -> dict[str, Any]:
-    p = copy.deepcopy(p)
-    p["status"] = {"phase": "Failed", "conditions": [{"type": "Ready", "status": "False"}]}
-    return p
 
 
 def test_several_pipelines_are_planned_named_and_wired_per_pipeline() -> None:

@@ -1,0 +1,64 @@
+"""A job of several pipelines for the decision's tests: planned on `decide_cases.NODES`,
+its pods bound and Running, and the small edits the tests make to its pods."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from relaytrain_operator.domain.status import to_manifest
+from relaytrain_operator.loop.actions import Create
+from relaytrain_operator.loop.decide import Decision, ModelConfig, decide
+
+from relaytrain_testkit.decide_cases import JOB, NODES, PRODUCTS, SETTINGS, observed
+from relaytrain_testkit.jobs import Job
+
+FLEET = JOB.pipeline(stages=2, replicas=2)
+"""The job as two pipelines of two stages."""
+
+
+def run_pods(decision: Decision) -> list[dict[str, Any]]:
+    """The stage pods `decision` created, bound to a node of their pool and Running."""
+    free = {
+        pool: [n["metadata"]["name"] for n in NODES if pool in n["metadata"]["name"]]
+        for pool in PRODUCTS
+    }
+    out = []
+    for action in decision.actions:
+        if isinstance(action, Create) and action.obj["kind"] == "Pod":
+            p = copy.deepcopy(action.obj)
+            p["metadata"]["uid"] = f"uid-{p['metadata']['name']}"
+            p["spec"]["nodeName"] = free[p["spec"]["nodeSelector"]["relaytrain.io/pool"]].pop()
+            p["status"] = {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}
+            out.append(p)
+    return out
+
+
+def fleet(
+    job: Job = FLEET, model: ModelConfig | None = None
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """`job` (by default two 2-stage pipelines) planned on NODES' GPUs and running, with
+    `model`'s config (None: SmolLM2-135M's)."""
+    first = decide(observed(job.build(), model=model), SETTINGS)
+    assert first.status is not None
+    pods = run_pods(first)
+    running = decide(observed(job.status(to_manifest(first.status)).build(), pods), SETTINGS)
+    assert running.status is not None
+    return job.status(to_manifest(running.status)).build(), pods
+
+
+def named(pods: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    """The pod called `name`."""
+    return next(p for p in pods if p["metadata"]["name"] == name)
+
+
+def without(pods: list[dict[str, Any]], *names: str) -> list[dict[str, Any]]:
+    """`pods` less those called `names`."""
+    return [p for p in pods if p["metadata"]["name"] not in names]
+
+
+def failed(p: dict[str, Any]) -> dict[str, Any]:
+    """A copy of pod `p`, Failed."""
+    p = copy.deepcopy(p)
+    p["status"] = {"phase": "Failed", "conditions": [{"type": "Ready", "status": "False"}]}
+    return p
