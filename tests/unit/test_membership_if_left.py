@@ -9,7 +9,6 @@ from dataclasses import replace
 import pytest
 from relaytrain_operator.cli.plan_format import format_if_left, if_left_dict
 from relaytrain_operator.domain.membership import (
-    RETURN_GAIN,
     if_left,
     price_return,
     shrunk_pools,
@@ -23,6 +22,7 @@ from relaytrain_operator.domain.planner import (
     plan_fleet,
 )
 from relaytrain_operator.domain.planner.cost import GIB
+from relaytrain_operator.domain.planner.growth import GROWTH_MARGIN
 from relaytrain_testkit.shapes import LLAMA3_8B_CONFIG
 
 pytestmark = pytest.mark.unit
@@ -102,7 +102,7 @@ def test_a_return_is_priced_against_the_pipelines_training_and_alone_always_pays
     to_a100 = price_return(MODEL, TRAINING, [on_h100], (8, [("a100", MODEL.num_layers)]), pools)
     to_rtx = price_return(MODEL, TRAINING, [on_h100], (8, [("rtx", MODEL.num_layers)]), pools)
     assert to_a100.before == to_rtx.before == pytest.approx(alone, rel=1e-6)
-    assert to_a100.after > to_rtx.after > alone * (1 + RETURN_GAIN)  # on 100 Gbit/s, both pay
+    assert to_a100.after > to_rtx.after > alone * (1 + GROWTH_MARGIN)  # on 100 Gbit/s, both pay
     assert to_a100.pays and to_rtx.pays
     assert (
         to_rtx.words() == f"{to_rtx.before:,.0f} -> {to_rtx.after:,.0f} predicted tokens/s (+10%)"

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from relaytrain_operator.domain.membership import RETURN_GAIN, IfLeft
+from relaytrain_operator.domain.membership import IfLeft
 from relaytrain_operator.domain.planner import FleetPlan, ModelShape, Plan, TrainingShape
 from relaytrain_operator.domain.planner.cost import GIB
+from relaytrain_operator.domain.planner.growth import GROWTH_MARGIN
 from relaytrain_operator.store.model_config import Resolved
 
 
@@ -172,7 +173,7 @@ def format_if_left(nodes: str, left: IfLeft, pipelines: tuple[Plan, ...]) -> str
             fits, price = left.held_out[i]
             lines.append(
                 f"- pipeline {i} would fit on {'+'.join(fits)} but stays out: its return "
-                f"would not raise tokens/s by {RETURN_GAIN:.0%} ({price.words()})."
+                f"would not raise tokens/s by {GROWTH_MARGIN:.0%} ({price.words()})."
             )
         else:
             pools = "+".join(left.moves[(i, s.index)] for s in pipelines[i].stages)

@@ -12,7 +12,7 @@ the job's record (docs/operator.md, "The job follows the fleet").
   replaced by another whose memory fits), when its wait is over (`return_wait`), and when
   the job has enough left to pay for the join (`worth_returning`).
 - **Whether a return pays.** A pipeline comes back only where the job's predicted tokens/s
-  rise by `RETURN_GAIN` with it (`price_return`): on slower GPUs, or over links whose
+  rise by `GROWTH_MARGIN` (5 %) with it (`price_return`): on slower GPUs, or over links whose
   synchronisation costs more than its share brings, it would slow the pipelines it joins.
 - **What if.** `if_left` answers, for a job as planned, what these rules would do if some
   of its fleet's GPUs left (`relaytrain plan --leave`).
@@ -37,7 +37,7 @@ from relaytrain_operator.domain.planner import (
     assess,
     plan_growth,
 )
-from relaytrain_operator.domain.planner.growth import JOIN_SECONDS
+from relaytrain_operator.domain.planner.growth import GROWTH_MARGIN, JOIN_SECONDS
 from relaytrain_operator.domain.status import parse_time
 from relaytrain_operator.spec import FailurePolicy, PipelineStatus
 
@@ -60,15 +60,6 @@ MAX_DOUBLINGS = 6
 
 MIB = 1 << 20
 
-RETURN_GAIN = 0.05
-"""A pipeline comes back only when the job's predicted tokens/s rise by at least this share
-with it. A return is not free: its stages load their slice and take a live peer's state,
-the step they join at waits for that transfer, and every step after is shared one way more.
-And the prediction is a model: on one H200 it was 1.4-1.7x optimistic in absolute speed
-(docs/gpu-check.md), an error that largely cancels when two fleets of the same GPUs are
-compared but not one we have measured between GPU types. A gain under 5 % is not worth a
-join on that evidence; a pipeline brought back for nothing is churn."""
-
 Layout = tuple[int, Sequence[tuple[str, int]]]
 """A pipeline as it runs: its share of each step's micro-batches and its stages' (pool,
 decoder layers) in order."""
@@ -85,8 +76,9 @@ class ReturnPrice:
 
     @property
     def pays(self) -> bool:
-        """Whether the return raises tokens/s by `RETURN_GAIN` (always, with none training)."""
-        return self.after >= self.before * (1 + RETURN_GAIN) and self.after > 0
+        """Whether the return raises tokens/s by `GROWTH_MARGIN` (always, with none
+        training): the margin pipelines are added by (planner/growth.py says why)."""
+        return self.after >= self.before * (1 + GROWTH_MARGIN) and self.after > 0
 
     def words(self) -> str:
         return (

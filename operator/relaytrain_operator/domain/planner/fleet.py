@@ -16,7 +16,10 @@ The search, in two parts:
    exact over the candidates when it finishes within ``SET_BUDGET`` sets ("exhaustive"),
    else the best found ("heuristic").
 
-One pipeline is the answer when it wins; it is then exactly ``plan()``'s result.
+One pipeline is the answer when it wins — with ``replicas`` left to the planner, unless
+several beat it by `growth.GROWTH_MARGIN` (5 %: a pipeline more costs GPUs another job could
+use, a sync every step and a join on each return, the margin a running job grows by); it is
+then exactly ``plan()``'s result.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from relaytrain_operator.domain.planner.fleet_candidates import (
 )
 from relaytrain_operator.domain.planner.fleet_combiner import SET_BUDGET, Combiner
 from relaytrain_operator.domain.planner.fleet_result import FleetPlan
+from relaytrain_operator.domain.planner.growth import GROWTH_MARGIN
 from relaytrain_operator.domain.planner.model_shape import ModelShape
 from relaytrain_operator.domain.planner.pools import Pool
 from relaytrain_operator.domain.planner.problem import Problem, build_problem
@@ -154,7 +158,9 @@ def plan_fleet(
         replicas=replicas,
         budget=set_budget,
     )
-    chosen, exact = combiner.run(single.step_seconds if replicas is None else None)
+    chosen, exact = combiner.run(
+        single.step_seconds / (1 + GROWTH_MARGIN) if replicas is None else None
+    )
     if chosen is None:
         most = combiner.most_pipelines()
         raise PlanError(

@@ -10,7 +10,7 @@ counts at zero, on the pools the placement found free, after the store no longer
 its stages rejoin the pipelines training at a step boundary with their state (or, with none
 training, every pipeline restores the last commit). One pipeline comes back per pass, so
 the next pass sees its pods hold their GPUs before it places another. One whose return
-would not raise the job's predicted tokens/s by `RETURN_GAIN` stays out, and says so in
+would not raise the job's predicted tokens/s by `GROWTH_MARGIN` stays out, and says so in
 status.pipelines[i].heldOut and a PipelineHeldOut Event (once per different reason).
 """
 
@@ -20,7 +20,6 @@ from datetime import timedelta
 
 from relaytrain_operator.domain.builders.labels import StageKey
 from relaytrain_operator.domain.membership import (
-    RETURN_GAIN,
     Layout,
     ReturnPrice,
     departure,
@@ -30,6 +29,7 @@ from relaytrain_operator.domain.membership import (
 )
 from relaytrain_operator.domain.placement import Choice, job_pools, place_replacements
 from relaytrain_operator.domain.planner import ModelShape, PlanError, PoolError, Sync
+from relaytrain_operator.domain.planner.growth import GROWTH_MARGIN
 from relaytrain_operator.domain.planning import training_shape
 from relaytrain_operator.domain.status import (
     OUT_PHASES,
@@ -227,7 +227,7 @@ def _hold_out(
     pools = ", ".join(choices[key].pool for key in sorted(choices))
     why = (
         f"its stages fit on free GPUs ({pools}), but its return would not raise the job's "
-        f"predicted tokens/s by {RETURN_GAIN:.0%}: {price.words()}"
+        f"predicted tokens/s by {GROWTH_MARGIN:.0%}: {price.words()}"
     )
     if pipeline.held_out == why:
         return
