@@ -70,8 +70,8 @@ PHASES = ("fill", "stream", "drain", "end", "gap")
 
 _events: list[tuple[float, str, str, int, int]] = []
 """(time, event, frame kind, step, micro) of every boundary frame: `sent` (stage 0's send
-began), `act` / `grad` / `done` (stage 1 holds an activation / stage 0 a gradient, a
-step_end)."""
+began), `act` / `grad` / `done` (stage 1 holds an activation / stage 0 a gradient, the
+step-end norms)."""
 _events_lock = threading.Lock()
 
 
@@ -91,7 +91,7 @@ def _trace() -> None:
 
     def traced_recv(self: Link, timeout: float | None = None) -> Frame:
         frame = recv(self, timeout)
-        event = {"activation": "act", "gradient": "grad", "step_end": "done"}.get(frame.kind)
+        event = {"activation": "act", "gradient": "grad", "norms": "done"}.get(frame.kind)
         if event is not None:
             note(event, frame.kind, frame.step, frame.micro)
         return frame

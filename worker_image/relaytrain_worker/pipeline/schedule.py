@@ -11,8 +11,8 @@ summed token loss is divided by the number of label tokens in the step (which st
 knows before the first forward and sends along), exactly as single-process gradient
 accumulation with `num_items_in_batch` does.
 
-After the last backward the stages exchange what needs a global view, in one pass down
-and one pass up the chain:
+After the last backward the stages exchange what needs a global view, in one pass up the
+chain (behind the last gradients) and one pass down (ahead of the next step's activations):
 - the per-parameter gradient norms (for clipping by the global norm across stages, the
   same arithmetic as `torch.nn.utils.clip_grad_norm_` over the unsplit model);
 - with `full` training of a tied model, the two halves of the shared weight's gradient
@@ -342,6 +342,11 @@ class StepRunner:
         return out
 
     def _finish(self, step: int) -> float:
+        """The global gradient norm, clipped by: each stage's norms travel up the chain
+        behind its last gradient (the norms of the stages below it in front), stage 0 —
+        the last to finish its backwards — takes the norm of them all, and the total
+        travels down ahead of the next step's first activation. So the exchange adds no
+        latency of its own: each frame rides a link right after one that goes anyway."""
         grads = self._grads()
         sharing = self.tied_name is not None and self.count > 1
         own = [(n, g) for n, g in grads if n != self.tied_name] if sharing else grads
@@ -351,39 +356,39 @@ class StepRunner:
             if own
             else torch.zeros(0, device=self.device)
         )
-        relay = mine  # stage 0's half of the shared gradient, travelling down
-        if not self.first:
-            assert self.peers.prev is not None
-            frame = self.peers.prev.recv("norms", step)
-            norms = torch.cat([frame.tensors["norms"].to(self.device), norms])
-            relay = self._here_or_none(frame.tensors.get("tied"))
+        up = mine  # the head's half of the shared gradient, travelling up
+        if not self.last:
+            assert self.peers.next is not None
+            frame = self.peers.next.recv("norms", step)
+            norms = torch.cat([norms, frame.tensors["norms"].to(self.device)])
+            up = self._here_or_none(frame.tensors.get("tied"))
         summed = None
-        if self.last:
+        if self.first:
             if sharing:
-                assert mine is not None and relay is not None
-                summed = mine + relay
+                assert mine is not None and up is not None
+                summed = mine + up
                 # Counted once, at the front: where the unsplit model lists the embedding.
                 norms = torch.cat([torch.linalg.vector_norm(summed, 2.0).reshape(1), norms])
             total = torch.linalg.vector_norm(norms, 2.0)
-            up = mine  # the head's half, travelling up
+            down = mine  # the embedding's half, travelling down
         else:
-            assert self.peers.next is not None
-            down = {"norms": norms}
-            if sharing and relay is not None:
-                down["tied"] = relay
-            self.peers.next.send(Frame("norms", step, -1, down), "none")
-            frame = self.peers.next.recv("step_end", step)
-            total = frame.tensors["total_norm"].to(self.device)
-            up = self._here_or_none(frame.tensors.get("tied"))
-            if self.first and sharing:
-                assert mine is not None and up is not None
-                summed = mine + up
-        if not self.first:
             assert self.peers.prev is not None
-            tensors = {"total_norm": total}
+            tensors = {"norms": norms}
             if sharing and up is not None:
                 tensors["tied"] = up
-            self.peers.prev.send(Frame("step_end", step, -1, tensors), "none")
+            self.peers.prev.send(Frame("norms", step, -1, tensors), "none")
+            frame = self.peers.prev.recv("step_end", step)
+            total = frame.tensors["total_norm"].to(self.device)
+            down = self._here_or_none(frame.tensors.get("tied"))
+            if self.last and sharing:
+                assert mine is not None and down is not None
+                summed = mine + down
+        if not self.last:
+            assert self.peers.next is not None
+            tensors = {"total_norm": total}
+            if sharing and down is not None:
+                tensors["tied"] = down
+            self.peers.next.send(Frame("step_end", step, -1, tensors), "none")
         if summed is not None:
             self._param(self.tied_name).grad = summed
         if self.max_grad_norm > 0:
