@@ -262,7 +262,7 @@ def observed(
         if wanted.room
         else None,
         model=(model or ModelConfig(SMOLLM2_135M_CONFIG)) if wanted.model else None,
-        inputs=inputs if wanted.model else None,
+        inputs=inputs if wanted.inputs else None,
         progress=progress if wanted.progress else None,
         link_secret=link_secret if wanted.link_secret else None,
     )

@@ -424,7 +424,7 @@ def test_each_job_s_credentials_and_data_set_are_checked_before_its_pods(
             .checkpoint(f"s3://{bucket}/ckpt", endpoint=minio_server.url)
             .credentials(secret)
         )
-        found = observer.observe(kube.create_job(job.build()), {}, {}, Needs(model=True),
+        found = observer.observe(kube.create_job(job.build()), {}, {}, Needs(inputs=True),
                                  datetime.now(UTC)).inputs  # fmt: skip
         return (found.reason, found.message) if found is not None else None
 

@@ -339,7 +339,7 @@ def test_needs_reads_only_what_the_decision_uses() -> None:
     started = JOB.status(running_status()).build()
     assert needs(started, stage_pods(RUNNING)) == Needs(progress=True)
     assert needs(started, stage_pods([pod(1)])) == Needs(pods=True, room=True, progress=True)
-    assert needs(JOB.build(), {}) == Needs(room=True, model=True)
+    assert needs(JOB.build(), {}) == Needs(room=True, model=True, inputs=True)
     local = JOB.status(running_status()).set("spec.checkpoint", {"uri": "/ckpt"}).build()
     assert needs(local, stage_pods(RUNNING)) == Needs()
     # Nothing costly for jobs that do not run: invalid, suspended, finished.

@@ -317,6 +317,11 @@ def a100_left() -> tuple[dict[str, Any], list[dict[str, Any]], int, str]:
     name = named(pods, f"j-p{p}-s0")["spec"]["nodeName"]
     left = decide(observed(job, pods, nodes=cordoned(name), model=LLAMA_8B), SETTINGS)
     assert pipeline(left, p).phase == "Left"
+    # The Event says what the job trains at without it (the model's prediction).
+    said = next(e.message for e in events(left) if e.reason == "PipelineLeaving")
+    change = re.search(r"the other pipelines train on \(([\d,]+) -> ([\d,]+) predicted", said)
+    assert change is not None, said
+    assert int(change[1].replace(",", "")) > int(change[2].replace(",", "")) > 0
     alive = [q for q in pods if not q["metadata"]["name"].startswith(f"j-p{p}-")]
     return stored(left, job), alive, p, name
 
@@ -363,7 +368,10 @@ def test_with_replicas_auto_a_pipeline_comes_back_only_where_its_return_pays() -
     fixed = copy.deepcopy(job)
     fixed["spec"]["pipeline"]["replicas"] = 3
     assert f"create:j-p{p}-s0" in summary(decide(observed(fixed, alive, nodes=joined), SETTINGS))
-    # A model config that cannot be priced any more: it comes back as before the rule.
-    unreadable = ModelConfig({"model_type": "mystery"})
-    blind = decide(observed(job, alive, nodes=joined, model=unreadable), SETTINGS)
-    assert f"create:j-p{p}-s0" in summary(blind)
+    # A model config that cannot be priced any more, or not read: it comes back as before
+    # the rule, and its Event names no figure.
+    for model in (ModelConfig({"model_type": "mystery"}), ModelConfig(error="timed out")):
+        blind = decide(observed(job, alive, nodes=joined, model=model), SETTINGS)
+        assert f"create:j-p{p}-s0" in summary(blind)
+        added = next(e.message for e in events(blind) if e.reason == "PipelineAdded")
+        assert "With it" not in added

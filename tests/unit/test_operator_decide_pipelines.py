@@ -198,7 +198,9 @@ def test_a_pipeline_out_of_restarts_is_given_up_and_the_others_train_on() -> Non
     # they read what the store tells the stages, and write it again only when it is not that.
     job = FLEET.status(to_manifest(status)).build()
     alive = without(pods, "j-p1-s0", "j-p1-s1")
-    assert needs(job, stage_pods(alive)) == Needs(room=True, progress=True, given_up=True)
+    assert needs(job, stage_pods(alive)) == Needs(
+        room=True, model=True, progress=True, given_up=True
+    )
     told = replace(observed(job, alive), told_given_up=(1,))
     assert summary(decide(told, SETTINGS)) == []
     assert summary(decide(observed(job, alive), SETTINGS)) == ["given-up:1"]

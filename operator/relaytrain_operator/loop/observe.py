@@ -105,7 +105,8 @@ class Observer:
                 if flavor is not None:
                     flavors[name] = flavor
         # The job's Secret is read once a pass, for everything that reads its store.
-        access = self._access(spec) if wanted.model or wanted.progress or wanted.given_up else None
+        reads = wanted.model or wanted.inputs or wanted.progress or wanted.given_up
+        access = self._access(spec) if reads else None
         return Observed(
             job=job,
             now=now,
@@ -113,7 +114,7 @@ class Observer:
             nodes=known,
             cluster_pods=self.api.list_active_pods() if wanted.room else None,
             model=self.model_config(spec, access) if wanted.model else None,
-            inputs=self.input_problem(spec, access) if wanted.model else None,
+            inputs=self.input_problem(spec, access) if wanted.inputs else None,
             progress=self.progress(spec, now, access) if wanted.progress else None,
             workload=workload,
             flavors=flavors,

@@ -154,7 +154,11 @@ class Needs:
     """Every node and the cluster's active pods (a plan or a pod to create); passes that
     need them are serialised, so no two place onto one free GPU."""
     model: bool = False
-    """The model's config.json (the first plan)."""
+    """The model's config.json (the first plan; a running job of several pipelines, whose
+    departures and returns it prices). Read once a job and kept."""
+    inputs: bool = False
+    """What is wrong with the job's inputs that the operator can see (its Secret, the
+    store's answer, the data set): before the first plan, every pass, never kept."""
     progress: bool = False
     """progress.json (a started job whose store is s3://)."""
     workload: bool = False

@@ -52,7 +52,7 @@ def needs(job: JsonDict, pods: Mapping[StageKey, JsonDict], now: datetime | None
     if spec.spec.suspend:
         return Needs(workload=queued)
     if not started(status):
-        return Needs(room=True, model=True, workload=queued)
+        return Needs(room=True, model=True, inputs=True, workload=queued)
     assert status.plan is not None
     out = given_up(status)
     missing = any(key not in pods for key in planned_keys(status.plan) if key[0] not in out)
@@ -60,8 +60,8 @@ def needs(job: JsonDict, pods: Mapping[StageKey, JsonDict], now: datetime | None
     due = parse_time(links.next_step_at) if links is not None else None
     returned = any(p.returns for p in status.pipelines or ())
     # A pipeline out comes back where it fits (and, with `replicas: auto`, where its
-    # return pays, priced on the model): one that left, or one given up while the policy
-    # tries those again.
+    # return pays): one that left, or one given up while the policy tries those again. The
+    # model prices leaving and coming back (the observer reads its config once a job).
     again = spec.spec.failure_policy.return_after_seconds > 0
     returnable = any(
         p.phase == "Left" or (p.phase == "Failed" and again) for p in status.pipelines or ()
@@ -70,7 +70,7 @@ def needs(job: JsonDict, pods: Mapping[StageKey, JsonDict], now: datetime | None
         link_secret=now is not None and (due is None or now >= due),
         pods=missing,
         room=missing or returnable,
-        model=returnable and spec.spec.pipeline.replicas == "auto",
+        model=status.plan.several(),
         progress=is_s3(spec.spec.checkpoint.uri),
         workload=queued,
         given_up=(bool(out) or returned) and is_s3(spec.spec.checkpoint.uri),

@@ -45,9 +45,10 @@ NEXT_RETURN_SECONDS = 5.0
 """After a pipeline came back, how soon the pass looks for room for the next."""
 
 
-def leave_departing(ctx: Pass, plan: PlanStatus, out: set[int]) -> set[int]:
+def leave_departing(ctx: Pass, spec: FineTuneJob, plan: PlanStatus, out: set[int]) -> set[int]:
     """The pipelines not `out` with a stage pod on a node that announced its end: each
-    leaves now (its pods deleted, its stages idled, a PipelineLeaving Event). Returns them."""
+    leaves now (its pods deleted, its stages idled, a PipelineLeaving Event with the job's
+    predicted tokens/s before and while it is out). Returns them."""
     leaving: dict[int, str] = {}
     if not plan.several():
         return set()  # one pipeline: a drained stage is moved, uncounted (stages._move)
@@ -69,6 +70,7 @@ def leave_departing(ctx: Pass, plan: PlanStatus, out: set[int]) -> set[int]:
         if why is not None:
             leaving[p] = why
     for p, why in leaving.items():
+        price = _price(ctx, spec, plan, out=out | {p}, p=p)
         ctx.remove_pods(p)
         stages = [idle_stage(s) if (s.pipeline or 0) == p else s for s in ctx.status.stages]
         before = departed(ctx, ctx.status.pipelines, p, "Left", why)
@@ -78,8 +80,9 @@ def leave_departing(ctx: Pass, plan: PlanStatus, out: set[int]) -> set[int]:
             "Warning",
             "PipelineLeaving",
             f"Pipeline {p} leaves at step {_step(ctx)}: {why}. Its stage pods are removed "
-            "without counting a failure; the other pipelines train on. It comes back where "
-            "its stages fit on free GPUs.",
+            "without counting a failure; the other pipelines train on"
+            + (f" ({ReturnPrice(price.after, price.before).words()})" if price else "")
+            + ". It comes back where its stages fit on free GPUs.",
         )
     return set(leaving)
 
@@ -151,7 +154,8 @@ def bring_back(
         price = _price(
             ctx, spec, plan, out=out, p=p, chosen={k: c.pool for k, c in choices.items()}
         )
-        if price is not None and not price.pays:
+        # With `replicas: auto` only a return that pays; a fixed count is what the user asked.
+        if price is not None and spec.spec.pipeline.replicas == "auto" and not price.pays:
             _hold_out(ctx, dated, price, choices)
             continue
         for key in keys:
@@ -182,15 +186,15 @@ def _price(
     *,
     out: set[int],
     p: int,
-    chosen: dict[StageKey, str],
+    chosen: dict[StageKey, str] | None = None,
 ) -> ReturnPrice | None:
-    """What pipeline `p` on the pools `chosen` adds to the pipelines not `out` (each on the
-    pools its stages hold now, with its planned share); None where the rule does not apply
-    — the user fixed `spec.pipeline.replicas`, and asked for that many — or where it cannot
-    be priced (the model's config unread, nodes the planner cannot make pools of, a stage on
-    a pool no node makes now): then it comes back, as before the rule."""
+    """What pipeline `p` on the pools `chosen` (None: those its stages hold now) adds to the
+    pipelines not `out` (each on the pools its stages hold now, with its planned share);
+    None where it cannot be priced (the model's config unread, nodes the planner cannot make
+    pools of, a stage on a pool no node makes now): then the Events say no figure, and a
+    pipeline comes back as before the rule."""
     model, planned = ctx.observed.model, plan.pipelines
-    if spec.spec.pipeline.replicas != "auto" or model is None or model.config is None:
+    if model is None or model.config is None:
         return None
     assert planned, "only a job of several pipelines has one out"
     pools_now = {(s.pipeline or 0, s.index): s.pool for s in ctx.status.stages if s.pool}
@@ -209,7 +213,7 @@ def _price(
             ModelShape.from_hf_config(model.config),
             training,
             [layout(i, pools_now) for i in range(len(planned)) if i not in out],
-            layout(p, chosen),
+            layout(p, pools_now if chosen is None else chosen),
             job_pools(spec, nodes, [], default_link=ctx.settings.default_link,
                       require_ready=False),
             catalog=ctx.settings.catalog,

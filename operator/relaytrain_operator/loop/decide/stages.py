@@ -73,7 +73,7 @@ def run_stages(ctx: Pass, spec: FineTuneJob) -> None:
     progress = ctx.observed.progress
     if progress is not None and progress.done and follow_progress(ctx, spec, out):
         return  # the workers finished: a stage ending afterwards is no failure
-    out |= leave_departing(ctx, plan, out)
+    out |= leave_departing(ctx, spec, plan, out)
     judged = _judge(ctx, spec, plan, out)
     if judged is None:
         return  # the last pipeline left used up its restarts: the job failed
