@@ -81,7 +81,7 @@ def leave_departing(ctx: Pass, spec: FineTuneJob, plan: PlanStatus, out: set[int
             "PipelineLeaving",
             f"Pipeline {p} leaves at step {_step(ctx)}: {why}. Its stage pods are removed "
             "without counting a failure; the other pipelines train on"
-            + (f" ({ReturnPrice(price.after, price.before).words()})" if price else "")
+            + (f" ({ReturnPrice(price.after, price.before).words()})" if price is not None else "")
             + ". It comes back where its stages fit on free GPUs.",
         )
     return set(leaving)
