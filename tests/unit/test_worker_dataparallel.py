@@ -9,7 +9,8 @@ cosine decay, weight decay, clipping by the global norm active): LoRA losses, gr
 weights bit for bit for any shares (2:1, 1:2, 1:1, 2:1:1; and over three pipelines of 2, 3
 and 1 stages 3:2:1, 3:3:1, 4:1:1 and a membership that changes twice, for LONG_RUN steps);
 full training (tied embedding) within 1e-6; every pipeline's copy of every parameter
-torch.equal to the others' after every step. With a per-pipeline token count the same comparison fails.
+torch.equal to the others' after every step. With a per-pipeline token count the same
+comparison fails.
 """
 
 from __future__ import annotations
