@@ -18,6 +18,7 @@ kernels whatever the machine's core count (`run --local` divides the cores among
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import re
@@ -25,6 +26,7 @@ import signal
 import subprocess
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -186,7 +188,7 @@ def _metric_steps(workdir: Path, stages: list[tuple[int, int]]) -> dict[tuple[in
         try:
             with urllib.request.urlopen(url, timeout=2) as response:
                 text = response.read().decode()
-        except OSError:
+        except (OSError, http.client.HTTPException):  # not up, or ending mid-answer
             continue
         found = re.search(r"^relaytrain_step\{[^}]*\} ([0-9.e+]+)$", text, re.MULTILINE)
         if found:
@@ -201,7 +203,7 @@ def _metrics_text(workdir: Path, p: int, k: int) -> str | None:
     try:
         with urllib.request.urlopen(url, timeout=2) as response:
             return str(response.read().decode())
-    except OSError:
+    except (OSError, http.client.HTTPException):  # not up, or ending mid-answer
         return None
 
 
@@ -281,10 +283,40 @@ def _replica_bytes(exposition: str) -> dict[str, dict[str, float]]:
     return out
 
 
+def _stop(proc: Any) -> None:
+    """Stop a run still going (SIGTERM: it stops its stages) and reap it."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate(timeout=10)
+
+
+_STARTED: list[Any] = []
+"""The runs the kill tests started (`_start_fleet`, `_started_run`)."""
+
+
+@pytest.fixture(autouse=True)
+def _stop_runs_left() -> Iterator[None]:
+    """A test that fails while its run goes on leaves no run behind."""
+    yield
+    while _STARTED:
+        _stop(_STARTED.pop())
+
+
+def _started_run(job: Path, workdir: Path, flags: list[str]) -> Any:
+    """`start_run`, the run stopped when the test ends with it running."""
+    proc = start_run(job, workdir, flags=flags, env=ENV)
+    _STARTED.append(proc)
+    return proc
+
+
 def _start_fleet(workspace: Path, name: str, workdir: Path) -> Any:
     """The kill tests' run: two pipelines, [0-1 | 2-3] and [0 | 1-2 | 3], shares 2:1."""
     job = _job(workspace, name, 2, steps=KILL_STEPS)
-    return start_run(job, workdir, flags=[*PIPELINES, "--shares", "2,1"], env=ENV)
+    return _started_run(job, workdir, [*PIPELINES, "--shares", "2,1"])
 
 
 def _kill_stage(
@@ -510,7 +542,7 @@ def test_periodic_pipelines_average_their_weights_and_ride_out_a_kill(
     sync = {"mode": "periodic", "everySteps": PERIODIC_EVERY, "outerCode": "int2"}
     periodic = fleet(workspace, name, replicas=2, steps=KILL_STEPS, every=PERIODIC_COMMIT)
     job = periodic.sync("periodic", PERIODIC_EVERY, "int2").write(workspace)
-    proc = start_run(job, workdir, flags=[*PIPELINES, "--shares", "2,1"], env=ENV)
+    proc = _started_run(job, workdir, [*PIPELINES, "--shares", "2,1"])
     killed_at, _ = _kill_stage(workspace, name, workdir, proc, PERIODIC_COMMIT + 1, (1, 1))
     watched = _watch_after_the_kill(proc, workspace, name, workdir, started)
     assert watched.rejoined is not None, "pipeline 1 did not rejoin before the job ended"
@@ -594,16 +626,7 @@ def partition_reference(workspace: Path) -> list[float]:
 
 def _stop_when_done(request: pytest.FixtureRequest, proc: Any) -> None:
     """Stop the run (SIGTERM: it stops its stages) when the test ends with it running."""
-
-    def stop() -> None:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.communicate(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-
-    request.addfinalizer(stop)
+    request.addfinalizer(lambda: _stop(proc))
 
 
 def test_two_live_pipelines_cut_apart_commit_each_step_once_and_come_back_together(
