@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from relaytrain_testkit.harness.procs import alive
+from relaytrain_testkit.harness.procs import alive, stop
 from relaytrain_testkit.local_jobs import (
     OWN_NETWORK,
     fleet,
@@ -283,17 +283,6 @@ def _replica_bytes(exposition: str) -> dict[str, dict[str, float]]:
     return out
 
 
-def _stop(proc: Any) -> None:
-    """Stop a run still going (SIGTERM: it stops its stages) and reap it."""
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate(timeout=10)
-
-
 _STARTED: list[Any] = []
 """The runs the kill tests started (`_start_fleet`, `_started_run`)."""
 
@@ -303,7 +292,7 @@ def _stop_runs_left() -> Iterator[None]:
     """A test that fails while its run goes on leaves no run behind."""
     yield
     while _STARTED:
-        _stop(_STARTED.pop())
+        stop(_STARTED.pop(), grace=60)
 
 
 def _started_run(job: Path, workdir: Path, flags: list[str]) -> Any:
@@ -626,7 +615,7 @@ def partition_reference(workspace: Path) -> list[float]:
 
 def _stop_when_done(request: pytest.FixtureRequest, proc: Any) -> None:
     """Stop the run (SIGTERM: it stops its stages) when the test ends with it running."""
-    request.addfinalizer(lambda: _stop(proc))
+    request.addfinalizer(lambda: stop(proc, grace=60))  # SIGTERM: it stops its stages
 
 
 def test_two_live_pipelines_cut_apart_commit_each_step_once_and_come_back_together(

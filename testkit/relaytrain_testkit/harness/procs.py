@@ -1,8 +1,11 @@
-"""Process state as /proc tells it, for tests that watch processes they did not start."""
+"""Process state as /proc tells it, for tests that watch processes they did not start, and
+stopping the ones they did."""
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
+from typing import Any
 
 
 def alive(pid: int) -> bool:
@@ -11,3 +14,15 @@ def alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def stop(proc: subprocess.Popen[Any], grace: float = 10.0) -> None:
+    """SIGTERM to `proc` if it still runs, SIGKILL after `grace` seconds, and reap it (its
+    pipes drained, so a chatty process cannot block on a full one)."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.communicate(timeout=grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate(timeout=10)

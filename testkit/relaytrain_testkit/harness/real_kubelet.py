@@ -63,7 +63,7 @@ from hack import toolpaths
 from relaytrain_testkit.harness.cluster import KubeCluster
 from relaytrain_testkit.harness.containers import require_image
 from relaytrain_testkit.harness.ports import free_port
-from relaytrain_testkit.harness.procs import alive
+from relaytrain_testkit.harness.procs import alive, stop
 from relaytrain_testkit.harness.registry import Registry
 from relaytrain_testkit.harness.waiting import wait_for
 
@@ -600,15 +600,8 @@ def _delete_node(cluster: KubeCluster, name: str) -> None:
 
 def _stop(started: _Started, component: str) -> None:
     proc = started.processes.pop(component, None)
-    if proc is None:
-        return
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+    if proc is not None:
+        stop(proc)
 
 
 def _remove_containers(started: _Started) -> None:
