@@ -560,16 +560,29 @@ def _drain_pipeline_0(
     e: dict[str, Any], name: str, drained: str, status: Callable[[], Any]
 ) -> tuple[Any, Any]:
     """`kubectl drain` of node `drained`, under stage p0/s1 of job `name`: cordon, then
-    evict. Waits until pipeline 0 has left (its record says why: its Left phase may last one
-    pass) and its processes ended, then holds pipeline 1's first stage until pipeline 0's
-    new pods run, so that the job cannot finish first on a fast machine. Returns the status
-    that said pipeline 0 left, and the pods once pipeline 0 is back. The caller uncordons."""
+    evict, in the order a drain meets them: the evicted stage is asked to stop before the
+    operator has seen the cordon (held meanwhile, as a busy operator would be), so it trains
+    on until its stage 0, which the operator then removes, leads the pipeline out. Waits
+    until pipeline 0 has left (its record says why: its Left phase may last one pass) and
+    its processes ended, then holds pipeline 1's first stage until pipeline 0's new pods
+    run, so that the job cannot finish first on a fast machine. Returns the status that said
+    pipeline 0 left, and the pods once pipeline 0 is back. The caller uncordons."""
     core, ns, runner = e["core"], e["ns"], e["runner"]
     pods = stage_pods(core, ns, name)
     leaving = [runner.local_pod(ns, n).process for n in pods if "-p0-" in n]
-    core.patch_node(drained, {"spec": {"unschedulable": True}})
-    evict = client.V1Eviction(metadata=client.V1ObjectMeta(name=f"{name}-p0-s1", namespace=ns))
-    core.create_namespaced_pod_eviction(f"{name}-p0-s1", ns, evict)
+    operator = e["release"].ready_operator()[1].pid
+    os.kill(operator, signal.SIGSTOP)
+    try:
+        core.patch_node(drained, {"spec": {"unschedulable": True}})
+        evict = client.V1Eviction(metadata=client.V1ObjectMeta(name=f"{name}-p0-s1", namespace=ns))
+        core.create_namespaced_pod_eviction(f"{name}-p0-s1", ns, evict)
+        wait_for(
+            "the evicted stage asked to stop",
+            lambda: "was asked to stop" in _log(e, f"{name}-p0-s1"),
+            timeout=60,
+        )
+    finally:
+        os.kill(operator, signal.SIGCONT)
     left = wait_for(
         "pipeline 0 left",
         lambda: (st := status())["pipelines"][0].get("leftReason") and st,

@@ -234,6 +234,52 @@ def test_deleting_the_pod_kills_its_process(
     wait_for("the process to end", lambda: local.process.poll() is not None)
 
 
+# A SIGTERM says so on stdout; the slow one then holds on (until the runner's second), the
+# quick one exits.
+_TERMED = """
+import signal, sys, time
+def term(*_):
+    print("term", flush=True)
+    if QUICK or getattr(term, "seen", False):
+        sys.exit(0)
+    term.seen = True
+signal.signal(signal.SIGTERM, term)
+print("up", flush=True)
+while True:
+    time.sleep(0.2)
+"""
+
+
+def test_a_pod_using_its_grace_period_holds_up_no_other_pods_deletion(
+    ns: Any, runner: KwokProcessRunner
+) -> None:
+    """As a kubelet's pod workers: a deleted pod whose process takes its grace period to
+    stop (a stage asked to leave, waiting for its stage 0 to lead it out) does not hold
+    back the SIGTERM of a pod deleted after it (that stage 0), even once kwok has removed
+    the first pod's object."""
+    core, namespace = ns
+    started = {}
+    for name, quick in (("slow", False), ("quick", True)):
+        manifest = pod(name, f"QUICK = {quick}\n{_TERMED}", [])
+        manifest["spec"]["terminationGracePeriodSeconds"] = 120
+        core.create_namespaced_pod(namespace, manifest)
+        started[name] = wait_for(
+            f"{name} to start",
+            lambda n=name: (p := runner.local_pod(namespace, n)) and "up" in _said(p) and p,
+        )
+    slow, quick = started["slow"], started["quick"]
+    core.delete_namespaced_pod("slow", namespace)
+    wait_for("slow's SIGTERM", lambda: "term" in _said(slow))
+    core.delete_namespaced_pod("quick", namespace)
+    wait_for("quick's SIGTERM to end it", lambda: quick.process.poll() is not None)
+    assert "term" in _said(quick)
+    assert slow.process.poll() is None, "the slow pod lost its grace period"
+
+
+def _said(local: Any) -> str:
+    return str(local.log_path.read_text())
+
+
 _INSIDE = """
 import errno, json, os
 out = {"uid": os.getuid(), "gid": os.getgid(), "home": os.environ.get("HOME")}

@@ -62,6 +62,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -102,6 +103,9 @@ class LocalPod:
     started_at: float = field(default_factory=time.time)
     restarts: int = 0
     """The container's restartCount when this process started."""
+    grace: float = 30.0
+    """The pod's terminationGracePeriodSeconds: its grace when the pod is gone from the API
+    before the runner saw it terminating (kwok removes a deleted pod at once)."""
     ready: bool = False
     """The readiness probe's verdict (pods the runner keeps the status of)."""
     killed_by: str | None = None
@@ -185,6 +189,7 @@ class KwokProcessRunner:
         self.ports: dict[str, int] = {}  # stable DNS address -> loopback port
         self.errors: list[str] = []
         self._restarts: dict[str, _Restart] = {}  # by pod uid: containers waiting to restart
+        self._ending: dict[str, threading.Thread] = {}  # by pod uid: processes being stopped
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -204,6 +209,9 @@ class KwokProcessRunner:
                     probe.stop()
                 _stop(pod)
             self.pods.clear()
+            ending = list(self._ending.values())
+        for thread in ending:
+            thread.join(timeout=30)
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -235,13 +243,11 @@ class KwokProcessRunner:
             with self._lock:
                 local = self.pods.get(uid)
             if pod.metadata.deletion_timestamp is not None:
+                remove = functools.partial(self._removed, pod) if _restarting(pod) else None
                 if local:
-                    grace = pod.metadata.deletion_grace_period_seconds
-                    self._forget(local, kill=True, grace=grace)
-                if _restarting(pod):
-                    self._restarts.pop(uid, None)
-                    self.finished.setdefault(uid, -signal.SIGTERM)
-                    self._remove(pod)
+                    self._end(local, pod.metadata.deletion_grace_period_seconds, then=remove)
+                elif remove is not None:
+                    remove()
                 continue
             if _restarting(pod):
                 self._sync_restarting(pod, local)
@@ -258,7 +264,42 @@ class KwokProcessRunner:
         with self._lock:
             gone = [p for uid, p in self.pods.items() if uid not in seen]
         for local in gone:
-            self._forget(local, kill=True)
+            self._end(local, local.grace)
+
+    def _end(
+        self, local: LocalPod, grace: float | None, then: Callable[[], None] | None = None
+    ) -> None:
+        """Stops a deleted pod's process (SIGTERM, SIGKILL after `grace`), then runs `then`,
+        in a thread of its own, as a kubelet's pod workers do: a process that uses its grace
+        period holds up neither the passes nor the deletion of any other pod (a stage asked
+        to leave waits for its stage 0's SIGTERM). Once per process."""
+        with self._lock:
+            if local.uid in self._ending:
+                return
+            thread = threading.Thread(
+                target=self._ended, args=(local, grace, then), name=f"end-{local.name}",
+                daemon=True,
+            )  # fmt: skip
+            self._ending[local.uid] = thread
+        thread.start()
+
+    def _ended(self, local: LocalPod, grace: float | None, then: Callable[[], None] | None) -> None:
+        try:
+            self._forget(local, kill=True, grace=local.grace if grace is None else grace)
+            if then is not None:
+                then()
+        except Exception as exc:  # reported as a pass's error would be
+            self.errors.append(f"stopping {local.name}: {type(exc).__name__}: {exc}")
+        finally:
+            with self._lock:
+                self._ending.pop(local.uid, None)
+
+    def _removed(self, pod: Any) -> None:
+        """A deleted pod whose containers restart, once its process stopped: never started
+        again, and removed (its exit reads as the kubelet's SIGTERM unless it ended first)."""
+        self._restarts.pop(pod.metadata.uid, None)
+        self.finished.setdefault(pod.metadata.uid, -signal.SIGTERM)
+        self._remove(pod)
 
     def _sync_restarting(self, pod: Any, local: LocalPod | None) -> None:
         """A pod whose container restarts: the runner is its kubelet from binding on."""
@@ -556,6 +597,7 @@ class KwokProcessRunner:
             log_path,
             metrics_port,
             restarts=restarts,
+            grace=_grace(pod),
             tokens=tokens,
             container=name,
         )
