@@ -31,6 +31,7 @@ from cryptography.hazmat.primitives.asymmetric import rsa
 from cryptography.x509.oid import NameOID
 
 from hack import toolpaths
+from relaytrain_testkit.harness import procs
 from relaytrain_testkit.harness.ports import free_port
 from relaytrain_testkit.harness.waiting import wait_for
 
@@ -256,12 +257,7 @@ def start_kueue(cluster: Any, workdir: Path) -> Kueue:
 
 
 def stop_kueue(kueue: Kueue) -> None:
-    kueue.process.terminate()
-    try:
-        kueue.process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        kueue.process.kill()
-        kueue.process.wait()
+    procs.stop(kueue.process, grace=30)
 
 
 @pytest.fixture(scope="session")

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from hack import toolpaths
+from relaytrain_testkit.harness import procs
 from relaytrain_testkit.harness.ports import free_port
 from relaytrain_testkit.harness.waiting import wait_for
 
@@ -94,8 +95,4 @@ def start_minio(
 
 
 def stop_minio(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    procs.stop(proc, grace=20)

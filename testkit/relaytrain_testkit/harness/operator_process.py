@@ -18,6 +18,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from relaytrain_testkit import REPO
+from relaytrain_testkit.harness import procs
 from relaytrain_testkit.harness.ports import free_port
 from relaytrain_testkit.harness.waiting import wait_for
 
@@ -74,14 +75,8 @@ class OperatorProcess:
 
     def stop(self) -> None:
         """SIGTERM, as Kubernetes stops a pod; SIGKILL if it has not exited in 15 s."""
-        if self.alive():
-            assert self.proc is not None
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+        if self.proc is not None:
+            procs.stop(self.proc, grace=15)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from hack import toolpaths
+from relaytrain_testkit.harness import procs
 from relaytrain_testkit.harness.containers import images_sh
 from relaytrain_testkit.harness.ports import free_port
 from relaytrain_testkit.harness.waiting import wait_for
@@ -34,12 +35,7 @@ class Registry:
         return proc.stdout.strip().splitlines()[-1]
 
     def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(timeout=10)
+        procs.stop(self.process)
 
 
 def start_registry(workdir: Path) -> Registry:
