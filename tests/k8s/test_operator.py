@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import base64
 import json
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 from relaytrain_testkit.harness import kwok_nodes
 from relaytrain_testkit.harness.chart_rbac import ChartIdentity, chart_rbac_kubeconfig
-from relaytrain_testkit.harness.operator_cases import cluster_job, install_crd
+from relaytrain_testkit.harness.operator_cases import cluster_job, install_crd, namespace
 from relaytrain_testkit.harness.operator_process import PASSES, OperatorProcess
 from relaytrain_testkit.harness.rbac_audit import (
     calls_of,
@@ -98,13 +97,10 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def ns(api: client.ApiClient) -> Iterator[str]:
-    core = client.CoreV1Api(api)
-    name = f"rtop-{uuid.uuid4().hex[:6]}"
-    core.create_namespace({"metadata": {"name": name}})
-    yield name
-    core.delete_namespace(name)
-    # Stage pods hold GPUs until they are gone; the next test plans on what is free.
-    wait_for(f"the pods of {name} to go", lambda: not core.list_namespaced_pod(name).items)
+    """A namespace the operator watches (rtop-*); its stage pods, which hold GPUs the next
+    test plans on, are gone when the test is."""
+    with namespace(api, "rtop") as name:
+        yield name
 
 
 def _job(name: str, model_path: Path | str) -> Job:
