@@ -10,7 +10,9 @@ is the job's tokens per step. A stage of pipeline 1 killed mid-run takes only it
 out; it rejoins from pipeline 0's state. One of pipeline 0 killed hands the writing of
 checkpoints, progress and history to pipeline 1 until pipeline 0 rejoins. With
 `sync: periodic` the pipelines average their weights every few steps instead, through the
-same kill, and move fewer bytes on their replica links.
+same kill, and move fewer bytes on their replica links. Once the survivors of a kill or a
+departure have trained on alone for a few steps, their stage 0 is held (SIGSTOP) until the
+returning stage's new process is up, so that no run can end before the return.
 
 OMP_NUM_THREADS is pinned to 1 in every run so that both runs compute with the same
 kernels whatever the machine's core count (`run --local` divides the cores among stages).
@@ -27,6 +29,7 @@ import subprocess
 import time
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,10 +53,12 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 STEPS = 12
 EVERY = 3
-KILL_STEPS = 500
-"""Long enough that the killed stage's replacement starts and its pipeline rejoins before
-the survivors finish on a busy two-core machine (2026-11-27, with 400 steps: rejoined at
-steps 155-247, about 16 s into a run of 22-24 s)."""
+KILL_STEPS = 150
+"""The kill tests' steps: the survivors train alone for HOLD_AFTER steps, then wait, held,
+for the replacement (`_hold_for_the_return`), and both pipelines train the rest together."""
+HOLD_AFTER = 10
+"""Steps the survivors train alone after a kill (or a departure) before they are held."""
+RESTORED = "restored committed step"
 LOSS_TOLERANCE = 0.02
 """Final loss of the run with a kill against the uninterrupted one's, relative."""
 STEP_TOLERANCE = 0.1
@@ -308,6 +313,50 @@ def _start_fleet(workspace: Path, name: str, workdir: Path) -> Any:
     return _started_run(job, workdir, [*PIPELINES, "--shares", "2,1"])
 
 
+@contextmanager
+def _held(pid: int) -> Iterator[None]:
+    """Process `pid` stopped (SIGSTOP) for the block, and continued after it whatever
+    happens."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def _hold_for_the_return(
+    workspace: Path,
+    name: str,
+    workdir: Path,
+    proc: Any,
+    *,
+    after: int,
+    hold: int,
+    returning: tuple[int, int],
+) -> None:
+    """Once the job is past step `after` (the survivors trained on alone), hold process
+    `hold` — the survivors' stage 0, so that their pipeline stops at its next frame, as on
+    a slow machine — until the returning stage's new process has restored the last commit
+    (its log says so once more than now). A new stage process takes seconds to import
+    torch and load its slice, and the survivors alone would train hundreds of steps
+    meanwhile: held, the job cannot end before the return, however busy the machine, and
+    the returning pipeline rejoins at the first step boundary after."""
+    seen = _log(workdir, *returning).count(RESTORED)
+
+    def past() -> bool:
+        at = progress(workspace / "ckpt", name)
+        return at is not None and at["step"] > after
+
+    wait_while_running(f"the survivors past step {after}", past, proc, interval=0.005)
+    with _held(hold):
+        wait_while_running(
+            f"p{returning[0]}/s{returning[1]}'s new process to restore the last commit",
+            lambda: _log(workdir, *returning).count(RESTORED) > seen,
+            proc,
+            interval=0.05,
+        )
+
+
 def _kill_stage(
     workspace: Path, name: str, workdir: Path, proc: Any, past: int, stage: tuple[int, int]
 ) -> tuple[int, dict[tuple[int, int], int]]:
@@ -335,6 +384,8 @@ def test_a_stage_killed_in_one_pipeline_takes_only_that_pipeline_out(
     proc = _start_fleet(workspace, name, workdir)
 
     killed_at, before = _kill_stage(workspace, name, workdir, proc, EVERY + 1, (1, 1))
+    _hold_for_the_return(workspace, name, workdir, proc, after=killed_at + HOLD_AFTER,
+                         hold=before[(0, 0)], returning=(1, 1))  # fmt: skip
     watched = _watch_after_the_kill(proc, workspace, name, workdir, started)
     rejoined, exposition = watched.rejoined, watched.exposition
     summary = json.loads((workdir / "summary.json").read_text())
@@ -419,6 +470,8 @@ def test_a_pipeline_asked_to_stop_leaves_at_a_step_boundary_and_no_step_is_lost(
     assert at is not None and not at["done"], f"the job finished before the return: {at}"
     wait_while_running("a step without it", past(at["step"] + 2), proc, interval=0.005)
     os.kill(state["pid"], signal.SIGUSR2)
+    _hold_for_the_return(workspace, name, workdir, proc, after=at["step"] + 2,
+                         hold=before[(0, 0)], returning=(1, 0))  # fmt: skip
     out, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, out
     said = r"Stage p1/s{} left the job at step (\d+), as asked"
@@ -456,6 +509,8 @@ def test_pipeline_0_killed_hands_the_writing_to_pipeline_1_and_takes_it_back(
     started = time.monotonic()
     proc = _start_fleet(workspace, name, workdir)
     killed_at, before = _kill_stage(workspace, name, workdir, proc, EVERY + 1, (0, 1))
+    _hold_for_the_return(workspace, name, workdir, proc, after=killed_at + HOLD_AFTER,
+                         hold=before[(1, 0)], returning=(0, 1))  # fmt: skip
     watched = _watch_after_the_kill(
         proc, workspace, name, workdir, started, killed=(0, 1),
         survivors=((1, 0), (1, 1), (1, 2)),
@@ -532,7 +587,9 @@ def test_periodic_pipelines_average_their_weights_and_ride_out_a_kill(
     periodic = fleet(workspace, name, replicas=2, steps=KILL_STEPS, every=PERIODIC_COMMIT)
     job = periodic.sync("periodic", PERIODIC_EVERY, "int2").write(workspace)
     proc = _started_run(job, workdir, [*PIPELINES, "--shares", "2,1"])
-    killed_at, _ = _kill_stage(workspace, name, workdir, proc, PERIODIC_COMMIT + 1, (1, 1))
+    killed_at, before = _kill_stage(workspace, name, workdir, proc, PERIODIC_COMMIT + 1, (1, 1))
+    _hold_for_the_return(workspace, name, workdir, proc, after=killed_at + HOLD_AFTER,
+                         hold=before[(0, 0)], returning=(1, 1))  # fmt: skip
     watched = _watch_after_the_kill(proc, workspace, name, workdir, started)
     assert watched.rejoined is not None, "pipeline 1 did not rejoin before the job ended"
     rejoined = int(watched.rejoined)
