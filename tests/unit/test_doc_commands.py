@@ -7,6 +7,7 @@ import functools
 import re
 import shlex
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -48,8 +49,7 @@ def _bench_entries() -> list[object]:
     """Bench commands, marked `torch` where the script imports it (make test-fast skips them)."""
     params: list[object] = []
     for entry in _entries("bench"):
-        script = next(REPO / a for a in shlex.split(entry.command) if a.endswith(".py"))
-        marks = [pytest.mark.torch] if needs_torch(script) else []
+        marks = [pytest.mark.torch] if _imports_torch(entry) else []
         params.append(pytest.param(entry, marks=marks, id=_id(entry)))
     return params
 
@@ -179,18 +179,31 @@ def test_unit_command_runs_as_written(entry, tmp_path):
     assert check(entry, result) == [], result.output
 
 
+def _imports_torch(entry: Entry) -> bool:
+    return needs_torch(next(REPO / a for a in shlex.split(entry.command) if a.endswith(".py")))
+
+
+def _script(entry: Entry) -> str:
+    """The command up to its bench/*.py."""
+    found = re.match(r".*?\bbench/\w+\.py\b", entry.command)
+    assert found is not None, entry.command
+    return found.group(0)
+
+
 @functools.cache
-def _bench_help(script: str) -> Result:
-    """`script --help` (the command up to its bench/*.py), run once for every command of it:
-    each run imports torch before it parses."""
-    return Shell(clean_env(), REPO).run(script + " --help", timeout=120)
+def _bench_helps(torch: bool) -> dict[str, Result]:
+    """`script --help` of every bench script that imports torch (or, `torch` False, does
+    not), each run once and two at a time: a run that imports torch takes seconds before it
+    parses, and make test-fast asks only for those that do not."""
+    scripts = sorted({_script(e) for e in _entries("bench") if _imports_torch(e) == torch})
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        done = pool.map(lambda s: Shell(clean_env(), REPO).run(s + " --help", timeout=120), scripts)
+        return dict(zip(scripts, done, strict=True))
 
 
 @pytest.mark.parametrize("entry", _bench_entries())
 def test_bench_command_passes_options_the_script_takes(entry, tmp_path):
-    script = re.match(r".*?\bbench/\w+\.py\b", entry.command)
-    assert script is not None, entry.command
-    result = _bench_help(script.group(0))
+    result = _bench_helps(_imports_torch(entry))[_script(entry)]
     assert result.rc == 0, result.output
     assert "usage:" in result.output
     options = re.findall(r"(?<!\S)(--[\w-]+)", entry.command)
