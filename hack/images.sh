@@ -149,6 +149,17 @@ fresh() {
   [[ $have == "$(source_digest)" ]] \
     || { echo "image $(ref "$1") was built from other code than this tree's: run \`make images\`" >&2; return 1; }
 }
+# built NAME BASE: whether image NAME exists, built from this tree's sources on BASE (as its
+# labels say): a build would then change nothing but the commit its revision label names
+# (an ancestor with the same sources), and is skipped; buildah's layer cache takes seconds
+# to say so.
+built() {
+  local have
+  have=$(podman image inspect --format \
+    '{{index .Labels "io.relaytrain.source-digest"}} {{index .Labels "io.relaytrain.base"}}' \
+    "$(ref "$1")" 2>/dev/null) || return 1
+  [[ $have == "$(source_digest) $2" ]]
+}
 version() { sed -n 's/^version = "\(.*\)"/\1/p' "$repo/pyproject.toml" | head -1; }
 
 build_image() {
@@ -160,7 +171,7 @@ build_image() {
   fi
   buildah bud --isolation chroot --layers --force-rm -f "$repo/$dockerfile" --build-arg "BASE=$base" \
     --build-arg "VERSION=$(version)" --build-arg "REVISION=$revision" "${ca[@]}" \
-    --label "io.relaytrain.source-digest=$(source_digest)" \
+    --label "io.relaytrain.source-digest=$(source_digest)" --label "io.relaytrain.base=$base" \
     -t "$(ref "$name")" "$repo"
 }
 
@@ -186,7 +197,11 @@ build() {
   local base start
   base=$(base)
   for pair in operator:operator/Dockerfile worker:worker_image/Dockerfile; do
-    run_step "image $(ref "${pair%%:*}")" build_image "${pair%%:*}" "${pair#*:}" "$base"
+    if built "${pair%%:*}" "$base"; then
+      step_skip "image $(ref "${pair%%:*}")" "built from this tree's sources on $base"
+    else
+      run_step "image $(ref "${pair%%:*}")" build_image "${pair%%:*}" "${pair#*:}" "$base"
+    fi
   done
   # The working containers a build stopped half-way left (a build that fails leaves its
   # own: --force-rm), then the layers of earlier builds that nothing uses now.
