@@ -23,34 +23,34 @@ the goodput against the uninterrupted run, is printed.
 
 from __future__ import annotations
 
-import io
 import os
 import random
-import re
 import signal
 import subprocess
-import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from kubernetes import client, watch
-from relaytrain_testkit.harness import kwok_nodes
-from relaytrain_testkit.harness.minio_server import start_minio, stop_minio
-from relaytrain_testkit.harness.operator_env import (
-    GROUP,
-    PLURAL,
-    VERSION,
-    diagnostics,
-    operator_env,
-    stored_json,
-    tiny_job,
+from relaytrain_testkit.chaos import (
+    Background,
+    Fault,
+    PodWatch,
+    Progress,
+    StageLogs,
+    chaos_env,
+    delete_nodes,
+    final_loss,
+    finished,
+    live_pod,
+    node_ready,
+    store_outage,
+    verify_commits,
 )
+from relaytrain_testkit.harness import kwok_nodes
+from relaytrain_testkit.harness.operator_env import GROUP, PLURAL, VERSION, diagnostics, tiny_job
 from relaytrain_testkit.harness.waiting import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.chaos]
@@ -69,185 +69,8 @@ LINK_PORT = 29500
 
 @pytest.fixture(scope="module")
 def env(kube_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    work = tmp_path_factory.mktemp("chaos")
-    (work / "minio").mkdir()
-    (work / "minio-calm").mkdir()
-    proc, minio = start_minio(work / "minio", work / "minio.log")
-    held = {"minio": proc}
-    try:
-        # The uninterrupted run's store: one of its own, so that the outage is not its.
-        held["calm"], calm = start_minio(work / "minio-calm", work / "minio-calm.log")
-        with operator_env(kube_cluster, minio, work) as parts:
-            _mirror(minio, calm, ["models/", "data/"])
-            parts["core"].create_namespaced_secret(
-                parts["ns"],
-                client.V1Secret(
-                    metadata=client.V1ObjectMeta(name="s3-calm"),
-                    string_data={
-                        "AWS_ACCESS_KEY_ID": calm.access_key,
-                        "AWS_SECRET_ACCESS_KEY": calm.secret_key,
-                    },
-                ),
-            )
-            yield {**parts, "held": held, "calm_minio": calm}
-    finally:
-        for server in held.values():
-            stop_minio(server)
-
-
-def _mirror(src: Any, dst: Any, prefixes: list[str]) -> None:
-    """Copies the objects under `prefixes` from one MinIO's bucket to another's."""
-    a, b = src.client(), dst.client()
-    if not b.bucket_exists(dst.bucket):
-        b.make_bucket(dst.bucket)
-    for prefix in prefixes:
-        for obj in a.list_objects(src.bucket, prefix, recursive=True):
-            resp = a.get_object(src.bucket, obj.object_name)
-            try:
-                data = resp.read()
-            finally:
-                resp.close()
-                resp.release_conn()
-            b.put_object(dst.bucket, obj.object_name, io.BytesIO(data), len(data))
-
-
-@dataclass
-class Fault:
-    kind: str
-    target: int
-    """The step the workers reach before it is injected."""
-    stage: int | None = None
-    """The stage it hits (killed, moved), if one."""
-    at_step: int = 0
-    """The step training broke at (the stages' logs; progress.json's when nothing broke)."""
-    wall: float = 0.0
-    """When it was injected (time.time(), to read the stages' logs by)."""
-    restored: int | None = None
-    """The commit the stages restored after it (their logs), if they rolled back."""
-    recover_s: float = 0.0
-    """Seconds from the injection until the job trained past `at_step`."""
-    note: str = ""
-
-
-class PodWatch:
-    """Every event of the job's pods, from a watch: the most pods ever live at once for one
-    stage (live: not being deleted, not Succeeded or Failed)."""
-
-    def __init__(self, core: Any, ns: str, job: str) -> None:
-        self.core, self.ns, self.job = core, ns, job
-        self.live: dict[str, str] = {}  # pod uid -> stage
-        self.most: Counter[str] = Counter()
-        self.events = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        version = None
-        while not self._stop.is_set():
-            w = watch.Watch()
-            try:
-                for event in w.stream(
-                    self.core.list_namespaced_pod, self.ns, timeout_seconds=5,
-                    label_selector=f"relaytrain.io/job={self.job}", resource_version=version,
-                ):  # fmt: skip
-                    pod = event["object"]
-                    version = pod.metadata.resource_version
-                    self._see(event["type"], pod)
-                    if self._stop.is_set():
-                        break
-            except Exception:  # an expired version or a dropped stream: list afresh
-                version = None
-
-    def _see(self, kind: str, pod: Any) -> None:
-        self.events += 1
-        stage = (pod.metadata.labels or {}).get("relaytrain.io/stage", "?")
-        alive = (
-            kind != "DELETED"
-            and pod.metadata.deletion_timestamp is None
-            and (pod.status.phase or "Pending") not in ("Succeeded", "Failed")
-        )
-        if alive:
-            self.live[pod.metadata.uid] = stage
-        else:
-            self.live.pop(pod.metadata.uid, None)
-        count = sum(1 for s in self.live.values() if s == stage)
-        self.most[stage] = max(self.most[stage], count)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=15)
-
-
-class Progress:
-    """progress.json of the job, read straight from MinIO (None while it cannot be read)."""
-
-    def __init__(self, minio: Any, key: str) -> None:
-        self.minio, self.key = minio, key
-        self.mc = minio.client()
-
-    def now(self) -> dict[str, Any] | None:
-        try:
-            doc: dict[str, Any] = stored_json(self.mc, self.minio.bucket, self.key)
-        except Exception:
-            return None
-        return doc
-
-    def wait(
-        self,
-        what: str,
-        until: Callable[[dict[str, Any]], bool],
-        timeout: float,
-        interval: float = 0.05,
-    ) -> Any:
-        def ready() -> Any:
-            doc = self.now()
-            return doc if doc is not None and until(doc) else None
-
-        return wait_for(what, ready, timeout=timeout, interval=interval)
-
-
-_LINE = re.compile(
-    r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) \w+ relaytrain\.stage: Stage \d+ "
-    r"(?:lost a link at step (\d+)|restored committed step (\d+))",
-    re.MULTILINE,
-)
-
-
-class StageLogs:
-    """What the job's stage processes logged (every container.log of every pod of theirs):
-    the steps training broke at and the commits restored, with when (their clock is ours)."""
-
-    SLACK = 0.1
-    """Seconds a line may read earlier than the fault it follows (the logs truncate to the
-    millisecond). No more: the previous fault's restores can be logged well under a second
-    before the next fault (a deleted node's stage stops a second or so late, that many steps
-    nearer the next fault), and they are not the next fault's."""
-
-    def __init__(self, pods_dir: Path, job: str) -> None:
-        self.pods_dir, self.job = pods_dir, job
-
-    def _lines(self) -> list[tuple[float, int | None, int | None]]:
-        out = []
-        for path in self.pods_dir.glob(f"{self.job}-stage-*/*/container.log"):
-            for m in _LINE.finditer(path.read_text(errors="replace")):
-                when = time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S"))
-                lost, restored = m.group(3), m.group(4)
-                out.append((when + int(m.group(2)) / 1000, lost and int(lost),
-                            restored and int(restored)))  # fmt: skip
-        return out
-
-    def lost_after(self, t: float) -> int | None:
-        """The highest step a stage lost a link at since `t` (None: none yet)."""
-        t -= self.SLACK
-        steps = [lost for when, lost, _ in self._lines() if when >= t and lost is not None]
-        return max(steps) if steps else None
-
-    def restored_between(self, t0: float, t1: float) -> int | None:
-        """The lowest commit a stage restored between `t0` and `t1`."""
-        t0 -= self.SLACK
-        steps = [r for when, _, r in self._lines() if t0 <= when < t1 and r is not None]
-        return min(steps) if steps else None
+    with chaos_env(kube_cluster, tmp_path_factory.mktemp("chaos")) as parts:
+        yield parts
 
 
 def _stage_pid(e: dict[str, Any], name: str, k: int) -> int:
@@ -260,22 +83,6 @@ def _starts(e: dict[str, Any], name: str) -> Counter[str]:
     return Counter(lp.name for lp in e["runner"].history if lp.name.startswith(f"{name}-stage-"))
 
 
-def _status(e: dict[str, Any], name: str) -> dict[str, Any]:
-    job = e["custom"].get_namespaced_custom_object(GROUP, VERSION, e["ns"], PLURAL, name)
-    return job.get("status") or {}
-
-
-def _finished(e: dict[str, Any], name: str, timeout: float) -> dict[str, Any]:
-    try:
-        return wait_for(  # type: ignore[no-any-return]
-            f"{name} to finish",
-            lambda: (st := _status(e, name)).get("phase") in ("Succeeded", "Failed") and st,
-            timeout=timeout,
-        )
-    except AssertionError as err:
-        raise AssertionError(f"{err}\n{diagnostics(e)}") from None
-
-
 def _job(minio: Any, secret: str, name: str, pools: list[str]) -> dict[str, Any]:
     return (
         tiny_job(name, minio)
@@ -286,41 +93,6 @@ def _job(minio: Any, secret: str, name: str, pools: list[str]) -> dict[str, Any]
         .placement(pools=pools)
         .build()
     )
-
-
-class Background:
-    """A job created now and waited for in a thread of its own: its final status and the
-    seconds from its creation until it was seen finished."""
-
-    def __init__(self, e: dict[str, Any], job: dict[str, Any]) -> None:
-        self.status: dict[str, Any] | None = None
-        self.error: BaseException | None = None
-        self.seconds = 0.0
-        self._started = time.monotonic()
-        e["custom"].create_namespaced_custom_object(GROUP, VERSION, e["ns"], PLURAL, job)
-        name = job["metadata"]["name"]
-        self._thread = threading.Thread(target=self._wait, args=(e, name), daemon=True)
-        self._thread.start()
-
-    def _wait(self, e: dict[str, Any], name: str) -> None:
-        try:
-            self.status = _finished(e, name, 900)
-        except BaseException as exc:  # re-raised by result()
-            self.error = exc
-        self.seconds = time.monotonic() - self._started
-
-    def result(self, timeout: float) -> dict[str, Any]:
-        self._thread.join(timeout)
-        assert not self._thread.is_alive(), f"no end of the job after {timeout:g} s"
-        if self.error is not None:
-            raise self.error
-        assert self.status is not None
-        return self.status
-
-
-def _final_loss(e: dict[str, Any], minio: Any, name: str) -> float:
-    key = f"ckpt/{e['ns']}/{name}/loss-history.json"
-    return float(stored_json(minio.client(), minio.bucket, key)[-1]["loss"])
 
 
 def test_a_chaos_schedule_with_real_training(env: dict[str, Any]) -> None:
@@ -386,17 +158,17 @@ def test_a_chaos_schedule_with_real_training(env: dict[str, Any]) -> None:
                     timeout=RECOVER_SECONDS,
                 )
                 fault.recover_s = time.monotonic() - injected
-            final = _finished(e, name, 900)
+            final = finished(e, name, 900)
         finally:
             pods.stop()
         chaos_s = time.monotonic() - started
         assert final["phase"] == "Succeeded", f"{final}\n{diagnostics(e)}"
-        loss = _final_loss(e, e["minio"], name)
+        loss = final_loss(e, e["minio"], name)
         assert calm_run is not None
         calm = calm_run.result(900)
         calm_s = calm_run.seconds
         assert calm["phase"] == "Succeeded", f"{calm}\n{diagnostics(e)}"
-        calm_loss = _final_loss(e, e["calm_minio"], "calm")
+        calm_loss = final_loss(e, e["calm_minio"], "calm")
 
         # The table; what each fault rolled back to is what the stages logged restoring.
         ends = [f.wall for f in faults[1:]] + [time.time()]
@@ -435,25 +207,10 @@ def test_a_chaos_schedule_with_real_training(env: dict[str, Any]) -> None:
         expected = Counter({f"{name}-stage-{k}": 1 for k in range(3)}) + hit
         assert _starts(e, name) == expected, (_starts(e, name), expected)
         # Every commit verifies, file by file.
-        from relaytrain_worker.state import checkpoint as ckpt
-        from relaytrain_worker.state.store import open_store
-
-        minio = e["minio"]
-        store = open_store(f"s3://{minio.bucket}/ckpt", endpoint=minio.url,
-                           access_key=minio.access_key, secret_key=minio.secret_key)  # fmt: skip
-        prefix = f"{ns}/{name}"
-        commits = ckpt.committed_steps(store, prefix)
-        assert commits and commits[-1] == STEPS
-        for step in commits:
-            ckpt.verify_step(store, prefix, step)
+        commits = verify_commits(e, name, STEPS)
         print(f"{len(commits)} commits verified; status restarts {final.get('restarts')}")
     finally:
-        for node in created:
-            try:
-                core.delete_node(node)
-            except client.ApiException as exc:
-                if exc.status != 404:
-                    raise
+        delete_nodes(core, created)
 
 
 def _inject(
@@ -483,7 +240,7 @@ def _inject(
         at = time.monotonic()
 
         def replacement_created() -> Any:
-            now = _pod(core, ns, pod)
+            now = live_pod(core, ns, pod)
             return now if now is not None and now.metadata.uid != old else None
 
         new = wait_for("the replacement pod", replacement_created, timeout=120, interval=0.02)
@@ -501,11 +258,7 @@ def _inject(
         return at
     if fault.kind == "minio":
         at = time.monotonic()
-        stop_minio(e["held"]["minio"])
-        time.sleep(OUTAGE_SECONDS)  # the outage itself
-        e["held"]["minio"], _ = start_minio(
-            e["work"] / "minio", e["work"] / "minio.log", again=e["minio"]
-        )
+        store_outage(e, OUTAGE_SECONDS)
         fault.note = f"down {OUTAGE_SECONDS:.0f} s"
         return at
     if fault.kind == "node":
@@ -517,13 +270,13 @@ def _inject(
         # The spare GPU is up (Ready, its not-ready taint gone) before the node goes: a
         # replacement placed while none is free waits on its own pool (issue 23: a waiting
         # stage does not yet move to a GPU that joins later).
-        wait_for("the spare node to be Ready", lambda: _ready(core, node["metadata"]["name"]))
+        wait_for("the spare node to be Ready", lambda: node_ready(core, node["metadata"]["name"]))
         core.delete_node(pod.spec.node_name)
         at = time.monotonic()
         moved = wait_for(
             "the stage on the spare pool",
             lambda: (
-                (p := _pod(core, ns, f"{name}-stage-{fault.stage}")) is not None
+                (p := live_pod(core, ns, f"{name}-stage-{fault.stage}")) is not None
                 and p.spec.node_name == node["metadata"]["name"]
                 and p
             ),
@@ -544,21 +297,6 @@ def _inject(
         fault.note = f"{cut.stdout.count('ESTAB')} connection(s) to stage 1 reset"
         return time.monotonic()
     raise AssertionError(f"unknown fault {fault.kind}")
-
-
-def _ready(core: Any, name: str) -> bool:
-    node = core.read_node(name)
-    ready = any(c.type == "Ready" and c.status == "True" for c in node.status.conditions or [])
-    taints = node.spec.taints or []
-    return ready and not any(t.key.startswith("node.kubernetes.io/") for t in taints)
-
-
-def _pod(core: Any, ns: str, name: str) -> Any:
-    try:
-        pod = core.read_namespaced_pod(name, ns)
-    except client.ApiException:
-        return None
-    return pod if pod.metadata.deletion_timestamp is None else None
 
 
 def _kill_mid_checkpoint(e: dict[str, Any], fault: Fault, name: str, progress: Progress) -> float:

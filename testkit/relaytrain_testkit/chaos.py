@@ -1,0 +1,357 @@
+"""What the chaos schedules share (tests/e2e/test_chaos.py: one pipeline; test_chaos_fleet.py:
+several): their environment (the chart-installed operator, a MinIO the faults may stop and
+one of the uninterrupted run's own), the faults' records, a watch of the job's pods, the
+job's progress read from the store, and what the stages logged.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kubernetes import client, watch
+
+from relaytrain_testkit.harness.minio_server import start_minio, stop_minio
+from relaytrain_testkit.harness.operator_env import (
+    GROUP,
+    PLURAL,
+    VERSION,
+    diagnostics,
+    operator_env,
+    stored_json,
+)
+from relaytrain_testkit.harness.waiting import wait_for
+
+
+@contextmanager
+def chaos_env(kube_cluster: Any, work: Path) -> Iterator[dict[str, Any]]:
+    """operator_env's parts on a MinIO of the schedule's own (`held["minio"]`: a fault may
+    stop it and start it again), plus `calm_minio`, the uninterrupted run's store (no fault
+    touches it), with the model and data mirrored and its keys in Secret `s3-calm`."""
+    (work / "minio").mkdir()
+    (work / "minio-calm").mkdir()
+    proc, minio = start_minio(work / "minio", work / "minio.log")
+    held = {"minio": proc}
+    try:
+        held["calm"], calm = start_minio(work / "minio-calm", work / "minio-calm.log")
+        with operator_env(kube_cluster, minio, work) as parts:
+            mirror(minio, calm, ["models/", "data/"])
+            parts["core"].create_namespaced_secret(
+                parts["ns"],
+                client.V1Secret(
+                    metadata=client.V1ObjectMeta(name="s3-calm"),
+                    string_data={
+                        "AWS_ACCESS_KEY_ID": calm.access_key,
+                        "AWS_SECRET_ACCESS_KEY": calm.secret_key,
+                    },
+                ),
+            )
+            yield {**parts, "held": held, "calm_minio": calm}
+    finally:
+        for server in held.values():
+            stop_minio(server)
+
+
+def store_outage(e: dict[str, Any], seconds: float) -> None:
+    """The schedule's MinIO stopped for `seconds`, then started again at its address."""
+    stop_minio(e["held"]["minio"])
+    time.sleep(seconds)  # the outage itself
+    e["held"]["minio"], _ = start_minio(
+        e["work"] / "minio", e["work"] / "minio.log", again=e["minio"]
+    )
+
+
+def mirror(src: Any, dst: Any, prefixes: list[str]) -> None:
+    """Copies the objects under `prefixes` from one MinIO's bucket to another's."""
+    a, b = src.client(), dst.client()
+    if not b.bucket_exists(dst.bucket):
+        b.make_bucket(dst.bucket)
+    for prefix in prefixes:
+        for obj in a.list_objects(src.bucket, prefix, recursive=True):
+            resp = a.get_object(src.bucket, obj.object_name)
+            try:
+                data = resp.read()
+            finally:
+                resp.close()
+                resp.release_conn()
+            b.put_object(dst.bucket, obj.object_name, io.BytesIO(data), len(data))
+
+
+@dataclass
+class Fault:
+    kind: str
+    target: int
+    """The step the workers reach before it is injected."""
+    stage: int | None = None
+    """The stage it hits (killed, moved), if one."""
+    pipeline: int | None = None
+    """The pipeline of that stage, in a job of several."""
+    at_step: int = 0
+    """The step training broke at (the stages' logs; progress.json's when nothing broke)."""
+    wall: float = 0.0
+    """When it was injected (time.time(), to read the stages' logs by)."""
+    restored: int | None = None
+    """The commit the stages restored after it (their logs), if they rolled back."""
+    recover_s: float = 0.0
+    """Seconds from the injection until the job trained past `at_step` (or, in a job of
+    several pipelines, until the pipeline it hit trained again)."""
+    note: str = ""
+
+
+class PodWatch:
+    """Every event of the job's pods, from a watch: the most pods ever live at once for one
+    stage (live: not being deleted, not Succeeded or Failed)."""
+
+    def __init__(self, core: Any, ns: str, job: str) -> None:
+        self.core, self.ns, self.job = core, ns, job
+        self.live: dict[str, str] = {}  # pod uid -> its stage (pod name)
+        self.most: Counter[str] = Counter()
+        self.events = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        version = None
+        while not self._stop.is_set():
+            w = watch.Watch()  # type: ignore[no-untyped-call]
+            try:
+                for event in w.stream(  # type: ignore[no-untyped-call]
+                    self.core.list_namespaced_pod, self.ns, timeout_seconds=5,
+                    label_selector=f"relaytrain.io/job={self.job}", resource_version=version,
+                ):  # fmt: skip
+                    pod = event["object"]
+                    version = pod.metadata.resource_version
+                    self._see(event["type"], pod)
+                    if self._stop.is_set():
+                        break
+            except Exception:  # an expired version or a dropped stream: list afresh
+                version = None
+
+    def _see(self, kind: str, pod: Any) -> None:
+        self.events += 1
+        stage = str(pod.metadata.name)  # one name per stage: a replacement takes it over
+        alive = (
+            kind != "DELETED"
+            and pod.metadata.deletion_timestamp is None
+            and (pod.status.phase or "Pending") not in ("Succeeded", "Failed")
+        )
+        if alive:
+            self.live[pod.metadata.uid] = stage
+        else:
+            self.live.pop(pod.metadata.uid, None)
+        count = sum(1 for s in self.live.values() if s == stage)
+        self.most[stage] = max(self.most[stage], count)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=15)
+
+
+class Progress:
+    """progress.json of the job, read straight from MinIO (None while it cannot be read);
+    `seen` keeps every step read, in order."""
+
+    def __init__(self, minio: Any, key: str) -> None:
+        self.minio, self.key = minio, key
+        self.mc = minio.client()
+        self.seen: list[int] = []
+
+    def now(self) -> dict[str, Any] | None:
+        try:
+            doc: dict[str, Any] = stored_json(self.mc, self.minio.bucket, self.key)
+        except Exception:
+            return None
+        self.seen.append(int(doc.get("step", 0)))
+        return doc
+
+    def wait(
+        self,
+        what: str,
+        until: Callable[[dict[str, Any]], bool],
+        timeout: float,
+        interval: float = 0.05,
+    ) -> Any:
+        def ready() -> Any:
+            doc = self.now()
+            return doc if doc is not None and until(doc) else None
+
+        return wait_for(what, ready, timeout=timeout, interval=interval)
+
+
+_LINE = re.compile(
+    r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) \w+ relaytrain\.stage: Stage (?:p(\d+)/s)?\d+ "
+    r"(?:lost a link at step (\d+)|restored committed step (\d+)|rejoined at step (\d+))",
+    re.MULTILINE,
+)
+
+
+@dataclass(frozen=True)
+class _Line:
+    when: float
+    pipeline: int | None
+    lost: int | None
+    restored: int | None
+    rejoined: int | None
+
+
+class StageLogs:
+    """What the job's stage processes logged (every container.log of every pod of theirs):
+    the steps training broke at, the commits restored and the steps pipelines rejoined at,
+    with when (their clock is ours) and, in a job of several pipelines, by which pipeline."""
+
+    SLACK = 0.1
+    """Seconds a line may read earlier than the fault it follows (the logs truncate to the
+    millisecond). No more: the previous fault's restores can be logged well under a second
+    before the next fault (a deleted node's stage stops a second or so late, that many steps
+    nearer the next fault), and they are not the next fault's."""
+
+    def __init__(self, pods_dir: Path, job: str) -> None:
+        self.pods_dir, self.job = pods_dir, job
+
+    def _lines(self) -> list[_Line]:
+        out = []
+        for path in self.pods_dir.glob(f"{self.job}-*/*/container.log"):
+            for m in _LINE.finditer(path.read_text(errors="replace")):
+                when = time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S"))
+                p, lost, restored, rejoined = (
+                    None if g is None else int(g) for g in m.group(3, 4, 5, 6)
+                )
+                out.append(_Line(when + int(m.group(2)) / 1000, p, lost, restored, rejoined))
+        return out
+
+    def lost_after(self, t: float) -> int | None:
+        """The highest step a stage lost a link at since `t` (None: none yet)."""
+        t -= self.SLACK
+        steps = [x.lost for x in self._lines() if x.when >= t and x.lost is not None]
+        return max(steps) if steps else None
+
+    def restored_between(
+        self, t0: float, t1: float, pipelines: set[int] | None = None
+    ) -> int | None:
+        """The lowest commit a stage (of `pipelines`, when given) restored between `t0` and
+        `t1`."""
+        t0 -= self.SLACK
+        steps = [
+            x.restored
+            for x in self._lines()
+            if t0 <= x.when < t1
+            and x.restored is not None
+            and (pipelines is None or x.pipeline in pipelines)
+        ]
+        return min(steps) if steps else None
+
+    def rejoined_after(self, t: float, pipeline: int) -> tuple[float, int] | None:
+        """(when, step) pipeline `pipeline`'s first stage to rejoin since `t` did (None: not
+        yet)."""
+        t -= self.SLACK
+        found = [
+            (x.when, x.rejoined)
+            for x in self._lines()
+            if x.when >= t and x.rejoined is not None and x.pipeline == pipeline
+        ]
+        return min(found) if found else None
+
+
+def job_status(e: dict[str, Any], name: str) -> dict[str, Any]:
+    job = e["custom"].get_namespaced_custom_object(GROUP, VERSION, e["ns"], PLURAL, name)
+    return job.get("status") or {}
+
+
+def finished(e: dict[str, Any], name: str, timeout: float) -> dict[str, Any]:
+    """The job's status once it Succeeded or Failed (fails with the diagnostics after
+    `timeout` seconds)."""
+    try:
+        return wait_for(  # type: ignore[no-any-return]
+            f"{name} to finish",
+            lambda: (st := job_status(e, name)).get("phase") in ("Succeeded", "Failed") and st,
+            timeout=timeout,
+        )
+    except AssertionError as err:
+        raise AssertionError(f"{err}\n{diagnostics(e)}") from None
+
+
+class Background:
+    """A job created now and waited for in a thread of its own: its final status and the
+    seconds from its creation until it was seen finished."""
+
+    def __init__(self, e: dict[str, Any], job: dict[str, Any]) -> None:
+        self.status: dict[str, Any] | None = None
+        self.error: BaseException | None = None
+        self.seconds = 0.0
+        self._started = time.monotonic()
+        e["custom"].create_namespaced_custom_object(GROUP, VERSION, e["ns"], PLURAL, job)
+        name = job["metadata"]["name"]
+        self._thread = threading.Thread(target=self._wait, args=(e, name), daemon=True)
+        self._thread.start()
+
+    def _wait(self, e: dict[str, Any], name: str) -> None:
+        try:
+            self.status = finished(e, name, 900)
+        except BaseException as exc:  # re-raised by result()
+            self.error = exc
+        self.seconds = time.monotonic() - self._started
+
+    def result(self, timeout: float) -> dict[str, Any]:
+        self._thread.join(timeout)
+        assert not self._thread.is_alive(), f"no end of the job after {timeout:g} s"
+        if self.error is not None:
+            raise self.error
+        assert self.status is not None
+        return self.status
+
+
+def final_loss(e: dict[str, Any], minio: Any, name: str) -> float:
+    key = f"ckpt/{e['ns']}/{name}/loss-history.json"
+    return float(stored_json(minio.client(), minio.bucket, key)[-1]["loss"])
+
+
+def verify_commits(e: dict[str, Any], name: str, last: int) -> list[int]:
+    """Every commit of the job, each verified file by file against its manifest; the last
+    must be step `last`. Returns the steps."""
+    from relaytrain_worker.state import checkpoint as ckpt
+    from relaytrain_worker.state.store import open_store
+
+    minio = e["minio"]
+    store = open_store(f"s3://{minio.bucket}/ckpt", endpoint=minio.url,
+                       access_key=minio.access_key, secret_key=minio.secret_key)  # fmt: skip
+    prefix = f"{e['ns']}/{name}"
+    commits: list[int] = ckpt.committed_steps(store, prefix)
+    assert commits and commits[-1] == last, commits
+    for step in commits:
+        ckpt.verify_step(store, prefix, step)
+    return commits
+
+
+def node_ready(core: Any, name: str) -> bool:
+    """Node `name` is Ready and without a node.kubernetes.io/ taint."""
+    node = core.read_node(name)
+    ready = any(c.type == "Ready" and c.status == "True" for c in node.status.conditions or [])
+    taints = node.spec.taints or []
+    return ready and not any(t.key.startswith("node.kubernetes.io/") for t in taints)
+
+
+def live_pod(core: Any, ns: str, name: str) -> Any:
+    """Pod `name` unless it is gone or being deleted (None then)."""
+    try:
+        pod = core.read_namespaced_pod(name, ns)
+    except client.ApiException:
+        return None
+    return pod if pod.metadata.deletion_timestamp is None else None
+
+
+def delete_nodes(core: Any, names: list[str]) -> None:
+    for node in names:
+        try:
+            core.delete_node(node)
+        except client.ApiException as exc:
+            if exc.status != 404:
+                raise
