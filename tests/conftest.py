@@ -30,6 +30,25 @@ pytest_plugins = [
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "chaos: the chaos schedule with real training (make chaos)")
+    config.addinivalue_line(
+        "markers",
+        "fleet_chaos: the chaos schedule of a job of several pipelines: run by `make chaos`, or "
+        "when its module is named; skipped, saying so, in a session that names neither",
+    )
+
+
+FLEET_CHAOS_SKIP = (
+    "the chaos schedule of two pipelines (about 3 minutes, over the test session's budget): "
+    "`make chaos` runs it"
+)
+
+
+def _asked_for(config: pytest.Config, item: pytest.Item) -> bool:
+    """Whether the session selects by marker (-m) or names `item`'s module (or a test in it)."""
+    if config.option.markexpr:
+        return True
+    rootpath = config.rootpath
+    return any((rootpath / arg.split("::")[0]).resolve() == item.path for arg in config.args)
 
 
 def _cuda_available() -> bool:
@@ -61,6 +80,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.path in torch_files:
             item.add_marker(pytest.mark.torch)
+        if item.get_closest_marker("fleet_chaos") and not _asked_for(config, item):
+            item.add_marker(pytest.mark.skip(reason=FLEET_CHAOS_SKIP))
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu_items or _cuda_available():
         return
