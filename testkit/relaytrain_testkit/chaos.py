@@ -7,11 +7,14 @@ job's progress read from the store, and what the stages logged.
 from __future__ import annotations
 
 import io
+import os
 import re
+import signal
+import subprocess
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +22,7 @@ from typing import Any
 
 from kubernetes import client, watch
 
+from relaytrain_testkit.harness import kwok_nodes
 from relaytrain_testkit.harness.minio_server import start_minio, stop_minio
 from relaytrain_testkit.harness.operator_env import (
     GROUP,
@@ -355,3 +359,131 @@ def delete_nodes(core: Any, names: list[str]) -> None:
         except client.ApiException as exc:
             if exc.status != 404:
                 raise
+
+
+# -- faults both schedules inject -------------------------------------------------------
+
+
+def kill_then_operator(e: dict[str, Any], pod: str, pid: int) -> tuple[float, str]:
+    """SIGKILL of stage pod `pod`'s process `pid`, then, as soon as its replacement pod is
+    created, of the operator pod's process: the replacement is in flight. Returns when the
+    stage was killed (time.monotonic()) and how far the replacement had got."""
+    core, ns = e["core"], e["ns"]
+    old = core.read_namespaced_pod(pod, ns).metadata.uid
+    os.kill(pid, signal.SIGKILL)
+    at = time.monotonic()
+
+    def replacement_created() -> Any:
+        now = live_pod(core, ns, pod)
+        return now if now is not None and now.metadata.uid != old else None
+
+    new = wait_for("the replacement pod", replacement_created, timeout=120, interval=0.02)
+    release = e["release"]
+    operator = release.operator_pod()
+    local = release.runner.local_pod(release.namespace, operator.metadata.name)
+    os.kill(local.process.pid, signal.SIGKILL)
+    # In flight: created, and its stage not yet training (its process starting, or not even
+    # started by the kubelet).
+    started = e["runner"].local_pod(ns, pod)
+    loading = started is not None and started.uid == new.metadata.uid
+    return at, "operator killed; the replacement " + (
+        "pod's process loading" if loading else "pod not yet started"
+    )
+
+
+def move_to_spare(
+    e: dict[str, Any], pod: str, spare: dict[str, Any], created: list[str]
+) -> tuple[float, str]:
+    """The node under stage pod `pod` deleted once a node of pool `spare` is up (its name
+    added to `created`), and the pod's replacement seen there. Returns when the node went
+    (time.monotonic()) and what moved where."""
+    core, ns = e["core"], e["ns"]
+    before = core.read_namespaced_pod(pod, ns)
+    node = kwok_nodes.node_manifest(spare, 0)
+    kwok_nodes.create_nodes(core.api_client, [node])
+    created.append(node["metadata"]["name"])
+    # The spare GPU is up (Ready, its not-ready taint gone) before the node goes: a
+    # replacement placed while none is free waits on its own pool (issue 23: a waiting stage
+    # does not yet move to a GPU that joins later).
+    wait_for("the spare node to be Ready", lambda: node_ready(core, node["metadata"]["name"]))
+    core.delete_node(before.spec.node_name)
+    at = time.monotonic()
+    moved = wait_for(
+        "the stage on the spare pool",
+        lambda: (
+            (p := live_pod(core, ns, pod)) is not None
+            and p.spec.node_name == node["metadata"]["name"]
+            and p
+        ),
+        timeout=120,
+    )
+    return at, f"{before.spec.node_name} deleted; moved to {moved.spec.node_name}"
+
+
+def reset_connections(ports: Iterable[int]) -> int:
+    """Every established TCP connection to 127.0.0.1 on `ports` reset (`ss -K`); how many."""
+    reset = 0
+    for port in ports:
+        cut = subprocess.run(
+            ["ss", "-K", "dst", "127.0.0.1", "dport", "=", f":{port}"],
+            capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        assert cut.returncode == 0, (cut.stdout, cut.stderr)
+        reset += cut.stdout.count("ESTAB")
+    return reset
+
+
+def kill_mid_commit(
+    e: dict[str, Any],
+    name: str,
+    progress: Progress,
+    every: int,
+    committer: Callable[[], int],
+    timeout: float,
+) -> tuple[float, int, list[str]]:
+    """Hold the committing stage (the process `committer()` names) with SIGSTOP as soon as
+    the workers report a checkpoint step (a multiple of `every`) not yet committed; once
+    stage 0's files of that step are in the store and its manifest is not, kill it. Tried
+    at the next checkpoint step if the commit won. Returns when it was killed
+    (time.monotonic()), the step, and the objects of the step in the store then."""
+    mc, bucket = e["minio"].client(), e["minio"].bucket
+    base = f"ckpt/{e['ns']}/{name}"
+    for _ in range(10):
+        doc = progress.wait(
+            "a checkpoint step being committed",
+            lambda d: d["step"] % every == 0 and (d.get("lastCommittedStep") or 0) < d["step"],
+            timeout=timeout,
+            interval=0.005,  # the window is a checkpoint's save: tens of milliseconds
+        )
+        step = int(doc["step"])
+        pid = committer()
+        os.kill(pid, signal.SIGSTOP)
+
+        def objects(step: int = step) -> list[str]:
+            return [o.object_name for o in mc.list_objects(bucket, f"{base}/step-{step}/",
+                                                           recursive=True)]  # fmt: skip
+
+        if any(n.endswith("manifest.json") for n in objects()):
+            os.kill(pid, signal.SIGCONT)  # the commit won the race: try the next commit,
+            progress.wait(  # once training is past this one
+                f"training past step {step}",
+                lambda d, s=step: d["step"] > s,  # type: ignore[misc]
+                timeout=timeout,
+            )
+            continue
+        try:
+            wait_for(
+                "stage 0's files of the step",
+                lambda: any("/stage-0/" in n for n in objects()),
+                timeout=60,
+                interval=0.05,
+            )
+        except AssertionError:
+            os.kill(pid, signal.SIGCONT)
+            raise
+        os.kill(pid, signal.SIGKILL)
+        at = time.monotonic()
+        written = objects()
+        assert not any(n.endswith("manifest.json") for n in written)
+        return at, step, written
+    raise AssertionError("every checkpoint was committed before the committer could be held")

@@ -26,7 +26,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import subprocess
 import time
 import uuid
 from collections import Counter
@@ -44,8 +43,10 @@ from relaytrain_testkit.chaos import (
     delete_nodes,
     final_loss,
     finished,
-    live_pod,
-    node_ready,
+    kill_mid_commit,
+    kill_then_operator,
+    move_to_spare,
+    reset_connections,
     store_outage,
     verify_commits,
 )
@@ -223,7 +224,6 @@ def _inject(
     created: list[str],
 ) -> float:
     """Inject `fault`; returns the moment it took effect (monotonic)."""
-    core, ns = e["core"], e["ns"]
     doc = progress.now() or {}
     fault.at_step = int(doc.get("step", 0))
     if fault.kind == "kill":
@@ -231,30 +231,17 @@ def _inject(
         os.kill(_stage_pid(e, name, fault.stage), signal.SIGKILL)
         return time.monotonic()
     if fault.kind == "kill-mid-checkpoint":
-        return _kill_mid_checkpoint(e, fault, name, progress)
+        fault.stage = 2  # the last stage commits
+        at, fault.at_step, written = kill_mid_commit(
+            e, name, progress, EVERY, lambda: _stage_pid(e, name, 2), RECOVER_SECONDS
+        )
+        stages = sorted({n.split("/stage-")[1].split("/")[0] for n in written if "/stage-" in n})
+        fault.note = f"step {fault.at_step}: stage(s) {', '.join(stages)} saved, no manifest"
+        return at
     if fault.kind == "kill+operator":
         fault.stage = rng.randrange(3)
         pod = f"{name}-stage-{fault.stage}"
-        old = core.read_namespaced_pod(pod, ns).metadata.uid
-        os.kill(_stage_pid(e, name, fault.stage), signal.SIGKILL)
-        at = time.monotonic()
-
-        def replacement_created() -> Any:
-            now = live_pod(core, ns, pod)
-            return now if now is not None and now.metadata.uid != old else None
-
-        new = wait_for("the replacement pod", replacement_created, timeout=120, interval=0.02)
-        release = e["release"]
-        operator = release.operator_pod()
-        local = release.runner.local_pod(release.namespace, operator.metadata.name)
-        os.kill(local.process.pid, signal.SIGKILL)
-        # In flight: created, and its stage not yet training (its process starting, or not
-        # even started by the kubelet).
-        started = e["runner"].local_pod(ns, pod)
-        loading = started is not None and started.uid == new.metadata.uid
-        fault.note = "operator killed; the replacement " + (
-            "pod's process loading" if loading else "pod not yet started"
-        )
+        at, fault.note = kill_then_operator(e, pod, _stage_pid(e, name, fault.stage))
         return at
     if fault.kind == "minio":
         at = time.monotonic()
@@ -263,87 +250,15 @@ def _inject(
         return at
     if fault.kind == "node":
         fault.stage = rng.randrange(3)
-        pod = core.read_namespaced_pod(f"{name}-stage-{fault.stage}", ns)
-        node = kwok_nodes.node_manifest(spare, 0)
-        kwok_nodes.create_nodes(core.api_client, [node])
-        created.append(node["metadata"]["name"])
-        # The spare GPU is up (Ready, its not-ready taint gone) before the node goes: a
-        # replacement placed while none is free waits on its own pool (issue 23: a waiting
-        # stage does not yet move to a GPU that joins later).
-        wait_for("the spare node to be Ready", lambda: node_ready(core, node["metadata"]["name"]))
-        core.delete_node(pod.spec.node_name)
-        at = time.monotonic()
-        moved = wait_for(
-            "the stage on the spare pool",
-            lambda: (
-                (p := live_pod(core, ns, f"{name}-stage-{fault.stage}")) is not None
-                and p.spec.node_name == node["metadata"]["name"]
-                and p
-            ),
-            timeout=120,
-        )
-        fault.note = f"{pod.spec.node_name} deleted; moved to {moved.spec.node_name}"
+        at, fault.note = move_to_spare(e, f"{name}-stage-{fault.stage}", spare, created)
         return at
     if fault.kind == "link":
         port = next(
             p for address, p in e["runner"].ports.items()
             if address.startswith(f"{name}-stage-1.") and address.endswith(f":{LINK_PORT}")
         )  # fmt: skip
-        cut = subprocess.run(
-            ["ss", "-K", "dst", "127.0.0.1", "dport", "=", f":{port}"],
-            capture_output=True, text=True, check=False,
-        )  # fmt: skip
-        assert cut.returncode == 0 and "ESTAB" in cut.stdout, (cut.stdout, cut.stderr)
-        fault.note = f"{cut.stdout.count('ESTAB')} connection(s) to stage 1 reset"
+        reset = reset_connections([port])
+        assert reset, "no connection to stage 1 to reset"
+        fault.note = f"{reset} connection(s) to stage 1 reset"
         return time.monotonic()
     raise AssertionError(f"unknown fault {fault.kind}")
-
-
-def _kill_mid_checkpoint(e: dict[str, Any], fault: Fault, name: str, progress: Progress) -> float:
-    """Hold the last stage (it commits) with SIGSTOP as soon as the workers report a
-    checkpoint step not yet committed; once stage 0's files of that step are in the store
-    and its manifest is not, kill it. Tried at the next checkpoint step if the commit won."""
-    mc, bucket = e["minio"].client(), e["minio"].bucket
-    base = f"ckpt/{e['ns']}/{name}"
-    fault.stage = 2
-    for _ in range(10):
-        doc = progress.wait(
-            "a checkpoint step being committed",
-            lambda d: d["step"] % EVERY == 0 and (d.get("lastCommittedStep") or 0) < d["step"],
-            timeout=RECOVER_SECONDS,
-            interval=0.005,  # the window is a checkpoint's save: tens of milliseconds
-        )
-        step = int(doc["step"])
-        pid = _stage_pid(e, name, 2)
-        os.kill(pid, signal.SIGSTOP)
-
-        def objects(step: int = step) -> list[str]:
-            return [o.object_name for o in mc.list_objects(bucket, f"{base}/step-{step}/",
-                                                           recursive=True)]  # fmt: skip
-
-        if any(n.endswith("manifest.json") for n in objects()):
-            os.kill(pid, signal.SIGCONT)  # the commit won the race: try the next commit,
-            progress.wait(  # once training is past this one
-                f"training past step {step}", lambda d, s=step: d["step"] > s,
-                timeout=RECOVER_SECONDS,
-            )  # fmt: skip
-            continue
-        try:
-            wait_for(
-                "stage 0's files of the step",
-                lambda: any("/stage-0/" in n for n in objects()),
-                timeout=60,
-                interval=0.05,
-            )
-        except AssertionError:
-            os.kill(pid, signal.SIGCONT)
-            raise
-        os.kill(pid, signal.SIGKILL)
-        at = time.monotonic()
-        written = objects()
-        assert not any(n.endswith("manifest.json") for n in written)
-        fault.at_step = step
-        stages = sorted({n.split("/stage-")[1].split("/")[0] for n in written if "/stage-" in n})
-        fault.note = f"step {step}: stage(s) {', '.join(stages)} saved, no manifest"
-        return at
-    raise AssertionError("every checkpoint was committed before the last stage could be held")

@@ -34,7 +34,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import subprocess
 import time
 import uuid
 from collections import Counter
@@ -53,8 +52,10 @@ from relaytrain_testkit.chaos import (
     delete_nodes,
     final_loss,
     finished,
-    live_pod,
-    node_ready,
+    kill_mid_commit,
+    kill_then_operator,
+    move_to_spare,
+    reset_connections,
     store_outage,
     verify_commits,
 )
@@ -263,7 +264,6 @@ def _inject(
     created: list[str],
 ) -> float:
     """Inject `fault`; returns the moment it took effect (monotonic)."""
-    core, ns = e["core"], e["ns"]
     doc = progress.now() or {}
     fault.at_step = int(doc.get("step", 0))
     if fault.kind in ("kill", "kill-writer"):
@@ -272,27 +272,19 @@ def _inject(
         os.kill(_stage_pid(e, name, fault.pipeline, fault.stage), signal.SIGKILL)
         return time.monotonic()
     if fault.kind == "kill-mid-checkpoint":
-        return _kill_mid_checkpoint(e, fault, name, progress)
+        # The writer's pipeline (0, the lowest training) commits from its last stage.
+        fault.pipeline, fault.stage = 0, STAGES - 1
+        at, fault.at_step, written = kill_mid_commit(
+            e, name, progress, EVERY, lambda: _stage_pid(e, name, 0, STAGES - 1),
+            RECOVER_SECONDS,
+        )  # fmt: skip
+        fault.note = f"step {fault.at_step}: {len(written)} file(s) saved, no manifest"
+        return at
     if fault.kind == "kill+operator":
         fault.pipeline, fault.stage = rng.randrange(PIPELINES), rng.randrange(STAGES)
         pod = _pod_name(name, fault.pipeline, fault.stage)
-        old = core.read_namespaced_pod(pod, ns).metadata.uid
-        os.kill(_stage_pid(e, name, fault.pipeline, fault.stage), signal.SIGKILL)
-        at = time.monotonic()
-
-        def replacement_created() -> Any:
-            now = live_pod(core, ns, pod)
-            return now if now is not None and now.metadata.uid != old else None
-
-        new = wait_for("the replacement pod", replacement_created, timeout=120, interval=0.02)
-        release = e["release"]
-        operator = release.operator_pod()
-        local = release.runner.local_pod(release.namespace, operator.metadata.name)
-        os.kill(local.process.pid, signal.SIGKILL)
-        running = e["runner"].local_pod(ns, pod)
-        loading = running is not None and running.uid == new.metadata.uid
-        fault.note = "operator killed; the replacement " + (
-            "pod's process loading" if loading else "pod not yet started"
+        at, fault.note = kill_then_operator(
+            e, pod, _stage_pid(e, name, fault.pipeline, fault.stage)
         )
         return at
     if fault.kind == "minio":
@@ -302,24 +294,8 @@ def _inject(
         return at
     if fault.kind == "node":
         fault.pipeline, fault.stage = rng.randrange(PIPELINES), rng.randrange(STAGES)
-        pod_name = _pod_name(name, fault.pipeline, fault.stage)
-        pod = core.read_namespaced_pod(pod_name, ns)
-        node = kwok_nodes.node_manifest(spare, 0)
-        kwok_nodes.create_nodes(core.api_client, [node])
-        created.append(node["metadata"]["name"])
-        wait_for("the spare node to be Ready", lambda: node_ready(core, node["metadata"]["name"]))
-        core.delete_node(pod.spec.node_name)
-        at = time.monotonic()
-        moved = wait_for(
-            "the stage on the spare pool",
-            lambda: (
-                (p := live_pod(core, ns, pod_name)) is not None
-                and p.spec.node_name == node["metadata"]["name"]
-                and p
-            ),
-            timeout=120,
-        )
-        fault.note = f"{pod.spec.node_name} deleted; moved to {moved.spec.node_name}"
+        pod = _pod_name(name, fault.pipeline, fault.stage)
+        at, fault.note = move_to_spare(e, pod, spare, created)
         return at
     if fault.kind == "link":
         ports = [
@@ -327,63 +303,8 @@ def _inject(
             if address.startswith(f"{name}-p1-") and address.endswith(f":{REPLICA_PORT}")
         ]  # fmt: skip
         assert ports, e["runner"].ports
-        reset = 0
-        for port in ports:
-            cut = subprocess.run(
-                ["ss", "-K", "dst", "127.0.0.1", "dport", "=", f":{port}"],
-                capture_output=True, text=True, check=False,
-            )  # fmt: skip
-            assert cut.returncode == 0, (cut.stdout, cut.stderr)
-            reset += cut.stdout.count("ESTAB")
+        reset = reset_connections(ports)
         assert reset, "no replica connection to reset"
         fault.note = f"{reset} replica connection(s) to pipeline 1 reset"
         return time.monotonic()
     raise AssertionError(f"unknown fault {fault.kind}")
-
-
-def _kill_mid_checkpoint(e: dict[str, Any], fault: Fault, name: str, progress: Progress) -> float:
-    """Hold the writer's last stage (pipeline 0's: it commits) with SIGSTOP as soon as the
-    workers report a checkpoint step not yet committed; once another file of that step is
-    in the store and its manifest is not, kill it. Tried at the next checkpoint step if the
-    commit won."""
-    mc, bucket = e["minio"].client(), e["minio"].bucket
-    base = f"ckpt/{e['ns']}/{name}"
-    fault.pipeline, fault.stage = 0, STAGES - 1
-    for _ in range(10):
-        doc = progress.wait(
-            "a checkpoint step being committed",
-            lambda d: d["step"] % EVERY == 0 and (d.get("lastCommittedStep") or 0) < d["step"],
-            timeout=RECOVER_SECONDS,
-            interval=0.005,  # the window is a checkpoint's save: tens of milliseconds
-        )
-        step = int(doc["step"])
-        pid = _stage_pid(e, name, 0, STAGES - 1)
-        os.kill(pid, signal.SIGSTOP)
-
-        def objects(step: int = step) -> list[str]:
-            return [o.object_name for o in mc.list_objects(bucket, f"{base}/step-{step}/",
-                                                           recursive=True)]  # fmt: skip
-
-        if any(n.endswith("manifest.json") for n in objects()):
-            os.kill(pid, signal.SIGCONT)  # the commit won the race: try the next one
-            progress.wait(f"training past step {step}", lambda d, s=step: d["step"] > s,
-                          timeout=RECOVER_SECONDS)  # fmt: skip
-            continue
-        try:
-            wait_for(
-                "stage 0's files of the step",
-                lambda: any("/stage-0/" in n for n in objects()),
-                timeout=60,
-                interval=0.05,
-            )
-        except AssertionError:
-            os.kill(pid, signal.SIGCONT)
-            raise
-        os.kill(pid, signal.SIGKILL)
-        at = time.monotonic()
-        written = objects()
-        assert not any(n.endswith("manifest.json") for n in written)
-        fault.at_step = step
-        fault.note = f"step {step}: {len(written)} file(s) saved, no manifest"
-        return at
-    raise AssertionError("every checkpoint was committed before the last stage could be held")
