@@ -347,9 +347,12 @@ def test_no_example_is_repeated_or_skipped_across_a_stop_and_start(
     workspace: Path,
 ) -> None:
     """Five passes over the data, stopped (SIGTERM, as a suspend) and started again from its
-    last commit, which redoes the steps after it: the rows each step finally trained, listed
-    from stage 0's own logs, take every row exactly once per pass; and progress.json's
-    counts are those of five passes. (A stage killed and replaced reports the counts of an
+    last commit **in three stages instead of two** (what the operator's re-split does: every
+    stage starts again from the last commit under the new split), which redoes the steps
+    after it: every stage restores the commit by parameter name; the rows each step finally
+    trained, listed from stage 0's own logs, take every row exactly once per pass;
+    progress.json's counts are those of five passes; and every step's loss is an
+    uninterrupted two-stage run's. (A stage killed and replaced reports the counts of an
     uninterrupted run: test_kill_9_of_a_stage_is_survived.)"""
     job = _job(workspace, "listed").training(steps=STEPS_LISTED).write(workspace)
     debug = {"RELAYTRAIN_LOG_LEVEL": "DEBUG"}
@@ -389,9 +392,27 @@ def test_no_example_is_repeated_or_skipped_across_a_stop_and_start(
     assert first.returncode == 128 + signal.SIGTERM, out
     stopped = progress(workspace / "ckpt", "listed")
     assert stopped is not None and not stopped["done"], stopped
-    second = start_run(job, workspace / "wd-listed-again", env=debug)  # ... and starts again
+    # ... and starts again, split in three.
+    resplit = _job(workspace, "listed").training(steps=STEPS_LISTED).pipeline(stages=3)
+    second = start_run(resplit.write(workspace), workspace / "wd-listed-again", env=debug)
+    calm = start_run(  # the reference, beside it
+        _job(workspace, "listed-calm").training(steps=STEPS_LISTED).write(workspace),
+        workspace / "wd-listed-calm",
+    )
     out, _ = second.communicate(timeout=600)
     assert second.returncode == 0, out
+    calm_out, _ = calm.communicate(timeout=600)
+    assert calm.returncode == 0, calm_out
+    committed = stopped.get("lastCommittedStep")
+    for k in range(3):
+        log = (workspace / "wd-listed-again" / "stages" / f"stage-{k}.log").read_text()
+        assert f"Stage {k} restored committed step {committed} by name" in log, log[-3000:]
+    losses, reference = _losses(workspace / "ckpt", "listed"), _losses(workspace / "ckpt",
+                                                                         "listed-calm")  # fmt: skip
+    worst = max(abs(a - b) for a, b in zip(losses, reference, strict=True))
+    print(f"two stages, stopped at step {stopped['step']}, three from commit {committed}: "
+          f"largest per-step loss difference {worst!r} against two stages throughout")  # fmt: skip
+    assert losses == reference  # bit for bit: a split moves no arithmetic
 
     line = re.compile(r"Step (\d+) trains rows \[([\d, ]*)\]")
     trained: dict[int, list[int]] = {}

@@ -36,6 +36,7 @@ from relaytrain_testkit.harness.rbac_audit import (
 )
 from relaytrain_testkit.harness.waiting import wait_for
 from relaytrain_testkit.jobs import Job
+from relaytrain_testkit.shapes import LLAMA31_8B_CONFIG
 from relaytrain_testkit.shapes import SMOLLM2_135M_CONFIG as MODEL_CONFIG
 from relaytrain_testkit.spec_cases import DELETE
 
@@ -45,6 +46,7 @@ pytestmark = pytest.mark.k8s
 
 GROUP, VERSION, PLURAL = "relaytrain.io", "v1alpha1", "finetunejobs"
 JOB_LABEL = "relaytrain.io/job"
+JOIN_SECONDS = 5
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +80,9 @@ def operator(
     model_dir: Path,
 ) -> Iterator[OperatorProcess]:
     log = tmp_path_factory.mktemp("operator") / "operator.log"
-    args = ("--namespace", "rtop-*", "--resync-seconds", "1", "--secret-propagation-seconds", "1")
+    # A re-split waits for what one costs (--join-seconds): seconds here, not minutes.
+    args = ("--namespace", "rtop-*", "--resync-seconds", "1", "--secret-propagation-seconds", "1",
+            "--join-seconds", str(JOIN_SECONDS))  # fmt: skip
     proc = OperatorProcess(identity.kubeconfig, log, *args)
     # The tests start once /metrics answers: a namespace (and job) made while kopf still
     # sets up its watches is served all the same (tests/k8s/test_operator_namespaces.py).
@@ -601,6 +605,63 @@ def test_a_lost_node_moves_its_stage_to_a_pool_with_room(
         assert status["stages"][1]["lastFailure"] == "NodeLost"
     finally:
         kube.delete_nodes(created)
+
+
+def test_a_replacement_with_no_gpu_left_has_its_pipeline_resplit_onto_what_is_left(
+    kube: Cluster, api: client.ApiClient, tmp_path: Path, operator: OperatorProcess
+) -> None:
+    """A Llama-3.1-8B job planned over a pool of three RTX 4090s (`stages: auto`: three
+    stages); the node under stage 2 disappears and no GPU is free anywhere. The replacement
+    waits as long as a re-split costs (--join-seconds), then the job is re-planned as two
+    stages on the two GPUs it still holds: the old pods go, the new plan's are created."""
+    model = tmp_path / "llama-8b"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(LLAMA31_8B_CONFIG))
+    pool = {
+        "name": f"{kube.ns}-r", "product": "NVIDIA-GeForce-RTX-4090", "gpuMemoryMiB": 24564,
+        "cpu": "16", "memory": "64Gi", "linkBandwidthMbps": 10000, "linkLatencyMs": 1,
+    }  # fmt: skip  # fast links: the planner spreads the model over all three
+    nodes = [kwok_nodes.node_manifest(pool, i) for i in range(3)]
+    kwok_nodes.create_nodes(api, nodes)
+    try:
+        # The plan is made for the GPUs of Ready nodes (kwok marks them a moment later).
+        for n in nodes:
+            wait_for(
+                f"{n['metadata']['name']} Ready", lambda n=n: kube.ready_node(n["metadata"]["name"])
+            )
+        kube.create_job(
+            _job("rs", model)
+            .dataset("s3://data/train.jsonl", sequence_length=1024)
+            .pipeline(stages="auto")
+            .placement(pools=[pool["name"]])
+            .build()
+        )
+        pods = wait_for("3 running stage pods", lambda: kube.running("rs", 3))
+        planned = kube.status("rs")["plan"]["stages"]
+        assert [s["pool"] for s in planned] == [pool["name"]] * 3
+        before = kube.uids("rs")
+        kube.core.delete_node(pods["rs-stage-2"].spec.node_name)
+        wait_for(
+            "stage 2's replacement waiting for a GPU",
+            lambda: kube.condition("rs").get("reason") == "Unschedulable",
+            timeout=30,
+        )
+        event = wait_for("a Replanned event", lambda: kube.events("rs", "Replanned"), timeout=60)
+        assert "2 stages" in event[0].message and "instead of 3 stages" in event[0].message
+        after = wait_for("2 running stage pods of the new plan", lambda: kube.running("rs", 2))
+        status = wait_for("status Running on the new plan",
+                          lambda: (s := kube.status("rs"))["phase"] == "Running" and s)  # fmt: skip
+        plan = status["plan"]["stages"]
+        assert len(plan) == 2 and plan[0]["layerStart"] == 0 and plan[-1]["layerEnd"] == 32
+        # Every pod is new (each stage holds other layers now) and records the split.
+        assert not set(kube.uids("rs").values()) & set(before.values())
+        split = ",".join(f"{s['layerStart']}-{s['layerEnd']}" for s in plan)
+        assert {p.metadata.annotations["relaytrain.io/split"] for p in after.values()} == {split}
+        assert [s["restarts"] for s in status["stages"]] == [0, 0]
+        changes = "relaytrain_pipeline_changes_total"
+        assert (operator.metric(changes, namespace=kube.ns, change="replanned") or 0) == 1
+    finally:
+        kube.delete_nodes([n["metadata"]["name"] for n in nodes])
 
 
 def test_a_cordoned_node_takes_its_pipeline_out_and_a_new_node_brings_it_back(

@@ -22,11 +22,16 @@ STAGE_RESTARTS = Counter(
 )
 PIPELINE_CHANGES = Counter(
     "relaytrain_pipeline_changes_total",
-    "Pipelines that left a running job (their node announced its end), were given up, or "
-    "came back.",
+    "Pipelines that left a running job (their node announced its end), were given up, came "
+    "back, or were re-split for the GPUs free.",
     ["namespace", "change"],
 )
-CHANGES = {"PipelineLeaving": "left", "PipelineFailed": "given_up", "PipelineAdded": "returned"}
+CHANGES = {
+    "PipelineLeaving": "left",
+    "PipelineFailed": "given_up",
+    "PipelineAdded": "returned",
+    "Replanned": "replanned",
+}
 """The Events that say a job's pipelines changed, by the `change` label they count under."""
 RECONCILE_ERRORS = Counter(
     "relaytrain_reconcile_errors_total", "Reconciliations that raised an unexpected error."

@@ -45,8 +45,10 @@ class OperatorOptions(BaseModel):
     sync period plus its cache's): the phases of a link certificate renewal wait this
     long for each other."""
     join_seconds: float = Field(120.0, ge=0)
-    """What a pipeline coming back to a running job costs before it adds a step (loading its
-    slice, taking a peer's state): none comes back when the job's estimated end is nearer."""
+    """What (re)starting a pipeline's stages costs before they add a step (loading their
+    slices, taking a peer's state or the last commit): none comes back when the job's
+    estimated end is nearer, and a job of one pipeline whose replacement waits this long for
+    a GPU is re-split for the GPUs free (domain/resplit.py)."""
     gpu_catalog: str | None = None
     """YAML/JSON file of GPU catalog overrides (the chart mounts one from its values)."""
     debug: bool = False

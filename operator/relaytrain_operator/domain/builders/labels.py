@@ -13,6 +13,10 @@ PIPELINE_LABEL = "relaytrain.io/pipeline"
 without it, created by an older operator, belongs to pipeline 0)."""
 POOL_ANNOTATION = "relaytrain.io/pool"
 """Annotation on a stage pod: the GPU pool (label value) it was pinned to."""
+SPLIT_ANNOTATION = "relaytrain.io/split"
+"""Annotation on a stage pod: its pipeline's split when the pod was built (each stage's
+decoder layers, `start-end` in order): a pod of a split the plan no longer has is replaced
+(domain/resplit.py)."""
 MANAGED_BY = "relaytrain-operator"
 
 API_VERSION = "relaytrain.io/v1alpha1"

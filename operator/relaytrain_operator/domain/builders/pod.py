@@ -21,6 +21,7 @@ from relaytrain_contract.exits import TERMINATION_LOG
 from relaytrain_operator.domain.builders.labels import (
     PIPELINE_LABEL,
     POOL_ANNOTATION,
+    SPLIT_ANNOTATION,
     STAGE_LABEL,
     child_metadata,
     link_secret_name,
@@ -78,6 +79,8 @@ class StagePodInputs:
     """Pull policy of the worker image."""
     cpu: str | None = None
     """CPU to request, if the spec names one."""
+    split: str | None = None
+    """The pipeline's split, as `SPLIT_ANNOTATION` records it (None: not recorded)."""
     pipeline: int | None = None
     """The stage's pipeline when the job trains several; None: the job's only one."""
 
@@ -164,6 +167,8 @@ def build_stage_pod(job: dict[str, Any], inputs: StagePodInputs) -> dict[str, An
     metadata["labels"][STAGE_LABEL] = str(inputs.index)
     metadata["labels"][PIPELINE_LABEL] = str(inputs.pipeline or 0)
     metadata["annotations"] = {POOL_ANNOTATION: inputs.pool}
+    if inputs.split is not None:
+        metadata["annotations"][SPLIT_ANNOTATION] = inputs.split
     ports = [
         {"name": "link", "containerPort": LINK_PORT, "protocol": "TCP"},
         {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"},

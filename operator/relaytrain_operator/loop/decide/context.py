@@ -81,10 +81,12 @@ class Settings:
     catalog: Catalog | None = None
     """The GPU catalog (None: the built-in one)."""
     secret_propagation_seconds: float = 90.0
-    join_seconds: float = JOIN_SECONDS
-    """What a pipeline coming back costs before it adds a step (domain/membership.py)."""
     """How long a changed Secret may take to reach the pods that mount it (the kubelet's
     sync period and cache): the phases of a link certificate renewal are this far apart."""
+    join_seconds: float = JOIN_SECONDS
+    """What (re)starting a pipeline's stages costs before they add a step: a return's price
+    (domain/membership.py) and how long a replacement waits before a re-split
+    (domain/resplit.py)."""
 
 
 @dataclass(frozen=True)

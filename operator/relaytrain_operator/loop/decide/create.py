@@ -20,6 +20,7 @@ from relaytrain_operator.domain.builders.pod import CredentialsRef, StagePodInpu
 from relaytrain_operator.domain.builders.service import build_service
 from relaytrain_operator.domain.placement import Choice, place_replacements, pool_selector
 from relaytrain_operator.domain.recovery import INCARNATION_ANNOTATION, backoff_left
+from relaytrain_operator.domain.resplit import split_of
 from relaytrain_operator.domain.stage_config import build_pipeline_configs, job_pod_endpoints
 from relaytrain_operator.domain.status import parse_time, rfc3339, stage_name
 from relaytrain_operator.loop.actions import Create, CreateLinkSecret
@@ -177,6 +178,7 @@ def _create_stage(
             need=_memory(plan, key),
             config=config,
             tolerations=flavor_tolerations,
+            split=split_of(plan.splits()[p]),
         ),
     )
     pod["metadata"]["annotations"].update(annotations)
@@ -213,8 +215,10 @@ def pod_inputs(
     need: int,
     config: JsonDict,
     tolerations: Sequence[JsonDict] = (),
+    split: str | None = None,
 ) -> StagePodInputs:
-    """`tolerations`: the assigned Kueue flavour's, added to the job's own."""
+    """`tolerations`: the assigned Kueue flavour's, added to the job's own; `split`: the
+    pipeline's, recorded on the pod (a pod of another split is replaced)."""
     ref = spec.spec.checkpoint.credentials_secret
     placement = spec.spec.placement
     return StagePodInputs(
@@ -234,6 +238,7 @@ def pod_inputs(
         ),
         priority_class_name=placement.priority_class_name,
         runtime_class_name=placement.runtime_class_name,
+        split=split,
     )
 
 

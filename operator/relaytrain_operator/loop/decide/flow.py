@@ -5,8 +5,9 @@ its children); a spec the operator cannot run (InvalidSpec); a finished job (its
 a suspended one (pods go, plan and counts stay); the first plan (Planned, ModelUnavailable,
 Unschedulable); then per stage keep, create, replace or wait (recovery.decide), with a
 replacement placed by `placement.place_replacements` after `failurePolicy.backoffSeconds`
-and the job Failed once a stage has used up `maxStageRestarts`; finally progress and
-completion. A job submitted to Kueue waits for its admission between the plan and the
+(and a job of one pipeline re-split when its replacement waited for a GPU as long as that
+costs: resplit.py), and the job Failed once a stage has used up `maxStageRestarts`; finally
+progress and completion. A job submitted to Kueue waits for its admission between the plan and the
 stages (admission.py).
 """
 
@@ -37,6 +38,7 @@ from relaytrain_operator.loop.decide.context import (
     planned_keys,
     started,
 )
+from relaytrain_operator.loop.decide.resplit import waiting_since
 from relaytrain_operator.loop.decide.stages import run_stages
 from relaytrain_operator.spec import is_s3
 
@@ -66,11 +68,14 @@ def needs(job: JsonDict, pods: Mapping[StageKey, JsonDict], now: datetime | None
     returnable = any(
         p.phase == "Left" or (p.phase == "Failed" and again) for p in status.pipelines or ()
     )
+    # A replacement waiting for a GPU in a job of one pipeline may have the job re-split
+    # for the GPUs free (resplit.py): the planner needs the nodes, the pods and the model.
+    waits = not status.plan.several() and not queued and waiting_since(pods.values()) is not None
     return Needs(
         link_secret=now is not None and (due is None or now >= due),
         pods=missing,
-        room=missing or returnable,
-        model=status.plan.several(),
+        room=missing or returnable or waits,
+        model=status.plan.several() or waits,
         progress=is_s3(spec.spec.checkpoint.uri),
         workload=queued,
         given_up=(bool(out) or returned) and is_s3(spec.spec.checkpoint.uri),

@@ -15,7 +15,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from relaytrain_operator.domain.builders.labels import POOL_ANNOTATION, StageKey, stage_pod_name
+from relaytrain_operator.domain.builders.labels import (
+    POOL_ANNOTATION,
+    SPLIT_ANNOTATION,
+    StageKey,
+    stage_pod_name,
+)
 from relaytrain_operator.domain.recovery import (
     REPLACING,
     StageDecision,
@@ -24,6 +29,7 @@ from relaytrain_operator.domain.recovery import (
 )
 from relaytrain_operator.domain.recovery import decide as decide_stage
 from relaytrain_operator.domain.recovery import stuck as stuck_container
+from relaytrain_operator.domain.resplit import split_of
 from relaytrain_operator.domain.status import (
     fleet_verdict,
     idle_stage,
@@ -48,6 +54,7 @@ from relaytrain_operator.loop.decide.membership import (
     stage_departure,
 )
 from relaytrain_operator.loop.decide.progress import fail, follow_progress
+from relaytrain_operator.loop.decide.resplit import remove_unplanned, resplit
 from relaytrain_operator.spec import FineTuneJob, PlanStatus, StageStatus, is_s3
 
 
@@ -74,6 +81,9 @@ def run_stages(ctx: Pass, spec: FineTuneJob) -> None:
     if progress is not None and progress.done and follow_progress(ctx, spec, out):
         return  # the workers finished: a stage ending afterwards is no failure
     out |= leave_departing(ctx, spec, plan, out)
+    if resplit(ctx, spec, plan):
+        return  # the pods go; the next pass creates the new plan's
+    remove_unplanned(ctx, plan)
     judged = _judge(ctx, spec, plan, out)
     if judged is None:
         return  # the last pipeline left used up its restarts: the job failed
@@ -119,7 +129,7 @@ def _judge(ctx: Pass, spec: FineTuneJob, plan: PlanStatus, out: set[int]) -> _Ju
         judged.entries[key] = entry
         if p in out:
             continue  # given up: its pods went when it was
-        verdict = _verdict(ctx, key, entry)
+        verdict = _verdict(ctx, key, entry, split_of(plan.splits()[p]))
         if verdict.fatal is not None:
             # The stage's own word that no restart can help (a Job's podFailurePolicy
             # FailJob on its exit code): every pipeline reads the same model, data and store.
@@ -165,9 +175,14 @@ def _last_words(message: str, limit: int = 400) -> str:
     return f" Its last words: {last}"
 
 
-def _verdict(ctx: Pass, key: StageKey, entry: StageStatus) -> StageDecision:
-    """Recovery's verdict on the stage's pod, given the node it is bound to."""
+def _verdict(ctx: Pass, key: StageKey, entry: StageStatus, split: str) -> StageDecision:
+    """Recovery's verdict on the stage's pod, given the node it is bound to. A pod built for
+    another split of its pipeline than `split` (the plan's: a re-split recorded, its pods
+    not yet all gone) is removed, no failure: its successor is built from the plan."""
     pod = ctx.observed.pods.get(key)
+    built_for = ((pod or {}).get("metadata", {}).get("annotations") or {}).get(SPLIT_ANNOTATION)
+    if pod is not None and built_for not in (None, split):
+        return StageDecision("wait" if pod["metadata"].get("deletionTimestamp") else "delete")
     node_name = ((pod or {}).get("spec") or {}).get("nodeName")
     node = ctx.observed.nodes.get(node_name) if node_name else None
     record = StageRecord(key[1], entry.restarts, entry.phase, entry.pool)

@@ -71,6 +71,8 @@ def _slim_pod(body: kopf.Body) -> JsonDict:
             "uid": meta.uid,
             "labels": dict(meta.labels),
             "annotations": dict(meta.annotations),
+            # How long a replacement has waited for a GPU (decide/resplit.py).
+            "creationTimestamp": meta.creation_timestamp,
         },
         "spec": {"nodeName": (body.get("spec") or {}).get("nodeName")},
         "status": {
