@@ -3,6 +3,7 @@ cleanly (130 while it trains, its own code or a plain SIGTERM once the outcome i
 never as an uncaught KeyboardInterrupt (-2, which reads as a crash). A stage of several
 pipelines asked to stop while it trains goes on to its step boundary and leaves there
 (`Replication.depart`, exercised with real stages in tests/e2e/test_local_pipelines_e2e.py).
+A stage that dies of a fatal signal leaves every thread's stack in its log (faulthandler).
 
 The stage itself is stood in for here so that the signal lands at a chosen moment; the
 real stages are stopped by pod deletion throughout tests/e2e.
@@ -14,7 +15,6 @@ import json
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from relaytrain_operator.domain.stage_config import build_stage_configs, pod_endpoints
@@ -51,6 +51,8 @@ class Stand_in:
     replication = Replication()
     def run(self):
         _sigterm_here("run")
+        if WHERE == "crash":  # a native crash (torch, a link thread): no Python exception
+            os.kill(os.getpid(), signal.SIGSEGV)
         if WHERE == "leave":
             os.kill(os.getpid(), signal.SIGTERM)  # handled: training goes on to the boundary
             assert self.replication.asked
@@ -83,22 +85,39 @@ CLEAN = {
 }
 
 
-def test_a_sigterm_never_reads_as_a_crash(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def ended(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, int], str]:
+    """Each case's exit code, and the stderr of them all (one run: torch imports once)."""
     job = parse_job(JOB.build())
     config = build_stage_configs(job, PLAN, pod_endpoints("smol", "team-a", 2))[1]
-    path = tmp_path / "stage.json"
+    path = tmp_path_factory.mktemp("sigterm") / "stage.json"
     path.write_text(json.dumps(config))
     done = subprocess.run(
-        [sys.executable, "-c", _SCRIPT, str(path), *CLEAN],
+        [sys.executable, "-c", _SCRIPT, str(path), *CLEAN, "crash"],
         check=False,
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    codes = json.loads(done.stdout.splitlines()[-1])
+    return json.loads(done.stdout.splitlines()[-1]), done.stderr
+
+
+def test_a_sigterm_never_reads_as_a_crash(ended: tuple[dict[str, int], str]) -> None:
+    codes, stderr = ended
     assert {where: codes[where] in ok for where, ok in CLEAN.items()} == dict.fromkeys(
         CLEAN, True
-    ), (codes, done.stderr[-3000:])
-    assert "Traceback" not in done.stderr
-    assert "stage p1/s0 left at step 7" in done.stderr  # the leave, not a stop at the signal
+    ), (codes, stderr[-3000:])
+    assert "Traceback" not in stderr
+    assert "stage p1/s0 left at step 7" in stderr  # the leave, not a stop at the signal
+
+
+def test_a_stage_that_crashes_natively_leaves_its_stacks_in_its_log(
+    ended: tuple[dict[str, int], str],
+) -> None:
+    """A fatal signal (a segfault in torch or a link thread) kills the stage as it would any
+    process, but not without a word: its log holds every thread's stack."""
+    codes, stderr = ended
+    assert codes["crash"] == -signal.SIGSEGV
+    assert "Fatal Python error: Segmentation fault" in stderr, stderr[-3000:]
+    assert 'File "<string>", line' in stderr and "in run" in stderr

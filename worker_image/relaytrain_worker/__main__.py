@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
 import signal
@@ -60,6 +61,9 @@ def _main(argv: Sequence[str] | None) -> int:
         level=os.environ.get("RELAYTRAIN_LOG_LEVEL", "INFO"),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    # A stage that dies of a fatal signal (a native crash in torch or a link thread) leaves
+    # every thread's stack in its log instead of ending without a word.
+    faulthandler.enable(all_threads=True)
     from relaytrain_contract import ConfigError, StageConfig
 
     if args.config is not None:

@@ -810,24 +810,40 @@ def _base_env() -> dict[str, str]:
 
 def _stop(local: LocalPod, grace: float = 10) -> None:
     """Stops a pod's process, and removes its container if it has one (a container whose
-    podman client had to be killed would be left running)."""
-    _kill(local.process, grace=grace)
+    podman client had to be killed would be left running). `kubelet.log`, beside the
+    container's log, says when the runner signalled it and how (a stage that ended without
+    a word of its own was killed by it, or crashed)."""
+
+    def said(line: str) -> None:
+        with (
+            contextlib.suppress(OSError),
+            local.log_path.with_name("kubelet.log").open("ab") as log,
+        ):
+            log.write(f"--- kwok runner {time.strftime('%H:%M:%S')}: {line}\n".encode())
+
+    if local.process.poll() is None:
+        said(f"SIGTERM (grace {grace:g} s)")
+        if _kill(local.process, grace=grace):
+            said(f"SIGKILL: still running {grace:g} s after SIGTERM")
     if local.container is not None:
         containers.remove(local.container)
 
 
-def _kill(process: subprocess.Popen[bytes], grace: float = 10) -> None:
+def _kill(process: subprocess.Popen[bytes], grace: float = 10) -> bool:
     """SIGTERM to the process group, SIGKILL after `grace` seconds (a stopped process
-    keeps a SIGTERM pending, as a container's would: SIGKILL ends it)."""
+    keeps a SIGTERM pending, as a container's would: SIGKILL ends it). True when it took
+    the SIGKILL."""
     if process.poll() is not None:
-        return
+        return False
     try:
         os.killpg(process.pid, signal.SIGTERM)
         process.wait(timeout=grace)
+        return False
     except (ProcessLookupError, subprocess.TimeoutExpired):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
         process.wait(timeout=10)
+        return True
 
 
 def main() -> int:
