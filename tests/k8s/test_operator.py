@@ -628,36 +628,37 @@ def test_a_replacement_with_no_gpu_left_has_its_pipeline_resplit_onto_what_is_le
     try:
         for name in names:  # the plan is made for the GPUs of Ready nodes
             wait_for(f"{name} Ready", lambda name=name: kube.ready_node(name))
-        manifest = _job("rs", model).pipeline(stages="auto").placement(pools=[pool["name"]])
         # As many stages as Ready GPUs the operator's node index held when it planned: a
-        # Ready update may reach it after the job (then the job is made again), and three
-        # stages make the re-split below two.
-        for _ in range(5):
-            kube.create_job(manifest.build())
-            planned = wait_for("a plan", lambda: kube.status("rs").get("plan"))["stages"]
+        # Ready update may reach it after the job (then another job is made once the first
+        # one's pods are gone), and three stages make the re-split below two.
+        for attempt in range(5):
+            name = f"rs{attempt}"
+            kube.create_job(
+                _job(name, model).pipeline(stages="auto").placement(pools=[pool["name"]]).build()
+            )
+            planned = wait_for("a plan", lambda n=name: kube.status(n).get("plan"))["stages"]
             if len(planned) == 3:
                 break
-            kube.custom.delete_namespaced_custom_object(GROUP, VERSION, kube.ns, PLURAL, "rs")
-            wait_for("the job and its pods gone",
-                     lambda: not kube.pods("rs") and not _jobs(kube, "rs"))  # fmt: skip
+            kube.custom.delete_namespaced_custom_object(GROUP, VERSION, kube.ns, PLURAL, name)
+            wait_for("its pods gone", lambda n=name: not kube.pods(n))
         assert len(planned) == 3 and {s["pool"] for s in planned} == {pool["name"]}, planned
-        pods = wait_for("3 running stage pods", lambda: kube.running("rs", 3))
-        before = kube.uids("rs")
-        kube.core.delete_node(pods["rs-stage-2"].spec.node_name)  # no GPU is free anywhere
+        pods = wait_for("3 running stage pods", lambda: kube.running(name, 3))
+        before = kube.uids(name)
+        kube.core.delete_node(pods[f"{name}-stage-2"].spec.node_name)  # no GPU is free anywhere
         wait_for(
             "stage 2's replacement waiting for a GPU",
-            lambda: kube.condition("rs").get("reason") == "Unschedulable",
+            lambda: kube.condition(name).get("reason") == "Unschedulable",
             timeout=30,
         )
-        event = wait_for("a Replanned event", lambda: kube.events("rs", "Replanned"), timeout=60)
+        event = wait_for("a Replanned event", lambda: kube.events(name, "Replanned"), timeout=60)
         assert "2 stages" in event[0].message and "instead of 3 stages" in event[0].message
-        after = wait_for("2 running stage pods of the new plan", lambda: kube.running("rs", 2))
+        after = wait_for("2 running stage pods of the new plan", lambda: kube.running(name, 2))
         status = wait_for("status Running on the new plan",
-                          lambda: (s := kube.status("rs"))["phase"] == "Running" and s)  # fmt: skip
+                          lambda: (s := kube.status(name))["phase"] == "Running" and s)  # fmt: skip
         plan = status["plan"]["stages"]
         assert [(s["layerStart"], s["layerEnd"]) for s in plan] == [(0, 17), (17, 32)]
         # Every pod is new (each stage holds other layers now) and records the split.
-        assert not set(kube.uids("rs").values()) & set(before.values())
+        assert not set(kube.uids(name).values()) & set(before.values())
         assert {p.metadata.annotations["relaytrain.io/split"] for p in after.values()} == {
             "0-17,17-32"
         }
@@ -666,11 +667,6 @@ def test_a_replacement_with_no_gpu_left_has_its_pipeline_resplit_onto_what_is_le
         assert (operator.metric(changes, namespace=kube.ns, change="replanned") or 0) == 1
     finally:
         kube.delete_nodes(names)
-
-
-def _jobs(kube: Cluster, name: str) -> list[dict[str, Any]]:
-    listed = kube.custom.list_namespaced_custom_object(GROUP, VERSION, kube.ns, PLURAL)
-    return [j for j in listed["items"] if j["metadata"]["name"] == name]
 
 
 def test_a_cordoned_node_takes_its_pipeline_out_and_a_new_node_brings_it_back(
