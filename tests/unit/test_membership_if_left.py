@@ -84,6 +84,27 @@ def test_one_pipeline_moves_its_stage_to_the_smallest_gpu_that_fits() -> None:
     assert stuck.waiting == (0,) and stuck.tokens_per_second_after == 0
 
 
+def test_one_pipeline_whose_stage_fits_nowhere_is_resplit_on_the_gpus_left() -> None:
+    """Two stages over an H100 and an A100, nothing else free: the H100 leaves, its stage
+    fits nowhere, and the operator re-splits the job onto the A100 once it has waited as long
+    as that costs (domain/resplit.py) — as one stage, never more than the job had."""
+    two = plan(MODEL, TRAINING, [H100, A100], stages=2)
+    left = if_left(MODEL, TRAINING, (two,), [H100, A100], [H100])
+    assert left.waiting == (0,) and left.resplit is not None
+    assert [(s.pool, s.layer_start, s.layer_end) for s in left.resplit.stages] == [
+        ("a100", 0, MODEL.num_layers)
+    ]
+    alone = plan(MODEL, TRAINING, [A100]).tokens_per_second
+    assert alone > 0 and left.tokens_per_second_after == pytest.approx(alone, rel=1e-6)
+    shown = format_if_left("h100-0", left, (two,))
+    assert "re-split for the GPUs left: 1 stages a100[0:32), from the last commit." in shown
+    assert if_left_dict(left)["resplit"]["stages"][0]["pool"] == "a100"
+    # A job that fixes two stages cannot be re-split onto one GPU: it waits.
+    fixed = if_left(MODEL, TRAINING, (two,), [H100, A100], [H100], fixed_stages=2)
+    assert fixed.resplit is None and fixed.tokens_per_second_after == 0
+    assert "no plan fits the GPUs left either" in format_if_left("h100-0", fixed, (two,))
+
+
 def test_a_gpu_no_stage_uses_changes_nothing_and_unknown_pools_are_refused() -> None:
     two = Pool("h100", "NVIDIA-H100-80GB-HBM3", 2, 100_000.0, 0.1)
     single = plan(MODEL, TRAINING, [two], stages=1)

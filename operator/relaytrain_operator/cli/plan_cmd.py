@@ -361,7 +361,7 @@ def run(args: argparse.Namespace) -> int:
         if args.leave is not None:
             left = if_left(inputs.model, inputs.training, pipelines, inputs.pools,
                            inputs.leaving, catalog=inputs.catalog, sync=sync,
-                           paying_only=replicas == "auto")  # fmt: skip
+                           paying_only=replicas == "auto", fixed_stages=inputs.stages)  # fmt: skip
     except UnknownGpuError as err:
         print(f"relaytrain plan: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -133,7 +133,17 @@ def format_if_left(nodes: str, left: IfLeft, pipelines: tuple[Plan, ...]) -> str
             needs = ", ".join(f"stage {s.index} {s.memory_bytes / GIB:.1f} GiB" for s in hit)
             lines.append(
                 f"- no free GPUs fit what must move ({needs}): once the node ends, the job "
-                "waits for them (phase Recovering, reason Unschedulable)."
+                "waits for them (phase Recovering, reason Unschedulable)"
+                + (
+                    ", then, after waiting as long as a re-split costs (--join-seconds), is "
+                    f"re-split for the GPUs left: {len(left.resplit.stages)} stages "
+                    + " → ".join(
+                        f"{s.pool}[{s.layer_start}:{s.layer_end})" for s in left.resplit.stages
+                    )
+                    + ", from the last commit."
+                    if left.resplit is not None
+                    else "; no plan fits the GPUs left either."
+                )
             )
         for s in [] if left.waiting else hit:
             lines.append(
@@ -206,4 +216,5 @@ def if_left_dict(left: IfLeft) -> dict[str, Any]:
         "tokensPerSecondOut": round(left.tokens_per_second_out, 1),
         "sharesOut": list(left.shares_out),
         "tokensPerSecondAfter": round(left.tokens_per_second_after, 1),
+        "resplit": left.resplit.to_dict() if left.resplit is not None else None,
     }

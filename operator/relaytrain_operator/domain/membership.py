@@ -21,6 +21,7 @@ the job's record (docs/operator.md, "The job follows the fleet").
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from contextlib import suppress
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Any
@@ -31,10 +32,12 @@ from relaytrain_operator.domain.planner import (
     Catalog,
     ModelShape,
     Plan,
+    PlanError,
     Pool,
     Sync,
     TrainingShape,
     assess,
+    plan,
     plan_growth,
 )
 from relaytrain_operator.domain.planner.growth import GROWTH_MARGIN, JOIN_SECONDS
@@ -162,6 +165,10 @@ class IfLeft:
     held_out: Mapping[int, tuple[tuple[str, ...], ReturnPrice]] = field(default_factory=dict)
     """Pipelines that fit (on these pools) but stay out: their return does not pay
     (`paying_only`)."""
+    resplit: Plan | None = None
+    """One pipeline whose moved stages fit nowhere: the plan it is re-split to once its
+    replacement has waited as long as that costs (domain/resplit.py); None when none fits
+    either (or the job has several pipelines)."""
 
 
 def price_return(
@@ -215,6 +222,7 @@ def if_left(
     catalog: Catalog | None = None,
     sync: Sync | None = None,
     paying_only: bool = False,
+    fixed_stages: int | None = None,
 ) -> IfLeft:
     """What the operator's rules do if ``leaving``'s GPUs leave ``pools`` while
     ``pipelines`` (the job as planned on ``pools``) train: one pipeline moves each stage on
@@ -222,7 +230,10 @@ def if_left(
     uncounted; several lose every pipeline with such a stage, which leaves at a step
     boundary and comes back at once where all its stages fit on the GPUs still free — with
     ``paying_only`` (a job of ``replicas: auto``), only where its return pays
-    (`ReturnPrice.pays`, against the pipelines training then)."""
+    (`ReturnPrice.pays`, against the pipelines training then). One pipeline whose moved
+    stages fit nowhere is re-split on the GPUs left (at most its stage count;
+    ``fixed_stages``: the job's fixed count, None for ``auto``), as the operator does after
+    waiting."""
     catalog = catalog or DEFAULT_CATALOG
     after = shrunk_pools(pools, leaving)
     lost = {p.name: p.gpus for p in leaving}
@@ -275,8 +286,14 @@ def if_left(
     ]
     final, _ = _speed(model, training, finally_on, after, catalog=catalog, sync=sync)
     before, _ = _speed(model, training, list(pipelines), pools, catalog=catalog, sync=sync)
+    resplit = None
+    if waiting and not several:
+        with suppress(PlanError):
+            resplit = plan(model, training, after, catalog, stages=fixed_stages,
+                           max_stages=len(pipelines[0].stages), suggest=False)  # fmt: skip
+            final = resplit.tokens_per_second
     return IfLeft(lost, tuple(sorted(hit)), leaving_pipes, moves, tuple(waiting), before,
-                  out, shares, final, held)  # fmt: skip
+                  out, shares, final, held, resplit)  # fmt: skip
 
 
 def _rooms(

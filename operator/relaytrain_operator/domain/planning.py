@@ -23,11 +23,13 @@ from relaytrain_operator.domain.planner import (
     FleetPlan,
     LoraTargetError,
     ModelShape,
+    Plan,
     PlanError,
     PoolError,
     Sync,
     TrainingShape,
     choose_compression,
+    plan,
     plan_fleet,
 )
 from relaytrain_operator.spec import FineTuneJob
@@ -72,8 +74,11 @@ def make_plan(
     *,
     catalog: Catalog | None = None,
     default_link: tuple[float, float] | None = None,
+    max_stages: int | None = None,
 ) -> JsonDict:
     """Plan `job` onto the GPUs free now; status.plan. Raises PlanError when it cannot.
+    `max_stages`: one pipeline of at most that many stages (a re-split, domain/resplit.py:
+    the job's link certificates were minted per stage), whatever `spec.pipeline.replicas`.
 
     A model config the planner cannot read (`ModelConfigError`: an unsupported family, a
     missing field — no fleet will change that) and nodes it cannot make pools of are
@@ -108,12 +113,15 @@ def make_plan(
     sync = Sync(pipeline.sync.mode, pipeline.sync.every_steps or 1)
     # A job that does not fit is planned again on every pass, and its diagnosis re-plans
     # each suggestion (seconds on a large fleet): the same inputs give the same refusal.
-    key = repr((shape, training, pools, id(catalog), stages, replicas, sync))
+    key = repr((shape, training, pools, id(catalog), stages, replicas, sync, max_stages))
     refused = _REFUSED.get(key)
     if refused is not None:
         raise refused.with_traceback(None)
 
-    def plan_with(shape_of: TrainingShape) -> FleetPlan:
+    def plan_with(shape_of: TrainingShape) -> FleetPlan | Plan:
+        if max_stages is not None:
+            return plan(shape, shape_of, pools, catalog, stages=stages, max_stages=max_stages,
+                        suggest=False)  # fmt: skip
         return plan_fleet(
             shape, shape_of, pools, catalog=catalog, stages=stages, replicas=replicas, sync=sync
         )

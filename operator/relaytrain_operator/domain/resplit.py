@@ -29,7 +29,7 @@ from collections.abc import Iterable
 from datetime import datetime, timedelta
 from typing import Any
 
-from relaytrain_operator.domain.planner import Catalog, PlanError
+from relaytrain_operator.domain.planner import Catalog
 from relaytrain_operator.domain.planning import make_plan
 from relaytrain_operator.spec import FineTuneJob
 
@@ -53,45 +53,18 @@ def resplit_plan(
     default_link: tuple[float, float] | None = None,
 ) -> JsonDict:
     """status.plan of `job` (one pipeline of `stages_now` stages) re-planned on `nodes`, the
-    GPUs that `others` (every active pod but the job's own) leave free. Raises PlanError
-    when no plan of at most `stages_now` stages fits."""
-    nodes, others = list(nodes), list(others)
-
-    def plan_of(candidate: FineTuneJob) -> JsonDict:
-        return make_plan(
-            candidate, model_config, nodes, others, catalog=catalog, default_link=default_link
-        )
-
-    if job.spec.pipeline.stages != "auto":
-        return plan_of(_one_pipeline(job))
-    try:
-        best = plan_of(_one_pipeline(job))
-        if len(best["stages"]) <= stages_now:
-            return best
-    except PlanError:
-        pass  # no count the planner prefers fits; a smaller one may
-    found: list[JsonDict] = []
-    for count in range(stages_now, 0, -1):
-        try:
-            found.append(plan_of(_one_pipeline(job, count)))
-        except PlanError:
-            continue
-    if not found:
-        raise PlanError(
-            f"no plan of at most {stages_now} stages fits the GPUs free for the job's "
-            "replacement and those its own pods hold"
-        )
-    return max(found, key=lambda plan: plan.get("predictedTokensPerSecond") or 0.0)
-
-
-def _one_pipeline(job: FineTuneJob, stages: int | None = None) -> FineTuneJob:
-    """`job` as one pipeline (`replicas: 1`: a re-split never adds pipelines), of `stages`
-    stages if given."""
-    update: dict[str, Any] = {"replicas": 1}
-    if stages is not None:
-        update["stages"] = stages
-    pipeline = job.spec.pipeline.model_copy(update=update)
-    return job.model_copy(update={"spec": job.spec.model_copy(update={"pipeline": pipeline})})
+    GPUs that `others` (every active pod but the job's own) leave free: one pipeline of at
+    most `stages_now` stages (exactly `spec.pipeline.stages` when the job fixes it). Raises
+    PlanError when none fits."""
+    return make_plan(
+        job,
+        model_config,
+        nodes,
+        others,
+        catalog=catalog,
+        default_link=default_link,
+        max_stages=stages_now,
+    )
 
 
 def split_of(stages: Iterable[Any]) -> str:

@@ -78,7 +78,7 @@ def resplit(ctx: Pass, spec: FineTuneJob, plan: PlanStatus) -> bool:
         )
     except PlanError:
         return False  # nothing fits either: the replacement waits on, as its condition says
-    recorded = PlanStatus.model_validate({**planned, "compression": plan.compression})
+    recorded = PlanStatus.model_validate(planned)
     if same_places(plan.stages, recorded.stages):
         return False
     waited = int((ctx.now - since).total_seconds())
