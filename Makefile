@@ -21,7 +21,7 @@ help:
 	@echo "make images        build the operator and worker images with buildah (hack/images.sh)"
 	@echo "make push REGISTRY=host[:port]  copy both images there; prints each one's digest"
 	@echo "make gpu-check     prepare the GPU check (wheels into .whl/) and print what a GPU host runs"
-	@echo "make chaos         the chaos schedules (one pipeline, two) with real training, tables printed"
+	@echo "make chaos         the chaos and churn schedules with real training, tables printed"
 	@echo "make lint          ruff, mypy, import-linter and actionlint"
 	@echo "make crds          regenerate the CRD (and the chart's copy) after editing the spec models"
 	@echo "make lock          refresh uv.lock after editing pyproject.toml"
@@ -56,8 +56,9 @@ test-k8s: deps
 	$(PY) -m pytest tests -m "k8s" $(PYTEST_ARGS)
 test-e2e: deps images
 	$(PY) -m pytest tests -m "e2e" $(PYTEST_ARGS)
-# The chaos schedules: one pipeline's (part of `make test` too) and two pipelines' (only here:
-# about 3 minutes, over the test session's budget): faults, survived, time to recover.
+# The chaos schedules: one pipeline's (part of `make test` too), two pipelines' faults and the
+# churn of a changing fleet (only here: 3 to 4 minutes each, over the test session's budget):
+# what happened, survived, time to recover.
 chaos: deps
 	$(PY) -m pytest tests -m "chaos" -s $(PYTEST_ARGS)
 

@@ -32,14 +32,15 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "chaos: the chaos schedule with real training (make chaos)")
     config.addinivalue_line(
         "markers",
-        "fleet_chaos: the chaos schedule of a job of several pipelines: run by `make chaos`, or "
-        "when its module is named; skipped, saying so, in a session that names neither",
+        "fleet_chaos: a schedule of faults or fleet changes for a job of several pipelines "
+        "(tests/e2e/test_chaos_fleet.py, test_churn.py): run by `make chaos`, or when its "
+        "module is named; skipped, saying so, in a session that names neither",
     )
 
 
 FLEET_CHAOS_SKIP = (
-    "the chaos schedule of two pipelines (about 3 minutes, over the test session's budget): "
-    "`make chaos` runs it"
+    "a schedule of faults or fleet changes for two pipelines (3 to 4 minutes each, over the "
+    "test session's budget): `make chaos` runs it"
 )
 
 
