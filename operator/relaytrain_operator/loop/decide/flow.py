@@ -7,8 +7,8 @@ Unschedulable); then per stage keep, create, replace or wait (recovery.decide), 
 replacement placed by `placement.place_replacements` after `failurePolicy.backoffSeconds`
 (and a job of one pipeline re-split when its replacement waited for a GPU as long as that
 costs: resplit.py), and the job Failed once a stage has used up `maxStageRestarts`; finally
-progress and completion. A job submitted to Kueue waits for its admission between the plan and the
-stages (admission.py).
+progress and completion. A job submitted to Kueue waits for its admission between the plan
+and the stages (admission.py).
 """
 
 from __future__ import annotations

@@ -85,7 +85,9 @@ def resplit(ctx: Pass, spec: FineTuneJob, plan: PlanStatus) -> bool:
     kept = {s.index: s for s in ctx.status.stages}
     ctx.update(
         plan=recorded,
-        stages=[_fresh(kept[s.index], s.pool) for s in recorded.stages],
+        stages=[
+            _fresh(kept.get(s.index, StageStatus(index=s.index)), s.pool) for s in recorded.stages
+        ],
     )
     ctx.patch()  # the plan first: pods of the old split are replaced even after a crash
     ctx.remove_pods()
@@ -115,8 +117,8 @@ def _ours(ctx: Pass, pod: JsonDict) -> bool:
 
 
 def _fresh(before: StageStatus, pool: str) -> StageStatus:
-    """Stage `before` in the new plan (never more stages than before: see resplit_plan), on
-    `pool`, to be created; its restart count and last failure kept."""
+    """Stage `before` in the new plan, on `pool`, to be created; its restart count and last
+    failure kept."""
     return StageStatus(index=before.index, pool=pool).model_copy(
         update={
             "restarts": before.restarts,
