@@ -7,7 +7,9 @@ notice is checked against one pipeline training the same job and global batch: t
 of every step and the final adapter are the same bits (the in-process proof of
 test_worker_dataparallel, now through processes, their documents and their links), and so
 is the job's tokens per step. A stage of pipeline 1 killed mid-run takes only its pipeline
-out; it rejoins from pipeline 0's state. One of pipeline 0 killed hands the writing of
+out; the step it died in is trained again by pipeline 0, so every step's loss is still the
+uninterrupted run's, bit for bit; it rejoins from pipeline 0's state. One of pipeline 0
+killed hands the writing of
 checkpoints, progress and history to pipeline 1 until pipeline 0 rejoins. With
 `sync: periodic` the pipelines average their weights every few steps instead, through the
 same kill, and move fewer bytes on their replica links. Once the survivors of a kill or a
@@ -60,10 +62,8 @@ HOLD_AFTER = 10
 """Steps the survivors train alone after a kill (or a departure) before they are held."""
 RESTORED = "restored committed step"
 LOSS_TOLERANCE = 0.02
-"""Final loss of the run with a kill against the uninterrupted one's, relative."""
-STEP_TOLERANCE = 0.1
-"""Any step's loss against the uninterrupted run's, absolute (one step, the failure's, may
-miss part of the global batch and is not held to it)."""
+"""Final loss of a periodic run with a kill, or of a partitioned run, against the
+uninterrupted one's, relative (synchronous runs with a kill are held to every bit)."""
 ENV = {"OMP_NUM_THREADS": "1"}
 PIPELINES = ["--stages", "2,3"]
 
@@ -357,6 +357,17 @@ def _hold_for_the_return(
         )
 
 
+def _redone(workdir: Path, survivor: int) -> list[int]:
+    """The steps the survivor pipeline's stage 0 trained again (its log's word)."""
+    log = _log(workdir, survivor, 0)
+    return [int(s) for s in re.findall(rf"Stage p{survivor}/s0 trains step (\d+) again", log)]
+
+
+def _assert_every_step_equal(losses: list[float], reference: list[float]) -> None:
+    off = [(s, a, b) for s, (a, b) in enumerate(zip(losses, reference, strict=True), 1) if a != b]
+    assert not off, f"steps whose loss is not the uninterrupted run's (step, got, want): {off[:5]}"
+
+
 def _kill_stage(
     workspace: Path, name: str, workdir: Path, proc: Any, past: int, stage: tuple[int, int]
 ) -> tuple[int, dict[tuple[int, int], int]]:
@@ -414,24 +425,19 @@ def test_a_stage_killed_in_one_pipeline_takes_only_that_pipeline_out(
         assert f"Stage p1/s{k} rejoined at step {rejoined} with the state of pipeline 0" in (
             _log(workdir, 1, k)
         )
-    # No step was redone: one loss record per step, and the job's loss is the uninterrupted
-    # one's to within the tolerance (the failure step trains without pipeline 1's share).
+    # One loss record per step, and every step is the whole global batch, bit for bit the
+    # uninterrupted run's: the failure's too (the step that lost pipeline 1 in its middle
+    # is trained again by pipeline 0 alone, none of its micro-batches dropped), and those
+    # pipeline 0 trained alone (pipeline 1's share dealt to it).
     losses = [r["loss"] for r in _history(workspace, name)]
     assert [r["step"] for r in _history(workspace, name)] == list(range(1, KILL_STEPS + 1))
-    assert losses[:killed_at] == long_reference[:killed_at]
-    worst = max(abs(a - b) for a, b in zip(losses, long_reference, strict=True))
     print(
-        f"killed p1/s1 at step {killed_at}; pipeline 1 rejoined at step {rejoined} "
-        f"{watched.rejoined_after:.1f} s into the run; final loss {losses[-1]!r} against "
-        f"{long_reference[-1]!r} uninterrupted; largest per-step difference {worst!r}; "
+        f"killed p1/s1 at step {killed_at}; steps trained again {_redone(workdir, 0)}; "
+        f"pipeline 1 rejoined at step {rejoined} {watched.rejoined_after:.1f} s into the run; "
+        f"final loss {losses[-1]!r} against {long_reference[-1]!r} uninterrupted; "
         f"run {time.monotonic() - started:.1f} s"
     )
-    assert abs(losses[-1] - long_reference[-1]) <= LOSS_TOLERANCE * long_reference[-1]
-    # Every step but the failure's (which trains on what arrived) is the whole global batch:
-    # without pipeline 1's share going to pipeline 0, each step's loss would lack a third.
-    off = [r["step"] for r, ref in zip(_history(workspace, name), long_reference, strict=True)
-           if abs(r["loss"] - ref) > STEP_TOLERANCE]  # fmt: skip
-    assert len(off) <= 1, f"steps whose loss is off by more than {STEP_TOLERANCE}: {off[:10]}"
+    _assert_every_step_equal(losses, long_reference)
 
 
 def test_a_pipeline_asked_to_stop_leaves_at_a_step_boundary_and_no_step_is_lost(
@@ -524,11 +530,12 @@ def test_pipeline_0_killed_hands_the_writing_to_pipeline_1_and_takes_it_back(
             assert stage["pid"] == before[key], f"p1/s{key[1]} was restarted"
     assert watched.rejoined is not None, "pipeline 0 did not rejoin before the job ended"
     rejoined = int(watched.rejoined)
-    # Pipeline 1 took the writing over at one step after the kill and committed while
+    # Pipeline 1 took the writing over at one step after the kill (the step pipeline 0
+    # died in, when pipeline 1 trained it again alone, or the next) and committed while
     # pipeline 0 was out; pipeline 0 took it back at the step it rejoined.
     p1_last = _log(workdir, 1, 2)
     took = [int(s) for s in re.findall(r"Stage p1/s2 writes for the job from step (\d+)", p1_last)]
-    assert len(took) == 1 and killed_at < took[0] <= rejoined, (took, killed_at, rejoined)
+    assert len(took) == 1 and killed_at <= took[0] <= rejoined, (took, killed_at, rejoined)
     commits = [
         int(s) for s in re.findall(r"Committed checkpoint step (\d+) of \S+ \(pipeline 1,", p1_last)
     ]
@@ -548,14 +555,14 @@ def test_pipeline_0_killed_hands_the_writing_to_pipeline_1_and_takes_it_back(
     history = _history(workspace, name)
     assert [r["step"] for r in history] == list(range(1, KILL_STEPS + 1))
     losses = [r["loss"] for r in history]
-    assert losses[:killed_at] == long_reference[:killed_at]
     print(
-        f"killed p0/s1 at step {killed_at}; pipeline 1 wrote from step {took[0]} "
-        f"(commits {commits[0]}..{commits[-1]}), pipeline 0 rejoined at step {rejoined} "
-        f"{watched.rejoined_after:.1f} s into the run; final loss {losses[-1]!r} against "
-        f"{long_reference[-1]!r}; run {time.monotonic() - started:.1f} s"
+        f"killed p0/s1 at step {killed_at}; steps trained again {_redone(workdir, 1)}; "
+        f"pipeline 1 wrote from step {took[0]} (commits {commits[0]}..{commits[-1]}), "
+        f"pipeline 0 rejoined at step {rejoined} {watched.rejoined_after:.1f} s into the "
+        f"run; final loss {losses[-1]!r} against {long_reference[-1]!r}; "
+        f"run {time.monotonic() - started:.1f} s"
     )
-    assert abs(losses[-1] - long_reference[-1]) <= LOSS_TOLERANCE * long_reference[-1]
+    _assert_every_step_equal(losses, long_reference)
 
 
 PERIODIC_EVERY = 4

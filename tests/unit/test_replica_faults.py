@@ -80,6 +80,8 @@ def test_a_leader_dying_mid_broadcast_leaves_every_survivor_with_its_result(firs
     assert not isinstance(got[2], BaseException), got[2]
     assert torch.equal(got[1][NAME], got[2][NAME])
     assert got[1][NAME].item() == 6.0  # pipeline 0's contribution is in: the result was out
+    # Nothing is missing from it, whoever handed it on: the step stands.
+    assert not groups[(1, 0)].short(7) and not groups[(2, 0)].short(7)
 
 
 def test_a_leader_dying_before_any_result_is_replaced_by_the_next_pipeline() -> None:
@@ -95,6 +97,8 @@ def test_a_leader_dying_before_any_result_is_replaced_by_the_next_pipeline() -> 
         group.close()
     assert torch.equal(got[1][NAME], got[2][NAME])
     assert got[1][NAME].item() == 3.0
+    # Pipeline 0's contribution is missing: both survivors know it, so both redo the step.
+    assert groups[(1, 0)].short(3) and groups[(2, 0)].short(3)
 
 
 def test_a_pipeline_gone_before_contributing_is_simply_absent() -> None:
@@ -107,6 +111,30 @@ def test_a_pipeline_gone_before_contributing_is_simply_absent() -> None:
         group.close()
     assert torch.equal(got[0][NAME], got[1][NAME])
     assert got[0][NAME].item() == 4.0
+    assert groups[(0, 0)].short(0) and groups[(1, 0)].short(0)  # the leader and the led
+
+
+def test_a_short_steps_redo_is_a_fresh_exchange_among_those_left() -> None:
+    # Pipeline 2 leaves in the middle of step 5: the result 3 + 1 misses it (short). The
+    # step's next attempt is agreed and reduced under names of its own, so nothing of the
+    # first attempt (its cached result, a late frame) answers it.
+    groups = link_groups([ONE_STAGE] * 3)
+    groups[(2, 0)].close()
+    first = on_threads(
+        {p: lambda p=p: groups[(p, 0)].reduce(5, p, 0, _contribution(p)) for p in range(2)}
+    )
+    assert first[0][NAME].item() == 4.0 and groups[(0, 0)].short(5)
+    agreed = on_threads({p: lambda p=p: groups[(p, 0)].agree_members(5, 1) for p in range(2)})
+    assert agreed[0] == agreed[1] == ({0, 1}, set())
+    for p in range(2):
+        groups[(p, 0)].begin(5, {0, 1}, attempt=1)
+    again = on_threads(
+        {p: lambda p=p: groups[(p, 0)].reduce(5, p, 0, _terms(10.0 * p + 1.0)) for p in range(2)}
+    )
+    for group in groups.values():
+        group.close()
+    assert again[0][NAME].item() == again[1][NAME].item() == 12.0
+    assert not groups[(0, 0)].short(5) and not groups[(1, 0)].short(5)
 
 
 def test_the_fold_stays_in_pipeline_order_with_every_pipeline_there() -> None:
@@ -122,6 +150,7 @@ def test_the_fold_stays_in_pipeline_order_with_every_pipeline_there() -> None:
     # Each contribution is a stack of one term (a `TERMS` exchange): the result is the term.
     want = ((torch.tensor([1.0]) + torch.tensor([1e8])) + torch.tensor([-1e8]))[0]
     assert all(torch.equal(got[p][NAME], want) for p in range(3))
+    assert not any(groups[(p, 0)].short(0) for p in range(3))
 
 
 def _terms(*values: float) -> dict[str, torch.Tensor]:
@@ -191,6 +220,7 @@ def test_a_pipeline_gone_in_its_round_is_absent_and_the_others_agree() -> None:
         group.close()
     assert isinstance(got[1], LinkBroken), got[1]
     assert got[0][NAME].item() == got[2][NAME].item() == 5.0
+    assert groups[(0, 0)].short(4) and groups[(2, 0)].short(4)
 
 
 def test_a_rejoining_pipeline_is_admitted_by_every_first_stage_at_one_step() -> None:
@@ -360,6 +390,7 @@ def test_pipelines_given_up_are_no_members_and_need_no_links() -> None:
         group.close()
     assert torch.equal(got[1][NAME], got[2][NAME])
     assert got[1][NAME].item() == 3.0
+    assert not groups[1].short(0)  # a pipeline given up is no member: nothing is missing
     # A member pipeline's link is still required.
     with pytest.raises(ValueError, match="needs links"):
         LinkGroup(3, 1, 0, {k: v for k, v in peers.items() if k != (1, 0)}, {}, members={0, 1})

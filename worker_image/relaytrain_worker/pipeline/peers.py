@@ -248,6 +248,12 @@ class Peers:
         self.prev = wrap(prev, "previous")
         self.next = wrap(next_, "next")
 
+    def flush(self) -> None:
+        """Wait until both links have handed every frame given to them to the socket."""
+        for link in (self.prev, self.next):
+            if link is not None:
+                link.flush()
+
     def close(self) -> None:
         for link in (self.prev, self.next):
             if link is not None:

@@ -88,8 +88,9 @@ class Replication(Protocol):
     def begin_training(self, stage: StageRuntime, runner: StepRunner) -> None:
         """The step loop starts with `runner`."""
 
-    def begin_step(self, stage: StageRuntime, peers: Peers) -> range:
-        """Step `stage.step` starts: the micro-batches of it this pipeline trains."""
+    def begin_step(self, stage: StageRuntime, peers: Peers, attempt: int = 0) -> range:
+        """Step `stage.step` starts (again, at `attempt` > 0: a pipeline left during the
+        last try, `schedule.ShortStepError`): the micro-batches of it this pipeline trains."""
         ...
 
     def read_step(self, step: int, micros: list[MicroBatch]) -> None:
@@ -164,7 +165,7 @@ class Alone:
     def begin_training(self, stage: StageRuntime, runner: StepRunner) -> None:
         pass
 
-    def begin_step(self, stage: StageRuntime, peers: Peers) -> range:
+    def begin_step(self, stage: StageRuntime, peers: Peers, attempt: int = 0) -> range:
         return self.micros
 
     def read_step(self, step: int, micros: list[MicroBatch]) -> None:

@@ -33,6 +33,16 @@ first keeps each micro-batch's gradients apart for that fold, so that it is sing
 accumulation in micro-batch order, bit for bit. Without a group (one pipeline) the step is
 as before.
 
+A pipeline that leaves in the middle of a step (a crash) leaves some results of the
+gradient reduce without its micro-batches (`short`, replicas/star.py). The stages that got
+one say so on the chain pass (up with the norms, down with the total), so every stage of
+every surviving pipeline ends the step knowing, and none applies it: `run` drops the
+gradients and raises `ShortStepError`, and the stage trains the step again with the pipelines
+left (the step's next attempt, its micro-batches shared among them by `live_shares`). The
+shares do not change the bits, so the step is the one it would have been without the
+failure; a redo costs the survivors one more step's time. At most R - 1 redos a step (each
+follows a member lost); after that, or in periodic mode, a step trains on what arrived.
+
 In periodic mode (`periodic=True`, `replicas/periodic.py`) each pipeline's step is a step
 of its own: stage 0 normalises by its share's label tokens, no gradient is reduced, and the
 norm and clipping are the pipeline's own. Only the last stages fold their loss sums and token
@@ -83,6 +93,11 @@ class StepResult:
     which reduces them with its gradients; elsewhere this stage's); without, `input_tokens`."""
     grad_norm: float
     """Global gradient norm before clipping."""
+
+
+class ShortStepError(Exception):
+    """The step's gradient reduce missed a pipeline that left in the middle of it: no stage
+    of this pipeline applied it, and the step is to be trained again by those left."""
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -175,8 +190,12 @@ class StepRunner:
     def last(self) -> bool:
         return self.index == self.count - 1
 
-    def run(self, step: int, micros: list[MicroBatch] | None, n_micro: int) -> StepResult:
-        """Forward and backward every micro-batch; leaves clipped grads on the parameters."""
+    def run(
+        self, step: int, micros: list[MicroBatch] | None, n_micro: int, attempt: int = 0
+    ) -> StepResult:
+        """Forward and backward every micro-batch; leaves clipped grads on the parameters.
+        ShortStepError (the gradients dropped) when a member pipeline left in the middle of the
+        step and `attempt` (the step's redos so far) leaves room for another."""
         items = count_items(micros) if micros is not None else -1
         if self.group is not None and self.first and not self.periodic:
             items = self.group.total_tokens(step, self.pipeline, items)
@@ -201,12 +220,18 @@ class StepRunner:
                 out, inp = saved.pop(m)
                 self._backward(step, m, out, inp)
         share = max(items, 0)  # a stage given no micro-batch heard no count
+        short = False
         if self.group is not None and self.periodic:
             if self.last:
                 loss_sum, items = self._reduce_stats(step, loss_sum, share)
         elif self.group is not None:
             loss_sum = self._reduce(step, loss_sum, losses)
-        norm = self._finish(step)
+            short = attempt < self.group.pipelines - 1 and self.group.short(step)
+        norm, short = self._finish(step, short)
+        if short:
+            for _, param in self.trainable:
+                param.grad = None
+            raise ShortStepError(f"step {step + 1} missed a pipeline that left during it")
         loss = float(loss_sum / items) if self.last and items > 0 else None
         mine = self._input_tokens
         every = self._step_input_tokens if self._step_input_tokens >= 0 else mine
@@ -341,12 +366,14 @@ class StepRunner:
             out.append((name, grad))
         return out
 
-    def _finish(self, step: int) -> float:
+    def _finish(self, step: int, short: bool) -> tuple[float, bool]:
         """The global gradient norm, clipped by: each stage's norms travel up the chain
         behind its last gradient (the norms of the stages below it in front), stage 0 —
         the last to finish its backwards — takes the norm of them all, and the total
         travels down ahead of the next step's first activation. So the exchange adds no
-        latency of its own: each frame rides a link right after one that goes anyway."""
+        latency of its own: each frame rides a link right after one that goes anyway.
+        Whether any stage's reduce was `short` rides along the same way (up, then the
+        whole pipeline's down): returned with the norm, the same on every stage."""
         grads = self._grads()
         sharing = self.tied_name is not None and self.count > 1
         own = [(n, g) for n, g in grads if n != self.tied_name] if sharing else grads
@@ -360,6 +387,7 @@ class StepRunner:
         if not self.last:
             assert self.peers.next is not None
             frame = self.peers.next.recv("norms", step)
+            short = short or bool(frame.meta.get("short"))
             norms = torch.cat([norms, frame.tensors["norms"].to(self.device)])
             up = self._here_or_none(frame.tensors.get("tied"))
         summed = None
@@ -376,8 +404,9 @@ class StepRunner:
             tensors = {"norms": norms}
             if sharing and up is not None:
                 tensors["tied"] = up
-            self.peers.prev.send(Frame("norms", step, -1, tensors), "none")
+            self.peers.prev.send(Frame("norms", step, -1, tensors, _flag(short)), "none")
             frame = self.peers.prev.recv("step_end", step)
+            short = bool(frame.meta.get("short"))
             total = frame.tensors["total_norm"].to(self.device)
             down = self._here_or_none(frame.tensors.get("tied"))
             if self.last and sharing:
@@ -388,13 +417,13 @@ class StepRunner:
             tensors = {"total_norm": total}
             if sharing and down is not None:
                 tensors["tied"] = down
-            self.peers.next.send(Frame("step_end", step, -1, tensors), "none")
+            self.peers.next.send(Frame("step_end", step, -1, tensors, _flag(short)), "none")
         if summed is not None:
             self._param(self.tied_name).grad = summed
-        if self.max_grad_norm > 0:
+        if self.max_grad_norm > 0 and not short:
             params = [p for _, p in self.trainable]
             torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, total)
-        return float(total)
+        return float(total), short
 
     def _param(self, name: str | None) -> nn.Parameter:
         return next(p for n, p in self.trainable if n == name)
@@ -405,6 +434,11 @@ class StepRunner:
 
     def _here_or_none(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
         return None if tensor is None else tensor.to(self.device)
+
+
+def _flag(short: bool) -> dict[str, bool]:
+    """A chain-pass frame's meta: the short mark only when set (the frame as before)."""
+    return {"short": True} if short else {}
 
 
 def _device_of(stage: nn.Module) -> torch.device:

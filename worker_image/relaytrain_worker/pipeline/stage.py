@@ -36,10 +36,7 @@ import torch
 from relaytrain_contract import StageConfig
 
 from relaytrain_worker.model.methods import TIED_NAME
-from relaytrain_worker.model.training import (
-    make_optimizer,
-    optimizer_step,
-)
+from relaytrain_worker.model.training import make_optimizer, optimizer_step
 from relaytrain_worker.pipeline.evaluation import due, evaluate
 from relaytrain_worker.pipeline.linkauth import AuthError, LinkBroken
 from relaytrain_worker.pipeline.loading import Loaded, job_prefix, opener
@@ -52,7 +49,7 @@ from relaytrain_worker.pipeline.rollback import (
     rng_seed,
     stage_files,
 )
-from relaytrain_worker.pipeline.schedule import StepRunner
+from relaytrain_worker.pipeline.schedule import ShortStepError, StepResult, StepRunner
 from relaytrain_worker.pipeline.transport import Frame, Listener, listen
 from relaytrain_worker.state import checkpoint as ckpt
 from relaytrain_worker.state.data import DataReport, read_report, write_report
@@ -237,7 +234,7 @@ class StageRuntime:
         agreed = mine
         if peers.prev is not None:
             seen = peers.prev.recv("hello", -1).meta["resume"]
-            agreed = _newest(agreed, seen)
+            agreed = max((x for x in (agreed, seen) if x is not None), default=None)
         if peers.next is not None:
             peers.next.send(Frame("hello", -1, -1, {}, {"resume": agreed}))
             agreed = peers.next.recv("resume", -1).meta["resume"]
@@ -280,9 +277,7 @@ class StageRuntime:
                     write_report(self.store, self.prefix, self.data.report)
                     self._report_due = False
                 self._train(peers)
-                for link in (peers.prev, peers.next):
-                    if link is not None:
-                        link.flush()
+                peers.flush()
                 self.replication.flush()
                 break
             except (LinkBroken, TimeoutError) as exc:
@@ -338,14 +333,7 @@ class StageRuntime:
             self._evaluate(peers)  # the base model's held-out loss
         mark = time.monotonic()
         while self.step < self.total_steps:
-            mine = self.replication.begin_step(self, peers)
-            micros = None
-            if self.cfg.stage.is_first:
-                assert self.data is not None
-                step_micros = self.data.step(self.step)
-                self.replication.read_step(self.step, step_micros)
-                micros = [step_micros[i] for i in mine]
-            result = runner.run(self.step, micros, len(mine))
+            result = self._step(peers, runner)
             optimizer_step(self.optimizer, self.scheduler)
             self.step += 1
             self.replication.after_step(self.step, result)
@@ -358,6 +346,25 @@ class StageRuntime:
                 self._evaluate(peers)  # before the commit, whose history carries it
             if self.saves(self.step):
                 self._checkpoint(peers, self.step)
+
+    def _step(self, peers: Peers, runner: StepRunner) -> StepResult:
+        """This pipeline's share of the step, trained again with the pipelines left when one
+        left in the middle of it (`ShortStepError`): the step loses none of its micro-batches."""
+        attempt = 0
+        while True:
+            mine = self.replication.begin_step(self, peers, attempt)
+            micros = None
+            if self.cfg.stage.is_first:
+                assert self.data is not None
+                step_micros = self.data.step(self.step)
+                self.replication.read_step(self.step, step_micros)
+                micros = [step_micros[i] for i in mine]
+            try:
+                return runner.run(self.step, micros, len(mine), attempt)
+            except ShortStepError as exc:
+                attempt += 1
+                self.metrics.steps_redone.inc()
+                log.warning("Stage %s trains step %d again: %s", self.name, self.step + 1, exc)
 
     def saves(self, step: int) -> bool:
         """Whether the boundary after `step` steps is a checkpoint."""
@@ -490,11 +497,3 @@ class StageRuntime:
         if peers is not None:
             peers.close()
         self.replication.close_links()
-
-
-def _newest(a: int | None, b: int | None) -> int | None:
-    if a is None:
-        return b
-    if b is None:
-        return a
-    return max(a, b)

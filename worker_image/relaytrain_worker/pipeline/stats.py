@@ -71,6 +71,11 @@ class ReplicaGroup(Protocol):
         periodic outer step's weights, replicas/periodic.py)."""
         ...
 
+    def short(self, step: int) -> bool:
+        """Whether a gradient result of `step` this stage got misses a member pipeline's
+        contribution (it left in the middle of the step): the step is then redone."""
+        ...
+
     @property
     def first_member(self) -> int:
         """The lowest pipeline training the current step: its contributions open every

@@ -293,6 +293,9 @@ class InProcessGroup:
     def first_member(self) -> int:
         return 0  # every pipeline trains every step
 
+    def short(self, step: int) -> bool:
+        return False  # no pipeline leaves: an abort fails the step instead
+
     def abort(self, reason: str) -> None:
         """Wake every waiter with an error (a pipeline failed)."""
         with self._cond:

@@ -23,7 +23,7 @@ from relaytrain_worker.replicas.arithmetic import (
     Slice,
     segment_peers,
 )
-from relaytrain_worker.replicas.star import StarExchange
+from relaytrain_worker.replicas.star import StarExchange, keyed
 
 
 class LinkGroup(StarExchange):
@@ -73,6 +73,8 @@ class LinkGroup(StarExchange):
         self._broke: dict[int, int] = {}
         """Lower pipeline -> the step its link to this stage ended (the hiccup rule)."""
         self.step = -1
+        self.attempt = 0
+        """The current step's attempt: 0, then one more for each redo (`ShortStepError`)."""
         for peer, link in links.items():
             self._ports[peer] = self._port(peer, link)
 
@@ -133,14 +135,17 @@ class LinkGroup(StarExchange):
             self._offered[peer] = self._port(peer, link)
             self._cond.notify_all()
 
-    def begin(self, step: int, members: Iterable[int], joined: Iterable[int] = ()) -> None:
-        """Step `step` trains `members`; `joined` of them rejoin with it. Their offered links
+    def begin(
+        self, step: int, members: Iterable[int], joined: Iterable[int] = (), attempt: int = 0
+    ) -> None:
+        """Step `step` (its attempt `attempt`: a redo's is 1 or more) trains `members`;
+        `joined` of them rejoin with it. Their offered links
         become the group's (waited for while missing). LinkBroken when a lower pipeline this
         stage lost its link to is still a member two steps later: a break between two live
         pipelines (not a crash), after which the higher one leaves and rejoins."""
         members = set(members)
         with self._cond:
-            self.step = step
+            self.step, self.attempt = step, attempt
             for q in sorted(set(joined)):
                 want = [
                     peer
@@ -176,14 +181,16 @@ class LinkGroup(StarExchange):
                 for key in [k for k in table if k[1] < step - 2]:
                     del table[key]
 
-    def agree_members(self, step: int) -> tuple[set[int], set[int]]:
-        """Stage 0: the pipelines that train step `step` and those of them that rejoin at it,
-        agreed among the first stages of every member (a star reduce of who is there,
-        led as any other; the leader admits the pipelines whose join request it holds)."""
+    def agree_members(self, step: int, attempt: int = 0) -> tuple[set[int], set[int]]:
+        """Stage 0: the pipelines that train step `step` (its attempt `attempt`) and those
+        of them that rejoin at it, agreed among the first stages of every member (a star
+        reduce of who is there, led as any other; the leader admits the pipelines whose join
+        request it holds — at a step's first attempt only)."""
         self._check_first()
         mark = torch.zeros(self._pipelines, dtype=torch.float64)
         mark[self._pipeline] = 1.0
-        got = self._star("member", step, {MEMBER_KEY: mark}, sorted(self.members))
+        what = keyed("member", attempt)
+        got = self._star(what, step, {MEMBER_KEY: mark}, sorted(self.members))
         return _members(got[MEMBER_KEY])
 
     def join(self, timeout: float) -> tuple[int, set[int], set[int]]:
@@ -227,7 +234,7 @@ class LinkGroup(StarExchange):
         if self._items is not None and self._items[0] == step:
             return self._items[1]
         mine = {COUNT_KEY: torch.tensor(float(count), dtype=torch.float64)}
-        got = self._star("tokens", step, mine, sorted(self.members))
+        got = self._star(keyed("tokens", self.attempt), step, mine, sorted(self.members))
         return int(got[COUNT_KEY])
 
     def reduce(
@@ -240,8 +247,13 @@ class LinkGroup(StarExchange):
         what: str = GRADS,
     ) -> dict[str, torch.Tensor]:
         self._check(pipeline, stage)
-        got = self._star(what, step, dict(tensors), sorted(self.members))
+        got = self._star(keyed(what, self.attempt), step, dict(tensors), sorted(self.members))
         return {name: value.clone() for name, value in got.items()}
+
+    def short(self, step: int) -> bool:
+        """Whether a gradient result of `step`'s current attempt this stage holds misses a
+        member pipeline (one left in the middle of the step): the step is to be redone."""
+        return self.missed(keyed(GRADS, self.attempt), step)
 
     # -- state transfer --------------------------------------------------------------
 

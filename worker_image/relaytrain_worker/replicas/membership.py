@@ -266,11 +266,11 @@ class Replicated:
                 code=self.spec.sync.outer_code,
             )
 
-    def begin_step(self, stage: StageRuntime, peers: Peers) -> range:
+    def begin_step(self, stage: StageRuntime, peers: Peers, attempt: int = 0) -> range:
         """This pipeline's micro-batches of the step, shared among the pipelines that
-        train it (`_plan`)."""
+        train it (`_plan`; at a redo, `attempt` > 0, those left)."""
         assert self.group is not None
-        members = self._plan(stage, peers, self.group)
+        members = self._plan(stage, peers, self.group, attempt)
         shares = live_shares(self.spec.shares, members)
         return micro_ranges(shares)[self.pipeline]
 
@@ -293,19 +293,20 @@ class Replicated:
             if isinstance(link, Link)
         }
 
-    def _plan(self, stage: StageRuntime, peers: Peers, group: LinkGroup) -> set[int]:
-        """The pipelines that train this step: stage 0 agrees on them with the other
-        pipelines' first stages and sends them down the chain. When pipelines rejoin with
-        this step, the stages of the lowest pipeline that stayed send each of their peers
-        there the state of the names it holds, and the rejoining stages take it."""
+    def _plan(self, stage: StageRuntime, peers: Peers, group: LinkGroup, attempt: int) -> set[int]:
+        """The pipelines that train this step (its attempt `attempt`): stage 0 agrees on
+        them with the other pipelines' first stages and sends them down the chain. When
+        pipelines rejoin with this step, the stages of the lowest pipeline that stayed send
+        each of their peers there the state of the names it holds, and the rejoining stages
+        take it (at a step's first attempt only: a redo admits nobody)."""
         step = stage.step
         if peers.prev is None and self.leaving.is_set():
             self._leave(stage, peers)
         if peers.prev is None:
-            if self.admitted is not None and self.admitted[0] == step:
+            if self.admitted is not None and self.admitted[0] == step and attempt == 0:
                 _, members, joined = self.admitted
             else:
-                members, joined = group.agree_members(step)
+                members, joined = group.agree_members(step, attempt)
             self.admitted = None
             if self.pipeline not in members:
                 raise LinkBroken(f"pipeline {self.pipeline} was left out of step {step}")
@@ -315,10 +316,13 @@ class Replicated:
                 self._leave(stage, peers)
             self._leave_alone()
             members, joined = set(meta["members"]), set(meta["joined"])
+            if meta.get("attempt", 0) != attempt:
+                raise LinkBroken(f"stage 0 planned attempt {meta.get('attempt', 0)} of step "
+                                 f"{step}, not this stage's {attempt}")  # fmt: skip
         if peers.next is not None:
-            plan = {"members": sorted(members), "joined": sorted(joined)}
+            plan = {"members": sorted(members), "joined": sorted(joined), "attempt": attempt}
             peers.next.send(Frame("plan", step, -1, {}, plan))
-        group.begin(step, members, joined)
+        group.begin(step, members, joined, attempt)
         if joined:
             self._hand_state(stage, group, members, joined)
         self._write_for(stage, members)

@@ -20,6 +20,14 @@ name by name. Only the names nobody has are folded again from the contributions.
 stage that has a step's result answers a late contribution with it (`_results`, the
 last two steps). Under crash failures (a pipeline that leaves closes all its links)
 every member therefore ends the step with the same bits.
+
+**Short results.** A leader that folds a name without the contribution of every member
+pipeline marks that name's result *short*, and the mark travels with the result (in its
+frame's meta, and in answers to a takeover's query), so every holder of a name learns the
+same mark with the same bits. Every pipeline holds every name, so when any result of a
+step is short, every surviving pipeline has a stage that knows (`missed`): the step runner
+then redoes the step with the pipelines left (`schedule.ShortStepError`), under an attempt's own
+exchange names (`keyed`: ``grads@1``).
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import torch
 
@@ -39,6 +48,17 @@ from relaytrain_worker.replicas.arithmetic import Slice, fold, gather, prefix, v
 from relaytrain_worker.replicas.port import ReplicaPort
 
 log = logging.getLogger("relaytrain.replicas")
+
+
+def keyed(what: str, attempt: int) -> str:
+    """The name of exchange `what` in a step's attempt `attempt` (0: the step's first, as
+    named; a redo's: ``grads@1``), so that nothing of an earlier attempt answers it."""
+    return what if attempt == 0 else f"{what}@{attempt}"
+
+
+def base(what: str) -> str:
+    """The exchange an attempt's name (`keyed`) is of."""
+    return what.partition("@")[0]
 
 
 class StarExchange:
@@ -68,6 +88,8 @@ class StarExchange:
         """Results of a reduce under way, name by name as they came (answers use them)."""
         self._queries: list[tuple[ReplicaPort, tuple[int, int], str, int]] = []
         """Queries of a takeover leader not answered yet."""
+        self._short: dict[tuple[str, int], set[str]] = {}
+        """The names of each reduce whose result misses a member pipeline's contribution."""
         self.closed = False
 
     def _port(self, peer: tuple[int, int], link: LinkLike) -> ReplicaPort:
@@ -101,6 +123,7 @@ class StarExchange:
         """What this stage sent back in each round: the result, when the leader says so."""
         with self._cond:
             done = self._partial.setdefault(key, {})
+            short = self._short.setdefault(key, set())
             while True:
                 lead = min(q for q in members if self.live(q))
                 if lead == self._pipeline:
@@ -119,7 +142,7 @@ class StarExchange:
                     if peer not in sent:
                         sent.add(peer)
                         part = {n: mine[n] for n in sorted(names)}
-                        if what in TERMS and any(len(t) > 1 for t in part.values()):
+                        if base(what) in TERMS and any(len(t) > 1 for t in part.values()):
                             rounds[peer] = part  # folded onto the leader's sum so far
                             self._ports[peer].send(Frame(f"ready:{what}", step, -1))
                         else:
@@ -145,6 +168,7 @@ class StarExchange:
                         sums[peer] = summed
                     frame = self._ports[peer].take(f"result:{what}", step)
                     if frame is not None:
+                        short.update(n for n in frame.meta.get("short", ()) if n in mine)
                         own_at = frame.meta.get("own_at", {})
                         done.update({
                             n: _with_row(t, mine[n], own_at[n]) if n in own_at else t
@@ -192,8 +216,10 @@ class StarExchange:
                 frame = self._ports[peer].take(f"answer:{what}", step)
                 if frame is not None:
                     for name, value in frame.tensors.items():
-                        if name in mine:
-                            have.setdefault(name, value)
+                        if name in mine and name not in have:
+                            have[name] = value
+                            if name in frame.meta.get("short", ()):
+                                self._short[key].add(name)
             if have:
                 log.info(
                     "Stage p%d/s%d took over step %d's %s from a pipeline that left; %d of "
@@ -202,8 +228,10 @@ class StarExchange:
                 )  # fmt: skip
         need = [n for n in mine if n not in have]
         givers = [p for p, names in holders.items() if names & set(need)]
-        if what in TERMS:
-            return self._lead_rounds(key, mine, need, givers, have=have, deadline=deadline)
+        if base(what) in TERMS:
+            return self._lead_rounds(
+                key, mine, need, givers, members=members, have=have, deadline=deadline
+            )
         contributions: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         joins: dict[tuple[int, int], ReplicaPort] = {}
         if need:
@@ -229,8 +257,9 @@ class StarExchange:
         rows: dict[str, list[int]] = {}  # a gathered name's stack: whose row is where
         for name in need:
             givers = [p for p in order if name in contributions[p]]
+            self._mark(key, name, members, [p[0] for p in givers])
             parts = [mine[name], *(contributions[p][name] for p in givers)]
-            if what in GATHERS:
+            if base(what) in GATHERS:
                 result[name] = gather(parts)
                 rows[name] = [self._pipeline, *(p[0] for p in givers)]
             else:
@@ -243,7 +272,7 @@ class StarExchange:
                 own = {n: rows[n].index(peer[0]) for n in names if peer[0] in rows.get(n, [])}
                 names = {n: _without_row(t, own[n]) if n in own else t for n, t in names.items()}
                 meta = {"own_at": own}
-            port.send(Frame(f"result:{what}", step, -1, names, meta))
+            port.send(Frame(f"result:{what}", step, -1, names, self._meta(key, names, meta)))
         return {n: result[n] for n in mine}
 
     def _lead_rounds(
@@ -253,6 +282,7 @@ class StarExchange:
         need: list[str],
         givers: list[tuple[int, int]],
         *,
+        members: list[int],
         have: dict[str, torch.Tensor],
         deadline: float,
     ) -> dict[str, torch.Tensor]:
@@ -312,13 +342,36 @@ class StarExchange:
                     answered.append(peer)
         result = dict(have)
         result.update({name: value_of(stack) for name, stack in acc.items()})
+        for name in need:
+            there = [p[0] for p in answered if self._peers[p].holds(name)]
+            self._mark(key, name, members, there)
         for peer in [p for p in givers if p in answered]:  # in the ports' order, as `_lead`
             names = {n: result[n] for n in sorted(result) if self._peers[peer].holds(n)}
             if names and all(last.get(n) == peer for n in names):
-                self._ports[peer].send(Frame(f"result:{what}", step, -1, {}, {"own": True}))
+                meta = self._meta(key, names, {"own": True})
+                self._ports[peer].send(Frame(f"result:{what}", step, -1, {}, meta))
             else:
-                self._ports[peer].send(Frame(f"result:{what}", step, -1, names))
+                meta = self._meta(key, names, {})
+                self._ports[peer].send(Frame(f"result:{what}", step, -1, names, meta))
         return {n: result[n] for n in mine}
+
+    def _mark(self, key: tuple[str, int], name: str, members: list[int], gave: list[int]) -> None:
+        """Mark `name`'s result of `key` short when a member pipeline but this one is not
+        among those that `gave` to it. The caller holds the condition."""
+        if set(members) - {self._pipeline} - set(gave):
+            self._short[key].add(name)
+
+    def _meta(
+        self, key: tuple[str, int], names: Mapping[str, torch.Tensor], meta: dict[str, Any]
+    ) -> dict[str, Any]:
+        """`meta` of a frame carrying `names`' results of `key`, with those that are short."""
+        short = sorted(n for n in names if n in self._short.get(key, ()))
+        return {**meta, "short": short} if short else meta
+
+    def missed(self, what: str, step: int) -> bool:
+        """Whether any result this stage got of `what` in `step` misses a member pipeline."""
+        with self._cond:
+            return bool(self._short.get((what, step)))
 
     def _settle(self, key: tuple[str, int], result: dict[str, torch.Tensor]) -> None:
         """Keep `result` to answer late askers, and answer those waiting already."""
@@ -327,6 +380,8 @@ class StarExchange:
         what, step = key
         for old in [k for k in self._results if k[1] < step - 2]:
             del self._results[old]
+        for old in [k for k in self._short if k[1] < step - 2]:
+            del self._short[old]
         for peer, port in self._ports.items():
             late = [port.take(f"{kind}:{what}", step) for kind in ("contrib", "ready")]
             if any(frame is not None for frame in late):
@@ -372,7 +427,7 @@ class StarExchange:
     ) -> None:
         result = self._results.get((what, step)) or self._partial.get((what, step), {})
         names = {n: t for n, t in result.items() if self._peers[peer].holds(n)}
-        port.send(Frame(f"{kind}:{what}", step, -1, names))
+        port.send(Frame(f"{kind}:{what}", step, -1, names, self._meta((what, step), names, {})))
 
     def _peer_of(self, port: ReplicaPort) -> tuple[int, int] | None:
         for table in (self._ports, self._offered):

@@ -90,6 +90,12 @@ class StageMetrics:
         self.restores = Counter(
             "relaytrain_restores", "Times this stage restored a checkpoint", [*labels], registry=r
         ).labels(**labels)
+        self.steps_redone = Counter(
+            "relaytrain_steps_redone",
+            "Steps this stage trained again because a pipeline left in the middle of them",
+            [*labels],
+            registry=r,
+        ).labels(**labels)
         self.last_committed_step = gauge(
             "relaytrain_last_committed_step", "Newest committed checkpoint step"
         ).labels(**labels)
