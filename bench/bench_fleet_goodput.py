@@ -27,8 +27,9 @@ down beyond the replica links, and one pipeline runs on one core.
 
 Reported per configuration: wall seconds from start to the job's end, kills, seconds lost per
 kill (against the uninterrupted run), steps redone (trained again after a rollback: the sum
-over kills of the step reached minus the step restored) and goodput = uninterrupted wall /
-wall with kills (1.0 = the kills cost nothing).
+over kills of the step reached minus the step restored; with two pipelines, the steps the
+survivor trained again because the victim died in the middle of them) and goodput =
+uninterrupted wall / wall with kills (1.0 = the kills cost nothing).
 The run pins OMP_NUM_THREADS=1 so both configurations compute with the same kernels.
 """
 
@@ -138,8 +139,10 @@ def run(root: Path, replicas: int, steps: int, kill_every: int, kills: int) -> O
     if len(at_kill) < kills:
         print(f"  ({config}: the job ended after {len(at_kill)} of {kills} kills; raise --steps)")
     # Steps redone: with one pipeline, each kill sends every stage back to the last commit.
-    restored = _restored((workdir / "stages" / f"{_base(replicas, 0, 0)}.log").read_text())
+    first = (workdir / "stages" / f"{_base(replicas, 0, 0)}.log").read_text()
+    restored = _restored(first)
     redone = sum(k - r for k, r in zip(at_kill, restored, strict=False) if k > r)
+    redone += len(re.findall(r"trains step \d+ again", first))  # a step a pipeline died in
     history = json.loads((root / "ckpt" / "default" / name / "loss-history.json").read_text())
     return Outcome(config, replicas, steps, len(at_kill), wall, redone, history[-1]["loss"])
 
