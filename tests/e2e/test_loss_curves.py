@@ -12,14 +12,14 @@ pipeline) is compared step by step with tests/assets/losses/<case>.json:
   pipelines of two stages sharing each step's micro-batches, int8 links, 20 steps, held-out
   loss every 10). Its curve is the loss-history.json the demo leaves in its working folder
   (the workers' own, from MinIO). The demo kills stage p1/s1 once the job reports step 10,
-  so only steps 1–10 and the held-out losses at steps 0 and 10 are compared: the step in
-  which the stage dies trains on the contributions that arrived (docs/worker.md, "Several
-  pipelines as processes"), which depends on where in that step the SIGKILL lands, and every
-  later step inherits it. Measured 2026-11-26 on four 20-step demo runs: one gave the bits
-  of an uninterrupted run (`--kill-stage -1`) at all 20 steps (pipeline 0 training each
-  step's micro-batches alone while pipeline 1 was out changed no bit), the other three
-  another curve, up to 1.9e-1 away from step 13 on; seven earlier 30-step runs also ended on
-  two curves (5 and 2 runs, 3.0e-1 apart). Up to the kill every run gave the same bits.
+  and only steps 1–10 and the held-out losses at steps 0 and 10 are compared (the committed
+  curve). Until 2026-11-27 the step in which the stage died trained on the contributions
+  that arrived, which depends on where in that step the SIGKILL lands: four 20-step runs
+  then ended on two curves, up to 1.9e-1 apart from step 13 on. That step is now trained
+  again by pipeline 0 (docs/worker.md, Faults), and a 20-step demo with the kill gave the
+  bits of one without it (`--kill-stage -1`) at every step and held-out loss (2026-11-27);
+  the comparison still stops at step 10, where the rounding drift between CPUs measured
+  below was.
   (The demo's rows went from 64 tokens to 32 on 2026-11-27: every example still fits, and
   steps 1–10 and the held-out losses gave the committed bits unchanged.)
 - `three-pipelines`: a tiny Llama run through `relaytrain run --local` (real stage processes
