@@ -31,13 +31,12 @@ import subprocess
 import time
 import urllib.request
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
-from relaytrain_testkit.harness.procs import alive, stop
+from relaytrain_testkit.harness.procs import alive, held, stop
 from relaytrain_testkit.local_jobs import (
     OWN_NETWORK,
     fleet,
@@ -313,17 +312,6 @@ def _start_fleet(workspace: Path, name: str, workdir: Path) -> Any:
     return _started_run(job, workdir, [*PIPELINES, "--shares", "2,1"])
 
 
-@contextmanager
-def _held(pid: int) -> Iterator[None]:
-    """Process `pid` stopped (SIGSTOP) for the block, and continued after it whatever
-    happens."""
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        os.kill(pid, signal.SIGCONT)
-
-
 def _hold_for_the_return(
     workspace: Path,
     name: str,
@@ -348,7 +336,7 @@ def _hold_for_the_return(
         return at is not None and at["step"] > after
 
     wait_while_running(f"the survivors past step {after}", past, proc, interval=0.005)
-    with _held(hold):
+    with held(hold):
         wait_while_running(
             f"p{returning[0]}/s{returning[1]}'s new process to restore the last commit",
             lambda: _log(workdir, *returning).count(RESTORED) > seen,

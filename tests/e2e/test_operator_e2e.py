@@ -45,6 +45,7 @@ from relaytrain_testkit.harness.operator_env import (
     stored_json,
     tiny_job,
 )
+from relaytrain_testkit.harness.procs import held
 from relaytrain_testkit.harness.waiting import wait_for
 from relaytrain_testkit.jobs import Job
 
@@ -144,14 +145,14 @@ def test_job_survives_a_stage_killed_mid_run(env: dict[str, Any]) -> None:
     release, values = e["release"], e["values"]
     old_operator = release.operator_pod().metadata.uid
     processes = {n: runner.local_pod(ns, n).pid for n in pods}
-    held = processes[f"{name}-stage-0"]
-    os.kill(held, signal.SIGSTOP)
+    stopped = processes[f"{name}-stage-0"]
+    os.kill(stopped, signal.SIGSTOP)
     try:
         values["resyncSeconds"] = 2
         release.upgrade(values)
         upgraded, _ = release.ready_operator()
     except BaseException:
-        os.kill(held, signal.SIGCONT)
+        os.kill(stopped, signal.SIGCONT)
         raise
     assert upgraded.metadata.uid != old_operator
     # Still held: the job's first certificates run out, renewed ones are in place.
@@ -165,7 +166,7 @@ def test_job_survives_a_stage_killed_mid_run(env: dict[str, Any]) -> None:
     try:
         renewed = wait_for("the first certificates expired", renewed_and_first_expired, timeout=120)
     except BaseException:
-        os.kill(held, signal.SIGCONT)
+        os.kill(stopped, signal.SIGCONT)
         raise
     print(f"Link certificates at generation {renewed['generation']} ({renewed['phase']})")
     now = stage_pods(core, ns, name)
@@ -182,7 +183,7 @@ def test_job_survives_a_stage_killed_mid_run(env: dict[str, Any]) -> None:
     assert before["step"] < STEPS - EVERY, f"the job ran too fast to be interrupted: {before}"
     os.kill(victim_pid, signal.SIGKILL)
     killed_at, killed_wall = time.monotonic(), time.time()
-    os.kill(held, signal.SIGCONT)
+    os.kill(stopped, signal.SIGCONT)
 
     def replaced() -> Any:
         now = stage_pods(core, ns, name)
@@ -571,8 +572,7 @@ def _drain_pipeline_0(
     pods = stage_pods(core, ns, name)
     leaving = [runner.local_pod(ns, n).process for n in pods if "-p0-" in n]
     operator = e["release"].ready_operator()[1].pid
-    os.kill(operator, signal.SIGSTOP)
-    try:
+    with held(operator):
         core.patch_node(drained, {"spec": {"unschedulable": True}})
         evict = client.V1Eviction(metadata=client.V1ObjectMeta(name=f"{name}-p0-s1", namespace=ns))
         core.create_namespaced_pod_eviction(f"{name}-p0-s1", ns, evict)
@@ -581,17 +581,13 @@ def _drain_pipeline_0(
             lambda: "was asked to stop" in _log(e, f"{name}-p0-s1"),
             timeout=60,
         )
-    finally:
-        os.kill(operator, signal.SIGCONT)
     left = wait_for(
         "pipeline 0 left",
         lambda: (st := status())["pipelines"][0].get("leftReason") and st,
         timeout=120,
     )
     wait_for("pipeline 0's processes ended", lambda: all(p.poll() is not None for p in leaving))
-    held = runner.local_pod(ns, f"{name}-p1-s0").process.pid
-    os.kill(held, signal.SIGSTOP)
-    try:
+    with held(runner.local_pod(ns, f"{name}-p1-s0").process.pid):
         back = wait_for(
             "pipeline 0's new pods running",
             lambda: (
@@ -602,8 +598,6 @@ def _drain_pipeline_0(
             ),
             timeout=120,
         )
-    finally:
-        os.kill(held, signal.SIGCONT)
     return left, back
 
 

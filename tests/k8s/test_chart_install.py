@@ -19,7 +19,6 @@ whole tier fail that way, run it with RELAYTRAIN_CHART_DROP_GRANT="create pods" 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -38,6 +37,7 @@ from relaytrain_testkit.harness.chart_install import (
     restricted_namespace,
 )
 from relaytrain_testkit.harness.operator_cases import cluster_job, install_crd
+from relaytrain_testkit.harness.procs import held
 from relaytrain_testkit.harness.rbac_audit import service_account_user
 from relaytrain_testkit.harness.waiting import wait_for
 from relaytrain_testkit.shapes import SMOLLM2_135M_CONFIG as MODEL_CONFIG
@@ -243,12 +243,11 @@ def test_failing_probes_mark_the_pod_unready_and_restart_the_operator(
     pod, local = setup.release.ready_operator()
     name = pod.metadata.name
     restarts = pod.status.container_statuses[0].restart_count
-    os.kill(local.process.pid, signal.SIGSTOP)
 
     def status() -> Any:
         return setup.core.read_namespaced_pod(name, setup.release.namespace).status
 
-    try:
+    with held(local.process.pid):
         unready = wait_for("the pod not Ready", lambda: (s := status()) and not _ready(s) and s)
         assert unready.container_statuses[0].restart_count == restarts, "liveness acted first"
         restarted = wait_for(
@@ -256,9 +255,6 @@ def test_failing_probes_mark_the_pod_unready_and_restart_the_operator(
             lambda: (s := status()).container_statuses[0].restart_count == restarts + 1 and s,
             timeout=60,
         )
-    finally:
-        with contextlib.suppress(ProcessLookupError):  # gone once killed and reaped
-            os.kill(local.process.pid, signal.SIGCONT)
     last = restarted.container_statuses[0].last_state.terminated
     assert last is not None and last.exit_code == 128 + signal.SIGKILL  # SIGTERM stays pending
     again, new = setup.release.ready_operator()

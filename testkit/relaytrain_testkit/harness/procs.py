@@ -3,7 +3,11 @@ stopping the ones they did."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +18,18 @@ def alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
     except OSError:
         return False
+
+
+@contextlib.contextmanager
+def held(pid: int) -> Iterator[None]:
+    """Process `pid` stopped (SIGSTOP) for the block and continued (SIGCONT) after it,
+    whatever happens in it; a process gone meanwhile (killed and reaped) is left alone."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
 
 
 def stop(proc: subprocess.Popen[Any], grace: float = 10.0) -> None:
