@@ -17,7 +17,6 @@ from relaytrain_contract import StageConfig
 from relaytrain_worker.pipeline.peers import Peers
 from relaytrain_worker.pipeline.schedule import StepResult, StepRunner
 from relaytrain_worker.pipeline.stats import ReplicaGroup
-from relaytrain_worker.state.data import MicroBatch
 from relaytrain_worker.state.metrics import LinkCounters
 
 if TYPE_CHECKING:
@@ -88,13 +87,11 @@ class Replication(Protocol):
     def begin_training(self, stage: StageRuntime, runner: StepRunner) -> None:
         """The step loop starts with `runner`."""
 
-    def begin_step(self, stage: StageRuntime, peers: Peers, attempt: int = 0) -> range:
-        """Step `stage.step` starts (again, at `attempt` > 0: a pipeline left during the
-        last try, `schedule.ShortStepError`): the micro-batches of it this pipeline trains."""
+    def train_step(self, stage: StageRuntime, peers: Peers, runner: StepRunner) -> StepResult:
+        """Forward and backward of this pipeline's share of step `stage.step` with `runner`
+        (stage 0 reads the step's micro-batches: `stage.micros`); the optimizer step is the
+        stage's."""
         ...
-
-    def read_step(self, step: int, micros: list[MicroBatch]) -> None:
-        """Stage 0 read the whole of step `step`."""
 
     def after_step(self, step: int, result: StepResult) -> None:
         """The optimizer step that completed `step` steps is done."""
@@ -165,11 +162,9 @@ class Alone:
     def begin_training(self, stage: StageRuntime, runner: StepRunner) -> None:
         pass
 
-    def begin_step(self, stage: StageRuntime, peers: Peers, attempt: int = 0) -> range:
-        return self.micros
-
-    def read_step(self, step: int, micros: list[MicroBatch]) -> None:
-        pass
+    def train_step(self, stage: StageRuntime, peers: Peers, runner: StepRunner) -> StepResult:
+        micros = stage.micros(self.micros)
+        return runner.run(stage.step, micros[1] if micros else None, len(self.micros))
 
     def after_step(self, step: int, result: StepResult) -> None:
         pass

@@ -49,10 +49,10 @@ from relaytrain_worker.pipeline.rollback import (
     rng_seed,
     stage_files,
 )
-from relaytrain_worker.pipeline.schedule import ShortStepError, StepResult, StepRunner
+from relaytrain_worker.pipeline.schedule import StepRunner
 from relaytrain_worker.pipeline.transport import Frame, Listener, listen
 from relaytrain_worker.state import checkpoint as ckpt
-from relaytrain_worker.state.data import DataReport, read_report, write_report
+from relaytrain_worker.state.data import DataReport, MicroBatch, read_report, write_report
 from relaytrain_worker.state.export import export_output
 from relaytrain_worker.state.history import LossHistory
 from relaytrain_worker.state.metrics import MetricsServer, StageMetrics, serve
@@ -333,7 +333,7 @@ class StageRuntime:
             self._evaluate(peers)  # the base model's held-out loss
         mark = time.monotonic()
         while self.step < self.total_steps:
-            result = self._step(peers, runner)
+            result = self.replication.train_step(self, peers, runner)
             optimizer_step(self.optimizer, self.scheduler)
             self.step += 1
             self.replication.after_step(self.step, result)
@@ -347,24 +347,14 @@ class StageRuntime:
             if self.saves(self.step):
                 self._checkpoint(peers, self.step)
 
-    def _step(self, peers: Peers, runner: StepRunner) -> StepResult:
-        """This pipeline's share of the step, trained again with the pipelines left when one
-        left in the middle of it (`ShortStepError`): the step loses none of its micro-batches."""
-        attempt = 0
-        while True:
-            mine = self.replication.begin_step(self, peers, attempt)
-            micros = None
-            if self.cfg.stage.is_first:
-                assert self.data is not None
-                step_micros = self.data.step(self.step)
-                self.replication.read_step(self.step, step_micros)
-                micros = [step_micros[i] for i in mine]
-            try:
-                return runner.run(self.step, micros, len(mine), attempt)
-            except ShortStepError as exc:
-                attempt += 1
-                self.metrics.steps_redone.inc()
-                log.warning("Stage %s trains step %d again: %s", self.name, self.step + 1, exc)
+    def micros(self, mine: range) -> tuple[list[MicroBatch], list[MicroBatch]] | None:
+        """Stage 0: the whole step's micro-batches and those of them this pipeline trains
+        (`mine`); None on the other stages (their micro-batches arrive as activations)."""
+        if not self.cfg.stage.is_first:
+            return None
+        assert self.data is not None
+        every = self.data.step(self.step)
+        return every, [every[i] for i in mine]
 
     def saves(self, step: int) -> bool:
         """Whether the boundary after `step` steps is a checkpoint."""

@@ -47,7 +47,12 @@ from relaytrain_worker.pipeline.linkauth import LinkBroken
 from relaytrain_worker.pipeline.loading import job_prefix
 from relaytrain_worker.pipeline.peers import Peers
 from relaytrain_worker.pipeline.replication import DepartedError, RunnerOptions
-from relaytrain_worker.pipeline.schedule import StepResult, StepRunner, count_items
+from relaytrain_worker.pipeline.schedule import (
+    ShortStepError,
+    StepResult,
+    StepRunner,
+    count_items,
+)
 from relaytrain_worker.pipeline.stage import CONNECT_FOR, StageRuntime
 from relaytrain_worker.pipeline.transport import Frame, Link
 from relaytrain_worker.replicas.arithmetic import live_shares, micro_ranges
@@ -62,7 +67,6 @@ from relaytrain_worker.replicas.links import (
 )
 from relaytrain_worker.replicas.periodic import ANCHOR_PREFIX, PeriodicSync
 from relaytrain_worker.state import checkpoint as ckpt
-from relaytrain_worker.state.data import MicroBatch
 from relaytrain_worker.state.metrics import LinkCounters
 from relaytrain_worker.state.progress import Progress, read_progress
 from relaytrain_worker.state.store import ObjectNotFound, Store
@@ -266,18 +270,25 @@ class Replicated:
                 code=self.spec.sync.outer_code,
             )
 
-    def begin_step(self, stage: StageRuntime, peers: Peers, attempt: int = 0) -> range:
-        """This pipeline's micro-batches of the step, shared among the pipelines that
-        train it (`_plan`; at a redo, `attempt` > 0, those left)."""
+    def train_step(self, stage: StageRuntime, peers: Peers, runner: StepRunner) -> StepResult:
+        """This pipeline's micro-batches of the step, shared among the pipelines that train
+        it (`_plan`), trained; the step trained again by those left when one left in the
+        middle of it (`ShortStepError`: attempt 1, 2, ...), so that it loses none of its
+        micro-batches."""
         assert self.group is not None
-        members = self._plan(stage, peers, self.group, attempt)
-        shares = live_shares(self.spec.shares, members)
-        return micro_ranges(shares)[self.pipeline]
-
-    def read_step(self, step: int, micros: list[MicroBatch]) -> None:
-        if not self.periodic:  # the whole step's normaliser
-            assert self.group is not None
-            self.group.set_items(step, count_items(micros))
+        attempt = 0
+        while True:
+            members = self._plan(stage, peers, self.group, attempt)
+            mine = micro_ranges(live_shares(self.spec.shares, members))[self.pipeline]
+            micros = stage.micros(mine)
+            if micros is not None and not self.periodic:  # the whole step's normaliser
+                self.group.set_items(stage.step, count_items(micros[0]))
+            try:
+                return runner.run(stage.step, micros[1] if micros else None, len(mine), attempt)
+            except ShortStepError as exc:
+                attempt += 1
+                stage.metrics.steps_redone.inc()
+                log.warning("Stage %s trains step %d again: %s", self.name, stage.step + 1, exc)
 
     def after_step(self, step: int, result: StepResult) -> None:
         if self._outer is not None:
