@@ -67,10 +67,15 @@ def link_groups(
     splits: list[list[tuple[int, int]]],
     order: dict[Peer, list[Peer]] | None = None,
     creds: dict[Peer, LinkCredentials] | None = None,
+    shares: list[int] | None = None,
+    slots: int | None = None,
 ) -> dict[Peer, LinkGroup]:
-    """Every stage's `LinkGroup` over `peer_links`."""
+    """Every stage's `LinkGroup` over `peer_links` (pipeline p's share `shares[p]`, 1 each
+    unless given; membership marks of `slots`, the pipeline count unless given)."""
     return {
-        (p, k): LinkGroup.from_splits(splits, p, k, links, timeout=60)
+        (p, k): LinkGroup.from_splits(
+            splits, p, k, links, timeout=60, share=shares[p] if shares else 1, slots=slots
+        )
         for (p, k), links in peer_links(splits, order, creds).items()
     }
 

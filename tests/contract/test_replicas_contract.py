@@ -14,12 +14,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from relaytrain_contract import ConfigError, StageConfig
+from relaytrain_contract import ConfigError, FleetDocument, StageConfig
 from relaytrain_operator.domain.linkcerts import mint_link_credentials, stage_pem
 from relaytrain_operator.domain.stage_config import (
     StageEndpoints,
     build_pipeline_configs,
     build_stage_configs,
+    fleet_document,
     local_endpoints,
 )
 from relaytrain_operator.spec import parse_job
@@ -28,7 +29,7 @@ from relaytrain_testkit.jobs import Job
 from relaytrain_worker.pipeline.credentials import LinkCredentials
 from relaytrain_worker.pipeline.transport import Link
 from relaytrain_worker.replicas.arithmetic import Slice, segment_peers
-from relaytrain_worker.replicas.links import ReplicaLinks, peer_slices
+from relaytrain_worker.replicas.links import ReplicaLinks, added_peers, peer_slices
 
 pytestmark = pytest.mark.contract
 
@@ -95,6 +96,53 @@ def test_the_worker_reads_back_every_document_and_the_peers_the_maths_uses(
                 assert peer.identity == f"relaytrain://default/smollm-lora/p{q}/s{j}"
                 # Each stage dials the peers of higher pipelines; the lower ones dial it.
                 assert peer.address == (f"host-p{q}-s{j}:{31000 + 100 * q + j}" if q > p else None)
+
+
+def test_stages_started_before_a_pipeline_was_added_find_the_peers_its_documents_list(
+    documents: list[list[dict[str, Any]]],
+) -> None:
+    # The job started as pipelines 0 and 1; pipeline 2 (one stage) is added. The fleet
+    # document gives each earlier stage exactly the peers in pipeline 2 that a document of
+    # the three-pipeline plan lists, so both sides link the same pairs.
+    job = parse_job(THREE.build())
+    before = build_pipeline_configs(job, SPLITS[:2], _endpoints(SPLITS[:2]), [3, 3])
+    raw = json.dumps(fleet_document(job, SPLITS, _endpoints(SPLITS), added=[2]))
+    fleet = FleetDocument.from_json(raw)
+    assert [(a.pipeline, len(a.stages)) for a in fleet.added] == [(2, 1)]
+    for p, row in enumerate(before):
+        for k, document in enumerate(row):
+            cfg = StageConfig.from_json(json.dumps(document))
+            now = StageConfig.from_json(json.dumps(documents[p][k]))
+            assert now.replicas is not None
+            want = [peer for peer in now.replicas.peers if peer.pipeline == 2]
+            assert added_peers(cfg, fleet, known=2) == want != []
+            assert added_peers(cfg, fleet, known=3) == []  # taken in already
+
+
+FLEET_INVALID = [
+    ("stages-out-of-order", lambda a: a["stages"].reverse(), "added[0].stages: must be stages 0"),
+    ("no-address", lambda a: a["stages"][0].update(address=None), "added[0].stages: p1/s0 has"),
+    ("a-gap", lambda a: a["stages"][1].update(layerStart=16), "added[0].stages: p1/s1 starts"),
+    ("unknown-field", lambda a: a.update(share=2), "added[0].share: unknown field"),
+    ("no-stages", lambda a: a.update(stages=[]), "added[0].stages: must list"),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "change", "message"), FLEET_INVALID, ids=[c[0] for c in FLEET_INVALID]
+)
+def test_an_invalid_fleet_document_is_refused_naming_the_field(
+    case: str, change: Any, message: str
+) -> None:
+    doc = fleet_document(parse_job(THREE.build()), SPLITS, _endpoints(SPLITS), added=[1])
+    change(doc["added"][0])
+    with pytest.raises(ConfigError) as refused:
+        FleetDocument.from_json(doc)
+    assert message in str(refused.value), str(refused.value)
+    twice = fleet_document(parse_job(THREE.build()), SPLITS, _endpoints(SPLITS), [1, 2])
+    twice["added"].reverse()
+    with pytest.raises(ConfigError, match=r"added: must list each pipeline once, in order"):
+        FleetDocument.from_json(twice)
 
 
 def test_one_pipeline_has_no_replicas_section() -> None:

@@ -428,16 +428,20 @@ def test_a_stage_killed_in_one_pipeline_takes_only_that_pipeline_out(
     _assert_every_step_equal(losses, long_reference)
 
 
-def test_a_pipeline_asked_to_stop_leaves_at_a_step_boundary_and_no_step_is_lost(
+def test_a_pipeline_leaves_comes_back_and_one_is_added_and_no_step_changes(
     workspace: Path, long_reference: list[float]
 ) -> None:
     # `kill -USR1` to the supervisor takes pipeline 1 out: SIGTERM to each of its stages,
     # as the kubelet sends when the operator removes a pipeline whose node announced its
     # end. Its stage 0 leads it out at the next step boundary, so the step is planned
     # without it and pipeline 0 trains the whole global batch from there. `kill -USR2`
-    # brings it back and it rejoins. Every step, the ones it left and came back at
-    # included, equals the uninterrupted run's bit for bit: a planned departure costs no
-    # step (a crash costs one, above), and no failure is counted.
+    # brings it back and it rejoins. A second `kill -USR2`, with no pipeline out, adds
+    # pipeline 2, which the others' documents do not list: they learn of it from the
+    # store (fleet.json), link to it, and it joins at a step boundary with pipeline 0's
+    # state; the step's three micro-batches are then shared 1:1:1. Every step, the ones
+    # the membership changed at included, equals the uninterrupted run's bit for bit: a
+    # planned departure or an addition costs no step (a crash costs one, above), and no
+    # failure is counted.
     name, workdir = "leave", workspace / "wd-leave"
     proc = _start_fleet(workspace, name, workdir)
 
@@ -466,6 +470,15 @@ def test_a_pipeline_asked_to_stop_leaves_at_a_step_boundary_and_no_step_is_lost(
     os.kill(state["pid"], signal.SIGUSR2)
     _hold_for_the_return(workspace, name, workdir, proc, after=at["step"] + 2,
                          hold=before[(0, 0)], returning=(1, 0))  # fmt: skip
+    wait_while_running("pipeline 1 to rejoin",
+                       lambda: "Stage p1/s0 rejoined at step" in _log(workdir, 1, 0), proc,
+                       interval=0.05)  # fmt: skip
+    os.kill(state["pid"], signal.SIGUSR2)  # none is out: one is added
+    with held(before[(0, 0)]):  # until its stages are up (the job must not end first)
+        for k in range(3):
+            wait_while_running(f"the added p2/s{k} to restore the last commit",
+                               lambda k=k: RESTORED in _log(workdir, 2, k), proc,
+                               interval=0.05)  # fmt: skip
     out, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, out
     said = r"Stage p1/s{} left the job at step (\d+), as asked"
@@ -473,6 +486,25 @@ def test_a_pipeline_asked_to_stop_leaves_at_a_step_boundary_and_no_step_is_lost(
     assert len(left[0]) == 1 and left[1] == left[2] == left[0], left  # one boundary
     rejoined = re.findall(r"Stage p1/s0 rejoined at step (\d+)", _log(workdir, 1, 0))
     assert rejoined and int(rejoined[0]) > int(left[0][0]) + 1, (left, rejoined)
+    # Pipeline 2 joined at one step boundary, every stage of it with pipeline 0's state,
+    # and trained its share from there.
+    joined = [re.findall(r"Stage p2/s\d rejoined at step (\d+) with the state of pipeline 0",
+                         _log(workdir, 2, k)) for k in range(3)]  # fmt: skip
+    assert len(joined[0]) == 1 and joined[1] == joined[2] == joined[0], joined
+    added_at = int(joined[0][0])
+    assert int(rejoined[0]) < added_at < KILL_STEPS, (rejoined, joined)
+    for k in range(2):
+        assert f"Stage p0/s{k} sent its state to pipeline(s) [2] rejoining at step {added_at}" in (
+            _log(workdir, 0, k)
+        )
+    assert f"Stage p2/s0 trains 1 of the step's 3 micro-batches from step {added_at + 1}" in (
+        _log(workdir, 2, 0)
+    )
+    assert f"Stage p0/s0 trains 1 of the step's 3 micro-batches from step {added_at + 1}" in (
+        _log(workdir, 0, 0)
+    )
+    fleet_doc = json.loads((workspace / "ckpt" / "default" / name / "fleet.json").read_text())
+    assert [[s["pipeline"] for s in a["stages"]] for a in fleet_doc["added"]] == [[2, 2, 2]]
     after = json.loads((workdir / "state.json").read_text())["stages"]
     assert [s["pid"] for s in after if s["pipeline"] == 0] == [before[(0, 0)], before[(0, 1)]]
     for k in range(2):  # no step of pipeline 0 missed pipeline 1's share
@@ -481,7 +513,7 @@ def test_a_pipeline_asked_to_stop_leaves_at_a_step_boundary_and_no_step_is_lost(
     summary = json.loads((workdir / "summary.json").read_text())
     assert summary["restarts"] == {}
     assert [(c["pipeline"], c["change"]) for c in summary["pipelineChanges"]] == [
-        (1, "left"), (1, "returned"),
+        (1, "left"), (1, "returned"), (2, "added"),
     ]  # fmt: skip
     assert json.loads((workspace / "ckpt" / "default" / name / "given-up.json").read_text()) == {
         "pipelines": []
@@ -489,7 +521,8 @@ def test_a_pipeline_asked_to_stop_leaves_at_a_step_boundary_and_no_step_is_lost(
     history = _history(workspace, name)
     assert [r["step"] for r in history] == list(range(1, KILL_STEPS + 1))
     assert [r["loss"] for r in history] == long_reference
-    print(f"pipeline 1 left at step {left[0][0]} and rejoined at step {rejoined[0]}")
+    print(f"pipeline 1 left at step {left[0][0]} and rejoined at step {rejoined[0]}; "
+          f"pipeline 2 was added at step {added_at}")  # fmt: skip
 
 
 def test_pipeline_0_killed_hands_the_writing_to_pipeline_1_and_takes_it_back(

@@ -10,8 +10,10 @@ from typing import Any
 
 import pytest
 from cryptography import x509
-from relaytrain_contract import LINK_CERT_FILE, StageConfig
+from relaytrain_contract import LINK_CERT_FILE, FleetDocument, StageConfig
 from relaytrain_operator.cli.local_run import LocalRun, local_layout
+from relaytrain_operator.cli.local_run.grow import add_pipeline
+from relaytrain_operator.cli.local_run.layout import grown_layout
 from relaytrain_operator.spec import FineTuneJob, SpecError, parse_job
 from relaytrain_testkit.jobs import Job
 from relaytrain_testkit.shapes import SMOLLM2_135M_CONFIG
@@ -140,3 +142,33 @@ def test_periodic_sync_reaches_every_stage_document(tmp_path: Path) -> None:
     )
     assert [d["replicas"]["sync"] for d in run.documents] == [sync] * 3
     assert all(StageConfig.from_json(d).replicas.sync.every_steps == 4 for d in run.documents)  # type: ignore[union-attr]
+
+
+def test_a_pipeline_added_to_a_run_gets_documents_certificates_and_a_fleet_entry(
+    tmp_path: Path,
+) -> None:
+    # The run's [2, 3]-stage pipelines share 3 micro-batches 2:1; one more, split as the
+    # last, is planned with at least one micro-batch each, its stages' documents list all
+    # three, their certificates come from the run's CA, and fleet.json says where they are.
+    run = LocalRun.prepare(_on_disk(PIPES.pipeline(replicas=2), tmp_path), tmp_path / "wd", [2, 3])
+    added = add_pipeline(run.job, run.layout, run.endpoints, run._ca, [])
+    assert added.pipeline == 2 and added.layout.splits[2] == run.layout.splits[1]
+    assert added.layout.shares == [1, 1, 1]
+    ca = x509.load_pem_x509_certificate(run._credentials["ca.crt"].encode())
+    fleet = FleetDocument.from_json(added.fleet)
+    for k, document in enumerate(added.documents):
+        cfg = StageConfig.from_json(json.dumps(document))
+        assert cfg.replicas is not None and cfg.replicas.pipeline == 2
+        assert list(cfg.replicas.shares) == [1, 1, 1] and cfg.replicas.listen is not None
+        cert = x509.load_pem_x509_certificate(added.credentials[f"p2-s{k}.crt"].encode())
+        cert.verify_directly_issued_by(ca)
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        assert san.get_values_for_type(x509.UniformResourceIdentifier) == [cfg.links.identity]
+        # fleet.json names it where it listens, with its layers and identity (which peers
+        # the earlier stages take from it: tests/contract/test_replicas_contract.py).
+        entry = fleet.added[0].stages[k]
+        assert entry.address == cfg.replicas.listen and entry.identity == cfg.links.identity
+        assert (entry.layer_start, entry.layer_end) == (cfg.stage.layer_start, cfg.stage.layer_end)
+    # With as many pipelines as micro-batches there is no room for one more.
+    with pytest.raises(ValueError, match="4 pipelines need at least 4 micro-batches"):
+        grown_layout(added.layout, 3)

@@ -27,9 +27,9 @@ from relaytrain_worker.model.training import named_optimizer_state
 from relaytrain_worker.pipeline.linkauth import LinkBroken
 from relaytrain_worker.pipeline.transport import Frame
 from relaytrain_worker.replicas.arithmetic import Slice, live_shares
-from relaytrain_worker.replicas.group import LinkGroup
+from relaytrain_worker.replicas.group import LinkGroup, Membership
 from relaytrain_worker.replicas.handover import STATE, load_state_frames, state_frame
-from relaytrain_worker.replicas.links import GivenUp
+from relaytrain_worker.replicas.links import given_up
 from torch import nn
 
 pytestmark = pytest.mark.unit
@@ -125,7 +125,7 @@ def test_a_short_steps_redo_is_a_fresh_exchange_among_those_left() -> None:
     )
     assert first[0][NAME].item() == 4.0 and groups[(0, 0)].short(5)
     agreed = on_threads({p: lambda p=p: groups[(p, 0)].agree_members(5, 1) for p in range(2)})
-    assert agreed[0] == agreed[1] == ({0, 1}, set())
+    assert agreed[0] == agreed[1] == ({0, 1}, set(), (1, 1))
     for p in range(2):
         groups[(p, 0)].begin(5, {0, 1}, attempt=1)
     again = on_threads(
@@ -229,7 +229,7 @@ def test_a_rejoining_pipeline_is_admitted_by_every_first_stage_at_one_step() -> 
     groups = {p: g for (p, _), g in link_groups(splits, creds=creds).items()}
     groups[2].close()  # pipeline 2 fails; 0 and 1 train step 10 without it
     left = on_threads({p: lambda p=p: groups[p].agree_members(10) for p in range(2)})
-    assert left[0] == left[1] == ({0, 1}, set())
+    assert left[0] == left[1] == ({0, 1}, set(), (1, 1))
     # Its new stage links to theirs again (they offer the links to their groups) and asks.
     fresh = {p: link_pair(creds[(p, 0)], creds[(2, 0)]) for p in range(2)}
     for p in range(2):
@@ -237,7 +237,7 @@ def test_a_rejoining_pipeline_is_admitted_by_every_first_stage_at_one_step() -> 
         groups[p].offer((2, 0), fresh[p][0])
     links = {(p, 0): fresh[p][1] for p in range(2)}
     groups[2] = LinkGroup.from_splits(splits, 2, 0, links, members={0, 1}, timeout=60)
-    joined: list[tuple[int, set[int], set[int]]] = []
+    joined: list[tuple[int, Membership]] = []
     joiner = threading.Thread(target=lambda: joined.append(groups[2].join(60)))
     joiner.start()
     port = groups[0]._offered[(2, 0)]
@@ -245,8 +245,8 @@ def test_a_rejoining_pipeline_is_admitted_by_every_first_stage_at_one_step() -> 
         assert groups[0]._cond.wait_for(lambda: port.has("join", None), 30)
     got = on_threads({p: lambda p=p: groups[p].agree_members(11) for p in range(2)})
     joiner.join(30)
-    assert got[0] == got[1] == ({0, 1, 2}, {2})
-    assert joined == [(11, {0, 1, 2}, {2})]
+    assert got[0] == got[1] == ({0, 1, 2}, {2}, (1, 1, 1))
+    assert joined == [(11, ({0, 1, 2}, {2}, (1, 1, 1)))]
     # From that step on the three reduce together again.
     for p in range(3):
         groups[p].begin(11, {0, 1, 2}, {2})
@@ -258,13 +258,71 @@ def test_a_rejoining_pipeline_is_admitted_by_every_first_stage_at_one_step() -> 
     assert all(sums[p][NAME].item() == 6.0 for p in range(3))
 
 
+def test_a_pipeline_added_to_the_job_is_admitted_with_its_share_and_takes_its_part() -> None:
+    # Pipelines 0 and 1 (4 and 3 of 7 micro-batches) train; pipeline 2, which their
+    # documents do not list, is added with a share of 2 (its stage's document lists all three).
+    creds = peer_credentials([ONE_STAGE] * 3)
+    first_two = {peer: c for peer, c in creds.items() if peer[0] < 2}
+    groups = {
+        p: g
+        for (p, _), g in link_groups(
+            [ONE_STAGE] * 2, creds=first_two, shares=[4, 3], slots=7
+        ).items()
+    }
+    before = on_threads({p: lambda p=p: groups[p].agree_members(3) for p in range(2)})
+    assert before[0] == before[1] == ({0, 1}, set(), (4, 3))
+    assert [before[0].mine(p, 7) for p in range(2)] == [range(0, 4), range(4, 7)]
+    for p in range(2):
+        groups[p].begin(3, {0, 1})
+        groups[p].add_peers({(2, 0): Slice.of(ONE_STAGE, 0)})
+        assert groups[p].gone_peers() == [(2, 0)]  # whom the stage now dials
+        assert groups[p].pipelines == 3
+    fresh = {p: link_pair(creds[(p, 0)], creds[(2, 0)]) for p in range(2)}
+    for p in range(2):
+        groups[p].offer((2, 0), fresh[p][0])
+    links = {(p, 0): fresh[p][1] for p in range(2)}
+    groups[2] = LinkGroup.from_splits(
+        [ONE_STAGE] * 3, 2, 0, links, members={0, 1}, share=2, slots=7, timeout=60
+    )
+    joined: list[tuple[int, Membership]] = []
+    joiner = threading.Thread(target=lambda: joined.append(groups[2].join(60)))
+    joiner.start()
+    port = groups[0]._offered[(2, 0)]
+    with groups[0]._cond:
+        assert groups[0]._cond.wait_for(lambda: port.has("join", None), 30)
+    got = on_threads({p: lambda p=p: groups[p].agree_members(4) for p in range(2)})
+    joiner.join(30)
+    assert got[0] == got[1] == ({0, 1, 2}, {2}, (4, 3, 2))
+    assert joined == [(4, got[0])]
+    # The 7 micro-batches by D'Hondt's rule over 4:3:2 (quotients 4, 3, 2, 2, 1.5, 1.33,
+    # then the tie at 1 to the one with fewest so far), in pipeline order.
+    assert [got[0].mine(p, 7) for p in range(3)] == [range(0, 3), range(3, 5), range(5, 7)]
+    for p in range(3):
+        groups[p].begin(4, {0, 1, 2}, {2})
+    sums = on_threads(
+        {p: lambda p=p: groups[p].reduce(4, p, 0, _contribution(p)) for p in range(3)}
+    )
+    for group in groups.values():
+        group.close()
+    assert all(sums[p][NAME].item() == 6.0 for p in range(3))
+
+
+def test_no_more_pipelines_are_added_than_a_membership_mark_holds() -> None:
+    group = LinkGroup(2, 0, 0, {(1, 0): Slice.of(ONE_STAGE, 0)}, {}, members={0}, slots=3)
+    group.add_peers({(2, 0): Slice.of(ONE_STAGE, 0)})
+    with pytest.raises(ValueError, match="no more than 3 pipelines"):
+        group.add_peers({(3, 0): Slice.of(ONE_STAGE, 0)})
+    with pytest.raises(ValueError, match="not stages of added pipelines"):
+        group.add_peers({(0, 1): Slice.of(ONE_STAGE, 0)})
+
+
 def test_a_pipeline_left_out_of_a_step_no_longer_counts_in_the_next_membership() -> None:
     groups = link_groups([ONE_STAGE] * 3)
     groups[(1, 0)].close()
     got = on_threads({p: lambda p=p: groups[(p, 0)].agree_members(4) for p in (0, 2)})
     for group in groups.values():
         group.close()
-    assert got[0] == got[2] == ({0, 2}, set())
+    assert got[0] == got[2] == ({0, 2}, set(), (1, 0, 1))
 
 
 def test_a_break_between_live_pipelines_makes_the_higher_one_leave() -> None:
@@ -293,6 +351,15 @@ def test_a_gone_pipelines_micro_batches_go_to_the_others() -> None:
     assert live_shares([4, 2, 2], {1, 2}) == [0, 4, 4]
     for shares, members in (([3, 2, 1], {2}), ([1, 1, 1, 5], {0, 3}), ([2, 2], {1})):
         assert sum(live_shares(shares, members)) == sum(shares)
+    # A pipeline added beside the planned ones (3:2 of 5, then one more of weight 2): the
+    # five micro-batches by D'Hondt's rule (quotients 3, 2, 2, 1.5, then the tie at 1 to
+    # the fewest so far, the lower of two), the added one taking its part from pipeline 0.
+    assert live_shares([3, 2, 2], {0, 1, 2}, 5) == [2, 2, 1]
+    # A tie goes to the member with fewest so far: all three train with 3 micro-batches.
+    assert live_shares([2, 1, 1], {0, 1, 2}, 3) == [1, 1, 1]
+    assert live_shares([3, 2, 2], {0, 1}, 5) == [3, 2, 0]
+    with pytest.raises(ValueError, match="are not pipelines"):
+        live_shares([3, 0], {0, 1}, 3)
 
 
 # -- a rejoining stage's state ---------------------------------------------------------
@@ -398,10 +465,10 @@ def test_pipelines_given_up_are_no_members_and_need_no_links() -> None:
 
 def test_the_given_up_document_is_polled_and_a_bad_one_counts_as_none() -> None:
     reads: list[bytes | None] = [None, b'{"pipelines": [0]}', b"not json", b'{"pipelines": [0, 2]}']
-    given_up = GivenUp(lambda: reads.pop(0), every=0.0)
-    assert given_up() == frozenset()
-    assert given_up() == {0}
-    assert given_up() == {0}  # unreadable: the last answer stands
-    assert given_up() == {0, 2}
-    cached = GivenUp(lambda: b'{"pipelines": [1]}', every=3600.0)
+    polled = given_up(lambda: reads.pop(0), every=0.0)
+    assert polled() == frozenset()
+    assert polled() == {0}
+    assert polled() == {0}  # unreadable: the last answer stands
+    assert polled() == {0, 2}
+    cached = given_up(lambda: b'{"pipelines": [1]}', every=3600.0)
     assert cached() == {1} and cached() == {1}

@@ -9,11 +9,13 @@ writes progress). It imports neither torch nor kopf nor kubernetes, nor either p
 from __future__ import annotations
 
 from relaytrain_contract.errors import ConfigError
+from relaytrain_contract.fleet import AddedPipeline, FleetDocument
 from relaytrain_contract.names import (
     ACCESS_KEY_ENV,
     API_VERSION,
     CONFIG_ENV,
     CREDENTIALS_FILE_ENV,
+    FLEET_FILE,
     GIVEN_UP_FILE,
     LINK_CA_FILE,
     LINK_CERT_FILE,
@@ -69,6 +71,7 @@ __all__ = [
     "AWS_S3_HOST",
     "CONFIG_ENV",
     "CREDENTIALS_FILE_ENV",
+    "FLEET_FILE",
     "GIVEN_UP_FILE",
     "LINK_CA_FILE",
     "LINK_CERT_FILE",
@@ -83,12 +86,14 @@ __all__ = [
     "SECRET_KEY_ENV",
     "SESSION_TOKEN_ENV",
     "STAGE_CONFIG_KIND",
+    "AddedPipeline",
     "CheckpointSpec",
     "Compression",
     "ConfigError",
     "DatasetFormat",
     "DatasetSpec",
     "Dtype",
+    "FleetDocument",
     "JobRef",
     "LinksSpec",
     "LrSchedule",

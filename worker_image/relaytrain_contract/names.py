@@ -49,6 +49,10 @@ GIVEN_UP_FILE = "given-up.json"
 """`{"pipelines": [r, ...]}` under `<checkpoint.uri>/<namespace>/<job>/`: the pipelines the
 operator gave up for good (a stage out of restarts), written by the operator when it gives
 one up. A stage that links does not wait for their stages; none of them trains again."""
+FLEET_FILE = "fleet.json"
+"""The pipelines added to a running job (`fleet.FleetDocument`) under
+`<checkpoint.uri>/<namespace>/<job>/`, written by the operator (or `relaytrain run --local`)
+before the added pipeline's stages start: the stages training read it and link to them."""
 
 
 def link_identity(namespace: str, job_name: str, pipeline: int, stage: int) -> str:

@@ -5,10 +5,11 @@ job's link Secret out (file name -> PEM text). Key generation and serial numbers
 injected, so tests mint reproducible keys; nothing here reads the clock or the cluster.
 
 What is minted:
-- A CA (EC P-256, `CA:TRUE, pathlen:0`), used once to sign the stage certificates and then
-  dropped: its private key is never returned, so no stage (and no Secret) can issue a
-  certificate. Each job has its own CA, minted when its Secret is created, so a stage of
-  one job never trusts a stage of another, nor one of an earlier job of the same name.
+- A CA (EC P-256, `CA:TRUE, pathlen:0`), used to sign the stage certificates and then
+  dropped: its private key is never written, so no stage (and no Secret) can issue a
+  certificate (`relaytrain run --local` keeps it in memory to add a pipeline: `LinkCA`).
+  Each job has its own CA, minted when its Secret is created, so a stage of one job never
+  trusts a stage of another, nor one of an earlier job of the same name.
 - Per pipeline i and stage k, a certificate (EC P-256) whose identity is the URI SAN
   `relaytrain://<namespace>/<job>/p<i>/s<k>` (`relaytrain_contract.link_identity`), for both TLS
   roles (a stage listens for its predecessor and connects to its successor), and its key.
@@ -53,12 +54,14 @@ from relaytrain_contract import link_identity
 __all__ = [
     "CA_FILE",
     "CERT_LIFETIME",
+    "LinkCA",
     "LinkState",
     "Phase",
     "StagePem",
     "Step",
     "cert_file",
     "key_file",
+    "mint_link_authority",
     "mint_link_credentials",
     "new_key",
     "renewal_due",
@@ -124,6 +127,26 @@ def mint_link_credentials(
     `now` must be timezone-aware. The CA's private key is not returned. `generation` names
     the CA (renewals count up from 0).
     """
+    files, _ = mint_link_authority(
+        namespace, job, stages, now=now, lifetime=lifetime, make_key=make_key,
+        make_serial=make_serial, generation=generation,
+    )  # fmt: skip
+    return files
+
+
+def mint_link_authority(
+    namespace: str,
+    job: str,
+    stages: Sequence[int],
+    *,
+    now: datetime,
+    lifetime: timedelta = CERT_LIFETIME,
+    make_key: KeyFactory = new_key,
+    make_serial: Callable[[], int] = x509.random_serial_number,
+    generation: int = 0,
+) -> tuple[dict[str, str], LinkCA]:
+    """`mint_link_credentials`'s files, and the CA itself (`LinkCA`: its private key, in
+    memory) for a caller that issues certificates for stages added later."""
     if not stages or any(n < 1 for n in stages):
         raise ValueError(f"every pipeline needs at least one stage, got {list(stages)}")
     if now.tzinfo is None:
@@ -133,7 +156,7 @@ def mint_link_credentials(
     ca_cn = f"relaytrain link CA g{generation}"
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, ca_cn)])
     ca_ski = x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key())
-    ca = (
+    cert = (
         x509.CertificateBuilder()
         .subject_name(ca_name)
         .issuer_name(ca_name)
@@ -146,47 +169,79 @@ def mint_link_credentials(
         .add_extension(ca_ski, critical=False)
         .sign(ca_key, hashes.SHA256())
     )
-    files = {CA_FILE: _pem(ca)}
-    aki = x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ca_ski)
+    ca = LinkCA(ca_key, cert, (namespace, job), make_key=make_key, make_serial=make_serial)
+    files = {CA_FILE: _pem(cert)}
     for pipeline, count in enumerate(stages):
         for stage in range(count):
-            key = make_key()
-            identity = link_identity(namespace, job, pipeline, stage)
-            cert = (
-                x509.CertificateBuilder()
-                .subject_name(
-                    x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"p{pipeline}-s{stage}")])
-                )
-                .issuer_name(ca_name)
-                .public_key(key.public_key())
-                .serial_number(make_serial())
-                .not_valid_before(start)
-                .not_valid_after(end)
-                .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-                .add_extension(_key_usage(cert_sign=False), critical=True)
-                .add_extension(
-                    x509.ExtendedKeyUsage(
-                        [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
-                    ),
-                    critical=False,
-                )
-                .add_extension(
-                    x509.SubjectAlternativeName([x509.UniformResourceIdentifier(identity)]),
-                    critical=False,
-                )
-                .add_extension(
-                    x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False
-                )
-                .add_extension(aki, critical=False)
-                .sign(ca_key, hashes.SHA256())
+            files.update(ca.issue(pipeline, stage))
+    return files, ca
+
+
+class LinkCA:
+    """A job's link CA with its private key, which issues stage certificates
+    (`mint_link_authority`). Held only in the memory of whoever adds stages to a running job
+    (`relaytrain run --local`'s supervisor): never written, never handed to a stage."""
+
+    def __init__(
+        self,
+        key: ec.EllipticCurvePrivateKey,
+        cert: x509.Certificate,
+        job: tuple[str, str],
+        *,
+        make_key: KeyFactory,
+        make_serial: Callable[[], int],
+    ) -> None:
+        self._key = key
+        self.cert = cert
+        self._job = job
+        """(namespace, name) of the job."""
+        self._make_key = make_key
+        self._make_serial = make_serial
+
+    def issue(self, pipeline: int, stage: int) -> dict[str, str]:
+        """A certificate and key for stage `stage` of `pipeline`, valid as long as the CA:
+        `{cert_file(...): PEM, key_file(...): PEM}`."""
+        key = self._make_key()
+        identity = link_identity(*self._job, pipeline, stage)
+        aki = x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(
+            x509.SubjectKeyIdentifier.from_public_key(self._key.public_key())
+        )
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(
+                x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"p{pipeline}-s{stage}")])
             )
-            files[cert_file(pipeline, stage)] = _pem(cert)
-            files[key_file(pipeline, stage)] = key.private_bytes(
+            .issuer_name(self.cert.subject)
+            .public_key(key.public_key())
+            .serial_number(self._make_serial())
+            .not_valid_before(self.cert.not_valid_before_utc)
+            .not_valid_after(self.cert.not_valid_after_utc)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(_key_usage(cert_sign=False), critical=True)
+            .add_extension(
+                x509.ExtendedKeyUsage(
+                    [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+                ),
+                critical=False,
+            )
+            .add_extension(
+                x509.SubjectAlternativeName([x509.UniformResourceIdentifier(identity)]),
+                critical=False,
+            )
+            .add_extension(
+                x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False
+            )
+            .add_extension(aki, critical=False)
+            .sign(self._key, hashes.SHA256())
+        )
+        return {
+            cert_file(pipeline, stage): _pem(cert),
+            key_file(pipeline, stage): key.private_bytes(
                 serialization.Encoding.PEM,
                 serialization.PrivateFormat.PKCS8,
                 serialization.NoEncryption(),
-            ).decode()
-    return files
+            ).decode(),
+        }
 
 
 def _key_usage(*, cert_sign: bool) -> x509.KeyUsage:

@@ -15,7 +15,7 @@ the stage fills those. It does name each stage's link identity and its neighbour
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -29,8 +29,10 @@ from relaytrain_contract import (
     REPLICA_PORT,
     SECRET_KEY_ENV,
     STAGE_CONFIG_KIND,
+    AddedPipeline,
     CheckpointSpec,
     DatasetSpec,
+    FleetDocument,
     JobRef,
     LinksSpec,
     MethodSpec,
@@ -315,6 +317,39 @@ def build_pipeline_configs(
             documents.append(cfg.to_dict())
         out.append(documents)
     return out
+
+
+def fleet_document(
+    job: FineTuneJob,
+    plans: Sequence[Any],
+    endpoints: Sequence[Sequence[StageEndpoints]],
+    added: Iterable[int],
+) -> dict[str, Any]:
+    """names.FLEET_FILE for the pipelines `added` to a running job (arguments as
+    `build_pipeline_configs`'s, for every pipeline of the plan): each added pipeline's
+    stages, with their layers, replica addresses and identities. The stages started
+    before read it and link to the added stages that share their layers, which are exactly
+    the peers `build_pipeline_configs` would have listed there."""
+    splits = [layer_ranges(plan) for plan in plans]
+    ns, name = job.metadata.namespace, job.metadata.name
+    return FleetDocument(
+        added=tuple(
+            AddedPipeline(
+                stages=tuple(
+                    ReplicaPeer(
+                        pipeline=q,
+                        stage=j,
+                        layer_start=s,
+                        layer_end=e,
+                        address=endpoints[q][j].replica_address,
+                        identity=link_identity(ns, name, q, j),
+                    )
+                    for j, (s, e) in enumerate(splits[q])
+                ),
+            )
+            for q in sorted(set(added))
+        )
+    ).to_dict()
 
 
 def stage_config(

@@ -82,12 +82,17 @@ from relaytrain_worker.pipeline.stats import (
 MEMBER_KEY = "relaytrain.members"
 """Stage 0's membership mark (1 at its pipeline's index; 2 when rejoining), folded by the
 first stages at the start of every step (`LinkGroup.agree_members`)."""
+SHARES_KEY = "relaytrain.shares"
+"""Stage 0's share (its micro-batches per step as planned) at its pipeline's index, folded
+with the membership mark: the weights a step's micro-batches are shared by (`live_shares`),
+the same for every stage, added pipelines' included."""
 COUNT_KEY = "relaytrain.label_tokens"
 """Stage 0's label-token count, folded when the count is exchanged (`total_tokens`)."""
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-_FIRST_NAMES = {TIED_NAME, MEMBER_KEY, COUNT_KEY}
-"""Non-layer names held by stage 0 (the embedding, the membership mark, the count)."""
+_FIRST_NAMES = {TIED_NAME, MEMBER_KEY, SHARES_KEY, COUNT_KEY}
+"""Non-layer names held by stage 0 (the embedding, the membership mark and shares, the
+count)."""
 _LAST_NAMES = {TIED_HEAD_NAME, "model.norm.weight", LOSS_KEY, TOKENS_KEY, ITEMS_KEY}
 """Non-layer names held by the last stage (final norm, head, the loss, the token counts)."""
 
@@ -112,19 +117,25 @@ def micro_ranges(counts: Sequence[int]) -> list[range]:
     return out
 
 
-def live_shares(shares: Sequence[int], members: Iterable[int]) -> list[int]:
-    """Every pipeline's micro-batches of a step trained by `members` only: the others'
-    shares go to the members, one micro-batch at a time to the member that would then have
-    the least per unit of its own share (its speed, as the planner sized it), the lowest
-    pipeline on a tie. A function of the shares and the member set alone, so every stage
-    computes the same; the step keeps all `sum(shares)` micro-batches. All pipelines
-    members: `shares` unchanged."""
+def live_shares(
+    shares: Sequence[int], members: Iterable[int], total: int | None = None
+) -> list[int]:
+    """The `total` micro-batches of a step (`sum(shares)` unless given) shared among
+    `members` in proportion to their `shares` (each pipeline's speed, as the planner sized
+    it): one micro-batch at a time to the member that would then have the least per unit of
+    its own share (D'Hondt's rule); on a tie to the one with fewest so far, then the lowest
+    pipeline. A function of the shares,
+    the member set and the total alone, so every stage computes the same. Every pipeline a
+    member and `total` their sum: `shares` unchanged (each gets its share before anyone gets
+    more than one per unit of its own); the others' shares go to the members; a pipeline
+    added beside the planned ones (the shares then add up to more than `total`) takes its
+    part from everyone's."""
     live = sorted(set(members))
-    if not live or any(not 0 <= q < len(shares) for q in live):
-        raise ValueError(f"members {live} are not pipelines of {len(shares)} shares")
-    out = [shares[q] if q in live else 0 for q in range(len(shares))]
-    for _ in range(sum(shares) - sum(out)):
-        q = min(live, key=lambda q: ((out[q] + 1) / max(shares[q], 1), q))
+    if not live or any(not 0 <= q < len(shares) or shares[q] < 1 for q in live):
+        raise ValueError(f"members {live} are not pipelines of shares {list(shares)}")
+    out = [0] * len(shares)
+    for _ in range(sum(shares) if total is None else total):
+        q = min(live, key=lambda q: ((out[q] + 1) / shares[q], out[q], q))
         out[q] += 1
     return out
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -19,8 +19,11 @@ from relaytrain_worker.pipeline.transport import Frame
 from relaytrain_worker.replicas.arithmetic import (
     COUNT_KEY,
     MEMBER_KEY,
+    SHARES_KEY,
     WAIT_SECONDS,
     Slice,
+    live_shares,
+    micro_ranges,
     segment_peers,
 )
 from relaytrain_worker.replicas.star import StarExchange, keyed
@@ -51,6 +54,8 @@ class LinkGroup(StarExchange):
         links: Mapping[tuple[int, int], LinkLike],
         *,
         members: Iterable[int] | None = None,
+        share: int = 1,
+        slots: int | None = None,
         timeout: float = WAIT_SECONDS,
     ) -> None:
         self.members: set[int] = set(range(pipelines)) if members is None else {*members, pipeline}
@@ -68,6 +73,14 @@ class LinkGroup(StarExchange):
             )
         super().__init__(pipeline, stage, peers, timeout)
         self._pipelines = pipelines
+        self._share = share
+        """This pipeline's planned micro-batches per step: its weight in `live_shares`."""
+        self._slots = pipelines if slots is None else slots
+        """Length of a membership mark, the same for every stage of the job (the job's
+        micro-batches per step: no job has more pipelines), so that stages that know of
+        different pipelines (one was added) fold the same shape."""
+        if self._slots < pipelines:
+            raise ValueError(f"{pipelines} pipelines do not fit membership marks of {slots}")
         self._items: tuple[int, int] | None = None
         """(step, global label tokens) when the stage already knows the step's count."""
         self._broke: dict[int, int] = {}
@@ -99,6 +112,20 @@ class LinkGroup(StarExchange):
     @property
     def pipelines(self) -> int:
         return self._pipelines
+
+    def add_peers(self, peers: Mapping[tuple[int, int], Slice]) -> None:
+        """Stages of pipelines added to the job (above every pipeline this stage knew): no
+        member until a step admits them (`begin`), linked by `links.ReplicaLinks.relink`
+        meanwhile (they count as gone peers until then)."""
+        with self._cond:
+            new = {peer: where for peer, where in peers.items() if peer not in self._peers}
+            if any(q < self._pipelines for q, _ in new):
+                raise ValueError(f"{sorted(new)} are not stages of added pipelines")
+            if any(q >= self._slots for q, _ in new):
+                raise ValueError(f"{sorted(new)}: no more than {self._slots} pipelines")
+            self._peers.update(new)
+            self._pipelines = max([self._pipelines, *(q + 1 for q, _ in new)])
+            self._cond.notify_all()
 
     # -- membership ------------------------------------------------------------------
 
@@ -181,31 +208,27 @@ class LinkGroup(StarExchange):
                 for key in [k for k in table if k[1] < step - 2]:
                     del table[key]
 
-    def agree_members(self, step: int, attempt: int = 0) -> tuple[set[int], set[int]]:
-        """Stage 0: the pipelines that train step `step` (its attempt `attempt`) and those
-        of them that rejoin at it, agreed among the first stages of every member (a star
-        reduce of who is there, led as any other; the leader admits the pipelines whose join
-        request it holds — at a step's first attempt only)."""
+    def agree_members(self, step: int, attempt: int = 0) -> Membership:
+        """Stage 0: the pipelines that train step `step` (its attempt `attempt`), those of
+        them that rejoin at it, and every member's share, agreed among the first stages of
+        every member (a star reduce of who is there, led as any other; the leader admits the
+        pipelines whose join request it holds — at a step's first attempt only)."""
         self._check_first()
-        mark = torch.zeros(self._pipelines, dtype=torch.float64)
-        mark[self._pipeline] = 1.0
         what = keyed("member", attempt)
-        got = self._star(what, step, {MEMBER_KEY: mark}, sorted(self.members))
-        return _members(got[MEMBER_KEY])
+        got = self._star(what, step, self._own_mark(1.0), sorted(self.members))
+        return _members(got)
 
-    def join(self, timeout: float) -> tuple[int, set[int], set[int]]:
+    def join(self, timeout: float) -> tuple[int, Membership]:
         """Stage 0 of a pipeline rejoining: ask the lowest member's first stage to admit this
         pipeline; returns (step, members, joined) of the step it is admitted at. LinkBroken
         when that stage leaves meanwhile (the pipeline then tries again from scratch)."""
         self._check_first()
-        mark = torch.zeros(self._pipelines, dtype=torch.float64)
-        mark[self._pipeline] = 2.0
         with self._cond:
             firsts = [p for p in sorted(self._ports) if p[1] == 0 and self.live(p[0])]
             if not firsts:
                 raise LinkBroken("no live pipeline to rejoin")
             leader = self._ports[firsts[0]]
-        leader.send(Frame("join", -1, -1, {MEMBER_KEY: mark}))
+        leader.send(Frame("join", -1, -1, self._own_mark(2.0)))
         with self._cond:
             ok = self._cond.wait_for(
                 lambda: leader.gone or leader.has("result:member", None), timeout
@@ -215,8 +238,16 @@ class LinkGroup(StarExchange):
             if not ok:
                 raise TimeoutError(f"{leader.name} did not admit this pipeline in time")
             raise LinkBroken(f"{leader.name} left before admitting this pipeline")
-        members, joined = _members(frame.tensors[MEMBER_KEY])
-        return frame.step, members, joined
+        return frame.step, _members(frame.tensors)
+
+    def _own_mark(self, value: float) -> dict[str, torch.Tensor]:
+        """This stage 0's membership mark (`value` at its pipeline: 1 a member, 2 rejoining)
+        and its share at the same index."""
+        mark = torch.zeros(self._slots, dtype=torch.float64)
+        mark[self._pipeline] = value
+        shares = torch.zeros(self._slots, dtype=torch.float64)
+        shares[self._pipeline] = float(self._share)
+        return {MEMBER_KEY: mark, SHARES_KEY: shares}
 
     # -- the calls of a ReplicaGroup -------------------------------------------------
 
@@ -307,7 +338,34 @@ class LinkGroup(StarExchange):
             )
 
 
-def _members(mark: torch.Tensor) -> tuple[set[int], set[int]]:
-    """(members, joined) from a folded membership mark: 1 a member, 2 one rejoining."""
-    values = [int(v) for v in mark.tolist()]
-    return {q for q, v in enumerate(values) if v > 0}, {q for q, v in enumerate(values) if v == 2}
+class Membership(NamedTuple):
+    """Who trains a step: the member pipelines, those of them (re)joining with it, and each
+    pipeline's share (0 for a pipeline no member: `arithmetic.live_shares`'s weights)."""
+
+    members: set[int]
+    joined: set[int]
+    shares: tuple[int, ...]
+
+    def mine(self, pipeline: int, total: int) -> range:
+        """The step's micro-batches `pipeline` trains of `total`."""
+        return micro_ranges(live_shares(self.shares, self.members, total))[pipeline]
+
+    def to_meta(self) -> dict[str, list[int]]:
+        return {"members": sorted(self.members), "joined": sorted(self.joined),
+                "shares": list(self.shares)}  # fmt: skip
+
+    @classmethod
+    def of_meta(cls, meta: Mapping[str, Any]) -> Membership:
+        return cls(set(meta["members"]), set(meta["joined"]), tuple(meta["shares"]))
+
+
+def _members(folded: Mapping[str, torch.Tensor]) -> Membership:
+    """The membership of a folded mark: 1 a member, 2 one rejoining; and the shares."""
+    values = [int(v) for v in folded[MEMBER_KEY].tolist()]
+    shares = tuple(int(v) for v in folded[SHARES_KEY].tolist())
+    end = max(q for q, v in enumerate(values) if v > 0) + 1
+    return Membership(
+        {q for q, v in enumerate(values) if v > 0},
+        {q for q, v in enumerate(values) if v == 2},
+        shares[:end],
+    )

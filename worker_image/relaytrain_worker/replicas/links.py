@@ -16,7 +16,7 @@ over them:
   accepting never waits on anything, so no cycle of stages dialling each other can stall;
   a dial that reaches a stage not accepting yet is retried, as on the pipeline links.
 - **Given up.** The operator names the pipelines it gave up for good in the job's store
-  (names.GIVEN_UP_FILE, read by `GivenUp`): `connect` neither waits for nor dials their
+  (names.GIVEN_UP_FILE, read by `given_up`): `connect` neither waits for nor dials their
   stages, and they are no member of the group.
 - **Resume step.** The lowest pipeline not given up (pipeline 0 unless it was) agrees on
   the step to resume from along its chain (the stage's handshake, which also checks the
@@ -45,9 +45,10 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 from relaytrain_contract import ReplicaPeer, ReplicasSpec, StageConfig
+from relaytrain_contract.fleet import FleetDocument
 
 from relaytrain_worker.pipeline.credentials import LinkCredentials
 from relaytrain_worker.pipeline.linkauth import AuthError, CertificateRefused, LinkBroken
@@ -79,7 +80,10 @@ def peer_slices(cfg: StageConfig) -> dict[Peer, Slice]:
     last-stage names (final norm, head, loss) to send, and a last stage's final layer is the
     model's: so a peer counts as last when this stage is last and they end on the same layer.
     """
-    replicas = _spec(cfg)
+    return _slices(cfg, _spec(cfg).peers)
+
+
+def _slices(cfg: StageConfig, peers: Iterable[ReplicaPeer]) -> dict[Peer, Slice]:
     mine = cfg.stage
     return {
         (p.pipeline, p.stage): Slice(
@@ -88,8 +92,22 @@ def peer_slices(cfg: StageConfig) -> dict[Peer, Slice]:
             first=p.stage == 0,
             last=mine.is_last and p.layer_end == mine.layer_end,
         )
-        for p in replicas.peers
+        for p in peers
     }
+
+
+def added_peers(cfg: StageConfig, fleet: FleetDocument, known: int) -> list[ReplicaPeer]:
+    """The stages of the pipelines `fleet` adds beyond the `known` ones that share a layer
+    with this stage (the embedding and the head go with the first and last layer): its
+    peers there, as the operator picks a document's."""
+    mine = cfg.stage
+    return [
+        peer
+        for added in fleet.added
+        if added.pipeline >= known
+        for peer in added.stages
+        if max(mine.layer_start, peer.layer_start) < min(mine.layer_end, peer.layer_end)
+    ]
 
 
 def _spec(cfg: StageConfig) -> ReplicasSpec:
@@ -98,37 +116,75 @@ def _spec(cfg: StageConfig) -> ReplicasSpec:
     return cfg.replicas
 
 
-class GivenUp:
-    """The pipelines the operator gave up (names.GIVEN_UP_FILE: `{"pipelines": [...]}`),
-    read through `read` (the document's bytes, None while there is none) at most every
-    `every` seconds: a stage waiting for its peers polls it. An unreadable document counts
-    as none given up (the stage waits, as it would without one)."""
+class Polled(Generic[T]):
+    """A document of the job's store read through `read` (its bytes, None while there is
+    none) at most every `every` seconds and parsed by `parse`; `empty` while there is none.
+    A bad read or document keeps the last value (a stage must not end on it)."""
 
-    def __init__(self, read: Callable[[], bytes | None], every: float = 2.0) -> None:
+    def __init__(
+        self,
+        read: Callable[[], bytes | None],
+        parse: Callable[[bytes], T],
+        empty: T,
+        what: str,
+        every: float = 2.0,
+    ) -> None:
         self._read = read
+        self._parse = parse
+        self._what = what
         self._every = every
         self._at = -float("inf")
-        self._value: frozenset[int] = frozenset()
+        self._value = empty
+        self._empty = empty
 
-    def __call__(self) -> frozenset[int]:
+    def __call__(self) -> T:
         now = time.monotonic()
         if now - self._at >= self._every:
             self._at = now
             try:
                 raw = self._read()
-                doc = json.loads(raw) if raw is not None else {"pipelines": []}
-                self._value = frozenset(int(q) for q in doc["pipelines"])
+                self._value = self._empty if raw is None else self._parse(raw)
             except Exception as exc:  # a bad read must not end the stage
-                log.warning("Could not read the given-up pipelines: %s", exc)
+                log.warning("Could not read %s: %s", self._what, exc)
         return self._value
+
+
+def given_up(read: Callable[[], bytes | None], every: float = 2.0) -> Polled[frozenset[int]]:
+    """The pipelines the operator gave up (names.GIVEN_UP_FILE: `{"pipelines": [...]}`): a
+    stage waiting for its peers polls it. An unreadable document counts as none given up
+    (the stage waits, as it would without one)."""
+    return Polled(
+        read,
+        lambda raw: frozenset(int(q) for q in json.loads(raw)["pipelines"]),
+        frozenset(),
+        "the given-up pipelines",
+        every,
+    )
+
+
+def fleet(read: Callable[[], bytes | None], every: float = 2.0) -> Polled[FleetDocument | None]:
+    """The pipelines added to the job (names.FLEET_FILE), polled while a stage trains."""
+    return Polled(read, FleetDocument.from_json, None, "the added pipelines", every)
 
 
 class ReplicaLinks:
     """The replica links of one stage process, opened afresh after every broken link."""
 
-    def __init__(self, cfg: StageConfig, tls: LinkCredentials) -> None:
+    def __init__(
+        self,
+        cfg: StageConfig,
+        tls: LinkCredentials,
+        fleet: Callable[[], FleetDocument | None] = lambda: None,
+    ) -> None:
+        self.cfg = cfg
         self.spec = _spec(cfg)
         self.pipeline = self.spec.pipeline
+        self.count = len(self.spec.shares)
+        """The pipelines this stage knows of: its document's, and those added since."""
+        self.fleet = fleet
+        """The pipelines added to the job (names.FLEET_FILE), read at most every few seconds."""
+        self.all_peers = list(self.spec.peers)
+        """Its document's peers, and the stages of added pipelines that share its layers."""
         self.stage = cfg.stage.index
         self.tls = tls
         self.grace = cfg.links.renewal_grace_seconds
@@ -139,6 +195,25 @@ class ReplicaLinks:
         self._higher = [p for p in self.spec.peers if p.pipeline > self.pipeline]
         self.out: frozenset[int] = frozenset()
         """The pipelines given up when `connect` last linked: no member, no leader."""
+
+    def follow(self) -> dict[Peer, Slice]:
+        """Take in the pipelines added to the job since this stage last looked (its
+        peers there join `all_peers`, and the higher ones it dials); returns what each new
+        peer holds."""
+        fleet = self.fleet()
+        if fleet is None:
+            return {}
+        new = added_peers(self.cfg, fleet, self.count)
+        if not new:
+            return {}
+        self.count = max(self.count, *(p.pipeline + 1 for p in new))
+        self.all_peers.extend(new)
+        self._higher.extend(new)
+        added = _slices(self.cfg, new)
+        self.peers.update(added)
+        log.info("Stage p%d/s%d links to the added pipeline(s) %s", self.pipeline, self.stage,
+                 sorted({p.pipeline for p in new}))  # fmt: skip
+        return added
 
     def open(self) -> None:
         """Bind the replica listener (once; none on pipeline 0)."""
@@ -269,7 +344,7 @@ class ReplicaLinks:
     @property
     def leader(self) -> int:
         """The pipeline that agrees on the resume step: the lowest not given up."""
-        return min(set(range(len(self.spec.shares))) - self.out)
+        return min(set(range(self.count)) - self.out)
 
     def send_resume(self, links: dict[Peer, Link], resume: int | None) -> None:
         """The leader's stages: tell every peer the step the job resumes from."""
@@ -296,10 +371,11 @@ class ReplicaLinks:
         """The step's exchange over `links` (which it then owns), among `members` (every
         pipeline not given up when None)."""
         if members is None:
-            members = set(range(len(self.spec.shares))) - self.out
+            members = set(range(self.count)) - self.out
         return LinkGroup(
-            len(self.spec.shares), self.pipeline, self.stage, self.peers, links, members=members
-        )
+            self.count, self.pipeline, self.stage, self.peers, links, members=members,
+            share=self.spec.shares[self.pipeline], slots=self.cfg.training.micro_batches,
+        )  # fmt: skip
 
     def relink(self, group: LinkGroup, step: Callable[[], int], stop: threading.Event) -> None:
         """Start the background threads of a training stage that link it again to the peers
@@ -317,9 +393,12 @@ class ReplicaLinks:
             ).start()  # fmt: skip
 
     def _dial_loop(self, group: LinkGroup, step: Callable[[], int], stop: threading.Event) -> None:
-        by_key = {(p.pipeline, p.stage): p for p in self._higher}
         greeting: set[Peer] = set()
         while not stop.wait(0.5):
+            added = self.follow()
+            if added:
+                group.add_peers(added)
+            by_key = {(p.pipeline, p.stage): p for p in self._higher}
             for key in group.gone_peers():
                 peer = by_key.get(key)
                 if peer is None or key in greeting or stop.is_set():
@@ -384,7 +463,7 @@ class ReplicaLinks:
             self.listener.close()
 
 
-def peer_stages(peers: tuple[ReplicaPeer, ...], pipeline: int) -> list[int]:
+def peer_stages(peers: Iterable[ReplicaPeer], pipeline: int) -> list[int]:
     """The stages of `pipeline` among `peers`: whose checkpoint files hold this stage's
     weights when that pipeline wrote the commit (its stages that share this stage's layers
     are exactly its peers there)."""

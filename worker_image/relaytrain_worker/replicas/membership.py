@@ -4,7 +4,8 @@
 
 - **Links.** Besides its pipeline links the stage holds a link to each stage of the other
   pipelines that shares its layers (`links.ReplicaLinks`), made with its pipeline links;
-  the pipelines the operator gave up are skipped (`links.GivenUp`).
+  the pipelines the operator gave up are skipped (`links.given_up`); those it added to the
+  running job are linked to as they come (`links.fleet`, `ReplicaLinks.follow`).
 - **Resume or rejoin.** By the hello on its replica links a (re)starting stage finds
   whether any pipeline is training. If one is, it rejoins at a step boundary with a live
   peer's state, by parameter name (`_rejoin`, `_hand_state`); if none is, pipeline 0 (the
@@ -39,7 +40,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 
 import torch
-from relaytrain_contract import GIVEN_UP_FILE, StageConfig
+from relaytrain_contract import FLEET_FILE, GIVEN_UP_FILE, StageConfig
 
 from relaytrain_worker.pipeline.credentials import LinkCredentials
 from relaytrain_worker.pipeline.evaluation import due
@@ -55,14 +56,14 @@ from relaytrain_worker.pipeline.schedule import (
 )
 from relaytrain_worker.pipeline.stage import CONNECT_FOR, StageRuntime
 from relaytrain_worker.pipeline.transport import Frame, Link
-from relaytrain_worker.replicas.arithmetic import live_shares, micro_ranges
-from relaytrain_worker.replicas.group import LinkGroup
+from relaytrain_worker.replicas.group import LinkGroup, Membership
 from relaytrain_worker.replicas.handover import STATE, load_state_frames, state_frame
 from relaytrain_worker.replicas.links import (
-    GivenUp,
     Peer,
     ReplicaLinks,
     exchange_hellos,
+    fleet,
+    given_up,
     peer_stages,
 )
 from relaytrain_worker.replicas.periodic import ANCHOR_PREFIX, PeriodicSync
@@ -110,17 +111,17 @@ class Replicated:
         (and, as the last stage, commits them and writes progress.json, the loss history and
         the output). The lowest pipeline training the step (`_plan`): pipeline 0 unless it
         is out."""
-        self.replicas = ReplicaLinks(cfg, tls)
-        """The links to the other pipelines."""
         self.store = store
         self.prefix = job_prefix(cfg)
-        self.given_up = GivenUp(self._given_up_document)
+        self.replicas = ReplicaLinks(cfg, tls, fleet(lambda: self._document(FLEET_FILE)))
+        """The links to the other pipelines."""
+        self.given_up = given_up(lambda: self._document(GIVEN_UP_FILE))
         """The pipelines the operator gave up (names.GIVEN_UP_FILE): linking skips them."""
         self.joining = threading.Event()
         """Set while this stage links and (re)joins rather than trains (`_exit_when_done`)."""
-        self.admitted: tuple[int, set[int], set[int]] | None = None
-        """(step, members, joined) of the step a rejoining pipeline was admitted at (stage 0
-        plans that step from it instead of agreeing again)."""
+        self.admitted: tuple[int, Membership] | None = None
+        """The step a rejoining pipeline was admitted at and its membership (stage 0 plans
+        that step from it instead of agreeing again)."""
         self.group: LinkGroup | None = None
         """The step's exchange with the other pipelines (once linked)."""
         self._links: dict[Peer, Link] = {}
@@ -128,6 +129,9 @@ class Replicated:
         self._stop = threading.Event()
         """Stops the background relinking of this attempt's group."""
         self._outer: PeriodicSync | None = None
+        self._trains: int | None = None
+        """The micro-batches of a step this pipeline trained last (stage 0 says when that
+        changes: a pipeline left, came back or was added)."""
         self.leaving = threading.Event()
         """Set by SIGTERM while training: leave at the next step boundary (`depart`)."""
         self._leave_by = float("inf")
@@ -144,9 +148,9 @@ class Replicated:
         # pipeline, and a side that waited on the other (TCP keepalive) wakes far behind.
         return True
 
-    def _given_up_document(self) -> bytes | None:
+    def _document(self, name: str) -> bytes | None:
         try:
-            return self.store.get(f"{self.prefix}/{GIVEN_UP_FILE}")
+            return self.store.get(f"{self.prefix}/{name}")
         except ObjectNotFound:
             return None
 
@@ -161,7 +165,7 @@ class Replicated:
         ).start()
 
     def holders(self, source: int) -> list[int]:
-        return peer_stages(self.spec.peers, source) if source != self.pipeline else []
+        return peer_stages(self.replicas.all_peers, source) if source != self.pipeline else []
 
     def close(self) -> None:
         self.replicas.close()
@@ -175,6 +179,7 @@ class Replicated:
             raise KeyboardInterrupt
         self.joining.set()
         self.group, self._links, self._stop = None, {}, threading.Event()
+        self.replicas.follow()  # pipelines added since the stage's document was written
         peers, self._links = self.replicas.connect(CONNECT_FOR, connect, Peers.close, self.given_up)
         return peers
 
@@ -225,8 +230,8 @@ class Replicated:
             peers.prev.send(Frame("ready", -1, -1))
             step = int(peers.prev.recv("rejoin", -1).meta["step"])
         else:
-            step, members, joined = group.join(CONNECT_FOR)
-            self.admitted = (step, members, joined)
+            step, membership = group.join(CONNECT_FOR)
+            self.admitted = (step, membership)
         if peers.next is not None:
             peers.next.send(Frame("rejoin", -1, -1, {}, {"step": step}))
         stage.step = step
@@ -278,8 +283,13 @@ class Replicated:
         assert self.group is not None
         attempt = 0
         while True:
-            members = self._plan(stage, peers, self.group, attempt)
-            mine = micro_ranges(live_shares(self.spec.shares, members))[self.pipeline]
+            plan = self._plan(stage, peers, self.group, attempt)
+            mine = plan.mine(self.pipeline, self.cfg.training.micro_batches)
+            if peers.prev is None and len(mine) != self._trains:
+                self._trains = len(mine)
+                log.info("Stage %s trains %d of the step's %d micro-batches from step %d",
+                         self.name, len(mine), self.cfg.training.micro_batches,
+                         stage.step + 1)  # fmt: skip
             micros = stage.micros(mine)
             if micros is not None and not self.periodic:  # the whole step's normaliser
                 self.group.set_items(stage.step, count_items(micros[0]))
@@ -304,9 +314,12 @@ class Replicated:
             if isinstance(link, Link)
         }
 
-    def _plan(self, stage: StageRuntime, peers: Peers, group: LinkGroup, attempt: int) -> set[int]:
-        """The pipelines that train this step (its attempt `attempt`): stage 0 agrees on
-        them with the other pipelines' first stages and sends them down the chain. When
+    def _plan(
+        self, stage: StageRuntime, peers: Peers, group: LinkGroup, attempt: int
+    ) -> Membership:
+        """The pipelines that train this step (its attempt `attempt`) and their shares:
+        stage 0 agrees on them with the other pipelines' first stages and sends them down
+        the chain. When
         pipelines rejoin with this step, the stages of the lowest pipeline that stayed send
         each of their peers there the state of the names it holds, and the rejoining stages
         take it (at a step's first attempt only: a redo admits nobody)."""
@@ -315,29 +328,28 @@ class Replicated:
             self._leave(stage, peers)
         if peers.prev is None:
             if self.admitted is not None and self.admitted[0] == step and attempt == 0:
-                _, members, joined = self.admitted
+                plan = self.admitted[1]
             else:
-                members, joined = group.agree_members(step, attempt)
+                plan = group.agree_members(step, attempt)
             self.admitted = None
-            if self.pipeline not in members:
+            if self.pipeline not in plan.members:
                 raise LinkBroken(f"pipeline {self.pipeline} was left out of step {step}")
         else:
             meta = peers.prev.recv("plan", step).meta
             if meta.get("leave"):
                 self._leave(stage, peers)
             self._leave_alone()
-            members, joined = set(meta["members"]), set(meta["joined"])
+            plan = Membership.of_meta(meta)
             if meta.get("attempt", 0) != attempt:
                 raise LinkBroken(f"stage 0 planned attempt {meta.get('attempt', 0)} of step "
                                  f"{step}, not this stage's {attempt}")  # fmt: skip
         if peers.next is not None:
-            plan = {"members": sorted(members), "joined": sorted(joined), "attempt": attempt}
-            peers.next.send(Frame("plan", step, -1, {}, plan))
-        group.begin(step, members, joined, attempt)
-        if joined:
-            self._hand_state(stage, group, members, joined)
-        self._write_for(stage, members)
-        return members
+            peers.next.send(Frame("plan", step, -1, {}, {**plan.to_meta(), "attempt": attempt}))
+        group.begin(step, plan.members, plan.joined, attempt)
+        if plan.joined:
+            self._hand_state(stage, group, plan.members, plan.joined)
+        self._write_for(stage, plan.members)
+        return plan
 
     def depart(self) -> bool:
         """SIGTERM while training: the pipeline leaves at the next step boundary, where its

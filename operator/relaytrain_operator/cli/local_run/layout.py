@@ -74,8 +74,7 @@ def local_layout(
         )
     splits = [even_split(layers, min(n, layers)) for n in stages]
     if shares is None:
-        beats = [(len(split), float(max(e - s for s, e in split))) for split in splits]
-        shares = split_micro_batches(beats, micro)
+        shares = split_micro_batches(_beats(splits), micro)
         if min(shares) < 1:
             raise _refused(
                 "--stages",
@@ -89,6 +88,30 @@ def local_layout(
             f"spec.training.microBatches ({micro}); got {shares}",
         )
     return Layout(splits, list(shares))
+
+
+def grown_layout(layout: Layout, micro: int) -> Layout:
+    """`layout` with one more pipeline, split as its last one, and every pipeline's share
+    planned again, at least one each (the added pipeline's stages are told theirs; those
+    already training keep the ones they were started with: `live_shares` weighs them all).
+    ValueError saying why when the step has no micro-batch for it."""
+    count = len(layout.splits) + 1
+    if count > micro:
+        raise ValueError(
+            f"{count} pipelines need at least {count} micro-batches per step; "
+            f"spec.training.microBatches is {micro}"
+        )
+    splits = [*layout.splits, list(layout.splits[-1])]
+    shares = split_micro_batches(_beats(splits), micro)
+    while min(shares) < 1:  # a pipeline is added to train: one from the largest share
+        shares[shares.index(max(shares))] -= 1
+        shares[shares.index(0)] += 1
+    return Layout(splits, shares)
+
+
+def _beats(splits: list[list[tuple[int, int]]]) -> list[tuple[int, float]]:
+    """Each pipeline's stage count and its slowest stage's layers: what its share goes by."""
+    return [(len(split), float(max(e - s for s, e in split))) for split in splits]
 
 
 def _refused(field: str, message: str) -> SpecError:

@@ -25,7 +25,7 @@ from typing import Any
 from relaytrain_contract import LINK_CA_FILE, LINK_CERT_FILE, LINK_KEY_FILE
 
 from relaytrain_operator.cli.local_run.layout import Layout
-from relaytrain_operator.domain.linkcerts import StagePem, mint_link_credentials
+from relaytrain_operator.domain.linkcerts import LinkCA, StagePem, mint_link_authority
 from relaytrain_operator.domain.planner import AUTO, AUTO_ORDER
 from relaytrain_operator.domain.stage_config import StageEndpoints, build_pipeline_configs
 from relaytrain_operator.spec import FineTuneJob
@@ -77,17 +77,51 @@ def stage_procs(workdir: Path, layout: Layout) -> list[StageProc]:
     return stages
 
 
-def build_stages(job: FineTuneJob, layout: Layout) -> tuple[list[dict[str, Any]], dict[str, str]]:
-    """Every stage's document, pipeline after pipeline (free loopback ports, the operator's
-    stage documents), and the run's link credentials from a fresh CA, as the files of the
-    operator's link Secret (`linkcerts.stage_pem` gives each stage its share; nothing is
-    written)."""
+@dataclass
+class Built:
+    """A local run's stages before they start (`build_stages`)."""
+
+    documents: list[dict[str, Any]]
+    """Every stage's document, pipeline after pipeline."""
+    credentials: dict[str, str]
+    """The run's link credentials, as the files of the operator's link Secret."""
+    endpoints: list[list[StageEndpoints]]
+    """Where each stage of each pipeline listens."""
+    ca: LinkCA
+    """The run's link CA, kept in memory to add a pipeline (`grow.add_pipeline`)."""
+
+
+def build_stages(job: FineTuneJob, layout: Layout) -> Built:
+    """Every stage's document (free loopback ports, the operator's stage documents), and
+    the run's link credentials from a fresh CA (`linkcerts.stage_pem` gives each stage its
+    share; nothing is written)."""
     counts = [len(split) for split in layout.splits]
-    # Free ports, three a stage (any fixed port may be taken): its pipeline listener,
-    # /metrics, and its listener for the stages of lower pipelines.
+    endpoints = loopback_endpoints(counts)
+    configs = build_pipeline_configs(
+        job, layout.splits, endpoints, layout.shares, compression=local_compression(job)
+    )
+    meta = job.metadata
+    lifetime = timedelta(seconds=job.spec.link_certificates.lifetime_seconds)
+    pki, ca = mint_link_authority(
+        meta.namespace, meta.name, counts, now=datetime.now(UTC), lifetime=lifetime
+    )
+    documents = [doc for pipeline_docs in configs for doc in pipeline_docs]
+    return Built(documents, pki, endpoints, ca)
+
+
+def local_compression(job: FineTuneJob) -> str | None:
+    """The boundary code the documents take: local links are loopback, every code is as
+    fast, so `auto` takes the exact one (None: the spec's)."""
+    return AUTO_ORDER[0] if job.spec.pipeline.compression == AUTO else None
+
+
+def loopback_endpoints(counts: list[int], first: int = 0) -> list[list[StageEndpoints]]:
+    """Free loopback ports for pipelines `first`, `first` + 1, ... of `counts[i]` stages,
+    three a stage (any fixed port may be taken): its pipeline listener, /metrics, and its
+    listener for the stages of lower pipelines (none on pipeline 0)."""
     ports = iter(free_ports(3 * sum(counts)))
     endpoints = []
-    for p, count in enumerate(counts):
+    for p, count in enumerate(counts, start=first):
         listen = [f"127.0.0.1:{next(ports)}" for _ in range(count)]
         replica = [f"127.0.0.1:{next(ports)}" if p > 0 else None for _ in range(count)]
         endpoints.append(
@@ -102,18 +136,7 @@ def build_stages(job: FineTuneJob, layout: Layout) -> tuple[list[dict[str, Any]]
                 for k in range(count)
             ]
         )
-    # Local links are loopback: every code is as fast, so `auto` takes the exact one.
-    auto = job.spec.pipeline.compression == AUTO
-    configs = build_pipeline_configs(
-        job, layout.splits, endpoints, layout.shares, compression=AUTO_ORDER[0] if auto else None
-    )
-    meta = job.metadata
-    lifetime = timedelta(seconds=job.spec.link_certificates.lifetime_seconds)
-    pki = mint_link_credentials(
-        meta.namespace, meta.name, counts, now=datetime.now(UTC), lifetime=lifetime
-    )
-    documents = [doc for pipeline_docs in configs for doc in pipeline_docs]
-    return documents, pki
+    return endpoints
 
 
 def private_folder() -> Path:

@@ -24,12 +24,14 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from relaytrain_contract import GIVEN_UP_FILE, Progress
+from relaytrain_contract import FLEET_FILE, GIVEN_UP_FILE, Progress
 from relaytrain_contract.exits import non_retryable
 
 from relaytrain_operator.cli.local_run import report, storage
+from relaytrain_operator.cli.local_run.grow import add_pipeline
 from relaytrain_operator.cli.local_run.layout import Layout, local_layout
 from relaytrain_operator.cli.local_run.stages import (
+    Built,
     StageProc,
     build_stages,
     private_folder,
@@ -40,7 +42,7 @@ from relaytrain_operator.cli.local_run.stages import (
 from relaytrain_operator.domain.linkcerts import (
     advanced,
     link_state,
-    mint_link_credentials,
+    mint_link_authority,
     renewal_step,
     renewed_files,
     stage_pem,
@@ -95,19 +97,20 @@ class LocalRun:
         job: FineTuneJob,
         workdir: Path,
         layout: Layout,
-        documents: list[dict[str, Any]],
-        credentials: dict[str, str],
+        built: Built,
     ) -> None:
-        """`documents`: one per stage, pipeline after pipeline; `credentials`: the run's link
-        credentials, as the files of the operator's link Secret."""
+        """`built`: the stages' documents, link credentials, endpoints and the run's CA."""
         self.job = job
         self.workdir = workdir.resolve()
         self.layout = layout
-        self.documents = documents
-        self.env = stage_env(len(documents))
+        self.documents = built.documents
+        self.endpoints = built.endpoints
+        self.env = stage_env(len(self.documents))
         self.stages = stage_procs(self.workdir, layout)
-        self._credentials = credentials
-        self._links = link_state(credentials, {})
+        self._credentials = built.credentials
+        self._ca = built.ca
+        """The run's link CA (in memory only), which issues an added pipeline's certificates."""
+        self._links = link_state(built.credentials, {})
         self.credentials_root: Path | None = None
         """The private folder holding every stage's credentials folder, while written."""
         ckpt = job.spec.checkpoint.uri
@@ -120,7 +123,10 @@ class LocalRun:
         self._asked: list[int] = []
         """SIGUSR1 and SIGUSR2 received and not acted on yet."""
         self.changes: list[dict[str, Any]] = []
-        """Every pipeline that left or came back: pipeline, change, the job's step then."""
+        """Every pipeline that left, came back or was added: pipeline, change, the job's
+        step then."""
+        self.added: list[int] = []
+        """The pipelines added while the run trains (SIGUSR2 with none out)."""
 
     @classmethod
     def prepare(
@@ -140,26 +146,27 @@ class LocalRun:
             pipeline = job.spec.pipeline.model_copy(update={"stages": "auto"})
             spec = job.spec.model_copy(update={"pipeline": pipeline})
             job = job.model_copy(update={"spec": spec})
-        documents, credentials = build_stages(job, layout)
-        return cls(job, workdir, layout, documents, credentials)
+        return cls(job, workdir, layout, build_stages(job, layout))
 
     def write_stage_files(self) -> None:
         """Write each stage's link credentials into a private folder of its own
         (`private_folder`, outside the run's directory) and its document, which names that
         folder (`links.credentialsDir`) and never holds a key."""
         try:
-            root = self.credentials_root = private_folder()
+            self.credentials_root = private_folder()
             for stage, doc in zip(self.stages, self.documents, strict=True):
-                stage.link_dir = root / stage.config_path.stem
-                write_link_folder(
-                    stage.link_dir, stage_pem(self._credentials, stage.pipeline, stage.index)
-                )
-                doc["links"]["credentialsDir"] = str(stage.link_dir)
-                stage.config_path.parent.mkdir(parents=True, exist_ok=True)
-                stage.config_path.write_text(json.dumps(doc, indent=2))
+                self._write_stage(stage, doc)
         except BaseException:
             self.remove_credentials()
             raise
+
+    def _write_stage(self, stage: StageProc, doc: dict[str, Any]) -> None:
+        assert self.credentials_root is not None
+        stage.link_dir = self.credentials_root / stage.config_path.stem
+        write_link_folder(stage.link_dir, stage_pem(self._credentials, stage.pipeline, stage.index))
+        doc["links"]["credentialsDir"] = str(stage.link_dir)
+        stage.config_path.parent.mkdir(parents=True, exist_ok=True)
+        stage.config_path.write_text(json.dumps(doc, indent=2))
 
     def renew_links(self, now: datetime) -> str | None:
         """Take the step of a link certificate renewal that is due at `now` (the operator's
@@ -174,7 +181,7 @@ class LocalRun:
         minted = None
         if step in ("trust", "reissue"):
             meta, counts = self.job.metadata, [len(split) for split in self.layout.splits]
-            minted = mint_link_credentials(
+            minted, self._ca = mint_link_authority(
                 meta.namespace, meta.name, counts, now=now, lifetime=lifetime,
                 generation=self._links.generation + 1,
             )  # fmt: skip
@@ -274,7 +281,8 @@ class LocalRun:
         at their next step boundary (docs/worker.md), and the store names it out, as the
         operator does for a pipeline whose node announced its end; the last one stays.
         SIGUSR2: the lowest pipeline out whose stages have all ended comes back — started
-        afresh, its stages rejoin the others at a step boundary with their state."""
+        afresh, its stages rejoin the others at a step boundary with their state; with none
+        out, a pipeline is added (`_add_pipeline`)."""
         step = progress.step if progress is not None else 0
         pipelines = sorted({s.pipeline for s in self.stages})
         if signum == signal.SIGUSR1:
@@ -293,12 +301,14 @@ class LocalRun:
                   f"it back)", file=sys.stderr)  # fmt: skip
             self.changes.append({"pipeline": p, "change": "left", "step": step})
             return
+        if not self.out:
+            self._add_pipeline(step)
+            return
         ended = [p for p in sorted(self.out)
                  if all(s.proc is None or s.proc.poll() is not None
                         for s in self.stages if s.pipeline == p)]  # fmt: skip
         if not ended:
-            print("SIGUSR2: no pipeline is out (or its stages are still leaving)",
-                  file=sys.stderr)  # fmt: skip
+            print("SIGUSR2: the pipelines out are still leaving", file=sys.stderr)
             return
         p = ended[0]
         self.out.discard(p)
@@ -309,6 +319,47 @@ class LocalRun:
         print(f"pipeline {p} comes back: its stages rejoin at a step boundary (SIGUSR2)",
               file=sys.stderr)  # fmt: skip
         self.changes.append({"pipeline": p, "change": "returned", "step": step})
+
+    def _add_pipeline(self, step: int) -> None:
+        """One more pipeline (`grow.add_pipeline`): names.FLEET_FILE first, so that the
+        stages training link to it, then its stages start and join at a step boundary."""
+        if self.stop_signal is not None:
+            return
+        if len(self.layout.splits) < 2:
+            print("SIGUSR2: a run of one pipeline has nothing to add one to; start it with "
+                  "--replicas 2 or more", file=sys.stderr)  # fmt: skip
+            return
+        if self._links.phase != "Current":
+            print("SIGUSR2: no pipeline is added while the link certificates are renewed; "
+                  "send it again in a few seconds", file=sys.stderr)  # fmt: skip
+            return
+        try:
+            added = add_pipeline(self.job, self.layout, self.endpoints, self._ca, self.added)
+            self._tell_added(added.fleet)
+        except (ValueError, OSError) as err:
+            print(f"SIGUSR2: no pipeline is added: {err}", file=sys.stderr)
+            return
+        q = added.pipeline
+        self.layout = added.layout
+        self.endpoints.append(added.endpoints)
+        self._credentials.update(added.credentials)
+        self.added.append(q)
+        stages = stage_procs(self.workdir, added.layout)[len(self.stages) :]
+        for stage, doc in zip(stages, added.documents, strict=True):
+            self._write_stage(stage, doc)
+            self.stages.append(stage)
+            self.documents.append(doc)
+            self.start(stage)
+        layers = ", ".join(f"{s}-{e - 1}" for s, e in added.layout.splits[q])
+        print(f"pipeline {q} is added (stages of layers {layers}; shares now "
+              f"{'+'.join(map(str, added.layout.shares))}): it joins at a step boundary "
+              f"(SIGUSR2)", file=sys.stderr)  # fmt: skip
+        self.changes.append({"pipeline": q, "change": "added", "step": step})
+
+    def _tell_added(self, fleet: dict[str, Any] | None = None) -> None:
+        """The pipelines added (names.FLEET_FILE; none unless `fleet`), in the job's store:
+        the stages training link to their stages."""
+        storage.write_json(self.job, self.job_dir, FLEET_FILE, fleet or {"added": []})
 
     def _tell_out(self) -> None:
         """The pipelines out, in the job's store (names.GIVEN_UP_FILE): a stage linking
@@ -354,6 +405,12 @@ class LocalRun:
         backoff = timedelta(seconds=policy.backoff_seconds)
         # progress.json of an earlier run of the same job may say done; only this run's counts.
         started = datetime.now(UTC).replace(microsecond=0)
+        if len(self.layout.splits) > 1:
+            self._tell_out()  # an earlier run's pipelines out or added are not this one's
+            try:
+                self._tell_added()
+            except OSError as err:  # none was added yet: a stage reading none is right
+                print(f"could not write {FLEET_FILE}: {err}", file=sys.stderr)
         for stage in self.stages:
             self.start(stage)
         while self.stop_signal is None:

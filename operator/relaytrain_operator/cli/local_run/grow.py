@@ -1,0 +1,64 @@
+"""A pipeline added to a running local run (SIGUSR2 while no pipeline is out), as the
+operator adds one on GPUs that join: what it is before it starts (`add_pipeline`).
+
+The added pipeline is split as the run's last one, every share is planned again
+(`layout.grown_layout`), and its stages get documents that list every pipeline, fresh
+loopback ports and certificates from the run's CA. The stages already training learn of it
+from names.FLEET_FILE in the job's store (`stage_config.fleet_document`: every pipeline added
+so far), link to its stages that share their layers, and admit it at a step boundary with
+the state of a pipeline training (docs/worker.md, "A pipeline added to a running job").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from relaytrain_operator.cli.local_run.layout import Layout, grown_layout
+from relaytrain_operator.cli.local_run.stages import local_compression, loopback_endpoints
+from relaytrain_operator.domain.linkcerts import LinkCA
+from relaytrain_operator.domain.stage_config import (
+    StageEndpoints,
+    build_pipeline_configs,
+    fleet_document,
+)
+from relaytrain_operator.spec import FineTuneJob
+
+
+@dataclass
+class Added:
+    """One pipeline added to a run, before its stages start."""
+
+    pipeline: int
+    layout: Layout
+    """The run's layout with it."""
+    endpoints: list[StageEndpoints]
+    """Where its stages listen."""
+    documents: list[dict[str, Any]]
+    """Its stages' documents (every pipeline listed)."""
+    credentials: dict[str, str]
+    """Its stages' certificates and keys, from the run's CA (link Secret file names)."""
+    fleet: dict[str, Any]
+    """names.FLEET_FILE: every pipeline added to the run so far, this one included."""
+
+
+def add_pipeline(
+    job: FineTuneJob,
+    layout: Layout,
+    endpoints: list[list[StageEndpoints]],
+    ca: LinkCA,
+    added_before: list[int],
+) -> Added:
+    """Pipeline `len(layout.splits)` of a run laid out as `layout` whose stages listen at
+    `endpoints` and which added `added_before` already. ValueError saying why when the step
+    has no micro-batch for one more."""
+    grown = grown_layout(layout, job.spec.training.micro_batches)
+    q = len(layout.splits)
+    mine = loopback_endpoints([len(grown.splits[q])], first=q)[0]
+    every = [*endpoints, mine]
+    documents = build_pipeline_configs(
+        job, grown.splits, every, grown.shares, compression=local_compression(job)
+    )[q]
+    credentials = {name: pem for k in range(len(mine)) for name, pem in ca.issue(q, k).items()}
+    fleet = fleet_document(job, grown.splits, every, added=[*added_before, q])
+    return Added(q, grown, mine, documents, credentials, fleet)

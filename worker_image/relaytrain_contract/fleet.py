@@ -1,0 +1,83 @@
+"""The pipelines added to a running job (names.FLEET_FILE): what its stages read to link to
+pipelines their own documents do not list (docs/stage-contract.md, "Pipelines added while
+a job runs").
+
+A stage document lists the pipelines of the plan the stage was started under. When the
+operator (or `relaytrain run --local`) adds a pipeline to a running job, the new pipeline's
+stages get documents that list every pipeline, and the stages already training learn of it
+from this document in the job's store: every stage of every added pipeline, its layers, the
+address of its replica listener and its identity (its share of each step's micro-batches is
+in its own stages' documents: its first stage tells the others when it asks to join). A
+stage reads it while it trains, links to the added stages that share its layers (a lower
+pipeline dials: an added pipeline is above every pipeline it joins), and the pipeline
+trains from the step boundary that admits it, as a pipeline coming back does.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pydantic import ValidationError, model_validator
+
+from relaytrain_contract.errors import config_error, field_error
+from relaytrain_contract.stage import ReplicaPeer, _Part
+
+
+class AddedPipeline(_Part):
+    """One pipeline added to the job."""
+
+    stages: tuple[ReplicaPeer, ...]
+    """Every stage of the pipeline, in order: its layers, its replica listener's address
+    (set) and its identity."""
+
+    @model_validator(mode="after")
+    def _chain(self) -> AddedPipeline:
+        if not self.stages:
+            raise field_error("stages", "must list the pipeline's stages, got none")
+        pipeline = self.stages[0].pipeline
+        end = 0
+        for k, stage in enumerate(self.stages):
+            if stage.pipeline != pipeline or stage.stage != k:
+                raise field_error(
+                    "stages", f"must be stages 0, 1, ... of one pipeline in order, got "
+                    f"p{stage.pipeline}/s{stage.stage} at position {k}"
+                )  # fmt: skip
+            if stage.layer_start != end:
+                raise field_error(
+                    "stages", f"p{pipeline}/s{k} starts at layer {stage.layer_start}, not where "
+                    f"the stage before it ends ({end})"
+                )  # fmt: skip
+            if stage.address is None:
+                raise field_error("stages", f"p{pipeline}/s{k} has no address")
+            end = stage.layer_end
+        return self
+
+    @property
+    def pipeline(self) -> int:
+        return self.stages[0].pipeline
+
+
+class FleetDocument(_Part):
+    """names.FLEET_FILE: the pipelines added to the job since it started, in pipeline order."""
+
+    added: tuple[AddedPipeline, ...] = ()
+
+    @model_validator(mode="after")
+    def _order(self) -> FleetDocument:
+        indexes = [p.pipeline for p in self.added]
+        if indexes != sorted(set(indexes)):
+            raise field_error("added", f"must list each pipeline once, in order, got {indexes}")
+        return self
+
+    @classmethod
+    def from_json(cls, document: str | bytes | dict[str, Any]) -> FleetDocument:
+        """Parse and validate the document; ConfigError naming the field of every problem."""
+        text = json.dumps(document) if isinstance(document, dict) else document
+        try:
+            return cls.model_validate_json(text)
+        except ValidationError as exc:
+            raise config_error(exc, "fleet document") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
