@@ -11,6 +11,7 @@ rejoining stage takes a live stage's weights and AdamW state by name, equal bit 
 
 from __future__ import annotations
 
+import json
 import threading
 
 import pytest
@@ -29,7 +30,7 @@ from relaytrain_worker.pipeline.transport import Frame
 from relaytrain_worker.replicas.arithmetic import Slice, live_shares
 from relaytrain_worker.replicas.group import LinkGroup, Membership
 from relaytrain_worker.replicas.handover import STATE, load_state_frames, state_frame
-from relaytrain_worker.replicas.links import given_up
+from relaytrain_worker.replicas.links import fleet, given_up
 from torch import nn
 
 pytestmark = pytest.mark.unit
@@ -472,3 +473,18 @@ def test_the_given_up_document_is_polled_and_a_bad_one_counts_as_none() -> None:
     assert polled() == {0, 2}
     cached = given_up(lambda: b'{"pipelines": [1]}', every=3600.0)
     assert cached() == {1} and cached() == {1}
+
+
+def test_the_fleet_document_is_polled_and_a_bad_one_changes_nothing() -> None:
+    stage = {"pipeline": 2, "stage": 0, "layerStart": 0, "layerEnd": 4,
+             "address": "127.0.0.1:1", "identity": "relaytrain://default/j/p2/s0"}  # fmt: skip
+    good = json.dumps({"added": [{"stages": [stage]}]}).encode()
+    no_address = json.dumps({"added": [{"stages": [{**stage, "address": None}]}]}).encode()
+    reads: list[bytes | None] = [None, good, no_address, b"{}"]
+    polled = fleet(lambda: reads.pop(0), every=0.0)
+    assert polled() is None
+    first = polled()
+    assert first is not None and [a.pipeline for a in first.added] == [2]
+    assert polled() == first  # a stage without an address: the last answer stands
+    empty = polled()
+    assert empty is not None and empty.added == ()
