@@ -475,16 +475,22 @@ def test_the_given_up_document_is_polled_and_a_bad_one_counts_as_none() -> None:
     assert cached() == {1} and cached() == {1}
 
 
-def test_the_fleet_document_is_polled_and_a_bad_one_changes_nothing() -> None:
+def test_the_fleet_document_is_polled_and_a_bad_one_changes_nothing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     stage = {"pipeline": 2, "stage": 0, "layerStart": 0, "layerEnd": 4,
              "address": "127.0.0.1:1", "identity": "relaytrain://default/j/p2/s0"}  # fmt: skip
     good = json.dumps({"added": [{"stages": [stage]}]}).encode()
     no_address = json.dumps({"added": [{"stages": [{**stage, "address": None}]}]}).encode()
-    reads: list[bytes | None] = [None, good, no_address, b"{}"]
+    reads: list[bytes | None] = [None, good, no_address, no_address, b"{}"]
     polled = fleet(lambda: reads.pop(0), every=0.0)
     assert polled() is None
     first = polled()
     assert first is not None and [a.pipeline for a in first.added] == [2]
-    assert polled() == first  # a stage without an address: the last answer stands
+    with caplog.at_level("WARNING", logger="relaytrain.replicas"):
+        assert polled() == first  # a stage without an address: the last answer stands
+        assert polled() == first
+    said = [r.getMessage() for r in caplog.records if "added pipelines" in r.getMessage()]
+    assert len(said) == 1 and "p2/s0 has no address" in said[0], said  # once, naming it
     empty = polled()
     assert empty is not None and empty.added == ()

@@ -119,7 +119,8 @@ def _spec(cfg: StageConfig) -> ReplicasSpec:
 class Polled(Generic[T]):
     """A document of the job's store read through `read` (its bytes, None while there is
     none) at most every `every` seconds and parsed by `parse`; `empty` while there is none.
-    A bad read or document keeps the last value (a stage must not end on it)."""
+    A bad read or document keeps the last value (a stage must not end on it), and is
+    logged once until it changes (a store outage would otherwise fill the log)."""
 
     def __init__(
         self,
@@ -136,6 +137,7 @@ class Polled(Generic[T]):
         self._at = -float("inf")
         self._value = empty
         self._empty = empty
+        self._failed: str | None = None
 
     def __call__(self) -> T:
         now = time.monotonic()
@@ -144,8 +146,11 @@ class Polled(Generic[T]):
             try:
                 raw = self._read()
                 self._value = self._empty if raw is None else self._parse(raw)
+                self._failed = None
             except Exception as exc:  # a bad read must not end the stage
-                log.warning("Could not read %s: %s", self._what, exc)
+                if str(exc) != self._failed:
+                    log.warning("Could not read %s: %s", self._what, exc)
+                self._failed = str(exc)
         return self._value
 
 
