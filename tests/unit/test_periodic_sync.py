@@ -225,6 +225,19 @@ def test_a_rejoining_stage_takes_the_anchor_or_its_replicas_drift_apart() -> Non
     assert any(not torch.equal(drifted[2][n], drifted[0][n]) for n in NAMES)
 
 
+def test_with_weights_on_the_wire_a_rejoining_stage_is_sent_no_anchor() -> None:
+    # The default outer step sends weights: the state a live stage hands a rejoining one
+    # (its weights) is all there is, so no anchor goes with it and none is asked for.
+    # (Until 2026-11-28 the live stage failed building anchors it does not keep.)
+    stages = {(p, k): _stage_params(p, k, same=True) for p, s in enumerate(SPLITS)
+              for k in range(len(s))}  # fmt: skip
+    shared = InProcessGroup([len(s) for s in SPLITS], timeout=60)
+    for key, params in stages.items():
+        sync = PeriodicSync(shared, key[0], key[1], params, every=2, total=10)
+        assert sync.anchor_tensors(NAMES) == {}
+        sync.take_anchor({})
+
+
 def test_over_links_each_holder_gets_the_other_pipelines_codes_not_its_own_back() -> None:
     splits = [[(0, 4)], [(0, 4)]]
     names = [f"model.layers.{i}.mlp.up_proj.lora_B.weight" for i in range(4)]

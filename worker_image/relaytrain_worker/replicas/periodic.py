@@ -167,7 +167,9 @@ class PeriodicSync:
 
     def anchor_tensors(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
         """The anchors of `names` under `ANCHOR_PREFIX`, for a rejoining peer (none when
-        the outer step sends weights)."""
+        the outer step sends weights: the weights are the state)."""
+        if self.bits is None:
+            return {}
         wanted = set(names)
         pairs = zip(self.trainable, self.anchor, strict=True)
         return {ANCHOR_PREFIX + n: a for (n, _), a in pairs if n in wanted}
