@@ -220,7 +220,8 @@ class LinkGroup(StarExchange):
 
     def join(self, timeout: float) -> tuple[int, Membership]:
         """Stage 0 of a pipeline rejoining: ask the lowest member's first stage to admit this
-        pipeline; returns (step, members, joined) of the step it is admitted at. LinkBroken
+        pipeline (with its share); returns the step it is admitted at and that step's
+        membership. LinkBroken
         when that stage leaves meanwhile (the pipeline then tries again from scratch)."""
         self._check_first()
         with self._cond:
