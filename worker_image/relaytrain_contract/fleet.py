@@ -1,16 +1,17 @@
 """The pipelines added to a running job (names.FLEET_FILE): what its stages read to link to
-pipelines their own documents do not list (docs/stage-contract.md, "Pipelines added while
-a job runs").
+pipelines their own documents do not list (docs/stage-contract.md, `fleet.json` under
+"Several pipelines").
 
-A stage document lists the pipelines of the plan the stage was started under. When the
-operator (or `relaytrain run --local`) adds a pipeline to a running job, the new pipeline's
-stages get documents that list every pipeline, and the stages already training learn of it
-from this document in the job's store: every stage of every added pipeline, its layers, the
-address of its replica listener and its identity (its share of each step's micro-batches is
-in its own stages' documents: its first stage tells the others when it asks to join). A
-stage reads it while it trains, links to the added stages that share its layers (a lower
-pipeline dials: an added pipeline is above every pipeline it joins), and the pipeline
-trains from the step boundary that admits it, as a pipeline coming back does.
+A stage document lists the pipelines of the plan the stage was started under. When a
+pipeline is added to a running job (by `relaytrain run --local` today; the operator's side
+is next: docs/operator.md), the new pipeline's stages get documents that list every
+pipeline, and the stages already training learn of it from this document in the job's
+store: every stage of every added pipeline, its layers, the address of its replica listener
+and its identity (its share of each step's micro-batches is in its own stages' documents:
+its first stage tells the others when it asks to join). A stage reads it while it trains,
+links to the added stages that share its layers (a lower pipeline dials: an added pipeline
+is above every pipeline it joins), and the pipeline trains from the step boundary that
+admits it, as a pipeline coming back does.
 """
 
 from __future__ import annotations

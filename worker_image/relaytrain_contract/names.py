@@ -51,8 +51,9 @@ operator gave up for good (a stage out of restarts), written by the operator whe
 one up. A stage that links does not wait for their stages; none of them trains again."""
 FLEET_FILE = "fleet.json"
 """The pipelines added to a running job (`fleet.FleetDocument`) under
-`<checkpoint.uri>/<namespace>/<job>/`, written by the operator (or `relaytrain run --local`)
-before the added pipeline's stages start: the stages training read it and link to them."""
+`<checkpoint.uri>/<namespace>/<job>/`, written before the added pipeline's stages start
+(by `relaytrain run --local`; the operator does not add pipelines yet): the stages training
+read it and link to them."""
 
 
 def link_identity(namespace: str, job_name: str, pipeline: int, stage: int) -> str:

@@ -48,14 +48,17 @@ the restarted pipeline rejoins them at a step boundary from their state (docs/wo
 `kill -USR1 <pid>` (the supervisor's, in state.json) takes the highest pipeline training
 out — its stages leave at their next step boundary and are not restarted, and the store
 names it out, as the operator does for a node that announces its end — and `kill -USR2
-<pid>` brings the lowest one out back, its stages rejoining at a step boundary; the summary
-lists each change (`pipelineChanges`).
+<pid>` brings the lowest one out back, its stages rejoining at a step boundary, or, with
+none out, adds a pipeline the run did not have (`grow`: the stages training learn of it from
+fleet.json in the store and admit it at a step boundary); the summary lists each change
+(`pipelineChanges`).
 
 The package, by concern: `layout` (the pipelines' layer splits and shares, the state
 directory and its lock), `storage` (config.json, progress.json and the loss history, on
-disk or S3), `stages` (stage documents, ports, link credentials, environment),
-`supervisor` (`LocalRun`: starting, restarting and stopping the stage processes) and
-`report` (the progress bar, the loss plot and the summary). This module holds the command.
+disk or S3), `stages` (stage documents, ports, link credentials, environment), `grow` (a
+pipeline added while the run goes on), `supervisor` (`LocalRun`: starting, restarting and
+stopping the stage processes) and `report` (the progress bar, the loss plot and the
+summary). This module holds the command.
 
 This package never imports torch: it runs in the operator package.
 """
