@@ -7,10 +7,11 @@ FineTuneJob errors (relaytrain_operator.spec.errors) build on the same two funct
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails, PydanticCustomError
 
 FIELD_ERROR = "relaytrain_field"
@@ -66,3 +67,16 @@ def config_error(exc: ValidationError, what: str) -> ConfigError:
         loc, message = problem(err)
         problems.append(f"{field_path(loc) or what}: {message}")
     return ConfigError("; ".join(problems))
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def parse_json(model: type[M], document: str | bytes | dict[str, Any], what: str) -> M:
+    """`document` (JSON text, or a dict as parsed from it) validated as `model`; one
+    ConfigError naming the field of every problem (`what` for the whole document)."""
+    text = json.dumps(document) if isinstance(document, dict) else document
+    try:
+        return model.model_validate_json(text)
+    except ValidationError as exc:
+        raise config_error(exc, what) from None

@@ -16,12 +16,11 @@ admits it, as a pipeline coming back does.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from pydantic import ValidationError, model_validator
+from pydantic import model_validator
 
-from relaytrain_contract.errors import config_error, field_error
+from relaytrain_contract.errors import field_error, parse_json
 from relaytrain_contract.stage import ReplicaPeer, _Part
 
 
@@ -74,11 +73,7 @@ class FleetDocument(_Part):
     @classmethod
     def from_json(cls, document: str | bytes | dict[str, Any]) -> FleetDocument:
         """Parse and validate the document; ConfigError naming the field of every problem."""
-        text = json.dumps(document) if isinstance(document, dict) else document
-        try:
-            return cls.model_validate_json(text)
-        except ValidationError as exc:
-            raise config_error(exc, "fleet document") from None
+        return parse_json(cls, document, "fleet document")
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

@@ -14,10 +14,10 @@ import math
 from datetime import UTC, datetime
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from relaytrain_contract.camel import CAMEL_CASE
-from relaytrain_contract.errors import config_error, field_error
+from relaytrain_contract.errors import field_error, parse_json
 
 Steps = Annotated[int, Field(ge=0)]
 DATA_FIELDS = ("examples", "examplesTruncated", "examplesDropped")
@@ -116,11 +116,7 @@ class Progress(BaseModel):
     @classmethod
     def from_json(cls, data: str | bytes | dict[str, Any]) -> Progress:
         """Parse a record (JSON text, or a dict as parsed from it); ConfigError names the field."""
-        text = json.dumps(data) if isinstance(data, dict) else data
-        try:
-            return cls.model_validate_json(text)
-        except ValidationError as exc:
-            raise config_error(exc, "progress.json") from None
+        return parse_json(cls, data, "progress.json")
 
 
 __all__ = ["DATA_FIELDS", "Progress"]

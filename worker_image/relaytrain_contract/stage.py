@@ -12,13 +12,12 @@ ignored setting.
 from __future__ import annotations
 
 import itertools
-import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from relaytrain_contract.camel import CAMEL_CASE
-from relaytrain_contract.errors import config_error, field_error
+from relaytrain_contract.errors import field_error, parse_json
 from relaytrain_contract.names import API_VERSION, STAGE_CONFIG_KIND
 
 DatasetFormat = Literal["text", "prompt-completion", "chat"]
@@ -496,11 +495,7 @@ class StageConfig(_Part):
 
         Raises ConfigError naming the field path of every problem.
         """
-        text = json.dumps(document) if isinstance(document, dict) else document
-        try:
-            return cls.model_validate_json(text)
-        except ValidationError as exc:
-            raise config_error(exc, "stage config") from None
+        return parse_json(cls, document, "stage config")
 
     def to_dict(self) -> dict[str, Any]:
         """The document as JSON-ready data; an unset `training.epochs`, the default

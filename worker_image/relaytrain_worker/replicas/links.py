@@ -184,8 +184,6 @@ class ReplicaLinks:
         self.cfg = cfg
         self.spec = _spec(cfg)
         self.pipeline = self.spec.pipeline
-        self.count = len(self.spec.shares)
-        """The pipelines this stage knows of: its document's, and those added since."""
         self.fleet = fleet
         """The pipelines added to the job (names.FLEET_FILE), read at most every few seconds."""
         self.all_peers = list(self.spec.peers)
@@ -197,7 +195,6 @@ class ReplicaLinks:
         self.peers = peer_slices(cfg)
         self.listener: Listener | None = None
         self._lower = [p for p in self.spec.peers if p.pipeline < self.pipeline]
-        self._higher = [p for p in self.spec.peers if p.pipeline > self.pipeline]
         self.out: frozenset[int] = frozenset()
         """The pipelines given up when `connect` last linked: no member, no leader."""
 
@@ -211,14 +208,22 @@ class ReplicaLinks:
         new = added_peers(self.cfg, fleet, self.count)
         if not new:
             return {}
-        self.count = max(self.count, *(p.pipeline + 1 for p in new))
         self.all_peers.extend(new)
-        self._higher.extend(new)
         added = _slices(self.cfg, new)
         self.peers.update(added)
         log.info("Stage p%d/s%d links to the added pipeline(s) %s", self.pipeline, self.stage,
                  sorted({p.pipeline for p in new}))  # fmt: skip
         return added
+
+    @property
+    def count(self) -> int:
+        """The pipelines this stage knows of: its document's, and those added since."""
+        return max(len(self.spec.shares), *(p.pipeline + 1 for p in self.all_peers))
+
+    @property
+    def _higher(self) -> list[ReplicaPeer]:
+        """The peers this stage dials: those of higher pipelines, added ones included."""
+        return [p for p in self.all_peers if p.pipeline > self.pipeline]
 
     def open(self) -> None:
         """Bind the replica listener (once; none on pipeline 0)."""
