@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 
 import pytest
+import yaml
 from relaytrain_operator.domain.planner import (
     DEFAULT_CATALOG,
     ModelShape,
@@ -128,6 +129,20 @@ def test_catalog_overrides_change_and_add_gpus():
     assert catalog["NVIDIA-A10"].memory_mib == DEFAULT_CATALOG["NVIDIA-A10"].memory_mib
     assert catalog["Acme-X1"].memory_mib == 8192
     assert DEFAULT_CATALOG["NVIDIA-A10"].tflops == 125.0  # the default is untouched
+
+
+def test_catalog_overrides_take_numbers_a_yaml_1_1_reader_left_as_strings():
+    """Helm's toYaml writes 0.00001 as 1e-05, which PyYAML reads as a string."""
+    doc = yaml.safe_load(
+        "Slow: {tflops: 1e-05, fp32Tflops: 2E-5, memoryMiB: 8192, memoryBandwidthGBs: 1e+3,"
+        " bf16: true}"
+    )
+    assert isinstance(doc["Slow"]["tflops"], str)
+    slow = DEFAULT_CATALOG.with_overrides(doc)["Slow"]
+    assert (slow.tflops, slow.fp32_tflops, slow.memory_bandwidth_gbs) == (1e-5, 2e-5, 1000.0)
+    assert slow.memory_mib == 8192 and isinstance(slow.memory_mib, int)
+    with pytest.raises(ValueError, match="tflops must be a positive number, got 'fast'"):
+        DEFAULT_CATALOG.with_overrides({"NVIDIA-A10": {"tflops": "fast"}})
 
 
 @pytest.mark.parametrize(

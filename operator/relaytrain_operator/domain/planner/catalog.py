@@ -114,6 +114,22 @@ _FIELD_ALIASES = {
 }
 
 
+def _number(value: Any) -> Any:
+    """`value`, or the number a string spells: YAML 1.1 readers (PyYAML) take `1e-05`, as
+    Helm's toYaml writes a small float, for a string. Anything else is left for GpuSpec to
+    refuse, naming the field."""
+    if isinstance(value, str):
+        try:
+            return int(value)
+        except ValueError:
+            pass
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
+
+
 def _camel(snake: str) -> str:
     for camel, name in _FIELD_ALIASES.items():
         if name == snake:
@@ -167,7 +183,7 @@ class Catalog(Mapping[str, GpuSpec]):
                     f"catalog override for {product!r}: unknown field(s) {', '.join(unknown)}; "
                     f"valid: {', '.join(_FIELD_ALIASES)}"
                 )
-            values = {_FIELD_ALIASES[k]: v for k, v in raw.items()}
+            values = {_FIELD_ALIASES[k]: _number(v) for k, v in raw.items()}
             base = gpus.get(str(product))
             if base is not None:
                 gpus[str(product)] = replace(base, **values)
