@@ -259,3 +259,55 @@ def test_the_pods_fs_group_owns_a_secret_volume(tmp_path: Path) -> None:
     project_volumes(FakeCore({"job-link": LINK_DATA}), pod, pod.spec.containers[0], tmp_path)
     key = tmp_path / "volumes" / "link" / "tls.key"
     assert key.stat().st_gid == gid and _mode(key) == 0o440
+
+
+class FakeConfigMaps:
+    """The one call a ConfigMap volume makes, answered from a dict of ConfigMaps."""
+
+    def __init__(self, maps: dict[str, dict[str, str]]) -> None:
+        self.maps = maps
+
+    def read_namespaced_config_map(self, name: str, namespace: str) -> client.V1ConfigMap:
+        if name not in self.maps:
+            raise ApiException(status=404, reason="Not Found")
+        return client.V1ConfigMap(data=dict(self.maps[name]))
+
+
+def test_a_config_map_volume_shows_its_text_and_follows_it(tmp_path: Path) -> None:
+    """The operator's GPU catalog comes in one (the chart's gpuCatalog)."""
+    core = FakeConfigMaps({"catalog": {"gpu-catalog.yaml": "A: {}\n"}})
+    pod = client.V1Pod(
+        metadata=client.V1ObjectMeta(name="op", namespace="ns", uid="u"),
+        spec=client.V1PodSpec(
+            volumes=[
+                client.V1Volume(
+                    name="gpu-catalog",
+                    config_map=client.V1ConfigMapVolumeSource(name="catalog"),
+                )
+            ],
+            containers=[
+                client.V1Container(
+                    name="operator",
+                    volume_mounts=[
+                        client.V1VolumeMount(
+                            name="gpu-catalog", mount_path="/etc/relaytrain", read_only=True
+                        )
+                    ],
+                )
+            ],
+        ),
+    )
+    mounts, _ = project_volumes(core, pod, pod.spec.containers[0], tmp_path)
+    folder = tmp_path / "volumes" / "gpu-catalog"
+    assert [(m.source, m.target, m.read_only) for m in mounts] == [
+        (folder, "/etc/relaytrain", True)
+    ]
+    assert (folder / "gpu-catalog.yaml").read_text() == "A: {}\n"
+    assert _mode(folder / "gpu-catalog.yaml") == 0o644
+    core.maps["catalog"] = {"gpu-catalog.yaml": "B: {}\n"}
+    assert refresh_secret_volumes(core, pod, pod.spec.containers[0], tmp_path) == ["gpu-catalog"]
+    assert (folder / "gpu-catalog.yaml").read_text() == "B: {}\n"
+    # Gone: the container waits, in the kubelet's words.
+    core.maps.clear()
+    with pytest.raises(MountError, match='configmap "catalog" not found'):
+        project_volumes(core, pod, pod.spec.containers[0], tmp_path)

@@ -1,6 +1,6 @@
 """What a kubelet mounts into a container, for the kwok process runner: projected volumes
-(the ServiceAccount token, the cluster CA, the namespace) and Secret volumes written to a
-folder each, and a private mount namespace that shows that folder at the container's
+(the ServiceAccount token, the cluster CA, the namespace), Secret and ConfigMap volumes
+written to a folder each, and a private mount namespace that shows that folder at the container's
 `mountPath`.
 
 The API server's ServiceAccount admission adds a `kube-api-access-*` projected volume at
@@ -27,6 +27,8 @@ new one, never a mix; unchanged data is not written again. The folder is bind-mo
 folder, so the swap shows inside the mount namespace (and inside a podman container) at
 once. A Secret that is missing (or lacks a key that `items` names) leaves the container
 waiting, as a kubelet's `FailedMount` does (`MountError`).
+
+A `configMap` volume is written and refreshed the same way (its `data` is text).
 
 Other volume kinds are not mounted: an emptyDir is the pod's own TMPDIR and HOME (what the
 runner already gives every pod).
@@ -100,11 +102,11 @@ def project_volumes(
     tokens: list[IssuedToken] = []
     for mount in container.volume_mounts or []:
         volume = volumes.get(mount.name)
-        if volume is not None and volume.secret is not None:
+        if volume is not None and (volume.secret is not None or volume.config_map is not None):
             if mount.sub_path:
                 raise NotImplementedError("subPath mounts are not mounted by this runner")
             folder = root / "volumes" / mount.name
-            write_atomically(folder, secret_payload(core, pod, volume), _fs_group(pod))
+            write_atomically(folder, volume_payload(core, pod, volume), _fs_group(pod))
             # A secret volume is read-only whatever the mount says, as a kubelet mounts it.
             mounts.append(Mount(folder, mount.mount_path, read_only=True))
             continue
@@ -121,7 +123,7 @@ def project_volumes(
 
 
 def refresh_secret_volumes(core: Any, pod: Any, container: Any, root: Path) -> list[str]:
-    """Brings the container's Secret volumes under `root` up to date with their Secrets, as
+    """Brings the container's Secret (and ConfigMap) volumes under `root` up to date, as
     a kubelet's periodic sync does, and returns the names of those it rewrote (only those
     whose files would change). MountError when a Secret is gone or lacks a key: the files
     already there stay, as a kubelet leaves them."""
@@ -129,12 +131,45 @@ def refresh_secret_volumes(core: Any, pod: Any, container: Any, root: Path) -> l
     changed: list[str] = []
     for mount in container.volume_mounts or []:
         volume = volumes.get(mount.name)
-        if volume is None or volume.secret is None:
+        if volume is None or (volume.secret is None and volume.config_map is None):
             continue
-        payload = secret_payload(core, pod, volume)
+        payload = volume_payload(core, pod, volume)
         if write_atomically(root / "volumes" / mount.name, payload, _fs_group(pod)):
             changed.append(mount.name)
     return changed
+
+
+def volume_payload(core: Any, pod: Any, volume: Any) -> dict[str, FileProjection]:
+    """The files of a `secret` or `configMap` volume (`secret_payload`, `config_map_payload`)."""
+    if volume.secret is not None:
+        return secret_payload(core, pod, volume)
+    return config_map_payload(core, pod, volume)
+
+
+def config_map_payload(core: Any, pod: Any, volume: Any) -> dict[str, FileProjection]:
+    """The files a `configMap` volume shows, as `secret_payload` makes a Secret's (a
+    ConfigMap's `data` is text, not base64)."""
+    source = volume.config_map
+    failed = f'MountVolume.SetUp failed for volume "{volume.name}" : '
+    try:
+        cm = core.read_namespaced_config_map(source.name, pod.metadata.namespace)
+    except ApiException as exc:
+        if exc.status != 404:
+            raise
+        if source.optional:
+            return {}
+        raise MountError(f'{failed}configmap "{source.name}" not found') from None
+    data: Mapping[str, str] = cm.data or {}
+    default = DEFAULT_SECRET_MODE if source.default_mode is None else int(source.default_mode)
+    payload: dict[str, FileProjection] = {}
+    for item in source.items or [_Item(key, key) for key in sorted(data)]:
+        if item.key not in data:
+            if source.optional:
+                continue
+            raise MountError(f"{failed}configmap references non-existent config key: {item.key}")
+        mode = default if getattr(item, "mode", None) is None else int(item.mode)
+        payload[item.path] = FileProjection(data[item.key].encode(), mode)
+    return payload
 
 
 def secret_payload(core: Any, pod: Any, volume: Any) -> dict[str, FileProjection]:
@@ -325,10 +360,11 @@ def in_mount_namespace(argv: list[str], mounts: list[Mount]) -> list[str]:
     if any(_under_run(m.target) for m in mounts):
         script.append("mount -t tmpfs -o mode=0755 tmpfs /run")
     for m in mounts:
-        if not _under_run(m.target) and not Path(m.target).is_dir():
+        if not _under_run(m.target) and not Path(m.target).exists():
             raise RuntimeError(f"cannot mount a volume at {m.target}: it does not exist here")
         target = shlex.quote(m.target)
-        script.append(f"mkdir -p {target}")
+        if not Path(m.target).is_file():  # a file (the runner's hosts) is bound onto a file
+            script.append(f"mkdir -p {target}")
         script.append(f"mount --bind {shlex.quote(str(m.source))} {target}")
         if m.read_only:
             script.append(f"mount -o remount,bind,ro {target}")
