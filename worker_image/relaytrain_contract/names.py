@@ -52,8 +52,8 @@ one up. A stage that links does not wait for their stages; none of them trains a
 FLEET_FILE = "fleet.json"
 """The pipelines added to a running job (`fleet.FleetDocument`) under
 `<checkpoint.uri>/<namespace>/<job>/`, written before the added pipeline's stages start
-(by `relaytrain run --local`; the operator does not add pipelines yet): the stages training
-read it and link to them."""
+(by the operator, or `relaytrain run --local`): the stages training read it and link to
+them."""
 
 
 def link_identity(namespace: str, job_name: str, pipeline: int, stage: int) -> str:

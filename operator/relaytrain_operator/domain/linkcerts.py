@@ -36,11 +36,16 @@ mounted Secret within its sync period: `propagation`):
 Any two stages one phase apart trust each other's certificates (a stage re-reads its files
 before each new link; open links are never re-checked), so neighbours never refuse each
 other during a renewal, and a replacement started at any point links to them.
+
+A pipeline added to a running job (`mint_link_extension`, `extended_files`) gets its stages'
+certificates from a CA of their own, valid as long as the job's and its key dropped too;
+`ca.crt` then holds both, and a stage re-reads it before each new link. The next renewal
+mints every planned stage under one new CA again.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Literal, NamedTuple
@@ -60,9 +65,12 @@ __all__ = [
     "StagePem",
     "Step",
     "cert_file",
+    "extended_files",
     "key_file",
     "mint_link_authority",
     "mint_link_credentials",
+    "mint_link_extension",
+    "missing_stages",
     "new_key",
     "renewal_due",
     "renewal_step",
@@ -149,11 +157,57 @@ def mint_link_authority(
     memory) for a caller that issues certificates for stages added later."""
     if not stages or any(n < 1 for n in stages):
         raise ValueError(f"every pipeline needs at least one stage, got {list(stages)}")
+    ca = _authority(namespace, job, now, now + lifetime, f"relaytrain link CA g{generation}",
+                    make_key=make_key, make_serial=make_serial)  # fmt: skip
+    files = {CA_FILE: _pem(ca.cert)}
+    for pipeline, count in enumerate(stages):
+        for stage in range(count):
+            files.update(ca.issue(pipeline, stage))
+    return files, ca
+
+
+def mint_link_extension(
+    namespace: str,
+    job: str,
+    stages: Sequence[tuple[int, int]],
+    *,
+    now: datetime,
+    not_after: datetime,
+    generation: int,
+    make_key: KeyFactory = new_key,
+    make_serial: Callable[[], int] = x509.random_serial_number,
+) -> dict[str, str]:
+    """Certificates for `stages` ((pipeline, stage)) added to a running job whose
+    certificates expire at `not_after`: a CA of their own, valid as long as the job's
+    (its key dropped too: `extended_files` adds its certificate to what every stage
+    trusts), and one certificate each. The job's CA cannot issue them: its key was dropped
+    when it was minted."""
+    if not stages:
+        raise ValueError("no stage to mint certificates for")
+    added = ",".join(f"p{p}" for p in sorted({p for p, _ in stages}))[:40]  # a CN is <= 64
+    ca = _authority(namespace, job, now, not_after, f"relaytrain link CA g{generation} +{added}",
+                    make_key=make_key, make_serial=make_serial)  # fmt: skip
+    files = {CA_FILE: _pem(ca.cert)}
+    for pipeline, stage in sorted(stages):
+        files.update(ca.issue(pipeline, stage))
+    return files
+
+
+def _authority(
+    namespace: str,
+    job: str,
+    now: datetime,
+    end: datetime,
+    ca_cn: str,
+    *,
+    make_key: KeyFactory,
+    make_serial: Callable[[], int],
+) -> LinkCA:
+    """A fresh CA named `ca_cn`, valid from `now` (less the clock skew) to `end`."""
     if now.tzinfo is None:
         raise ValueError("now must be timezone-aware")
-    start, end = now - CLOCK_SKEW, now + lifetime
+    start = now - CLOCK_SKEW
     ca_key = make_key()
-    ca_cn = f"relaytrain link CA g{generation}"
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, ca_cn)])
     ca_ski = x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key())
     cert = (
@@ -169,12 +223,7 @@ def mint_link_authority(
         .add_extension(ca_ski, critical=False)
         .sign(ca_key, hashes.SHA256())
     )
-    ca = LinkCA(ca_key, cert, (namespace, job), make_key=make_key, make_serial=make_serial)
-    files = {CA_FILE: _pem(cert)}
-    for pipeline, count in enumerate(stages):
-        for stage in range(count):
-            files.update(ca.issue(pipeline, stage))
-    return files, ca
+    return LinkCA(ca_key, cert, (namespace, job), make_key=make_key, make_serial=make_serial)
 
 
 class LinkCA:
@@ -368,6 +417,22 @@ def renewed_files(
         }
         return {**current, **switched, NEXT + CA_FILE: files[NEXT + CA_FILE]}
     return {**current, CA_FILE: files[NEXT + CA_FILE]}  # retire
+
+
+def extended_files(files: Mapping[str, str], minted: Mapping[str, str]) -> dict[str, str]:
+    """The link Secret's files with the stages of `minted` (`mint_link_extension`) added:
+    their certificates and keys beside the others', and their CA trusted by every stage
+    (`ca.crt` holds it after the job's). A renewal's next generation covers every planned
+    stage, so its `retire` leaves the job's new CA alone."""
+    bundle = files[CA_FILE].rstrip("\n") + "\n" + minted[CA_FILE]
+    return {**files, **{n: pem for n, pem in minted.items() if n != CA_FILE}, CA_FILE: bundle}
+
+
+def missing_stages(
+    files: Mapping[str, str], stages: Iterable[tuple[int, int]]
+) -> list[tuple[int, int]]:
+    """Those of `stages` ((pipeline, stage)) the Secret's `files` hold no certificate for."""
+    return [(p, k) for p, k in stages if cert_file(p, k) not in files]
 
 
 def advanced(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from relaytrain_operator.domain.linkcerts import LinkState, Step
@@ -58,6 +58,25 @@ class RenewLinkSecret:
 
 
 @dataclass(frozen=True)
+class ExtendLinkSecret:
+    """Add certificates for planned stages the job's link Secret lacks (a pipeline added to
+    the running job: `linkcerts.mint_link_extension`, `extended_files`)."""
+
+    files: Mapping[str, str]
+    """The Secret's files as read (decoded)."""
+    resource_version: str
+    """The version they were read at: a Secret changed since is not overwritten."""
+    annotations: Mapping[str, str]
+    """Its annotations as read (the renewal's state: kept)."""
+    stages: tuple[tuple[int, int], ...]
+    """(pipeline, stage) of each certificate to mint."""
+    generation: int
+    """The generation of the certificates in use (names the added CA)."""
+    not_after: datetime
+    """When they expire: the added ones expire with them."""
+
+
+@dataclass(frozen=True)
 class Create:
     """Create a child object (the Service, a stage Pod) built by `builders`."""
 
@@ -87,6 +106,9 @@ class PostEvent:
     """CamelCase reason, e.g. StageRestarting."""
     message: str
     """What happened, for people."""
+    change: str | None = None
+    """The `change` it counts under in relaytrain_pipeline_changes_total when its reason
+    alone does not say (a pipeline added, not come back); None: `metrics.CHANGES`'."""
 
 
 @dataclass(frozen=True)
@@ -117,14 +139,25 @@ class PutGivenUp:
     """Every pipeline given up so far, ascending."""
 
 
+@dataclass(frozen=True)
+class PutFleet:
+    """Write the pipelines added to the running job to its store (names.FLEET_FILE), where
+    its stages training read them and link to the added stages: before those start."""
+
+    document: JsonDict
+    """The document (`stage_config.fleet_document`)."""
+
+
 Action = (
     PatchStatus
     | CreateLinkSecret
     | RenewLinkSecret
+    | ExtendLinkSecret
     | Create
     | DeletePod
     | PostEvent
     | PatchWorkload
     | ApplyWorkloadStatus
     | PutGivenUp
+    | PutFleet
 )

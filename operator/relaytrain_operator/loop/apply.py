@@ -25,14 +25,16 @@ from typing import Any
 
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
-from relaytrain_contract import GIVEN_UP_FILE
+from relaytrain_contract import FLEET_FILE, GIVEN_UP_FILE
 
 from relaytrain_operator.domain import queueing
 from relaytrain_operator.domain.builders.labels import JOB_LABEL
 from relaytrain_operator.domain.builders.secret import build_link_secret, secret_files
 from relaytrain_operator.domain.linkcerts import (
     LinkState,
+    extended_files,
     mint_link_credentials,
+    mint_link_extension,
     renewed_files,
     state_annotations,
 )
@@ -44,8 +46,10 @@ from relaytrain_operator.loop.actions import (
     Create,
     CreateLinkSecret,
     DeletePod,
+    ExtendLinkSecret,
     PatchStatus,
     PatchWorkload,
+    PutFleet,
     PutGivenUp,
     RenewLinkSecret,
 )
@@ -338,6 +342,8 @@ class Executor:
                 self._create_link_secret(job, action, now)
             elif isinstance(action, RenewLinkSecret):
                 self._renew_link_secret(job, action, now)
+            elif isinstance(action, ExtendLinkSecret):
+                self._extend_link_secret(job, action, now)
             elif isinstance(action, Create):
                 self.api.create(action.obj)
             elif isinstance(action, DeletePod):
@@ -348,6 +354,8 @@ class Executor:
                 self.api.apply_workload_status(action.body, action.manager)
             elif isinstance(action, PutGivenUp):
                 self._put_given_up(job, action)
+            elif isinstance(action, PutFleet):
+                self._put_fleet(job, action)
             else:  # PostEvent
                 self.post_event(job, action.type, action.reason, action.message)
         self._create_pods(pods)
@@ -373,6 +381,33 @@ class Executor:
             "Told the stages of %s/%s that pipeline(s) %s are given up.",
             meta["namespace"], meta["name"], list(action.pipelines),
         )  # fmt: skip
+
+    def _put_fleet(self, job: JsonDict, action: PutFleet) -> None:
+        """Tell the job's stages training, through its store, which pipelines were added.
+        Unlike the given-up pipelines, a store that cannot be written fails the pass: the
+        added stages are created only after the stages training can learn of them (the next
+        pass writes it again)."""
+        if self.store_access is None:
+            return
+        meta = job["metadata"]
+        spec = parse_job(job)
+        write_json(job_store_uri(spec), FLEET_FILE, action.document, self.store_access(spec))
+        added = [a["stages"][0]["pipeline"] for a in action.document.get("added") or []]
+        logger.info("Told the stages of %s/%s that pipeline(s) %s were added.",
+                    meta["namespace"], meta["name"], added)  # fmt: skip
+
+    def _extend_link_secret(self, job: JsonDict, action: ExtendLinkSecret, now: datetime) -> None:
+        meta = job["metadata"]
+        minted = mint_link_extension(
+            meta["namespace"], meta["name"], action.stages, now=now,
+            not_after=action.not_after, generation=action.generation,
+        )  # fmt: skip
+        files = extended_files(action.files, minted)
+        self.api.replace_secret(
+            build_link_secret(job, files, action.annotations, action.resource_version)
+        )
+        logger.info("Link certificates of %s/%s: minted for the added stage(s) %s.",
+                    meta["namespace"], meta["name"], list(action.stages))  # fmt: skip
 
     def _create_link_secret(self, job: JsonDict, action: CreateLinkSecret, now: datetime) -> None:
         meta = job["metadata"]

@@ -23,7 +23,7 @@ STAGE_RESTARTS = Counter(
 PIPELINE_CHANGES = Counter(
     "relaytrain_pipeline_changes_total",
     "Pipelines that left a running job (their node announced its end), were given up, came "
-    "back, or were re-split for the GPUs free.",
+    "back, were added on GPUs that joined, or were re-split for the GPUs free.",
     ["namespace", "change"],
 )
 CHANGES = {
@@ -32,7 +32,8 @@ CHANGES = {
     "PipelineAdded": "returned",
     "Replanned": "replanned",
 }
-"""The Events that say a job's pipelines changed, by the `change` label they count under."""
+"""The Events that say a job's pipelines changed, by the `change` label they count under (a
+PipelineAdded Event of a pipeline the plan did not have says `added` itself: PostEvent.change)."""
 RECONCILE_ERRORS = Counter(
     "relaytrain_reconcile_errors_total", "Reconciliations that raised an unexpected error."
 )

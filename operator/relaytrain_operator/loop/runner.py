@@ -139,8 +139,10 @@ class Runner:
             if decision.restarts:
                 metrics.STAGE_RESTARTS.labels(namespace=namespace).inc(decision.restarts)
             for action in decision.actions:
-                if isinstance(action, PostEvent) and action.reason in metrics.CHANGES:
-                    change = metrics.CHANGES[action.reason]
+                if not isinstance(action, PostEvent):
+                    continue
+                change = action.change or metrics.CHANGES.get(action.reason)
+                if change is not None:
                     metrics.PIPELINE_CHANGES.labels(namespace=namespace, change=change).inc()
             return decision
 

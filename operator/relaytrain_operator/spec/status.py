@@ -189,6 +189,10 @@ class PipelineStatus(_Status):
     """Stage pod replacements in this pipeline."""
     micro_batches: int
     """Its planned share of each step's micro-batches."""
+    added_at_step: int | None = None
+    """The job's last finished step when the operator added this pipeline, one the plan did
+    not have, on GPUs that joined (it joins at the next step boundary); unset for the
+    plan's own."""
     left_at_step: int | None = None
     """The job's last finished step when the pipeline last left (given up or removed)."""
     left_time: Timestamp | None = None

@@ -256,6 +256,15 @@ class Pass:
         """Ask for the next pass within `seconds` (the soonest of every such ask)."""
         self.retry_after = seconds if self.retry_after is None else min(self.retry_after, seconds)
 
+    def step(self) -> int:
+        """The job's last finished step as last read (the store's progress.json read this
+        pass, else status)."""
+        fresh = self.observed.progress
+        if fresh is not None and "step" in fresh.status:
+            return int(fresh.status["step"])
+        progress = self.status.progress
+        return progress.step if progress is not None else 0
+
     def update(self, **fields: Any) -> None:
         self.status = self.status.model_copy(update=fields)
 
@@ -278,8 +287,8 @@ class Pass:
             self.actions.append(PatchStatus(self.status))
             self.written = self.status
 
-    def event(self, kind: str, reason: str, message: str) -> None:
-        self.actions.append(PostEvent(kind, reason, message))
+    def event(self, kind: str, reason: str, message: str, change: str | None = None) -> None:
+        self.actions.append(PostEvent(kind, reason, message, change))
 
     def remove_pods(self, pipeline: int | None = None) -> None:
         """Delete the job's stage pods (of `pipeline` only, if given)."""

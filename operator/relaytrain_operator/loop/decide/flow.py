@@ -38,6 +38,7 @@ from relaytrain_operator.loop.decide.context import (
     planned_keys,
     started,
 )
+from relaytrain_operator.loop.decide.grow import growable
 from relaytrain_operator.loop.decide.resplit import waiting_since
 from relaytrain_operator.loop.decide.stages import run_stages
 from relaytrain_operator.spec import is_s3
@@ -71,10 +72,14 @@ def needs(job: JsonDict, pods: Mapping[StageKey, JsonDict], now: datetime | None
     # A replacement waiting for a GPU in a job of one pipeline may have the job re-split
     # for the GPUs free (resplit.py): the planner needs the nodes, the pods and the model.
     waits = not status.plan.several() and not queued and waiting_since(pods.values()) is not None
+    # A job of `replicas: auto` whose pipelines all train may grow on GPUs that joined
+    # (grow.py): the free GPUs, the model and the link Secret (certificates for the added
+    # stages, and for any planned stage still without one: a pass stopped after the plan).
+    grows = growable(spec, status, queued)
     return Needs(
-        link_secret=now is not None and (due is None or now >= due),
+        link_secret=now is not None and (due is None or now >= due or missing or grows),
         pods=missing,
-        room=missing or returnable or waits,
+        room=missing or returnable or waits or grows,
         model=status.plan.several() or waits,
         progress=is_s3(spec.spec.checkpoint.uri),
         workload=queued,

@@ -6,6 +6,8 @@ reads it only when status.linkCertificates says a change is due (or does not say
 takes the step `linkcerts.renewal_step` names, mirrors the result into status, and asks
 for another pass when the next step is due. A step replaces the Secret at the version it
 was read at, so two operators (or a pass redone after a crash) never apply one twice.
+A planned stage the Secret has no certificate for (a pipeline added to the running job)
+gets one, under a CA of its own that every stage then trusts too (`_extend`).
 """
 
 from __future__ import annotations
@@ -17,12 +19,13 @@ from relaytrain_operator.domain.linkcerts import (
     LinkState,
     advanced,
     link_state,
+    missing_stages,
     renewal_due,
     renewal_step,
 )
 from relaytrain_operator.domain.status import parse_time, rfc3339
-from relaytrain_operator.loop.actions import RenewLinkSecret
-from relaytrain_operator.loop.decide.context import Pass
+from relaytrain_operator.loop.actions import ExtendLinkSecret, RenewLinkSecret
+from relaytrain_operator.loop.decide.context import JsonDict, Pass, planned_keys
 from relaytrain_operator.spec import FineTuneJob, LinkCertificatesStatus
 
 
@@ -64,6 +67,8 @@ def keep_links_valid(ctx: Pass, spec: FineTuneJob) -> None:
                     f"new CA); they are valid until {rfc3339(after.not_after)}.",
                 )
             state = after
+        else:
+            _extend(ctx, secret, files, state)
         ctx.update(link_certificates=_status(state, renew_at, propagation))
     links = ctx.status.link_certificates
     due = parse_time(links.next_step_at) if links is not None else None
@@ -71,6 +76,24 @@ def keep_links_valid(ctx: Pass, spec: FineTuneJob) -> None:
     # one early; the periodic check reads again.
     if due is not None and due > ctx.now:
         ctx.wake_within((due - ctx.now).total_seconds())
+
+
+def _extend(ctx: Pass, secret: JsonDict, files: dict[str, str], state: LinkState) -> None:
+    """Certificates for the planned stages the Secret lacks (a pipeline added to the job),
+    minted under a CA of their own (linkcerts.mint_link_extension). Not in a renewal: its
+    next generation was minted for the stages planned then, and its `retire` would drop the
+    added CA; the renewal's end comes within two propagation delays, and this then."""
+    plan = ctx.status.plan
+    assert plan is not None
+    missing = missing_stages(files, planned_keys(plan))
+    if not missing or state.phase != "Current":
+        return
+    meta = secret["metadata"]
+    extend = ExtendLinkSecret(
+        files, meta["resourceVersion"], dict(meta.get("annotations") or {}),
+        tuple(missing), state.generation, state.not_after,
+    )  # fmt: skip
+    ctx.actions.append(extend)
 
 
 def _status(state: LinkState, renew_at: float, propagation: timedelta) -> LinkCertificatesStatus:

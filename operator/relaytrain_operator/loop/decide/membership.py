@@ -79,7 +79,7 @@ def leave_departing(ctx: Pass, spec: FineTuneJob, plan: PlanStatus, out: set[int
         ctx.event(
             "Warning",
             "PipelineLeaving",
-            f"Pipeline {p} leaves at step {_step(ctx)}: {why}. Its stage pods are removed "
+            f"Pipeline {p} leaves at step {ctx.step()}: {why}. Its stage pods are removed "
             "without counting a failure; the other pipelines train on"
             + (f" ({ReturnPrice(price.after, price.before).words()})" if price is not None else "")
             + ". It comes back where its stages fit on free GPUs.",
@@ -100,7 +100,7 @@ def departed(
 ) -> list[PipelineStatus]:
     """`pipelines` with pipeline `p` out (`phase` Left or Failed) since now, at the job's
     last step, for `why`."""
-    life = {"phase": phase, "left_at_step": _step(ctx), "left_time": rfc3339(ctx.now)}
+    life = {"phase": phase, "left_at_step": ctx.step(), "left_time": rfc3339(ctx.now)}
     return [
         s.model_copy(update={**life, "left_reason": why}) if s.index == p else s
         for s in pipelines or ()
@@ -167,7 +167,7 @@ def bring_back(
         ctx.event(
             "Normal",
             "PipelineAdded",
-            f"Pipeline {p} comes back after step {_step(ctx)} ({_was(dated)}): its "
+            f"Pipeline {p} comes back after step {ctx.step()} ({_was(dated)}): its "
             f"{len(keys)} stages fit on free GPUs ({pools}). It rejoins the pipelines "
             "training at a step boundary with their state."
             + (f" With it: {price.words()}." if price is not None else ""),
@@ -247,7 +247,7 @@ def _record_return(ctx: Pass, pipeline: PipelineStatus) -> None:
     update = {
         "phase": "Pending",
         "returns": pipeline.returns + 1,
-        "returned_at_step": _step(ctx),
+        "returned_at_step": ctx.step(),
         "held_out": None,
     }
     _replace(ctx, pipeline.model_copy(update=update))
@@ -269,12 +269,3 @@ def _was(pipeline: PipelineStatus) -> str:
     what = "it left" if pipeline.phase == "Left" else "given up"
     at = f" at step {pipeline.left_at_step}" if pipeline.left_at_step is not None else ""
     return f"{what}{at}: {pipeline.left_reason}" if pipeline.left_reason else f"{what}{at}"
-
-
-def _step(ctx: Pass) -> int:
-    """The job's last finished step as last read."""
-    fresh = ctx.observed.progress
-    if fresh is not None and "step" in fresh.status:
-        return int(fresh.status["step"])
-    progress = ctx.status.progress
-    return progress.step if progress is not None else 0

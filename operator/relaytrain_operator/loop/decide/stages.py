@@ -5,7 +5,8 @@ stage's pod. A failure is counted in status (and the count written) before its p
 deleted, so an operator restarted in between counts it once (see recovery.py). A stage
 that used up spec.failurePolicy.maxStageRestarts gives its pipeline up while the others
 train on, and fails the job when it is the last one left. A pipeline whose node announced
-its end leaves first, and one out comes back where it fits (membership.py). Pods to create
+its end leaves first, and one out comes back where it fits (membership.py); a job whose
+pipelines all train may grow on GPUs that joined (grow.py). Pods to create
 are create.py's; what the kept pods say, and progress.py's word on whether the job
 finished, make the job's new condition.
 """
@@ -46,6 +47,7 @@ from relaytrain_operator.loop.decide.context import (
     planned_keys,
 )
 from relaytrain_operator.loop.decide.create import create_stages
+from relaytrain_operator.loop.decide.grow import add_pipelines, fleet
 from relaytrain_operator.loop.decide.links import keep_links_valid
 from relaytrain_operator.loop.decide.membership import (
     bring_back,
@@ -92,6 +94,9 @@ def run_stages(ctx: Pass, spec: FineTuneJob) -> None:
     returning = bring_back(ctx, spec, plan, out, judged.entries)
     out -= {key[0] for key in returning}
     _give_up(ctx, spec, judged.exhausted, out, back=bool(returning))
+    if not out and not returning and all(v.action == "keep" for v in judged.verdicts.values()):
+        plan, added = add_pipelines(ctx, spec, plan, judged.entries)
+        returning += added
     for key, verdict in judged.verdicts.items():
         if verdict.action == "delete":
             meta = ctx.observed.pods[key]["metadata"]
@@ -101,6 +106,7 @@ def run_stages(ctx: Pass, spec: FineTuneJob) -> None:
     keep_links_valid(ctx, spec)
     waiting: dict[StageKey, str] = {}
     creating = [key for key, v in judged.verdicts.items() if v.action == "create"] + returning
+    fleet(ctx, spec, plan, creating)
     if creating:
         create_stages(ctx, spec, creating, judged.entries, waiting)
     stuck = _keep(ctx, judged, waiting)

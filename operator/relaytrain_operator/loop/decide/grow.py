@@ -1,0 +1,133 @@
+"""A running job grows: pipelines its plan did not have are added on GPUs that joined
+(domain/growing.py prices them; docs/operator.md, "Adding a pipeline").
+
+When: `spec.pipeline.replicas: auto` (the user let the planner choose how many pipelines
+pay), a job of several pipelines (one of one pipeline has no replicas in its stages'
+documents to grow from), not under Kueue (its quota is the Workload's), its store on s3://
+(the stages training learn of the added pipelines there), every pipeline training (none out
+that could come back, none starting or recovering: their GPUs come first), its link
+certificates not in a renewal, and the stages reporting progress (the steps left price the
+join). `growable` says whether a job is so, from its record alone (for `needs`).
+
+What, in order: the grown plan is written first (status.plan.pipelines with every share
+planned again, status.pipelines with `addedAtStep`, fresh status.stages entries on the pools
+chosen), so that an operator stopped after it still builds the added pods from the record;
+then the link Secret gets certificates for the added stages (links.py mints for any planned
+stage it lacks), names.FLEET_FILE lists every added pipeline (`fleet`), and the added
+stages' pods are created. They join the pipelines training at a step boundary with their
+state (docs/worker.md, "A pipeline added to a running job").
+"""
+
+from __future__ import annotations
+
+from relaytrain_operator.domain.builders.labels import StageKey
+from relaytrain_operator.domain.growing import Grown, grow
+from relaytrain_operator.domain.planner import PlanError, PoolError
+from relaytrain_operator.domain.stage_config import fleet_document, job_pod_endpoints
+from relaytrain_operator.loop.actions import PutFleet
+from relaytrain_operator.loop.decide.context import Pass
+from relaytrain_operator.spec import (
+    FineTuneJob,
+    FineTuneJobStatus,
+    PipelineStatus,
+    PlanStatus,
+    StageStatus,
+    is_s3,
+)
+
+
+def growable(spec: FineTuneJob, status: FineTuneJobStatus, queued: bool) -> bool:
+    """Whether the job may grow now, as far as its spec and record say (module doc): the
+    pass then reads the nodes, the cluster's pods, the model and the link Secret."""
+    plan, links = status.plan, status.link_certificates
+    return (
+        spec.spec.pipeline.replicas == "auto"
+        and not queued
+        and is_s3(spec.spec.checkpoint.uri)
+        and plan is not None
+        and plan.several()
+        and all(p.phase == "Running" for p in status.pipelines or ())
+        and links is not None
+        and links.phase == "Current"
+        and status.progress is not None
+        and status.progress.total_steps is not None
+    )
+
+
+def add_pipelines(
+    ctx: Pass, spec: FineTuneJob, plan: PlanStatus, entries: dict[StageKey, StageStatus]
+) -> tuple[PlanStatus, list[StageKey]]:
+    """Grow the job if it may and the planner says it pays: returns the plan (grown or as
+    it was) and the added stages to create, their entries put in `entries`."""
+    if not growable(spec, ctx.status, ctx.queue is not None):
+        return plan, []
+    model, cluster_pods = ctx.observed.model, ctx.observed.cluster_pods
+    progress = ctx.status.progress
+    if model is None or model.config is None or cluster_pods is None or progress is None:
+        return plan, []
+    assert progress.total_steps is not None
+    held = {key: s.pool for key, s in entries.items() if s.pool}
+    try:
+        grown = grow(
+            spec, plan, model.config, held=held, nodes=ctx.observed.nodes.values(),
+            cluster_pods=cluster_pods,
+            steps_left=max(progress.total_steps - ctx.step(), 0),
+            catalog=ctx.settings.catalog, default_link=ctx.settings.default_link,
+            join_seconds=ctx.settings.join_seconds,
+        )  # fmt: skip
+    except (PlanError, PoolError, ValueError):
+        return plan, []  # not to be priced (a pool gone under a stage): it stays as it is
+    if grown.plan is None:
+        return plan, []
+    return grown.plan, _record(ctx, grown, entries)
+
+
+def _record(ctx: Pass, grown: Grown, entries: dict[StageKey, StageStatus]) -> list[StageKey]:
+    """Write the grown plan and the added pipelines' life, and say so in an Event."""
+    assert grown.plan is not None and grown.plan.pipelines is not None
+    step = ctx.step()
+    added = grown.added
+    keys: list[StageKey] = []
+    life = list(ctx.status.pipelines or ())
+    for q in added:
+        planned = grown.plan.pipelines[q]
+        for s in planned.stages:
+            entries[(q, s.index)] = StageStatus(index=s.index, pipeline=q, pool=s.pool)
+            keys.append((q, s.index))
+        born = PipelineStatus(
+            index=q, phase="Pending", ready_stages=f"0/{len(planned.stages)}",
+            micro_batches=planned.micro_batches, added_at_step=step,
+        )  # fmt: skip
+        life.append(born)
+    shares = {p.index: p.micro_batches for p in grown.plan.pipelines}
+    life = [p.model_copy(update={"micro_batches": shares[p.index]}) for p in life]
+    ctx.update(plan=grown.plan, pipelines=life, stages=[entries[key] for key in sorted(entries)])
+    ctx.patch()  # the record first: the added pods are built from it, after a crash too
+    growth = grown.growth
+    for q in added:
+        pools = ", ".join(s.pool for s in grown.plan.pipelines[q].stages)
+        ctx.event(
+            "Normal",
+            "PipelineAdded",
+            f"Pipeline {q} is added after step {step} on GPUs that joined ({pools}), "
+            f"{shares[q]} of each step's {sum(shares.values())} micro-batches: "
+            f"{growth.reason}; {growth.tokens_per_second_before:,.0f} -> "
+            f"{growth.tokens_per_second_after:,.0f} predicted tokens/s. Its stages join the "
+            "pipelines training at a step boundary with their state.",
+            change="added",
+        )
+    return keys
+
+
+def fleet(ctx: Pass, spec: FineTuneJob, plan: PlanStatus, creating: list[StageKey]) -> None:
+    """Write names.FLEET_FILE (every pipeline added so far) before any added pipeline's
+    stage is created — added now, or replaced, or come back — so that the stages training
+    know of it by the time it dials."""
+    added = [p.index for p in ctx.status.pipelines or () if p.added_at_step is not None]
+    if not added or not is_s3(spec.spec.checkpoint.uri):
+        return
+    if not any(key[0] in added for key in creating):
+        return
+    splits = plan.splits()
+    endpoints = job_pod_endpoints(ctx.name, ctx.namespace, [len(s) for s in splits])
+    ctx.actions.append(PutFleet(fleet_document(spec, splits, endpoints, added)))

@@ -1,0 +1,294 @@
+"""A running job of `replicas: auto` grows: a pipeline its plan did not have is added on
+GPUs that joined, where the planner says it pays (domain/growing.py, decide/grow.py), with
+certificates for its stages (linkcerts.mint_link_extension) and the stages training told
+through the store (names.FLEET_FILE) before its pods exist."""
+
+from __future__ import annotations
+
+import copy
+import json
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives.asymmetric import ec
+from relaytrain_contract import CONFIG_ENV, FleetDocument, link_identity
+from relaytrain_operator.domain.builders.secret import build_link_secret
+from relaytrain_operator.domain.linkcerts import (
+    CA_FILE,
+    cert_file,
+    extended_files,
+    link_state,
+    mint_link_credentials,
+    mint_link_extension,
+    state_annotations,
+)
+from relaytrain_operator.domain.status import to_manifest
+from relaytrain_operator.loop.actions import (
+    Create,
+    ExtendLinkSecret,
+    PatchStatus,
+    PostEvent,
+    PutFleet,
+)
+from relaytrain_operator.loop.decide import Decision, ModelConfig, decide, needs, stage_pods
+from relaytrain_testkit import REPO
+from relaytrain_testkit.decide_cases import JOB, NODES, NOW, SETTINGS, node, observed
+from relaytrain_testkit.decide_fleet import fleet
+from relaytrain_testkit.decide_views import Progress
+
+pytestmark = pytest.mark.unit
+
+STEPS = 1000
+LLAMA_8B = ModelConfig(
+    json.loads((REPO / "operator/relaytrain_operator/known_models/llama-3.1-8b.json").read_text())
+)
+BIG = (
+    JOB.dataset("s3://data/train.jsonl", sequence_length=2048)
+    .training(steps=STEPS, micro_batch_size=1, micro_batches=64)
+    .pipeline(stages=1, replicas="auto")
+)
+"""Llama-3.1-8B, 64 micro-batches a step: `auto` plans a pipeline of one stage on each of
+NODES' H100 and A100s."""
+LIFE = timedelta(days=30)
+
+
+def progress(step: int) -> Progress:
+    """progress.json at `step` of the job's STEPS."""
+    return Progress(status={"step": step, "totalSteps": STEPS}, done=False, output=None)
+
+
+def far_a100(mbps: int) -> dict[str, Any]:
+    """An A100 of pool `far`, behind a link of `mbps` megabits per second."""
+    far = node("far-0", "a100")
+    far["metadata"]["labels"]["relaytrain.io/pool"] = "far"
+    far["metadata"]["annotations"] = {
+        "relaytrain.io/link-bandwidth-mbps": str(mbps),
+        "relaytrain.io/link-latency-ms": "40",
+    }
+    return far
+
+
+def h100(i: int) -> dict[str, Any]:
+    """An H100 that joins pool h100 (zone b, beside NODES' own)."""
+    return node(f"h100-{i}", "h100", zone="b")
+
+
+def secret(files: dict[str, str], version: str = "7") -> dict[str, Any]:
+    """The job's link Secret holding `files`, as the API server returns it."""
+    return build_link_secret(JOB.build(), files, state_annotations(link_state(files, {})), version)
+
+
+def training(job_t: Any = BIG) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, str]]:
+    """`job_t` planned and running, its link certificates read once (Current) and its
+    progress at step 40: the job as stored, its pods and its Secret's files."""
+    job, pods = fleet(job_t, LLAMA_8B)
+    counts = [len(p["stages"]) for p in job["status"]["plan"]["pipelines"]]
+    files = mint_link_credentials("ns", "j", counts, now=NOW - timedelta(days=1), lifetime=LIFE)
+    seen = decide(
+        observed(job, pods, model=LLAMA_8B, progress=progress(40), link_secret=secret(files)),
+        SETTINGS,
+    )
+    assert seen.status is not None
+    stored = copy.deepcopy(job)
+    stored["status"] = to_manifest(seen.status)
+    return stored, pods, files
+
+
+def grow_pass(
+    job: dict[str, Any], pods: list[dict[str, Any]], files: dict[str, str], *joined: Any
+) -> Decision:
+    nodes = [*NODES, *joined]
+    return decide(
+        observed(job, pods, nodes=nodes, model=LLAMA_8B, progress=progress(40),
+                 link_secret=secret(files)),
+        SETTINGS,
+    )  # fmt: skip
+
+
+def test_a_job_of_replicas_auto_adds_a_pipeline_on_a_gpu_that_joined_where_it_pays() -> None:
+    job, pods, files = training()
+    before = job["status"]["plan"]["pipelines"]
+    assert len(before) == 3
+    assert needs(job, stage_pods(pods), NOW).room  # it looks for GPUs that joined
+    grown = grow_pass(job, pods, files, h100(1))
+    kinds = [type(a).__name__ for a in grown.actions]
+    # The record first, then the certificates, then the store, then the pod.
+    assert kinds.index("PatchStatus") < kinds.index("ExtendLinkSecret")
+    assert kinds.index("ExtendLinkSecret") < kinds.index("PutFleet") < kinds.index("Create")
+    created = [a.obj for a in grown.actions if isinstance(a, Create) and a.obj["kind"] == "Pod"]
+    assert [p["metadata"]["name"] for p in created] == ["j-p3-s0"]
+    assert created[0]["spec"]["nodeSelector"]["relaytrain.io/pool"] == "h100"
+    # The record: a fourth pipeline, added at step 40, every share planned again.
+    assert grown.status is not None and grown.status.plan is not None
+    plan = grown.status.plan
+    assert plan.pipelines is not None and len(plan.pipelines) == 4
+    assert [s.pool for s in plan.pipelines[3].stages] == ["h100"]
+    shares = [p.micro_batches for p in plan.pipelines]
+    assert sum(shares) == 64 and min(shares) >= 1
+    assert plan.predicted_tokens_per_second is not None
+    assert plan.predicted_tokens_per_second >= 1.05 * before_tokens(job)
+    life = grown.status.pipelines
+    assert life is not None and [p.index for p in life] == [0, 1, 2, 3]
+    assert (life[3].phase, life[3].added_at_step) == ("Pending", 40)
+    assert [p.micro_batches for p in life] == shares
+    assert all(p.added_at_step is None for p in life[:3])
+    # Its stage's document lists every pipeline, with every share.
+    env = {e["name"]: e.get("value") for e in created[0]["spec"]["containers"][0]["env"]}
+    doc = json.loads(env[CONFIG_ENV])
+    assert doc["replicas"]["pipeline"] == 3 and doc["replicas"]["shares"] == shares
+    # Certificates for its stage, under a CA of their own, valid as long as the job's.
+    (extend,) = [a for a in grown.actions if isinstance(a, ExtendLinkSecret)]
+    assert extend.stages == ((3, 0),) and extend.resource_version == "7"
+    assert extend.not_after == link_state(files, {}).not_after
+    # The stages training are told where it listens, and who it is.
+    (told,) = [a for a in grown.actions if isinstance(a, PutFleet)]
+    fleet_doc = FleetDocument.from_json(json.dumps(told.document).encode())
+    (added,) = fleet_doc.added
+    (peer,) = added.stages
+    assert (peer.pipeline, peer.stage) == (3, 0)
+    assert peer.identity == link_identity("ns", "j", 3, 0)
+    assert peer.address is not None and peer.address.startswith("j-p3-s0.j.ns.svc")
+    # The Event says where, its share and the prediction; it counts as an added pipeline.
+    (said,) = [a for a in grown.actions if isinstance(a, PostEvent) and a.reason == "PipelineAdded"]
+    assert said.change == "added"
+    assert said.message.startswith(
+        f"Pipeline 3 is added after step 40 on GPUs that joined (h100), {shares[3]} of each "
+        "step's 64 micro-batches: adding 1 "
+    )
+    assert "predicted tokens/s" in said.message
+
+
+def before_tokens(job: dict[str, Any]) -> float:
+    return float(job["status"]["plan"]["predictedTokensPerSecond"])
+
+
+def test_no_pipeline_is_added_where_it_does_not_pay_or_the_user_fixed_the_count() -> None:
+    job, pods, files = training()
+    # An A100 behind 100 Mbit/s: the adapters' sync would cost more than its micro-batches
+    # bring.
+    slow = grow_pass(job, pods, files, far_a100(100))
+    assert not [a for a in slow.actions if isinstance(a, Create | PutFleet | ExtendLinkSecret)]
+    assert slow.status is not None and slow.status.plan is not None
+    assert slow.status.plan.pipelines is not None and len(slow.status.plan.pipelines) == 3
+    # Near its end the join would cost more than it saves.
+    near = copy.deepcopy(job)
+    near_pass = decide(
+        observed(near, pods, nodes=[*NODES, h100(1)], model=LLAMA_8B,
+                 progress=progress(STEPS - 1), link_secret=secret(files)),
+        SETTINGS,
+    )  # fmt: skip
+    assert not [a for a in near_pass.actions if isinstance(a, Create)]
+    # A fixed count is what the user asked for: the job keeps it.
+    fixed = copy.deepcopy(job)
+    fixed["spec"]["pipeline"]["replicas"] = 3
+    assert not needs(fixed, stage_pods(pods), NOW).room
+    kept = grow_pass(fixed, pods, files, h100(1))
+    assert not [a for a in kept.actions if isinstance(a, Create)]
+    # A pipeline still starting comes first: no growth until every one trains.
+    starting = copy.deepcopy(job)
+    starting["status"]["pipelines"][1]["phase"] = "Pending"
+    assert not needs(starting, stage_pods(pods), NOW).room
+    # Under a renewal of the links' certificates: not before it ends.
+    renewing = copy.deepcopy(job)
+    renewing["status"]["linkCertificates"]["phase"] = "Trusting"
+    assert not needs(renewing, stage_pods(pods), NOW).room
+
+
+def test_an_added_stage_without_a_pod_or_certificate_gets_both_after_a_stopped_pass() -> None:
+    job, pods, files = training()
+    grown = grow_pass(job, pods, files, h100(1))
+    patch = next(a for a in grown.actions if isinstance(a, PatchStatus))
+    # The operator stopped after writing the record: the next pass finds the added stage
+    # planned, without its pod or its certificate, and makes both, telling the store first.
+    stopped = copy.deepcopy(job)
+    stopped["status"] = to_manifest(patch.status)
+    assert needs(stopped, stage_pods(pods), NOW).link_secret
+    again = grow_pass(stopped, pods, files, h100(1))
+    kinds = [type(a).__name__ for a in again.actions]
+    assert kinds.index("ExtendLinkSecret") < kinds.index("PutFleet") < kinds.index("Create")
+    assert "PipelineAdded" not in [a.reason for a in again.actions if isinstance(a, PostEvent)]
+    # With its certificate in the Secret, nothing more is minted.
+    (extend,) = [a for a in again.actions if isinstance(a, ExtendLinkSecret)]
+    more = mint_link_extension("ns", "j", extend.stages, now=NOW, not_after=extend.not_after,
+                               generation=extend.generation)  # fmt: skip
+    done = grow_pass(stopped, pods, extended_files(files, more), h100(1))
+    assert not [a for a in done.actions if isinstance(a, ExtendLinkSecret)]
+
+
+def test_added_certificates_chain_to_a_ca_every_stage_trusts_and_expire_with_the_jobs() -> None:
+    files = mint_link_credentials("ns", "j", [2, 1], now=NOW, lifetime=LIFE)
+    state = link_state(files, {})
+    minted = mint_link_extension("ns", "j", [(2, 0), (2, 1)], now=NOW + timedelta(days=3),
+                                 not_after=state.not_after, generation=0)  # fmt: skip
+    grown = extended_files(files, minted)
+    assert {n for n in grown} - set(files) == {
+        cert_file(2, 0),
+        cert_file(2, 1),
+        "p2-s0.key",
+        "p2-s1.key",
+    }
+    cas = x509.load_pem_x509_certificates(grown[CA_FILE].encode())
+    assert len(cas) == 2  # the job's, then the added stages'
+    for p, k in [(0, 0), (0, 1), (1, 0), (2, 0), (2, 1)]:
+        cert = x509.load_pem_x509_certificate(grown[cert_file(p, k)].encode())
+        issuer = next(ca for ca in cas if ca.subject == cert.issuer)
+        key = issuer.public_key()
+        assert isinstance(key, ec.EllipticCurvePublicKey)
+        cert.verify_directly_issued_by(issuer)
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        assert san.get_values_for_type(x509.UniformResourceIdentifier) == [
+            link_identity("ns", "j", p, k)
+        ]
+        assert cert.not_valid_after_utc == state.not_after
+    assert cas[1].subject != cas[0].subject
+    assert link_state(grown, {}) == state  # the renewal's clock is the job's certificates'
+
+
+def test_the_store_is_told_again_before_an_added_stage_is_replaced_and_only_then() -> None:
+    job, pods, files = training()
+    grown = grow_pass(job, pods, files, h100(1))
+    assert grown.status is not None
+    job["status"] = to_manifest(grown.status)
+    (added,) = run_pods_of(grown, "h100-1")
+    ends = link_state(files, {}).not_after
+    more = mint_link_extension("ns", "j", [(3, 0)], now=NOW, not_after=ends, generation=0)
+    files = extended_files(files, more)
+    alive = [*pods, added]
+    # A stage of a pipeline of the plan replaced: nothing to tell.
+    lost = grow_pass(job, [p for p in alive if p["metadata"]["name"] != "j-p0-s0"], files, h100(1))
+    assert "Create" in [type(a).__name__ for a in lost.actions]
+    assert not [a for a in lost.actions if isinstance(a, PutFleet | ExtendLinkSecret)]
+    # The added one replaced: the store names it again before its pod is created.
+    again = grow_pass(job, [p for p in alive if p["metadata"]["name"] != "j-p3-s0"], files, h100(1))
+    kinds = [type(a).__name__ for a in again.actions]
+    assert kinds.index("PutFleet") < kinds.index("Create")
+
+
+def test_a_job_that_cannot_be_priced_does_not_grow() -> None:
+    job, pods, files = training()
+    unread = decide(
+        observed(job, pods, nodes=[*NODES, h100(1)], model=ModelConfig(error="timed out"),
+                 progress=progress(40), link_secret=secret(files)),
+        SETTINGS,
+    )  # fmt: skip
+    assert not [a for a in unread.actions if isinstance(a, Create)]
+    # A stage on a pool no node makes any more (its nodes relabelled): not priced, kept.
+    relabelled = copy.deepcopy(job)
+    relabelled["status"]["stages"][0]["pool"] = "gone"
+    kept = grow_pass(relabelled, pods, files, h100(1))
+    assert not [a for a in kept.actions if isinstance(a, Create)]
+
+
+def run_pods_of(decision: Decision, node_name: str) -> list[dict[str, Any]]:
+    """The pods `decision` created, bound to `node_name` and Running."""
+    out = []
+    for a in decision.actions:
+        if isinstance(a, Create) and a.obj["kind"] == "Pod":
+            p = copy.deepcopy(a.obj)
+            p["metadata"]["uid"] = f"uid-{p['metadata']['name']}"
+            p["spec"]["nodeName"] = node_name
+            p["status"] = {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}
+            out.append(p)
+    return out
