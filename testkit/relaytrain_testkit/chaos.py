@@ -420,12 +420,12 @@ def move_to_spare(
     return at, f"{before.spec.node_name} deleted; moved to {moved.spec.node_name}"
 
 
-def reset_connections(ports: Iterable[int]) -> int:
-    """Every established TCP connection to 127.0.0.1 on `ports` reset (`ss -K`); how many."""
+def reset_connections(ports: Iterable[int], host: str = "127.0.0.1") -> int:
+    """Every established TCP connection to `host` on `ports` reset (`ss -K`); how many."""
     reset = 0
     for port in ports:
         cut = subprocess.run(
-            ["ss", "-K", "dst", "127.0.0.1", "dport", "=", f":{port}"],
+            ["ss", "-K", "dst", host, "dport", "=", f":{port}"],
             capture_output=True, text=True, check=False,
         )  # fmt: skip
         assert cut.returncode == 0, (cut.stdout, cut.stderr)

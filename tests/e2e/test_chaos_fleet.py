@@ -298,12 +298,10 @@ def _inject(
         at, fault.note = move_to_spare(e, pod, spare, created)
         return at
     if fault.kind == "link":
-        ports = [
-            port for address, port in e["runner"].ports.items()
-            if address.startswith(f"{name}-p1-") and address.endswith(f":{REPLICA_PORT}")
-        ]  # fmt: skip
-        assert ports, e["runner"].ports
-        reset = reset_connections(ports)
+        # The replica listeners of pipeline 1: each at its own loopback IP (the runner's).
+        hosts = [ip for host, ip in e["runner"].ips.items() if host.startswith(f"{name}-p1-")]
+        assert hosts, e["runner"].ips
+        reset = sum(reset_connections([REPLICA_PORT], host) for host in hosts)
         assert reset, "no replica connection to reset"
         fault.note = f"{reset} replica connection(s) to pipeline 1 reset"
         return time.monotonic()

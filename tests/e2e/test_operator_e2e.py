@@ -15,6 +15,7 @@ committed checkpoint, and the job finishes with an adapter in MinIO.
 
 from __future__ import annotations
 
+import base64
 import functools
 import io
 import json
@@ -22,6 +23,7 @@ import os
 import re
 import signal
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -72,8 +74,20 @@ def env(
     require_image("operator")
     operator_image = image_registry.push("operator")
     work = tmp_path_factory.mktemp("e2e")
-    with operator_env(kube_cluster, minio_server, work, operator_image=operator_image) as parts:
+    with operator_env(
+        kube_cluster, minio_server, work, operator_image=operator_image, gpuCatalog=SLOW_GPU
+    ) as parts:
         yield parts
+
+
+SLOW_GPU = {
+    "Kwok-Slow-GPU": {
+        "tflops": 1e-5, "fp32Tflops": 1e-5, "memoryMiB": 24564, "memoryBandwidthGBs": 1.0,
+        "bf16": True,
+    }
+}  # fmt: skip
+"""A GPU the chart's catalog adds, so slow that the planner finds a pipeline more worth its
+join for the tiny model (on the GPUs the catalog knows, its step is all fixed costs)."""
 
 
 # peft 0.21.2's PeftModel.from_pretrained calls a transformers 5.23 API deprecated for v6.
@@ -432,6 +446,118 @@ def test_two_pipelines_train_one_job_export_what_the_chart_queries_and_survive_a
     print(f"{len(named)} metrics queried by the chart, all among {len(exported)} exported")
 
 
+def test_a_job_of_replicas_auto_grows_by_a_pipeline_on_a_node_that_joins(
+    env: dict[str, Any],
+) -> None:
+    """`replicas: auto` on a pool of two GPUs: two pipelines of one stage. A third node of
+    the pool joins while they train: the operator prices a third pipeline there, finds it
+    pays, records it (status.plan and status.pipelines, `addedAtStep`), mints its stage's
+    certificate under a CA of its own that the Secret adds to what every stage trusts,
+    tells the stages training through the store (fleet.json) and creates its pod. The
+    pipelines training dial it, admit it at a step boundary with their state, and the job
+    finishes on three pipelines: no restart, no step back, the change counted as `added`."""
+    from relaytrain_testkit.chaos import delete_nodes, node_ready
+    from relaytrain_testkit.harness import kwok_nodes
+
+    e = env
+    core, custom, ns = e["core"], e["custom"], e["ns"]
+    mc, bucket = e["minio"].client(), e["minio"].bucket
+    pool = {
+        "name": f"grow{ns[-6:]}", "product": "Kwok-Slow-GPU", "gpuMemoryMiB": 24564,
+        "cpu": "16", "memory": "64Gi", "linkBandwidthMbps": 500, "linkLatencyMs": 30,
+    }  # fmt: skip
+    nodes = [kwok_nodes.node_manifest(pool, i) for i in range(3)]
+    names = [n["metadata"]["name"] for n in nodes]
+    name, steps = "tiny-grows", 600
+    manifest = (
+        tiny_job(name, e["minio"])
+        .pipeline(stages=1, replicas="auto")
+        .training(steps=steps)
+        .placement(pools=[pool["name"]])
+        .build()
+    )
+    status = functools.partial(_job_status, custom, ns, name)
+    watcher = ProgressWatcher(e["minio"], f"ckpt/{ns}/{name}/progress.json")
+    try:
+        kwok_nodes.create_nodes(core.api_client, nodes[:2])
+        for node in names[:2]:
+            wait_for(f"{node} Ready", functools.partial(node_ready, core, node))
+        custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, manifest)
+        two = wait_for(
+            "two pipelines training",
+            lambda: (
+                (st := status()).get("pipelines")
+                and [p["phase"] for p in st["pipelines"]] == ["Running", "Running"]
+                and (st.get("progress") or {}).get("step", 0) >= 2
+                and st
+            ),
+            timeout=300,
+        )
+        assert two["progress"]["step"] < steps // 2, f"the job ran too fast to grow: {two}"
+        kwok_nodes.create_nodes(core.api_client, nodes[2:])
+        grown = wait_for(
+            "a third pipeline recorded",
+            lambda: len((st := status()).get("pipelines") or []) == 3 and st,
+            timeout=120,
+        )
+        joined = wait_for(
+            "the third pipeline admitted",
+            lambda: "rejoined at step" in _log(e, f"{name}-p2-s0") and watcher.latest(),
+            timeout=300,
+        )
+        final = wait_for(
+            "the grown job to finish",
+            lambda: (st := status()).get("phase") in ("Succeeded", "Failed") and st,
+            timeout=600,
+        )
+    except AssertionError as err:
+        raise AssertionError(f"{err}\n{diagnostics(e)}") from None
+    finally:
+        watcher.stop()
+        delete_nodes(core, names)
+    assert final["phase"] == "Succeeded", f"{final}\n{diagnostics(e)}"
+    added = grown["pipelines"][2]
+    assert added["addedAtStep"] is not None and added["addedAtStep"] < joined["step"] < steps
+    assert [p.get("addedAtStep") for p in final["pipelines"]][:2] == [None, None]
+    plan = final["plan"]["pipelines"]
+    assert [p["stages"][0]["pool"] for p in plan] == [pool["name"]] * 3
+    assert [p["microBatches"] for p in plan] == [1, 1, 1]  # the step's three, one each
+    assert final["restarts"] == 0 and final["progress"]["step"] == steps
+    after = [doc["step"] for _, doc in watcher.history]
+    assert after == sorted(after), after  # never a step back
+    # The stages training were told, before the pod existed, where it listens and who it is.
+    fleet = stored_json(mc, bucket, f"ckpt/{ns}/{name}/fleet.json")
+    assert [[s["pipeline"], s["stage"]] for a in fleet["added"] for s in a["stages"]] == [[2, 0]]
+    for p in (0, 1):
+        assert "links to the added pipeline(s) [2]" in _log(e, f"{name}-p{p}-s0")
+    secret = core.read_namespaced_secret(f"{name}-link", ns).data
+    assert {"p2-s0.crt", "p2-s0.key"} <= set(secret)
+    assert base64.b64decode(secret["ca.crt"]).count(b"BEGIN CERTIFICATE") == 2
+    events = core.list_namespaced_event(ns, field_selector=f"involvedObject.name={name}").items
+    said = [ev.message for ev in events if ev.reason == "PipelineAdded"]
+    assert len(said) == 1 and "Pipeline 2 is added after step" in said[0], said
+    metrics = _metric_samples(f"http://127.0.0.1:{e['values']['metrics']['port']}/metrics")
+    assert metrics.get(("relaytrain_pipeline_changes_total", ns, "added"), 0) >= 1, metrics
+    print(
+        f"\nGrew from two pipelines to three: recorded at step {added['addedAtStep']}, "
+        f"admitted by step {joined['step']}, finished at step {steps} without a step back"
+    )
+
+
+def _metric_samples(url: str) -> dict[tuple[str, str, str], float]:
+    """relaytrain_pipeline_changes_total by (name, namespace, change) from `url`."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        text = resp.read().decode()
+    return {
+        (s.name, s.labels.get("namespace", ""), s.labels.get("change", "")): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "relaytrain_pipeline_changes_total"
+    }
+
+
 def test_pipeline_0_given_up_leaves_pipeline_1_to_write_resume_and_finish_the_job(
     env: dict[str, Any],
 ) -> None:
@@ -612,7 +738,6 @@ def _stored_or_none(mc: Any, bucket: str, key: str) -> Any:
 def _families(url: str) -> set[str]:
     """The metric names an exposition declares (`# TYPE` lines, samples or not), as queries
     name them: counters with `_total`, histograms with `_bucket`, `_sum` and `_count`."""
-    import urllib.request
 
     with urllib.request.urlopen(url, timeout=5) as response:
         text = response.read().decode()

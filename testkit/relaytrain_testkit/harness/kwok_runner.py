@@ -10,7 +10,11 @@ part for pods that carry the label `relaytrain.io/job`:
 - cluster DNS does not exist here, so each stable pod address `<hostname>.<subdomain>.
   <namespace>.svc:<port>` gets a loopback port of its own (kept for the life of the
   runner, so a replacement pod with the same hostname is reached at the same address,
-  as DNS would give it), and the stage contract document is rewritten to use them;
+  as DNS would give it), and the stage contract document is rewritten to use them; the
+  replica links go by name instead, as their addresses also come from the job's store (a
+  pipeline added: fleet.json): each replica listener's host gets a loopback IP of its own
+  (127.x.y.z, at the document's port), named in a hosts file the runner keeps and mounts
+  at the stage container's /etc/hosts;
 - when the process exits the pod's status is posted as a kubelet would (Succeeded or
   Failed with the exit code and the termination message: what the process wrote to the
   file the container's `terminationMessagePath` names — here a file of the pod's own that
@@ -56,6 +60,7 @@ import contextlib
 import functools
 import json
 import os
+import random
 import re
 import signal
 import subprocess
@@ -75,6 +80,7 @@ from relaytrain_testkit.harness import containers
 from relaytrain_testkit.harness.containers import ContainerConfigError
 from relaytrain_testkit.harness.kubelet_volumes import (
     IssuedToken,
+    Mount,
     MountError,
     in_mount_namespace,
     pod_field,
@@ -187,6 +193,10 @@ class KwokProcessRunner:
         self.finished: dict[str, int] = {}  # pod uid -> exit code
         self.config_errors: dict[str, str] = {}  # pod uid -> why its container cannot start
         self.ports: dict[str, int] = {}  # stable DNS address -> loopback port
+        self.ips: dict[str, str] = {}  # stable host name of a replica listener -> loopback IP
+        self.hosts = self.workdir / "hosts"  # /etc/hosts of the stage containers: self.ips
+        self.hosts.write_text("127.0.0.1 localhost\n::1 localhost ip6-localhost ip6-loopback\n")
+        self._ip_base = random.randrange(2, 250)  # two runners at once draw apart
         self.errors: list[str] = []
         self._restarts: dict[str, _Restart] = {}  # by pod uid: containers waiting to restart
         self._ending: dict[str, threading.Thread] = {}  # by pod uid: processes being stopped
@@ -557,9 +567,13 @@ class KwokProcessRunner:
             **self._resolve_env(pod, container.env or []),
         }
         metrics_port = None
+        replicas = False
         if CONFIG_ENV in env:
             env[CONFIG_ENV], metrics_port = self._rewrite_config(pod, env[CONFIG_ENV])
+            replicas = bool(json.loads(env[CONFIG_ENV]).get("replicas"))
         mounts, tokens = project_volumes(self.core, pod, container, tmp)
+        if replicas:  # peers it learns of later (the store's fleet.json) go by name
+            mounts.append(Mount(self.hosts, "/etc/hosts", read_only=True))
         termination_log = tmp / "termination-log"  # a fresh file for each container start
         name = None
         if in_container:
@@ -723,6 +737,21 @@ class KwokProcessRunner:
                 self.ports[address] = free_port()
             return self.ports[address]
 
+    def ip_for(self, host: str) -> str:
+        """The loopback address standing in for the pod IP behind a stable host name, which
+        `hosts` (the stage containers' /etc/hosts) then names: each replica listener binds
+        its own at the port its document says, so an address read later from the job's
+        store (a pipeline added: fleet.json) reaches it by name, as cluster DNS would."""
+        with self._lock:
+            if host not in self.ips:
+                n = len(self.ips)
+                ip = f"127.{self._ip_base}.{n // 250}.{n % 250 + 1}"
+                self.ips[host] = ip
+                # One appended line: a reader of the bind-mounted file sees it whole or not.
+                with self.hosts.open("a") as hosts:
+                    hosts.write(f"{ip} {host}\n")
+            return self.ips[host]
+
     def _rewrite_config(self, pod: Any, raw: str) -> tuple[str, int | None]:
         doc = json.loads(raw)
         ns = pod.metadata.namespace
@@ -737,10 +766,11 @@ class KwokProcessRunner:
         replicas = doc.get("replicas") or {}
         if replicas.get("listen"):
             port = replicas["listen"].rsplit(":", 1)[1]
-            replicas["listen"] = f"127.0.0.1:{self.port_for(f'{own}:{port}')}"
+            replicas["listen"] = f"{self.ip_for(own)}:{port}"
         for peer in replicas.get("peers") or []:
             if peer.get("address") and _SVC_ADDRESS.match(peer["address"]):
-                peer["address"] = f"127.0.0.1:{self.port_for(peer['address'])}"
+                host, port = peer["address"].rsplit(":", 1)
+                peer["address"] = f"{self.ip_for(host)}:{port}"
         metrics_port = None
         obs = doc.get("observability")
         if isinstance(obs, dict) and obs.get("port"):
