@@ -153,6 +153,7 @@ def test_a_job_of_replicas_auto_adds_a_pipeline_on_a_gpu_that_joined_where_it_pa
     # The Event says where, its share and the prediction; it counts as an added pipeline.
     (said,) = [a for a in grown.actions if isinstance(a, PostEvent) and a.reason == "PipelineAdded"]
     assert said.change == "added"
+    assert grown.status.growth is None  # the free GPUs it priced are used now
     assert said.message.startswith(
         f"Pipeline 3 is added after step 40 on GPUs that joined (h100), {shares[3]} of each "
         "step's 64 micro-batches: adding 1 "
@@ -172,6 +173,28 @@ def test_no_pipeline_is_added_where_it_does_not_pay_or_the_user_fixed_the_count(
     assert not [a for a in slow.actions if isinstance(a, Create | PutFleet | ExtendLinkSecret)]
     assert slow.status is not None and slow.status.plan is not None
     assert slow.status.plan.pipelines is not None and len(slow.status.plan.pipelines) == 3
+    # Why the free GPUs stay unused: in status, and in an Event once per set of GPUs.
+    growth = slow.status.growth
+    assert growth is not None and growth.free_gpus == "far x1, rtx x1"  # the RTX: too small
+    assert growth.reason == "no pipeline on the free GPUs would shorten the step"
+    (said,) = [a for a in slow.actions if isinstance(a, PostEvent)]
+    assert said.reason == "GrowthDeclined"
+    assert said.message == (
+        f"No pipeline is added on the GPUs free for the job (far x1, rtx x1): {growth.reason}."
+    )
+    slow_job = copy.deepcopy(job)
+    slow_job["status"] = to_manifest(slow.status)
+    again = grow_pass(slow_job, pods, files, far_a100(100))
+    assert not [a for a in again.actions if isinstance(a, PostEvent)]
+    assert not [a for a in again.actions if isinstance(a, PatchStatus)]  # nothing new to say
+    # No GPU free any more (the far A100 and the RTX gone): nothing to say.
+    taken = [n for n in NODES if n["metadata"]["name"] != "rtx-0"]
+    full = decide(
+        observed(slow_job, pods, nodes=taken, model=LLAMA_8B, progress=progress(40),
+                 link_secret=secret(files)),
+        SETTINGS,
+    )  # fmt: skip
+    assert full.status is not None and full.status.growth is None
     # Near its end the join would cost more than it saves.
     near = copy.deepcopy(job)
     near_pass = decide(

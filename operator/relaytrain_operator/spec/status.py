@@ -269,6 +269,16 @@ class OutputStatus(_Status):
     """The adapter (PEFT format) or full weights."""
 
 
+class GrowthStatus(_Status):
+    """Why a running job of `replicas: auto` adds no pipeline on the GPUs free for it."""
+
+    free_gpus: str
+    """The free GPUs it priced, by pool (`a100 x2, h100 x1`)."""
+    reason: str
+    """The planner's verdict: the rise of predicted tokens/s against the 5 % margin, or the
+    time saved over the steps left against what a join costs."""
+
+
 class FineTuneJobStatus(_Status):
     """The observed state, written by the operator."""
 
@@ -308,6 +318,9 @@ class FineTuneJobStatus(_Status):
     """Where the result is, once the job Succeeded."""
     link_certificates: LinkCertificatesStatus | None = None
     """The links' certificates: when they expire and when they are renewed."""
+    growth: GrowthStatus | None = None
+    """GPUs free for a job of `spec.pipeline.replicas: auto` that it does not use, and why
+    (unset while there are none, or once it grew on them)."""
 
 
 def status_patch(status: FineTuneJobStatus) -> dict[str, object]:

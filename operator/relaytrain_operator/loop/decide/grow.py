@@ -29,6 +29,7 @@ from relaytrain_operator.loop.decide.context import Pass
 from relaytrain_operator.spec import (
     FineTuneJob,
     FineTuneJobStatus,
+    GrowthStatus,
     PipelineStatus,
     PlanStatus,
     StageStatus,
@@ -78,8 +79,29 @@ def add_pipelines(
     except (PlanError, PoolError, ValueError):
         return plan, []  # not to be priced (a pool gone under a stage): it stays as it is
     if grown.plan is None:
+        _unused(ctx, grown)
         return plan, []
+    ctx.update(growth=None)
     return grown.plan, _record(ctx, grown, entries)
+
+
+def _unused(ctx: Pass, grown: Grown) -> None:
+    """Say in status.growth why the GPUs free for the job stay unused, and in a
+    GrowthDeclined Event, when they are other GPUs than last said: the reason is the
+    pricing of these GPUs when they became free (its figures move with the steps left, and
+    a status written on every pass would cost an API call each)."""
+    if not grown.free:
+        ctx.update(growth=None)
+        return
+    free = ", ".join(f"{p.name} x{p.gpus}" for p in sorted(grown.free, key=lambda p: p.name))
+    said = ctx.status.growth
+    if said is None or said.free_gpus != free:
+        ctx.update(growth=GrowthStatus(free_gpus=free, reason=grown.growth.reason))
+        ctx.event(
+            "Normal",
+            "GrowthDeclined",
+            f"No pipeline is added on the GPUs free for the job ({free}): {grown.growth.reason}.",
+        )
 
 
 def _record(ctx: Pass, grown: Grown, entries: dict[StageKey, StageStatus]) -> list[StageKey]:
