@@ -468,7 +468,7 @@ def test_a_job_of_replicas_auto_grows_by_a_pipeline_on_a_node_that_joins(
     }  # fmt: skip
     nodes = [kwok_nodes.node_manifest(pool, i) for i in range(3)]
     names = [n["metadata"]["name"] for n in nodes]
-    name, steps = "tiny-grows", 600
+    name, steps = "tiny-grows", 500
     manifest = (
         tiny_job(name, e["minio"])
         .pipeline(stages=1, replicas="auto")
