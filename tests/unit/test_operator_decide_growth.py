@@ -155,7 +155,7 @@ def test_a_job_of_replicas_auto_adds_a_pipeline_on_a_gpu_that_joined_where_it_pa
     assert said.change == "added"
     assert grown.status.growth is None  # the free GPUs it priced are used now
     assert said.message.startswith(
-        f"Pipeline 3 is added after step 40 on GPUs that joined (h100), {shares[3]} of each "
+        f"Pipeline 3 is added after step 40 on GPUs free for the job (h100), {shares[3]} of each "
         "step's 64 micro-batches: adding 1 "
     )
     assert "predicted tokens/s" in said.message

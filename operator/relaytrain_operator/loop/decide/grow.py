@@ -131,7 +131,7 @@ def _record(ctx: Pass, grown: Grown, entries: dict[StageKey, StageStatus]) -> li
         ctx.event(
             "Normal",
             "PipelineAdded",
-            f"Pipeline {q} is added after step {step} on GPUs that joined ({pools}), "
+            f"Pipeline {q} is added after step {step} on GPUs free for the job ({pools}), "
             f"{shares[q]} of each step's {sum(shares.values())} micro-batches: "
             f"{growth.reason}; {growth.tokens_per_second_before:,.0f} -> "
             f"{growth.tokens_per_second_after:,.0f} predicted tokens/s. Its stages join the "
