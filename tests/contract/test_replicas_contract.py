@@ -106,7 +106,7 @@ def test_stages_started_before_a_pipeline_was_added_find_the_peers_its_documents
     # the three-pipeline plan lists, so both sides link the same pairs.
     job = parse_job(THREE.build())
     before = build_pipeline_configs(job, SPLITS[:2], _endpoints(SPLITS[:2]), [3, 3])
-    raw = json.dumps(fleet_document(job, SPLITS, _endpoints(SPLITS), added=[2]))
+    raw = json.dumps(fleet_document(job, SPLITS, _endpoints(SPLITS), added=[2], shares=[2, 2, 2]))
     fleet = FleetDocument.from_json(raw)
     assert [(a.pipeline, len(a.stages)) for a in fleet.added] == [(2, 1)]
     for p, row in enumerate(before):
@@ -117,6 +117,11 @@ def test_stages_started_before_a_pipeline_was_added_find_the_peers_its_documents
             want = [peer for peer in now.replicas.peers if peer.pipeline == 2]
             assert added_peers(cfg, fleet, known=2) == want != []
             assert added_peers(cfg, fleet, known=3) == []  # taken in already
+            # Its share as the grown plan gives it, in the marks its first stage makes.
+            links = ReplicaLinks(cfg, None, fleet=lambda: fleet)  # type: ignore[arg-type]
+            assert links.share == 3
+            assert set(links.follow()) == {(q.pipeline, q.stage) for q in want}
+            assert links.share == 2
 
 
 FLEET_INVALID = [
@@ -143,6 +148,11 @@ def test_an_invalid_fleet_document_is_refused_naming_the_field(
     twice["added"].reverse()
     with pytest.raises(ConfigError, match=r"added: must list each pipeline once, in order"):
         FleetDocument.from_json(twice)
+    grown = fleet_document(parse_job(THREE.build()), SPLITS, _endpoints(SPLITS), [1, 2], [2, 2, 2])
+    with pytest.raises(ConfigError, match=r"shares: must give every pipeline a share, up to "):
+        FleetDocument.from_json({**grown, "shares": [3, 3]})
+    with pytest.raises(ConfigError, match=r"shares\[2\]: should be greater than or equal to 1"):
+        FleetDocument.from_json({**grown, "shares": [3, 3, 0]})
 
 
 def test_one_pipeline_has_no_replicas_section() -> None:

@@ -530,6 +530,8 @@ def test_a_job_of_replicas_auto_grows_by_a_pipeline_on_a_node_that_joins(
     assert [[s["pipeline"], s["stage"]] for a in fleet["added"] for s in a["stages"]] == [[2, 0]]
     for p in (0, 1):
         assert "links to the added pipeline(s) [2]" in _log(e, f"{name}-p{p}-s0")
+    # Pipeline 0 shares the step as the grown plan does (1 of 3, not its document's 2).
+    assert "takes 1 of each step's micro-batches as planned now" in _log(e, f"{name}-p0-s0")
     secret = core.read_namespaced_secret(f"{name}-link", ns).data
     assert {"p2-s0.crt", "p2-s0.key"} <= set(secret)
     assert base64.b64decode(secret["ca.crt"]).count(b"BEGIN CERTIFICATE") == 2

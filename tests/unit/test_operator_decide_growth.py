@@ -145,6 +145,7 @@ def test_a_job_of_replicas_auto_adds_a_pipeline_on_a_gpu_that_joined_where_it_pa
     # The stages training are told where it listens, and who it is.
     (told,) = [a for a in grown.actions if isinstance(a, PutFleet)]
     fleet_doc = FleetDocument.from_json(json.dumps(told.document).encode())
+    assert fleet_doc.shares == tuple(shares)  # the stages training take theirs from it
     (added,) = fleet_doc.added
     (peer,) = added.stages
     assert (peer.pipeline, peer.stage) == (3, 0)

@@ -303,9 +303,16 @@ def test_a_pipeline_added_to_the_job_is_admitted_with_its_share_and_takes_its_pa
     sums = on_threads(
         {p: lambda p=p: groups[p].reduce(4, p, 0, _contribution(p)) for p in range(3)}
     )
+    assert all(sums[p][NAME].item() == 6.0 for p in range(3))
+    # The grown plan's shares (names.FLEET_FILE: 2, 2, 3; ReplicaLinks.follow sets them):
+    # the next step every member agrees on is shared by them.
+    for p, share in enumerate([2, 2, 3]):
+        groups[p].share = share
+    after = on_threads({p: lambda p=p: groups[p].agree_members(5) for p in range(3)})
     for group in groups.values():
         group.close()
-    assert all(sums[p][NAME].item() == 6.0 for p in range(3))
+    assert after[0] == after[1] == after[2] == ({0, 1, 2}, set(), (2, 2, 3))
+    assert [after[0].mine(p, 7) for p in range(3)] == [range(0, 2), range(2, 4), range(4, 7)]
 
 
 def test_no_more_pipelines_are_added_than_a_membership_mark_holds() -> None:

@@ -3,15 +3,20 @@ pipelines their own documents do not list (docs/stage-contract.md, `fleet.json` 
 "Several pipelines").
 
 A stage document lists the pipelines of the plan the stage was started under. When a
-pipeline is added to a running job (by `relaytrain run --local` today; the operator's side
-is next: docs/operator.md), the new pipeline's stages get documents that list every
-pipeline, and the stages already training learn of it from this document in the job's
-store: every stage of every added pipeline, its layers, the address of its replica listener
-and its identity (its share of each step's micro-batches is in its own stages' documents:
-its first stage tells the others when it asks to join). A stage reads it while it trains,
-links to the added stages that share its layers (a lower pipeline dials: an added pipeline
-is above every pipeline it joins), and the pipeline trains from the step boundary that
-admits it, as a pipeline coming back does.
+pipeline is added to a running job (by the operator on GPUs free for it, or by `relaytrain
+run --local`), the new pipeline's stages get documents that list every pipeline, and the
+stages already training learn of it from this document in the job's store: every stage of
+every added pipeline, its layers, the address of its replica listener and its identity. A
+stage reads it while it trains, links to the added stages that share its layers (a lower
+pipeline dials: an added pipeline is above every pipeline it joins), and the pipeline
+trains from the step boundary that admits it, as a pipeline coming back does.
+
+`shares`: every pipeline's share of each step's micro-batches as the plan that added them
+gives it (they add up to training.microBatches). A pipeline's first stage puts its own into
+the membership it agrees on each step, in place of its document's, so the step is shared as
+planned, the pipelines started before included (without it each keeps its document's share
+as its weight). Which step takes the new shares first does not matter: a step's result does
+not depend on how its micro-batches are shared.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from typing import Any
 from pydantic import model_validator
 
 from relaytrain_contract.errors import field_error, parse_json
-from relaytrain_contract.stage import ReplicaPeer, _Part
+from relaytrain_contract.stage import Count, ReplicaPeer, _Part
 
 
 class AddedPipeline(_Part):
@@ -62,12 +67,20 @@ class FleetDocument(_Part):
     """names.FLEET_FILE: the pipelines added to the job since it started, in pipeline order."""
 
     added: tuple[AddedPipeline, ...] = ()
+    shares: tuple[Count, ...] = ()
+    """Every pipeline's planned share of a step's micro-batches, in pipeline order (module
+    doc); empty: each pipeline keeps its document's."""
 
     @model_validator(mode="after")
     def _order(self) -> FleetDocument:
         indexes = [p.pipeline for p in self.added]
         if indexes != sorted(set(indexes)):
             raise field_error("added", f"must list each pipeline once, in order, got {indexes}")
+        if self.shares and indexes and len(self.shares) <= indexes[-1]:
+            raise field_error(
+                "shares", f"must give every pipeline a share, up to pipeline {indexes[-1]}: got "
+                f"{len(self.shares)} ({list(self.shares)})"
+            )  # fmt: skip
         return self
 
     @classmethod

@@ -8,8 +8,8 @@ again). The planner adds the pipelines that shorten the step most, and only when
 (`GROWTH_MARGIN`, and the time they save over the steps left against what a join costs:
 planner/growth.py). The result is the job's plan grown: the added pipelines appended to
 status.plan.pipelines with their stages and every pipeline's share planned again (the
-stages training keep the shares they were started with as weights: the membership they
-agree on each step shares the step's micro-batches by all of them, docs/worker.md).
+stages training take theirs from names.FLEET_FILE: the membership they agree on each step
+shares the step's micro-batches by all of them, docs/worker.md).
 """
 
 from __future__ import annotations

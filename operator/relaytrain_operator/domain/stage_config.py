@@ -324,12 +324,14 @@ def fleet_document(
     plans: Sequence[Any],
     endpoints: Sequence[Sequence[StageEndpoints]],
     added: Iterable[int],
+    shares: Sequence[int] = (),
 ) -> dict[str, Any]:
     """names.FLEET_FILE for the pipelines `added` to a running job (arguments as
     `build_pipeline_configs`'s, for every pipeline of the plan): each added pipeline's
     stages, with their layers, replica addresses and identities. The stages started
     before read it and link to the added stages that share their layers, which are exactly
-    the peers `build_pipeline_configs` would have listed there."""
+    the peers `build_pipeline_configs` would have listed there. `shares`: every pipeline's
+    share as the plan gives it now (their first stages take theirs from here)."""
     splits = [layer_ranges(plan) for plan in plans]
     ns, name = job.metadata.namespace, job.metadata.name
     return FleetDocument(
@@ -348,7 +350,8 @@ def fleet_document(
                 ),
             )
             for q in sorted(set(added))
-        )
+        ),
+        shares=tuple(shares),
     ).to_dict()
 
 

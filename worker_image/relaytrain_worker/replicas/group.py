@@ -73,8 +73,10 @@ class LinkGroup(StarExchange):
             )
         super().__init__(pipeline, stage, peers, timeout)
         self._pipelines = pipelines
-        self._share = share
-        """This pipeline's planned micro-batches per step: its weight in `live_shares`."""
+        self.share = share
+        """This pipeline's planned micro-batches per step: its weight in `live_shares` (the
+        relinking thread sets what the store's fleet document plans: ReplicaLinks.follow;
+        the next mark this stage 0 makes carries it)."""
         self._slots = pipelines if slots is None else slots
         """Length of a membership mark, the same for every stage of the job (the job's
         micro-batches per step: no job has more pipelines), so that stages that know of
@@ -247,7 +249,7 @@ class LinkGroup(StarExchange):
         mark = torch.zeros(self._slots, dtype=torch.float64)
         mark[self._pipeline] = value
         shares = torch.zeros(self._slots, dtype=torch.float64)
-        shares[self._pipeline] = float(self._share)
+        shares[self._pipeline] = float(self.share)
         return {MEMBER_KEY: mark, SHARES_KEY: shares}
 
     # -- the calls of a ReplicaGroup -------------------------------------------------

@@ -158,13 +158,8 @@ def given_up(read: Callable[[], bytes | None], every: float = 2.0) -> Polled[fro
     """The pipelines the operator gave up (names.GIVEN_UP_FILE: `{"pipelines": [...]}`): a
     stage waiting for its peers polls it. An unreadable document counts as none given up
     (the stage waits, as it would without one)."""
-    return Polled(
-        read,
-        lambda raw: frozenset(int(q) for q in json.loads(raw)["pipelines"]),
-        frozenset(),
-        "the given-up pipelines",
-        every,
-    )
+    return Polled(read, lambda raw: frozenset(int(q) for q in json.loads(raw)["pipelines"]),
+                  frozenset(), "the given-up pipelines", every)  # fmt: skip
 
 
 def fleet(read: Callable[[], bytes | None], every: float = 2.0) -> Polled[FleetDocument | None]:
@@ -197,22 +192,28 @@ class ReplicaLinks:
         self._lower = [p for p in self.spec.peers if p.pipeline < self.pipeline]
         self.out: frozenset[int] = frozenset()
         """The pipelines given up when `connect` last linked: no member, no leader."""
+        self.share = self.spec.shares[self.pipeline]
+        """Its pipeline's share of a step: its document's, or names.FLEET_FILE's (`follow`)."""
 
     def follow(self) -> dict[Peer, Slice]:
         """Take in the pipelines added to the job since this stage last looked (its
-        peers there join `all_peers`, and the higher ones it dials); returns what each new
-        peer holds."""
+        peers there join `all_peers`, and the higher ones it dials) and this pipeline's
+        share as the fleet document plans it; returns what each new peer holds."""
         fleet = self.fleet()
         if fleet is None:
             return {}
+        planned = dict(enumerate(fleet.shares)).get(self.pipeline, self.share)
+        if planned != self.share:
+            self.share = planned
+            log.info("Stage p%d/s%d takes %d of each step's micro-batches as planned now",
+                     self.pipeline, self.stage, planned)  # fmt: skip
         new = added_peers(self.cfg, fleet, self.count)
-        if not new:
-            return {}
-        self.all_peers.extend(new)
         added = _slices(self.cfg, new)
-        self.peers.update(added)
-        log.info("Stage p%d/s%d links to the added pipeline(s) %s", self.pipeline, self.stage,
-                 sorted({p.pipeline for p in new}))  # fmt: skip
+        if new:
+            self.all_peers.extend(new)
+            self.peers.update(added)
+            log.info("Stage p%d/s%d links to the added pipeline(s) %s", self.pipeline,
+                     self.stage, sorted({p.pipeline for p in new}))  # fmt: skip
         return added
 
     @property
@@ -384,7 +385,7 @@ class ReplicaLinks:
             members = set(range(self.count)) - self.out
         return LinkGroup(
             self.count, self.pipeline, self.stage, self.peers, links, members=members,
-            share=self.spec.shares[self.pipeline], slots=self.cfg.training.micro_batches,
+            share=self.share, slots=self.cfg.training.micro_batches,
         )  # fmt: skip
 
     def relink(self, group: LinkGroup, step: Callable[[], int], stop: threading.Event) -> None:
@@ -408,6 +409,7 @@ class ReplicaLinks:
             added = self.follow()
             if added:
                 group.add_peers(added)
+            group.share = self.share
             by_key = {(p.pipeline, p.stage): p for p in self._higher}
             for key in group.gone_peers():
                 peer = by_key.get(key)

@@ -60,5 +60,6 @@ def add_pipeline(
         job, grown.splits, every, grown.shares, compression=local_compression(job)
     )[q]
     credentials = {name: pem for k in range(len(mine)) for name, pem in ca.issue(q, k).items()}
-    fleet = fleet_document(job, grown.splits, every, added=[*added_before, q])
+    fleet = fleet_document(job, grown.splits, every, added=[*added_before, q],
+                           shares=grown.shares)  # fmt: skip
     return Added(q, grown, mine, documents, credentials, fleet)

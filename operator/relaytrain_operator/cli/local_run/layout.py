@@ -92,8 +92,8 @@ def local_layout(
 
 def grown_layout(layout: Layout, micro: int) -> Layout:
     """`layout` with one more pipeline, split as its last one, and every pipeline's share
-    planned again, at least one each (the added pipeline's stages are told theirs; those
-    already training keep the ones they were started with: `live_shares` weighs them all).
+    planned again, at least one each (the added pipeline's stages are told theirs in their
+    documents; those already training, in names.FLEET_FILE).
     ValueError saying why when the step has no micro-batch for it."""
     count = len(layout.splits) + 1
     if count > micro:

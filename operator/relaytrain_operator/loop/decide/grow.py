@@ -142,9 +142,10 @@ def _record(ctx: Pass, grown: Grown, entries: dict[StageKey, StageStatus]) -> li
 
 
 def fleet(ctx: Pass, spec: FineTuneJob, plan: PlanStatus, creating: list[StageKey]) -> None:
-    """Write names.FLEET_FILE (every pipeline added so far) before any added pipeline's
-    stage is created — added now, or replaced, or come back — so that the stages training
-    know of it by the time it dials."""
+    """Write names.FLEET_FILE (every pipeline added so far, and every pipeline's share as
+    planned now) before any added pipeline's stage is created — added now, or replaced, or
+    come back — so that the stages training know of it by the time it dials, and share each
+    step as the plan does."""
     added = [p.index for p in ctx.status.pipelines or () if p.added_at_step is not None]
     if not added or not is_s3(spec.spec.checkpoint.uri):
         return
@@ -152,4 +153,5 @@ def fleet(ctx: Pass, spec: FineTuneJob, plan: PlanStatus, creating: list[StageKe
         return
     splits = plan.splits()
     endpoints = job_pod_endpoints(ctx.name, ctx.namespace, [len(s) for s in splits])
-    ctx.actions.append(PutFleet(fleet_document(spec, splits, endpoints, added)))
+    shares = [p.micro_batches for p in plan.pipelines or ()]
+    ctx.actions.append(PutFleet(fleet_document(spec, splits, endpoints, added, shares)))
