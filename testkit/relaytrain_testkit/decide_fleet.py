@@ -4,17 +4,34 @@ its pods bound and Running, and the small edits the tests make to its pods."""
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any
 
 from relaytrain_operator.domain.status import to_manifest
 from relaytrain_operator.loop.actions import Create
 from relaytrain_operator.loop.decide import Decision, ModelConfig, decide
 
-from relaytrain_testkit.decide_cases import JOB, NODES, PRODUCTS, SETTINGS, observed
+from relaytrain_testkit import REPO
+from relaytrain_testkit.decide_cases import JOB, NODES, PRODUCTS, SETTINGS, node, observed
 from relaytrain_testkit.jobs import Job
 
 FLEET = JOB.pipeline(stages=2, replicas=2)
 """The job as two pipelines of two stages."""
+LLAMA_8B = ModelConfig(
+    json.loads((REPO / "operator/relaytrain_operator/known_models/llama-3.1-8b.json").read_text())
+)
+"""Llama-3.1-8B's config: a model whose pipelines' adapters cost a slow link something."""
+
+
+def far_a100(mbps: int) -> dict[str, Any]:
+    """An A100 of its own pool, `far`, behind a link of `mbps` megabits per second."""
+    far = node("far-0", "a100")
+    far["metadata"]["labels"]["relaytrain.io/pool"] = "far"
+    far["metadata"]["annotations"] = {
+        "relaytrain.io/link-bandwidth-mbps": str(mbps),
+        "relaytrain.io/link-latency-ms": "40",
+    }
+    return far
 
 
 def run_pods(decision: Decision) -> list[dict[str, Any]]:

@@ -212,12 +212,8 @@ def test_job_survives_a_stage_killed_mid_run(env: dict[str, Any]) -> None:
         watcher.stop()
         raise AssertionError(f"{err}\n{diagnostics(e)}") from None
 
-    def finished() -> Any:
-        st = status()
-        return st.get("phase") in ("Succeeded", "Failed") and st
-
     try:
-        final = wait_for("the job to finish", finished, timeout=600)
+        final = _ended(status, "the job to finish")
     except AssertionError as err:
         raise AssertionError(f"{err}\n{diagnostics(e)}") from None
     took = time.monotonic() - killed_at
@@ -378,11 +374,7 @@ def test_two_pipelines_train_one_job_export_what_the_chart_queries_and_survive_a
         wait_for("pipeline 1 rejoined", lambda: "rejoined at step" in _log(e, victim), timeout=300)
         drained = str(stage_pods(core, ns, name)[f"{name}-p0-s1"].spec.node_name)
         left, back = _drain_pipeline_0(e, name, drained, status)
-        final = wait_for(
-            "the two-pipeline job to finish",
-            lambda: (st := status()).get("phase") in ("Succeeded", "Failed") and st,
-            timeout=600,
-        )
+        final = _ended(status, "the two-pipeline job to finish")
     except AssertionError as err:
         raise AssertionError(f"{err}\n{diagnostics(e)}") from None
     finally:
@@ -473,7 +465,7 @@ def test_a_job_of_replicas_auto_grows_by_a_pipeline_on_a_node_that_joins(
         tiny_job(name, e["minio"])
         .pipeline(stages=1, replicas="auto")
         .training(steps=steps)
-        .placement(pools=[pool["name"]])
+        .placement(pools=[str(pool["name"])])
         .build()
     )
     status = functools.partial(_job_status, custom, ns, name)
@@ -505,11 +497,7 @@ def test_a_job_of_replicas_auto_grows_by_a_pipeline_on_a_node_that_joins(
             lambda: "rejoined at step" in _log(e, f"{name}-p2-s0") and watcher.latest(),
             timeout=300,
         )
-        final = wait_for(
-            "the grown job to finish",
-            lambda: (st := status()).get("phase") in ("Succeeded", "Failed") and st,
-            timeout=600,
-        )
+        final = _ended(status, "the grown job to finish")
     except AssertionError as err:
         raise AssertionError(f"{err}\n{diagnostics(e)}") from None
     finally:
@@ -634,11 +622,7 @@ def test_pipeline_0_given_up_leaves_pipeline_1_to_write_resume_and_finish_the_jo
         custom.patch_namespaced_custom_object(
             GROUP, VERSION, ns, PLURAL, name, {"spec": {"suspend": False}}
         )
-        final = wait_for(
-            "the job to finish on pipeline 1",
-            lambda: (st := status()).get("phase") in ("Succeeded", "Failed") and st,
-            timeout=600,
-        )
+        final = _ended(status, "the job to finish on pipeline 1")
     except AssertionError as err:
         raise AssertionError(f"{err}\n{diagnostics(e)}") from None
     finally:
@@ -677,6 +661,14 @@ def test_pipeline_0_given_up_leaves_pipeline_1_to_write_resume_and_finish_the_jo
         f"{mine['lastCommittedStep']} alone, was suspended at {suspended['step']}, resumed from "
         f"step {resumed} and finished the job {time.monotonic() - killed_at:.1f}s after the kill"
     )
+
+
+def _ended(status: Callable[[], dict[str, Any]], what: str) -> dict[str, Any]:
+    """The job's status once it Succeeded or Failed (waited for up to ten minutes)."""
+    ended: dict[str, Any] = wait_for(
+        what, lambda: (st := status()).get("phase") in ("Succeeded", "Failed") and st, timeout=600
+    )
+    return ended
 
 
 def _log(e: dict[str, Any], pod: str) -> str:

@@ -33,17 +33,13 @@ from relaytrain_operator.loop.actions import (
     PutFleet,
 )
 from relaytrain_operator.loop.decide import Decision, ModelConfig, decide, needs, stage_pods
-from relaytrain_testkit import REPO
 from relaytrain_testkit.decide_cases import JOB, NODES, NOW, SETTINGS, node, observed
-from relaytrain_testkit.decide_fleet import fleet
+from relaytrain_testkit.decide_fleet import LLAMA_8B, far_a100, fleet
 from relaytrain_testkit.decide_views import Progress
 
 pytestmark = pytest.mark.unit
 
 STEPS = 1000
-LLAMA_8B = ModelConfig(
-    json.loads((REPO / "operator/relaytrain_operator/known_models/llama-3.1-8b.json").read_text())
-)
 BIG = (
     JOB.dataset("s3://data/train.jsonl", sequence_length=2048)
     .training(steps=STEPS, micro_batch_size=1, micro_batches=64)
@@ -57,17 +53,6 @@ LIFE = timedelta(days=30)
 def progress(step: int) -> Progress:
     """progress.json at `step` of the job's STEPS."""
     return Progress(status={"step": step, "totalSteps": STEPS}, done=False, output=None)
-
-
-def far_a100(mbps: int) -> dict[str, Any]:
-    """An A100 of pool `far`, behind a link of `mbps` megabits per second."""
-    far = node("far-0", "a100")
-    far["metadata"]["labels"]["relaytrain.io/pool"] = "far"
-    far["metadata"]["annotations"] = {
-        "relaytrain.io/link-bandwidth-mbps": str(mbps),
-        "relaytrain.io/link-latency-ms": "40",
-    }
-    return far
 
 
 def h100(i: int) -> dict[str, Any]:

@@ -5,7 +5,6 @@ stages fit on free GPUs (domain/membership.py, decide/membership.py)."""
 from __future__ import annotations
 
 import copy
-import json
 import re
 from dataclasses import replace
 from datetime import timedelta
@@ -22,7 +21,6 @@ from relaytrain_operator.domain.recovery import INCARNATION_ANNOTATION
 from relaytrain_operator.domain.status import condition, to_manifest
 from relaytrain_operator.loop.decide import Decision, ModelConfig, decide, needs, stage_pods
 from relaytrain_operator.spec import FailurePolicy, PipelineStatus
-from relaytrain_testkit import REPO
 from relaytrain_testkit.decide_cases import (
     JOB,
     NODES,
@@ -35,7 +33,15 @@ from relaytrain_testkit.decide_cases import (
     running_status,
     stage,
 )
-from relaytrain_testkit.decide_fleet import FLEET, failed, fleet, named, without
+from relaytrain_testkit.decide_fleet import (
+    FLEET,
+    LLAMA_8B,
+    failed,
+    far_a100,
+    fleet,
+    named,
+    without,
+)
 from relaytrain_testkit.decide_views import created, progress, ready_reason, summary
 
 pytestmark = pytest.mark.unit
@@ -292,9 +298,6 @@ def test_the_wait_of_a_pipeline_given_up_again_and_again_stops_doubling() -> Non
     assert return_wait(given, policy, NOW) == timedelta(seconds=60 * 2**MAX_DOUBLINGS)
 
 
-LLAMA_8B = ModelConfig(
-    json.loads((REPO / "operator/relaytrain_operator/known_models/llama-3.1-8b.json").read_text())
-)
 BIG = (
     JOB.dataset("s3://data/train.jsonl", sequence_length=2048)
     .training(steps=100, micro_batch_size=1, micro_batches=64)
@@ -324,17 +327,6 @@ def a100_left() -> tuple[dict[str, Any], list[dict[str, Any]], int, str]:
     assert int(change[1].replace(",", "")) > int(change[2].replace(",", "")) > 0
     alive = [q for q in pods if not q["metadata"]["name"].startswith(f"j-p{p}-")]
     return stored(left, job), alive, p, name
-
-
-def far_a100(mbps: int) -> dict[str, Any]:
-    """An A100 of its own pool, `far`, behind a link of `mbps` megabits per second."""
-    far = node("far-0", "a100")
-    far["metadata"]["labels"]["relaytrain.io/pool"] = "far"
-    far["metadata"]["annotations"] = {
-        "relaytrain.io/link-bandwidth-mbps": str(mbps),
-        "relaytrain.io/link-latency-ms": "40",
-    }
-    return far
 
 
 def test_with_replicas_auto_a_pipeline_comes_back_only_where_its_return_pays() -> None:
