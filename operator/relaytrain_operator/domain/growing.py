@@ -19,6 +19,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from relaytrain_operator.domain.membership import assess_layout
 from relaytrain_operator.domain.placement import job_pools
 from relaytrain_operator.domain.planner import (
     Catalog,
@@ -28,7 +29,6 @@ from relaytrain_operator.domain.planner import (
     Pool,
     Sync,
     TrainingShape,
-    assess,
     plan_growth,
 )
 from relaytrain_operator.domain.planning import training_shape
@@ -123,12 +123,11 @@ def _priced(
     held: Mapping[StageKey, str],
 ) -> Plan:
     """Pipeline `planned` priced on the pools its stages hold, with its planned share."""
-    own = replace(training, micro_batches=planned.micro_batches)
     stages = [
         (held.get((planned.index, s.index)) or s.pool, s.layer_end - s.layer_start)
         for s in planned.stages
     ]
-    return assess(model, own, pools, stages, catalog)
+    return assess_layout(model, training, pools, (planned.micro_batches, stages), catalog)
 
 
 def _free(pools: list[Pool], held: Counter[str]) -> list[Pool]:

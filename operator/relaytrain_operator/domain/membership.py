@@ -186,17 +186,25 @@ def price_return(
     rule for a pipeline that fits on free GPUs. PlanError when a layout names a pool not in
     `pools`."""
     catalog = catalog or DEFAULT_CATALOG
-
-    def priced(layout: Layout) -> Plan:
-        micro_batches, stages = layout
-        own = replace(training, micro_batches=micro_batches)
-        return assess(model, own, pools, list(stages), catalog)
-
-    live = [priced(layout) for layout in training_now]
+    live = [assess_layout(model, training, pools, layout, catalog) for layout in training_now]
+    back = assess_layout(model, training, pools, returning, catalog)
     before, _ = _speed(model, training, live, pools, catalog=catalog, sync=sync)
-    after, _ = _speed(model, training, [*live, priced(returning)], pools, catalog=catalog,
-                      sync=sync)  # fmt: skip
+    after, _ = _speed(model, training, [*live, back], pools, catalog=catalog, sync=sync)
     return ReturnPrice(before, after)
+
+
+def assess_layout(
+    model: ModelShape,
+    training: TrainingShape,
+    pools: Sequence[Pool],
+    layout: Layout,
+    catalog: Catalog | None = None,
+) -> Plan:
+    """The planner's prediction of a pipeline as it runs (`layout`: its share, its stages'
+    pools and layers) on `pools`."""
+    micro_batches, stages = layout
+    own = replace(training, micro_batches=micro_batches)
+    return assess(model, own, pools, list(stages), catalog)
 
 
 def shrunk_pools(pools: Sequence[Pool], leaving: Sequence[Pool]) -> list[Pool]:

@@ -150,7 +150,6 @@ def config_map_payload(core: Any, pod: Any, volume: Any) -> dict[str, FileProjec
     """The files a `configMap` volume shows, as `secret_payload` makes a Secret's (a
     ConfigMap's `data` is text, not base64)."""
     source = volume.config_map
-    failed = f'MountVolume.SetUp failed for volume "{volume.name}" : '
     try:
         cm = core.read_namespaced_config_map(source.name, pod.metadata.namespace)
     except ApiException as exc:
@@ -158,18 +157,9 @@ def config_map_payload(core: Any, pod: Any, volume: Any) -> dict[str, FileProjec
             raise
         if source.optional:
             return {}
-        raise MountError(f'{failed}configmap "{source.name}" not found') from None
-    data: Mapping[str, str] = cm.data or {}
-    default = DEFAULT_SECRET_MODE if source.default_mode is None else int(source.default_mode)
-    payload: dict[str, FileProjection] = {}
-    for item in source.items or [_Item(key, key) for key in sorted(data)]:
-        if item.key not in data:
-            if source.optional:
-                continue
-            raise MountError(f"{failed}configmap references non-existent config key: {item.key}")
-        mode = default if getattr(item, "mode", None) is None else int(item.mode)
-        payload[item.path] = FileProjection(data[item.key].encode(), mode)
-    return payload
+        raise MountError(f'{_failed(volume)}configmap "{source.name}" not found') from None
+    data = {key: text.encode() for key, text in (cm.data or {}).items()}
+    return _projected(volume, source, data, "configmap references non-existent config key")
 
 
 def secret_payload(core: Any, pod: Any, volume: Any) -> dict[str, FileProjection]:
@@ -179,25 +169,36 @@ def secret_payload(core: Any, pod: Any, volume: Any) -> dict[str, FileProjection
     kubelet's words, otherwise."""
     source = volume.secret
     ns = pod.metadata.namespace
-    failed = f'MountVolume.SetUp failed for volume "{volume.name}" : '
     try:
-        data: Mapping[str, str] = core.read_namespaced_secret(source.secret_name, ns).data or {}
+        encoded: Mapping[str, str] = core.read_namespaced_secret(source.secret_name, ns).data or {}
     except ApiException as exc:
         if exc.status != 404:
             raise
         if source.optional:
             return {}
-        raise MountError(f'{failed}secret "{source.secret_name}" not found') from None
+        raise MountError(f'{_failed(volume)}secret "{source.secret_name}" not found') from None
+    data = {key: base64.b64decode(value) for key, value in encoded.items()}
+    return _projected(volume, source, data, "references non-existent secret key")
+
+
+def _failed(volume: Any) -> str:
+    return f'MountVolume.SetUp failed for volume "{volume.name}" : '
+
+
+def _projected(
+    volume: Any, source: Any, data: Mapping[str, bytes], no_key: str
+) -> dict[str, FileProjection]:
+    """What a Secret's or ConfigMap's `data` shows through `source`'s `items`, modes and
+    `optional` (a key missing: MountError saying `no_key`)."""
     default = DEFAULT_SECRET_MODE if source.default_mode is None else int(source.default_mode)
-    items = source.items or [_Item(key, key) for key in sorted(data)]
     payload: dict[str, FileProjection] = {}
-    for item in items:
+    for item in source.items or [_Item(key, key) for key in sorted(data)]:
         if item.key not in data:
             if source.optional:
                 continue
-            raise MountError(f"{failed}references non-existent secret key: {item.key}")
+            raise MountError(f"{_failed(volume)}{no_key}: {item.key}")
         mode = default if getattr(item, "mode", None) is None else int(item.mode)
-        payload[item.path] = FileProjection(base64.b64decode(data[item.key]), mode)
+        payload[item.path] = FileProjection(data[item.key], mode)
     return payload
 
 
