@@ -22,6 +22,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.getLogger("kubernetes").setLevel(logging.WARNING)
         # kopf logs every handler run at INFO; ours log what they change.
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+        # The liveness server's access log: a line for every probe, several a second, which
+        # buries what the operator did (`kubectl logs` shows the last of it).
+        logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     # Registers the handlers (importing them needs kopf and the kubernetes client, which
     # `--help` does not).
     import relaytrain_operator.loop.handlers

@@ -692,15 +692,23 @@ def _drain_pipeline_0(
     pods = stage_pods(core, ns, name)
     leaving = [runner.local_pod(ns, n).process for n in pods if "-p0-" in n]
     operator = e["release"].ready_operator()[1].pid
+    evicted = f"{name}-p0-s1"
+    # Held for less than the three failed liveness probes (20 s apart) that would restart it:
+    # a failure here leaves the operator as it was for the tests after this one.
     with held(operator):
         core.patch_node(drained, {"spec": {"unschedulable": True}})
-        evict = client.V1Eviction(metadata=client.V1ObjectMeta(name=f"{name}-p0-s1", namespace=ns))
-        core.create_namespaced_pod_eviction(f"{name}-p0-s1", ns, evict)
-        wait_for(
-            "the evicted stage asked to stop",
-            lambda: "was asked to stop" in _log(e, f"{name}-p0-s1"),
-            timeout=60,
-        )
+        evict = client.V1Eviction(metadata=client.V1ObjectMeta(name=evicted, namespace=ns))
+        core.create_namespaced_pod_eviction(evicted, ns, evict)
+        try:
+            wait_for(
+                "the evicted stage asked to stop",
+                lambda: "was asked to stop" in _log(e, evicted),
+                timeout=30,
+            )
+        except AssertionError as err:
+            said = sorted((e["work"] / "pods" / ns / evicted).rglob("*.log"))
+            tails = "\n".join(f"--- {p}\n{p.read_text()[-3000:]}" for p in said)
+            raise AssertionError(f"{err}; runner errors {runner.errors[-5:]}\n{tails}") from None
     left = wait_for(
         "pipeline 0 left",
         lambda: (st := status())["pipelines"][0].get("leftReason") and st,
