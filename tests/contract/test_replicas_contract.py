@@ -164,10 +164,22 @@ def test_one_pipeline_has_no_replicas_section() -> None:
 
 
 def test_the_builder_refuses_shares_that_do_not_fill_the_step() -> None:
-    with pytest.raises(ValueError, match=r"add up to spec.training.microBatches \(6\)"):
-        build_pipeline_configs(parse_job(THREE.build()), SPLITS, _endpoints(SPLITS), [3, 2, 2])
+    with pytest.raises(ValueError, match=r"add up to at least spec.training.microBatches \(6\)"):
+        build_pipeline_configs(parse_job(THREE.build()), SPLITS, _endpoints(SPLITS), [2, 2, 1])
     with pytest.raises(ValueError, match="at least one micro-batch"):
         build_pipeline_configs(parse_job(THREE.build()), SPLITS, _endpoints(SPLITS), [4, 2, 0])
+
+
+def test_shares_past_the_step_are_weights_of_a_job_grown_past_a_pipeline_out() -> None:
+    """A job grown while pipeline 1 was out keeps its share as the weight it comes back with:
+    the planned shares of the pipelines training fill the step (4 + 2), pipeline 1's 3 more."""
+    documents = build_pipeline_configs(
+        parse_job(THREE.build()), SPLITS, _endpoints(SPLITS), [4, 3, 2]
+    )
+    for row in documents:
+        for document in row:
+            cfg = StageConfig.from_json(json.dumps(document))
+            assert cfg.replicas is not None and cfg.replicas.shares == (4, 3, 2)
 
 
 def _edit(document: dict[str, Any], change: Any) -> dict[str, Any]:
@@ -177,7 +189,11 @@ def _edit(document: dict[str, Any], change: Any) -> dict[str, Any]:
 
 
 INVALID = [
-    ("shares-do-not-add-up", lambda r: r.update(shares=[3, 2, 2]), "replicas.shares: must add up"),
+    (
+        "shares-do-not-fill-the-step",
+        lambda r: r.update(shares=[2, 2, 1]),
+        "replicas.shares: must add up to at least training.microBatches (6), got [2, 2, 1]",
+    ),
     (
         "one-share",
         lambda r: r.update(shares=[6], pipeline=0),

@@ -301,3 +301,67 @@ def run_pods_of(decision: Decision, node_name: str) -> list[dict[str, Any]]:
             p["status"] = {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}
             out.append(p)
     return out
+
+
+def out_for_good(p: int, *, return_after: int = 0, ago: int = 600) -> tuple[Any, Any, Any]:
+    """BIG training, its pipeline `p` given up `ago` seconds ago (its pod gone), under a
+    policy that tries a given-up pipeline again after `return_after` s (0: never)."""
+    job, pods, files = training(BIG.failure_policy(return_after_seconds=return_after))
+    job["status"]["pipelines"][p].update(
+        phase="Failed", leftTime=(NOW - timedelta(seconds=ago)).isoformat().replace("+00:00", "Z"),
+        leftAtStep=30, leftReason="Stage 0 used up its 3 restarts.",
+    )  # fmt: skip
+    return job, [x for x in pods if not x["metadata"]["name"].startswith(f"j-p{p}-")], files
+
+
+def test_a_job_grows_past_a_pipeline_given_up_for_good_and_not_on_its_nodes() -> None:
+    job, pods, files = out_for_good(2)
+    last_ran = next(s["node"] for s in job["status"]["stages"] if s.get("pipeline") == 2)
+    assert last_ran.startswith("a100-")  # free now, and never built on again
+    assert needs(job, stage_pods(pods), NOW).room
+    grown = grow_pass(job, pods, files, h100(1))
+    created = [a.obj for a in grown.actions if isinstance(a, Create) and a.obj["kind"] == "Pod"]
+    assert [p["metadata"]["name"] for p in created] == ["j-p3-s0"]  # a new index: 2 stays out
+    assert created[0]["spec"]["nodeSelector"]["relaytrain.io/pool"] == "h100"
+    assert grown.status is not None and grown.status.plan is not None
+    plan = grown.status.plan
+    assert plan.pipelines is not None and [p.index for p in plan.pipelines] == [0, 1, 2, 3]
+    shares = [p.micro_batches for p in plan.pipelines]
+    before = [p["microBatches"] for p in job["status"]["plan"]["pipelines"]]
+    # The pipelines training and the added one fill the step; pipeline 2 keeps its share,
+    # the weight it would come back with.
+    assert shares[2] == before[2] and shares[0] + shares[1] + shares[3] == 64
+    life = grown.status.pipelines
+    assert life is not None
+    assert [p.phase for p in life] == ["Running", "Running", "Failed", "Pending"]
+    env = {e["name"]: e.get("value") for e in created[0]["spec"]["containers"][0]["env"]}
+    assert json.loads(env[CONFIG_ENV])["replicas"]["shares"] == shares  # adds up past 64
+    (told,) = [a for a in grown.actions if isinstance(a, PutFleet)]
+    assert told.document["shares"] == shares
+    (said,) = [a for a in grown.actions if isinstance(a, PostEvent) and a.reason == "PipelineAdded"]
+    assert f"{shares[3]} of each step's 64 micro-batches" in said.message
+    # Its GPU alone free (no node joined): nothing is built where it failed.
+    alone = grow_pass(job, pods, files)
+    assert not [a for a in alone.actions if isinstance(a, Create)]
+
+
+def test_a_pipeline_that_may_still_come_back_holds_growth_off_and_then_comes_back() -> None:
+    # Given up a minute ago, tried again after five: its GPUs are not built on meanwhile.
+    job, pods, files = out_for_good(2, return_after=300, ago=60)
+    waiting = grow_pass(job, pods, files, h100(1))
+    assert not [a for a in waiting.actions if isinstance(a, Create | PutFleet)]
+    # Its delay over, it comes back (on the A100 it had), and nothing is added beside it.
+    due, pods, files = out_for_good(2, return_after=300, ago=400)
+    back = grow_pass(due, pods, files, h100(1))
+    created = [a.obj for a in back.actions if isinstance(a, Create) and a.obj["kind"] == "Pod"]
+    assert [p["metadata"]["name"] for p in created] == ["j-p2-s0"]
+    assert "PipelineAdded" in [a.reason for a in back.actions if isinstance(a, PostEvent)]
+    assert back.status is not None and back.status.plan is not None
+    assert back.status.plan.pipelines is not None and len(back.status.plan.pipelines) == 3
+    # A pipeline that left but whose pods are still going holds it off too: their GPUs are
+    # not free yet.
+    left = copy.deepcopy(job)
+    left["status"]["pipelines"][2].update(phase="Left", leftReason="drained")
+    job_pods = training()[1]
+    going = grow_pass(left, job_pods, files, h100(1))
+    assert not [a for a in going.actions if isinstance(a, Create | PutFleet)]

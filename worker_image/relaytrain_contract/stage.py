@@ -313,9 +313,12 @@ class ReplicasSpec(_Part):
     checkpoints and progress.json for all (every pipeline holds the same weights): pipeline 0
     unless it is out."""
     shares: tuple[Count, ...]
-    """Micro-batches per step of each pipeline, in pipeline order; they add up to
-    `training.microBatches`. Pipeline p trains the p-th contiguous run of a step's
-    micro-batches (micro-batches sum(shares[:p]) .. sum(shares[:p+1]) - 1)."""
+    """Micro-batches per step of each pipeline, in pipeline order: each pipeline's weight
+    when a step's `training.microBatches` are shared among the pipelines training it
+    (`relaytrain_worker.replicas.arithmetic.live_shares`). While every pipeline trains and
+    they add up to `training.microBatches`, pipeline p trains the p-th contiguous run of a
+    step's micro-batches (micro-batches sum(shares[:p]) .. sum(shares[:p+1]) - 1). They add
+    up to more when pipelines out of the job keep theirs (a job grown past them)."""
     listen: str | None
     """host:port to accept the peers of lower pipelines on; null on pipeline 0 (it dials
     every peer)."""
@@ -453,14 +456,14 @@ class StageConfig(_Part):
         return self
 
     def _check_replicas(self, replicas: ReplicasSpec) -> None:
-        """The shares fill the step; every other pipeline's peers cover this stage's layers
-        with contiguous stages."""
+        """The shares fill the step (more, with pipelines out keeping theirs); every other
+        pipeline's peers cover this stage's layers with contiguous stages."""
         total = sum(replicas.shares)
-        if total != self.training.micro_batches:
+        if total < self.training.micro_batches:
             raise field_error(
                 "replicas.shares",
-                f"must add up to training.microBatches ({self.training.micro_batches}), "
-                f"got {list(replicas.shares)} (sum {total})",
+                f"must add up to at least training.microBatches "
+                f"({self.training.micro_batches}), got {list(replicas.shares)} (sum {total})",
             )
         start, end = self.stage.layer_start, self.stage.layer_end
         for q in range(len(replicas.shares)):

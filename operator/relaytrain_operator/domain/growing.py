@@ -15,7 +15,7 @@ shares the step's micro-batches by all of them, docs/worker.md).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -70,17 +70,21 @@ def grow(
     catalog: Catalog | None = None,
     default_link: tuple[float, float] | None = None,
     join_seconds: float,
+    out: Collection[int] = (),
 ) -> Grown:
-    """The pipelines to add to `job` (planned as `plan`, several pipelines, none out), its
-    stages on the pools `held` says ((pipeline, stage) -> pool; the plan's where it lacks
-    one), on the GPUs of `nodes` that `cluster_pods` leave free. Raises planner.PlanError or
+    """The pipelines to add to `job` (planned as `plan`, several pipelines), its stages
+    training on the pools `held` says ((pipeline, stage) -> pool; the plan's where it lacks
+    one), on the GPUs of `nodes` that `cluster_pods` leave free. The pipelines `out` are not
+    priced (they train nothing) and keep their planned share, as the weight they come back
+    with; the others' shares and the added ones' fill the step. Raises planner.PlanError or
     PoolError (or ValueError) where the job cannot be priced: then nothing is added."""
     assert plan.pipelines, "a job of one pipeline has no replicas to grow"
     nodes = list(nodes)
     model = ModelShape.from_hf_config(dict(model_config))
     training = training_shape(job, plan.compression)
     everything = job_pools(job, nodes, [], default_link=default_link, require_ready=False)
-    running = [_priced(model, training, everything, catalog, p, held=held) for p in plan.pipelines]
+    training_now = [p for p in plan.pipelines if p.index not in out]
+    running = [_priced(model, training, everything, catalog, p, held=held) for p in training_now]
     free = _free(job_pools(job, nodes, list(cluster_pods), default_link=default_link),
                  Counter(held.values()))  # fmt: skip
     sync = job.spec.pipeline.sync
@@ -94,9 +98,10 @@ def grow(
     if not growth.pays or not growth.added:
         return Grown(growth, None, tuple(free))
     n = len(plan.pipelines)
+    shares = {p.index: m for p, m in zip(training_now, growth.shares, strict=False)}
     kept = [
-        p.model_copy(update={"micro_batches": m})
-        for p, m in zip(plan.pipelines, growth.shares, strict=False)
+        p.model_copy(update={"micro_batches": shares.get(p.index, p.micro_batches)})
+        for p in plan.pipelines
     ]
     added = [
         PlanPipeline.model_validate({"index": n + i, "microBatches": a.micro_batches,

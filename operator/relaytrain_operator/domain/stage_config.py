@@ -254,7 +254,8 @@ def build_pipeline_configs(
     `plans[p]`: anything layer_ranges accepts (pipelines may split the layers differently);
     `endpoints[p]`: one StageEndpoints per stage of pipeline p, with `replica_listen` and
     `replica_address` set on every pipeline but 0; `shares[p]`: pipeline p's micro-batches
-    per step (they add up to spec.training.microBatches). With one pipeline the documents
+    per step (they add up to spec.training.microBatches, or more where pipelines out of the
+    job keep theirs as weights: ReplicasSpec.shares). With one pipeline the documents
     are `build_stage_configs`'s, without a replicas section. Each stage's `replicas.peers`
     are the stages of the other pipelines whose layers overlap its own (the embedding and
     the head go with the first and last layer). `renewal_grace`: as `build_stage_configs`'s.
@@ -265,10 +266,10 @@ def build_pipeline_configs(
         raise ValueError(
             f"{len(plans)} pipelines, {len(endpoints)} endpoint lists and {len(shares)} shares"
         )
-    if sum(shares) != micro or min(shares) < 1:
+    if sum(shares) < micro or min(shares) < 1:
         raise ValueError(
             f"shares {list(shares)} must give every pipeline at least one micro-batch and add "
-            f"up to spec.training.microBatches ({micro})"
+            f"up to at least spec.training.microBatches ({micro})"
         )
     if len(plans) == 1:
         return [

@@ -4,10 +4,19 @@
 When: `spec.pipeline.replicas: auto` (the user let the planner choose how many pipelines
 pay), a job of several pipelines (one of one pipeline has no replicas in its stages'
 documents to grow from), not under Kueue (its quota is the Workload's), its store on s3://
-(the stages training learn of the added pipelines there), every pipeline training (none out
-that could come back, none starting or recovering: their GPUs come first), its link
-certificates not in a renewal, and the stages reporting progress (the steps left price the
-join). `growable` says whether a job is so, from its record alone (for `needs`).
+(the stages training learn of the added pipelines there), every pipeline training or out
+(none starting or recovering: their GPUs come first), its link certificates not in a
+renewal, and the stages reporting progress (the steps left price the join). `growable` says
+whether a job is so, from its record alone (for `needs`).
+
+A pipeline out does not come back in a pass that adds one (membership.bring_back runs
+first), and it holds growth off only while it may still come back by itself: given up and
+waiting out its return delay (what failed it is not built on meanwhile), or its last pods
+still going (their GPUs are not free yet). One that left and whose stages fit on no free GPUs,
+or whose return does not pay (held out), stays out, its share kept as its weight, and the
+GPUs free are priced for new pipelines shaped for them: a pipeline re-split, in effect, under
+a new index. One given up for good (`returnAfterSeconds: 0`) stays out too, and nothing is
+added on the nodes its stages last ran on.
 
 What, in order: the grown plan is written first (status.plan.pipelines with every share
 planned again, status.pipelines with `addedAtStep`, fresh status.stages entries on the pools
@@ -22,8 +31,10 @@ from __future__ import annotations
 
 from relaytrain_operator.domain.builders.labels import StageKey
 from relaytrain_operator.domain.growing import Grown, grow
+from relaytrain_operator.domain.membership import return_wait
 from relaytrain_operator.domain.planner import PlanError, PoolError
 from relaytrain_operator.domain.stage_config import fleet_document, job_pod_endpoints
+from relaytrain_operator.domain.status import OUT_PHASES
 from relaytrain_operator.loop.actions import PutFleet
 from relaytrain_operator.loop.decide.context import Pass
 from relaytrain_operator.spec import (
@@ -47,7 +58,8 @@ def growable(spec: FineTuneJob, status: FineTuneJobStatus, queued: bool) -> bool
         and is_s3(spec.spec.checkpoint.uri)
         and plan is not None
         and plan.several()
-        and all(p.phase == "Running" for p in status.pipelines or ())
+        and all(p.phase == "Running" or p.phase in OUT_PHASES for p in status.pipelines or ())
+        and any(p.phase == "Running" for p in status.pipelines or ())
         and links is not None
         and links.phase == "Current"
         and status.progress is not None
@@ -56,21 +68,30 @@ def growable(spec: FineTuneJob, status: FineTuneJobStatus, queued: bool) -> bool
 
 
 def add_pipelines(
-    ctx: Pass, spec: FineTuneJob, plan: PlanStatus, entries: dict[StageKey, StageStatus]
+    ctx: Pass,
+    spec: FineTuneJob,
+    plan: PlanStatus,
+    entries: dict[StageKey, StageStatus],
+    out: set[int],
 ) -> tuple[PlanStatus, list[StageKey]]:
     """Grow the job if it may and the planner says it pays: returns the plan (grown or as
-    it was) and the added stages to create, their entries put in `entries`."""
-    if not growable(spec, ctx.status, ctx.queue is not None):
+    it was) and the added stages to create, their entries put in `entries`. `out`: the
+    pipelines out of the job after this pass's returns."""
+    if not growable(spec, ctx.status, ctx.queue is not None) or _awaited(ctx, spec, out):
         return plan, []
     model, cluster_pods = ctx.observed.model, ctx.observed.cluster_pods
     progress = ctx.status.progress
     if model is None or model.config is None or cluster_pods is None or progress is None:
         return plan, []
     assert progress.total_steps is not None
-    held = {key: s.pool for key, s in entries.items() if s.pool}
+    held = {key: s.pool for key, s in entries.items() if s.pool and key[0] not in out}
+    # Nothing new on the nodes a pipeline given up for good last ran on.
+    gone = _for_good(ctx, spec, out)
+    shunned = {s.node for s in ctx.status.stages if s.node and (s.pipeline or 0) in gone}
+    nodes = [n for n in ctx.observed.nodes.values() if n["metadata"]["name"] not in shunned]
     try:
         grown = grow(
-            spec, plan, model.config, held=held, nodes=ctx.observed.nodes.values(),
+            spec, plan, model.config, held=held, nodes=nodes, out=out,
             cluster_pods=cluster_pods,
             steps_left=max(progress.total_steps - ctx.step(), 0),
             catalog=ctx.settings.catalog, default_link=ctx.settings.default_link,
@@ -82,7 +103,31 @@ def add_pipelines(
         _unused(ctx, grown)
         return plan, []
     ctx.update(growth=None)
-    return grown.plan, _record(ctx, grown, entries)
+    return grown.plan, _record(ctx, grown, entries, out)
+
+
+def _awaited(ctx: Pass, spec: FineTuneJob, out: set[int]) -> bool:
+    """Whether a pipeline out may still come back by itself (module doc): given up and
+    waiting out its return delay, or its last pods still going."""
+    policy = spec.spec.failure_policy
+    for pipeline in ctx.status.pipelines or ():
+        if pipeline.index not in out:
+            continue
+        if any(key[0] == pipeline.index for key in ctx.observed.pods):
+            return True
+        if pipeline.phase == "Failed" and return_wait(pipeline, policy, ctx.now):
+            return True
+    return False
+
+
+def _for_good(ctx: Pass, spec: FineTuneJob, out: set[int]) -> set[int]:
+    """The pipelines out that never come back (given up, with returnAfterSeconds 0)."""
+    policy = spec.spec.failure_policy
+    return {
+        p.index
+        for p in ctx.status.pipelines or ()
+        if p.index in out and p.phase == "Failed" and return_wait(p, policy, ctx.now) is None
+    }
 
 
 def _unused(ctx: Pass, grown: Grown) -> None:
@@ -104,7 +149,9 @@ def _unused(ctx: Pass, grown: Grown) -> None:
         )
 
 
-def _record(ctx: Pass, grown: Grown, entries: dict[StageKey, StageStatus]) -> list[StageKey]:
+def _record(
+    ctx: Pass, grown: Grown, entries: dict[StageKey, StageStatus], out: set[int]
+) -> list[StageKey]:
     """Write the grown plan and the added pipelines' life, and say so in an Event."""
     assert grown.plan is not None and grown.plan.pipelines is not None
     step = ctx.step()
@@ -126,13 +173,14 @@ def _record(ctx: Pass, grown: Grown, entries: dict[StageKey, StageStatus]) -> li
     ctx.update(plan=grown.plan, pipelines=life, stages=[entries[key] for key in sorted(entries)])
     ctx.patch()  # the record first: the added pods are built from it, after a crash too
     growth = grown.growth
+    micro = sum(p.micro_batches for p in grown.plan.pipelines if p.index not in out)
     for q in added:
         pools = ", ".join(s.pool for s in grown.plan.pipelines[q].stages)
         ctx.event(
             "Normal",
             "PipelineAdded",
             f"Pipeline {q} is added after step {step} on GPUs free for the job ({pools}), "
-            f"{shares[q]} of each step's {sum(shares.values())} micro-batches: "
+            f"{shares[q]} of each step's {micro} micro-batches: "
             f"{growth.reason}; {growth.tokens_per_second_before:,.0f} -> "
             f"{growth.tokens_per_second_after:,.0f} predicted tokens/s. Its stages join the "
             "pipelines training at a step boundary with their state.",

@@ -94,8 +94,8 @@ def run_stages(ctx: Pass, spec: FineTuneJob) -> None:
     returning = bring_back(ctx, spec, plan, out, judged.entries)
     out -= {key[0] for key in returning}
     _give_up(ctx, spec, judged.exhausted, out, back=bool(returning))
-    if not out and not returning and all(v.action == "keep" for v in judged.verdicts.values()):
-        plan, added = add_pipelines(ctx, spec, plan, judged.entries)
+    if not returning and all(v.action == "keep" for v in judged.verdicts.values()):
+        plan, added = add_pipelines(ctx, spec, plan, judged.entries, out)
         returning += added
     for key, verdict in judged.verdicts.items():
         if verdict.action == "delete":
