@@ -34,10 +34,11 @@ def far_a100(mbps: int) -> dict[str, Any]:
     return far
 
 
-def run_pods(decision: Decision) -> list[dict[str, Any]]:
-    """The stage pods `decision` created, bound to a node of their pool and Running."""
+def run_pods(decision: Decision, nodes: list[dict[str, Any]] = NODES) -> list[dict[str, Any]]:
+    """The stage pods `decision` created, bound to a node of their pool (of `nodes`) and
+    Running."""
     free = {
-        pool: [n["metadata"]["name"] for n in NODES if pool in n["metadata"]["name"]]
+        pool: [n["metadata"]["name"] for n in nodes if pool in n["metadata"]["name"]]
         for pool in PRODUCTS
     }
     out = []
@@ -52,14 +53,16 @@ def run_pods(decision: Decision) -> list[dict[str, Any]]:
 
 
 def fleet(
-    job: Job = FLEET, model: ModelConfig | None = None
+    job: Job = FLEET, model: ModelConfig | None = None, nodes: list[dict[str, Any]] = NODES
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """`job` (by default two 2-stage pipelines) planned on NODES' GPUs and running, with
-    `model`'s config (None: SmolLM2-135M's)."""
-    first = decide(observed(job.build(), model=model), SETTINGS)
+    """`job` (by default two 2-stage pipelines) planned on the GPUs of `nodes` and running,
+    with `model`'s config (None: SmolLM2-135M's)."""
+    first = decide(observed(job.build(), nodes=nodes, model=model), SETTINGS)
     assert first.status is not None
-    pods = run_pods(first)
-    running = decide(observed(job.status(to_manifest(first.status)).build(), pods), SETTINGS)
+    pods = run_pods(first, nodes)
+    running = decide(
+        observed(job.status(to_manifest(first.status)).build(), pods, nodes=nodes), SETTINGS
+    )
     assert running.status is not None
     return job.status(to_manifest(running.status)).build(), pods
 

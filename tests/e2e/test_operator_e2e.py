@@ -18,6 +18,7 @@ from __future__ import annotations
 import base64
 import functools
 import io
+import itertools
 import json
 import os
 import re
@@ -438,16 +439,19 @@ def test_two_pipelines_train_one_job_export_what_the_chart_queries_and_survive_a
     print(f"{len(named)} metrics queried by the chart, all among {len(exported)} exported")
 
 
-def test_a_job_of_replicas_auto_grows_by_a_pipeline_on_a_node_that_joins(
+def test_a_job_of_replicas_auto_grows_by_a_pipeline_on_each_node_that_joins(
     env: dict[str, Any],
 ) -> None:
-    """`replicas: auto` on a pool of two GPUs: two pipelines of one stage. A third node of
-    the pool joins while they train: the operator prices a third pipeline there, finds it
-    pays, records it (status.plan and status.pipelines, `addedAtStep`), mints its stage's
-    certificate under a CA of its own that the Secret adds to what every stage trusts,
-    tells the stages training through the store (fleet.json) and creates its pod. The
-    pipelines training dial it, admit it at a step boundary with their state, and the job
-    finishes on three pipelines: no restart, no step back, the change counted as `added`."""
+    """`replicas: auto` on a pool of one GPU: one pipeline of one stage. A second node of
+    the pool joins while it trains: the operator prices a second pipeline there, restart
+    included (the one pipeline's documents have no replicas to grow by), finds it pays,
+    records the plan of two, and replaces the one pipeline's pod by pipeline 0's beside
+    pipeline 1's: both restore the last commit, no failure counted. A third node joins: the
+    operator adds a third pipeline hot — mints its stage's certificate under a CA of its own
+    that the Secret adds to what every stage trusts, tells the stages training through the
+    store (fleet.json) and creates its pod; the pipelines training dial it and admit it at a
+    step boundary with their state. The job finishes on three pipelines: no restart, no step
+    back but the restart's (to its last commit), each change counted as `added`."""
     from relaytrain_testkit.chaos import delete_nodes, node_ready
     from relaytrain_testkit.harness import kwok_nodes
 
@@ -470,22 +474,35 @@ def test_a_job_of_replicas_auto_grows_by_a_pipeline_on_a_node_that_joins(
     )
     status = functools.partial(_job_status, custom, ns, name)
     watcher = ProgressWatcher(e["minio"], f"ckpt/{ns}/{name}/progress.json")
+
+    def training(count: int) -> Any:
+        """The status once `count` pipelines' pods run and each stage said it trains."""
+        st = status()
+        phases = [p["phase"] for p in st.get("pipelines") or []]
+        said = all("micro-batches from step" in _log(e, f"{name}-p{p}-s0") for p in range(count))
+        return phases == ["Running"] * count and said and st
+
     try:
-        kwok_nodes.create_nodes(core.api_client, nodes[:2])
-        for node in names[:2]:
-            wait_for(f"{node} Ready", functools.partial(node_ready, core, node))
+        kwok_nodes.create_nodes(core.api_client, nodes[:1])
+        wait_for(f"{names[0]} Ready", functools.partial(node_ready, core, names[0]))
         custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, manifest)
-        two = wait_for(
-            "two pipelines training",
+        one = wait_for(
+            "one pipeline training past a commit",
             lambda: (
-                (st := status()).get("pipelines")
-                and [p["phase"] for p in st["pipelines"]] == ["Running", "Running"]
-                and (st.get("progress") or {}).get("step", 0) >= 2
+                (st := status()).get("phase") == "Running"
+                and not st.get("pipelines")
+                and (st.get("progress") or {}).get("lastCommittedStep")
                 and st
             ),
             timeout=300,
         )
-        assert two["progress"]["step"] < steps // 2, f"the job ran too fast to grow: {two}"
+        assert one["progress"]["step"] < steps // 3, f"the job ran too fast to grow: {one}"
+        second = time.monotonic()
+        kwok_nodes.create_nodes(core.api_client, nodes[1:2])
+        two = wait_for("two pipelines training", lambda: training(2), timeout=300)
+        took = {"two": time.monotonic() - second}
+        restarted = [doc["step"] for _, doc in watcher.history]
+        third = time.monotonic()
         kwok_nodes.create_nodes(core.api_client, nodes[2:])
         grown = wait_for(
             "a third pipeline recorded",
@@ -497,6 +514,7 @@ def test_a_job_of_replicas_auto_grows_by_a_pipeline_on_a_node_that_joins(
             lambda: "rejoined at step" in _log(e, f"{name}-p2-s0") and watcher.latest(),
             timeout=300,
         )
+        took["three"] = time.monotonic() - third
         final = _ended(status, "the grown job to finish")
     except AssertionError as err:
         raise AssertionError(f"{err}\n{diagnostics(e)}") from None
@@ -504,33 +522,49 @@ def test_a_job_of_replicas_auto_grows_by_a_pipeline_on_a_node_that_joins(
         watcher.stop()
         delete_nodes(core, names)
     assert final["phase"] == "Succeeded", f"{final}\n{diagnostics(e)}"
+    # The one pipeline became pipeline 0: its pod replaced, both pipelines from the commit.
+    assert [p.get("addedAtStep") is not None for p in two["pipelines"]] == [False, True]
+    assert "restored committed step" in _log(e, f"{name}-p0-s0")
+    assert "restored committed step" in _log(e, f"{name}-p1-s0")
+    assert f"{name}-stage-0" in [lp.name for lp in e["runner"].history]
     added = grown["pipelines"][2]
     assert added["addedAtStep"] is not None and added["addedAtStep"] < joined["step"] < steps
-    assert [p.get("addedAtStep") for p in final["pipelines"]][:2] == [None, None]
     plan = final["plan"]["pipelines"]
     assert [p["stages"][0]["pool"] for p in plan] == [pool["name"]] * 3
     assert [p["microBatches"] for p in plan] == [1, 1, 1]  # the step's three, one each
     assert final["restarts"] == 0 and final["progress"]["step"] == steps
+    # Steps go back once, to the last commit, at the restart; never when the third joins.
     after = [doc["step"] for _, doc in watcher.history]
-    assert after == sorted(after), after  # never a step back
+    backs = [(a, b) for a, b in itertools.pairwise(after) if b < a]
+    assert len(backs) <= 1, backs
+    assert all(b >= one["progress"]["lastCommittedStep"] for _, b in backs), backs
+    assert after[len(restarted) :] == sorted(after[len(restarted) :]), after
     # The stages training were told, before the pod existed, where it listens and who it is.
     fleet = stored_json(mc, bucket, f"ckpt/{ns}/{name}/fleet.json")
-    assert [[s["pipeline"], s["stage"]] for a in fleet["added"] for s in a["stages"]] == [[2, 0]]
+    told = [[s["pipeline"], s["stage"]] for a in fleet["added"] for s in a["stages"]]
+    assert told == [[1, 0], [2, 0]]
     for p in (0, 1):
         assert "links to the added pipeline(s) [2]" in _log(e, f"{name}-p{p}-s0")
     # Pipeline 0 shares the step as the grown plan does (1 of 3, not its document's 2).
     assert "takes 1 of each step's micro-batches as planned now" in _log(e, f"{name}-p0-s0")
     secret = core.read_namespaced_secret(f"{name}-link", ns).data
-    assert {"p2-s0.crt", "p2-s0.key"} <= set(secret)
-    assert base64.b64decode(secret["ca.crt"]).count(b"BEGIN CERTIFICATE") == 2
+    assert {"p1-s0.crt", "p2-s0.crt", "p2-s0.key"} <= set(secret)
+    assert base64.b64decode(secret["ca.crt"]).count(b"BEGIN CERTIFICATE") == 3
     events = core.list_namespaced_event(ns, field_selector=f"involvedObject.name={name}").items
-    said = [ev.message for ev in events if ev.reason == "PipelineAdded"]
-    assert len(said) == 1 and "Pipeline 2 is added after step" in said[0], said
+    said = sorted(ev.message for ev in events if ev.reason == "PipelineAdded")
+    assert len(said) == 2, said
+    assert "Pipeline 1 is added after step" in said[0] and "restarts beside it" in said[0]
+    assert "Pipeline 2 is added after step" in said[1], said
     metrics = _metric_samples(f"http://127.0.0.1:{e['values']['metrics']['port']}/metrics")
-    assert metrics.get(("relaytrain_pipeline_changes_total", ns, "added"), 0) >= 1, metrics
+    assert metrics.get(("relaytrain_pipeline_changes_total", ns, "added"), 0) >= 2, metrics
+    (restored,) = re.findall(r"restored committed step (\d+)", _log(e, f"{name}-p0-s0"))
     print(
-        f"\nGrew from two pipelines to three: recorded at step {added['addedAtStep']}, "
-        f"admitted by step {joined['step']}, finished at step {steps} without a step back"
+        f"\nGrew from one pipeline to two, {took['two']:.1f} s from the node's creation to "
+        f"both training (restarted from the commit of step {restored}, "
+        f"{max((a - b for a, b in backs), default=0)} steps trained again), then to three hot, "
+        f"{took['three']:.1f} s from the node's creation to its admission (recorded at "
+        f"step {added['addedAtStep']}, admitted by step {joined['step']}); finished at step "
+        f"{steps}"
     )
 
 

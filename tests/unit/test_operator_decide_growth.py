@@ -27,6 +27,7 @@ from relaytrain_operator.domain.linkcerts import (
 from relaytrain_operator.domain.status import to_manifest
 from relaytrain_operator.loop.actions import (
     Create,
+    DeletePod,
     ExtendLinkSecret,
     PatchStatus,
     PostEvent,
@@ -65,16 +66,20 @@ def secret(files: dict[str, str], version: str = "7") -> dict[str, Any]:
     return build_link_secret(JOB.build(), files, state_annotations(link_state(files, {})), version)
 
 
-def training(job_t: Any = BIG) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, str]]:
-    """`job_t` planned and running, its link certificates read once (Current) and its
-    progress at step 40: the job as stored, its pods and its Secret's files."""
-    job, pods = fleet(job_t, LLAMA_8B)
-    counts = [len(p["stages"]) for p in job["status"]["plan"]["pipelines"]]
+def training(
+    job_t: Any = BIG, nodes: list[dict[str, Any]] = NODES
+) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, str]]:
+    """`job_t` planned on `nodes` and running, its link certificates read once (Current)
+    and its progress at step 40: the job as stored, its pods and its Secret's files."""
+    job, pods = fleet(job_t, LLAMA_8B, nodes)
+    plan = job["status"]["plan"]
+    counts = [len(p["stages"]) for p in plan.get("pipelines") or [{"stages": plan["stages"]}]]
     files = mint_link_credentials("ns", "j", counts, now=NOW - timedelta(days=1), lifetime=LIFE)
     seen = decide(
-        observed(job, pods, model=LLAMA_8B, progress=progress(40), link_secret=secret(files)),
+        observed(job, pods, nodes=nodes, model=LLAMA_8B, progress=progress(40),
+                 link_secret=secret(files)),
         SETTINGS,
-    )
+    )  # fmt: skip
     assert seen.status is not None
     stored = copy.deepcopy(job)
     stored["status"] = to_manifest(seen.status)
@@ -365,3 +370,113 @@ def test_a_pipeline_that_may_still_come_back_holds_growth_off_and_then_comes_bac
     job_pods = training()[1]
     going = grow_pass(left, job_pods, files, h100(1))
     assert not [a for a in going.actions if isinstance(a, Create | PutFleet)]
+
+
+def test_a_job_of_one_pipeline_grows_by_restarting_as_pipeline_0_beside_the_added_one() -> None:
+    # Only the H100 at the start: `auto` plans one pipeline, its stages' documents without
+    # replicas to grow by.
+    start = [n for n in NODES if n["metadata"]["name"] == "h100-0"]
+    job, pods, files = training(BIG, start)
+    assert "pipelines" not in job["status"]["plan"] and job["status"].get("pipelines") is None
+    assert [p["metadata"]["name"] for p in pods] == ["j-stage-0"]
+    assert needs(job, stage_pods(pods), NOW).room  # it looks for GPUs that joined
+    job["status"]["stages"][0]["lastFailure"] = "OOMKilled"  # kept: the budget is not reset
+    # An H100 joins. Growing costs a restart of the job's pipeline (its documents change),
+    # from its last commit at step 36: priced, it pays.
+    at = Progress(status={"step": 40, "totalSteps": STEPS, "lastCommittedStep": 36},
+                  done=False, output=None)  # fmt: skip
+    seen = [*start, h100(1)]
+    grown = decide(
+        observed(job, pods, nodes=seen, model=LLAMA_8B, progress=at, link_secret=secret(files)),
+        SETTINGS,
+    )  # fmt: skip
+    kinds = [type(a).__name__ for a in grown.actions]
+    # The plan of two pipelines first, then the one pipeline's pod goes; no pod is created
+    # in this pass.
+    assert kinds.index("PatchStatus") < kinds.index("DeletePod")
+    assert "Create" not in kinds
+    assert grown.status is not None and grown.status.plan is not None
+    plan = grown.status.plan
+    assert plan.pipelines is not None and [p.index for p in plan.pipelines] == [0, 1]
+    assert [s.pool for s in plan.pipelines[0].stages] == ["h100"]  # where it ran
+    assert [s.pool for s in plan.pipelines[1].stages] == ["h100"]
+    assert sum(p.micro_batches for p in plan.pipelines) == 64
+    life = grown.status.pipelines
+    assert life is not None and [(p.phase, p.added_at_step) for p in life] == [
+        ("Pending", None), ("Pending", 40),
+    ]  # fmt: skip
+    assert [(s.pipeline, s.index, s.last_failure) for s in grown.status.stages] == [
+        (0, 0, "OOMKilled"), (1, 0, None),
+    ]  # fmt: skip
+    ready = next(c for c in grown.status.conditions if c.type == "Ready")
+    assert (grown.status.phase, ready.reason) == ("Recovering", "Replanned")
+    (said,) = [a for a in grown.actions if isinstance(a, PostEvent) and a.reason == "PipelineAdded"]
+    assert said.change == "added"
+    assert said.message.startswith("Pipeline 1 is added after step 40 on GPUs free for the job")
+    assert "restores the last commit (step 36; the 4 steps since are trained again)" in (
+        said.message
+    )
+    # With progress.json unread this pass, the record's progress prices the restart (no
+    # commit recorded there yet: every step since the start is trained again).
+    unread = decide(
+        observed(job, pods, nodes=seen, model=LLAMA_8B, link_secret=secret(files)), SETTINGS
+    )
+    (told,) = [
+        a for a in unread.actions if isinstance(a, PostEvent) and a.reason == "PipelineAdded"
+    ]
+    assert "restores the last commit (the start; the 40 steps since are trained again)" in (
+        told.message
+    )
+    # The next pass: the one pipeline's pod, still going, is waited for (no failure
+    # counted); once gone, both pipelines' pods are created, certificates for the added
+    # stage first, every document listing both pipelines.
+    job["status"] = to_manifest(grown.status)
+    going = copy.deepcopy(pods)
+    going[0]["metadata"]["deletionTimestamp"] = NOW.isoformat()
+    waiting = decide(
+        observed(job, going, nodes=seen, model=LLAMA_8B, progress=at, link_secret=secret(files)),
+        SETTINGS,
+    )  # fmt: skip
+    assert waiting.status is not None
+    assert [s.restarts for s in waiting.status.stages] == [0, 0]
+    created = [a.obj for a in waiting.actions if isinstance(a, Create) and a.obj["kind"] == "Pod"]
+    assert [p["metadata"]["name"] for p in created] == ["j-p1-s0"]
+    gone = decide(
+        observed(job, [], nodes=seen, model=LLAMA_8B, progress=at, link_secret=secret(files)),
+        SETTINGS,
+    )  # fmt: skip
+    kinds = [type(a).__name__ for a in gone.actions]
+    assert kinds.index("ExtendLinkSecret") < kinds.index("Create")
+    created = [a.obj for a in gone.actions if isinstance(a, Create) and a.obj["kind"] == "Pod"]
+    assert sorted(p["metadata"]["name"] for p in created) == ["j-p0-s0", "j-p1-s0"]
+    for pod in created:
+        env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+        doc = json.loads(env[CONFIG_ENV])
+        assert doc["replicas"]["shares"] == [p.micro_batches for p in plan.pipelines]
+    # An operator stopped before the deletion finds the one pipeline's pod under its old
+    # name on its next pass, and removes it (no failure counted).
+    stale = decide(
+        observed(job, pods, nodes=seen, model=LLAMA_8B, progress=at, link_secret=secret(files)),
+        SETTINGS,
+    )  # fmt: skip
+    assert [a.name for a in stale.actions if isinstance(a, DeletePod)] == ["j-stage-0"]
+    assert stale.status is not None and [s.restarts for s in stale.status.stages] == [0, 0]
+
+
+def test_a_job_of_one_pipeline_does_not_grow_where_the_restart_costs_more_than_it_saves() -> None:
+    start = [n for n in NODES if n["metadata"]["name"] == "h100-0"]
+    job, pods, files = training(BIG, start)
+    # Near its end: what the added pipeline would save does not pay for the restart.
+    late = Progress(status={"step": STEPS - 30, "totalSteps": STEPS,
+                            "lastCommittedStep": STEPS - 60}, done=False, output=None)  # fmt: skip
+    kept = decide(
+        observed(job, pods, nodes=[*start, h100(1)], model=LLAMA_8B, progress=late,
+                 link_secret=secret(files)),
+        SETTINGS,
+    )  # fmt: skip
+    assert not [a for a in kept.actions if isinstance(a, Create | DeletePod)]
+    assert kept.status is not None and kept.status.growth is not None  # says why
+    # A fixed count of one is what the user asked for.
+    fixed = copy.deepcopy(job)
+    fixed["spec"]["pipeline"]["replicas"] = 1
+    assert not needs(fixed, stage_pods(pods), NOW).room

@@ -118,6 +118,22 @@ def grow(
     return Grown(growth, grown, tuple(free))
 
 
+def as_fleet(plan: PlanStatus, micro_batches: int) -> PlanStatus:
+    """The plan of a job of one pipeline in the form of several: that pipeline is pipeline
+    0, with every micro-batch of the step (what a job of one pipeline grows from)."""
+    if plan.pipelines:
+        return plan
+    only = PlanPipeline(
+        index=0, micro_batches=micro_batches, stages=plan.stages,
+        predicted_step_seconds=plan.predicted_step_seconds,
+        predicted_tokens_per_second=plan.predicted_tokens_per_second,
+        bubble_fraction=plan.bubble_fraction, bottleneck=plan.bottleneck,
+    )  # fmt: skip
+    return plan.model_copy(
+        update={"pipelines": [only], "stages": [], "bubble_fraction": None, "bottleneck": None}
+    )
+
+
 def _priced(
     model: ModelShape,
     training: TrainingShape,

@@ -265,6 +265,15 @@ class Pass:
         progress = self.status.progress
         return progress.step if progress is not None else 0
 
+    def committed(self) -> int | None:
+        """The job's newest committed step as last read (as `step`); None before the
+        first commit."""
+        fresh = self.observed.progress
+        if fresh is not None and "step" in fresh.status:
+            return fresh.status.get("lastCommittedStep")
+        progress = self.status.progress
+        return progress.last_committed_step if progress is not None else None
+
     def update(self, **fields: Any) -> None:
         self.status = self.status.model_copy(update=fields)
 

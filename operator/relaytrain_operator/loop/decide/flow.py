@@ -72,15 +72,15 @@ def needs(job: JsonDict, pods: Mapping[StageKey, JsonDict], now: datetime | None
     # A replacement waiting for a GPU in a job of one pipeline may have the job re-split
     # for the GPUs free (resplit.py): the planner needs the nodes, the pods and the model.
     waits = not status.plan.several() and not queued and waiting_since(pods.values()) is not None
-    # A job of `replicas: auto` whose pipelines all train may grow on GPUs that joined
-    # (grow.py): the free GPUs, the model and the link Secret (certificates for the added
-    # stages, and for any planned stage still without one: a pass stopped after the plan).
+    # A job of `replicas: auto` whose pipelines train may grow on GPUs that joined (grow.py):
+    # the free GPUs, the model and the link Secret (certificates for the added stages, and
+    # for any planned stage still without one: a pass stopped after the plan).
     grows = growable(spec, status, queued)
     return Needs(
         link_secret=now is not None and (due is None or now >= due or missing or grows),
         pods=missing,
         room=missing or returnable or waits or grows,
-        model=status.plan.several() or waits,
+        model=status.plan.several() or waits or grows,
         progress=is_s3(spec.spec.checkpoint.uri),
         workload=queued,
         given_up=(bool(out) or returned) and is_s3(spec.spec.checkpoint.uri),

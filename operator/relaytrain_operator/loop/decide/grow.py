@@ -2,12 +2,17 @@
 (domain/growing.py prices them; docs/operator.md, "Adding a pipeline").
 
 When: `spec.pipeline.replicas: auto` (the user let the planner choose how many pipelines
-pay), a job of several pipelines (one of one pipeline has no replicas in its stages'
-documents to grow from), not under Kueue (its quota is the Workload's), its store on s3://
-(the stages training learn of the added pipelines there), every pipeline training or out
-(none starting or recovering: their GPUs come first), its link certificates not in a
-renewal, and the stages reporting progress (the steps left price the join). `growable` says
-whether a job is so, from its record alone (for `needs`).
+pay), not under Kueue (its quota is the Workload's), its store on s3:// (the stages training
+learn of the added pipelines there), every pipeline training or out (none starting or
+recovering: their GPUs come first; with one pipeline, every stage training), its link
+certificates not in a renewal, and the stages reporting progress (the steps left price the
+join). `growable` says whether a job is so, from its record alone (for `needs`).
+
+A job of one pipeline grows by a restart (`grow_one`): its stages' documents have no
+replicas section to grow by, so the grown plan makes it pipeline 0 of several and every
+pod goes, to be created again from the plan, every stage restoring the last commit. The
+planner prices that restart with the join (`--join-seconds` and the steps since the last
+commit trained again), and the pass ends there, as a re-split's does (resplit.py).
 
 A pipeline out does not come back in a pass that adds one (membership.bring_back runs
 first), and it holds growth off only while it may still come back by itself: given up and
@@ -30,13 +35,14 @@ state (docs/worker.md, "A pipeline added to a running job").
 from __future__ import annotations
 
 from relaytrain_operator.domain.builders.labels import StageKey
-from relaytrain_operator.domain.growing import Grown, grow
+from relaytrain_operator.domain.growing import Grown, as_fleet, grow
 from relaytrain_operator.domain.membership import return_wait
 from relaytrain_operator.domain.planner import PlanError, PoolError
 from relaytrain_operator.domain.stage_config import fleet_document, job_pod_endpoints
-from relaytrain_operator.domain.status import OUT_PHASES
+from relaytrain_operator.domain.status import OUT_PHASES, Verdict
 from relaytrain_operator.loop.actions import PutFleet
 from relaytrain_operator.loop.decide.context import Pass
+from relaytrain_operator.loop.decide.resplit import RESPLIT_PAUSE_SECONDS, fresh_entry
 from relaytrain_operator.spec import (
     FineTuneJob,
     FineTuneJobStatus,
@@ -52,14 +58,21 @@ def growable(spec: FineTuneJob, status: FineTuneJobStatus, queued: bool) -> bool
     """Whether the job may grow now, as far as its spec and record say (module doc): the
     pass then reads the nodes, the cluster's pods, the model and the link Secret."""
     plan, links = status.plan, status.link_certificates
+    fleet = status.pipelines or ()
+    if plan is not None and plan.several():
+        training = all(p.phase == "Running" or p.phase in OUT_PHASES for p in fleet) and any(
+            p.phase == "Running" for p in fleet
+        )
+    else:  # one pipeline: every stage training
+        training = bool(status.stages) and all(
+            s.phase == "Running" and s.ready for s in status.stages
+        )
     return (
         spec.spec.pipeline.replicas == "auto"
         and not queued
         and is_s3(spec.spec.checkpoint.uri)
         and plan is not None
-        and plan.several()
-        and all(p.phase == "Running" or p.phase in OUT_PHASES for p in status.pipelines or ())
-        and any(p.phase == "Running" for p in status.pipelines or ())
+        and training
         and links is not None
         and links.phase == "Current"
         and status.progress is not None
@@ -74,15 +87,55 @@ def add_pipelines(
     entries: dict[StageKey, StageStatus],
     out: set[int],
 ) -> tuple[PlanStatus, list[StageKey]]:
-    """Grow the job if it may and the planner says it pays: returns the plan (grown or as
-    it was) and the added stages to create, their entries put in `entries`. `out`: the
-    pipelines out of the job after this pass's returns."""
-    if not growable(spec, ctx.status, ctx.queue is not None) or _awaited(ctx, spec, out):
+    """Grow a job of several pipelines if it may and the planner says it pays: returns the
+    plan (grown or as it was) and the added stages to create, their entries put in
+    `entries`. `out`: the pipelines out of the job after this pass's returns."""
+    if not plan.several() or not growable(spec, ctx.status, ctx.queue is not None):
         return plan, []
+    if _awaited(ctx, spec, out):
+        return plan, []
+    grown = _priced_growth(ctx, spec, plan, entries, out)
+    if grown is None or grown.plan is None:
+        return plan, []
+    ctx.update(growth=None)
+    return grown.plan, _record(ctx, grown, entries, out)
+
+
+def grow_one(
+    ctx: Pass, spec: FineTuneJob, plan: PlanStatus, entries: dict[StageKey, StageStatus]
+) -> bool:
+    """Grow a job of one pipeline if it may and the planner says it pays, restart cost
+    included (module doc): True when it did (the pass is over: the pods go, the next pass
+    creates the grown plan's)."""
+    if plan.several() or not growable(spec, ctx.status, ctx.queue is not None):
+        return False
+    committed = ctx.committed()
+    lost = max(ctx.step() - (committed or 0), 0)
+    restart = ctx.settings.join_seconds + lost * (plan.predicted_step_seconds or 0.0)
+    fleet_plan = as_fleet(plan, spec.spec.training.micro_batches)
+    grown = _priced_growth(ctx, spec, fleet_plan, entries, set(), restart_seconds=restart)
+    if grown is None:
+        return False
+    _restart_grown(ctx, grown, committed, restart)
+    return True
+
+
+def _priced_growth(
+    ctx: Pass,
+    spec: FineTuneJob,
+    plan: PlanStatus,
+    entries: dict[StageKey, StageStatus],
+    out: set[int],
+    *,
+    restart_seconds: float = 0.0,
+) -> Grown | None:
+    """The planner's growth of `plan` (several pipelines' form) on the GPUs free for the
+    job, when it pays over a join (and `restart_seconds` more); None when nothing is added,
+    status.growth then saying why where GPUs are free."""
     model, cluster_pods = ctx.observed.model, ctx.observed.cluster_pods
     progress = ctx.status.progress
     if model is None or model.config is None or cluster_pods is None or progress is None:
-        return plan, []
+        return None
     assert progress.total_steps is not None
     held = {key: s.pool for key, s in entries.items() if s.pool and key[0] not in out}
     # Nothing new on the nodes a pipeline given up for good last ran on.
@@ -95,15 +148,14 @@ def add_pipelines(
             cluster_pods=cluster_pods,
             steps_left=max(progress.total_steps - ctx.step(), 0),
             catalog=ctx.settings.catalog, default_link=ctx.settings.default_link,
-            join_seconds=ctx.settings.join_seconds,
+            join_seconds=ctx.settings.join_seconds + restart_seconds,
         )  # fmt: skip
     except (PlanError, PoolError, ValueError):
-        return plan, []  # not to be priced (a pool gone under a stage): it stays as it is
+        return None  # not to be priced (a pool gone under a stage): it stays as it is
     if grown.plan is None:
         _unused(ctx, grown)
-        return plan, []
-    ctx.update(growth=None)
-    return grown.plan, _record(ctx, grown, entries, out)
+        return None
+    return grown
 
 
 def _awaited(ctx: Pass, spec: FineTuneJob, out: set[int]) -> bool:
@@ -187,6 +239,60 @@ def _record(
             change="added",
         )
     return keys
+
+
+def _restart_grown(ctx: Pass, grown: Grown, committed: int | None, restart_seconds: float) -> None:
+    """A job of one pipeline grown: the plan of several written (its pipeline pipeline 0,
+    each stage keeping its restart count and last failure), then every stage pod deleted;
+    the next pass creates every pipeline's pods, which restore the last commit."""
+    assert grown.plan is not None and grown.plan.pipelines is not None
+    step = ctx.step()
+    kept = {s.index: s for s in ctx.status.stages}
+    stages = [
+        fresh_entry(
+            kept.get(s.index, StageStatus(index=s.index)) if p.index == 0
+            else StageStatus(index=s.index),
+            s.pool, pipeline=p.index,
+        )
+        for p in grown.plan.pipelines
+        for s in p.stages
+    ]  # fmt: skip
+    life = [
+        PipelineStatus(
+            index=p.index, phase="Pending", ready_stages=f"0/{len(p.stages)}",
+            micro_batches=p.micro_batches, added_at_step=step if p.index else None,
+        )
+        for p in grown.plan.pipelines
+    ]  # fmt: skip
+    ctx.update(plan=grown.plan, pipelines=life, stages=stages, growth=None)
+    ctx.patch()  # the plan first: pods of the one pipeline are replaced even after a crash
+    ctx.remove_pods()
+    growth = grown.growth
+    micro = sum(p.micro_batches for p in grown.plan.pipelines)
+    since = "the start" if committed is None else f"step {committed}"
+    restart = (
+        f"The job's one pipeline restarts beside it as pipeline 0 (its stages' documents gain "
+        f"the replicas a job grows by): every stage restores the last commit ({since}; the "
+        f"{step - (committed or 0)} steps since are trained again), about "
+        f"{restart_seconds:.0f} s that the added pipeline pays back."
+    )
+    for q in grown.added:
+        pools = ", ".join(s.pool for s in grown.plan.pipelines[q].stages)
+        ctx.event(
+            "Normal",
+            "PipelineAdded",
+            f"Pipeline {q} is added after step {step} on GPUs free for the job ({pools}), "
+            f"{grown.plan.pipelines[q].micro_batches} of each step's {micro} micro-batches: "
+            f"{growth.reason}; {growth.tokens_per_second_before:,.0f} -> "
+            f"{growth.tokens_per_second_after:,.0f} predicted tokens/s. {restart}",
+            change="added",
+        )
+    count = len(grown.plan.pipelines)
+    ctx.settle(
+        Verdict("Recovering", False, True, "Replanned",
+                f"Growing to {count} pipelines on GPUs free for the job: {restart}")
+    )  # fmt: skip
+    ctx.wake_within(RESPLIT_PAUSE_SECONDS)
 
 
 def fleet(ctx: Pass, spec: FineTuneJob, plan: PlanStatus, creating: list[StageKey]) -> None:

@@ -86,7 +86,8 @@ def resplit(ctx: Pass, spec: FineTuneJob, plan: PlanStatus) -> bool:
     ctx.update(
         plan=recorded,
         stages=[
-            _fresh(kept.get(s.index, StageStatus(index=s.index)), s.pool) for s in recorded.stages
+            fresh_entry(kept.get(s.index, StageStatus(index=s.index)), s.pool)
+            for s in recorded.stages
         ],
     )
     ctx.patch()  # the plan first: pods of the old split are replaced even after a crash
@@ -116,10 +117,10 @@ def _ours(ctx: Pass, pod: JsonDict) -> bool:
     )
 
 
-def _fresh(before: StageStatus, pool: str) -> StageStatus:
-    """Stage `before` in the new plan, on `pool`, to be created; its restart count and last
-    failure kept."""
-    return StageStatus(index=before.index, pool=pool).model_copy(
+def fresh_entry(before: StageStatus, pool: str, pipeline: int | None = None) -> StageStatus:
+    """Stage `before` in a new plan, on `pool` (of `pipeline`, in a plan of several), to be
+    created; its restart count and last failure kept."""
+    return StageStatus(index=before.index, pipeline=pipeline, pool=pool).model_copy(
         update={
             "restarts": before.restarts,
             "last_failure": before.last_failure,

@@ -47,7 +47,7 @@ from relaytrain_operator.loop.decide.context import (
     planned_keys,
 )
 from relaytrain_operator.loop.decide.create import create_stages
-from relaytrain_operator.loop.decide.grow import add_pipelines, fleet
+from relaytrain_operator.loop.decide.grow import add_pipelines, fleet, grow_one
 from relaytrain_operator.loop.decide.links import keep_links_valid
 from relaytrain_operator.loop.decide.membership import (
     bring_back,
@@ -95,6 +95,8 @@ def run_stages(ctx: Pass, spec: FineTuneJob) -> None:
     out -= {key[0] for key in returning}
     _give_up(ctx, spec, judged.exhausted, out, back=bool(returning))
     if not returning and all(v.action == "keep" for v in judged.verdicts.values()):
+        if grow_one(ctx, spec, plan, judged.entries):
+            return  # the one pipeline's pods go; the next pass creates the grown plan's
         plan, added = add_pipelines(ctx, spec, plan, judged.entries, out)
         returning += added
     for key, verdict in judged.verdicts.items():
@@ -135,7 +137,7 @@ def _judge(ctx: Pass, spec: FineTuneJob, plan: PlanStatus, out: set[int]) -> _Ju
         judged.entries[key] = entry
         if p in out:
             continue  # given up: its pods went when it was
-        verdict = _verdict(ctx, key, entry, split_of(plan.splits()[p]))
+        verdict = _verdict(ctx, key, entry, split_of(plan.splits()[p]), several=several)
         if verdict.fatal is not None:
             # The stage's own word that no restart can help (a Job's podFailurePolicy
             # FailJob on its exit code): every pipeline reads the same model, data and store.
@@ -181,14 +183,19 @@ def _last_words(message: str, limit: int = 400) -> str:
     return f" Its last words: {last}"
 
 
-def _verdict(ctx: Pass, key: StageKey, entry: StageStatus, split: str) -> StageDecision:
+def _verdict(
+    ctx: Pass, key: StageKey, entry: StageStatus, split: str, *, several: bool
+) -> StageDecision:
     """Recovery's verdict on the stage's pod, given the node it is bound to. A pod built for
     another split of its pipeline than `split` (the plan's: a re-split recorded, its pods
-    not yet all gone) is removed, no failure: its successor is built from the plan."""
+    not yet all gone), or under another name (the job's one pipeline before it grew into
+    pipeline 0 of several), is removed, no failure: its successor is built from the plan."""
     pod = ctx.observed.pods.get(key)
-    built_for = ((pod or {}).get("metadata", {}).get("annotations") or {}).get(SPLIT_ANNOTATION)
-    if pod is not None and built_for not in (None, split):
-        return StageDecision("wait" if pod["metadata"].get("deletionTimestamp") else "delete")
+    meta = (pod or {}).get("metadata") or {}
+    built_for = (meta.get("annotations") or {}).get(SPLIT_ANNOTATION)
+    named = stage_pod_name(ctx.name, key[1], key[0] if several else None)
+    if pod is not None and (built_for not in (None, split) or meta.get("name") != named):
+        return StageDecision("wait" if meta.get("deletionTimestamp") else "delete")
     node_name = ((pod or {}).get("spec") or {}).get("nodeName")
     node = ctx.observed.nodes.get(node_name) if node_name else None
     record = StageRecord(key[1], entry.restarts, entry.phase, entry.pool)
