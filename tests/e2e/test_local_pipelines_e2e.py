@@ -788,3 +788,42 @@ def test_two_live_pipelines_cut_apart_commit_each_step_once_and_come_back_togeth
         f"{len(seen)} commits seen, none overwritten"
     )
     assert abs(losses[-1] - reference[-1]) <= LOSS_TOLERANCE * reference[-1]
+
+
+def test_a_run_of_one_pipeline_grows_by_a_restart_and_no_step_changes(
+    workspace: Path, long_reference: list[float]
+) -> None:
+    # `kill -USR2` to a run of one pipeline: its stages' documents have no replicas section
+    # to grow by, so every stage stops and starts again from documents that list two
+    # pipelines (the run's one as pipeline 0, the added one split as it), each restoring
+    # the last commit, as the operator grows a job of one pipeline. The steps since that
+    # commit are trained again by both; every step's loss in the history equals the
+    # uninterrupted run's, bit for bit, and no failure is counted.
+    name, workdir = "grow-one", workspace / "wd-grow-one"
+    proc = _started_run(_job(workspace, name, 1, steps=KILL_STEPS), workdir, [])
+
+    def past_a_commit() -> dict[str, Any] | None:
+        at = progress(workspace / "ckpt", name)
+        return at if at is not None and (at.get("lastCommittedStep") or 0) >= EVERY else None
+
+    at = wait_while_running("a commit to restart from", past_a_commit, proc, interval=0.005)
+    state = run_state(workdir)
+    assert state is not None and [s["pipeline"] for s in state["stages"]] == [0, 0]
+    os.kill(state["pid"], signal.SIGUSR2)
+    for p, k in [(0, 0), (0, 1), (1, 0), (1, 1)]:
+        wait_while_running(f"p{p}/s{k} to restore the last commit",
+                           lambda p=p, k=k: RESTORED in _log(workdir, p, k), proc,
+                           interval=0.05)  # fmt: skip
+    out, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, out
+    assert "pipeline 1 is added" in out and "every stage starts again" in out, out
+    restored = {re.findall(r"restored committed step (\d+)", _log(workdir, p, k))[0]
+                for p, k in [(0, 0), (0, 1), (1, 0), (1, 1)]}  # fmt: skip
+    assert len(restored) == 1 and int(restored.pop()) >= at["lastCommittedStep"], restored
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert summary["restarts"] == {}
+    assert [(c["pipeline"], c["change"]) for c in summary["pipelineChanges"]] == [(1, "added")]
+    assert [p["stages"] for p in summary["pipelines"]] == [2, 2]
+    history = _history(workspace, name)
+    assert [r["step"] for r in history] == list(range(1, KILL_STEPS + 1))
+    assert [r["loss"] for r in history] == long_reference

@@ -50,7 +50,8 @@ out — its stages leave at their next step boundary and are not restarted, and 
 names it out, as the operator does for a node that announces its end — and `kill -USR2
 <pid>` brings the lowest one out back, its stages rejoining at a step boundary, or, with
 none out, adds a pipeline the run did not have (`grow`: the stages training learn of it from
-fleet.json in the store and admit it at a step boundary); the summary lists each change
+fleet.json in the store and admit it at a step boundary; a run of one pipeline restarts as
+pipeline 0 beside it, every stage from the last commit); the summary lists each change
 (`pipelineChanges`).
 
 The package, by concern: `layout` (the pipelines' layer splits and shares, the state

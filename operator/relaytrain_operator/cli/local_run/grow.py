@@ -1,5 +1,6 @@
 """A pipeline added to a running local run (SIGUSR2 while no pipeline is out), as the
-operator adds one on GPUs that join: what it is before it starts (`add_pipeline`).
+operator adds one on GPUs that join: what it is before it starts (`add_pipeline`; for a run
+of one pipeline, `grow_one`).
 
 The added pipeline is split as the run's last one, every share is planned again
 (`layout.grown_layout`), and its stages get documents that list every pipeline, fresh
@@ -63,3 +64,36 @@ def add_pipeline(
     fleet = fleet_document(job, grown.splits, every, added=[*added_before, q],
                            shares=grown.shares)  # fmt: skip
     return Added(q, grown, mine, documents, credentials, fleet)
+
+
+@dataclass
+class Regrown:
+    """A run of one pipeline grown to two (`grow_one`), before its stages start again."""
+
+    layout: Layout
+    endpoints: list[list[StageEndpoints]]
+    documents: list[dict[str, Any]]
+    """Every stage's document, pipeline after pipeline (both pipelines listed in each)."""
+    credentials: dict[str, str]
+    """Pipeline 1's stages' certificates and keys, from the run's CA."""
+    fleet: dict[str, Any]
+    """names.FLEET_FILE: pipeline 1, added."""
+
+
+def grow_one(
+    job: FineTuneJob, layout: Layout, endpoints: list[list[StageEndpoints]], ca: LinkCA
+) -> Regrown:
+    """A run of one pipeline laid out as `layout`, grown by pipeline 1 (split as the first):
+    its stages' documents have no replicas section to grow by, so every stage starts again
+    from documents that list both pipelines and restores the last commit, as a job of one
+    pipeline grows under the operator (its loop/decide/grow.py, `grow_one`). ValueError
+    saying why when the step has no micro-batch for a second pipeline."""
+    grown = grown_layout(layout, job.spec.training.micro_batches)
+    mine = loopback_endpoints([len(grown.splits[1])], first=1)[0]
+    every = [*endpoints, mine]
+    rows = build_pipeline_configs(
+        job, grown.splits, every, grown.shares, compression=local_compression(job)
+    )
+    credentials = {name: pem for k in range(len(mine)) for name, pem in ca.issue(1, k).items()}
+    fleet = fleet_document(job, grown.splits, every, added=[1], shares=grown.shares)
+    return Regrown(grown, every, [d for row in rows for d in row], credentials, fleet)

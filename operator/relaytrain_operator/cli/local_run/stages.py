@@ -11,12 +11,15 @@ ends), never into the run's directory.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
+import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -198,3 +201,35 @@ def stage_env(count: int) -> dict[str, str]:
         root = str(Path(next(iter(spec.submodule_search_locations))).parent)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
     return env
+
+
+def last_line(log_path: Path) -> str:
+    """The last line a stage wrote (its one line on why it stopped), or where its log is."""
+    try:
+        lines = [line for line in log_path.read_text(errors="replace").splitlines() if line]
+    except OSError:
+        lines = []
+    return lines[-1] if lines else f"see {log_path}"
+
+
+def end_stages(live: list[subprocess.Popen[bytes]], grace: float) -> None:
+    """SIGTERM to each of the `live` stages' process groups, SIGKILL to what is left after
+    `grace` seconds; each reaped."""
+    for proc in live:
+        signal_group(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    stuck = []
+    for proc in live:
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            stuck.append(proc)
+    for proc in stuck:  # ignored SIGTERM for the whole grace period
+        signal_group(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def signal_group(pgid: int, sig: int) -> None:
+    """Signal a stage's process group; one that is gone already is fine."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)

@@ -9,7 +9,6 @@ them along on Linux: each stage is started with PR_SET_PDEATHSIG (`die_with_supe
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import json
 import os
@@ -28,13 +27,16 @@ from relaytrain_contract import FLEET_FILE, GIVEN_UP_FILE, Progress
 from relaytrain_contract.exits import non_retryable
 
 from relaytrain_operator.cli.local_run import report, storage
-from relaytrain_operator.cli.local_run.grow import add_pipeline
+from relaytrain_operator.cli.local_run.grow import add_pipeline, grow_one
 from relaytrain_operator.cli.local_run.layout import Layout, local_layout
 from relaytrain_operator.cli.local_run.stages import (
     Built,
     StageProc,
     build_stages,
+    end_stages,
+    last_line,
     private_folder,
+    signal_group,
     stage_env,
     stage_procs,
     write_link_folder,
@@ -262,19 +264,10 @@ class LocalRun:
         self.stopping = True
         # Only stages not yet reaped: until it is waited for, a stage's PID (its group's
         # ID) cannot be reused by another process, so the signal cannot go astray.
-        live = [s.proc for s in self.stages if s.proc is not None and s.proc.returncode is None]
-        for proc in live:
-            _signal_group(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE_SECONDS
-        stuck = []
-        for proc in live:
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                stuck.append(proc)
-        for proc in stuck:  # ignored SIGTERM for the whole grace period
-            _signal_group(proc.pid, signal.SIGKILL)
-            proc.wait()
+        end_stages(
+            [s.proc for s in self.stages if s.proc is not None and s.proc.returncode is None],
+            STOP_GRACE_SECONDS,
+        )
 
     def _change_membership(self, signum: int, progress: Progress | None) -> None:
         """SIGUSR1: the highest pipeline training leaves — SIGTERM to its stages, which leave
@@ -296,7 +289,7 @@ class LocalRun:
             self._tell_out()
             for stage in self.stages:
                 if stage.pipeline == p and stage.proc is not None and stage.proc.poll() is None:
-                    _signal_group(stage.proc.pid, signal.SIGTERM)
+                    signal_group(stage.proc.pid, signal.SIGTERM)
             print(f"pipeline {p} leaves at its next step boundary (SIGUSR1; SIGUSR2 brings "
                   f"it back)", file=sys.stderr)  # fmt: skip
             self.changes.append({"pipeline": p, "change": "left", "step": step})
@@ -325,13 +318,12 @@ class LocalRun:
         stages training link to it, then its stages start and join at a step boundary."""
         if self.stop_signal is not None:
             return
-        if len(self.layout.splits) < 2:
-            print("SIGUSR2: a run of one pipeline has nothing to add one to; start it with "
-                  "--replicas 2 or more", file=sys.stderr)  # fmt: skip
-            return
         if self._links.phase != "Current":
             print("SIGUSR2: no pipeline is added while the link certificates are renewed; "
                   "send it again in a few seconds", file=sys.stderr)  # fmt: skip
+            return
+        if len(self.layout.splits) < 2:
+            self._grow_one(step)
             return
         try:
             added = add_pipeline(self.job, self.layout, self.endpoints, self._ca, self.added)
@@ -355,6 +347,37 @@ class LocalRun:
               f"{'+'.join(map(str, added.layout.shares))}): it joins at a step boundary "
               f"(SIGUSR2)", file=sys.stderr)  # fmt: skip
         self.changes.append({"pipeline": q, "change": "added", "step": step})
+
+    def _grow_one(self, step: int) -> None:
+        """A run of one pipeline grown to two (`grow.grow_one`): its stages stop and start
+        again as pipeline 0's beside pipeline 1's, every stage restoring the last commit
+        (no failure counted)."""
+        try:
+            grown = grow_one(self.job, self.layout, self.endpoints, self._ca)
+            self._tell_out()
+            self._tell_added(grown.fleet)
+        except (ValueError, OSError) as err:
+            print(f"SIGUSR2: no pipeline is added: {err}", file=sys.stderr)
+            return
+        before = self.stages
+        end_stages(
+            [s.proc for s in before if s.proc is not None and s.proc.returncode is None],
+            STOP_GRACE_SECONDS,
+        )
+        self.layout, self.endpoints, self.documents = grown.layout, grown.endpoints, []
+        self._credentials.update(grown.credentials)
+        self.added.append(1)
+        self.stages = stage_procs(self.workdir, grown.layout)
+        for stage, was in zip(self.stages, before, strict=False):  # pipeline 0's come first
+            stage.restarts = was.restarts
+        for stage, doc in zip(self.stages, grown.documents, strict=True):
+            self._write_stage(stage, doc)
+            self.documents.append(doc)
+            self.start(stage)
+        print(f"pipeline 1 is added (shares now {'+'.join(map(str, grown.layout.shares))}): "
+              f"every stage starts again from the last commit, the run's one pipeline as "
+              f"pipeline 0 (SIGUSR2)", file=sys.stderr)  # fmt: skip
+        self.changes.append({"pipeline": 1, "change": "added", "step": step})
 
     def _tell_added(self, fleet: dict[str, Any] | None = None) -> None:
         """The pipelines added (names.FLEET_FILE; none unless `fleet`), in the job's store:
@@ -442,7 +465,7 @@ class LocalRun:
                 if reason is not None:  # the stage's own word: a restart would say it again
                     print(
                         f"{stage.name} stopped ({reason}, exit {code}), not to be restarted: "
-                        f"{_last_line(stage.log_path)}",
+                        f"{last_line(stage.log_path)}",
                         file=sys.stderr,
                     )
                     return 1
@@ -451,7 +474,7 @@ class LocalRun:
                     if counted is None:
                         print(
                             f"{stage.name} failed (exit {code}) after {stage.restarts} "
-                            f"restarts: {_last_line(stage.log_path)} (log: {stage.log_path})",
+                            f"restarts: {last_line(stage.log_path)} (log: {stage.log_path})",
                             file=sys.stderr,
                         )
                         return 1
@@ -469,18 +492,3 @@ class LocalRun:
                 return 0
         print("\nstopping every stage…", file=sys.stderr)
         return 128 + self.stop_signal
-
-
-def _last_line(log_path: Path) -> str:
-    """The last line a stage wrote (its one line on why it stopped), or where its log is."""
-    try:
-        lines = [line for line in log_path.read_text(errors="replace").splitlines() if line]
-    except OSError:
-        lines = []
-    return lines[-1] if lines else f"see {log_path}"
-
-
-def _signal_group(pgid: int, sig: int) -> None:
-    """Signal a stage's process group; one that is gone already is fine."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
