@@ -33,7 +33,14 @@ from relaytrain_operator.loop.actions import (
     PostEvent,
     PutFleet,
 )
-from relaytrain_operator.loop.decide import Decision, ModelConfig, decide, needs, stage_pods
+from relaytrain_operator.loop.decide import (
+    WAITING_ANNOTATION,
+    Decision,
+    ModelConfig,
+    decide,
+    needs,
+    stage_pods,
+)
 from relaytrain_testkit.decide_cases import JOB, NODES, NOW, SETTINGS, node, observed
 from relaytrain_testkit.decide_fleet import LLAMA_8B, far_a100, fleet
 from relaytrain_testkit.decide_views import Progress
@@ -480,3 +487,70 @@ def test_a_job_of_one_pipeline_does_not_grow_where_the_restart_costs_more_than_i
     fixed = copy.deepcopy(job)
     fixed["spec"]["pipeline"]["replicas"] = 1
     assert not needs(fixed, stage_pods(pods), NOW).room
+
+
+def test_a_pipeline_whose_replacement_waits_as_long_as_a_resplit_costs_leaves_and_moves() -> None:
+    job, pods, files = training()
+    # Pipeline 2's A100 node is gone; its stage's replacement (restart 1) was created on
+    # the full A100 pool and waits there. Meanwhile an H100 joined.
+    waiting = copy.deepcopy(next(p for p in pods if p["metadata"]["name"] == "j-p2-s0"))
+    waiting["metadata"]["annotations"][WAITING_ANNOTATION] = "waits for a GPU on pool a100"
+    waiting["metadata"]["annotations"]["relaytrain.io/incarnation"] = "1"
+    waiting["metadata"]["uid"] = "uid-j-p2-s0-1"
+    waiting["spec"]["nodeName"] = None
+    waiting["status"] = {"phase": "Pending"}
+    entry = next(s for s in job["status"]["stages"] if s.get("pipeline") == 2)
+    entry.update(restarts=1, phase="Pending", ready=False, node=None, lastFailure="NodeLost")
+    job["status"]["pipelines"][2]["phase"] = "Recovering"
+    others = [p for p in pods if p["metadata"]["name"] != "j-p2-s0"]
+    gone = next(p for p in pods if p["metadata"]["name"] == "j-p2-s0")["spec"]["nodeName"]
+    seen = [n for n in NODES if n["metadata"]["name"] != gone] + [h100(1)]
+    cost = SETTINGS.join_seconds
+
+    def after(waited: float, now_pods: list[dict[str, Any]], of: Any = None) -> Decision:
+        stamped = copy.deepcopy(now_pods)
+        for p in stamped:
+            if p["metadata"]["name"] == "j-p2-s0":
+                p["metadata"]["creationTimestamp"] = (
+                    (NOW - timedelta(seconds=waited)).isoformat().replace("+00:00", "Z")
+                )
+        return decide(
+            observed(of or job, stamped, nodes=seen, model=LLAMA_8B, progress=progress(40),
+                     link_secret=secret(files)),
+            SETTINGS,
+        )  # fmt: skip
+
+    # Before it waited as long as a re-split costs: it waits on, and the pass is due again.
+    early = after(cost - 30, [*others, waiting])
+    assert not [a for a in early.actions if isinstance(a, DeletePod)]
+    assert early.retry_after is not None and early.retry_after <= 30
+    # Then the pipeline leaves: its pod goes, no failure is counted, an Event says why.
+    late = after(cost + 5, [*others, waiting])
+    assert [a.name for a in late.actions if isinstance(a, DeletePod)] == ["j-p2-s0"]
+    assert late.status is not None and late.status.pipelines is not None
+    left = late.status.pipelines[2]
+    assert left.phase == "Left" and left.left_reason is not None
+    assert f"the replacement of its stage 0 waited {int(cost) + 5} s for a GPU" in (
+        left.left_reason
+    )
+    assert [s.restarts for s in late.status.stages if s.pipeline == 2] == [1]
+    (said,) = [
+        a for a in late.actions if isinstance(a, PostEvent) and a.reason == "PipelineLeaving"
+    ]
+    assert said.message.startswith("Pipeline 2 leaves at step 40: the replacement of its stage 0")
+    # Its pod gone, it comes back where its stage fits: the H100 that joined.
+    job["status"] = to_manifest(late.status)
+    back = after(0, others)
+    created = [a.obj for a in back.actions if isinstance(a, Create) and a.obj["kind"] == "Pod"]
+    assert [p["metadata"]["name"] for p in created] == ["j-p2-s0"]
+    assert created[0]["spec"]["nodeSelector"]["relaytrain.io/pool"] == "h100"
+    # A fixed count waits on its pool, as the user's fleet decides; so does a job whose
+    # stages could not be told of a pipeline added in its place (a store not on s3://).
+    recovering = copy.deepcopy(job)
+    recovering["status"]["pipelines"][2].update(phase="Recovering", leftReason=None)
+    fixed, local = copy.deepcopy(recovering), copy.deepcopy(recovering)
+    fixed["spec"]["pipeline"]["replicas"] = 3
+    local["spec"]["checkpoint"] = {"uri": "/checkpoints"}
+    for other in (fixed, local):
+        kept = after(cost + 5, [*others, waiting], other)
+        assert not [a for a in kept.actions if isinstance(a, DeletePod)]

@@ -31,6 +31,7 @@ from relaytrain_operator.domain.placement import Choice, job_pools, place_replac
 from relaytrain_operator.domain.planner import ModelShape, PlanError, PoolError, Sync
 from relaytrain_operator.domain.planner.growth import GROWTH_MARGIN
 from relaytrain_operator.domain.planning import training_shape
+from relaytrain_operator.domain.resplit import resplit_wait
 from relaytrain_operator.domain.status import (
     OUT_PHASES,
     idle_stage,
@@ -39,16 +40,24 @@ from relaytrain_operator.domain.status import (
     rfc3339,
 )
 from relaytrain_operator.loop.decide.context import DEFAULT_MEMORY_BYTES, Pass
-from relaytrain_operator.spec import FineTuneJob, PipelineStatus, PlanStatus, StageStatus
+from relaytrain_operator.loop.decide.resplit import waiting_since
+from relaytrain_operator.spec import (
+    FineTuneJob,
+    PipelineStatus,
+    PlanStatus,
+    StageStatus,
+    is_s3,
+)
 
 NEXT_RETURN_SECONDS = 5.0
 """After a pipeline came back, how soon the pass looks for room for the next."""
 
 
 def leave_departing(ctx: Pass, spec: FineTuneJob, plan: PlanStatus, out: set[int]) -> set[int]:
-    """The pipelines not `out` with a stage pod on a node that announced its end: each
-    leaves now (its pods deleted, its stages idled, a PipelineLeaving Event with the job's
-    predicted tokens/s before and while it is out). Returns them."""
+    """The pipelines not `out` with a stage pod on a node that announced its end, or (with
+    `replicas: auto`) whose stage's replacement waited for a GPU as long as a re-split costs
+    (`_outwaited`): each leaves now (its pods deleted, its stages idled, a PipelineLeaving
+    Event with the job's predicted tokens/s before and while it is out). Returns them."""
     leaving: dict[int, str] = {}
     if not plan.several():
         return set()  # one pipeline: a drained stage is moved, uncounted (stages._move)
@@ -69,6 +78,7 @@ def leave_departing(ctx: Pass, spec: FineTuneJob, plan: PlanStatus, out: set[int
         why = departure(ctx.observed.nodes.get(entry.node))
         if why is not None:
             leaving[p] = why
+    leaving.update(_outwaited(ctx, spec, out | set(leaving)))
     for p, why in leaving.items():
         price = _price(ctx, spec, plan, out=out | {p}, p=p)
         ctx.remove_pods(p)
@@ -85,6 +95,33 @@ def leave_departing(ctx: Pass, spec: FineTuneJob, plan: PlanStatus, out: set[int
             + ". It comes back where its stages fit on free GPUs.",
         )
     return set(leaving)
+
+
+def _outwaited(ctx: Pass, spec: FineTuneJob, skip: set[int]) -> dict[int, str]:
+    """The pipelines (not in `skip`) of a job of `replicas: auto` whose stage's replacement
+    has waited for a GPU as long as a re-split costs (`--join-seconds`, the rule of
+    resplit.py): each leaves, why, so that it comes back where its stages fit, or the GPUs
+    free are priced for a pipeline shaped for them (grow.py: growth past pipelines out).
+    Not under Kueue (quota), nor with a store the stages cannot be told through (s3://)."""
+    if spec.spec.pipeline.replicas != "auto" or ctx.queue is not None:
+        return {}
+    if not is_s3(spec.spec.checkpoint.uri):
+        return {}
+    cost = ctx.settings.join_seconds
+    outwaited: dict[int, str] = {}
+    for (p, k), pod in sorted(ctx.observed.pods.items()):
+        since = waiting_since([pod])
+        if p in skip or p in outwaited or since is None:
+            continue
+        wait = resplit_wait(since, ctx.now, cost)
+        if wait:
+            ctx.wake_within(wait.total_seconds())
+            continue
+        outwaited[p] = (
+            f"the replacement of its stage {k} waited {int((ctx.now - since).total_seconds())} s "
+            f"for a GPU (as long as a re-split costs: --join-seconds {cost:.0f})"
+        )
+    return outwaited
 
 
 def stage_departure(ctx: Pass, key: StageKey, entry: StageStatus) -> str | None:
