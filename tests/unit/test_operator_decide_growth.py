@@ -544,13 +544,76 @@ def test_a_pipeline_whose_replacement_waits_as_long_as_a_resplit_costs_leaves_an
     created = [a.obj for a in back.actions if isinstance(a, Create) and a.obj["kind"] == "Pod"]
     assert [p["metadata"]["name"] for p in created] == ["j-p2-s0"]
     assert created[0]["spec"]["nodeSelector"]["relaytrain.io/pool"] == "h100"
-    # A fixed count waits on its pool, as the user's fleet decides; so does a job whose
-    # stages could not be told of a pipeline added in its place (a store not on s3://).
-    recovering = copy.deepcopy(job)
-    recovering["status"]["pipelines"][2].update(phase="Recovering", leftReason=None)
-    fixed, local = copy.deepcopy(recovering), copy.deepcopy(recovering)
-    fixed["spec"]["pipeline"]["replicas"] = 3
+    # A job whose stages could not be told of a pipeline added in its place (a store not on
+    # s3://) waits on its pool.
+    local = copy.deepcopy(job)
+    local["status"]["pipelines"][2].update(phase="Recovering", leftReason=None)
     local["spec"]["checkpoint"] = {"uri": "/checkpoints"}
-    for other in (fixed, local):
-        kept = after(cost + 5, [*others, waiting], other)
-        assert not [a for a in kept.actions if isinstance(a, DeletePod)]
+    kept = after(cost + 5, [*others, waiting], local)
+    assert not [a for a in kept.actions if isinstance(a, DeletePod)]
+
+
+def test_a_fixed_count_keeps_its_pipelines_by_one_shaped_for_the_gpus_free() -> None:
+    # `replicas: 2` on four RTX 4090s: two pipelines of two stages. Pipeline 1's two nodes
+    # go; its replacements wait on the full pool, and an H100 joins, which holds the whole
+    # model in one stage.
+    rtx = [node(f"rtx-{i}", "rtx") for i in range(4)]
+    fixed = BIG.pipeline(stages="auto", replicas=2)
+    job, pods, files = training(fixed, rtx)
+    plan = job["status"]["plan"]["pipelines"]
+    assert [[s["pool"] for s in p["stages"]] for p in plan] == [["rtx", "rtx"], ["rtx", "rtx"]]
+    lost = {p["spec"]["nodeName"] for p in pods if p["metadata"]["name"].startswith("j-p1-")}
+    seen = [n for n in rtx if n["metadata"]["name"] not in lost] + [h100(1)]
+    others = [p for p in pods if not p["metadata"]["name"].startswith("j-p1-")]
+    waiting = []
+    for p in pods:
+        if p["metadata"]["name"].startswith("j-p1-"):
+            w = copy.deepcopy(p)
+            w["metadata"]["annotations"][WAITING_ANNOTATION] = "waits for a GPU on pool rtx"
+            w["metadata"]["annotations"]["relaytrain.io/incarnation"] = "1"
+            w["metadata"]["uid"] += "-1"
+            w["metadata"]["creationTimestamp"] = (
+                (NOW - timedelta(seconds=SETTINGS.join_seconds + 5)).isoformat()
+            ).replace("+00:00", "Z")
+            w["spec"]["nodeName"] = None
+            w["status"] = {"phase": "Pending"}
+            waiting.append(w)
+    for entry in job["status"]["stages"]:
+        if entry.get("pipeline") == 1:
+            entry.update(restarts=1, phase="Pending", ready=False, node=None)
+    job["status"]["pipelines"][1]["phase"] = "Recovering"
+
+    def decided(now_pods: list[dict[str, Any]]) -> Decision:
+        return decide(
+            observed(job, now_pods, nodes=seen, model=LLAMA_8B, progress=progress(40),
+                     link_secret=secret(files)),
+            SETTINGS,
+        )  # fmt: skip
+
+    # It waited as long as a re-split costs: pipeline 1 leaves.
+    left = decided([*others, *waiting])
+    assert sorted(a.name for a in left.actions if isinstance(a, DeletePod)) == [
+        "j-p1-s0",
+        "j-p1-s1",
+    ]
+    assert left.status is not None and left.status.pipelines is not None
+    assert left.status.pipelines[1].phase == "Left"
+    # Its pods gone, its two stages fit nowhere (one GPU free): a pipeline of one stage on
+    # the H100 takes its place, under a new index; the count stays two.
+    job["status"] = to_manifest(left.status)
+    grown = decided(others)
+    created = [a.obj for a in grown.actions if isinstance(a, Create) and a.obj["kind"] == "Pod"]
+    assert [p["metadata"]["name"] for p in created] == ["j-p2-s0"]
+    assert created[0]["spec"]["nodeSelector"]["relaytrain.io/pool"] == "h100"
+    assert grown.status is not None and grown.status.pipelines is not None
+    assert [p.phase for p in grown.status.pipelines] == ["Running", "Left", "Pending"]
+    # With two training, pipeline 1 does not come back when its GPUs do, nor is another
+    # added: the job trains the two the user asked for.
+    job["status"] = to_manifest(grown.status)
+    running = [*others, *run_pods_of(grown, "h100-1")]
+    full = decide(
+        observed(job, running, nodes=[*rtx, h100(1), h100(2)], model=LLAMA_8B,
+                 progress=progress(40), link_secret=secret(files)),
+        SETTINGS,
+    )  # fmt: skip
+    assert not [a for a in full.actions if isinstance(a, Create) and a.obj["kind"] == "Pod"]

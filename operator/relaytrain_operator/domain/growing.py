@@ -71,12 +71,14 @@ def grow(
     default_link: tuple[float, float] | None = None,
     join_seconds: float,
     out: Collection[int] = (),
+    max_pipelines: int | None = None,
 ) -> Grown:
     """The pipelines to add to `job` (planned as `plan`, several pipelines), its stages
     training on the pools `held` says ((pipeline, stage) -> pool; the plan's where it lacks
     one), on the GPUs of `nodes` that `cluster_pods` leave free. The pipelines `out` are not
     priced (they train nothing) and keep their planned share, as the weight they come back
-    with; the others' shares and the added ones' fill the step. Raises planner.PlanError or
+    with; the others' shares and the added ones' fill the step. At most `max_pipelines`
+    train then (None: one per micro-batch). Raises planner.PlanError or
     PoolError (or ValueError) where the job cannot be priced: then nothing is added."""
     assert plan.pipelines, "a job of one pipeline has no replicas to grow"
     nodes = list(nodes)
@@ -93,7 +95,7 @@ def grow(
         model, training, running, everything, free,
         steps_left=steps_left, catalog=catalog, sync=Sync(sync.mode, sync.every_steps or 1),
         stages=None if stages == "auto" else stages, join_seconds=join_seconds,
-        max_pipelines=job.spec.training.micro_batches,
+        max_pipelines=max_pipelines or job.spec.training.micro_batches,
     )  # fmt: skip
     if not growth.pays or not growth.added:
         return Grown(growth, None, tuple(free))

@@ -2,7 +2,8 @@
 (domain/growing.py prices them; docs/operator.md, "Adding a pipeline").
 
 When: `spec.pipeline.replicas: auto` (the user let the planner choose how many pipelines
-pay), not under Kueue (its quota is the Workload's), its store on s3:// (the stages training
+pay), or a fixed count while fewer train and a pipeline out cannot come back (`short`: a
+pipeline shaped for the GPUs free takes its place, up to the count), not under Kueue (its quota is the Workload's), its store on s3:// (the stages training
 learn of the added pipelines there), every pipeline training or out (none starting or
 recovering: their GPUs come first; with one pipeline, every stage training), its link
 certificates not in a renewal, and the stages reporting progress (the steps left price the
@@ -34,6 +35,8 @@ state (docs/worker.md, "A pipeline added to a running job").
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from relaytrain_operator.domain.builders.labels import StageKey
 from relaytrain_operator.domain.growing import Grown, as_fleet, grow
 from relaytrain_operator.domain.membership import return_wait
@@ -59,6 +62,9 @@ def growable(spec: FineTuneJob, status: FineTuneJobStatus, queued: bool) -> bool
     pass then reads the nodes, the cluster's pods, the model and the link Secret."""
     plan, links = status.plan, status.link_certificates
     fleet = status.pipelines or ()
+    wanted = spec.spec.pipeline.replicas
+    if wanted != "auto" and (plan is None or not short(plan, fleet, int(wanted))):
+        return False  # a fixed count grows only to make up its N
     if plan is not None and plan.several():
         training = all(p.phase == "Running" or p.phase in OUT_PHASES for p in fleet) and any(
             p.phase == "Running" for p in fleet
@@ -68,8 +74,7 @@ def growable(spec: FineTuneJob, status: FineTuneJobStatus, queued: bool) -> bool
             s.phase == "Running" and s.ready for s in status.stages
         )
     return (
-        spec.spec.pipeline.replicas == "auto"
-        and not queued
+        not queued
         and is_s3(spec.spec.checkpoint.uri)
         and plan is not None
         and training
@@ -78,6 +83,13 @@ def growable(spec: FineTuneJob, status: FineTuneJobStatus, queued: bool) -> bool
         and status.progress is not None
         and status.progress.total_steps is not None
     )
+
+
+def short(plan: PlanStatus, fleet: Sequence[PipelineStatus], wanted: int) -> bool:
+    """Whether a job of a fixed count of `wanted` pipelines trains fewer now: pipelines out
+    that a pipeline shaped for the GPUs free may stand in for."""
+    out = sum(1 for p in fleet if p.phase in OUT_PHASES)
+    return plan.several() and len(plan.splits()) - out < wanted
 
 
 def add_pipelines(
@@ -94,7 +106,9 @@ def add_pipelines(
         return plan, []
     if _awaited(ctx, spec, out):
         return plan, []
-    grown = _priced_growth(ctx, spec, plan, entries, out)
+    wanted = spec.spec.pipeline.replicas
+    fixed = None if wanted == "auto" else int(wanted)
+    grown = _priced_growth(ctx, spec, plan, entries, out, most=fixed)
     if grown is None or grown.plan is None:
         return plan, []
     ctx.update(growth=None)
@@ -128,10 +142,12 @@ def _priced_growth(
     out: set[int],
     *,
     restart_seconds: float = 0.0,
+    most: int | None = None,
 ) -> Grown | None:
     """The planner's growth of `plan` (several pipelines' form) on the GPUs free for the
     job, when it pays over a join (and `restart_seconds` more); None when nothing is added,
-    status.growth then saying why where GPUs are free."""
+    status.growth then saying why where GPUs are free. `most`: a fixed count, which the
+    pipelines training and added make up at most."""
     model, cluster_pods = ctx.observed.model, ctx.observed.cluster_pods
     progress = ctx.status.progress
     if model is None or model.config is None or cluster_pods is None or progress is None:
@@ -149,6 +165,7 @@ def _priced_growth(
             steps_left=max(progress.total_steps - ctx.step(), 0),
             catalog=ctx.settings.catalog, default_link=ctx.settings.default_link,
             join_seconds=ctx.settings.join_seconds + restart_seconds,
+            max_pipelines=most,
         )  # fmt: skip
     except (PlanError, PoolError, ValueError):
         return None  # not to be priced (a pool gone under a stage): it stays as it is

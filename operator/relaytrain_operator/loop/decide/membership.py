@@ -54,9 +54,9 @@ NEXT_RETURN_SECONDS = 5.0
 
 
 def leave_departing(ctx: Pass, spec: FineTuneJob, plan: PlanStatus, out: set[int]) -> set[int]:
-    """The pipelines not `out` with a stage pod on a node that announced its end, or (with
-    `replicas: auto`) whose stage's replacement waited for a GPU as long as a re-split costs
-    (`_outwaited`): each leaves now (its pods deleted, its stages idled, a PipelineLeaving
+    """The pipelines not `out` with a stage pod on a node that announced its end, or whose
+    stage's replacement waited for a GPU as long as a re-split costs (`_outwaited`): each
+    leaves now (its pods deleted, its stages idled, a PipelineLeaving
     Event with the job's predicted tokens/s before and while it is out). Returns them."""
     leaving: dict[int, str] = {}
     if not plan.several():
@@ -98,14 +98,13 @@ def leave_departing(ctx: Pass, spec: FineTuneJob, plan: PlanStatus, out: set[int
 
 
 def _outwaited(ctx: Pass, spec: FineTuneJob, skip: set[int]) -> dict[int, str]:
-    """The pipelines (not in `skip`) of a job of `replicas: auto` whose stage's replacement
-    has waited for a GPU as long as a re-split costs (`--join-seconds`, the rule of
-    resplit.py): each leaves, why, so that it comes back where its stages fit, or the GPUs
-    free are priced for a pipeline shaped for them (grow.py: growth past pipelines out).
-    Not under Kueue (quota), nor with a store the stages cannot be told through (s3://)."""
-    if spec.spec.pipeline.replicas != "auto" or ctx.queue is not None:
-        return {}
-    if not is_s3(spec.spec.checkpoint.uri):
+    """The pipelines (not in `skip`) whose stage's replacement has waited for a GPU as long
+    as a re-split costs (`--join-seconds`, the rule of resplit.py): each leaves, why, so that
+    it comes back where its stages fit, or the GPUs free are priced for a pipeline shaped
+    for them (grow.py: growth past pipelines out; with a fixed count, one that takes its
+    place). Not under Kueue (quota), nor with a store the stages cannot be told through
+    (s3://)."""
+    if ctx.queue is not None or not is_s3(spec.spec.checkpoint.uri):
         return {}
     cost = ctx.settings.join_seconds
     outwaited: dict[int, str] = {}
@@ -161,10 +160,13 @@ def bring_back(
         return []
     nodes = list(ctx.observed.nodes.values())
     waits: list[timedelta] = []
+    wanted = spec.spec.pipeline.replicas
     for pipeline in ctx.status.pipelines or ():
         p = pipeline.index
         if p not in out or pipeline.phase not in OUT_PHASES:
             continue
+        if wanted != "auto" and len(plan.splits()) - len(out) >= int(wanted):
+            continue  # a fixed count trains its N (one added in the place of one out)
         if any(key[0] == p for key in ctx.observed.pods):
             continue  # its last pods are still going: their names are taken
         dated = pipeline if pipeline.left_time else _since_now(ctx, pipeline)  # given up before
@@ -192,7 +194,7 @@ def bring_back(
             ctx, spec, plan, out=out, p=p, chosen={k: c.pool for k, c in choices.items()}
         )
         # With `replicas: auto` only a return that pays; a fixed count is what the user asked.
-        if price is not None and spec.spec.pipeline.replicas == "auto" and not price.pays:
+        if price is not None and wanted == "auto" and not price.pays:
             _hold_out(ctx, dated, price, choices)
             continue
         for key in keys:
