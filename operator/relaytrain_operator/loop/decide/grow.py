@@ -3,11 +3,12 @@
 
 When: `spec.pipeline.replicas: auto` (the user let the planner choose how many pipelines
 pay), or a fixed count while fewer train and a pipeline out cannot come back (`short`: a
-pipeline shaped for the GPUs free takes its place, up to the count), not under Kueue (its quota is the Workload's), its store on s3:// (the stages training
-learn of the added pipelines there), every pipeline training or out (none starting or
-recovering: their GPUs come first; with one pipeline, every stage training), its link
-certificates not in a renewal, and the stages reporting progress (the steps left price the
-join). `growable` says whether a job is so, from its record alone (for `needs`).
+pipeline shaped for the GPUs free takes its place, up to the count), not under Kueue (its
+quota is the Workload's), its store on s3:// (the stages training learn of the added
+pipelines there), every pipeline training or out (none starting or recovering: their GPUs
+come first; with one pipeline, every stage training), its link certificates not in a
+renewal, and the stages reporting progress (the steps left price the join). `growable`
+says whether a job is so, from its record alone (for `needs`).
 
 A job of one pipeline grows by a restart (`grow_one`): its stages' documents have no
 replicas section to grow by, so the grown plan makes it pipeline 0 of several and every
