@@ -242,21 +242,32 @@ def _record(
     life = [p.model_copy(update={"micro_batches": shares[p.index]}) for p in life]
     ctx.update(plan=grown.plan, pipelines=life, stages=[entries[key] for key in sorted(entries)])
     ctx.patch()  # the record first: the added pods are built from it, after a crash too
+    _added(
+        ctx, grown, step, out,
+        "Its stages join the pipelines training at a step boundary with their state.",
+    )  # fmt: skip
+    return keys
+
+
+def _added(ctx: Pass, grown: Grown, step: int, out: set[int], then: str) -> None:
+    """A PipelineAdded Event for each pipeline `grown` adds after `step`: where, its share
+    of the micro-batches of the pipelines not `out`, the planner's reason and tokens/s,
+    and `then` (what happens next)."""
+    assert grown.plan is not None and grown.plan.pipelines is not None
     growth = grown.growth
     micro = sum(p.micro_batches for p in grown.plan.pipelines if p.index not in out)
-    for q in added:
-        pools = ", ".join(s.pool for s in grown.plan.pipelines[q].stages)
+    for q in grown.added:
+        planned = grown.plan.pipelines[q]
+        pools = ", ".join(s.pool for s in planned.stages)
         ctx.event(
             "Normal",
             "PipelineAdded",
             f"Pipeline {q} is added after step {step} on GPUs free for the job ({pools}), "
-            f"{shares[q]} of each step's {micro} micro-batches: "
+            f"{planned.micro_batches} of each step's {micro} micro-batches: "
             f"{growth.reason}; {growth.tokens_per_second_before:,.0f} -> "
-            f"{growth.tokens_per_second_after:,.0f} predicted tokens/s. Its stages join the "
-            "pipelines training at a step boundary with their state.",
+            f"{growth.tokens_per_second_after:,.0f} predicted tokens/s. {then}",
             change="added",
         )
-    return keys
 
 
 def _restart_grown(ctx: Pass, grown: Grown, committed: int | None, restart_seconds: float) -> None:
@@ -285,8 +296,6 @@ def _restart_grown(ctx: Pass, grown: Grown, committed: int | None, restart_secon
     ctx.update(plan=grown.plan, pipelines=life, stages=stages, growth=None)
     ctx.patch()  # the plan first: pods of the one pipeline are replaced even after a crash
     ctx.remove_pods()
-    growth = grown.growth
-    micro = sum(p.micro_batches for p in grown.plan.pipelines)
     since = "the start" if committed is None else f"step {committed}"
     restart = (
         f"The job's one pipeline restarts beside it as pipeline 0 (its stages' documents gain "
@@ -294,17 +303,7 @@ def _restart_grown(ctx: Pass, grown: Grown, committed: int | None, restart_secon
         f"{step - (committed or 0)} steps since are trained again), about "
         f"{restart_seconds:.0f} s that the added pipeline pays back."
     )
-    for q in grown.added:
-        pools = ", ".join(s.pool for s in grown.plan.pipelines[q].stages)
-        ctx.event(
-            "Normal",
-            "PipelineAdded",
-            f"Pipeline {q} is added after step {step} on GPUs free for the job ({pools}), "
-            f"{grown.plan.pipelines[q].micro_batches} of each step's {micro} micro-batches: "
-            f"{growth.reason}; {growth.tokens_per_second_before:,.0f} -> "
-            f"{growth.tokens_per_second_after:,.0f} predicted tokens/s. {restart}",
-            change="added",
-        )
+    _added(ctx, grown, step, set(), restart)
     count = len(grown.plan.pipelines)
     ctx.settle(
         Verdict("Recovering", False, True, "Replanned",
