@@ -300,6 +300,12 @@ def _recovering(stage: StageStatus) -> bool:
     return stage.phase == REPLACING or bool(stage.restarts and stage.phase != "Running")
 
 
+def short_of(plan: PlanStatus, out: int, wanted: int) -> bool:
+    """Whether a job of a fixed count of `wanted` pipelines trains fewer than that with `out`
+    of its planned pipelines out of the job."""
+    return len(plan.splits()) - out < wanted
+
+
 def pipeline_statuses(
     plan: PlanStatus,
     stages: list[StageStatus],

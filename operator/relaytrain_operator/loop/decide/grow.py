@@ -43,7 +43,7 @@ from relaytrain_operator.domain.growing import Grown, as_fleet, grow
 from relaytrain_operator.domain.membership import return_wait
 from relaytrain_operator.domain.planner import PlanError, PoolError
 from relaytrain_operator.domain.stage_config import fleet_document, job_pod_endpoints
-from relaytrain_operator.domain.status import OUT_PHASES, Verdict
+from relaytrain_operator.domain.status import OUT_PHASES, Verdict, short_of
 from relaytrain_operator.loop.actions import PutFleet
 from relaytrain_operator.loop.decide.context import Pass
 from relaytrain_operator.loop.decide.resplit import RESPLIT_PAUSE_SECONDS, fresh_entry
@@ -90,7 +90,7 @@ def short(plan: PlanStatus, fleet: Sequence[PipelineStatus], wanted: int) -> boo
     """Whether a job of a fixed count of `wanted` pipelines trains fewer now: pipelines out
     that a pipeline shaped for the GPUs free may stand in for."""
     out = sum(1 for p in fleet if p.phase in OUT_PHASES)
-    return plan.several() and len(plan.splits()) - out < wanted
+    return plan.several() and short_of(plan, out, wanted)
 
 
 def add_pipelines(
