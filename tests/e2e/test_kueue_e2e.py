@@ -97,17 +97,12 @@ def _cluster_queue(name: str, pools: list[str], quota: dict[str, int]) -> dict[s
     }
 
 
-def _job(name: str, minio: Any, queue: str, priority: str, steps: int) -> dict[str, Any]:
-    job = tiny_job(name, minio).label(QUEUE_LABEL, queue).label(PRIORITY_LABEL, priority)
-    return job.training(steps=steps).build()
-
-
-def test_kueue_admits_waits_preempts_and_resumes(env: dict[str, Any], kube_cluster: Any) -> None:
-    e = env
-    core, custom, ns, runner = e["core"], e["custom"], e["ns"], e["runner"]
+def _queues(custom: Any, ns: str, lq: str, pools: list[str]) -> tuple[str, str, str]:
+    """A ClusterQueue with a ResourceFlavor per pool of `pools` and no quota yet, LocalQueue
+    `lq` in `ns` for it, and WorkloadPriorityClasses low-<tag> (10) and high-<tag> (1000).
+    Returns the ClusterQueue, the LocalQueue and the tag."""
     tag = uuid.uuid4().hex[:5]
-    cq, lq = f"rt-cq-{tag}", "team"
-    pools = [p["name"] for p in kube_cluster.pools]
+    cq = f"rt-cq-{tag}"
     for pool in pools:
         custom.create_cluster_custom_object(
             KUEUE,
@@ -145,6 +140,35 @@ def test_kueue_admits_waits_preempts_and_resumes(env: dict[str, Any], kube_clust
                 "value": value,
             },
         )
+    return cq, lq, tag
+
+
+def _set_quota(custom: Any, cq: str, pools: list[str], quota: dict[str, int]) -> None:
+    """ClusterQueue `cq`'s nominal GPU quota per pool set to `quota`."""
+    cluster_queue = custom.get_cluster_custom_object(KUEUE, KV, "clusterqueues", cq)
+    cluster_queue["spec"] = _cluster_queue(cq, pools, quota)["spec"]
+    custom.replace_cluster_custom_object(KUEUE, KV, "clusterqueues", cq, cluster_queue)
+
+
+def _demand(workload: dict[str, Any]) -> dict[str, int]:
+    """The GPUs per pool a Workload's pod sets ask for."""
+    demand: dict[str, int] = {}
+    for pod_set in workload["spec"]["podSets"]:
+        pool = pod_set["template"]["metadata"]["labels"][POOL_LABEL]
+        demand[pool] = demand.get(pool, 0) + pod_set["count"]
+    return demand
+
+
+def _job(name: str, minio: Any, queue: str, priority: str, steps: int) -> dict[str, Any]:
+    job = tiny_job(name, minio).label(QUEUE_LABEL, queue).label(PRIORITY_LABEL, priority)
+    return job.training(steps=steps).build()
+
+
+def test_kueue_admits_waits_preempts_and_resumes(env: dict[str, Any], kube_cluster: Any) -> None:
+    e = env
+    core, custom, ns, runner = e["core"], e["custom"], e["ns"], e["runner"]
+    pools = [p["name"] for p in kube_cluster.pools]
+    cq, lq, tag = _queues(custom, ns, "team", pools)
 
     def status(name: str) -> dict[str, Any]:
         job = custom.get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name)
@@ -177,16 +201,11 @@ def test_kueue_admits_waits_preempts_and_resumes(env: dict[str, Any], kube_clust
         assert status(low)["phase"] == "Suspended"
         assert "insufficient" in waiting["message"] and lq in waiting["message"], waiting
         assert stage_pods(core, ns, low) == {}
-        demand: dict[str, int] = {}
-        for pod_set in workload(low)["spec"]["podSets"]:
-            pool = pod_set["template"]["metadata"]["labels"][POOL_LABEL]
-            demand[pool] = demand.get(pool, 0) + pod_set["count"]
+        demand = _demand(workload(low))
         assert sum(demand.values()) == len(status(low)["stages"])
 
         # 2. Exactly its quota: admitted, its pods carry the flavours' node labels, it trains.
-        cluster_queue = custom.get_cluster_custom_object(KUEUE, KV, "clusterqueues", cq)
-        cluster_queue["spec"] = _cluster_queue(cq, pools, demand)["spec"]
-        custom.replace_cluster_custom_object(KUEUE, KV, "clusterqueues", cq, cluster_queue)
+        _set_quota(custom, cq, pools, demand)
         wait_for(
             "the low-priority job admitted and running",
             lambda: status(low).get("phase") == "Running",
@@ -353,3 +372,169 @@ def test_kueue_admits_waits_preempts_and_resumes(env: dict[str, Any], kube_clust
         raise
     finally:
         watcher.stop()
+
+
+def test_kueue_grows_a_job_when_quota_frees_and_takes_back_one_pipeline(
+    env: dict[str, Any], kube_cluster: Any
+) -> None:
+    """One Workload per pipeline: a job of two pipelines, given the quota of one, trains on
+    the one Kueue admits while the other waits out of the job; given the quota of both, it
+    grows (the other comes back and rejoins with the live pipeline's state). A higher-priority
+    Workload that needs one pipeline's GPUs takes that pipeline only: it leaves at a step
+    boundary, its quota is handed back once its pods are gone, the other trains on with no
+    step back, and once the higher-priority Workload is gone Kueue admits the pipeline again
+    and it comes back."""
+    e = env
+    core, custom, ns = e["core"], e["custom"], e["ns"]
+    pools = [p["name"] for p in kube_cluster.pools]
+    cq, lq, tag = _queues(custom, ns, "fleet", pools)
+    name, steps = "kq-fleet", 100_000  # deleted once seen through; never runs out
+    job = tiny_job(name, e["minio"]).label(QUEUE_LABEL, lq).label(PRIORITY_LABEL, f"low-{tag}")
+    manifest = job.pipeline(stages=2, replicas=2).training(steps=steps).build()
+
+    def status() -> dict[str, Any]:
+        got = custom.get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name)
+        return got.get("status") or {}
+
+    def workload(p: int) -> dict[str, Any]:
+        return custom.get_namespaced_custom_object(  # type: ignore[no-any-return]
+            KUEUE, KV, ns, "workloads", workload_name(name, p)
+        )
+
+    def phases() -> list[str]:
+        return [p["phase"] for p in status().get("pipelines") or []]
+
+    def log(pod: str) -> str:
+        paths = sorted((e["work"] / "pods" / ns / pod).rglob("container.log"))
+        return "".join(p.read_text() for p in paths)
+
+    watcher = ProgressWatcher(e["minio"], f"ckpt/{ns}/{name}/progress.json")
+    high = {
+        "apiVersion": f"{KUEUE}/{KV}",
+        "kind": "Workload",
+        "metadata": {"name": f"urgent-{tag}", "namespace": ns},
+    }
+    try:
+        # 1. Submitted with no quota: one Workload per pipeline, the job waits.
+        custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, manifest)
+        wait_for(
+            "the job waiting for quota",
+            lambda: any(
+                c["type"] == "Ready" and c["reason"] == "WaitingForQuota"
+                for c in status().get("conditions") or []
+            ),
+            timeout=90,
+        )
+        demands = [_demand(workload(p)) for p in (0, 1)]
+        assert [sum(d.values()) for d in demands] == [2, 2], demands
+        assert stage_pods(core, ns, name) == {}
+
+        # 2. The quota of one pipeline: Kueue admits one, the job trains on it alone and
+        # the other is out of the job, waiting for Kueue, with no pod.
+        _set_quota(custom, cq, pools, demands[0])
+        first = wait_for(
+            "one pipeline admitted and training",
+            lambda: sorted(phases()) == ["Left", "Running"] and phases(),
+            timeout=180,
+        )
+        trains, waits = first.index("Running"), first.index("Left")
+        out = status()["pipelines"][waits]
+        assert out["leftReason"].startswith("its Workload waits for Kueue"), out
+        assert {n.rsplit("-s", 1)[0] for n in stage_pods(core, ns, name)} == {f"{name}-p{trains}"}
+        wait_for("steps of the one pipeline", lambda: (watcher.latest().get("step") or 0) >= 3, 180)
+        alone = f"links without given-up pipeline(s) [{waits}]"
+        assert alone in log(f"{name}-p{trains}-s0"), log(f"{name}-p{trains}-s0")[-3000:]
+
+        # 3. The quota of both: the other is admitted and comes back: the job grows.
+        _set_quota(custom, cq, pools, {k: demands[0].get(k, 0) + demands[1].get(k, 0)
+                                       for k in set(demands[0]) | set(demands[1])})  # fmt: skip
+        wait_for(
+            "the job grown to two pipelines",
+            lambda: (
+                phases() == ["Running", "Running"]
+                and "rejoined at step" in log(f"{name}-p{waits}-s0")
+            ),
+            timeout=240,
+        )
+        assert status()["pipelines"][waits]["returns"] == 1
+
+        # 4. A higher priority takes one pipeline's GPUs: that pipeline leaves, the other
+        # trains on; the quota is handed back once the pods are gone.
+        before = watcher.latest().get("step") or 0
+        taken = workload(trains)
+        high["spec"] = {
+            "queueName": lq,
+            "podSets": taken["spec"]["podSets"],
+            "priorityClassRef": {
+                "group": KUEUE,
+                "kind": "WorkloadPriorityClass",
+                "name": f"high-{tag}",
+            },
+            "priority": 1000,
+        }
+        custom.create_namespaced_custom_object(KUEUE, KV, ns, "workloads", high)
+        shrunk = wait_for(
+            "one pipeline preempted and out",
+            lambda: sorted(phases()) == ["Left", "Running"] and status()["pipelines"],
+            timeout=180,
+        )
+        gone = next(p for p in shrunk if p["phase"] == "Left")
+        assert "Kueue evicted its Workload (Preempted" in gone["leftReason"], gone
+        wait_for(
+            "the higher priority admitted",
+            lambda: any(
+                c["type"] == "Admitted" and c["status"] == "True"
+                for c in (custom.get_namespaced_custom_object(
+                    KUEUE, KV, ns, "workloads", high["metadata"]["name"]
+                ).get("status") or {}).get("conditions") or []
+            ),
+            timeout=180,
+        )  # fmt: skip
+        assert not [
+            n for n in stage_pods(core, ns, name) if n.startswith(f"{name}-p{gone['index']}-")
+        ]
+        assert status()["phase"] == "Running"
+        wait_for(
+            "steps with one pipeline after the preemption",
+            lambda: (watcher.latest().get("step") or 0) >= before + 3,
+            timeout=180,
+        )
+
+        # 5. The higher priority gone: the pipeline is admitted again and comes back.
+        custom.delete_namespaced_custom_object(KUEUE, KV, ns, "workloads", high["metadata"]["name"])
+        wait_for(
+            "the preempted pipeline back",
+            lambda: (
+                phases() == ["Running", "Running"]
+                and (status()["pipelines"][gone["index"]]["returns"] or 0) > gone["returns"]
+            ),
+            timeout=240,
+        )
+        steps_seen = [doc["step"] for _, doc in watcher.history if "step" in doc]
+        assert steps_seen == sorted(steps_seen), "a step went back"
+        final = status()["pipelines"]
+        print(
+            f"\nPipeline {trains} admitted alone; pipeline {waits} came back at step "
+            f"{final[waits].get('returnedAtStep') if gone['index'] != waits else '?'}; pipeline "
+            f"{gone['index']} preempted at step {gone['leftAtStep']} and back at step "
+            f"{final[gone['index']]['returnedAtStep']}; step {watcher.latest().get('step')} now"
+        )
+        reasons = {ev.reason for ev in core.list_namespaced_event(
+            ns, field_selector=f"involvedObject.name={name}").items}  # fmt: skip
+        assert {"Admitted", "PipelineLeaving", "PipelineAdded"} <= reasons, reasons
+    except BaseException:
+        with contextlib.suppress(Exception):
+            for p in (0, 1):
+                print(p, json.dumps(workload(p), indent=1)[-2500:])
+            print(json.dumps(status(), indent=1)[-3000:])
+        print(diagnostics(e))
+        print(e["kueue"].logs()[-6000:])
+        raise
+    finally:
+        watcher.stop()
+        with contextlib.suppress(Exception):
+            custom.delete_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name)
+        with contextlib.suppress(Exception):
+            custom.delete_namespaced_custom_object(
+                KUEUE, KV, ns, "workloads", high["metadata"]["name"]
+            )

@@ -12,7 +12,7 @@ import pytest
 from relaytrain_operator.domain.recovery import INCARNATION_ANNOTATION, REPLACING
 from relaytrain_operator.domain.status import READY, condition, load_status, to_manifest
 from relaytrain_operator.loop.actions import Create, CreateLinkSecret
-from relaytrain_operator.loop.decide import Decision, ModelConfig, Observed, Settings, decide, needs
+from relaytrain_operator.loop.decide import Decision, ModelConfig, Settings, decide
 from relaytrain_testkit.decide_cases import (
     GIB,
     JOB,
@@ -20,13 +20,22 @@ from relaytrain_testkit.decide_cases import (
     NOW,
     PLAN,
     SETTINGS,
-    T_RUNNING,
     events,
     node,
     observed,
     pod,
     running_status,
     stage,
+)
+from relaytrain_testkit.decide_fleet import FLEET, fleet, run_pods
+from relaytrain_testkit.decide_kueue import (
+    ADMITTED,
+    EVICTED,
+    PENDING,
+    QUEUED,
+    applied,
+    kobserved,
+    workload_of,
 )
 from relaytrain_testkit.decide_views import (
     RUNNING,
@@ -164,97 +173,6 @@ def test_a_lora_target_the_model_has_not_is_an_invalid_spec_not_a_full_fleet() -
 
 
 # --- Kueue (relaytrain_operator/domain/queueing.py) -----------------------------------
-
-QUEUED = JOB.queue("team")
-"""The job, queued for Kueue's LocalQueue `team`."""
-
-
-def workload_of(
-    job: dict[str, Any], *conditions: tuple[str, str, str, str], active: bool = True
-) -> dict[str, Any]:
-    """The job's Workload as Kueue left it: (type, status, reason, message) conditions; an
-    admission (a100 → flavor fa, rtx → fr) while QuotaReserved is True."""
-    from relaytrain_operator.domain.queueing import StageDemand, build_workload
-
-    demands = [
-        StageDemand(s["pool"], {"relaytrain.io/pool": s["pool"]}, s["predictedMemoryBytes"])
-        for s in PLAN["stages"]
-    ]
-    wl = build_workload(job, demands, active=active)
-    wl["metadata"].update(uid="wl-uid", generation=1)
-    wl["status"] = {
-        "conditions": [
-            {"type": t, "status": s, "reason": r, "message": m, "lastTransitionTime": T_RUNNING}
-            for t, s, r, m in conditions
-        ]
-    }
-    if any(t == "QuotaReserved" and s == "True" for t, s, _, _ in conditions):
-        wl["status"]["admission"] = {
-            "clusterQueue": "cq",
-            "podSetAssignments": [
-                {"name": "a100", "count": 1, "flavors": {"nvidia.com/gpu": "fa", "memory": "fa"}},
-                {"name": "rtx", "count": 1, "flavors": {"nvidia.com/gpu": "fr"}},
-            ],
-        }
-    return wl
-
-
-ADMITTED = (
-    ("QuotaReserved", "True", "QuotaReserved", "ok"),
-    ("Admitted", "True", "Admitted", "ok"),
-)
-PENDING = (
-    (
-        "QuotaReserved",
-        "False",
-        "Pending",
-        "couldn't assign flavors to pod set a100: insufficient unused quota for "
-        "nvidia.com/gpu in flavor fa, 1 more needed",
-    ),
-)
-EVICTED = (
-    *ADMITTED,
-    (
-        "Evicted",
-        "True",
-        "Preempted",
-        "Preempted to accommodate a workload (UID: x) due to prioritization in the ClusterQueue",
-    ),
-)
-FLAVORS = {
-    "fa": {
-        "metadata": {"name": "fa"},
-        "spec": {
-            "nodeLabels": {"relaytrain.io/pool": "a100", "tier": "gold"},
-            "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
-        },
-    },
-    "fr": {"metadata": {"name": "fr"}, "spec": {"nodeLabels": {"relaytrain.io/pool": "rtx"}}},
-}
-
-
-def kobserved(
-    job: dict[str, Any],
-    pods: list[dict[str, Any]] = (),
-    workload: dict[str, Any] | None = None,
-    *,
-    priority: int | None = None,
-    **kw: Any,
-) -> Observed:  # type: ignore[assignment]
-    base = observed(job, pods, **kw)
-    assert needs(job, base.pods).workload, "a queued job's pass reads its Workload"
-    return replace(
-        base,
-        workload=workload,
-        flavors=FLAVORS if base.cluster_pods is not None else {},
-        priority=priority,
-    )
-
-
-def applied(decision: Decision) -> list[Any]:
-    from relaytrain_operator.loop.actions import ApplyWorkloadStatus
-
-    return [a for a in decision.actions if isinstance(a, ApplyWorkloadStatus)]
 
 
 def test_a_queued_job_plans_for_the_whole_fleet_submits_a_workload_and_waits() -> None:
@@ -456,3 +374,164 @@ def test_a_finished_job_marks_its_workload_finished_before_its_own_status() -> N
         SETTINGS,
     )
     assert [a.body["status"]["conditions"][0]["reason"] for a in applied(failed)] == ["Failed"]
+
+
+# --- one Workload per pipeline --------------------------------------------------------
+
+QFLEET = FLEET.queue("team")
+"""Two pipelines of two stages, queued: one Workload each."""
+
+
+def kueue_fleet() -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """QFLEET planned and training (as once both pipelines were admitted)."""
+    job, pods = fleet()
+    return QFLEET.status(job["status"]).build(), pods
+
+
+def both(job: dict[str, Any], p0: Any, p1: Any) -> dict[int, dict[str, Any]]:
+    """The fleet's two Workloads with conditions `p0` and `p1`."""
+    return {p: workload_of(job, *c, pipeline=p) for p, c in enumerate((p0, p1))}
+
+
+def kinds(decision: Decision) -> list[str]:
+    """The decision's actions, Workload ones by kind, the rest as `summary` words them."""
+    from relaytrain_operator.loop.actions import ApplyWorkloadStatus, PatchWorkload
+
+    plain = Decision(
+        tuple(a for a in decision.actions if not isinstance(a, ApplyWorkloadStatus | PatchWorkload))
+    )
+    words = iter(summary(plain))
+    return [
+        type(a).__name__ if isinstance(a, ApplyWorkloadStatus | PatchWorkload) else next(words)
+        for a in decision.actions
+    ]
+
+
+def test_a_queued_job_of_several_pipelines_submits_one_workload_per_pipeline() -> None:
+    from relaytrain_operator.domain.queueing import workload_name
+
+    decision = decide(kobserved(QFLEET.build(), []), SETTINGS)
+    assert decision.status is not None and decision.status.plan is not None
+    assert ready_reason(decision) == "Queued"
+    workloads = [a.obj for a in decision.actions if isinstance(a, Create)]
+    assert [w["metadata"]["name"] for w in workloads] == [
+        workload_name("j", 0),
+        workload_name("j", 1),
+    ]
+    assert len({workload_name("j"), workload_name("j", 0), workload_name("j", 1)}) == 3
+    for p, (w, planned) in enumerate(zip(workloads, decision.status.plan.pipelines, strict=True)):
+        assert w["metadata"]["labels"]["relaytrain.io/pipeline"] == str(p)
+        assert sum(s["count"] for s in w["spec"]["podSets"]) == len(planned.stages)
+    # A pass that stopped after the first: the second is created, the first stands.
+    job = QFLEET.status(to_manifest(decision.status)).build()
+    rest = decide(
+        kobserved(job, [], workloads={0: workload_of(job, *PENDING, pipeline=0)}), SETTINGS
+    )
+    assert [a.obj["metadata"]["name"] for a in rest.actions if isinstance(a, Create)] == [
+        workload_name("j", 1)
+    ]
+    assert ready_reason(rest) == "WaitingForQuota"
+    assert "LocalQueue team (pipeline 0): couldn't assign" in str(condition(rest.status, READY))  # type: ignore[arg-type]
+
+
+def test_kueue_admits_a_job_pipeline_by_pipeline_and_one_not_admitted_is_out() -> None:
+    submitted = decide(kobserved(QFLEET.build(), []), SETTINGS)
+    waiting = QFLEET.status(to_manifest(submitted.status)).build()  # type: ignore[arg-type]
+    # Pipeline 0 admitted, pipeline 1 not: pipeline 0 trains alone, on its flavours.
+    started = decide(kobserved(waiting, [], workloads=both(waiting, ADMITTED, PENDING)), SETTINGS)
+    assert started.status is not None and started.status.phase == "Pending"
+    words = kinds(started)
+    assert words.index("given-up:1") < words.index("create:j-p0-s0")
+    assert not [w for w in words if w.startswith("create:j-p1")]
+    (admitted,) = [e for e in events(started) if e.reason == "Admitted"]
+    assert "Pipelines 1 wait for Kueue" in admitted.message and "pipeline 0: a100 → fa" in (
+        admitted.message
+    )
+    out = started.status.pipelines[1]  # type: ignore[index]
+    assert (out.phase, out.left_at_step) == ("Left", 0)
+    assert out.left_reason == f"its Workload waits for Kueue ({PENDING[0][3]})"
+    (leaving,) = [e for e in events(started) if e.reason == "PipelineLeaving"]
+    assert leaving.message.endswith("It comes back once Kueue admits its Workload.")
+    assert created(started, "j-p0-s0")["spec"]["nodeSelector"]["tier"] == "gold"
+    # Kueue admits pipeline 1 too: it comes back; the store stops naming it first.
+    on = QFLEET.status(to_manifest(started.status)).build()
+    alive = run_pods(started)
+    back = decide(
+        kobserved(on, alive, workloads=both(on, ADMITTED, ADMITTED), progress=progress(3)),
+        SETTINGS,
+    )
+    assert [w for w in kinds(back) if w.startswith(("create:j-", "given-up"))] == [
+        "given-up:",
+        "create:j-p1-s0",
+        "create:j-p1-s1",
+    ]
+    assert back.status is not None and back.status.pipelines[1].returns == 1  # type: ignore[index]
+
+
+def test_a_pipeline_kueue_preempts_leaves_and_hands_its_quota_back_the_others_train_on() -> None:
+    from relaytrain_operator.loop.actions import ApplyWorkloadStatus
+
+    job, pods = kueue_fleet()
+    workloads = both(job, ADMITTED, EVICTED)
+    leaving = decide(kobserved(job, pods, workloads=workloads, progress=progress(7)), SETTINGS)
+    assert kinds(leaving) == [
+        "delete:j-p1-s0",
+        "delete:j-p1-s1",
+        "event:PipelineLeaving",
+        "given-up:1",
+        "patch",
+    ]
+    assert leaving.status is not None and leaving.status.phase == "Running"
+    gone = leaving.status.pipelines[1]  # type: ignore[index]
+    assert (gone.phase, gone.left_at_step) == ("Left", 7)
+    assert gone.left_reason is not None and gone.left_reason.startswith(
+        "Kueue evicted its Workload (Preempted: Preempted to accommodate"
+    )
+    # Its pods gone: its quota (not pipeline 0's) is handed back.
+    on = QFLEET.status(to_manifest(leaving.status)).build()
+    alive = [p for p in pods if p["metadata"]["name"].startswith("j-p0")]
+    released = decide(kobserved(on, alive, workloads=both(on, ADMITTED, EVICTED)), SETTINGS)
+    (release,) = [a for a in released.actions if isinstance(a, ApplyWorkloadStatus)]
+    assert release.body["metadata"]["name"] == workloads[1]["metadata"]["name"]
+    # Every pipeline evicted: the job waits, Suspended, with Kueue's words.
+    stopped = decide(kobserved(on, alive, workloads=both(on, EVICTED, EVICTED)), SETTINGS)
+    assert ready_reason(stopped) == "Evicted"
+    assert "Kueue evicted the workload (pipeline 0) (Preempted" in str(
+        condition(stopped.status, READY)  # type: ignore[arg-type]
+    )
+    assert [w for w in kinds(stopped) if w.startswith("delete")] == [
+        "delete:j-p0-s0",
+        "delete:j-p0-s1",
+    ]
+
+
+def test_suspend_and_finish_reach_every_pipelines_workload() -> None:
+    from relaytrain_operator.loop.actions import ApplyWorkloadStatus, PatchWorkload
+
+    job, pods = kueue_fleet()
+    suspended = QFLEET.suspend().status(job["status"]).build()
+    held = decide(kobserved(suspended, pods, workloads=both(job, ADMITTED, ADMITTED)), SETTINGS)
+    assert [a.name for a in held.actions if isinstance(a, PatchWorkload)] == [
+        workload_of(job, pipeline=p)["metadata"]["name"] for p in (0, 1)
+    ]
+    done = decide(
+        kobserved(
+            job,
+            pods,
+            workloads=both(job, ADMITTED, ADMITTED),
+            progress=progress(100, 100, done=True),
+        ),
+        SETTINGS,
+    )
+    assert len([a for a in done.actions if isinstance(a, ApplyWorkloadStatus)]) == 2
+
+
+def test_a_queued_job_of_several_pipelines_on_a_store_it_cannot_tell_them_through_has_one() -> None:
+    from relaytrain_operator.domain.queueing import workload_name
+
+    local = QFLEET.checkpoint("/ckpt").build()
+    del local["spec"]["checkpoint"]["endpoint"], local["spec"]["checkpoint"]["credentialsSecret"]
+    decision = decide(kobserved(local, []), SETTINGS)
+    assert [a.obj["metadata"]["name"] for a in decision.actions if isinstance(a, Create)] == [
+        workload_name("j")
+    ]

@@ -42,6 +42,7 @@ from relaytrain_testkit.decide_fleet import (
     named,
     without,
 )
+from relaytrain_testkit.decide_kueue import ADMITTED, kobserved, workload_of
 from relaytrain_testkit.decide_views import created, progress, ready_reason, summary
 
 pytestmark = pytest.mark.unit
@@ -279,8 +280,21 @@ def test_under_kueue_a_pipeline_comes_back_only_on_its_admitted_pools() -> None:
     ]
     pools = [created(plain, f"j-p1-s{k}")["spec"]["nodeSelector"] for k in (0, 1)]
     assert [p["relaytrain.io/pool"] for p in pools] == ["rtx", "h100"]
-    held = decide(observed(queued, alive, nodes=nodes), SETTINGS)
-    assert [s for s in summary(held) if s.startswith("create:j-")] == []
+    # Both pipelines' Workloads admitted: pipeline 1 waits for a GPU of the pools Kueue
+    # granted it.
+    workloads = {p: workload_of(queued, *ADMITTED, pipeline=p) for p in (0, 1)}
+    held = decide(kobserved(queued, alive, nodes=nodes, workloads=workloads), SETTINGS)
+    assert [s for s in summary(held) if s.startswith("create:")] == []
+    assert held.status is not None and held.status.pipelines[1].phase == "Left"  # type: ignore[index]
+    # A free GPU on its own pool (a100): it comes back there.
+    back = decide(
+        kobserved(queued, alive, nodes=[*nodes, node("a100-7", "a100")], workloads=workloads),
+        SETTINGS,
+    )
+    assert [s for s in summary(back) if s.startswith("create:j-")] == [
+        "create:j-p1-s0",
+        "create:j-p1-s1",
+    ]
 
 
 @pytest.mark.parametrize("key", sorted(DEPARTURE_TAINTS))

@@ -3,10 +3,12 @@ owns (pure: the Workload built, its admission read, the status patches that hand
 
 The integration is Kueue's external-framework contract (docs/operator.md "Queueing with
 Kueue"): the operator plays the part Kueue's own job reconcilers play for batch Jobs. A job
-labelled `kueue.x-k8s.io/queue-name` gets one Workload, owned by the job (the garbage
-collector deletes it with the job), with one pod set per GPU pool of the plan (count: the
-stages placed there; the pod template: a stage's requests and the pool's node selector, so
-the flavour Kueue assigns is one whose nodes are that pool). No stage pod exists until Kueue
+labelled `kueue.x-k8s.io/queue-name` gets one Workload per pipeline (one for the whole job
+when it has one pipeline, or a store its stages cannot be told through), owned by the job
+(the garbage collector deletes it with the job), with one pod set per GPU pool of that
+pipeline (count: the stages placed there; the pod template: a stage's requests and the
+pool's node selector, so the flavour Kueue assigns is one whose nodes are that pool). Kueue
+then admits, preempts and re-admits a job's pipelines one by one. No stage pod exists until Kueue
 reserves quota and admits it; the assigned flavours' node labels and tolerations are added
 to every stage pod; a replaced stage keeps the admission (the Workload is untouched). When
 Kueue evicts the workload (preempted by a higher priority, or deactivated), the stage pods go
@@ -26,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from relaytrain_operator.domain.builders.labels import job_labels, owner_reference
+from relaytrain_operator.domain.builders.labels import PIPELINE_LABEL, job_labels, owner_reference
 from relaytrain_operator.domain.builders.pod import memory_request
 
 JsonDict = dict[str, Any]
@@ -68,10 +70,22 @@ def queue_name(job: Mapping[str, Any]) -> str | None:
     return str(name) if name else None
 
 
-def workload_name(job_name: str) -> str:
-    """The Workload of job `job_name` (Kueue's own naming: kind, name, a short hash)."""
-    digest = hashlib.sha256(f"finetunejob/{job_name}".encode()).hexdigest()[:5]
-    return f"finetunejob-{job_name[:230]}-{digest}"
+def workload_name(job_name: str, pipeline: int | None = None) -> str:
+    """The Workload of job `job_name`, or of its pipeline `pipeline` (Kueue's own naming:
+    kind, name, a short hash)."""
+    if pipeline is None:
+        digest = hashlib.sha256(f"finetunejob/{job_name}".encode()).hexdigest()[:5]
+        return f"finetunejob-{job_name[:230]}-{digest}"
+    digest = hashlib.sha256(f"finetunejob/{job_name}/{pipeline}".encode()).hexdigest()[:5]
+    return f"finetunejob-{job_name[:220]}-p{pipeline}-{digest}"
+
+
+def workload_names(job_name: str, pipelines: int | None) -> dict[int, str]:
+    """The job's Workloads by pipeline: one per pipeline for `pipelines` of them, or (None)
+    the job's one Workload, under 0."""
+    if pipelines is None:
+        return {0: workload_name(job_name)}
+    return {p: workload_name(job_name, p) for p in range(pipelines)}
 
 
 def _pod_set_name(pool: str, taken: set[str]) -> str:
@@ -102,11 +116,13 @@ def build_workload(
     tolerations: Sequence[JsonDict] = (),
     priority_class_name: str | None = None,
     priority: int | None = None,
+    pipeline: int | None = None,
     gpu_resource: str = "nvidia.com/gpu",
 ) -> JsonDict:
-    """The job's Workload: one pod set per pool, in the order the plan first uses them.
-    `priority`: the value of the WorkloadPriorityClass the job's priority label names (Kueue
-    orders and preempts by spec.priority; the class is only its name)."""
+    """The Workload of the job (or of its pipeline `pipeline`) for `stages`: one pod set per
+    pool, in the order the plan first uses them. `priority`: the value of the
+    WorkloadPriorityClass the job's priority label names (Kueue orders and preempts by
+    spec.priority; the class is only its name)."""
     pools: dict[str, list[StageDemand]] = {}
     for stage in stages:
         pools.setdefault(stage.pool, []).append(stage)
@@ -144,11 +160,13 @@ def build_workload(
         **job_labels(meta["name"]),
         **{k: v for k, v in (meta.get("labels") or {}).items() if k == PRIORITY_LABEL},
     }
+    if pipeline is not None:
+        labels[PIPELINE_LABEL] = str(pipeline)
     workload: JsonDict = {
         "apiVersion": f"{GROUP}/{VERSION}",
         "kind": "Workload",
         "metadata": {
-            "name": workload_name(meta["name"]),
+            "name": workload_name(meta["name"], pipeline),
             "namespace": meta["namespace"],
             "labels": labels,
             "ownerReferences": [owner_reference(job)],
@@ -200,6 +218,14 @@ class Admission:
     """pool → the flavour Kueue assigned to its pod set (its GPU resource's)."""
     active: bool = True
     """The Workload's spec.active."""
+
+    def why_out(self) -> str:
+        """Why a pipeline whose Workload this is does not train (it is not admitted)."""
+        if self.state in ("evicted", "released"):
+            return f"Kueue evicted its Workload ({self.reason}: {self.message})"
+        if self.message:
+            return f"its Workload waits for Kueue ({self.message})"
+        return "its Workload waits for Kueue to admit it"
 
 
 def read_admission(

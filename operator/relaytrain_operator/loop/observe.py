@@ -15,8 +15,8 @@ and the object store, and only when a pass needs it:
   given up);
 - the job's link Secret when its certificates are due for a change (status.linkCertificates
   says when), or the status does not say yet;
-- the Workload of a job submitted to a Kueue LocalQueue, and, for a pass that creates
-  stage pods, the ResourceFlavors it was admitted with.
+- the Workloads of a job submitted to a Kueue LocalQueue (one per pipeline, or one), and, for
+  a pass that creates stage pods, the ResourceFlavors they were admitted with.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ from relaytrain_contract import Progress as Record
 
 from relaytrain_operator.domain.builders.labels import StageKey, link_secret_name
 from relaytrain_operator.domain.progress import Progress, fold, job_store_uri
-from relaytrain_operator.domain.queueing import priority_class_of, read_admission, workload_name
+from relaytrain_operator.domain.queueing import priority_class_of, read_admission
+from relaytrain_operator.domain.status import load_status
 from relaytrain_operator.loop.apply import ClusterApi
 from relaytrain_operator.loop.decide import (
     InputProblem,
@@ -39,6 +40,7 @@ from relaytrain_operator.loop.decide import (
     Observed,
     parse_spec,
     stage_pods,
+    workloads_of,
 )
 from relaytrain_operator.spec import FineTuneJob, is_s3
 from relaytrain_operator.store.objectstore import (
@@ -89,18 +91,22 @@ class Observer:
         observed = Observed(job=job, now=now, pods=pods, nodes=known)
         if isinstance(spec, str):
             return observed
-        workload = (
-            self.api.get_workload(spec.metadata.namespace, workload_name(spec.metadata.name))
-            if wanted.workload
-            else None
-        )
+        names = workloads_of(spec, load_status(job.get("status"))) if wanted.workload else {}
+        workloads = {
+            p: workload
+            for p, name in names.items()
+            if (workload := self.api.get_workload(spec.metadata.namespace, name)) is not None
+        }
         priority = None
         priority_class = priority_class_of(job)
-        if wanted.workload and workload is None and priority_class is not None:
+        if len(workloads) < len(names) and priority_class is not None:
             priority = self.api.get_priority_value(priority_class)
         flavors: dict[str, JsonDict] = {}
-        if workload is not None and wanted.room:
-            for name in set(read_admission(workload).pool_flavors.values()):
+        if wanted.room:
+            assigned = {
+                f for w in workloads.values() for f in read_admission(w).pool_flavors.values()
+            }
+            for name in sorted(assigned):
                 flavor = self.api.get_flavor(name)
                 if flavor is not None:
                     flavors[name] = flavor
@@ -116,7 +122,7 @@ class Observer:
             model=self.model_config(spec, access) if wanted.model else None,
             inputs=self.input_problem(spec, access) if wanted.inputs else None,
             progress=self.progress(spec, now, access) if wanted.progress else None,
-            workload=workload,
+            workloads=workloads,
             flavors=flavors,
             priority=priority,
             told_given_up=self.told_given_up(spec, access) if wanted.given_up else None,

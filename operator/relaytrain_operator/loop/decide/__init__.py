@@ -19,6 +19,7 @@ and Kueue), stages.py (per stage keep, create, replace or wait), create.py (the 
 pods: back-off, placement, what each pod holds), progress.py (progress, and how a job ends).
 """
 
+from relaytrain_operator.loop.decide.admission import workloads_of
 from relaytrain_operator.loop.decide.context import (
     WAITING_ANNOTATION,
     Decision,
@@ -44,4 +45,5 @@ __all__ = [
     "needs",
     "parse_spec",
     "stage_pods",
+    "workloads_of",
 ]

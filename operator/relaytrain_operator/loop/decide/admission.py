@@ -2,11 +2,13 @@
 
 A job's first pass plans it (`planning.make_plan`) and records the plan and `startTime`
 before any pod exists (Planned, ModelUnavailable, Unschedulable). A job with a queue label
-is planned for the whole fleet, not for the GPUs free now; its Workload is created from the
-recorded plan, kept active as spec.suspend asks, and its pods are created only once Kueue
-admits it, with the labels and tolerations of the flavours Kueue assigned. Until then, or
-once evicted, it has no pods and is Suspended with Kueue's words; an evicted Workload's
-quota is handed back once no pod is left, and a finished job's Workload is marked Finished.
+is planned for the whole fleet, not for the GPUs free now; its Workloads (one per pipeline,
+`per_pipeline`) are created from the recorded plan, kept active as spec.suspend asks, and a
+pipeline's pods are created only once Kueue admits its Workload, with the labels and
+tolerations of the flavours Kueue assigned. A pipeline not admitted, or evicted, is out of
+the job (membership.py) and comes back once admitted; with none admitted the job has no pods
+and is Suspended with Kueue's words. An evicted Workload's quota is handed back once none of
+its pods is left, and a finished job's Workloads are marked Finished.
 """
 
 from __future__ import annotations
@@ -26,12 +28,14 @@ from relaytrain_operator.domain.queueing import (
     ADMISSION_MANAGER,
     FINISHED_MANAGER,
     PRIORITY_LABEL,
+    Admission,
     QueueError,
     StageDemand,
     build_workload,
     finished,
     priority_class_of,
     read_admission,
+    workload_names,
 )
 from relaytrain_operator.domain.status import (
     READY,
@@ -51,7 +55,13 @@ from relaytrain_operator.loop.decide.context import (
     JsonDict,
     Pass,
 )
-from relaytrain_operator.spec import FineTuneJob, PlanStatus, StageStatus
+from relaytrain_operator.spec import (
+    FineTuneJob,
+    FineTuneJobStatus,
+    PlanStatus,
+    StageStatus,
+    is_s3,
+)
 
 # --- the first plan -------------------------------------------------------------------
 
@@ -127,37 +137,58 @@ def planned_message(plan: PlanStatus) -> str:
 # --- Kueue ----------------------------------------------------------------------------
 
 
+def per_pipeline(spec: FineTuneJob, plan: PlanStatus | None) -> bool:
+    """Whether a queued job has one Workload per pipeline, so that Kueue admits and preempts
+    its pipelines one by one: it has several, and a store on s3:// (through which the
+    stages of the others learn that one is out). Otherwise one Workload holds the job."""
+    return plan is not None and plan.several() and is_s3(spec.spec.checkpoint.uri)
+
+
+def workloads_of(spec: FineTuneJob, status: FineTuneJobStatus) -> dict[int, str]:
+    """The names of the job's Workloads by pipeline (the job's one Workload under 0)."""
+    plan = status.plan
+    several = len(plan.splits()) if plan is not None and per_pipeline(spec, plan) else None
+    return workload_names(spec.metadata.name, several)
+
+
 def admitted(ctx: Pass, spec: FineTuneJob) -> bool:
-    """A job submitted to a LocalQueue: its Workload created, kept active, and True once
-    Kueue admits it; otherwise its pods go (an evicted workload's quota is handed back
-    once none is left) and the job is Suspended with Kueue's words."""
-    admission = read_admission(ctx.observed.workload)
-    ctx.admission = admission
-    if admission.state == "missing":
-        return _submit(ctx, spec)
-    if not admission.active:
-        hold_workload(ctx, active=True)
-    if admission.state == "admitted":
+    """A job submitted to a LocalQueue: its Workloads created, kept active, and True once
+    Kueue admits one (every pipeline's with one Workload per pipeline: those not admitted
+    are out, membership.py); otherwise the pods go (an evicted workload's quota is handed
+    back once none of its pods is left) and the job is Suspended with Kueue's words."""
+    ctx.per_pipeline = per_pipeline(spec, ctx.status.plan)
+    ctx.admissions = {
+        p: read_admission(ctx.observed.workloads.get(p)) for p in workloads_of(spec, ctx.status)
+    }
+    missing = [p for p, a in ctx.admissions.items() if a.state == "missing"]
+    if missing and not _submit(ctx, spec, missing):
+        return False
+    for p, workload in ctx.observed.workloads.items():
+        hold_workload(ctx, p, workload, active=True)
+    running = {p: a for p, a in ctx.admissions.items() if a.state == "admitted"}
+    if running:
         ready = condition(ctx.written, READY)
         if ready is not None and ready.reason in QUEUE_REASONS:
-            flavors = ", ".join(f"{p} → {f}" for p, f in sorted(admission.pool_flavors.items()))
-            ctx.event("Normal", "Admitted", f"{admission.message} (flavors: {flavors}).")
+            ctx.event("Normal", "Admitted", _admitted_words(ctx, running))
         return True
-    if admission.state in ("evicted", "released"):
-        release_quota(ctx)
+    known = [(p, a) for p, a in ctx.admissions.items() if a.state != "missing"]
+    evicted = [(p, a) for p, a in known if a.state in ("evicted", "released")]
+    told = [(p, a) for p, a in known if a.message]
+    if evicted:
+        p, admission = evicted[0]
         wait_for_kueue(
             ctx,
             "Evicted",
-            f"Kueue evicted the workload ({admission.reason}: {admission.message}); the "
-            "stage pods are removed and it resumes from the last committed checkpoint "
-            "when Kueue admits it again.",
+            f"Kueue evicted the workload{_of(ctx, p)} ({admission.reason}: "
+            f"{admission.message}); the stage pods are removed and it resumes from the last "
+            "committed checkpoint when Kueue admits it again.",
         )
-        return False
-    if admission.message:
+    elif told:
         # Pending: no quota now; Inadmissible: it cannot be admitted as it stands (its
         # LocalQueue or ClusterQueue missing or inactive): Kueue's words either way.
+        p, admission = told[0]
         reason = "WaitingForQuota" if admission.reason == "Pending" else "Inadmissible"
-        wait_for_kueue(ctx, reason, f"LocalQueue {ctx.queue}: {admission.message}")
+        wait_for_kueue(ctx, reason, f"LocalQueue {ctx.queue}{_of(ctx, p)}: {admission.message}")
     else:
         wait_for_kueue(
             ctx, "Queued", f"Submitted to LocalQueue {ctx.queue}: waiting for Kueue to admit it."
@@ -165,8 +196,32 @@ def admitted(ctx: Pass, spec: FineTuneJob) -> bool:
     return False
 
 
-def _submit(ctx: Pass, spec: FineTuneJob) -> bool:
-    """Create the job's Workload (it has none yet) and wait; False always."""
+def _of(ctx: Pass, p: int) -> str:
+    """Whose Workload a message speaks of: a pipeline's, where each has its own."""
+    return f" (pipeline {p})" if ctx.per_pipeline else ""
+
+
+def _admitted_words(ctx: Pass, running: dict[int, Admission]) -> str:
+    """The Admitted Event's words: Kueue's, and the flavours of each pipeline admitted."""
+    flavors = "; ".join(
+        f"{_of(ctx, p).strip(' ()') + ': ' if ctx.per_pipeline else ''}"
+        + ", ".join(f"{pool} → {f}" for pool, f in sorted(a.pool_flavors.items()))
+        for p, a in sorted(running.items())
+    )
+    first = next(iter(running.values()))
+    waiting = sorted(set(ctx.admissions) - set(running))
+    rest = (
+        f" Pipelines {', '.join(map(str, waiting))} wait for Kueue to admit theirs; the others "
+        "train without them until it does."
+        if waiting
+        else ""
+    )
+    return f"{first.message} (flavors: {flavors}).{rest}"
+
+
+def _submit(ctx: Pass, spec: FineTuneJob, missing: list[int]) -> bool:
+    """Create the Workloads of pipelines `missing` (the job's one Workload: [0]); False
+    when the job cannot be queued (Failed) or has none yet (it waits)."""
     priority_class = priority_class_of(ctx.job)
     if priority_class is not None and ctx.observed.priority is None:
         ctx.settle(
@@ -182,11 +237,13 @@ def _submit(ctx: Pass, spec: FineTuneJob) -> bool:
         )
         return False
     try:
-        workload = job_workload(ctx, spec, active=True)
+        workloads = [job_workload(ctx, spec, p, active=True) for p in missing]
     except QueueError as err:
         ctx.settle(Verdict("Failed", False, False, "InvalidSpec", str(err)))
         return False
-    ctx.actions.append(Create(workload))
+    ctx.actions += [Create(workload) for workload in workloads]
+    if len(missing) < len(ctx.admissions):
+        return True  # a pass stopped between creating the job's Workloads: the rest stand
     wait_for_kueue(
         ctx, "Queued", f"Submitted to LocalQueue {ctx.queue}: waiting for Kueue to admit it."
     )
@@ -199,8 +256,9 @@ def wait_for_kueue(ctx: Pass, reason: str, message: str) -> None:
     ctx.settle(Verdict("Suspended", False, False, reason, message))
 
 
-def job_workload(ctx: Pass, spec: FineTuneJob, *, active: bool) -> JsonDict:
-    """The job's Workload for its recorded plan: one demand per planned stage."""
+def job_workload(ctx: Pass, spec: FineTuneJob, p: int, *, active: bool) -> JsonDict:
+    """The Workload of pipeline `p` (one Workload per pipeline) or of the whole job, for
+    its recorded plan: one demand per planned stage."""
     plan = ctx.status.plan
     assert plan is not None
     nodes = list(ctx.observed.nodes.values())
@@ -214,7 +272,8 @@ def job_workload(ctx: Pass, spec: FineTuneJob, *, active: bool) -> JsonDict:
             },
             stage.predicted_memory_bytes or DEFAULT_MEMORY_BYTES,
         )
-        for split in plan.splits()
+        for i, split in enumerate(plan.splits())
+        if not ctx.per_pipeline or i == p
         for stage in split
     ]
     return build_workload(
@@ -224,32 +283,20 @@ def job_workload(ctx: Pass, spec: FineTuneJob, *, active: bool) -> JsonDict:
         tolerations=[t.model_dump(mode="json", exclude_none=True) for t in placement.tolerations],
         priority_class_name=placement.priority_class_name,
         priority=ctx.observed.priority,
+        pipeline=p if ctx.per_pipeline else None,
     )
 
 
-def hold_workload(ctx: Pass, *, active: bool) -> None:
-    """Keep the Workload's spec.active as spec.suspend asks (Kueue evicts an inactive
-    one and hands its quota on); an evicted one's quota is handed back once no pod is
-    left."""
-    workload = ctx.observed.workload
-    if workload is None:
-        return
+def hold_workload(ctx: Pass, p: int, workload: JsonDict, *, active: bool) -> None:
+    """Keep `workload` (pipeline `p`'s, or the job's) spec.active as spec.suspend asks
+    (Kueue evicts an inactive one and hands its quota on), and hand an evicted one's quota
+    back once none of its stage pods is left (terminating ones count: they still hold their
+    GPUs)."""
     meta = workload["metadata"]
     if bool((workload.get("spec") or {}).get("active", True)) != active:
         ctx.actions.append(PatchWorkload(meta["name"], {"spec": {"active": active}}))
-    if not active:
-        release_quota(ctx)
-
-
-def release_quota(ctx: Pass) -> None:
-    """Hand an evicted Workload's quota back once no stage pod is left (terminating ones
-    count: they still hold their GPUs)."""
-    workload = ctx.observed.workload
-    if (
-        workload is not None
-        and read_admission(workload).state == "evicted"
-        and not ctx.observed.pods
-    ):
+    held = [key for key in ctx.observed.pods if not ctx.per_pipeline or key[0] == p]
+    if read_admission(workload).state == "evicted" and not held:
         ctx.actions.append(
             ApplyWorkloadStatus(
                 queueing.release_quota(workload, rfc3339(ctx.now)), ADMISSION_MANAGER
@@ -257,27 +304,35 @@ def release_quota(ctx: Pass) -> None:
         )
 
 
+def hold_workloads(ctx: Pass, spec: FineTuneJob, *, active: bool) -> None:
+    """`hold_workload` for each of the job's Workloads."""
+    ctx.per_pipeline = per_pipeline(spec, ctx.status.plan)
+    for p, workload in ctx.observed.workloads.items():
+        hold_workload(ctx, p, workload, active=active)
+
+
 def finish_workload(ctx: Pass, succeeded: bool, message: str) -> None:
-    """A finished job's Workload is marked Finished (Kueue frees its quota), before the
+    """A finished job's Workloads are marked Finished (Kueue frees their quota), before the
     job's own status says so: the job's loop stops once that status is written."""
-    workload = ctx.observed.workload
-    if ctx.queue is None or workload is None:
+    if ctx.queue is None:
         return
-    conditions = (workload.get("status") or {}).get("conditions") or []
-    if any(c.get("type") == "Finished" and c.get("status") == "True" for c in conditions):
-        return
-    ctx.actions.append(
-        ApplyWorkloadStatus(
-            finished(workload, succeeded, message, rfc3339(ctx.now)), FINISHED_MANAGER
+    for _, workload in sorted(ctx.observed.workloads.items()):
+        conditions = (workload.get("status") or {}).get("conditions") or []
+        if any(c.get("type") == "Finished" and c.get("status") == "True" for c in conditions):
+            continue
+        ctx.actions.append(
+            ApplyWorkloadStatus(
+                finished(workload, succeeded, message, rfc3339(ctx.now)), FINISHED_MANAGER
+            )
         )
-    )
 
 
-def flavor_placement(ctx: Pass, pool: str) -> tuple[dict[str, str], list[JsonDict]]:
-    """The node labels and tolerations of the flavour Kueue assigned to `pool`'s pod
-    set (none for a job without a queue)."""
-    if ctx.admission is None:
+def flavor_placement(ctx: Pass, p: int, pool: str) -> tuple[dict[str, str], list[JsonDict]]:
+    """The node labels and tolerations of the flavour Kueue assigned to `pool`'s pod set of
+    pipeline `p`'s Workload (none for a job without a queue)."""
+    admission = ctx.admissions.get(p if ctx.per_pipeline else 0)
+    if admission is None:
         return {}, []
-    name = ctx.admission.pool_flavors.get(pool)
+    name = admission.pool_flavors.get(pool)
     flavor = ctx.observed.flavors.get(name) if name else None
     return queueing.flavor_placement(flavor) if flavor is not None else ({}, [])

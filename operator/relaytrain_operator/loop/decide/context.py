@@ -131,8 +131,9 @@ class Observed:
     Secret, the store's answer to its keys, the data set); read with `model`."""
     progress: Progress | None = None
     """The workers' progress.json, folded (None: none yet, unreadable, or not read)."""
-    workload: JsonDict | None = None
-    """The job's Kueue Workload (a job with a queue label: None means there is none yet)."""
+    workloads: Mapping[int, JsonDict] = field(default_factory=dict)
+    """The job's Kueue Workloads by pipeline (the job's one Workload under 0: admission.py,
+    `per_pipeline`); one missing here is not created yet."""
     flavors: Mapping[str, JsonDict] = field(default_factory=dict)
     """The ResourceFlavors Kueue assigned, by name; read when stage pods are to be created."""
     priority: int | None = None
@@ -164,8 +165,8 @@ class Needs:
     progress: bool = False
     """progress.json (a started job whose store is s3://)."""
     workload: bool = False
-    """The job's Kueue Workload (a job submitted to a LocalQueue), and when `room` too the
-    flavours it was admitted with."""
+    """The job's Kueue Workloads (a job submitted to a LocalQueue), and when `room` too the
+    flavours they were admitted with."""
     given_up: bool = False
     """What the store tells the stages of given-up pipelines (a started job on s3:// with a
     pipeline given up)."""
@@ -246,7 +247,10 @@ class Pass:
         self.restarts = 0
         self.retry_after: float | None = None
         self.queue = queue_name(job)
-        self.admission: Admission | None = None
+        self.admissions: dict[int, Admission] = {}
+        """Kueue's admission of each of the job's Workloads (admission.py), by pipeline."""
+        self.per_pipeline = False
+        """Whether the job has one Workload per pipeline (admission.per_pipeline)."""
 
     def decision(self) -> Decision:
         """What the pass decided, so far."""

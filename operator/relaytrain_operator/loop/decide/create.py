@@ -160,7 +160,7 @@ def _create_stage(
             why = f"Stage {stage_name(entry)} waits for a GPU on pool {pool}: {choice.why}."
             annotations[WAITING_ANNOTATION] = why
             waiting[key] = why
-    flavor_labels, flavor_tolerations = flavor_placement(ctx, pool)
+    flavor_labels, flavor_tolerations = flavor_placement(ctx, p, pool)
     placement = spec.spec.placement
     selector = {
         **pool_selector(pool, list(ctx.observed.nodes.values()), placement.gpu_label),

@@ -25,7 +25,7 @@ from relaytrain_operator.domain.status import (
     load_status,
     parse_time,
 )
-from relaytrain_operator.loop.decide.admission import admitted, hold_workload, plan
+from relaytrain_operator.loop.decide.admission import admitted, hold_workloads, plan
 from relaytrain_operator.loop.decide.context import (
     Decision,
     JsonDict,
@@ -41,7 +41,7 @@ from relaytrain_operator.loop.decide.context import (
 from relaytrain_operator.loop.decide.grow import growable
 from relaytrain_operator.loop.decide.resplit import waiting_since
 from relaytrain_operator.loop.decide.stages import run_stages
-from relaytrain_operator.spec import is_s3
+from relaytrain_operator.spec import FineTuneJob, is_s3
 
 
 def needs(job: JsonDict, pods: Mapping[StageKey, JsonDict], now: datetime | None = None) -> Needs:
@@ -107,7 +107,7 @@ def _reconcile(ctx: Pass) -> None:
         ctx.remove_pods()
         return
     if spec.spec.suspend:
-        _suspend(ctx)
+        _suspend(ctx, spec)
         return
     if not started(ctx.status) and not plan(ctx, spec):
         return
@@ -116,13 +116,13 @@ def _reconcile(ctx: Pass) -> None:
     run_stages(ctx, spec)
 
 
-def _suspend(ctx: Pass) -> None:
+def _suspend(ctx: Pass, spec: FineTuneJob) -> None:
     """spec.suspend: the pods go (and a queued job's Workload goes inactive); plan, counts
     and progress stay."""
     ctx.remove_pods()
     ctx.update(stages=[idle_stage(s) for s in ctx.status.stages])
     if ctx.queue is not None:
-        hold_workload(ctx, active=False)
+        hold_workloads(ctx, spec, active=False)
     ctx.settle(
         Verdict(
             "Suspended",

@@ -38,6 +38,7 @@ from relaytrain_operator.domain.status import (
     parse_time,
     pipeline_statuses,
     rfc3339,
+    short_of,
 )
 from relaytrain_operator.loop.decide.context import DEFAULT_MEMORY_BYTES, Pass
 from relaytrain_operator.loop.decide.resplit import waiting_since
@@ -79,11 +80,15 @@ def leave_departing(ctx: Pass, spec: FineTuneJob, plan: PlanStatus, out: set[int
         if why is not None:
             leaving[p] = why
     leaving.update(_outwaited(ctx, spec, out | set(leaving)))
+    queued = _unadmitted(ctx, out | set(leaving))
+    leaving.update(queued)
     for p, why in leaving.items():
         price = _price(ctx, spec, plan, out=out | {p}, p=p)
         ctx.remove_pods(p)
         stages = [idle_stage(s) if (s.pipeline or 0) == p else s for s in ctx.status.stages]
-        before = departed(ctx, ctx.status.pipelines, p, "Left", why)
+        # The first pass of a job whose pipeline Kueue has not admitted records none yet.
+        known = ctx.status.pipelines or pipeline_statuses(plan, stages, out)
+        before = departed(ctx, known, p, "Left", why)
         ctx.update(stages=stages, pipelines=pipeline_statuses(plan, stages, out | {p}, before))
         out = out | {p}
         ctx.event(
@@ -92,9 +97,27 @@ def leave_departing(ctx: Pass, spec: FineTuneJob, plan: PlanStatus, out: set[int
             f"Pipeline {p} leaves at step {ctx.step()}: {why}. Its stage pods are removed "
             "without counting a failure; the other pipelines train on"
             + (f" ({ReturnPrice(price.after, price.before).words()})" if price is not None else "")
-            + ". It comes back where its stages fit on free GPUs.",
+            + (
+                ". It comes back once Kueue admits its Workload."
+                if p in queued
+                else ". It comes back where its stages fit on free GPUs."
+            ),
         )
     return set(leaving)
+
+
+def _unadmitted(ctx: Pass, skip: set[int]) -> dict[int, str]:
+    """With one Workload per pipeline (admission.per_pipeline): the pipelines (not in
+    `skip`) whose Workload Kueue has not admitted, or evicted (a higher priority took its
+    quota), and why. Each is out until Kueue admits it; an evicted one's quota is handed
+    back once its pods are gone (admission.hold_workload)."""
+    if not ctx.per_pipeline:
+        return {}
+    return {
+        p: admission.why_out()
+        for p, admission in sorted(ctx.admissions.items())
+        if p not in skip and admission.state != "admitted"
+    }
 
 
 def _outwaited(ctx: Pass, spec: FineTuneJob, skip: set[int]) -> dict[int, str]:
@@ -165,7 +188,9 @@ def bring_back(
         p = pipeline.index
         if p not in out or pipeline.phase not in OUT_PHASES:
             continue
-        if wanted != "auto" and len(plan.splits()) - len(out) >= int(wanted):
+        if ctx.per_pipeline and ctx.admissions[p].state != "admitted":
+            continue  # it waits for Kueue to admit its Workload (again)
+        if wanted != "auto" and not short_of(plan, len(out), int(wanted)):
             continue  # a fixed count trains its N (one added in the place of one out)
         if any(key[0] == p for key in ctx.observed.pods):
             continue  # its last pods are still going: their names are taken
@@ -193,8 +218,9 @@ def bring_back(
         price = _price(
             ctx, spec, plan, out=out, p=p, chosen={k: c.pool for k, c in choices.items()}
         )
-        # With `replicas: auto` only a return that pays; a fixed count is what the user asked.
-        if price is not None and wanted == "auto" and not price.pays:
+        # With `replicas: auto` only a return that pays; a fixed count is what the user asked,
+        # and a pipeline Kueue admitted holds its quota whether it trains or not.
+        if price is not None and wanted == "auto" and not price.pays and not ctx.per_pipeline:
             _hold_out(ctx, dated, price, choices)
             continue
         for key in keys:
