@@ -11,9 +11,18 @@ from typing import Any
 
 import pytest
 from relaytrain_operator.domain.builders.labels import SPLIT_ANNOTATION
+from relaytrain_operator.domain.progress import Progress
 from relaytrain_operator.domain.recovery import INCARNATION_ANNOTATION
 from relaytrain_operator.domain.status import rfc3339, to_manifest
-from relaytrain_operator.loop.decide import WAITING_ANNOTATION, Decision, ModelConfig, decide
+from relaytrain_operator.loop.decide import (
+    WAITING_ANNOTATION,
+    Decision,
+    ModelConfig,
+    decide,
+    needs,
+    stage_pods,
+)
+from relaytrain_operator.spec import FormerPlan
 from relaytrain_testkit.decide_cases import (
     JOB,
     NOW,
@@ -25,6 +34,7 @@ from relaytrain_testkit.decide_cases import (
     running_status,
     stage,
 )
+from relaytrain_testkit.decide_fleet import LLAMA_8B, run_pods
 from relaytrain_testkit.decide_views import created, ready_reason, summary
 
 pytestmark = pytest.mark.unit
@@ -171,3 +181,117 @@ def test_a_job_under_kueue_is_never_resplit() -> None:
     pods = [pod(0), _waiting(COST * 3)]
     decision = decide(observed(queued, pods, nodes=NODES, cluster_pods=pods + THEIRS), SETTINGS)
     assert "event:Replanned" not in summary(decision)
+
+
+# --- re-split back when GPUs return ---------------------------------------------------
+
+JOB_8B = JOB.pipeline(stages="auto")
+"""A job of one pipeline of Llama-3.1-8B (LoRA: one GPU holds it)."""
+H100_PLAN = FormerPlan(split="h100[0:32)", stages=1, predicted_tokens_per_second=14_710.0)
+"""The plan it had on an H100 before the H100's node went and it was re-split."""
+A100 = [node("a100-0", "a100")]
+
+
+def _on_a100(former: FormerPlan | None = H100_PLAN) -> tuple[dict[str, Any], list[Any]]:
+    """The job re-split onto the A100 (its plan remembering `former`) and training there."""
+    first = decide(observed(JOB_8B.build(), nodes=A100, model=LLAMA_8B), SETTINGS)
+    assert first.status is not None and first.status.plan is not None
+    plan = first.status.plan.model_copy(update={"resplit_from": former})
+    status = first.status.model_copy(update={"plan": plan})
+    pods = run_pods(first, A100)
+    running = decide(
+        observed(JOB_8B.status(to_manifest(status)).build(), pods, nodes=A100, model=LLAMA_8B),
+        SETTINGS,
+    )
+    assert running.status is not None and running.status.phase == "Running"
+    return JOB_8B.status(to_manifest(running.status)).build(), pods
+
+
+def _far(step: int, total: int) -> Progress:
+    return Progress(
+        status={"step": step, "totalSteps": total, "lastCommittedStep": step - 5},
+        done=False,
+        output=None,
+    )
+
+
+def _back(job: dict[str, Any], pods: list[Any], nodes: list[Any], at: Progress) -> Decision:
+    """The pass with `nodes`, after one that recorded progress `at` (what prices it)."""
+    seen = decide(observed(job, pods, nodes=A100, model=LLAMA_8B, progress=at), SETTINGS)
+    assert seen.status is not None
+    job = job | {"status": to_manifest(seen.status)}
+    return decide(
+        observed(job, pods, nodes=nodes, model=LLAMA_8B, progress=at, cluster_pods=pods),
+        SETTINGS,
+    )
+
+
+def test_a_pipeline_resplit_onto_a_slower_gpu_goes_back_when_the_fast_one_returns() -> None:
+    job, pods = _on_a100()
+    assert needs(job, stage_pods(pods)).room  # the planner prices what is free each pass
+    # Nothing new is free: it trains on.
+    assert "event:Replanned" not in summary(_back(job, pods, A100, _far(40, 5000)))
+    # An H100 joins: a re-split back pays (3x the tokens/s over 4,960 steps left against a
+    # restart of --join-seconds and the 5 steps since the commit).
+    joined = [*A100, node("h100-9", "h100")]
+    back = _back(job, pods, joined, _far(40, 5000))
+    assert summary(back) == ["patch", "delete:j-stage-0", "event:Replanned", "patch"]
+    assert back.status is not None and back.status.plan is not None
+    assert [(s.pool, s.layer_start, s.layer_end) for s in back.status.plan.stages] == [
+        ("h100", 0, 32)
+    ]
+    assert back.status.plan.resplit_from is None  # as fast as before the re-split: done
+    assert ready_reason(back) == "Replanned" and back.retry_after is not None
+    (said,) = events(back)
+    assert "re-split from h100[0:32)" in said.message
+    assert "1 stages h100[0:32) instead of 1 stages a100[0:32)" in said.message
+    assert "predicted tokens/s 4,640 -> 14,710" in said.message
+    # Near the end the restart would not pay back: it finishes where it is.
+    late = _back(job, pods, joined, _far(4_800, 5000))
+    assert "event:Replanned" not in summary(late)
+
+
+def test_a_resplit_back_that_falls_short_of_the_former_plan_keeps_looking() -> None:
+    # Before its re-split it ran faster than an H100 does (say, a pool gone for good).
+    faster = H100_PLAN.model_copy(update={"predicted_tokens_per_second": 20_000.0})
+    job, pods = _on_a100(faster)
+    back = _back(job, pods, [*A100, node("h100-9", "h100")], _far(40, 5000))
+    assert back.status is not None and back.status.plan is not None
+    assert back.status.plan.stages[0].pool == "h100"
+    assert back.status.plan.resplit_from == faster
+
+
+def test_no_resplit_back_that_gains_less_than_the_margin_or_while_a_stage_starts() -> None:
+    job, pods = _on_a100()
+    # Another A100 joins: no faster plan (the same places, or no gain by the margin).
+    more = [*A100, node("a100-7", "a100")]
+    assert "event:Replanned" not in summary(_back(job, pods, more, _far(40, 5000)))
+    # An H100 joins while the stage is not training (starting again): not now.
+    starting = copy.deepcopy(pods)
+    starting[0]["status"]["conditions"] = [{"type": "Ready", "status": "False"}]
+    joined = [*A100, node("h100-9", "h100")]
+    assert "event:Replanned" not in summary(_back(job, starting, joined, _far(40, 5000)))
+
+
+def test_no_resplit_back_without_the_figures_to_price_it() -> None:
+    job, pods = _on_a100()
+    joined = [*A100, node("h100-9", "h100")]
+    # No progress yet (the steps left unknown).
+    quiet = decide(observed(job, pods, nodes=joined, model=LLAMA_8B, cluster_pods=pods), SETTINGS)
+    assert "event:Replanned" not in summary(quiet)
+    # The model's config unread.
+    unread = decide(
+        observed(job, pods, nodes=joined, model=ModelConfig(error="x"), progress=_far(40, 5000),
+                 cluster_pods=pods),
+        SETTINGS,
+    )  # fmt: skip
+    assert "event:Replanned" not in summary(unread)
+    # Nodes the planner cannot make pools of.
+    odd = node("h100-9", "h100")
+    odd["metadata"]["annotations"] = {"relaytrain.io/link-bandwidth-mbps": "fast"}
+    broken = _back(job, pods, [*A100, odd], _far(40, 5000))
+    assert "event:Replanned" not in summary(broken)
+    # A plan recorded without its predicted step time.
+    blind = copy.deepcopy(job)
+    del blind["status"]["plan"]["predictedStepSeconds"]
+    assert "event:Replanned" not in summary(_back(blind, pods, joined, _far(40, 5000)))

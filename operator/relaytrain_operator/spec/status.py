@@ -109,6 +109,18 @@ class PlanPipeline(_Status):
     """The stage and resource that limit this pipeline."""
 
 
+class FormerPlan(_Status):
+    """The plan of a job of one pipeline before a re-split onto fewer or other GPUs."""
+
+    split: str
+    """Its stages' pools and decoder layers, e.g. `h100[0:16) → a100[16:32)`."""
+    stages: int
+    """How many stages it had (a re-split back has at most as many: the link certificates
+    were minted for them)."""
+    predicted_tokens_per_second: float | None = None
+    """What the planner predicted for it."""
+
+
 class PlanStatus(_Status):
     """The planner's result for this job."""
 
@@ -133,6 +145,11 @@ class PlanStatus(_Status):
     """The stage and resource that limit throughput."""
     compression: str | None = None
     """The boundary code the stages use, the planner's choice under `compression: auto`."""
+    resplit_from: FormerPlan | None = None
+    """Set while a job of one pipeline trains on a re-split (a replacement found no GPU
+    where its stage was): the plan it had before. While set, the operator re-plans the job
+    as GPUs free up and re-splits it back where that pays (docs/operator.md, "A replacement
+    that cannot fit"); cleared once it trains at least as fast as that plan predicted."""
 
     def splits(self) -> list[list[PlannedStage]]:
         """Every pipeline's stages, in pipeline order (`[stages]` for one pipeline)."""

@@ -76,11 +76,14 @@ def needs(job: JsonDict, pods: Mapping[StageKey, JsonDict], now: datetime | None
     # the free GPUs, the model and the link Secret (certificates for the added stages, and
     # for any planned stage still without one: a pass stopped after the plan).
     grows = growable(spec, status, queued)
+    # A job of one pipeline trains on a re-split: it may be re-split back as GPUs free up
+    # (resplit.resplit_back): the planner needs the nodes, the pods and the model.
+    back = status.plan.resplit_from is not None and not queued
     return Needs(
         link_secret=now is not None and (due is None or now >= due or missing or grows),
         pods=missing,
-        room=missing or returnable or waits or grows,
-        model=status.plan.several() or waits or grows,
+        room=missing or returnable or waits or grows or back,
+        model=status.plan.several() or waits or grows or back,
         progress=is_s3(spec.spec.checkpoint.uri),
         workload=queued,
         given_up=(bool(out) or returned) and is_s3(spec.spec.checkpoint.uri),

@@ -9,6 +9,10 @@ between the two still replaces the pods of the old split on its next pass
 (stages._verdict), and a pod of a stage the new plan does not have is removed
 (`remove_unplanned`). The stages then start from the new plan and restore the last commit
 by parameter name (the worker does that for any split).
+
+The plan a re-split replaced stays on record (`status.plan.resplitFrom`); while it does,
+`resplit_back` re-plans the job as GPUs free up and re-splits it back the same way where
+that pays for the restart.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from datetime import datetime
 
 from relaytrain_operator.domain.builders.labels import JOB_LABEL
 from relaytrain_operator.domain.planner import PlanError
+from relaytrain_operator.domain.planner.growth import GROWTH_MARGIN
 from relaytrain_operator.domain.resplit import resplit_plan, resplit_wait, same_places
 from relaytrain_operator.domain.status import Verdict, parse_time
 from relaytrain_operator.loop.actions import DeletePod
@@ -27,7 +32,7 @@ from relaytrain_operator.loop.decide.context import (
     Pass,
     planned_keys,
 )
-from relaytrain_operator.spec import FineTuneJob, PlanStatus, StageStatus
+from relaytrain_operator.spec import FineTuneJob, FormerPlan, PlanStatus, StageStatus
 
 RESPLIT_PAUSE_SECONDS = 1.0
 """After a re-split, how soon the pass looks again (to create the pods once the old are gone)."""
@@ -82,6 +87,81 @@ def resplit(ctx: Pass, spec: FineTuneJob, plan: PlanStatus) -> bool:
     if same_places(plan.stages, recorded.stages):
         return False
     waited = int((ctx.now - since).total_seconds())
+    former = plan.resplit_from or FormerPlan(
+        split=_chain(plan),
+        stages=len(plan.stages),
+        predicted_tokens_per_second=plan.predicted_tokens_per_second,
+    )
+    _restart(
+        ctx,
+        recorded.model_copy(update={"resplit_from": former}),
+        _message(plan, recorded, waited, ctx.settings.join_seconds),
+    )
+    return True
+
+
+def resplit_back(ctx: Pass, spec: FineTuneJob, plan: PlanStatus) -> bool:
+    """Re-split a job of one pipeline that trains on a re-split (`plan.resplit_from`) for the
+    GPUs free now and those it holds, when that raises its predicted tokens/s by
+    `GROWTH_MARGIN` and the time it saves over the steps left pays for the restart
+    (`--join-seconds`, and the steps since the last commit trained again); at most as many
+    stages as before the first re-split. True when it did (the pass is over)."""
+    former = plan.resplit_from
+    if former is None or not _settled(ctx, plan):
+        return False
+    model, pods, progress = ctx.observed.model, ctx.observed.cluster_pods, ctx.status.progress
+    assert model is not None and pods is not None, "needs() asks for both while re-split"
+    if model.config is None or progress is None or progress.total_steps is None:
+        return False
+    others = [pod for pod in pods if not _ours(ctx, pod)]
+    try:
+        planned = resplit_plan(
+            spec, model.config, ctx.observed.nodes.values(), others,
+            stages_now=former.stages, catalog=ctx.settings.catalog,
+            default_link=ctx.settings.default_link,
+        )  # fmt: skip
+    except PlanError:
+        return False  # its own GPUs count as free: a pool gone under it, say
+    recorded = PlanStatus.model_validate(planned)
+    before, after = plan.predicted_step_seconds, recorded.predicted_step_seconds
+    if same_places(plan.stages, recorded.stages) or not before or not after:
+        return False
+    lost = max(ctx.step() - (ctx.committed() or 0), 0)
+    restart = ctx.settings.join_seconds + lost * before
+    saved = max(progress.total_steps - ctx.step(), 0) * (before - after)
+    if before < after * (1 + GROWTH_MARGIN) or saved <= restart:
+        return False
+    reached = (recorded.predicted_tokens_per_second or 0.0) >= (
+        former.predicted_tokens_per_second or float("inf")
+    )
+    _restart(
+        ctx,
+        recorded.model_copy(update={"resplit_from": None if reached else former}),
+        f"GPUs are free for the job's one pipeline (re-split from {former.split}): it is "
+        f"re-split back, {len(recorded.stages)} stages {_chain(recorded)} instead of "
+        f"{len(plan.stages)} stages {_chain(plan)}; predicted tokens/s "
+        f"{_rate(plan)} -> {_rate(recorded)}, which saves about {saved:,.0f} s over the "
+        f"steps left against a restart of about {restart:,.0f} s. Every stage starts again "
+        "from the last commit, restored by parameter name.",
+    )
+    return True
+
+
+def _settled(ctx: Pass, plan: PlanStatus) -> bool:
+    """Whether a job may be re-split back now: one pipeline, not under Kueue (quota), every
+    stage training."""
+    stages = ctx.status.stages
+    return (
+        not plan.several()
+        and ctx.queue is None
+        and bool(stages)
+        and all(s.phase == "Running" and s.ready for s in stages)
+    )
+
+
+def _restart(ctx: Pass, recorded: PlanStatus, message: str) -> None:
+    """Write `recorded` (fresh stage entries, each stage's restart count and last failure
+    kept), then remove every stage pod; the next pass creates the new plan's."""
     kept = {s.index: s for s in ctx.status.stages}
     ctx.update(
         plan=recorded,
@@ -92,11 +172,9 @@ def resplit(ctx: Pass, spec: FineTuneJob, plan: PlanStatus) -> bool:
     )
     ctx.patch()  # the plan first: pods of the old split are replaced even after a crash
     ctx.remove_pods()
-    message = _message(plan, recorded, waited, ctx.settings.join_seconds)
     ctx.event("Normal", "Replanned", message)
     ctx.settle(Verdict("Recovering", False, True, "Replanned", message))
     ctx.wake_within(RESPLIT_PAUSE_SECONDS)
-    return True
 
 
 def remove_unplanned(ctx: Pass, plan: PlanStatus) -> None:
@@ -129,18 +207,20 @@ def fresh_entry(before: StageStatus, pool: str, pipeline: int | None = None) -> 
     )
 
 
+def _chain(plan: PlanStatus) -> str:
+    return " → ".join(f"{s.pool}[{s.layer_start}:{s.layer_end})" for s in plan.stages)
+
+
+def _rate(plan: PlanStatus) -> str:
+    tps = plan.predicted_tokens_per_second
+    return f"{tps:,.0f}" if tps is not None else "?"
+
+
 def _message(before: PlanStatus, after: PlanStatus, waited: int, cost: float) -> str:
-    def chain(plan: PlanStatus) -> str:
-        return " → ".join(f"{s.pool}[{s.layer_start}:{s.layer_end})" for s in plan.stages)
-
-    def rate(plan: PlanStatus) -> str:
-        tps = plan.predicted_tokens_per_second
-        return f"{tps:,.0f}" if tps is not None else "?"
-
     return (
         f"A replacement waited {waited} s for a GPU (a re-split costs about {cost:.0f} s: "
         f"--join-seconds); the pipeline is re-split for the GPUs free and those it holds: "
-        f"{len(after.stages)} stages {chain(after)} instead of {len(before.stages)} stages "
-        f"{chain(before)}; predicted tokens/s {rate(before)} -> {rate(after)} (0 while it "
+        f"{len(after.stages)} stages {_chain(after)} instead of {len(before.stages)} stages "
+        f"{_chain(before)}; predicted tokens/s {_rate(before)} -> {_rate(after)} (0 while it "
         "waited). Every stage starts again from the last commit, restored by parameter name."
     )

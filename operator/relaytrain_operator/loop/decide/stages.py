@@ -56,7 +56,7 @@ from relaytrain_operator.loop.decide.membership import (
     stage_departure,
 )
 from relaytrain_operator.loop.decide.progress import fail, follow_progress
-from relaytrain_operator.loop.decide.resplit import remove_unplanned, resplit
+from relaytrain_operator.loop.decide.resplit import remove_unplanned, resplit, resplit_back
 from relaytrain_operator.spec import FineTuneJob, PlanStatus, StageStatus, is_s3
 
 
@@ -95,8 +95,8 @@ def run_stages(ctx: Pass, spec: FineTuneJob) -> None:
     out -= {key[0] for key in returning}
     _give_up(ctx, spec, judged.exhausted, out, back=bool(returning))
     if not returning and all(v.action == "keep" for v in judged.verdicts.values()):
-        if grow_one(ctx, spec, plan, judged.entries):
-            return  # the one pipeline's pods go; the next pass creates the grown plan's
+        if grow_one(ctx, spec, plan, judged.entries) or resplit_back(ctx, spec, plan):
+            return  # the one pipeline's pods go; the next pass creates the new plan's
         plan, added = add_pipelines(ctx, spec, plan, judged.entries, out)
         returning += added
     for key, verdict in judged.verdicts.items():
