@@ -15,6 +15,7 @@ The tests themselves use the admin kubeconfig.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -608,16 +609,15 @@ def test_a_lost_node_moves_its_stage_to_a_pool_with_room(
 
 
 def test_a_replacement_with_no_gpu_left_has_its_pipeline_resplit_onto_what_is_left(
-    kube: Cluster, api: client.ApiClient, tmp_path: Path, operator: OperatorProcess
+    kube: Cluster, api: client.ApiClient, minio_server: Any, operator: OperatorProcess
 ) -> None:
     """A Llama-3.1-8B job over a pool of three A100s (`stages: auto`, fast links: one stage
     per GPU); the node under its last stage disappears and no GPU
     is free anywhere. The replacement waits as long as a re-split costs (--join-seconds),
     then the job is re-planned with one stage fewer on the GPUs it still holds: the old pods
-    go, the new plan's are created, each recording the new split."""
-    model = tmp_path / "llama-8b"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps(LLAMA31_8B_CONFIG))
+    go, the new plan's are created, each recording the new split. An A100 then joins the
+    pool, with many steps left: the job is re-split back to three stages (predicted 9,005
+    tokens/s against 7,397), and the plan no longer records the one it replaced."""
     pool = {
         "name": f"{kube.ns}-r", "product": "NVIDIA-A100-SXM4-40GB", "gpuMemoryMiB": 40960,
         "cpu": "16", "memory": "64Gi", "linkBandwidthMbps": 10000, "linkLatencyMs": 1,
@@ -633,9 +633,8 @@ def test_a_replacement_with_no_gpu_left_has_its_pipeline_resplit_onto_what_is_le
         # one's pods are gone), and three stages make the re-split below two.
         for attempt in range(5):
             name = f"rs{attempt}"
-            kube.create_job(
-                _job(name, model).pipeline(stages="auto").placement(pools=[pool["name"]]).build()
-            )
+            job = _on_the_store(kube, minio_server, name, LLAMA31_8B_CONFIG)
+            kube.create_job(job.pipeline(stages="auto").placement(pools=[pool["name"]]).build())
             planned = wait_for("a plan", lambda n=name: kube.status(n).get("plan"))["stages"]
             if len(planned) == 3:
                 break
@@ -663,8 +662,29 @@ def test_a_replacement_with_no_gpu_left_has_its_pipeline_resplit_onto_what_is_le
             "0-17,17-32"
         }
         assert [s["restarts"] for s in status["stages"]] == [0, 0]
+        assert status["plan"]["resplitFrom"]["stages"] == 3
         changes = "relaytrain_pipeline_changes_total"
         assert (operator.metric(changes, namespace=kube.ns, change="replanned") or 0) == 1
+
+        # An A100 joins, with 99,950 steps left: the job goes back to three stages.
+        put_json(minio_server, f"ckpt/{kube.ns}/{name}/progress.json", {
+            "step": 50, "totalSteps": 100_000, "loss": 2.5, "tokensPerSecond": 7000.0,
+            "lastCommittedStep": 50, "updatedAt": "2026-11-22T10:00:00Z", "done": False,
+        })  # fmt: skip
+        joined = kwok_nodes.node_manifest(pool, 3)
+        names.append(joined["metadata"]["name"])
+        kwok_nodes.create_nodes(api, [joined])
+        back = wait_for(
+            "a Replanned event back to three stages",
+            lambda: [e for e in kube.events(name, "Replanned") if "re-split back" in e.message],
+            timeout=90,
+        )
+        assert "3 stages" in back[0].message and "instead of 2 stages" in back[0].message
+        wait_for("3 running stage pods of the plan back", lambda: kube.running(name, 3))
+        status = wait_for("status Running on the plan back",
+                          lambda: (s := kube.status(name))["phase"] == "Running" and s)  # fmt: skip
+        assert len(status["plan"]["stages"]) == 3 and "resplitFrom" not in status["plan"]
+        assert (operator.metric(changes, namespace=kube.ns, change="replanned") or 0) == 2
     finally:
         kube.delete_nodes(names)
 
@@ -793,32 +813,37 @@ def put_json(minio: Any, key: str, value: dict[str, Any]) -> None:
     minio.client().put_object(minio.bucket, key, io.BytesIO(data), len(data))
 
 
+def _on_the_store(kube: Cluster, minio: Any, name: str, config: dict[str, Any]) -> Job:
+    """Job `name` (`_job`) on the store in `minio`: the model's `config` and a data set
+    there, checkpoints and progress there, its keys in Secret `s3` of the test's namespace."""
+    with contextlib.suppress(client.ApiException):
+        kube.core.create_namespaced_secret(
+            kube.ns,
+            {
+                "metadata": {"name": "s3"},
+                "stringData": {
+                    "AWS_ACCESS_KEY_ID": minio.access_key,
+                    "AWS_SECRET_ACCESS_KEY": minio.secret_key,
+                },
+            },
+        )
+    put_json(minio, f"models/{kube.ns}/{name}/config.json", config)
+    put_json(minio, f"data/{kube.ns}.jsonl", {"prompt": "q", "completion": "a"})
+    return (
+        _job(name, f"s3://{minio.bucket}/models/{kube.ns}/{name}/")
+        .dataset(f"s3://{minio.bucket}/data/{kube.ns}.jsonl")
+        .checkpoint(f"s3://{minio.bucket}/ckpt", endpoint=minio.url)
+        .credentials("s3")
+    )
+
+
 def test_progress_from_the_store_is_reported_and_completion_succeeds(
     kube: Cluster, minio_server: Any
 ) -> None:
     minio = minio_server
-    kube.core.create_namespaced_secret(
-        kube.ns,
-        {
-            "metadata": {"name": "s3"},
-            "stringData": {
-                "AWS_ACCESS_KEY_ID": minio.access_key,
-                "AWS_SECRET_ACCESS_KEY": minio.secret_key,
-            },
-        },
-    )
-    # The operator plans from the model's config.json in the store, read with the job's keys.
-    put_json(minio, f"models/{kube.ns}/config.json", MODEL_CONFIG)
-    # ... and looks at the data set there before any pod exists.
-    put_json(minio, f"data/{kube.ns}.jsonl", {"prompt": "q", "completion": "a"})
-    manifest = (
-        _job("prog", f"s3://{minio.bucket}/models/{kube.ns}/")
-        .dataset(f"s3://{minio.bucket}/data/{kube.ns}.jsonl")
-        .checkpoint(f"s3://{minio.bucket}/ckpt", endpoint=minio.url)
-        .credentials("s3")
-        .build()
-    )
-    kube.create_job(manifest)
+    # The operator plans from the model's config.json in the store, read with the job's keys,
+    # and looks at the data set there before any pod exists.
+    kube.create_job(_on_the_store(kube, minio, "prog", MODEL_CONFIG).build())
     pods = wait_for("3 running stage pods", lambda: kube.running("prog", 3))
     env = {e.name: e for e in pods["prog-stage-0"].spec.containers[0].env}
     assert env["AWS_SECRET_ACCESS_KEY"].value_from.secret_key_ref.name == "s3"

@@ -117,6 +117,11 @@ def test_changes_is_empty_when_nothing_changed_and_removes_dropped_fields() -> N
     assert changes(old, new) == {"phase": "Pending", "plan": None}
     # kopf's own bookkeeping in status (if an older operator left it) is not ours to drop.
     assert changes({**old, "kopf": {}}, old) == {}
+    # A field dropped inside an object is named (a merge patch keeps what it leaves out);
+    # a list is replaced whole.
+    was = {"plan": {"stages": [1, 2], "resplitFrom": {"stages": 3}, "compression": "int8"}}
+    now = {"plan": {"stages": [1, 2, 3], "compression": "int8"}}
+    assert changes(was, now) == {"plan": {"stages": [1, 2, 3], "resplitFrom": None}}
 
 
 PROGRESS_JOB = (

@@ -423,9 +423,19 @@ def finalize(status: FineTuneJobStatus) -> FineTuneJobStatus:
 
 
 def changes(old: Mapping[str, Any], new: Mapping[str, Any]) -> JsonDict:
-    """The top-level fields of `new` that differ from `old`; removed ones map to None
-    (a JSON merge patch deletes them)."""
-    patch: JsonDict = {key: value for key, value in new.items() if old.get(key) != value}
+    """The JSON merge patch (RFC 7386) that turns `old` into `new`: the fields of `new` that
+    differ, an object in both diffed the same way (a merge keeps the fields a patch leaves
+    out, so a nested field removed must be named), and removed fields mapped to None (the
+    merge deletes them). Lists are replaced whole, as a merge does."""
+    patch: JsonDict = {}
+    for key, value in new.items():
+        before = old.get(key)
+        if before == value:
+            continue
+        if isinstance(before, Mapping) and isinstance(value, Mapping):
+            patch[key] = changes(before, value)
+        else:
+            patch[key] = value
     for key in old:
         if key not in new and key != "kopf":
             patch[key] = None
