@@ -5,7 +5,9 @@ suspension and end (decide/admission.py).
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -535,3 +537,38 @@ def test_a_queued_job_of_several_pipelines_on_a_store_it_cannot_tell_them_throug
     assert [a.obj["metadata"]["name"] for a in decision.actions if isinstance(a, Create)] == [
         workload_name("j")
     ]
+
+
+def test_a_pipeline_given_up_gives_its_quota_back_until_it_may_return() -> None:
+    from relaytrain_operator.loop.actions import ApplyWorkloadStatus, PatchWorkload
+
+    job, pods = kueue_fleet()
+    job["status"]["pipelines"][1] |= {"phase": "Failed", "leftTime": "2026-11-22T09:59:50Z"}
+    alive = [p for p in pods if p["metadata"]["name"].startswith("j-p0")]
+    workloads = both(job, ADMITTED, ADMITTED)
+    resting = decide(kobserved(job, alive, workloads=workloads), SETTINGS)
+    # Its Workload made inactive (Kueue evicts it), woken when its return delay is over.
+    assert [(a.name, a.patch) for a in resting.actions if isinstance(a, PatchWorkload)] == [
+        (workloads[1]["metadata"]["name"], {"spec": {"active": False}})
+    ]
+    assert resting.retry_after == pytest.approx(290.0)
+    # Evicted, and none of its pods left: its quota is handed back.
+    inactive = both(job, ADMITTED, EVICTED)
+    inactive[1]["spec"]["active"] = False
+    released = decide(kobserved(job, alive, workloads=inactive), SETTINGS)
+    (release,) = [a for a in released.actions if isinstance(a, ApplyWorkloadStatus)]
+    assert release.body["metadata"]["name"] == workloads[1]["metadata"]["name"]
+    # The delay over: active again, so Kueue may admit it and it comes back.
+    later = decide(
+        kobserved(job, alive, workloads=inactive, now=NOW + timedelta(seconds=400)), SETTINGS
+    )
+    assert [(a.name, a.patch) for a in later.actions if isinstance(a, PatchWorkload)] == [
+        (workloads[1]["metadata"]["name"], {"spec": {"active": True}})
+    ]
+    # Given up for good (returnAfterSeconds 0): inactive for the rest of the job.
+    never = copy.deepcopy(job)
+    never["spec"]["failurePolicy"]["returnAfterSeconds"] = 0
+    forever = decide(
+        kobserved(never, alive, workloads=inactive, now=NOW + timedelta(days=9)), SETTINGS
+    )
+    assert [a for a in forever.actions if isinstance(a, PatchWorkload)] == []

@@ -14,9 +14,11 @@ its pods is left, and a finished job's Workloads are marked Finished.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import Any
 
 from relaytrain_operator.domain import queueing
+from relaytrain_operator.domain.membership import return_wait
 from relaytrain_operator.domain.placement import pool_selector
 from relaytrain_operator.domain.planning import (
     LoraTargetError,
@@ -164,7 +166,7 @@ def admitted(ctx: Pass, spec: FineTuneJob) -> bool:
     if missing and not _submit(ctx, spec, missing):
         return False
     for p, workload in ctx.observed.workloads.items():
-        hold_workload(ctx, p, workload, active=True)
+        hold_workload(ctx, p, workload, active=not _resting(ctx, spec, p))
     running = {p: a for p, a in ctx.admissions.items() if a.state == "admitted"}
     if running:
         ready = condition(ctx.written, READY)
@@ -194,6 +196,22 @@ def admitted(ctx: Pass, spec: FineTuneJob) -> bool:
             ctx, "Queued", f"Submitted to LocalQueue {ctx.queue}: waiting for Kueue to admit it."
         )
     return False
+
+
+def _resting(ctx: Pass, spec: FineTuneJob, p: int) -> bool:
+    """Whether pipeline `p` (one Workload per pipeline) is given up and not yet to come back
+    (its return delay running, or never): its Workload is made inactive, so that Kueue
+    evicts it and its quota really goes back to the queue, and active again when the delay
+    is over (Kueue then admits it when there is quota, and it comes back)."""
+    if not ctx.per_pipeline:
+        return False
+    pipeline = next((s for s in ctx.status.pipelines or () if s.index == p), None)
+    if pipeline is None or pipeline.phase != "Failed":
+        return False
+    wait = return_wait(pipeline, spec.spec.failure_policy, ctx.now)
+    if wait:
+        ctx.wake_within(wait.total_seconds())
+    return wait != timedelta(0)
 
 
 def _of(ctx: Pass, p: int) -> str:
