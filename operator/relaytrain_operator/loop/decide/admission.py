@@ -222,7 +222,7 @@ def _of(ctx: Pass, p: int) -> str:
 def _admitted_words(ctx: Pass, running: dict[int, Admission]) -> str:
     """The Admitted Event's words: Kueue's, and the flavours of each pipeline admitted."""
     flavors = "; ".join(
-        f"{_of(ctx, p).strip(' ()') + ': ' if ctx.per_pipeline else ''}"
+        (f"pipeline {p}: " if ctx.per_pipeline else "")
         + ", ".join(f"{pool} → {f}" for pool, f in sorted(a.pool_flavors.items()))
         for p, a in sorted(running.items())
     )
