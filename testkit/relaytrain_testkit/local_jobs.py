@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -158,8 +159,61 @@ def wait_while_running(
         if proc.poll() is not None:
             pytest.fail(f"the run ended before {what}: {proc.communicate()[0]}")
         time.sleep(interval)
+    stacks = stage_stacks(proc.pid)
     proc.kill()
-    pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}: {proc.communicate()[0]}")
+    pytest.fail(
+        f"timed out after {timeout:.0f}s waiting for {what}: {proc.communicate()[0]}\n{stacks}"
+    )
+
+
+def _children(pid: int) -> list[int]:
+    """PIDs of the live processes whose parent is `pid`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:  # gone meanwhile
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid and alive(int(entry.name)):
+                found.append(int(entry.name))
+    return sorted(found)
+
+
+STACK_MARK = "most recent call first"
+"""What Python's faulthandler writes at the head of each thread's stack."""
+
+
+def stage_stacks(supervisor: int, wait: float = 10, lines: int = 80) -> str:
+    """Every thread's stack in each stage process of the run `supervisor`: SIGUSR1 makes a
+    stage write them to its log (relaytrain_worker's faulthandler); returns each log's last
+    `lines` once the dump is there, so that a test timing out on a hung run says where every
+    stage waits."""
+    logs: dict[int, Path] = {}
+    for pid in _children(supervisor):
+        with contextlib.suppress(OSError):
+            logs[pid] = Path(os.readlink(f"/proc/{pid}/fd/2"))
+    before = {pid: _read(path).count(STACK_MARK) for pid, path in logs.items()}
+    for pid in logs:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGUSR1)
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline and any(
+        _read(path).count(STACK_MARK) <= before[pid] and alive(pid) for pid, path in logs.items()
+    ):
+        time.sleep(0.1)
+    return "\n".join(
+        f"--- stage process {pid} ({path.name}), last {lines} lines ---\n"
+        + "\n".join(_read(path).splitlines()[-lines:])
+        for pid, path in logs.items()
+    )
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
 
 
 def read_json(path: Path) -> Any:

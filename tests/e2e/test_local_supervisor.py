@@ -16,12 +16,14 @@ import pytest
 import yaml
 from relaytrain_testkit.jobs import Job
 from relaytrain_testkit.local_jobs import (
+    STACK_MARK,
     alive,
     local_job,
     make_workspace,
     progress,
     run_state,
     stage_processes,
+    stage_stacks,
     stages_left,
     start_run,
     started_pids,
@@ -66,6 +68,17 @@ def test_sigterm_mid_run_stops_every_stage(workspace: Path) -> None:
     proc = start_run(_job(workspace, "term", 500).write(workspace), workdir)
     wait_while_running("a step finished", lambda: progress(workspace / "ckpt", "term"), proc)
     assert len(stage_processes(workdir)) == 2  # the scan sees the stages while they run
+    # SIGUSR1 to a stage writes every thread's stack to its log (where a hung stage waits),
+    # and the stage trains on: the same processes reach a later step.
+    pids = started_pids(workdir)
+    stacks = stage_stacks(proc.pid)
+    for k in range(2):
+        assert f"--- stage process {pids[k]} (stage-{k}.log)" in stacks, stacks
+    assert stacks.count(f"{STACK_MARK}):") >= 2 and "relaytrain_worker" in stacks, stacks
+    at = progress(workspace / "ckpt", "term")["step"]
+    wait_while_running("a later step", lambda: progress(workspace / "ckpt", "term")["step"] > at,
+                       proc)  # fmt: skip
+    assert started_pids(workdir) == pids
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGTERM, out

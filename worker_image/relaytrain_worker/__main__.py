@@ -64,6 +64,9 @@ def _main(argv: Sequence[str] | None) -> int:
     # A stage that dies of a fatal signal (a native crash in torch or a link thread) leaves
     # every thread's stack in its log instead of ending without a word.
     faulthandler.enable(all_threads=True)
+    # `kill -USR1` (or `kubectl exec ... kill -USR1 1`) writes them too, and the stage goes on:
+    # where a hung stage waits.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     from relaytrain_contract import ConfigError, StageConfig
 
     if args.config is not None:
