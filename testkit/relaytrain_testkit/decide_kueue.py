@@ -98,12 +98,18 @@ def kobserved(
     workloads: dict[int, dict[str, Any]] | None = None,
     **kw: Any,
 ) -> Observed:
-    """`observed` of a queued job with its one `workload` (or its pipelines' `workloads`)."""
+    """`observed` of a queued job with its one `workload` (or its pipelines' `workloads`),
+    their layout read from their labels as the operator reads it."""
+    from relaytrain_operator.domain.queueing import by_pipeline
+
     base = observed(job, list(pods), **kw)
     assert needs(job, base.pods).workload, "a queued job's pass reads its Workload"
+    found = [*(workloads or {}).values(), *([workload] if workload else [])]
+    layout, by = by_pipeline(found)
     return replace(
         base,
-        workloads=workloads if workloads is not None else {0: workload} if workload else {},
+        workloads=by,
+        workloads_per_pipeline=layout,
         flavors=FLAVORS if base.cluster_pods is not None else {},
         priority=priority,
     )

@@ -436,6 +436,31 @@ def test_a_queued_job_of_several_pipelines_submits_one_workload_per_pipeline() -
     assert "LocalQueue team (pipeline 0): couldn't assign" in str(condition(rest.status, READY))  # type: ignore[arg-type]
 
 
+def test_a_job_queued_with_one_workload_keeps_it_however_many_pipelines_it_has() -> None:
+    from relaytrain_operator.domain.queueing import by_pipeline, workload_name
+
+    # Queued by an operator from before Workloads per pipeline: the job's one Workload holds
+    # it. No Workload per pipeline is created beside it (its quota would stay held, taken
+    # twice), and once Kueue admits it both pipelines start on it.
+    submitted = decide(kobserved(QFLEET.build(), []), SETTINGS)
+    job = QFLEET.status(to_manifest(submitted.status)).build()  # type: ignore[arg-type]
+    waiting = decide(kobserved(job, [], workload=workload_of(job, *PENDING)), SETTINGS)
+    assert not [a for a in waiting.actions if isinstance(a, Create)]
+    assert ready_reason(waiting) == "WaitingForQuota"
+    assert "LocalQueue team: couldn't assign" in str(condition(waiting.status, READY))  # type: ignore[arg-type]
+    old = workload_of(job, *ADMITTED)
+    assert old["metadata"]["name"] == workload_name("j")
+    started = decide(kobserved(job, [], workload=old), SETTINGS)
+    assert [w for w in kinds(started) if w.startswith("create:j-p")] == [
+        "create:j-p0-s0", "create:j-p0-s1", "create:j-p1-s0", "create:j-p1-s1"
+    ]  # fmt: skip
+    # The layout read from the labels: the job's one Workload wins over any per pipeline.
+    mine = [workload_of(job, *ADMITTED, pipeline=p) for p in (1, 0)]
+    assert by_pipeline([]) == (None, {})
+    assert by_pipeline(mine) == (True, {0: mine[1], 1: mine[0]})
+    assert by_pipeline([*mine, old]) == (False, {0: old})
+
+
 def test_kueue_admits_a_job_pipeline_by_pipeline_and_one_not_admitted_is_out() -> None:
     submitted = decide(kobserved(QFLEET.build(), []), SETTINGS)
     waiting = QFLEET.status(to_manifest(submitted.status)).build()  # type: ignore[arg-type]

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,6 +86,22 @@ def workload_names(job_name: str, pipelines: int | None) -> dict[int, str]:
     if pipelines is None:
         return {0: workload_name(job_name)}
     return {p: workload_name(job_name, p) for p in range(pipelines)}
+
+
+def by_pipeline(found: Iterable[JsonDict]) -> tuple[bool | None, dict[int, JsonDict]]:
+    """The job's Workloads as listed (by its label): whether they are one per pipeline (None
+    when there are none yet), and them by pipeline (the job's one Workload under 0).
+
+    A job keeps the layout it was queued with: where the job's one Workload exists (queued
+    by an operator from before Workloads per pipeline, 2026-11-28), it holds the job, so
+    that its admission and quota are the job's rather than left behind beside new ones."""
+    workloads = list(found)
+    whole = [w for w in workloads if PIPELINE_LABEL not in (w["metadata"].get("labels") or {})]
+    if whole:
+        return False, {0: whole[0]}
+    if not workloads:
+        return None, {}
+    return True, {int(w["metadata"]["labels"][PIPELINE_LABEL]): w for w in workloads}
 
 
 def _pod_set_name(pool: str, taken: set[str]) -> str:

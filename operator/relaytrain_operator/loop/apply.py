@@ -202,13 +202,14 @@ class ClusterApi:
 
     # --- Kueue -----------------------------------------------------------------------
 
-    def get_workload(self, namespace: str, name: str) -> JsonDict | None:
-        """The job's Workload, or None when there is none."""
-        return _found(
-            lambda: self._custom.get_namespaced_custom_object(
-                queueing.GROUP, queueing.VERSION, namespace, queueing.PLURAL, name, **_RAW
-            )
-        )
+    def list_workloads(self, namespace: str, job_name: str) -> list[JsonDict]:
+        """The job's Workloads (label-selected): one per pipeline, or the job's one."""
+        response = self._custom.list_namespaced_custom_object(
+            queueing.GROUP, queueing.VERSION, namespace, queueing.PLURAL,
+            label_selector=f"{JOB_LABEL}={job_name}", **_RAW,
+        )  # fmt: skip
+        items: list[JsonDict] = _json(response)["items"]
+        return items
 
     def patch_workload(self, namespace: str, name: str, patch: JsonDict) -> None:
         self._custom.patch_namespaced_custom_object(

@@ -15,7 +15,8 @@ and the object store, and only when a pass needs it:
   given up);
 - the job's link Secret when its certificates are due for a change (status.linkCertificates
   says when), or the status does not say yet;
-- the Workloads of a job submitted to a Kueue LocalQueue (one per pipeline, or one), and, for
+- the Workloads of a job submitted to a Kueue LocalQueue (one per pipeline, or one: listed by
+  the job's label), and, for
   a pass that creates stage pods, the ResourceFlavors they were admitted with.
 """
 
@@ -30,7 +31,7 @@ from relaytrain_contract import Progress as Record
 
 from relaytrain_operator.domain.builders.labels import StageKey, link_secret_name
 from relaytrain_operator.domain.progress import Progress, fold, job_store_uri
-from relaytrain_operator.domain.queueing import priority_class_of, read_admission
+from relaytrain_operator.domain.queueing import by_pipeline, priority_class_of, read_admission
 from relaytrain_operator.domain.status import load_status
 from relaytrain_operator.loop.apply import ClusterApi
 from relaytrain_operator.loop.decide import (
@@ -91,15 +92,16 @@ class Observer:
         observed = Observed(job=job, now=now, pods=pods, nodes=known)
         if isinstance(spec, str):
             return observed
-        names = workloads_of(spec, load_status(job.get("status"))) if wanted.workload else {}
-        workloads = {
-            p: workload
-            for p, name in names.items()
-            if (workload := self.api.get_workload(spec.metadata.namespace, name)) is not None
-        }
+        found = (
+            self.api.list_workloads(spec.metadata.namespace, spec.metadata.name)
+            if (wanted.workload)
+            else []
+        )
+        layout, workloads = by_pipeline(found)
+        names = workloads_of(spec, load_status(job.get("status")), layout)
         priority = None
         priority_class = priority_class_of(job)
-        if len(workloads) < len(names) and priority_class is not None:
+        if wanted.workload and len(workloads) < len(names) and priority_class is not None:
             priority = self.api.get_priority_value(priority_class)
         flavors: dict[str, JsonDict] = {}
         if wanted.room:
@@ -123,6 +125,7 @@ class Observer:
             inputs=self.input_problem(spec, access) if wanted.inputs else None,
             progress=self.progress(spec, now, access) if wanted.progress else None,
             workloads=workloads,
+            workloads_per_pipeline=layout,
             flavors=flavors,
             priority=priority,
             told_given_up=self.told_given_up(spec, access) if wanted.given_up else None,

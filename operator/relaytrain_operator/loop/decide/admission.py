@@ -139,17 +139,23 @@ def planned_message(plan: PlanStatus) -> str:
 # --- Kueue ----------------------------------------------------------------------------
 
 
-def per_pipeline(spec: FineTuneJob, plan: PlanStatus | None) -> bool:
+def per_pipeline(spec: FineTuneJob, plan: PlanStatus | None, found: bool | None = None) -> bool:
     """Whether a queued job has one Workload per pipeline, so that Kueue admits and preempts
-    its pipelines one by one: it has several, and a store on s3:// (through which the
-    stages of the others learn that one is out). Otherwise one Workload holds the job."""
+    its pipelines one by one: the layout of the Workloads it has (`found`, from
+    `queueing.by_pipeline`: a job keeps the one it was queued with); else, when it has none
+    yet, whether it has several pipelines and a store on s3:// (through which the stages of
+    the others learn that one is out). Otherwise one Workload holds the job."""
+    if found is not None:
+        return found
     return plan is not None and plan.several() and is_s3(spec.spec.checkpoint.uri)
 
 
-def workloads_of(spec: FineTuneJob, status: FineTuneJobStatus) -> dict[int, str]:
+def workloads_of(
+    spec: FineTuneJob, status: FineTuneJobStatus, found: bool | None
+) -> dict[int, str]:
     """The names of the job's Workloads by pipeline (the job's one Workload under 0)."""
     plan = status.plan
-    several = len(plan.splits()) if plan is not None and per_pipeline(spec, plan) else None
+    several = len(plan.splits()) if plan is not None and per_pipeline(spec, plan, found) else None
     return workload_names(spec.metadata.name, several)
 
 
@@ -158,9 +164,11 @@ def admitted(ctx: Pass, spec: FineTuneJob) -> bool:
     Kueue admits one (every pipeline's with one Workload per pipeline: those not admitted
     are out, membership.py); otherwise the pods go (an evicted workload's quota is handed
     back once none of its pods is left) and the job is Suspended with Kueue's words."""
-    ctx.per_pipeline = per_pipeline(spec, ctx.status.plan)
+    found = ctx.observed.workloads_per_pipeline
+    ctx.per_pipeline = per_pipeline(spec, ctx.status.plan, found)
     ctx.admissions = {
-        p: read_admission(ctx.observed.workloads.get(p)) for p in workloads_of(spec, ctx.status)
+        p: read_admission(ctx.observed.workloads.get(p))
+        for p in workloads_of(spec, ctx.status, found)
     }
     missing = [p for p, a in ctx.admissions.items() if a.state == "missing"]
     if missing and not _submit(ctx, spec, missing):
@@ -324,7 +332,7 @@ def hold_workload(ctx: Pass, p: int, workload: JsonDict, *, active: bool) -> Non
 
 def hold_workloads(ctx: Pass, spec: FineTuneJob, *, active: bool) -> None:
     """`hold_workload` for each of the job's Workloads."""
-    ctx.per_pipeline = per_pipeline(spec, ctx.status.plan)
+    ctx.per_pipeline = per_pipeline(spec, ctx.status.plan, ctx.observed.workloads_per_pipeline)
     for p, workload in ctx.observed.workloads.items():
         hold_workload(ctx, p, workload, active=active)
 

@@ -134,6 +134,9 @@ class Observed:
     workloads: Mapping[int, JsonDict] = field(default_factory=dict)
     """The job's Kueue Workloads by pipeline (the job's one Workload under 0: admission.py,
     `per_pipeline`); one missing here is not created yet."""
+    workloads_per_pipeline: bool | None = None
+    """Whether the Workloads the job has are one per pipeline (`queueing.by_pipeline`);
+    None when it has none, or they were not read."""
     flavors: Mapping[str, JsonDict] = field(default_factory=dict)
     """The ResourceFlavors Kueue assigned, by name; read when stage pods are to be created."""
     priority: int | None = None
