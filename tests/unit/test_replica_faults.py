@@ -501,3 +501,42 @@ def test_the_fleet_document_is_polled_and_a_bad_one_changes_nothing(
     assert len(said) == 1 and "p2/s0 has no address" in said[0], said  # once, naming it
     empty = polled()
     assert empty is not None and empty.added == ()
+
+
+def test_a_first_stage_whose_pipeline_broke_leaves_rather_than_hold_the_others_up() -> None:
+    # Pipeline 0's last stage died after sending its stage 0 the step's last frame but
+    # before its results reached pipeline 1: pipeline 1 redoes step 4 (attempt 1) with
+    # pipeline 0 still a member, while pipeline 0's stage 0, which needed nothing more from
+    # its neighbour, agrees on step 5. Each would wait for the other (15 minutes); stage 0
+    # sees its own pipeline's link ended, leaves (closes its links, as a stage does), and
+    # pipeline 1 agrees on its redo alone.
+    from relaytrain_worker.pipeline.peers import Peers
+
+    splits = [[(0, 1), (1, 2)], [(0, 2)]]
+    creds = peer_credentials(splits)
+    groups = link_groups(splits, creds=creds)
+    down, up = link_pair(creds[(0, 0)], creds[(0, 1)])
+    chain = Peers(None, down)
+    for (p, k), group in groups.items():
+        group.begin(4, {0, 1})
+    assert chain.broken() is None  # a live neighbour, quiet
+    up.close()  # pipeline 0's last stage dies
+
+    def first_of_pipeline_0() -> None:
+        try:
+            groups[(0, 0)].agree_members(5, watch=chain.broken)
+        finally:
+            groups[(0, 0)].close()
+
+    got = on_threads(
+        {0: first_of_pipeline_0, 1: lambda: groups[(1, 0)].agree_members(4, attempt=1)}
+    )
+    chain.close()
+    for group in groups.values():
+        group.close()
+    assert isinstance(got[0], LinkBroken), got[0]
+    assert "the link to the next stage of this pipeline ended: pipeline 0 leaves step 5" in str(
+        got[0]
+    )
+    assert not isinstance(got[1], BaseException), got[1]
+    assert got[1].members == {1}

@@ -155,6 +155,12 @@ class AsyncLink:
         with self._idle:
             self._idle.notify_all()
 
+    def gone(self) -> bool:
+        """Whether the link has ended (a send failed, or the peer closed its end with
+        nothing left to read: `transport.Link.peer_gone`), seen without receiving."""
+        peer_gone = getattr(self.link, "peer_gone", None)
+        return self._error is not None or (peer_gone is not None and bool(peer_gone()))
+
     def _check(self) -> None:
         if self._error is not None:
             raise LinkBroken(f"send to the {self.name} stage failed: {self._error}")
@@ -253,6 +259,15 @@ class Peers:
         for link in (self.prev, self.next):
             if link is not None:
                 link.flush()
+
+    def broken(self) -> str | None:
+        """Why this stage's pipeline is broken (a neighbour's link has ended), else None: a
+        wait for other pipelines asks this, so that a stage whose neighbour died leaves
+        rather than hold them up (`replicas/star.py`, "A broken pipeline")."""
+        for link in (self.prev, self.next):
+            if link is not None and link.gone():
+                return f"the link to the {link.name} stage of this pipeline ended"
+        return None
 
     def close(self) -> None:
         for link in (self.prev, self.next):

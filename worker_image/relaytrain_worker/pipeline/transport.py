@@ -294,6 +294,23 @@ class Link:
             self._tls.feed(memoryview(self._wire)[:k])
             ended = k == 0
 
+    def peer_gone(self) -> bool:
+        """Whether the peer has ended the link with nothing of it left to read: closed here,
+        or the socket at its end (EOF or reset) with no record waiting. Seen without a
+        `recv` and without taking anything (a peek): how a stage that needs nothing from its
+        neighbour right now learns that the neighbour died."""
+        if self._closed:
+            return True
+        if self._tls.buffered() or not self._wait_readable(0, socket_only=True):
+            return False  # a record to read, or open and quiet
+        try:
+            waiting = self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return False
+        except OSError:  # reset
+            return True
+        return waiting == b""
+
     def _wait_readable(self, timeout: float | None, socket_only: bool = False) -> bool:
         if self._closed:
             raise LinkBroken(f"link to {self.peer} is closed")

@@ -330,7 +330,7 @@ class Replicated:
             if self.admitted is not None and self.admitted[0] == step and attempt == 0:
                 plan = self.admitted[1]
             else:
-                plan = group.agree_members(step, attempt)
+                plan = group.agree_members(step, attempt, watch=peers.broken)
             self.admitted = None
             if self.pipeline not in plan.members:
                 raise LinkBroken(f"pipeline {self.pipeline} was left out of step {step}")

@@ -28,6 +28,14 @@ same mark with the same bits. Every pipeline holds every name, so when any resul
 step is short, every surviving pipeline has a stage that knows (`missed`): the step runner
 then redoes the step with the pipelines left (`schedule.ShortStepError`), under an attempt's own
 exchange names (`keyed`: ``grads@1``).
+
+**A broken pipeline.** A stage learns that its pipeline broke when a frame it needs from a
+neighbour cannot come, and then leaves (closes its links). A stage that needs nothing from
+its neighbour before the next exchange does not: stage 0 of a pipeline whose last stage
+died right after sending it the step's last frame, but before its own results reached the
+other pipelines, plans the next step while they redo this one with it as a member — each
+waits for the other. So while stage 0 agrees on a step's members it also watches its own
+pipeline's links (`watch`, every `WATCH_SECONDS`) and leaves when one has ended.
 """
 
 from __future__ import annotations
@@ -48,6 +56,9 @@ from relaytrain_worker.replicas.arithmetic import Slice, fold, gather, prefix, v
 from relaytrain_worker.replicas.port import ReplicaPort
 
 log = logging.getLogger("relaytrain.replicas")
+
+WATCH_SECONDS = 0.5
+"""How often a wait that watches this stage's own pipeline (`StarExchange._watch`) looks."""
 
 
 def keyed(what: str, attempt: int) -> str:
@@ -90,6 +101,9 @@ class StarExchange:
         """Queries of a takeover leader not answered yet."""
         self._short: dict[tuple[str, int], set[str]] = {}
         """The names of each reduce whose result misses a member pipeline's contribution."""
+        self._watch: Callable[[], str | None] | None = None
+        """Asked while a wait lasts: why this stage's own pipeline is broken (else None);
+        set for the exchanges a broken pipeline must not take part in."""
         self.closed = False
 
     def _port(self, peer: tuple[int, int], link: LinkLike) -> ReplicaPort:
@@ -444,8 +458,17 @@ class StarExchange:
             self._answer_queries()
             return self.closed or ready()
 
-        if not self._cond.wait_for(check, max(deadline - time.monotonic(), 0.0)):
-            raise TimeoutError(f"the other pipelines gave nothing for {key[0]} of step {key[1]}")
+        while True:
+            left = max(deadline - time.monotonic(), 0.0)
+            watch = self._watch
+            if self._cond.wait_for(check, left if watch is None else min(left, WATCH_SECONDS)):
+                break
+            if watch is not None and (why := watch()):
+                raise LinkBroken(f"{why}: pipeline {self._pipeline} leaves step {key[1]}")
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"the other pipelines gave nothing for {key[0]} of step {key[1]}"
+                )
         if self.closed:
             raise LinkBroken("the replica links were closed")
 
