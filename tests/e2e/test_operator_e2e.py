@@ -25,6 +25,7 @@ import re
 import signal
 import time
 import urllib.request
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -458,11 +459,7 @@ def test_a_job_of_replicas_auto_grows_by_a_pipeline_on_each_node_that_joins(
     e = env
     core, custom, ns = e["core"], e["custom"], e["ns"]
     mc, bucket = e["minio"].client(), e["minio"].bucket
-    pool = {
-        "name": f"grow{ns[-6:]}", "product": "Kwok-Slow-GPU", "gpuMemoryMiB": 24564,
-        "cpu": "16", "memory": "64Gi", "linkBandwidthMbps": 500, "linkLatencyMs": 30,
-    }  # fmt: skip
-    nodes = [kwok_nodes.node_manifest(pool, i) for i in range(3)]
+    pool, nodes = _slow_pool(f"grow{ns[-6:]}", 3)
     names = [n["metadata"]["name"] for n in nodes]
     name, steps = "tiny-grows", 500
     manifest = (
@@ -566,6 +563,137 @@ def test_a_job_of_replicas_auto_grows_by_a_pipeline_on_each_node_that_joins(
         f"step {added['addedAtStep']}, admitted by step {joined['step']}); finished at step "
         f"{steps}"
     )
+
+
+def test_a_stage_whose_node_is_gone_is_resplit_onto_what_is_left_and_back_when_a_gpu_joins(
+    env: dict[str, Any],
+) -> None:
+    """One pipeline, `stages: auto`, on a pool of three GPUs: three stages. The node under
+    stage 2 is deleted and no GPU is free: after `joinSeconds` the operator re-splits the
+    pipeline into two stages on the GPUs it still holds, and every stage restarts from the
+    last commit in the new split. A node joins the pool: the job is re-split back to three
+    stages. Real stage processes train throughout; a pipeline's split does not change its
+    arithmetic, so every loss the job reported for a step, before or after a re-split, is
+    the one its final loss history holds for that step."""
+    from relaytrain_testkit.chaos import delete_nodes, node_ready
+    from relaytrain_testkit.harness import kwok_nodes
+
+    e = env
+    core, custom, ns, runner = e["core"], e["custom"], e["ns"], e["runner"]
+    mc, bucket = e["minio"].client(), e["minio"].bucket
+    pool, nodes = _slow_pool(f"split{ns[-6:]}", 4)
+    names = [n["metadata"]["name"] for n in nodes]
+    steps = 300
+
+    def manifest(name: str) -> dict[str, Any]:
+        return (
+            tiny_job(name, e["minio"])
+            .pipeline(stages="auto", compression="int8")
+            .training(steps=steps)
+            .checkpoint(f"s3://{bucket}/ckpt", endpoint=e["minio"].url, every_steps=10, keep=2)
+            .placement(pools=[str(pool["name"])])
+            .build()
+        )
+
+    kwok_nodes.create_nodes(core.api_client, nodes[:3])
+    try:
+        for node in names[:3]:  # the plan is made for the GPUs of Ready nodes
+            wait_for(f"{node} Ready", functools.partial(node_ready, core, node))
+        # As many stages as Ready GPUs the operator's node index held when it planned: a
+        # Ready update may reach it after the job (then another job is made once the first
+        # one's pods are gone).
+        for attempt in range(3):
+            name = f"tiny-resplit{attempt}"
+            custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, manifest(name))
+            status = functools.partial(_job_status, custom, ns, name)
+            planned = wait_for("a plan", lambda st=status: st().get("plan"), timeout=60)
+            if len(planned["stages"]) == 3:
+                break
+            custom.delete_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name)
+            wait_for("its pods gone", lambda n=name: not stage_pods(core, ns, n), timeout=60)
+    except BaseException:
+        delete_nodes(core, names)
+        raise
+    watcher = ProgressWatcher(e["minio"], f"ckpt/{ns}/{name}/progress.json")
+
+    def replanned(words: str) -> list[Any]:
+        events = core.list_namespaced_event(ns, field_selector=f"involvedObject.name={name}")
+        return [ev for ev in events.items if ev.reason == "Replanned" and words in ev.message]
+
+    def training_on(count: int, past: int) -> Any:
+        """The status once `count` planned stages run and the job is past step `past`."""
+        st = status()
+        stages = st.get("stages") or []
+        running = len(stages) == count and all(s.get("phase") == "Running" for s in stages)
+        return running and watcher.latest().get("step", 0) > past and st
+
+    try:
+        three = wait_for(
+            "three stages training past a commit",
+            lambda: (
+                training_on(3, 0)
+                and (watcher.latest().get("lastCommittedStep") or 0) >= 10
+                and status()
+            ),
+            timeout=300,
+        )
+        first = [(s["layerStart"], s["layerEnd"]) for s in three["plan"]["stages"]]
+        assert len(first) == 3, three["plan"]
+        at = watcher.latest()
+        assert at["step"] < steps // 3, f"the job ran too fast to be re-split: {at}"
+        gone = stage_pods(core, ns, name)[f"{name}-stage-2"].spec.node_name
+        core.delete_node(gone)  # no GPU is free anywhere else in the pool
+        wait_for("a re-split to two stages", lambda: replanned("instead of 3 stages"), timeout=120)
+        two = wait_for(
+            "two stages training", lambda: training_on(2, at["lastCommittedStep"]), timeout=300
+        )
+        assert two["plan"]["resplitFrom"]["stages"] == 3, two["plan"]
+        kwok_nodes.create_nodes(core.api_client, nodes[3:])
+        back = wait_for("a re-split back", lambda: replanned("re-split back"), timeout=120)
+        final = _ended(status, "the re-split job to finish")
+    except AssertionError as err:
+        raise AssertionError(f"{err}\n{diagnostics(e)}") from None
+    finally:
+        watcher.stop()
+        delete_nodes(core, names)
+    assert final["phase"] == "Succeeded", f"{final}\n{diagnostics(e)}"
+    assert "3 stages" in back[0].message and "instead of 2 stages" in back[0].message
+    plan = final["plan"]
+    assert [(s["layerStart"], s["layerEnd"]) for s in plan["stages"]] == first, plan
+    assert "resplitFrom" not in plan and final["restarts"] == 0, final
+    assert final["progress"]["step"] == steps
+    # Each re-split started every stage again from the last commit, in its split.
+    ran = [lp.name for lp in runner.history if lp.name.startswith(f"{name}-")]
+    assert [ran.count(f"{name}-stage-{k}") for k in range(3)] == [3, 3, 2], ran
+    restored = re.findall(r"restored committed step (\d+)", _log(e, f"{name}-stage-0"))
+    assert len(restored) == 2, restored
+    # Every loss reported for a step, first time or trained again after a re-split, is the
+    # loss the history holds for it: the same bits in three stages, two and three again.
+    history = stored_json(mc, bucket, f"ckpt/{ns}/{name}/loss-history.json")
+    losses = {r["step"]: r["loss"] for r in history}
+    assert sorted(losses) == list(range(1, steps + 1)), sorted(losses)[:5]
+    seen = [(doc["step"], doc["loss"]) for _, doc in watcher.history if doc.get("loss")]
+    off = [(step, loss, losses[step]) for step, loss in seen if loss != losses[step]]
+    assert not off, off[:5]
+    again = sorted(step for step, n in Counter(step for step, _ in seen).items() if n > 1)
+    print(
+        f"\nRe-split from {first} to two stages after the node under stage 2 was deleted "
+        f"(restored step {restored[0]}), back to three when a GPU joined (restored step "
+        f"{restored[1]}); {len(seen)} reported losses equal to the history's, "
+        f"{len(again)} of them of steps trained again"
+    )
+
+
+def _slow_pool(name: str, count: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A kwok pool `name` of SLOW_GPU nodes (links of 500 Mbit/s, 30 ms) and `count` node
+    manifests of it, one GPU each."""
+    from relaytrain_testkit.harness import kwok_nodes
+
+    pool = {
+        "name": name, "product": "Kwok-Slow-GPU", "gpuMemoryMiB": 24564, "cpu": "16",
+        "memory": "64Gi", "linkBandwidthMbps": 500, "linkLatencyMs": 30,
+    }  # fmt: skip
+    return pool, [kwok_nodes.node_manifest(pool, i) for i in range(count)]
 
 
 def _metric_samples(url: str) -> dict[tuple[str, str, str], float]:
