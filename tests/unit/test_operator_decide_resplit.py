@@ -35,6 +35,7 @@ from relaytrain_testkit.decide_cases import (
     stage,
 )
 from relaytrain_testkit.decide_fleet import LLAMA_8B, run_pods
+from relaytrain_testkit.decide_kueue import ADMITTED, kobserved, workload_of
 from relaytrain_testkit.decide_views import created, ready_reason, summary
 
 pytestmark = pytest.mark.unit
@@ -169,18 +170,48 @@ def test_no_resplit_without_the_models_config() -> None:
     assert ready_reason(decision) == "Unschedulable"
 
 
-def test_a_job_under_kueue_is_never_resplit() -> None:
-    # Its quota is Kueue's to give (and one of several pipelines comes back instead: the
-    # membership tests).
-    queued = (
-        JOB.pipeline(stages="auto")
-        .label("kueue.x-k8s.io/queue-name", "team")
-        .status(running_status(stage(0), stage(1, phase="Pending", restarts=1, ready=False)))
-        .build()
-    )
+def _queued(stages: int | str = "auto") -> tuple[dict[str, Any], Any]:
+    """The job under Kueue and its Workload, admitted for the plan: a GPU of a100 and one
+    of rtx."""
+    queued = _job(stages)
+    queued["metadata"] = {**queued["metadata"], "labels": {"kueue.x-k8s.io/queue-name": "team"}}
+    return queued, workload_of(queued, *ADMITTED)
+
+
+def test_a_job_under_kueue_is_resplit_within_what_its_workload_was_granted() -> None:
+    # One stage on the a100 GPU it holds is within its grant. The Workload stays as
+    # admitted (the quota it holds, the shape a re-split back returns to).
+    job, workload = _queued()
+    pods = [pod(0), _waiting(COST + 5)]
+    seen = kobserved(job, pods, workload, nodes=NODES, cluster_pods=pods + THEIRS)
+    decision = decide(seen, SETTINGS)
+    assert "event:Replanned" in summary(decision)
+    assert decision.status is not None and decision.status.plan is not None
+    assert [s.pool for s in decision.status.plan.stages] == ["a100"]
+    assert not [a for a in decision.actions if "Workload" in type(a).__name__]
+
+
+def test_a_job_under_kueue_is_not_resplit_onto_gpus_its_workload_was_not_granted() -> None:
     pods = [pod(0), _waiting(COST * 3)]
-    decision = decide(observed(queued, pods, nodes=NODES, cluster_pods=pods + THEIRS), SETTINGS)
-    assert "event:Replanned" not in summary(decision)
+    free_a100 = pods + [t for t in THEIRS if t["spec"]["nodeName"] != "a100-1"]
+    # Admitted for rtx alone (whose node is gone): an a100 GPU is quota Kueue did not grant.
+    job, workload = _queued()
+    only_rtx = copy.deepcopy(workload)
+    admission = only_rtx["status"]["admission"]
+    admission["podSetAssignments"] = [
+        a for a in admission["podSetAssignments"] if a["flavors"]["nvidia.com/gpu"] == "fr"
+    ]
+    # Two stages fixed, a second a100 free: both on a100, where it was granted one GPU.
+    two, granted = _queued(stages=2)
+    for queued, workload in ((job, only_rtx), (two, granted)):
+        seen = kobserved(queued, pods, workload, nodes=NODES, cluster_pods=free_a100)
+        decision = decide(seen, SETTINGS)
+        assert "event:Replanned" not in summary(decision), workload["status"]["admission"]
+        assert ready_reason(decision) == "Unschedulable"
+    # Without a queue, the same two stages go onto the two a100 GPUs.
+    plain = decide(observed(_job(stages=2), pods, nodes=NODES, cluster_pods=free_a100), SETTINGS)
+    assert plain.status is not None and plain.status.plan is not None
+    assert [s.pool for s in plain.status.plan.stages] == ["a100", "a100"]
 
 
 # --- re-split back when GPUs return ---------------------------------------------------
@@ -295,3 +326,22 @@ def test_no_resplit_back_without_the_figures_to_price_it() -> None:
     blind = copy.deepcopy(job)
     del blind["status"]["plan"]["predictedStepSeconds"]
     assert "event:Replanned" not in summary(_back(blind, pods, joined, _far(40, 5000)))
+
+
+def test_under_kueue_a_resplit_back_stays_on_the_pools_its_workload_was_granted() -> None:
+    job, pods = _on_a100()
+    job["metadata"] = {**job["metadata"], "labels": {"kueue.x-k8s.io/queue-name": "team"}}
+    granted = workload_of(job, *ADMITTED)  # a100 and rtx: no h100
+    joined = [*A100, node("h100-9", "h100")]
+    at = _far(40, 5000)
+    seen = decide(kobserved(job, pods, granted, nodes=A100, model=LLAMA_8B, progress=at), SETTINGS)
+    assert seen.status is not None
+    job = job | {"status": to_manifest(seen.status)}
+    back = decide(
+        kobserved(job, pods, granted, nodes=joined, model=LLAMA_8B, progress=at,
+                  cluster_pods=pods),
+        SETTINGS,
+    )  # fmt: skip
+    assert "event:Replanned" not in summary(back)
+    assert back.status is not None and back.status.plan is not None
+    assert back.status.plan.resplit_from == H100_PLAN  # it keeps looking

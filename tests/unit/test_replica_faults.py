@@ -517,7 +517,7 @@ def test_a_first_stage_whose_pipeline_broke_leaves_rather_than_hold_the_others_u
     groups = link_groups(splits, creds=creds)
     down, up = link_pair(creds[(0, 0)], creds[(0, 1)])
     chain = Peers(None, down)
-    for (p, k), group in groups.items():
+    for group in groups.values():
         group.begin(4, {0, 1})
     assert chain.broken() is None  # a live neighbour, quiet
     up.close()  # pipeline 0's last stage dies

@@ -232,6 +232,8 @@ class Admission:
     message: str = ""
     pool_flavors: Mapping[str, str] = field(default_factory=dict)
     """pool → the flavour Kueue assigned to its pod set (its GPU resource's)."""
+    pool_counts: Mapping[str, int] = field(default_factory=dict)
+    """pool → the pods its admitted pod set holds (what Kueue granted there)."""
     active: bool = True
     """The Workload's spec.active."""
 
@@ -263,21 +265,26 @@ def read_admission(
         )
     if reserved and _true(workload, "Admitted"):
         flavors: dict[str, str] = {}
+        counts: dict[str, int] = {}
+        pod_sets = (workload.get("spec") or {}).get("podSets") or []
         names = {
             p["name"]: ((p.get("template") or {}).get("metadata") or {})
             .get("labels", {})
             .get("relaytrain.io/pool")
-            for p in (workload.get("spec") or {}).get("podSets") or []
+            for p in pod_sets
         }
+        sizes = {p["name"]: int(p.get("count", 1)) for p in pod_sets}
         admission = (workload.get("status") or {}).get("admission") or {}
         for assigned in admission.get("podSetAssignments") or []:
             pool = names.get(assigned.get("name"))
             flavor = (assigned.get("flavors") or {}).get(gpu_resource)
             if pool and flavor:
                 flavors[str(pool)] = str(flavor)
+                count = assigned.get("count", sizes.get(assigned.get("name"), 0))
+                counts[str(pool)] = counts.get(str(pool), 0) + int(count)
         queue = admission.get("clusterQueue", "")
         return Admission(
-            "admitted", "Admitted", f"Admitted by ClusterQueue {queue}", flavors, active
+            "admitted", "Admitted", f"Admitted by ClusterQueue {queue}", flavors, counts, active
         )
     pending = _condition(workload, "QuotaReserved")
     return Admission(

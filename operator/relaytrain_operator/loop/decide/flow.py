@@ -71,14 +71,14 @@ def needs(job: JsonDict, pods: Mapping[StageKey, JsonDict], now: datetime | None
     )
     # A replacement waiting for a GPU in a job of one pipeline may have the job re-split
     # for the GPUs free (resplit.py): the planner needs the nodes, the pods and the model.
-    waits = not status.plan.several() and not queued and waiting_since(pods.values()) is not None
+    waits = not status.plan.several() and waiting_since(pods.values()) is not None
     # A job of `replicas: auto` whose pipelines train may grow on GPUs that joined (grow.py):
     # the free GPUs, the model and the link Secret (certificates for the added stages, and
     # for any planned stage still without one: a pass stopped after the plan).
     grows = growable(spec, status, queued)
     # A job of one pipeline trains on a re-split: it may be re-split back as GPUs free up
     # (resplit.resplit_back): the planner needs the nodes, the pods and the model.
-    back = status.plan.resplit_from is not None and not queued
+    back = status.plan.resplit_from is not None
     return Needs(
         link_secret=now is not None and (due is None or now >= due or missing or grows),
         pods=missing,

@@ -10,6 +10,10 @@ between the two still replaces the pods of the old split on its next pass
 (`remove_unplanned`). The stages then start from the new plan and restore the last commit
 by parameter name (the worker does that for any split).
 
+Under Kueue a re-split stays within what the job's Workload was admitted with (its pools,
+and no more stages on one than its pod set there): the Workload is not changed, so the job
+holds the same quota, and a re-split back returns to the admitted shape.
+
 The plan a re-split replaced stays on record (`status.plan.resplitFrom`); while it does,
 `resplit_back` re-plans the job as GPUs free up and re-splits it back the same way where
 that pays for the restart.
@@ -17,10 +21,12 @@ that pays for the restart.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
 from datetime import datetime
 
 from relaytrain_operator.domain.builders.labels import JOB_LABEL
+from relaytrain_operator.domain.placement import node_pool
 from relaytrain_operator.domain.planner import PlanError
 from relaytrain_operator.domain.planner.growth import GROWTH_MARGIN
 from relaytrain_operator.domain.resplit import resplit_plan, resplit_wait, same_places
@@ -58,8 +64,8 @@ def waiting_since(pods: Iterable[JsonDict]) -> datetime | None:
 def resplit(ctx: Pass, spec: FineTuneJob, plan: PlanStatus) -> bool:
     """Re-split the job's one pipeline for the GPUs it can have, if a replacement has waited
     long enough and a plan fits; True when it did (the pass is over)."""
-    if plan.several() or ctx.queue is not None:
-        return False  # several pipelines: one out comes back (membership.py); Kueue: quota
+    if plan.several():
+        return False  # several pipelines: one out comes back (membership.py)
     since = waiting_since(ctx.observed.pods.values())
     if since is None:
         return False
@@ -75,7 +81,7 @@ def resplit(ctx: Pass, spec: FineTuneJob, plan: PlanStatus) -> bool:
         planned = resplit_plan(
             spec,
             model.config,
-            ctx.observed.nodes.values(),
+            _granted_nodes(ctx, spec),
             others,
             stages_now=len(plan.stages),
             catalog=ctx.settings.catalog,
@@ -84,7 +90,7 @@ def resplit(ctx: Pass, spec: FineTuneJob, plan: PlanStatus) -> bool:
     except PlanError:
         return False  # nothing fits either: the replacement waits on, as its condition says
     recorded = PlanStatus.model_validate(planned)
-    if same_places(plan.stages, recorded.stages):
+    if same_places(plan.stages, recorded.stages) or not _granted(ctx, recorded):
         return False
     waited = int((ctx.now - since).total_seconds())
     former = plan.resplit_from or FormerPlan(
@@ -105,7 +111,8 @@ def resplit_back(ctx: Pass, spec: FineTuneJob, plan: PlanStatus) -> bool:
     GPUs free now and those it holds, when that raises its predicted tokens/s by
     `GROWTH_MARGIN` and the time it saves over the steps left pays for the restart
     (`--join-seconds`, and the steps since the last commit trained again); at most as many
-    stages as before the first re-split. True when it did (the pass is over)."""
+    stages as before the first re-split, and under Kueue within what its Workload was
+    granted. True when it did (the pass is over)."""
     former = plan.resplit_from
     if former is None or not _settled(ctx, plan):
         return False
@@ -116,7 +123,7 @@ def resplit_back(ctx: Pass, spec: FineTuneJob, plan: PlanStatus) -> bool:
     others = [pod for pod in pods if not _ours(ctx, pod)]
     try:
         planned = resplit_plan(
-            spec, model.config, ctx.observed.nodes.values(), others,
+            spec, model.config, _granted_nodes(ctx, spec), others,
             stages_now=former.stages, catalog=ctx.settings.catalog,
             default_link=ctx.settings.default_link,
         )  # fmt: skip
@@ -129,7 +136,7 @@ def resplit_back(ctx: Pass, spec: FineTuneJob, plan: PlanStatus) -> bool:
     lost = max(ctx.step() - (ctx.committed() or 0), 0)
     restart = ctx.settings.join_seconds + lost * before
     saved = max(progress.total_steps - ctx.step(), 0) * (before - after)
-    if before < after * (1 + GROWTH_MARGIN) or saved <= restart:
+    if before < after * (1 + GROWTH_MARGIN) or saved <= restart or not _granted(ctx, recorded):
         return False
     reached = (recorded.predicted_tokens_per_second or 0.0) >= (
         former.predicted_tokens_per_second or float("inf")
@@ -148,15 +155,37 @@ def resplit_back(ctx: Pass, spec: FineTuneJob, plan: PlanStatus) -> bool:
 
 
 def _settled(ctx: Pass, plan: PlanStatus) -> bool:
-    """Whether a job may be re-split back now: one pipeline, not under Kueue (quota), every
-    stage training."""
+    """Whether a job may be re-split back now: one pipeline, every stage training."""
     stages = ctx.status.stages
     return (
         not plan.several()
-        and ctx.queue is None
         and bool(stages)
         and all(s.phase == "Running" and s.ready for s in stages)
     )
+
+
+def _granted_nodes(ctx: Pass, spec: FineTuneJob) -> list[JsonDict]:
+    """The nodes a re-split may plan on: every node, or under Kueue those of the pools its
+    admitted Workload holds (a re-split never asks for quota Kueue did not grant)."""
+    nodes = list(ctx.observed.nodes.values())
+    if ctx.queue is None:
+        return nodes
+    admission = ctx.admissions.get(0)
+    pools = admission.pool_counts if admission is not None else {}
+    return [n for n in nodes if node_pool(n, spec.spec.placement.gpu_label) in pools]
+
+
+def _granted(ctx: Pass, plan: PlanStatus) -> bool:
+    """Whether `plan` stays within what the job's Workload was admitted with: under Kueue,
+    no more stages on a pool than its admitted pod set there (the Workload stays as it was
+    admitted, so the job goes on holding the same quota, and a re-split back returns to the
+    admitted shape); without a queue, any plan."""
+    if ctx.queue is None:
+        return True
+    admission = ctx.admissions.get(0)
+    granted = admission.pool_counts if admission is not None else {}
+    wanted = Counter(s.pool for s in plan.stages)
+    return all(n <= granted.get(pool, 0) for pool, n in wanted.items())
 
 
 def _restart(ctx: Pass, recorded: PlanStatus, message: str) -> None:
