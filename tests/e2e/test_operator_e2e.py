@@ -583,7 +583,7 @@ def test_a_stage_whose_node_is_gone_is_resplit_onto_what_is_left_and_back_when_a
     mc, bucket = e["minio"].client(), e["minio"].bucket
     pool, nodes = _slow_pool(f"split{ns[-6:]}", 4)
     names = [n["metadata"]["name"] for n in nodes]
-    steps = 300
+    steps = 150
 
     def manifest(name: str) -> dict[str, Any]:
         return (

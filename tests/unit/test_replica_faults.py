@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import pytest
 import torch
@@ -524,7 +525,8 @@ def test_a_first_stage_whose_pipeline_broke_leaves_rather_than_hold_the_others_u
 
     def first_of_pipeline_0() -> None:
         try:
-            groups[(0, 0)].agree_members(5, watch=chain.broken)
+            with groups[(0, 0)].watching(chain.broken):
+                groups[(0, 0)].agree_members(5)
         finally:
             groups[(0, 0)].close()
 
@@ -540,3 +542,44 @@ def test_a_first_stage_whose_pipeline_broke_leaves_rather_than_hold_the_others_u
     )
     assert not isinstance(got[1], BaseException), got[1]
     assert got[1].members == {1}
+
+
+def test_a_stage_whose_pipeline_broke_leaves_a_reduce_the_others_lead_without_it() -> None:
+    # Pipeline 0's stage 1 died before pipeline 1's stage reached the step's reduce: that
+    # stage, linked to both of pipeline 0's, counts pipeline 0 gone and leads every name it
+    # holds, waiting for what pipeline 0's stage 0 holds; that stage 0, alive, leads its own
+    # names and waits for pipeline 1's contribution. It sees its pipeline link ended and
+    # leaves; pipeline 1 folds alone, marked short (the step is trained again).
+    from relaytrain_worker.pipeline.peers import Peers
+
+    splits = [[(0, 1), (1, 2)], [(0, 2)]]
+    creds = peer_credentials(splits)
+    groups = link_groups(splits, creds=creds)
+    down, up = link_pair(creds[(0, 0)], creds[(0, 1)])
+    chain = Peers(None, down)
+    for group in groups.values():
+        group.begin(4, {0, 1})
+    groups[(0, 1)].close()  # pipeline 0's last stage dies: its links end
+    up.close()
+    deadline = time.monotonic() + 30
+    while groups[(1, 0)].live(0) and time.monotonic() < deadline:  # its reader saw the end
+        time.sleep(0.01)
+    assert not groups[(1, 0)].live(0)
+    layer_1 = NAME.replace("layers.0.", "layers.1.")
+
+    def first_of_pipeline_0() -> dict[str, torch.Tensor]:
+        try:
+            with groups[(0, 0)].watching(chain.broken):
+                return groups[(0, 0)].reduce(4, 0, 0, {NAME: torch.tensor([3.0])})
+        finally:
+            groups[(0, 0)].close()
+
+    both = {NAME: torch.tensor([1.0]), layer_1: torch.tensor([2.0])}
+    got = on_threads({0: first_of_pipeline_0, 1: lambda: groups[(1, 0)].reduce(4, 1, 0, both)})
+    chain.close()
+    for group in groups.values():
+        group.close()
+    assert isinstance(got[0], LinkBroken), got[0]
+    assert not isinstance(got[1], BaseException), got[1]
+    assert {n: float(t) for n, t in got[1].items()} == {NAME: 1.0, layer_1: 2.0}
+    assert groups[(1, 0)].short(4)

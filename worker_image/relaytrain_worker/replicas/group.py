@@ -7,7 +7,7 @@ state hand-over.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -210,22 +210,14 @@ class LinkGroup(StarExchange):
                 for key in [k for k in table if k[1] < step - 2]:
                     del table[key]
 
-    def agree_members(
-        self, step: int, attempt: int = 0, watch: Callable[[], str | None] | None = None
-    ) -> Membership:
+    def agree_members(self, step: int, attempt: int = 0) -> Membership:
         """Stage 0: the pipelines that train step `step` (its attempt `attempt`), those of
         them that rejoin at it, and every member's share, agreed among the first stages of
         every member (a star reduce of who is there, led as any other; the leader admits the
-        pipelines whose join request it holds — at a step's first attempt only). `watch`:
-        why this stage's own pipeline is broken, asked while the agreement waits (LinkBroken
-        when it says: star.py, "A broken pipeline")."""
+        pipelines whose join request it holds — at a step's first attempt only)."""
         self._check_first()
         what = keyed("member", attempt)
-        self._watch = watch
-        try:
-            got = self._star(what, step, self._own_mark(1.0), sorted(self.members))
-        finally:
-            self._watch = None
+        got = self._star(what, step, self._own_mark(1.0), sorted(self.members))
         return _members(got)
 
     def join(self, timeout: float) -> tuple[int, Membership]:

@@ -281,6 +281,11 @@ class Replicated:
         middle of it (`ShortStepError`: attempt 1, 2, ...), so that it loses none of its
         micro-batches."""
         assert self.group is not None
+        with self.group.watching(peers.broken):  # star.py, "A broken pipeline"
+            return self._train_step(stage, peers, runner)
+
+    def _train_step(self, stage: StageRuntime, peers: Peers, runner: StepRunner) -> StepResult:
+        assert self.group is not None
         attempt = 0
         while True:
             plan = self._plan(stage, peers, self.group, attempt)
@@ -330,7 +335,7 @@ class Replicated:
             if self.admitted is not None and self.admitted[0] == step and attempt == 0:
                 plan = self.admitted[1]
             else:
-                plan = group.agree_members(step, attempt, watch=peers.broken)
+                plan = group.agree_members(step, attempt)
             self.admitted = None
             if self.pipeline not in plan.members:
                 raise LinkBroken(f"pipeline {self.pipeline} was left out of step {step}")

@@ -30,20 +30,25 @@ then redoes the step with the pipelines left (`schedule.ShortStepError`), under 
 exchange names (`keyed`: ``grads@1``).
 
 **A broken pipeline.** A stage learns that its pipeline broke when a frame it needs from a
-neighbour cannot come, and then leaves (closes its links). A stage that needs nothing from
-its neighbour before the next exchange does not: stage 0 of a pipeline whose last stage
-died right after sending it the step's last frame, but before its own results reached the
-other pipelines, plans the next step while they redo this one with it as a member — each
-waits for the other. So while stage 0 agrees on a step's members it also watches its own
-pipeline's links (`watch`, every `WATCH_SECONDS`) and leaves when one has ended.
+neighbour cannot come, and then leaves (closes its links); the other pipelines see every
+link of a pipeline that left end. A stage waiting in an exchange needs nothing from its
+neighbour meanwhile and would not learn it: stage 0 of a pipeline whose last stage died
+right after sending it the step's last frame, but before its own results reached the other
+pipelines, plans the next step while they redo this one with it as a member; or, where the
+others already count the pipeline gone (one of its links ended), it leads a reduce they
+lead too — each waits for the other. So while a step is trained (`watching`: its
+membership, its reduce; not an outer step after it, which a neighbour done with the job
+may have left) a wait also looks at the stage's own pipeline links every `WATCH_SECONDS`,
+and the stage leaves when one has ended: it could not finish the step without it anyway.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -105,6 +110,19 @@ class StarExchange:
         """Asked while a wait lasts: why this stage's own pipeline is broken (else None);
         set for the exchanges a broken pipeline must not take part in."""
         self.closed = False
+
+    @contextlib.contextmanager
+    def watching(self, broken: Callable[[], str | None]) -> Iterator[None]:
+        """While the block runs, every wait of an exchange also asks `broken` (why this
+        stage's own pipeline is broken, else None) and raises LinkBroken when it says (the
+        module's "A broken pipeline")."""
+        with self._cond:
+            self._watch = broken
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._watch = None
 
     def _port(self, peer: tuple[int, int], link: LinkLike) -> ReplicaPort:
         port = ReplicaPort(link, f"p{peer[0]}/s{peer[1]}", self._cond, self._on_frame)
