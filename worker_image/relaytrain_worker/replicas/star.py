@@ -30,16 +30,13 @@ then redoes the step with the pipelines left (`schedule.ShortStepError`), under 
 exchange names (`keyed`: ``grads@1``).
 
 **A broken pipeline.** A stage learns that its pipeline broke when a frame it needs from a
-neighbour cannot come, and then leaves (closes its links); the other pipelines see every
-link of a pipeline that left end. A stage waiting in an exchange needs nothing from its
-neighbour meanwhile and would not learn it: stage 0 of a pipeline whose last stage died
-right after sending it the step's last frame, but before its own results reached the other
-pipelines, plans the next step while they redo this one with it as a member; or, where the
-others already count the pipeline gone (one of its links ended), it leads a reduce they
-lead too — each waits for the other. So while a step is trained (`watching`: its
-membership, its reduce; not an outer step after it, which a neighbour done with the job
-may have left) a wait also looks at the stage's own pipeline links every `WATCH_SECONDS`,
-and the stage leaves when one has ended: it could not finish the step without it anyway.
+neighbour cannot come, and then leaves (closes its links). Waiting in an exchange it needs
+nothing from its neighbour and would not learn it, while the others wait for it: they redo
+the step with it as a member while it plans the next, or they count its pipeline gone (one
+of its links ended) and lead a reduce it leads too. So while a step is trained
+(`watching`: not an outer step after it, which a neighbour done with the job may have left)
+a wait also looks at the stage's own pipeline links every `WATCH_SECONDS`, and the stage
+leaves when one has ended: it could not finish the step without it anyway.
 """
 
 from __future__ import annotations
