@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -504,6 +505,21 @@ def test_the_fleet_document_is_polled_and_a_bad_one_changes_nothing(
     assert empty is not None and empty.added == ()
 
 
+def _broken_pipeline_0() -> tuple[dict[Peer, LinkGroup], Any, Any]:
+    """Pipeline 0 of two stages ([0-1 | 1-2]) and pipeline 1 of one ([0-2]) in step 4: every
+    stage's group, pipeline 0's chain as its stage 0 holds it (`Peers`), and the far end of
+    that link (what closing pipeline 0's last stage ends)."""
+    from relaytrain_worker.pipeline.peers import Peers
+
+    splits = [[(0, 1), (1, 2)], [(0, 2)]]
+    creds = peer_credentials(splits)
+    groups = link_groups(splits, creds=creds)
+    down, up = link_pair(creds[(0, 0)], creds[(0, 1)])
+    for group in groups.values():
+        group.begin(4, {0, 1})
+    return groups, Peers(None, down), up
+
+
 def test_a_first_stage_whose_pipeline_broke_leaves_rather_than_hold_the_others_up() -> None:
     # Pipeline 0's last stage died after sending its stage 0 the step's last frame but
     # before its results reached pipeline 1: pipeline 1 redoes step 4 (attempt 1) with
@@ -511,15 +527,7 @@ def test_a_first_stage_whose_pipeline_broke_leaves_rather_than_hold_the_others_u
     # its neighbour, agrees on step 5. Each would wait for the other (15 minutes); stage 0
     # sees its own pipeline's link ended, leaves (closes its links, as a stage does), and
     # pipeline 1 agrees on its redo alone.
-    from relaytrain_worker.pipeline.peers import Peers
-
-    splits = [[(0, 1), (1, 2)], [(0, 2)]]
-    creds = peer_credentials(splits)
-    groups = link_groups(splits, creds=creds)
-    down, up = link_pair(creds[(0, 0)], creds[(0, 1)])
-    chain = Peers(None, down)
-    for group in groups.values():
-        group.begin(4, {0, 1})
+    groups, chain, up = _broken_pipeline_0()
     assert chain.broken() is None  # a live neighbour, quiet
     up.close()  # pipeline 0's last stage dies
 
@@ -550,15 +558,7 @@ def test_a_stage_whose_pipeline_broke_leaves_a_reduce_the_others_lead_without_it
     # holds, waiting for what pipeline 0's stage 0 holds; that stage 0, alive, leads its own
     # names and waits for pipeline 1's contribution. It sees its pipeline link ended and
     # leaves; pipeline 1 folds alone, marked short (the step is trained again).
-    from relaytrain_worker.pipeline.peers import Peers
-
-    splits = [[(0, 1), (1, 2)], [(0, 2)]]
-    creds = peer_credentials(splits)
-    groups = link_groups(splits, creds=creds)
-    down, up = link_pair(creds[(0, 0)], creds[(0, 1)])
-    chain = Peers(None, down)
-    for group in groups.values():
-        group.begin(4, {0, 1})
+    groups, chain, up = _broken_pipeline_0()
     groups[(0, 1)].close()  # pipeline 0's last stage dies: its links end
     up.close()
     deadline = time.monotonic() + 30
