@@ -86,6 +86,7 @@ CASES = [
     ("queued for Kueue's quota", job("Suspended", "WaitingForQuota"), "Suspended"),
     ("evicted by Kueue", job("Suspended", "Evicted"), "Suspended"),
     ("a Kueue queue that cannot admit it", job("Suspended", "Inadmissible"), "Degraded"),
+    ("labelled for a queue, no Kueue", job("Suspended", "KueueNotInstalled"), "Degraded"),
     ("succeeded", job("Succeeded", "Succeeded", ready=True), "Healthy"),
     ("restarts used up", job("Failed", "BackoffLimitExceeded"), "Degraded"),
     ("invalid spec", job("Failed", "InvalidSpec"), "Degraded"),

@@ -1017,7 +1017,7 @@ def _expected_health(obj: dict[str, Any]) -> str:
     conditions = {c["type"]: c["status"] for c in status.get("conditions") or []}
     phase = status["phase"]
     reasons = {c["type"]: c.get("reason") for c in status.get("conditions") or []}
-    if phase == "Suspended" and reasons.get("Ready") == "Inadmissible":
+    if phase == "Suspended" and reasons.get("Ready") in ("Inadmissible", "KueueNotInstalled"):
         return "Degraded"
     if phase in ("Succeeded", "Suspended"):
         return "Healthy" if phase == "Succeeded" else "Suspended"

@@ -339,6 +339,25 @@ def test_the_observer_reads_only_what_is_needed(
     assert here == {"j-stage-0", "j-stage-1", "other-stage-0"}
 
 
+def test_a_cluster_that_serves_no_workloads_is_read_as_kueue_missing(
+    kube: Kube, api: ClusterApi, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job labelled for a queue on a cluster without Kueue: the API server's 404 for the
+    Workload resource is an answer (no Kueue), not a failed pass."""
+    from relaytrain_operator.domain import queueing
+
+    job = kube.create_job(cluster_job("q", "s3://models/smol/", kube.ns).queue("team").build())
+    observer = Observer(api)
+    now = datetime.now(UTC)
+    # Whether this session's cluster has Kueue's CRDs depends on what ran before (the Kueue
+    # e2e tests install them; tests/e2e/test_kueue_e2e.py reads Workloads that exist): a
+    # group no cluster serves stands for a cluster without Kueue.
+    monkeypatch.setattr(queueing, "GROUP", "absent.relaytrain.test")
+    absent = observer.observe(job, {}, {}, Needs(workload=True), now)
+    assert absent.kueue_missing and not absent.workloads
+    assert not observer.observe(job, {}, {}, Needs(), now).kueue_missing  # not read
+
+
 def test_the_observer_caches_model_configs_and_reports_why_one_cannot_be_read(
     kube: Kube, api: ClusterApi, model_dir: Path, tmp_path: Path
 ) -> None:

@@ -246,6 +246,23 @@ def test_a_queued_job_waits_for_quota_with_kueues_words_and_no_pod() -> None:
     assert [e.type for e in events(refused) if e.reason == "Inadmissible"] == ["Warning"]
 
 
+def test_a_queued_job_on_a_cluster_without_kueue_waits_naming_the_label_and_the_fix() -> None:
+    job = QUEUED.build()
+    decision = decide(replace(kobserved(job, []), kueue_missing=True), SETTINGS)
+    assert decision.status is not None and decision.status.phase == "Suspended"
+    assert ready_reason(decision) == "KueueNotInstalled"
+    words = str(condition(decision.status, READY))
+    assert "metadata.labels[kueue.x-k8s.io/queue-name]" in words and "install Kueue" in words
+    assert [e.type for e in events(decision) if e.reason == "KueueNotInstalled"] == ["Warning"]
+    assert not [a for a in decision.actions if isinstance(a, (Create, CreateLinkSecret))]
+    assert decision.retry_after is not None  # it looks again: Kueue may be installed later
+    # Once Kueue is there, the job is submitted as any queued job.
+    later = QUEUED.status(to_manifest(decision.status)).build()
+    submitted = decide(kobserved(later, []), SETTINGS)
+    assert ready_reason(submitted) == "Queued"
+    assert [a.obj["kind"] for a in submitted.actions if isinstance(a, Create)] == ["Workload"]
+
+
 def test_an_admitted_job_starts_with_its_flavors_labels_and_tolerations() -> None:
     from relaytrain_operator.domain.status import Verdict, with_verdict
 

@@ -202,12 +202,18 @@ class ClusterApi:
 
     # --- Kueue -----------------------------------------------------------------------
 
-    def list_workloads(self, namespace: str, job_name: str) -> list[JsonDict]:
-        """The job's Workloads (label-selected): one per pipeline, or the job's one."""
-        response = self._custom.list_namespaced_custom_object(
-            queueing.GROUP, queueing.VERSION, namespace, queueing.PLURAL,
-            label_selector=f"{JOB_LABEL}={job_name}", **_RAW,
-        )  # fmt: skip
+    def list_workloads(self, namespace: str, job_name: str) -> list[JsonDict] | None:
+        """The job's Workloads (label-selected): one per pipeline, or the job's one; None
+        when the cluster serves no Workloads (Kueue is not installed)."""
+        try:
+            response = self._custom.list_namespaced_custom_object(
+                queueing.GROUP, queueing.VERSION, namespace, queueing.PLURAL,
+                label_selector=f"{JOB_LABEL}={job_name}", **_RAW,
+            )  # fmt: skip
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
         items: list[JsonDict] = _json(response)["items"]
         return items
 

@@ -97,7 +97,7 @@ class Observer:
             if (wanted.workload)
             else []
         )
-        layout, workloads = by_pipeline(found)
+        layout, workloads = by_pipeline(found or [])
         names = workloads_of(spec, load_status(job.get("status")), layout)
         priority = None
         priority_class = priority_class_of(job)
@@ -126,6 +126,7 @@ class Observer:
             progress=self.progress(spec, now, access) if wanted.progress else None,
             workloads=workloads,
             workloads_per_pipeline=layout,
+            kueue_missing=found is None,
             flavors=flavors,
             priority=priority,
             told_given_up=self.told_given_up(spec, access) if wanted.given_up else None,

@@ -53,10 +53,10 @@ if phase == "Succeeded" then
   hs.status = "Healthy"
   hs.message = said("Ready", "Training finished")
 elseif phase == "Suspended" then
-  -- Queued is a pause; a LocalQueue or ClusterQueue that is missing or inactive is a
-  -- mistake in what was deployed, and nothing starts until it is fixed.
+  -- Queued is a pause; a LocalQueue or ClusterQueue that is missing or inactive, or no
+  -- Kueue at all, is a mistake in what was deployed, and nothing starts until it is fixed.
   local ready = condition("Ready")
-  if ready ~= nil and ready.reason == "Inadmissible" then
+  if ready ~= nil and (ready.reason == "Inadmissible" or ready.reason == "KueueNotInstalled") then
     hs.status = "Degraded"
   else
     hs.status = "Suspended"

@@ -164,6 +164,10 @@ def admitted(ctx: Pass, spec: FineTuneJob) -> bool:
     Kueue admits one (every pipeline's with one Workload per pipeline: those not admitted
     are out, membership.py); otherwise the pods go (an evicted workload's quota is handed
     back once none of its pods is left) and the job is Suspended with Kueue's words."""
+    if ctx.observed.kueue_missing:
+        wait_for_kueue(ctx, "KueueNotInstalled", _no_kueue(ctx.queue))
+        ctx.wake_within(KUEUE_MISSING_RECHECK_SECONDS)
+        return False
     found = ctx.observed.workloads_per_pipeline
     ctx.per_pipeline = per_pipeline(spec, ctx.status.plan, found)
     ctx.admissions = {
@@ -204,6 +208,20 @@ def admitted(ctx: Pass, spec: FineTuneJob) -> bool:
             ctx, "Queued", f"Submitted to LocalQueue {ctx.queue}: waiting for Kueue to admit it."
         )
     return False
+
+
+KUEUE_MISSING_RECHECK_SECONDS = 60.0
+"""How often a job labelled for a queue on a cluster without Kueue looks again (Kueue
+installed later is then used with no change to the job)."""
+
+
+def _no_kueue(queue: str | None) -> str:
+    return (
+        f"metadata.labels[{queueing.QUEUE_LABEL}]: the job is submitted to LocalQueue "
+        f"{queue}, but this cluster serves no {queueing.PLURAL}.{queueing.GROUP}/"
+        f"{queueing.VERSION} (Kueue is not installed): install Kueue, or remove the label "
+        "to run the job without a queue. No pod starts until one of those is done."
+    )
 
 
 def _resting(ctx: Pass, spec: FineTuneJob, p: int) -> bool:

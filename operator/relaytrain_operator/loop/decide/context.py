@@ -61,10 +61,11 @@ EVENT_REASONS = {
     "WaitingForQuota": "Normal",
     "Evicted": "Warning",
     "Inadmissible": "Warning",
+    "KueueNotInstalled": "Warning",
     **dict.fromkeys(WORKER_REASONS, "Warning"),
     **dict.fromkeys(set(STUCK_REASONS.values()), "Warning"),
 }
-QUEUE_REASONS = ("Queued", "WaitingForQuota", "Inadmissible", "Evicted")
+QUEUE_REASONS = ("Queued", "WaitingForQuota", "Inadmissible", "Evicted", "KueueNotInstalled")
 """Why a job submitted to Kueue has no pods (docs/operator.md, "Queueing with Kueue")."""
 
 
@@ -137,6 +138,9 @@ class Observed:
     workloads_per_pipeline: bool | None = None
     """Whether the Workloads the job has are one per pipeline (`queueing.by_pipeline`);
     None when it has none, or they were not read."""
+    kueue_missing: bool = False
+    """Whether the cluster answered that it serves no Workloads (Kueue is not installed),
+    when they were read."""
     flavors: Mapping[str, JsonDict] = field(default_factory=dict)
     """The ResourceFlavors Kueue assigned, by name; read when stage pods are to be created."""
     priority: int | None = None
