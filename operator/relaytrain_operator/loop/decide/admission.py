@@ -8,7 +8,10 @@ pipeline's pods are created only once Kueue admits its Workload, with the labels
 tolerations of the flavours Kueue assigned. A pipeline not admitted, or evicted, is out of
 the job (membership.py) and comes back once admitted; with none admitted the job has no pods
 and is Suspended with Kueue's words. An evicted Workload's quota is handed back once none of
-its pods is left, and a finished job's Workloads are marked Finished.
+its pods is left, and a finished job's Workloads are marked Finished. A pipeline added to
+the running job (grow.py: only with one Workload per pipeline) gets its Workload as the
+others' (`job_workload`), and is out until Kueue admits it; one that has not started is
+withdrawn (its Workload made inactive) once the job's end is nearer than a join costs.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from datetime import timedelta
 from typing import Any
 
 from relaytrain_operator.domain import queueing
-from relaytrain_operator.domain.membership import return_wait
+from relaytrain_operator.domain.membership import return_wait, worth_returning
 from relaytrain_operator.domain.placement import pool_selector
 from relaytrain_operator.domain.planning import (
     LoraTargetError,
@@ -44,6 +47,7 @@ from relaytrain_operator.domain.status import (
     Verdict,
     condition,
     idle_stage,
+    parse_time,
     rfc3339,
 )
 from relaytrain_operator.loop.actions import (
@@ -178,7 +182,8 @@ def admitted(ctx: Pass, spec: FineTuneJob) -> bool:
     if missing and not _submit(ctx, spec, missing):
         return False
     for p, workload in ctx.observed.workloads.items():
-        hold_workload(ctx, p, workload, active=not _resting(ctx, spec, p))
+        withdrawn = _withdrawn(ctx, p, workload)
+        hold_workload(ctx, p, workload, active=not (withdrawn or _resting(ctx, spec, p)))
     running = {p: a for p, a in ctx.admissions.items() if a.state == "admitted"}
     if running:
         ready = condition(ctx.written, READY)
@@ -238,6 +243,40 @@ def _resting(ctx: Pass, spec: FineTuneJob, p: int) -> bool:
     if wait:
         ctx.wake_within(wait.total_seconds())
     return wait != timedelta(0)
+
+
+def _withdrawn(ctx: Pass, p: int, workload: JsonDict) -> bool:
+    """Whether pipeline `p` was added to the running job (grow.py), has not trained yet, and
+    the job's estimated end is nearer than a join costs: admitted then, it would not come
+    back (membership.bring_back), so its Workload is made inactive (Kueue takes it out of
+    the queue, or hands back quota it reserved), and once, as that is done, its status and
+    a PipelineWithdrawn Event say so. An estimate that moves out again makes it active."""
+    pipeline = next((s for s in ctx.status.pipelines or () if s.index == p), None)
+    if pipeline is None or pipeline.added_at_step is None or pipeline.returns:
+        return False
+    eta = ctx.status.progress.eta if ctx.status.progress is not None else None
+    end = parse_time(eta)
+    if pipeline.phase != "Left" or worth_returning(end, ctx.now, ctx.settings.join_seconds):
+        return False
+    if read_admission(workload).active:
+        why = (
+            f"its Workload is withdrawn from LocalQueue {ctx.queue}: the job's estimated end "
+            f"({eta}) is nearer than a join costs (--join-seconds "
+            f"{ctx.settings.join_seconds:.0f})"
+        )
+        ctx.update(
+            pipelines=[
+                s.model_copy(update={"left_reason": why}) if s.index == p else s
+                for s in ctx.status.pipelines or ()
+            ]
+        )
+        ctx.event(
+            "Normal",
+            "PipelineWithdrawn",
+            f"Pipeline {p}, added at step {pipeline.added_at_step}, does not start: {why}. "
+            "The other pipelines train to the end without it.",
+        )
+    return True
 
 
 def _of(ctx: Pass, p: int) -> str:
@@ -300,10 +339,19 @@ def wait_for_kueue(ctx: Pass, reason: str, message: str) -> None:
     ctx.settle(Verdict("Suspended", False, False, reason, message))
 
 
-def job_workload(ctx: Pass, spec: FineTuneJob, p: int, *, active: bool) -> JsonDict:
+def job_workload(
+    ctx: Pass,
+    spec: FineTuneJob,
+    p: int,
+    *,
+    active: bool,
+    plan: PlanStatus | None = None,
+    priority: int | None = None,
+) -> JsonDict:
     """The Workload of pipeline `p` (one Workload per pipeline) or of the whole job, for
-    its recorded plan: one demand per planned stage."""
-    plan = ctx.status.plan
+    its recorded plan (or `plan`, grown: grow.py): one demand per planned stage. `priority`:
+    the value of the job's WorkloadPriorityClass, where this pass did not read it."""
+    plan = plan or ctx.status.plan
     assert plan is not None
     nodes = list(ctx.observed.nodes.values())
     placement = spec.spec.placement
@@ -326,7 +374,7 @@ def job_workload(ctx: Pass, spec: FineTuneJob, p: int, *, active: bool) -> JsonD
         active=active,
         tolerations=[t.model_dump(mode="json", exclude_none=True) for t in placement.tolerations],
         priority_class_name=placement.priority_class_name,
-        priority=ctx.observed.priority,
+        priority=ctx.observed.priority if priority is None else priority,
         pipeline=p if ctx.per_pipeline else None,
     )
 

@@ -74,13 +74,20 @@ def needs(job: JsonDict, pods: Mapping[StageKey, JsonDict], now: datetime | None
     waits = not status.plan.several() and waiting_since(pods.values()) is not None
     # A job of `replicas: auto` whose pipelines train may grow on GPUs that joined (grow.py):
     # the free GPUs, the model and the link Secret (certificates for the added stages, and
-    # for any planned stage still without one: a pass stopped after the plan).
+    # for any planned stage still without one: a pass stopped after the plan). Under Kueue
+    # only with a Workload per pipeline: the layout is not read yet, the one it would have.
     grows = growable(spec, status, queued)
     # A job of one pipeline trains on a re-split: it may be re-split back as GPUs free up
     # (resplit.resplit_back): the planner needs the nodes, the pods and the model.
     back = status.plan.resplit_from is not None
+    # A pipeline added under Kueue that has not started (it waits for its Workload): its
+    # stages' certificates are made sure of before Kueue admits it and its pods start.
+    unborn = any(
+        p.phase == "Left" and p.added_at_step is not None and not p.returns
+        for p in status.pipelines or ()
+    )
     return Needs(
-        link_secret=now is not None and (due is None or now >= due or missing or grows),
+        link_secret=now is not None and (due is None or now >= due or missing or grows or unborn),
         pods=missing,
         room=missing or returnable or waits or grows or back,
         model=status.plan.several() or waits or grows or back,

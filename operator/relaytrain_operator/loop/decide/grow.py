@@ -3,12 +3,24 @@
 
 When: `spec.pipeline.replicas: auto` (the user let the planner choose how many pipelines
 pay), or a fixed count while fewer train and a pipeline out cannot come back (`short`: a
-pipeline shaped for the GPUs free takes its place, up to the count), not under Kueue (its
-quota is the Workload's), its store on s3:// (the stages training learn of the added
-pipelines there), every pipeline training or out (none starting or recovering: their GPUs
-come first; with one pipeline, every stage training), its link certificates not in a
-renewal, and the stages reporting progress (the steps left price the join). `growable`
-says whether a job is so, from its record alone (for `needs`).
+pipeline shaped for the GPUs free takes its place, up to the count), its store on s3:// (the
+stages training learn of the added pipelines there), every pipeline training or out (none
+starting or recovering: their GPUs come first; with one pipeline, every stage training), its
+link certificates not in a renewal, and the stages reporting progress (the steps left price
+the join). `growable` says whether a job is so, from its record alone (for `needs`).
+
+Under Kueue a job grows only with one Workload per pipeline (admission.per_pipeline: a job
+queued with one Workload for the whole job, a job of one pipeline included, has its quota
+in that one and does not grow), and only while no pipeline is out but those given up for
+good: a pipeline out otherwise holds its admission (it comes back on the pools it was
+admitted on) or waits for Kueue (Kueue is asked already; a second ask would queue more
+while the first is unanswered). The grown plan is recorded as without Kueue, but each added
+pipeline is out of the job from the start (`Left`, waiting for Kueue) and gets its own
+Workload, built as the other pipelines' are (`admission.job_workload`, the job's priority
+as its Workloads carry it): its stages' certificates are minted (links.py), but no store
+or pod step is taken for it now. Kueue admits it when it has quota (a pending Workload holds
+none), and it then comes back as a pipeline Kueue admitted does (membership.bring_back: its
+pods, the store told first). Near the job's end it is withdrawn (admission._withdrawn).
 
 A job of one pipeline grows by a restart (`grow_one`): its stages' documents have no
 replicas section to grow by, so the grown plan makes it pipeline 0 of several and every
@@ -42,10 +54,12 @@ from relaytrain_operator.domain.builders.labels import StageKey
 from relaytrain_operator.domain.growing import Grown, as_fleet, grow
 from relaytrain_operator.domain.membership import return_wait
 from relaytrain_operator.domain.planner import PlanError, PoolError
+from relaytrain_operator.domain.queueing import QueueError
 from relaytrain_operator.domain.stage_config import fleet_document, job_pod_endpoints
-from relaytrain_operator.domain.status import OUT_PHASES, Verdict, short_of
-from relaytrain_operator.loop.actions import PutFleet
-from relaytrain_operator.loop.decide.context import Pass
+from relaytrain_operator.domain.status import OUT_PHASES, Verdict, rfc3339, short_of
+from relaytrain_operator.loop.actions import Create, PutFleet
+from relaytrain_operator.loop.decide.admission import job_workload, per_pipeline
+from relaytrain_operator.loop.decide.context import JsonDict, Pass
 from relaytrain_operator.loop.decide.resplit import RESPLIT_PAUSE_SECONDS, fresh_entry
 from relaytrain_operator.spec import (
     FineTuneJob,
@@ -58,14 +72,20 @@ from relaytrain_operator.spec import (
 )
 
 
-def growable(spec: FineTuneJob, status: FineTuneJobStatus, queued: bool) -> bool:
+def growable(
+    spec: FineTuneJob, status: FineTuneJobStatus, queued: bool, layout: bool | None = None
+) -> bool:
     """Whether the job may grow now, as far as its spec and record say (module doc): the
-    pass then reads the nodes, the cluster's pods, the model and the link Secret."""
+    pass then reads the nodes, the cluster's pods, the model and the link Secret. `queued`:
+    under Kueue, `layout` saying whether its Workloads are one per pipeline as listed (None:
+    not read, the layout it would be queued with)."""
     plan, links = status.plan, status.link_certificates
     fleet = status.pipelines or ()
     wanted = spec.spec.pipeline.replicas
     if wanted != "auto" and (plan is None or not short(plan, fleet, int(wanted))):
         return False  # a fixed count grows only to make up its N
+    if queued and (not per_pipeline(spec, plan, layout) or any(p.phase == "Left" for p in fleet)):
+        return False  # one Workload holds the job, or a pipeline holds or waits for its own
     if plan is not None and plan.several():
         training = all(p.phase == "Running" or p.phase in OUT_PHASES for p in fleet) and any(
             p.phase == "Running" for p in fleet
@@ -75,8 +95,7 @@ def growable(spec: FineTuneJob, status: FineTuneJobStatus, queued: bool) -> bool
             s.phase == "Running" and s.ready for s in status.stages
         )
     return (
-        not queued
-        and is_s3(spec.spec.checkpoint.uri)
+        is_s3(spec.spec.checkpoint.uri)
         and plan is not None
         and training
         and links is not None
@@ -102,18 +121,30 @@ def add_pipelines(
 ) -> tuple[PlanStatus, list[StageKey]]:
     """Grow a job of several pipelines if it may and the planner says it pays: returns the
     plan (grown or as it was) and the added stages to create, their entries put in
-    `entries`. `out`: the pipelines out of the job after this pass's returns."""
-    if not plan.several() or not growable(spec, ctx.status, ctx.queue is not None):
+    `entries`. `out`: the pipelines out of the job after this pass's returns; under Kueue
+    the added pipelines are put in it (they wait for their Workloads: none to create)."""
+    queued = ctx.queue is not None
+    layout = ctx.per_pipeline if queued else None
+    if not plan.several() or not growable(spec, ctx.status, queued, layout):
         return plan, []
-    if _awaited(ctx, spec, out):
-        return plan, []
+    if _awaited(ctx, spec, out) or (queued and out - _for_good(ctx, spec, out)):
+        return plan, []  # under Kueue: a pipeline given up whose Workload is active again
     wanted = spec.spec.pipeline.replicas
     fixed = None if wanted == "auto" else int(wanted)
     grown = _priced_growth(ctx, spec, plan, entries, out, most=fixed)
     if grown is None or grown.plan is None:
         return plan, []
+    if not queued:
+        ctx.update(growth=None)
+        return grown.plan, _record(ctx, grown, entries, out)
+    workloads = _workloads(ctx, spec, grown)
+    if workloads is None:
+        return plan, []
     ctx.update(growth=None)
-    return grown.plan, _record(ctx, grown, entries, out)
+    _record(ctx, grown, entries, out, queued=True)
+    ctx.actions += [Create(workload) for workload in workloads]
+    out.update(grown.added)
+    return grown.plan, []
 
 
 def grow_one(
@@ -219,15 +250,43 @@ def _unused(ctx: Pass, grown: Grown) -> None:
         )
 
 
+def _workloads(ctx: Pass, spec: FineTuneJob, grown: Grown) -> list[JsonDict] | None:
+    """The Workloads of the pipelines `grown` adds to a queued job (one each, as its other
+    pipelines'), with the priority its Workloads carry; None when Kueue could not hold one
+    (more pools than a Workload's pod sets): nothing is added, status.growth says why."""
+    assert grown.plan is not None
+    held = [w.get("spec", {}).get("priority") for w in ctx.observed.workloads.values()]
+    priority = next((v for v in held if v is not None), None)
+    try:
+        return [
+            job_workload(ctx, spec, q, active=True, plan=grown.plan, priority=priority)
+            for q in grown.added
+        ]
+    except QueueError as err:
+        free = ", ".join(f"{p.name} x{p.gpus}" for p in sorted(grown.free, key=lambda p: p.name))
+        ctx.update(growth=GrowthStatus(free_gpus=free, reason=str(err)))
+        return None
+
+
 def _record(
-    ctx: Pass, grown: Grown, entries: dict[StageKey, StageStatus], out: set[int]
+    ctx: Pass,
+    grown: Grown,
+    entries: dict[StageKey, StageStatus],
+    out: set[int],
+    *,
+    queued: bool = False,
 ) -> list[StageKey]:
-    """Write the grown plan and the added pipelines' life, and say so in an Event."""
+    """Write the grown plan and the added pipelines' life, and say so in an Event. `queued`:
+    each added pipeline is out from the start, waiting for Kueue to admit its Workload."""
     assert grown.plan is not None and grown.plan.pipelines is not None
     step = ctx.step()
     added = grown.added
     keys: list[StageKey] = []
     life = list(ctx.status.pipelines or ())
+    waits = {
+        "phase": "Left", "left_at_step": step, "left_time": rfc3339(ctx.now),
+        "left_reason": "its Workload waits for Kueue to admit it",
+    }  # fmt: skip
     for q in added:
         planned = grown.plan.pipelines[q]
         for s in planned.stages:
@@ -237,15 +296,19 @@ def _record(
             index=q, phase="Pending", ready_stages=f"0/{len(planned.stages)}",
             micro_batches=planned.micro_batches, added_at_step=step,
         )  # fmt: skip
-        life.append(born)
+        life.append(born.model_copy(update=waits) if queued else born)
     shares = {p.index: p.micro_batches for p in grown.plan.pipelines}
     life = [p.model_copy(update={"micro_batches": shares[p.index]}) for p in life]
     ctx.update(plan=grown.plan, pipelines=life, stages=[entries[key] for key in sorted(entries)])
     ctx.patch()  # the record first: the added pods are built from it, after a crash too
-    _added(
-        ctx, grown, step, out,
-        "Its stages join the pipelines training at a step boundary with their state.",
-    )  # fmt: skip
+    then = "Its stages join the pipelines training at a step boundary with their state."
+    if queued:
+        then = (
+            f"It waits for Kueue: its own Workload is submitted to LocalQueue {ctx.queue}, "
+            "holding no quota until Kueue admits it; its stages are created then and join "
+            "the pipelines training at a step boundary with their state."
+        )
+    _added(ctx, grown, step, out, then)
     return keys
 
 
