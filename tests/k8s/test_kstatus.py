@@ -27,6 +27,7 @@ KSTATUS = {
     "queued for Kueue's quota": "InProgress",
     "evicted by Kueue": "InProgress",
     "a Kueue queue that cannot admit it": "InProgress",  # Argo CD says Degraded
+    "labelled for a queue, no Kueue": "InProgress",  # Argo CD says Degraded
     "succeeded": "Current",
     "restarts used up": "Failed",
     "invalid spec": "Failed",

@@ -266,7 +266,8 @@ class KwokProcessRunner:
                 and uid not in self.finished
                 and (pod.status.phase == "Running" or uid in self.config_errors)
             ):
-                self._try_start(pod)
+                if self._node_exists(pod.spec.node_name):
+                    self._try_start(pod)
             elif local is not None and local.process.poll() is not None:
                 self._finish(pod, local)
             elif local is not None:
@@ -317,6 +318,8 @@ class KwokProcessRunner:
         if local is None:
             waiting = self._restarts.get(uid)
             if not pod.spec.node_name or uid in self.finished:
+                return
+            if not self._node_exists(pod.spec.node_name):
                 return
             if waiting is not None and time.monotonic() < waiting.not_before:
                 return
@@ -376,6 +379,20 @@ class KwokProcessRunner:
         else:
             local.mount_error = None
         local.secrets_at = now
+
+    def _node_exists(self, name: str | None) -> bool:
+        """Whether a pod's node is there to run it. A pod bound to a node just deleted (a
+        scheduler whose cache had not caught up, or kwok marking it Running first) has no
+        kubelet: it never starts, as on a real cluster."""
+        if not name:
+            return False
+        try:
+            self.core.read_node(name)
+        except ApiException as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
 
     def _try_start(self, pod: Any) -> None:
         """Start a stage pod's container, or, while it cannot start, hold it (`_hold`),
