@@ -13,7 +13,10 @@ pipelines each training one micro-batch of 4 x 24 tokens of every step. Side by 
 - `periodic`, every H steps (and after the last) an outer step that either averages the
   factors one by one (`naive`, what periodic sync does) or merges the adapters exactly
   (`exact`: the means plus the aggregation bias folded into the frozen weight,
-  replicas/lora_merge.py; not in the worker yet), sending the weights in float64
+  replicas/lora_merge.py; not in the worker yet), or trains B alone with every A frozen at
+  its shared initialisation (`frozen-a`: LoRA-FA; averaging B is then the exact mean of
+  B @ A, with no state beyond the adapter, and half the values to send), sending the
+  weights in float64
   (`outerCode: float64`) or each pipeline's update since the last outer step as an
   error-fed rotated low-bit code (`int4`, `int2`, `int1`; replicas/outer_codec.py, the
   rotation of the step; every pipeline gets every pipeline's code and decodes the same
@@ -86,7 +89,7 @@ def bigram_batches(steps: int, seed: int) -> list[list[MicroBatch]]:
 
 
 def build(
-    model_dir: Path, training: TrainingSpec
+    model_dir: Path, training: TrainingSpec, frozen_a: bool = False
 ) -> tuple[Any, list[tuple[str, torch.nn.Parameter]], Any, Any]:
     from transformers import AutoModelForCausalLM
 
@@ -94,6 +97,10 @@ def build(
     for p in model.parameters():
         p.requires_grad_(False)
     trainable = apply_lora(model, lora_config(8, 16.0, 0.0, TARGETS), training.seed)
+    if frozen_a:  # every pipeline's A is the same seeded initialisation, and stays so
+        for _, param in trainable:
+            param.requires_grad_(".lora_A" not in _)
+        trainable = [(n, p) for n, p in trainable if p.requires_grad]
     model.train()
     return (model, trainable, *make_optimizer(trainable, training))
 
@@ -140,11 +147,12 @@ def run_periodic(
     held: list[MicroBatch],
     *,
     every: int,
-    exact: bool,
+    merge: str,
     code: str,
 ) -> tuple[float, int]:
     """Eval loss and total replica-link bytes of a periodic run (see the module docstring)."""
-    replicas = [build(model_dir, training) for _ in range(R)]
+    exact = merge == "exact"
+    replicas = [build(model_dir, training, frozen_a=merge == "frozen-a") for _ in range(R)]
     layers = [lora_merge.lora_layers(r[0]) for r in replicas]
     params = [dict(r[1]) for r in replicas]
     anchor = {n: p.detach().clone() for n, p in replicas[0][1]}
@@ -175,7 +183,7 @@ def run_periodic(
                 sent += (R - 1) * R * outer_codec.code_bytes(base.numel(), bits)
                 held_by[name] = values
             means = {n: (sum(v.double() for v in vs) / R).float() for n, vs in held_by.items()}
-            for module in layers[0]:
+            for module in layers[0] if merge != "frozen-a" else ():
                 b_name = next(n for n in anchor if n.startswith(module + ".lora_B"))
                 a_name = next(n for n in anchor if n.startswith(module + ".lora_A"))
                 factors = [(1.0, held_by[b_name][q], held_by[a_name][q]) for q in range(R)]
@@ -195,6 +203,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="60 steps, four configurations")
     parser.add_argument("--steps", type=int, help="steps per run (default 300)")
     parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument(
+        "--merges", default="naive,exact", help="merges to run, of naive, exact and frozen-a"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     n_steps = args.steps or (60 if args.quick else 300)
@@ -208,10 +219,13 @@ def main() -> None:
         else [(16, c) for c in ("float64", "int4", "int2", "int1")]
         + [(32, "float64"), (32, "int2"), (64, "int2")]
     )
+    merges = args.merges.split(",")
+    if not set(merges) <= {"naive", "exact", "frozen-a"}:
+        parser.error(f"--merges: {args.merges!r}: give naive, exact or frozen-a, comma-separated")
     configs = [
-        (f"periodic every {h}, {code}, {'exact' if ex else 'naive'} merge", h, ex, code)
+        (f"periodic every {h}, {code}, {merge} merge", h, merge, code)
         for h, code in grid
-        for ex in (False, True)
+        for merge in merges
     ]
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = tiny_model_dir(Path(tmp) / "llama", layers=4, hidden=64)
@@ -221,9 +235,9 @@ def main() -> None:
         base_loss, trainable = run_exact(model_dir, training, steps, held_out)
         baseline = (R - 1) * 2 * 2 * trainable  # bf16 gradient up and bf16 sum down, per step
         outcomes = [Outcome("exact synchronous", base_loss, 0.0, baseline, 1.0)]
-        for name, every, ex, code in configs:
+        for name, every, merge, code in configs:
             loss, sent = run_periodic(
-                model_dir, training, steps, held_out, every=every, exact=ex, code=code
+                model_dir, training, steps, held_out, every=every, merge=merge, code=code
             )
             per_step = sent / n_steps
             outcomes.append(
