@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from relaytrain_contract.prefork import SERVER_MODULE
 
 from relaytrain_testkit import REPO
 from relaytrain_testkit.jobs import Job
@@ -180,6 +181,19 @@ def _children(pid: int) -> list[int]:
     return sorted(found)
 
 
+def _stage_processes(supervisor: int) -> list[int]:
+    """The run's stage processes: the supervisor's children, and those of its prefork
+    server (relaytrain_contract/prefork.py) in its place."""
+    found = []
+    for pid in _children(supervisor):
+        try:
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        found += _children(pid) if SERVER_MODULE.encode() in command else [pid]
+    return found
+
+
 STACK_MARK = "most recent call first"
 """What Python's faulthandler writes at the head of each thread's stack."""
 
@@ -190,7 +204,7 @@ def stage_stacks(supervisor: int, wait: float = 10, lines: int = 80) -> str:
     `lines` once the dump is there, so that a test timing out on a hung run says where every
     stage waits."""
     logs: dict[int, Path] = {}
-    for pid in _children(supervisor):
+    for pid in _stage_processes(supervisor):
         with contextlib.suppress(OSError):
             logs[pid] = Path(os.readlink(f"/proc/{pid}/fd/2"))
     before = {pid: _read(path).count(STACK_MARK) for pid, path in logs.items()}
@@ -244,7 +258,9 @@ def progress(ckpt: Path, name: str) -> dict[str, Any] | None:
 
 
 def stage_processes(workdir: Path) -> list[tuple[int, str]]:
-    """Every live process (PID, command line) running one of `workdir`'s stage documents.
+    """Every live process (PID, command line) running one of `workdir`'s stage documents:
+    one started with it on its command line, or one forked by the run's prefork server
+    (whose command line is the server's) writing to a stage's log.
 
     A zombie (dead, not yet reaped) has no command line and is not listed.
     """
@@ -255,9 +271,11 @@ def stage_processes(workdir: Path) -> list[tuple[int, str]]:
             continue
         try:
             args = (entry / "cmdline").read_bytes().split(b"\0")
+            forked = SERVER_MODULE.encode() in args and os.readlink(entry / "fd" / "1")
         except OSError:  # gone meanwhile
             continue
-        if any(a.decode(errors="replace").startswith(stages) for a in args):
+        named = [a.decode(errors="replace") for a in args] + [forked or ""]
+        if any(a.startswith(stages) for a in named):
             found.append((int(entry.name), b" ".join(args).decode(errors="replace")))
     return found
 

@@ -88,14 +88,17 @@ from relaytrain_operator.cli.local_run.layout import (
     lock_workdir,
 )
 from relaytrain_operator.cli.local_run.report import describe, finish
-from relaytrain_operator.cli.local_run.stages import StageProc
+from relaytrain_operator.cli.local_run.stages import (
+    PR_SET_PDEATHSIG,
+    PREFORK_ENV,
+    StageProc,
+    die_with_supervisor,
+)
 from relaytrain_operator.cli.local_run.storage import model_layers
 from relaytrain_operator.cli.local_run.supervisor import (
     POLL_SECONDS,
-    PR_SET_PDEATHSIG,
     STOP_GRACE_SECONDS,
     LocalRun,
-    die_with_supervisor,
 )
 from relaytrain_operator.spec import FineTuneJob, SpecError, parse_job
 
@@ -104,6 +107,7 @@ __all__ = [
     "DEFAULT_STAGES",
     "LOCK_FILE",
     "POLL_SECONDS",
+    "PREFORK_ENV",
     "PR_SET_PDEATHSIG",
     "STOP_GRACE_SECONDS",
     "AlreadyRunning",

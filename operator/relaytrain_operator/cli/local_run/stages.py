@@ -12,20 +12,24 @@ ends), never into the run's directory.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import importlib.util
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 from relaytrain_contract import LINK_CA_FILE, LINK_CERT_FILE, LINK_KEY_FILE
+from relaytrain_contract.prefork import ForkedProcess
 
 from relaytrain_operator.cli.local_run.layout import Layout
 from relaytrain_operator.domain.linkcerts import LinkCA, StagePem, mint_link_authority
@@ -47,7 +51,7 @@ class StageProc:
     pipeline: int = 0
     name: str = ""
     """How messages name it: `stage K`, or `stage pP/sK` with several pipelines."""
-    proc: subprocess.Popen[bytes] | None = None
+    proc: subprocess.Popen[bytes] | ForkedProcess | None = None
     restarts: int = 0
     pids: list[int] = field(default_factory=list)
     failed_at: datetime | None = None
@@ -212,9 +216,10 @@ def last_line(log_path: Path) -> str:
     return lines[-1] if lines else f"see {log_path}"
 
 
-def end_stages(live: list[subprocess.Popen[bytes]], grace: float) -> None:
+def end_stages(live: Sequence[subprocess.Popen[bytes] | ForkedProcess], grace: float) -> None:
     """SIGTERM to each of the `live` stages' process groups, SIGKILL to what is left after
     `grace` seconds; each reaped."""
+    live = [proc for proc in live if proc.poll() is None]  # an ended one's group may be gone
     for proc in live:
         signal_group(proc.pid, signal.SIGTERM)
     deadline = time.monotonic() + grace
@@ -233,3 +238,33 @@ def signal_group(pgid: int, sig: int) -> None:
     """Signal a stage's process group; one that is gone already is fine."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
+
+
+PREFORK_ENV = "RELAYTRAIN_PREFORK"
+"""`0`: each stage starts as a program of its own (`python -m relaytrain_worker`), importing
+the worker itself, instead of being forked from the prefork server."""
+
+PR_SET_PDEATHSIG = 1
+"""prctl(2) option: the signal the kernel sends the caller when its parent dies (Linux)."""
+
+
+def die_with_supervisor(supervisor: int) -> Callable[[], None] | None:
+    """What a stage process runs between fork and exec so that it dies with `supervisor`
+    (the PID of the process starting it): on Linux it asks the kernel for SIGKILL when its
+    parent dies (PR_SET_PDEATHSIG, kept across exec), then checks that its parent is still
+    `supervisor`; a supervisor that died before that (a restart racing the supervisor's
+    death) gets the same SIGKILL from the stage itself. None elsewhere (nothing to ask for).
+
+    The kernel's "parent" is the thread that forked: stages are started from the
+    supervisor's main thread, which lives as long as the supervisor does.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here, not in the child
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # cannot fail for a valid signal
+        if os.getppid() != supervisor:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return preexec

@@ -9,7 +9,6 @@ them along on Linux: each stage is started with PR_SET_PDEATHSIG (`die_with_supe
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import shutil
@@ -17,7 +16,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from types import FrameType
@@ -25,14 +23,17 @@ from typing import Any
 
 from relaytrain_contract import FLEET_FILE, GIVEN_UP_FILE, Progress
 from relaytrain_contract.exits import non_retryable
+from relaytrain_contract.prefork import ForkedProcess, PreforkError, PreforkServer
 
 from relaytrain_operator.cli.local_run import report, storage
 from relaytrain_operator.cli.local_run.grow import add_pipeline, grow_one
 from relaytrain_operator.cli.local_run.layout import Layout, local_layout
 from relaytrain_operator.cli.local_run.stages import (
+    PREFORK_ENV,
     Built,
     StageProc,
     build_stages,
+    die_with_supervisor,
     end_stages,
     last_line,
     private_folder,
@@ -59,31 +60,6 @@ stage's folder changes at once, and a stage reads it before each link, so this o
 to outlast a handshake."""
 STOP_GRACE_SECONDS = 15.0
 
-PR_SET_PDEATHSIG = 1
-"""prctl(2) option: the signal the kernel sends the caller when its parent dies (Linux)."""
-
-
-def die_with_supervisor(supervisor: int) -> Callable[[], None] | None:
-    """What a stage process runs between fork and exec so that it dies with `supervisor`
-    (the PID of the process starting it): on Linux it asks the kernel for SIGKILL when its
-    parent dies (PR_SET_PDEATHSIG, kept across exec), then checks that its parent is still
-    `supervisor`; a supervisor that died before that (a restart racing the supervisor's
-    death) gets the same SIGKILL from the stage itself. None elsewhere (nothing to ask for).
-
-    The kernel's "parent" is the thread that forked: stages are started from the
-    supervisor's main thread, which lives as long as the supervisor does.
-    """
-    if not sys.platform.startswith("linux"):
-        return None
-    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here, not in the child
-
-    def preexec() -> None:
-        prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # cannot fail for a valid signal
-        if os.getppid() != supervisor:
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    return preexec
-
 
 class LocalRun:
     """Starts, watches, restarts and stops the stage processes of one job.
@@ -108,6 +84,9 @@ class LocalRun:
         self.documents = built.documents
         self.endpoints = built.endpoints
         self.env = stage_env(len(self.documents))
+        self.prefork = os.environ.get(PREFORK_ENV, "1") != "0"
+        """Whether stages are forked from the prefork server (`_forked`)."""
+        self._prefork: PreforkServer | None = None
         self.stages = stage_procs(self.workdir, layout)
         self._credentials = built.credentials
         self._ca = built.ca
@@ -214,9 +193,10 @@ class LocalRun:
         `stop` signals whole. Nothing starts once a stop has begun."""
         if self.stopping or self.stop_signal is not None:
             return
+        argv = ["-m", "relaytrain_worker", "--config", str(stage.config_path)]
         with stage.log_path.open("ab") as log:
-            stage.proc = subprocess.Popen(
-                [sys.executable, "-m", "relaytrain_worker", "--config", str(stage.config_path)],
+            stage.proc = self._forked(argv, log.fileno()) or subprocess.Popen(
+                [sys.executable, *argv],
                 env=self.env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -231,6 +211,33 @@ class LocalRun:
         stage.pids.append(stage.proc.pid)
         stage.failed_at = None
         self._write_state()
+
+    def _forked(self, argv: list[str], log: int) -> ForkedProcess | None:
+        """`argv` forked by the prefork server (relaytrain_contract/prefork.py), in a group
+        of its own as `start` makes one, dying with the server as the server dies with us;
+        the server is started with the first stage. None where stages start as programs of
+        their own: RELAYTRAIN_PREFORK=0, or a server that failed (said once, on stderr)."""
+        if not self.prefork:
+            return None
+        try:
+            if self._prefork is None:
+                with (self.workdir / "prefork.log").open("ab") as own:
+                    self._prefork = PreforkServer.start(
+                        self.env, die_with_supervisor(os.getpid()), own,
+                        qlora=self.job.spec.method.type == "qlora",
+                    )  # fmt: skip
+            return self._prefork.spawn(argv, self.env, Path.cwd(), stdout=log, stderr=log)
+        except PreforkError as err:
+            print(f"relaytrain: {err}; each stage starts as a program of its own", file=sys.stderr)
+            self.prefork = False
+            self.stop_prefork()
+            return None
+
+    def stop_prefork(self) -> None:
+        """End the prefork server, once no stage is left (it kills any it still runs)."""
+        server, self._prefork = self._prefork, None
+        if server is not None:
+            server.stop()
 
     def _write_state(self) -> None:
         state = {
@@ -417,6 +424,7 @@ class LocalRun:
             return self._supervise(bar)
         finally:
             self.stop()  # after a success nothing is left; after anything else, no orphans
+            self.stop_prefork()
             self.remove_credentials()  # no stage is left to read them
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
