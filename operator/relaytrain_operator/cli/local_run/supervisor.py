@@ -213,10 +213,8 @@ class LocalRun:
         self._write_state()
 
     def _forked(self, argv: list[str], log: int) -> ForkedProcess | None:
-        """`argv` forked by the prefork server (relaytrain_contract/prefork.py), in a group
-        of its own as `start` makes one, dying with the server as the server dies with us;
-        the server is started with the first stage. None where stages start as programs of
-        their own: RELAYTRAIN_PREFORK=0, or a server that failed (said once, on stderr)."""
+        """`argv` forked by the prefork server (started with the first stage; docs/worker.md,
+        "Starting"), or None: RELAYTRAIN_PREFORK=0, or a server that failed (said once)."""
         if not self.prefork:
             return None
         try:
