@@ -22,6 +22,15 @@ LLAMA_8B = ModelConfig(
 )
 """Llama-3.1-8B's config: a model whose pipelines' adapters cost a slow link something."""
 
+AUTO_STEPS = 1000
+AUTO_8B = (
+    JOB.dataset("s3://data/train.jsonl", sequence_length=2048)
+    .training(steps=AUTO_STEPS, micro_batch_size=1, micro_batches=64)
+    .pipeline(stages=1, replicas="auto")
+)
+"""Llama-3.1-8B (`LLAMA_8B`), 64 micro-batches a step, `AUTO_STEPS` steps: `auto` plans a
+pipeline of one stage on each of NODES' H100 and A100s (the growth tests' job)."""
+
 
 def far_a100(mbps: int) -> dict[str, Any]:
     """An A100 of its own pool, `far`, behind a link of `mbps` megabits per second."""

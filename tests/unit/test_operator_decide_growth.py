@@ -42,19 +42,12 @@ from relaytrain_operator.loop.decide import (
     stage_pods,
 )
 from relaytrain_testkit.decide_cases import JOB, NODES, NOW, SETTINGS, node, observed
-from relaytrain_testkit.decide_fleet import LLAMA_8B, far_a100, fleet
+from relaytrain_testkit.decide_fleet import AUTO_8B, AUTO_STEPS, LLAMA_8B, far_a100, fleet
 from relaytrain_testkit.decide_views import Progress
 
 pytestmark = pytest.mark.unit
 
-STEPS = 1000
-BIG = (
-    JOB.dataset("s3://data/train.jsonl", sequence_length=2048)
-    .training(steps=STEPS, micro_batch_size=1, micro_batches=64)
-    .pipeline(stages=1, replicas="auto")
-)
-"""Llama-3.1-8B, 64 micro-batches a step: `auto` plans a pipeline of one stage on each of
-NODES' H100 and A100s."""
+STEPS, BIG = AUTO_STEPS, AUTO_8B
 LIFE = timedelta(days=30)
 
 
