@@ -162,6 +162,7 @@ class PreforkServer:
         if line != READY:
             process.kill()
             process.wait()
+            process.stdout.close()
             raise PreforkError(
                 f"the prefork server ({SERVER_MODULE}) did not start"
                 + (f" (exit {process.returncode})" if process.returncode is not None else "")
