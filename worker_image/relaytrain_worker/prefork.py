@@ -66,6 +66,11 @@ def main(argv: list[str]) -> int:
     for name in PRELOAD:
         importlib.import_module(name)
     path = argv[0]
+    try:  # children are watched through pidfds (Linux 5.3): refuse to start without them,
+        os.close(os.pidfd_open(os.getpid()))  # never after a child is forked
+    except (AttributeError, OSError) as exc:
+        print(f"relaytrain_worker.prefork: no pidfd here ({exc})", file=sys.stderr)
+        return 1
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     old = os.umask(0o077)
     try:

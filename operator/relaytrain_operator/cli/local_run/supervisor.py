@@ -215,7 +215,7 @@ class LocalRun:
     def _forked(self, argv: list[str], log: int) -> ForkedProcess | None:
         """`argv` forked by the prefork server (started with the first stage; docs/worker.md,
         "Starting"), or None: RELAYTRAIN_PREFORK=0, or a server that failed (said once)."""
-        if not self.prefork:
+        if not self.prefork or not sys.platform.startswith("linux"):  # pidfds, death signals
             return None
         try:
             if self._prefork is None:
