@@ -572,9 +572,9 @@ def test_a_stage_whose_node_is_gone_is_resplit_onto_what_is_left_and_back_when_a
     stage 2 is deleted and no GPU is free: after `joinSeconds` the operator re-splits the
     pipeline into two stages on the GPUs it still holds, and every stage restarts from the
     last commit in the new split. A node joins the pool: the job is re-split back to three
-    stages. Real stage processes train throughout; a pipeline's split does not change its
-    arithmetic, so every loss the job reported for a step, before or after a re-split, is
-    the one its final loss history holds for that step."""
+    stages. Real stage processes train throughout; every loss the job reported for a step,
+    before or after a re-split, is within 1e-3 of the one its final loss history holds for
+    that step (a step trained again in another split is not the same bits)."""
     from relaytrain_testkit.chaos import delete_nodes, node_ready
     from relaytrain_testkit.harness import kwok_nodes
 
@@ -665,21 +665,34 @@ def test_a_stage_whose_node_is_gone_is_resplit_onto_what_is_left_and_back_when_a
     # Each re-split started every stage again from the last commit, in its split.
     ran = [lp.name for lp in runner.history if lp.name.startswith(f"{name}-")]
     assert [ran.count(f"{name}-stage-{k}") for k in range(3)] == [3, 3, 2], ran
-    restored = re.findall(r"restored committed step (\d+)", _log(e, f"{name}-stage-0"))
-    assert len(restored) == 2, restored
+    # (Per process: the first stage 0 may also have rolled back in place when stage 2's link
+    # went, and a two-stage process replaced before it logged a line restored nothing yet.)
+    after = [lp for lp in runner.history if lp.name == f"{name}-stage-0"][1:]
+    logs = [lp.log_path.read_text() for lp in after]
+    restored = [re.findall(r"restored committed step (\d+)", text)[:1] for text in logs]
+    assert restored[-1] and all(r for r, text in zip(restored, logs, strict=True) if text), logs
+    restored = [r[0] if r else "-" for r in restored]
     # Every loss reported for a step, first time or trained again after a re-split, is the
-    # loss the history holds for it: the same bits in three stages, two and three again.
+    # loss the history holds for it, within the tolerance below.
     history = stored_json(mc, bucket, f"ckpt/{ns}/{name}/loss-history.json")
     losses = {r["step"]: r["loss"] for r in history}
     assert sorted(losses) == list(range(1, steps + 1)), sorted(losses)[:5]
     seen = [(doc["step"], doc["loss"]) for _, doc in watcher.history if doc.get("loss")]
-    off = [(step, loss, losses[step]) for step, loss in seen if loss != losses[step]]
+    # A step trained again in another split is not the same bits: int8 quantizes other
+    # boundaries, and even uncompressed the split moved the last bits (2026-11-29: up to 7e-5
+    # relative with int8, 5e-5 without; open in issue 23). Within 1e-3 of the history's,
+    # far under a step's own change of loss.
+    off = [
+        (step, loss, losses[step])
+        for step, loss in seen
+        if abs(loss - losses[step]) > 1e-3 * abs(losses[step])
+    ]
     assert not off, off[:5]
     again = sorted(step for step, n in Counter(step for step, _ in seen).items() if n > 1)
     print(
         f"\nRe-split from {first} to two stages after the node under stage 2 was deleted "
         f"(restored step {restored[0]}), back to three when a GPU joined (restored step "
-        f"{restored[1]}); {len(seen)} reported losses equal to the history's, "
+        f"{restored[1]}); {len(seen)} reported losses within 1e-3 of the history's, "
         f"{len(again)} of them of steps trained again"
     )
 
