@@ -848,7 +848,8 @@ def _termination_message(local: LocalPod, code: int, container: Any) -> str:
 
 
 def _base_env() -> dict[str, str]:
-    keep = ("PATH", "LANG", "LC_ALL", "RELAYTRAIN_CACHE", "OMP_NUM_THREADS", "PYTHONPATH")
+    keep = ("PATH", "LANG", "LC_ALL", "RELAYTRAIN_CACHE", "OMP_NUM_THREADS", "PYTHONPATH",
+            "RELAYTRAIN_LOG_LEVEL")  # a test may ask for the stages' debug lines  # fmt: skip
     env = {k: os.environ[k] for k in keep if k in os.environ}
     env.setdefault("OMP_NUM_THREADS", "1")  # several stages share a few cores
     env["PYTHONUNBUFFERED"] = "1"

@@ -374,6 +374,7 @@ class StageRuntime:
             self.metrics.update_link(name, counters)
         if loss is None:
             return
+        log.debug("Step %d loss %r", self.step, loss)  # every bit: re-splits are compared
         self.metrics.loss.set(loss)
         self.history.append(self.step, loss, rate)  # every last stage: a writer-to-be
         self.step_seconds = seconds
