@@ -33,10 +33,11 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 SERVER_MODULE = "relaytrain_worker.prefork"
 READY = b"ready\n"
@@ -48,9 +49,16 @@ class PreforkError(RuntimeError):
     """The prefork server could not be started or did not answer."""
 
 
-def request(argv: Sequence[str], env: Mapping[str, str], cwd: str, new_session: bool) -> bytes:
-    """One spawn request's line."""
-    body = {"argv": list(argv), "env": dict(env), "cwd": cwd, "new_session": new_session}
+def request(
+    argv: Sequence[str],
+    env: Mapping[str, str],
+    cwd: str,
+    new_session: bool,
+    extra: Mapping[str, Any] | None = None,
+) -> bytes:
+    """One spawn request's line (`extra`: fields for a server built on ours, its `setup`)."""
+    body = {**(extra or {}), "argv": list(argv), "env": dict(env), "cwd": cwd,
+            "new_session": new_session}  # fmt: skip
     return json.dumps(body).encode() + b"\n"
 
 
@@ -82,6 +90,8 @@ class ForkedProcess:
         self.pid = pid
         self.args = list(args)
         self.returncode: int | None = None
+        self._lock = threading.Lock()
+        """One reader of the exit line at a time (a kubelet polls and waits from threads)."""
 
     def _read_exit(self, timeout: float | None) -> None:
         if self._conn is None:
@@ -97,19 +107,26 @@ class ForkedProcess:
         self.returncode = int(line.split()[1])
 
     def poll(self) -> int | None:
-        if self.returncode is None:
+        # As Popen's: while another thread waits, the answer is "still running".
+        if self.returncode is None and self._lock.acquire(blocking=False):
             try:
                 self._read_exit(0)
             except TimeoutError:
-                return None
+                pass
+            finally:
+                self._lock.release()
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
         if self.returncode is None:
+            if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
+                raise subprocess.TimeoutExpired(self.args, timeout or 0)
             try:
                 self._read_exit(timeout)
             except TimeoutError:
                 raise subprocess.TimeoutExpired(self.args, timeout or 0) from None
+            finally:
+                self._lock.release()
         assert self.returncode is not None
         return self.returncode
 
@@ -141,16 +158,18 @@ class PreforkServer:
         log: IO[bytes] | None = None,
         *,
         qlora: bool = True,
+        module: str = SERVER_MODULE,
     ) -> PreforkServer:
         """Start the server with `env` (the stages' environment: what the imports read,
         the thread count, is theirs), `preexec_fn` run in it before exec, and its own
         output to `log`; returns once it is ready. Raises PreforkError if it is not.
-        `qlora`: whether the stages may need bitsandbytes (only QLoRA does)."""
+        `qlora`: whether the stages may need bitsandbytes (only QLoRA does). `module`: the
+        server (one built on `relaytrain_worker.prefork`)."""
         folder = Path(tempfile.mkdtemp(prefix="relaytrain-prefork-"))
         path = folder / "server.sock"
         flags = [] if qlora else ["--without-bitsandbytes"]
         process = subprocess.Popen(
-            [sys.executable, "-m", SERVER_MODULE, *flags, str(path)],
+            [sys.executable, "-m", module, *flags, str(path)],
             env=dict(env),
             stdout=subprocess.PIPE,
             stderr=log if log is not None else subprocess.DEVNULL,
@@ -164,7 +183,7 @@ class PreforkServer:
             process.wait()
             process.stdout.close()
             raise PreforkError(
-                f"the prefork server ({SERVER_MODULE}) did not start"
+                f"the prefork server ({module}) did not start"
                 + (f" (exit {process.returncode})" if process.returncode is not None else "")
             )
         return cls(path, process)
@@ -178,6 +197,7 @@ class PreforkServer:
         stdout: int,
         stderr: int,
         new_session: bool = True,
+        extra: Mapping[str, Any] | None = None,
     ) -> ForkedProcess:
         """Fork a process running `argv` (`["-m", MODULE, ARG...]`) with `env`, in `cwd`,
         its output to the descriptors `stdout` and `stderr`, in a session (and process
@@ -185,7 +205,7 @@ class PreforkServer:
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             conn.connect(str(self.socket_path))
-            sent = request(argv, env, os.fspath(cwd), new_session)
+            sent = request(argv, env, os.fspath(cwd), new_session, extra)
             socket.send_fds(conn, [sent], [stdout, stderr])
             buffer = bytearray()
             line = read_line(conn, buffer, START_SECONDS)

@@ -27,6 +27,7 @@ import selectors
 import signal
 import socket
 import sys
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 PR_SET_PDEATHSIG = 1
@@ -51,7 +52,12 @@ def _raise_stop(_signum: int, _frame: object) -> None:
     raise _StopError
 
 
-def main(argv: list[str]) -> int:
+Setup = Callable[[dict[str, Any]], None]
+"""What a server built on this one does in each child before its output and folder are
+set (the request's whole body; a test kubelet mounts a pod's volumes there)."""
+
+
+def main(argv: list[str], setup: Setup | None = None) -> int:
     without_bnb = argv[:1] == [WITHOUT_BITSANDBYTES]
     argv = argv[1:] if without_bnb else argv
     if len(argv) != 1:
@@ -89,7 +95,7 @@ def main(argv: list[str]) -> int:
         while True:
             for key, _ in selector.select():
                 if key.fileobj is listener:
-                    _serve(listener, selector, children)
+                    _serve(listener, selector, children, setup)
                 else:
                     _reap(int(key.fd), selector, children)
     except _StopError:
@@ -110,6 +116,7 @@ def _serve(
     listener: socket.socket,
     selector: selectors.BaseSelector,
     children: dict[int, tuple[socket.socket, int]],
+    setup: Setup | None,
 ) -> None:
     conn, _ = listener.accept()
     try:
@@ -127,7 +134,7 @@ def _serve(
     pid = os.fork()
     if pid == 0:  # the child: never returns
         inherited = [listener, conn, *(c for c, _ in children.values())]
-        _child(server, inherited, list(children), body, fds)
+        _child(server, inherited, list(children), body, fds, setup=setup)
     for fd in fds:
         os.close(fd)
     pidfd = os.pidfd_open(pid)
@@ -155,6 +162,8 @@ def _child(
     pidfds: list[int],
     body: dict[str, Any],
     fds: list[int],
+    *,
+    setup: Setup | None,
 ) -> NoReturn:
     """The forked child: set up as the module doc says, run the module, exit with its code."""
     code = 1
@@ -172,6 +181,8 @@ def _child(
             ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
             if os.getppid() != server:  # the server died between fork and prctl
                 os.kill(os.getpid(), signal.SIGKILL)
+        if setup is not None:
+            setup(body)
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)
         os.dup2(fds[0], 1)

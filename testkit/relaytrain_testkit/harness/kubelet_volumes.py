@@ -357,12 +357,11 @@ def in_mount_namespace(argv: list[str], mounts: list[Mount]) -> list[str]:
         return argv
     if shutil.which("unshare") is None:
         raise RuntimeError("the fake kubelet needs util-linux's `unshare` to mount volumes")
+    check_targets(mounts)
     script = ["set -e"]
-    if any(_under_run(m.target) for m in mounts):
+    if any(under_run(m.target) for m in mounts):
         script.append("mount -t tmpfs -o mode=0755 tmpfs /run")
     for m in mounts:
-        if not _under_run(m.target) and not Path(m.target).exists():
-            raise RuntimeError(f"cannot mount a volume at {m.target}: it does not exist here")
         target = shlex.quote(m.target)
         if not Path(m.target).is_file():  # a file (the runner's hosts) is bound onto a file
             script.append(f"mkdir -p {target}")
@@ -385,6 +384,15 @@ def in_mount_namespace(argv: list[str], mounts: list[Mount]) -> list[str]:
     ]
 
 
-def _under_run(target: str) -> bool:
+def check_targets(mounts: list[Mount]) -> None:
+    """Every target outside /run must exist here: nothing is created on this machine's
+    filesystem (prefork_pods.py mounts as `in_mount_namespace` does)."""
+    for m in mounts:
+        if not under_run(m.target) and not Path(m.target).exists():
+            raise RuntimeError(f"cannot mount a volume at {m.target}: it does not exist here")
+
+
+def under_run(target: str) -> bool:
+    """Whether `target` is under /run (or /var/run), which a pod gets a tmpfs of its own."""
     path = PurePosixPath(target)
     return any(path == root or root in path.parents for root in _RUN_ROOTS)

@@ -70,11 +70,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from kubernetes.client.exceptions import ApiException
 from relaytrain_contract import CONFIG_ENV
 from relaytrain_contract.exits import MESSAGE_LIMIT, TERMINATION_LOG_ENV
+from relaytrain_contract.prefork import ForkedProcess, PreforkError, PreforkServer
 
 from relaytrain_testkit.harness import containers
 from relaytrain_testkit.harness.containers import ContainerConfigError
@@ -82,12 +83,14 @@ from relaytrain_testkit.harness.kubelet_volumes import (
     IssuedToken,
     Mount,
     MountError,
+    check_targets,
     in_mount_namespace,
     pod_field,
     project_volumes,
     refresh_secret_volumes,
 )
 from relaytrain_testkit.harness.ports import free_port
+from relaytrain_testkit.harness.prefork_pods import SERVER, mounts_request
 from relaytrain_testkit.harness.probes import ProbeLoop, probe_spec
 
 JOB_LABEL = "relaytrain.io/job"
@@ -103,7 +106,7 @@ class LocalPod:
     namespace: str
     name: str
     uid: str
-    process: subprocess.Popen[bytes]
+    process: subprocess.Popen[bytes] | ForkedProcess
     log_path: Path
     metrics_port: int | None
     started_at: float = field(default_factory=time.time)
@@ -203,6 +206,10 @@ class KwokProcessRunner:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._forks = os.environ.get("RELAYTRAIN_PREFORK", "1") != "0"
+        """Whether stage pods are forked from a prefork server (`_forked`)."""
+        self._prefork: PreforkServer | None = None
+        self._prefork_lock = threading.Lock()  # its start takes seconds: not under _lock
 
     # -- lifecycle ---------------------------------------------------------------------
     def start(self) -> None:
@@ -222,6 +229,31 @@ class KwokProcessRunner:
             ending = list(self._ending.values())
         for thread in ending:
             thread.join(timeout=30)
+        with self._prefork_lock:
+            server, self._prefork = self._prefork, None
+        if server is not None:
+            server.stop()
+
+    def _forked(
+        self, argv: list[str], env: dict[str, str], cwd: Path, log: IO[bytes], mounts: list[Mount]
+    ) -> ForkedProcess | None:
+        """A stage pod's `python -m relaytrain_worker` forked from this runner's prefork
+        server (prefork_pods.py: its volumes mounted as `in_mount_namespace` would), which
+        starts with the first; None where it cannot (the pod then starts as a program)."""
+        try:
+            with self._prefork_lock:
+                if self._prefork is None:
+                    with (self.workdir / "prefork.log").open("ab") as own:
+                        self._prefork = PreforkServer.start(_server_env(), log=own, module=SERVER)
+                server = self._prefork
+            return server.spawn(
+                argv[1:], env, cwd, stdout=log.fileno(), stderr=log.fileno(),
+                extra=mounts_request(mounts),
+            )  # fmt: skip
+        except PreforkError as err:  # said where the runner's own output goes
+            print(f"kwok runner: {err}; stage pods start as programs", file=sys.stderr)
+            self._forks = False
+            return None
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -340,7 +372,7 @@ class KwokProcessRunner:
                 if probe.spec.kind == "startup" or "startup" not in kinds:
                     probe.start()
         elif local.process.poll() is not None:
-            code = local.process.returncode
+            code = _exit_code(local)
             if pod.spec.restart_policy == "OnFailure" and code == 0:
                 self._finish(pod, local)
                 return
@@ -593,15 +625,19 @@ class KwokProcessRunner:
             mounts.append(Mount(self.hosts, "/etc/hosts", read_only=True))
         termination_log = tmp / "termination-log"  # a fresh file for each container start
         name = None
+        forked = False
         if in_container:
             launch = containers.launch(pod, env, tmp, mounts, termination_log)
             argv, env, name = launch.argv, launch.env, launch.name
+            plain = argv
             containers.remove(name)  # one left by a runner that was stopped hard
         else:
             argv = list(container.command or []) + list(container.args or [])
             if argv and argv[0] in ("python", "python3"):
                 argv[0] = sys.executable
-            argv = in_mount_namespace(argv, mounts)
+            forked = argv[:3] == [sys.executable, "-m", "relaytrain_worker"] and self._forks
+            check_targets(mounts)
+            plain = in_mount_namespace(argv, mounts)  # if it is not forked
             env["TMPDIR"] = str(tmp)
             env["HOME"] = str(tmp)
             if container.termination_message_path:
@@ -612,8 +648,8 @@ class KwokProcessRunner:
             if restarts:
                 log.write(f"--- kwok runner: restart {restarts}\n".encode())
                 log.flush()
-            process = subprocess.Popen(
-                argv,
+            process = (forked and self._forked(argv, env, tmp, log, mounts)) or subprocess.Popen(
+                plain,
                 env=env,
                 cwd=tmp,
                 stdout=log,
@@ -653,7 +689,7 @@ class KwokProcessRunner:
         return local
 
     def _finish(self, pod: Any, local: LocalPod) -> None:
-        code = local.process.returncode
+        code = _exit_code(local)
         self._forget(local, kill=False)
         phase = "Succeeded" if code == 0 else "Failed"
         reason = "Completed" if code == 0 else ("OOMKilled" if code == -9 else "Error")
@@ -703,7 +739,7 @@ class KwokProcessRunner:
         # The exit code stays readable: 0 when the process ended by itself, -15 when the
         # pod's deletion stopped it, as a kubelet's SIGTERM would.
         if done:
-            self.finished[local.uid] = local.process.returncode
+            self.finished[local.uid] = _exit_code(local)
 
     # -- env and addresses ------------------------------------------------------------
     def _resolve_env(self, pod: Any, env: list[Any]) -> dict[str, str]:
@@ -847,6 +883,15 @@ def _termination_message(local: LocalPod, code: int, container: Any) -> str:
     return ""
 
 
+def _server_env() -> dict[str, str]:
+    """The prefork server's: the stages' base environment, with the test kit importable
+    (pytest puts it on the path, not in PYTHONPATH)."""
+    env = _base_env()
+    kit = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (kit, env.get("PYTHONPATH", "")) if p)
+    return env
+
+
 def _base_env() -> dict[str, str]:
     keep = ("PATH", "LANG", "LC_ALL", "RELAYTRAIN_CACHE", "OMP_NUM_THREADS", "PYTHONPATH",
             "RELAYTRAIN_LOG_LEVEL")  # a test may ask for the stages' debug lines  # fmt: skip
@@ -877,7 +922,14 @@ def _stop(local: LocalPod, grace: float = 10) -> None:
         containers.remove(local.container)
 
 
-def _kill(process: subprocess.Popen[bytes], grace: float = 10) -> bool:
+def _exit_code(local: LocalPod) -> int:
+    """The exit code of a pod's process that has ended (polled, or stopped and waited for;
+    a forked one's comes from its server)."""
+    code = local.process.returncode
+    return int(code) if code is not None else local.process.wait(timeout=10)
+
+
+def _kill(process: subprocess.Popen[bytes] | ForkedProcess, grace: float = 10) -> bool:
     """SIGTERM to the process group, SIGKILL after `grace` seconds (a stopped process
     keeps a SIGTERM pending, as a container's would: SIGKILL ends it). True when it took
     the SIGKILL."""
