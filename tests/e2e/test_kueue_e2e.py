@@ -21,13 +21,16 @@ import re
 import signal
 import uuid
 from collections.abc import Iterator
+from datetime import datetime
 from typing import Any
 
 import pytest
 from relaytrain_operator.domain.queueing import PRIORITY_LABEL, QUEUE_LABEL, workload_name
 from relaytrain_testkit.harness.chart_rbac import render_chart
+from relaytrain_testkit.harness.containers import require_image
 from relaytrain_testkit.harness.kueue import GROUP as KUEUE
 from relaytrain_testkit.harness.kueue import VERSION as KV
+from relaytrain_testkit.harness.kwok_nodes import SLOW_GPU, slow_pool
 from relaytrain_testkit.harness.operator_env import (
     EVERY,
     GROUP,
@@ -62,10 +65,18 @@ def env(
     kube_cluster: Any,
     minio_server: Any,
     kueue: Any,
+    image_registry: Any,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Any]:
+    """The chart's operator pod runs the operator image in a container (its GPU catalog,
+    with SLOW_GPU added, is mounted at /etc/relaytrain there)."""
+    require_image("operator")
+    operator_image = image_registry.push("operator")
     work = tmp_path_factory.mktemp("kueue-e2e")
-    with operator_env(kube_cluster, minio_server, work, kueue={"enabled": True}) as parts:
+    with operator_env(
+        kube_cluster, minio_server, work, operator_image=operator_image,
+        kueue={"enabled": True}, gpuCatalog=SLOW_GPU,
+    ) as parts:  # fmt: skip
         parts["kueue"] = kueue
         yield parts
 
@@ -538,3 +549,123 @@ def test_kueue_grows_a_job_when_quota_frees_and_takes_back_one_pipeline(
             custom.delete_namespaced_custom_object(
                 KUEUE, KV, ns, "workloads", high["metadata"]["name"]
             )
+
+
+def test_a_running_job_grows_by_a_pipeline_kueue_admits(env: dict[str, Any]) -> None:
+    """`replicas: auto` under Kueue (one Workload per pipeline) on a slow pool of two Ready
+    GPUs: two pipelines of one stage, each admitted on its own Workload. A third node joins:
+    the operator prices a third pipeline, finds it pays, records it out of the job (waiting
+    for Kueue) and creates its Workload, shaped as the others'; no pod starts for it before
+    Kueue admits it. The ClusterQueue has the quota: Kueue admits it, its stage starts and
+    joins the two training at a step boundary with their state; no step goes back."""
+    from relaytrain_testkit.chaos import delete_nodes, node_ready
+    from relaytrain_testkit.harness import kwok_nodes
+
+    e = env
+    core, custom, ns = e["core"], e["custom"], e["ns"]
+    pool, nodes = slow_pool(f"kgrow{ns[-6:]}", 3)
+    names = [n["metadata"]["name"] for n in nodes]
+    cq, lq, tag = _queues(custom, ns, "grow", [pool["name"]])
+    _set_quota(custom, cq, [pool["name"]], {pool["name"]: 3})
+    steps = 600
+
+    def status(name: str) -> dict[str, Any]:
+        got = custom.get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name)
+        return got.get("status") or {}
+
+    def workload(name: str, p: int) -> dict[str, Any]:
+        return custom.get_namespaced_custom_object(  # type: ignore[no-any-return]
+            KUEUE, KV, ns, "workloads", workload_name(name, p)
+        )
+
+    def log(pod: str) -> str:
+        paths = sorted((e["work"] / "pods" / ns / pod).rglob("container.log"))
+        return "".join(p.read_text() for p in paths)
+
+    kwok_nodes.create_nodes(core.api_client, nodes[:2])
+    try:
+        for node in names[:2]:  # the plan is made for the GPUs of Ready nodes
+            wait_for(f"{node} Ready", lambda n=node: node_ready(core, n))
+        # As many pipelines as Ready GPUs the operator's node index held when it planned:
+        # a Ready update may reach it after the job (then another job is made).
+        for attempt in range(3):
+            name = f"kq-grows{attempt}"
+            manifest = (
+                tiny_job(name, e["minio"])
+                .label(QUEUE_LABEL, lq)
+                .label(PRIORITY_LABEL, f"low-{tag}")
+                .pipeline(stages=1, replicas="auto")
+                .training(steps=steps)
+                .placement(pools=[str(pool["name"])])
+                .build()
+            )
+            custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, manifest)
+            plan = wait_for("a plan", lambda n=name: status(n).get("plan"), timeout=60)
+            if len(plan.get("pipelines") or []) == 2:
+                break
+            custom.delete_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name)
+            wait_for("its pods gone", lambda n=name: not stage_pods(core, ns, n), timeout=60)
+    except BaseException:
+        delete_nodes(core, names)
+        raise
+    watcher = ProgressWatcher(e["minio"], f"ckpt/{ns}/{name}/progress.json")
+
+    def phases() -> list[str]:
+        return [p["phase"] for p in status(name).get("pipelines") or []]
+
+    try:
+        wait_for(
+            "two pipelines training past a commit",
+            lambda: (
+                phases() == ["Running", "Running"]
+                and (watcher.latest().get("lastCommittedStep") or 0) > 0
+            ),
+            timeout=300,
+        )
+        at = watcher.latest()
+        assert at["step"] < steps // 3, f"the job ran too fast to grow: {at}"
+        kwok_nodes.create_nodes(core.api_client, nodes[2:])
+        wait_for(
+            "a third pipeline recorded, with a Workload of its own",
+            lambda: len(phases()) == 3 and workload(name, 2),
+            timeout=120,
+        )
+        added, shaped = workload(name, 2), workload(name, 0)
+        assert _demand(added) == {pool["name"]: 1} == _demand(shaped), added["spec"]
+        assert added["spec"]["queueName"] == lq
+        joined = wait_for(
+            "the third pipeline admitted by Kueue and joined",
+            lambda: "rejoined at step" in log(f"{name}-p2-s0") and watcher.latest(),
+            timeout=300,
+        )
+        admitted = [c for c in workload(name, 2)["status"]["conditions"] if c["type"] == "Admitted"]
+        assert admitted and admitted[0]["status"] == "True", workload(name, 2)["status"]
+        wait_for("three pipelines training", lambda: phases() == ["Running"] * 3, timeout=120)
+        # No pod of pipeline 2 was created before Kueue admitted its Workload.
+        created = [p for p in core.list_namespaced_pod(ns).items
+                   if p.metadata.name.startswith(f"{name}-p2-")]  # fmt: skip
+        admitted_at = datetime.fromisoformat(admitted[0]["lastTransitionTime"])
+        assert created and all(p.metadata.creation_timestamp >= admitted_at for p in created)
+        steps_seen = [doc["step"] for _, doc in watcher.history if "step" in doc]
+        assert steps_seen == sorted(steps_seen), "a step went back"
+        reasons = {ev.reason for ev in core.list_namespaced_event(
+            ns, field_selector=f"involvedObject.name={name}").items}  # fmt: skip
+        assert "PipelineAdded" in reasons, reasons
+        print(
+            f"\nKueue: two pipelines admitted at step 0; a node joined at step {at['step']}; "
+            f"the third pipeline's Workload admitted and its stage joined by step "
+            f"{joined['step']}"
+        )
+    except BaseException:
+        with contextlib.suppress(Exception):
+            for p in (0, 1, 2):
+                print(p, json.dumps(workload(name, p), indent=1)[-2500:])
+            print(json.dumps(status(name), indent=1)[-3000:])
+        print(diagnostics(e))
+        print(e["kueue"].logs()[-6000:])
+        raise
+    finally:
+        watcher.stop()
+        with contextlib.suppress(Exception):
+            custom.delete_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name)
+        delete_nodes(core, names)

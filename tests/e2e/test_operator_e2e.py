@@ -35,6 +35,7 @@ import pytest
 from kubernetes import client
 from relaytrain_testkit.harness import containers
 from relaytrain_testkit.harness.containers import require_image
+from relaytrain_testkit.harness.kwok_nodes import SLOW_GPU, slow_pool
 from relaytrain_testkit.harness.operator_env import (
     EVERY,
     GROUP,
@@ -79,16 +80,6 @@ def env(
         kube_cluster, minio_server, work, operator_image=operator_image, gpuCatalog=SLOW_GPU
     ) as parts:
         yield parts
-
-
-SLOW_GPU = {
-    "Kwok-Slow-GPU": {
-        "tflops": 1e-5, "fp32Tflops": 1e-5, "memoryMiB": 24564, "memoryBandwidthGBs": 1.0,
-        "bf16": True,
-    }
-}  # fmt: skip
-"""A GPU the chart's catalog adds, so slow that the planner finds a pipeline more worth its
-join for the tiny model (on the GPUs the catalog knows, its step is all fixed costs)."""
 
 
 # peft 0.21.2's PeftModel.from_pretrained calls a transformers 5.23 API deprecated for v6.
@@ -458,7 +449,7 @@ def test_a_job_of_replicas_auto_grows_by_a_pipeline_on_each_node_that_joins(
     e = env
     core, custom, ns = e["core"], e["custom"], e["ns"]
     mc, bucket = e["minio"].client(), e["minio"].bucket
-    pool, nodes = _slow_pool(f"grow{ns[-6:]}", 3)
+    pool, nodes = slow_pool(f"grow{ns[-6:]}", 3)
     names = [n["metadata"]["name"] for n in nodes]
     name, steps = "tiny-grows", 500
     manifest = (
@@ -581,7 +572,7 @@ def test_a_stage_whose_node_is_gone_is_resplit_onto_what_is_left_and_back_when_a
     e = env
     core, custom, ns, runner = e["core"], e["custom"], e["ns"], e["runner"]
     mc, bucket = e["minio"].client(), e["minio"].bucket
-    pool, nodes = _slow_pool(f"split{ns[-6:]}", 4)
+    pool, nodes = slow_pool(f"split{ns[-6:]}", 4)
     names = [n["metadata"]["name"] for n in nodes]
     steps = 300
     monkeypatch.setenv("RELAYTRAIN_LOG_LEVEL", "DEBUG")  # each step's loss, in every bit
@@ -699,18 +690,6 @@ def test_a_stage_whose_node_is_gone_is_resplit_onto_what_is_left_and_back_when_a
         f"{restored[1]}); {sum(map(len, computed))} computed losses equal to the history's, "
         f"{len(again)} steps trained in two splits: {again}"
     )
-
-
-def _slow_pool(name: str, count: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """A kwok pool `name` of SLOW_GPU nodes (links of 500 Mbit/s, 30 ms) and `count` node
-    manifests of it, one GPU each."""
-    from relaytrain_testkit.harness import kwok_nodes
-
-    pool = {
-        "name": name, "product": "Kwok-Slow-GPU", "gpuMemoryMiB": 24564, "cpu": "16",
-        "memory": "64Gi", "linkBandwidthMbps": 500, "linkLatencyMs": 30,
-    }  # fmt: skip
-    return pool, [kwok_nodes.node_manifest(pool, i) for i in range(count)]
 
 
 def _metric_samples(url: str) -> dict[tuple[str, str, str], float]:

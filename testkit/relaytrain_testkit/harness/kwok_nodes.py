@@ -116,3 +116,24 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+SLOW_GPU = {
+    "Kwok-Slow-GPU": {
+        "tflops": 1e-5, "fp32Tflops": 1e-5, "memoryMiB": 24564, "memoryBandwidthGBs": 1.0,
+        "bf16": True,
+    }
+}  # fmt: skip
+"""A GPU for the chart's catalog (value `gpuCatalog`), so slow that the planner finds a
+pipeline more worth its join for the tiny model (on the GPUs the catalog knows, its step is
+all fixed costs): what growth and re-split tests price on."""
+
+
+def slow_pool(name: str, count: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A kwok pool `name` of SLOW_GPU nodes (links of 500 Mbit/s, 30 ms) and `count` node
+    manifests of it, one GPU each."""
+    pool = {
+        "name": name, "product": "Kwok-Slow-GPU", "gpuMemoryMiB": 24564, "cpu": "16",
+        "memory": "64Gi", "linkBandwidthMbps": 500, "linkLatencyMs": 30,
+    }  # fmt: skip
+    return pool, [node_manifest(pool, i) for i in range(count)]
