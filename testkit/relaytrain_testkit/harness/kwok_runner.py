@@ -130,6 +130,8 @@ class LocalPod:
     """Why its Secret volumes could not be brought up to date last time, if they could not."""
     container: str | None = None
     """The podman container it runs in (harness/containers.py); None: a local process."""
+    node: str | None = None
+    """The node it runs on: a pod gone with its node dies with it, at once."""
     _pid: int | None = None
 
     @property
@@ -298,7 +300,7 @@ class KwokProcessRunner:
                 and uid not in self.finished
                 and (pod.status.phase == "Running" or uid in self.config_errors)
             ):
-                if self._node_exists(pod.spec.node_name):
+                if self._node_exists(pod.spec.node_name) and not self._address_held(pod):
                     self._try_start(pod)
             elif local is not None and local.process.poll() is not None:
                 self._finish(pod, local)
@@ -306,8 +308,8 @@ class KwokProcessRunner:
                 self._refresh_volumes(pod, local)
         with self._lock:
             gone = [p for uid, p in self.pods.items() if uid not in seen]
-        for local in gone:
-            self._end(local, local.grace)
+        for local in gone:  # a node deleted: its pods' processes die with it, with no grace
+            self._end(local, local.grace if self._node_exists(local.node) else 0)
 
     def _end(
         self, local: LocalPod, grace: float | None, then: Callable[[], None] | None = None
@@ -351,7 +353,7 @@ class KwokProcessRunner:
             waiting = self._restarts.get(uid)
             if not pod.spec.node_name or uid in self.finished:
                 return
-            if not self._node_exists(pod.spec.node_name):
+            if not self._node_exists(pod.spec.node_name) or self._address_held(pod):
                 return
             if waiting is not None and time.monotonic() < waiting.not_before:
                 return
@@ -425,6 +427,18 @@ class KwokProcessRunner:
                 return False
             raise
         return True
+
+    def _address_held(self, pod: Any) -> bool:
+        """Whether an earlier pod of the same name still has a process (stopping within its
+        grace): this runner's addresses and ports are a pod name's (its Service's DNS name),
+        so a new pod's process would find them taken, where a kubelet's pod gets an IP of its
+        own. Its start waits, as for an IP, until that process is gone."""
+        meta = pod.metadata
+        with self._lock:
+            return any(
+                p.namespace == meta.namespace and p.name == meta.name and p.uid != meta.uid
+                for p in self.pods.values()
+            )
 
     def _try_start(self, pod: Any) -> None:
         """Start a stage pod's container, or, while it cannot start, hold it (`_hold`),
@@ -667,6 +681,7 @@ class KwokProcessRunner:
             grace=_grace(pod),
             tokens=tokens,
             container=name,
+            node=pod.spec.node_name,
         )
         if _restarting(pod):
             for kind, probe in (
@@ -915,8 +930,8 @@ def _stop(local: LocalPod, grace: float = 10) -> None:
             log.write(f"--- kwok runner {time.strftime('%H:%M:%S')}: {line}\n".encode())
 
     if local.process.poll() is None:
-        said(f"SIGTERM (grace {grace:g} s)")
-        if _kill(local.process, grace=grace):
+        said(f"SIGTERM (grace {grace:g} s)" if grace > 0 else "SIGKILL (grace 0)")
+        if _kill(local.process, grace=grace) and grace > 0:
             said(f"SIGKILL: still running {grace:g} s after SIGTERM")
     if local.container is not None:
         containers.remove(local.container)
@@ -931,11 +946,13 @@ def _exit_code(local: LocalPod) -> int:
 
 def _kill(process: subprocess.Popen[bytes] | ForkedProcess, grace: float = 10) -> bool:
     """SIGTERM to the process group, SIGKILL after `grace` seconds (a stopped process
-    keeps a SIGTERM pending, as a container's would: SIGKILL ends it). True when it took
-    the SIGKILL."""
+    keeps a SIGTERM pending, as a container's would: SIGKILL ends it; no grace: SIGKILL
+    alone). True when it took the SIGKILL."""
     if process.poll() is not None:
         return False
     try:
+        if grace <= 0:
+            raise ProcessLookupError  # straight to the SIGKILL
         os.killpg(process.pid, signal.SIGTERM)
         process.wait(timeout=grace)
         return False
