@@ -276,6 +276,69 @@ def test_a_pod_using_its_grace_period_holds_up_no_other_pods_deletion(
     assert slow.process.poll() is None, "the slow pod lost its grace period"
 
 
+def test_a_pod_gone_with_its_node_is_killed_at_once(ns: Any, runner: KwokProcessRunner) -> None:
+    """A node deleted without notice takes its pods' processes with it: the runner SIGKILLs
+    the process of a pod gone with its node (the operator force-deletes it, as the pod GC
+    would) with no SIGTERM and no grace, where a pod deleted on a live node gets both."""
+    from relaytrain_testkit.chaos import delete_nodes, node_ready
+    from relaytrain_testkit.harness import kwok_nodes
+    from relaytrain_testkit.harness.kwok_nodes import slow_pool
+
+    core, namespace = ns
+    _, nodes = slow_pool(f"gone{namespace[-6:]}", 1)
+    node = nodes[0]["metadata"]["name"]
+    kwok_nodes.create_nodes(core.api_client, nodes)
+    try:
+        wait_for(f"{node} Ready", lambda: node_ready(core, node))
+        manifest = pod("doomed", f"QUICK = True\n{_TERMED}", [])
+        manifest["spec"].pop("nodeSelector")
+        manifest["spec"]["nodeName"] = node
+        manifest["spec"]["terminationGracePeriodSeconds"] = 120
+        core.create_namespaced_pod(namespace, manifest)
+        local = wait_for(
+            "it to start",
+            lambda: (p := runner.local_pod(namespace, "doomed")) and "up" in _said(p) and p,
+        )
+    finally:
+        delete_nodes(core, [node])
+    core.delete_namespaced_pod("doomed", namespace, grace_period_seconds=0)
+    wait_for("its process to end", lambda: local.process.poll() is not None)
+    assert local.process.returncode == -9, local.process.returncode
+    assert "term" not in _said(local), _said(local)
+
+
+def test_a_pod_waits_to_start_while_its_predecessor_of_the_same_name_runs(
+    ns: Any, runner: KwokProcessRunner
+) -> None:
+    """This runner's addresses and ports are a pod name's (its Service's DNS name), where a
+    kubelet's pod gets an IP of its own: a pod made again under the name of one whose
+    process is still stopping within its grace does not start until that process is gone
+    (else it would find its ports taken)."""
+    core, namespace = ns
+    manifest = pod("twin", f"QUICK = False\n{_TERMED}", [])
+    manifest["spec"]["terminationGracePeriodSeconds"] = 3
+    core.create_namespaced_pod(namespace, manifest)
+    old = wait_for(
+        "the first to start",
+        lambda: (p := runner.local_pod(namespace, "twin")) and "up" in _said(p) and p,
+    )
+    core.delete_namespaced_pod("twin", namespace)
+    wait_for("its SIGTERM", lambda: "term" in _said(old))
+    wait_for(
+        "its object gone",
+        lambda: "twin" not in {p.metadata.name for p in core.list_namespaced_pod(namespace).items},
+    )
+    assert old.process.poll() is None, "it lost its grace period"
+    core.create_namespaced_pod(namespace, pod("twin", f"QUICK = True\n{_TERMED}", []))
+    new = wait_for(
+        "the second to start",
+        lambda: (p := runner.local_pod(namespace, "twin")) and p is not old and p,
+        timeout=60,
+    )
+    assert old.process.poll() is not None, "both ran at once"
+    wait_for("the second to run", lambda: "up" in _said(new))
+
+
 def _said(local: Any) -> str:
     return str(local.log_path.read_text())
 

@@ -20,7 +20,15 @@ part for pods that carry the label `relaytrain.io/job`:
   file the container's `terminationMessagePath` names — here a file of the pod's own that
   `RELAYTRAIN_TERMINATION_LOG` points the worker at, where a kubelet would bind-mount it —
   or, under `FallbackToLogsOnError` after a failure with none, the end of its log); a pod
-  that is deleted has its process killed;
+  that is deleted has its process stopped (SIGTERM, SIGKILL after its grace), and one gone
+  with its node SIGKILLed at once, as a vanished machine takes its processes; a pod bound
+  to a node that no longer exists never starts; and since the addresses above are a pod
+  name's, where a kubelet's pod gets an IP of its own, a pod made again under a name whose
+  earlier pod's process is still stopping waits until it is gone;
+- a stage pod's `python -m relaytrain_worker` is forked from a server that imported the
+  worker once (harness/prefork_pods.py on `relaytrain_worker.prefork`, which also serves
+  `relaytrain run --local`), its volumes mounted in the child, instead of a new interpreter
+  importing torch for each pod; `RELAYTRAIN_PREFORK=0` starts each as a program;
 - every container gets what a kubelet gives it: `KUBERNETES_SERVICE_HOST/PORT` (here the
   real API server on loopback), its projected volumes — the ServiceAccount token from
   the TokenRequest API, the cluster CA, the namespace — and its Secret volumes (in the
