@@ -39,6 +39,7 @@ from relaytrain_testkit.harness.operator_env import (
     ProgressWatcher,
     diagnostics,
     operator_env,
+    planned_on_ready_nodes,
     stage_pods,
     stored_json,
     tiny_job,
@@ -558,7 +559,7 @@ def test_a_running_job_grows_by_a_pipeline_kueue_admits(env: dict[str, Any]) -> 
     for Kueue) and creates its Workload, shaped as the others'; no pod starts for it before
     Kueue admits it. The ClusterQueue has the quota: Kueue admits it, its stage starts and
     joins the two training at a step boundary with their state; no step goes back."""
-    from relaytrain_testkit.chaos import delete_nodes, node_ready
+    from relaytrain_testkit.chaos import delete_nodes
     from relaytrain_testkit.harness import kwok_nodes
 
     e = env
@@ -582,32 +583,21 @@ def test_a_running_job_grows_by_a_pipeline_kueue_admits(env: dict[str, Any]) -> 
         paths = sorted((e["work"] / "pods" / ns / pod).rglob("container.log"))
         return "".join(p.read_text() for p in paths)
 
-    kwok_nodes.create_nodes(core.api_client, nodes[:2])
-    try:
-        for node in names[:2]:  # the plan is made for the GPUs of Ready nodes
-            wait_for(f"{node} Ready", lambda n=node: node_ready(core, n))
-        # As many pipelines as Ready GPUs the operator's node index held when it planned:
-        # a Ready update may reach it after the job (then another job is made).
-        for attempt in range(3):
-            name = f"kq-grows{attempt}"
-            manifest = (
-                tiny_job(name, e["minio"])
-                .label(QUEUE_LABEL, lq)
-                .label(PRIORITY_LABEL, f"low-{tag}")
-                .pipeline(stages=1, replicas="auto")
-                .training(steps=steps)
-                .placement(pools=[str(pool["name"])])
-                .build()
-            )
-            custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, manifest)
-            plan = wait_for("a plan", lambda n=name: status(n).get("plan"), timeout=60)
-            if len(plan.get("pipelines") or []) == 2:
-                break
-            custom.delete_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name)
-            wait_for("its pods gone", lambda n=name: not stage_pods(core, ns, n), timeout=60)
-    except BaseException:
-        delete_nodes(core, names)
-        raise
+    def manifest(name: str) -> dict[str, Any]:
+        return (
+            tiny_job(name, e["minio"])
+            .label(QUEUE_LABEL, lq)
+            .label(PRIORITY_LABEL, f"low-{tag}")
+            .pipeline(stages=1, replicas="auto")
+            .training(steps=steps)
+            .placement(pools=[str(pool["name"])])
+            .build()
+        )
+
+    name, _ = planned_on_ready_nodes(
+        core, custom, ns, nodes[:2], manifest,
+        lambda plan: len(plan.get("pipelines") or []) == 2, "kq-grows",
+    )  # fmt: skip
     watcher = ProgressWatcher(e["minio"], f"ckpt/{ns}/{name}/progress.json")
 
     def phases() -> list[str]:
@@ -661,6 +651,112 @@ def test_a_running_job_grows_by_a_pipeline_kueue_admits(env: dict[str, Any]) -> 
             for p in (0, 1, 2):
                 print(p, json.dumps(workload(name, p), indent=1)[-2500:])
             print(json.dumps(status(name), indent=1)[-3000:])
+        print(diagnostics(e))
+        print(e["kueue"].logs()[-6000:])
+        raise
+    finally:
+        watcher.stop()
+        with contextlib.suppress(Exception):
+            custom.delete_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name)
+        delete_nodes(core, names)
+
+
+def test_a_pipeline_whose_node_is_gone_gives_its_workload_back_for_one_kueue_admits(
+    env: dict[str, Any],
+) -> None:
+    """Two one-stage pipelines, one Workload each, on a slow pool of two GPUs whose
+    ClusterQueue has exactly their quota. The node under pipeline 1 is deleted: its stage's
+    replacement finds no GPU, and after `joinSeconds` the pipeline leaves for good
+    (`retired`): its Workload is made inactive, Kueue evicts it and the quota is handed back
+    once its pods are gone. A node joins the pool: the operator adds a pipeline there with a
+    Workload of its own, which Kueue admits with the quota pipeline 1 gave back, and it joins
+    pipeline 0 at a step boundary; no step goes back, and pipeline 1 never comes back."""
+    from relaytrain_testkit.chaos import delete_nodes
+    from relaytrain_testkit.harness import kwok_nodes
+
+    e = env
+    core, custom, ns = e["core"], e["custom"], e["ns"]
+    pool, nodes = slow_pool(f"kret{ns[-6:]}", 3)
+    names = [n["metadata"]["name"] for n in nodes]
+    cq, lq, tag = _queues(custom, ns, "retire", [pool["name"]])
+    _set_quota(custom, cq, [pool["name"]], {pool["name"]: 2})
+
+    def manifest(name: str) -> dict[str, Any]:
+        return (
+            tiny_job(name, e["minio"])
+            .label(QUEUE_LABEL, lq)
+            .label(PRIORITY_LABEL, f"low-{tag}")
+            .pipeline(stages=1, replicas="auto")
+            .training(steps=600)
+            .placement(pools=[str(pool["name"])])
+            .build()
+        )
+
+    name, _ = planned_on_ready_nodes(
+        core, custom, ns, nodes[:2], manifest,
+        lambda plan: len(plan.get("pipelines") or []) == 2, "kq-retire",
+    )  # fmt: skip
+    watcher = ProgressWatcher(e["minio"], f"ckpt/{ns}/{name}/progress.json")
+
+    def status() -> dict[str, Any]:
+        got = custom.get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name)
+        return got.get("status") or {}
+
+    def pipelines() -> list[dict[str, Any]]:
+        return status().get("pipelines") or []
+
+    def workload(p: int) -> dict[str, Any]:
+        return custom.get_namespaced_custom_object(  # type: ignore[no-any-return]
+            KUEUE, KV, ns, "workloads", workload_name(name, p)
+        )
+
+    def log(pod: str) -> str:
+        paths = sorted((e["work"] / "pods" / ns / pod).rglob("container.log"))
+        return "".join(p.read_text() for p in paths)
+
+    try:
+        wait_for(
+            "two pipelines training past a commit",
+            lambda: (
+                [p["phase"] for p in pipelines()] == ["Running", "Running"]
+                and (watcher.latest().get("lastCommittedStep") or 0) > 0
+            ),
+            timeout=300,
+        )
+        core.delete_node(stage_pods(core, ns, name)[f"{name}-p1-s0"].spec.node_name)
+        retired = wait_for(
+            "pipeline 1 retired",
+            lambda: (p := pipelines()) and p[1].get("retired") and p[1],
+            timeout=120,
+        )
+        assert retired["phase"] == "Left", retired
+        assert "waited" in retired["leftReason"] and "for a GPU" in retired["leftReason"]
+        wait_for("its Workload inactive", lambda: workload(1)["spec"]["active"] is False)
+        at = watcher.latest()
+        kwok_nodes.create_nodes(core.api_client, nodes[2:])
+        joined = wait_for(
+            "a pipeline added on the node that joined, admitted by Kueue and joined",
+            lambda: "rejoined at step" in log(f"{name}-p2-s0") and watcher.latest(),
+            timeout=300,
+        )
+        admitted = [c for c in workload(2)["status"]["conditions"] if c["type"] == "Admitted"]
+        assert admitted and admitted[0]["status"] == "True", workload(2)["status"]
+        assert _demand(workload(2)) == {pool["name"]: 1}
+        final = pipelines()
+        assert final[1]["retired"] and final[1]["phase"] == "Left", final
+        assert not [n for n in stage_pods(core, ns, name) if n.startswith(f"{name}-p1-")]
+        steps_seen = [doc["step"] for _, doc in watcher.history if "step" in doc]
+        assert steps_seen == sorted(steps_seen), "a step went back"
+        print(
+            f"\nKueue: pipeline 1 retired at step {retired['leftAtStep']} (its node deleted), "
+            f"its Workload given back; a node joined at step {at.get('step')}; pipeline 2 "
+            f"admitted in its quota and joined by step {joined['step']}"
+        )
+    except BaseException:
+        with contextlib.suppress(Exception):
+            for p in (0, 1, 2):
+                print(p, json.dumps(workload(p), indent=1)[-2500:])
+            print(json.dumps(status(), indent=1)[-3000:])
         print(diagnostics(e))
         print(e["kueue"].logs()[-6000:])
         raise

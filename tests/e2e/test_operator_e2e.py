@@ -45,6 +45,7 @@ from relaytrain_testkit.harness.operator_env import (
     ProgressWatcher,
     diagnostics,
     operator_env,
+    planned_on_ready_nodes,
     stage_pods,
     stored_json,
     tiny_job,
@@ -566,7 +567,7 @@ def test_a_stage_whose_node_is_gone_is_resplit_onto_what_is_left_and_back_when_a
     last stage computed for a step, before or after a re-split, is the one the job's final
     loss history holds for that step, bit for bit: a step trained again in another split is
     the same arithmetic (state restored by parameter name, the same micro-batches)."""
-    from relaytrain_testkit.chaos import delete_nodes, node_ready
+    from relaytrain_testkit.chaos import delete_nodes
     from relaytrain_testkit.harness import kwok_nodes
 
     e = env
@@ -587,25 +588,11 @@ def test_a_stage_whose_node_is_gone_is_resplit_onto_what_is_left_and_back_when_a
             .build()
         )
 
-    kwok_nodes.create_nodes(core.api_client, nodes[:3])
-    try:
-        for node in names[:3]:  # the plan is made for the GPUs of Ready nodes
-            wait_for(f"{node} Ready", functools.partial(node_ready, core, node))
-        # As many stages as Ready GPUs the operator's node index held when it planned: a
-        # Ready update may reach it after the job (then another job is made once the first
-        # one's pods are gone).
-        for attempt in range(3):
-            name = f"tiny-resplit{attempt}"
-            custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, manifest(name))
-            status = functools.partial(_job_status, custom, ns, name)
-            planned = wait_for("a plan", lambda st=status: st().get("plan"), timeout=60)
-            if len(planned["stages"]) == 3:
-                break
-            custom.delete_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name)
-            wait_for("its pods gone", lambda n=name: not stage_pods(core, ns, n), timeout=60)
-    except BaseException:
-        delete_nodes(core, names)
-        raise
+    name, _ = planned_on_ready_nodes(
+        core, custom, ns, nodes[:3], manifest, lambda plan: len(plan["stages"]) == 3,
+        "tiny-resplit",
+    )  # fmt: skip
+    status = functools.partial(_job_status, custom, ns, name)
     watcher = ProgressWatcher(e["minio"], f"ckpt/{ns}/{name}/progress.json")
 
     def replanned(words: str) -> list[Any]:

@@ -18,14 +18,21 @@ from relaytrain_operator.domain.queueing import workload_name
 from relaytrain_operator.domain.status import DEGRADED, condition, to_manifest
 from relaytrain_operator.loop.actions import (
     Create,
+    DeletePod,
     ExtendLinkSecret,
     PatchWorkload,
     PutFleet,
     PutGivenUp,
 )
-from relaytrain_operator.loop.decide import Decision, decide, needs, stage_pods
+from relaytrain_operator.loop.decide import (
+    WAITING_ANNOTATION,
+    Decision,
+    decide,
+    needs,
+    stage_pods,
+)
 from relaytrain_testkit.decide_cases import JOB, NODES, NOW, SETTINGS, events, node
-from relaytrain_testkit.decide_fleet import AUTO_8B, AUTO_STEPS, LLAMA_8B, fleet
+from relaytrain_testkit.decide_fleet import AUTO_8B, AUTO_STEPS, LLAMA_8B, fleet, run_pods
 from relaytrain_testkit.decide_kueue import ADMITTED, PENDING, kobserved, workload_of
 from relaytrain_testkit.decide_views import Progress
 
@@ -289,3 +296,86 @@ def test_an_added_pipeline_kueue_has_not_admitted_is_withdrawn_near_the_jobs_end
     kept = grow_pass(came, pods, secret, {**admitted(job), 3: pending_workload(waiting)})
     assert not [a for a in kept.actions if isinstance(a, PatchWorkload)]
     assert not [e for e in events(kept) if e.reason == "PipelineWithdrawn"]
+
+
+def test_a_pipeline_whose_replacement_finds_no_gpu_gives_its_workload_back_for_one_that_fits() -> (
+    None
+):
+    """Under Kueue (one Workload per pipeline), pipeline 2's A100 node is gone and its
+    stage's replacement waits on the full A100 pool, the pool its Workload was admitted on.
+    Once it waited as long as a re-split costs it leaves for good (`retired`): its Workload
+    is made inactive, so Kueue takes its quota back once its pods are gone, and the GPUs free
+    (an H100 that joined) are priced for a pipeline shaped for them, asked of Kueue with a
+    Workload of its own; pipeline 2 never comes back, even once its Workload would fit."""
+    job, pods, secret = queued_training()
+    gone = next(p for p in pods if p["metadata"]["name"] == "j-p2-s0")
+    waiting = copy.deepcopy(gone)
+    waiting["metadata"]["annotations"][WAITING_ANNOTATION] = "waits for a GPU on pool a100"
+    waiting["metadata"]["annotations"]["relaytrain.io/incarnation"] = "1"
+    waiting["metadata"]["uid"] = "uid-j-p2-s0-1"
+    waiting["spec"]["nodeName"] = None
+    waiting["status"] = {"phase": "Pending"}
+    entry = next(s for s in job["status"]["stages"] if s.get("pipeline") == 2)
+    entry.update(restarts=1, phase="Pending", ready=False, node=None, lastFailure="NodeLost")
+    job["status"]["pipelines"][2]["phase"] = "Recovering"
+    others = [p for p in pods if p["metadata"]["name"] != "j-p2-s0"]
+    seen = [n for n in NODES if n["metadata"]["name"] != gone["spec"]["nodeName"]] + [h100(1)]
+    cost = SETTINGS.join_seconds
+    workloads = admitted(job)
+
+    def after(
+        waited: float, now_pods: list[dict[str, Any]], of: dict[str, Any] | None = None
+    ) -> Decision:
+        stamped = copy.deepcopy(now_pods)
+        for p in stamped:
+            if p["metadata"]["name"] == "j-p2-s0":
+                p["metadata"]["creationTimestamp"] = (
+                    (NOW - timedelta(seconds=waited)).isoformat().replace("+00:00", "Z")
+                )
+        return decide(
+            kobserved(of or job, stamped, workloads=workloads, nodes=seen, model=LLAMA_8B,
+                      progress=progress(40), link_secret=secret),
+            SETTINGS,
+        )  # fmt: skip
+
+    # Before it waited as long as a re-split costs: it waits on its pool.
+    early = after(cost - 30, [*others, waiting])
+    assert not [a for a in early.actions if isinstance(a, DeletePod)]
+    assert early.retry_after is not None and early.retry_after <= 30
+    # Then it leaves for good: its pod goes, no failure counted, the Event says why.
+    late = after(cost + 5, [*others, waiting])
+    assert [a.name for a in late.actions if isinstance(a, DeletePod)] == ["j-p2-s0"]
+    assert late.status is not None and late.status.pipelines is not None
+    left = late.status.pipelines[2]
+    assert left.phase == "Left" and left.retired, left
+    assert f"the replacement of its stage 0 waited {int(cost) + 5} s" in str(left.left_reason)
+    (said,) = [e for e in events(late) if e.reason == "PipelineLeaving"]
+    assert "its Workload is given back to LocalQueue team" in said.message
+    # Its pod gone: its Workload is made inactive (Kueue evicts it and the quota is handed
+    # back), and a pipeline on the H100 is asked of Kueue in its place, with no pod yet.
+    job = stored(job, late)
+    grown = after(0, others)
+    inactive = [a for a in grown.actions if isinstance(a, PatchWorkload)]
+    assert [(a.name, a.patch["spec"]["active"]) for a in inactive] == [
+        (workload_name("j", 2), False)
+    ]
+    made = [a.obj for a in grown.actions if isinstance(a, Create)]
+    assert [w["kind"] for w in made] == ["Workload"] and not pods_created(grown)
+    (workload,) = made
+    assert workload["metadata"]["name"] == workload_name("j", 3)
+    assert [(s["name"], s["count"]) for s in workload["spec"]["podSets"]] == [("h100", 1)]
+    assert grown.status is not None and grown.status.pipelines is not None
+    assert [(p.phase, p.retired) for p in grown.status.pipelines[2:]] == [
+        ("Left", True),
+        ("Left", False),
+    ]
+    # Kueue admits pipeline 3 (it evicted pipeline 2's Workload): pipeline 3 starts on the
+    # H100; pipeline 2 stays out though an A100 is back and its Workload would be admitted.
+    job = stored(job, grown)
+    workloads = {**admitted(job), 2: workload_of(job, *PENDING, pipeline=2)}
+    seen = [*NODES, h100(1)]
+    started = after(0, others)
+    assert pods_created(started) == ["j-p3-s0"]
+    job = stored(job, started)
+    workloads = admitted(job)
+    assert "j-p2-s0" not in pods_created(after(0, [*others, *run_pods(started, seen)]))

@@ -191,6 +191,25 @@ def test_a_job_under_kueue_is_resplit_within_what_its_workload_was_granted() -> 
     assert not [a for a in decision.actions if "Workload" in type(a).__name__]
 
 
+def test_under_kueue_a_replacement_waits_marked_on_the_pool_its_workload_was_admitted_on() -> None:
+    """Stage 1's node (pool rtx) is gone and its replacement is due: without a queue it
+    goes to the H100 free on another pool; under Kueue it is created on rtx, the pool its
+    Workload was admitted on (the H100 is quota Kueue did not grant), marked as waiting for a
+    GPU there, so that the re-split within the admission (above) comes `--join-seconds`
+    later, as it would without a queue."""
+    free_h100 = [pod(0), *[t for t in THEIRS if t["spec"]["nodeName"] != "h100-0"]]
+    plain = decide(observed(_job(), [pod(0)], nodes=NODES, cluster_pods=free_h100), SETTINGS)
+    moved = created(plain, "j-stage-1")
+    assert moved["spec"]["nodeSelector"]["relaytrain.io/pool"] == "h100"
+    assert WAITING_ANNOTATION not in moved["metadata"]["annotations"]
+    job, workload = _queued()
+    seen = kobserved(job, [pod(0)], workload, nodes=NODES, cluster_pods=free_h100)
+    stays = created(decide(seen, SETTINGS), "j-stage-1")
+    assert stays["spec"]["nodeSelector"]["relaytrain.io/pool"] == "rtx"
+    said = stays["metadata"]["annotations"][WAITING_ANNOTATION]
+    assert said.startswith("Stage 1 waits for a GPU on pool rtx: none of its GPUs is free")
+
+
 def test_a_job_under_kueue_is_not_resplit_onto_gpus_its_workload_was_not_granted() -> None:
     pods = [pod(0), _waiting(COST * 3)]
     free_a100 = pods + [t for t in THEIRS if t["spec"]["nodeName"] != "a100-1"]

@@ -53,7 +53,7 @@ OUT_PHASES = ("Failed", "Left")
 """The phases of a pipeline out of the job: given up, or gone with its nodes."""
 LIFE_FIELDS = (
     "added_at_step", "left_at_step", "left_time", "left_reason", "returns", "returned_at_step",
-    "held_out",
+    "held_out", "retired",
 )  # fmt: skip
 """What status.pipelines[] keeps of a pipeline's life from pass to pass."""
 """Condition of a job that trains several pipelines: True while one of them is out

@@ -224,6 +224,10 @@ class PipelineStatus(_Status):
     held_out: str | None = None
     """Why it stays out although its stages fit on free GPUs: its return would not raise
     the job's predicted tokens/s by 5 % (the predictions before and after)."""
+    retired: bool = False
+    """Out for good, its Workload given back (Kueue, one Workload per pipeline): its stage's
+    replacement waited for a GPU as long as a re-split costs, so a pipeline shaped for the
+    GPUs free is asked of Kueue in its place (a new index, its own Workload)."""
 
 
 class ProgressStatus(_Status):

@@ -7,11 +7,12 @@ it changes, the stage pods, logs)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -180,3 +181,51 @@ def diagnostics(e: dict[str, Any]) -> str:
     logs = [f"--- {p}\n{p.read_text()[-3000:]}" for p in sorted(e["work"].rglob("*.log"))]
     release: ChartRelease = e["release"]
     return "\n".join(logs) + release.diagnostics()
+
+
+def planned_on_ready_nodes(
+    core: Any,
+    custom: Any,
+    ns: str,
+    nodes: list[dict[str, Any]],
+    manifest: Callable[[str], dict[str, Any]],
+    fits: Callable[[dict[str, Any]], bool],
+    prefix: str,
+    attempts: int = 3,
+) -> tuple[str, dict[str, Any]]:
+    """Create kwok `nodes`, wait until each is Ready, then create FineTuneJob
+    `<prefix><attempt>` from `manifest(name)` until its first plan `fits`: the plan is made
+    for the GPUs of the Ready nodes the operator's node index holds, and a Ready update may
+    reach it after the job (that job is deleted, and another made once its pods are gone).
+    Returns the job's name and plan; deletes the nodes if it fails."""
+    from relaytrain_testkit.chaos import delete_nodes, node_ready
+    from relaytrain_testkit.harness import kwok_nodes
+    from relaytrain_testkit.harness.waiting import wait_for
+
+    names = [n["metadata"]["name"] for n in nodes]
+    kwok_nodes.create_nodes(core.api_client, nodes)
+    try:
+        for node in names:
+            wait_for(f"{node} Ready", functools.partial(node_ready, core, node))
+        for attempt in range(attempts):
+            name = f"{prefix}{attempt}"
+            custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, manifest(name))
+
+            def plan(n: str = name) -> Any:
+                got = custom.get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, n)
+                return (got.get("status") or {}).get("plan")
+
+            planned: dict[str, Any] = wait_for("a plan", plan, timeout=60)
+            if fits(planned):
+                return name, planned
+            custom.delete_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name)
+            gone = functools.partial(_no_stage_pods, core, ns, name)
+            wait_for("its pods gone", gone, timeout=60)
+        raise AssertionError(f"no plan of {attempts} jobs fit: the last was {planned}")
+    except BaseException:
+        delete_nodes(core, names)
+        raise
+
+
+def _no_stage_pods(core: Any, ns: str, job: str) -> bool:
+    return not stage_pods(core, ns, job)

@@ -231,12 +231,15 @@ def _no_kueue(queue: str | None) -> str:
 
 def _resting(ctx: Pass, spec: FineTuneJob, p: int) -> bool:
     """Whether pipeline `p` (one Workload per pipeline) is given up and not yet to come back
-    (its return delay running, or never): its Workload is made inactive, so that Kueue
-    evicts it and its quota really goes back to the queue, and active again when the delay
-    is over (Kueue then admits it when there is quota, and it comes back)."""
+    (its return delay running, or never), or retired (membership._outwaited): its Workload
+    is made inactive, so that Kueue evicts it and its quota really goes back to the queue,
+    and, given up, active again when the delay is over (Kueue then admits it when there is
+    quota, and it comes back)."""
     if not ctx.per_pipeline:
         return False
     pipeline = next((s for s in ctx.status.pipelines or () if s.index == p), None)
+    if pipeline is not None and pipeline.retired:
+        return True
     if pipeline is None or pipeline.phase != "Failed":
         return False
     wait = return_wait(pipeline, spec.spec.failure_policy, ctx.now)

@@ -78,10 +78,13 @@ def create_stages(
         if entries[key].restarts
     }
     choices: dict[StageKey, Choice] = {}
-    # Under Kueue a replacement stays on the pool it was admitted on: another pool
-    # would use quota Kueue did not grant.
-    if replacing and ctx.queue is None:
+    if replacing:
         choices = place_replacements(spec, replacing, nodes, cluster_pods, ctx.settings.catalog)
+    if ctx.queue is not None:
+        # Under Kueue a replacement stays on the pool it was admitted on (another pool would
+        # use quota Kueue did not grant), and waits there while none of its GPUs is free:
+        # marked waiting, it is re-split or retired in time, as without a queue.
+        choices = {k: _admitted_pool(c, replacing[k][0]) for k, c in choices.items()}
     # A replacement restores the newest commit unless another pipeline trains on: then
     # it rejoins from a live peer's state (docs/worker.md).
     live = {key[0] for key in entries} - {
@@ -100,6 +103,13 @@ def create_stages(
             restore=committed if not live - {key[0]} else None,
             waiting=waiting,
         )
+
+
+def _admitted_pool(choice: Choice, pool: str) -> Choice:
+    """`choice` kept to `pool`, the pool Kueue admitted the stage on."""
+    if choice.pool == pool:
+        return choice
+    return Choice(pool, False, "none of its GPUs is free, and Kueue admitted the stage there")
 
 
 def _due(

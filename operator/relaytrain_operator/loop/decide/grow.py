@@ -10,17 +10,20 @@ link certificates not in a renewal, and the stages reporting progress (the steps
 the join). `growable` says whether a job is so, from its record alone (for `needs`).
 
 Under Kueue a job grows only with one Workload per pipeline (admission.per_pipeline: a job
-queued with one Workload for the whole job, a job of one pipeline included, has its quota
-in that one and does not grow), and only while no pipeline is out but those given up for
-good: a pipeline out otherwise holds its admission (it comes back on the pools it was
-admitted on) or waits for Kueue (Kueue is asked already; a second ask would queue more
-while the first is unanswered). The grown plan is recorded as without Kueue, but each added
-pipeline is out of the job from the start (`Left`, waiting for Kueue) and gets its own
-Workload, built as the other pipelines' are (`admission.job_workload`, the job's priority
-as its Workloads carry it): its stages' certificates are minted (links.py), but no store
-or pod step is taken for it now. Kueue admits it when it has quota (a pending Workload holds
-none), and it then comes back as a pipeline Kueue admitted does (membership.bring_back: its
-pods, the store told first). Near the job's end it is withdrawn (admission._withdrawn).
+queued with one Workload for the whole job, a job of one pipeline included, has its quota in
+that one and does not grow), and only while no pipeline is out but those given up for good
+or retired (membership._outwaited: a pipeline whose stage's replacement found no GPU, its
+Workload given back, so that one shaped for the GPUs free takes its place through Kueue, on
+any pool, its nodes not shunned): a pipeline out otherwise holds its admission (it comes
+back on the pools it was admitted on) or waits for Kueue (Kueue is asked already; a second
+ask would queue more while the first is unanswered). The grown plan is recorded as without
+Kueue, but each added pipeline is out of the job from the start (`Left`, waiting for Kueue)
+and gets its own Workload, built as the other pipelines' are (`admission.job_workload`, the
+job's priority as its Workloads carry it): its stages' certificates are minted (links.py),
+but no store or pod step is taken for it now. Kueue admits it when it has quota (a pending
+Workload holds none), and it then comes back as a pipeline Kueue admitted does
+(membership.bring_back: its pods, the store told first). Near the job's end it is withdrawn
+(admission._withdrawn).
 
 A job of one pipeline grows by a restart (`grow_one`): its stages' documents have no
 replicas section to grow by, so the grown plan makes it pipeline 0 of several and every
@@ -84,7 +87,8 @@ def growable(
     wanted = spec.spec.pipeline.replicas
     if wanted != "auto" and (plan is None or not short(plan, fleet, int(wanted))):
         return False  # a fixed count grows only to make up its N
-    if queued and (not per_pipeline(spec, plan, layout) or any(p.phase == "Left" for p in fleet)):
+    waits = any(p.phase == "Left" and not p.retired for p in fleet)
+    if queued and (not per_pipeline(spec, plan, layout) or waits):
         return False  # one Workload holds the job, or a pipeline holds or waits for its own
     if plan is not None and plan.several():
         training = all(p.phase == "Running" or p.phase in OUT_PHASES for p in fleet) and any(
@@ -127,7 +131,7 @@ def add_pipelines(
     layout = ctx.per_pipeline if queued else None
     if not plan.several() or not growable(spec, ctx.status, queued, layout):
         return plan, []
-    if _awaited(ctx, spec, out) or (queued and out - _for_good(ctx, spec, out)):
+    if _awaited(ctx, spec, out) or (queued and out - _for_good(ctx, spec, out) - _retired(ctx)):
         return plan, []  # under Kueue: a pipeline given up whose Workload is active again
     wanted = spec.spec.pipeline.replicas
     fixed = None if wanted == "auto" else int(wanted)
@@ -229,6 +233,12 @@ def _for_good(ctx: Pass, spec: FineTuneJob, out: set[int]) -> set[int]:
         for p in ctx.status.pipelines or ()
         if p.index in out and p.phase == "Failed" and return_wait(p, policy, ctx.now) is None
     }
+
+
+def _retired(ctx: Pass) -> set[int]:
+    """The pipelines out for good with their Workloads given back (membership._outwaited):
+    their nodes are not shunned, unlike those of one given up (nothing failed there)."""
+    return {p.index for p in ctx.status.pipelines or () if p.retired}
 
 
 def _unused(ctx: Pass, grown: Grown) -> None:

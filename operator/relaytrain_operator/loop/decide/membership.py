@@ -79,7 +79,9 @@ def leave_departing(ctx: Pass, spec: FineTuneJob, plan: PlanStatus, out: set[int
         why = departure(ctx.observed.nodes.get(entry.node))
         if why is not None:
             leaving[p] = why
-    leaving.update(_outwaited(ctx, spec, out | set(leaving)))
+    outwaited = _outwaited(ctx, spec, out | set(leaving))
+    leaving.update(outwaited)
+    retiring = set(outwaited) if ctx.queue is not None else set()
     queued = _unadmitted(ctx, out | set(leaving))
     leaving.update(queued)
     for p, why in leaving.items():
@@ -88,7 +90,7 @@ def leave_departing(ctx: Pass, spec: FineTuneJob, plan: PlanStatus, out: set[int
         stages = [idle_stage(s) if (s.pipeline or 0) == p else s for s in ctx.status.stages]
         # The first pass of a job whose pipeline Kueue has not admitted records none yet.
         known = ctx.status.pipelines or pipeline_statuses(plan, stages, out)
-        before = departed(ctx, known, p, "Left", why)
+        before = departed(ctx, known, p, "Left", why, retired=p in retiring)
         ctx.update(stages=stages, pipelines=pipeline_statuses(plan, stages, out | {p}, before))
         out = out | {p}
         ctx.event(
@@ -97,13 +99,22 @@ def leave_departing(ctx: Pass, spec: FineTuneJob, plan: PlanStatus, out: set[int
             f"Pipeline {p} leaves at step {ctx.step()}: {why}. Its stage pods are removed "
             "without counting a failure; the other pipelines train on"
             + (f" ({ReturnPrice(price.after, price.before).words()})" if price is not None else "")
-            + (
-                ". It comes back once Kueue admits its Workload."
-                if p in queued
-                else ". It comes back where its stages fit on free GPUs."
-            ),
+            + _after_leaving(ctx, p in retiring, p in queued),
         )
     return set(leaving)
+
+
+def _after_leaving(ctx: Pass, retiring: bool, queued: bool) -> str:
+    """What becomes of a pipeline that leaves, in its PipelineLeaving Event."""
+    if retiring:
+        return (
+            f". It does not come back: its Workload is given back to LocalQueue {ctx.queue} "
+            "(its quota released once its pods are gone), and a pipeline shaped for the GPUs "
+            "free is asked of Kueue in its place, where one pays."
+        )
+    if queued:
+        return ". It comes back once Kueue admits its Workload."
+    return ". It comes back where its stages fit on free GPUs."
 
 
 def _unadmitted(ctx: Pass, skip: set[int]) -> dict[int, str]:
@@ -125,9 +136,11 @@ def _outwaited(ctx: Pass, spec: FineTuneJob, skip: set[int]) -> dict[int, str]:
     as a re-split costs (`--join-seconds`, the rule of resplit.py): each leaves, why, so that
     it comes back where its stages fit, or the GPUs free are priced for a pipeline shaped
     for them (grow.py: growth past pipelines out; with a fixed count, one that takes its
-    place). Not under Kueue (quota), nor with a store the stages cannot be told through
-    (s3://)."""
-    if ctx.queue is not None or not is_s3(spec.spec.checkpoint.uri):
+    place). Under Kueue only with one Workload per pipeline, and for good (`retired`): its
+    Workload is given back, and the pipeline shaped for the GPUs free is asked of Kueue with
+    a Workload of its own (its admission was for the pools it cannot fit on now). Not with a
+    store the stages cannot be told through (s3://), nor a job under one Workload."""
+    if not is_s3(spec.spec.checkpoint.uri) or (ctx.queue is not None and not ctx.per_pipeline):
         return {}
     cost = ctx.settings.join_seconds
     outwaited: dict[int, str] = {}
@@ -155,11 +168,21 @@ def stage_departure(ctx: Pass, key: StageKey, entry: StageStatus) -> str | None:
 
 
 def departed(
-    ctx: Pass, pipelines: list[PipelineStatus] | None, p: int, phase: str, why: str
+    ctx: Pass,
+    pipelines: list[PipelineStatus] | None,
+    p: int,
+    phase: str,
+    why: str,
+    *,
+    retired: bool = False,
 ) -> list[PipelineStatus]:
     """`pipelines` with pipeline `p` out (`phase` Left or Failed) since now, at the job's
-    last step, for `why`."""
-    life = {"phase": phase, "left_at_step": ctx.step(), "left_time": rfc3339(ctx.now)}
+    last step, for `why` (`retired`: for good, its Workload given back)."""
+    life: dict[str, object] = {
+        "phase": phase, "left_at_step": ctx.step(), "left_time": rfc3339(ctx.now),
+    }  # fmt: skip
+    if retired:
+        life["retired"] = True
     return [
         s.model_copy(update={**life, "left_reason": why}) if s.index == p else s
         for s in pipelines or ()
@@ -186,7 +209,7 @@ def bring_back(
     wanted = spec.spec.pipeline.replicas
     for pipeline in ctx.status.pipelines or ():
         p = pipeline.index
-        if p not in out or pipeline.phase not in OUT_PHASES:
+        if p not in out or pipeline.phase not in OUT_PHASES or pipeline.retired:
             continue
         if ctx.per_pipeline and ctx.admissions[p].state != "admitted":
             continue  # it waits for Kueue to admit its Workload (again)
