@@ -36,10 +36,10 @@ deps-binaries:
 deps-model: deps-python
 	@bash hack/bootstrap.sh model
 
-# Every tier in one pytest session, so the k8s and e2e tiers share one cluster and one
-# MinIO. Tests marked gpu are reported as skipped where no CUDA exists.
+# Every tier: unit and contract beside k8s, then e2e (hack/test-tiers.sh says why). Tests
+# marked gpu are reported as skipped where no CUDA exists.
 test: deps images
-	$(PY) -m pytest tests $(PYTEST_ARGS)
+	PY=$(PY) bash hack/test-tiers.sh $(PYTEST_ARGS)
 
 # The loop while changing code: every test that needs no cluster, no MinIO and no torch
 # (tests/conftest.py marks a test `torch` when its module imports torch, directly or through

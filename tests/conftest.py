@@ -65,7 +65,9 @@ TIER_ORDER = ("unit", "contract", "e2e", "k8s")
 session's cluster, MinIO and registry exist (their background load slowed the thread-heavy
 unit tests by up to 2x when they ran last), then e2e, then k8s, whose session-long
 operators and releases would load the e2e tier's training (with e2e after k8s a whole
-session took 27 minutes instead of 21). Within a tier, the collection's order."""
+session took 27 minutes instead of 21). Within a tier, the collection's order. `make test`
+runs three sessions instead (hack/test-tiers.sh: unit and contract beside k8s, then e2e),
+which this order serves as well."""
 
 
 def _tier(item: pytest.Item) -> int:
