@@ -25,6 +25,7 @@ from datetime import datetime
 from typing import Any
 
 import pytest
+from kubernetes.client.exceptions import ApiException
 from relaytrain_operator.domain.queueing import PRIORITY_LABEL, QUEUE_LABEL, workload_name
 from relaytrain_testkit.harness.chart_rbac import render_chart
 from relaytrain_testkit.harness.containers import require_image
@@ -156,10 +157,18 @@ def _queues(custom: Any, ns: str, lq: str, pools: list[str]) -> tuple[str, str, 
 
 
 def _set_quota(custom: Any, cq: str, pools: list[str], quota: dict[str, int]) -> None:
-    """ClusterQueue `cq`'s nominal GPU quota per pool set to `quota`."""
-    cluster_queue = custom.get_cluster_custom_object(KUEUE, KV, "clusterqueues", cq)
-    cluster_queue["spec"] = _cluster_queue(cq, pools, quota)["spec"]
-    custom.replace_cluster_custom_object(KUEUE, KV, "clusterqueues", cq, cluster_queue)
+    """ClusterQueue `cq`'s nominal GPU quota per pool set to `quota` (read again and
+    replaced while Kueue's own writes, a finalizer or its status, move it in between)."""
+    for _ in range(10):
+        cluster_queue = custom.get_cluster_custom_object(KUEUE, KV, "clusterqueues", cq)
+        cluster_queue["spec"] = _cluster_queue(cq, pools, quota)["spec"]
+        try:
+            custom.replace_cluster_custom_object(KUEUE, KV, "clusterqueues", cq, cluster_queue)
+            return
+        except ApiException as exc:
+            if exc.status != 409:
+                raise
+    raise AssertionError(f"ClusterQueue {cq} kept changing under its quota's update")
 
 
 def _demand(workload: dict[str, Any]) -> dict[str, int]:

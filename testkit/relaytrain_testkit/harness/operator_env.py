@@ -79,6 +79,11 @@ def operator_env(
     system = restricted_namespace(core, f"rte2e-system-{tag}")
     release = ChartRelease(f"rte2e{tag}", system, kube_cluster.kubeconfig, api, work / "chart")
     values = {**chart_values(ns), **values}
+    # The e2e tier's stages train on the same two cores as the operator: a pass that waits
+    # its turn for a CPU must not read as a hung operator (liveness after 20 s, not 6 s;
+    # tests/k8s/test_chart_install.py times the quick probes on a quiet operator).
+    probes = values["probes"]
+    values["probes"] = {**probes, "liveness": {**probes["liveness"], "failureThreshold": 10}}
     registries: frozenset[str] = frozenset()
     if operator_image is not None:
         repository, _, digest = operator_image.partition("@")
