@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import faulthandler
 import logging
-import signal
 import sys
 from collections.abc import Sequence
 
 import kopf
+from relaytrain_contract.stacks import dump_stacks_on_sigusr1
 
 from relaytrain_operator.loop.options import parse_options
 
@@ -16,7 +15,7 @@ from relaytrain_operator.loop.options import parse_options
 def main(argv: Sequence[str] | None = None) -> int:
     opts = parse_options(argv)
     # `kill -USR1 <pid>` prints every thread's stack: how to see what a stuck operator waits on.
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    dump_stacks_on_sigusr1()
     kopf.configure(log_format=kopf.LogFormat.FULL, verbose=False, debug=opts.debug)
     if not opts.debug:
         logging.getLogger("kubernetes").setLevel(logging.WARNING)

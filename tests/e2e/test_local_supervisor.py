@@ -78,7 +78,10 @@ def test_sigterm_mid_run_stops_every_stage(workspace: Path) -> None:
     at = progress(workspace / "ckpt", "term")["step"]
     wait_while_running("a later step", lambda: progress(workspace / "ckpt", "term")["step"] > at,
                        proc)  # fmt: skip
-    assert started_pids(workdir) == pids
+    if started_pids(workdir) != pids:  # a stage restarted: say why (its log, the run's output)
+        proc.kill()
+        logs = "\n".join(p.read_text(errors="replace")[-6000:] for p in workdir.glob("*.log"))
+        pytest.fail(f"{started_pids(workdir)} != {pids}\n{proc.communicate()[0]}\n{logs}")
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGTERM, out

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from relaytrain_contract import CONFIG_ENV as ENV
 from relaytrain_contract.exits import MESSAGE_LIMIT, TERMINATION_LOG, TERMINATION_LOG_ENV, StageExit
+from relaytrain_contract.stacks import dump_stacks_on_sigusr1
 
 
 def _terminate(_signum: int, _frame: object) -> None:
@@ -66,7 +67,7 @@ def _main(argv: Sequence[str] | None) -> int:
     faulthandler.enable(all_threads=True)
     # `kill -USR1` (or `kubectl exec ... kill -USR1 1`) writes them too, and the stage goes on:
     # where a hung stage waits.
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    dump_stacks_on_sigusr1()
     from relaytrain_contract import ConfigError, StageConfig
 
     if args.config is not None:
