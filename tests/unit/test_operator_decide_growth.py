@@ -485,7 +485,7 @@ def test_a_job_of_one_pipeline_does_not_grow_where_the_restart_costs_more_than_i
 def test_a_pipeline_whose_replacement_waits_as_long_as_a_resplit_costs_leaves_and_moves() -> None:
     job, pods, files = training()
     # Pipeline 2's A100 node is gone; its stage's replacement (restart 1) was created on
-    # the full A100 pool and waits there. Meanwhile an H100 joined.
+    # the full A100 pool and waits there. An H100 joins once the pipeline has left.
     waiting = copy.deepcopy(next(p for p in pods if p["metadata"]["name"] == "j-p2-s0"))
     waiting["metadata"]["annotations"][WAITING_ANNOTATION] = "waits for a GPU on pool a100"
     waiting["metadata"]["annotations"]["relaytrain.io/incarnation"] = "1"
@@ -497,10 +497,12 @@ def test_a_pipeline_whose_replacement_waits_as_long_as_a_resplit_costs_leaves_an
     job["status"]["pipelines"][2]["phase"] = "Recovering"
     others = [p for p in pods if p["metadata"]["name"] != "j-p2-s0"]
     gone = next(p for p in pods if p["metadata"]["name"] == "j-p2-s0")["spec"]["nodeName"]
-    seen = [n for n in NODES if n["metadata"]["name"] != gone] + [h100(1)]
+    before = [n for n in NODES if n["metadata"]["name"] != gone]
     cost = SETTINGS.join_seconds
 
-    def after(waited: float, now_pods: list[dict[str, Any]], of: Any = None) -> Decision:
+    def after(
+        waited: float, now_pods: list[dict[str, Any]], of: Any = None, seen: Any = before
+    ) -> Decision:
         stamped = copy.deepcopy(now_pods)
         for p in stamped:
             if p["metadata"]["name"] == "j-p2-s0":
@@ -517,6 +519,13 @@ def test_a_pipeline_whose_replacement_waits_as_long_as_a_resplit_costs_leaves_an
     early = after(cost - 30, [*others, waiting])
     assert not [a for a in early.actions if isinstance(a, DeletePod)]
     assert early.retry_after is not None and early.retry_after <= 30
+    # Were an H100 to join while the replacement waited, the replacement would move
+    # to it at once, the pipeline training on (create.rehome_waiting).
+    moved = after(cost - 30, [*others, waiting], seen=[*before, h100(1)])
+    assert [a.name for a in moved.actions if isinstance(a, DeletePod)] == ["j-p2-s0"]
+    assert moved.status is not None and moved.status.pipelines is not None
+    assert moved.status.pipelines[2].phase != "Left"
+    assert [a.reason for a in moved.actions if isinstance(a, PostEvent)] == ["StageMoving"]
     # Then the pipeline leaves: its pod goes, no failure is counted, an Event says why.
     late = after(cost + 5, [*others, waiting])
     assert [a.name for a in late.actions if isinstance(a, DeletePod)] == ["j-p2-s0"]
@@ -533,7 +542,7 @@ def test_a_pipeline_whose_replacement_waits_as_long_as_a_resplit_costs_leaves_an
     assert said.message.startswith("Pipeline 2 leaves at step 40: the replacement of its stage 0")
     # Its pod gone, it comes back where its stage fits: the H100 that joined.
     job["status"] = to_manifest(late.status)
-    back = after(0, others)
+    back = after(0, others, seen=[*before, h100(1)])
     created = [a.obj for a in back.actions if isinstance(a, Create) and a.obj["kind"] == "Pod"]
     assert [p["metadata"]["name"] for p in created] == ["j-p2-s0"]
     assert created[0]["spec"]["nodeSelector"]["relaytrain.io/pool"] == "h100"

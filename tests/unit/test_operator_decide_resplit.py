@@ -208,6 +208,12 @@ def test_under_kueue_a_replacement_waits_marked_on_the_pool_its_workload_was_adm
     assert stays["spec"]["nodeSelector"]["relaytrain.io/pool"] == "rtx"
     said = stays["metadata"]["annotations"][WAITING_ANNOTATION]
     assert said.startswith("Stage 1 waits for a GPU on pool rtx: none of its GPUs is free")
+    # Waiting there, it stays while the H100 is free (no queue: it moves to it at once).
+    pods = [pod(0), _waiting(COST / 2)]
+    kept = decide(kobserved(job, pods, workload, nodes=NODES, cluster_pods=free_h100), SETTINGS)
+    assert "delete:j-stage-1" not in summary(kept)
+    plain = decide(observed(_job(), pods, nodes=NODES, cluster_pods=free_h100), SETTINGS)
+    assert "delete:j-stage-1" in summary(plain) and "event:StageMoving" in summary(plain)
 
 
 def test_a_job_under_kueue_is_not_resplit_onto_gpus_its_workload_was_not_granted() -> None:

@@ -11,7 +11,7 @@ from datetime import timedelta
 
 import pytest
 from relaytrain_operator.domain.recovery import INCARNATION_ANNOTATION, REPLACING
-from relaytrain_operator.domain.status import READY, condition, to_manifest
+from relaytrain_operator.domain.status import READY, condition, rfc3339, to_manifest
 from relaytrain_operator.loop.actions import Create
 from relaytrain_operator.loop.decide import WAITING_ANNOTATION, decide
 from relaytrain_operator.spec import StageStatus
@@ -128,6 +128,46 @@ def test_a_replacement_moves_to_an_eligible_pool_whose_memory_fits() -> None:
     assert decision.status is not None and decision.status.stages[0].pool == "rtx"
     assert WAITING_ANNOTATION not in successor["metadata"]["annotations"]
     assert ready_reason(decision) == "StageRestarting"
+
+
+def test_a_waiting_replacement_moves_to_a_pool_that_gets_a_free_gpu() -> None:
+    """Stage 0's replacement waits on its full a100 pool; then an RTX node joins (or one the
+    operator had not seen yet when it placed the replacement): the waiting pod goes, the
+    move written first and counted as no restart, and the next pass creates it on rtx."""
+    nodes = [node("a100-1", "a100"), node("rtx-0", "rtx")]
+    held = [pod(1), pod(0, job="other", node_name="a100-1")]
+    first = decide(observed(REPLACING_JOB.build(), [pod(1)], nodes=nodes, cluster_pods=held),
+                   SETTINGS)  # fmt: skip
+    waiting = unbound(created(first, "j-stage-0"))
+    assert WAITING_ANNOTATION in waiting["metadata"]["annotations"]
+    waiting["metadata"]["creationTimestamp"] = rfc3339(NOW)  # read back from the API server
+    assert first.status is not None
+    job = JOB.status(to_manifest(first.status)).build()
+    # Its own pool gets the GPU back: the scheduler binds the pod where it is, nothing moves.
+    mine = decide(observed(job, [waiting, pod(1)], nodes=nodes, cluster_pods=[pod(1), waiting]),
+                  SETTINGS)  # fmt: skip
+    assert summary(mine) == [] and ready_reason(mine) == "Unschedulable"
+    # Another pool gets one: the pod moves there.
+    joined = [*nodes, node("rtx-1", "rtx")]
+    moving = decide(observed(job, [waiting, pod(1)], nodes=joined, cluster_pods=[*held, waiting]),
+                    SETTINGS)  # fmt: skip
+    assert summary(moving)[:3] == ["patch", "event:StageMoving", "delete:j-stage-0"]
+    assert moving.restarts == 0
+    written = patches(moving)[0].stages[0]
+    assert (written.phase, written.restarts, written.pool) == (REPLACING, 1, "a100")
+    (said,) = events(moving)
+    assert said.message == (
+        "Stage 0 pod j-stage-0 waited for a GPU on pool a100; pool rtx has one free: moving it "
+        "there, not counted as a restart."
+    )
+    assert moving.status is not None
+    gone = decide(observed(JOB.status(to_manifest(moving.status)).build(), [pod(1)],
+                           nodes=joined, cluster_pods=held), SETTINGS)  # fmt: skip
+    successor = created(gone, "j-stage-0")
+    assert successor["spec"]["nodeSelector"]["relaytrain.io/pool"] == "rtx"
+    assert WAITING_ANNOTATION not in successor["metadata"]["annotations"]
+    assert gone.restarts == 0 and gone.status is not None
+    assert (gone.status.stages[0].restarts, gone.status.stages[0].pool) == (1, "rtx")
 
 
 def test_a_replacement_stays_on_its_pool_when_it_has_room() -> None:

@@ -3,7 +3,8 @@
 A replacement waits spec.failurePolicy.backoffSeconds from its stage's failure, then goes
 where `placement.place_replacements` puts it (its own pool while that has room, another
 eligible pool whose memory fits, or its own pool to wait on, saying why), except under
-Kueue, where it stays on the pool it was admitted on. It restores the newest committed
+Kueue, where it stays on the pool it was admitted on. One waiting moves as soon as another
+pool has a GPU for it (`rehome_waiting`). It restores the newest committed
 checkpoint, unless another pipeline trains on: then it rejoins from a live peer's state.
 Every pod is built from the recorded plan (builders/pod.py), with the Service and the link
 Secret the stages need.
@@ -19,7 +20,12 @@ from relaytrain_operator.domain.builders.labels import StageKey
 from relaytrain_operator.domain.builders.pod import CredentialsRef, StagePodInputs, build_stage_pod
 from relaytrain_operator.domain.builders.service import build_service
 from relaytrain_operator.domain.placement import Choice, place_replacements, pool_selector
-from relaytrain_operator.domain.recovery import INCARNATION_ANNOTATION, backoff_left
+from relaytrain_operator.domain.recovery import (
+    INCARNATION_ANNOTATION,
+    REPLACING,
+    StageDecision,
+    backoff_left,
+)
 from relaytrain_operator.domain.resplit import split_of
 from relaytrain_operator.domain.stage_config import build_pipeline_configs, job_pod_endpoints
 from relaytrain_operator.domain.status import parse_time, rfc3339, stage_name
@@ -103,6 +109,61 @@ def create_stages(
             restore=committed if not live - {key[0]} else None,
             waiting=waiting,
         )
+
+
+def rehome_waiting(
+    ctx: Pass,
+    spec: FineTuneJob,
+    plan: PlanStatus,
+    entries: dict[StageKey, StageStatus],
+    verdicts: dict[StageKey, StageDecision],
+) -> None:
+    """A replacement waiting for a GPU on its pool moves to another of the job's pools once
+    one has a GPU free that fits it (a node joined, another job ended, or the node was one
+    this operator had not seen yet when it placed the replacement): its unscheduled pod is
+    deleted, no failure counted, and the next pass creates it where the GPU is. Its status
+    entry says REPLACING before the pod goes (written first: an operator restarted in between
+    creates the pod, counting nothing). Under Kueue it stays on the pool Kueue admitted."""
+    pods = ctx.observed.cluster_pods
+    if ctx.queue is not None or pods is None:
+        return
+    waiting = {
+        key: _pool(plan, entries[key], key)
+        for key, verdict in verdicts.items()
+        if verdict.action == "keep" and _unbound_waiting(ctx.observed.pods[key])
+    }
+    if not waiting:
+        return
+    stages = {key: (pool, _memory(plan, key)) for key, pool in waiting.items()}
+    nodes = list(ctx.observed.nodes.values())
+    choices = place_replacements(spec, stages, nodes, pods, ctx.settings.catalog)
+    moving = {k: c.pool for k, c in choices.items() if c.free and c.pool != waiting[k]}
+    if not moving:
+        return
+    for key in moving:
+        entries[key] = entries[key].model_copy(update={"phase": REPLACING})
+        verdicts[key] = StageDecision("delete")
+    ctx.update(stages=[entries[key] for key in sorted(entries)])
+    ctx.patch()
+    for key, pool in sorted(moving.items()):
+        name = ctx.observed.pods[key]["metadata"]["name"]
+        ctx.event(
+            "Normal",
+            "StageMoving",
+            f"Stage {stage_name(entries[key])} pod {name} waited for a GPU on pool "
+            f"{waiting[key]}; pool {pool} has one free: moving it there, not counted as a "
+            "restart.",
+        )
+
+
+def _unbound_waiting(pod: JsonDict) -> bool:
+    """The pod was created to wait for a GPU and is still not bound to a node."""
+    meta = pod.get("metadata") or {}
+    return (
+        WAITING_ANNOTATION in (meta.get("annotations") or {})
+        and not (pod.get("spec") or {}).get("nodeName")
+        and not meta.get("deletionTimestamp")
+    )
 
 
 def _admitted_pool(choice: Choice, pool: str) -> Choice:

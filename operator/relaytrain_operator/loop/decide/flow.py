@@ -69,9 +69,11 @@ def needs(job: JsonDict, pods: Mapping[StageKey, JsonDict], now: datetime | None
     returnable = any(
         p.phase == "Left" or (p.phase == "Failed" and again) for p in status.pipelines or ()
     )
-    # A replacement waiting for a GPU in a job of one pipeline may have the job re-split
-    # for the GPUs free (resplit.py): the planner needs the nodes, the pods and the model.
-    waits = not status.plan.several() and waiting_since(pods.values()) is not None
+    # A replacement waiting for a GPU moves to a pool with one free (create.rehome_waiting):
+    # that needs the nodes and the pods. In a job of one pipeline it may also have the job
+    # re-split for the GPUs free (resplit.py): the planner needs the model too.
+    waiting = waiting_since(pods.values()) is not None
+    waits = not status.plan.several() and waiting
     # A job of `replicas: auto` whose pipelines train may grow on GPUs that joined (grow.py):
     # the free GPUs, the model and the link Secret (certificates for the added stages, and
     # for any planned stage still without one: a pass stopped after the plan). Under Kueue
@@ -89,7 +91,7 @@ def needs(job: JsonDict, pods: Mapping[StageKey, JsonDict], now: datetime | None
     return Needs(
         link_secret=now is not None and (due is None or now >= due or missing or grows or unborn),
         pods=missing,
-        room=missing or returnable or waits or grows or back,
+        room=missing or returnable or waiting or grows or back,
         model=status.plan.several() or waits or grows or back,
         progress=is_s3(spec.spec.checkpoint.uri),
         workload=queued,

@@ -46,7 +46,7 @@ from relaytrain_operator.loop.decide.context import (
     given_up,
     planned_keys,
 )
-from relaytrain_operator.loop.decide.create import create_stages
+from relaytrain_operator.loop.decide.create import create_stages, rehome_waiting
 from relaytrain_operator.loop.decide.grow import add_pipelines, fleet, grow_one
 from relaytrain_operator.loop.decide.links import keep_links_valid
 from relaytrain_operator.loop.decide.membership import (
@@ -91,6 +91,7 @@ def run_stages(ctx: Pass, spec: FineTuneJob) -> None:
         return  # the last pipeline left used up its restarts: the job failed
     out |= set(judged.exhausted)
     _write_count(ctx, plan, judged, out)
+    rehome_waiting(ctx, spec, plan, judged.entries, judged.verdicts)
     returning = bring_back(ctx, spec, plan, out, judged.entries)
     out -= {key[0] for key in returning}
     _give_up(ctx, spec, judged.exhausted, out, back=bool(returning))
