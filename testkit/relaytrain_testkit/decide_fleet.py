@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import copy
 import json
+from datetime import timedelta
 from typing import Any
 
 from relaytrain_operator.domain.status import to_manifest
 from relaytrain_operator.loop.actions import Create
-from relaytrain_operator.loop.decide import Decision, ModelConfig, decide
+from relaytrain_operator.loop.decide import WAITING_ANNOTATION, Decision, ModelConfig, decide
 
 from relaytrain_testkit import REPO
-from relaytrain_testkit.decide_cases import JOB, NODES, PRODUCTS, SETTINGS, node, observed
+from relaytrain_testkit.decide_cases import JOB, NODES, NOW, PRODUCTS, SETTINGS, node, observed
 from relaytrain_testkit.jobs import Job
 
 FLEET = JOB.pipeline(stages=2, replicas=2)
@@ -91,3 +92,36 @@ def failed(p: dict[str, Any]) -> dict[str, Any]:
     p = copy.deepcopy(p)
     p["status"] = {"phase": "Failed", "conditions": [{"type": "Ready", "status": "False"}]}
     return p
+
+
+def replacement_waiting(
+    job: dict[str, Any], pods: list[dict[str, Any]], pipeline: int, pool: str
+) -> tuple[dict[str, Any], list[dict[str, Any]], str]:
+    """Pipeline `pipeline`'s one-stage pod lost with its node: its replacement (restart 1),
+    created on the full pool `pool` and waiting there, unscheduled, as the pass marks it,
+    and `job`'s record saying so (changed in place). Returns the waiting pod, the other
+    pods, and the lost node's name."""
+    name = f"j-p{pipeline}-s0"
+    gone = next(p for p in pods if p["metadata"]["name"] == name)
+    waiting = copy.deepcopy(gone)
+    waiting["metadata"]["annotations"][WAITING_ANNOTATION] = f"waits for a GPU on pool {pool}"
+    waiting["metadata"]["annotations"]["relaytrain.io/incarnation"] = "1"
+    waiting["metadata"]["uid"] = f"uid-{name}-1"
+    waiting["spec"]["nodeName"] = None
+    waiting["status"] = {"phase": "Pending"}
+    entry = next(s for s in job["status"]["stages"] if s.get("pipeline") == pipeline)
+    entry.update(restarts=1, phase="Pending", ready=False, node=None, lastFailure="NodeLost")
+    job["status"]["pipelines"][pipeline]["phase"] = "Recovering"
+    others = [p for p in pods if p["metadata"]["name"] != name]
+    return waiting, others, str(gone["spec"]["nodeName"])
+
+
+def aged(pods: list[dict[str, Any]], name: str, seconds: float) -> list[dict[str, Any]]:
+    """A copy of `pods` where pod `name` was created `seconds` before NOW."""
+    stamped = copy.deepcopy(pods)
+    for p in stamped:
+        if p["metadata"]["name"] == name:
+            p["metadata"]["creationTimestamp"] = (
+                (NOW - timedelta(seconds=seconds)).isoformat().replace("+00:00", "Z")
+            )
+    return stamped

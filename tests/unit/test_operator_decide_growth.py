@@ -42,7 +42,15 @@ from relaytrain_operator.loop.decide import (
     stage_pods,
 )
 from relaytrain_testkit.decide_cases import JOB, NODES, NOW, SETTINGS, node, observed
-from relaytrain_testkit.decide_fleet import AUTO_8B, AUTO_STEPS, LLAMA_8B, far_a100, fleet
+from relaytrain_testkit.decide_fleet import (
+    AUTO_8B,
+    AUTO_STEPS,
+    LLAMA_8B,
+    aged,
+    far_a100,
+    fleet,
+    replacement_waiting,
+)
 from relaytrain_testkit.decide_views import Progress
 
 pytestmark = pytest.mark.unit
@@ -486,32 +494,16 @@ def test_a_pipeline_whose_replacement_waits_as_long_as_a_resplit_costs_leaves_an
     job, pods, files = training()
     # Pipeline 2's A100 node is gone; its stage's replacement (restart 1) was created on
     # the full A100 pool and waits there. An H100 joins once the pipeline has left.
-    waiting = copy.deepcopy(next(p for p in pods if p["metadata"]["name"] == "j-p2-s0"))
-    waiting["metadata"]["annotations"][WAITING_ANNOTATION] = "waits for a GPU on pool a100"
-    waiting["metadata"]["annotations"]["relaytrain.io/incarnation"] = "1"
-    waiting["metadata"]["uid"] = "uid-j-p2-s0-1"
-    waiting["spec"]["nodeName"] = None
-    waiting["status"] = {"phase": "Pending"}
-    entry = next(s for s in job["status"]["stages"] if s.get("pipeline") == 2)
-    entry.update(restarts=1, phase="Pending", ready=False, node=None, lastFailure="NodeLost")
-    job["status"]["pipelines"][2]["phase"] = "Recovering"
-    others = [p for p in pods if p["metadata"]["name"] != "j-p2-s0"]
-    gone = next(p for p in pods if p["metadata"]["name"] == "j-p2-s0")["spec"]["nodeName"]
+    waiting, others, gone = replacement_waiting(job, pods, 2, "a100")
     before = [n for n in NODES if n["metadata"]["name"] != gone]
     cost = SETTINGS.join_seconds
 
     def after(
         waited: float, now_pods: list[dict[str, Any]], of: Any = None, seen: Any = before
     ) -> Decision:
-        stamped = copy.deepcopy(now_pods)
-        for p in stamped:
-            if p["metadata"]["name"] == "j-p2-s0":
-                p["metadata"]["creationTimestamp"] = (
-                    (NOW - timedelta(seconds=waited)).isoformat().replace("+00:00", "Z")
-                )
         return decide(
-            observed(of or job, stamped, nodes=seen, model=LLAMA_8B, progress=progress(40),
-                     link_secret=secret(files)),
+            observed(of or job, aged(now_pods, "j-p2-s0", waited), nodes=seen, model=LLAMA_8B,
+                     progress=progress(40), link_secret=secret(files)),
             SETTINGS,
         )  # fmt: skip
 

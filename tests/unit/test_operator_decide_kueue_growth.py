@@ -25,14 +25,21 @@ from relaytrain_operator.loop.actions import (
     PutGivenUp,
 )
 from relaytrain_operator.loop.decide import (
-    WAITING_ANNOTATION,
     Decision,
     decide,
     needs,
     stage_pods,
 )
 from relaytrain_testkit.decide_cases import JOB, NODES, NOW, SETTINGS, events, node
-from relaytrain_testkit.decide_fleet import AUTO_8B, AUTO_STEPS, LLAMA_8B, fleet, run_pods
+from relaytrain_testkit.decide_fleet import (
+    AUTO_8B,
+    AUTO_STEPS,
+    LLAMA_8B,
+    aged,
+    fleet,
+    replacement_waiting,
+    run_pods,
+)
 from relaytrain_testkit.decide_kueue import ADMITTED, PENDING, kobserved, workload_of
 from relaytrain_testkit.decide_views import Progress
 
@@ -308,33 +315,17 @@ def test_a_pipeline_whose_replacement_finds_no_gpu_gives_its_workload_back_for_o
     (an H100 that joined) are priced for a pipeline shaped for them, asked of Kueue with a
     Workload of its own; pipeline 2 never comes back, even once its Workload would fit."""
     job, pods, secret = queued_training()
-    gone = next(p for p in pods if p["metadata"]["name"] == "j-p2-s0")
-    waiting = copy.deepcopy(gone)
-    waiting["metadata"]["annotations"][WAITING_ANNOTATION] = "waits for a GPU on pool a100"
-    waiting["metadata"]["annotations"]["relaytrain.io/incarnation"] = "1"
-    waiting["metadata"]["uid"] = "uid-j-p2-s0-1"
-    waiting["spec"]["nodeName"] = None
-    waiting["status"] = {"phase": "Pending"}
-    entry = next(s for s in job["status"]["stages"] if s.get("pipeline") == 2)
-    entry.update(restarts=1, phase="Pending", ready=False, node=None, lastFailure="NodeLost")
-    job["status"]["pipelines"][2]["phase"] = "Recovering"
-    others = [p for p in pods if p["metadata"]["name"] != "j-p2-s0"]
-    seen = [n for n in NODES if n["metadata"]["name"] != gone["spec"]["nodeName"]] + [h100(1)]
+    waiting, others, gone = replacement_waiting(job, pods, 2, "a100")
+    seen = [n for n in NODES if n["metadata"]["name"] != gone] + [h100(1)]
     cost = SETTINGS.join_seconds
     workloads = admitted(job)
 
     def after(
         waited: float, now_pods: list[dict[str, Any]], of: dict[str, Any] | None = None
     ) -> Decision:
-        stamped = copy.deepcopy(now_pods)
-        for p in stamped:
-            if p["metadata"]["name"] == "j-p2-s0":
-                p["metadata"]["creationTimestamp"] = (
-                    (NOW - timedelta(seconds=waited)).isoformat().replace("+00:00", "Z")
-                )
         return decide(
-            kobserved(of or job, stamped, workloads=workloads, nodes=seen, model=LLAMA_8B,
-                      progress=progress(40), link_secret=secret),
+            kobserved(of or job, aged(now_pods, "j-p2-s0", waited), workloads=workloads,
+                      nodes=seen, model=LLAMA_8B, progress=progress(40), link_secret=secret),
             SETTINGS,
         )  # fmt: skip
 
