@@ -41,7 +41,7 @@ from relaytrain_testkit.decide_fleet import (
     run_pods,
 )
 from relaytrain_testkit.decide_kueue import ADMITTED, PENDING, kobserved, workload_of
-from relaytrain_testkit.decide_views import Progress
+from relaytrain_testkit.decide_views import Progress, ready_reason
 
 pytestmark = pytest.mark.unit
 
@@ -369,4 +369,8 @@ def test_a_pipeline_whose_replacement_finds_no_gpu_gives_its_workload_back_for_o
     assert pods_created(started) == ["j-p3-s0"]
     job = stored(job, started)
     workloads = admitted(job)
-    assert "j-p2-s0" not in pods_created(after(0, [*others, *run_pods(started, seen)]))
+    running = after(0, [*others, *run_pods(started, seen)])
+    assert "j-p2-s0" not in pods_created(running)
+    # Pipeline 2 is no longer the job's: with pipeline 3 training, every pipeline is.
+    assert running.status is not None and running.status.ready_pipelines == "3/3"
+    assert ready_reason(running) == "StagesRunning", running.status.conditions

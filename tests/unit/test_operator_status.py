@@ -13,6 +13,7 @@ from relaytrain_operator.domain.status import (
     changes,
     condition,
     finalize,
+    fleet_verdict,
     is_finished,
     is_terminal,
     load_status,
@@ -20,7 +21,7 @@ from relaytrain_operator.domain.status import (
     to_manifest,
     with_verdict,
 )
-from relaytrain_operator.spec import FineTuneJobStatus, StageStatus, parse_job
+from relaytrain_operator.spec import FineTuneJobStatus, PipelineStatus, StageStatus, parse_job
 from relaytrain_testkit.jobs import Job
 
 pytestmark = pytest.mark.unit
@@ -51,6 +52,35 @@ def test_a_stage_being_replaced_makes_the_job_recovering() -> None:
     assert "1" in verdict.message
     # Its successor is up: running again.
     assert running_verdict(stages("Running", "Running", restarts=(0, 1))).phase == "Running"
+
+
+def test_a_retired_pipeline_is_no_longer_the_jobs() -> None:
+    """Pipeline 1 left for good (`retired`) and pipeline 2 trains in its place: the job is
+    not degraded by it and counts it nowhere; once every pipeline is retired, the job waits
+    as with every pipeline out."""
+
+    def pipeline(p: int, phase: str, retired: bool = False) -> PipelineStatus:
+        return PipelineStatus(
+            index=p, phase=phase, ready_stages="1/1", micro_batches=2, retired=retired,
+            left_reason="its replacement waited 120 s for a GPU" if retired else None,
+        )  # fmt: skip
+
+    stage_list = [
+        StageStatus(index=0, pipeline=p, phase=phase, ready=phase == "Running")
+        for p, phase in ((0, "Running"), (1, None), (2, "Running"))
+    ]
+    lives = [pipeline(0, "Running"), pipeline(1, "Left", retired=True), pipeline(2, "Running")]
+    verdict = fleet_verdict(stage_list, lives)
+    assert (verdict.reason, verdict.degraded) == ("StagesRunning", False)
+    assert verdict.message == "All 2 pipelines (2 stages) are training."
+    status = finalize(FineTuneJobStatus(stages=stage_list, pipelines=lives))
+    assert (status.ready_pipelines, status.ready_stages) == ("2/2", "2/2")
+    # A retired pipeline does not hide a current one that is out.
+    lives[2] = pipeline(2, "Left")
+    assert fleet_verdict(stage_list, lives).reason == "PipelinesDegraded"
+    gone = [pipeline(0, "Left", retired=True), pipeline(1, "Left", retired=True)]
+    verdict = fleet_verdict(stage_list[:2], gone)
+    assert (verdict.phase, verdict.reason) == ("Suspended", "FleetGone")
 
 
 def test_starting_stages_are_pending() -> None:

@@ -357,9 +357,12 @@ def fleet_verdict(
     """Phase and conditions of a started job: `running_verdict` for one pipeline. With
     several, the job is Running while any pipeline trains, Degraded while another is out
     (recovering, or given up; a stage that cannot start its container says why); with
-    none training, the live pipelines' stages decide as for one pipeline."""
+    none training, the live pipelines' stages decide as for one pipeline. A pipeline
+    retired (left for good, another added in its place) is no longer the job's: it neither
+    degrades it nor counts, unless every pipeline is."""
     if not pipelines:
         return running_verdict(stages, waiting, stuck=stuck)
+    stages, pipelines = _current(stages, pipelines)
     failed = {p.index for p in pipelines if p.phase in OUT_PHASES}
     training = [p for p in pipelines if p.phase == "Running"]
     out = [p for p in pipelines if p.phase != "Running"]
@@ -409,16 +412,33 @@ def _out_why(p: PipelineStatus) -> str:
     return f"pipeline {p.index} is {'given up' if p.phase == 'Failed' else p.phase.lower()}"
 
 
+def _current(
+    stages: list[StageStatus], pipelines: list[PipelineStatus]
+) -> tuple[list[StageStatus], list[PipelineStatus]]:
+    """The stages and pipelines that are still the job's: all but those of the pipelines
+    retired, unless every pipeline is."""
+    retired = {p.index for p in pipelines if p.retired}
+    if len(retired) == len(pipelines):
+        return stages, pipelines
+    return (
+        [s for s in stages if s.pipeline not in retired],
+        [p for p in pipelines if p.index not in retired],
+    )
+
+
 def finalize(status: FineTuneJobStatus) -> FineTuneJobStatus:
-    """The printer fields derived from the stages: restarts, readyStages and, with several
-    pipelines, readyPipelines."""
+    """The printer fields derived from the stages: restarts (every stage's, those of a
+    retired pipeline included), readyStages and, with several pipelines, readyPipelines
+    (of those still the job's: `_current`)."""
     stages = status.stages
     update: dict[str, Any] = {"restarts": sum(s.restarts for s in stages)}
+    pipelines = status.pipelines or []
+    if pipelines:
+        stages, pipelines = _current(stages, pipelines)
+        training = sum(1 for p in pipelines if p.phase == "Running")
+        update["ready_pipelines"] = f"{training}/{len(pipelines)}"
     if stages:
         update["ready_stages"] = f"{sum(1 for s in stages if s.ready)}/{len(stages)}"
-    if status.pipelines:
-        training = sum(1 for p in status.pipelines if p.phase == "Running")
-        update["ready_pipelines"] = f"{training}/{len(status.pipelines)}"
     return status.model_copy(update=update)
 
 
