@@ -162,12 +162,13 @@ class PodWatch:
 
 class Progress:
     """progress.json of the job, read straight from MinIO (None while it cannot be read);
-    `seen` keeps every step read, in order."""
+    `seen` keeps every step read, in order, and `read_at` when each was read."""
 
     def __init__(self, minio: Any, key: str) -> None:
         self.minio, self.key = minio, key
         self.mc = minio.client()
         self.seen: list[int] = []
+        self.read_at: list[float] = []
 
     def now(self) -> dict[str, Any] | None:
         try:
@@ -175,7 +176,15 @@ class Progress:
         except Exception:
             return None
         self.seen.append(int(doc.get("step", 0)))
+        self.read_at.append(time.time())
         return doc
+
+    def stepped_back(self, t0: float, t1: float) -> int:
+        """How many steps the job's progress went back between `t0` and `t1` (time.time()):
+        the highest step read before `t0` less the lowest read in between, 0 if none lower."""
+        before = [s for s, t in zip(self.seen, self.read_at, strict=True) if t < t0]
+        within = [s for s, t in zip(self.seen, self.read_at, strict=True) if t0 <= t < t1]
+        return max(0, max(before) - min(within)) if before and within else 0
 
     def wait(
         self,

@@ -30,9 +30,10 @@ whose pipeline rejoins from the other's state); progress.json never stepped back
 ever had two live pods. A table prints, per event: the time from the event to the operator's
 record of it (the pipeline's status: Left, Failed, or back), from a node Ready to that
 pipeline's first step with the other (its stages' "rejoined at step"), the commits the
-survivors restored (none); and the goodput: the uninterrupted run's time over the churned
-one's, each alone on the same two cores (the GPUs are kwok's: what the fleet of each moment
-could do is what these cores do).
+survivors restored (none), the steps lost (trained again: progress.json going back, or a
+survivor's restore behind the event's step; none); and the goodput: the uninterrupted
+run's time over the churned one's, each alone on the same two cores (the GPUs are kwok's:
+what the fleet of each moment could do is what these cores do).
 
 About three minutes here: `make chaos` runs it; `make test` leaves it out, saying so.
 """
@@ -100,6 +101,8 @@ class Event:
     """(when, step) the pipeline it brought back first trained with the other."""
     note: str = ""
     restored: list[int] = field(default_factory=list)
+    lost: int = 0
+    """Steps the job trained again for it (progress going back, or a survivor's restore)."""
 
 
 @pytest.fixture(scope="module")
@@ -243,8 +246,9 @@ def test_the_job_follows_a_changing_fleet(env: dict[str, Any]) -> None:
         print(f"\nChurn schedule for {PIPELINES} pipelines of {STAGES} stages (seed {SEED}), "
               f"{STEPS} steps, a commit every {EVERY}:")  # fmt: skip
         print("| event | pipeline | at step | to the operator's record | node Ready to first "
-              "step | first step with the other | survivors restored | note |")  # fmt: skip
-        print("|---|---|---|---|---|---|---|---|")
+              "step | first step with the other | survivors restored | steps lost | note "
+              "|")  # fmt: skip
+        print("|---|---|---|---|---|---|---|---|---|")
         for ev, end in zip(events, ends, strict=True):
             others = set(range(PIPELINES)) - {ev.pipeline}
             survivors = logs.restored_between(ev.wall, end, others)
@@ -257,8 +261,14 @@ def test_the_job_follows_a_changing_fleet(env: dict[str, Any]) -> None:
             first = "-" if ev.first_step is None else str(ev.first_step[1])
             recorded = "-" if ev.recorded is None else f"{ev.recorded:.1f} s"
             restored = "none" if survivors is None else str(survivors)
+            # Steps the job trains again for the event: its progress going back, or the
+            # survivors restoring a commit behind the step it happened at.
+            ev.lost = max(
+                progress.stepped_back(ev.wall, end),
+                0 if survivors is None else ev.at_step - survivors,
+            )
             print(f"| {ev.kind} | {ev.pipeline} | {ev.at_step} | {recorded} | {ready} | "
-                  f"{first} | {restored} | {ev.note} |")  # fmt: skip
+                  f"{first} | {restored} | {ev.lost} | {ev.note} |")  # fmt: skip
         print(f"wall {churn_s:.0f} s against {calm_run.seconds:.0f} s uninterrupted: goodput "
               f"{calm_run.seconds / churn_s:.2f}; final loss {loss!r} against {calm_loss!r}; "
               f"{pods.events} pod events watched")  # fmt: skip
@@ -268,6 +278,7 @@ def test_the_job_follows_a_changing_fleet(env: dict[str, Any]) -> None:
             (e.kind, e.restored) for e in events
         ]
         assert progress.seen == sorted(progress.seen), "progress.json stepped back"
+        assert [(ev.kind, ev.lost) for ev in events if ev.lost] == []
         assert pods.events > 0 and max(pods.most.values()) == 1, dict(pods.most)
         assert loss == calm_loss, (loss, calm_loss)
         # Every event reached the operator's record, and every join its pipeline's steps.
