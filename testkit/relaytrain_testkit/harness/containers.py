@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from hack.toolpaths import cache_dir
-from relaytrain_testkit.harness.kubelet_volumes import Mount
+from relaytrain_testkit.harness.mount_ns import Mount
 
 REPO = Path(__file__).resolve().parents[3]
 IMAGES_SH = REPO / "hack" / "images.sh"

@@ -10,10 +10,10 @@ TokenRequest API for (bound to the pod, so it stops working when the pod is dele
 `ca.crt` of the namespace's `kube-root-ca.crt` ConfigMap and the namespace from the
 downward API. The kubernetes client's in-cluster loader (and kopf, which uses it) reads
 exactly that path, which a test cannot write. So the container's process starts in a
-mount namespace of its own (`unshare --user --map-root-user --mount`, no privileges
-needed) where a fresh tmpfs covers /run, as a container image has its own, and the
-pod's volume folder is bind-mounted read-only at the mount path. Nothing in the operator
-knows it is not in a pod.
+mount namespace of its own (and a user namespace: no privileges needed) where a fresh tmpfs
+covers /run, as a container image has its own, and the pod's volume folder is bind-mounted
+read-only at the mount path (mount_ns.py). Nothing in the operator knows it is not in a
+pod.
 
 A `secret` volume is written as a kubelet's atomic writer writes it: the volume's folder
 holds `..data`, a link to a timestamped hidden folder (`..2026_11_26_21_40_00.abcd1234`)
@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import base64
 import os
-import shlex
 import shutil
 import tempfile
 import time
@@ -49,8 +48,8 @@ from typing import Any
 
 from kubernetes.client.exceptions import ApiException
 
-# Where a container's own /run starts (a tmpfs in the mount namespace); /var/run links to it.
-_RUN_ROOTS = (PurePosixPath("/run"), PurePosixPath("/var/run"))
+from relaytrain_testkit.harness.mount_ns import Mount
+
 DEFAULT_TOKEN_SECONDS = 3607  # what the ServiceAccount admission asks for
 DEFAULT_SECRET_MODE = 0o644  # a secret volume's defaultMode when the pod gives none
 DATA_LINK = "..data"  # the atomic writer's link to the current timestamped folder
@@ -71,15 +70,6 @@ class FileProjection:
 
     data: bytes
     mode: int
-
-
-@dataclass(frozen=True)
-class Mount:
-    """A folder on this machine shown at `target` inside the container."""
-
-    source: Path
-    target: str
-    read_only: bool = True
 
 
 @dataclass(frozen=True)
@@ -343,56 +333,3 @@ def _write(path: Path, text: str) -> None:
     tmp.write_text(text)
     tmp.chmod(0o644)
     tmp.replace(path)  # atomic, as the kubelet swaps its ..data link
-
-
-def in_mount_namespace(argv: list[str], mounts: list[Mount]) -> list[str]:
-    """`argv` started in a mount namespace of its own where each mount is in place.
-
-    A target under /run (or /var/run) gets a fresh tmpfs at /run first (a container's /run
-    is its own); any other target must already exist here (nothing is created on this
-    machine's filesystem). The process is the same pid as the `unshare` started (it execs),
-    so signals and the exit status are the container's.
-    """
-    if not mounts:
-        return argv
-    if shutil.which("unshare") is None:
-        raise RuntimeError("the fake kubelet needs util-linux's `unshare` to mount volumes")
-    check_targets(mounts)
-    script = ["set -e"]
-    if any(under_run(m.target) for m in mounts):
-        script.append("mount -t tmpfs -o mode=0755 tmpfs /run")
-    for m in mounts:
-        target = shlex.quote(m.target)
-        if not Path(m.target).is_file():  # a file (the runner's hosts) is bound onto a file
-            script.append(f"mkdir -p {target}")
-        script.append(f"mount --bind {shlex.quote(str(m.source))} {target}")
-        if m.read_only:
-            script.append(f"mount -o remount,bind,ro {target}")
-    script.append('exec "$@"')
-    return [
-        "unshare",
-        "--user",
-        "--map-root-user",
-        "--mount",
-        "--propagation",
-        "private",
-        "sh",
-        "-c",
-        "\n".join(script),
-        "sh",
-        *argv,
-    ]
-
-
-def check_targets(mounts: list[Mount]) -> None:
-    """Every target outside /run must exist here: nothing is created on this machine's
-    filesystem (prefork_pods.py mounts as `in_mount_namespace` does)."""
-    for m in mounts:
-        if not under_run(m.target) and not Path(m.target).exists():
-            raise RuntimeError(f"cannot mount a volume at {m.target}: it does not exist here")
-
-
-def under_run(target: str) -> bool:
-    """Whether `target` is under /run (or /var/run), which a pod gets a tmpfs of its own."""
-    path = PurePosixPath(target)
-    return any(path == root or root in path.parents for root in _RUN_ROOTS)

@@ -85,18 +85,16 @@ from relaytrain_contract import CONFIG_ENV
 from relaytrain_contract.exits import MESSAGE_LIMIT, TERMINATION_LOG_ENV
 from relaytrain_contract.prefork import ForkedProcess, PreforkError, PreforkServer
 
-from relaytrain_testkit.harness import containers
+from relaytrain_testkit.harness import containers, mount_ns
 from relaytrain_testkit.harness.containers import ContainerConfigError
 from relaytrain_testkit.harness.kubelet_volumes import (
     IssuedToken,
-    Mount,
     MountError,
-    check_targets,
-    in_mount_namespace,
     pod_field,
     project_volumes,
     refresh_secret_volumes,
 )
+from relaytrain_testkit.harness.mount_ns import Mount
 from relaytrain_testkit.harness.ports import free_port
 from relaytrain_testkit.harness.prefork_pods import SERVER, mounts_request
 from relaytrain_testkit.harness.probes import ProbeLoop, probe_spec
@@ -248,7 +246,7 @@ class KwokProcessRunner:
         self, argv: list[str], env: dict[str, str], cwd: Path, log: IO[bytes], mounts: list[Mount]
     ) -> ForkedProcess | None:
         """A stage pod's `python -m relaytrain_worker` forked from this runner's prefork
-        server (prefork_pods.py: its volumes mounted as `in_mount_namespace` would), which
+        server (prefork_pods.py: its volumes mounted as mount_ns.py mounts them), which
         starts with the first; None where it cannot (the pod then starts as a program)."""
         try:
             with self._prefork_lock:
@@ -658,8 +656,7 @@ class KwokProcessRunner:
             if argv and argv[0] in ("python", "python3"):
                 argv[0] = sys.executable
             forked = argv[:3] == [sys.executable, "-m", "relaytrain_worker"] and self._forks
-            check_targets(mounts)
-            plain = in_mount_namespace(argv, mounts)  # if it is not forked
+            plain = mount_ns.command(argv, mounts)  # if it is not forked
             env["TMPDIR"] = str(tmp)
             env["HOME"] = str(tmp)
             if container.termination_message_path:
