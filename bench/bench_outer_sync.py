@@ -15,7 +15,10 @@ pipelines each training one micro-batch of 4 x 24 tokens of every step. Side by 
   (`exact`: the means plus the aggregation bias folded into the frozen weight,
   replicas/lora_merge.py; not in the worker yet), or trains B alone with every A frozen at
   its shared initialisation (`frozen-a`: LoRA-FA; averaging B is then the exact mean of
-  B @ A, with no state beyond the adapter, and half the values to send), sending the
+  B @ A, with no state beyond the adapter, and half the values to send), or trains B and A
+  in turn (`alternating`, after RoLoRA: between two outer steps one factor rests, the same in
+  every pipeline, so averaging the other is the exact mean of B @ A, and only it is sent;
+  B trains first, A from the second outer step, and so on), sending the
   weights in float64
   (`outerCode: float64`) or each pipeline's update since the last outer step as an
   error-fed rotated low-bit code (`int4`, `int2`, `int1`; replicas/outer_codec.py, the
@@ -110,12 +113,20 @@ def train_step(
     trainable: list[tuple[str, torch.nn.Parameter]],
     micros: list[MicroBatch],
     clip: float,
+    resting: str | None = None,
 ) -> None:
+    """One step's gradients, clipped; the factor `resting` (".lora_A" or ".lora_B") is left
+    without one, so that the optimizer leaves it as it is (AdamW skips a parameter whose
+    gradient is None)."""
     items = sum(int((mb.labels[:, 1:] != -100).sum()) for mb in micros)
     for mb in micros:
         logits = model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False).logits
         (token_loss_sum(logits, mb.labels) / items).backward()
-    torch.nn.utils.clip_grad_norm_([p for _, p in trainable], clip)
+    if resting is not None:
+        for name, p in trainable:
+            if resting in name:
+                p.grad = None
+    torch.nn.utils.clip_grad_norm_([p for _, p in trainable if p.grad is not None], clip)
 
 
 def evaluate(model: Any, held: list[MicroBatch]) -> float:
@@ -149,8 +160,10 @@ def run_periodic(
     every: int,
     merge: str,
     code: str,
+    outer: tuple[float, float] = (1.0, 0.0),
 ) -> tuple[float, int]:
-    """Eval loss and total replica-link bytes of a periodic run (see the module docstring)."""
+    """Eval loss and total replica-link bytes of a periodic run (see the module docstring);
+    `outer`: the outer step's learning rate and Nesterov momentum ((1, 0): the mean)."""
     exact = merge == "exact"
     replicas = [build(model_dir, training, frozen_a=merge == "frozen-a") for _ in range(R)]
     layers = [lora_merge.lora_layers(r[0]) for r in replicas]
@@ -158,20 +171,27 @@ def run_periodic(
     anchor = {n: p.detach().clone() for n, p in replicas[0][1]}
     residual = [{n: torch.zeros_like(p) for n, p in r[1]} for r in replicas]
     bits = None if code == "float64" else outer_codec.bits_of(code)
-    sent = 0
+    sent, rounds = 0, 0
+    velocity: dict[str, torch.Tensor] = {}
     for s, micros in enumerate(steps):
+        # Alternating: B trains while every A rests (round 0: B is zero, so A would learn
+        # nothing first), then A while B rests, and so on, one outer step each.
+        resting = None if merge != "alternating" else (".lora_A", ".lora_B")[rounds % 2]
         for q, (model, trainable, optimizer, scheduler) in enumerate(replicas):
-            train_step(model, trainable, [micros[q]], training.max_grad_norm)
+            train_step(model, trainable, [micros[q]], training.max_grad_norm, resting)
             optimizer_step(optimizer, scheduler)
         if (s + 1) % every and s + 1 != len(steps):
             continue
+        rounds += 1
         with torch.no_grad():
             held_by = {}  # per name: every pipeline's value as the others receive it
             for name, base in anchor.items():
+                if resting is not None and resting in name:
+                    continue  # the same in every pipeline: nothing to send or average
                 if bits is None:
                     held_by[name] = [p[name].detach().clone() for p in params]
                     size = 8 * (base.numel() + 1)
-                    sent += (R - 1) * (R * size if exact else 2 * size)
+                    sent += (R - 1) * (R * size if merge in ("exact", "projected") else 2 * size)
                     continue
                 values = []
                 for q in range(R):
@@ -183,19 +203,39 @@ def run_periodic(
                 sent += (R - 1) * R * outer_codec.code_bytes(base.numel(), bits)
                 held_by[name] = values
             means = {n: (sum(v.double() for v in vs) / R).float() for n, vs in held_by.items()}
-            for module in layers[0] if merge != "frozen-a" else ():
+            for module in layers[0] if merge in ("naive", "exact", "projected") else ():
                 b_name = next(n for n in anchor if n.startswith(module + ".lora_B"))
                 a_name = next(n for n in anchor if n.startswith(module + ".lora_A"))
                 factors = [(1.0, held_by[b_name][q], held_by[a_name][q]) for q in range(R)]
                 means[b_name], means[a_name], fold = lora_merge.exact_merge(factors)
+                if merge == "projected":
+                    means[b_name] = _projected_b(factors, means[a_name])
                 if exact:
                     for q in range(R):
                         lora_merge.fold_into(layers[q][module], fold)
             for name, mean in means.items():
+                new = mean
+                if outer != (1.0, 0.0):  # DiLoCo's outer Nesterov step on the mean update
+                    lr, mu = outer
+                    delta = mean - anchor[name]
+                    velocity[name] = mu * velocity.get(name, torch.zeros_like(delta)) + delta
+                    new = anchor[name] + lr * (delta + mu * velocity[name])
                 for q in range(R):
-                    params[q][name].copy_(mean)
-                anchor[name] = mean.clone()
+                    params[q][name].copy_(new)
+                anchor[name] = new.clone()
     return evaluate(replicas[0][0], held), sent
+
+
+def _projected_b(
+    factors: list[tuple[float, torch.Tensor, torch.Tensor]], a_mean: torch.Tensor
+) -> torch.Tensor:
+    """The B that, with the mean A, comes nearest the mean of B_q @ A_q (least squares):
+    ``sum_q w_q B_q (A_q mean(A)^T) / sum_q w_q`` times ``(mean(A) mean(A)^T)^-1``; only
+    r x r products, no dense matrix."""
+    a = a_mean.double()
+    total = sum(w for w, _, _ in factors)
+    m = sum(w * (b.double() @ (q.double() @ a.T)) for w, b, q in factors) / total
+    return torch.linalg.solve(a @ a.T, m.T).T.to(a_mean.dtype)
 
 
 def main() -> None:
@@ -204,9 +244,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, help="steps per run (default 300)")
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument(
-        "--merges", default="naive,exact", help="merges to run, of naive, exact and frozen-a"
+        "--merges",
+        default="naive,exact",
+        help="merges to run, of naive, exact, frozen-a and alternating",
     )
+    parser.add_argument(
+        "--outer",
+        default="1,0",
+        help="the outer step's learning rate and Nesterov momentum (DiLoCo: 0.7,0.9)",
+    )
+    parser.add_argument("--grid", help="intervals and codes, e.g. 16:float64,64:int2")
     args = parser.parse_args()
+    outer = tuple(float(x) for x in args.outer.split(","))
     torch.set_num_threads(1)
     n_steps = args.steps or (60 if args.quick else 300)
     training = TrainingSpec(
@@ -219,9 +268,14 @@ def main() -> None:
         else [(16, c) for c in ("float64", "int4", "int2", "int1")]
         + [(32, "float64"), (32, "int2"), (64, "int2")]
     )
+    if args.grid:
+        grid = [(int(h), c) for h, c in (x.split(":") for x in args.grid.split(","))]
     merges = args.merges.split(",")
-    if not set(merges) <= {"naive", "exact", "frozen-a"}:
-        parser.error(f"--merges: {args.merges!r}: give naive, exact or frozen-a, comma-separated")
+    if not set(merges) <= {"naive", "exact", "frozen-a", "alternating", "projected"}:
+        parser.error(
+            f"--merges: {args.merges!r}: give naive, exact, frozen-a or alternating, "
+            "comma-separated"
+        )
     configs = [
         (f"periodic every {h}, {code}, {merge} merge", h, merge, code)
         for h, code in grid
@@ -237,8 +291,9 @@ def main() -> None:
         outcomes = [Outcome("exact synchronous", base_loss, 0.0, baseline, 1.0)]
         for name, every, merge, code in configs:
             loss, sent = run_periodic(
-                model_dir, training, steps, held_out, every=every, merge=merge, code=code
-            )
+                model_dir, training, steps, held_out, every=every, merge=merge, code=code,
+                outer=(outer[0], outer[1]),
+            )  # fmt: skip
             per_step = sent / n_steps
             outcomes.append(
                 Outcome(name, loss, loss / base_loss - 1, per_step, baseline / per_step)
