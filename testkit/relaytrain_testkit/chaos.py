@@ -179,6 +179,10 @@ class Progress:
         self.read_at.append(time.time())
         return doc
 
+    def step_at(self, t: float) -> int:
+        """The highest step read at or before `t` (time.time()); 0 before the first read."""
+        return max((s for s, w in zip(self.seen, self.read_at, strict=True) if w <= t), default=0)
+
     def stepped_back(self, t0: float, t1: float) -> int:
         """How many steps the job's progress went back between `t0` and `t1` (time.time()):
         the highest step read before `t0` less the lowest read in between, 0 if none lower."""
@@ -293,13 +297,15 @@ def finished(e: dict[str, Any], name: str, timeout: float) -> dict[str, Any]:
 
 
 class Background:
-    """A job created now and waited for in a thread of its own: its final status and the
-    seconds from its creation until it was seen finished."""
+    """A job created now and waited for in a thread of its own: its final status, the
+    seconds from its creation until it was seen finished, and when that was (`ended`,
+    time.time())."""
 
     def __init__(self, e: dict[str, Any], job: dict[str, Any]) -> None:
         self.status: dict[str, Any] | None = None
         self.error: BaseException | None = None
         self.seconds = 0.0
+        self.ended = 0.0
         self._started = time.monotonic()
         e["custom"].create_namespaced_custom_object(GROUP, VERSION, e["ns"], PLURAL, job)
         name = job["metadata"]["name"]
@@ -312,6 +318,7 @@ class Background:
         except BaseException as exc:  # re-raised by result()
             self.error = exc
         self.seconds = time.monotonic() - self._started
+        self.ended = time.time()
 
     def result(self, timeout: float) -> dict[str, Any]:
         self._thread.join(timeout)

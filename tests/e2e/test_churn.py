@@ -207,7 +207,10 @@ def test_the_job_follows_a_changing_fleet(env: dict[str, Any]) -> None:
         progress = Progress(e["minio"], f"ckpt/{ns}/{name}/progress.json")
         logs = StageLogs(e["work"] / "pods" / ns, name)
         pipelines = Pipelines(e, name)
-        started = time.monotonic()
+        # Both runs start with the test kubelet's prefork server up (the first stage pod
+        # would otherwise wait for its imports, seconds the other run does not pay).
+        e["runner"].start_prefork()
+        started, created_at = time.monotonic(), time.time()
         e["custom"].create_namespaced_custom_object(
             GROUP, VERSION, ns, PLURAL, _job(e["minio"], "s3", name, [main["name"], joined["name"]])
         )
@@ -224,6 +227,7 @@ def test_the_job_follows_a_changing_fleet(env: dict[str, Any]) -> None:
                 _happen(e, name, event, joined, created, gone)
                 _over(e, event, pipelines, logs)
             final = finished(e, name, 900)
+            finished_at = time.time()
         except AssertionError as err:
             # What the operator recorded, and the cluster's side: the wait alone says little.
             status = job_status(e, name)
@@ -238,17 +242,30 @@ def test_the_job_follows_a_changing_fleet(env: dict[str, Any]) -> None:
         # alone on the same 2 cores, as the churned run was (its GPUs are kwok's: what the
         # fleet of each moment could do is what these cores do).
         calm_run = Background(e, _job(e["calm_minio"], "s3-calm", "calm", [apart["name"]]))
+        # When it reached the first event's step: from there on the two runs differ by the
+        # churn alone (before it, both start: pods, processes, first steps).
+        calm_progress = Progress(e["calm_minio"], f"ckpt/{ns}/calm/progress.json")
+        at_first = events[0].at_step
+        calm_progress.wait(f"the uninterrupted run at step {at_first}",
+                           lambda d: d["step"] >= at_first, timeout=WAIT)  # fmt: skip
+        calm_first = time.time()
         calm = calm_run.result(900)
         assert calm["phase"] == "Succeeded", f"{calm}\n{diagnostics(e)}"
         calm_loss = final_loss(e, e["calm_minio"], "calm")
 
-        ends = [ev.wall for ev in events[1:]] + [time.time()]
+        ends = [ev.wall for ev in events[1:]] + [finished_at]
         print(f"\nChurn schedule for {PIPELINES} pipelines of {STAGES} stages (seed {SEED}), "
               f"{STEPS} steps, a commit every {EVERY}:")  # fmt: skip
         print("| event | pipeline | at step | to the operator's record | node Ready to first "
-              "step | first step with the other | survivors restored | steps lost | note "
-              "|")  # fmt: skip
-        print("|---|---|---|---|---|---|---|---|---|")
+              "step | first step with the other | survivors restored | steps lost | goodput "
+              "until the next | note |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        # The uninterrupted run's steps a second from the first event's step on.
+        calm_rate = (STEPS - at_first) / (calm_run.ended - calm_first)
+        # From the job's creation to the first event: its pods, processes and first steps.
+        start_rate = progress.step_at(events[0].wall) / (events[0].wall - created_at)
+        print(f"| (start) | - | 0 | - | - | - | - | - | {start_rate / calm_rate:.2f} | "
+              "the job created |")  # fmt: skip
         for ev, end in zip(events, ends, strict=True):
             others = set(range(PIPELINES)) - {ev.pipeline}
             survivors = logs.restored_between(ev.wall, end, others)
@@ -267,10 +284,17 @@ def test_the_job_follows_a_changing_fleet(env: dict[str, Any]) -> None:
                 progress.stepped_back(ev.wall, end),
                 0 if survivors is None else ev.at_step - survivors,
             )
+            # Steps a second from this event to the next (or the end) against the run
+            # uninterrupted: where the time went.
+            last = STEPS if end == finished_at else progress.step_at(end)
+            rate = (last - progress.step_at(ev.wall)) / (end - ev.wall)
             print(f"| {ev.kind} | {ev.pipeline} | {ev.at_step} | {recorded} | {ready} | "
-                  f"{first} | {restored} | {ev.lost} | {ev.note} |")  # fmt: skip
+                  f"{first} | {restored} | {ev.lost} | {rate / calm_rate:.2f} | "
+                  f"{ev.note} |")  # fmt: skip
+        steady = (calm_run.ended - calm_first) / (finished_at - events[0].wall)
         print(f"wall {churn_s:.0f} s against {calm_run.seconds:.0f} s uninterrupted: goodput "
-              f"{calm_run.seconds / churn_s:.2f}; final loss {loss!r} against {calm_loss!r}; "
+              f"{calm_run.seconds / churn_s:.2f}, {steady:.2f} from step {at_first} (the first "
+              f"event) on; final loss {loss!r} against {calm_loss!r}; "
               f"{pods.events} pod events watched")  # fmt: skip
 
         # No survivor ever rolled back; progress never stepped back; one live pod a stage.

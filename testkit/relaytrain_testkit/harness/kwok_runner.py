@@ -242,6 +242,19 @@ class KwokProcessRunner:
         if server is not None:
             server.stop()
 
+    def start_prefork(self) -> None:
+        """Start the prefork server now rather than with the first stage pod (which would
+        wait for its imports, seconds): for a test that times a job against another."""
+        if self._forks:
+            self._server()
+
+    def _server(self) -> PreforkServer:
+        with self._prefork_lock:
+            if self._prefork is None:
+                with (self.workdir / "prefork.log").open("ab") as own:
+                    self._prefork = PreforkServer.start(_server_env(), log=own, module=SERVER)
+            return self._prefork
+
     def _forked(
         self, argv: list[str], env: dict[str, str], cwd: Path, log: IO[bytes], mounts: list[Mount]
     ) -> ForkedProcess | None:
@@ -249,11 +262,7 @@ class KwokProcessRunner:
         server (prefork_pods.py: its volumes mounted as mount_ns.py mounts them), which
         starts with the first; None where it cannot (the pod then starts as a program)."""
         try:
-            with self._prefork_lock:
-                if self._prefork is None:
-                    with (self.workdir / "prefork.log").open("ab") as own:
-                        self._prefork = PreforkServer.start(_server_env(), log=own, module=SERVER)
-                server = self._prefork
+            server = self._server()
             return server.spawn(
                 argv[1:], env, cwd, stdout=log.fileno(), stderr=log.fileno(),
                 extra=mounts_request(mounts),
