@@ -518,6 +518,10 @@ def test_a_pipeline_whose_replacement_waits_as_long_as_a_resplit_costs_leaves_an
     assert moved.status is not None and moved.status.pipelines is not None
     assert moved.status.pipelines[2].phase != "Left"
     assert [a.reason for a in moved.actions if isinstance(a, PostEvent)] == ["StageMoving"]
+    # ... and so it would after as long as a re-split costs: a move restarts one stage, the
+    # pipeline leaving restarts all of them.
+    moved = after(cost + 5, [*others, waiting], seen=[*before, h100(1)])
+    assert [a.reason for a in moved.actions if isinstance(a, PostEvent)] == ["StageMoving"]
     # Then the pipeline leaves: its pod goes, no failure is counted, an Event says why.
     late = after(cost + 5, [*others, waiting])
     assert [a.name for a in late.actions if isinstance(a, DeletePod)] == ["j-p2-s0"]

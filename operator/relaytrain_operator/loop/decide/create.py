@@ -4,7 +4,7 @@ A replacement waits spec.failurePolicy.backoffSeconds from its stage's failure, 
 where `placement.place_replacements` puts it (its own pool while that has room, another
 eligible pool whose memory fits, or its own pool to wait on, saying why), except under
 Kueue, where it stays on the pool it was admitted on. One waiting moves as soon as another
-pool has a GPU for it (`rehome_waiting`). It restores the newest committed
+pool has a GPU for it (`rehome_waiting`, waiting.py). It restores the newest committed
 checkpoint, unless another pipeline trains on: then it rejoins from a live peer's state.
 Every pod is built from the recorded plan (builders/pod.py), with the Service and the link
 Secret the stages need.
@@ -37,6 +37,7 @@ from relaytrain_operator.loop.decide.context import (
     JsonDict,
     Pass,
 )
+from relaytrain_operator.loop.decide.waiting import waiting_moves
 from relaytrain_operator.spec import FineTuneJob, PlanStatus, StageStatus
 
 
@@ -119,25 +120,15 @@ def rehome_waiting(
     verdicts: dict[StageKey, StageDecision],
 ) -> None:
     """A replacement waiting for a GPU on its pool moves to another of the job's pools once
-    one has a GPU free that fits it (a node joined, another job ended, or the node was one
-    this operator had not seen yet when it placed the replacement): its unscheduled pod is
-    deleted, no failure counted, and the next pass creates it where the GPU is. Its status
-    entry says REPLACING before the pod goes (written first: an operator restarted in between
-    creates the pod, counting nothing). Under Kueue it stays on the pool Kueue admitted."""
-    pods = ctx.observed.cluster_pods
-    if ctx.queue is not None or pods is None:
-        return
-    waiting = {
-        key: _pool(plan, entries[key], key)
-        for key, verdict in verdicts.items()
-        if verdict.action == "keep" and _unbound_waiting(ctx.observed.pods[key])
+    one has a GPU free that fits it (waiting.py): its unscheduled pod is deleted, no
+    failure counted, and the next pass creates it where the GPU is. Its status entry says
+    REPLACING before the pod goes (written first: an operator restarted in between creates
+    the pod, counting nothing)."""
+    moving = {
+        key: pools
+        for key, pools in waiting_moves(ctx, spec, plan).items()
+        if key in verdicts and verdicts[key].action == "keep"
     }
-    if not waiting:
-        return
-    stages = {key: (pool, _memory(plan, key)) for key, pool in waiting.items()}
-    nodes = list(ctx.observed.nodes.values())
-    choices = place_replacements(spec, stages, nodes, pods, ctx.settings.catalog)
-    moving = {k: c.pool for k, c in choices.items() if c.free and c.pool != waiting[k]}
     if not moving:
         return
     for key in moving:
@@ -145,25 +136,15 @@ def rehome_waiting(
         verdicts[key] = StageDecision("delete")
     ctx.update(stages=[entries[key] for key in sorted(entries)])
     ctx.patch()
-    for key, pool in sorted(moving.items()):
+    for key, (waits_on, room) in sorted(moving.items()):
         name = ctx.observed.pods[key]["metadata"]["name"]
         ctx.event(
             "Normal",
             "StageMoving",
             f"Stage {stage_name(entries[key])} pod {name} waited for a GPU on pool "
-            f"{waiting[key]}; pool {pool} has one free: moving it there, not counted as a "
+            f"{waits_on}; pool {room} has one free: moving it there, not counted as a "
             "restart.",
         )
-
-
-def _unbound_waiting(pod: JsonDict) -> bool:
-    """The pod was created to wait for a GPU and is still not bound to a node."""
-    meta = pod.get("metadata") or {}
-    return (
-        WAITING_ANNOTATION in (meta.get("annotations") or {})
-        and not (pod.get("spec") or {}).get("nodeName")
-        and not meta.get("deletionTimestamp")
-    )
 
 
 def _admitted_pool(choice: Choice, pool: str) -> Choice:

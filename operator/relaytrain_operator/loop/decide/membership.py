@@ -42,6 +42,7 @@ from relaytrain_operator.domain.status import (
 )
 from relaytrain_operator.loop.decide.context import DEFAULT_MEMORY_BYTES, Pass
 from relaytrain_operator.loop.decide.resplit import waiting_since
+from relaytrain_operator.loop.decide.waiting import waiting_moves
 from relaytrain_operator.spec import (
     FineTuneJob,
     PipelineStatus,
@@ -144,9 +145,12 @@ def _outwaited(ctx: Pass, spec: FineTuneJob, skip: set[int]) -> dict[int, str]:
         return {}
     cost = ctx.settings.join_seconds
     outwaited: dict[int, str] = {}
+    assert ctx.status.plan is not None
+    # One a pool has a GPU for moves there alone instead (create.rehome_waiting).
+    movable = {p for p, _ in waiting_moves(ctx, spec, ctx.status.plan)}
     for (p, k), pod in sorted(ctx.observed.pods.items()):
         since = waiting_since([pod])
-        if p in skip or p in outwaited or since is None:
+        if p in skip or p in outwaited or p in movable or since is None:
             continue
         wait = resplit_wait(since, ctx.now, cost)
         if wait:

@@ -38,6 +38,7 @@ from relaytrain_operator.loop.decide.context import (
     Pass,
     planned_keys,
 )
+from relaytrain_operator.loop.decide.waiting import waiting_moves
 from relaytrain_operator.spec import FineTuneJob, FormerPlan, PlanStatus, StageStatus
 
 RESPLIT_PAUSE_SECONDS = 1.0
@@ -73,6 +74,8 @@ def resplit(ctx: Pass, spec: FineTuneJob, plan: PlanStatus) -> bool:
     if wait:
         ctx.wake_within(wait.total_seconds())
         return False
+    if waiting_moves(ctx, spec, plan):
+        return False  # a pool has a GPU for it: it moves there alone (create.rehome_waiting)
     model, pods = ctx.observed.model, ctx.observed.cluster_pods
     if model is None or model.config is None or pods is None:
         return False  # needs() asks for both while a replacement waits
