@@ -608,6 +608,61 @@ def test_a_lost_node_moves_its_stage_to_a_pool_with_room(
         kube.delete_nodes(created)
 
 
+def test_a_waiting_replacement_moves_to_a_node_that_joins_another_pool(
+    kube: Cluster, model_dir: Path, api: client.ApiClient
+) -> None:
+    """Two stages (fixed) on a pool of two RTX 4090s, another pool allowed; the node under
+    stage 1 disappears with no GPU free anywhere, so its replacement waits (a re-split onto
+    the one GPU left cannot hold two stages). An A100 node joins the other pool: the waiting
+    replacement moves there alone, stage 0 untouched, and the move is no restart."""
+    tag = kube.ns
+    lost = {
+        "name": f"{tag}-w", "product": "NVIDIA-GeForce-RTX-4090", "gpuMemoryMiB": 24564,
+        "cpu": "16", "memory": "64Gi", "linkBandwidthMbps": 500, "linkLatencyMs": 30,
+    }  # fmt: skip
+    spare = {**lost, "name": f"{tag}-j", "product": "NVIDIA-A100-SXM4-40GB", "gpuMemoryMiB": 40960}
+    nodes = [kwok_nodes.node_manifest(lost, i) for i in range(2)]
+    kwok_nodes.create_nodes(api, nodes)
+    created = [n["metadata"]["name"] for n in nodes]
+    try:
+        kube.create_job(
+            _job("wt", model_dir)
+            .pipeline(stages=2)
+            .placement(pools=[lost["name"], spare["name"]])
+            .build()
+        )
+        pods = wait_for("2 running stage pods", lambda: kube.running("wt", 2))
+        before = kube.uids("wt")
+        kube.core.delete_node(pods["wt-stage-1"].spec.node_name)
+        waiting = wait_for(
+            "stage 1's replacement waiting",
+            lambda: (c := kube.condition("wt"))["reason"] == "Unschedulable" and c,
+        )
+        assert f"waits for a GPU on pool {lost['name']}" in waiting["message"], waiting
+        spare_node = kwok_nodes.node_manifest(spare, 0)
+        kwok_nodes.create_nodes(api, [spare_node])
+        created.append(spare_node["metadata"]["name"])
+        moved = wait_for(
+            "stage 1 on the joined node",
+            lambda: (
+                (p := kube.running("wt", 2))
+                and p["wt-stage-1"].spec.node_name == spare_node["metadata"]["name"]
+                and p
+            ),
+            timeout=45,
+        )
+        assert kube.uids("wt")["wt-stage-0"] == before["wt-stage-0"]
+        assert moved["wt-stage-1"].spec.node_selector["relaytrain.io/pool"] == spare["name"]
+        (event,) = kube.events("wt", "StageMoving")
+        assert f"pool {spare['name']} has one free" in event.message, event.message
+        status = wait_for("status shows the move", lambda: (
+            (s := kube.status("wt"))["phase"] == "Running" and s))  # fmt: skip
+        assert status["stages"][1]["restarts"] == 1  # the node lost; the move is none
+        assert status["stages"][1]["pool"] == spare["name"]
+    finally:
+        kube.delete_nodes(created)
+
+
 def test_a_replacement_with_no_gpu_left_has_its_pipeline_resplit_onto_what_is_left(
     kube: Cluster, api: client.ApiClient, minio_server: Any, operator: OperatorProcess
 ) -> None:
