@@ -548,52 +548,66 @@ def test_deleting_the_job_removes_everything_it_owns(
     )
 
 
+class _TwoPools:
+    """Two stages (fixed) of job `name` on a pool of two RTX 4090 nodes (`lost`), pool `spare`
+    (A100s, no node yet) allowed too; `created`: the nodes made, deleted by the test."""
+
+    def __init__(self, kube: Cluster, api: client.ApiClient, name: str) -> None:
+        self.lost = {
+            "name": f"{kube.ns}-{name}-a", "product": "NVIDIA-GeForce-RTX-4090",
+            "gpuMemoryMiB": 24564, "cpu": "16", "memory": "64Gi", "linkBandwidthMbps": 500,
+            "linkLatencyMs": 30,
+        }  # fmt: skip
+        self.spare = {**self.lost, "name": f"{kube.ns}-{name}-b",
+                      "product": "NVIDIA-A100-SXM4-40GB", "gpuMemoryMiB": 40960}  # fmt: skip
+        nodes = [kwok_nodes.node_manifest(self.lost, i) for i in range(2)]
+        kwok_nodes.create_nodes(api, nodes)
+        self.created = [n["metadata"]["name"] for n in nodes]
+        self.api = api
+
+    def start(self, kube: Cluster, model_dir: Path, name: str) -> dict[str, client.V1Pod]:
+        """Create the job; its two pods once they run."""
+        pools = [self.lost["name"], self.spare["name"]]
+        kube.create_job(_job(name, model_dir).pipeline(stages=2).placement(pools=pools).build())
+        return wait_for("2 running stage pods", lambda: kube.running(name, 2))  # type: ignore[no-any-return]
+
+    def stage_1_moved(self, kube: Cluster, name: str, node: str, before: dict[str, str]) -> None:
+        """Waits for stage 1 running on `node` of the spare pool, stage 0 untouched (its pod
+        the one of `before`, the pods' uids before the move)."""
+        moved = wait_for(
+            f"stage 1 on {node}",
+            lambda: (p := kube.running(name, 2)) and p[f"{name}-stage-1"].spec.node_name == node
+            and p,
+            timeout=45,
+        )  # fmt: skip
+        assert kube.uids(name)[f"{name}-stage-0"] == before[f"{name}-stage-0"]
+        selector = moved[f"{name}-stage-1"].spec.node_selector
+        assert selector["relaytrain.io/pool"] == self.spare["name"]
+
+    def spare_joins(self) -> str:
+        """A node of the spare pool joins; its name."""
+        node = kwok_nodes.node_manifest(self.spare, 0)
+        kwok_nodes.create_nodes(self.api, [node])
+        self.created.append(node["metadata"]["name"])
+        return str(node["metadata"]["name"])
+
+
 def test_a_lost_node_moves_its_stage_to_a_pool_with_room(
     kube: Cluster, model_dir: Path, api: client.ApiClient
 ) -> None:
-    tag = kube.ns
-    lost = {
-        "name": f"{tag}-a",
-        "product": "NVIDIA-GeForce-RTX-4090",
-        "gpuMemoryMiB": 24564,
-        "cpu": "16",
-        "memory": "64Gi",
-        "linkBandwidthMbps": 500,
-        "linkLatencyMs": 30,
-    }
-    spare = {**lost, "name": f"{tag}-b", "product": "NVIDIA-A100-SXM4-40GB", "gpuMemoryMiB": 40960}
-    nodes = [kwok_nodes.node_manifest(lost, i) for i in range(2)]
-    kwok_nodes.create_nodes(api, nodes)
-    created = [n["metadata"]["name"] for n in nodes]
+    two = _TwoPools(kube, api, "mv")
+    spare = two.spare
     try:
-        kube.create_job(
-            _job("mv", model_dir)
-            .pipeline(stages=2)
-            .placement(pools=[lost["name"], spare["name"]])
-            .build()
-        )
-        pods = wait_for("2 running stage pods", lambda: kube.running("mv", 2))
+        pods = two.start(kube, model_dir, "mv")
         before = kube.uids("mv")
         # A larger-memory pool appears; then the node under stage 1 disappears while
         # stage 0 holds the pool's only other GPU.
-        spare_node = kwok_nodes.node_manifest(spare, 0)
-        kwok_nodes.create_nodes(api, [spare_node])
-        created.append(spare_node["metadata"]["name"])
+        spare_node = two.spare_joins()
         # Appeared means Ready (kwok marks it a moment later): only a Ready node is eligible.
-        wait_for("the spare node Ready", lambda: kube.ready_node(spare_node["metadata"]["name"]))
+        wait_for("the spare node Ready", lambda: kube.ready_node(spare_node))
         kube.core.delete_node(pods["mv-stage-1"].spec.node_name)
 
-        moved = wait_for(
-            "stage 1 on the spare pool",
-            lambda: (
-                (p := kube.running("mv", 2))
-                and p["mv-stage-1"].spec.node_name == spare_node["metadata"]["name"]
-                and p
-            ),
-            timeout=45,
-        )
-        assert kube.uids("mv")["mv-stage-0"] == before["mv-stage-0"]
-        assert moved["mv-stage-1"].spec.node_selector["relaytrain.io/pool"] == spare["name"]
+        two.stage_1_moved(kube, "mv", spare_node, before)
         status = wait_for(
             "status shows the move",
             lambda: (
@@ -605,7 +619,7 @@ def test_a_lost_node_moves_its_stage_to_a_pool_with_room(
         assert status["stages"][1]["restarts"] == 1
         assert status["stages"][1]["lastFailure"] == "NodeLost"
     finally:
-        kube.delete_nodes(created)
+        kube.delete_nodes(two.created)
 
 
 def test_a_waiting_replacement_moves_to_a_node_that_joins_another_pool(
@@ -615,23 +629,10 @@ def test_a_waiting_replacement_moves_to_a_node_that_joins_another_pool(
     stage 1 disappears with no GPU free anywhere, so its replacement waits (a re-split onto
     the one GPU left cannot hold two stages). An A100 node joins the other pool: the waiting
     replacement moves there alone, stage 0 untouched, and the move is no restart."""
-    tag = kube.ns
-    lost = {
-        "name": f"{tag}-w", "product": "NVIDIA-GeForce-RTX-4090", "gpuMemoryMiB": 24564,
-        "cpu": "16", "memory": "64Gi", "linkBandwidthMbps": 500, "linkLatencyMs": 30,
-    }  # fmt: skip
-    spare = {**lost, "name": f"{tag}-j", "product": "NVIDIA-A100-SXM4-40GB", "gpuMemoryMiB": 40960}
-    nodes = [kwok_nodes.node_manifest(lost, i) for i in range(2)]
-    kwok_nodes.create_nodes(api, nodes)
-    created = [n["metadata"]["name"] for n in nodes]
+    two = _TwoPools(kube, api, "wt")
+    lost, spare = two.lost, two.spare
     try:
-        kube.create_job(
-            _job("wt", model_dir)
-            .pipeline(stages=2)
-            .placement(pools=[lost["name"], spare["name"]])
-            .build()
-        )
-        pods = wait_for("2 running stage pods", lambda: kube.running("wt", 2))
+        pods = two.start(kube, model_dir, "wt")
         before = kube.uids("wt")
         kube.core.delete_node(pods["wt-stage-1"].spec.node_name)
         waiting = wait_for(
@@ -639,20 +640,8 @@ def test_a_waiting_replacement_moves_to_a_node_that_joins_another_pool(
             lambda: (c := kube.condition("wt"))["reason"] == "Unschedulable" and c,
         )
         assert f"waits for a GPU on pool {lost['name']}" in waiting["message"], waiting
-        spare_node = kwok_nodes.node_manifest(spare, 0)
-        kwok_nodes.create_nodes(api, [spare_node])
-        created.append(spare_node["metadata"]["name"])
-        moved = wait_for(
-            "stage 1 on the joined node",
-            lambda: (
-                (p := kube.running("wt", 2))
-                and p["wt-stage-1"].spec.node_name == spare_node["metadata"]["name"]
-                and p
-            ),
-            timeout=45,
-        )
-        assert kube.uids("wt")["wt-stage-0"] == before["wt-stage-0"]
-        assert moved["wt-stage-1"].spec.node_selector["relaytrain.io/pool"] == spare["name"]
+        spare_node = two.spare_joins()
+        two.stage_1_moved(kube, "wt", spare_node, before)
         (event,) = kube.events("wt", "StageMoving")
         assert f"pool {spare['name']} has one free" in event.message, event.message
         status = wait_for("status shows the move", lambda: (
@@ -660,7 +649,7 @@ def test_a_waiting_replacement_moves_to_a_node_that_joins_another_pool(
         assert status["stages"][1]["restarts"] == 1  # the node lost; the move is none
         assert status["stages"][1]["pool"] == spare["name"]
     finally:
-        kube.delete_nodes(created)
+        kube.delete_nodes(two.created)
 
 
 def test_a_replacement_with_no_gpu_left_has_its_pipeline_resplit_onto_what_is_left(
