@@ -577,8 +577,8 @@ def test_a_stage_whose_node_is_gone_is_resplit_onto_what_is_left_and_back_when_a
     names = [n["metadata"]["name"] for n in nodes]
     # Enough steps left when the node joins for the re-split back to pay for its restart
     # (priced on the steps left): two forked stages train about 50 steps a second here, and
-    # 300 steps once ran out first: a re-split back here pays once about 200 steps are left
-    # (it saves about 1.7 s a step against a restart priced at about 330 s).
+    # 300 steps once ran out first: a re-split back here pays only while about 200 steps or
+    # more are left (it saves about 1.7 s a step against a restart priced at about 330 s).
     steps = 600
     monkeypatch.setenv("RELAYTRAIN_LOG_LEVEL", "DEBUG")  # each step's loss, in every bit
 
