@@ -33,6 +33,7 @@ from typing import Any
 
 import pytest
 from kubernetes import client
+from minio.error import S3Error
 from relaytrain_testkit.harness import containers
 from relaytrain_testkit.harness.containers import require_image
 from relaytrain_testkit.harness.kwok_nodes import SLOW_GPU, slow_pool
@@ -736,14 +737,18 @@ def test_pipeline_0_given_up_leaves_pipeline_1_to_write_resume_and_finish_the_jo
         }
         os.kill(runner.local_pod(ns, f"{name}-p0-s1").process.pid, signal.SIGKILL)
         killed_at = time.monotonic()
+        # Pipeline 1's pods can start, train and commit before the operator has seen them
+        # run (forked stages start in a blink): wait for its record of pipeline 1 too.
         given_up = wait_for(
-            "pipeline 0 given up",
+            "pipeline 0 given up, pipeline 1 seen training",
             lambda: (
-                (st := status()).get("pipelines") and st["pipelines"][0]["phase"] == "Failed" and st
+                (st := status()).get("pipelines")
+                and [p["phase"] for p in st["pipelines"]][:2] == ["Failed", "Running"]
+                and st
             ),
             timeout=120,
         )
-        assert given_up["phase"] == "Running", given_up
+        assert given_up["phase"] == "Running", given_up  # not Failed: pipeline 1 trains on
         told = wait_for(
             "the stages told",
             lambda: _stored_or_none(mc, bucket, f"ckpt/{ns}/{name}/given-up.json"),
@@ -1103,7 +1108,12 @@ def test_no_credential_leaves_its_secret(env: dict[str, Any], kube_cluster: Any)
     for obj in mc.list_objects(minio.bucket, "", recursive=True):
         if obj.object_name.endswith(".safetensors") or obj.object_name.startswith("models/"):
             continue
-        resp = mc.get_object(minio.bucket, obj.object_name)
+        try:
+            resp = mc.get_object(minio.bucket, obj.object_name)
+        except S3Error as err:  # pruned since the listing (a job of a failed test trains on)
+            if err.code == "NoSuchKey":
+                continue
+            raise
         texts[f"s3://{minio.bucket}/{obj.object_name}"] = resp.read().decode(errors="replace")
         resp.close()
         resp.release_conn()
