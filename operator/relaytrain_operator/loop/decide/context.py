@@ -224,6 +224,11 @@ def started(status: FineTuneJobStatus) -> bool:
     return status.plan is not None and status.start_time is not None
 
 
+def stage_memory(plan: PlanStatus, key: StageKey) -> int:
+    """What the planned stage `key` is planned to need of its GPU's memory."""
+    return plan.splits()[key[0]][key[1]].predicted_memory_bytes or DEFAULT_MEMORY_BYTES
+
+
 def planned_keys(plan: PlanStatus) -> list[StageKey]:
     """Every planned stage as (pipeline, stage), in pipeline then stage order."""
     return [(p, s.index) for p, split in enumerate(plan.splits()) for s in split]

@@ -32,10 +32,10 @@ from relaytrain_operator.domain.status import parse_time, rfc3339, stage_name
 from relaytrain_operator.loop.actions import Create, CreateLinkSecret
 from relaytrain_operator.loop.decide.admission import flavor_placement
 from relaytrain_operator.loop.decide.context import (
-    DEFAULT_MEMORY_BYTES,
     WAITING_ANNOTATION,
     JsonDict,
     Pass,
+    stage_memory,
 )
 from relaytrain_operator.loop.decide.waiting import waiting_moves
 from relaytrain_operator.spec import FineTuneJob, PlanStatus, StageStatus
@@ -80,7 +80,7 @@ def create_stages(
         renewal_grace=grace, compression=plan.compression,
     )  # fmt: skip
     replacing = {
-        key: (_pool(plan, entries[key], key), _memory(plan, key))
+        key: (_pool(plan, entries[key], key), stage_memory(plan, key))
         for key in due
         if entries[key].restarts
     }
@@ -178,11 +178,6 @@ def _due(
     return due
 
 
-def _memory(plan: PlanStatus, key: StageKey) -> int:
-    """What the stage is planned to need of its GPU's memory."""
-    return plan.splits()[key[0]][key[1]].predicted_memory_bytes or DEFAULT_MEMORY_BYTES
-
-
 def _pool(plan: PlanStatus, entry: StageStatus, key: StageKey) -> str:
     """The stage's pool: where status last put it, else where it was planned."""
     return entry.pool or plan.splits()[key[0]][key[1]].pool
@@ -227,7 +222,7 @@ def _create_stage(
             (p if plan.several() else None, k),
             pool=pool,
             selector=selector,
-            need=_memory(plan, key),
+            need=stage_memory(plan, key),
             config=config,
             tolerations=flavor_tolerations,
             split=split_of(plan.splits()[p]),

@@ -40,7 +40,7 @@ from relaytrain_operator.domain.status import (
     rfc3339,
     short_of,
 )
-from relaytrain_operator.loop.decide.context import DEFAULT_MEMORY_BYTES, Pass
+from relaytrain_operator.loop.decide.context import Pass, stage_memory
 from relaytrain_operator.loop.decide.resplit import waiting_since
 from relaytrain_operator.loop.decide.waiting import waiting_moves
 from relaytrain_operator.spec import (
@@ -232,7 +232,7 @@ def bring_back(
         stages = {
             key: (
                 entries[key].pool or plan.splits()[p][key[1]].pool,
-                plan.splits()[p][key[1]].predicted_memory_bytes or DEFAULT_MEMORY_BYTES,
+                stage_memory(plan, key),
             )
             for key in keys
         }

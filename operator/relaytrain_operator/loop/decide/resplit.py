@@ -33,12 +33,11 @@ from relaytrain_operator.domain.resplit import resplit_plan, resplit_wait, same_
 from relaytrain_operator.domain.status import Verdict, parse_time
 from relaytrain_operator.loop.actions import DeletePod
 from relaytrain_operator.loop.decide.context import (
-    WAITING_ANNOTATION,
     JsonDict,
     Pass,
     planned_keys,
 )
-from relaytrain_operator.loop.decide.waiting import waiting_moves
+from relaytrain_operator.loop.decide.waiting import unbound_waiting, waiting_moves
 from relaytrain_operator.spec import FineTuneJob, FormerPlan, PlanStatus, StageStatus
 
 RESPLIT_PAUSE_SECONDS = 1.0
@@ -49,17 +48,12 @@ def waiting_since(pods: Iterable[JsonDict]) -> datetime | None:
     """When the oldest of `pods` still waiting for a GPU (created with `WAITING_ANNOTATION`,
     not bound, not being deleted) was created; None when none waits (a pod without a
     creation time, never read back from the API server, has not waited)."""
-    since: list[datetime] = []
-    for pod in pods:
-        meta = pod.get("metadata") or {}
-        if WAITING_ANNOTATION not in (meta.get("annotations") or {}):
-            continue
-        if (pod.get("spec") or {}).get("nodeName") or meta.get("deletionTimestamp"):
-            continue
-        created = parse_time(meta.get("creationTimestamp"))
-        if created is not None:
-            since.append(created)
-    return min(since, default=None)
+    since = [
+        parse_time((pod.get("metadata") or {}).get("creationTimestamp"))
+        for pod in pods
+        if unbound_waiting(pod)
+    ]
+    return min((t for t in since if t is not None), default=None)
 
 
 def resplit(ctx: Pass, spec: FineTuneJob, plan: PlanStatus) -> bool:

@@ -14,11 +14,11 @@ from __future__ import annotations
 from relaytrain_operator.domain.builders.labels import POOL_ANNOTATION, StageKey
 from relaytrain_operator.domain.placement import place_replacements
 from relaytrain_operator.loop.decide.context import (
-    DEFAULT_MEMORY_BYTES,
     WAITING_ANNOTATION,
     JsonDict,
     Pass,
     planned_keys,
+    stage_memory,
 )
 from relaytrain_operator.spec import FineTuneJob, PlanStatus
 
@@ -53,10 +53,7 @@ def waiting_moves(
     }  # fmt: skip
     if not waiting:
         return {}
-    stages = {
-        key: (pool, planned[key[0]][key[1]].predicted_memory_bytes or DEFAULT_MEMORY_BYTES)
-        for key, pool in waiting.items()
-    }
+    stages = {key: (pool, stage_memory(plan, key)) for key, pool in waiting.items()}
     nodes = list(ctx.observed.nodes.values())
     choices = place_replacements(spec, stages, nodes, pods, ctx.settings.catalog)
     moves = {
