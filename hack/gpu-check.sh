@@ -18,16 +18,18 @@ cd "$repo"
 
 # What the GPU image (python3 3.12 with torch, transformers, peft, accelerate, safetensors,
 # pyyaml, numpy, pytest) lacks: pydantic and its parts for relaytrain_contract, cryptography
-# for the links' certificates, bitsandbytes for QLoRA. Versions and hashes come from uv.lock.
+# for the links' certificates, bitsandbytes for QLoRA, prometheus-client for the stage
+# processes' /metrics (tests/e2e/test_local_gpu.py runs them). Versions and hashes come
+# from uv.lock.
 WHEELS=(pydantic pydantic-core annotated-types typing-inspection typing-extensions
-  cryptography cffi pycparser bitsandbytes)
+  cryptography cffi pycparser bitsandbytes prometheus-client)
 PLATFORMS=(manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64
   manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64)
 LIMIT_MIB=64
 # The layout the check imports the repository's packages with, from its source tree.
 SOURCE_PATH=operator:worker_image:testkit:.
-BENCH_TIMEOUT=${BENCH_TIMEOUT:-420}
-TESTS_TIMEOUT=${TESTS_TIMEOUT:-90}
+BENCH_TIMEOUT=${BENCH_TIMEOUT:-400}
+TESTS_TIMEOUT=${TESTS_TIMEOUT:-150}
 
 # requirements: one `name==version --hash=...` line per wheel, every hash the lock lists.
 requirements() {

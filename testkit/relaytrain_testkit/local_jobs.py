@@ -81,9 +81,11 @@ def write_job(root: Path, manifest: dict[str, Any]) -> Path:
 
 
 def run_env() -> dict[str, str]:
-    """This environment, with the repository's packages importable."""
+    """This environment, with the repository's packages importable (first on the path;
+    what the environment's own PYTHONPATH adds stays after them: the GPU host's packages)."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "operator"), str(REPO / "worker_image")])
+    paths = [str(REPO / "operator"), str(REPO / "worker_image"), env.get("PYTHONPATH", "")]
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     return env
 
 

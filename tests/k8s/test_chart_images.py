@@ -59,3 +59,20 @@ def test_a_digest_that_is_not_one_is_refused_naming_the_value() -> None:
     )  # fmt: skip
     assert proc.returncode != 0
     assert "/image/digest" in proc.stderr and "sha256:" in proc.stderr, proc.stderr
+
+
+def _env(container: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value") for e in container.get("env", [])}
+
+
+def test_stage_pods_compute_on_the_gpu_unless_the_release_says_otherwise() -> None:
+    assert _env(_operator(render_chart("rt", "ops")))["RELAYTRAIN_WORKER_DEVICE"] == "cuda"
+    cpu = _operator(render_chart("rt", "ops", "workerDevice=cpu"))
+    assert _env(cpu)["RELAYTRAIN_WORKER_DEVICE"] == "cpu"
+    proc = subprocess.run(
+        [str(toolpaths.binary("helm")), "template", "rt", str(REPO / "charts/relaytrain"),
+         "--set", "workerDevice=gpu"],
+        capture_output=True, text=True, check=False, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert "/workerDevice" in proc.stderr and "cuda" in proc.stderr, proc.stderr

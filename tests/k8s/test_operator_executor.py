@@ -478,7 +478,7 @@ def runner_over(api: ClusterApi, posted: list[tuple[str, str]] | None = None) ->
         if posted is not None:
             posted.append((kind, reason))
 
-    return Runner(api, OperatorOptions(resync_seconds=30), None, post)
+    return Runner(api, OperatorOptions(resync_seconds=30, worker_device="cpu"), None, post)
 
 
 def start(

@@ -61,3 +61,21 @@ def test_which_namespaces_an_operator_serves() -> None:
     assert not globs.serves("other") and globs.serves(None)  # a node: cluster-scoped
     only_out = parse_options(["--namespace", "!kube-*"], {})
     assert only_out.serves("team-a") and not only_out.serves("kube-system")
+
+
+def test_stage_pods_are_told_where_to_compute(capsys: pytest.CaptureFixture[str]) -> None:
+    from relaytrain_contract import DEVICE_ENV
+    from relaytrain_testkit.stage_pods import pod_for
+
+    assert parse_options([], {}).worker_device == "cuda"
+    assert parse_options([], {"RELAYTRAIN_WORKER_DEVICE": "cpu"}).worker_device == "cpu"
+
+    def device(pod: dict[str, object]) -> object:
+        (container,) = pod["spec"]["containers"]  # type: ignore[index]
+        return {e["name"]: e.get("value") for e in container["env"]}[DEVICE_ENV]
+
+    assert device(pod_for(0)) == "cuda"
+    assert device(pod_for(0, device="cpu")) == "cpu"
+    with pytest.raises(SystemExit):
+        parse_options(["--worker-device", "gpu"], {})
+    assert "--worker-device: Input should be 'cuda', 'cpu' or 'auto'" in capsys.readouterr().err

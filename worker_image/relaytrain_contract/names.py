@@ -13,6 +13,13 @@ STAGE_CONFIG_KIND = "StageConfig"
 
 CONFIG_ENV = "RELAYTRAIN_STAGE_CONFIG"
 """Environment variable carrying a stage's document (in a pod; locally `--config PATH`)."""
+DEVICE_ENV = "RELAYTRAIN_DEVICE"
+"""Environment variable saying where a stage computes (docs/stage-contract.md, "Device"):
+`cuda` (the pod's GPU; a stage that sees none stops, saying so), `cpu`, or `auto` (CUDA
+where torch sees a device, else the CPU; also when unset, as in `relaytrain run --local`).
+The operator sets it on every stage pod from its `workerDevice` setting."""
+DEVICES = ("auto", "cuda", "cpu")
+"""The values `DEVICE_ENV` may take."""
 LINK_CREDENTIALS_DIR = "/var/run/relaytrain/link"
 """Folder in a stage pod holding its link credentials (the job's link Secret, mounted)."""
 LINK_CERT_FILE = "tls.crt"

@@ -89,6 +89,7 @@ def _main(argv: Sequence[str] | None) -> int:
         sys.modules.setdefault("bitsandbytes", None)  # type: ignore[arg-type]
 
     from relaytrain_worker.model.shards import ModelLoadError
+    from relaytrain_worker.pipeline.device import DeviceError
     from relaytrain_worker.pipeline.linkauth import AuthError
     from relaytrain_worker.pipeline.replication import DepartedError
     from relaytrain_worker.process import load_runtime
@@ -103,6 +104,12 @@ def _main(argv: Sequence[str] | None) -> int:
         return stop(StageExit.INVALID_INPUT, f"{where}: {exc}")
     except AuthError as exc:
         return stop(StageExit.LINK_REFUSED, f"{where}: link credentials: {exc}")
+    except DeviceError as exc:
+        # A value that is no device is the operator's to fix; a GPU the container does not
+        # see may be this node's alone, so a replacement elsewhere is worth its try.
+        return stop(
+            StageExit.INVALID_CONFIG if exc.invalid else StageExit.FAILED, f"{where}: {exc}"
+        )
     except Exception as exc:
         return _store_failure(where, exc)
     signal.signal(signal.SIGTERM, _depart_or_terminate(runtime.replication.depart))

@@ -11,7 +11,7 @@ import argparse
 import fnmatch
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -34,6 +34,10 @@ class OperatorOptions(BaseModel):
     """Interval of the level-based check of every unfinished job (pods, nodes, progress)."""
     worker_image: str = Field("ghcr.io/relaytrain/worker:0.1.0", min_length=1)
     """Worker image used when a job does not name one."""
+    worker_device: Literal["cuda", "cpu", "auto"] = "cuda"
+    """Where stage pods compute: `cuda`, the GPU each pod is given (a stage that sees none
+    stops and says so); `cpu` where GPUs are only simulated; `auto`, CUDA if the container
+    sees a device."""
     default_link_mbps: float = Field(1000.0, gt=0)
     """Link bandwidth assumed for GPU nodes without the relaytrain.io link annotations."""
     default_link_latency_ms: float = Field(10.0, ge=0)
@@ -89,6 +93,7 @@ _FLAGS = (
     ("--liveness", "liveness_endpoint", "LIVENESS"),
     ("--resync-seconds", "resync_seconds", "RESYNC_SECONDS"),
     ("--worker-image", "worker_image", "WORKER_IMAGE"),
+    ("--worker-device", "worker_device", "WORKER_DEVICE"),
     ("--node-lost-seconds", "node_lost_seconds", "NODE_LOST_SECONDS"),
     ("--secret-propagation-seconds", "secret_propagation_seconds", "SECRET_PROPAGATION_SECONDS"),
     ("--join-seconds", "join_seconds", "JOIN_SECONDS"),

@@ -76,6 +76,7 @@ class Runner:
         self.settings = Settings(
             node_lost_seconds=options.node_lost_seconds,
             worker_image=options.worker_image,
+            worker_device=options.worker_device,
             default_link=(options.default_link_mbps, options.default_link_latency_ms),
             catalog=catalog,
             secret_propagation_seconds=options.secret_propagation_seconds,

@@ -70,6 +70,9 @@ def chart_values(jobs_namespace: str) -> dict[str, Any]:
     operator process listens on this machine), and probes quick enough to see them act."""
     return {
         "watchNamespaces": [jobs_namespace],
+        # The nodes' GPUs are simulated (kwok's capacity, the real kubelet's extended
+        # resource): stages compute on this machine's CPU.
+        "workerDevice": "cpu",
         "resyncSeconds": 1,
         # The test kubelet refreshes a mounted Secret every second (a real one within a
         # minute or so: the chart's default is 90).

@@ -38,6 +38,8 @@ class OperatorProcess:
     def start(self, timeout: float = 60) -> None:
         """Starts it (again: a restart keeps the port) and waits until /metrics answers."""
         env = {
+            # The test cluster's GPUs are simulated: stages compute on this machine's CPU.
+            "RELAYTRAIN_WORKER_DEVICE": "cpu",
             **os.environ,
             "KUBECONFIG": str(self.kubeconfig),
             "PYTHONPATH": os.pathsep.join([str(REPO / "operator"), str(REPO)]),

@@ -131,17 +131,27 @@ def setup_method(
     method: Literal["lora", "qlora", "full"],
     lora: LoraConfig | None,
     seed: int,
+    device: torch.device | str | None = None,
 ) -> list[tuple[str, nn.Parameter]]:
-    """Make the slice trainable per the job's method; return its trainable parameters."""
+    """Make the slice trainable per the job's method on `device` (where it is moved;
+    default: where its weights are); return its trainable parameters. QLoRA quantises each
+    layer as it moves it, so the full-precision layers never all sit on the device."""
+    device = torch.device(device) if device is not None else _device_of(stage)
     if method == "full":
+        stage.to(device)
         return full_trainable(stage)
     if lora is None:
         raise ValueError(f"method {method} needs a LoRA config")
     if method == "qlora":
         from relaytrain_worker.model.quant import quantize_slice
 
-        quantize_slice(stage)
+        quantize_slice(stage, str(device))
+    stage.to(device)  # the rest (embedding, norms, head; every layer but QLoRA's)
     return apply_lora(stage.model, lora, seed, quantized=method == "qlora")
+
+
+def _device_of(stage: StageModel) -> torch.device:
+    return next((p.device for p in stage.parameters()), torch.device("cpu"))
 
 
 def peft_key(name: str) -> str:

@@ -113,7 +113,7 @@ def load_state_bytes(
     """Restore what `state_bytes` wrote (CUDA generators too, when it saved them and this
     process has as many devices). A state keyed by name needs `names`; one keyed by
     position (written without names, as stages did before) loads either way."""
-    state: dict[str, Any] = torch.load(io.BytesIO(data), weights_only=True)
+    state: dict[str, Any] = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     if "optimizer_by_name" in state:
         if names is None:
             raise ValueError("this optimizer state is keyed by name: pass the parameters' names")
@@ -142,7 +142,7 @@ def load_merged_state(
     group: dict[str, Any] | None = None
     schedule: dict[str, Any] | None = None
     for data in parts:
-        state: dict[str, Any] = torch.load(io.BytesIO(data), weights_only=True)
+        state: dict[str, Any] = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         if "optimizer_by_name" not in state:
             raise ValueError("a stage's optimizer state is keyed by position, not by name")
         by_name = state["optimizer_by_name"]

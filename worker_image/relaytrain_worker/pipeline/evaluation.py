@@ -139,6 +139,7 @@ def _pass(
     compression: str,
 ) -> float | None:
     first, last = ends
+    device = next((p.device for p in stage.parameters()), torch.device("cpu"))
     loss_sum = torch.zeros((), dtype=torch.float64)
     tokens = 0
     count = len(batches) if first and batches is not None else None
@@ -156,9 +157,10 @@ def _pass(
             t = frame.tensors
             x, mask, pos, labels = t["hidden"], t["attention_mask"], t["position_ids"], t["labels"]
             keys = t.get(ROWS)
+        x, mask, pos, labels = x.to(device), mask.to(device), pos.to(device), labels.to(device)
         out = stage(x, mask, pos)
         if last:
-            loss_sum += token_loss_sum(out, labels).double()
+            loss_sum += token_loss_sum(out, labels).double().cpu()
             tokens += int((labels[:, 1:] != IGNORE).sum())
         else:
             assert peers.next is not None and count is not None

@@ -1,10 +1,11 @@
 """Loading a stage: what it reads once, before it links (`load_stage`).
 
-In this order, so that the cheapest refusal comes first: its link credentials (AuthError
-before any model is read), its checkpoint store, the model's files (`s3://` models: the
-shards this stage needs), its slice of the model with the training method applied, and on
-stage 0 (on every stage with `epochs` or `endOfData: stop`) the training data and the
-held-out micro-batches.
+In this order, so that the cheapest refusal comes first: the device it computes on
+(`device.stage_device`: DeviceError when it was told `cuda` and sees none), its link
+credentials (AuthError before any model is read), its checkpoint store, the model's files
+(`s3://` models: the shards this stage needs), its slice of the model with the training
+method applied (moved to the device), and on stage 0 (on every stage with `epochs` or
+`endOfData: stop`) the training data and the held-out micro-batches.
 Everything else a stage holds is built from these without I/O (`stage.StageRuntime`).
 """
 
@@ -16,12 +17,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from relaytrain_contract import StageConfig, TrainingSpec
 from torch import nn
 
 from relaytrain_worker.model.methods import lora_config, setup_method
 from relaytrain_worker.model.model_slice import SliceSpec, StageModel, build_stage_model
 from relaytrain_worker.pipeline.credentials import LinkCredentials
+from relaytrain_worker.pipeline.device import stage_device
 from relaytrain_worker.pipeline.evaluation import load_eval_batches
 from relaytrain_worker.pipeline.linkauth import AuthError
 from relaytrain_worker.state.data import MicroBatch, StepData, load_step_data
@@ -87,8 +90,10 @@ def opener(cfg: StageConfig) -> Callable[[str], Store]:
 
 
 def load_stage(cfg: StageConfig) -> Loaded:
-    """Read what this stage needs before it links. AuthError (credentials), ModelLoadError
-    (the model's files) or DataError (the dataset) name what cannot be used."""
+    """Read what this stage needs before it links. DeviceError (no GPU where one was asked
+    for), AuthError (credentials), ModelLoadError (the model's files) or DataError (the
+    dataset) name what cannot be used. The slice ends on the stage's device."""
+    device = stage_device()
     tls = link_credentials(cfg)
     open_store = opener(cfg)
     store = open_store(cfg.checkpoint.uri)
@@ -103,7 +108,10 @@ def load_stage(cfg: StageConfig) -> Loaded:
         if method.type == "full"
         else lora_config(method.rank, method.alpha, method.dropout, method.target_modules)
     )
-    trainable = setup_method(stage, method.type, lora, cfg.training.seed)
+    trainable = setup_method(stage, method.type, lora, cfg.training.seed, device)
+    if device.type != "cpu":
+        log.info("Stage %d computes on %s (%s)", cfg.stage.index, device,
+                 torch.cuda.get_device_name(device))  # fmt: skip
     # With `epochs`, or a run that stops at the end of the data, every stage reads the
     # dataset to derive the same step count.
     stop = cfg.training.end_of_data == "stop"

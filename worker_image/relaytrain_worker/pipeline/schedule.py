@@ -327,14 +327,17 @@ class StepRunner:
             )
             given[TOKENS_KEY] = torch.tensor([float(self._input_tokens)], dtype=torch.float64)
         self._terms = None
+        # The exchange folds on the CPU (what the links carry and what arrives is there):
+        # a stage on a GPU gives its contributions from there and takes the results back.
+        given = {name: t.cpu() for name, t in given.items()}
         reduced = self.group.reduce(step, self.pipeline, self.index, given)
         if self.last:
             self._step_input_tokens = int(reduced[TOKENS_KEY])
         for name, param in self.trainable:
-            param.grad = reduced[self.replica_key(name)]
+            param.grad = reduced[self.replica_key(name)].to(param.device)
         if self.tied_name is not None and self.first and self.last:
             tied = self._param(self.tied_name)
-            tied.grad = reduced[self.tied_name] + reduced[TIED_HEAD_NAME]
+            tied.grad = (reduced[self.tied_name] + reduced[TIED_HEAD_NAME]).to(tied.device)
         return reduced[LOSS_KEY] if self.last else loss_sum
 
     def _reduce_stats(

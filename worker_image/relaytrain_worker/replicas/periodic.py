@@ -199,7 +199,7 @@ def outer_contributions(
     w = float(weight)
     out = {}
     for name, param in trainable:
-        flat = param.detach().reshape(-1).to(torch.float64) * w
+        flat = param.detach().reshape(-1).to("cpu", torch.float64) * w
         out[key(name)] = torch.cat([flat, torch.tensor([w], dtype=torch.float64)])
     return out
 

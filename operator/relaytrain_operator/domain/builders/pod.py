@@ -8,6 +8,7 @@ from typing import Any
 
 from relaytrain_contract import (
     CONFIG_ENV,
+    DEVICE_ENV,
     LINK_CA_FILE,
     LINK_CERT_FILE,
     LINK_CREDENTIALS_DIR,
@@ -83,6 +84,8 @@ class StagePodInputs:
     """The pipeline's split, as `SPLIT_ANNOTATION` records it (None: not recorded)."""
     pipeline: int | None = None
     """The stage's pipeline when the job trains several; None: the job's only one."""
+    device: str = "cuda"
+    """Where the worker computes (`DEVICE_ENV`): the operator's `workerDevice` setting."""
 
 
 def _secret_env(name: str, secret: str, key: str) -> dict[str, Any]:
@@ -93,6 +96,7 @@ def _env(job_name: str, inputs: StagePodInputs) -> list[dict[str, Any]]:
     config = inputs.stage_config
     env: list[dict[str, Any]] = [
         {"name": CONFIG_ENV, "value": json.dumps(config, sort_keys=True)},
+        {"name": DEVICE_ENV, "value": inputs.device},
         # The root filesystem is read-only: caches go to the /tmp emptyDir.
         {"name": "HOME", "value": "/tmp"},
         {"name": "HF_HOME", "value": "/tmp/hf"},

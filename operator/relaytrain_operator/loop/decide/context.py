@@ -77,6 +77,8 @@ class Settings:
     """How long a node may be NotReady before its stages are replaced."""
     worker_image: str = "ghcr.io/relaytrain/worker:0.1.0"
     """Image of jobs without spec.image."""
+    worker_device: str = "cuda"
+    """Where stage pods compute (relaytrain_contract.DEVICE_ENV): `cuda`, `cpu` or `auto`."""
     default_link: tuple[float, float] | None = None
     """(Mbps, ms) assumed for GPU nodes without link annotations."""
     catalog: Catalog | None = None

@@ -276,6 +276,7 @@ def pod_inputs(
         memory_bytes=need,
         stage_config=config,
         image=spec.spec.image or ctx.settings.worker_image,
+        device=ctx.settings.worker_device,
         credentials=CredentialsRef(ref.name, ref.access_key_key, ref.secret_key_key)
         if ref is not None
         else None,

@@ -1,0 +1,43 @@
+"""Stage processes on a GPU (`RELAYTRAIN_DEVICE=cuda`, docs/stage-contract.md, "The device"):
+`relaytrain run --local` of a two-stage job whose stages load their slices onto CUDA, train,
+checkpoint and evaluate there, against the same job on the CPU. Runs on a GPU host (`make
+gpu-check` runs the `gpu` tests); the choice of device and its refusals are checked on any
+machine by tests/unit/test_worker_device.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from relaytrain_contract import DEVICE_ENV
+from relaytrain_testkit.local_jobs import local_job, make_workspace, start_run
+
+pytestmark = [pytest.mark.e2e, pytest.mark.gpu]
+
+
+def _run(root: Path, name: str, device: str) -> tuple[list[float], str]:
+    job = (
+        local_job(root, name)
+        .dataset(sequence_length=24)
+        .method(rank=4, alpha=8, target_modules=["q_proj", "v_proj"])
+        .training(steps=8, micro_batch_size=2, micro_batches=2, learning_rate=0.01,
+                  warmup_steps=1)
+        .checkpoint(str(root / "ckpt"), every_steps=4, keep=2)
+    )  # fmt: skip
+    workdir = root / f"wd-{name}"
+    proc = start_run(job.write(root), workdir, env={DEVICE_ENV: device})
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out
+    history = json.loads((root / "ckpt" / "default" / name / "loss-history.json").read_text())
+    logs = "".join(p.read_text() for p in sorted((workdir / "stages").glob("*.log")))
+    return [e["loss"] for e in history], logs
+
+
+def test_stage_processes_train_on_the_gpu_as_on_the_cpu(tmp_path: Path) -> None:
+    root = make_workspace(tmp_path, layers=4, records=48)
+    on_cpu, cpu_logs = _run(root, "cpu", "cpu")
+    on_gpu, gpu_logs = _run(root, "gpu", "cuda")
+    assert "computes on cuda:0" in gpu_logs and "computes on" not in cpu_logs
+    assert len(on_gpu) == len(on_cpu) == 8
+    assert on_gpu == pytest.approx(on_cpu, rel=1e-3)
