@@ -1,7 +1,7 @@
 """Tokens/s of a 2-stage pipeline on a rate-limited link, against the bound that link sets.
 
     .venv/bin/python bench/bench_link_bound.py [--quick] [--json OUT]
-        [--shaper pacing|kernel] [--latency-ms MS] [--micro-batches M]
+        [--shaper pacing|kernel] [--latency-ms MS] [--micro-batches M] [--rows R] [--hidden H]
 
 Two stages of a random Llama run as two threads of this process (`testing.run_pipeline_threads`:
 the worker's real StepRunner, 1F1B, Peers and encrypted loopback links), with the boundary
@@ -173,6 +173,8 @@ def main() -> None:
                         help="Link.limit_rate, or htb in a network namespace")  # fmt: skip
     parser.add_argument("--latency-ms", type=float, default=0.0, help="one-way, every link")
     parser.add_argument("--micro-batches", type=int, help="per step (default 8; 4 --quick)")
+    parser.add_argument("--rows", type=int, help="sequences of 128 tokens a micro-batch "
+                        "(default 4; 2 --quick)")  # fmt: skip
     parser.add_argument("--encode", choices=["both", "own"], default="both",
                         help="own: only the encoder on its own thread")  # fmt: skip
     parser.add_argument(
@@ -195,7 +197,7 @@ def main() -> None:
         intermediate=args.hidden,
     )  # fmt: skip
     steps, m, mbs, seq = (2, 4, 2, 128) if args.quick else (3, 8, 4, 128)
-    m = args.micro_batches or m
+    m, mbs = args.micro_batches or m, args.rows or mbs
     data = random_batches(steps + 1, m, mbs, seq, 300)
     training = TrainingSpec(
         steps=steps, microBatchSize=mbs, microBatches=m, learningRate=1e-3,
@@ -213,6 +215,7 @@ def main() -> None:
                 bound = mbit * MBIT / max(got["down"], got["up"])
                 row = {
                     "shaper": args.shaper, "latency_ms": args.latency_ms, "micro_batches": m,
+                    "rows": mbs, "hidden": args.hidden,
                     "ahead": args.ahead,
                     "mode": mode, "mbit": mbit, "encode": "own thread" if overlap else "sender",
                     "down_B_per_token": round(got["down"], 1),
@@ -225,8 +228,8 @@ def main() -> None:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     print()
-    print(f"shaper {args.shaper}, latency {args.latency_ms:g} ms, {m} micro-batches a step, "
-          f"{args.ahead} extra forwards ahead")  # fmt: skip
+    print(f"shaper {args.shaper}, latency {args.latency_ms:g} ms, hidden {args.hidden}, {m} "
+          f"micro-batches of {mbs} x {seq} tokens a step, {args.ahead} extra forwards ahead")  # fmt: skip
     print("| mode | Mbit/s | encode | B/token down | up | link bound tok/s | compute tok/s "
           "| tokens/s | of bound | fill | stream | drain | end | gap |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
