@@ -228,8 +228,9 @@ def main() -> None:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     print()
-    print(f"shaper {args.shaper}, latency {args.latency_ms:g} ms, hidden {args.hidden}, {m} "
-          f"micro-batches of {mbs} x {seq} tokens a step, {args.ahead} extra forwards ahead")  # fmt: skip
+    print(f"shaper {args.shaper}, latency {args.latency_ms:g} ms, hidden {args.hidden}, "
+          f"{m} micro-batches of {mbs} x {seq} tokens a step, "
+          f"{args.ahead} extra forwards ahead")  # fmt: skip
     print("| mode | Mbit/s | encode | B/token down | up | link bound tok/s | compute tok/s "
           "| tokens/s | of bound | fill | stream | drain | end | gap |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")

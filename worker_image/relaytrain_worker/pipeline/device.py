@@ -58,6 +58,15 @@ def choose(value: str | None, cuda_devices: int, env: Mapping[str, str] | None =
     return "cuda:0"
 
 
+def describe(device: torch.device) -> str:
+    """How the stage's log names where it computes: the card, or the CPU and, when the
+    environment names GPUs, that it sees none of them."""
+    if device.type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return "cpu" if visible is None else f"cpu (CUDA_VISIBLE_DEVICES={visible}: no CUDA device)"
+
+
 def stage_device(value: str | None = None) -> torch.device:
     """The device this stage computes on: `choose` for `value` (default: `DEVICE_ENV`)
     with the CUDA devices torch sees here."""

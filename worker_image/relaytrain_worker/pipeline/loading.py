@@ -17,14 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from relaytrain_contract import StageConfig, TrainingSpec
 from torch import nn
 
 from relaytrain_worker.model.methods import lora_config, setup_method
 from relaytrain_worker.model.model_slice import SliceSpec, StageModel, build_stage_model
 from relaytrain_worker.pipeline.credentials import LinkCredentials
-from relaytrain_worker.pipeline.device import stage_device
+from relaytrain_worker.pipeline.device import describe, stage_device
 from relaytrain_worker.pipeline.evaluation import load_eval_batches
 from relaytrain_worker.pipeline.linkauth import AuthError
 from relaytrain_worker.state.data import MicroBatch, StepData, load_step_data
@@ -109,9 +108,7 @@ def load_stage(cfg: StageConfig) -> Loaded:
         else lora_config(method.rank, method.alpha, method.dropout, method.target_modules)
     )
     trainable = setup_method(stage, method.type, lora, cfg.training.seed, device)
-    if device.type != "cpu":
-        log.info("Stage %d computes on %s (%s)", cfg.stage.index, device,
-                 torch.cuda.get_device_name(device))  # fmt: skip
+    log.info("Stage %d computes on %s", cfg.stage.index, describe(device))
     # With `epochs`, or a run that stops at the end of the data, every stage reads the
     # dataset to derive the same step count.
     stop = cfg.training.end_of_data == "stop"

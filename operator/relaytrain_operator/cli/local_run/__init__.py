@@ -87,7 +87,7 @@ from relaytrain_operator.cli.local_run.layout import (
     local_layout,
     lock_workdir,
 )
-from relaytrain_operator.cli.local_run.report import describe, finish
+from relaytrain_operator.cli.local_run.report import describe, finish, on_gpus
 from relaytrain_operator.cli.local_run.stages import (
     PR_SET_PDEATHSIG,
     PREFORK_ENV,
@@ -203,7 +203,7 @@ def _run_locked(run: LocalRun, progress: bool, started: float) -> int:
         run.write_stage_files()
         print(
             f"relaytrain: {run.job.metadata.name}: {describe(run.layout)}, "
-            f"checkpoints in {run.job_dir}, logs in {run.workdir / 'stages'}"
+            f"checkpoints in {run.job_dir}, logs in {run.workdir / 'stages'}" + on_gpus(run.stages)
         )
         code = run.supervise(progress)
     finally:

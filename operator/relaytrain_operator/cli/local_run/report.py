@@ -6,15 +6,23 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from relaytrain_contract import Progress
 
 from relaytrain_operator.cli.local_run.layout import Layout
+from relaytrain_operator.cli.local_run.stages import StageProc
 
 if TYPE_CHECKING:
     from relaytrain_operator.cli.local_run.supervisor import LocalRun
+
+
+def on_gpus(stages: Sequence[StageProc]) -> str:
+    """`, on GPUs: stage 0 on 0, stage 1 on 1`, or nothing when no stage has a GPU of its own."""
+    placed = [f"{s.name} on {s.gpu}" for s in stages if s.gpu is not None]
+    return f", on GPUs: {', '.join(placed)}" if placed else ""
 
 
 def describe(layout: Layout) -> str:

@@ -28,7 +28,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from relaytrain_contract import LINK_CA_FILE, LINK_CERT_FILE, LINK_KEY_FILE
+from relaytrain_contract import DEVICE_ENV, LINK_CA_FILE, LINK_CERT_FILE, LINK_KEY_FILE
 from relaytrain_contract.prefork import ForkedProcess
 
 from relaytrain_operator.cli.local_run.layout import Layout
@@ -60,17 +60,27 @@ class StageProc:
     """The private folder holding its link certificate, key and the run's CA (`tls.crt`,
     `tls.key`, `ca.crt`), its document's `links.credentialsDir`; None until the run writes
     them (`LocalRun.write_stage_files`) and again once it removed them."""
+    gpu: str | None = None
+    """The GPU it computes on (`CUDA_VISIBLE_DEVICES` of its process), None: the run's own."""
+
+    def env(self, base: dict[str, str]) -> dict[str, str]:
+        """`base` (the run's `stage_env`) with this stage's GPU, when it has one."""
+        return base if self.gpu is None else {**base, "CUDA_VISIBLE_DEVICES": self.gpu}
 
 
-def stage_procs(workdir: Path, layout: Layout) -> list[StageProc]:
+def stage_procs(
+    workdir: Path, layout: Layout, gpus: Sequence[str] | None = None
+) -> list[StageProc]:
     """One StageProc a stage, pipeline after pipeline, with its files under
     `workdir/stages`: `stage-K.{json,log}`, or `pP-stage-K.{json,log}` with several
-    pipelines."""
+    pipelines; the n-th on GPU ``gpus[n mod len(gpus)]`` (default: `local_gpus()`), as a
+    cluster gives each stage pod a GPU of its own."""
     stages_dir = workdir / "stages"
     several = len(layout.splits) > 1
     places = [(p, k) for p, split in enumerate(layout.splits) for k in range(len(split))]
+    gpus = local_gpus() if gpus is None else gpus
     stages = []
-    for p, k in places:
+    for n, (p, k) in enumerate(places):
         base = f"p{p}-stage-{k}" if several else f"stage-{k}"
         stages.append(
             StageProc(
@@ -79,9 +89,44 @@ def stage_procs(workdir: Path, layout: Layout) -> list[StageProc]:
                 stages_dir / f"{base}.log",
                 pipeline=p,
                 name=f"stage p{p}/s{k}" if several else f"stage {k}",
+                gpu=gpus[n % len(gpus)] if gpus else None,
             )
         )
     return stages
+
+
+def local_gpus(
+    environ: dict[str, str] | None = None, listing: Callable[[], str | None] | None = None
+) -> list[str]:
+    """The GPUs this machine offers the run's stages, as `CUDA_VISIBLE_DEVICES` names them:
+    those it lists (up to the first invalid entry, as CUDA reads it), else one per line of
+    `nvidia-smi -L` (`listing`); none when the stages are told to use the CPU
+    (`RELAYTRAIN_DEVICE=cpu`) or nothing lists a GPU."""
+    env = os.environ if environ is None else environ
+    if env.get(DEVICE_ENV, "").strip().lower() == "cpu":
+        return []
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        ids = []
+        for entry in (e.strip() for e in visible.split(",")):
+            if not entry or entry.startswith("-"):
+                break
+            ids.append(entry)
+        return ids
+    text = (listing or _nvidia_smi)()
+    count = sum(1 for line in (text or "").splitlines() if line.startswith("GPU "))
+    return [str(i) for i in range(count)]
+
+
+def _nvidia_smi() -> str | None:
+    """`nvidia-smi -L`'s output, or None where it is missing or fails (no driver)."""
+    try:
+        done = subprocess.run(
+            ["nvidia-smi", "-L"], check=False, capture_output=True, text=True, timeout=20
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout if done.returncode == 0 else None
 
 
 @dataclass

@@ -195,9 +195,9 @@ class LocalRun:
             return
         argv = ["-m", "relaytrain_worker", "--config", str(stage.config_path)]
         with stage.log_path.open("ab") as log:
-            stage.proc = self._forked(argv, log.fileno()) or subprocess.Popen(
+            stage.proc = self._forked(argv, log.fileno(), stage.env(self.env)) or subprocess.Popen(
                 [sys.executable, *argv],
-                env=self.env,
+                env=stage.env(self.env),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 # Its own group: a Ctrl-C in the terminal reaches only us, and stop() can
@@ -212,7 +212,7 @@ class LocalRun:
         stage.failed_at = None
         self._write_state()
 
-    def _forked(self, argv: list[str], log: int) -> ForkedProcess | None:
+    def _forked(self, argv: list[str], log: int, env: dict[str, str]) -> ForkedProcess | None:
         """`argv` forked by the prefork server (started with the first stage; docs/worker.md,
         "Starting"), or None: RELAYTRAIN_PREFORK=0, or a server that failed (said once)."""
         if not self.prefork or not sys.platform.startswith("linux"):  # pidfds, death signals
@@ -224,7 +224,7 @@ class LocalRun:
                         self.env, die_with_supervisor(os.getpid()), own,
                         qlora=self.job.spec.method.type == "qlora",
                     )  # fmt: skip
-            return self._prefork.spawn(argv, self.env, Path.cwd(), stdout=log, stderr=log)
+            return self._prefork.spawn(argv, env, Path.cwd(), stdout=log, stderr=log)
         except PreforkError as err:
             print(f"relaytrain: {err}; each stage starts as a program of its own", file=sys.stderr)
             self.prefork = False
