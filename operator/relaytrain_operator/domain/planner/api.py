@@ -148,7 +148,9 @@ def to_plan(problem: Problem, best: Candidate, search: str, evaluated: int) -> P
         detail = (
             f"Stage {slow} spends {stage.link_seconds:.3g}s sending boundary tensors and "
             f"{stage.compute_seconds:.3g}s computing per micro-batch."
-            + link_bound_advice(problem.training.micro_batches, problem.training.forwards_ahead)
+            + link_bound_advice(
+                problem.training.micro_batches, len(stages), problem.training.forwards_ahead
+            )
         )
         bottleneck = Bottleneck(slow, "link", detail)
     else:
@@ -174,15 +176,16 @@ LINK_BOUND_AHEAD = 2
 """Forwards ahead that hide a link's round trip (measured: docs/links-and-checkpoints.md)."""
 
 
-def link_bound_advice(micro_batches: int, ahead: int) -> str:
+def link_bound_advice(micro_batches: int, stages: int, ahead: int) -> str:
     """What keeps a link-bound pipeline's link busy, when the job has not asked for it: a
-    1F1B step streams at most m / (m + 1) of its time (the first activation and the last
-    gradient cross alone), and without forwards ahead the stage before the link waits a
-    round trip for each gradient. Measured over a kernel-shaped link with 32 micro-batches
-    and four ahead: 90-98 % of the link's bound at 200, 50 and 10 Mbit/s."""
+    1F1B step of m micro-batches over p stages streams at most m / (m + p - 1) of its time
+    (the bubble: the first activation and the last gradient cross alone), and without
+    forwards ahead the stage before the link also waits a round trip for each gradient,
+    which the step time does not price. Measured over a kernel-shaped link with 32
+    micro-batches and four ahead: 90-98 % of the link's bound at 200, 50 and 10 Mbit/s."""
     if micro_batches >= LINK_BOUND_MICRO_BATCHES and ahead >= LINK_BOUND_AHEAD:
         return ""
-    share = micro_batches / (micro_batches + 1)
+    share = micro_batches / (micro_batches + stages - 1)
     return (
         f" With {micro_batches} micro-batches a step the link streams at most {share:.0%} of "
         f"it (fill and drain); more micro-batches (training.microBatches, "
