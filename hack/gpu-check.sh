@@ -28,8 +28,8 @@ PLATFORMS=(manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64
 LIMIT_MIB=64
 # The layout the check imports the repository's packages with, from its source tree.
 SOURCE_PATH=operator:worker_image:testkit:.
-BENCH_TIMEOUT=${BENCH_TIMEOUT:-400}
-TESTS_TIMEOUT=${TESTS_TIMEOUT:-150}
+BENCH_TIMEOUT=${BENCH_TIMEOUT:-380}
+TESTS_TIMEOUT=${TESTS_TIMEOUT:-180}
 
 # requirements: one `name==version --hash=...` line per wheel, every hash the lock lists.
 requirements() {

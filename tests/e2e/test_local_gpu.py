@@ -16,11 +16,11 @@ from relaytrain_testkit.local_jobs import local_job, make_workspace, start_run
 pytestmark = [pytest.mark.e2e, pytest.mark.gpu]
 
 
-def _run(root: Path, name: str, device: str) -> tuple[list[float], str]:
+def _run(root: Path, name: str, device: str, method: str = "lora") -> tuple[list[float], str]:
     job = (
         local_job(root, name)
         .dataset(sequence_length=24)
-        .method(rank=4, alpha=8, target_modules=["q_proj", "v_proj"])
+        .method(method, rank=4, alpha=8, target_modules=["q_proj", "v_proj"])
         .training(steps=8, micro_batch_size=2, micro_batches=2, learning_rate=0.01,
                   warmup_steps=1)
         .checkpoint(str(root / "ckpt"), every_steps=4, keep=2)
@@ -41,3 +41,13 @@ def test_stage_processes_train_on_the_gpu_as_on_the_cpu(tmp_path: Path) -> None:
     assert "computes on cuda:0" in gpu_logs and "computes on cpu" in cpu_logs
     assert len(on_gpu) == len(on_cpu) == 8
     assert on_gpu == pytest.approx(on_cpu, rel=1e-3)
+
+
+def test_qlora_stage_processes_quantise_onto_the_gpu_and_train(tmp_path: Path) -> None:
+    """QLoRA's NF4 base on CUDA (bitsandbytes' GPU kernels; its CPU path differs, so the
+    check is that the loss falls, not that it matches the CPU's)."""
+    pytest.importorskip("bitsandbytes")
+    root = make_workspace(tmp_path, layers=4, records=48)
+    losses, logs = _run(root, "qlora", "cuda", method="qlora")
+    assert "computes on cuda:0" in logs
+    assert len(losses) == 8 and losses[-1] < losses[0], losses
