@@ -1,7 +1,8 @@
 """Tokens/s of a 2-stage pipeline on a rate-limited link, against the bound that link sets.
 
     .venv/bin/python bench/bench_link_bound.py [--quick] [--json OUT]
-        [--shaper pacing|kernel] [--latency-ms MS] [--micro-batches M] [--rows R] [--hidden H]
+        [--shaper pacing|kernel] [--latency-ms MS] [--loss-pct P] [--micro-batches M]
+        [--rows R] [--hidden H]
 
 Two stages of a random Llama run as two threads of this process (`testing.run_pipeline_threads`:
 the worker's real StepRunner, 1F1B, Peers and encrypted loopback links), with the boundary
@@ -132,14 +133,16 @@ def measure(
     kernel: bool = False,
     latency: float = 0.0,
     ahead: int = 0,
+    loss: float = 0.0,
 ) -> dict[str, Any]:
     """One run; with ``kernel`` the namespace's loopback is shaped to ``rate`` (None:
-    unshaped) and the links are not paced."""
+    unshaped: no loss either) and the links are not paced; ``loss``: the chance that a
+    packet is lost (`shaped_links.Shaping.loss`)."""
     if kernel:
         if rate is None:
             shaped_links.unshape()
         else:
-            shaped_links.shape(shaped_links.Shaping(rate))
+            shaped_links.shape(shaped_links.Shaping(rate, loss=loss))
     tokens = sum(int(mb.attention_mask.sum()) for micros in data for mb in micros)
     _events.clear()
     run = run_pipeline_threads(
@@ -172,6 +175,9 @@ def main() -> None:
     parser.add_argument("--shaper", choices=["pacing", "kernel"], default="pacing",
                         help="Link.limit_rate, or htb in a network namespace")  # fmt: skip
     parser.add_argument("--latency-ms", type=float, default=0.0, help="one-way, every link")
+    parser.add_argument("--loss-pct", type=float, default=0.0,
+                        help="packets lost, %% each way (--shaper kernel: iptables in the "
+                        "namespace)")  # fmt: skip
     parser.add_argument("--micro-batches", type=int, help="per step (default 8; 4 --quick)")
     parser.add_argument("--rows", type=int, help="sequences of 128 tokens a micro-batch "
                         "(default 4; 2 --quick)")  # fmt: skip
@@ -204,6 +210,8 @@ def main() -> None:
         schedule="constant", warmupSteps=0, weightDecay=0.0, maxGradNorm=1.0, seed=0,
     )  # fmt: skip
     latency = args.latency_ms / 1000
+    if args.loss_pct and not kernel:
+        parser.error("--loss-pct needs --shaper kernel (pacing loses nothing)")
     how = dict(kernel=kernel, latency=latency, ahead=args.ahead)
     measure(model, data[:1], training, "int8", None, True, **how)  # warm-up: first calls
     rows = []
@@ -211,10 +219,12 @@ def main() -> None:
         ceiling = measure(model, data[1:], training, mode, None, True, **how)["tokens_per_s"]
         for mbit in args.rates:
             for overlap in (True,) if args.encode == "own" else (True, False):
-                got = measure(model, data[1:], training, mode, mbit * MBIT, overlap, **how)
+                got = measure(model, data[1:], training, mode, mbit * MBIT, overlap, **how,
+                              loss=args.loss_pct / 100)  # fmt: skip
                 bound = mbit * MBIT / max(got["down"], got["up"])
                 row = {
-                    "shaper": args.shaper, "latency_ms": args.latency_ms, "micro_batches": m,
+                    "shaper": args.shaper, "latency_ms": args.latency_ms,
+                    "loss_pct": args.loss_pct, "micro_batches": m,
                     "rows": mbs, "hidden": args.hidden,
                     "ahead": args.ahead,
                     "mode": mode, "mbit": mbit, "encode": "own thread" if overlap else "sender",
@@ -228,7 +238,8 @@ def main() -> None:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     print()
-    print(f"shaper {args.shaper}, latency {args.latency_ms:g} ms, hidden {args.hidden}, "
+    print(f"shaper {args.shaper}, latency {args.latency_ms:g} ms, loss {args.loss_pct:g} %, "
+          f"hidden {args.hidden}, "
           f"{m} micro-batches of {mbs} x {seq} tokens a step, "
           f"{args.ahead} extra forwards ahead")  # fmt: skip
     print("| mode | Mbit/s | encode | B/token down | up | link bound tok/s | compute tok/s "

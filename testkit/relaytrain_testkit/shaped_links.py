@@ -21,10 +21,13 @@ shaped. IPv4 only (the filters match IPv4 headers; relaytrain's local links use 
 Latency and loss: the kernel's emulator of both, ``netem``, is missing from kernels built
 without ``sch_netem`` (such as this project's CI machines: "Specified qdisc kind is
 unknown"), so latency is emulated above TCP by the links themselves (``Link.set_latency``,
-a delay line) and loss is not emulated at all. On a real lossy link TCP retransmits what
-was lost (a stall of a round trip, or a 200 ms timeout when a tail is lost) and halves its
-congestion window, so a long fat link with loss delivers less than its rate; relaytrain's
-frames still arrive whole and in order, only later.
+a delay line), and loss by iptables' ``statistic`` match in the namespace
+(``Shaping.loss``: each TCP packet dropped with that chance, loopback's packets made
+Ethernet-sized meanwhile). TCP retransmits what was lost (fast retransmit after duplicate
+acks, or a 200 ms timeout when a tail is lost) and halves its congestion window, so a lossy
+link delivers less than its rate; relaytrain's frames still arrive whole and in order, only
+later. What this does not emulate: TCP sees loopback's round trip, not the delay line's, so
+its recovery is faster than over a long real link.
 
 Usage: ``command([...], Shaping(rate=...))`` builds the argv that runs a command inside
 a shaped namespace; ``shape(...)`` re-shapes the namespace the calling process is in
@@ -71,10 +74,17 @@ class Shaping:
     """Bytes the token bucket holds: what may pass at once after the link was idle."""
     ports: range = PORTS
     """The namespace's local port range, every port of which is shaped (``per_link``)."""
+    loss: float = 0.0
+    """The chance that a TCP packet is lost, each one independently (iptables' `statistic`
+    match drops it on its way out, so in either direction of every link). With loss,
+    loopback carries Ethernet-sized packets (MTU 1500, one segment each), so a loss is one
+    packet's, as on a real link, not a 64 KiB loopback segment's; TCP resends it."""
 
     def __post_init__(self) -> None:
         if self.rate <= 0:
             raise ValueError("the rate must be positive")
+        if not 0.0 <= self.loss < 1.0:
+            raise ValueError(f"loss is a probability in [0, 1), not {self.loss}")
         if self.burst < MIN_BURST:
             raise ValueError(f"a burst under {MIN_BURST} bytes cannot pass a loopback packet")
         if not 1024 <= self.ports.start < self.ports.stop <= 65536 or self.ports.step != 1:
@@ -82,7 +92,8 @@ class Shaping:
 
     def describe(self) -> str:
         how = "htb per link" if self.per_link else "tbf on loopback"
-        return f"{how} at {self.rate * 8 / 1e6:g} Mbit/s, burst {self.burst} B"
+        lost = f", {self.loss:.2%} of packets lost" if self.loss else ""
+        return f"{how} at {self.rate * 8 / 1e6:g} Mbit/s, burst {self.burst} B{lost}"
 
 
 def missing() -> str | None:
@@ -116,6 +127,8 @@ def command(argv: Sequence[str], shaping: Shaping | None, stats: str | None = No
     class carried (``{"classBytes": {port: bytes}, "dropped": packets}``) are written there.
     """
     flags = [] if shaping is None else ["--rate", repr(shaping.rate), "--burst", str(shaping.burst)]
+    if shaping is not None and shaping.loss:
+        flags += ["--loss", repr(shaping.loss)]
     if stats is not None:
         flags += ["--stats", stats]
     if shaping is not None and not shaping.per_link:
@@ -139,6 +152,7 @@ def shape(shaping: Shaping) -> None:
     _set_ports(shaping.ports)
     _tc(["qdisc", "del", "dev", "lo", "root"], check=False)  # none yet: fine
     _tc_batch(_rules(shaping))
+    _set_loss(shaping.loss)
 
 
 def unshape() -> None:
@@ -147,6 +161,7 @@ def unshape() -> None:
     if not inside():
         raise RuntimeError("unshape() outside a namespace made by shaped_links.command()")
     _tc(["qdisc", "del", "dev", "lo", "root"], check=False)  # none: fine
+    _set_loss(0.0)
 
 
 def class_bytes() -> dict[int, int]:
@@ -171,7 +186,33 @@ def dropped() -> int:
     return sum(int(n) for n in re.findall(r"dropped (\d+)", out))
 
 
+def lost() -> int:
+    """Packets the namespace's loss rule dropped so far (`Shaping.loss`; 0 without one)."""
+    if shutil.which("iptables") is None:
+        return 0
+    out = subprocess.run(["iptables", "-L", "OUTPUT", "-v", "-n", "-x"], capture_output=True,
+                         text=True, check=False).stdout  # fmt: skip
+    return sum(int(line.split()[0]) for line in out.splitlines() if "statistic" in line)
+
+
 # -- internals -----------------------------------------------------------------------
+
+
+def _set_loss(loss: float) -> None:
+    """Replace the namespace's loss rule: none, or drop each TCP packet on loopback with
+    probability `loss`, with loopback's packets Ethernet-sized while there is loss."""
+    if loss and shutil.which("iptables") is None:
+        raise RuntimeError("a lossy link needs `iptables` (its statistic match) in the namespace")
+    mtu, segments = ("1500", "1") if loss else ("65536", "65535")
+    subprocess.run(["ip", "link", "set", "dev", "lo", "mtu", mtu, "gso_max_segs", segments],
+                   check=True, capture_output=True)  # fmt: skip
+    if shutil.which("iptables") is not None:
+        subprocess.run(["iptables", "-F", "OUTPUT"], check=True, capture_output=True)
+    if loss:
+        rule = ["-o", "lo", "-p", "tcp", "-m", "statistic", "--mode", "random",
+                "--probability", f"{loss:.6f}", "-j", "DROP"]  # fmt: skip
+        subprocess.run(["iptables", "-A", "OUTPUT", *rule], check=True, capture_output=True)
+
 
 _PORT_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
 """Per network namespace: a process sees (and, as the namespace's root, sets) its own."""
@@ -238,7 +279,8 @@ def _setup(args: argparse.Namespace) -> None:
     if args.rate is None:
         _set_ports(ports)
     else:
-        shaping = Shaping(args.rate, per_link=not args.tbf, burst=args.burst, ports=ports)
+        shaping = Shaping(args.rate, per_link=not args.tbf, burst=args.burst, ports=ports,
+                          loss=args.loss)  # fmt: skip
         shape(shaping)
         os.environ[INSIDE] = shaping.describe()
     if args.stats is None:
@@ -246,7 +288,7 @@ def _setup(args: argparse.Namespace) -> None:
     rc = subprocess.run(args.argv, check=False).returncode
     shaped = {str(port): sent for port, sent in class_bytes().items() if sent}
     with open(args.stats, "w") as f:
-        json.dump({"classBytes": shaped, "dropped": dropped()}, f)
+        json.dump({"classBytes": shaped, "dropped": dropped(), "lost": lost()}, f)
     sys.exit(rc)
 
 
@@ -259,6 +301,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--rate", type=float, help="rate, bytes/s (instead of --mbit)")
     parser.add_argument("--burst", type=int, default=MIN_BURST, help="bucket size, bytes")
     parser.add_argument("--tbf", action="store_true", help="one tbf for all of loopback")
+    parser.add_argument(
+        "--loss", type=float, default=0.0, help="chance that a packet is lost (0.01: 1 %%)"
+    )
     parser.add_argument("--ports", default=f"{PORTS.start}-{PORTS.stop - 1}")
     parser.add_argument("--stats", help="write the bytes each port's class carried here")
     parser.add_argument("argv", nargs=argparse.REMAINDER)
@@ -275,7 +320,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     shaping = None
     if args.rate is not None:
         ports = range(int(start), int(stop) + 1)
-        shaping = Shaping(args.rate, per_link=not args.tbf, burst=args.burst, ports=ports)
+        shaping = Shaping(args.rate, per_link=not args.tbf, burst=args.burst, ports=ports,
+                          loss=args.loss)  # fmt: skip
     full = command(args.argv, shaping, args.stats)
     os.execvp(full[0], full)
 
