@@ -188,7 +188,8 @@ def test_a_corrupt_stage_file_is_never_restored(
 def test_each_stage_process_is_given_a_gpu_of_its_own(workspace: Path, tmp_path: Path) -> None:
     """On a machine with several GPUs (here an `nvidia-smi` that lists two: this one has
     none, so the stages train on the CPU all the same), stage k computes on GPU k: its
-    process sees only that one (`CUDA_VISIBLE_DEVICES`), as a stage pod sees only its own."""
+    process sees only that one (`CUDA_VISIBLE_DEVICES`, by the GPU's UUID), as a stage pod
+    sees only its own."""
     smi = tmp_path / "bin" / "nvidia-smi"
     smi.parent.mkdir()
     smi.write_text("#!/bin/sh\necho 'GPU 0: NVIDIA A100 (UUID: GPU-a)'\n"
@@ -199,10 +200,10 @@ def test_each_stage_process_is_given_a_gpu_of_its_own(workspace: Path, tmp_path:
     proc = start_run(local_job(workspace, "gpus").write(workspace), workdir, env=env)
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out
-    assert "on GPUs: stage 0 on 0, stage 1 on 1" in out
-    for k in (0, 1):
+    assert "on GPUs: stage 0 on GPU-a, stage 1 on GPU-b" in out
+    for k, uuid in enumerate(("GPU-a", "GPU-b")):
         log = (workdir / "stages" / f"stage-{k}.log").read_text()
-        assert f"computes on cpu (CUDA_VISIBLE_DEVICES={k}: no CUDA device)" in log, log[-2000:]
+        assert f"computes on cpu (CUDA_VISIBLE_DEVICES={uuid}: no CUDA device)" in log, log[-2000:]
 
 
 def test_a_stage_with_another_jobs_certificate_is_refused(workspace: Path) -> None:

@@ -1,7 +1,7 @@
 """`relaytrain run --local` gives each stage process a GPU of its own where the machine has
 several, as a cluster gives each stage pod one: the GPUs `CUDA_VISIBLE_DEVICES` lists (up to
-its first invalid entry), else `nvidia-smi -L`'s, none when the stages are told to use the
-CPU or nothing lists a GPU; stages take them in turn."""
+its first invalid entry), else `nvidia-smi -L`'s by UUID, none when the stages are told to
+use the CPU or nothing lists a GPU; stages take them in turn."""
 
 from __future__ import annotations
 
@@ -24,14 +24,15 @@ def _none() -> str | None:
 @pytest.mark.parametrize(
     ("env", "listing", "want"),
     [
-        ({}, lambda: SMI, ["0", "1"]),
+        ({}, lambda: SMI, ["GPU-a", "GPU-b"]),
+        ({}, lambda: "GPU 0: Tesla V100\nGPU 1: Tesla V100\n", ["0", "1"]),  # no UUIDs
         ({}, lambda: None, []),  # no nvidia-smi, or no driver
         ({"CUDA_VISIBLE_DEVICES": "2,3"}, _none, ["2", "3"]),
         ({"CUDA_VISIBLE_DEVICES": "GPU-b, 0"}, _none, ["GPU-b", "0"]),
         ({"CUDA_VISIBLE_DEVICES": "1,-1,2"}, _none, ["1"]),
         ({"CUDA_VISIBLE_DEVICES": ""}, _none, []),
         ({"RELAYTRAIN_DEVICE": "cpu"}, _none, []),
-        ({"RELAYTRAIN_DEVICE": "cuda"}, lambda: SMI, ["0", "1"]),
+        ({"RELAYTRAIN_DEVICE": "cuda"}, lambda: SMI, ["GPU-a", "GPU-b"]),
     ],
 )  # fmt: skip
 def test_the_gpus_a_local_run_offers_its_stages(

@@ -15,6 +15,7 @@ import contextlib
 import ctypes
 import importlib.util
 import os
+import re
 import shutil
 import signal
 import socket
@@ -99,9 +100,10 @@ def local_gpus(
     environ: dict[str, str] | None = None, listing: Callable[[], str | None] | None = None
 ) -> list[str]:
     """The GPUs this machine offers the run's stages, as `CUDA_VISIBLE_DEVICES` names them:
-    those it lists (up to the first invalid entry, as CUDA reads it), else one per line of
-    `nvidia-smi -L` (`listing`); none when the stages are told to use the CPU
-    (`RELAYTRAIN_DEVICE=cpu`) or nothing lists a GPU."""
+    those it lists (up to the first invalid entry, as CUDA reads it), else each GPU of
+    `nvidia-smi -L` (`listing`) by its UUID (CUDA numbers GPUs fastest first unless told
+    otherwise, nvidia-smi by PCI bus: a UUID is the same GPU to both); none when the stages
+    are told to use the CPU (`RELAYTRAIN_DEVICE=cpu`) or nothing lists a GPU."""
     env = os.environ if environ is None else environ
     if env.get(DEVICE_ENV, "").strip().lower() == "cpu":
         return []
@@ -114,8 +116,12 @@ def local_gpus(
             ids.append(entry)
         return ids
     text = (listing or _nvidia_smi)()
-    count = sum(1 for line in (text or "").splitlines() if line.startswith("GPU "))
-    return [str(i) for i in range(count)]
+    gpus = []
+    for line in (text or "").splitlines():
+        if line.startswith("GPU "):
+            uuid = re.search(r"\(UUID: ([^)\s]+)\)", line)
+            gpus.append(uuid.group(1) if uuid else line[4:].split(":", 1)[0].strip())
+    return gpus
 
 
 def _nvidia_smi() -> str | None:
