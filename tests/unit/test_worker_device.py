@@ -81,7 +81,10 @@ def _stage_process(tmp_path: Path, device: str) -> tuple[subprocess.CompletedPro
     return done, message.read_text() if message.exists() else ""
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+@pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="the refusal needs a machine without CUDA; this one has a device (the stage trains)",
+)
 def test_a_stage_told_cuda_on_a_machine_without_one_stops_saying_why(tmp_path: Path) -> None:
     done, message = _stage_process(tmp_path, "cuda")
     assert done.returncode == StageExit.FAILED, done.stderr[-2000:]

@@ -23,7 +23,7 @@ from peft import LoraConfig, inject_adapter_in_model
 from relaytrain_contract.families import lora_targets
 from torch import nn
 
-from relaytrain_worker.model.model_slice import StageModel
+from relaytrain_worker.model.model_slice import StageModel, device_of
 
 ADAPTER = "default"
 TIED_NAME = "model.embed_tokens.weight"
@@ -136,7 +136,7 @@ def setup_method(
     """Make the slice trainable per the job's method on `device` (where it is moved;
     default: where its weights are); return its trainable parameters. QLoRA quantises each
     layer as it moves it, so the full-precision layers never all sit on the device."""
-    device = torch.device(device) if device is not None else _device_of(stage)
+    device = torch.device(device) if device is not None else device_of(stage)
     if method == "full":
         stage.to(device)
         return full_trainable(stage)
@@ -148,10 +148,6 @@ def setup_method(
         quantize_slice(stage, str(device))
     stage.to(device)  # the rest (embedding, norms, head; every layer but QLoRA's)
     return apply_lora(stage.model, lora, seed, quantized=method == "qlora")
-
-
-def _device_of(stage: StageModel) -> torch.device:
-    return next((p.device for p in stage.parameters()), torch.device("cpu"))
 
 
 def peft_key(name: str) -> str:

@@ -126,6 +126,11 @@ class StageModel(nn.Module):
         return hidden
 
 
+def device_of(module: nn.Module) -> torch.device:
+    """Where a module's parameters are (the CPU for one without any)."""
+    return next((p.device for p in module.parameters()), torch.device("cpu"))
+
+
 def build_stage_model(
     model_dir: Path,
     spec: SliceSpec,

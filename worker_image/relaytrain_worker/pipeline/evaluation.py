@@ -32,6 +32,7 @@ import torch
 from relaytrain_contract import DatasetSpec, StageConfig
 from torch import nn
 
+from relaytrain_worker.model.model_slice import device_of
 from relaytrain_worker.pipeline.boundary import MODE, ROWS
 from relaytrain_worker.pipeline.peers import Peers
 from relaytrain_worker.pipeline.schedule import token_loss_sum
@@ -139,7 +140,7 @@ def _pass(
     compression: str,
 ) -> float | None:
     first, last = ends
-    device = next((p.device for p in stage.parameters()), torch.device("cpu"))
+    device = device_of(stage)
     loss_sum = torch.zeros((), dtype=torch.float64)
     tokens = 0
     count = len(batches) if first and batches is not None else None

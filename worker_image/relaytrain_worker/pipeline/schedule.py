@@ -59,7 +59,7 @@ from torch import nn
 from torch.nn import functional
 
 from relaytrain_worker.model.methods import TIED_HEAD_NAME
-from relaytrain_worker.model.model_slice import StageModel
+from relaytrain_worker.model.model_slice import StageModel, device_of
 from relaytrain_worker.pipeline.boundary import MODE, ROWS
 from relaytrain_worker.pipeline.peers import Peers
 from relaytrain_worker.pipeline.stats import (
@@ -174,7 +174,7 @@ class StepRunner:
         gradients and loss are kept apart and given to the group as terms, so that the fold
         over pipelines is single-process accumulation (`replicas/arithmetic.py`, 3). For the
         adapter methods; `full` training gives one accumulated term."""
-        self.device = device if device is not None else _device_of(stage)
+        self.device = device if device is not None else device_of(stage)
         """Where the stage computes: micro-batches and received tensors are moved here."""
         self.on_micro: Callable[[], None] | None = None
         self._input_tokens = 0
@@ -442,8 +442,3 @@ class StepRunner:
 def _flag(short: bool) -> dict[str, bool]:
     """A chain-pass frame's meta: the short mark only when set (the frame as before)."""
     return {"short": True} if short else {}
-
-
-def _device_of(stage: nn.Module) -> torch.device:
-    """Where the stage's parameters are (the CPU for a stage without any)."""
-    return next((p.device for p in stage.parameters()), torch.device("cpu"))
