@@ -13,7 +13,7 @@ pipelines each training one micro-batch of 4 x 24 tokens of every step. Side by 
 - `periodic`, every H steps (and after the last) an outer step that either averages the
   factors one by one (`naive`, what periodic sync does) or merges the adapters exactly
   (`exact`: the means plus the aggregation bias folded into the frozen weight,
-  replicas/lora_merge.py; not in the worker yet), or trains B alone with every A frozen at
+  model/lora_merge.py; the worker's `loraMerge: exact`), or trains B alone with every A frozen at
   its shared initialisation (`frozen-a`: LoRA-FA; averaging B is then the exact mean of
   B @ A, with no state beyond the adapter, and half the values to send), or trains B and A
   in turn (`alternating`, after RoLoRA: between two outer steps one factor rests, the same in
@@ -52,10 +52,11 @@ sys.path[:0] = [str(ROOT), str(ROOT / "testkit")]
 
 from relaytrain_contract import TrainingSpec  # noqa: E402
 from relaytrain_testkit.tiny_models import tiny_model_dir  # noqa: E402
+from relaytrain_worker.model import lora_merge  # noqa: E402
 from relaytrain_worker.model.methods import apply_lora, lora_config  # noqa: E402
 from relaytrain_worker.model.training import make_optimizer, optimizer_step  # noqa: E402
 from relaytrain_worker.pipeline.schedule import token_loss_sum  # noqa: E402
-from relaytrain_worker.replicas import lora_merge, outer_codec  # noqa: E402
+from relaytrain_worker.replicas import outer_codec  # noqa: E402
 from relaytrain_worker.state.data import MicroBatch  # noqa: E402
 
 R, SEQ, ROWS, VOCAB = 4, 24, 4, 300

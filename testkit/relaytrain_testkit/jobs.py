@@ -257,13 +257,21 @@ class Job:
             compression=compression,
         )
 
-    def sync(self, mode: str, every_steps: int | None = None, outer_code: str | None = None) -> Job:
+    def sync(
+        self,
+        mode: str,
+        every_steps: int | None = None,
+        outer_code: str | None = None,
+        lora_merge: str | None = None,
+    ) -> Job:
         """How the pipelines keep their weights equal (`spec.pipeline.sync`, replaced)."""
         sync: dict[str, Any] = {"mode": mode}
         if every_steps is not None:
             sync["everySteps"] = every_steps
         if outer_code is not None:
             sync["outerCode"] = outer_code
+        if lora_merge is not None:
+            sync["loraMerge"] = lora_merge
         return self.set("spec.pipeline.sync", sync)
 
     def placement(

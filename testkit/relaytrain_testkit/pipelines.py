@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 import torch
 from relaytrain_contract import TrainingSpec
+from relaytrain_worker.model.lora_merge import Fold
 from relaytrain_worker.model.methods import TIED_NAME, lora_config, setup_method
 from relaytrain_worker.model.model_slice import BUILD_LOCK, SliceSpec, StageModel, build_stage_model
 from relaytrain_worker.model.training import make_optimizer, optimizer_step
@@ -124,6 +125,7 @@ def run_data_parallel_threads(
     link_rate: float | None = None,
     sync_every: int | None = None,
     sync_code: str = "float64",
+    sync_exact: bool = False,
     step_shares: Sequence[Sequence[int]] | None = None,
     grads: Literal["every", "last"] = "every",
 ) -> list[PipelineRun]:
@@ -170,7 +172,7 @@ def run_data_parallel_threads(
             model_dir, splits, per_pipeline, training,
             credentials=credentials, groups=groups, method=method, compression="none",
             lora=lora, link_rate=link_rate, overlap_encode=True, record_steps=True,
-            sync_every=sync_every, sync_code=sync_code, grads=grads,
+            sync_every=sync_every, sync_code=sync_code, sync_exact=sync_exact, grads=grads,
         )  # fmt: skip
     finally:
         for group in groups.values():
@@ -227,6 +229,7 @@ def _run_pipelines(
     record_steps: bool,
     sync_every: int | None = None,
     sync_code: str = "float64",
+    sync_exact: bool = False,
     warmup: int = 0,
     grads: Literal["every", "last"] = "every",
     link_latency: float = 0.0,
@@ -313,8 +316,9 @@ def _run_pipelines(
             if sync_every is not None:
                 assert group is not None
                 outer = PeriodicSync.of(
-                    runner, group, every=sync_every, total=len(steps[p]), code=sync_code
-                )
+                    runner, group, every=sync_every, total=len(steps[p]), code=sync_code,
+                    fold=Fold(stage.model), exact=sync_exact,
+                )  # fmt: skip
             started = time.perf_counter()
             last = len(steps[p]) - 1
             for s, micros in enumerate(steps[p]):

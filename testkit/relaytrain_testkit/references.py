@@ -74,6 +74,7 @@ def run_periodic_reference(
     method: Literal["lora", "full"] = "lora",
     lora: dict[str, Any] | None = None,
     code: str = "float64",
+    merge: Literal["average", "exact"] = "average",
 ) -> PipelineRun:
     """Periodic synchronisation as its definition says, in one process: one unsplit model
     and optimizer per pipeline, each stepping on its share of every step with its loss
@@ -86,7 +87,13 @@ def run_periodic_reference(
     With a low-bit `code` (`sync.outerCode`) the average is instead: every replica's update
     since the last average plus its residual, coded (`outer_codec.encode`, the rotation of
     the step), and every weight set to the last average plus the token-weighted mean of the
-    decoded updates; each replica keeps what its code left out."""
+    decoded updates; each replica keeps what its code left out.
+
+    With `merge="exact"` (`sync.loraMerge`) every LoRA layer of every replica becomes the
+    token-weighted mean of the replicas' layers (of their decoded values, with a code): B
+    and A their means, and the rest of ``mean(B_q @ A_q)``, times the scaling, added to the
+    frozen weight as it was before the first step, accumulated in float32 and rounded once
+    (`_exact_outer`)."""
     from relaytrain_worker.replicas import outer_codec
 
     replicas = [_reference_model(model_dir, training, method, lora) for _ in shares]
@@ -96,6 +103,7 @@ def run_periodic_reference(
     bits = None if code == "float64" else outer_codec.bits_of(code)
     anchor = {n: p.detach().to(torch.float32, copy=True) for n, p in replicas[0][1]}
     residual = [{n: torch.zeros_like(a) for n, a in anchor.items()} for _ in shares]
+    folds: dict[str, torch.Tensor] = {}
     for s, micros in enumerate(steps):
         loss_total, items_total = 0.0, 0
         for q, (model, trainable, optimizer, scheduler) in enumerate(replicas):
@@ -107,6 +115,11 @@ def run_periodic_reference(
         run.losses.append(loss_total / items_total)
         if (s + 1) % every == 0 or s + 1 == len(steps):
             with torch.no_grad():
+                if merge == "exact":
+                    _exact_outer(replicas, weights, anchor, residual, bits, s + 1, folds)
+                    weights = [0] * len(shares)
+                    run.step_params.append({n: p.detach().clone() for n, p in replicas[0][1]})
+                    continue
                 for name, _ in replicas[0][1]:
                     held = [dict(r[1])[name] for r in replicas]
                     if bits is not None:
@@ -132,6 +145,66 @@ def run_periodic_reference(
         run.step_params.append({n: p.detach().clone() for n, p in replicas[0][1]})
     run.params = dict(run.step_params[-1])
     return run
+
+
+def _exact_outer(
+    replicas: list[Any],
+    weights: list[int],
+    anchor: dict[str, torch.Tensor],
+    residual: list[dict[str, torch.Tensor]],
+    bits: int | None,
+    step: int,
+    folds: dict[str, torch.Tensor],
+) -> None:
+    """`run_periodic_reference`'s outer step with the exact LoRA merge (see there)."""
+    from relaytrain_worker.model.lora_merge import exact_merge
+    from relaytrain_worker.replicas import outer_codec
+
+    values: dict[str, list[torch.Tensor]] = {}
+    for name, _ in replicas[0][1]:
+        held = [dict(r[1])[name].detach() for r in replicas]
+        if bits is None:
+            values[name] = [h.to(torch.float64) for h in held]
+            continue
+        values[name] = []
+        for q, h in enumerate(held):
+            update = h.float() - anchor[name] + residual[q][name]
+            code, residual[q][name] = outer_codec.encode(update, weights[q], bits, step)
+            decoded = outer_codec.decode(code, anchor[name].numel(), bits, step)[1]
+            values[name].append(anchor[name] + decoded.reshape(anchor[name].shape))
+    new: dict[str, torch.Tensor] = {}
+    for name, bs in values.items():
+        if ".lora_B." not in name:
+            continue
+        a_name = name.replace(".lora_B.", ".lora_A.")
+        factors = [(float(w), b, a) for w, b, a in zip(weights, bs, values[a_name], strict=True)
+                   if w > 0]  # fmt: skip
+        new[name], new[a_name], fold = exact_merge(factors)
+        module = name.split(".lora_B.")[0]
+        first = replicas[0][0].get_submodule(module)
+        delta = (fold.T if getattr(first, "fan_in_fan_out", False) else fold) * float(
+            first.scaling["default"]
+        )
+        folds[module] = delta if module not in folds else folds[module] + delta
+        for model, _, _, _ in replicas:
+            layer = model.get_submodule(module)
+            weight = layer.base_layer.weight
+            if not hasattr(layer, "_reference_w0"):  # the weight before any fold
+                layer._reference_w0 = weight.detach().clone()
+            w0 = layer._reference_w0
+            weight.copy_((w0.float() + folds[module]).to(w0.dtype))
+    for name, vs in values.items():
+        if name not in new:
+            acc = torch.zeros_like(vs[0], dtype=torch.float64)
+            for w, v in zip(weights, vs, strict=True):  # in pipeline order
+                acc += float(w) * v.to(torch.float64)
+            new[name] = acc / sum(weights)
+    for name, value in new.items():
+        if bits is not None:
+            anchor[name] = value.to(torch.float32)
+        for r in replicas:
+            param = dict(r[1])[name]
+            param.copy_(value.reshape(param.shape).to(param.dtype))
 
 
 def _reference_model(

@@ -20,9 +20,13 @@ class Case(NamedTuple):
     path: str  # dotted path from the manifest root, e.g. "spec.training.steps"
     value: Any  # DELETE removes the field
     field: str  # the field the error must name
+    also: tuple[tuple[str, Any], ...] = ()
+    """Other fields set first (a case that is invalid only with them)."""
 
     def apply(self, job: Job) -> Job:
         """`job` with this case's field set (or removed)."""
+        for path, value in self.also:
+            job = job.set(path, value)
         return job.unset(self.path) if self.value is DELETE else job.set(self.path, self.value)
 
 
@@ -86,6 +90,19 @@ INVALID_CASES = [
         "spec.pipeline.sync",
         {"mode": "periodic", "everySteps": 4, "outerCode": "int3"},
         "spec.pipeline.sync.outerCode",
+    ),
+    Case(
+        "exact-merge-with-qlora",
+        "spec.pipeline.sync",
+        {"mode": "periodic", "everySteps": 4, "loraMerge": "exact"},
+        "spec.pipeline.sync.loraMerge",
+        also=(("spec.method.type", "qlora"),),
+    ),
+    Case(
+        "lora-merge-word",
+        "spec.pipeline.sync",
+        {"mode": "periodic", "everySteps": 4, "loraMerge": "mean"},
+        "spec.pipeline.sync.loraMerge",
     ),
     Case("lora-rank-zero", "spec.method.rank", 0, "spec.method.rank"),
     Case("dropout-1.5", "spec.method.dropout", 1.5, "spec.method.dropout"),

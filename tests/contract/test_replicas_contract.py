@@ -240,6 +240,11 @@ INVALID = [
     ),
     ("unknown-field", lambda r: r.update(outer="nesterov"), "replicas.outer: unknown field"),
     (
+        "lora-merge-word",
+        lambda r: r.update(sync={"mode": "periodic", "everySteps": 4, "loraMerge": "mean"}),
+        "replicas.sync.loraMerge",
+    ),
+    (
         "periodic-without-every",
         lambda r: r.update(sync={"mode": "periodic"}),
         "replicas.sync.everySteps: must be set exactly when mode is periodic",
@@ -324,3 +329,20 @@ def test_the_replica_links_connect_with_the_minted_certificates() -> None:
                 link.close()
         for replicas in stages.values():
             replicas.close()
+
+
+def test_an_exact_merge_of_a_qlora_job_is_refused_naming_the_field(
+    documents: list[list[dict[str, Any]]],
+) -> None:
+    # A 4-bit frozen weight cannot take the exact merge's fold: the stage document says so
+    # before the stage loads anything (the FineTuneJob's admission refuses it first).
+    document = _edit(documents[1][1], lambda r: r.update(
+        sync={"mode": "periodic", "everySteps": 4, "loraMerge": "exact"}))  # fmt: skip
+    document["method"]["type"] = "qlora"
+    with pytest.raises(ConfigError) as refused:
+        StageConfig.from_json(json.dumps(document))
+    assert "replicas.sync.loraMerge: exact merges fold into the frozen weights" in str(
+        refused.value
+    )
+    document["replicas"]["sync"]["loraMerge"] = "auto"
+    StageConfig.from_json(json.dumps(document))

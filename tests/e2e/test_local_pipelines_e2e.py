@@ -97,6 +97,14 @@ def _adapter(root: Path, name: str) -> dict[str, Any]:
     return safetensors.torch.load_file(str(path))
 
 
+def _folds(root: Path, name: str) -> dict[str, Any]:
+    """The output's exact-merge folds (`lora_fold.safetensors`) by weight name."""
+    import safetensors.torch
+
+    path = root / "ckpt" / "default" / name / "output" / "lora_fold.safetensors"
+    return safetensors.torch.load_file(str(path))
+
+
 def _step_tokens(root: Path, name: str) -> int:
     """Non-padding tokens of the last step, from progress.json: tokens/s x seconds."""
     record = progress(root / "ckpt", name)
@@ -612,6 +620,7 @@ def test_periodic_pipelines_average_their_weights_and_ride_out_a_kill(
     name, workdir = "periodic", workspace / "wd-periodic"
     started = time.monotonic()
     sync = {"mode": "periodic", "everySteps": PERIODIC_EVERY, "outerCode": "int2"}
+    sync["loraMerge"] = "auto"  # the default, written into every stage document
     periodic = fleet(workspace, name, replicas=2, steps=KILL_STEPS, every=PERIODIC_COMMIT)
     job = periodic.sync("periodic", PERIODIC_EVERY, "int2").write(workspace)
     proc = _started_run(job, workdir, [*PIPELINES, "--shares", "2,1"])
@@ -646,6 +655,12 @@ def test_periodic_pipelines_average_their_weights_and_ride_out_a_kill(
     assert found is not None
     step_at = int(float(found.group(1)))  # p0/s0's step when its /metrics were last read
     adapter = _adapter(workspace, name)
+    # Two pipelines with codes: `loraMerge: auto` merged them exactly, so the output also
+    # holds what the merges folded into each adapted weight (killed and rejoined or not).
+    folds = _folds(workspace, name)
+    adapted = {re.sub(r"^base_model\.model\.|\.lora_[AB]\.weight$", "", n) for n in adapter}
+    assert set(folds) == {f"{m}.weight" for m in adapted}
+    assert all(float(t.abs().max()) > 0 for t in folds.values())
     layers01 = [t for n, t in adapter.items() if re.search(r"\.layers\.[01]\.", n)]
     numel, names = sum(t.numel() for t in layers01), len(layers01)
     received = sum(

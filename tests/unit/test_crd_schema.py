@@ -301,6 +301,7 @@ def test_every_cel_rule_is_kept_where_it_was() -> None:
             (".", ""),  # metadata.name
             *((".", f".spec.{field}") for field in fixed),
             (".spec", ".pipeline.replicas"),
+            (".spec", ".pipeline.sync.loraMerge"),
             (".spec", ".training.evalEverySteps"),
             (".spec.dataset.validation", ".uri"),
             (".spec.training", ".steps"),

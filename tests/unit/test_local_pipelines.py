@@ -134,9 +134,9 @@ def test_an_unsupported_model_type_is_refused_before_any_stage(tmp_path: Path) -
 
 
 def test_periodic_sync_reaches_every_stage_document(tmp_path: Path) -> None:
-    sync = {"mode": "periodic", "everySteps": 4, "outerCode": "int2"}
+    sync = {"mode": "periodic", "everySteps": 4, "outerCode": "int2", "loraMerge": "average"}
     run = LocalRun.prepare(
-        _on_disk(PIPES.pipeline(replicas=2).sync("periodic", 4, "int2"), tmp_path),
+        _on_disk(PIPES.pipeline(replicas=2).sync("periodic", 4, "int2", "average"), tmp_path),
         tmp_path / "wd",
         [2, 1],
     )

@@ -262,8 +262,8 @@ def test_a_replacement_that_waits_for_a_gpu_says_which_pipeline() -> None:
 
 
 def test_periodic_sync_reaches_every_stage_of_every_pipeline() -> None:
-    sync = {"mode": "periodic", "everySteps": 4, "outerCode": "int2"}
-    decision = decide(observed(FLEET.sync("periodic", 4, "int2").build()), SETTINGS)
+    sync = {"mode": "periodic", "everySteps": 4, "outerCode": "int2", "loraMerge": "exact"}
+    decision = decide(observed(FLEET.sync("periodic", 4, "int2", "exact").build()), SETTINGS)
     assert decision.status is not None and decision.status.plan is not None
     assert decision.status.phase != "Failed"
     configs = {

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 from relaytrain_testkit.tiny_models import tiny_model_dir
+from relaytrain_worker.model import lora_merge
 from relaytrain_worker.model.methods import apply_lora, lora_config
-from relaytrain_worker.replicas import lora_merge, outer_codec
+from relaytrain_worker.replicas import outer_codec
 
 pytestmark = pytest.mark.unit
 

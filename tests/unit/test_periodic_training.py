@@ -50,11 +50,12 @@ def _run(
     method: Literal["lora", "full"] = "lora",
     replicas: Literal["memory", "links"] = "memory",
     code: str = "float64",
+    exact: bool = False,
 ) -> list[PipelineRun]:
     return run_data_parallel_threads(
         model_dir, splits, SHARES, steps, TRAINING,
         credentials=pipeline_credentials([len(s) for s in splits]), method=method,
-        replicas=replicas, sync_every=every, sync_code=code,
+        replicas=replicas, sync_every=every, sync_code=code, sync_exact=exact,
     )  # fmt: skip
 
 
@@ -148,3 +149,23 @@ def test_an_outer_step_weighted_by_anything_but_the_tokens_fails_the_comparison(
     runs = _run(llama_dir, steps, 2)
     with pytest.raises(AssertionError):
         _assert_periodic(runs, ref, 2, atol=1e-6)
+
+
+@pytest.mark.parametrize(("code", "replicas"), [("float64", "links"), ("int2", "memory")])
+def test_the_exact_lora_merge_follows_its_definition(
+    llama_dir: Path, code: str, replicas: Literal["memory", "links"]
+) -> None:
+    # `loraMerge: exact`: every replica's layer becomes the token-weighted mean of the
+    # pipelines' layers, B and A their means and the rest folded into the frozen weight.
+    # The losses after each outer step see the folded weights: they match the reference's
+    # to the bit only when the fold is right.
+    steps = masked_batches(6, 3)
+    ref = run_periodic_reference(llama_dir, SHARES, steps, TRAINING, 2, code=code, merge="exact")
+    runs = _run(llama_dir, steps, 2, code=code, exact=True, replicas=replicas)
+    _assert_periodic(runs, ref, 2)
+    # Averaging the factors one by one trains other weights. At the first outer step every
+    # A is still its initialisation (B starts at zero, so A's first gradient is zero) and
+    # nothing is folded; from the second on the two merges part.
+    naive = run_periodic_reference(llama_dir, SHARES, steps, TRAINING, 2, code=code)
+    assert naive.losses[:4] == ref.losses[:4]
+    assert naive.losses[4:] != pytest.approx(ref.losses[4:], rel=1e-9)

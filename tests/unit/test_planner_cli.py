@@ -371,3 +371,23 @@ def test_leave_names_nodes_of_the_fleet(tmp_path, model_config, capsys):
     assert "--leave 'h100-9': no node named h100-9 in the fleet; its nodes: a100-0, a100-1" in err
     assert relaytrain(*base, "--nodes", str(HACK_POOLS), "--leave", "h100-0") == 2
     assert "--nodes is a pools file without node names: give a NodeList" in capsys.readouterr().err
+
+
+def test_an_explicit_exact_merge_of_float64_weights_prices_a_gather(tmp_path, model_config, capsys):
+    """`loraMerge: exact` needs every pipeline's factors: float64 weights among four
+    pipelines are gathered, (R - 1)^2 copies at the star's leader instead of a sum's R - 1;
+    `auto` (float64 among more than two) averages and is priced as the sum."""
+    common = ["--nodes", str(MIXED_NODES), "--model-config", str(model_config),
+              "--replicas", "4", "--json"]  # fmt: skip
+    sync = {"mode": "periodic", "everySteps": 8}
+    priced = {}
+    for merge in ("auto", "exact"):
+        job = LORA.set("spec.pipeline.sync", {**sync, "loraMerge": merge})
+        assert relaytrain("plan", str(job.write(tmp_path / f"{merge}.yaml")), *common) == 0
+        priced[merge] = json.loads(capsys.readouterr().out)["sync"]
+    assert priced["exact"]["collective"] == "all-gather"
+    assert priced["exact"]["gradientBytes"] == priced["auto"]["gradientBytes"]
+    ratio = (
+        priced["exact"]["predictedBandwidthSeconds"] / priced["auto"]["predictedBandwidthSeconds"]
+    )
+    assert ratio == pytest.approx(3, rel=0.01)  # (4 - 1)^2 copies against 4 - 1

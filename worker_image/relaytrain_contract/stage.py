@@ -29,6 +29,31 @@ PipelineSchedule = Literal["1f1b"]
 Compression = Literal["none", "bf16", "int8", "int4", "delta"]
 SyncMode = Literal["synchronous", "periodic"]
 OuterCode = Literal["float64", "int4", "int2", "int1"]
+LoraMerge = Literal["auto", "exact", "average"]
+
+
+def lora_merge_of(
+    method: str, merge: str, code: str = "float64", pipelines: int = 2
+) -> Literal["exact", "average"]:
+    """What `sync.loraMerge` means for a job of `method` whose outer steps send `code`
+    among `pipelines` pipelines. `auto` merges `lora` exactly wherever that costs no more
+    bytes than averaging: with an outer code (every pipeline gets every pipeline's code
+    either way) or between two pipelines; float64 weights among three or more would have to
+    be gathered instead of summed. `qlora` and `full` average (`full` has no factors: the
+    average is exact). ValueError for `exact` with `qlora`: its 4-bit weights cannot take
+    the fold."""
+    if merge == "exact" and method == "qlora":
+        raise ValueError(
+            "exact merges fold into the frozen weights, which qlora keeps in 4 bits; "
+            "use average (or auto) with qlora"
+        )
+    if method != "lora" or merge == "average":
+        return "average"
+    if merge == "exact" or code != "float64" or pipelines <= 2:
+        return "exact"
+    return "average"
+
+
 Dtype = Literal["float32", "bfloat16", "float16"]
 
 Count = Annotated[int, Field(ge=1)]
@@ -292,6 +317,15 @@ class SyncSpec(_Part):
     """What an outer step sends: `float64` weights (the exact token-weighted mean) or an
     error-fed low-bit code of each pipeline's update (`int4`, `int2`, `int1`; periodic only;
     docs/worker.md, "Periodic synchronisation")."""
+    lora_merge: LoraMerge = "auto"
+    """How a periodic outer step merges the pipelines' LoRA adapters: `exact` (every
+    replica's layer becomes exactly the token-weighted mean of the pipelines' layers: the
+    factors' means, with the rest of ``mean(B_q A_q)`` folded into the frozen weight, which
+    is then part of checkpoints and the output as a float32 delta of each adapted weight),
+    `average` (B and A averaged one by one: ``mean(B) mean(A)`` is not ``mean(B A)``), or
+    `auto`: `exact` for `lora` wherever it sends no more bytes (with an outer code, or
+    between two pipelines), else `average`; `qlora` (4-bit weights take no fold) and `full`
+    (no factors) always average."""
 
     @model_validator(mode="after")
     def _every(self) -> SyncSpec:
@@ -458,6 +492,10 @@ class StageConfig(_Part):
     def _check_replicas(self, replicas: ReplicasSpec) -> None:
         """The shares fill the step (more, with pipelines out keeping theirs); every other
         pipeline's peers cover this stage's layers with contiguous stages."""
+        try:
+            lora_merge_of(self.method.type, replicas.sync.lora_merge)
+        except ValueError as exc:
+            raise field_error("replicas.sync.loraMerge", f"{exc}, got exact") from None
         total = sum(replicas.shares)
         if total < self.training.micro_batches:
             raise field_error(

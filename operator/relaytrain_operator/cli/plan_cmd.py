@@ -158,7 +158,8 @@ def _sync(args: argparse.Namespace, job: Sync) -> Sync:
             raise InputError(
                 "--sync periodic needs --sync-every H (steps between synchronisations)"
             )
-        return Sync("periodic", every, args.outer_code or (job.code if periodic else "float64"))
+        code = args.outer_code or (job.code if periodic else "float64")
+        return Sync("periodic", every, code, job.exact)
     if args.outer_code not in (None, "float64"):
         raise InputError(f"--outer-code {args.outer_code} needs --sync periodic (outer steps)")
     if args.sync_every is not None:
@@ -322,6 +323,9 @@ def _inputs(args: argparse.Namespace) -> _Inputs:
             spec.pipeline.sync.mode,
             spec.pipeline.sync.every_steps or 1,
             spec.pipeline.sync.outer_code,
+            # `auto` gathers only where an outer code does anyway (or two pipelines, where
+            # a gather costs what a sum does): the price is an explicit `exact`'s.
+            spec.method.type == "lora" and spec.pipeline.sync.lora_merge == "exact",
         ),
         joining,
         leaving,

@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from relaytrain_contract.stage import lora_merge_of
 
 from relaytrain_operator.spec import patterns
 from relaytrain_operator.spec.errors import SpecError, field_error, format_errors
@@ -64,6 +65,14 @@ class FineTuneJobSpec(SpecModel):
                 "spec.pipeline.replicas must not exceed spec.training.microBatches: every "
                 "pipeline trains at least one micro-batch of each step.",
                 field=".pipeline.replicas",
+            ),
+            Rule(
+                "!has(self.method) || !has(self.method.type) || self.method.type != 'qlora' || "
+                "!has(self.pipeline) || !has(self.pipeline.sync) || "
+                "!has(self.pipeline.sync.loraMerge) || self.pipeline.sync.loraMerge != 'exact'",
+                "spec.pipeline.sync.loraMerge exact folds into the frozen weights, which "
+                "qlora keeps in 4 bits: use average or auto with spec.method.type qlora.",
+                field=".pipeline.sync.loraMerge",
             ),
             Rule(
                 "!has(self.training.evalEverySteps) || self.training.evalEverySteps == 0 || "
@@ -114,6 +123,14 @@ class FineTuneJobSpec(SpecModel):
                 f"must not exceed training.microBatches ({micro}): every pipeline trains at "
                 f"least one micro-batch of each step, got {replicas}",
             )
+        return self
+
+    @model_validator(mode="after")
+    def _a_merge_that_fits(self) -> FineTuneJobSpec:
+        try:
+            lora_merge_of(self.method.type, self.pipeline.sync.lora_merge)
+        except ValueError as exc:
+            raise field_error("pipeline.sync.loraMerge", f"{exc}, got exact") from None
         return self
 
     @model_validator(mode="after")

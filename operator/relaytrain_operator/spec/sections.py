@@ -21,7 +21,7 @@ from relaytrain_contract import (
     Truncation,
 )
 from relaytrain_contract.camel import CAMEL_CASE
-from relaytrain_contract.stage import EndOfData, OuterCode, SyncMode
+from relaytrain_contract.stage import EndOfData, LoraMerge, OuterCode, SyncMode
 
 from relaytrain_operator.spec import patterns
 from relaytrain_operator.spec.errors import field_error
@@ -303,6 +303,15 @@ class SyncSpec(SpecModel):
     each pipeline's update since the last outer step (what a code leaves out goes with the
     next one): 15x, 28x, 51x fewer bytes on the replica links than `float64` with two
     pipelines, 7.5x, 14x, 26x with four (every pipeline receives every other's code)."""
+    lora_merge: LoraMerge = "auto"
+    """How a periodic outer step merges the pipelines' LoRA adapters: `exact` (every
+    replica's layer becomes exactly the token-weighted mean of the pipelines' layers: the
+    factors' means, with the rest of ``mean(B_q A_q)`` folded into the frozen weight, which
+    is then part of checkpoints and the output as a float32 delta of each adapted weight),
+    `average` (B and A averaged one by one: ``mean(B) mean(A)`` is not ``mean(B A)``), or
+    `auto`: `exact` for `lora` wherever it sends no more bytes (with an outer code, or
+    between two pipelines), else `average`; `qlora` (4-bit weights take no fold) and `full`
+    (no factors) always average."""
 
     @model_validator(mode="after")
     def _every(self) -> SyncSpec:

@@ -1,6 +1,8 @@
 """A stage's checkpoint files: what it saves (`stage_files`) and how it takes them back —
 its own files of a commit (`load_files`), the files of a commit another split wrote, by
-parameter name (`load_by_name`), or the state before step 0 (`reset_weights`).
+parameter name (`load_by_name`), or the state before step 0 (`reset_weights`). With the
+exact LoRA merge the folded frozen weights (`lora_merge.Fold`) are part of that state, in
+`FOLD_FILE`: every restore sets them, from the file or back to the model file's.
 
 Weights and optimizer state are keyed by global parameter name, never by position, so any
 split restores any checkpoint (DESIGN.md, "Several pipelines").
@@ -17,6 +19,7 @@ import torch
 from relaytrain_contract import StageConfig
 from torch import nn
 
+from relaytrain_worker.model.lora_merge import FOLD_FILE, Fold
 from relaytrain_worker.model.methods import init_lora
 from relaytrain_worker.model.model_slice import StageModel, build_stage_model
 from relaytrain_worker.model.training import load_merged_state, load_state_bytes, state_bytes
@@ -43,18 +46,35 @@ def stage_files(
     trainable: Trainable,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
+    *,
+    fold: Fold | None = None,
 ) -> dict[str, bytes]:
-    """This stage's files of checkpoint `step`: trainable weights, state and meta."""
+    """This stage's files of checkpoint `step`: trainable weights, state and meta (and the
+    fold, when an exact merge has folded anything)."""
     tensors = {name: p.detach().contiguous() for name, p in trainable}
     meta = {
         "step": step, "dataStep": step, "stage": cfg.stage.index,
         "layerStart": cfg.stage.layer_start, "layerEnd": cfg.stage.layer_end,
     }  # fmt: skip
-    return {
+    files = {
         TRAINABLE_FILE: safetensors.torch.save(tensors),
         STATE_FILE: state_bytes(optimizer, scheduler, param_names(trainable)),
         META_FILE: json.dumps(meta).encode(),
     }
+    if fold:
+        files[FOLD_FILE] = safetensors.torch.save(fold.tensors())
+    return files
+
+
+def _load_fold(fold: Fold | None, parts: Sequence[dict[str, bytes]]) -> None:
+    """Set `fold` from the parts' fold files (none: every layer its model file's weight)."""
+    if fold is None:
+        return
+    tensors: dict[str, torch.Tensor] = {}
+    for files in parts:
+        if FOLD_FILE in files:
+            tensors.update(safetensors.torch.load(files[FOLD_FILE]))
+    fold.load(tensors)
 
 
 def load_files(
@@ -62,12 +82,14 @@ def load_files(
     trainable: Trainable,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
+    fold: Fold | None = None,
 ) -> None:
     """Take the weights and state of this stage's own files of a commit."""
     tensors = safetensors.torch.load(files[TRAINABLE_FILE])
     with torch.no_grad():
         for name, param in trainable:
             param.copy_(tensors[name])
+    _load_fold(fold, [files])
     load_state_bytes(files[STATE_FILE], optimizer, scheduler, param_names(trainable))
     optimizer.zero_grad(set_to_none=True)
 
@@ -80,6 +102,7 @@ def load_by_name(
     *,
     step: int,
     source: int,
+    fold: Fold | None = None,
 ) -> None:
     """Take the weights and state of every trainable name from `parts`, the files of the
     stages of pipeline `source` that hold this stage's layers in commit `step` (their split
@@ -97,12 +120,18 @@ def load_by_name(
     with torch.no_grad():
         for name, param in trainable:
             param.copy_(tensors[name])
+    _load_fold(fold, parts)
     load_merged_state([f[STATE_FILE] for f in parts], optimizer, scheduler, names)
     optimizer.zero_grad(set_to_none=True)
 
 
-def reset_weights(cfg: StageConfig, model_dir: Path, stage: StageModel) -> None:
-    """The weights before step 0: a fresh adapter, or the base weights re-read (`full`)."""
+def reset_weights(
+    cfg: StageConfig, model_dir: Path, stage: StageModel, fold: Fold | None = None
+) -> None:
+    """The weights before step 0: a fresh adapter on the model file's weights, or the base
+    weights re-read (`full`)."""
+    if fold is not None:
+        fold.clear()
     if cfg.method.type == "full":
         fresh = build_stage_model(model_dir, stage.spec, cfg.model.dtype)
         fresh_params = dict(fresh.model.named_parameters())

@@ -35,6 +35,7 @@ import time
 import torch
 from relaytrain_contract import StageConfig
 
+from relaytrain_worker.model.lora_merge import Fold
 from relaytrain_worker.model.methods import TIED_NAME
 from relaytrain_worker.model.training import make_optimizer, optimizer_step
 from relaytrain_worker.pipeline.evaluation import due, evaluate
@@ -86,6 +87,8 @@ class StageRuntime:
         self.model_dir = loaded.model_dir
         self.stage = loaded.stage
         self.trainable = loaded.trainable
+        self.fold = Fold(self.stage.model)
+        """What the exact LoRA merge folded into the frozen weights (periodic sync)."""
         self.data = loaded.data
         self._report_due = cfg.stage.is_first and self.data is not None
         """Stage 0 writes its example counts once, after its links are up (a stage that
@@ -145,7 +148,7 @@ class StageRuntime:
         if source != self.pipeline or stages != self.count:
             return self._restore_by_name(step, source, stages)
         files = self._committed_files(step)
-        load_files(files, self.trainable, self.optimizer, self.scheduler)
+        load_files(files, self.trainable, self.optimizer, self.scheduler, self.fold)
         self.last_committed = step
         log.info("Stage %s restored committed step %d", self.name, step)
         return step
@@ -160,7 +163,7 @@ class StageRuntime:
             ckpt.load_stage(self.store, self.prefix, step, j) for j in holders or range(stages)
         ]
         load_by_name(parts, self.trainable, self.optimizer, self.scheduler, step=step,
-                     source=source)  # fmt: skip
+                     source=source, fold=self.fold)  # fmt: skip
         self.seed(step)
         self.last_committed = step
         log.info("Stage %s restored committed step %d by name", self.name, step)
@@ -220,7 +223,7 @@ class StageRuntime:
 
     def _reset(self) -> None:
         """The state before step 0: fresh adapter (or base weights), optimizer and RNG."""
-        reset_weights(self.cfg, self.model_dir, self.stage)
+        reset_weights(self.cfg, self.model_dir, self.stage, self.fold)
         self.optimizer, self.scheduler = make_optimizer(self.trainable, self.training)
         self.seed(0)
 
@@ -436,7 +439,9 @@ class StageRuntime:
         if not self.replication.writes_checkpoint(self, step):
             return
         started = time.monotonic()
-        files = stage_files(self.cfg, step, self.trainable, self.optimizer, self.scheduler)
+        files = stage_files(
+            self.cfg, step, self.trainable, self.optimizer, self.scheduler, fold=self.fold
+        )
         try:
             ckpt.save_stage(self.store, self.prefix, step, self.k, files, pipeline=self.pipeline)
         except ckpt.CheckpointError as exc:

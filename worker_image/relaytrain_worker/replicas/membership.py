@@ -41,6 +41,7 @@ from datetime import UTC, datetime
 
 import torch
 from relaytrain_contract import FLEET_FILE, GIVEN_UP_FILE, StageConfig
+from relaytrain_contract.stage import lora_merge_of
 
 from relaytrain_worker.pipeline.credentials import LinkCredentials
 from relaytrain_worker.pipeline.evaluation import due
@@ -273,7 +274,16 @@ class Replicated:
                 total=stage.total_steps,
                 also=lambda step: stage.saves(step) or due(stage.cfg, step, stage.total_steps),
                 code=self.spec.sync.outer_code,
+                fold=stage.fold,
+                exact=self._exact(stage),
             )
+
+    def _exact(self, stage: StageRuntime) -> bool:
+        """Whether outer steps merge LoRA exactly (`sync.loraMerge`)."""
+        sync = self.spec.sync
+        merge = lora_merge_of(stage.cfg.method.type, sync.lora_merge, sync.outer_code,
+                              len(self.spec.shares))  # fmt: skip
+        return merge == "exact"
 
     def train_step(self, stage: StageRuntime, peers: Peers, runner: StepRunner) -> StepResult:
         """This pipeline's micro-batches of the step, shared among the pipelines that train

@@ -102,3 +102,22 @@ def weighted_mean(
     if total <= 0.0:
         return torch.zeros(numel, dtype=torch.float32)
     return (acc / total).to(torch.float32)
+
+
+def raw(values: torch.Tensor, weight: float) -> torch.Tensor:
+    """The uncoded form of a gathered outer step (`sync.outerCode: float64` with the exact
+    LoRA merge, which needs every pipeline's factors, not their sum): `weight` then the
+    values, float64, as uint8 bytes."""
+    flat = values.detach().reshape(-1).to("cpu", torch.float64)
+    return torch.cat([torch.tensor([float(weight)], dtype=torch.float64), flat]).view(torch.uint8)
+
+
+def unraw(code: torch.Tensor, numel: int) -> tuple[float, torch.Tensor]:
+    """(weight, the float64 flat values) of a `raw` row."""
+    if code.dtype != torch.uint8 or code.numel() != 8 * (numel + 1):
+        raise ValueError(
+            f"a row of {code.numel()} {code.dtype} bytes is not {numel} float64 values "
+            f"and a weight ({8 * (numel + 1)} uint8 bytes)"
+        )
+    values = code.cpu().clone().view(torch.float64)  # a copy: a stack's row may be unaligned
+    return float(values[0]), values[1:]

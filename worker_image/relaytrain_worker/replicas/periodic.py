@@ -36,6 +36,15 @@ residual is not checkpointed: a restart loses at most one code's error, and chec
 are taken at outer steps, so the restored weights are the anchor. A pipeline that rejoins
 takes the anchor with the weights from its live peer (`anchor_tensors`, `take_anchor`).
 
+**The exact LoRA merge** (`exact=True`; `sync.loraMerge`, relaytrain_contract.lora_merge_of;
+`model/lora_merge.py`): averaging B and A one by one does not average the pipelines' layers
+(``mean(B) @ mean(A) != mean(B @ A)``), so every pipeline needs every pipeline's factors:
+the outer step gathers (exchange `outer-codes`: the codes, or with `float64` the weights as
+raw float64 bytes, `outer_codec.raw`), every pipeline sets B and A to their token-weighted
+means and folds the rest of the mean of ``B_q @ A_q`` into the frozen weight (`Fold`), all
+from the same bytes in the same order, so every replica's layer is the same bits and exactly
+the mean of the pipelines' layers. Parameters that are no LoRA factor pair are averaged.
+
 AdamW moments stay local: each pipeline's moments describe its own gradients, averaging
 them would triple the outer step's bytes, and DiLoCo keeps the inner optimizer state per
 worker too. Only the weights are equal after an outer step; pipeline 0's moments are the
@@ -49,6 +58,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from relaytrain_worker.model import lora_merge
 from relaytrain_worker.model.methods import TIED_HEAD_NAME
 from relaytrain_worker.pipeline.schedule import StepRunner
 from relaytrain_worker.pipeline.stats import OUTER_CODES, ReplicaGroup
@@ -89,8 +99,16 @@ class PeriodicSync:
         also: Callable[[int], bool] = lambda step: False,
         key: Callable[[str], str] = lambda name: name,
         code: str = "float64",
+        fold: lora_merge.Fold | None = None,
+        exact: bool = False,
     ) -> None:
         self.group, self.pipeline, self.stage = group, pipeline, stage
+        self.fold = fold
+        """What exact merges folded into the stage's frozen weights (handed to a rejoining
+        peer whether or not this run merges exactly: a fold from before stays)."""
+        self.pairs = _factor_pairs(trainable, fold) if exact and fold is not None else {}
+        """Per LoRA layer merged exactly: the indices of its (B, A) in `trainable` (none:
+        every parameter is averaged on its own)."""
         self.trainable = list(trainable)
         self.every, self.total, self.also, self.key = every, total, also, key
         self.weight = 0
@@ -117,6 +135,8 @@ class PeriodicSync:
         total: int,
         also: Callable[[int], bool] = lambda step: False,
         code: str = "float64",
+        fold: lora_merge.Fold | None = None,
+        exact: bool = False,
     ) -> PeriodicSync:
         """The periodic side of the stage that `runner` steps: its trainable parameters under
         their replica keys. A lone stage (first and last) of a tied model gives its shared
@@ -127,7 +147,8 @@ class PeriodicSync:
             tied = next(param for name, param in pairs if name == runner.tied_name)
             pairs.append((TIED_HEAD_NAME, tied))
         return cls(group, runner.pipeline, runner.index, pairs, every=every, total=total,
-                   also=also, key=runner.replica_key, code=code)  # fmt: skip
+                   also=also, key=runner.replica_key, code=code, fold=fold,
+                   exact=exact)  # fmt: skip
 
     def due(self, step: int) -> bool:
         return is_outer_step(step, self.every, self.total) or self.also(step)
@@ -138,7 +159,9 @@ class PeriodicSync:
         self.weight += max(tokens, 0)
         if not self.due(step):
             return False
-        if self.bits is None:
+        if self.pairs:
+            self._gathered_outer_step(step)
+        elif self.bits is None:
             outer_step(self.group, step, self.pipeline, self.stage, self.trainable,
                        weight=self.weight, key=self.key)  # fmt: skip
         else:
@@ -165,18 +188,69 @@ class PeriodicSync:
                 self.anchor[i] = anchor + mean.reshape(anchor.shape)
                 param.copy_(self.anchor[i].to(param.dtype))
 
-    def anchor_tensors(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
-        """The anchors of `names` under `ANCHOR_PREFIX`, for a rejoining peer (none when
-        the outer step sends weights: the weights are the state)."""
+    def _gathered_outer_step(self, step: int) -> None:
+        """The exact merge's outer step (see the module docstring): every pipeline's weights
+        (float64) or decoded updates gathered, LoRA pairs merged exactly, the rest averaged."""
+        given = {}
+        for i, (name, param) in enumerate(self.trainable):
+            if self.bits is None:
+                given[self.key(name)] = outer_codec.raw(param, self.weight)
+                continue
+            update = param.detach().to("cpu", torch.float32) - self.anchor[i] + self.residual[i]
+            code, self.residual[i] = outer_codec.encode(update, self.weight, self.bits, step)
+            given[self.key(name)] = code
+        gathered = self.group.reduce(step, self.pipeline, self.stage, given, what=OUTER_CODES)
+        values = [self._values(i, gathered[self.key(n)], step)
+                  for i, (n, _) in enumerate(self.trainable)]  # fmt: skip
+        merged: dict[int, torch.Tensor] = {}
+        assert self.fold is not None
+        for module, (b, a) in self.pairs.items():
+            factors = [(w, vb, va) for (w, vb), (_, va) in zip(values[b], values[a], strict=True)
+                       if w > 0]  # fmt: skip
+            if factors:
+                merged[b], merged[a], fold = lora_merge.exact_merge(factors)
+                self.fold.add(module, fold)
+        with torch.no_grad():
+            for i, (_, param) in enumerate(self.trainable):
+                new = merged[i] if i in merged else _mean(values[i])
+                if new is None:  # no live pipeline trained a token since the last outer step
+                    continue
+                if self.bits is not None:
+                    self.anchor[i] = new.to(torch.float32).reshape(self.anchor[i].shape)
+                param.copy_(new.reshape(param.shape).to(param.dtype))
+
+    def _values(self, i: int, rows: torch.Tensor, step: int) -> list[tuple[float, torch.Tensor]]:
+        """Every pipeline's (weight, value of trainable entry `i`) from its gathered row, in
+        pipeline order: the weights themselves, or the anchor plus the decoded update."""
+        shape = self.trainable[i][1].shape
+        numel = self.trainable[i][1].numel()
         if self.bits is None:
-            return {}
+            return [(w, v.reshape(shape)) for w, v in (outer_codec.unraw(r, numel) for r in rows)]
+        out = []
+        for row in rows:
+            w, update = outer_codec.decode(row, numel, self.bits, step)
+            out.append((w, self.anchor[i] + update.reshape(self.anchor[i].shape)))
+        return out
+
+    def anchor_tensors(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        """For a rejoining peer holding `names`, under `ANCHOR_PREFIX`: the anchors of a coded
+        outer step (none when it sends weights: the weights are the state) and the exact
+        merge's folds of their layers."""
+        out = {}
+        if self.fold is not None:
+            modules = {pair[0] for pair in map(lora_merge.pair_of, names) if pair is not None}
+            out = {FOLDS + k: v for k, v in self.fold.tensors(modules).items()}
+        if self.bits is None:
+            return out
         wanted = set(names)
         pairs = zip(self.trainable, self.anchor, strict=True)
-        return {ANCHOR_PREFIX + n: a for (n, _), a in pairs if n in wanted}
+        return out | {ANCHOR_PREFIX + n: a for (n, _), a in pairs if n in wanted}
 
     def take_anchor(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Rejoining: the live peers' anchors (`anchor_tensors`) become this stage's, and
-        its residuals start empty. A tied head entry takes its weight's anchor."""
+        """Rejoining: the live peers' anchors and folds (`anchor_tensors`) become this
+        stage's, and its residuals start empty. A tied head entry takes its weight's anchor."""
+        if self.fold is not None:
+            self.fold.load({k[len(FOLDS) :]: v for k, v in tensors.items() if k.startswith(FOLDS)})
         if self.bits is None:
             return
         by_param: dict[int, torch.Tensor] = {}
@@ -187,6 +261,43 @@ class PeriodicSync:
             self.anchor[i] = value.to("cpu", torch.float32, copy=True)
             self.residual[i] = torch.zeros_like(self.anchor[i])
             by_param[id(param)] = self.anchor[i]
+
+
+FOLDS = ANCHOR_PREFIX + lora_merge.FOLD_PREFIX
+"""Handover tensors' prefix for the exact merge's folds (with the anchors')."""
+
+
+def _factor_pairs(
+    trainable: Sequence[tuple[str, nn.Parameter]], fold: lora_merge.Fold
+) -> dict[str, tuple[int, int]]:
+    """Per LoRA layer of `fold` whose B and A are both in `trainable` and whose product has
+    its weight's shape: (index of B, index of A)."""
+    found: dict[str, dict[str, int]] = {}
+    for i, (name, _) in enumerate(trainable):
+        pair = lora_merge.pair_of(name)
+        if pair is not None and pair[0] in fold.layers:
+            found.setdefault(pair[0], {})[pair[1]] = i
+    out = {}
+    for module, ab in found.items():
+        if set(ab) != {"A", "B"}:
+            continue
+        b, a = trainable[ab["B"]][1], trainable[ab["A"]][1]
+        weight: torch.Tensor = fold.layers[module].base_layer.weight  # type: ignore[union-attr,assignment]
+        if b.dim() == a.dim() == 2 and b.shape[0] * a.shape[1] == weight.numel():
+            out[module] = (ab["B"], ab["A"])
+    return out
+
+
+def _mean(values: Sequence[tuple[float, torch.Tensor]]) -> torch.Tensor | None:
+    """The token-weighted mean of (weight, value) pairs, folded in order in float64 (None
+    when no weight is positive)."""
+    acc, total = None, 0.0
+    for w, v in values:
+        if w > 0:
+            term = v.to(torch.float64) * w
+            acc = term if acc is None else acc + term
+            total += w
+    return None if acc is None else acc / total
 
 
 def outer_contributions(

@@ -2,7 +2,10 @@
 
 LoRA/QLoRA: `adapter_config.json` + `adapter_model.safetensors` exactly as
 `PeftModel.save_pretrained` writes them, with global layer numbers (the slices kept
-them), so `PeftModel.from_pretrained(unsplit_base, DIR)` loads it.
+them), so `PeftModel.from_pretrained(unsplit_base, DIR)` loads it. When periodic sync
+merged the pipelines exactly (`sync.loraMerge`), also `lora_fold.safetensors`: per adapted
+weight (its name in the model file) what to add to it before the adapter goes on top
+(`relaytrain_worker.model.lora_merge`); the adapter alone is then the factors' means.
 
 Full: one safetensors shard per stage plus `model.safetensors.index.json` and the
 base model's `config.json`, i.e. a Hugging Face checkpoint that
@@ -19,6 +22,7 @@ import safetensors.torch
 import torch
 from relaytrain_contract import StageConfig
 
+from relaytrain_worker.model.lora_merge import FOLD_FILE
 from relaytrain_worker.model.methods import TIED_NAME, for_family, lora_config, peft_key
 from relaytrain_worker.state.checkpoint import committed_by, load_stage, tensors_from_bytes
 from relaytrain_worker.state.store import Store
@@ -39,13 +43,19 @@ def export_output(
     Every stage of the split that committed it (whichever pipeline wrote it) is merged by
     parameter name."""
     _, stages = committed_by(ckpt, job_prefix, step)
-    parts = [
-        tensors_from_bytes(load_stage(ckpt, job_prefix, step, k)[TRAINABLE_FILE])
-        for k in range(stages)
-    ]
+    files = [load_stage(ckpt, job_prefix, step, k) for k in range(stages)]
+    parts = [tensors_from_bytes(f[TRAINABLE_FILE]) for f in files]
     if cfg.method.type == "full":
         return _export_full(parts, out, model_dir)
-    return _export_adapter(cfg, parts, out, model_dir)
+    folds: dict[str, torch.Tensor] = {}
+    for f in files:
+        if FOLD_FILE in f:
+            folds.update(tensors_from_bytes(f[FOLD_FILE]))
+    written = []
+    if folds:  # before the adapter: a reader that sees adapter_config.json sees it too
+        out.put(FOLD_FILE, safetensors.torch.save(folds, {"format": "pt"}))
+        written.append(FOLD_FILE)
+    return written + _export_adapter(cfg, parts, out, model_dir)
 
 
 def _export_adapter(

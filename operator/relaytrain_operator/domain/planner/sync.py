@@ -11,7 +11,9 @@ token-weighted sum must be exact): 8 bytes a value, twice a float32 LoRA gradien
 an outer code (``spec.pipeline.sync.outerCode`` int4, int2 or int1;
 ``relaytrain_worker.replicas.outer_codec``) they send each pipeline's update as a rotated
 low-bit code instead, ``(bits + 0.25) / 8`` bytes a value, and every pipeline receives every
-code: a gather whatever ``sync_collective`` says (codes do not add, so there is no
+code: a gather whatever ``sync_collective`` says. The exact LoRA merge (``loraMerge``
+resolved to ``exact``, the default for ``lora``) needs every pipeline's factors, so its
+float64 weights are gathered too (codes do not add, so there is no
 reduce-scatter to make a ring cheaper). In the worker's star the leading holder receives
 R - 1 codes and sends each of the R - 1 others the R - 1 codes it lacks: (R - 1)^2 codes
 its busiest way, two hops.
@@ -79,6 +81,15 @@ class Sync:
     """Steps between synchronisations (1 for ``synchronous``)."""
     code: str = "float64"
     """What a periodic outer step sends (``outerCode``): float64 weights or a low-bit code."""
+    exact: bool = False
+    """Periodic outer steps merge LoRA exactly (``loraMerge`` resolved to ``exact``): every
+    pipeline needs every pipeline's factors, so even float64 weights are gathered."""
+
+    @property
+    def gathered(self) -> bool:
+        """Whether an outer step gathers (codes, or the exact merge's weights) rather than
+        reduces."""
+        return self.mode == "periodic" and (self.code != "float64" or self.exact)
 
     def __post_init__(self) -> None:
         if self.mode not in SYNC_MODES:
@@ -174,7 +185,7 @@ def top_two(values: Sequence[float]) -> float:
 
 def collective_of(sync: Sync, collective: Collective) -> Collective:
     """The collective that prices `sync`: an outer code's are gathered (see the module doc)."""
-    return "all-gather" if sync.code != "float64" else collective
+    return "all-gather" if sync.gathered else collective
 
 
 def fold_rounds(sync: Sync, collective: Collective, adapters: bool, shares: Sequence[int]) -> int:
@@ -202,7 +213,7 @@ def sync_seconds(
     r = pipelines
     if r <= 1:
         return 0.0, 0.0
-    if sync.code != "float64":  # the star's gather: the leader sends each the others' codes
+    if sync.gathered:  # the star's gather: the leader sends each the others' codes
         moved, latency = (r - 1) ** 2 * load, 2 * hop
     elif collective == "ring":
         moved, latency = 2 * (r - 1) / r * load, 2 * (r - 1) * hop
