@@ -105,6 +105,26 @@ def _folds(root: Path, name: str) -> dict[str, Any]:
     return safetensors.torch.load_file(str(path))
 
 
+def _loads_with_its_folds(root: Path, name: str) -> None:
+    """The output loads onto the unsplit model as docs/api.md says (`load_adapter_output`:
+    every fold's name is a weight of the model file's), and the folds change its logits."""
+    import torch
+    from peft import PeftModel
+    from relaytrain_worker.state.export import load_adapter_output
+    from transformers import AutoModelForCausalLM
+
+    output = root / "ckpt" / "default" / name / "output"
+
+    def plain() -> Any:
+        return AutoModelForCausalLM.from_pretrained(str(root / "model"), dtype=torch.float32)
+
+    ids = torch.arange(12).reshape(1, 12)
+    with torch.no_grad():
+        tuned = load_adapter_output(plain(), output)(input_ids=ids).logits
+        alone = PeftModel.from_pretrained(plain(), str(output))(input_ids=ids).logits
+    assert bool(torch.isfinite(tuned).all()) and not torch.equal(tuned, alone)
+
+
 def _step_tokens(root: Path, name: str) -> int:
     """Non-padding tokens of the last step, from progress.json: tokens/s x seconds."""
     record = progress(root / "ckpt", name)
@@ -609,6 +629,8 @@ def _outer_boundaries(first: int, last: int) -> int:
     )
 
 
+# peft 0.21.2's PeftModel.from_pretrained calls a transformers 5.23 API deprecated for v6.
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
 def test_periodic_pipelines_average_their_weights_and_ride_out_a_kill(
     workspace: Path, long_reference: list[float]
 ) -> None:
@@ -661,6 +683,7 @@ def test_periodic_pipelines_average_their_weights_and_ride_out_a_kill(
     adapted = {re.sub(r"^base_model\.model\.|\.lora_[AB]\.weight$", "", n) for n in adapter}
     assert set(folds) == {f"{m}.weight" for m in adapted}
     assert all(float(t.abs().max()) > 0 for t in folds.values())
+    _loads_with_its_folds(workspace, name)
     layers01 = [t for n, t in adapter.items() if re.search(r"\.layers\.[01]\.", n)]
     numel, names = sum(t.numel() for t in layers01), len(layers01)
     received = sum(

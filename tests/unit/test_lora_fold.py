@@ -12,6 +12,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import safetensors.torch
 import torch
 from relaytrain_testkit.tiny_models import tiny_model_dir
 from relaytrain_worker.model.lora_merge import FOLD_FILE, Fold, lora_layers
@@ -25,6 +26,8 @@ from relaytrain_worker.pipeline.rollback import (
 )
 from relaytrain_worker.replicas.arithmetic import InProcessGroup
 from relaytrain_worker.replicas.periodic import FOLDS, PeriodicSync
+from relaytrain_worker.state.export import _export_adapter, load_adapter_output
+from relaytrain_worker.state.store import LocalStore
 
 pytestmark = pytest.mark.unit
 
@@ -33,13 +36,24 @@ TRAINING: Any = SimpleNamespace(
 )
 
 
+TARGETS = ["q_proj", "v_proj"]
+
+
 @pytest.fixture(scope="module")
-def base(tmp_path_factory: pytest.TempPathFactory) -> torch.nn.Module:
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_model_dir(tmp_path_factory.mktemp("llama"), layers=2)
+
+
+def _plain(model_dir: Path) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    path = tiny_model_dir(tmp_path_factory.mktemp("llama"), layers=2)
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-    apply_lora(model, lora_config(4, 8.0, 0.0, ["q_proj", "v_proj"]), seed=1)
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def base(model_dir: Path) -> torch.nn.Module:
+    model = _plain(model_dir)
+    apply_lora(model, lora_config(4, 8.0, 0.0, TARGETS), seed=1)
     return model
 
 
@@ -176,3 +190,34 @@ def test_a_4bit_weight_takes_no_fold() -> None:
     assert not _foldable(layer)  # type: ignore[arg-type]
     linear = SimpleNamespace(base_layer=torch.nn.Linear(4, 4))
     assert _foldable(linear)  # type: ignore[arg-type]
+
+
+# peft 0.21.2's PeftModel.from_pretrained calls a transformers 5.23 API deprecated for v6.
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+def test_the_output_loads_as_the_model_the_stages_trained(
+    model_dir: Path, base: torch.nn.Module, tmp_path: Path
+) -> None:
+    from peft import PeftModel
+
+    trained = copy.deepcopy(base)
+    fold = _folded(trained)
+    with torch.no_grad():
+        for _, param in _trainable(trained):
+            param.normal_(0, 0.1)
+    cfg = SimpleNamespace(
+        method=SimpleNamespace(rank=4, alpha=8.0, dropout=0.0, target_modules=TARGETS),
+        model=SimpleNamespace(uri=str(model_dir)),
+    )
+    out = LocalStore(tmp_path / "output")
+    trainable = {n: p.detach() for n, p in _trainable(trained)}
+    _export_adapter(cfg, [trainable], out, model_dir)  # type: ignore[arg-type]
+    out.put(FOLD_FILE, safetensors.torch.save(fold.tensors()))
+    ids = torch.arange(10).reshape(1, 10)
+    with torch.no_grad():
+        want = trained(input_ids=ids).logits
+        got = load_adapter_output(_plain(model_dir), tmp_path / "output")(input_ids=ids).logits
+        assert torch.allclose(got, want, rtol=0, atol=1e-6)
+        # The adapter alone is not what trained: the fold is part of the result.
+        (tmp_path / "output" / FOLD_FILE).unlink()
+        alone = PeftModel.from_pretrained(_plain(model_dir), str(tmp_path / "output"))
+        assert not torch.allclose(alone(input_ids=ids).logits, want, rtol=0, atol=1e-4)

@@ -107,3 +107,20 @@ def _export_full(parts: list[dict[str, torch.Tensor]], out: Store, model_dir: Pa
     out.put("config.json", json.dumps(config, indent=2).encode())
     out.put("model.safetensors.index.json", json.dumps(index, indent=2).encode())
     return [*names, "config.json", "model.safetensors.index.json"]
+
+
+def load_adapter_output(base: Any, directory: str | Path) -> Any:
+    """The trained model from a LoRA job's output in `directory` (a local copy): `base`, the
+    unsplit model loaded from the job's model files, with what exact merges folded
+    (`lora_fold.safetensors`, when there) added to its weights in place, each computed in
+    float32 and rounded once as the stages did, and the adapter on top
+    (`PeftModel.from_pretrained`)."""
+    from peft import PeftModel
+
+    folds = Path(directory) / FOLD_FILE
+    if folds.exists():
+        with torch.no_grad():
+            for name, delta in safetensors.torch.load_file(str(folds)).items():
+                weight = base.get_parameter(name)
+                weight.copy_((weight.float() + delta.to(weight.device)).to(weight.dtype))
+    return PeftModel.from_pretrained(base, str(directory))
