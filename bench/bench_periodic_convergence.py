@@ -11,7 +11,9 @@ side with `spec.pipeline.sync`:
 - `synchronous`: the gradients reduced every step (the same maths as one pipeline);
 - `periodic` every H steps (4 and 8 by default): each pipeline steps on its half of every
   step and the weights are averaged, token-weighted, every H steps (and at every checkpoint
-  and evaluation, every 5 steps here: so H = 8 averages at 5, 8, 10, 15, 16, 20, ...).
+  and evaluation, every 5 steps here: so H = 8 averages at 5, 8, 10, 15, 16, 20, ...),
+  merging the pipelines' LoRA adapters as `--merges` says (`sync.loraMerge`: `exact`, the
+  default for two pipelines since 2026-11-29, and `average`, the factors one by one).
 
 Reported per configuration: the training loss (mean of the last 5 steps), the held-out loss
 at each evaluation and at the end, and its ratio to synchronous (1.00 = converges as well).
@@ -51,11 +53,12 @@ class Outcome:
     """Held-out loss by step."""
 
 
-def run(root: Path, steps: int, every: int | None) -> Outcome:
-    config = "synchronous" if every is None else f"periodic every {every}"
-    name = "sync" if every is None else f"periodic-{every}"
+def run(root: Path, steps: int, every: int | None, merge: str | None = None) -> Outcome:
+    config = "synchronous" if every is None else f"periodic every {every}, {merge} merge"
+    name = "sync" if every is None else f"periodic-{every}-{merge}"
     started = time.monotonic()
-    proc = start_run(demo_job(root, name, steps=steps, every=every), root / f"wd-{name}", env=ENV)
+    job = demo_job(root, name, steps=steps, every=every, merge=merge)
+    proc = start_run(job, root / f"wd-{name}", env=ENV)
     while proc.poll() is None:
         pin_pipelines(run_state(root / f"wd-{name}"))
         time.sleep(0.2)
@@ -76,6 +79,11 @@ def main() -> None:
     parser.add_argument(
         "--every", type=int, nargs="+", help="periodic intervals to compare (default 4 8)"
     )
+    parser.add_argument(
+        "--merges",
+        default="exact,average",
+        help="sync.loraMerge values to compare, comma-separated (default exact,average)",
+    )
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args()
     steps = args.steps or (20 if args.quick else 60)
@@ -85,8 +93,11 @@ def main() -> None:
     results: list[Outcome] = []
     with tempfile.TemporaryDirectory(prefix="bench-periodic-") as tmp:
         root = Path(tmp)
-        for every in (None, *(args.every or (4, 8))):
-            results.append(run(root, steps, every))
+        configs = [(None, None)] + [
+            (every, merge) for every in args.every or (4, 8) for merge in args.merges.split(",")
+        ]
+        for every, merge in configs:
+            results.append(run(root, steps, every, merge))
             r = results[-1]
             last = max(r.eval_losses)
             print(f"  {r.config}: {r.wall_s:.1f} s, train loss {r.train_loss:.4f}, held-out "

@@ -28,12 +28,15 @@ def model_dir() -> Path:
     return toolpaths.cache_dir() / "models" / "smollm2-135m-instruct"
 
 
-def demo_job(root: Path, name: str, *, steps: int, every: int | None = None) -> Path:
+def demo_job(
+    root: Path, name: str, *, steps: int, every: int | None = None, merge: str | None = None
+) -> Path:
     """The demo's job as `name` at `root/<name>.yaml`, on `root/reverse-words.jsonl` (written
-    if missing), checkpoints under `root/ckpt`; periodic sync every `every` steps, or the
-    demo's synchronous one. With the 64-token rows and the held-out loss every 5 steps that
-    docs/planner.md's convergence figures were measured with (`make demo` has since run
-    32-token rows, which hold every example as well, and evaluated every 10 steps)."""
+    if missing), checkpoints under `root/ckpt`; periodic sync every `every` steps (merging
+    LoRA as `merge` says: `sync.loraMerge`), or the demo's synchronous one. With the
+    64-token rows and the held-out loss every 5 steps that docs/planner.md's convergence
+    figures were measured with (`make demo` has since run 32-token rows, which hold every
+    example as well, and evaluated every 10 steps)."""
     data = root / "reverse-words.jsonl"
     if not data.exists():
         demo_data.write(data)
@@ -49,7 +52,7 @@ def demo_job(root: Path, name: str, *, steps: int, every: int | None = None) -> 
         .output(str(root / "out" / name))
     )
     if every is not None:
-        job = job.sync("periodic", every_steps=every)
+        job = job.sync("periodic", every_steps=every, lora_merge=merge)
     return job.write(root / f"{name}.yaml")
 
 

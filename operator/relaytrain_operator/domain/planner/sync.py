@@ -11,12 +11,11 @@ token-weighted sum must be exact): 8 bytes a value, twice a float32 LoRA gradien
 an outer code (``spec.pipeline.sync.outerCode`` int4, int2 or int1;
 ``relaytrain_worker.replicas.outer_codec``) they send each pipeline's update as a rotated
 low-bit code instead, ``(bits + 0.25) / 8`` bytes a value, and every pipeline receives every
-code: a gather whatever ``sync_collective`` says. The exact LoRA merge (``loraMerge``
-resolved to ``exact``, the default for ``lora``) needs every pipeline's factors, so its
-float64 weights are gathered too (codes do not add, so there is no
+code: a gather whatever ``sync_collective`` says (codes do not add, so there is no
 reduce-scatter to make a ring cheaper). In the worker's star the leading holder receives
 R - 1 codes and sends each of the R - 1 others the R - 1 codes it lacks: (R - 1)^2 codes
-its busiest way, two hops.
+its busiest way, two hops. An explicit exact LoRA merge (``loraMerge: exact``) needs every
+pipeline's factors, so its float64 weights are gathered so too.
 
 Two ways to reduce (``CostSettings.sync_collective``); with B_g the gradient bytes a GPU
 holds, and a hop = one send between the two slowest-to-reach pipelines (the two largest of
@@ -82,8 +81,9 @@ class Sync:
     code: str = "float64"
     """What a periodic outer step sends (``outerCode``): float64 weights or a low-bit code."""
     exact: bool = False
-    """Periodic outer steps merge LoRA exactly (``loraMerge`` resolved to ``exact``): every
-    pipeline needs every pipeline's factors, so even float64 weights are gathered."""
+    """A LoRA job's ``loraMerge: exact``: every pipeline needs every pipeline's factors, so
+    even float64 weights are gathered (``auto`` merges exactly only where a gather costs what
+    a sum does, and is priced as the sum)."""
 
     @property
     def gathered(self) -> bool:
