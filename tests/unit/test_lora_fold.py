@@ -12,7 +12,6 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-import safetensors.torch
 import torch
 from relaytrain_testkit.tiny_models import tiny_model_dir
 from relaytrain_worker.model.lora_merge import FOLD_FILE, Fold, lora_layers
@@ -26,7 +25,8 @@ from relaytrain_worker.pipeline.rollback import (
 )
 from relaytrain_worker.replicas.arithmetic import InProcessGroup
 from relaytrain_worker.replicas.periodic import FOLDS, PeriodicSync
-from relaytrain_worker.state.export import _export_adapter, load_adapter_output
+from relaytrain_worker.state.checkpoint import save_stage, try_commit
+from relaytrain_worker.state.export import export_output, load_adapter_output
 from relaytrain_worker.state.store import LocalStore
 
 pytestmark = pytest.mark.unit
@@ -205,19 +205,29 @@ def test_the_output_loads_as_the_model_the_stages_trained(
         for _, param in _trainable(trained):
             param.normal_(0, 0.1)
     cfg = SimpleNamespace(
-        method=SimpleNamespace(rank=4, alpha=8.0, dropout=0.0, target_modules=TARGETS),
+        method=SimpleNamespace(type="lora", rank=4, alpha=8.0, dropout=0.0,
+                               target_modules=TARGETS),
         model=SimpleNamespace(uri=str(model_dir)),
-    )
-    out = LocalStore(tmp_path / "output")
-    trainable = {n: p.detach() for n, p in _trainable(trained)}
-    _export_adapter(cfg, [trainable], out, model_dir)  # type: ignore[arg-type]
-    out.put(FOLD_FILE, safetensors.torch.save(fold.tensors()))
+        stage=SimpleNamespace(index=0, layer_start=0, layer_end=2),
+    )  # fmt: skip
+    ckpt, out = LocalStore(tmp_path / "ckpt"), LocalStore(tmp_path / "output")
+    trainable = _trainable(trained)
+
+    def commit_and_export(step: int, fold: Fold) -> list[str]:
+        files = stage_files(cfg, step, trainable, *make_optimizer(trainable, TRAINING), fold=fold)
+        save_stage(ckpt, "ns/job", step, 0, files)
+        assert try_commit(ckpt, "ns/job", step, 1)
+        return export_output(cfg, ckpt, "ns/job", step=step, out=out, model_dir=model_dir)  # type: ignore[arg-type]
+
+    assert FOLD_FILE in commit_and_export(4, fold)
     ids = torch.arange(10).reshape(1, 10)
     with torch.no_grad():
         want = trained(input_ids=ids).logits
         got = load_adapter_output(_plain(model_dir), tmp_path / "output")(input_ids=ids).logits
         assert torch.allclose(got, want, rtol=0, atol=1e-6)
         # The adapter alone is not what trained: the fold is part of the result.
-        (tmp_path / "output" / FOLD_FILE).unlink()
         alone = PeftModel.from_pretrained(_plain(model_dir), str(tmp_path / "output"))
         assert not torch.allclose(alone(input_ids=ids).logits, want, rtol=0, atol=1e-4)
+    # An output of a run that folded nothing drops an earlier run's fold from the place.
+    assert FOLD_FILE not in commit_and_export(8, Fold(trained))
+    assert not (tmp_path / "output" / FOLD_FILE).exists()

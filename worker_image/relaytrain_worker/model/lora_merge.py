@@ -1,8 +1,8 @@
 """The exact merge of several pipelines' LoRA adapters (no aggregation bias).
 
-A LoRA layer's weight is ``W + s * B @ A``. Averaging pipelines' adapters factor by factor,
-as periodic sync does today (`periodic.py`), gives ``W + s * mean(B) @ mean(A)``, and that is
-not the mean of the pipelines' weights ``W + s * mean(B @ A)``: the difference is
+A LoRA layer's weight is ``W + s * B @ A``. Averaging pipelines' adapters factor by factor
+(`sync.loraMerge: average`) gives ``W + s * mean(B) @ mean(A)``, and that is not the mean of
+the pipelines' weights ``W + s * mean(B @ A)``: the difference is
 
     mean(B_q @ A_q) - mean(B) @ mean(A) = sum_q w_q (B_q - mean(B)) @ (A_q - mean(A)) / sum_q w_q
 

@@ -55,6 +55,8 @@ def export_output(
     if folds:  # before the adapter: a reader that sees adapter_config.json sees it too
         out.put(FOLD_FILE, safetensors.torch.save(folds, {"format": "pt"}))
         written.append(FOLD_FILE)
+    else:  # another run's, which would be added to this adapter (a missing key is fine)
+        out.delete(FOLD_FILE)
     return written + _export_adapter(cfg, parts, out, model_dir)
 
 
