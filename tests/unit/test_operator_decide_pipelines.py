@@ -276,3 +276,17 @@ def test_periodic_sync_reaches_every_stage_of_every_pipeline() -> None:
     # Synchronous, the default, is left out of the documents.
     synchronous = decide(observed(FLEET.build()), SETTINGS)
     assert "sync" not in stage_document(synchronous, "j-p1-s0")["replicas"]
+
+
+def test_the_plan_prices_the_jobs_outer_code() -> None:
+    # The operator plans a periodic job as `relaytrain plan` does: its outer code's bytes
+    # (2.25 bits a value with int2, against float64 weights' 64), not always float64's; the
+    # sync's latency part stays. (Until 2026-11-29 the operator priced every periodic job
+    # as float64 weights.)
+    priced = {}
+    for code in ("float64", "int2"):
+        decision = decide(observed(FLEET.sync("periodic", 4, code).build()), SETTINGS)
+        assert decision.status is not None and decision.status.plan is not None
+        priced[code] = decision.status.plan.predicted_sync_seconds
+    assert priced["float64"] is not None and priced["int2"] is not None
+    assert 0 < priced["int2"] < 0.75 * priced["float64"]

@@ -55,6 +55,7 @@ from relaytrain_operator.domain.planner import (
     plan_fleet,
     plan_growth,
 )
+from relaytrain_operator.domain.planning import job_sync
 from relaytrain_operator.store.model_config import ModelConfigError, Resolved, resolve
 
 if TYPE_CHECKING:
@@ -319,14 +320,7 @@ def _inputs(args: argparse.Namespace) -> _Inputs:
         catalog,
         None if stages == "auto" else int(stages),
         spec.pipeline.replicas,
-        Sync(
-            spec.pipeline.sync.mode,
-            spec.pipeline.sync.every_steps or 1,
-            spec.pipeline.sync.outer_code,
-            # `auto` gathers only where an outer code does anyway (or two pipelines, where
-            # a gather costs what a sum does): the price is an explicit `exact`'s.
-            spec.method.type == "lora" and spec.pipeline.sync.lora_merge == "exact",
-        ),
+        job_sync(job),
         joining,
         leaving,
         spec.training.steps,

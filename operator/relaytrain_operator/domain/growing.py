@@ -27,11 +27,10 @@ from relaytrain_operator.domain.planner import (
     ModelShape,
     Plan,
     Pool,
-    Sync,
     TrainingShape,
     plan_growth,
 )
-from relaytrain_operator.domain.planning import training_shape
+from relaytrain_operator.domain.planning import job_sync, training_shape
 from relaytrain_operator.spec import FineTuneJob, PlanPipeline, PlanStatus
 
 JsonDict = dict[str, Any]
@@ -89,11 +88,10 @@ def grow(
     running = [_priced(model, training, everything, catalog, p, held=held) for p in training_now]
     free = _free(job_pools(job, nodes, list(cluster_pods), default_link=default_link),
                  Counter(held.values()))  # fmt: skip
-    sync = job.spec.pipeline.sync
     stages = job.spec.pipeline.stages
     growth = plan_growth(
         model, training, running, everything, free,
-        steps_left=steps_left, catalog=catalog, sync=Sync(sync.mode, sync.every_steps or 1),
+        steps_left=steps_left, catalog=catalog, sync=job_sync(job),
         stages=None if stages == "auto" else stages, join_seconds=join_seconds,
         max_pipelines=max_pipelines or job.spec.training.micro_batches,
     )  # fmt: skip

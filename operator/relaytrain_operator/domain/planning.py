@@ -39,6 +39,15 @@ JsonDict = dict[str, Any]
 __all__ = ["LoraTargetError", "ModelConfigError", "PlanError", "make_plan", "training_shape"]
 
 
+def job_sync(job: FineTuneJob) -> Sync:
+    """How the job's pipelines synchronise, as the planner prices it: `spec.pipeline.sync`'s
+    mode, interval and outer code, and a LoRA job's explicit exact merge (which gathers
+    float64 weights; `auto` merges exactly only where that costs what a sum does)."""
+    sync = job.spec.pipeline.sync
+    exact = job.spec.method.type == "lora" and sync.lora_merge == "exact"
+    return Sync(sync.mode, sync.every_steps or 1, sync.outer_code, exact)
+
+
 def training_shape(job: FineTuneJob, chosen: str | None = None) -> TrainingShape:
     """The settings of `job` the planner prices (with `compression: auto`, the code the plan
     `chosen` — status.plan.compression — or, before a plan, the first code the planner
@@ -110,7 +119,7 @@ def make_plan(
     pipeline = job.spec.pipeline
     stages = None if pipeline.stages == "auto" else pipeline.stages
     replicas = None if pipeline.replicas == "auto" else pipeline.replicas
-    sync = Sync(pipeline.sync.mode, pipeline.sync.every_steps or 1)
+    sync = job_sync(job)
     # A job that does not fit is planned again on every pass, and its diagnosis re-plans
     # each suggestion (seconds on a large fleet): the same inputs give the same refusal.
     key = repr((shape, training, pools, id(catalog), stages, replicas, sync, max_stages))

@@ -28,9 +28,9 @@ from relaytrain_operator.domain.membership import (
     worth_returning,
 )
 from relaytrain_operator.domain.placement import Choice, job_pools, place_replacements
-from relaytrain_operator.domain.planner import ModelShape, PlanError, PoolError, Sync
+from relaytrain_operator.domain.planner import ModelShape, PlanError, PoolError
 from relaytrain_operator.domain.planner.growth import GROWTH_MARGIN
-from relaytrain_operator.domain.planning import training_shape
+from relaytrain_operator.domain.planning import job_sync, training_shape
 from relaytrain_operator.domain.resplit import resplit_wait
 from relaytrain_operator.domain.status import (
     OUT_PHASES,
@@ -297,7 +297,6 @@ def _price(
             (pool_of.get((i, s.index)) or s.pool, s.layer_end - s.layer_start) for s in stages
         ]
 
-    sync = spec.spec.pipeline.sync
     try:
         training = training_shape(spec, plan.compression)
         nodes = list(ctx.observed.nodes.values())
@@ -309,7 +308,7 @@ def _price(
             job_pools(spec, nodes, [], default_link=ctx.settings.default_link,
                       require_ready=False),
             catalog=ctx.settings.catalog,
-            sync=Sync(sync.mode, sync.every_steps or 1),
+            sync=job_sync(spec),
         )  # fmt: skip
     except (PlanError, PoolError, ValueError):
         return None
