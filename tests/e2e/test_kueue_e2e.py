@@ -612,6 +612,16 @@ class _TwoQueued:
             KUEUE, KV, self.e["ns"], "workloads", workload_name(self.name, p)
         )
 
+    def workload_if_made(self, p: int) -> dict[str, Any] | None:
+        """Pipeline p's Workload, or None while there is none: the operator records a
+        pipeline in the job's status, then creates its Workload (two writes)."""
+        try:
+            return self.workload(p)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+            return None
+
     def log(self, pod: str) -> str:
         paths = sorted((self.e["work"] / "pods" / self.e["ns"] / pod).rglob("container.log"))
         return "".join(p.read_text() for p in paths)
@@ -680,7 +690,7 @@ def test_a_running_job_grows_by_a_pipeline_kueue_admits(env: dict[str, Any]) -> 
         job.join_third()
         wait_for(
             "a third pipeline recorded, with a Workload of its own",
-            lambda: len(phases()) == 3 and job.workload(2),
+            lambda: len(phases()) == 3 and job.workload_if_made(2),
             timeout=120,
         )
         added, shaped = job.workload(2), job.workload(0)
