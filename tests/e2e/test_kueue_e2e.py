@@ -289,8 +289,16 @@ def test_kueue_admits_waits_preempts_and_resumes(env: dict[str, Any], kube_clust
         assert core.list_namespaced_pod(ns, label_selector=f"relaytrain.io/job={low}").items == []
         assert wl_condition(low, "QuotaReserved").get("status") == "False"
         assert wl_condition(low, "Evicted").get("reason") == "Preempted"
-        # The stopped run's last record, once the watcher has it too (its pods are gone, so
-        # the record no longer changes until the resume).
+        # The API objects go before the processes do (kwok finalises a deletion while the
+        # process still has its grace period, in which a stage can still commit): wait for
+        # the processes, so that nothing below is written to after it is read.
+        wait_for(
+            "the preempted job's processes stopped",
+            lambda: runner.processes(ns, f"{low}-") == [],
+            timeout=60,
+        )
+        # The stopped run's last record, once the watcher has it too (its processes are
+        # gone, so the record no longer changes until the resume).
         mc, bucket = e["minio"].client(), e["minio"].bucket
         final = stored_json(mc, bucket, f"ckpt/{ns}/{low}/progress.json")
         wait_for("the watcher at the stopped run's last record", lambda: watcher.latest() == final)

@@ -289,6 +289,17 @@ class KwokProcessRunner:
                     return pod
         return None
 
+    def processes(self, namespace: str, prefix: str = "") -> list[str]:
+        """The pods in `namespace` (named from `prefix`) whose process has not yet stopped.
+        A pod's API object can go before its process does: kwok finalises the deletion of
+        a pod whose process still has its grace period to run."""
+        with self._lock:
+            return sorted(
+                p.name
+                for p in self.pods.values()
+                if p.namespace == namespace and p.name.startswith(prefix)
+            )
+
     # -- one pass ------------------------------------------------------------------------
     def sync(self) -> None:
         if self.namespace:
