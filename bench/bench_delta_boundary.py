@@ -58,7 +58,7 @@ sys.path[:0] = [str(REPO), str(REPO / "worker_image"), str(REPO / "testkit")]
 
 MODES = ("none", "bf16", "int8", "int4", "delta")
 STAGES, LAYERS, HIDDEN = 4, 4, 256
-SEQ, MBS, VOCAB = 64, 4, 300
+SEQ, MBS = 64, 4
 LORA: dict[str, Any] = {
     "rank": 8,
     "alpha": 16.0,
@@ -100,19 +100,6 @@ class ModeRun:
     drift: list[float]
     """Per epoch after the first: the boundary activations' relative change (`epoch_drift`)."""
     train_losses: list[float] = field(default_factory=list)
-
-
-def bigram_rows(n: int, seed: int) -> torch.Tensor:
-    """``n`` rows of SEQ tokens of the noisy bigram language (its permutation is fixed)."""
-    perm = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(1))
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.empty(n, SEQ, dtype=torch.long)
-    x[:, 0] = torch.randint(0, VOCAB, (n,), generator=gen)
-    for t in range(1, SEQ):
-        noise = torch.rand(n, generator=gen) < 0.1
-        random = torch.randint(0, VOCAB, (n,), generator=gen)
-        x[:, t] = torch.where(noise, random, perm[x[:, t - 1]])
-    return x
 
 
 def micro_batch(ids: torch.Tensor, rows: torch.Tensor | None) -> Any:
@@ -289,6 +276,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from relaytrain_contract import TrainingSpec
+    from relaytrain_testkit import bigram
     from relaytrain_testkit.tiny_models import tiny_model_dir
 
     torch.set_num_threads(1)
@@ -307,8 +295,8 @@ def main() -> None:
         model_dir = tiny_model_dir(
             Path(tmp) / "llama", layers=LAYERS, hidden=HIDDEN, max_shard_size="2MB"
         )
-        train_rows = bigram_rows(setup.rows, seed=2)
-        evaluator = Evaluator(model_dir, bigram_rows(setup.held_out, seed=99), training.seed)
+        train_rows = bigram.rows(setup.rows, SEQ, 2)
+        evaluator = Evaluator(model_dir, bigram.rows(setup.held_out, SEQ, 99), training.seed)
         steps = epoch_steps(train_rows, setup, seed=10)
         job = Job(setup, model_dir, train_rows, steps, training, evaluator)
         base_loss = evaluator.loss()

@@ -1,6 +1,7 @@
 """Four pipelines' outer steps: bytes against exact data parallelism, loss against exact.
 
     .venv/bin/python bench/bench_outer_sync.py [--quick] [--steps S] [--json OUT]
+        [--base random|pretrained] [--shift S] [--seed N]
 
 The maths of periodic synchronisation with a cheaper outer step, in one process (one
 unsplit model per pipeline, as `testkit.references.run_periodic_reference` does; no links):
@@ -24,6 +25,12 @@ pipelines each training one micro-batch of 4 x 24 tokens of every step. Side by 
   error-fed rotated low-bit code (`int4`, `int2`, `int1`; replicas/outer_codec.py, the
   rotation of the step; every pipeline gets every pipeline's code and decodes the same
   mean, which the exact merge then merges).
+
+With `--base pretrained` the model is first trained in full on the language
+(`testkit/bigram.py`, `--pretrain-steps`), and the LoRA fine-tunes it on the language with a
+share of its successors changed (`--shift`): a fine-tune that learns a change, where the
+default (a random model) has its LoRA learn the whole language. `--seed` changes the
+training order and the LoRA's initialisation, not the held-out rows or the base.
 
 Bytes per optimizer step are the bytes on every replica link of a star (R - 1 followers
 and one leader), against exact synchronous data parallelism priced as its lightest exact
@@ -51,6 +58,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "testkit")]
 
 from relaytrain_contract import TrainingSpec  # noqa: E402
+from relaytrain_testkit import bigram  # noqa: E402
 from relaytrain_testkit.tiny_models import tiny_model_dir  # noqa: E402
 from relaytrain_worker.model import lora_merge  # noqa: E402
 from relaytrain_worker.model.methods import apply_lora, lora_config  # noqa: E402
@@ -59,7 +67,7 @@ from relaytrain_worker.pipeline.schedule import token_loss_sum  # noqa: E402
 from relaytrain_worker.replicas import outer_codec  # noqa: E402
 from relaytrain_worker.state.data import MicroBatch  # noqa: E402
 
-R, SEQ, ROWS, VOCAB = 4, 24, 4, 300
+R, SEQ, ROWS = 4, 24, 4
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -74,18 +82,13 @@ class Outcome:
     """Exact synchronous data parallelism's bytes per step over this configuration's."""
 
 
-def bigram_batches(steps: int, seed: int) -> list[list[MicroBatch]]:
-    perm = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(1))
+def bigram_batches(
+    steps: int, seed: int, perm: torch.Tensor | None = None
+) -> list[list[MicroBatch]]:
     gen = torch.Generator().manual_seed(seed)
 
     def one() -> MicroBatch:
-        x = torch.empty(ROWS, SEQ, dtype=torch.long)
-        x[:, 0] = torch.randint(0, VOCAB, (ROWS,), generator=gen)
-        for t in range(1, SEQ):
-            noise = torch.rand(ROWS, generator=gen) < 0.1
-            x[:, t] = torch.where(
-                noise, torch.randint(0, VOCAB, (ROWS,), generator=gen), perm[x[:, t - 1]]
-            )
+        x = bigram.rows(ROWS, SEQ, gen, perm)
         pos = torch.arange(SEQ).expand(ROWS, -1).contiguous()
         return MicroBatch(x, torch.ones_like(x), pos, x.clone())
 
@@ -255,13 +258,30 @@ def main() -> None:
         help="the outer step's learning rate and Nesterov momentum (DiLoCo: 0.7,0.9)",
     )
     parser.add_argument("--grid", help="intervals and codes, e.g. 16:float64,64:int2")
+    parser.add_argument(
+        "--base",
+        choices=("random", "pretrained"),
+        default="random",
+        help="fine-tune a random model (the LoRA learns the language from nothing) or one "
+        "pretrained on a language that differs in a share of its successors (--shift)",
+    )
+    parser.add_argument(
+        "--shift", type=float, default=0.25, help="with --base pretrained: the share changed"
+    )
+    parser.add_argument("--pretrain-steps", type=int, default=1500, help="with --base pretrained")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="another training order and LoRA initialisation (the held-out rows and the base stay)",
+    )
     args = parser.parse_args()
     outer = tuple(float(x) for x in args.outer.split(","))
     torch.set_num_threads(1)
     n_steps = args.steps or (60 if args.quick else 300)
     training = TrainingSpec(
         steps=n_steps, micro_batch_size=ROWS, micro_batches=R, learning_rate=1e-2,
-        schedule="cosine", warmup_steps=5, weight_decay=0.0, max_grad_norm=1.0, seed=3,
+        schedule="cosine", warmup_steps=5, weight_decay=0.0, max_grad_norm=1.0, seed=3 + args.seed,
     )  # fmt: skip
     grid = (
         [(16, "float64"), (16, "int2")]
@@ -283,10 +303,21 @@ def main() -> None:
         for merge in merges
     ]
     with tempfile.TemporaryDirectory() as tmp:
+        perm = None
         model_dir = tiny_model_dir(Path(tmp) / "llama", layers=4, hidden=64)
-        steps, held = bigram_batches(n_steps, 2), bigram_batches(2, 99)
+        if args.base == "pretrained":
+            model_dir = bigram.pretrain(
+                model_dir, Path(tmp) / "base", steps=args.pretrain_steps, rows_per_step=R * ROWS,
+                seq=SEQ,
+            )  # fmt: skip
+            perm = bigram.successors(args.shift)
+        steps, held = (
+            bigram_batches(n_steps, 2 + 100 * args.seed, perm),
+            bigram_batches(2, 99, perm),
+        )
         held_out = [mb for step in held for mb in step]
         started = time.monotonic()
+        untrained = evaluate(build(model_dir, training)[0], held_out)
         base_loss, trainable = run_exact(model_dir, training, steps, held_out)
         baseline = (R - 1) * 2 * 2 * trainable  # bf16 gradient up and bf16 sum down, per step
         outcomes = [Outcome("exact synchronous", base_loss, 0.0, baseline, 1.0)]
@@ -301,7 +332,9 @@ def main() -> None:
             )
         wall = time.monotonic() - started
     print(
-        f"\n{n_steps} steps, 4 pipelines, LoRA r8 ({trainable:,} trainable values), {wall:.0f} s\n"
+        f"\n{n_steps} steps, 4 pipelines, LoRA r8 ({trainable:,} trainable values), {wall:.0f} s;"
+        f" eval loss before training {untrained:.4f},"
+        f" the language's entropy {bigram.entropy():.4f}\n"
     )
     print("| configuration | eval loss | vs exact | bytes per step | fewer bytes than exact DP |")
     print("|---|---|---|---|---|")

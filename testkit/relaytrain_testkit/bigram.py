@@ -1,0 +1,93 @@
+"""The benchmarks' language, and a base model that already knows most of it.
+
+A noisy bigram language over ``VOCAB`` tokens: each token is followed by its successor (a
+fixed permutation) with probability 0.9, by a uniformly random token otherwise. Its entropy
+(`entropy`) is the lowest eval loss any model can reach, so a benchmark can say how far a
+run is from done, not only how it compares with another run.
+
+Two ways to fine-tune on it (bench/bench_outer_sync.py, bench/bench_delta_boundary.py):
+from a random model, where the LoRA learns the whole language from nothing (hard, far
+from done after thousands of steps), or from a base pretrained in full on the language
+with a share of its successors changed (`successors(shifted)`, `pretrain`): the
+fine-tune learns the change, as a real one learns a new task on a base that already
+knows the rest.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+VOCAB = 300
+NOISE = 0.1
+
+
+def successors(shifted: float = 0.0) -> torch.Tensor:
+    """Each token's successor: a fixed permutation, with a random `shifted` share of the
+    tokens given each other's successors (the fine-tuning language against the base's)."""
+    perm = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(1))
+    if shifted:
+        gen = torch.Generator().manual_seed(7)
+        moved = torch.randperm(VOCAB, generator=gen)[: int(shifted * VOCAB)]
+        perm = perm.clone()
+        perm[moved] = perm[moved[torch.randperm(moved.numel(), generator=gen)]]
+    return perm
+
+
+def rows(
+    n: int, seq: int, seed: int | torch.Generator, perm: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`n` rows of `seq` tokens of the language of `perm` (default: `successors()`), drawn
+    from a generator seeded with `seed` (or from `seed`, a generator, where it stands)."""
+    perm = successors() if perm is None else perm
+    gen = seed if isinstance(seed, torch.Generator) else torch.Generator().manual_seed(seed)
+    x = torch.empty(n, seq, dtype=torch.long)
+    x[:, 0] = torch.randint(0, VOCAB, (n,), generator=gen)
+    for t in range(1, seq):
+        noise = torch.rand(n, generator=gen) < NOISE
+        x[:, t] = torch.where(
+            noise, torch.randint(0, VOCAB, (n,), generator=gen), perm[x[:, t - 1]]
+        )
+    return x
+
+
+def entropy() -> float:
+    """The eval loss (nats a token after the first) of a model that knows the language
+    exactly: the successor has probability 0.9 + 0.1 / VOCAB, every other token
+    0.1 / VOCAB."""
+    right, other = 1 - NOISE + NOISE / VOCAB, NOISE / VOCAB
+    return -(right * math.log(right) + (VOCAB - 1) * other * math.log(other))
+
+
+def pretrain(
+    model_dir: Path, out: Path, *, steps: int, rows_per_step: int = 16, seq: int = 24
+) -> Path:
+    """The model of `model_dir` trained in full on `successors()` (AdamW 3e-3, cosine to
+    zero, clipped at 1) for `steps` steps of `rows_per_step` rows, saved with its
+    tokenizer files in `out`."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, steps)
+    data = rows(steps * rows_per_step, seq, seed=11)
+    positions = torch.arange(seq).expand(rows_per_step, -1)
+    for ids in torch.split(data, rows_per_step):
+        logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+        loss = torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)
+        )
+        loss.backward()  # type: ignore[no-untyped-call]
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+    model.save_pretrained(str(out))
+    for f in model_dir.iterdir():  # the tokenizer's files
+        weights = f.name.startswith(("config", "model", "generation"))
+        if f.is_file() and not weights and not (out / f.name).exists():
+            (out / f.name).write_bytes(f.read_bytes())
+    return out
