@@ -1,0 +1,361 @@
+"""What a per-block bit allocation would buy the boundary codes: bits per value and held-out
+loss over epochs, simulated in one unsplit model.
+
+Run: OMP_NUM_THREADS=1 .venv/bin/python bench/bench_boundary_allocation.py
+    [--base random|pretrained] [--shift S] [--epochs E] [--modes none,int4,delta,allocated]
+
+A design experiment, not the worker's code path: the codes are applied at the three
+boundaries of a 4-stage split of the same tiny Llama as bench/bench_delta_boundary.py
+(4 layers, hidden 256, LoRA r8 on every linear layer, 128 rows of 64 tokens of the bigram
+language, micro-batches of 4 rows, 2 a step, AdamW 5e-3 cosine), inside one process: each
+boundary's activation is replaced by what its code decodes to on the way forward, and its
+gradient by what the gradient's code decodes to on the way back (an autograd function at
+each layer's output), so training sees exactly the codes' errors. No links: bits are
+counted, not bytes sent.
+
+Modes, per boundary and direction:
+
+- ``none``: uncompressed;
+- ``int4``: every activation and gradient rotated 4-bit (`lowbit.py`), 4.25 bits a value;
+- ``delta``: today's ``compression: delta`` (`pipeline/boundary.py`): each row's activation
+  coded against what its receiver decoded last epoch (`DeltaSender`, adaptive bits 1-4,
+  a 4-bit full code first), gradients rotated 3-bit, 3.25 bits a value;
+- ``allocated``: every row of a frame coded against a reference, its last decode (a cache
+  per row, on both ends, for activations **and** gradients) or zero, whichever is nearer;
+  then each block of 64 gets 0-4 bits by reverse water-filling over the whole frame: the
+  fewest bits whose expected error, ``sum_i D_b(i) ||r_i||^2`` (`lowbit.DISTORTION`,
+  ``D_0 = 1``), stays within what today's code allows the frame, ``D_4 ||x||^2`` for
+  activations and ``D_3 ||g||^2`` for gradients. A block with 0 bits is not sent; its
+  change stays in the next one. Counted: each sent block's codes and bf16 scale, 3 bits a
+  block for its allocation, 1 bit a row for its reference.
+
+Reported per epoch: bits per value of each direction (averaged over the three
+boundaries), ``x bf16`` (16 over them), the realised relative error of the allocated
+codes, and the held-out loss of the trained adapters on the uncompressed model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "worker_image"), str(REPO / "testkit")]
+
+from relaytrain_testkit import bigram  # noqa: E402
+from relaytrain_testkit.tiny_models import tiny_model_dir  # noqa: E402
+from relaytrain_worker.model.methods import apply_lora, lora_config  # noqa: E402
+from relaytrain_worker.pipeline import boundary, lowbit  # noqa: E402
+from relaytrain_worker.pipeline.deltacache import DeltaSender  # noqa: E402
+
+LAYERS, HIDDEN, SEQ, MBS, MICROS, ROWS = 4, 256, 64, 4, 2, 128
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+MODES = ("none", "int4", "delta", "allocated")
+D = {0: 1.0, **lowbit.DISTORTION}
+MAP_BITS = 3
+"""Bits a block's allocation (0-4) costs on the wire."""
+
+
+def allocate(energy: torch.Tensor, budget: float) -> torch.Tensor:
+    """Bits (0-4) per block: the fewest in total whose expected error
+    ``sum D_b energy`` is at most `budget` (a Lagrangian sweep: each block takes the bits
+    that minimise ``bits + lam D_b energy``; the smallest ``lam`` that meets the budget)."""
+    d = torch.tensor([D[b] for b in range(5)], dtype=torch.float64)
+    e = energy.double()
+
+    def pick(lam: float) -> torch.Tensor:
+        return (torch.arange(5, dtype=torch.float64)[:, None] + lam * d[:, None] * e).argmin(0)
+
+    def error(b: torch.Tensor) -> float:
+        return float((d[b] * e).sum())
+
+    lo, hi = 0.0, 1.0
+    while error(pick(hi)) > budget and hi < 1e30:
+        hi *= 4
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if error(pick(mid)) > budget else (lo, mid)
+    return pick(hi)
+
+
+class Allocated:
+    """One direction of one boundary: a cache per row, both ends alike (the decode is what
+    both hold); codes each frame as the module docstring says."""
+
+    def __init__(self, target_bits: int, cached: bool = True) -> None:
+        self.target = D[target_bits]
+        self.cached = cached
+        self.cache: dict[int, torch.Tensor] = {}
+        self.version = 0
+        self.bits = 0.0
+        self.values = 0
+        self.error = 0.0
+        self.norm = 0.0
+
+    def code(self, x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        self.version += 1
+        blocks = [lowbit.to_blocks(x[i]) for i in range(x.shape[0])]
+        refs = []
+        for i, row in enumerate(rows):
+            cached = self.cache.get(row) if self.cached else None
+            near = cached is not None and float((blocks[i] - cached).square().sum()) < float(
+                blocks[i].square().sum()
+            )
+            refs.append(cached if near else torch.zeros_like(blocks[i]))
+        stacked = torch.cat(blocks)
+        ref = torch.cat(refs)
+        change = stacked - ref
+        whole = float(stacked.square().sum())
+        bits = allocate(change.square().sum(1), self.target * whole)
+        decoded = ref.clone()
+        for b in range(1, 5):
+            chosen = bits == b
+            if bool(chosen.any()):
+                codes, scales = lowbit.quantise_blocks(change[chosen], b, variant=self.version)
+                decoded[chosen] += lowbit.dequantise_blocks(codes, scales, b, self.version)
+        decoded = decoded.to(torch.bfloat16).to(torch.float32)  # the caches are bf16
+        for i, row in enumerate(rows):
+            n = blocks[i].shape[0]
+            self.cache[row] = decoded[i * n : (i + 1) * n].clone()
+        sent = bits > 0
+        self.bits += float(64 * bits.sum() + 16 * sent.sum()) + MAP_BITS * bits.numel() + len(rows)
+        self.values += x.numel()
+        self.error += float((decoded - stacked).square().sum())
+        self.norm += whole
+        per_row = decoded.reshape(x.shape[0], -1)[:, : x[0].numel()]
+        return per_row.reshape(x.shape).to(x.dtype)
+
+
+class Today:
+    """Today's delta code (activations) or rotated 3-bit code (gradients)."""
+
+    def __init__(self, keyed: bool) -> None:
+        self.sender = DeltaSender(boundary.CONFIG) if keyed else None
+        self.bits = 0.0
+        self.values = 0
+
+    def code(self, x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        self.values += x.numel()
+        if self.sender is None:
+            enc = lowbit.encode(x, boundary.GRADIENT_BITS)
+            self.bits += 8 * (enc.codes.numel() + 2 * enc.scales.numel())
+            return lowbit.decode(enc).to(x.dtype)
+        out = torch.empty_like(x)
+        for i, row in enumerate(rows):
+            msg = self.sender.encode(x[i], f"activation:{row}")
+            self.bits += 8 * msg.nbytes
+            cached = self.sender.cached(f"activation:{row}")
+            assert cached is not None
+            out[i] = cached.to(x.dtype)
+        return out
+
+
+class Int4:
+    def __init__(self) -> None:
+        self.bits = 0.0
+        self.values = 0
+
+    def code(self, x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        enc = lowbit.encode(x, 4)
+        self.values += x.numel()
+        self.bits += 8 * (enc.codes.numel() + 2 * enc.scales.numel())
+        return lowbit.decode(enc).to(x.dtype)
+
+
+class Coded(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor, pair: Any, rows: list[int]) -> torch.Tensor:
+        ctx.pair, ctx.rows = pair, rows
+        return pair[0].code(h.detach(), rows) if pair else h.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return (ctx.pair[1].code(grad, ctx.rows) if ctx.pair else grad), None, None
+
+
+def rate(pairs: list[Any], marks: list[Any], d: int) -> float:
+    """Bits a value of direction `d` (0 down, 1 up) since `marks`, over every boundary."""
+    if not pairs[0]:
+        return 16.0
+    bits = sum(p[d].bits - m[d][0] for p, m in zip(pairs, marks, strict=True))
+    values = sum(p[d].values - m[d][1] for p, m in zip(pairs, marks, strict=True))
+    return float(bits / values)
+
+
+def make_pair(mode: str, options: argparse.Namespace) -> Any:
+    if mode == "int4":
+        return (Int4(), Int4())
+    if mode == "delta":
+        return (Today(keyed=True), Today(keyed=False))
+    if mode == "allocated":
+        down = options.allocate in ("both", "activations")
+        up = options.allocate in ("both", "gradients")
+        return (
+            Allocated(options.activation_budget) if down else Today(keyed=True),
+            Allocated(options.gradient_budget, cached=options.gradient_cache)
+            if up
+            else Today(keyed=False),
+        )
+    return None
+
+
+def run(
+    model_dir: Path,
+    mode: str,
+    train: torch.Tensor,
+    held: torch.Tensor,
+    epochs: int,
+    options: argparse.Namespace,
+) -> dict[str, Any]:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    params = [p for _, p in apply_lora(model, lora_config(8, 16.0, 0.0, TARGETS), 0)]
+    steps = epochs * ROWS // (MBS * MICROS)
+    optimizer = torch.optim.AdamW(params, lr=5e-3, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, steps)
+    pairs = [make_pair(mode, options) for _ in range(LAYERS - 1)]
+    current: dict[str, list[int]] = {"rows": []}
+
+    def hooked(k: int) -> Any:
+        def hook(module: Any, args: Any, out: Any) -> Any:
+            h = out[0] if isinstance(out, tuple) else out
+            coded = Coded.apply(h, pairs[k], current["rows"])
+            return (coded, *out[1:]) if isinstance(out, tuple) else coded
+
+        return hook
+
+    for k in range(LAYERS - 1):
+        model.model.layers[k].register_forward_hook(hooked(k))
+
+    def loss_of(ids: torch.Tensor) -> torch.Tensor:
+        logits = model(input_ids=ids, use_cache=False).logits
+        return torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="sum"
+        )
+
+    def held_loss() -> float:
+        saved = list(pairs)
+        pairs[:] = [None] * len(pairs)  # evaluated uncompressed
+        with torch.no_grad():
+            value = float(loss_of(held)) / (held.shape[0] * (SEQ - 1))
+        pairs[:] = saved
+        return value
+
+    epochs_out = []
+    order_gen = torch.Generator().manual_seed(10)
+    for _ in range(epochs):
+        marks = [((p[0].bits, p[0].values), (p[1].bits, p[1].values)) if p else None for p in pairs]
+        order = torch.randperm(ROWS, generator=order_gen)
+        for s in range(0, ROWS, MBS * MICROS):
+            idx = order[s : s + MBS * MICROS]
+            for chunk in idx.split(MBS):
+                current["rows"] = chunk.tolist()
+                (loss_of(train[chunk]) / (idx.numel() * (SEQ - 1))).backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optimizer.step()
+            schedule.step()
+            optimizer.zero_grad(set_to_none=True)
+        down, up = (rate(pairs, marks, d) for d in (0, 1))
+        epochs_out.append({"down": down, "up": up, "held": held_loss()})
+    errors = None
+    if mode == "allocated":
+        errors = [
+            math.sqrt(sum(p[d].error for p in pairs) / sum(p[d].norm for p in pairs))
+            if isinstance(pairs[0][d], Allocated)
+            else None
+            for d in (0, 1)
+        ]
+    return {"epochs": epochs_out, "errors": errors}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--base", choices=("random", "pretrained"), default="pretrained")
+    parser.add_argument("--shift", type=float, default=0.25)
+    parser.add_argument("--epochs", type=int, default=6)
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument(
+        "--activation-budget",
+        type=int,
+        default=4,
+        choices=(1, 2, 3, 4),
+        help="allocated: activations' error budget is this many bits' (D_b ||x||^2)",
+    )
+    parser.add_argument(
+        "--gradient-budget",
+        type=int,
+        default=3,
+        choices=(1, 2, 3, 4),
+        help="allocated: gradients' error budget is this many bits'",
+    )
+    parser.add_argument(
+        "--allocate",
+        choices=("both", "activations", "gradients"),
+        default="both",
+        help="allocated: the direction(s) coded so; the other is coded as delta codes it",
+    )
+    parser.add_argument(
+        "--no-gradient-cache",
+        dest="gradient_cache",
+        action="store_false",
+        help="allocated: code gradients against zero, never against last epoch's",
+    )
+    args = parser.parse_args()
+    modes = args.modes.split(",")
+    if not set(modes) <= set(MODES):
+        parser.error(f"--modes: {args.modes!r}: give {', '.join(MODES)}, comma-separated")
+    torch.set_num_threads(1)
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = tiny_model_dir(
+            Path(tmp) / "m", layers=LAYERS, hidden=HIDDEN, max_shard_size="2MB"
+        )
+        perm = None
+        if args.base == "pretrained":
+            model_dir = bigram.pretrain(model_dir, Path(tmp) / "base", steps=600, seq=SEQ)
+            perm = bigram.successors(args.shift)
+        train = bigram.rows(ROWS, SEQ, 2, perm)
+        held = bigram.rows(32, SEQ, 99, perm)
+        results = {m: run(model_dir, m, train, held, args.epochs, args) for m in modes}
+    wall = time.monotonic() - started
+    print(
+        f"\n{args.base} base"
+        + (f", {args.shift:.0%} of successors changed" if perm is not None else "")
+        + f"; {args.epochs} epochs of {ROWS // (MBS * MICROS)} steps;"
+        + f" entropy {bigram.entropy():.4f}; {wall:.0f} s\n"
+    )
+    head = " | ".join(f"epoch {e + 1}" for e in range(args.epochs))
+    print(f"| mode | direction | {head} | run | x bf16 |")
+    print("|---|---|" + "---|" * (args.epochs + 2))
+    for m, r in results.items():
+        for d, name in (("down", "activations"), ("up", "gradients")):
+            per = [e[d] for e in r["epochs"]]
+            run_bits = sum(per) / len(per)
+            cells = " | ".join(f"{b:.2f}" for b in per)
+            print(
+                f"| {m} | {name}, bits a value | {cells} | {run_bits:.2f} | {16 / run_bits:.1f}x |"
+            )
+        cells = " | ".join(f"{e['held']:.4f}" for e in r["epochs"])
+        last = r["epochs"][-1]["held"] / results[modes[0]]["epochs"][-1]["held"] - 1
+        print(f"| {m} | held-out loss | {cells} | {last * 100:+.2f} % vs {modes[0]} | |")
+    if "allocated" in results:
+        a, g = (f"{e:.3f}" if e is not None else "-" for e in results["allocated"]["errors"])
+        print(
+            f"\nallocated: realised relative error {a} (activations), {g} (gradients);"
+            f" today's bounds {math.sqrt(D[4]):.3f} and {math.sqrt(D[3]):.3f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
