@@ -3,6 +3,7 @@ loss over epochs, simulated in one unsplit model.
 
 Run: OMP_NUM_THREADS=1 .venv/bin/python bench/bench_boundary_allocation.py
     [--base random|pretrained] [--shift S] [--epochs E] [--modes none,int4,delta,allocated]
+    [--allocate both|activations|gradients] [--gradient-floor 0|1|2] [...]
 
 A design experiment, not the worker's code path: the codes are applied at the three
 boundaries of a 4-stage split of the same tiny Llama as bench/bench_delta_boundary.py
@@ -27,7 +28,11 @@ Modes, per boundary and direction:
   ``D_0 = 1``), stays within what today's code allows the frame, ``D_4 ||x||^2`` for
   activations and ``D_3 ||g||^2`` for gradients. A block with 0 bits is not sent; its
   change stays in the next one. Counted: each sent block's codes and bf16 scale, 3 bits a
-  block for its allocation, 1 bit a row for its reference.
+  block for its allocation, 1 bit a row for its reference. Options: `--allocate` one
+  direction only (the other coded as ``delta`` codes it), other error budgets
+  (`--activation-budget`, `--gradient-budget`), a floor under a gradient block's bits
+  (`--gradient-floor 1`: none left out), stochastic rounding (`--unbiased-gradients`), no
+  gradient cache (`--no-gradient-cache`).
 
 Reported per epoch: bits per value of each direction (averaged over the three
 boundaries), ``x bf16`` (16 over them), the realised relative error of the allocated
@@ -63,7 +68,7 @@ MAP_BITS = 3
 """Bits a block's allocation (0-4) costs on the wire."""
 
 
-def allocate(energy: torch.Tensor, budget: float) -> torch.Tensor:
+def allocate(energy: torch.Tensor, budget: float, floor: int = 0) -> torch.Tensor:
     """Bits (0-4) per block: the fewest in total whose expected error
     ``sum D_b energy`` is at most `budget` (a Lagrangian sweep: each block takes the bits
     that minimise ``bits + lam D_b energy``; the smallest ``lam`` that meets the budget)."""
@@ -71,7 +76,9 @@ def allocate(energy: torch.Tensor, budget: float) -> torch.Tensor:
     e = energy.double()
 
     def pick(lam: float) -> torch.Tensor:
-        return (torch.arange(5, dtype=torch.float64)[:, None] + lam * d[:, None] * e).argmin(0)
+        cost = torch.arange(5, dtype=torch.float64)[:, None] + lam * d[:, None] * e
+        cost[:floor] = math.inf  # fewer bits than the floor are not offered
+        return cost.argmin(0)
 
     def error(b: torch.Tensor) -> float:
         return float((d[b] * e).sum())
@@ -89,9 +96,13 @@ class Allocated:
     """One direction of one boundary: a cache per row, both ends alike (the decode is what
     both hold); codes each frame as the module docstring says."""
 
-    def __init__(self, target_bits: int, cached: bool = True) -> None:
+    def __init__(
+        self, target_bits: int, cached: bool = True, floor: int = 0, unbiased: bool = False
+    ) -> None:
         self.target = D[target_bits]
         self.cached = cached
+        self.floor = floor
+        self.unbiased = unbiased
         self.cache: dict[int, torch.Tensor] = {}
         self.version = 0
         self.bits = 0.0
@@ -113,12 +124,15 @@ class Allocated:
         ref = torch.cat(refs)
         change = stacked - ref
         whole = float(stacked.square().sum())
-        bits = allocate(change.square().sum(1), self.target * whole)
+        bits = allocate(change.square().sum(1), self.target * whole, self.floor)
         decoded = ref.clone()
         for b in range(1, 5):
             chosen = bits == b
             if bool(chosen.any()):
-                codes, scales = lowbit.quantise_blocks(change[chosen], b, variant=self.version)
+                seed = self.version * 8 + b if self.unbiased else None
+                codes, scales = lowbit.quantise_blocks(
+                    change[chosen], b, seed=seed, variant=self.version
+                )
                 decoded[chosen] += lowbit.dequantise_blocks(codes, scales, b, self.version)
         decoded = decoded.to(torch.bfloat16).to(torch.float32)  # the caches are bf16
         for i, row in enumerate(rows):
@@ -199,7 +213,12 @@ def make_pair(mode: str, options: argparse.Namespace) -> Any:
         up = options.allocate in ("both", "gradients")
         return (
             Allocated(options.activation_budget) if down else Today(keyed=True),
-            Allocated(options.gradient_budget, cached=options.gradient_cache)
+            Allocated(
+                options.gradient_budget,
+                cached=options.gradient_cache,
+                floor=options.gradient_floor,
+                unbiased=options.unbiased_gradients,
+            )
             if up
             else Today(keyed=False),
         )
@@ -304,6 +323,18 @@ def main() -> None:
         choices=("both", "activations", "gradients"),
         default="both",
         help="allocated: the direction(s) coded so; the other is coded as delta codes it",
+    )
+    parser.add_argument(
+        "--gradient-floor",
+        type=int,
+        default=0,
+        choices=(0, 1, 2),
+        help="allocated: the fewest bits a gradient block gets (0: a block may be left out)",
+    )
+    parser.add_argument(
+        "--unbiased-gradients",
+        action="store_true",
+        help="allocated: gradient codes round stochastically (unbiased; lowbit's seeded mode)",
     )
     parser.add_argument(
         "--no-gradient-cache",
