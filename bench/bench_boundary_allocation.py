@@ -147,20 +147,31 @@ class Allocated:
         return per_row.reshape(x.shape).to(x.dtype)
 
 
-class Today:
-    """Today's delta code (activations) or rotated 3-bit code (gradients)."""
+class Fixed:
+    """A rotated code of `bits` for every value (int4 both ways; today's gradients)."""
 
-    def __init__(self, keyed: bool) -> None:
-        self.sender = DeltaSender(boundary.CONFIG) if keyed else None
+    def __init__(self, bits: int) -> None:
+        self.bits_each = bits
+        self.bits = 0.0
+        self.values = 0
+
+    def code(self, x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        enc = lowbit.encode(x, self.bits_each)
+        self.values += x.numel()
+        self.bits += 8 * (enc.codes.numel() + 2 * enc.scales.numel())
+        return lowbit.decode(enc).to(x.dtype)
+
+
+class Today:
+    """Today's delta code of the activations (`DeltaSender`, keyed by row)."""
+
+    def __init__(self) -> None:
+        self.sender = DeltaSender(boundary.CONFIG)
         self.bits = 0.0
         self.values = 0
 
     def code(self, x: torch.Tensor, rows: list[int]) -> torch.Tensor:
         self.values += x.numel()
-        if self.sender is None:
-            enc = lowbit.encode(x, boundary.GRADIENT_BITS)
-            self.bits += 8 * (enc.codes.numel() + 2 * enc.scales.numel())
-            return lowbit.decode(enc).to(x.dtype)
         out = torch.empty_like(x)
         for i, row in enumerate(rows):
             msg = self.sender.encode(x[i], f"activation:{row}")
@@ -169,18 +180,6 @@ class Today:
             assert cached is not None
             out[i] = cached.to(x.dtype)
         return out
-
-
-class Int4:
-    def __init__(self) -> None:
-        self.bits = 0.0
-        self.values = 0
-
-    def code(self, x: torch.Tensor, rows: list[int]) -> torch.Tensor:
-        enc = lowbit.encode(x, 4)
-        self.values += x.numel()
-        self.bits += 8 * (enc.codes.numel() + 2 * enc.scales.numel())
-        return lowbit.decode(enc).to(x.dtype)
 
 
 class Coded(torch.autograd.Function):
@@ -205,14 +204,14 @@ def rate(pairs: list[Any], marks: list[Any], d: int) -> float:
 
 def make_pair(mode: str, options: argparse.Namespace) -> Any:
     if mode == "int4":
-        return (Int4(), Int4())
+        return (Fixed(4), Fixed(4))
     if mode == "delta":
-        return (Today(keyed=True), Today(keyed=False))
+        return (Today(), Fixed(boundary.GRADIENT_BITS))
     if mode == "allocated":
         down = options.allocate in ("both", "activations")
         up = options.allocate in ("both", "gradients")
         return (
-            Allocated(options.activation_budget) if down else Today(keyed=True),
+            Allocated(options.activation_budget) if down else Today(),
             Allocated(
                 options.gradient_budget,
                 cached=options.gradient_cache,
@@ -220,7 +219,7 @@ def make_pair(mode: str, options: argparse.Namespace) -> Any:
                 unbiased=options.unbiased_gradients,
             )
             if up
-            else Today(keyed=False),
+            else Fixed(boundary.GRADIENT_BITS),
         )
     return None
 
@@ -300,8 +299,7 @@ def run(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--base", choices=("random", "pretrained"), default="pretrained")
-    parser.add_argument("--shift", type=float, default=0.25)
+    bigram.add_base_arguments(parser, default="pretrained", pretrain_steps=600)
     parser.add_argument("--epochs", type=int, default=6)
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument(
@@ -349,13 +347,12 @@ def main() -> None:
     torch.set_num_threads(1)
     started = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = tiny_model_dir(
-            Path(tmp) / "m", layers=LAYERS, hidden=HIDDEN, max_shard_size="2MB"
+        model_dir, perm = bigram.base(
+            args,
+            tiny_model_dir(Path(tmp) / "m", layers=LAYERS, hidden=HIDDEN, max_shard_size="2MB"),
+            Path(tmp) / "base",
+            seq=SEQ,
         )
-        perm = None
-        if args.base == "pretrained":
-            model_dir = bigram.pretrain(model_dir, Path(tmp) / "base", steps=600, seq=SEQ)
-            perm = bigram.successors(args.shift)
         train = bigram.rows(ROWS, SEQ, 2, perm)
         held = bigram.rows(32, SEQ, 99, perm)
         results = {m: run(model_dir, m, train, held, args.epochs, args) for m in modes}

@@ -258,17 +258,7 @@ def main() -> None:
         help="the outer step's learning rate and Nesterov momentum (DiLoCo: 0.7,0.9)",
     )
     parser.add_argument("--grid", help="intervals and codes, e.g. 16:float64,64:int2")
-    parser.add_argument(
-        "--base",
-        choices=("random", "pretrained"),
-        default="random",
-        help="fine-tune a random model (the LoRA learns the language from nothing) or one "
-        "pretrained on a language that differs in a share of its successors (--shift)",
-    )
-    parser.add_argument(
-        "--shift", type=float, default=0.25, help="with --base pretrained: the share changed"
-    )
-    parser.add_argument("--pretrain-steps", type=int, default=1500, help="with --base pretrained")
+    bigram.add_base_arguments(parser, default="random", pretrain_steps=1500)
     parser.add_argument(
         "--seed",
         type=int,
@@ -303,14 +293,13 @@ def main() -> None:
         for merge in merges
     ]
     with tempfile.TemporaryDirectory() as tmp:
-        perm = None
-        model_dir = tiny_model_dir(Path(tmp) / "llama", layers=4, hidden=64)
-        if args.base == "pretrained":
-            model_dir = bigram.pretrain(
-                model_dir, Path(tmp) / "base", steps=args.pretrain_steps, rows_per_step=R * ROWS,
-                seq=SEQ,
-            )  # fmt: skip
-            perm = bigram.successors(args.shift)
+        model_dir, perm = bigram.base(
+            args,
+            tiny_model_dir(Path(tmp) / "llama", layers=4, hidden=64),
+            Path(tmp) / "base",
+            rows_per_step=R * ROWS,
+            seq=SEQ,
+        )
         steps, held = (
             bigram_batches(n_steps, 2 + 100 * args.seed, perm),
             bigram_batches(2, 99, perm),

@@ -15,6 +15,7 @@ knows the rest.
 
 from __future__ import annotations
 
+import argparse
 import math
 from pathlib import Path
 
@@ -91,3 +92,36 @@ def pretrain(
         if f.is_file() and not weights and not (out / f.name).exists():
             (out / f.name).write_bytes(f.read_bytes())
     return out
+
+
+def add_base_arguments(
+    parser: argparse.ArgumentParser, *, default: str, pretrain_steps: int
+) -> None:
+    """A benchmark's `--base`, `--shift` and `--pretrain-steps` (see `base`)."""
+    parser.add_argument(
+        "--base",
+        choices=("random", "pretrained"),
+        default=default,
+        help="fine-tune a random model (the LoRA learns the language from nothing) or one "
+        "pretrained on a language that differs in a share of its successors (--shift)",
+    )
+    parser.add_argument(
+        "--shift", type=float, default=0.25, help="with --base pretrained: the share changed"
+    )
+    parser.add_argument(
+        "--pretrain-steps", type=int, default=pretrain_steps, help="with --base pretrained"
+    )
+
+
+def base(
+    args: argparse.Namespace, model_dir: Path, out: Path, *, rows_per_step: int = 16, seq: int = 24
+) -> tuple[Path, torch.Tensor | None]:
+    """The model a benchmark fine-tunes, as `add_base_arguments`' options say, and the
+    successors of its fine-tuning language (None: the base language): `model_dir` itself,
+    or the model pretrained on the base language in `out`."""
+    if args.base != "pretrained":
+        return model_dir, None
+    pretrained = pretrain(
+        model_dir, out, steps=args.pretrain_steps, rows_per_step=rows_per_step, seq=seq
+    )
+    return pretrained, successors(args.shift)
