@@ -3,7 +3,7 @@ loss over epochs, simulated in one unsplit model.
 
 Run: OMP_NUM_THREADS=1 .venv/bin/python bench/bench_boundary_allocation.py
     [--base random|pretrained] [--shift S] [--epochs E] [--modes none,int4,delta,allocated]
-    [--allocate both|activations|gradients] [--gradient-floor 0|1|2] [...]
+    [--allocate both|activations|gradients] [--gradient-floor 0|1|2] [--gradient-rows P] [...]
 
 A design experiment, not the worker's code path: the codes are applied at the three
 boundaries of a 4-stage split of the same tiny Llama as bench/bench_delta_boundary.py
@@ -18,9 +18,12 @@ Modes, per boundary and direction:
 
 - ``none``: uncompressed;
 - ``int4``: every activation and gradient rotated 4-bit (`lowbit.py`), 4.25 bits a value;
-- ``delta``: today's ``compression: delta`` (`pipeline/boundary.py`): each row's activation
-  coded against what its receiver decoded last epoch (`DeltaSender`, adaptive bits 1-4,
-  a 4-bit full code first), gradients rotated 3-bit, 3.25 bits a value;
+- ``adaptive``: ``compression: delta`` until 2026-11-29: each row's activation coded against
+  what its receiver decoded last epoch (`DeltaSender`, the fewest bits 1-4 for the whole
+  row, a 4-bit full code first), gradients rotated 3-bit, 3.25 bits a value;
+- ``delta``: the worker's ``compression: delta`` (`pipeline/boundary.py`): the same, with
+  each block's bits allocated within the row's int4 error (`DeltaConfig.allocate`, as
+  ``allocated`` does over a frame);
 - ``allocated``: every row of a frame coded against a reference, its last decode (a cache
   per row, on both ends, for activations **and** gradients) or zero, whichever is nearer;
   then each block of 64 gets 0-4 bits by reverse water-filling over the whole frame: the
@@ -29,10 +32,11 @@ Modes, per boundary and direction:
   activations and ``D_3 ||g||^2`` for gradients. A block with 0 bits is not sent; its
   change stays in the next one. Counted: each sent block's codes and bf16 scale, 3 bits a
   block for its allocation, 1 bit a row for its reference. Options: `--allocate` one
-  direction only (the other coded as ``delta`` codes it), other error budgets
+  direction only (the other coded as ``adaptive`` codes it), other error budgets
   (`--activation-budget`, `--gradient-budget`), a floor under a gradient block's bits
   (`--gradient-floor 1`: none left out), stochastic rounding (`--unbiased-gradients`), no
-  gradient cache (`--no-gradient-cache`).
+  gradient cache (`--no-gradient-cache`), gradients for a share of the rows only
+  (`--gradient-rows`).
 
 Reported per epoch: bits per value of each direction (averaged over the three
 boundaries), ``x bf16`` (16 over them), the realised relative error of the allocated
@@ -58,11 +62,14 @@ from relaytrain_testkit import bigram  # noqa: E402
 from relaytrain_testkit.tiny_models import tiny_model_dir  # noqa: E402
 from relaytrain_worker.model.methods import apply_lora, lora_config  # noqa: E402
 from relaytrain_worker.pipeline import boundary, lowbit  # noqa: E402
-from relaytrain_worker.pipeline.deltacache import DeltaSender  # noqa: E402
+from relaytrain_worker.pipeline.deltacache import DeltaConfig, DeltaSender  # noqa: E402
 
 LAYERS, HIDDEN, SEQ, MBS, MICROS, ROWS = 4, 256, 64, 4, 2, 128
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-MODES = ("none", "int4", "delta", "allocated")
+MODES = ("none", "int4", "adaptive", "delta", "allocated")
+ADAPTIVE = DeltaConfig(full_bits=4, delta_bits=1, adaptive=True)
+"""``delta``'s activations until 2026-11-29: each row's change at the fewest bits, 1-4, for
+the whole row, within the first code's error."""
 D = {0: 1.0, **lowbit.DISTORTION}
 MAP_BITS = 3
 """Bits a block's allocation (0-4) costs on the wire."""
@@ -163,10 +170,11 @@ class Fixed:
 
 
 class Today:
-    """Today's delta code of the activations (`DeltaSender`, keyed by row)."""
+    """A delta code of the activations (`DeltaSender`, keyed by row): the worker's
+    (`boundary.CONFIG`) or another."""
 
-    def __init__(self) -> None:
-        self.sender = DeltaSender(boundary.CONFIG)
+    def __init__(self, config: DeltaConfig = boundary.CONFIG) -> None:
+        self.sender = DeltaSender(config)
         self.bits = 0.0
         self.values = 0
 
@@ -184,13 +192,31 @@ class Today:
 
 class Coded(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, h: torch.Tensor, pair: Any, rows: list[int]) -> torch.Tensor:
-        ctx.pair, ctx.rows = pair, rows
+    def forward(
+        ctx: Any,
+        h: torch.Tensor,
+        pair: Any,
+        rows: list[int],
+        keep: torch.Tensor | None,
+        scale: float,
+    ) -> torch.Tensor:
+        ctx.pair, ctx.rows, ctx.keep, ctx.scale = pair, rows, keep, scale
         return pair[0].code(h.detach(), rows) if pair else h.clone()
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return (ctx.pair[1].code(grad, ctx.rows) if ctx.pair else grad), None, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        if not ctx.pair:
+            return grad, None, None, None, None
+        if ctx.keep is None:
+            return ctx.pair[1].code(grad, ctx.rows), None, None, None, None
+        # only the kept rows' gradients cross (the same rows at every boundary); the
+        # others are zero, which costs the row's one bit
+        out = torch.zeros_like(grad)
+        kept = [r for r, k in zip(ctx.rows, ctx.keep.tolist(), strict=True) if k]
+        out[ctx.keep] = ctx.pair[1].code(grad[ctx.keep] * ctx.scale, kept)
+        ctx.pair[1].bits += int((~ctx.keep).sum())
+        ctx.pair[1].values += grad[~ctx.keep].numel()
+        return out, None, None, None, None
 
 
 def rate(pairs: list[Any], marks: list[Any], d: int) -> float:
@@ -205,13 +231,15 @@ def rate(pairs: list[Any], marks: list[Any], d: int) -> float:
 def make_pair(mode: str, options: argparse.Namespace) -> Any:
     if mode == "int4":
         return (Fixed(4), Fixed(4))
+    if mode == "adaptive":
+        return (Today(ADAPTIVE), Fixed(boundary.GRADIENT_BITS))
     if mode == "delta":
         return (Today(), Fixed(boundary.GRADIENT_BITS))
     if mode == "allocated":
         down = options.allocate in ("both", "activations")
         up = options.allocate in ("both", "gradients")
         return (
-            Allocated(options.activation_budget) if down else Today(),
+            Allocated(options.activation_budget) if down else Today(ADAPTIVE),
             Allocated(
                 options.gradient_budget,
                 cached=options.gradient_cache,
@@ -243,12 +271,16 @@ def run(
     optimizer = torch.optim.AdamW(params, lr=5e-3, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, steps)
     pairs = [make_pair(mode, options) for _ in range(LAYERS - 1)]
-    current: dict[str, list[int]] = {"rows": []}
+    current: dict[str, Any] = {"rows": [], "keep": None}
+    share = options.gradient_rows
+    keep_gen = torch.Generator().manual_seed(11)
 
     def hooked(k: int) -> Any:
         def hook(module: Any, args: Any, out: Any) -> Any:
             h = out[0] if isinstance(out, tuple) else out
-            coded = Coded.apply(h, pairs[k], current["rows"])
+            top = k == LAYERS - 2  # the first boundary a gradient crosses on its way back
+            scale = 1.0 / share if top else 1.0
+            coded = Coded.apply(h, pairs[k], current["rows"], current["keep"], scale)
             return (coded, *out[1:]) if isinstance(out, tuple) else coded
 
         return hook
@@ -279,6 +311,11 @@ def run(
             idx = order[s : s + MBS * MICROS]
             for chunk in idx.split(MBS):
                 current["rows"] = chunk.tolist()
+                if share < 1.0 and mode != "none":
+                    keep = torch.zeros(chunk.numel(), dtype=torch.bool)
+                    n = max(1, round(share * chunk.numel()))
+                    keep[torch.randperm(chunk.numel(), generator=keep_gen)[:n]] = True
+                    current["keep"] = keep
                 (loss_of(train[chunk]) / (idx.numel() * (SEQ - 1))).backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             optimizer.step()
@@ -333,6 +370,13 @@ def main() -> None:
         "--unbiased-gradients",
         action="store_true",
         help="allocated: gradient codes round stochastically (unbiased; lowbit's seeded mode)",
+    )
+    parser.add_argument(
+        "--gradient-rows",
+        type=float,
+        default=1.0,
+        help="the share of a micro-batch's rows whose gradients cross the boundaries (the same"
+        " rows at each, chosen at random, scaled by its inverse; the others' are zero)",
     )
     parser.add_argument(
         "--no-gradient-cache",

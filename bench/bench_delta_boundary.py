@@ -1,7 +1,7 @@
 """The ``delta`` boundary compression over epochs: bytes per token, eval loss, time to a loss.
 
 Run: OMP_NUM_THREADS=1 .venv/bin/python bench/bench_delta_boundary.py [--quick] [--epochs E]
-    [--json OUT]
+    [--base random|pretrained] [--shift S] [--json OUT]
 
 A tiny random Llama (4 layers, hidden 256, testkit) with LoRA r8 on every linear layer is
 fine-tuned through 4 stages (one layer each; `run_pipeline_threads`: the worker's
@@ -273,10 +273,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer rows and 3 epochs")
     parser.add_argument("--epochs", type=int, help="epochs (default 6; --quick 3)")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    from relaytrain_testkit import bigram
+
+    bigram.add_base_arguments(parser, default="random", pretrain_steps=600)
     args = parser.parse_args()
 
     from relaytrain_contract import TrainingSpec
-    from relaytrain_testkit import bigram
     from relaytrain_testkit.tiny_models import tiny_model_dir
 
     torch.set_num_threads(1)
@@ -292,11 +294,15 @@ def main() -> None:
     )  # fmt: skip
     started = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = tiny_model_dir(
-            Path(tmp) / "llama", layers=LAYERS, hidden=HIDDEN, max_shard_size="2MB"
+        model_dir, perm = bigram.base(
+            args,
+            tiny_model_dir(Path(tmp) / "llama", layers=LAYERS, hidden=HIDDEN, max_shard_size="2MB"),
+            Path(tmp) / "base",
+            seq=SEQ,
         )
-        train_rows = bigram.rows(setup.rows, SEQ, 2)
-        evaluator = Evaluator(model_dir, bigram.rows(setup.held_out, SEQ, 99), training.seed)
+        train_rows = bigram.rows(setup.rows, SEQ, 2, perm)
+        held = bigram.rows(setup.held_out, SEQ, 99, perm)
+        evaluator = Evaluator(model_dir, held, training.seed)
         steps = epoch_steps(train_rows, setup, seed=10)
         job = Job(setup, model_dir, train_rows, steps, training, evaluator)
         base_loss = evaluator.loss()

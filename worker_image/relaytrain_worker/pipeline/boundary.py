@@ -16,19 +16,25 @@ What is coded how in a frame under ``delta``:
 - a floating tensor named ``hidden`` in a frame that carries ``rows`` (the rows' indices in the
   job's training rows, `state/data.py`, or in the held-out rows): one `DeltaMessage` per row,
   keyed by the frame kind and the row (``activation:17``, ``eval:3``), so a training row and a
-  held-out row never share an entry. A row's first sight is a full code at ``FULL_BITS``; every
-  later one a delta against the previous version, at the fewest bits (``DELTA_BITS`` to
-  ``FULL_BITS``) whose expected error is within the full code's (`DeltaConfig.adaptive`), or
-  a full code again where the row changed as much as it is large. So a row is never coded
-  worse than int4 codes it, and costs 1.25 bits a value where it drifts by less than about
-  16 % of its norm (sqrt(D_4 / D_1), `lowbit.DISTORTION`), 2.25 below 28 %, 3.25 below 52 %;
+  held-out row never share an entry. Each block of 64 values gets its own bits, 0 to 4: the
+  fewest in total whose expected error stays within what int4 leaves of the row
+  (`DeltaConfig.allocate`, `deltacache.allocate_bits`), coded against the row's last decode
+  (a delta) or, where that is farther than zero, against zero (a full code, as on a row's
+  first sight). A block given 0 bits is not sent and keeps its last value. So a row is never
+  coded worse than int4 codes it; its first sight costs about int4's 4.25 bits a value (the
+  blocks that hold outliers get more, the quiet ones fewer), and later crossings only what
+  changed: nothing but the bit map (3 bits a block, 0.05 a value) while the row stays within
+  int4's error of its last decode;
 - ``hidden`` without ``rows`` (nothing to key it by): a full code at ``FULL_BITS``, cached
   nowhere;
 - any other floating tensor (the gradients of a boundary): a rotated code at
   ``GRADIENT_BITS`` (`lowbit.py`, nearest; 3 bits: 17 % error; 2 bits cost 1.4 points of
   held-out loss in bench/bench_delta_boundary.py). A gradient depends on the whole later
   pipeline and on the labels and changes more between epochs than an activation does; a
-  per-sample cache saved nothing on it (bench/bench_boundary_codec.py, part d);
+  per-sample cache saved nothing on it (bench/bench_boundary_codec.py, part d), and bits
+  allocated per block, within the same error, cost held-out loss: +9.5 % from a random
+  base with a cache per row, +3.5 % on a fine-tune without one (bench_boundary_allocation.py,
+  docs/links-and-checkpoints.md). Equal error is not equal learning for gradients;
 - integer and bool tensors: lossless and narrowed, as every other mode (`compression.py`).
 
 The sender encodes in the link's encoder thread and the receiver decodes in the thread that
@@ -43,6 +49,7 @@ per boundary), in host memory. The caches are not counted in the plan's GPU memo
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -70,11 +77,10 @@ UNKEYED = "int8"
 ones (labels, masks, rows) narrowed losslessly as under every code, floating ones as int8."""
 FULL_BITS: Bits = 4
 """Bits per value of a row's first code (int4's error: the first epoch trains as int4 does)."""
-DELTA_BITS: Bits = 1
-"""Bits per value of a row's later codes: the change since the receiver's last decode."""
 GRADIENT_BITS: Bits = 3
 """Bits per value of every other floating tensor (the gradients going back)."""
-CONFIG = DeltaConfig(full_bits=FULL_BITS, delta_bits=DELTA_BITS, adaptive=True)
+CONFIG = DeltaConfig(full_bits=FULL_BITS, allocate=True)
+"""Each block of a row's code gets its own bits, within int4's error (`DeltaConfig.allocate`)."""
 
 
 def bytes_per_value(bits: int) -> float:
@@ -135,7 +141,12 @@ class BoundaryCodec:
             sent = None if msg.sent is None else msg.sent.numel()
             # [row, 1 for a full code, version, bits, sent blocks, bitmap bytes]: a delta is
             # always against the version before, and the codes are 8 * bits bytes a block.
+            # An allocated code has bits 0: its bit map comes first and sizes the rest.
             full = int(msg.kind == "full")
+            if msg.block_bits is not None:
+                messages.append([int(row), full, msg.version, 0, msg.scales.numel(), None])
+                parts += [msg.block_bits, msg.codes, msg.scales]
+                continue
             messages.append([int(row), full, msg.version, msg.bits, msg.scales.numel(), sent])
             parts += [msg.codes, msg.scales] + ([] if msg.sent is None else [msg.sent])
         entry = {
@@ -163,14 +174,23 @@ class BoundaryCodec:
         if len(shape) < 1 or len(messages) != shape[0]:
             raise ValueError(f"{len(messages)} row codes for a tensor of shape {list(shape)}")
         out = torch.empty(shape, dtype=dtype)
+        row_blocks = -(-math.prod(shape[1:]) // lowbit.BLOCK)
         for i, (row, full, at, given_bits, blocks, nsent) in enumerate(messages):
-            bits, version = lowbit.check_bits(given_bits), int(at)
-            codes = read(8 * bits * int(blocks), torch.uint8)
+            version, block_bits = int(at), None
+            if given_bits == 0:  # allocated: the bit map says how many code bytes follow
+                bits = self.receiver.config.full_bits
+                block_bits = read(3 * -(-row_blocks // 8), torch.uint8)
+                each = lowbit.unpack_bits(block_bits, 3)[:row_blocks]
+                codes = read(8 * int(each.sum()), torch.uint8)
+            else:
+                bits = lowbit.check_bits(given_bits)
+                codes = read(8 * bits * int(blocks), torch.uint8)
             scales = read(int(blocks), torch.bfloat16)
             sent = None if nsent is None else read(int(nsent), torch.uint8)
             msg = DeltaMessage(
                 f"{kind}:{int(row)}", "full" if full else "delta", version,
                 None if full else version - 1, bits, dtype, shape[1:], codes, scales, sent,
+                block_bits,
             )  # fmt: skip
             out[i] = self.receiver.decode(msg)
         return out

@@ -17,12 +17,23 @@ bit, 0.34 at 2), and on a sample drifting by ``d`` (RMS) per epoch, as
 ``e_k <= sqrt(D_b) (d + e_(k-1))``, it settles at most at ``d sqrt(D_b) / (1 - sqrt(D_b))``:
 1.5 d at 1 bit, 0.52 d at 2 (measured on Gaussian data: 1.1 d and 0.4 d).
 
+Allocated codes (``allocate``, what the worker's ``delta`` compression uses): each block of
+64 gets its own bits, 0-4, by reverse water-filling (`allocate_bits`): the fewest in total
+whose expected error, ``sum_i D_(b_i) ||r_i||^2`` over the blocks ``r_i`` of what is coded,
+stays within a full code's, ``D_full ||x||^2``. What is coded is the change against the
+entry where that is smaller than the row, else the row itself (a full code). A block with 0
+bits is not sent and keeps the reference's value; a map of 3 bits a block says which bits
+each got, and the codes travel grouped by bits. Unlike ``adaptive``, the error does not
+shrink epoch after epoch: it is held at the full code's, and a row that drifts less than
+that costs only its map. The error stays in the entry, so the next code carries it.
+
 Block skipping (``skip_below``): a block (64 consecutive values, as in lowbit.py) whose
 delta RMS is at most ``skip_below`` times the cached block's RMS is not sent; a bitmap with
 one bit per block (set = sent) says which were. The skipped part stays in the cache's
 difference from the truth and so is in the next delta. With every block sent the bitmap is
 left out. Wire cost: ``ceil(blocks / 8)`` bitmap bytes plus ``8 * bits + 2`` bytes per sent
-block (``nbytes``); a frame also needs the key, the kind, the versions, bits and shape (see
+block (``nbytes``; an allocated code: ``3 ceil(blocks / 8)`` map bytes plus ``8 b_i + 2`` per
+sent block); a frame also needs the key, the kind, the versions, bits and shape (see
 ``DeltaMessage``).
 
 The decoded value is the cache entry, which is why both must be bit-identical: decode is
@@ -108,10 +119,23 @@ class DeltaConfig:
     only blocks whose delta is exactly zero)."""
     cache_dtype: CacheDtype = "bfloat16"
     """dtype the cache entries are kept in (both sides must agree)."""
+    allocate: bool = False
+    """Give each block of a code its own bits, 0-4 (`allocate_bits`): the fewest in total
+    whose expected error, ``sum_i D_(b_i) ||r_i||^2`` over the blocks ``r_i`` coded, is
+    within a full code's, ``D_full ||x||^2``. A row is coded against its last decode where
+    that is nearer than zero (a delta), else against zero (a full code), and both are
+    allocated; a block given 0 bits is not sent and keeps its reference's value. Instead of
+    ``adaptive`` and ``skip_below``."""
+    floor: int = 0
+    """With ``allocate``: the fewest bits a block gets (1: every block is sent)."""
 
     def __post_init__(self) -> None:
         check_bits(self.full_bits)
         check_bits(self.delta_bits)
+        if self.allocate and (self.adaptive or self.skip_below):
+            raise ValueError("allocate replaces adaptive and skip_below: set only allocate")
+        if self.floor not in range(0, 5) or (self.floor and not self.allocate):
+            raise ValueError(f"floor must be 0-4 and needs allocate, got {self.floor}")
         if not (self.skip_below >= 0.0 and math.isfinite(self.skip_below)):
             raise ValueError(f"skip_below must be finite and >= 0, got {self.skip_below}")
         if self.cache_dtype not in ("bfloat16", "float32"):
@@ -148,11 +172,17 @@ class DeltaMessage:
     sent: torch.Tensor | None
     """1-D uint8 CPU bitmap, one bit per block (set = sent, little-endian bit order), or
     None when every block was sent."""
+    block_bits: torch.Tensor | None = None
+    """An allocated code (`DeltaConfig.allocate`): 1-D uint8 CPU tensor, each block's bits
+    (0-4) packed 3 bits a block (lowbit.pack_bits, zero-padded to a multiple of 8 blocks);
+    ``codes`` and ``scales`` then hold the sent blocks grouped by bits, 1 to 4, in block order
+    within a group, and ``bits`` and ``sent`` are not used. None: every code has ``bits``."""
 
     @property
     def nbytes(self) -> int:
-        """Payload bytes on the wire (codes, scales, bitmap; not the header fields)."""
+        """Payload bytes on the wire (codes, scales, bitmap or bit map; not the header)."""
         n = self.codes.numel() + 2 * self.scales.numel()
+        n += 0 if self.block_bits is None else self.block_bits.numel()
         return n + (0 if self.sent is None else self.sent.numel())
 
     @property
@@ -216,7 +246,10 @@ class _Side:
 
     def _apply(self, msg: DeltaMessage, base: _Entry | None) -> torch.Tensor:
         """Apply ``msg`` and store the new entry; returns its float32 blocks."""
-        decoded = dequantise_blocks(msg.codes, msg.scales, msg.bits, msg.version)
+        if msg.block_bits is not None:
+            decoded = _dequantise_allocated(msg)
+        else:
+            decoded = dequantise_blocks(msg.codes, msg.scales, msg.bits, msg.version)
         if msg.kind == "full" or base is None:
             new = decoded
         else:
@@ -249,6 +282,12 @@ class DeltaSender(_Side):
             or not bool(torch.isfinite(entry.value).all())
         )
         version = 1 if entry is None else entry.version + 1
+        if cfg.allocate and bool(torch.isfinite(blocks).all()):
+            # (a non-finite input takes the uniform full code below, so that it decodes NaN)
+            usable = entry if entry is not None and not full else None
+            return self._encode_allocated(
+                key=key, dtype=x.dtype, shape=shape, blocks=blocks, entry=usable, version=version
+            )
         if full:
             codes, scales = quantise_blocks(blocks, cfg.full_bits, variant=version)
             msg = DeltaMessage(
@@ -290,6 +329,53 @@ class DeltaSender(_Side):
         self._apply(msg, entry)
         return msg
 
+    def _encode_allocated(
+        self,
+        *,
+        key: str,
+        dtype: torch.dtype,
+        shape: tuple[int, ...],
+        blocks: torch.Tensor,
+        entry: _Entry | None,
+        version: int,
+    ) -> DeltaMessage:
+        """An allocated code (DeltaConfig.allocate) of finite ``blocks``, against ``entry``
+        (of the same shape, finite, or None) where it is nearer than zero."""
+        cfg = self.config
+        whole = float(blocks.square().sum())
+        change = blocks
+        base = None
+        if entry is not None:  # same shape, finite
+            cached = entry.value.to(torch.float32)
+            delta = blocks - cached
+            if float(delta.square().sum()) < whole:
+                change, base = delta, entry
+        budget = DISTORTION[cfg.full_bits] * whole
+        bits = allocate_bits(change.square().sum(dim=1), budget, cfg.floor)
+        codes, scales = [], []
+        for b in range(1, 5):
+            chosen = (bits == b).nonzero().reshape(-1)
+            if chosen.numel():
+                c, s = quantise_blocks(change[chosen], check_bits(b), variant=version)
+                codes.append(c)
+                scales.append(s)
+        packed = pack_bits(torch.nn.functional.pad(bits, (0, (-bits.numel()) % 8)), 3)
+        msg = DeltaMessage(
+            key,
+            "full" if base is None else "delta",
+            version,
+            None if base is None else base.version,
+            cfg.full_bits,
+            dtype,
+            shape,
+            torch.cat(codes) if codes else torch.zeros(0, dtype=torch.uint8),
+            torch.cat(scales) if scales else torch.zeros(0, dtype=torch.bfloat16),
+            None,
+            packed,
+        )
+        self._apply(msg, base)
+        return msg
+
     def _bits(self, delta: torch.Tensor, blocks: torch.Tensor) -> Bits | None:
         """The fewest bits whose expected error on ``delta`` is within a full code's on
         ``blocks`` (see DeltaConfig.adaptive); None when not even ``full_bits`` are."""
@@ -329,3 +415,71 @@ def _sent_index(bitmap: torch.Tensor, blocks: int) -> torch.Tensor:
     """Indices of the blocks whose bit is set."""
     bits = unpack_bits(bitmap, 1)[:blocks]
     return bits.nonzero().reshape(-1)
+
+
+#: Lloyd-Max distortion of 0-4 bits (0 bits: the block is left out, its whole energy).
+_D = (1.0, *(DISTORTION[b] for b in (1, 2, 3, 4)))
+#: The Lagrange multiplier times a block's energy above which b bits beat b - 1, b = 1..4
+#: (the distortions are convex in b, so each block's best bits are a count of these).
+_STEPS = tuple(1.0 / (_D[b - 1] - _D[b]) for b in range(1, 5))
+
+
+def allocate_bits(energy: torch.Tensor, budget: float, floor: int = 0) -> torch.Tensor:
+    """Bits (0-4, int64) for blocks of squared norms ``energy``: the fewest in total whose
+    expected error ``sum_i D_(b_i) energy_i`` is at most ``budget``, where no block gets
+    fewer than ``floor`` (reverse water-filling: each block takes the bits that minimise
+    ``b + lam D_b energy_i``, with the smallest ``lam`` that meets the budget, found by
+    bisection). Where even 4 bits a block miss the budget, every block gets 4.
+
+    Blocks of equal energy all get the same bits, so on a row whose blocks are alike the
+    code is the uniform one of ``budget``'s bits; a block with no energy gets ``floor``."""
+    e = energy.to(torch.float64)
+    budget *= 1 + 1e-12  # a budget met exactly is met, whatever the order of the sum
+    d = torch.tensor(_D, dtype=torch.float64)
+    steps = torch.tensor(_STEPS, dtype=torch.float64)
+
+    def pick(lam: float) -> torch.Tensor:
+        return (lam * e[:, None] >= steps).sum(dim=1).clamp_(min=floor)
+
+    def error(b: torch.Tensor) -> float:
+        return float((d[b] * e).sum())
+
+    if error(pick(0.0)) <= budget:
+        return pick(0.0)
+    lo, hi = 0.0, 1.0
+    while error(pick(hi)) > budget and hi < 1e300:
+        lo, hi = hi, hi * 16
+    for _ in range(64):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if error(pick(mid)) > budget else (lo, mid)
+    return pick(hi)
+
+
+def _dequantise_allocated(msg: DeltaMessage) -> torch.Tensor:
+    """Float32 ``[blocks, BLOCK]`` of an allocated code: 0 where a block got no bits."""
+    assert msg.block_bits is not None
+    bits = unpack_bits(msg.block_bits, 3)[: msg.blocks]
+    counts = [int((bits == b).sum()) for b in range(5)]
+    want_codes = sum(8 * b * counts[b] for b in range(1, 5))
+    want_scales = msg.blocks - counts[0]
+    if (
+        bits.numel() != msg.blocks
+        or bool((bits > 4).any())
+        or ((want_codes, want_scales) != (msg.codes.numel(), msg.scales.numel()))
+    ):
+        raise ValueError(
+            f"allocated code for sample {msg.key!r}: its bit map asks {want_codes} code bytes "
+            f"and {want_scales} scales for {msg.blocks} blocks, the message holds "
+            f"{msg.codes.numel()} and {msg.scales.numel()}"
+        )
+    out = torch.zeros(msg.blocks, BLOCK, dtype=torch.float32)
+    at_code = at_scale = 0
+    for b in range(1, 5):
+        n = counts[b]
+        if n:
+            chosen = (bits == b).nonzero().reshape(-1)
+            codes = msg.codes[at_code : at_code + 8 * b * n]
+            scales = msg.scales[at_scale : at_scale + n]
+            out[chosen] = dequantise_blocks(codes, scales, check_bits(b), msg.version)
+            at_code, at_scale = at_code + 8 * b * n, at_scale + n
+    return out

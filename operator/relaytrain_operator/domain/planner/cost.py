@@ -52,17 +52,18 @@ GIB = 1 << 30
 #: Bytes per value on the wire (relaytrain_worker.pipeline.compression: blocks of 64 with a
 #: bf16 scale).
 WIRE_BYTES = {"bf16": 2.0, "int8": 1.0 + 2 / 64, "int4": 0.5 + 2 / 64}
-#: ``delta`` (relaytrain_worker.pipeline.boundary): activations at 4 bits the first time a
-#: training row crosses a boundary and as a 1-bit change every later epoch (a row that drifts
-#: by less than 16 %; more costs up to 4 bits); gradients at 3
-#: bits always (a bf16 scale per 64 values each). A plan is priced at the first epoch's rate,
-#: the slowest; `delta_forward_bytes_per_value` gives every epoch's.
-DELTA_FIRST_BYTES = (4 + 16 / 64) / 8
-DELTA_LATER_BYTES = (1 + 16 / 64 + 1 / 64) / 8
+#: ``delta`` (relaytrain_worker.pipeline.boundary): each block of 64 activation values of a
+#: training row gets its own bits, 0-4, the fewest whose expected error stays within int4's
+#: (a bf16 scale per block sent, 3 bits a block for its bits). A row's first crossing costs
+#: about int4's rate, exactly 4 bits a value where its blocks are alike; later epochs code
+#: only what changed, so their rate falls with the drift (docs/links-and-checkpoints.md).
+#: Gradients at 3 bits always (a bf16 scale per 64 values). A plan is priced at the first
+#: epoch's rate, the slowest.
+DELTA_FIRST_BYTES = (4 + 16 / 64 + 3 / 64) / 8
 DELTA_GRADIENT_BYTES = (3 + 16 / 64) / 8
 #: CPU seconds per boundary value of the ``delta`` codec, encode plus decode: it runs on the
 #: host's CPU wherever the stage runs (boundary.py copies the tensor there), one thread per
-#: link; forward a row's 4-bit first code (a later 1-bit change costs about as much),
+#: link; forward a row's first code (4 bits; a later change costs about as much),
 #: backward the gradients' 3-bit code. `bench/bench_codec_speed.py`, one core of the 2-core
 #: dev VM, 2026-11-27. The other codes run on the stage's device (next to nothing on a GPU).
 DELTA_FORWARD_CODEC_SECONDS = 240e-9
@@ -217,12 +218,6 @@ def _wire_bytes_per_value(training: TrainingShape, backward: bool = False) -> fl
     if training.compression == "delta":
         return DELTA_GRADIENT_BYTES if backward else DELTA_FIRST_BYTES
     return WIRE_BYTES[training.compression]
-
-
-def delta_forward_bytes_per_value(epoch: int) -> float:
-    """Bytes per activation value of ``delta`` in ``epoch`` (1-based): a full code the first
-    time each row is seen, a 1-bit change (and its block bitmap) every later time."""
-    return DELTA_FIRST_BYTES if epoch <= 1 else DELTA_LATER_BYTES
 
 
 @dataclass(frozen=True)

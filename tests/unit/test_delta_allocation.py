@@ -1,0 +1,134 @@
+"""Allocated delta codes (`DeltaConfig.allocate`): each block's bits chosen by reverse
+water-filling within a full code's expected error, against the definition and on the wire."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+import torch
+from relaytrain_worker.pipeline.deltacache import (
+    DeltaConfig,
+    DeltaReceiver,
+    DeltaSender,
+    allocate_bits,
+)
+from relaytrain_worker.pipeline.lowbit import BLOCK, DISTORTION
+
+pytestmark = pytest.mark.unit
+
+D = (1.0, *(DISTORTION[b] for b in (1, 2, 3, 4)))
+
+
+def _error(bits: torch.Tensor | tuple[int, ...], energy: torch.Tensor) -> float:
+    return sum(D[int(b)] * float(e) for b, e in zip(bits, energy, strict=True))
+
+
+def test_no_allocation_with_as_few_bits_has_less_expected_error() -> None:
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(20):
+        energy = torch.exp(2 * torch.randn(5, generator=gen, dtype=torch.float64))
+        budget = [DISTORTION[4], DISTORTION[2], 0.3][trial % 3] * float(energy.sum())
+        bits = allocate_bits(energy, budget)
+        got = _error(bits, energy)
+        assert got <= budget * (1 + 1e-9)
+        # Against every one of the 5^5 allocations (the definition): one that spends no
+        # more bits never leaves less error, and one that meets the budget never spends
+        # fewer bits than the allocation does by more than the sweep's granularity.
+        total = int(bits.sum())
+        for other in itertools.product(range(5), repeat=5):
+            if sum(other) <= total:
+                assert _error(other, energy) >= got * (1 - 1e-9), (trial, other, bits)
+
+
+def test_alike_blocks_get_the_budgets_bits_and_the_floor_holds() -> None:
+    energy = torch.full((10,), 3.0)
+    for b in (1, 2, 3, 4):
+        assert allocate_bits(energy, DISTORTION[b] * 30.0).tolist() == [b] * 10
+    # Blocks with nothing in them get no bits, or the floor's.
+    mixed = torch.tensor([0.0, 5.0, 0.0, 5.0])
+    assert allocate_bits(mixed, DISTORTION[3] * 10.0).tolist() == [0, 3, 0, 3]
+    assert allocate_bits(mixed, DISTORTION[3] * 10.0, floor=1).tolist() == [1, 3, 1, 3]
+    # A budget that 4 bits a block cannot meet: every block gets 4.
+    assert allocate_bits(mixed, 0.0).tolist() == [0, 4, 0, 4]
+    # A small block next to large ones is left out where its energy fits in the budget.
+    small = torch.tensor([1e-4, 1.0, 1.0])
+    assert allocate_bits(small, DISTORTION[4] * 2.0 + 1e-4).tolist() == [0, 4, 4]
+
+
+def _pair(**kw: object) -> tuple[DeltaSender, DeltaReceiver]:
+    cfg = DeltaConfig(allocate=True, **kw)  # type: ignore[arg-type]
+    return DeltaSender(cfg), DeltaReceiver(cfg)
+
+
+def test_allocated_codes_keep_both_ends_bit_identical_and_within_the_full_codes_error() -> None:
+    sender, receiver = _pair(full_bits=4)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(16, 256, generator=gen)
+    x[:, :4] *= 30  # outlier channels: their blocks get more bits
+    for epoch in range(5):
+        if epoch:
+            x = x + 0.2 * torch.randn(x.shape, generator=gen)
+        msg = sender.encode(x, "a")
+        y = receiver.decode(msg)
+        assert msg.block_bits is not None and msg.sent is None
+        assert msg.kind == ("full" if epoch == 0 else "delta")
+        mine, theirs = sender.cached("a"), receiver.cached("a")
+        assert mine is not None and theirs is not None and torch.equal(mine, theirs)
+        assert torch.equal(y, theirs.to(torch.float32))
+        error = float((y - x).norm() / x.norm())
+        assert error < DISTORTION[4] ** 0.5 * 1.05, (epoch, error)
+        bits = msg.nbytes * 8 / x.numel()
+        # the map is 3 bits a block; a block sent costs its codes and a bf16 scale
+        assert msg.nbytes == msg.codes.numel() + 2 * msg.scales.numel() + 3 * (x.numel() // 512)
+        if epoch == 0:
+            assert 3.5 < bits <= 4.25 + 3 / 64
+        else:  # a drift of a fifth of a value's spread needs far fewer bits than a full code
+            assert bits < 2.5, (epoch, bits)
+
+
+def test_an_unchanged_row_sends_only_its_bit_map_and_a_changed_one_is_coded_anew() -> None:
+    sender, receiver = _pair(full_bits=4)
+    x = torch.randn(4, BLOCK * 4, generator=torch.Generator().manual_seed(2))
+    receiver.decode(sender.encode(x, "s"))
+    same = sender.encode(x, "s")
+    assert same.kind == "delta" and same.codes.numel() == same.scales.numel() == 0
+    assert same.nbytes == 3 * 2  # 16 blocks, 3 bits each
+    y = receiver.decode(same)
+    assert torch.equal(y, receiver.cached("s").to(torch.float32))  # type: ignore[union-attr]
+    other = -x  # farther from the cache than from zero: coded against zero
+    msg = sender.encode(other, "s")
+    assert msg.kind == "full" and msg.base_version is None
+    assert float((receiver.decode(msg) - other).norm() / other.norm()) < 0.1
+
+
+def test_a_bit_map_that_does_not_match_the_codes_names_the_sample() -> None:
+    sender, receiver = _pair(full_bits=3)
+    msg = sender.encode(torch.randn(3, BLOCK, generator=torch.Generator().manual_seed(4)), "row:7")
+    n = msg.codes.numel()
+    short = dataclasses.replace(msg, codes=msg.codes[:-8])
+    with pytest.raises(ValueError, match=rf"sample 'row:7'.*bit map asks {n} code bytes.*{n - 8}"):
+        receiver.decode(short)
+
+
+def test_nan_travels_as_a_uniform_full_code_and_recovers_allocated() -> None:
+    sender, receiver = _pair(full_bits=4)
+    x = torch.randn(4, BLOCK, generator=torch.Generator().manual_seed(3))
+    receiver.decode(sender.encode(x, "n"))
+    bad = x.clone()
+    bad[2, 5] = float("nan")
+    m = sender.encode(bad, "n")
+    y = receiver.decode(m)
+    assert m.kind == "full" and m.block_bits is None
+    assert torch.isnan(y[2]).all() and torch.isfinite(y[[0, 1, 3]]).all()
+    m = sender.encode(x, "n")  # the cache holds NaN: coded against zero, allocated again
+    y = receiver.decode(m)
+    assert m.kind == "full" and m.block_bits is not None and torch.isfinite(y).all()
+
+
+def test_allocation_is_configured_alone() -> None:
+    with pytest.raises(ValueError, match="allocate replaces adaptive"):
+        DeltaConfig(allocate=True, adaptive=True)
+    with pytest.raises(ValueError, match="floor must be 0-4 and needs allocate"):
+        DeltaConfig(floor=1)
