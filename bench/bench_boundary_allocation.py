@@ -169,6 +169,81 @@ class Fixed:
         return lowbit.decode(enc).to(x.dtype)
 
 
+class Sampled:
+    """Gradients of some of the tokens, chosen at random with probabilities in proportion to
+    their norms (``p_i = min(1, c ||g_i||)``) and scaled by ``1 / p_i``, so that the code is
+    unbiased; the chosen tokens rotated at `bits`, the others zero. ``c`` gives either a
+    share of the tokens (``sum p_i``) or, with `variance`, the fewest tokens whose sampling
+    variance, ``sum (1 / p_i - 1) ||g_i||^2``, is at most `variance` times ``sum ||g_i||^2``.
+    Counted: the codes and scales of the chosen tokens, 1 bit a token."""
+
+    def __init__(self, bits: int, share: float, seed: int, variance: float | None = None) -> None:
+        self.bits_each = bits
+        self.share = share
+        self.variance = variance
+        self.gen = torch.Generator().manual_seed(seed)
+        self.bits = 0.0
+        self.values = 0
+        self.kept = 0
+        self.tokens = 0
+        self.spread = 0.0
+        self.energy = 0.0
+        self.drifts: dict[int, float] | None = None
+        """Each row's last activation drift at this boundary (`Today`), when gated."""
+        self.below = math.inf
+
+    def _probabilities(self, norms: torch.Tensor) -> torch.Tensor:
+        energy = float(norms.square().sum())
+
+        def p_of(c: float) -> torch.Tensor:
+            return torch.clamp(c * norms, max=1.0)
+
+        def short(c: float) -> bool:  # c too small for the target
+            p = p_of(c)
+            if self.variance is None:
+                return float(p.sum()) < self.share * norms.numel()
+            live = p > 0
+            spread = float(((1 / p[live] - 1) * norms[live].square()).sum())
+            return spread > self.variance * energy
+
+        if energy == 0.0:
+            return torch.zeros_like(norms)
+        lo, hi = 0.0, 1.0 / float(norms.max())
+        while short(hi) and hi < 1e30:
+            lo, hi = hi, hi * 4
+        for _ in range(50):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if short(mid) else (lo, mid)
+        return p_of(hi)
+
+    def code(self, x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        tokens = x.reshape(-1, x.shape[-1])
+        norms = tokens.norm(dim=1).double()
+        if self.drifts is None:
+            p = self._probabilities(norms)
+        else:  # only rows whose activation drifted less than `below` are sampled
+            calm = torch.tensor([self.drifts.get(r, math.inf) < self.below for r in rows])
+            calm = calm.repeat_interleave(x[0].numel() // x.shape[-1])
+            p = torch.ones_like(norms)
+            if bool(calm.any()):
+                p[calm] = self._probabilities(norms[calm])
+        keep = torch.rand(p.shape, generator=self.gen, dtype=torch.float64) < p
+        out = torch.zeros_like(tokens)
+        if bool(keep.any()):
+            kept = tokens[keep] / p[keep, None].to(tokens.dtype)
+            enc = lowbit.encode(kept, self.bits_each)
+            out[keep] = lowbit.decode(enc).to(x.dtype)
+            self.bits += 8 * (enc.codes.numel() + 2 * enc.scales.numel())
+        live = p > 0
+        self.spread += float(((1 / p[live] - 1) * norms[live].square()).sum())
+        self.energy += float(norms.square().sum())
+        self.kept += int(keep.sum())
+        self.tokens += tokens.shape[0]
+        self.bits += tokens.shape[0]
+        self.values += x.numel()
+        return out.reshape(x.shape)
+
+
 class Today:
     """A delta code of the activations (`DeltaSender`, keyed by row): the worker's
     (`boundary.CONFIG`) or another."""
@@ -177,11 +252,19 @@ class Today:
         self.sender = DeltaSender(config)
         self.bits = 0.0
         self.values = 0
+        self.drifts: dict[int, float] = {}
+        """Each row's change against its last decode, over its norm (inf: first sight)."""
 
     def code(self, x: torch.Tensor, rows: list[int]) -> torch.Tensor:
         self.values += x.numel()
         out = torch.empty_like(x)
         for i, row in enumerate(rows):
+            last = self.sender.cached(f"activation:{row}")
+            self.drifts[row] = (
+                math.inf
+                if last is None
+                else float((x[i] - last.to(x.dtype)).norm() / x[i].norm().clamp_min(1e-30))
+            )
             msg = self.sender.encode(x[i], f"activation:{row}")
             self.bits += 8 * msg.nbytes
             cached = self.sender.cached(f"activation:{row}")
@@ -228,13 +311,25 @@ def rate(pairs: list[Any], marks: list[Any], d: int) -> float:
     return float(bits / values)
 
 
+_SEEDS = iter(range(100, 10_000))
+
+
 def make_pair(mode: str, options: argparse.Namespace) -> Any:
     if mode == "int4":
         return (Fixed(4), Fixed(4))
-    if mode == "adaptive":
-        return (Today(ADAPTIVE), Fixed(boundary.GRADIENT_BITS))
-    if mode == "delta":
-        return (Today(), Fixed(boundary.GRADIENT_BITS))
+    up: Any = Fixed(options.gradient_bits)
+    if options.gradient_sample < 1.0 or options.gradient_variance is not None:
+        up = Sampled(
+            options.gradient_bits,
+            options.gradient_sample,
+            seed=next(_SEEDS),
+            variance=options.gradient_variance,
+        )
+    if mode in ("adaptive", "delta"):
+        down = Today(ADAPTIVE if mode == "adaptive" else boundary.CONFIG)
+        if isinstance(up, Sampled) and options.sample_below is not None:
+            up.drifts, up.below = down.drifts, options.sample_below
+        return (down, up)
     if mode == "allocated":
         down = options.allocate in ("both", "activations")
         up = options.allocate in ("both", "gradients")
@@ -247,7 +342,7 @@ def make_pair(mode: str, options: argparse.Namespace) -> Any:
                 unbiased=options.unbiased_gradients,
             )
             if up
-            else Fixed(boundary.GRADIENT_BITS),
+            else make_pair("delta", options)[1],
         )
     return None
 
@@ -331,7 +426,14 @@ def run(
             else None
             for d in (0, 1)
         ]
-    return {"epochs": epochs_out, "errors": errors}
+    sampled = None
+    if pairs[0] and isinstance(pairs[0][1], Sampled):
+        ups = [p[1] for p in pairs]
+        sampled = (
+            sum(u.kept for u in ups) / sum(u.tokens for u in ups),
+            sum(u.spread for u in ups) / sum(u.energy for u in ups),
+        )
+    return {"epochs": epochs_out, "errors": errors, "sampled": sampled}
 
 
 def main() -> None:
@@ -370,6 +472,32 @@ def main() -> None:
         "--unbiased-gradients",
         action="store_true",
         help="allocated: gradient codes round stochastically (unbiased; lowbit's seeded mode)",
+    )
+    parser.add_argument(
+        "--gradient-bits",
+        type=int,
+        default=boundary.GRADIENT_BITS,
+        choices=(1, 2, 3, 4),
+        help="adaptive, delta: the gradients' bits (every value, rotated, nearest)",
+    )
+    parser.add_argument(
+        "--gradient-sample",
+        type=float,
+        default=1.0,
+        help="adaptive, delta: gradients of this share of the tokens only, sampled in"
+        " proportion to their norms and scaled to stay unbiased (`Sampled`)",
+    )
+    parser.add_argument(
+        "--gradient-variance",
+        type=float,
+        help="as --gradient-sample, but the fewest tokens whose sampling variance is at most"
+        " this times the gradients' energy",
+    )
+    parser.add_argument(
+        "--sample-below",
+        type=float,
+        help="with --gradient-sample or --gradient-variance: sample only the gradients of rows"
+        " whose activation moved less than this share of its norm since its last crossing",
     )
     parser.add_argument(
         "--gradient-rows",
@@ -421,6 +549,10 @@ def main() -> None:
         cells = " | ".join(f"{e['held']:.4f}" for e in r["epochs"])
         last = r["epochs"][-1]["held"] / results[modes[0]]["epochs"][-1]["held"] - 1
         print(f"| {m} | held-out loss | {cells} | {last * 100:+.2f} % vs {modes[0]} | |")
+    for m, r in results.items():
+        if r.get("sampled"):
+            share, spread = r["sampled"]
+            print(f"\n{m}: gradients of {share:.1%} of the tokens, sampling variance {spread:.2f}")
     if "allocated" in results:
         a, g = (f"{e:.3f}" if e is not None else "-" for e in results["allocated"]["errors"])
         print(

@@ -7,7 +7,7 @@ Per link (`transport.Link`) one `BoundaryCodec`: a `DeltaSender` for what this e
 connection start empty together: a replaced stage, or any re-link after a failure, begins with
 full codes, and neither end can hold a version the other lacks. The cache is *rebuilt*, not
 checkpointed: its entries are re-learned by sending each sample once more as a full code (one
-epoch at ``FULL_BITS`` instead of a change's bits, at most 3 bits per value more that epoch),
+epoch of full codes instead of changes, at most 4.3 bits per value more that epoch),
 where a checkpoint of it would write 16 bits per value (bf16) of every sample to the store and
 read them back (`deltacache.py`: 42 GB per boundary for Llama-3.1-8B-sized samples).
 
