@@ -459,7 +459,7 @@ def main() -> None:
         "--allocate",
         choices=("both", "activations", "gradients"),
         default="both",
-        help="allocated: the direction(s) coded so; the other is coded as delta codes it",
+        help="allocated: the direction(s) coded so; the other is coded as adaptive codes it",
     )
     parser.add_argument(
         "--gradient-floor",

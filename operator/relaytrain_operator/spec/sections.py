@@ -348,9 +348,10 @@ class PipelineSpec(SpecModel):
     """Compression of activations and their gradients on the links between stages: `none`
     (the model's dtype), `bf16`, `int8` (blockwise absmax), `int4`, `delta` (each training
     row's activation as a change against what the next stage decoded for it the epoch
-    before, in 1 to 4 bits, its first sight at 4 bits, gradients at 3 bits: for slow links
-    and several epochs), or `auto`: the planner takes the most faithful of these whose predicted
-    tokens/s is within 5 % of the fastest (status.plan.compression says which)."""
+    before, each block of 64 values in 0 to 4 bits, within int4's error; gradients at 3
+    bits: for slow links and several epochs), or `auto`: the planner takes the most faithful
+    of these whose predicted tokens/s is within 5 % of the fastest (status.plan.compression
+    says which)."""
     forwards_ahead: Annotated[int, Field(ge=0, le=MAX_FORWARDS_AHEAD)] = 0
     """Forwards each stage but the last runs ahead of 1F1B before its first backward (0 to
     16): more activations cross a slow link while the previous micro-batches compute, at the

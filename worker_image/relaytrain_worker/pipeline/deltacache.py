@@ -425,11 +425,12 @@ _STEPS = tuple(1.0 / (_D[b - 1] - _D[b]) for b in range(1, 5))
 
 
 def allocate_bits(energy: torch.Tensor, budget: float, floor: int = 0) -> torch.Tensor:
-    """Bits (0-4, int64) for blocks of squared norms ``energy``: the fewest in total whose
-    expected error ``sum_i D_(b_i) energy_i`` is at most ``budget``, where no block gets
-    fewer than ``floor`` (reverse water-filling: each block takes the bits that minimise
-    ``b + lam D_b energy_i``, with the smallest ``lam`` that meets the budget, found by
-    bisection). Where even 4 bits a block miss the budget, every block gets 4.
+    """Bits (0-4, int64) for blocks of squared norms ``energy`` whose expected error
+    ``sum_i D_(b_i) energy_i`` is at most ``budget``, no block with fewer than ``floor``:
+    reverse water-filling, each block taking the bits that minimise ``b + lam D_b energy_i``
+    with the smallest ``lam`` that meets the budget (bisection). So no allocation of as few
+    bits in total has less expected error (a Lagrangian optimum; one of a few bits fewer may
+    still meet the budget). Where even 4 bits a block miss it, every block with energy gets 4.
 
     Blocks of equal energy all get the same bits, so on a row whose blocks are alike the
     code is the uniform one of ``budget``'s bits; a block with no energy gets ``floor``."""
