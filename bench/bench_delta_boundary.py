@@ -1,7 +1,7 @@
 """The ``delta`` boundary compression over epochs: bytes per token, eval loss, time to a loss.
 
 Run: OMP_NUM_THREADS=1 .venv/bin/python bench/bench_delta_boundary.py [--quick] [--epochs E]
-    [--base random|pretrained] [--shift S] [--json OUT]
+    [--base random|pretrained] [--shift S] [--gradient-tokens S] [--json OUT]
 
 A tiny random Llama (4 layers, hidden 256, testkit) with LoRA r8 on every linear layer is
 fine-tuned through 4 stages (one layer each; `run_pipeline_threads`: the worker's
@@ -204,6 +204,8 @@ class Job:
     steps: list[list[Any]]
     training: Any
     evaluator: Evaluator
+    gradient_tokens: float = 1.0
+    """``delta``'s share of gradient tokens (``--gradient-tokens``)."""
 
 
 def train(job: Job, mode: str, *, limited: bool) -> ModeRun:
@@ -217,6 +219,7 @@ def train(job: Job, mode: str, *, limited: bool) -> ModeRun:
         credentials=stage_credentials(STAGES, job="bench"), compression=mode, lora=LORA,
         link_rate=LINK_RATE if limited else None,
         link_latency=LINK_LATENCY if limited else 0.0, per_step=True,
+        gradient_tokens=job.gradient_tokens if mode == "delta" else 1.0,
     )  # fmt: skip
     spe = job.setup.steps_per_epoch
     cumulative = run.step_boundary_bytes
@@ -273,6 +276,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer rows and 3 epochs")
     parser.add_argument("--epochs", type=int, help="epochs (default 6; --quick 3)")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument(
+        "--gradient-tokens",
+        type=float,
+        default=1.0,
+        help="delta: the share of tokens whose gradients go back (pipeline.gradientTokens)",
+    )
     from relaytrain_testkit import bigram
 
     bigram.add_base_arguments(parser, default="random", pretrain_steps=600)
@@ -304,7 +313,7 @@ def main() -> None:
         held = bigram.rows(setup.held_out, SEQ, 99, perm)
         evaluator = Evaluator(model_dir, held, training.seed)
         steps = epoch_steps(train_rows, setup, seed=10)
-        job = Job(setup, model_dir, train_rows, steps, training, evaluator)
+        job = Job(setup, model_dir, train_rows, steps, training, evaluator, args.gradient_tokens)
         base_loss = evaluator.loss()
         runs = {}
         for mode in MODES:

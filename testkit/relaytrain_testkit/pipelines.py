@@ -81,6 +81,7 @@ def run_pipeline_threads(
     grads: Literal["every", "last"] = "every",
     per_step: bool = False,
     ahead: int = 0,
+    gradient_tokens: float = 1.0,
 ) -> PipelineRun:
     """Run a P-stage pipeline as P threads over real loopback links (tests, benches).
 
@@ -98,7 +99,8 @@ def run_pipeline_threads(
     every boundary carried up to each step's end (``step_boundary_bytes``: every stage
     flushes its sends after each step, so they count exactly that step's frames) and the
     seconds to each step's end (``step_seconds``). ``ahead``: the stages' forwards ahead of
-    1F1B (``spec.pipeline.forwardsAhead``).
+    1F1B (``spec.pipeline.forwardsAhead``). ``gradient_tokens``: the share of tokens whose
+    gradients go back (``spec.pipeline.gradientTokens``).
     """
     if len(credentials) != len(splits):
         raise ValueError(f"{len(credentials)} link credentials for {len(splits)} stages")
@@ -107,7 +109,7 @@ def run_pipeline_threads(
         credentials=[credentials], groups=None, method=method, compression=compression,
         lora=lora, link_rate=link_rate, overlap_encode=overlap_encode, record_steps=per_step,
         side_stream=side_stream, warmup=warmup, grads=grads, link_latency=link_latency,
-        step_bytes=per_step, ahead=ahead,
+        step_bytes=per_step, ahead=ahead, gradient_tokens=gradient_tokens,
     )[0]  # fmt: skip
 
 
@@ -235,6 +237,7 @@ def _run_pipelines(
     link_latency: float = 0.0,
     step_bytes: bool = False,
     ahead: int = 0,
+    gradient_tokens: float = 1.0,
 ) -> list[PipelineRun]:
     """Every stage of every pipeline as a thread; ``steps[p]``: pipeline p's micro-batches.
     ``step_bytes``: record `PipelineRun.step_boundary_bytes` and ``step_seconds``."""
@@ -311,6 +314,8 @@ def _run_pipelines(
                 periodic=sync_every is not None,
                 ordered_terms=method != "full",
                 ahead=ahead,
+                gradient_tokens=gradient_tokens,
+                seed=training.seed,
             )
             outer = None
             if sync_every is not None:

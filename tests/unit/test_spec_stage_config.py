@@ -68,7 +68,12 @@ def test_spec_reaches_the_worker_in_contract_names() -> None:
     )
     doc = docs[1]
     assert doc["method"]["type"] == "qlora" and doc["method"]["rank"] == 4
-    assert doc["pipeline"] == {"schedule": "1f1b", "compression": "int4", "forwardsAhead": 0}
+    assert doc["pipeline"] == {
+        "schedule": "1f1b",
+        "compression": "int4",
+        "forwardsAhead": 0,
+        "gradientTokens": 1.0,
+    }
     assert doc["training"]["microBatchSize"] == 1 and doc["training"]["steps"] == 100
     # No endpoint: AWS S3. No credential Secret: no variables named; AWS's standard chain.
     assert doc["checkpoint"]["endpoint"] is None

@@ -233,6 +233,9 @@ class PipelineSpec(_Part):
     forwards_ahead: int = 0
     """Forwards every stage but the last runs ahead of 1F1B before its first backward (more
     activations on the link and in memory; the same gradients in the same order)."""
+    gradient_tokens: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    """The share of tokens whose gradients cross each boundary, drawn in proportion to their
+    norms and scaled to stay unbiased (relaytrain_worker.pipeline.sampling); 1: every token."""
 
 
 class LinksSpec(_Part):

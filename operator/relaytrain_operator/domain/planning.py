@@ -67,6 +67,7 @@ def training_shape(job: FineTuneJob, chosen: str | None = None) -> TrainingShape
         compression=compression,  # type: ignore[arg-type]  # TrainingShape checks it
         dtype=spec.model.dtype,
         forwards_ahead=spec.pipeline.forwards_ahead,
+        gradient_tokens=spec.pipeline.gradient_tokens,
     )
 
 

@@ -396,6 +396,7 @@ def stage_config(
             schedule=spec.pipeline.schedule,
             compression=mode,  # type: ignore[arg-type]  # checked by the contract model
             forwards_ahead=spec.pipeline.forwards_ahead,
+            gradient_tokens=spec.pipeline.gradient_tokens,
         ),
         links=LinksSpec(
             listen=ends.listen,

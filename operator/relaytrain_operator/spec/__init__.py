@@ -16,6 +16,7 @@ from relaytrain_operator.spec.job import (
     parse_job,
 )
 from relaytrain_operator.spec.patterns import JOB_NAME_MAX
+from relaytrain_operator.spec.placement import PlacementSpec, Toleration
 from relaytrain_operator.spec.sections import (
     MAX_REPLICAS,
     MAX_STAGES,
@@ -28,8 +29,6 @@ from relaytrain_operator.spec.sections import (
     ModelSpec,
     OutputSpec,
     PipelineSpec,
-    PlacementSpec,
-    Toleration,
     TrainingSpec,
     is_s3,
 )

@@ -26,6 +26,7 @@ from relaytrain_operator.spec import patterns
 from relaytrain_operator.spec.errors import SpecError, field_error, format_errors
 from relaytrain_operator.spec.openapi import Rule, cel, fixed_once_started
 from relaytrain_operator.spec.patterns import JOB_NAME_MAX
+from relaytrain_operator.spec.placement import PlacementSpec
 from relaytrain_operator.spec.sections import (
     CheckpointSpec,
     DatasetSpec,
@@ -35,7 +36,6 @@ from relaytrain_operator.spec.sections import (
     ModelSpec,
     OutputSpec,
     PipelineSpec,
-    PlacementSpec,
     SpecModel,
     TrainingSpec,
 )

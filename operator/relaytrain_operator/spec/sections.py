@@ -1,6 +1,6 @@
 """The sections of a FineTuneJob's spec as pydantic models: model, dataset, method,
-training, pipeline, placement, checkpoint, output, failurePolicy (job.py assembles them into
-FineTuneJobSpec).
+training, pipeline, checkpoint, output, failurePolicy (placement.py has placement; job.py
+assembles them into FineTuneJobSpec).
 
 As in job.py, the docstrings are the CRD's descriptions, the annotations its types, bounds,
 patterns and defaults, and a CEL rule sits beside the validator that is its pydantic twin.
@@ -45,10 +45,8 @@ __all__ = [
     "ModelSpec",
     "OutputSpec",
     "PipelineSpec",
-    "PlacementSpec",
     "SpecModel",
     "SyncSpec",
-    "Toleration",
     "TrainingSpec",
     "ValidationSpec",
     "is_s3",
@@ -327,6 +325,17 @@ class SyncSpec(SpecModel):
 class PipelineSpec(SpecModel):
     """How the model is split into stages and what crosses the links between them."""
 
+    model_config = ConfigDict(
+        json_schema_extra=cel(
+            Rule(
+                "self.gradientTokens >= 1.0 || self.compression == 'delta'",
+                "spec.pipeline.gradientTokens below 1 needs compression: delta; set "
+                "compression: delta, or leave gradientTokens at 1.",
+                field=".gradientTokens",
+            ),
+        )
+    )
+
     stages: Annotated[
         int | Literal["auto"],
         PlainValidator(_stages),
@@ -358,55 +367,27 @@ class PipelineSpec(SpecModel):
     memory of that many more micro-batches in flight (the planner counts it). The gradients
     are the same, in the same order. 1-2 lift a 50-200 Mbit/s link's use (docs/links-and-
     checkpoints.md, "The link bound")."""
+    gradient_tokens: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    """With `compression: delta`: the share of tokens whose gradients cross each boundary
+    (above 0, at most 1; 1, the default: every token). Each micro-batch's tokens are drawn
+    at random in proportion to their gradients' norms and divided by their probability, so
+    the gradients stay unbiased; the others are zero and cost 1 bit. For fine-tunes of a
+    pretrained base, where most tokens' gradients are small: at 0.25 the gradients took 18x
+    fewer bytes than bf16 with the held-out loss of uncompressed training; a LoRA that learns
+    from a random model lost 17 % held-out loss (docs/links-and-checkpoints.md)."""
     sync: SyncSpec = Field(default_factory=SyncSpec)
     """How several pipelines keep their weights equal: `synchronous` (gradients reduced every
     step) or `periodic` (local steps, weights averaged every `everySteps` steps, for slow
     links)."""
 
-
-class Toleration(SpecModel):
-    """A Kubernetes toleration copied onto every stage pod."""
-
-    key: Annotated[str, Field(max_length=316)] | None = None
-    """Taint key; empty with operator Exists tolerates every taint."""
-    operator: Literal["Exists", "Equal"] = "Equal"
-    """`Equal` matches key and value; `Exists` matches any value."""
-    value: Annotated[str, Field(max_length=63)] | None = None
-    """Taint value to match (operator Equal)."""
-    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
-    """Taint effect to match; empty matches all effects."""
-    toleration_seconds: int | None = None
-    """How long a NoExecute taint is tolerated before eviction; empty means forever."""
-
-
-class PlacementSpec(SpecModel):
-    """Which nodes may run the stages."""
-
-    gpu_label: Annotated[str, Field(min_length=1, max_length=316)] = "nvidia.com/gpu.product"
-    """Node label whose value names the GPU type; nodes sharing a value form a pool."""
-    pools: Annotated[
-        list[Annotated[str, Field(min_length=1, max_length=63)]],
-        Field(max_length=64, json_schema_extra=list_type("set")),
-    ] = Field(default_factory=list)
-    """Allowed pools (values of gpuLabel); empty allows every pool."""
-    tolerations: Annotated[
-        list[Toleration], Field(max_length=32, json_schema_extra=list_type("atomic"))
-    ] = Field(default_factory=list)
-    """Tolerations added to every stage pod."""
-    priority_class_name: Annotated[str, Field(min_length=1, max_length=253)] | None = None
-    """PriorityClass of the stage pods."""
-    runtime_class_name: Annotated[str, Field(min_length=1, max_length=253)] | None = None
-    """RuntimeClass of the stage pods, e.g. `nvidia` where the NVIDIA container runtime is not
-    the nodes' default; empty uses the default runtime."""
-    node_selector: dict[str, Annotated[str, Field(max_length=63)]] = Field(
-        default_factory=dict, max_length=32
-    )
-    """Extra node labels every stage node must carry."""
-
     @model_validator(mode="after")
-    def _unique_pools(self) -> PlacementSpec:
-        if len(set(self.pools)) != len(self.pools):
-            raise field_error("pools", "must not repeat a pool")
+    def _tokens_need_delta(self) -> PipelineSpec:
+        if self.gradient_tokens < 1.0 and self.compression != "delta":
+            raise field_error(
+                "gradientTokens",
+                f"a share below 1 needs compression: delta (got {self.compression}); "
+                "set compression: delta, or leave gradientTokens at 1",
+            )
         return self
 
 

@@ -66,7 +66,9 @@ from relaytrain_worker.pipeline.lowbit import Bits
 
 MODE = "delta"
 """The `pipeline.compression` value this module implements."""
-CODEC_MODES = ("lowbit", MODE)
+TOKENS = "tokens"
+"""The layout mode of a gradient some of whose tokens are zero (`sampling.py`)."""
+CODEC_MODES = ("lowbit", MODE, TOKENS)
 """Layout modes a frame entry has under ``delta`` (besides the lossless ``none``)."""
 ROWS = "rows"
 """Name of the frame tensor that holds the rows' indices (the samples' keys)."""
@@ -112,6 +114,8 @@ class BoundaryCodec:
                 continue
             if name == KEYED and rows is not None:
                 out.append(self._encode_rows(name, kind, t, rows))
+            elif name != KEYED and t.dim() >= 2 and not bool(_live_tokens(t).all()):
+                out.append(self._encode_tokens(name, t))
             else:
                 enc = lowbit.encode(t, FULL_BITS if name == KEYED else self.gradient_bits)
                 entry = {
@@ -121,6 +125,22 @@ class BoundaryCodec:
                 }  # fmt: skip
                 out.append((entry, [enc.codes, enc.scales]))
         return out
+
+    def _encode_tokens(
+        self, name: str, t: torch.Tensor
+    ) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        """A gradient with zero tokens: a map of one bit a token (set: sent), then the
+        tokens that are not zero, coded as every gradient is."""
+        live = _live_tokens(t)
+        tokens = t.detach().reshape(live.numel(), -1)[live]
+        token_map = lowbit.pack_bits(torch.nn.functional.pad(live, (0, (-live.numel()) % 8)), 1)
+        entry = {"name": name, "mode": TOKENS, "bits": self.gradient_bits, "dtype": str(t.dtype),
+                 "shape": list(t.shape), "map": token_map.numel()}  # fmt: skip
+        if tokens.numel() == 0:
+            return {**entry, "data": 0, "scales": 0}, [token_map]
+        enc = lowbit.encode(tokens, self.gradient_bits)
+        entry.update(data=enc.codes.numel(), scales=enc.scales.numel())
+        return entry, [token_map, enc.codes, enc.scales]
 
     def _encode_rows(
         self, name: str, kind: str, t: torch.Tensor, rows: torch.Tensor
@@ -170,6 +190,8 @@ class BoundaryCodec:
             scales = read(int(entry["scales"]), torch.bfloat16)
             enc = lowbit.LowBitTensor(lowbit.check_bits(entry["bits"]), dtype, shape, codes, scales)
             return lowbit.decode(enc)
+        if entry["mode"] == TOKENS:
+            return self._decode_tokens(entry, shape, dtype, read)
         messages = entry["messages"]
         if len(shape) < 1 or len(messages) != shape[0]:
             raise ValueError(f"{len(messages)} row codes for a tensor of shape {list(shape)}")
@@ -194,3 +216,31 @@ class BoundaryCodec:
             )  # fmt: skip
             out[i] = self.receiver.decode(msg)
         return out
+
+    def _decode_tokens(
+        self,
+        entry: dict[str, Any],
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        read: Callable[[int, torch.dtype], torch.Tensor],
+    ) -> torch.Tensor:
+        """The tensor of a ``tokens`` layout entry: zeros but for the tokens its map sends."""
+        width = shape[-1] if shape else 1
+        count = math.prod(shape) // max(width, 1)
+        live = lowbit.unpack_bits(read(int(entry["map"]), torch.uint8), 1)[:count].bool()
+        if live.numel() != count:
+            raise ValueError(f"token map of {live.numel()} tokens for a tensor of {count}")
+        out = torch.zeros(count, width, dtype=dtype)
+        sent = int(live.sum())
+        codes = read(int(entry["data"]), torch.uint8)
+        scales = read(int(entry["scales"]), torch.bfloat16)
+        if sent:
+            bits = lowbit.check_bits(entry["bits"])
+            enc = lowbit.LowBitTensor(bits, dtype, (sent, width), codes, scales)
+            out[live] = lowbit.decode(enc)
+        return out.reshape(shape)
+
+
+def _live_tokens(t: torch.Tensor) -> torch.Tensor:
+    """Per token (every index but the last dimension's), whether any of its values is not 0."""
+    return t.detach().reshape(-1, t.shape[-1]).ne(0).any(dim=1).cpu()

@@ -62,6 +62,7 @@ from relaytrain_worker.model.methods import TIED_HEAD_NAME
 from relaytrain_worker.model.model_slice import StageModel, device_of
 from relaytrain_worker.pipeline.boundary import MODE, ROWS
 from relaytrain_worker.pipeline.peers import Peers
+from relaytrain_worker.pipeline.sampling import sample_tokens, seed_of
 from relaytrain_worker.pipeline.stats import (
     ITEMS_KEY,
     LOSS_KEY,
@@ -150,6 +151,8 @@ class StepRunner:
         ordered_terms: bool = False,
         device: torch.device | None = None,
         ahead: int = 0,
+        gradient_tokens: float = 1.0,
+        seed: int = 0,
     ) -> None:
         self.stage = stage
         self.index = index
@@ -159,6 +162,10 @@ class StepRunner:
         self.compression = compression
         self.ahead = ahead
         """Forwards run ahead of 1F1B (`one_f_one_b`)."""
+        self.gradient_tokens = gradient_tokens
+        """The share of tokens whose gradients go back (`sampling.py`; 1: all)."""
+        self.seed = seed
+        """The job's seed, which the token draws are derived from."""
         self.max_grad_norm = max_grad_norm
         self.tied_name = tied_name
         """Global name of a weight shared by stage 0 and the last stage (full + tied), else None."""
@@ -289,7 +296,11 @@ class StepRunner:
         if not self.first:
             assert self.peers.prev is not None and inp is not None
             assert inp.grad is not None
-            self.peers.prev.send(Frame("gradient", step, m, {"grad": inp.grad}), self.compression)
+            grad = inp.grad
+            if self.gradient_tokens < 1.0:
+                seed = seed_of(self.seed, step, m, self.index)
+                grad = sample_tokens(grad, self.gradient_tokens, seed)
+            self.peers.prev.send(Frame("gradient", step, m, {"grad": grad}), self.compression)
         if self._terms is not None:  # this micro-batch's gradients, as a term of their own
             for name, param in self.trainable:
                 if param.grad is not None:

@@ -323,6 +323,8 @@ class StageRuntime:
             trainable=self.trainable,
             compression=self.cfg.pipeline.compression,
             ahead=self.cfg.pipeline.forwards_ahead,
+            gradient_tokens=self.cfg.pipeline.gradient_tokens,
+            seed=t.seed,
             max_grad_norm=t.max_grad_norm,
             tied_name=self._tied_name(),
             ordered_terms=self.cfg.method.type != "full",

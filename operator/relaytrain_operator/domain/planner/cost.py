@@ -216,7 +216,12 @@ def _wire_bytes_per_value(training: TrainingShape, backward: bool = False) -> fl
     if training.compression == "none":
         return float(training.dtype_bytes)
     if training.compression == "delta":
-        return DELTA_GRADIENT_BYTES if backward else DELTA_FIRST_BYTES
+        if not backward:
+            return DELTA_FIRST_BYTES
+        if training.gradient_tokens >= 1.0:
+            return DELTA_GRADIENT_BYTES
+        # a share of the tokens coded, and a bit a token (at most 1/64 of a bit a value)
+        return DELTA_GRADIENT_BYTES * training.gradient_tokens + 1 / 64 / 8
     return WIRE_BYTES[training.compression]
 
 

@@ -48,6 +48,9 @@ class TrainingShape:
     forwards_ahead: int = 0
     """Forwards every stage but the last runs ahead of 1F1B (``spec.pipeline.forwardsAhead``):
     that many more micro-batches of activations held (`in_flight`)."""
+    gradient_tokens: float = 1.0
+    """The share of tokens whose gradients cross a boundary (``spec.pipeline.gradientTokens``,
+    `delta` only): the gradients' bytes are priced at that share."""
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "micro_batches", "sequence_length", "lora_rank"):
@@ -62,6 +65,11 @@ class TrainingShape:
         for name, value, valid in checks:
             if value not in valid:
                 raise ValueError(f"training {name} {value!r} is not one of {', '.join(valid)}")
+        if not 0.0 < self.gradient_tokens <= 1.0:
+            raise ValueError(
+                "training gradient_tokens must be above 0 and at most 1, "
+                f"got {self.gradient_tokens}"
+            )
         targets = tuple(self.lora_targets)
         if targets in (("all-linear",), ("all_linear",)):
             targets = LINEAR_NAMES

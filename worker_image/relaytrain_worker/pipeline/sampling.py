@@ -1,0 +1,79 @@
+"""Gradients of a share of the tokens (`pipeline.gradientTokens`): which tokens' gradients
+cross a boundary, chosen at random, and scaled so that what crosses is unbiased.
+
+A micro-batch's gradient at a stage boundary is one vector per token. With a share ``s`` < 1
+each token ``i`` is sent with probability ``p_i = min(1, c ||g_i||)``, ``c`` chosen so that
+``sum p_i = s T`` (T tokens with a gradient), and a token sent is divided by ``p_i``; the
+others are zero. So ``E[sent] = g`` exactly (importance sampling: every token's expected
+contribution is its own), and the variance it adds, ``sum (1 / p_i - 1) ||g_i||^2``, is the
+least that any choice of independent tokens, ``s T`` on average, each divided by its
+probability, can add. The stage before receives
+the zeros as they are and backpropagates them: everything downstream of a boundary gradient
+is linear in it, so its adapters' gradients stay unbiased too. The boundary code
+(`boundary.py`) sends a token map and the nonzero tokens only: the bytes fall with ``s``.
+
+When it pays: on a fine-tune of a pretrained base most tokens are ones the base already
+predicts, their gradients are small and rarely sent, and a quarter of the tokens kept the
+held-out loss of bench/bench_delta_boundary.py's fine-tune where uncompressed training ends
+(gradients 18.4x fewer bytes than bf16). When a LoRA learns from a random model every token
+has a large gradient and the sampling noise slows learning: +17 % held-out loss at a quarter
+(docs/links-and-checkpoints.md). Hence a job's choice, off (1) by default.
+
+The draw is seeded by the job's seed, the step, the micro-batch and the stage, so a step
+redone after a rollback sends the same tokens. Hand-written: a few tensor operations no
+library offers in this form (torch.multinomial samples without the inverse weights).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def probabilities(norms: torch.Tensor, share: float) -> torch.Tensor:
+    """Each token's probability of being sent, float64: ``min(1, c norms)`` with
+    ``sum = share * (tokens with a norm above 0)`` (every such token when that is all of
+    them), by bisection on ``c``; 0 for a token without a gradient."""
+    n = norms.to(torch.float64)
+    live = int((n > 0).sum())
+    if live == 0:
+        return torch.zeros_like(n)
+    want = share * live
+    if want >= live:
+        return (n > 0).to(torch.float64)
+    lo, hi = 0.0, 1.0 / float(n.max())
+    while float(torch.clamp(hi * n, max=1.0).sum()) < want:
+        lo, hi = hi, hi * 4
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if float(torch.clamp(mid * n, max=1.0).sum()) < want else (lo, mid)
+    return torch.clamp(hi * n, max=1.0)
+
+
+def sample_tokens(grad: torch.Tensor, share: float, seed: int) -> torch.Tensor:
+    """``grad`` (``[..., hidden]``) with only a random ``share`` of its tokens (in
+    expectation), each divided by its probability (`probabilities`), the others zero; the
+    same tensor when ``share`` is 1. Same device and dtype."""
+    if not 0.0 < share <= 1.0:
+        raise ValueError(f"gradient token share must be above 0 and at most 1, got {share}")
+    if share >= 1.0:
+        return grad
+    tokens = grad.detach().reshape(-1, grad.shape[-1])
+    p = probabilities(tokens.float().norm(dim=1).cpu(), share)
+    draw = torch.rand(p.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    keep = draw < p
+    scale = torch.where(keep, 1.0 / p.clamp_min(1e-300), 0.0).to(tokens.device, torch.float32)
+    out = (tokens.float() * scale[:, None]).to(grad.dtype)
+    return out.reshape(grad.shape)
+
+
+def seed_of(job_seed: int, step: int, micro: int, stage: int) -> int:
+    """The draw's seed for one micro-batch's gradient leaving ``stage`` (splitmix64-mixed,
+    so neighbouring steps and stages draw unrelated tokens)."""
+    z = (job_seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9) & _MASK64
+    z = (z + micro * 0x94D049BB133111EB + stage * 0xD6E8FEB86659FD93) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+_MASK64 = (1 << 64) - 1
