@@ -34,7 +34,9 @@ What is coded how in a frame under ``delta``:
   per-sample cache saved nothing on it (bench/bench_boundary_codec.py, part d), and bits
   allocated per block, within the same error, cost held-out loss: +9.5 % from a random
   base with a cache per row, +3.5 % on a fine-tune without one (bench_boundary_allocation.py,
-  docs/links-and-checkpoints.md). Equal error is not equal learning for gradients;
+  docs/links-and-checkpoints.md). Equal error is not equal learning for gradients. A
+  gradient some of whose tokens are zero (`pipeline.gradientTokens` < 1, `sampling.py`, or
+  padding) goes as a map of one bit a token and the other tokens' codes (``tokens``);
 - integer and bool tensors: lossless and narrowed, as every other mode (`compression.py`).
 
 The sender encodes in the link's encoder thread and the receiver decodes in the thread that
