@@ -12,6 +12,7 @@ import pytest
 import torch
 from relaytrain_operator.domain.planner import TrainingShape
 from relaytrain_operator.domain.planner.cost import DELTA_GRADIENT_BYTES, _wire_bytes_per_value
+from relaytrain_operator.domain.stage_config import build_stage_configs, local_endpoints
 from relaytrain_operator.spec import SpecError, parse_job
 from relaytrain_testkit import bigram
 from relaytrain_testkit.inputs import CLIPPED_TRAINING, even_splits
@@ -176,3 +177,13 @@ def test_the_spec_takes_a_share_only_with_delta_and_the_planner_prices_it() -> N
     assert _wire_bytes_per_value(TrainingShape(1, 4, 256, compression="delta"), True) == (
         DELTA_GRADIENT_BYTES
     )
+
+
+def test_the_stages_are_given_the_share_only_where_they_run_delta() -> None:
+    job = parse_job(_tokens(Job().pipeline(compression="delta"), 0.25).build())
+    ranges, ends = [(0, 2), (2, 4)], local_endpoints(2, 29500, 9400)
+    docs = build_stage_configs(job, ranges, ends)
+    assert [d["pipeline"]["gradientTokens"] for d in docs] == [0.25, 0.25]
+    # `relaytrain run --local` sends nothing compressed over loopback, so no token is dropped.
+    docs = build_stage_configs(job, ranges, ends, compression="none")
+    assert [d["pipeline"]["gradientTokens"] for d in docs] == [1.0, 1.0]

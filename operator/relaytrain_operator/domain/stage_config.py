@@ -396,7 +396,8 @@ def stage_config(
             schedule=spec.pipeline.schedule,
             compression=mode,  # type: ignore[arg-type]  # checked by the contract model
             forwards_ahead=spec.pipeline.forwards_ahead,
-            gradient_tokens=spec.pipeline.gradient_tokens,
+            # the share is delta's: a run on loopback (`relaytrain run --local`) sends none
+            gradient_tokens=spec.pipeline.gradient_tokens if mode == "delta" else 1.0,
         ),
         links=LinksSpec(
             listen=ends.listen,

@@ -61,9 +61,11 @@ def sample_tokens(grad: torch.Tensor, share: float, seed: int) -> torch.Tensor:
     tokens = grad.detach().reshape(-1, grad.shape[-1])
     p = probabilities(tokens.float().norm(dim=1).cpu(), share)
     draw = torch.rand(p.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-    keep = draw < p
-    scale = torch.where(keep, 1.0 / p.clamp_min(1e-300), 0.0).to(tokens.device, torch.float32)
-    out = (tokens.float() * scale[:, None]).to(grad.dtype)
+    kept = (draw < p).nonzero().reshape(-1)
+    out = torch.zeros_like(tokens)
+    # Divided in float64: a drawn token's norm becomes 1 / c whatever its p (no overflow).
+    weights = p[kept].to(tokens.device)[:, None]
+    out[kept.to(tokens.device)] = (tokens[kept.to(tokens.device)].double() / weights).to(grad.dtype)
     return out.reshape(grad.shape)
 
 
