@@ -4,32 +4,23 @@ from full codes, and a stale delta breaking the link with a message naming the s
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 
 import pytest
 import torch
-from relaytrain_testkit.linkcreds import stage_credentials
+from relaytrain_testkit.linkcreds import link_pair, stage_credentials
 from relaytrain_worker.pipeline.boundary import ROWS
-from relaytrain_worker.pipeline.transport import Frame, Link, LinkBroken, connect, listen
+from relaytrain_worker.pipeline.transport import Frame, Link, LinkBroken
 
 pytestmark = pytest.mark.unit
 
 CREDS = stage_credentials(2, job="delta")
-S0, S1 = (f"relaytrain://test/delta/p0/s{k}" for k in range(2))
 ROWS_TOTAL, PER_MICRO, SEQ, HIDDEN = 8, 2, 32, 128
 
 
 def _pair() -> tuple[Link, Link]:
     """A fresh connection: (stage 0's link down, stage 1's link up)."""
-    lst = listen("127.0.0.1:0", credentials=CREDS[1], expect=S0)
-    got: dict[str, Link] = {}
-    t = threading.Thread(target=lambda: got.setdefault("down", lst.accept(timeout=10)))
-    t.start()
-    up = connect(f"127.0.0.1:{lst.address[1]}", credentials=CREDS[0], expect=S1, retry_for=5)
-    t.join(10)
-    lst.close()
-    return up, got["down"]
+    return link_pair(CREDS, "delta")
 
 
 @pytest.fixture

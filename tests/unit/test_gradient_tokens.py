@@ -4,7 +4,6 @@ token code, a pipeline that trains with it, and the spec and the planner that ta
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,13 +16,13 @@ from relaytrain_operator.spec import SpecError, parse_job
 from relaytrain_testkit import bigram
 from relaytrain_testkit.inputs import CLIPPED_TRAINING, even_splits
 from relaytrain_testkit.jobs import Job
-from relaytrain_testkit.linkcreds import stage_credentials
+from relaytrain_testkit.linkcreds import link_pair, stage_credentials
 from relaytrain_testkit.pipelines import run_pipeline_threads
 from relaytrain_testkit.references import run_reference
 from relaytrain_testkit.tiny_models import tiny_model_dir
 from relaytrain_worker.pipeline import lowbit
 from relaytrain_worker.pipeline.sampling import probabilities, sample_tokens, seed_of
-from relaytrain_worker.pipeline.transport import Frame, Link, connect, listen
+from relaytrain_worker.pipeline.transport import Frame, Link
 from relaytrain_worker.state.data import MicroBatch
 
 pytestmark = pytest.mark.unit
@@ -75,22 +74,12 @@ def test_the_draw_is_unbiased_and_keeps_the_share() -> None:
         sample_tokens(g, 0.0, 0)
 
 
-CREDS = stage_credentials(2, job="tokens")
-S0, S1 = (f"relaytrain://test/tokens/p0/s{k}" for k in range(2))
-
-
 @pytest.fixture
 def link() -> Iterator[tuple[Link, Link]]:
-    lst = listen("127.0.0.1:0", credentials=CREDS[1], expect=S0)
-    got: dict[str, Link] = {}
-    t = threading.Thread(target=lambda: got.setdefault("down", lst.accept(timeout=10)))
-    t.start()
-    up = connect(f"127.0.0.1:{lst.address[1]}", credentials=CREDS[0], expect=S1, retry_for=5)
-    t.join(10)
-    lst.close()
-    yield up, got["down"]
+    up, down = link_pair(stage_credentials(2, job="tokens"), "tokens")
+    yield up, down
     up.close()
-    got["down"].close()
+    down.close()
 
 
 def test_a_gradient_with_zero_tokens_sends_only_the_others(link: tuple[Link, Link]) -> None:
