@@ -328,7 +328,8 @@ class PipelineSpec(SpecModel):
     model_config = ConfigDict(
         json_schema_extra=cel(
             Rule(
-                "self.gradientTokens >= 1.0 || self.compression == 'delta'",
+                "!has(self.gradientTokens) || self.gradientTokens >= 1.0"
+                " || (has(self.compression) && self.compression == 'delta')",
                 "spec.pipeline.gradientTokens below 1 needs compression: delta; set "
                 "compression: delta, or leave gradientTokens at 1.",
                 field=".gradientTokens",

@@ -15,10 +15,10 @@ is linear in it, so its adapters' gradients stay unbiased too. The boundary code
 When it pays: on a fine-tune of a pretrained base most tokens are ones the base already
 predicts, their gradients are small and rarely sent: with a quarter of the tokens
 bench/bench_delta_boundary.py's fine-tune ends within 1 % of uncompressed training's
-held-out loss (+0.55 %), its gradients 19.5x fewer bytes than bf16. When a LoRA learns from
-a random model every token has a large gradient and the sampling noise keeps it from
-learning: +17 to +43 % held-out loss at a quarter (docs/links-and-checkpoints.md). Hence a
-job's choice, off (1) by default.
+held-out loss (+0.26 and +0.55 % in two runs), its gradients 19.5x fewer bytes than bf16.
+When a LoRA learns from a random model every token has a large gradient and the sampling
+noise keeps it from learning: +17 to +43 % held-out loss at a quarter
+(docs/links-and-checkpoints.md). Hence a job's choice, off (1) by default.
 
 The draw is seeded by the job's seed, the step, the micro-batch and the stage, so a step
 redone after a rollback sends the same tokens. Hand-written: a few tensor operations no
