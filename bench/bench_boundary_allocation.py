@@ -26,16 +26,16 @@ Modes, per boundary and direction:
   ``allocated`` does over a frame);
 - ``allocated``: every row of a frame coded against a reference, its last decode (a cache
   per row, on both ends, for activations **and** gradients) or zero, whichever is nearer;
-  then each block of 64 gets 0-4 bits by reverse water-filling over the whole frame: the
-  fewest bits whose expected error, ``sum_i D_b(i) ||r_i||^2`` (`lowbit.DISTORTION`,
-  ``D_0 = 1``), stays within what today's code allows the frame, ``D_4 ||x||^2`` for
-  activations and ``D_3 ||g||^2`` for gradients. A block with 0 bits is not sent; its
-  change stays in the next one. Counted: each sent block's codes and bf16 scale, 3 bits a
-  block for its allocation, 1 bit a row for its reference. Options: `--allocate` one
-  direction only (the other coded as ``adaptive`` codes it), other error budgets
-  (`--activation-budget`, `--gradient-budget`), a floor under a gradient block's bits
-  (`--gradient-floor 1`: none left out), stochastic rounding (`--unbiased-gradients`), no
-  gradient cache (`--no-gradient-cache`), gradients for a share of the rows only
+  then each block of 64 gets 0-4 bits by reverse water-filling over the whole frame
+  (`deltacache.allocate_bits`): the fewest bits whose expected error, ``sum_i D_b(i)
+  ||r_i||^2`` (`lowbit.DISTORTION`, ``D_0 = 1``), stays within what today's code allows the
+  frame, ``D_4 ||x||^2`` for activations and ``D_3 ||g||^2`` for gradients. A block with 0
+  bits is not sent; its change stays in the next one. Counted: each sent block's codes and
+  bf16 scale, 3 bits a block for its allocation, 1 bit a row for its reference. Options:
+  `--allocate` one direction only (the other coded as ``adaptive`` codes it), other error
+  budgets (`--activation-budget`, `--gradient-budget`), a floor under a gradient block's
+  bits (`--gradient-floor 1`: none left out), stochastic rounding (`--unbiased-gradients`),
+  no gradient cache (`--no-gradient-cache`), gradients for a share of the rows only
   (`--gradient-rows`).
 
 Reported per epoch: bits per value of each direction (averaged over the three
@@ -62,7 +62,12 @@ from relaytrain_testkit import bigram  # noqa: E402
 from relaytrain_testkit.tiny_models import tiny_model_dir  # noqa: E402
 from relaytrain_worker.model.methods import apply_lora, lora_config  # noqa: E402
 from relaytrain_worker.pipeline import boundary, lowbit  # noqa: E402
-from relaytrain_worker.pipeline.deltacache import DeltaConfig, DeltaSender  # noqa: E402
+from relaytrain_worker.pipeline.deltacache import (  # noqa: E402
+    DeltaConfig,
+    DeltaSender,
+    allocate_bits,
+)
+from relaytrain_worker.pipeline.sampling import probabilities  # noqa: E402
 
 LAYERS, HIDDEN, SEQ, MBS, MICROS, ROWS = 4, 256, 64, 4, 2, 128
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -73,30 +78,6 @@ the whole row, within the first code's error."""
 D = {0: 1.0, **lowbit.DISTORTION}
 MAP_BITS = 3
 """Bits a block's allocation (0-4) costs on the wire."""
-
-
-def allocate(energy: torch.Tensor, budget: float, floor: int = 0) -> torch.Tensor:
-    """Bits (0-4) per block: the fewest in total whose expected error
-    ``sum D_b energy`` is at most `budget` (a Lagrangian sweep: each block takes the bits
-    that minimise ``bits + lam D_b energy``; the smallest ``lam`` that meets the budget)."""
-    d = torch.tensor([D[b] for b in range(5)], dtype=torch.float64)
-    e = energy.double()
-
-    def pick(lam: float) -> torch.Tensor:
-        cost = torch.arange(5, dtype=torch.float64)[:, None] + lam * d[:, None] * e
-        cost[:floor] = math.inf  # fewer bits than the floor are not offered
-        return cost.argmin(0)
-
-    def error(b: torch.Tensor) -> float:
-        return float((d[b] * e).sum())
-
-    lo, hi = 0.0, 1.0
-    while error(pick(hi)) > budget and hi < 1e30:
-        hi *= 4
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if error(pick(mid)) > budget else (lo, mid)
-    return pick(hi)
 
 
 class Allocated:
@@ -131,7 +112,7 @@ class Allocated:
         ref = torch.cat(refs)
         change = stacked - ref
         whole = float(stacked.square().sum())
-        bits = allocate(change.square().sum(1), self.target * whole, self.floor)
+        bits = allocate_bits(change.square().sum(1), self.target * whole, self.floor)
         decoded = ref.clone()
         for b in range(1, 5):
             chosen = bits == b
@@ -193,15 +174,15 @@ class Sampled:
         self.below = math.inf
 
     def _probabilities(self, norms: torch.Tensor) -> torch.Tensor:
+        if self.variance is None:  # a share of the tokens: the worker's own draw
+            return probabilities(norms, self.share)
         energy = float(norms.square().sum())
 
         def p_of(c: float) -> torch.Tensor:
             return torch.clamp(c * norms, max=1.0)
 
-        def short(c: float) -> bool:  # c too small for the target
+        def short(c: float) -> bool:  # c too small for the variance budget
             p = p_of(c)
-            if self.variance is None:
-                return float(p.sum()) < self.share * norms.numel()
             live = p > 0
             spread = float(((1 / p[live] - 1) * norms[live].square()).sum())
             return spread > self.variance * energy

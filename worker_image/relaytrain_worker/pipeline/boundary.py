@@ -114,10 +114,11 @@ class BoundaryCodec:
         for name, t in tensors.items():
             if not t.is_floating_point() or t.numel() == 0:
                 continue
+            live = _live_tokens(t) if name != KEYED and t.dim() >= 2 else None
             if name == KEYED and rows is not None:
                 out.append(self._encode_rows(name, kind, t, rows))
-            elif name != KEYED and t.dim() >= 2 and not bool(_live_tokens(t).all()):
-                out.append(self._encode_tokens(name, t))
+            elif live is not None and not bool(live.all()):
+                out.append(self._encode_tokens(name, t, live))
             else:
                 enc = lowbit.encode(t, FULL_BITS if name == KEYED else self.gradient_bits)
                 entry = {
@@ -129,11 +130,10 @@ class BoundaryCodec:
         return out
 
     def _encode_tokens(
-        self, name: str, t: torch.Tensor
+        self, name: str, t: torch.Tensor, live: torch.Tensor
     ) -> tuple[dict[str, Any], list[torch.Tensor]]:
-        """A gradient with zero tokens: a map of one bit a token (set: sent), then the
-        tokens that are not zero, coded as every gradient is."""
-        live = _live_tokens(t)
+        """A gradient with zero tokens (``live``: `_live_tokens`): a map of one bit a token
+        (set: sent), then the tokens that are not zero, coded as every gradient is."""
         tokens = t.detach().reshape(live.numel(), -1)[live]
         token_map = lowbit.pack_bits(torch.nn.functional.pad(live, (0, (-live.numel()) % 8)), 1)
         entry = {"name": name, "mode": TOKENS, "bits": self.gradient_bits, "dtype": str(t.dtype),
