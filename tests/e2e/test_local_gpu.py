@@ -7,10 +7,12 @@ machine by tests/unit/test_worker_device.py."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 from relaytrain_contract import DEVICE_ENV
+from relaytrain_contract.prefork import PreforkError, PreforkServer
 from relaytrain_testkit.local_jobs import local_job, make_workspace, start_run
 
 pytestmark = [pytest.mark.e2e, pytest.mark.gpu]
@@ -51,3 +53,16 @@ def test_qlora_stage_processes_quantise_onto_the_gpu_and_train(tmp_path: Path) -
     losses, logs = _run(root, "qlora", "cuda", method="qlora")
     assert "computes on cuda:0" in logs
     assert len(losses) == 8 and losses[-1] < losses[0], losses
+
+
+def test_a_qlora_jobs_prefork_server_would_hold_cuda_so_it_forks_nothing(tmp_path: Path) -> None:
+    """Why a QLoRA job's stages on GPUs start as programs of their own (`forks_stages`):
+    the server of a QLoRA job imports bitsandbytes, whose import asks each GPU for its compute
+    capability, initialising CUDA in the server, and a child forked from it could not use CUDA.
+    The server sees this and refuses to serve. (Should bitsandbytes stop doing so, this fails,
+    and QLoRA stages on GPUs could be forked too.)"""
+    pytest.importorskip("bitsandbytes")
+    log = tmp_path / "prefork.log"
+    with log.open("wb") as own, pytest.raises(PreforkError, match=r"did not start \(exit 1\)"):
+        PreforkServer.start(dict(os.environ), log=own, qlora=True)
+    assert "initialised CUDA" in log.read_text()

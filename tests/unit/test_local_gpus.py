@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from relaytrain_operator.cli.local_run.layout import Layout
 from relaytrain_operator.cli.local_run.report import on_gpus
-from relaytrain_operator.cli.local_run.stages import local_gpus, stage_procs
+from relaytrain_operator.cli.local_run.stages import forks_stages, local_gpus, stage_procs
 
 pytestmark = pytest.mark.unit
 
@@ -52,3 +52,15 @@ def test_stages_take_the_gpus_in_turn_and_their_processes_see_only_theirs(tmp_pa
     assert on_gpus(stages).startswith(", on GPUs: stage p0/s0 on 0, stage p0/s1 on 1")
     alone = stage_procs(tmp_path, Layout(splits=[[(0, 4)]], shares=[1]), gpus=[])
     assert alone[0].gpu is None and alone[0].env(base) is base and on_gpus(alone) == ""
+
+
+def test_qlora_stages_on_gpus_start_as_programs_of_their_own(tmp_path: Path) -> None:
+    """The server of a QLoRA job imports bitsandbytes, which initialises CUDA on a GPU host;
+    a stage forked from it could not use its GPU (tests/e2e/test_local_gpu.py on a GPU)."""
+    layout = Layout(splits=[[(0, 2), (2, 4)]], shares=[1])
+    on_gpus_ = stage_procs(tmp_path, layout, gpus=["0"])
+    on_cpu = stage_procs(tmp_path, layout, gpus=[])
+    assert not forks_stages({}, "qlora", on_gpus_)
+    assert forks_stages({}, "lora", on_gpus_) and forks_stages({}, "full", on_gpus_)
+    assert forks_stages({}, "qlora", on_cpu)
+    assert not forks_stages({"RELAYTRAIN_PREFORK": "0"}, "lora", on_cpu)

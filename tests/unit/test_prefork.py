@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from relaytrain_contract.prefork import ForkedProcess, PreforkServer
+from relaytrain_contract.prefork import ForkedProcess, PreforkError, PreforkServer
 
 # The server imports torch, transformers and peft (in its own process): not the fast loop.
 pytestmark = [pytest.mark.unit, pytest.mark.torch]
@@ -128,3 +128,22 @@ def _running(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+# A server whose imports initialised CUDA, as bitsandbytes' import does on a GPU host (here
+# the check is made to say so: this machine has no GPU).
+CUDA_TOUCHED = """
+import sys, torch
+torch.cuda.is_initialized = lambda: True
+from relaytrain_worker.prefork import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_server_whose_imports_touched_the_gpu_forks_nothing(tmp_path: Path) -> None:
+    (tmp_path / "cuda_touched.py").write_text(CUDA_TOUCHED)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    log = tmp_path / "prefork.log"
+    with log.open("wb") as own, pytest.raises(PreforkError, match=r"did not start \(exit 1\)"):
+        PreforkServer.start(env, log=own, module="cuda_touched")
+    assert "initialised CUDA" in log.read_text() and "none is forked" in log.read_text()

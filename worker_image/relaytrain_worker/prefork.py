@@ -71,6 +71,11 @@ def main(argv: list[str], setup: Setup | None = None) -> int:
 
     for name in PRELOAD:
         importlib.import_module(name)
+    if _gpu_touched():
+        print("relaytrain_worker.prefork: importing the stages' modules initialised CUDA (as "
+              "bitsandbytes does on a GPU host); a forked stage could not use the GPU, so "
+              "none is forked", file=sys.stderr)  # fmt: skip
+        return 1
     path = argv[0]
     try:  # children are watched through pidfds (Linux 5.3): refuse to start without them,
         os.close(os.pidfd_open(os.getpid()))  # never after a child is forked
@@ -110,6 +115,14 @@ def main(argv: list[str], setup: Setup | None = None) -> int:
         with contextlib.suppress(OSError):
             os.unlink(path)
     return 0
+
+
+def _gpu_touched() -> bool:
+    """Whether the imports initialised CUDA here: a forked child then cannot use it
+    ("Cannot re-initialize CUDA in forked subprocess"). bitsandbytes, which peft imports for a
+    QLoRA job, asks every GPU for its compute capability at import."""
+    torch = sys.modules["torch"]
+    return bool(torch.cuda.is_initialized())
 
 
 def _serve(

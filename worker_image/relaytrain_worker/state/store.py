@@ -46,8 +46,11 @@ T = TypeVar("T")
 def transient(e: BaseException) -> bool:
     """Whether a store error can pass by itself: the store unreachable, restarting or
     overloaded, not an answer (no such key, access denied) that a retry would repeat."""
-    from minio.error import S3Error, ServerError
-    from urllib3.exceptions import HTTPError
+    try:
+        from minio.error import S3Error, ServerError
+        from urllib3.exceptions import HTTPError
+    except ImportError:  # no S3 client here (a host with only a local store): no S3 error
+        return isinstance(e, ConnectionError | TimeoutError)
 
     if isinstance(e, S3Error):
         return e.code in _TRANSIENT_CODES
@@ -69,7 +72,10 @@ _REFUSAL_CODES = {
 def refusal(e: BaseException) -> str | None:
     """One line on why the store refused (bad keys, access denied, no such bucket), naming
     the store, bucket and object; None when `e` (or the error it wraps) is no such answer."""
-    from minio.error import S3Error
+    try:
+        from minio.error import S3Error
+    except ImportError:  # no S3 client here, so `e` is no S3 answer: the error stands as it is
+        return None
 
     seen: BaseException | None = e
     while seen is not None and not isinstance(seen, S3Error):

@@ -23,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -294,6 +294,18 @@ def signal_group(pgid: int, sig: int) -> None:
 PREFORK_ENV = "RELAYTRAIN_PREFORK"
 """`0`: each stage starts as a program of its own (`python -m relaytrain_worker`), importing
 the worker itself, instead of being forked from the prefork server."""
+
+
+def forks_stages(environ: Mapping[str, str], method: str, stages: Sequence[StageProc]) -> bool:
+    """Whether a run's stages are forked from the prefork server: not with
+    `RELAYTRAIN_PREFORK=0`, nor for a QLoRA job whose stages compute on GPUs, since the
+    server of a QLoRA job imports bitsandbytes (peft does), which initialises CUDA on a GPU
+    host, and a process forked after that cannot use CUDA (the server refuses to serve then
+    too, `relaytrain_worker.prefork`; this spares starting it)."""
+    if environ.get(PREFORK_ENV, "1") == "0":
+        return False
+    return not (method == "qlora" and any(stage.gpu is not None for stage in stages))
+
 
 PR_SET_PDEATHSIG = 1
 """prctl(2) option: the signal the kernel sends the caller when its parent dies (Linux)."""

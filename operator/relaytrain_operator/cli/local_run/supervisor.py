@@ -29,12 +29,12 @@ from relaytrain_operator.cli.local_run import report, storage
 from relaytrain_operator.cli.local_run.grow import add_pipeline, grow_one
 from relaytrain_operator.cli.local_run.layout import Layout, local_layout
 from relaytrain_operator.cli.local_run.stages import (
-    PREFORK_ENV,
     Built,
     StageProc,
     build_stages,
     die_with_supervisor,
     end_stages,
+    forks_stages,
     last_line,
     private_folder,
     signal_group,
@@ -84,10 +84,10 @@ class LocalRun:
         self.documents = built.documents
         self.endpoints = built.endpoints
         self.env = stage_env(len(self.documents))
-        self.prefork = os.environ.get(PREFORK_ENV, "1") != "0"
+        self.stages = stage_procs(self.workdir, layout)
+        self.prefork = forks_stages(os.environ, job.spec.method.type, self.stages)
         """Whether stages are forked from the prefork server (`_forked`)."""
         self._prefork: PreforkServer | None = None
-        self.stages = stage_procs(self.workdir, layout)
         self._credentials = built.credentials
         self._ca = built.ca
         """The run's link CA (in memory only), which issues an added pipeline's certificates."""
