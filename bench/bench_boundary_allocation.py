@@ -27,7 +27,7 @@ Modes, per boundary and direction:
 - ``allocated``: every row of a frame coded against a reference, its last decode (a cache
   per row, on both ends, for activations **and** gradients) or zero, whichever is nearer;
   then each block of 64 gets 0-4 bits by reverse water-filling over the whole frame
-  (`deltacache.allocate_bits`): the fewest bits whose expected error, ``sum_i D_b(i)
+  (`allocation.allocate_bits`): the fewest bits whose expected error, ``sum_i D_b(i)
   ||r_i||^2`` (`lowbit.DISTORTION`, ``D_0 = 1``), stays within what today's code allows the
   frame, ``D_4 ||x||^2`` for activations and ``D_3 ||g||^2`` for gradients. A block with 0
   bits is not sent; its change stays in the next one. Counted: each sent block's codes and
@@ -62,11 +62,8 @@ from relaytrain_testkit import bigram  # noqa: E402
 from relaytrain_testkit.tiny_models import tiny_model_dir  # noqa: E402
 from relaytrain_worker.model.methods import apply_lora, lora_config  # noqa: E402
 from relaytrain_worker.pipeline import boundary, lowbit  # noqa: E402
-from relaytrain_worker.pipeline.deltacache import (  # noqa: E402
-    DeltaConfig,
-    DeltaSender,
-    allocate_bits,
-)
+from relaytrain_worker.pipeline.allocation import allocate_bits  # noqa: E402
+from relaytrain_worker.pipeline.deltacache import DeltaConfig, DeltaSender  # noqa: E402
 from relaytrain_worker.pipeline.sampling import probabilities  # noqa: E402
 
 LAYERS, HIDDEN, SEQ, MBS, MICROS, ROWS = 4, 256, 64, 4, 2, 128

@@ -1,6 +1,6 @@
 """CPU time of each boundary code per value: what the planner charges a link for coding.
 
-Run: .venv/bin/python bench/bench_codec_speed.py [--quick] [--json OUT]
+Run: .venv/bin/python bench/bench_codec_speed.py [--quick] [--device cuda] [--json OUT]
 
 A boundary tensor of a micro-batch ([2, 1024, 1024] bf16 by default, 2.1 M values: hidden
 states of two rows of 1,024 tokens) is encoded and decoded on one CPU thread, each code side
@@ -10,10 +10,15 @@ by side in one process, median of the repetitions:
   cost next to nothing: the planner charges them nothing);
 - the ``delta`` codec (``boundary.py``): a row's first crossing (rotated, each block's bits
   allocated within int4's error: about 4 bits), a later crossing after a 5 % drift (within
-  that error: most blocks not sent), and the gradients' 3-bit code. It runs
-  on the host's CPU wherever the stage runs (it copies the tensor there), so the planner
-  charges it (``cost.DELTA_FORWARD_CODEC_SECONDS``, ``cost.DELTA_BACKWARD_CODEC_SECONDS``,
-  printed beside the measurement).
+  that error: most blocks not sent), and the gradients' 3-bit code. It encodes where the
+  stage computes and decodes on the CPU (the link's reader), so the planner charges it
+  (``cost.DELTA_FORWARD_CODEC_SECONDS``, ``cost.DELTA_BACKWARD_CODEC_SECONDS``, printed
+  beside the measurement).
+
+``--device cuda`` puts the tensor on the GPU, as on a GPU stage: every code encodes there
+(timed to the codes' arrival on the CPU for ``delta``, to the encode's end on the device for
+the others); ``delta`` decodes there too, as a GPU stage's links do (`BoundaryCodec.device`),
+the other codes on the CPU, where a link decodes them.
 
 Each row gives ns per value for encode and decode, and their sum against int4's (the
 baseline, measured in the same run).
@@ -41,20 +46,28 @@ from relaytrain_worker.pipeline.boundary import GRADIENT_BITS, BoundaryCodec  # 
 
 
 def timed(fn: Callable[[], Any], reps: int) -> float:
-    """Median seconds of ``fn`` over ``reps`` calls, after one warm-up call."""
+    """Median seconds of ``fn`` over ``reps`` calls, after one warm-up call (each to the end of
+    what it queued on a GPU)."""
     fn()
     times = []
     for _ in range(reps):
         start = time.perf_counter()
         fn()
+        _sync()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def delta_rows(x: torch.Tensor, reps: int) -> dict[str, tuple[float, float]]:
     """Encode and decode seconds of a row's first crossing and of a later one (5 % drift)."""
     rows = torch.arange(x.shape[0])
     sender, receiver = BoundaryCodec(), BoundaryCodec()
+    receiver.device = None if x.device.type == "cpu" else x.device
     gen = torch.Generator().manual_seed(0)
 
     def crossing(t: torch.Tensor) -> tuple[float, float]:
@@ -63,13 +76,15 @@ def delta_rows(x: torch.Tensor, reps: int) -> dict[str, tuple[float, float]]:
         middle = time.perf_counter()
         it = iter(parts)
         receiver.decode("activation", entry, t.dtype, lambda n, dtype: next(it))
+        _sync()
         return middle - start, time.perf_counter() - middle
 
     first = crossing(x)
     later = []
     y = x.float()
     for _ in range(reps):
-        y = y + 0.05 * y.std() * torch.randn(y.shape, generator=gen)
+        y = y + 0.05 * y.std() * torch.randn(y.shape, generator=gen).to(y.device)
+        _sync()
         later.append(crossing(y.to(x.dtype)))
     return {
         "first": first,
@@ -82,32 +97,39 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="3 repetitions, not 7")
     parser.add_argument("--tokens", type=int, default=1024, help="tokens a row (default 1024)")
     parser.add_argument("--hidden", type=int, default=1024, help="hidden size (default 1024)")
+    parser.add_argument("--device", default="cpu", help="where the tensor is (cpu, cuda)")
     parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     reps = 3 if args.quick else 7
     x = torch.randn(2, args.tokens, args.hidden, generator=torch.Generator().manual_seed(0))
-    x = x.to(torch.bfloat16)
+    x = x.to(torch.bfloat16).to(args.device)
     n = x.numel()
     rows: dict[str, tuple[float, float]] = {}
     for mode in ("bf16", "int8", "int4"):
         enc = compression.encode(x, mode)
+        on_cpu = compression.encode(x.cpu(), mode)  # what the link's reader decodes
         rows[mode] = (
             timed(lambda mode=mode: compression.encode(x, mode), reps),
-            timed(lambda enc=enc: compression.decode(enc), reps),
+            timed(lambda enc=on_cpu: compression.decode(enc), reps),
         )
+        del enc
     delta = delta_rows(x, reps)
     rows["delta, first crossing (about 4 bits a block)"] = delta["first"]
     rows["delta, later crossing (5 % drift: most blocks within int4's error, not sent)"] = delta[
         "later"
     ]
     grad = lowbit.encode(x, GRADIENT_BITS)
+    there = None if x.device.type == "cpu" else x.device
     rows[f"delta, gradient ({GRADIENT_BITS} bits)"] = (
         timed(lambda: lowbit.encode(x, GRADIENT_BITS), reps),
-        timed(lambda: lowbit.decode(grad), reps),
+        timed(lambda: lowbit.decode(grad, there), reps),
     )
     base = sum(rows["int4"])
-    print(f"Codec CPU time, one thread, {list(x.shape)} bf16 ({n:,} values), median of {reps}")
+    where = "the CPU" if x.device.type == "cpu" else _name(x.device)
+    decode = "" if x.device.type == "cpu" else " (delta's decode there too)"
+    print(f"Codec time, encode on {where}, decode on the CPU{decode}, one CPU thread, "
+          f"{list(x.shape)} bf16 ({n:,} values), median of {reps}")  # fmt: skip
     print()
     print("| code | encode ns/value | decode ns/value | both, x int4 |")
     print("|---|---|---|---|")
@@ -122,8 +144,14 @@ def main(argv: list[str] | None = None) -> int:
         f"{cost.DELTA_BACKWARD_CODEC_SECONDS * 1e9:.0f} backward (encode + decode)."
     )
     if args.json:
-        args.json.write_text(json.dumps({"shape": list(x.shape), "codes": figures}, indent=2))
+        args.json.write_text(json.dumps(
+            {"shape": list(x.shape), "device": _name(x.device), "codes": figures}, indent=2
+        ))  # fmt: skip
     return 0
+
+
+def _name(device: torch.device) -> str:
+    return "cpu" if device.type == "cpu" else torch.cuda.get_device_name(device)
 
 
 if __name__ == "__main__":

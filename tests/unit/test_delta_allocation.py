@@ -8,12 +8,8 @@ import itertools
 
 import pytest
 import torch
-from relaytrain_worker.pipeline.deltacache import (
-    DeltaConfig,
-    DeltaReceiver,
-    DeltaSender,
-    allocate_bits,
-)
+from relaytrain_worker.pipeline.allocation import allocate_bits
+from relaytrain_worker.pipeline.deltacache import DeltaConfig, DeltaReceiver, DeltaSender
 from relaytrain_worker.pipeline.lowbit import BLOCK, DISTORTION
 
 pytestmark = pytest.mark.unit
@@ -55,6 +51,48 @@ def test_alike_blocks_get_the_budgets_bits_and_the_floor_holds() -> None:
     # A small block next to large ones is left out where its energy fits in the budget.
     small = torch.tensor([1e-4, 1.0, 1.0])
     assert allocate_bits(small, DISTORTION[4] * 2.0 + 1e-4).tolist() == [0, 4, 4]
+
+
+def _bisected(energy: torch.Tensor, budget: float, floor: int) -> torch.Tensor:
+    """The allocation by its definition: the smallest multiplier whose picks meet the budget,
+    found by bisection (how allocate_bits found it before it sorted the breakpoints)."""
+    e = energy.to(torch.float64)
+    d = torch.tensor(D, dtype=torch.float64)
+    steps = 1.0 / (d[:-1] - d[1:])
+    budget *= 1 + 1e-12
+
+    def pick(lam: float) -> torch.Tensor:
+        return (lam * e[:, None] >= steps).sum(dim=1).clamp_(min=floor)
+
+    def error(b: torch.Tensor) -> float:
+        return float((d[b] * e).sum())
+
+    lo, hi = 0.0, 1.0
+    if error(pick(lo)) <= budget:
+        return pick(lo)
+    while error(pick(hi)) > budget and hi < 1e300:
+        lo, hi = hi, hi * 16
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        if mid in (lo, hi):
+            break
+        lo, hi = (mid, hi) if error(pick(mid)) > budget else (lo, mid)
+    return pick(hi)
+
+
+def test_the_sorted_breakpoints_give_the_bisections_allocation() -> None:
+    gen = torch.Generator().manual_seed(3)
+    for trial in range(60):
+        n = [1, 7, 300, 4096][trial % 4]
+        energy = torch.exp(3 * torch.randn(n, generator=gen, dtype=torch.float64))
+        energy[torch.rand(n, generator=gen) < 0.1] = 0.0  # blocks with nothing in them
+        if trial % 5 == 0:
+            energy = energy.round()  # ties: blocks of equal energy
+        whole = float(energy.sum())
+        budget = [0.0, DISTORTION[4], DISTORTION[3], DISTORTION[1], 0.5][trial % 5] * whole
+        floor = [0, 0, 1, 2][trial % 4]
+        got = allocate_bits(energy, budget, floor)
+        assert torch.equal(got, _bisected(energy, budget, floor)), (trial, n, floor)
 
 
 def _pair(**kw: object) -> tuple[DeltaSender, DeltaReceiver]:

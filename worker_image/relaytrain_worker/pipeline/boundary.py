@@ -18,7 +18,7 @@ What is coded how in a frame under ``delta``:
   keyed by the frame kind and the row (``activation:17``, ``eval:3``), so a training row and a
   held-out row never share an entry. Each block of 64 values gets its own bits, 0 to 4: the
   fewest in total whose expected error stays within what int4 leaves of the row
-  (`DeltaConfig.allocate`, `deltacache.allocate_bits`), coded against the row's last decode
+  (`DeltaConfig.allocate`, `allocation.allocate_bits`), coded against the row's last decode
   (a delta) or, where that is farther than zero, against zero (a full code, as on a row's
   first sight). A block given 0 bits is not sent and keeps its last value. So a row is never
   coded worse than int4 codes it; its first sight costs about int4's 4.25 bits a value (the
@@ -99,6 +99,11 @@ class BoundaryCodec:
         self.sender = DeltaSender(config)
         self.receiver = DeltaReceiver(config)
         self.gradient_bits = lowbit.check_bits(gradient_bits)
+        self.device: torch.device | None = None
+        """Where this end decodes what it receives (the stage's card; None: the CPU, where
+        the frame arrives). A GPU stage sets it as it receives (`peers.AsyncLink.recv`): one
+        gather, multiplication and rotation a value there, against some 70 ns a value on one
+        CPU thread (bench/bench_codec_speed.py), and the tensor is where the stage needs it."""
         self.full_codes = 0
         """Rows sent as full codes."""
         self.delta_codes = 0
@@ -191,13 +196,13 @@ class BoundaryCodec:
             codes = read(int(entry["data"]), torch.uint8)
             scales = read(int(entry["scales"]), torch.bfloat16)
             enc = lowbit.LowBitTensor(lowbit.check_bits(entry["bits"]), dtype, shape, codes, scales)
-            return lowbit.decode(enc)
+            return lowbit.decode(enc, self.device)
         if entry["mode"] == TOKENS:
             return self._decode_tokens(entry, shape, dtype, read)
         messages = entry["messages"]
         if len(shape) < 1 or len(messages) != shape[0]:
             raise ValueError(f"{len(messages)} row codes for a tensor of shape {list(shape)}")
-        out = torch.empty(shape, dtype=dtype)
+        out = torch.empty(shape, dtype=dtype, device=self.device)
         row_blocks = -(-math.prod(shape[1:]) // lowbit.BLOCK)
         for i, (row, full, at, given_bits, blocks, nsent) in enumerate(messages):
             version, block_bits = int(at), None
@@ -216,7 +221,7 @@ class BoundaryCodec:
                 None if full else version - 1, bits, dtype, shape[1:], codes, scales, sent,
                 block_bits,
             )  # fmt: skip
-            out[i] = self.receiver.decode(msg)
+            out[i] = self.receiver.decode(msg, self.device)
         return out
 
     def _decode_tokens(
@@ -232,14 +237,14 @@ class BoundaryCodec:
         live = lowbit.unpack_bits(read(int(entry["map"]), torch.uint8), 1)[:count].bool()
         if live.numel() != count:
             raise ValueError(f"token map of {live.numel()} tokens for a tensor of {count}")
-        out = torch.zeros(count, width, dtype=dtype)
+        out = torch.zeros(count, width, dtype=dtype, device=self.device)
         sent = int(live.sum())
         codes = read(int(entry["data"]), torch.uint8)
         scales = read(int(entry["scales"]), torch.bfloat16)
         if sent:
             bits = lowbit.check_bits(entry["bits"])
             enc = lowbit.LowBitTensor(bits, dtype, (sent, width), codes, scales)
-            out[live] = lowbit.decode(enc)
+            out[live.to(out.device)] = lowbit.decode(enc, self.device)
         return out.reshape(shape)
 
 

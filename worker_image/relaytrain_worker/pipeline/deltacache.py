@@ -18,8 +18,8 @@ bit, 0.34 at 2), and on a sample drifting by ``d`` (RMS) per epoch, as
 1.5 d at 1 bit, 0.52 d at 2 (measured on Gaussian data: 1.1 d and 0.4 d).
 
 Allocated codes (``allocate``, what the worker's ``delta`` compression uses): each block of
-64 gets its own bits, 0-4, by reverse water-filling (`allocate_bits`): the fewest in total
-whose expected error, ``sum_i D_(b_i) ||r_i||^2`` over the blocks ``r_i`` of what is coded,
+64 gets its own bits, 0-4, by reverse water-filling (`allocation.allocate_bits`): the fewest
+in total whose expected error, ``sum_i D_(b_i) ||r_i||^2`` over the blocks ``r_i`` of what is coded,
 stays within a full code's, ``D_full ||x||^2``. What is coded is the change against the
 entry where that is smaller than the row, else the row itself (a full code). A block with 0
 bits is not sent and keeps the reference's value; a map of 3 bits a block says which bits
@@ -56,7 +56,11 @@ Memory: one entry per sample per boundary, on each side. Llama-3.1-8B-sized boun
 bf16 (84 GB in float32) on the sender and again on the receiver of every boundary. That
 belongs in host memory or a memory-mapped file on local disk (each entry is read and
 written once per epoch: 4 MiB per sample, far below a disk's rate), never in GPU memory.
-Entries are kept as CPU tensors here; decode returns the value on the asked device.
+Entries are kept as CPU tensors here; decode returns the value on the asked device. The
+sender codes where the tensor is (a GPU stage's card, with the row's entry copied there:
+the rotations and trial scales are most of the codec's time, 217 ns a value on one CPU
+thread) and brings only the codes to the CPU; its mirror decodes them there, as the
+receiver does, so both ends hold the same bits whatever device coded them.
 
 Hand-written for the same reason as lowbit.py: a self-describing byte format whose decode is
 bit-exact on both ends.
@@ -70,6 +74,7 @@ from typing import Literal
 
 import torch
 
+from relaytrain_worker.pipeline.allocation import allocate_bits
 from relaytrain_worker.pipeline.lowbit import (
     BLOCK,
     DISTORTION,
@@ -120,7 +125,7 @@ class DeltaConfig:
     cache_dtype: CacheDtype = "bfloat16"
     """dtype the cache entries are kept in (both sides must agree)."""
     allocate: bool = False
-    """Give each block of a code its own bits, 0-4 (`allocate_bits`): the fewest in total
+    """Give each block of a code its own bits, 0-4 (`allocation.allocate_bits`): the fewest in total
     whose expected error, ``sum_i D_(b_i) ||r_i||^2`` over the blocks ``r_i`` coded, is
     within a full code's, ``D_full ||x||^2``. A row is coded against its last decode where
     that is nearer than zero (a delta), else against zero (a full code), and both are
@@ -244,23 +249,29 @@ class _Side:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def _apply(self, msg: DeltaMessage, base: _Entry | None) -> torch.Tensor:
-        """Apply ``msg`` and store the new entry; returns its float32 blocks."""
+    def _apply(
+        self, msg: DeltaMessage, base: _Entry | None, device: torch.device | None = None
+    ) -> torch.Tensor:
+        """Apply ``msg`` and store the new entry (on the CPU); returns its float32 blocks,
+        decoded on ``device`` (default the CPU): a gather, one multiplication, the rotation's
+        butterflies and an addition, the same bits on any device (`lowbit.dequantise_blocks`)."""
+        device = device or torch.device("cpu")
         if msg.block_bits is not None:
-            decoded = _dequantise_allocated(msg)
+            decoded = _dequantise_allocated(msg, device)
         else:
-            decoded = dequantise_blocks(msg.codes, msg.scales, msg.bits, msg.version)
+            codes, scales = msg.codes.to(device), msg.scales.to(device)
+            decoded = dequantise_blocks(codes, scales, msg.bits, msg.version)
         if msg.kind == "full" or base is None:
             new = decoded
         else:
-            new = base.value.to(torch.float32)
+            new = base.value.to(device, torch.float32)
             if msg.sent is None:
                 new = new + decoded
             else:
-                idx = _sent_index(msg.sent, msg.blocks)
+                idx = _sent_index(msg.sent, msg.blocks).to(device)
                 new[idx] = new[idx] + decoded
         value = new.to(self.config.torch_cache_dtype)
-        self._entries[msg.key] = _Entry(msg.version, value, msg.shape)
+        self._entries[msg.key] = _Entry(msg.version, value.cpu(), msg.shape)
         return value.to(torch.float32)
 
 
@@ -272,8 +283,8 @@ class DeltaSender(_Side):
         if not x.is_floating_point():
             raise TypeError(f"delta coding needs a floating tensor, got {x.dtype}")
         cfg = self.config
-        blocks = to_blocks(x.detach().cpu())
-        shape = tuple(x.shape)
+        blocks = to_blocks(x.detach())  # coded where x is (a GPU stage's card); the codes,
+        shape = tuple(x.shape)  # the mirror and the cache are on the CPU
         entry = self._entries.get(key)
         full = (
             entry is None
@@ -289,22 +300,22 @@ class DeltaSender(_Side):
                 key=key, dtype=x.dtype, shape=shape, blocks=blocks, entry=usable, version=version
             )
         if full:
-            codes, scales = quantise_blocks(blocks, cfg.full_bits, variant=version)
+            codes, scales = _quantise(blocks, cfg.full_bits, version)
             msg = DeltaMessage(
                 key, "full", version, None, cfg.full_bits, x.dtype, shape, codes, scales, None
             )
-            self._apply(msg, None)
+            self._apply(msg, None, blocks.device)
             return msg
         assert entry is not None
-        cached = entry.value.to(torch.float32)
+        cached = entry.value.to(blocks.device, torch.float32)
         delta = blocks - cached
         bits = self._bits(delta, blocks) if cfg.adaptive else cfg.delta_bits
         if bits is None:  # changed as much as the row itself: a full code costs no more
-            codes, scales = quantise_blocks(blocks, cfg.full_bits, variant=version)
+            codes, scales = _quantise(blocks, cfg.full_bits, version)
             msg = DeltaMessage(
                 key, "full", version, None, cfg.full_bits, x.dtype, shape, codes, scales, None
             )
-            self._apply(msg, None)
+            self._apply(msg, None, blocks.device)
             return msg
         delta_rms = delta.square().mean(dim=1).sqrt_()
         keep = delta_rms > cached.square().mean(dim=1).sqrt_() * cfg.skip_below
@@ -312,8 +323,9 @@ class DeltaSender(_Side):
             sent = None
         else:
             delta = delta[keep]
+            keep = keep.cpu()
             sent = pack_bits(torch.nn.functional.pad(keep, (0, (-keep.numel()) % 8)), 1)
-        codes, scales = quantise_blocks(delta, bits, variant=version)
+        codes, scales = _quantise(delta, bits, version)
         msg = DeltaMessage(
             key,
             "delta",
@@ -326,7 +338,7 @@ class DeltaSender(_Side):
             scales,
             sent,
         )
-        self._apply(msg, entry)
+        self._apply(msg, entry, blocks.device)
         return msg
 
     def _encode_allocated(
@@ -346,17 +358,17 @@ class DeltaSender(_Side):
         change = blocks
         base = None
         if entry is not None:  # same shape, finite
-            cached = entry.value.to(torch.float32)
+            cached = entry.value.to(blocks.device, torch.float32)
             delta = blocks - cached
             if float(delta.square().sum()) < whole:
                 change, base = delta, entry
         budget = DISTORTION[cfg.full_bits] * whole
-        bits = allocate_bits(change.square().sum(dim=1), budget, cfg.floor)
+        bits = allocate_bits(change.square().sum(dim=1).cpu(), budget, cfg.floor)
         codes, scales = [], []
         for b in range(1, 5):
             chosen = (bits == b).nonzero().reshape(-1)
             if chosen.numel():
-                c, s = quantise_blocks(change[chosen], check_bits(b), variant=version)
+                c, s = _quantise(change[chosen.to(change.device)], check_bits(b), version)
                 codes.append(c)
                 scales.append(s)
         packed = pack_bits(torch.nn.functional.pad(bits, (0, (-bits.numel()) % 8)), 3)
@@ -373,7 +385,7 @@ class DeltaSender(_Side):
             None,
             packed,
         )
-        self._apply(msg, base)
+        self._apply(msg, base, blocks.device)
         return msg
 
     def _bits(self, delta: torch.Tensor, blocks: torch.Tensor) -> Bits | None:
@@ -406,9 +418,16 @@ class DeltaReceiver(_Side):
                 raise ValueError(
                     f"delta for sample {msg.key!r} has shape {msg.shape}, cache {entry.shape}"
                 )
-        value = self._apply(msg, entry)
-        out = from_blocks(value, msg.shape, msg.dtype)
-        return out if device is None else out.to(device)
+        value = self._apply(msg, entry, None if device is None else torch.device(device))
+        return from_blocks(value, msg.shape, msg.dtype)
+
+
+def _quantise(blocks: torch.Tensor, bits: int, version: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantise_blocks` where ``blocks`` are (on a GPU stage, its card: 5 trial scales a
+    block are cheap there), the codes and scales brought to the CPU, where the wire, the
+    mirror and the cache are: the mirror decodes there as the receiver does."""
+    codes, scales = quantise_blocks(blocks, check_bits(bits), variant=version)
+    return codes.cpu(), scales.cpu()
 
 
 def _sent_index(bitmap: torch.Tensor, blocks: int) -> torch.Tensor:
@@ -417,47 +436,9 @@ def _sent_index(bitmap: torch.Tensor, blocks: int) -> torch.Tensor:
     return bits.nonzero().reshape(-1)
 
 
-#: Lloyd-Max distortion of 0-4 bits (0 bits: the block is left out, its whole energy).
-_D = (1.0, *(DISTORTION[b] for b in (1, 2, 3, 4)))
-#: The Lagrange multiplier times a block's energy above which b bits beat b - 1, b = 1..4
-#: (the distortions are convex in b, so each block's best bits are a count of these).
-_STEPS = tuple(1.0 / (_D[b - 1] - _D[b]) for b in range(1, 5))
-
-
-def allocate_bits(energy: torch.Tensor, budget: float, floor: int = 0) -> torch.Tensor:
-    """Bits (0-4, int64) for blocks of squared norms ``energy`` whose expected error
-    ``sum_i D_(b_i) energy_i`` is at most ``budget``, no block with fewer than ``floor``:
-    reverse water-filling, each block taking the bits that minimise ``b + lam D_b energy_i``
-    with the smallest ``lam`` that meets the budget (bisection). So no allocation of as few
-    bits in total has less expected error (a Lagrangian optimum; one of a few bits fewer may
-    still meet the budget). Where even 4 bits a block miss it, every block with energy gets 4.
-
-    Blocks of equal energy all get the same bits, so on a row whose blocks are alike the
-    code is the uniform one of ``budget``'s bits; a block with no energy gets ``floor``."""
-    e = energy.to(torch.float64)
-    budget *= 1 + 1e-12  # a budget met exactly is met, whatever the order of the sum
-    d = torch.tensor(_D, dtype=torch.float64)
-    steps = torch.tensor(_STEPS, dtype=torch.float64)
-
-    def pick(lam: float) -> torch.Tensor:
-        return (lam * e[:, None] >= steps).sum(dim=1).clamp_(min=floor)
-
-    def error(b: torch.Tensor) -> float:
-        return float((d[b] * e).sum())
-
-    if error(pick(0.0)) <= budget:
-        return pick(0.0)
-    lo, hi = 0.0, 1.0
-    while error(pick(hi)) > budget and hi < 1e300:
-        lo, hi = hi, hi * 16
-    for _ in range(64):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if error(pick(mid)) > budget else (lo, mid)
-    return pick(hi)
-
-
-def _dequantise_allocated(msg: DeltaMessage) -> torch.Tensor:
-    """Float32 ``[blocks, BLOCK]`` of an allocated code: 0 where a block got no bits."""
+def _dequantise_allocated(msg: DeltaMessage, device: torch.device) -> torch.Tensor:
+    """Float32 ``[blocks, BLOCK]`` of an allocated code, on ``device``: 0 where a block got
+    no bits."""
     assert msg.block_bits is not None
     bits = unpack_bits(msg.block_bits, 3)[: msg.blocks]
     counts = [int((bits == b).sum()) for b in range(5)]
@@ -473,14 +454,14 @@ def _dequantise_allocated(msg: DeltaMessage) -> torch.Tensor:
             f"and {want_scales} scales for {msg.blocks} blocks, the message holds "
             f"{msg.codes.numel()} and {msg.scales.numel()}"
         )
-    out = torch.zeros(msg.blocks, BLOCK, dtype=torch.float32)
+    out = torch.zeros(msg.blocks, BLOCK, dtype=torch.float32, device=device)
     at_code = at_scale = 0
     for b in range(1, 5):
         n = counts[b]
         if n:
-            chosen = (bits == b).nonzero().reshape(-1)
-            codes = msg.codes[at_code : at_code + 8 * b * n]
-            scales = msg.scales[at_scale : at_scale + n]
+            chosen = (bits == b).nonzero().reshape(-1).to(device)
+            codes = msg.codes[at_code : at_code + 8 * b * n].to(device)
+            scales = msg.scales[at_scale : at_scale + n].to(device)
             out[chosen] = dequantise_blocks(codes, scales, check_bits(b), msg.version)
             at_code, at_scale = at_code + 8 * b * n, at_scale + n
     return out

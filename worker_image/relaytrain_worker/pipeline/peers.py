@@ -185,9 +185,16 @@ class AsyncLink:
         event.record(torch.cuda.current_stream(device))
         return device, event
 
-    def recv(self, kind: str, step: int, micro: int = -1) -> Frame:
-        """Receive the next frame and check it is the one the schedule expects."""
+    def recv(
+        self, kind: str, step: int, micro: int = -1, device: torch.device | None = None
+    ) -> Frame:
+        """Receive the next frame and check it is the one the schedule expects. ``device``:
+        a GPU stage's card, where the ``delta`` codes are decoded (`BoundaryCodec.device`;
+        on this thread's stream, so in order with the stage's kernels); the other codes
+        decode on the CPU."""
         self._check()
+        if device is not None and device.type != "cpu":
+            self.link.codec.device = device
         frame = self.link.recv(timeout=RECV_TIMEOUT)
         if (frame.kind, frame.step, frame.micro) != (kind, step, micro):
             self.link.close()

@@ -20,8 +20,9 @@ chain (behind the last gradients) and one pass down (ahead of the next step's ac
   IEEE arithmetic) and so apply the identical update.
 
 The stage computes where its parameters are (or on ``device``): micro-batches and what
-arrives over the links (which the codec always decodes on the CPU) are moved there, and what
-is sent is copied to the CPU by the codec. On the CPU every move is a no-op.
+arrives over the links (decoded on the CPU, but for ``delta``'s codes, which a GPU stage
+decodes on its card) are moved there, and what is sent is copied to the CPU by the codec. On
+the CPU every move is a no-op.
 
 With several pipelines (a `ReplicaGroup`, `stats.py`; the arithmetic is
 `replicas/arithmetic.py`) two things change and nothing else: stage 0 swaps its share's
@@ -258,7 +259,7 @@ class StepRunner:
             keys = mb.rows if self.compression == MODE else None
         else:
             assert self.peers.prev is not None
-            frame = self.peers.prev.recv("activation", step, m)
+            frame = self.peers.prev.recv("activation", step, m, self.device)
             items = int(frame.meta["items"])
             got = frame.tensors
             hidden, mask, pos, labels = self._here(
@@ -291,7 +292,7 @@ class StepRunner:
             out.backward()  # type: ignore[no-untyped-call]
         else:
             assert self.peers.next is not None
-            grad = self.peers.next.recv("gradient", step, m).tensors["grad"]
+            grad = self.peers.next.recv("gradient", step, m, self.device).tensors["grad"]
             torch.autograd.backward(out, grad.to(self.device))
         if not self.first:
             assert self.peers.prev is not None and inp is not None
