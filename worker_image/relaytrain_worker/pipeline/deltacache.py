@@ -18,12 +18,12 @@ bit, 0.34 at 2), and on a sample drifting by ``d`` (RMS) per epoch, as
 1.5 d at 1 bit, 0.52 d at 2 (measured on Gaussian data: 1.1 d and 0.4 d).
 
 Allocated codes (``allocate``, what the worker's ``delta`` compression uses): each block of
-64 gets its own bits, 0-4, by reverse water-filling (`allocation.allocate_bits`): the fewest
-in total whose expected error, ``sum_i D_(b_i) ||r_i||^2`` over the blocks ``r_i`` of what is coded,
-stays within a full code's, ``D_full ||x||^2``. What is coded is the change against the
-entry where that is smaller than the row, else the row itself (a full code). A block with 0
-bits is not sent and keeps the reference's value; a map of 3 bits a block says which bits
-each got, and the codes travel grouped by bits. Unlike ``adaptive``, the error does not
+64 gets its own bits, 0-4, by reverse water-filling (`allocation.allocate_bits`): the
+fewest in total whose expected error, ``sum_i D_(b_i) ||r_i||^2`` over the blocks ``r_i`` of
+what is coded, stays within a full code's, ``D_full ||x||^2``. What is coded is the change
+against the entry where that is smaller than the row, else the row itself (a full code). A
+block with 0 bits is not sent and keeps the reference's value; a map of 3 bits a block says
+which bits each got, and the codes travel grouped by bits. Unlike ``adaptive``, the error does not
 shrink epoch after epoch: it is held at the full code's, and a row that drifts less than
 that costs only its map. The error stays in the entry, so the next code carries it.
 
@@ -59,8 +59,11 @@ written once per epoch: 4 MiB per sample, far below a disk's rate), never in GPU
 Entries are kept as CPU tensors here; decode returns the value on the asked device. The
 sender codes where the tensor is (a GPU stage's card, with the row's entry copied there:
 the rotations and trial scales are most of the codec's time, 217 ns a value on one CPU
-thread) and brings only the codes to the CPU; its mirror decodes them there, as the
-receiver does, so both ends hold the same bits whatever device coded them.
+thread) and brings only the codes to the CPU; its mirror decodes them where it coded, the
+receiver where it is asked (a GPU stage's card, `boundary.BoundaryCodec.device`). A decode
+is a gather, one multiplication, the rotation's butterflies and an addition, no division
+and no reduction, so every device gets the same bits and the two ends stay in step
+(tests/unit/test_boundary_delta_gpu.py checks it on a card).
 
 Hand-written for the same reason as lowbit.py: a self-describing byte format whose decode is
 bit-exact on both ends.
@@ -125,12 +128,12 @@ class DeltaConfig:
     cache_dtype: CacheDtype = "bfloat16"
     """dtype the cache entries are kept in (both sides must agree)."""
     allocate: bool = False
-    """Give each block of a code its own bits, 0-4 (`allocation.allocate_bits`): the fewest in total
-    whose expected error, ``sum_i D_(b_i) ||r_i||^2`` over the blocks ``r_i`` coded, is
-    within a full code's, ``D_full ||x||^2``. A row is coded against its last decode where
-    that is nearer than zero (a delta), else against zero (a full code), and both are
-    allocated; a block given 0 bits is not sent and keeps its reference's value. Instead of
-    ``adaptive`` and ``skip_below``."""
+    """Give each block of a code its own bits, 0-4 (`allocation.allocate_bits`): the
+    fewest in total whose expected error, ``sum_i D_(b_i) ||r_i||^2`` over the blocks ``r_i``
+    coded, is within a full code's, ``D_full ||x||^2``. A row is coded against its last
+    decode where that is nearer than zero (a delta), else against zero (a full code), and
+    both are allocated; a block given 0 bits is not sent and keeps its reference's value.
+    Instead of ``adaptive`` and ``skip_below``."""
     floor: int = 0
     """With ``allocate``: the fewest bits a block gets (1: every block is sent)."""
 
@@ -424,8 +427,7 @@ class DeltaReceiver(_Side):
 
 def _quantise(blocks: torch.Tensor, bits: int, version: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`quantise_blocks` where ``blocks`` are (on a GPU stage, its card: 5 trial scales a
-    block are cheap there), the codes and scales brought to the CPU, where the wire, the
-    mirror and the cache are: the mirror decodes there as the receiver does."""
+    block are cheap there), the codes and scales brought to the CPU, for the wire."""
     codes, scales = quantise_blocks(blocks, check_bits(bits), variant=version)
     return codes.cpu(), scales.cpu()
 
