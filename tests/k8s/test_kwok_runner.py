@@ -269,9 +269,12 @@ def test_a_pod_using_its_grace_period_holds_up_no_other_pods_deletion(
         )
     slow, quick = started["slow"], started["quick"]
     core.delete_namespaced_pod("slow", namespace)
-    wait_for("slow's SIGTERM", lambda: "term" in _said(slow))
+    wait_for(lambda: f"slow's SIGTERM ({runner.describe(slow)})", lambda: "term" in _said(slow))
     core.delete_namespaced_pod("quick", namespace)
-    wait_for("quick's SIGTERM to end it", lambda: quick.process.poll() is not None)
+    wait_for(
+        lambda: f"quick's SIGTERM to end it ({runner.describe(quick)})",
+        lambda: quick.process.poll() is not None,
+    )
     assert "term" in _said(quick)
     assert slow.process.poll() is None, "the slow pod lost its grace period"
 

@@ -102,6 +102,10 @@ from relaytrain_testkit.harness.probes import ProbeLoop, probe_spec
 JOB_LABEL = "relaytrain.io/job"
 RESTARTING = ("Always", "OnFailure")
 SECRET_SYNC_SECONDS = 1.0  # how often a running container's Secret volumes are read again
+REQUEST_TIMEOUT = 10.0
+"""Seconds a pass waits for the API server's answer to a read (urllib3 tries a read that
+timed out three more times): a request with no timeout that got none would stop every pass,
+and every pod's deletion with them."""
 _SVC_ADDRESS = re.compile(r"^[a-z0-9.-]+\.svc(\.cluster\.local)?:\d+$")
 
 
@@ -218,6 +222,12 @@ class KwokProcessRunner:
         """Whether stage pods are forked from a prefork server (`_forked`)."""
         self._prefork: PreforkServer | None = None
         self._prefork_lock = threading.Lock()  # its start takes seconds: not under _lock
+        self.passes = 0
+        """Passes completed; a test that waits on the runner says it when it times out (a
+        runner whose passes stopped is another fault than one that saw nothing)."""
+        self.stalls: list[str] = []
+        """Reads of a pass that got no answer in `REQUEST_TIMEOUT` seconds: retried on the
+        next pass, as a kubelet retries; kept apart from `errors`."""
 
     # -- lifecycle ---------------------------------------------------------------------
     def start(self) -> None:
@@ -273,12 +283,21 @@ class KwokProcessRunner:
             return None
 
     def _loop(self) -> None:
+        from urllib3.exceptions import MaxRetryError
+        from urllib3.exceptions import TimeoutError as RequestTimeout
+
         while not self._stop.is_set():
             try:
                 self.sync()
+                self.passes += 1
             except Exception as exc:  # a flaky list must not end the runner
-                self.errors.append(f"{type(exc).__name__}: {exc}")
-                print(f"kwok runner: {type(exc).__name__}: {exc}", file=sys.stderr)
+                said = f"{type(exc).__name__}: {exc}"
+                cause = exc.reason if isinstance(exc, MaxRetryError) else exc
+                if isinstance(cause, RequestTimeout):  # no answer (urllib3 asked 4 times)
+                    self.stalls.append(f"{time.strftime('%H:%M:%S')} {said}")
+                else:
+                    self.errors.append(said)
+                print(f"kwok runner: {said}", file=sys.stderr)
             self._stop.wait(0.5)
 
     # -- what tests look at ------------------------------------------------------------
@@ -300,12 +319,27 @@ class KwokProcessRunner:
                 if p.namespace == namespace and p.name.startswith(prefix)
             )
 
+    def describe(self, local: LocalPod) -> str:
+        """What the runner did and saw, for a test's message when a wait on it times out:
+        its passes, stalled reads and errors, and what it did to `local`'s process."""
+        kubelet = local.log_path.with_name("kubelet.log")
+        did = kubelet.read_text().strip() if kubelet.exists() else "nothing"
+        return (
+            f"runner: {self.passes} passes, stalled reads {self.stalls}, errors {self.errors};"
+            f" to {local.name}'s process (pid {local.process.pid}, exit"
+            f" {local.process.poll()}): {did}"
+        )
+
     # -- one pass ------------------------------------------------------------------------
     def sync(self) -> None:
         if self.namespace:
-            pods = self.core.list_namespaced_pod(self.namespace, label_selector=self.selector)
+            pods = self.core.list_namespaced_pod(
+                self.namespace, label_selector=self.selector, _request_timeout=REQUEST_TIMEOUT
+            )
         else:
-            pods = self.core.list_pod_for_all_namespaces(label_selector=self.selector)
+            pods = self.core.list_pod_for_all_namespaces(
+                label_selector=self.selector, _request_timeout=REQUEST_TIMEOUT
+            )
         seen = set()
         for pod in pods.items:
             uid = pod.metadata.uid
@@ -447,7 +481,7 @@ class KwokProcessRunner:
         if not name:
             return False
         try:
-            self.core.read_node(name)
+            self.core.read_node(name, _request_timeout=REQUEST_TIMEOUT)
         except ApiException as exc:
             if exc.status == 404:
                 return False

@@ -14,10 +14,14 @@ from typing import Any
 
 
 def wait_for(
-    what: str, probe: Callable[[], Any], timeout: float = 60.0, interval: float = 0.25
+    what: str | Callable[[], str],
+    probe: Callable[[], Any],
+    timeout: float = 60.0,
+    interval: float = 0.25,
 ) -> Any:
     """Calls `probe` until it returns something truthy, and returns that; fails after `timeout`
-    seconds with `what` and the last value seen."""
+    seconds with `what` (or what `what()` says then: the state that explains the wait) and the
+    last value seen."""
     deadline = time.monotonic() + timeout
     last: Any = None
     while time.monotonic() < deadline:
@@ -25,7 +29,7 @@ def wait_for(
         if last:
             return last
         time.sleep(interval)
-    raise AssertionError(_timed_out(what, timeout, last))
+    raise AssertionError(_timed_out(what if isinstance(what, str) else what(), timeout, last))
 
 
 async def wait_for_async(
