@@ -155,10 +155,20 @@ class Sampled:
     variance, ``sum (1 / p_i - 1) ||g_i||^2``, is at most `variance` times ``sum ||g_i||^2``.
     Counted: the codes and scales of the chosen tokens, 1 bit a token."""
 
-    def __init__(self, bits: int, share: float, seed: int, variance: float | None = None) -> None:
+    def __init__(
+        self,
+        bits: int,
+        share: float,
+        seed: int,
+        variance: float | None = None,
+        scatter: bool = False,
+    ) -> None:
         self.bits_each = bits
         self.share = share
         self.variance = variance
+        self.scatter = scatter
+        """With `variance`: the budget is that times the tokens' scatter around their mean,
+        ``sum ||g_i - mean g||^2`` (the noise the micro-batch already has), not their energy."""
         self.gen = torch.Generator().manual_seed(seed)
         self.bits = 0.0
         self.values = 0
@@ -170,10 +180,15 @@ class Sampled:
         """Each row's last activation drift at this boundary (`Today`), when gated."""
         self.below = math.inf
 
-    def _probabilities(self, norms: torch.Tensor) -> torch.Tensor:
+    def _probabilities(self, norms: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         if self.variance is None:  # a share of the tokens: the worker's own draw
             return probabilities(norms, self.share)
         energy = float(norms.square().sum())
+        budget = energy
+        if self.scatter:
+            live = tokens[norms > 0].double()
+            if len(live):
+                budget = float((live - live.mean(dim=0)).square().sum())
 
         def p_of(c: float) -> torch.Tensor:
             return torch.clamp(c * norms, max=1.0)
@@ -182,7 +197,7 @@ class Sampled:
             p = p_of(c)
             live = p > 0
             spread = float(((1 / p[live] - 1) * norms[live].square()).sum())
-            return spread > self.variance * energy
+            return spread > self.variance * budget
 
         if energy == 0.0:
             return torch.zeros_like(norms)
@@ -198,13 +213,13 @@ class Sampled:
         tokens = x.reshape(-1, x.shape[-1])
         norms = tokens.norm(dim=1).double()
         if self.drifts is None:
-            p = self._probabilities(norms)
+            p = self._probabilities(norms, tokens)
         else:  # only rows whose activation drifted less than `below` are sampled
             calm = torch.tensor([self.drifts.get(r, math.inf) < self.below for r in rows])
             calm = calm.repeat_interleave(x[0].numel() // x.shape[-1])
             p = torch.ones_like(norms)
             if bool(calm.any()):
-                p[calm] = self._probabilities(norms[calm])
+                p[calm] = self._probabilities(norms[calm], tokens[calm])
         keep = torch.rand(p.shape, generator=self.gen, dtype=torch.float64) < p
         out = torch.zeros_like(tokens)
         if bool(keep.any()):
@@ -302,6 +317,7 @@ def make_pair(mode: str, options: argparse.Namespace) -> Any:
             options.gradient_sample,
             seed=next(_SEEDS),
             variance=options.gradient_variance,
+            scatter=options.gradient_scatter,
         )
     if mode in ("adaptive", "delta"):
         down = Today(ADAPTIVE if mode == "adaptive" else boundary.CONFIG)
@@ -470,6 +486,12 @@ def main() -> None:
         type=float,
         help="as --gradient-sample, but the fewest tokens whose sampling variance is at most"
         " this times the gradients' energy",
+    )
+    parser.add_argument(
+        "--gradient-scatter",
+        action="store_true",
+        help="with --gradient-variance: the budget is that times the tokens' scatter around"
+        " their mean (the noise a micro-batch already has) instead of their energy",
     )
     parser.add_argument(
         "--sample-below",
