@@ -307,16 +307,54 @@ def rate(pairs: list[Any], marks: list[Any], d: int) -> float:
 _SEEDS = iter(range(100, 10_000))
 
 
+class NoiseScale:
+    """The noise of a micro-batch's gradient against the gradient's signal, ``phi =
+    tr(Sigma) / (b |G|^2)``, from the norms of each micro-batch's gradient and of their sum
+    (McCandlish et al. 2018's two batch sizes, b and M b), each averaged over steps (0.9)
+    before the ratio is taken; 0 until both are known."""
+
+    def __init__(self, micros: int) -> None:
+        self.m = micros
+        self.small = 0.0  # |M g_m|^2: a micro-batch's gradient as a gradient of its own
+        self.large = 0.0  # |sum g_m|^2: the step's
+        self.seen = 0
+        self.parts: list[float] = []
+        self.phi = 0.0
+
+    def micro(self, params: list[torch.Tensor], before: list[torch.Tensor | None]) -> None:
+        part = 0.0
+        for p, b in zip(params, before, strict=True):
+            g = p.grad if b is None else p.grad - b
+            part += float(g.double().square().sum())
+        self.parts.append(part * self.m**2)
+
+    def step(self, params: list[torch.Tensor]) -> float:
+        large = sum(float(p.grad.double().square().sum()) for p in params)
+        small = sum(self.parts) / len(self.parts)
+        self.parts = []
+        b = 0.0 if self.seen == 0 else 0.9
+        self.small, self.large = b * self.small + (1 - b) * small, b * self.large + (1 - b) * large
+        self.seen += 1
+        signal = self.m * self.large - self.small
+        spread = self.m * (self.small - self.large)
+        self.phi = max(0.0, spread / signal) if signal > 0 and self.seen >= 4 else 0.0
+        return self.phi
+
+
 def make_pair(mode: str, options: argparse.Namespace) -> Any:
     if mode == "int4":
         return (Fixed(4), Fixed(4))
     up: Any = Fixed(options.gradient_bits)
-    if options.gradient_sample < 1.0 or options.gradient_variance is not None:
+    if (
+        options.gradient_sample < 1.0
+        or options.gradient_variance is not None
+        or options.gradient_noise_scale is not None
+    ):
         up = Sampled(
             options.gradient_bits,
             options.gradient_sample,
             seed=next(_SEEDS),
-            variance=options.gradient_variance,
+            variance=0.0 if options.gradient_noise_scale is not None else options.gradient_variance,
             scatter=options.gradient_scatter,
         )
     if mode in ("adaptive", "delta"):
@@ -393,6 +431,12 @@ def run(
 
     epochs_out = []
     order_gen = torch.Generator().manual_seed(10)
+    # --gradient-noise-scale: the top layer's adapters (above every boundary: no code touches
+    # their gradients) measure the micro-batch gradients' noise against their signal.
+    ids = {id(p) for p in params}
+    top = [p for n, p in model.named_parameters() if f"layers.{LAYERS - 1}." in n and id(p) in ids]
+    assert top, "no adapter above the last boundary"
+    noise = NoiseScale(MICROS) if options.gradient_noise_scale is not None else None
     for _ in range(epochs):
         marks = [((p[0].bits, p[0].values), (p[1].bits, p[1].values)) if p else None for p in pairs]
         order = torch.randperm(ROWS, generator=order_gen)
@@ -405,13 +449,23 @@ def run(
                     n = max(1, round(share * chunk.numel()))
                     keep[torch.randperm(chunk.numel(), generator=keep_gen)[:n]] = True
                     current["keep"] = keep
+                before = [p.grad.clone() if p.grad is not None else None for p in top]
                 (loss_of(train[chunk]) / (idx.numel() * (SEQ - 1))).backward()
+                if noise is not None:
+                    noise.micro(top, before)
+            if noise is not None:
+                phi = noise.step(top)
+                for p in pairs:
+                    if p and isinstance(p[1], Sampled):
+                        p[1].variance = options.gradient_noise_scale * phi
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             optimizer.step()
             schedule.step()
             optimizer.zero_grad(set_to_none=True)
         down, up = (rate(pairs, marks, d) for d in (0, 1))
         epochs_out.append({"down": down, "up": up, "held": held_loss()})
+        if noise is not None:
+            print(f"{mode}: epoch {len(epochs_out)}: noise {noise.phi:.3f}", flush=True)
     errors = None
     if mode == "allocated":
         errors = [
@@ -486,6 +540,13 @@ def main() -> None:
         type=float,
         help="as --gradient-sample, but the fewest tokens whose sampling variance is at most"
         " this times the gradients' energy",
+    )
+    parser.add_argument(
+        "--gradient-noise-scale",
+        type=float,
+        help="as --gradient-variance, with a budget of this times the micro-batch gradients'"
+        " noise against their signal (`NoiseScale`, measured on the top layer's adapters,"
+        " above every boundary), step by step",
     )
     parser.add_argument(
         "--gradient-scatter",
