@@ -84,22 +84,6 @@ def _starts(e: dict[str, Any], name: str) -> Counter[str]:
     return Counter(lp.name for lp in e["runner"].history if lp.name.startswith(f"{name}-stage-"))
 
 
-def _ends(e: dict[str, Any], name: str, extra: Counter[str]) -> str:
-    """How each process of the stages started more often than expected ended: its exit
-    code, what the runner did to it and the end of its own log."""
-    said = []
-    for lp in e["runner"].history:
-        if lp.name in extra and lp.name.startswith(f"{name}-stage-"):
-            kubelet = lp.log_path.with_name("kubelet.log")
-            own = lp.log_path.read_text(errors="replace").splitlines()[-15:]
-            said.append(
-                f"--- {lp.name} (pid {lp.process.pid}, exit {lp.process.poll()});"
-                f" runner: {kubelet.read_text().strip() if kubelet.exists() else 'nothing'}\n"
-                + "\n".join(own)
-            )
-    return "\n".join(said)
-
-
 def _job(minio: Any, secret: str, name: str, pools: list[str]) -> dict[str, Any]:
     return (
         tiny_job(name, minio)
@@ -224,8 +208,7 @@ def test_a_chaos_schedule_with_real_training(env: dict[str, Any]) -> None:
         hit = Counter(f"{name}-stage-{f.stage}" for f in faults if f.stage is not None)
         expected = Counter({f"{name}-stage-{k}": 1 for k in range(3)}) + hit
         assert _starts(e, name) == expected, (
-            f"{_starts(e, name)} processes started, {expected} expected:\n"
-            + _ends(e, name, _starts(e, name) - expected)
+            f"{_starts(e, name)} processes started, {expected} expected:\n{diagnostics(e)}"
         )
         # Every commit verifies, file by file.
         commits = verify_commits(e, name, STEPS)
