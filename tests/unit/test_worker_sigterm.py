@@ -17,6 +17,7 @@ import subprocess
 import sys
 
 import pytest
+from relaytrain_contract.exits import StageExit
 from relaytrain_operator.domain.stage_config import build_stage_configs, pod_endpoints
 from relaytrain_operator.spec import parse_job
 from relaytrain_testkit.stage_pods import JOB, PLAN
@@ -30,7 +31,10 @@ import json, os, signal, sys, time
 import relaytrain_worker.process as process
 import relaytrain_worker.model.shards, relaytrain_worker.pipeline.linkauth
 import relaytrain_worker.state.records
+import relaytrain_worker.stopping
 from relaytrain_worker.__main__ import main
+
+relaytrain_worker.stopping.STOP_SECONDS = 1.0  # the watcher's bound, shortened for the test
 
 def _sigterm_here(where):
     if where == WHERE:
@@ -51,6 +55,14 @@ class Stand_in:
     replication = Replication()
     def run(self):
         _sigterm_here("run")
+        if WHERE == "ignored":  # the KeyboardInterrupt lost on its way up (a catch-all)
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(2)
+            except KeyboardInterrupt:
+                pass
+            while True:  # and the stage trains on
+                time.sleep(0.01)
         if WHERE == "crash":  # a native crash (torch, a link thread): no Python exception
             os.kill(os.getpid(), signal.SIGSEGV)
         if WHERE == "leave":
@@ -81,6 +93,7 @@ CLEAN = {
     "run": {130},  # stopped while training
     "leave": {130},  # several pipelines: left at the step boundary after the SIGTERM
     "close": {0, -signal.SIGTERM},  # done; the pod deleted while the links close
+    "ignored": {130},  # the main thread trains on: the watcher ends it (stopping.py)
     "nowhere": {0},
 }
 
@@ -121,3 +134,17 @@ def test_a_stage_that_crashes_natively_leaves_its_stacks_in_its_log(
     assert codes["crash"] == -signal.SIGSEGV
     assert "Fatal Python error: Segmentation fault" in stderr, stderr[-3000:]
     assert 'File "<string>", line' in stderr and "in run" in stderr
+
+
+def test_a_stage_that_trains_on_after_its_sigterm_is_ended_with_its_stacks_in_its_log(
+    ended: tuple[dict[str, int], str],
+) -> None:
+    """The pod's SIGTERM reached the stage, but its KeyboardInterrupt was lost on the way
+    up and the stage trained on (committing for a plan already replaced). The watcher
+    (stopping.py) ends it `STOP_SECONDS` after the signal, with the code of a stop, and the
+    log says so and where the main thread was."""
+    codes, stderr = ended
+    assert codes["ignored"] == StageExit.STOPPED, stderr[-3000:]
+    assert "Stage 1 received SIGTERM" in stderr, stderr[-3000:]
+    assert "Stage 1 is still running 1 s after SIGTERM: it ends now" in stderr, stderr[-3000:]
+    assert "(most recent call first)" in stderr and "in run" in stderr

@@ -20,15 +20,19 @@ def _terminate(_signum: int, _frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def _depart_or_terminate(depart: Callable[[], bool]) -> Callable[[int, object], None]:
+class _OnSigterm:
     """SIGTERM once training: a stage of several pipelines leaves at the next step boundary
-    (`Replication.depart`); otherwise, or at a second SIGTERM, it stops at once."""
+    (`depart`, the runtime's `Replication.depart` once it is loaded); otherwise, or at a
+    second SIGTERM, it stops at once. `leaving`: it chose to leave at its step boundary."""
 
-    def handle(signum: int, frame: object) -> None:
-        if not depart():
+    def __init__(self) -> None:
+        self.depart: Callable[[], bool] = lambda: False
+        self.leaving = False
+
+    def __call__(self, signum: int, frame: object) -> None:
+        if not self.depart():
             _terminate(signum, frame)
-
-    return handle
+        self.leaving = True
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -80,8 +84,17 @@ def _main(argv: Sequence[str] | None) -> int:
         cfg = StageConfig.from_json(document)
     except ConfigError as exc:
         return stop(StageExit.INVALID_CONFIG, f"invalid stage config: {exc}")
-    # SIGTERM (pod deletion, Ctrl-C of `relaytrain run --local`) exits like Ctrl-C.
-    signal.signal(signal.SIGTERM, _terminate)
+    name = str(cfg.stage.index)
+    if cfg.replicas is not None:
+        name = f"p{cfg.replicas.pipeline}/s{cfg.stage.index}"
+    where = f"stage {name}"
+    # SIGTERM (pod deletion, Ctrl-C of `relaytrain run --local`) exits like Ctrl-C, and in
+    # a bounded time even where the main thread does not act on it (stopping.py).
+    on_sigterm = _OnSigterm()
+    signal.signal(signal.SIGTERM, on_sigterm)
+    from relaytrain_worker.stopping import watch_sigterm
+
+    watch_sigterm(name, lambda: on_sigterm.leaving)
     if cfg.method.type != "qlora":
         # Only QLoRA's NF4 base uses bitsandbytes, but peft imports it whenever it is
         # installed: about a second of CPU at every stage start (and restart). A None entry
@@ -95,9 +108,6 @@ def _main(argv: Sequence[str] | None) -> int:
     from relaytrain_worker.process import load_runtime
     from relaytrain_worker.state.records import DataError
 
-    where = f"stage {cfg.stage.index}"
-    if cfg.replicas is not None:
-        where = f"stage p{cfg.replicas.pipeline}/s{cfg.stage.index}"
     try:
         runtime = load_runtime(cfg)
     except (ModelLoadError, DataError) as exc:
@@ -112,7 +122,7 @@ def _main(argv: Sequence[str] | None) -> int:
         )
     except Exception as exc:
         return _store_failure(where, exc)
-    signal.signal(signal.SIGTERM, _depart_or_terminate(runtime.replication.depart))
+    on_sigterm.depart = runtime.replication.depart
     try:
         return runtime.run()
     except DepartedError as exc:

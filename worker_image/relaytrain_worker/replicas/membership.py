@@ -72,13 +72,10 @@ from relaytrain_worker.state import checkpoint as ckpt
 from relaytrain_worker.state.metrics import LinkCounters
 from relaytrain_worker.state.progress import Progress, read_progress
 from relaytrain_worker.state.store import ObjectNotFound, Store
+from relaytrain_worker.stopping import LEAVE_WAIT_SECONDS
 
 log = logging.getLogger("relaytrain.stage")
 
-LEAVE_WAIT_SECONDS = 10.0
-"""How long a stage asked to stop trains on, waiting for its stage 0 to lead the pipeline
-out (the operator removes the rest of a pipeline within a pass of seeing one of its pods go
-from a node that announced its end); well inside a pod's 30 s grace period."""
 HISTORY_KEY = "__loss_history__"
 """The pending loss records a last stage sends a rejoining last stage with its state."""
 
