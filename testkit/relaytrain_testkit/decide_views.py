@@ -16,6 +16,7 @@ from relaytrain_operator.loop.actions import (
     PatchStatus,
     PostEvent,
     PutGivenUp,
+    PutPlan,
 )
 from relaytrain_operator.loop.decide import Decision
 from relaytrain_operator.spec import FineTuneJobStatus
@@ -40,6 +41,8 @@ def summary(decision: Decision) -> list[str]:
             out.append(f"delete:{a.name}" + ("!" if a.force else ""))
         elif isinstance(a, PutGivenUp):
             out.append(f"given-up:{','.join(map(str, a.pipelines))}")
+        elif isinstance(a, PutPlan):
+            out.append(f"plan:{a.document['epoch']}")
         else:
             assert isinstance(a, PostEvent)
             out.append(f"event:{a.reason}")

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 from pathlib import Path
 
 import pytest
 import yaml
+from relaytrain_contract import PLAN_FILE
 from relaytrain_testkit.jobs import Job
 from relaytrain_testkit.local_jobs import (
+    NAMESPACE,
     STACK_MARK,
     alive,
     local_job,
@@ -174,3 +177,34 @@ def test_two_jobs_started_from_one_directory_keep_their_own_state(
         # The default checkpoint store is the job's own directory too.
         output = state_dir / "checkpoints" / "default" / name / "output"
         assert (output / "adapter_model.safetensors").is_file()
+
+
+def test_a_stage_of_a_replaced_plan_commits_nothing_more(workspace: Path) -> None:
+    """The job's store comes to name a later plan's stages as its writers (plan.json, as an
+    operator writes it once it replaced every stage, while these, on a node cut off, train
+    on): each stage stops before its next checkpoint, saying why, and no step is committed
+    from then on — the restarted ones, of the same plan, stop there too, and the run ends
+    once their restarts are spent, with the stage's own words."""
+    workdir = workspace / "wd-replaced"
+    proc = start_run(_job(workspace, "replaced", 500).write(workspace), workdir)
+    store = workspace / "ckpt" / NAMESPACE / "replaced"
+    try:
+        wait_while_running(
+            "a commit",
+            lambda: (progress(workspace / "ckpt", "replaced") or {}).get("lastCommittedStep"),
+            proc,
+        )
+        (store / PLAN_FILE).write_text(json.dumps({"uid": "", "epoch": 1}))
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 1, out
+    refused = re.findall(r"it stops without writing step (\d+): every stage of the job was "
+                         r"replaced by plan 1's \(this stage is of plan 0\)", out)  # fmt: skip
+    assert refused, out
+    committed = [
+        int(m.parent.name.removeprefix("step-")) for m in store.glob("step-*/manifest.json")
+    ]
+    assert committed and max(committed) < min(int(s) for s in refused), (committed, out)

@@ -532,6 +532,11 @@ def test_a_job_of_replicas_auto_grows_by_a_pipeline_on_each_node_that_joins(
     fleet = stored_json(mc, bucket, f"ckpt/{ns}/{name}/fleet.json")
     told = [[s["pipeline"], s["stage"]] for a in fleet["added"] for s in a["stages"]]
     assert told == [[1, 0], [2, 0]]
+    # The restart replaced every stage under a new plan epoch, which the job's store names
+    # (a stage of the one pipeline still running writes no more); adding the third did not.
+    uid = custom.get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name)["metadata"]["uid"]
+    assert stored_json(mc, bucket, f"ckpt/{ns}/{name}/plan.json") == {"uid": uid, "epoch": 1}
+    assert final["planEpoch"] == 1
     for p in (0, 1):
         assert "links to the added pipeline(s) [2]" in _log(e, f"{name}-p{p}-s0")
     # Pipeline 0 shares the step as the grown plan does (1 of 3, not its document's 2).

@@ -32,6 +32,7 @@ from relaytrain_operator.loop.actions import (
     PatchStatus,
     PostEvent,
     PutFleet,
+    PutPlan,
 )
 from relaytrain_operator.loop.decide import (
     WAITING_ANNOTATION,
@@ -418,6 +419,7 @@ def test_a_job_of_one_pipeline_grows_by_restarting_as_pipeline_0_beside_the_adde
     ]  # fmt: skip
     ready = next(c for c in grown.status.conditions if c.type == "Ready")
     assert (grown.status.phase, ready.reason) == ("Recovering", "Replanned")
+    assert grown.status.plan_epoch == 1  # every stage replaced: the plan's epoch moves on
     (said,) = [a for a in grown.actions if isinstance(a, PostEvent) and a.reason == "PipelineAdded"]
     assert said.change == "added"
     assert said.message.startswith("Pipeline 1 is added after step 40 on GPUs free for the job")
@@ -449,6 +451,14 @@ def test_a_job_of_one_pipeline_grows_by_restarting_as_pipeline_0_beside_the_adde
     assert [s.restarts for s in waiting.status.stages] == [0, 0]
     created = [a.obj for a in waiting.actions if isinstance(a, Create) and a.obj["kind"] == "Pod"]
     assert [p["metadata"]["name"] for p in created] == ["j-p1-s0"]
+    # Before the first of the new plan's pods, the job's store names that plan's stages
+    # as its writers: the one pipeline's stage, going, writes no checkpoint from then on.
+    kinds = [
+        "Pod" if isinstance(a, Create) and a.obj["kind"] == "Pod" else type(a).__name__
+        for a in waiting.actions
+    ]
+    (named,) = [a for a in waiting.actions if isinstance(a, PutPlan)]
+    assert named.document["epoch"] == 1 and kinds.index("PutPlan") < kinds.index("Pod")
     gone = decide(
         observed(job, [], nodes=seen, model=LLAMA_8B, progress=at, link_secret=secret(files)),
         SETTINGS,
@@ -461,6 +471,7 @@ def test_a_job_of_one_pipeline_grows_by_restarting_as_pipeline_0_beside_the_adde
         env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
         doc = json.loads(env[CONFIG_ENV])
         assert doc["replicas"]["shares"] == [p.micro_batches for p in plan.pipelines]
+        assert doc["job"]["planEpoch"] == 1
     # An operator stopped before the deletion finds the one pipeline's pod under its old
     # name on its next pass, and removes it (no failure counted).
     stale = decide(
@@ -469,6 +480,7 @@ def test_a_job_of_one_pipeline_grows_by_restarting_as_pipeline_0_beside_the_adde
     )  # fmt: skip
     assert [a.name for a in stale.actions if isinstance(a, DeletePod)] == ["j-stage-0"]
     assert stale.status is not None and [s.restarts for s in stale.status.stages] == [0, 0]
+    assert stale.status.plan_epoch == 1  # the same plan: no new epoch
 
 
 def test_a_job_of_one_pipeline_does_not_grow_where_the_restart_costs_more_than_it_saves() -> None:

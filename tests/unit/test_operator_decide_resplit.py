@@ -14,6 +14,7 @@ from relaytrain_operator.domain.builders.labels import SPLIT_ANNOTATION
 from relaytrain_operator.domain.progress import Progress
 from relaytrain_operator.domain.recovery import INCARNATION_ANNOTATION
 from relaytrain_operator.domain.status import rfc3339, to_manifest
+from relaytrain_operator.loop.actions import PutPlan
 from relaytrain_operator.loop.decide import (
     WAITING_ANNOTATION,
     Decision,
@@ -84,6 +85,8 @@ def test_a_replacement_that_waited_as_long_as_a_resplit_costs_has_the_pipeline_r
         (0, "a100", 0, None)
     ]
     assert decision.status.phase == "Recovering" and ready_reason(decision) == "Replanned"
+    # Every stage is replaced: a new plan epoch, which the new pods' documents carry.
+    assert decision.status.plan_epoch == 1
     (event,) = events(decision)
     assert event.type == "Normal" and event.reason == "Replanned"
     assert f"waited {int(COST + 5)} s for a GPU" in event.message
@@ -109,6 +112,12 @@ def test_a_replacement_that_waited_as_long_as_a_resplit_costs_has_the_pipeline_r
     assert (config["stage"]["layerStart"], config["stage"]["layerEnd"]) == (0, 30)
     assert config["stage"]["count"] == 1
     assert "create:j-stage-1" not in summary(after)
+    # The job's store names the new plan's stages as its writers before any is created: a
+    # stage of the old split still running (a node cut off) stops before it writes.
+    assert summary(after).index("plan:1") < summary(after).index("create:j-stage-0")
+    assert config["job"]["planEpoch"] == 1
+    (put,) = [a for a in after.actions if isinstance(a, PutPlan)]
+    assert put.document == {"uid": config["job"]["uid"], "epoch": 1}
 
 
 def test_a_replacement_waits_first_as_long_as_a_resplit_costs() -> None:

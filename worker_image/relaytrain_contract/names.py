@@ -62,6 +62,13 @@ FLEET_FILE = "fleet.json"
 (by the operator, or `relaytrain run --local`): the stages training read it and link to
 them."""
 
+PLAN_FILE = "plan.json"
+"""`{"uid": "<job uid>", "epoch": N}` under `<checkpoint.uri>/<namespace>/<job>/`: the plan
+whose stages may write checkpoints, written by the operator before it creates the stages of
+a plan that replaced every stage (`JobRef.plan_epoch` N). A stage of the same job with an
+older plan stops before it writes a checkpoint: one still running on a node cut off, or
+outliving its pod, cannot commit under its replacement's feet (relaytrain_contract.fence)."""
+
 
 def link_identity(namespace: str, job_name: str, pipeline: int, stage: int) -> str:
     """Who a stage is on the links: the one URI SAN of its certificate, checked by neighbours.

@@ -76,6 +76,11 @@ class JobRef(_Part):
     uid: str
     """The job object's UID ("" outside Kubernetes). Links need not compare it: each
     incarnation of a job has its own link CA, so they refuse another incarnation's stages."""
+    plan_epoch: Annotated[int, Field(ge=0)] = 0
+    """Which of the job's plans this stage belongs to: 0 for the first, one more each time
+    the operator replaced every stage with a new plan's (a re-split, a job of one pipeline
+    grown to several). A stage whose job's store names a later plan of the job
+    (names.PLAN_FILE) stops before it writes a checkpoint."""
 
 
 class StageRef(_Part):
@@ -543,10 +548,12 @@ class StageConfig(_Part):
 
     def to_dict(self) -> dict[str, Any]:
         """The document as JSON-ready data; an unset `training.epochs`, the default
-        `evalEverySteps` and `endOfData`, and an absent `replicas` are left out, so a
-        steps-based, one-pipeline document carries no field an older worker might not
-        know."""
+        `evalEverySteps` and `endOfData`, the first plan's `job.planEpoch` and an absent
+        `replicas` are left out, so a steps-based, one-pipeline document carries no field an
+        older worker might not know."""
         document = self.model_dump(mode="json")
+        if document["job"]["planEpoch"] == 0:
+            del document["job"]["planEpoch"]
         if document["training"]["epochs"] is None:
             del document["training"]["epochs"]
         if document["training"]["evalEverySteps"] == 0:

@@ -106,6 +106,7 @@ def _main(argv: Sequence[str] | None) -> int:
     from relaytrain_worker.pipeline.linkauth import AuthError
     from relaytrain_worker.pipeline.replication import DepartedError
     from relaytrain_worker.process import load_runtime
+    from relaytrain_worker.state.fence import SupersededError
     from relaytrain_worker.state.records import DataError
 
     try:
@@ -128,6 +129,8 @@ def _main(argv: Sequence[str] | None) -> int:
     except DepartedError as exc:
         logging.getLogger("relaytrain.stage").info("%s", exc)
         return StageExit.STOPPED
+    except SupersededError as exc:  # a stage of a replaced plan, still running: it ends
+        return stop(StageExit.STOPPED, f"{where}: {exc}")
     except AuthError as exc:
         return stop(StageExit.LINK_REFUSED, f"{where}: link refused: {exc}")
     except KeyboardInterrupt:

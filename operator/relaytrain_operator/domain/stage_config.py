@@ -220,6 +220,7 @@ def build_stage_configs(
     *,
     renewal_grace: float = 0.0,
     compression: str | None = None,
+    plan_epoch: int = 0,
 ) -> list[dict[str, Any]]:
     """One stage-contract document per stage, in stage order (each a fresh dict).
 
@@ -227,6 +228,7 @@ def build_stage_configs(
     (pod_endpoints for a cluster, local_endpoints for local processes). `renewal_grace`:
     how long a link refused on its certificate chain is tried again (a renewal reaches the
     two ends of a link within this; 0 where the certificates are never renewed).
+    `plan_epoch`: the job's `status.planEpoch` (`JobRef.plan_epoch`).
     Raises ValueError when the plan and endpoints do not describe one pipeline.
     """
     ranges = layer_ranges(plan)
@@ -234,7 +236,14 @@ def build_stage_configs(
     count = len(ranges)
     return [
         stage_config(
-            job, k, count, layers, ends, renewal_grace=renewal_grace, compression=compression
+            job,
+            k,
+            count,
+            layers,
+            ends,
+            renewal_grace=renewal_grace,
+            compression=compression,
+            plan_epoch=plan_epoch,
         ).to_dict()
         for k, (layers, ends) in enumerate(zip(ranges, endpoints, strict=True))
     ]
@@ -248,6 +257,7 @@ def build_pipeline_configs(
     *,
     renewal_grace: float = 0.0,
     compression: str | None = None,
+    plan_epoch: int = 0,
 ) -> list[list[dict[str, Any]]]:
     """The documents of every stage of R pipelines that train as one job: `[p][k]`.
 
@@ -258,7 +268,8 @@ def build_pipeline_configs(
     job keep theirs as weights: ReplicasSpec.shares). With one pipeline the documents
     are `build_stage_configs`'s, without a replicas section. Each stage's `replicas.peers`
     are the stages of the other pipelines whose layers overlap its own (the embedding and
-    the head go with the first and last layer). `renewal_grace`: as `build_stage_configs`'s.
+    the head go with the first and last layer). `renewal_grace`, `plan_epoch`: as
+    `build_stage_configs`'s.
     Raises ValueError when they do not fit.
     """
     micro = job.spec.training.micro_batches
@@ -274,7 +285,12 @@ def build_pipeline_configs(
     if len(plans) == 1:
         return [
             build_stage_configs(
-                job, plans[0], endpoints[0], renewal_grace=renewal_grace, compression=compression
+                job,
+                plans[0],
+                endpoints[0],
+                renewal_grace=renewal_grace,
+                compression=compression,
+                plan_epoch=plan_epoch,
             )
         ]
     splits = [layer_ranges(plan) for plan in plans]
@@ -313,7 +329,7 @@ def build_pipeline_configs(
             )
             cfg = stage_config(
                 job, k, len(ranges), (start, end), mine, pipeline=p, replicas=replicas,
-                renewal_grace=renewal_grace, compression=compression,
+                renewal_grace=renewal_grace, compression=compression, plan_epoch=plan_epoch,
             )  # fmt: skip
             documents.append(cfg.to_dict())
         out.append(documents)
@@ -367,11 +383,12 @@ def stage_config(
     replicas: ReplicasSpec | None = None,
     renewal_grace: float = 0.0,
     compression: str | None = None,
+    plan_epoch: int = 0,
 ) -> StageConfig:
     """The document of stage `k` of `count` of pipeline `pipeline`, holding `layers` and
     reached at `ends`; `replicas` says where the other pipelines are (None: there are none).
     `compression`: the plan's boundary code (status.plan.compression), which the spec's
-    `auto` needs; None takes the spec's."""
+    `auto` needs; None takes the spec's. `plan_epoch`: the job's `status.planEpoch`."""
     spec = job.spec
     mode = compression or spec.pipeline.compression
     if mode == "auto":
@@ -385,7 +402,7 @@ def stage_config(
     return StageConfig(
         api_version=API_VERSION,
         kind=STAGE_CONFIG_KIND,
-        job=JobRef(namespace=ns, name=name, uid=job.metadata.uid or ""),
+        job=JobRef(namespace=ns, name=name, uid=job.metadata.uid or "", plan_epoch=plan_epoch),
         stage=StageRef(index=k, count=count, layer_start=layers[0], layer_end=layers[1]),
         # These four are the spec's own sections, field for field: read as they travel.
         model=_as(ModelSpec, spec.model),

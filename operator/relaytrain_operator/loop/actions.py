@@ -148,6 +148,16 @@ class PutFleet:
     """The document (`stage_config.fleet_document`)."""
 
 
+@dataclass(frozen=True)
+class PutPlan:
+    """Name the plan whose stages may write checkpoints in the job's store (names.PLAN_FILE),
+    before that plan's stages are created: a stage of a plan it replaced, still running,
+    writes no more."""
+
+    document: JsonDict
+    """The document (`relaytrain_contract.fence.plan_document`)."""
+
+
 Action = (
     PatchStatus
     | CreateLinkSecret
@@ -160,4 +170,5 @@ Action = (
     | ApplyWorkloadStatus
     | PutGivenUp
     | PutFleet
+    | PutPlan
 )

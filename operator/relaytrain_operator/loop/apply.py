@@ -25,7 +25,7 @@ from typing import Any
 
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
-from relaytrain_contract import FLEET_FILE, GIVEN_UP_FILE
+from relaytrain_contract import FLEET_FILE, GIVEN_UP_FILE, PLAN_FILE
 
 from relaytrain_operator.domain import queueing
 from relaytrain_operator.domain.builders.labels import JOB_LABEL
@@ -51,6 +51,7 @@ from relaytrain_operator.loop.actions import (
     PatchWorkload,
     PutFleet,
     PutGivenUp,
+    PutPlan,
     RenewLinkSecret,
 )
 from relaytrain_operator.spec import FineTuneJob, parse_job
@@ -363,6 +364,8 @@ class Executor:
                 self._put_given_up(job, action)
             elif isinstance(action, PutFleet):
                 self._put_fleet(job, action)
+            elif isinstance(action, PutPlan):
+                self._put_plan(job, action)
             else:  # PostEvent
                 self.post_event(job, action.type, action.reason, action.message)
         self._create_pods(pods)
@@ -402,6 +405,15 @@ class Executor:
         added = [a["stages"][0]["pipeline"] for a in action.document.get("added") or []]
         logger.info("Told the stages of %s/%s that pipeline(s) %s were added.",
                     meta["namespace"], meta["name"], added)  # fmt: skip
+
+    def _put_plan(self, job: JsonDict, action: PutPlan) -> None:
+        """Name the writers' plan in the job's store. As for the added pipelines, a store
+        that cannot be written fails the pass: the plan's stages are created only once a
+        stage of an older plan would find it (the next pass writes it again)."""
+        if self.store_access is None:
+            return
+        spec = parse_job(job)
+        write_json(job_store_uri(spec), PLAN_FILE, action.document, self.store_access(spec))
 
     def _extend_link_secret(self, job: JsonDict, action: ExtendLinkSecret, now: datetime) -> None:
         meta = job["metadata"]

@@ -319,6 +319,12 @@ class FineTuneJobStatus(_Status):
     """When the job Succeeded or Failed (RFC 3339)."""
     plan: PlanStatus | None = None
     """The stage plan the operator runs."""
+    plan_epoch: int | None = None
+    """How many times every stage of the job was replaced by a new plan's (a re-split or one
+    back, a job of one pipeline grown to several); unset: never. The stages' documents
+    carry it (`job.planEpoch`) and the job's store names it (`plan.json`), so that a stage of
+    an older plan still running — on a node cut off, or outliving its pod — stops before it
+    writes a checkpoint."""
     stages: Annotated[list[StageStatus], Field(json_schema_extra=list_type("atomic"))] = Field(
         default_factory=list
     )

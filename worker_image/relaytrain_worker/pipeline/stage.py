@@ -55,6 +55,7 @@ from relaytrain_worker.pipeline.transport import Frame, Listener, listen
 from relaytrain_worker.state import checkpoint as ckpt
 from relaytrain_worker.state.data import DataReport, MicroBatch, read_report, write_report
 from relaytrain_worker.state.export import export_output
+from relaytrain_worker.state.fence import check_writer
 from relaytrain_worker.state.history import LossHistory
 from relaytrain_worker.state.metrics import MetricsServer, StageMetrics, serve
 from relaytrain_worker.state.progress import Progress, write_progress
@@ -441,6 +442,7 @@ class StageRuntime:
         if not self.replication.writes_checkpoint(self, step):
             return
         started = time.monotonic()
+        check_writer(self.store, self.prefix, self.cfg, step)  # a replaced plan writes not
         files = stage_files(
             self.cfg, step, self.trainable, self.optimizer, self.scheduler, fold=self.fold
         )

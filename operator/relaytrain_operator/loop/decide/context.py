@@ -317,6 +317,17 @@ class Pass:
     def event(self, kind: str, reason: str, message: str, change: str | None = None) -> None:
         self.actions.append(PostEvent(kind, reason, message, change))
 
+    def replace_every_stage(self, **fields: Any) -> None:
+        """Record a plan that replaces every stage (`fields`: the plan, its stages' and
+        pipelines' entries) under the next plan epoch — written first, so that an operator
+        restarted in between still replaces the pods — then delete every stage pod. The
+        next pass creates the new plan's pods, whose documents carry the epoch, after it
+        names the epoch in the job's store (`PutPlan`): a stage of the replaced plan still
+        running stops before it writes a checkpoint."""
+        self.update(**fields, plan_epoch=(self.status.plan_epoch or 0) + 1)
+        self.patch()
+        self.remove_pods()
+
     def remove_pods(self, pipeline: int | None = None) -> None:
         """Delete the job's stage pods (of `pipeline` only, if given)."""
         for key, pod in sorted(self.observed.pods.items()):

@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
+from relaytrain_contract.fence import plan_document
+
 from relaytrain_operator.domain.builders.labels import StageKey
 from relaytrain_operator.domain.builders.pod import CredentialsRef, StagePodInputs, build_stage_pod
 from relaytrain_operator.domain.builders.service import build_service
@@ -29,7 +31,7 @@ from relaytrain_operator.domain.recovery import (
 from relaytrain_operator.domain.resplit import split_of
 from relaytrain_operator.domain.stage_config import build_pipeline_configs, job_pod_endpoints
 from relaytrain_operator.domain.status import parse_time, rfc3339, stage_name
-from relaytrain_operator.loop.actions import Create, CreateLinkSecret
+from relaytrain_operator.loop.actions import Create, CreateLinkSecret, PutPlan
 from relaytrain_operator.loop.decide.admission import flavor_placement
 from relaytrain_operator.loop.decide.context import (
     WAITING_ANNOTATION,
@@ -38,7 +40,7 @@ from relaytrain_operator.loop.decide.context import (
     stage_memory,
 )
 from relaytrain_operator.loop.decide.waiting import waiting_moves
-from relaytrain_operator.spec import FineTuneJob, PlanStatus, StageStatus
+from relaytrain_operator.spec import FineTuneJob, PlanStatus, StageStatus, is_s3
 
 
 def create_stages(
@@ -75,10 +77,13 @@ def create_stages(
     # A renewal's phase reaches every pod within one propagation delay: a link refused on
     # its certificate chain while one end has the newer files is tried again that long.
     grace = 2 * ctx.settings.secret_propagation_seconds
+    epoch = ctx.status.plan_epoch or 0
     configs = build_pipeline_configs(
         spec, splits, job_pod_endpoints(ctx.name, ctx.namespace, counts), shares,
-        renewal_grace=grace, compression=plan.compression,
+        renewal_grace=grace, compression=plan.compression, plan_epoch=epoch,
     )  # fmt: skip
+    if epoch and is_s3(spec.spec.checkpoint.uri):  # a replaced plan's stages write no more
+        ctx.actions.append(PutPlan(plan_document(spec.metadata.uid or "", epoch)))
     replacing = {
         key: (_pool(plan, entries[key], key), stage_memory(plan, key))
         for key in due

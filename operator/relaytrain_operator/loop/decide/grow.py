@@ -366,9 +366,8 @@ def _restart_grown(ctx: Pass, grown: Grown, committed: int | None, restart_secon
         )
         for p in grown.plan.pipelines
     ]  # fmt: skip
-    ctx.update(plan=grown.plan, pipelines=life, stages=stages, growth=None)
-    ctx.patch()  # the plan first: pods of the one pipeline are replaced even after a crash
-    ctx.remove_pods()
+    # The plan first: pods of the one pipeline are replaced even after a crash.
+    ctx.replace_every_stage(plan=grown.plan, pipelines=life, stages=stages, growth=None)
     since = "the start" if committed is None else f"step {committed}"
     restart = (
         f"The job's one pipeline restarts beside it as pipeline 0 (its stages' documents gain "

@@ -189,15 +189,13 @@ def _restart(ctx: Pass, recorded: PlanStatus, message: str) -> None:
     """Write `recorded` (fresh stage entries, each stage's restart count and last failure
     kept), then remove every stage pod; the next pass creates the new plan's."""
     kept = {s.index: s for s in ctx.status.stages}
-    ctx.update(
+    ctx.replace_every_stage(  # the plan first: pods of the old split go even after a crash
         plan=recorded,
         stages=[
             fresh_entry(kept.get(s.index, StageStatus(index=s.index)), s.pool)
             for s in recorded.stages
         ],
     )
-    ctx.patch()  # the plan first: pods of the old split are replaced even after a crash
-    ctx.remove_pods()
     ctx.event("Normal", "Replanned", message)
     ctx.settle(Verdict("Recovering", False, True, "Replanned", message))
     ctx.wake_within(RESPLIT_PAUSE_SECONDS)
