@@ -13,6 +13,8 @@ a decision they share are relaytrain_testkit.decide_views'.
 
 from __future__ import annotations
 
+import copy
+import json
 from dataclasses import dataclass, field, replace
 
 import pytest
@@ -39,7 +41,14 @@ from relaytrain_testkit.decide_cases import (
     running_status,
     stage,
 )
-from relaytrain_testkit.decide_views import RUNNING, patches, progress, ready_reason, summary
+from relaytrain_testkit.decide_views import (
+    RUNNING,
+    created,
+    patches,
+    progress,
+    ready_reason,
+    summary,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -139,7 +148,7 @@ CASES = [
     Case(
         "suspend removes the pods",
         observed(JOB.status(running_status()).suspend().build(), RUNNING),
-        ["delete:j-stage-0", "delete:j-stage-1", "patch", "event:Suspended"],
+        ["patch", "delete:j-stage-0", "delete:j-stage-1", "patch", "event:Suspended"],
         "Suspended",
         "Suspended",
         [0, 0],
@@ -391,3 +400,25 @@ def test_the_generation_and_transition_times_are_kept_in_status() -> None:
 def test_a_decision_is_deterministic() -> None:
     obs = observed(JOB.status(running_status()).build(), [pod(0, "Failed"), pod(1)])
     assert decide(obs, SETTINGS) == decide(replace(obs), SETTINGS)
+
+
+def test_a_suspension_moves_the_plan_epoch_on_once_and_the_resumed_stages_carry_it() -> None:
+    """A job suspended (or preempted by Kueue) has every stage pod deleted, but a pod on a
+    node cut off from the control plane runs on. The plan epoch moves on, written before
+    the pods go and once however long the suspension lasts, and the job's store names it
+    before the resumed stages start: a stage of before, still running, writes no more."""
+    suspended = decide(observed(JOB.status(running_status()).suspend().build(), RUNNING), SETTINGS)
+    assert suspended.status is not None and suspended.status.plan_epoch == 1
+    assert summary(suspended)[:2] == ["patch", "delete:j-stage-0"]
+    assert patches(suspended)[0].plan_epoch == 1
+    status = to_manifest(suspended.status)
+    going = copy.deepcopy(RUNNING)
+    for p in going:
+        p["metadata"]["deletionTimestamp"] = "2026-11-22T10:00:00Z"
+    still = decide(observed(JOB.status(status).suspend().build(), going), SETTINGS)
+    assert still.status is not None and still.status.plan_epoch == 1
+    resumed = decide(observed(JOB.status(status).build(), []), SETTINGS)
+    actions = summary(resumed)
+    assert actions.index("plan:1") < actions.index("create:j-stage-0"), actions
+    config = created(resumed, "j-stage-0")["spec"]["containers"][0]["env"][0]["value"]
+    assert json.loads(config)["job"]["planEpoch"] == 1

@@ -35,6 +35,7 @@ import relaytrain_worker.stopping
 from relaytrain_worker.__main__ import main
 
 relaytrain_worker.stopping.STOP_SECONDS = 1.0  # the watcher's bound, shortened for the test
+relaytrain_worker.stopping.LEAVE_WAIT_SECONDS = 3600.0  # only a second SIGTERM ends "twice"
 
 def _sigterm_here(where):
     if where == WHERE:
@@ -46,7 +47,7 @@ from relaytrain_worker.pipeline.replication import DepartedError
 class Replication:
     asked = False
     def depart(self):  # a stage of several pipelines leaves at its next step boundary
-        if WHERE != "leave" or self.asked:
+        if WHERE not in ("leave", "twice") or self.asked:
             return False
         self.asked = True
         return True
@@ -62,6 +63,15 @@ class Stand_in:
             except KeyboardInterrupt:
                 pass
             while True:  # and the stage trains on
+                time.sleep(0.01)
+        if WHERE == "twice":  # leaving at a step boundary it never reaches; asked again
+            os.kill(os.getpid(), signal.SIGTERM)
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(2)
+            except KeyboardInterrupt:  # and that one lost too
+                pass
+            while True:
                 time.sleep(0.01)
         if WHERE == "crash":  # a native crash (torch, a link thread): no Python exception
             os.kill(os.getpid(), signal.SIGSEGV)
@@ -94,6 +104,7 @@ CLEAN = {
     "leave": {130},  # several pipelines: left at the step boundary after the SIGTERM
     "close": {0, -signal.SIGTERM},  # done; the pod deleted while the links close
     "ignored": {130},  # the main thread trains on: the watcher ends it (stopping.py)
+    "twice": {130},  # a second SIGTERM: the watcher waits for no step boundary
     "nowhere": {0},
 }
 

@@ -79,8 +79,9 @@ class JobRef(_Part):
     plan_epoch: Annotated[int, Field(ge=0)] = 0
     """Which of the job's plans this stage belongs to: 0 for the first, one more each time
     the operator replaced every stage with a new plan's (a re-split, a job of one pipeline
-    grown to several). A stage whose job's store names a later plan of the job
-    (names.PLAN_FILE) stops before it writes a checkpoint."""
+    grown to several) or stopped them all (suspended, preempted). A stage whose job's
+    store names a later plan of the job (names.PLAN_FILE) stops before it writes a
+    checkpoint."""
 
 
 class StageRef(_Part):

@@ -71,12 +71,15 @@ def _watch(read: int, name: str, leaving: Callable[[], bool]) -> None:
         wait = None if deadline == float("inf") else max(0.0, deadline - time.monotonic())
         ready, _, _ = select.select([read], [], [], wait)
         if ready:
-            if signal.SIGTERM not in os.read(read, 64):  # another handled signal (SIGUSR1)
+            times = os.read(read, 64).count(signal.SIGTERM)  # a byte per signal handled
+            if not times:  # another handled signal (SIGUSR1)
                 continue
             now = time.monotonic()
             if asked is None:
-                asked = now
+                asked, times = now, times - 1
                 log.info("Stage %s received SIGTERM", name)
+            if times:  # a second one stops the stage at once: no wait for a step boundary
+                extended = True
             deadline = min(deadline, now + STOP_SECONDS)
             continue
         if asked is None:

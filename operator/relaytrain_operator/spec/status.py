@@ -321,7 +321,8 @@ class FineTuneJobStatus(_Status):
     """The stage plan the operator runs."""
     plan_epoch: int | None = None
     """How many times every stage of the job was replaced by a new plan's (a re-split or one
-    back, a job of one pipeline grown to several); unset: never. The stages' documents
+    back, a job of one pipeline grown to several) or stopped (the job suspended, or
+    preempted by Kueue); unset: never. The stages' documents
     carry it (`job.planEpoch`) and the job's store names it (`plan.json`), so that a stage of
     an older plan still running — on a node cut off, or outliving its pod — stops before it
     writes a checkpoint."""

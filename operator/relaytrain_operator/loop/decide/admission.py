@@ -337,7 +337,7 @@ def _submit(ctx: Pass, spec: FineTuneJob, missing: list[int]) -> bool:
 
 
 def wait_for_kueue(ctx: Pass, reason: str, message: str) -> None:
-    ctx.remove_pods()
+    ctx.stop_every_stage()
     ctx.update(stages=[idle_stage(s) for s in ctx.status.stages])
     ctx.settle(Verdict("Suspended", False, False, reason, message))
 

@@ -328,6 +328,16 @@ class Pass:
         self.patch()
         self.remove_pods()
 
+    def stop_every_stage(self) -> None:
+        """Delete every stage pod of a job that stops training for now (suspended, or its
+        Workload preempted). When any goes, the plan epoch moves on first: the stages
+        created when the job resumes are of a later plan than any of these still running
+        (on a node cut off), which then write no checkpoint (`replace_every_stage`)."""
+        if any(not pod["metadata"].get("deletionTimestamp") for pod in self.observed.pods.values()):
+            self.update(plan_epoch=(self.status.plan_epoch or 0) + 1)
+            self.patch()
+        self.remove_pods()
+
     def remove_pods(self, pipeline: int | None = None) -> None:
         """Delete the job's stage pods (of `pipeline` only, if given)."""
         for key, pod in sorted(self.observed.pods.items()):

@@ -131,7 +131,7 @@ def _reconcile(ctx: Pass) -> None:
 def _suspend(ctx: Pass, spec: FineTuneJob) -> None:
     """spec.suspend: the pods go (and a queued job's Workload goes inactive); plan, counts
     and progress stay."""
-    ctx.remove_pods()
+    ctx.stop_every_stage()
     ctx.update(stages=[idle_stage(s) for s in ctx.status.stages])
     if ctx.queue is not None:
         hold_workloads(ctx, spec, active=False)
