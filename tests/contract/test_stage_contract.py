@@ -218,6 +218,9 @@ def test_a_stage_handed_another_stages_certificate_stops_at_start_up(tmp_path: P
     with pytest.raises(AuthError, match=f"is relaytrain://{ns}/{name}/p0/s2, but this stage is"):
         link_credentials(wired_wrong)
     assert link_credentials(stage_2).identity == stage_2.links.identity
+    # The plan a stage's links check is its document's (job.planEpoch).
+    job = stage_2.job.model_copy(update={"plan_epoch": 3})
+    assert link_credentials(stage_2.model_copy(update={"job": job})).plan == 3
 
 
 def _three_stage_pods() -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any]]:

@@ -36,6 +36,8 @@ from relaytrain_worker.pipeline.transport import (
     LinkBroken,
     LinkCredentials,
     Listener,
+    PlanReplaced,
+    StalePeer,
     connect,
     listen,
     prepare,
@@ -230,6 +232,49 @@ def test_the_right_ca_but_the_wrong_stage_is_refused_both_ways(
             _connect(_addr(wrong))
         out["thread"].join(10)  # type: ignore[attr-defined]
     assert isinstance(out.get("error"), TimeoutError)
+
+
+def _of_plan(stage: int, plan: int) -> LinkCredentials:
+    creds = LinkCredentials(*stage_pem(FILES, 0, stage))  # the same CA and identities
+    creds.plan = plan
+    return creds
+
+
+def test_a_stage_of_a_replaced_plan_is_told_so_and_never_links_to_its_replacements(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Plan 1 replaced every stage of plan 0 (a re-split); plan 0's stage 0 still runs, on a
+    # node cut off, with the same certificate as plan 1's stage 0.
+    zombie, new_s0, new_s1 = _of_plan(0, 0), _of_plan(0, 1), _of_plan(1, 1)
+    with listen("127.0.0.1:0", credentials=new_s1, expect=S0) as lst:
+        t, out = _in_thread(lambda: lst.accept(timeout=10))
+        # The zombie learns that its plan is over, naming both plans.
+        with pytest.raises(PlanReplaced, match=r"is a stage of plan 1 of this job, .* plan 0"):
+            _connect(_addr(lst), zombie)
+        # The new stage 1 waited on; its real peer, of its own plan, links.
+        good = _connect(_addr(lst), new_s0)
+        t.join(10)
+        down = out["value"]
+        assert isinstance(down, Link) and down.peer_identity == S0
+        good.send(Frame("activation", 7, 0, {"h": torch.ones(2)}))
+        assert down.recv(timeout=5).step == 7
+        good.close()
+        down.close()
+    # A stage of plan 1 that reaches plan 0's listener: the zombie's accept ends its plan,
+    # and the new stage keeps trying (a peer not there yet), then gives up naming why.
+    with listen("127.0.0.1:0", credentials=_of_plan(1, 0), expect=S0) as old:
+        t, out = _in_thread(lambda: old.accept(timeout=10))
+        with (
+            caplog.at_level(logging.WARNING, logger="relaytrain.links"),
+            pytest.raises(LinkBroken, match=f"could not reach {_addr(old)}"),
+        ):
+            connect(_addr(old), credentials=new_s0, expect=S1, retry_for=0.5)
+        t.join(10)
+        (tried,) = _retries(caplog, old.address[1])
+        assert "is a stage of plan 0, which this stage's plan 1 replaced" in tried
+        assert isinstance(out.get("error"), PlanReplaced)
+        assert "which replaced every stage of plan 0" in str(out["error"])
+    assert issubclass(StalePeer, LinkBroken) and issubclass(PlanReplaced, AuthError)
 
 
 def test_an_expired_certificate_is_refused() -> None:

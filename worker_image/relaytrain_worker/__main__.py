@@ -103,7 +103,7 @@ def _main(argv: Sequence[str] | None) -> int:
 
     from relaytrain_worker.model.shards import ModelLoadError
     from relaytrain_worker.pipeline.device import DeviceError
-    from relaytrain_worker.pipeline.linkauth import AuthError
+    from relaytrain_worker.pipeline.linkauth import AuthError, PlanReplaced
     from relaytrain_worker.pipeline.replication import DepartedError
     from relaytrain_worker.process import load_runtime
     from relaytrain_worker.state.fence import SupersededError
@@ -131,6 +131,8 @@ def _main(argv: Sequence[str] | None) -> int:
         return StageExit.STOPPED
     except SupersededError as exc:  # a stage of a replaced plan, still running: it ends
         return stop(StageExit.STOPPED, f"{where}: {exc}")
+    except PlanReplaced as exc:  # the same, found out on a link
+        return stop(StageExit.STOPPED, f"{where}: it stops: {exc}")
     except AuthError as exc:
         return stop(StageExit.LINK_REFUSED, f"{where}: link refused: {exc}")
     except KeyboardInterrupt:

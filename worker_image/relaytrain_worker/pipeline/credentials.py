@@ -63,6 +63,9 @@ class LinkCredentials:
         identity, self._contexts = _load(cert_pem, key_pem, ca_pem)
         self.identity = identity
         """This stage's identity: the URI SAN of its certificate (a renewal keeps it)."""
+        self.plan = 0
+        """The plan this stage is of (its document's `job.planEpoch`): its links join only
+        stages of the same plan (linkauth)."""
         self._folder: Path | None = None
         self._source: object = None
         """What the loaded files were read from: the resolved `..data`, or their texts."""

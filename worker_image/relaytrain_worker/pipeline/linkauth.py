@@ -9,6 +9,14 @@ neighbour it expects: the listening stage k accepts only stage k-1, the connecti
 k-1 talks only to stage k. A stage of another job fails the chain; a stage of the same job
 in the wrong place fails the identity check. Both ends then tell each other their verdict
 (a refusal carries its reason), so the refused side raises an AuthError that says why.
+
+The verdicts also carry each end's plan (`LinkCredentials.plan`, the stage document's
+`job.planEpoch`): a link joins stages of one plan only. A stage of a plan the operator
+replaced (every stage re-created: a re-split, a suspension) may still run where its pod was
+deleted, on a node cut off, and its identity is the same as its replacement's. When it
+dials or answers a stage of the later plan, it learns that its plan is over
+(`PlanReplaced`, an AuthError: it stops) and the later stage drops it as a peer that is
+not there (`StalePeer`, a LinkBroken: a dial is tried again, a listener waits for the next).
 The credentials each end brings (loaded, and reloaded when renewed) are credentials.py's.
 
 Host names are not checked (`check_hostname = False`): a stage is reached by its Service
@@ -34,12 +42,15 @@ from typing import TYPE_CHECKING, Any, cast
 if TYPE_CHECKING:  # credentials.py imports this module's errors and ALPN
     from relaytrain_worker.pipeline.credentials import LinkCredentials
 
-ALPN = "relaytrain-link/2"
+ALPN = "relaytrain-link/3"
 """The link protocol (TLS application protocol); a peer that does not speak it is refused."""
 _HANDSHAKE_READ = 16 << 10
 _MAX_REASON = 1024
 _OK = 0
 _REFUSED = 1
+_VERDICT = ">BQH"
+"""A verdict: accepted or refused, the sender's plan, the length of the reason that follows."""
+_VERDICT_SIZE = struct.calcsize(_VERDICT)
 
 Expect = str | frozenset[str]
 """The identity a link's peer must prove, or the set of identities it may prove."""
@@ -59,6 +70,16 @@ class FrameRejected(LinkBroken):
 
 class AuthError(LinkError):
     """The peer could not prove it is the expected stage of this job (or refused us)."""
+
+
+class PlanReplaced(AuthError):  # noqa: N818 - a refusal, like CertificateRefused
+    """The peer is a stage of a later plan of this job: this stage's plan was replaced, and
+    it stops (a process that outlived its pod)."""
+
+
+class StalePeer(LinkBroken):
+    """The peer is a stage of a plan of this job that a later one (this stage's) replaced:
+    not the peer this link waits for."""
 
 
 class CertificateRefused(AuthError):  # noqa: N818 - a refusal, like LinkBroken
@@ -179,12 +200,22 @@ def _handshake(
         raise _handshake_error(e, who, me, expect) from None
     rule = f"{me.identity} {'accepts only' if server else 'connects only to'} {expect}"
     problem, got = _check_peer(obj, rule, allowed)
-    _send_verdict(sock, obj, outgoing, problem)
+    _send_verdict(sock, obj, outgoing, problem, me.plan)
     if problem:
         raise AuthError(f"refused {who}: {problem}")
-    why = _recv_verdict(sock, obj, incoming, who, me=me, expect=expect)
+    why, plan = _recv_verdict(sock, obj, incoming, who, me=me, expect=expect)
     if why is not None:
         raise AuthError(f"{who} refused the link: {why}")
+    if plan > me.plan:
+        raise PlanReplaced(
+            f"{who} ({got}) is a stage of plan {plan} of this job, which replaced every "
+            f"stage of plan {me.plan}, this one's"
+        )
+    if plan < me.plan:
+        raise StalePeer(
+            f"{who} ({got}) is a stage of plan {plan}, which this stage's plan {me.plan} "
+            "replaced (a process that outlived its pod?)"
+        )
     return TlsSession(obj, incoming, outgoing, got)
 
 
@@ -232,10 +263,11 @@ def _check_peer(obj: ssl.SSLObject, rule: str, allowed: set[str]) -> tuple[str, 
 
 
 def _send_verdict(
-    sock: socket.socket, obj: ssl.SSLObject, out: ssl.MemoryBIO, problem: str
+    sock: socket.socket, obj: ssl.SSLObject, out: ssl.MemoryBIO, problem: str, plan: int
 ) -> None:
     reason = problem.encode()[:_MAX_REASON]
-    obj.write(struct.pack(">BH", _REFUSED if problem else _OK, len(reason)) + reason)
+    verdict = struct.pack(_VERDICT, _REFUSED if problem else _OK, plan, len(reason))
+    obj.write(verdict + reason)
     with contextlib.suppress(OSError):  # a peer that already left is found out on reading
         _flush(sock, out)
 
@@ -243,10 +275,10 @@ def _send_verdict(
 def _recv_verdict(
     sock: socket.socket, obj: ssl.SSLObject, inc: ssl.MemoryBIO, peer_name: str, *,
     me: LinkCredentials, expect: str,
-) -> str | None:  # fmt: skip
-    """None when the peer accepted us, else its reason."""
+) -> tuple[str | None, int]:  # fmt: skip
+    """(None when the peer accepted us, else its reason; the peer's plan)."""
     try:
-        status, n = struct.unpack(">BH", _read_exact(sock, obj, inc, 3))
+        status, plan, n = struct.unpack(_VERDICT, _read_exact(sock, obj, inc, _VERDICT_SIZE))
         if n > _MAX_REASON:
             raise AuthError(f"{peer_name} sent a malformed verdict")
         reason = _read_exact(sock, obj, inc, n).decode(errors="replace")
@@ -254,7 +286,7 @@ def _recv_verdict(
         raise LinkBroken(f"{peer_name} closed the connection during the handshake") from None
     except ssl.SSLError as e:
         raise _handshake_error(e, peer_name, me, expect) from None
-    return None if status == _OK else reason
+    return (None if status == _OK else reason), plan
 
 
 def _read_exact(sock: socket.socket, obj: ssl.SSLObject, inc: ssl.MemoryBIO, n: int) -> bytes:

@@ -35,7 +35,8 @@ log = logging.getLogger("relaytrain.stage")
 
 def link_credentials(cfg: StageConfig) -> LinkCredentials:
     """This stage's link credentials from the folder its config names (`credentialsDir`),
-    which it re-reads before each new link (renewed certificates need no restart).
+    which it re-reads before each new link (renewed certificates need no restart), and the
+    plan it is of (`job.planEpoch`), which its links check.
 
     AuthError, before any model is loaded, when they are missing, do not load, expired, or
     name another stage than the config says (a Secret wired to the wrong pod).
@@ -48,6 +49,7 @@ def link_credentials(cfg: StageConfig) -> LinkCredentials:
             f"stage is {links.identity}"
         )
     tls.check_valid()
+    tls.plan = cfg.job.plan_epoch
     return tls
 
 

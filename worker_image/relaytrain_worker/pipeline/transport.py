@@ -48,6 +48,8 @@ from relaytrain_worker.pipeline.linkauth import (
     FrameRejected,
     LinkBroken,
     LinkError,
+    PlanReplaced,
+    StalePeer,
     TlsSession,
     client_handshake,
     server_handshake,
@@ -63,7 +65,9 @@ __all__ = [
     "LinkCredentials",
     "LinkError",
     "Listener",
+    "PlanReplaced",
     "PreparedFrame",
+    "StalePeer",
     "connect",
     "listen",
     "prepare",
@@ -337,9 +341,11 @@ class Listener:
         return str(host), int(port)
 
     def accept(self, timeout: float | None = None) -> Link:
-        """Wait for the expected peer; refused peers are logged and skipped.
+        """Wait for the expected peer; refused peers are logged and skipped, and so is a stage
+        of a plan this stage's replaced (`StalePeer`).
 
-        Raises TimeoutError when no good peer arrived within ``timeout`` seconds.
+        Raises TimeoutError when no good peer arrived within ``timeout`` seconds, and
+        PlanReplaced when a stage of a later plan came: this stage's plan is over.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
@@ -360,6 +366,9 @@ class Listener:
             conn.settimeout(HANDSHAKE_TIMEOUT)
             try:
                 session = server_handshake(conn, self._me, self._expect, peer)
+            except PlanReplaced:  # this stage's plan is over: it stops
+                conn.close()
+                raise
             except AuthError as e:
                 log.warning("Refused link: %s", e)
                 conn.close()
@@ -416,7 +425,9 @@ def connect(
     does not verify on one end (CertificateRefused) is tried again for ``refused_for``
     seconds (at most ``retry_for``), each try with the credentials' files read again: a
     renewal of the job's certificates may have reached one end first. Then it is raised,
-    as any other AuthError (the wrong stage, the wrong protocol) is at once.
+    as any other AuthError (the wrong stage, the wrong protocol; PlanReplaced: the peer is
+    of a later plan, this stage's is over) is at once. A peer of a plan this stage's
+    replaced (StalePeer) is tried again, as one not there yet.
     """
     host, port = _parse_addr(addr)
     start = time.monotonic()
@@ -453,7 +464,8 @@ def connect(
             left = deadline - time.monotonic()
             if left <= 0:
                 raise LinkBroken(f"could not reach {addr} within {retry_for:.0f} s: {e}") from e
-            log.debug("Connecting to %s failed (%s); retrying in %.1f s", addr, e, delay)
+            level = logging.WARNING if isinstance(e, StalePeer) else logging.DEBUG
+            log.log(level, "Connecting to %s failed (%s); retrying in %.1f s", addr, e, delay)
             time.sleep(min(delay, left))
             delay = min(delay * 2, 5.0)
 

@@ -442,8 +442,8 @@ class ReplicaLinks:
                 link = self.listener.accept(timeout=1.0)
             except TimeoutError:
                 continue
-            except LinkBroken:
-                return  # the listener was closed
+            except (LinkBroken, AuthError):  # closed; or PlanReplaced: this stage's plan is
+                return  # over, and it stops on its pipeline's links or at its next checkpoint
             key = by_identity.get(link.peer_identity)
             if key is None:
                 link.close()
