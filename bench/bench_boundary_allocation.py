@@ -2,7 +2,8 @@
 loss over epochs, simulated in one unsplit model.
 
 Run: OMP_NUM_THREADS=1 .venv/bin/python bench/bench_boundary_allocation.py
-    [--base random|pretrained] [--shift S] [--epochs E] [--modes none,int4,delta,allocated]
+    [--base random|pretrained] [--shift S] [--epochs E] [--modes none,int4,delta,...]
+    [--refit F]
     [--allocate both|activations|gradients] [--gradient-floor 0|1|2] [--gradient-rows P] [...]
 
 A design experiment, not the worker's code path: the codes are applied at the three
@@ -37,6 +38,18 @@ Modes, per boundary and direction:
   bits (`--gradient-floor 1`: none left out), stochastic rounding (`--unbiased-gradients`),
   no gradient cache (`--no-gradient-cache`), gradients for a share of the rows only
   (`--gradient-rows`).
+- ``transformed``: activations as ``allocated`` (a cache per row, each row against it or
+  zero), but each token's change is first turned into coordinates along the eigenvectors
+  of the changes' second moment (a Karhunen-Loeve transform, one basis for rows against
+  zero and one for rows against their cache, fitted by the sender from what it coded and
+  sent in bf16, ``h^2`` values, after the first 4 frames of each kind and every `--refit`
+  after), largest first, so that a few blocks hold most of a token's energy; a block gets
+  0-8 bits (5-8: a 4-bit code and a code of its residual), within int4's error for the
+  frame. Gradients as ``delta`` codes them. Reported with the bases' bits and without
+  them: a basis costs ``h^2`` bf16 values each time it is sent, which at this model's size
+  (hidden 256, 2.1 M activation values a boundary an epoch) is half a bit a value per
+  basis an epoch, and at Llama-3.1-8B's (hidden 4096) the values of one micro-batch of 2 x
+  2048 tokens.
 
 Reported per epoch: bits per value of each direction (averaged over the three
 boundaries), ``x bf16`` (16 over them), the realised relative error of the allocated
@@ -68,7 +81,7 @@ from relaytrain_worker.pipeline.sampling import probabilities  # noqa: E402
 
 LAYERS, HIDDEN, SEQ, MBS, MICROS, ROWS = 4, 256, 64, 4, 2, 128
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-MODES = ("none", "int4", "adaptive", "delta", "allocated")
+MODES = ("none", "int4", "adaptive", "delta", "allocated", "transformed")
 ADAPTIVE = DeltaConfig(full_bits=4, delta_bits=1, adaptive=True)
 """``delta``'s activations until 2026-11-29: each row's change at the fewest bits, 1-4, for
 the whole row, within the first code's error."""
@@ -130,6 +143,138 @@ class Allocated:
         self.norm += whole
         per_row = decoded.reshape(x.shape[0], -1)[:, : x[0].numel()]
         return per_row.reshape(x.shape).to(x.dtype)
+
+
+FIRST_FIT = 4
+"""`Transformed`: frames coded in the identity before the first fit."""
+DEEP = (
+    1.0,
+    *(lowbit.DISTORTION[b] for b in (1, 2, 3, 4)),
+    *(lowbit.DISTORTION[4] * lowbit.DISTORTION[b] for b in (1, 2, 3, 4)),
+)
+"""Expected error of 0-8 bits a value of a block, over its energy: 5-8 bits are a 4-bit code
+and a 1-4-bit code of its residual (convex in the bits, as water-filling needs)."""
+
+
+def allocate_deep(energy: torch.Tensor, budget: float) -> torch.Tensor:
+    """Bits 0-8 for blocks of squared norms `energy`, the fewest whose expected error
+    (`DEEP`) is within `budget`: each block's bits minimise ``64 b + 16 [b > 0] + 16 [b > 4] +
+    lam D_b e``, the smallest ``lam`` that meets the budget (bisection)."""
+    e = energy.to(torch.float64).reshape(-1, 1)
+    d = torch.tensor(DEEP, dtype=torch.float64)[None, :]
+    cost = torch.tensor([64.0 * b + 16 * (b > 0) + 16 * (b > 4) for b in range(9)])[None, :]
+
+    def pick(lam: float) -> torch.Tensor:
+        return (cost.double() + lam * d * e).argmin(dim=1)
+
+    def error(bits: torch.Tensor) -> float:
+        return float((d[0, bits] * e[:, 0]).sum())
+
+    lo, hi = 0.0, 1.0
+    while error(pick(hi)) > budget and hi < 1e300:
+        lo, hi = hi, hi * 16
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if error(pick(mid)) > budget else (lo, mid)
+    return pick(hi)
+
+
+class Transformed(Allocated):
+    """`Allocated` activations coded in a basis fitted to them (a Karhunen-Loeve transform):
+    each token's change against its reference is turned into coordinates along the
+    eigenvectors of the changes' second moment, largest first, before the blocks are cut and
+    their bits allocated, so a few blocks hold most of the energy and the others get few bits
+    or none. Two bases, one for rows coded against zero and one for rows coded against their
+    cache, each fitted by the sender from the changes it coded since the basis before (the
+    identity until a fit has data), after the first `FIRST_FIT` frames with rows of its kind
+    and every `refit` such frames after, and sent in bf16 (both ends
+    orthonormalise what was sent, a QR in float64: a basis both agree on); counted as
+    ``h^2`` bf16 values each time it is sent (`basis_bits`)."""
+
+    def __init__(self, target_bits: int, refit: int) -> None:
+        super().__init__(target_bits)
+        self.refit = refit
+        self.frames = 0
+        self.bases: dict[bool, torch.Tensor | None] = {False: None, True: None}
+        self.moments: dict[bool, torch.Tensor | None] = {False: None, True: None}
+        self.seen = {False: 0, True: 0}
+        """Frames with rows of each kind (coded against zero, against the cache)."""
+        self.basis_bits = 0.0
+        self.sent_bases = 0
+
+    def _fit(self, kinds: list[bool]) -> None:
+        for kind in kinds:
+            m = self.moments[kind]
+            if m is None:
+                continue
+            _, vectors = torch.linalg.eigh(m)
+            sent = vectors.flip(1).to(torch.bfloat16).to(torch.float64)
+            self.bases[kind] = torch.linalg.qr(sent).Q.to(torch.float32)
+            self.basis_bits += 16 * m.numel()
+            self.bits += 16 * m.numel()
+            self.sent_bases += 1
+            self.moments[kind] = None
+
+    def code(self, x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        self.version += 1
+        self.frames += 1
+        h = x.shape[-1]
+        flat = [x[i].reshape(-1, h).to(torch.float32) for i in range(x.shape[0])]
+        refs, kinds, coords = [], [], []
+        near_kinds = set()
+        for i, row in enumerate(rows):
+            cached = self.cache.get(row)
+            near = cached is not None and float((flat[i] - cached).square().sum()) < float(
+                flat[i].square().sum()
+            )
+            ref = cached if near else torch.zeros_like(flat[i])
+            near_kinds.add(near)
+            change = flat[i] - ref
+            m = (change.double().T @ change.double()).to(torch.float64)
+            self.moments[near] = m if self.moments[near] is None else self.moments[near] + m
+            basis = self.bases[near]
+            refs.append(ref)
+            kinds.append(basis)
+            coords.append(change @ basis if basis is not None else change)
+        blocks = [lowbit.to_blocks(c) for c in coords]
+        stacked = torch.cat(blocks)
+        whole = float(sum(float(f.square().sum()) for f in flat))
+        bits = allocate_deep(stacked.square().sum(1), self.target * whole)
+        decoded_blocks = torch.zeros_like(stacked)
+        for stage in (0, 1):  # a block of more than 4 bits: 4, then its residual
+            residual = stacked - decoded_blocks
+            stage_bits = (bits - 4 * stage).clamp(0, 4)
+            for b in range(1, 5):
+                chosen = stage_bits == b
+                if bool(chosen.any()):
+                    variant = 2 * self.version + stage
+                    codes, scales = lowbit.quantise_blocks(residual[chosen], b, variant=variant)
+                    decoded_blocks[chosen] += lowbit.dequantise_blocks(codes, scales, b, variant)
+            self.bits += 16.0 * float((stage_bits > 0).sum())
+        out = torch.empty_like(x)
+        n = blocks[0].shape[0]
+        error = 0.0
+        for i, row in enumerate(rows):
+            y = lowbit.from_blocks(
+                decoded_blocks[i * n : (i + 1) * n], tuple(flat[i].shape), torch.float32
+            )
+            change = y @ kinds[i].T if kinds[i] is not None else y
+            decoded = (refs[i] + change).to(torch.bfloat16).to(torch.float32)
+            self.cache[row] = decoded
+            error += float((decoded - flat[i]).square().sum())
+            out[i] = decoded.reshape(x[i].shape).to(x.dtype)
+        self.bits += float(64 * bits.sum()) + 4 * bits.numel() + len(rows)
+        self.values += x.numel()
+        self.error += error
+        self.norm += whole
+        due = []
+        for kind in (False, True):
+            if kind in near_kinds:
+                self.seen[kind] += 1
+                if self.seen[kind] == FIRST_FIT or self.seen[kind] % self.refit == 0:
+                    due.append(kind)
+        self._fit(due)
+        return out
 
 
 class Fixed:
@@ -362,6 +507,9 @@ def make_pair(mode: str, options: argparse.Namespace) -> Any:
         if isinstance(up, Sampled) and options.sample_below is not None:
             up.drifts, up.below = down.drifts, options.sample_below
         return (down, up)
+    if mode == "transformed":
+        down = Transformed(options.activation_budget, options.refit)
+        return (down, make_pair("delta", options)[1])
     if mode == "allocated":
         down = options.allocate in ("both", "activations")
         up = options.allocate in ("both", "gradients")
@@ -439,6 +587,7 @@ def run(
     noise = NoiseScale(MICROS) if options.gradient_noise_scale is not None else None
     for _ in range(epochs):
         marks = [((p[0].bits, p[0].values), (p[1].bits, p[1].values)) if p else None for p in pairs]
+        basis_marks = [getattr(p[0], "basis_bits", 0.0) if p else 0.0 for p in pairs]
         order = torch.randperm(ROWS, generator=order_gen)
         for s in range(0, ROWS, MBS * MICROS):
             idx = order[s : s + MBS * MICROS]
@@ -463,7 +612,18 @@ def run(
             schedule.step()
             optimizer.zero_grad(set_to_none=True)
         down, up = (rate(pairs, marks, d) for d in (0, 1))
-        epochs_out.append({"down": down, "up": up, "held": held_loss()})
+        values = (
+            sum(p[0].values - m[0][1] for p, m in zip(pairs, marks, strict=True)) if pairs[0] else 1
+        )
+        basis = (
+            sum(
+                getattr(p[0], "basis_bits", 0.0) - b
+                for p, b in zip(pairs, basis_marks, strict=True)
+            )
+            if pairs[0]
+            else 0.0
+        )
+        epochs_out.append({"down": down, "up": up, "held": held_loss(), "bases": basis / values})
         if noise is not None:
             print(f"{mode}: epoch {len(epochs_out)}: noise {noise.phi:.3f}", flush=True)
     errors = None
@@ -481,7 +641,15 @@ def run(
             sum(u.kept for u in ups) / sum(u.tokens for u in ups),
             sum(u.spread for u in ups) / sum(u.energy for u in ups),
         )
-    return {"epochs": epochs_out, "errors": errors, "sampled": sampled}
+    basis = None
+    if pairs[0] and isinstance(pairs[0][0], Transformed):
+        downs = [p[0] for p in pairs]
+        basis = (
+            sum(d.basis_bits for d in downs) / sum(d.values for d in downs),
+            sum(d.sent_bases for d in downs) / len(downs),
+            math.sqrt(sum(d.error for d in downs) / sum(d.norm for d in downs)),
+        )
+    return {"epochs": epochs_out, "errors": errors, "sampled": sampled, "basis": basis}
 
 
 def main() -> None:
@@ -495,6 +663,12 @@ def main() -> None:
         default=4,
         choices=(1, 2, 3, 4),
         help="allocated: activations' error budget is this many bits' (D_b ||x||^2)",
+    )
+    parser.add_argument(
+        "--refit",
+        type=int,
+        default=8,
+        help="transformed: frames between fits of each basis (each fit is sent, h^2 bf16)",
     )
     parser.add_argument(
         "--gradient-budget",
@@ -607,6 +781,14 @@ def main() -> None:
             print(
                 f"| {m} | {name}, bits a value | {cells} | {run_bits:.2f} | {16 / run_bits:.1f}x |"
             )
+        if r.get("basis"):
+            per = [e["down"] - e["bases"] for e in r["epochs"]]
+            run_bits = sum(per) / len(per)
+            cells = " | ".join(f"{b:.2f}" for b in per)
+            print(
+                f"| {m} | activations without the bases | {cells} | {run_bits:.2f} |"
+                f" {16 / run_bits:.1f}x |"
+            )
         cells = " | ".join(f"{e['held']:.4f}" for e in r["epochs"])
         last = r["epochs"][-1]["held"] / results[modes[0]]["epochs"][-1]["held"] - 1
         print(f"| {m} | held-out loss | {cells} | {last * 100:+.2f} % vs {modes[0]} | |")
@@ -614,6 +796,13 @@ def main() -> None:
         if r.get("sampled"):
             share, spread = r["sampled"]
             print(f"\n{m}: gradients of {share:.1%} of the tokens, sampling variance {spread:.2f}")
+    for m, r in results.items():
+        if r.get("basis"):
+            bits, sent, err = r["basis"]
+            print(
+                f"\n{m}: bases sent {sent:.0f} a boundary, {bits:.3f} bits a value of the run's"
+                f" activations (included above); realised relative error {err:.3f}"
+            )
     if "allocated" in results:
         a, g = (f"{e:.3f}" if e is not None else "-" for e in results["allocated"]["errors"])
         print(
