@@ -75,6 +75,10 @@ class Stand_in:
                 time.sleep(0.01)
         if WHERE == "crash":  # a native crash (torch, a link thread): no Python exception
             os.kill(os.getpid(), signal.SIGSEGV)
+        if WHERE == "replaced":  # no signal: a link met a stage of a later plan
+            from relaytrain_worker.pipeline.linkauth import PlanReplaced
+            raise PlanReplaced("stage at h:1 (s1) is a stage of plan 2 of this job, which"
+                               " replaced every stage of plan 1, this one's")
         if WHERE == "leave":
             os.kill(os.getpid(), signal.SIGTERM)  # handled: training goes on to the boundary
             assert self.replication.asked
@@ -106,6 +110,7 @@ CLEAN = {
     "ignored": {130},  # the main thread trains on: the watcher ends it (stopping.py)
     "twice": {130},  # a second SIGTERM: the watcher waits for no step boundary
     "nowhere": {0},
+    "replaced": {130},  # no signal: a stage of a replaced plan stops (PlanReplaced)
 }
 
 
@@ -134,6 +139,8 @@ def test_a_sigterm_never_reads_as_a_crash(ended: tuple[dict[str, int], str]) -> 
     ), (codes, stderr[-3000:])
     assert "Traceback" not in stderr
     assert "stage p1/s0 left at step 7" in stderr  # the leave, not a stop at the signal
+    # A stage whose link met one of a later plan stops as a stage of a replaced plan, saying so.
+    assert "it stops: stage at h:1 (s1) is a stage of plan 2 of this job" in stderr, stderr[-3000:]
 
 
 def test_a_stage_that_crashes_natively_leaves_its_stacks_in_its_log(
