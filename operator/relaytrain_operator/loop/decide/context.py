@@ -324,7 +324,7 @@ class Pass:
         next pass creates the new plan's pods, whose documents carry the epoch, after it
         names the epoch in the job's store (`PutPlan`): a stage of the replaced plan still
         running stops before it writes a checkpoint."""
-        self.update(**fields, plan_epoch=(self.status.plan_epoch or 0) + 1)
+        self.update(**fields, plan_epoch=self._next_plan())
         self.patch()
         self.remove_pods()
 
@@ -334,9 +334,14 @@ class Pass:
         created when the job resumes are of a later plan than any of these still running
         (on a node cut off), which then write no checkpoint (`replace_every_stage`)."""
         if any(not pod["metadata"].get("deletionTimestamp") for pod in self.observed.pods.values()):
-            self.update(plan_epoch=(self.status.plan_epoch or 0) + 1)
+            self.update(plan_epoch=self._next_plan())
             self.patch()
         self.remove_pods()
+
+    def _next_plan(self) -> int:
+        """The plan epoch after the job's (stages of a plan that replaced or restarted them
+        all; docs/stage-contract.md, `job.planEpoch`)."""
+        return (self.status.plan_epoch or 0) + 1
 
     def remove_pods(self, pipeline: int | None = None) -> None:
         """Delete the job's stage pods (of `pipeline` only, if given)."""
