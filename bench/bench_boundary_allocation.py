@@ -498,7 +498,7 @@ def make_pair(mode: str, options: argparse.Namespace) -> Any:
         up = Sampled(
             options.gradient_bits,
             options.gradient_sample,
-            seed=next(_SEEDS),
+            seed=next(_SEEDS) + 10_000 * options.seed,
             variance=0.0 if options.gradient_noise_scale is not None else options.gradient_variance,
             scatter=options.gradient_scatter,
         )
@@ -537,7 +537,7 @@ def run(
 ) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
-    torch.manual_seed(0)
+    torch.manual_seed(options.seed)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     for p in model.parameters():
         p.requires_grad_(False)
@@ -548,7 +548,7 @@ def run(
     pairs = [make_pair(mode, options) for _ in range(LAYERS - 1)]
     current: dict[str, Any] = {"rows": [], "keep": None}
     share = options.gradient_rows
-    keep_gen = torch.Generator().manual_seed(11)
+    keep_gen = torch.Generator().manual_seed(11 + 100 * options.seed)
 
     def hooked(k: int) -> Any:
         def hook(module: Any, args: Any, out: Any) -> Any:
@@ -578,7 +578,7 @@ def run(
         return value
 
     epochs_out = []
-    order_gen = torch.Generator().manual_seed(10)
+    order_gen = torch.Generator().manual_seed(10 + 100 * options.seed)
     # --gradient-noise-scale: the top layer's adapters (above every boundary: no code touches
     # their gradients) measure the micro-batch gradients' noise against their signal.
     ids = {id(p) for p in params}
@@ -663,6 +663,12 @@ def main() -> None:
         default=4,
         choices=(1, 2, 3, 4),
         help="allocated: activations' error budget is this many bits' (D_b ||x||^2)",
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="the adapters' initialisation, the rows' order and the draws (0: the runs above)",
     )
     parser.add_argument(
         "--refit",
