@@ -662,7 +662,7 @@ def main() -> None:
         type=int,
         default=4,
         choices=(1, 2, 3, 4),
-        help="allocated: activations' error budget is this many bits' (D_b ||x||^2)",
+        help="allocated, transformed: activations' error budget is this many bits' (D_b ||x||^2)",
     )
     parser.add_argument(
         "--seed",

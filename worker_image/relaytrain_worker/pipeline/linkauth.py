@@ -9,6 +9,7 @@ neighbour it expects: the listening stage k accepts only stage k-1, the connecti
 k-1 talks only to stage k. A stage of another job fails the chain; a stage of the same job
 in the wrong place fails the identity check. Both ends then tell each other their verdict
 (a refusal carries its reason), so the refused side raises an AuthError that says why.
+The credentials each end brings (loaded, and reloaded when renewed) are credentials.py's.
 
 The verdicts also carry each end's plan (`LinkCredentials.plan`, the stage document's
 `job.planEpoch`): a link joins stages of one plan only. A stage of a plan the operator
@@ -17,7 +18,6 @@ deleted, on a node cut off, and its identity is the same as its replacement's. W
 dials or answers a stage of the later plan, it learns that its plan is over
 (`PlanReplaced`, an AuthError: it stops) and the later stage drops it as a peer that is
 not there (`StalePeer`, a LinkBroken: a dial is tried again, a listener waits for the next).
-The credentials each end brings (loaded, and reloaded when renewed) are credentials.py's.
 
 Host names are not checked (`check_hostname = False`): a stage is reached by its Service
 DNS name in a cluster and by 127.0.0.1 in local runs, and neither says *which stage of
