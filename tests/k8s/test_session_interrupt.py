@@ -29,7 +29,10 @@ from pathlib import Path
 
 
 def test_holds_a_cluster_and_a_store(kube_cluster, minio_server):
-    Path(os.environ["RT_READY"]).write_text(f"{kube_cluster.workdir}\\n{minio_server.data_dir}")
+    ready = Path(os.environ["RT_READY"])
+    partial = ready.with_name(ready.name + ".partial")
+    partial.write_text(f"{kube_cluster.workdir}\\n{minio_server.data_dir}")
+    partial.replace(ready)  # whole or absent: the waiting session never reads half of it
     threading.Event().wait(900)
 """
 
