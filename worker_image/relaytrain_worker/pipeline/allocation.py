@@ -1,7 +1,8 @@
 """How many bits each block of a code gets (the ``delta`` compression, `deltacache.py`): the
 fewest in total whose expected error stays within a budget, by reverse water-filling over the
 Lloyd-Max distortions of 0-4 bits (`lowbit.DISTORTION`; 0 bits: the block is left out and its
-whole energy is the error).
+whole energy is the error), or of 0-8 (`DEEP`: 5-8 bits are a 4-bit code and a 1-4-bit code
+of what it left, as transformed codes send them, `transform.py`).
 
 Hand-written: a Lagrangian allocation over five rates is a sort and a cumulative sum, and no
 library offers it over torch tensors.
@@ -13,22 +14,30 @@ import math
 
 import torch
 
-from relaytrain_worker.pipeline.lowbit import DISTORTION
+from relaytrain_worker.pipeline.lowbit import (
+    DISTORTION,
+    check_bits,
+    dequantise_blocks,
+    quantise_blocks,
+)
 
-#: Lloyd-Max distortion of 0-4 bits (0 bits: the block is left out, its whole energy).
-_D = (1.0, *(DISTORTION[b] for b in (1, 2, 3, 4)))
-#: The Lagrange multiplier times a block's energy above which b bits beat b - 1, b = 1..4
-#: (the distortions are convex in b, so each block's best bits are a count of these).
-_STEPS = tuple(1.0 / (_D[b - 1] - _D[b]) for b in range(1, 5))
+SHALLOW = (1.0, *(DISTORTION[b] for b in (1, 2, 3, 4)))
+"""Lloyd-Max distortion of 0-4 bits (0 bits: the block is left out, its whole energy)."""
+DEEP = (*SHALLOW, *(DISTORTION[4] * DISTORTION[b] for b in (1, 2, 3, 4)))
+"""Expected error of 0-8 bits over a block's energy: 5-8 bits are a 4-bit code and a 1-4-bit
+code of its residual (still convex in the bits, as water-filling needs)."""
 
 
-def allocate_bits(energy: torch.Tensor, budget: float, floor: int = 0) -> torch.Tensor:
-    """Bits (0-4, int64) for blocks of squared norms ``energy`` whose expected error
-    ``sum_i D_(b_i) energy_i`` is at most ``budget``, no block with fewer than ``floor``:
-    reverse water-filling, each block taking the bits that minimise ``b + lam D_b energy_i``
-    with the smallest ``lam`` that meets the budget. So no allocation of as few bits in total
-    has less expected error (a Lagrangian optimum; one of a few bits fewer may still meet the
-    budget). Where even 4 bits a block miss it, every block with energy gets 4.
+def allocate_bits(
+    energy: torch.Tensor, budget: float, floor: int = 0, table: tuple[float, ...] = SHALLOW
+) -> torch.Tensor:
+    """Bits (0 to ``len(table) - 1``, int64) for blocks of squared norms ``energy`` whose
+    expected error ``sum_i table[b_i] energy_i`` is at most ``budget``, no block with fewer
+    than ``floor``: reverse water-filling, each block taking the bits that minimise
+    ``b + lam table[b] energy_i`` with the smallest ``lam`` that meets the budget. So no
+    allocation of as few bits in total has less expected error (a Lagrangian optimum; one of
+    a few bits fewer may still meet the budget). Where even the most bits a block miss it,
+    every block with energy gets the most. ``table`` must be decreasing and convex.
 
     Block i takes its b-th bit once ``lam energy_i >= STEPS[b]``, so the error only changes at
     the breakpoints ``STEPS[b] / energy_i``: they are sorted, and the first whose cumulative
@@ -38,11 +47,13 @@ def allocate_bits(energy: torch.Tensor, budget: float, floor: int = 0) -> torch.
     the uniform one of ``budget``'s bits; a block with no energy gets ``floor``."""
     e = energy.to(torch.float64).reshape(-1)
     budget *= 1 + 1e-12  # a budget met exactly is met, whatever the order of the sum
-    d = torch.tensor(_D, dtype=torch.float64)
+    d = torch.tensor(table, dtype=torch.float64)
     live = e > 0
     # Block i's breakpoints, one a bit above the floor, increasing (the distortions are
-    # convex); at a multiplier it has the bits of the breakpoints at or below it.
-    points = torch.tensor(_STEPS[floor:], dtype=torch.float64)[None, :] / e[live, None]
+    # convex): the multiplier times its energy above which b bits beat b - 1. At a
+    # multiplier it has the bits of the breakpoints at or below it.
+    steps = 1.0 / (d[:-1] - d[1:])
+    points = steps[floor:][None, :] / e[live, None]
 
     def pick(lam: float) -> torch.Tensor:
         bits = torch.full(e.shape, floor, dtype=torch.int64)
@@ -62,4 +73,44 @@ def allocate_bits(energy: torch.Tensor, budget: float, floor: int = 0) -> torch.
     # (and moved on where rounding put it one early).
     while k < flat.numel() and error(pick(float(flat[k]))) > budget:
         k += 1
-    return pick(math.inf if k >= flat.numel() else float(flat[k]))  # inf: 4 bits miss it
+    return pick(math.inf if k >= flat.numel() else float(flat[k]))  # inf: the most miss it
+
+
+def quantise_grouped(
+    blocks: torch.Tensor, bits: torch.Tensor, variant: int
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Codes and scales, on the CPU for the wire, of float32 ``[n, BLOCK]`` ``blocks`` at
+    ``bits`` (0-4 a block; 0: not sent), grouped by bits, 1 to 4, in block order within a
+    group. Coded where ``blocks`` are (on a GPU stage, its card: 5 trial scales a block are
+    cheap there)."""
+    codes, scales = [], []
+    for b in range(1, 5):
+        chosen = (bits == b).nonzero().reshape(-1)
+        if chosen.numel():
+            c, s = quantise_blocks(blocks[chosen.to(blocks.device)], check_bits(b), variant=variant)
+            codes.append(c.cpu())
+            scales.append(s.cpu())
+    return codes, scales
+
+
+def dequantise_grouped(
+    bits: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    variant: int,
+    out: torch.Tensor,
+) -> tuple[int, int]:
+    """Add to ``out`` (float32 ``[n, BLOCK]``, on the device to decode on) the blocks a
+    `quantise_grouped` code at ``bits`` stands for, reading ``codes`` and ``scales`` from
+    their start; returns how many code bytes and scales it read. A gather, a multiplication,
+    the rotation and an addition: the same bits on every device."""
+    at_code = at_scale = 0
+    for b in range(1, 5):
+        chosen = (bits == b).nonzero().reshape(-1)
+        n = chosen.numel()
+        if n:
+            c = codes[at_code : at_code + 8 * b * n].to(out.device)
+            s = scales[at_scale : at_scale + n].to(out.device)
+            out[chosen.to(out.device)] += dequantise_blocks(c, s, check_bits(b), variant)
+            at_code, at_scale = at_code + 8 * b * n, at_scale + n
+    return at_code, at_scale

@@ -25,6 +25,11 @@ What is coded how in a frame under ``delta``:
   blocks that hold outliers get more, the quiet ones fewer), and later crossings only what
   changed: nothing but the bit map (3 bits a block, 0.05 a value) while the row stays within
   int4's error of its last decode;
+- with ``DeltaConfig.transform`` (`transform.py`; not yet a job's choice), the same rows
+  coded in a basis fitted to them, 0-8 bits a block: the entry's ``bases`` list the bases
+  fitted since the frame before (``[1 for deltas, version, width]``, each ``width^2`` bf16
+  values ahead of the rows), which the receiver installs before it decodes the rows, and
+  each row's message names its basis last;
 - ``hidden`` without ``rows`` (nothing to key it by): a full code at ``FULL_BITS``, cached
   nowhere;
 - any other floating tensor (the gradients of a boundary): a rotated code at
@@ -57,7 +62,7 @@ from typing import Any
 
 import torch
 
-from relaytrain_worker.pipeline import lowbit
+from relaytrain_worker.pipeline import lowbit, transform
 from relaytrain_worker.pipeline.deltacache import (
     DeltaConfig,
     DeltaMessage,
@@ -65,6 +70,7 @@ from relaytrain_worker.pipeline.deltacache import (
     DeltaSender,
 )
 from relaytrain_worker.pipeline.lowbit import Bits
+from relaytrain_worker.pipeline.transform import BasisMessage
 
 MODE = "delta"
 """The `pipeline.compression` value this module implements."""
@@ -159,6 +165,9 @@ class BoundaryCodec:
             )
         messages = []
         parts: list[torch.Tensor] = []
+        # Bases fitted from earlier frames go first: this frame's rows are coded in them.
+        bases = self.sender.fitter.due(self.sender.bases)
+        parts += [b.values.reshape(-1) for b in bases]
         for i, row in enumerate(rows.tolist()):
             msg = self.sender.encode(t[i], f"{kind}:{int(row)}")
             if msg.kind == "full":
@@ -171,15 +180,20 @@ class BoundaryCodec:
             # An allocated code has bits 0: its bit map comes first and sizes the rest.
             full = int(msg.kind == "full")
             if msg.block_bits is not None:
-                messages.append([int(row), full, msg.version, 0, msg.scales.numel(), None])
+                # A transformed code names its basis last (its bit map is 4 bits a block).
+                named = [] if msg.basis is None else [msg.basis]
+                messages.append([int(row), full, msg.version, 0, msg.scales.numel(), None, *named])
                 parts += [msg.block_bits, msg.codes, msg.scales]
                 continue
             messages.append([int(row), full, msg.version, msg.bits, msg.scales.numel(), sent])
             parts += [msg.codes, msg.scales] + ([] if msg.sent is None else [msg.sent])
+        self.sender.fitter.end_frame()
         entry = {
             "name": name, "mode": MODE, "dtype": str(t.dtype), "shape": list(t.shape),
             "messages": messages,
         }  # fmt: skip
+        if bases:  # [1 for the deltas' basis, version, width] each
+            entry["bases"] = [[int(b.against), b.version, b.values.shape[0]] for b in bases]
         return entry, parts
 
     def decode(
@@ -202,11 +216,19 @@ class BoundaryCodec:
         messages = entry["messages"]
         if len(shape) < 1 or len(messages) != shape[0]:
             raise ValueError(f"{len(messages)} row codes for a tensor of shape {list(shape)}")
+        for against, version, width in entry.get("bases", []):
+            values = read(int(width) ** 2, torch.bfloat16).reshape(int(width), int(width))
+            self.receiver.bases.install(BasisMessage(bool(against), int(version), values))
         out = torch.empty(shape, dtype=dtype, device=self.device)
         row_blocks = -(-math.prod(shape[1:]) // lowbit.BLOCK)
-        for i, (row, full, at, given_bits, blocks, nsent) in enumerate(messages):
+        for i, (row, full, at, given_bits, blocks, nsent, *basis) in enumerate(messages):
             version, block_bits = int(at), None
-            if given_bits == 0:  # allocated: the bit map says how many code bytes follow
+            if basis:  # transformed: a bit map of 0-8 bits a block
+                bits = self.receiver.config.full_bits
+                block_bits = read(transform.MAP_BITS * -(-row_blocks // 8), torch.uint8)
+                each = transform.unpack_map(block_bits, row_blocks)
+                codes = read(8 * int(each.sum()), torch.uint8)
+            elif given_bits == 0:  # allocated: the bit map says how many code bytes follow
                 bits = self.receiver.config.full_bits
                 block_bits = read(3 * -(-row_blocks // 8), torch.uint8)
                 each = lowbit.unpack_bits(block_bits, 3)[:row_blocks]
@@ -219,7 +241,7 @@ class BoundaryCodec:
             msg = DeltaMessage(
                 f"{kind}:{int(row)}", "full" if full else "delta", version,
                 None if full else version - 1, bits, dtype, shape[1:], codes, scales, sent,
-                block_bits,
+                block_bits, int(basis[0]) if basis else None,
             )  # fmt: skip
             out[i] = self.receiver.decode(msg, self.device)
         return out

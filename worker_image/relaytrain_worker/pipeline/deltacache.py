@@ -77,7 +77,12 @@ from typing import Literal
 
 import torch
 
-from relaytrain_worker.pipeline.allocation import allocate_bits
+from relaytrain_worker.pipeline import transform
+from relaytrain_worker.pipeline.allocation import (
+    allocate_bits,
+    dequantise_grouped,
+    quantise_grouped,
+)
 from relaytrain_worker.pipeline.lowbit import (
     BLOCK,
     DISTORTION,
@@ -136,6 +141,10 @@ class DeltaConfig:
     Instead of ``adaptive`` and ``skip_below``."""
     floor: int = 0
     """With ``allocate``: the fewest bits a block gets (1: every block is sent)."""
+    transform: bool = False
+    """With ``allocate``: code each row's change in a basis fitted to such changes, its blocks
+    0-8 bits, within the same error (`transform.py`); the sender's `DeltaSender.fitter`
+    says which bases to send ahead of the rows coded in them."""
 
     def __post_init__(self) -> None:
         check_bits(self.full_bits)
@@ -144,6 +153,8 @@ class DeltaConfig:
             raise ValueError("allocate replaces adaptive and skip_below: set only allocate")
         if self.floor not in range(0, 5) or (self.floor and not self.allocate):
             raise ValueError(f"floor must be 0-4 and needs allocate, got {self.floor}")
+        if self.transform and (not self.allocate or self.floor):
+            raise ValueError("transform needs allocate and no floor")
         if not (self.skip_below >= 0.0 and math.isfinite(self.skip_below)):
             raise ValueError(f"skip_below must be finite and >= 0, got {self.skip_below}")
         if self.cache_dtype not in ("bfloat16", "float32"):
@@ -185,6 +196,11 @@ class DeltaMessage:
     (0-4) packed 3 bits a block (lowbit.pack_bits, zero-padded to a multiple of 8 blocks);
     ``codes`` and ``scales`` then hold the sent blocks grouped by bits, 1 to 4, in block order
     within a group, and ``bits`` and ``sent`` are not used. None: every code has ``bits``."""
+    basis: int | None = None
+    """A transformed code (`DeltaConfig.transform`): the version of the basis it is in (0:
+    the identity) of its kind (a delta's or a full code's); ``block_bits`` then holds 0-8
+    bits a block, 4 a block (`transform.pack_map`), and ``codes`` and ``scales`` the two
+    stages' codes (`transform.quantise`). None: not transformed."""
 
     @property
     def nbytes(self) -> int:
@@ -223,10 +239,15 @@ class _Side:
     def __init__(self, config: DeltaConfig | None = None) -> None:
         self.config = config or DeltaConfig()
         self._entries: dict[str, _Entry] = {}
+        self.bases = transform.Bases()
+        """The bases transformed codes are in (`DeltaConfig.transform`); a receiver
+        `transform.Bases.install`s each the sender sends before the codes in it."""
 
     def reset(self) -> None:
-        """Drop every entry (a replaced stage or a reconnect): next messages are full."""
+        """Drop every entry and basis (a replaced stage or a reconnect): next messages are
+        full, in the identity."""
         self._entries.clear()
+        self.bases.reset()
 
     def forget(self, key: str) -> None:
         """Drop one sample's entry."""
@@ -259,7 +280,16 @@ class _Side:
         decoded on ``device`` (default the CPU): a gather, one multiplication, the rotation's
         butterflies and an addition, the same bits on any device (`lowbit.dequantise_blocks`)."""
         device = device or torch.device("cpu")
-        if msg.block_bits is not None:
+        if msg.basis is not None:
+            assert msg.block_bits is not None
+            against = msg.kind == "delta"
+            basis = self.bases.use(msg.key, against, msg.basis, device)
+            change = transform.decode_row(
+                msg.key, msg.block_bits, codes=msg.codes, scales=msg.scales,
+                version=msg.version, shape=msg.shape, basis=basis, device=device,
+            )  # fmt: skip
+            decoded = to_blocks(change)
+        elif msg.block_bits is not None:
             decoded = _dequantise_allocated(msg, device)
         else:
             codes, scales = msg.codes.to(device), msg.scales.to(device)
@@ -280,6 +310,17 @@ class _Side:
 
 class DeltaSender(_Side):
     """The sending end of a link: encodes each sample against its mirror of the receiver."""
+
+    def __init__(self, config: DeltaConfig | None = None) -> None:
+        super().__init__(config)
+        self.fitter = transform.Fitter()
+        """When each kind's next basis is due, and the moments it is fitted from: the caller
+        ends each frame (`transform.Fitter.end_frame`) and sends what ``fitter.due(bases)``
+        fits, which this end already holds, ahead of the rows coded in it."""
+
+    def reset(self) -> None:
+        super().reset()
+        self.fitter.reset()
 
     def encode(self, x: torch.Tensor, key: str) -> DeltaMessage:
         """Encode floating ``x`` for sample ``key`` and update the mirror entry."""
@@ -355,7 +396,8 @@ class DeltaSender(_Side):
         version: int,
     ) -> DeltaMessage:
         """An allocated code (DeltaConfig.allocate) of finite ``blocks``, against ``entry``
-        (of the same shape, finite, or None) where it is nearer than zero."""
+        (of the same shape, finite, or None) where it is nearer than zero; with
+        ``DeltaConfig.transform``, in the held basis of its kind (`transform.py`)."""
         cfg = self.config
         whole = float(blocks.square().sum())
         change = blocks
@@ -366,28 +408,25 @@ class DeltaSender(_Side):
             if float(delta.square().sum()) < whole:
                 change, base = delta, entry
         budget = DISTORTION[cfg.full_bits] * whole
-        bits = allocate_bits(change.square().sum(dim=1).cpu(), budget, cfg.floor)
-        codes, scales = [], []
-        for b in range(1, 5):
-            chosen = (bits == b).nonzero().reshape(-1)
-            if chosen.numel():
-                c, s = _quantise(change[chosen.to(change.device)], check_bits(b), version)
-                codes.append(c)
-                scales.append(s)
-        packed = pack_bits(torch.nn.functional.pad(bits, (0, (-bits.numel()) % 8)), 3)
+        at = None
+        if cfg.transform:
+            h, against = transform.width(shape), base is not None
+            tokens = from_blocks(change, shape, torch.float32).reshape(-1, h)
+            self.fitter.add(against, tokens)
+            at = self.bases.current(against, h)
+            basis = self.bases.use(key, against, at, blocks.device)
+            packed, code, scale = transform.code_row(tokens, basis, budget, version)
+        else:
+            bits = allocate_bits(change.square().sum(dim=1).cpu(), budget, cfg.floor)
+            codes, scales = quantise_grouped(change, bits, version)
+            code = torch.cat(codes) if codes else torch.zeros(0, dtype=torch.uint8)
+            scale = torch.cat(scales) if scales else torch.zeros(0, dtype=torch.bfloat16)
+            packed = pack_bits(torch.nn.functional.pad(bits, (0, (-bits.numel()) % 8)), 3)
         msg = DeltaMessage(
-            key,
-            "full" if base is None else "delta",
-            version,
-            None if base is None else base.version,
-            cfg.full_bits,
-            dtype,
-            shape,
-            torch.cat(codes) if codes else torch.zeros(0, dtype=torch.uint8),
-            torch.cat(scales) if scales else torch.zeros(0, dtype=torch.bfloat16),
-            None,
-            packed,
-        )
+            key, "full" if base is None else "delta", version,
+            None if base is None else base.version, cfg.full_bits, dtype, shape, code, scale,
+            None, packed, at,
+        )  # fmt: skip
         self._apply(msg, base, blocks.device)
         return msg
 
@@ -443,9 +482,8 @@ def _dequantise_allocated(msg: DeltaMessage, device: torch.device) -> torch.Tens
     no bits."""
     assert msg.block_bits is not None
     bits = unpack_bits(msg.block_bits, 3)[: msg.blocks]
-    counts = [int((bits == b).sum()) for b in range(5)]
-    want_codes = sum(8 * b * counts[b] for b in range(1, 5))
-    want_scales = msg.blocks - counts[0]
+    want_codes = 8 * int(bits.sum())
+    want_scales = int((bits > 0).sum())
     if (
         bits.numel() != msg.blocks
         or bool((bits > 4).any())
@@ -457,13 +495,5 @@ def _dequantise_allocated(msg: DeltaMessage, device: torch.device) -> torch.Tens
             f"{msg.codes.numel()} and {msg.scales.numel()}"
         )
     out = torch.zeros(msg.blocks, BLOCK, dtype=torch.float32, device=device)
-    at_code = at_scale = 0
-    for b in range(1, 5):
-        n = counts[b]
-        if n:
-            chosen = (bits == b).nonzero().reshape(-1).to(device)
-            codes = msg.codes[at_code : at_code + 8 * b * n].to(device)
-            scales = msg.scales[at_scale : at_scale + n].to(device)
-            out[chosen] = dequantise_blocks(codes, scales, check_bits(b), msg.version)
-            at_code, at_scale = at_code + 8 * b * n, at_scale + n
+    dequantise_grouped(bits, msg.codes, msg.scales, msg.version, out)
     return out

@@ -1,0 +1,302 @@
+"""Transform coding of a boundary's rows (`DeltaConfig.transform`): each token's change against
+its reference is coded in a basis fitted to such changes (a Karhunen-Loeve transform), where a
+few coordinates hold most of the energy, instead of in Hadamard-rotated blocks, where energy
+is spread evenly on purpose (right for a uniform code, wrong for an allocation).
+
+The sender keeps the second moment of what it coded, ``sum c^T c`` over the tokens ``c`` of
+each row's change, one for rows coded against zero (full codes) and one for rows coded against
+their cache (deltas): the two differ (a row against zero holds the model's large fixed
+directions, a delta the adapters' small moving ones). After `FIRST_FIT` frames with rows of a
+kind, and every ``refit`` such frames after, it fits that kind's basis: the eigenvectors of
+the moment, largest eigenvalue first, sent as a `BasisMessage` in bf16 ahead of the rows coded
+in it. Both ends turn what was sent into the basis they use the same way: a QR in float64 on
+the CPU (`Bases.install`), so a bf16-rounded basis is orthonormal again and the two ends hold
+the same float32 values. A code names its basis by version (`DeltaMessage.basis`); version 0
+is the identity, which both ends hold from the start, so two ends that start again (a replaced
+stage, a re-link) code in the identity until the first fit. A code naming a basis this end
+does not hold is a broken link (`StaleBasisError`).
+
+In a basis, each block of 64 coordinates gets 0-8 bits (`allocation.DEEP`): up to 4 a
+rotated Lloyd-Max code of the block (`lowbit.py`), above 4 that code and a 1-4-bit code of
+what it left (variants ``2 v`` and ``2 v + 1`` of the entry's version ``v``), within the same
+expected error as the allocated code without a basis. On a fine-tune's boundary this gave the
+same held-out loss at fewer bits a value (docs/links-and-checkpoints.md, "Design experiment:
+transform coding").
+
+Equality of the two ends. Codes and their decode in coordinates are bit-exact as in
+`deltacache.py`; the change is ``coordinates @ basis^T``, a matrix product, which two devices
+of different kinds may round differently in float32's last bit. Both ends of a CPU link, or of
+two cards of one kind, agree bit for bit (tests/unit/test_transform.py); otherwise the entries
+can differ by that rounding, which the next full code of the row clears and which a delta
+carries forward without growing it beyond a few float32 ulps an epoch: far below the codes'
+error (int4: about 10 % of a row's norm).
+
+Memory: on the sender two moments of ``h x h`` float64 where the rows are coded (256 MiB on a
+4096-wide boundary), and on each end two bases of ``h x h`` float32 on the CPU and on the
+device that codes or decodes (64 MiB each at 4096). A basis on the wire is ``2 h^2`` bytes.
+
+Hand-written: the fit is torch's ``eigh`` and ``qr``; what is written here is which frames fit,
+the message that carries a basis, and the two-stage code of 5-8 bits, which no library has.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from relaytrain_worker.pipeline.allocation import (
+    DEEP,
+    allocate_bits,
+    dequantise_grouped,
+    quantise_grouped,
+)
+from relaytrain_worker.pipeline.lowbit import BLOCK, from_blocks, pack_bits, to_blocks, unpack_bits
+
+FIRST_FIT = 4
+"""Frames with rows of a kind coded in the identity before that kind's first basis."""
+REFIT = 96
+"""Frames with rows of a kind between two bases of it (after the first)."""
+MAX_BITS = 8
+"""The most bits a block of coordinates gets."""
+MAP_BITS = 4
+"""Bits a block's allocation (0-8) takes in a transformed code's bit map."""
+
+
+class StaleBasisError(ValueError):
+    """A code names a basis this end does not hold."""
+
+    def __init__(self, key: str, against: bool, version: int, held: int) -> None:
+        kind = "deltas" if against else "full codes"
+        super().__init__(
+            f"code for sample {key!r} is in basis {version} of the {kind}, but this end holds "
+            f"basis {held} of them; the ends must start again (a reset) from the identity"
+        )
+
+
+@dataclass(frozen=True)
+class BasisMessage:
+    """One basis on the wire: its kind, its version and its vectors."""
+
+    against: bool
+    """True: the basis of deltas (rows coded against their cache); False: of full codes."""
+    version: int
+    """1, 2, ...: the name codes in it carry (0, the identity, is never sent)."""
+    values: torch.Tensor
+    """``[h, h]`` bf16 CPU: the basis vectors as columns, largest eigenvalue first."""
+
+    @property
+    def nbytes(self) -> int:
+        """Payload bytes on the wire."""
+        return 2 * self.values.numel()
+
+
+@dataclass
+class _Held:
+    version: int = 0
+    basis: torch.Tensor | None = None
+    """``[h, h]`` float32 CPU, orthonormal; None: the identity."""
+    on: dict[torch.device, torch.Tensor] = field(default_factory=dict)
+    """The basis copied to each device that used it."""
+
+
+class Bases:
+    """The bases one end of a link holds: per kind, the identity or the last one sent."""
+
+    def __init__(self) -> None:
+        self._held = {False: _Held(), True: _Held()}
+
+    def reset(self) -> None:
+        """Back to the identity for both kinds (what a restarted end holds)."""
+        self._held = {False: _Held(), True: _Held()}
+
+    def install(self, msg: BasisMessage) -> None:
+        """Hold ``msg``'s basis: its bf16 vectors orthonormalised by a float64 QR on the CPU,
+        the same values on both ends."""
+        held = self._held[msg.against]
+        if msg.version <= held.version:
+            raise ValueError(
+                f"basis {msg.version} arrived after basis {held.version} of its kind: "
+                "bases are numbered in the order they are sent"
+            )
+        values = msg.values.to(torch.float64).cpu()
+        if values.dim() != 2 or values.shape[0] != values.shape[1]:
+            raise ValueError(f"a basis must be square, got shape {list(values.shape)}")
+        basis = torch.linalg.qr(values).Q.to(torch.float32)
+        self._held[msg.against] = _Held(msg.version, basis)
+
+    def current(self, against: bool, width: int) -> int:
+        """The version a row of ``width`` values a token is coded in: the held basis where it
+        has that width, else the identity (0)."""
+        held = self._held[against]
+        return held.version if held.basis is not None and held.basis.shape[0] == width else 0
+
+    def held(self, against: bool) -> int:
+        """The version held for a kind."""
+        return self._held[against].version
+
+    def use(
+        self, key: str, against: bool, version: int, device: torch.device
+    ) -> torch.Tensor | None:
+        """The basis ``version`` of a kind on ``device`` (None: the identity); raises
+        StaleBasisError where this end holds another."""
+        if version == 0:
+            return None
+        held = self._held[against]
+        if held.version != version or held.basis is None:
+            raise StaleBasisError(key, against, version, held.version)
+        if device not in held.on:
+            held.on[device] = held.basis.to(device)
+        return held.on[device]
+
+
+class Fitter:
+    """The sender's moments per kind and when each kind's next basis is due."""
+
+    def __init__(self, refit: int = REFIT, first_fit: int = FIRST_FIT) -> None:
+        if refit < 1 or first_fit < 1:
+            raise ValueError(f"refit and first_fit must be >= 1, got {refit} and {first_fit}")
+        self.refit = refit
+        self.first_fit = first_fit
+        self._moments: dict[bool, torch.Tensor | None] = {False: None, True: None}
+        self._frames = {False: 0, True: 0}
+        self._in_frame: set[bool] = set()
+        self._due: set[bool] = set()
+
+    def reset(self) -> None:
+        """Forget the moments and the counts (a restarted link starts from the identity)."""
+        self.__init__(self.refit, self.first_fit)  # type: ignore[misc]
+
+    def add(self, against: bool, change: torch.Tensor) -> None:
+        """Count one row's change (``[tokens, h]`` float32, where it was coded)."""
+        m = (change.T @ change).to(torch.float64)
+        held = self._moments[against]
+        if held is not None and held.shape != m.shape:
+            held = None  # a row of another width: start the moment again
+        self._moments[against] = m if held is None else held.add_(m)
+        self._in_frame.add(against)
+
+    def end_frame(self) -> None:
+        """A frame's rows are coded: count it for each kind it held."""
+        for against in self._in_frame:
+            self._frames[against] += 1
+            n = self._frames[against]
+            if n == self.first_fit or (n > self.first_fit and n % self.refit == 0):
+                self._due.add(against)
+        self._in_frame.clear()
+
+    def due(self, bases: Bases) -> list[BasisMessage]:
+        """The bases due, fitted from their moments (which start again), numbered after what
+        ``bases`` holds and installed there: the caller sends each ahead of the rows coded in
+        it (the receiver `Bases.install`s it before decoding them)."""
+        out = []
+        for against in sorted(self._due):
+            m = self._moments[against]
+            if m is None:
+                continue
+            # float64 on the CPU; a card's float32 (a consumer card's float64 is slow):
+            # a basis is sent in bf16 anyway.
+            work = m if m.device.type == "cpu" else (m / m.diagonal().sum().clamp_min(1e-30))
+            dtype = torch.float64 if m.device.type == "cpu" else torch.float32
+            _, vectors = torch.linalg.eigh(work.to(dtype))
+            values = vectors.flip(1).to(torch.bfloat16).cpu()
+            msg = BasisMessage(against, bases.held(against) + 1, values)
+            bases.install(msg)
+            out.append(msg)
+            self._moments[against] = None
+        self._due.clear()
+        return out
+
+
+def quantise(
+    blocks: torch.Tensor, bits: torch.Tensor, version: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes and scales (CPU, for the wire) of float32 ``[n, BLOCK]`` ``blocks`` at ``bits``
+    (0-8 a block): first each block's code of up to 4 bits, grouped by bits 1 to 4
+    (`allocation.quantise_grouped`); then, for blocks of more than 4, a code of what the
+    first left, grouped alike."""
+    low = bits.clamp(0, 4)
+    codes, scales = quantise_grouped(blocks, low, 2 * version)
+    if bool((bits > 4).any()):
+        first = torch.zeros_like(blocks)
+        dequantise_grouped(low, torch.cat(codes), torch.cat(scales), 2 * version, first)
+        more = quantise_grouped(blocks - first, (bits - 4).clamp(0, 4), 2 * version + 1)
+        codes, scales = codes + more[0], scales + more[1]
+    return (
+        torch.cat(codes) if codes else torch.zeros(0, dtype=torch.uint8),
+        torch.cat(scales) if scales else torch.zeros(0, dtype=torch.bfloat16),
+    )
+
+
+def dequantise(
+    key: str,
+    bits: torch.Tensor,
+    *,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    version: int,
+    device: torch.device,
+) -> torch.Tensor:
+    """Float32 ``[n, BLOCK]`` blocks of a code `quantise` made, on ``device``: 0 where a block
+    got no bits."""
+    want_codes = 8 * int(bits.sum())
+    want_scales = int((bits > 0).sum() + (bits > 4).sum())
+    if bool((bits > MAX_BITS).any()) or (want_codes, want_scales) != (
+        codes.numel(),
+        scales.numel(),
+    ):
+        raise ValueError(
+            f"transformed code for sample {key!r}: its bit map asks {want_codes} code bytes "
+            f"and {want_scales} scales, the message holds {codes.numel()} and {scales.numel()}"
+        )
+    out = torch.zeros(bits.numel(), BLOCK, dtype=torch.float32, device=device)
+    read = dequantise_grouped(bits.clamp(0, 4), codes, scales, 2 * version, out)
+    codes, scales = codes[read[0] :], scales[read[1] :]
+    dequantise_grouped((bits - 4).clamp(0, 4), codes, scales, 2 * version + 1, out)
+    return out
+
+
+def pack_map(bits: torch.Tensor) -> torch.Tensor:
+    """A transformed code's bit map: ``MAP_BITS`` bits a block, zero-padded to 8 blocks."""
+    return pack_bits(torch.nn.functional.pad(bits, (0, (-bits.numel()) % 8)), MAP_BITS)
+
+
+def unpack_map(packed: torch.Tensor, blocks: int) -> torch.Tensor:
+    """The bits of ``blocks`` blocks from a map `pack_map` made."""
+    return unpack_bits(packed, MAP_BITS)[:blocks]
+
+
+def width(shape: tuple[int, ...]) -> int:
+    """Values a token of a row of ``shape`` has (its last dimension; 1 for a scalar)."""
+    return shape[-1] if shape else 1
+
+
+def code_row(
+    change: torch.Tensor, basis: torch.Tensor | None, budget: float, version: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A row's change (``[tokens, h]`` float32) in ``basis`` (None: the identity), its blocks'
+    bits the fewest within ``budget`` of expected error: the packed bit map, codes, scales."""
+    coords = change if basis is None else change @ basis
+    blocks = to_blocks(coords)
+    bits = allocate_bits(blocks.square().sum(dim=1).cpu(), budget, table=DEEP)
+    codes, scales = quantise(blocks, bits, version)
+    return pack_map(bits), codes, scales
+
+
+def decode_row(
+    key: str,
+    packed: torch.Tensor,
+    *,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    version: int,
+    shape: tuple[int, ...],
+    basis: torch.Tensor | None,
+    device: torch.device,
+) -> torch.Tensor:
+    """The change a `code_row` code stands for, as float32 ``[tokens, h]`` on ``device``."""
+    bits = unpack_map(packed, -(-math.prod(shape) // BLOCK))
+    blocks = dequantise(key, bits, codes=codes, scales=scales, version=version, device=device)
+    coords = from_blocks(blocks, shape, torch.float32).reshape(-1, width(shape))
+    return coords if basis is None else coords @ basis.T
