@@ -12,7 +12,7 @@ import pytest
 import torch
 from relaytrain_testkit.linkcreds import link_pair, stage_credentials
 from relaytrain_worker.pipeline import transform
-from relaytrain_worker.pipeline.allocation import DEEP, allocate_bits
+from relaytrain_worker.pipeline.allocation import DEEP, DEEP_COST, allocate_bits
 from relaytrain_worker.pipeline.boundary import FULL_BITS, ROWS, BoundaryCodec
 from relaytrain_worker.pipeline.deltacache import DeltaConfig, DeltaSender
 from relaytrain_worker.pipeline.lowbit import BLOCK, DISTORTION
@@ -167,12 +167,14 @@ def test_the_0_to_8_bit_allocation_is_a_lagrangian_optimum_of_its_table() -> Non
     for trial in range(6):
         energy = torch.exp(2 * torch.randn(4, generator=gen, dtype=torch.float64))
         budget = [DEEP[6], DEEP[4], 0.2][trial % 3] * float(energy.sum())
-        bits = allocate_bits(energy, budget, table=DEEP)
+        bits = allocate_bits(energy, budget, table=DEEP, cost=DEEP_COST)
         got = _deep_error(bits, energy)
         assert got <= budget * (1 + 1e-9)
-        total = int(bits.sum())
+        # Against every one of the 9^4 allocations: none that costs no more on the wire
+        # (codes and scales) leaves less error.
+        total = sum(DEEP_COST[int(b)] for b in bits)
         for other in itertools.product(range(9), repeat=4):
-            if sum(other) <= total:
+            if sum(DEEP_COST[b] for b in other) <= total + 1e-12:
                 assert _deep_error(other, energy) >= got * (1 - 1e-9), (trial, other, bits)
 
 

@@ -26,18 +26,28 @@ SHALLOW = (1.0, *(DISTORTION[b] for b in (1, 2, 3, 4)))
 DEEP = (*SHALLOW, *(DISTORTION[4] * DISTORTION[b] for b in (1, 2, 3, 4)))
 """Expected error of 0-8 bits over a block's energy: 5-8 bits are a 4-bit code and a 1-4-bit
 code of its residual (still convex in the bits, as water-filling needs)."""
+DEEP_COST = tuple(b + 16 / 64 * ((b > 0) + (b > 4)) for b in range(9))
+"""Wire bits a value of a block of 0-8 bits: its codes and one bf16 scale per code (two
+above 4). In a fitted basis many blocks hold little: a first bit there costs a quarter more
+than its code, which the allocation must weigh."""
 
 
 def allocate_bits(
-    energy: torch.Tensor, budget: float, floor: int = 0, table: tuple[float, ...] = SHALLOW
+    energy: torch.Tensor,
+    budget: float,
+    floor: int = 0,
+    table: tuple[float, ...] = SHALLOW,
+    cost: tuple[float, ...] | None = None,
 ) -> torch.Tensor:
     """Bits (0 to ``len(table) - 1``, int64) for blocks of squared norms ``energy`` whose
     expected error ``sum_i table[b_i] energy_i`` is at most ``budget``, no block with fewer
     than ``floor``: reverse water-filling, each block taking the bits that minimise
-    ``b + lam table[b] energy_i`` with the smallest ``lam`` that meets the budget. So no
-    allocation of as few bits in total has less expected error (a Lagrangian optimum; one of
-    a few bits fewer may still meet the budget). Where even the most bits a block miss it,
-    every block with energy gets the most. ``table`` must be decreasing and convex.
+    ``cost[b] + lam table[b] energy_i`` (``cost``: what b bits a value take on the wire;
+    default ``b``) with the smallest ``lam`` that meets the budget. So no allocation that
+    costs as little in total has less expected error (a Lagrangian optimum; one a little
+    cheaper may still meet the budget). Where even the most bits a block miss it, every
+    block with energy gets the most. ``table`` must be decreasing and convex against
+    ``cost``: each further bit must buy less error per cost than the one before.
 
     Block i takes its b-th bit once ``lam energy_i >= STEPS[b]``, so the error only changes at
     the breakpoints ``STEPS[b] / energy_i``: they are sorted, and the first whose cumulative
@@ -52,7 +62,8 @@ def allocate_bits(
     # Block i's breakpoints, one a bit above the floor, increasing (the distortions are
     # convex): the multiplier times its energy above which b bits beat b - 1. At a
     # multiplier it has the bits of the breakpoints at or below it.
-    steps = 1.0 / (d[:-1] - d[1:])
+    c = torch.arange(len(table), dtype=torch.float64) if cost is None else torch.tensor(cost)
+    steps = (c[1:] - c[:-1]).to(torch.float64) / (d[:-1] - d[1:])
     points = steps[floor:][None, :] / e[live, None]
 
     def pick(lam: float) -> torch.Tensor:

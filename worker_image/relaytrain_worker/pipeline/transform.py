@@ -48,6 +48,7 @@ import torch
 
 from relaytrain_worker.pipeline.allocation import (
     DEEP,
+    DEEP_COST,
     allocate_bits,
     dequantise_grouped,
     quantise_grouped,
@@ -279,7 +280,7 @@ def code_row(
     bits the fewest within ``budget`` of expected error: the packed bit map, codes, scales."""
     coords = change if basis is None else change @ basis
     blocks = to_blocks(coords)
-    bits = allocate_bits(blocks.square().sum(dim=1).cpu(), budget, table=DEEP)
+    bits = allocate_bits(blocks.square().sum(dim=1).cpu(), budget, table=DEEP, cost=DEEP_COST)
     codes, scales = quantise(blocks, bits, version)
     return pack_map(bits), codes, scales
 
