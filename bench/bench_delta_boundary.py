@@ -1,7 +1,15 @@
 """The ``delta`` boundary compression over epochs: bytes per token, eval loss, time to a loss.
 
 Run: OMP_NUM_THREADS=1 .venv/bin/python bench/bench_delta_boundary.py [--quick] [--epochs E]
-    [--base random|pretrained] [--shift S] [--gradient-tokens S] [--json OUT]
+    [--base random|pretrained] [--shift S] [--gradient-tokens S] [--modes M,...] [--timed M]
+    [--json OUT]
+
+``--modes``: the runs, of ``none``, ``bf16``, ``int8``, ``int4`` and ``delta`` (``none`` and
+``bf16`` are always run: the references), where a ``delta`` may be written
+``delta:int3`` (``pipeline.activationError: int3``) and end in ``+basis`` (rows coded in
+fitted bases, `DeltaConfig.transform`), e.g. ``delta+basis,delta:int3+basis``. ``--timed``:
+the delta run raced against ``int8`` over the emulated slow link (default ``delta``; ``off``:
+no slow-link runs).
 
 A tiny random Llama (4 layers, hidden 256, testkit) with LoRA r8 on every linear layer is
 fine-tuned through 4 stages (one layer each; `run_pipeline_threads`: the worker's
@@ -47,6 +55,7 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -208,18 +217,37 @@ class Job:
     """``delta``'s share of gradient tokens (``--gradient-tokens``)."""
 
 
+def compression_of(mode: str) -> str:
+    """The ``pipeline.compression`` of a ``--modes`` entry."""
+    return "delta" if mode.startswith("delta") else mode
+
+
+def codec_of(mode: str) -> Callable[[], Any]:
+    """What makes each link's delta state for a ``--modes`` entry (`boundary.codec_for`)."""
+    from relaytrain_worker.pipeline.boundary import ACTIVATION_ERRORS, codec_for
+
+    if compression_of(mode) != "delta":
+        return codec_for
+    error = mode.removeprefix("delta").removesuffix("+basis").removeprefix(":") or "int4"
+    if error not in ACTIVATION_ERRORS:
+        raise SystemExit(f"--modes: {mode!r} names activation error {error!r}")
+    return lambda: codec_for(error, transform=mode.endswith("+basis"))
+
+
 def train(job: Job, mode: str, *, limited: bool) -> ModeRun:
     """Train ``job`` through the pipeline with ``mode``; evaluate after every step."""
     from relaytrain_testkit.inputs import even_splits
     from relaytrain_testkit.linkcreds import stage_credentials
     from relaytrain_testkit.pipelines import run_pipeline_threads
 
+    compression = compression_of(mode)
     run = run_pipeline_threads(
         job.model_dir, even_splits(LAYERS, STAGES), job.steps, job.training,
-        credentials=stage_credentials(STAGES, job="bench"), compression=mode, lora=LORA,
+        credentials=stage_credentials(STAGES, job="bench"), compression=compression, lora=LORA,
         link_rate=LINK_RATE if limited else None,
         link_latency=LINK_LATENCY if limited else 0.0, per_step=True,
-        gradient_tokens=job.gradient_tokens if mode == "delta" else 1.0,
+        gradient_tokens=job.gradient_tokens if compression == "delta" else 1.0,
+        codec=codec_of(mode),
     )  # fmt: skip
     spe = job.setup.steps_per_epoch
     cumulative = run.step_boundary_bytes
@@ -282,10 +310,24 @@ def main() -> None:
         default=1.0,
         help="delta: the share of tokens whose gradients go back (pipeline.gradientTokens)",
     )
+    parser.add_argument(
+        "--modes", default=",".join(MODES), help="the runs (see above; none and bf16 always)"
+    )
+    parser.add_argument(
+        "--timed", default="delta", help="the delta run raced against int8 (off: no such runs)"
+    )
     from relaytrain_testkit import bigram
 
     bigram.add_base_arguments(parser, default="random", pretrain_steps=600)
     args = parser.parse_args()
+    modes = list(dict.fromkeys(["none", "bf16", *args.modes.split(",")]))
+    for mode in modes:
+        if compression_of(mode) not in MODES:
+            raise SystemExit(f"--modes: {mode!r} is not one of {', '.join(MODES)} (or a delta)")
+        codec_of(mode)
+    timed = [] if args.timed == "off" else ["int8", args.timed]
+    if timed and args.timed not in modes:
+        raise SystemExit(f"--timed {args.timed!r} must be one of --modes ({', '.join(modes)})")
 
     from relaytrain_contract import TrainingSpec
     from relaytrain_testkit.tiny_models import tiny_model_dir
@@ -316,11 +358,11 @@ def main() -> None:
         job = Job(setup, model_dir, train_rows, steps, training, evaluator, args.gradient_tokens)
         base_loss = evaluator.loss()
         runs = {}
-        for mode in MODES:
+        for mode in modes:
             print(f"  training {mode} ...", file=sys.stderr, flush=True)
             runs[mode] = train(job, mode, limited=False)
         linked = {}
-        for mode in ("int8", "delta"):
+        for mode in timed:
             print(f"  training {mode} over 100 Mbit/s, 50 ms ...", file=sys.stderr, flush=True)
             linked[mode] = train(job, mode, limited=True)
     wall = time.monotonic() - started
@@ -390,6 +432,31 @@ def report(
     for m, r in runs.items():
         print(f"| {m} | " + " | ".join(f"{100 * d:.1f} %" for d in r.drift) + " |")
 
+    if out is not None:
+        out.write_text(
+            json.dumps(
+                {
+                    "setup": asdict(setup),
+                    "eval_loss_before": base_loss,
+                    "bytes_per_token_per_boundary": {
+                        m: {"per_epoch": per_epoch[m], "overall": overall[m]} for m in runs
+                    },
+                    "runs": {m: asdict(r) for m, r in runs.items()},
+                    "linked_runs": {m: asdict(r) for m, r in linked.items()},
+                    "wall_seconds": wall,
+                },
+                indent=1,
+            )
+        )
+    if linked:
+        report_time(runs, linked, none_final, out)
+
+
+def report_time(
+    runs: dict[str, ModeRun], linked: dict[str, ModeRun], none_final: float, out: Path | None
+) -> None:
+    """Time to a target eval loss over the emulated link, int8 against the timed delta."""
+    timed = next(m for m in linked if m != "int8")
     targets = {
         "none's final + 1 %": none_final * 1.01,
         "int8's final": linked["int8"].step_eval[-1],
@@ -421,35 +488,22 @@ def report(
         for m, v in rows.items():
             parts = []
             for key in ("measured", "model", "bandwidth"):
-                a, b = rows["int8"][key], rows["delta"][key]
-                ratio = "" if m != "delta" or a is None or b is None else f"{a / b:.2f}x"
+                a, b = rows["int8"][key], rows[timed][key]
+                ratio = "" if m != timed or a is None or b is None else f"{a / b:.2f}x"
                 parts.append(("never" if v[key] is None else f"{v[key]:.2f}") + f" | {ratio}")
             steps_cell = "never" if v["steps"] is None else str(v["steps"])
             print(f"| {label} ({target:.4f}) | {m} | {steps_cell} | " + " | ".join(parts) + " |")
     print(
         "\nWhole run over the emulated link: "
         + ", ".join(
-            f"{m} {r.seconds:.1f} s (unlimited link: {runs[m].seconds:.1f} s)"
+            f"{m} {r.seconds:.1f} s"
+            + (f" (unlimited link: {runs[m].seconds:.1f} s)" if m in runs else "")
             for m, r in linked.items()
         )
     )
     if out is not None:
-        out.write_text(
-            json.dumps(
-                {
-                    "setup": asdict(setup),
-                    "eval_loss_before": base_loss,
-                    "bytes_per_token_per_boundary": {
-                        m: {"per_epoch": per_epoch[m], "overall": overall[m]} for m in runs
-                    },
-                    "time_to_target": results_t,
-                    "runs": {m: asdict(r) for m, r in runs.items()},
-                    "linked_runs": {m: asdict(r) for m, r in linked.items()},
-                    "wall_seconds": wall,
-                },
-                indent=1,
-            )
-        )
+        written = json.loads(out.read_text())
+        out.write_text(json.dumps({**written, "time_to_target": results_t}, indent=1))
 
 
 if __name__ == "__main__":

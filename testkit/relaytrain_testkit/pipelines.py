@@ -19,6 +19,7 @@ from relaytrain_worker.model.lora_merge import Fold
 from relaytrain_worker.model.methods import TIED_NAME, lora_config, setup_method
 from relaytrain_worker.model.model_slice import BUILD_LOCK, SliceSpec, StageModel, build_stage_model
 from relaytrain_worker.model.training import make_optimizer, optimizer_step
+from relaytrain_worker.pipeline.boundary import BoundaryCodec, codec_for
 from relaytrain_worker.pipeline.peers import Peers
 from relaytrain_worker.pipeline.schedule import StepRunner
 from relaytrain_worker.pipeline.stats import ReplicaGroup
@@ -82,6 +83,7 @@ def run_pipeline_threads(
     per_step: bool = False,
     ahead: int = 0,
     gradient_tokens: float = 1.0,
+    codec: Callable[[], BoundaryCodec] = codec_for,
 ) -> PipelineRun:
     """Run a P-stage pipeline as P threads over real loopback links (tests, benches).
 
@@ -100,7 +102,8 @@ def run_pipeline_threads(
     flushes its sends after each step, so they count exactly that step's frames) and the
     seconds to each step's end (``step_seconds``). ``ahead``: the stages' forwards ahead of
     1F1B (``spec.pipeline.forwardsAhead``). ``gradient_tokens``: the share of tokens whose
-    gradients go back (``spec.pipeline.gradientTokens``).
+    gradients go back (``spec.pipeline.gradientTokens``). ``codec``: makes each link's
+    ``delta`` state (`boundary.codec_for`, as a stage's links take it).
     """
     if len(credentials) != len(splits):
         raise ValueError(f"{len(credentials)} link credentials for {len(splits)} stages")
@@ -109,7 +112,7 @@ def run_pipeline_threads(
         credentials=[credentials], groups=None, method=method, compression=compression,
         lora=lora, link_rate=link_rate, overlap_encode=overlap_encode, record_steps=per_step,
         side_stream=side_stream, warmup=warmup, grads=grads, link_latency=link_latency,
-        step_bytes=per_step, ahead=ahead, gradient_tokens=gradient_tokens,
+        step_bytes=per_step, ahead=ahead, gradient_tokens=gradient_tokens, codec=codec,
     )[0]  # fmt: skip
 
 
@@ -238,6 +241,7 @@ def _run_pipelines(
     step_bytes: bool = False,
     ahead: int = 0,
     gradient_tokens: float = 1.0,
+    codec: Callable[[], BoundaryCodec] = codec_for,
 ) -> list[PipelineRun]:
     """Every stage of every pipeline as a thread; ``steps[p]``: pipeline p's micro-batches.
     ``step_bytes``: record `PipelineRun.step_boundary_bytes` and ``step_seconds``."""
@@ -299,6 +303,7 @@ def _run_pipelines(
                 if link is not None:
                     link.limit_rate(link_rate)
                     link.set_latency(link_latency)
+                    link.codec = codec()
             tied = getattr(stage.config, "tie_word_embeddings", False)
             runner = StepRunner(
                 stage,

@@ -308,6 +308,7 @@ def test_every_cel_rule_is_kept_where_it_was() -> None:
             (".spec.training", ".warmupSteps"),
             (".spec.training", ".endOfData"),
             (".spec.pipeline", ".gradientTokens"),
+            (".spec.pipeline", ".activationError"),
             (".spec.pipeline.stages", ""),
             (".spec.pipeline.replicas", ""),
             (".spec.pipeline.sync", ".everySteps"),

@@ -27,6 +27,9 @@ LrSchedule = Literal["cosine", "linear", "constant"]
 EndOfData = Literal["cycle", "stop"]
 PipelineSchedule = Literal["1f1b"]
 Compression = Literal["none", "bf16", "int8", "int4", "delta"]
+ActivationError = Literal["int4", "int3"]
+"""What the ``delta`` compression holds each row's activation code to: an int4 or an int3
+code's expected error."""
 SyncMode = Literal["synchronous", "periodic"]
 OuterCode = Literal["float64", "int4", "int2", "int1"]
 LoraMerge = Literal["auto", "exact", "average"]
@@ -242,6 +245,9 @@ class PipelineSpec(_Part):
     gradient_tokens: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     """The share of tokens whose gradients cross each boundary, drawn in proportion to their
     norms and scaled to stay unbiased (relaytrain_worker.pipeline.sampling); 1: every token."""
+    activation_error: ActivationError = "int4"
+    """With ``delta``: the expected error each row's activation code stays within, that of
+    an int4 or an int3 code (relaytrain_worker.pipeline.boundary.codec_for)."""
 
 
 class LinksSpec(_Part):

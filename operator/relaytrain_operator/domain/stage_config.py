@@ -415,6 +415,7 @@ def stage_config(
             forwards_ahead=spec.pipeline.forwards_ahead,
             # the share is delta's: a run on loopback (`relaytrain run --local`) sends none
             gradient_tokens=spec.pipeline.gradient_tokens if mode == "delta" else 1.0,
+            activation_error=spec.pipeline.activation_error if mode == "delta" else "int4",
         ),
         links=LinksSpec(
             listen=ends.listen,

@@ -21,7 +21,7 @@ from relaytrain_contract import (
     Truncation,
 )
 from relaytrain_contract.camel import CAMEL_CASE
-from relaytrain_contract.stage import EndOfData, LoraMerge, OuterCode, SyncMode
+from relaytrain_contract.stage import ActivationError, EndOfData, LoraMerge, OuterCode, SyncMode
 
 from relaytrain_operator.spec import patterns
 from relaytrain_operator.spec.errors import field_error
@@ -334,6 +334,13 @@ class PipelineSpec(SpecModel):
                 "compression: delta, or leave gradientTokens at 1.",
                 field=".gradientTokens",
             ),
+            Rule(
+                "!has(self.activationError) || self.activationError == 'int4'"
+                " || (has(self.compression) && self.compression == 'delta')",
+                "spec.pipeline.activationError int3 needs compression: delta; set "
+                "compression: delta, or leave activationError at int4.",
+                field=".activationError",
+            ),
         )
     )
 
@@ -376,18 +383,30 @@ class PipelineSpec(SpecModel):
     pretrained base, where most tokens' gradients are small: at 0.25 the gradients took 19x
     fewer bytes than bf16 and the held-out loss ended within 1 % of uncompressed training; a
     LoRA that learns from a random model lost 17-43 % (docs/links-and-checkpoints.md)."""
+    activation_error: ActivationError = "int4"
+    """With `compression: delta`: the expected error each training row's activation code is
+    held to, what an `int4` code leaves (about 10 % of the row's norm; the default) or an
+    `int3` code (about 19 %). The codes then take about two thirds of the bits, and the next
+    stage trains on noisier activations: for fine-tunes of a pretrained base, like
+    gradientTokens below 1 (docs/links-and-checkpoints.md, "The delta compression")."""
     sync: SyncSpec = Field(default_factory=SyncSpec)
     """How several pipelines keep their weights equal: `synchronous` (gradients reduced every
     step) or `periodic` (local steps, weights averaged every `everySteps` steps, for slow
     links)."""
 
     @model_validator(mode="after")
-    def _tokens_need_delta(self) -> PipelineSpec:
+    def _delta_only(self) -> PipelineSpec:
         if self.gradient_tokens < 1.0 and self.compression != "delta":
             raise field_error(
                 "gradientTokens",
                 f"a share below 1 needs compression: delta (got {self.compression}); "
                 "set compression: delta, or leave gradientTokens at 1",
+            )
+        if self.activation_error != "int4" and self.compression != "delta":
+            raise field_error(
+                "activationError",
+                f"{self.activation_error} needs compression: delta (got {self.compression}); "
+                "set compression: delta, or leave activationError at int4",
             )
         return self
 

@@ -27,7 +27,7 @@ from typing import Protocol
 import torch
 from relaytrain_contract import StageConfig
 
-from relaytrain_worker.pipeline.boundary import MODE, BoundaryCodec
+from relaytrain_worker.pipeline.boundary import MODE, BoundaryCodec, codec_for
 from relaytrain_worker.pipeline.credentials import LinkCredentials
 from relaytrain_worker.pipeline.linkauth import LinkBroken
 from relaytrain_worker.pipeline.transport import (
@@ -305,4 +305,7 @@ def link_chain(
             if link is not None:
                 link.close()
         raise
+    for link in (prev, nxt):
+        if link is not None:  # what this end sends under delta (`boundary.codec_for`)
+            link.codec = codec_for(cfg.pipeline.activation_error)
     return Peers(prev, nxt)

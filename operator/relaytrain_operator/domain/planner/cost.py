@@ -58,7 +58,8 @@ WIRE_BYTES = {"bf16": 2.0, "int8": 1.0 + 2 / 64, "int4": 0.5 + 2 / 64}
 #: about int4's rate, exactly 4 bits a value where its blocks are alike; later epochs code
 #: only what changed, so their rate falls with the drift (docs/links-and-checkpoints.md).
 #: Gradients at 3 bits always (a bf16 scale per 64 values). A plan is priced at the first
-#: epoch's rate, the slowest.
+#: epoch's rate, the slowest; with ``pipeline.activationError: int3``, at int3's
+#: (`delta_first_bytes`).
 DELTA_FIRST_BYTES = (4 + 16 / 64 + 3 / 64) / 8
 DELTA_GRADIENT_BYTES = (3 + 16 / 64) / 8
 #: Seconds per boundary value of the ``delta`` codec on a GPU stage, encode plus decode: it
@@ -220,12 +221,18 @@ def _wire_bytes_per_value(training: TrainingShape, backward: bool = False) -> fl
         return float(training.dtype_bytes)
     if training.compression == "delta":
         if not backward:
-            return DELTA_FIRST_BYTES
+            return delta_first_bytes(training.activation_bits)
         if training.gradient_tokens >= 1.0:
             return DELTA_GRADIENT_BYTES
         # a share of the tokens coded, and a bit a token (at most 1/64 of a bit a value)
         return DELTA_GRADIENT_BYTES * training.gradient_tokens + 1 / 64 / 8
     return WIRE_BYTES[training.compression]
+
+
+def delta_first_bytes(bits: int) -> float:
+    """Wire bytes a value of a row's first crossing under ``delta`` held to a ``bits``-bit
+    code's error: that code's bits, its scales and the bit map."""
+    return DELTA_FIRST_BYTES - (4 - bits) / 8
 
 
 @dataclass(frozen=True)

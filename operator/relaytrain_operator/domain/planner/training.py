@@ -51,6 +51,9 @@ class TrainingShape:
     gradient_tokens: float = 1.0
     """The share of tokens whose gradients cross a boundary (``spec.pipeline.gradientTokens``,
     `delta` only): the gradients' bytes are priced at that share."""
+    activation_bits: int = 4
+    """The code whose error `delta`'s activations are held to (``spec.pipeline.activationError``:
+    int4 or int3): a row's first crossing is priced at about that code's bits."""
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "micro_batches", "sequence_length", "lora_rank"):
@@ -65,6 +68,8 @@ class TrainingShape:
         for name, value, valid in checks:
             if value not in valid:
                 raise ValueError(f"training {name} {value!r} is not one of {', '.join(valid)}")
+        if self.activation_bits not in (3, 4):
+            raise ValueError(f"training activation_bits must be 3 or 4, got {self.activation_bits}")
         if not 0.0 < self.gradient_tokens <= 1.0:
             raise ValueError(
                 "training gradient_tokens must be above 0 and at most 1, "
