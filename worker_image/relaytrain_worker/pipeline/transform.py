@@ -25,11 +25,12 @@ transform coding").
 
 Equality of the two ends. Codes and their decode in coordinates are bit-exact as in
 `deltacache.py`; the change is ``coordinates @ basis^T``, a matrix product, which two devices
-of different kinds may round differently in float32's last bit. Both ends of a CPU link, or of
-two cards of one kind, agree bit for bit (tests/unit/test_transform.py); otherwise the entries
-can differ by that rounding, which the next full code of the row clears and which a delta
-carries forward without growing it beyond a few float32 ulps an epoch: far below the codes'
-error (int4: about 10 % of a row's norm).
+of different kinds may round differently in float32's last bit. Both ends of a CPU link
+agree bit for bit (tests/unit/test_transform_coding.py); two cards of one kind run the same
+kernels (not yet checked on a card). Otherwise the entries can differ by that rounding,
+which the next full code of the row clears and which a delta carries forward without growing
+it beyond a few float32 ulps an epoch: far below the codes' error (int4: about 10 % of a
+row's norm).
 
 Memory: on the sender two moments of ``h x h`` float64 where the rows are coded (256 MiB on a
 4096-wide boundary), and on each end two bases of ``h x h`` float32 on the CPU and on the
