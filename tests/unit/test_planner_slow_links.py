@@ -82,6 +82,51 @@ def test_auto_weighs_the_cpu_time_of_the_delta_codec(monkeypatch: pytest.MonkeyP
     assert chosen == "delta"
 
 
+def test_delta_is_priced_at_its_runs_mean_where_the_job_counts_epochs() -> None:
+    """A job of epochs pays delta's first-crossing rate for one of them and
+    ``DELTA_LATER_SHARE`` of it for the rest; a job of steps (passes unknown) is priced at the
+    first epoch's rate. Gradients and the other codes do not depend on the epochs."""
+    first = cost.delta_first_bytes(4)
+    share = cost.DELTA_LATER_SHARE
+    delta = replace(TRAINING, compression="delta")
+    values = TRAINING.tokens_per_micro_batch * LLAMA.hidden_size
+    labels = TRAINING.tokens_per_micro_batch * cost.LABEL_BYTES_PER_TOKEN
+    steps = LinkCost.of(LLAMA, delta)
+    assert steps.forward_bytes == pytest.approx(values * first + labels)
+    assert LinkCost.of(LLAMA, replace(delta, epochs=1)) == steps
+    four = LinkCost.of(LLAMA, replace(delta, epochs=4))
+    assert four.forward_bytes == pytest.approx(values * first * (1 + 3 * share) / 4 + labels)
+    assert four.backward_bytes == steps.backward_bytes
+    int3 = LinkCost.of(LLAMA, replace(delta, epochs=4, activation_bits=3))
+    assert int3.forward_bytes == pytest.approx(
+        values * cost.delta_first_bytes(3) * (1 + 3 * share) / 4 + labels
+    )
+    int4 = replace(TRAINING, compression="int4")
+    assert LinkCost.of(LLAMA, replace(int4, epochs=4)) == LinkCost.of(LLAMA, int4)
+    with pytest.raises(ValueError, match="training epochs must be a positive integer"):
+        replace(TRAINING, epochs=0)
+
+
+@pytest.mark.parametrize(("mbps", "epochs", "want"), [
+    (50.0, None, "int4"),  # a job of steps: delta at its first epoch's rate, about int4's
+    (50.0, 1, "int4"),
+    (50.0, 3, "delta"),  # later epochs code what changed: fewer bytes than int4 at the link
+    (20.0, 6, "delta"),
+    (1_000.0, 6, "int4"),  # the link waits less than delta's codec costs on the card
+    (100_000.0, 3, "none"),  # no link waits: exact boundaries whatever the epochs
+])  # fmt: skip
+def test_auto_takes_delta_where_the_job_counts_more_than_one_epoch_over_slow_links(
+    mbps: float, epochs: int | None, want: str
+) -> None:
+    pools = _fleet(mbps)
+    training = replace(TRAINING, epochs=epochs)
+    chosen, result = choose_compression(lambda t: plan(LLAMA, t, pools), training)
+    assert chosen == want
+    if want == "delta":  # and it buys more than the margin over int4
+        int4 = plan(LLAMA, replace(training, compression="int4"), pools)
+        assert int4.tokens_per_second < (1 - AUTO_MARGIN) * result.tokens_per_second
+
+
 def test_a_job_with_auto_records_the_choice_in_its_plan_and_its_stage_documents() -> None:
     manifest = (
         Job("auto-links")
@@ -96,6 +141,15 @@ def test_a_job_with_auto_records_the_choice_in_its_plan_and_its_stage_documents(
     nodes = [node(f"rtx-{i}", "rtx") for i in range(4)]
     status = make_plan(job, CONFIG, nodes, [], default_link=(100.0, 20.0))  # home links
     assert status["compression"] == "int4"
+    # Over 50 Mbit/s links the job of steps keeps int4; counting 3 epochs, it takes delta,
+    # priced at its run's mean.
+    assert make_plan(job, CONFIG, nodes, [], default_link=(50.0, 20.0))["compression"] == "int4"
+    by_epochs = manifest | {"spec": manifest["spec"] | {"training": {
+        **{k: v for k, v in manifest["spec"]["training"].items() if k != "steps"}, "epochs": 3,
+    }}}  # fmt: skip
+    epochs_job = parse_job(by_epochs, default_checkpoint_uri="s3://ckpt")
+    slow = make_plan(epochs_job, CONFIG, nodes, [], default_link=(50.0, 20.0))
+    assert slow["compression"] == "delta"
     ranges = [(s["layerStart"], s["layerEnd"]) for s in status["stages"]]
     (docs,) = build_pipeline_configs(
         job,

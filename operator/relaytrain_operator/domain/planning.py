@@ -68,6 +68,7 @@ def training_shape(job: FineTuneJob, chosen: str | None = None) -> TrainingShape
         dtype=spec.model.dtype,
         forwards_ahead=spec.pipeline.forwards_ahead,
         gradient_tokens=spec.pipeline.gradient_tokens,
+        epochs=spec.training.epochs,
         activation_bits=int(spec.pipeline.activation_error.removeprefix("int")),
     )
 

@@ -89,21 +89,30 @@ FULL_BITS: Bits = 4
 """Bits per value of a row's first code (int4's error: the first epoch trains as int4 does)."""
 GRADIENT_BITS: Bits = 3
 """Bits per value of every other floating tensor (the gradients going back)."""
-CONFIG = DeltaConfig(full_bits=FULL_BITS, allocate=True)
-"""Each block of a row's code gets its own bits, within int4's error (`DeltaConfig.allocate`)."""
-ACTIVATION_ERRORS: dict[str, Bits] = {"int4": 4, "int3": 3}
+ACTIVATION_ERRORS: dict[str, Bits] = {"int4": FULL_BITS, "int3": 3}
 """``pipeline.activationError``: the code whose expected error a row's code is held to."""
 
 
-def codec_for(activation_error: str = "int4", *, transform: bool = False) -> BoundaryCodec:
-    """The codec a link of a job with ``pipeline.activationError`` keeps; ``transform``: rows
-    coded in fitted bases (`DeltaConfig.transform`). Only the sender reads its config (every
-    code says how it was made), so the two ends of a link need not agree on it."""
+def config_for(activation_error: str = "int4", *, transform: bool = False) -> DeltaConfig:
+    """The sender's config of a link of a job with ``pipeline.activationError``: each block
+    of a row's code gets its own bits (`DeltaConfig.allocate`), within that code's error;
+    ``transform``: rows coded in fitted bases (`DeltaConfig.transform`)."""
     if activation_error not in ACTIVATION_ERRORS:
         valid = ", ".join(ACTIVATION_ERRORS)
         raise ValueError(f"activation_error must be one of {valid}, got {activation_error!r}")
     bits = ACTIVATION_ERRORS[activation_error]
-    return BoundaryCodec(DeltaConfig(full_bits=bits, allocate=True, transform=transform))
+    return DeltaConfig(full_bits=bits, allocate=True, transform=transform)
+
+
+CONFIG = config_for()
+"""A link's default: int4's error, no basis."""
+
+
+def codec_for(activation_error: str = "int4", *, transform: bool = False) -> BoundaryCodec:
+    """The codec a link of a job with ``pipeline.activationError`` keeps (`config_for`). Only
+    the sender reads its config (every code says how it was made), so the two ends of a link
+    need not agree on it."""
+    return BoundaryCodec(config_for(activation_error, transform=transform))
 
 
 def bytes_per_value(bits: int) -> float:

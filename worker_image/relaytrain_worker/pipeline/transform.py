@@ -161,14 +161,18 @@ class Fitter:
             raise ValueError(f"refit and first_fit must be >= 1, got {refit} and {first_fit}")
         self.refit = refit
         self.first_fit = first_fit
-        self._moments: dict[bool, torch.Tensor | None] = {False: None, True: None}
-        self._frames = {False: 0, True: 0}
+        self._moments: dict[bool, torch.Tensor | None] = {}
+        self._frames: dict[bool, int] = {}
         self._in_frame: set[bool] = set()
         self._due: set[bool] = set()
+        self.reset()
 
     def reset(self) -> None:
         """Forget the moments and the counts (a restarted link starts from the identity)."""
-        self.__init__(self.refit, self.first_fit)  # type: ignore[misc]
+        self._moments = {False: None, True: None}
+        self._frames = {False: 0, True: 0}
+        self._in_frame.clear()
+        self._due.clear()
 
     def add(self, against: bool, change: torch.Tensor) -> None:
         """Count one row's change (``[tokens, h]`` float32, where it was coded)."""

@@ -57,11 +57,22 @@ WIRE_BYTES = {"bf16": 2.0, "int8": 1.0 + 2 / 64, "int4": 0.5 + 2 / 64}
 #: (a bf16 scale per block sent, 3 bits a block for its bits). A row's first crossing costs
 #: about int4's rate, exactly 4 bits a value where its blocks are alike; later epochs code
 #: only what changed, so their rate falls with the drift (docs/links-and-checkpoints.md).
-#: Gradients at 3 bits always (a bf16 scale per 64 values). A plan is priced at the first
-#: epoch's rate, the slowest; with ``pipeline.activationError: int3``, at int3's
-#: (`delta_first_bytes`).
+#: Gradients at 3 bits always (a bf16 scale per 64 values). A job of steps is priced at the
+#: first epoch's rate, the slowest; with ``pipeline.activationError: int3``, at int3's
+#: (`delta_first_bytes`). A job of ``spec.training.epochs`` E is priced at its run's mean
+#: (`delta_forward_bytes`): the first epoch at that rate and each later one at
+#: ``DELTA_LATER_SHARE`` of it.
 DELTA_FIRST_BYTES = (4 + 16 / 64 + 3 / 64) / 8
 DELTA_GRADIENT_BYTES = (3 + 16 / 64) / 8
+#: What a later epoch's activations cost under ``delta`` as a share of the first's. The rows'
+#: drift decides it, which no plan knows before the run; this is the dearest mean measured
+#: (`bench/bench_delta_boundary.py`, tiny Llama LoRA, 4 stages, 6 epochs, 2026-11-29, the
+#: activations' bytes of epochs 2-6 against epoch 1's): 0.72 where the LoRA learns a language
+#: from a random base (rows moved 95-5 % an epoch), 0.46 on a fine-tune of a pretrained one
+#: (50-1.6 %), rounded up. Where the rows drift more, a later epoch costs at most what the
+#: first does (a row coded against zero), so a plan that took delta on this price is at
+#: worst delta's first-epoch speed: about int4's (docs/planner.md).
+DELTA_LATER_SHARE = 0.75
 #: Seconds per boundary value of the ``delta`` codec on a GPU stage, encode plus decode: it
 #: codes on the sending stage's card and decodes on the receiving one's (the rows' caches
 #: and the per-row choice of bits stay on the host, most of the forward's time). Forward a
@@ -221,7 +232,7 @@ def _wire_bytes_per_value(training: TrainingShape, backward: bool = False) -> fl
         return float(training.dtype_bytes)
     if training.compression == "delta":
         if not backward:
-            return delta_first_bytes(training.activation_bits)
+            return delta_forward_bytes(training.activation_bits, training.epochs)
         if training.gradient_tokens >= 1.0:
             return DELTA_GRADIENT_BYTES
         # a share of the tokens coded, and a bit a token (at most 1/64 of a bit a value)
@@ -233,6 +244,17 @@ def delta_first_bytes(bits: int) -> float:
     """Wire bytes a value of a row's first crossing under ``delta`` held to a ``bits``-bit
     code's error: that code's bits, its scales and the bit map."""
     return DELTA_FIRST_BYTES - (4 - bits) / 8
+
+
+def delta_forward_bytes(bits: int, epochs: int | None) -> float:
+    """Wire bytes a value of a row's activations costs under ``delta``, the mean over a run of
+    ``epochs`` passes (None: a job of steps, whose passes the plan does not know: the first
+    epoch's rate): the first pass at `delta_first_bytes`, each later one at
+    ``DELTA_LATER_SHARE`` of it."""
+    first = delta_first_bytes(bits)
+    if epochs is None or epochs <= 1:
+        return first
+    return first * (1 + (epochs - 1) * DELTA_LATER_SHARE) / epochs
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,9 @@ class TrainingShape:
     gradient_tokens: float = 1.0
     """The share of tokens whose gradients cross a boundary (``spec.pipeline.gradientTokens``,
     `delta` only): the gradients' bytes are priced at that share."""
+    epochs: int | None = None
+    """Passes over the data (``spec.training.epochs``; None: a job of steps, whose passes the
+    plan does not know): `delta`'s activations are priced at the run's mean over them."""
     activation_bits: int = 4
     """The code whose error `delta`'s activations are held to (``spec.pipeline.activationError``:
     int4 or int3): a row's first crossing is priced at about that code's bits."""
@@ -70,6 +73,9 @@ class TrainingShape:
                 raise ValueError(f"training {name} {value!r} is not one of {', '.join(valid)}")
         if self.activation_bits not in (3, 4):
             raise ValueError(f"training activation_bits must be 3 or 4, got {self.activation_bits}")
+        epochs = self.epochs
+        if epochs is not None and (type(epochs) is not int or epochs < 1):
+            raise ValueError(f"training epochs must be a positive integer or None, got {epochs!r}")
         if not 0.0 < self.gradient_tokens <= 1.0:
             raise ValueError(
                 "training gradient_tokens must be above 0 and at most 1, "
