@@ -1,20 +1,29 @@
-"""`pipeline.activationError`: the error a `delta` row's code is held to, from the spec through
-the stage documents to the links a stage makes, what the planner prices, and what the codes
+"""`pipeline.activationError` (the error a `delta` row's code is held to) and
+`pipeline.activationBasis` (what a token's change is coded in), from the spec through the
+stage documents to the links a stage makes, what the planner prices, and what the codes
 cost and leave over a real link."""
 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import pytest
 import torch
 from relaytrain_contract import StageConfig
-from relaytrain_operator.domain.planner import TrainingShape
-from relaytrain_operator.domain.planner.cost import DELTA_FIRST_BYTES, _wire_bytes_per_value
+from relaytrain_operator.domain.planner import ModelShape, Pool, TrainingShape
+from relaytrain_operator.domain.planner.catalog import DEFAULT_CATALOG
+from relaytrain_operator.domain.planner.cost import (
+    DELTA_FIRST_BYTES,
+    CostSettings,
+    _wire_bytes_per_value,
+    pool_cost,
+)
 from relaytrain_operator.domain.stage_config import build_stage_configs, local_endpoints
 from relaytrain_operator.spec import SpecError, parse_job
 from relaytrain_testkit.jobs import Job
 from relaytrain_testkit.linkcreds import link_pair, stage_credentials
+from relaytrain_testkit.shapes import SMOLLM2_135M_CONFIG
 from relaytrain_worker.pipeline.boundary import ROWS, codec_for
 from relaytrain_worker.pipeline.lowbit import DISTORTION
 from relaytrain_worker.pipeline.peers import link_chain
@@ -25,8 +34,13 @@ pytestmark = pytest.mark.unit
 RANGES = [(0, 2), (2, 4)]
 
 
-def _job(error: str, compression: str = "delta") -> Job:
-    return Job().pipeline(compression=compression).set("spec.pipeline.activationError", error)
+def _job(error: str, compression: str = "delta", basis: str = "identity") -> Job:
+    return (
+        Job()
+        .pipeline(compression=compression)
+        .set("spec.pipeline.activationError", error)
+        .set("spec.pipeline.activationBasis", basis)
+    )
 
 
 def test_the_spec_takes_int3_only_with_delta_and_the_planner_prices_it() -> None:
@@ -50,14 +64,52 @@ def test_the_spec_takes_int3_only_with_delta_and_the_planner_prices_it() -> None
         TrainingShape(1, 4, 256, compression="delta", activation_bits=2)
 
 
-def test_a_stages_links_code_to_the_error_its_document_names() -> None:
-    job = parse_job(_job("int3").build())
+def test_the_spec_takes_a_fitted_basis_with_delta_or_auto_and_the_planner_counts_its_memory() -> (
+    None
+):
+    for compression in ("delta", "auto"):
+        job = parse_job(_job("int4", compression, basis="fitted").build())
+        assert job.spec.pipeline.activation_basis == "fitted"
+    assert parse_job(Job().build()).spec.pipeline.activation_basis == "identity"
+    with pytest.raises(SpecError, match="should be 'identity' or 'fitted'") as info:
+        parse_job(_job("int4", basis="pca").build())
+    assert "spec.pipeline.activationBasis" in info.value.paths
+    with pytest.raises(SpecError, match="fitted needs compression: delta or auto") as info:
+        parse_job(_job("int4", compression="int4", basis="fitted").build())
+    assert "spec.pipeline.activationBasis" in info.value.paths
+    # Device memory: a stage that sends activations holds two float64 moments and two float32
+    # bases, one that receives them two bases; the identity and the other codes nothing.
+    model = ModelShape.from_hf_config(SMOLLM2_135M_CONFIG)
+    h = model.hidden_size
+    pool = Pool("h100", "NVIDIA-H100-80GB-HBM3", 4, 1000.0, 10.0)
+    gpu = DEFAULT_CATALOG[pool.product]
+
+    def fixed(training: TrainingShape, first: bool, last: bool) -> int:
+        return pool_cost(model, training, pool, gpu, CostSettings()).fixed_bytes(first, last)
+
+    delta = TrainingShape(1, 4, 256, compression="delta")
+    fitted = replace(delta, activation_basis="fitted")
+    for first, last, extra in ((True, False, 24), (False, False, 32), (False, True, 8)):
+        assert fixed(fitted, first, last) - fixed(delta, first, last) == extra * h * h
+    # 32 h^2 on a middle stage: 512 MiB at hidden 4096.
+    assert 32 * 4096 * 4096 == 512 << 20
+    int4 = replace(fitted, compression="int4")
+    assert fixed(int4, False, False) == fixed(replace(delta, compression="int4"), False, False)
+    with pytest.raises(ValueError, match="activation_basis 'pca' is not one of identity, fitted"):
+        replace(delta, activation_basis="pca")
+
+
+@pytest.mark.parametrize(("error", "basis"), [("int3", "identity"), ("int4", "fitted")])
+def test_a_stages_links_code_as_its_document_names(error: str, basis: str) -> None:
+    job = parse_job(_job(error, basis=basis).build())
     ends = local_endpoints(2, 29500, 9400)
     docs = build_stage_configs(job, RANGES, ends)
-    assert [d["pipeline"]["activationError"] for d in docs] == ["int3", "int3"]
-    # `relaytrain run --local` sends nothing compressed over loopback: the error is int4's.
+    assert [d["pipeline"]["activationError"] for d in docs] == [error, error]
+    assert [d["pipeline"]["activationBasis"] for d in docs] == [basis, basis]
+    # `relaytrain run --local` sends nothing compressed over loopback: int4's error, no basis.
     plain = build_stage_configs(job, RANGES, ends, compression="none")
-    assert [d["pipeline"].get("activationError", "int4") for d in plain] == ["int4", "int4"]
+    assert [d["pipeline"]["activationError"] for d in plain] == ["int4", "int4"]
+    assert [d["pipeline"]["activationBasis"] for d in plain] == ["identity", "identity"]
     namespace, name = docs[0]["links"]["identity"].split("/")[2:4]
     creds = stage_credentials(2, namespace=namespace, job=name)
     listener = listen("127.0.0.1:0", credentials=creds[1], expect=creds[0].identity)
@@ -70,8 +122,10 @@ def test_a_stages_links_code_to_the_error_its_document_names() -> None:
         up = accepting.result()
     try:
         assert down.next is not None and up.prev is not None
-        assert down.next.link.codec.sender.config.full_bits == 3
-        assert up.prev.link.codec.sender.config.full_bits == 3
+        for link in (down.next.link, up.prev.link):
+            config = link.codec.sender.config
+            assert config.full_bits == int(error.removeprefix("int"))
+            assert config.transform is (basis == "fitted")
     finally:
         down.close()
         up.close()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from relaytrain_worker.pipeline.boundary import ROWS, BoundaryCodec
+from relaytrain_worker.pipeline.boundary import ROWS, BoundaryCodec, codec_for
 from relaytrain_worker.pipeline.lowbit import BLOCK, DISTORTION, dequantise_blocks, quantise_blocks
 
 pytestmark = [pytest.mark.unit, pytest.mark.gpu]
@@ -77,3 +77,46 @@ def test_a_code_decodes_to_the_same_bits_on_the_card_as_on_the_cpu(bits: int) ->
         cpu = dequantise_blocks(codes, scales, bits, variant)  # type: ignore[arg-type]
         card = dequantise_blocks(codes.cuda(), scales.cuda(), bits, variant)  # type: ignore[arg-type]
         assert torch.equal(card.cpu(), cpu), (bits, variant)
+
+
+@pytest.mark.parametrize(
+    ("sender_on", "receiver_on"), [("cuda", "cpu"), ("cpu", "cuda"), ("cuda", "cuda")]
+)
+def test_rows_coded_in_fitted_bases_decode_on_another_device_as_the_mirror_holds(
+    sender_on: str, receiver_on: str
+) -> None:
+    """`pipeline.activationBasis: fitted` (transform.py): a basis is fitted where the sender
+    codes, sent in bf16, and installed alike on both ends; a code's change is its coordinates
+    times the basis, a matrix product a card and a CPU may round apart in float32's last bit.
+    Two ends on different devices hold the same rows within that rounding (the bf16 cache may
+    round a value the other way: one bf16 step of it), epoch after epoch, within int4's error;
+    two cards hold the same bits."""
+    gen = torch.Generator().manual_seed(2)
+    mix = torch.linalg.qr(torch.randn(256, 256, generator=gen)).Q
+    scale = torch.logspace(1, -2, 256)  # energy in a few directions, as in a boundary
+    sender, receiver = codec_for("int4", transform=True), codec_for("int4", transform=True)
+    receiver.device = None if receiver_on == "cpu" else torch.device(receiver_on)
+    rows = [torch.randn(3, 64, 256, generator=gen) * scale @ mix.T for _ in range(6)]
+    frames = [(f, rows[f]) for f in range(6)]  # new rows: full codes, a basis after 4 frames
+    for epoch in range(1, 7):  # the first frame's rows again, drifting: deltas
+        drift = torch.randn(3, 64, 256, generator=gen) * scale @ mix.T
+        frames.append((0, rows[0] + 0.1 * epoch * drift))
+    for f, x in frames:
+        index = torch.arange(3 * f, 3 * f + 3)
+        hidden = x.to(torch.bfloat16).to(sender_on)
+        got = _cross(sender, receiver, {"hidden": hidden, ROWS: index})["hidden"]
+        assert got.device.type == receiver_on and got.dtype == torch.bfloat16
+        for row in index.tolist():
+            mirror = sender.sender.cached(f"activation:{row}").float()
+            held = receiver.receiver.cached(f"activation:{row}").float()
+            if sender_on == receiver_on:
+                assert torch.equal(held, mirror), (f, row)
+            else:
+                apart = (held - mirror).abs().max() / mirror.abs().max()
+                assert apart <= 2**-7, (f, row, float(apart))
+        exact = hidden.float().cpu()
+        error = (got.float().cpu() - exact).square().sum() / exact.square().sum()
+        assert error <= DISTORTION[4] * 1.25, (f, float(error))
+    # Both kinds were fitted and used: full codes from frame 5, deltas from the last two.
+    for against in (False, True):
+        assert sender.sender.bases.held(against) == 1 == receiver.receiver.bases.held(against)

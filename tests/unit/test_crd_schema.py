@@ -309,6 +309,7 @@ def test_every_cel_rule_is_kept_where_it_was() -> None:
             (".spec.training", ".endOfData"),
             (".spec.pipeline", ".gradientTokens"),
             (".spec.pipeline", ".activationError"),
+            (".spec.pipeline", ".activationBasis"),
             (".spec.pipeline.stages", ""),
             (".spec.pipeline.replicas", ""),
             (".spec.pipeline.sync", ".everySteps"),

@@ -74,6 +74,7 @@ def test_spec_reaches_the_worker_in_contract_names() -> None:
         "forwardsAhead": 0,
         "gradientTokens": 1.0,
         "activationError": "int4",
+        "activationBasis": "identity",
     }
     assert doc["training"]["microBatchSize"] == 1 and doc["training"]["steps"] == 100
     # No endpoint: AWS S3. No credential Secret: no variables named; AWS's standard chain.

@@ -30,6 +30,9 @@ Compression = Literal["none", "bf16", "int8", "int4", "delta"]
 ActivationError = Literal["int4", "int3"]
 """What the ``delta`` compression holds each row's activation code to: an int4 or an int3
 code's expected error."""
+ActivationBasis = Literal["identity", "fitted"]
+"""What the ``delta`` compression codes each token's change of a row in: the identity (blocks
+of coordinates as they are) or a basis fitted to the changes sent (transform coding)."""
 SyncMode = Literal["synchronous", "periodic"]
 OuterCode = Literal["float64", "int4", "int2", "int1"]
 LoraMerge = Literal["auto", "exact", "average"]
@@ -248,6 +251,9 @@ class PipelineSpec(_Part):
     activation_error: ActivationError = "int4"
     """With ``delta``: the expected error each row's activation code stays within, that of
     an int4 or an int3 code (relaytrain_worker.pipeline.boundary.codec_for)."""
+    activation_basis: ActivationBasis = "identity"
+    """With ``delta``: what each token's change is coded in, the identity or a basis fitted
+    to the changes this end sent (relaytrain_worker.pipeline.transform)."""
 
 
 class LinksSpec(_Part):

@@ -70,6 +70,7 @@ def training_shape(job: FineTuneJob, chosen: str | None = None) -> TrainingShape
         gradient_tokens=spec.pipeline.gradient_tokens,
         epochs=spec.training.epochs,
         activation_bits=int(spec.pipeline.activation_error.removeprefix("int")),
+        activation_basis=spec.pipeline.activation_basis,
     )
 
 

@@ -16,10 +16,9 @@ from relaytrain_operator.spec.job import (
     parse_job,
 )
 from relaytrain_operator.spec.patterns import JOB_NAME_MAX
+from relaytrain_operator.spec.pipeline import MAX_REPLICAS, MAX_STAGES, PipelineSpec
 from relaytrain_operator.spec.placement import PlacementSpec, Toleration
 from relaytrain_operator.spec.sections import (
-    MAX_REPLICAS,
-    MAX_STAGES,
     CheckpointSpec,
     CredentialsSecret,
     DatasetSpec,
@@ -28,7 +27,6 @@ from relaytrain_operator.spec.sections import (
     MethodSpec,
     ModelSpec,
     OutputSpec,
-    PipelineSpec,
     TrainingSpec,
     is_s3,
 )

@@ -11,8 +11,8 @@ Field names are snake_case in Python and camelCase in manifests (aliases). Unkno
 are errors, and types are strict (no "3" for 3), as the API server's structural schema is.
 The enumerations that reach the stages (dtype, formats, methods, schedules, compression)
 are the stage contract's (relaytrain_contract).
-The sections of the spec live in relaytrain_operator.spec.sections, the status shape in
-relaytrain_operator.spec.status.
+The sections of the spec live in relaytrain_operator.spec.sections (pipeline.py and
+placement.py hold two of them), the status shape in relaytrain_operator.spec.status.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from relaytrain_operator.spec import patterns
 from relaytrain_operator.spec.errors import SpecError, field_error, format_errors
 from relaytrain_operator.spec.openapi import Rule, cel, fixed_once_started
 from relaytrain_operator.spec.patterns import JOB_NAME_MAX
+from relaytrain_operator.spec.pipeline import PipelineSpec
 from relaytrain_operator.spec.placement import PlacementSpec
 from relaytrain_operator.spec.sections import (
     CheckpointSpec,
@@ -35,7 +36,6 @@ from relaytrain_operator.spec.sections import (
     MethodSpec,
     ModelSpec,
     OutputSpec,
-    PipelineSpec,
     SpecModel,
     TrainingSpec,
 )

@@ -1,6 +1,6 @@
 """The sections of a FineTuneJob's spec as pydantic models: model, dataset, method,
-training, pipeline, checkpoint, output, failurePolicy (placement.py has placement; job.py
-assembles them into FineTuneJobSpec).
+training, checkpoint, output, failurePolicy (placement.py has placement, pipeline.py the
+pipeline; job.py assembles them into FineTuneJobSpec).
 
 As in job.py, the docstrings are the CRD's descriptions, the annotations its types, bounds,
 patterns and defaults, and a CEL rule sits beside the validator that is its pydantic twin.
@@ -8,20 +8,20 @@ patterns and defaults, and a CEL rule sits beside the validator that is its pyda
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, PlainValidator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from relaytrain_contract import (
-    Compression,
     DatasetFormat,
     Dtype,
     LrSchedule,
     MethodType,
-    PipelineSchedule,
     Truncation,
 )
 from relaytrain_contract.camel import CAMEL_CASE
-from relaytrain_contract.stage import ActivationError, EndOfData, LoraMerge, OuterCode, SyncMode
+from relaytrain_contract.stage import (
+    EndOfData,
+)
 
 from relaytrain_operator.spec import patterns
 from relaytrain_operator.spec.errors import field_error
@@ -29,13 +29,10 @@ from relaytrain_operator.spec.openapi import (
     Rule,
     cel,
     fixed_once_started,
-    int_or_string,
     list_type,
 )
 
 __all__ = [
-    "MAX_REPLICAS",
-    "MAX_STAGES",
     "CheckpointSpec",
     "CredentialsSecret",
     "DatasetSpec",
@@ -44,17 +41,11 @@ __all__ = [
     "MethodSpec",
     "ModelSpec",
     "OutputSpec",
-    "PipelineSpec",
     "SpecModel",
-    "SyncSpec",
     "TrainingSpec",
     "ValidationSpec",
     "is_s3",
 ]
-
-MAX_STAGES = 64
-MAX_REPLICAS = 64
-MAX_FORWARDS_AHEAD = 16
 
 ModelUri = Annotated[str, Field(pattern=patterns.MODEL_URI, max_length=1024)]
 StoreUri = Annotated[str, Field(pattern=patterns.STORE_URI, max_length=1024)]
@@ -240,173 +231,6 @@ class TrainingSpec(SpecModel):
         if self.steps is not None and self.warmup_steps > self.steps:
             raise field_error(
                 "warmupSteps", f"must not exceed steps ({self.steps}), got {self.warmup_steps}"
-            )
-        return self
-
-
-def _stages(value: object) -> int | Literal["auto"]:
-    if value == "auto":
-        return "auto"
-    if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_STAGES:
-        return value
-    raise ValueError(f'must be "auto" or an integer from 1 to {MAX_STAGES}, got {value!r}')
-
-
-def _replicas(value: object) -> int | Literal["auto"]:
-    if value == "auto":
-        return "auto"
-    if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_REPLICAS:
-        return value
-    raise ValueError(f'must be "auto" or an integer from 1 to {MAX_REPLICAS}, got {value!r}')
-
-
-def _auto_or_count(field: str, most: int) -> Rule:
-    """The CEL twin of _stages and _replicas."""
-    return Rule(
-        f"type(self) == string ? self == 'auto' : (self >= 1 && self <= {most})",
-        f'spec.pipeline.{field} must be "auto" or an integer from 1 to {most}.',
-    )
-
-
-class SyncSpec(SpecModel):
-    """How several pipelines keep their weights equal."""
-
-    model_config = ConfigDict(
-        json_schema_extra=cel(
-            Rule(
-                "(has(self.mode) && self.mode == 'periodic') == has(self.everySteps)",
-                "spec.pipeline.sync.everySteps must be set exactly when "
-                "spec.pipeline.sync.mode is periodic.",
-                field=".everySteps",
-            ),
-            Rule(
-                "!has(self.outerCode) || self.outerCode == 'float64' || "
-                "(has(self.mode) && self.mode == 'periodic')",
-                "spec.pipeline.sync.outerCode int4, int2 or int1 needs "
-                "spec.pipeline.sync.mode periodic (only periodic sync has outer steps).",
-                field=".outerCode",
-            ),
-        )
-    )
-
-    mode: SyncMode = "synchronous"
-    """`synchronous`: gradients reduced every step (every pipeline's copy stays identical);
-    `periodic`: each pipeline takes local steps on its share and the weights are averaged,
-    token-weighted, every `everySteps` steps (DiLoCo-style outer steps, for slow links)."""
-    every_steps: Annotated[int, Field(ge=2)] | None = None
-    """Steps between outer steps (at least 2); set exactly with `periodic`."""
-    outer_code: OuterCode = "float64"
-    """What a periodic outer step sends: `float64`, every pipeline's weights (the exact
-    token-weighted mean), or `int4`, `int2`, `int1`, an error-fed, rotated low-bit code of
-    each pipeline's update since the last outer step (what a code leaves out goes with the
-    next one): 15x, 28x, 51x fewer bytes on the replica links than `float64` with two
-    pipelines, 7.5x, 14x, 26x with four (every pipeline receives every other's code)."""
-    lora_merge: LoraMerge = "auto"
-    """How a periodic outer step merges the pipelines' LoRA adapters: `exact` (every
-    replica's layer becomes exactly the token-weighted mean of the pipelines' layers: the
-    factors' means, with the rest of ``mean(B_q A_q)`` folded into the frozen weight, which
-    is then part of checkpoints and the output as a float32 delta of each adapted weight),
-    `average` (B and A averaged one by one: ``mean(B) mean(A)`` is not ``mean(B A)``), or
-    `auto`: `exact` for `lora` wherever it sends no more bytes (with an outer code, or
-    between two pipelines), else `average`; `qlora` (4-bit weights take no fold) and `full`
-    (no factors) always average."""
-
-    @model_validator(mode="after")
-    def _every(self) -> SyncSpec:
-        if (self.mode == "periodic") != (self.every_steps is not None):
-            raise field_error("everySteps", "must be set exactly when mode is periodic")
-        if self.outer_code != "float64" and self.mode != "periodic":
-            raise field_error(
-                "outerCode", f"is {self.outer_code}, but only periodic sync has outer steps"
-            )
-        return self
-
-
-class PipelineSpec(SpecModel):
-    """How the model is split into stages and what crosses the links between them."""
-
-    model_config = ConfigDict(
-        json_schema_extra=cel(
-            Rule(
-                "!has(self.gradientTokens) || self.gradientTokens >= 1.0"
-                " || (has(self.compression) && self.compression == 'delta')",
-                "spec.pipeline.gradientTokens below 1 needs compression: delta; set "
-                "compression: delta, or leave gradientTokens at 1.",
-                field=".gradientTokens",
-            ),
-            Rule(
-                "!has(self.activationError) || self.activationError == 'int4'"
-                " || (has(self.compression) && self.compression == 'delta')",
-                "spec.pipeline.activationError int3 needs compression: delta; set "
-                "compression: delta, or leave activationError at int4.",
-                field=".activationError",
-            ),
-        )
-    )
-
-    stages: Annotated[
-        int | Literal["auto"],
-        PlainValidator(_stages),
-        Field(json_schema_extra=int_or_string(_auto_or_count("stages", MAX_STAGES))),
-    ] = "auto"
-    """Number of pipeline stages (1 to 64), or `auto` to let the planner choose."""
-    replicas: Annotated[
-        int | Literal["auto"],
-        PlainValidator(_replicas),
-        Field(json_schema_extra=int_or_string(_auto_or_count("replicas", MAX_REPLICAS))),
-    ] = 1
-    """Pipelines that train together on one global batch per step (1 to 64, each its own GPUs
-    and layer split, every step's micro-batches shared among them), or `auto` to let the
-    planner choose. At most training.microBatches. A failed stage takes only its pipeline out: the
-    others train on."""
-    schedule: PipelineSchedule = "1f1b"
-    """Pipeline schedule; one-forward-one-backward."""
-    compression: Literal[Compression, "auto"] = "int8"
-    """Compression of activations and their gradients on the links between stages: `none`
-    (the model's dtype), `bf16`, `int8` (blockwise absmax), `int4`, `delta` (each training
-    row's activation as a change against what the next stage decoded for it the epoch
-    before, each block of 64 values in 0 to 4 bits, within int4's error; gradients at 3
-    bits: for slow links and several epochs), or `auto`: the planner takes the most faithful
-    of these whose predicted tokens/s is within 5 % of the fastest (status.plan.compression
-    says which)."""
-    forwards_ahead: Annotated[int, Field(ge=0, le=MAX_FORWARDS_AHEAD)] = 0
-    """Forwards each stage but the last runs ahead of 1F1B before its first backward (0 to
-    16): more activations cross a slow link while the previous micro-batches compute, at the
-    memory of that many more micro-batches in flight (the planner counts it). The gradients
-    are the same, in the same order. 1-2 lift a 50-200 Mbit/s link's use (docs/links-and-
-    checkpoints.md, "The link bound")."""
-    gradient_tokens: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
-    """With `compression: delta`: the share of tokens whose gradients cross each boundary
-    (above 0, at most 1; 1, the default: every token). Each micro-batch's tokens are drawn
-    at random in proportion to their gradients' norms and divided by their probability, so
-    the gradients stay unbiased; the others are zero and cost 1 bit. For fine-tunes of a
-    pretrained base, where most tokens' gradients are small: at 0.25 the gradients took 19x
-    fewer bytes than bf16 and the held-out loss ended within 1 % of uncompressed training; a
-    LoRA that learns from a random model lost 17-43 % (docs/links-and-checkpoints.md)."""
-    activation_error: ActivationError = "int4"
-    """With `compression: delta`: the expected error each training row's activation code is
-    held to, what an `int4` code leaves (about 10 % of the row's norm; the default) or an
-    `int3` code (about 19 %). The codes then take about two thirds of the bits, and the next
-    stage trains on noisier activations: for fine-tunes of a pretrained base, like
-    gradientTokens below 1 (docs/links-and-checkpoints.md, "The delta compression")."""
-    sync: SyncSpec = Field(default_factory=SyncSpec)
-    """How several pipelines keep their weights equal: `synchronous` (gradients reduced every
-    step) or `periodic` (local steps, weights averaged every `everySteps` steps, for slow
-    links)."""
-
-    @model_validator(mode="after")
-    def _delta_only(self) -> PipelineSpec:
-        if self.gradient_tokens < 1.0 and self.compression != "delta":
-            raise field_error(
-                "gradientTokens",
-                f"a share below 1 needs compression: delta (got {self.compression}); "
-                "set compression: delta, or leave gradientTokens at 1",
-            )
-        if self.activation_error != "int4" and self.compression != "delta":
-            raise field_error(
-                "activationError",
-                f"{self.activation_error} needs compression: delta (got {self.compression}); "
-                "set compression: delta, or leave activationError at int4",
             )
         return self
 

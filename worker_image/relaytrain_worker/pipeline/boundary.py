@@ -25,8 +25,8 @@ What is coded how in a frame under ``delta``:
   blocks that hold outliers get more, the quiet ones fewer), and later crossings only what
   changed: nothing but the bit map (3 bits a block, 0.05 a value) while the row stays within
   int4's error of its last decode;
-- with ``DeltaConfig.transform`` (`transform.py`; not yet a job's choice), the same rows
-  coded in a basis fitted to them, 0-8 bits a block: the entry's ``bases`` list the bases
+- with ``DeltaConfig.transform`` (`transform.py`; ``pipeline.activationBasis: fitted``), the
+  same rows coded in a basis fitted to them, 0-8 bits a block: the entry's ``bases`` list the bases
   fitted since the frame before (``[1 for deltas, version, width]``, each ``width^2`` bf16
   values ahead of the rows), which the receiver installs before it decodes the rows, and
   each row's message names its basis last;

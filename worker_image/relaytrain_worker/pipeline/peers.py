@@ -307,5 +307,8 @@ def link_chain(
         raise
     for link in (prev, nxt):
         if link is not None:  # what this end sends under delta (`boundary.codec_for`)
-            link.codec = codec_for(cfg.pipeline.activation_error)
+            link.codec = codec_for(
+                cfg.pipeline.activation_error,
+                transform=cfg.pipeline.activation_basis == "fitted",
+            )
     return Peers(prev, nxt)

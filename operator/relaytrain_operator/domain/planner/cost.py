@@ -82,6 +82,11 @@ DELTA_LATER_SHARE = 0.75
 #: on one CPU thread, where a CPU stage codes, 217 + 15 and 174 + 14). The other codes run
 #: on the stage's device (next to nothing) and are charged nothing.
 DELTA_FORWARD_CODEC_SECONDS = 17.3e-9
+#: ``delta`` with ``pipeline.activationBasis: fitted`` (relaytrain_worker.pipeline.transform),
+#: device bytes per h^2 (h the hidden size): a stage that sends activations holds two second
+#: moments in float64 and two bases in float32 (16 + 8), one that receives them two bases (8).
+BASIS_SEND_BYTES_PER_H2 = 24
+BASIS_RECEIVE_BYTES_PER_H2 = 8
 DELTA_BACKWARD_CODEC_SECONDS = 0.3e-9
 #: Labels and attention mask travel forward with the activations, int64 each.
 LABEL_BYTES_PER_TOKEN = 16
@@ -181,6 +186,10 @@ class PoolCost:
     """The final norm's weight and state (last stage; part of ``head_bytes`` when untied)."""
     norm_weight_bytes: int = 0
     """Of ``norm_bytes``, the weight alone."""
+    basis_send_bytes: int = 0
+    """A fitted basis's moments and bases where a stage sends activations (not the last)."""
+    basis_receive_bytes: int = 0
+    """A fitted basis's bases where a stage receives activations (not the first)."""
 
     def fixed_seconds(self, first: bool, last: bool) -> float:
         """Compute time a stage pays beyond its decoder layers."""
@@ -192,6 +201,8 @@ class PoolCost:
             self.workspace_bytes
             + self.stage_static_bytes(0, first, last)
             + (self.logits_bytes if last else 0)
+            + (0 if last else self.basis_send_bytes)
+            + (0 if first else self.basis_receive_bytes)
         )
 
     def stage_static_bytes(self, layers: int, first: bool, last: bool) -> int:
@@ -442,6 +453,7 @@ def pool_cost(
     # The loss's peak, in its backward: the logits in dtype, the fp32 log-probabilities
     # cross-entropy saved, the gradient it gets and the one it returns (fp32 both).
     logits = tokens * v * (e + 12 + (e if model.logit_softcapping else 0))
+    fitted = training.compression == "delta" and training.activation_basis == "fitted"
     memory_mib = pool.memory_mib if pool.memory_mib is not None else gpu.memory_mib
     available = settings.usable_bytes(memory_mib)
     return PoolCost(
@@ -463,4 +475,6 @@ def pool_cost(
         head_weight_bytes=int(head_weights),
         norm_bytes=int(norm),
         norm_weight_bytes=h * e,
+        basis_send_bytes=BASIS_SEND_BYTES_PER_H2 * h * h if fitted else 0,
+        basis_receive_bytes=BASIS_RECEIVE_BYTES_PER_H2 * h * h if fitted else 0,
     )
