@@ -157,6 +157,48 @@ def test_deltas_get_their_own_basis_and_stay_within_the_error_bound() -> None:
     assert msg.basis == 1  # the last delta was coded in the deltas' basis
 
 
+def test_a_row_is_coded_in_the_identity_where_the_held_basis_codes_it_worse() -> None:
+    """A basis is fitted to rows sent before; a row whose change lies elsewhere (a delta of an
+    epoch whose drift turned) is coded in the identity, which both ends hold, at the bytes it
+    costs without a basis; a row like those the basis was fitted to is coded in the basis."""
+    up, down = _pair(TRANSFORMED)
+    with up, down:
+        _epoch(up, down, _rows(), 0)  # fits the full codes' basis to these rows' directions
+        assert up.codec.sender.bases.held(False) == 1
+        gen = torch.Generator().manual_seed(5)
+        # Energy on a few coordinates of the identity: the fitted basis spreads it widely.
+        spiky = torch.zeros(PER_MICRO, SEQ, HIDDEN)
+        spiky[..., :3] = torch.randn(PER_MICRO, SEQ, 3, generator=gen) * 10
+        like = _rows(seed=6, count=PER_MICRO)  # the fitted basis's own kind of row
+        sent = {}
+        for name, data, first in (("spiky", spiky, 200), ("like", like, 300)):
+            before = up.payload_bytes_sent
+            _epoch(up, down, data, 1, first_row=first)
+            sent[name] = up.payload_bytes_sent - before
+            msg = up.codec.sender.encode(data[0], f"probe-{name}")
+            assert msg.basis == (0 if name == "spiky" else 1), name
+    plain_up, plain_down = _pair(ALLOCATED)
+    with plain_up, plain_down:
+        before = plain_up.payload_bytes_sent
+        _epoch(plain_up, plain_down, spiky, 1, first_row=200)
+        plain = plain_up.payload_bytes_sent - before
+    # In the identity the spiky rows cost about what the allocated code without a basis
+    # costs (its bit map is a bit a block wider, its allocation weighs the scales), and less
+    # than the same row's code in the basis.
+    assert 0.9 * plain <= sent["spiky"] <= 1.1 * plain, (sent, plain)
+    tokens = spiky[0].reshape(-1, HIDDEN)
+    budget = DISTORTION[FULL_BITS] * float(tokens.square().sum())
+    basis = up.codec.sender.bases.use("probe", False, 1, torch.device("cpu"))
+    sizes = {
+        at: sum(
+            t.numel() * t.element_size()
+            for t in transform.code_row(tokens, [(at, b)], budget, 1)[1:]
+        )
+        for at, b in ((0, None), (1, basis))
+    }
+    assert sizes[0] < 0.8 * sizes[1], sizes
+
+
 def _deep_error(bits: tuple[int, ...] | torch.Tensor, energy: torch.Tensor) -> float:
     return sum(DEEP[int(b)] * float(e) for b, e in zip(bits, energy, strict=True))
 

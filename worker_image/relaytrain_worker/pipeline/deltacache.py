@@ -413,9 +413,8 @@ class DeltaSender(_Side):
             h, against = transform.width(shape), base is not None
             tokens = from_blocks(change, shape, torch.float32).reshape(-1, h)
             self.fitter.add(against, tokens)
-            at = self.bases.current(against, h)
-            basis = self.bases.use(key, against, at, blocks.device)
-            packed, code, scale = transform.code_row(tokens, basis, budget, version)
+            candidates = self.bases.candidates(key, against, h, blocks.device)
+            at, packed, code, scale = transform.code_row(tokens, candidates, budget, version)
         else:
             bits = allocate_bits(change.square().sum(dim=1).cpu(), budget, cfg.floor)
             codes, scales = quantise_grouped(change, bits, version)

@@ -27,7 +27,8 @@ Equality of the two ends. Codes and their decode in coordinates are bit-exact as
 `deltacache.py`; the change is ``coordinates @ basis^T``, a matrix product, which two devices
 of different kinds may round differently in float32's last bit. Both ends of a CPU link
 agree bit for bit (tests/unit/test_transform_coding.py); two cards of one kind run the same
-kernels (not yet checked on a card). Otherwise the entries can differ by that rounding,
+kernels (tests/unit/test_boundary_delta_gpu.py, `gpu`, checks both that and a card against
+the CPU, where a GPU host runs it). Otherwise the entries can differ by that rounding,
 which the next full code of the row clears and which a delta carries forward without growing
 it beyond a few float32 ulps an epoch: far below the codes' error (int4: about 10 % of a
 row's norm).
@@ -64,6 +65,7 @@ MAX_BITS = 8
 """The most bits a block of coordinates gets."""
 MAP_BITS = 4
 """Bits a block's allocation (0-8) takes in a transformed code's bit map."""
+_COST = torch.tensor(DEEP_COST, dtype=torch.float64)
 
 
 class StaleBasisError(ValueError):
@@ -133,6 +135,16 @@ class Bases:
         has that width, else the identity (0)."""
         held = self._held[against]
         return held.version if held.basis is not None and held.basis.shape[0] == width else 0
+
+    def candidates(
+        self, key: str, against: bool, width: int, device: torch.device
+    ) -> list[tuple[int, torch.Tensor | None]]:
+        """What a row of ``width`` values a token may be coded in (`code_row`): the held basis
+        of its kind where it has that width, and the identity, which both ends always hold."""
+        held = self.current(against, width)
+        if held == 0:
+            return [(0, None)]
+        return [(held, self.use(key, against, held, device)), (0, None)]
 
     def held(self, against: bool) -> int:
         """The version held for a kind."""
@@ -279,15 +291,30 @@ def width(shape: tuple[int, ...]) -> int:
 
 
 def code_row(
-    change: torch.Tensor, basis: torch.Tensor | None, budget: float, version: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A row's change (``[tokens, h]`` float32) in ``basis`` (None: the identity), its blocks'
-    bits the fewest within ``budget`` of expected error: the packed bit map, codes, scales."""
-    coords = change if basis is None else change @ basis
-    blocks = to_blocks(coords)
-    bits = allocate_bits(blocks.square().sum(dim=1).cpu(), budget, table=DEEP, cost=DEEP_COST)
+    change: torch.Tensor,
+    candidates: list[tuple[int, torch.Tensor | None]],
+    budget: float,
+    version: int,
+) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A row's change (``[tokens, h]`` float32) in the cheapest of ``candidates`` (a basis's
+    version and its vectors; None: the identity), its blocks' bits the fewest within ``budget``
+    of expected error: the version it is coded in, the packed bit map, codes, scales.
+
+    Why a choice: a basis is fitted to what was sent before, and a row that changed otherwise
+    (a delta of an epoch whose drift turned) may cost more in it than in the identity, which
+    both ends always hold. Only the allocation runs per candidate (a sort of the blocks'
+    energies); the cheapest is quantised. Ties go to the earlier candidate."""
+    best: tuple[float, int, torch.Tensor, torch.Tensor] | None = None
+    for at, basis in candidates:
+        blocks = to_blocks(change if basis is None else change @ basis)
+        bits = allocate_bits(blocks.square().sum(dim=1).cpu(), budget, table=DEEP, cost=DEEP_COST)
+        wire = float(_COST[bits].sum())
+        if best is None or wire < best[0]:
+            best = (wire, at, blocks, bits)
+    assert best is not None, "code_row needs a candidate"
+    _, at, blocks, bits = best
     codes, scales = quantise(blocks, bits, version)
-    return pack_map(bits), codes, scales
+    return at, pack_map(bits), codes, scales
 
 
 def decode_row(
