@@ -46,6 +46,7 @@ def test_a_job_on_s3_trains_from_and_writes_to_the_bucket(
         .training(steps=4, micro_batch_size=2, micro_batches=2, learning_rate=0.01,
                   eval_every_steps=2)
         .pipeline(stages=2, compression="delta")  # rows' keys cross real stage processes
+        .set("spec.pipeline.activationBasis", "fitted")  # and a basis fitted to the rows
         .checkpoint(f"s3://{bucket}/ckpt", endpoint=minio_server.url, every_steps=2, keep=1)
         .write(tmp_path / "job.yaml")
     )  # fmt: skip
@@ -80,6 +81,11 @@ def test_a_job_on_s3_trains_from_and_writes_to_the_bucket(
     assert progress["done"] and progress["step"] == 4 and progress["lastCommittedStep"] == 4
     # Held-out rows crossed the delta links too, keyed apart from the training rows.
     assert progress["evalStep"] == 4 and math.isfinite(progress["evalLoss"]), progress
+    # After 4 frames of full codes the first stage fitted a basis to them and sent it; the
+    # second installed it before decoding the rows coded in it (and trained on to the end).
+    logs = "".join(p.read_text(errors="replace") for p in written if p.name.endswith(".log"))
+    assert "sending basis 1 of the full codes (32 values a token" in logs, logs[-3000:]
+    assert "installed basis 1 of the full codes (32 values a token)" in logs, logs[-3000:]
     # Both stages fetched into one cache directory for this model URI (which shards each
     # one fetches is tested in tests/unit/test_worker_loading.py).
     index = json.loads((model / "model.safetensors.index.json").read_text())["weight_map"]

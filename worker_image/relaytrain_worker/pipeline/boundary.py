@@ -56,6 +56,7 @@ per boundary), in host memory. The caches are not counted in the plan's GPU memo
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from typing import Any
@@ -71,6 +72,8 @@ from relaytrain_worker.pipeline.deltacache import (
 )
 from relaytrain_worker.pipeline.lowbit import Bits
 from relaytrain_worker.pipeline.transform import BasisMessage
+
+log = logging.getLogger("relaytrain.links")
 
 MODE = "delta"
 """The `pipeline.compression` value this module implements."""
@@ -190,6 +193,12 @@ class BoundaryCodec:
         # Bases fitted from earlier frames go first: this frame's rows are coded in them.
         bases = self.sender.fitter.due(self.sender.bases)
         parts += [b.values.reshape(-1) for b in bases]
+        for b in bases:  # one every `transform.REFIT` frames of a kind at most
+            log.info(
+                "sending basis %d of the %s (%d values a token, %d bytes) with %s rows",
+                b.version, "deltas" if b.against else "full codes", b.values.shape[0],
+                b.nbytes, kind,
+            )  # fmt: skip
         for i, row in enumerate(rows.tolist()):
             msg = self.sender.encode(t[i], f"{kind}:{int(row)}")
             if msg.kind == "full":
@@ -241,6 +250,8 @@ class BoundaryCodec:
         for against, version, width in entry.get("bases", []):
             values = read(int(width) ** 2, torch.bfloat16).reshape(int(width), int(width))
             self.receiver.bases.install(BasisMessage(bool(against), int(version), values))
+            kinds = "deltas" if against else "full codes"
+            log.info("installed basis %d of the %s (%d values a token)", version, kinds, width)
         out = torch.empty(shape, dtype=dtype, device=self.device)
         row_blocks = -(-math.prod(shape[1:]) // lowbit.BLOCK)
         for i, (row, full, at, given_bits, blocks, nsent, *basis) in enumerate(messages):
