@@ -16,7 +16,7 @@ from relaytrain_operator.domain.planner.catalog import DEFAULT_CATALOG
 from relaytrain_operator.domain.planner.cost import (
     DELTA_FIRST_BYTES,
     CostSettings,
-    _wire_bytes_per_value,
+    wire_bytes_per_value,
     pool_cost,
 )
 from relaytrain_operator.domain.stage_config import build_stage_configs, local_endpoints
@@ -56,8 +56,8 @@ def test_the_spec_takes_int3_only_with_delta_and_the_planner_prices_it() -> None
     assert "spec.pipeline.activationError" in info.value.paths
     # A row's first crossing is priced at int3's bits instead of int4's: a bit a value less.
     int3 = TrainingShape(1, 4, 256, compression="delta", activation_bits=3)
-    assert _wire_bytes_per_value(int3) == pytest.approx(DELTA_FIRST_BYTES - 1 / 8)
-    assert _wire_bytes_per_value(TrainingShape(1, 4, 256, compression="delta")) == (
+    assert wire_bytes_per_value(int3) == pytest.approx(DELTA_FIRST_BYTES - 1 / 8)
+    assert wire_bytes_per_value(TrainingShape(1, 4, 256, compression="delta")) == (
         DELTA_FIRST_BYTES
     )
     with pytest.raises(ValueError, match="activation_bits must be 3 or 4"):

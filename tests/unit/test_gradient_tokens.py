@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from relaytrain_operator.domain.planner import TrainingShape
-from relaytrain_operator.domain.planner.cost import DELTA_GRADIENT_BYTES, _wire_bytes_per_value
+from relaytrain_operator.domain.planner.cost import DELTA_GRADIENT_BYTES, wire_bytes_per_value
 from relaytrain_operator.domain.stage_config import build_stage_configs, local_endpoints
 from relaytrain_operator.spec import SpecError, parse_job
 from relaytrain_testkit import bigram
@@ -161,9 +161,9 @@ def test_the_spec_takes_a_share_only_with_delta_and_the_planner_prices_it() -> N
         parse_job(_tokens(Job().pipeline(compression="int8"), 0.5).build())
     assert "spec.pipeline.gradientTokens" in info.value.paths
     shape = TrainingShape(1, 4, 256, compression="delta", gradient_tokens=0.25)
-    back = _wire_bytes_per_value(shape, backward=True)
+    back = wire_bytes_per_value(shape, backward=True)
     assert back == pytest.approx(DELTA_GRADIENT_BYTES / 4 + 1 / 512)
-    assert _wire_bytes_per_value(TrainingShape(1, 4, 256, compression="delta"), True) == (
+    assert wire_bytes_per_value(TrainingShape(1, 4, 256, compression="delta"), True) == (
         DELTA_GRADIENT_BYTES
     )
 

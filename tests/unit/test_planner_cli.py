@@ -391,3 +391,35 @@ def test_an_explicit_exact_merge_of_float64_weights_prices_a_gather(tmp_path, mo
         priced["exact"]["predictedBandwidthSeconds"] / priced["auto"]["predictedBandwidthSeconds"]
     )
     assert ratio == pytest.approx(3, rel=0.01)  # (4 - 1)^2 copies against 4 - 1
+
+
+@pytest.mark.parametrize(
+    ("training", "says"),
+    [
+        ({"epochs": 6}, "priced at 3.40 bits a value, the mean of its 6 epochs: the first at 4.30"),
+        ({"steps": 100}, "priced at 4.30 bits a value, its first epoch's rate, the dearest (a job"),
+    ],
+)
+def test_the_table_says_how_delta_is_priced(tmp_path, model_config, capsys, training, says):
+    """A job of epochs pays delta's first-crossing rate once and 0.75 of it after; a job of
+    steps, whose passes the plan cannot know, its first epoch's rate throughout."""
+    manifest = (
+        LORA.pipeline(stages=4, compression="delta")
+        .set("spec.training", {"microBatches": 8, **training})
+        .write(tmp_path / "job.yaml")
+    )
+    rc = relaytrain(
+        "plan", str(manifest), "--nodes", str(HACK_POOLS), "--model-config", str(model_config)
+    )
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    (line,) = [line for line in out.splitlines() if line.startswith("Boundary code delta")]
+    assert says in line and line.endswith("gradients at 3.25."), line
+    int8 = LORA.pipeline(stages=4).write(tmp_path / "int8.yaml")
+    assert (
+        relaytrain(
+            "plan", str(int8), "--nodes", str(HACK_POOLS), "--model-config", str(model_config)
+        )
+        == 0
+    )
+    assert "Boundary code" not in capsys.readouterr().out

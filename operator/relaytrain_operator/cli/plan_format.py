@@ -7,7 +7,12 @@ from typing import Any
 
 from relaytrain_operator.domain.membership import IfLeft
 from relaytrain_operator.domain.planner import FleetPlan, ModelShape, Plan, TrainingShape
-from relaytrain_operator.domain.planner.cost import GIB
+from relaytrain_operator.domain.planner.cost import (
+    DELTA_LATER_SHARE,
+    GIB,
+    delta_first_bytes,
+    wire_bytes_per_value,
+)
 from relaytrain_operator.domain.planner.growth import GROWTH_MARGIN
 from relaytrain_operator.store.model_config import Resolved
 
@@ -43,6 +48,28 @@ def _stage_table(result: Plan) -> list[str]:
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
 
 
+def _code_price(training: TrainingShape) -> list[str]:
+    """How `delta`'s bytes are priced (docs/planner.md): its activations at their run's mean
+    over the job's epochs, or at their first epoch's rate in a job of steps."""
+    if training.compression != "delta":
+        return []
+    forward, back = (8 * wire_bytes_per_value(training, b) for b in (False, True))
+    first = 8 * delta_first_bytes(training.activation_bits)
+    if training.epochs is not None and training.epochs > 1:
+        how = (
+            f"the mean of its {training.epochs} epochs: the first at {first:.2f}, each later "
+            f"one at {DELTA_LATER_SHARE:.2f} of that (what the rows' drift leaves; at most all "
+            "of it)"
+        )
+    else:
+        why = "one epoch" if training.epochs == 1 else "a job of steps, its passes not known"
+        how = f"its first epoch's rate, the dearest ({why})"
+    return [
+        f"Boundary code delta: activations priced at {forward:.2f} bits a value, {how}; "
+        f"gradients at {back:.2f}."
+    ]
+
+
 def format_table(
     name: str,
     training: TrainingShape,
@@ -58,7 +85,8 @@ def format_table(
         f"micro-batches of {training.micro_batch_size}x{training.sequence_length} tokens "
         f"({training.method}, {training.dtype}, compression {training.compression})"
     )
-    lines = [header, *_about(model, source), "", *_stage_table(result)]
+    price = _code_price(training) if len(result.stages) > 1 else []  # one stage: no boundary
+    lines = [header, *_about(model, source), *price, "", *_stage_table(result)]
     b = result.bottleneck
     lines += [
         "",
@@ -85,7 +113,8 @@ def format_fleet(
         f"{training.micro_batch_size}x{training.sequence_length} tokens per step "
         f"({training.method}, {training.dtype}, compression {training.compression})"
     )
-    lines = [header, *_about(model, source)]
+    split = any(len(p.stages) > 1 for p in fleet.pipelines)
+    lines = [header, *_about(model, source), *(_code_price(training) if split else [])]
     for i, p in enumerate(fleet.pipelines):
         b = p.bottleneck
         lines += [

@@ -238,7 +238,9 @@ class PoolCost:
         return max(room // per_layer, 0) if room > 0 else 0
 
 
-def _wire_bytes_per_value(training: TrainingShape, backward: bool = False) -> float:
+def wire_bytes_per_value(training: TrainingShape, backward: bool = False) -> float:
+    """Bytes a boundary value costs on the wire as the plan prices it, forward (activations)
+    or ``backward`` (their gradients)."""
     if training.compression == "none":
         return float(training.dtype_bytes)
     if training.compression == "delta":
@@ -284,8 +286,8 @@ class LinkCost:
     @classmethod
     def of(cls, model: ModelShape, training: TrainingShape) -> LinkCost:
         values = training.tokens_per_micro_batch * model.hidden_size
-        forward = values * _wire_bytes_per_value(training)
-        backward = values * _wire_bytes_per_value(training, backward=True)
+        forward = values * wire_bytes_per_value(training)
+        backward = values * wire_bytes_per_value(training, backward=True)
         delta = training.compression == "delta"
         return cls(
             forward + training.tokens_per_micro_batch * LABEL_BYTES_PER_TOKEN,
