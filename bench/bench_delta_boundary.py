@@ -52,6 +52,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import logging
 import sys
 import tempfile
 import time
@@ -109,6 +110,21 @@ class ModeRun:
     drift: list[float]
     """Per epoch after the first: the boundary activations' relative change (`epoch_drift`)."""
     train_losses: list[float] = field(default_factory=list)
+    basis_bytes: int = 0
+    """Bytes of the fitted bases sent over every boundary (``+basis`` modes), from the
+    links' log of each basis sent (`boundary.BoundaryCodec`)."""
+
+
+class _Bases(logging.Handler):
+    """Counts the bytes of the bases the links log as sent."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.sent = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.msg.startswith("sending basis") and isinstance(record.args, tuple):
+            self.sent += int(record.args[3])
 
 
 def micro_batch(ids: torch.Tensor, rows: torch.Tensor | None) -> Any:
@@ -241,6 +257,10 @@ def train(job: Job, mode: str, *, limited: bool) -> ModeRun:
     from relaytrain_testkit.pipelines import run_pipeline_threads
 
     compression = compression_of(mode)
+    bases, links = _Bases(), logging.getLogger("relaytrain.links")
+    links.addHandler(bases)
+    links.setLevel(logging.INFO)
+    links.propagate = False  # counted, not printed
     run = run_pipeline_threads(
         job.model_dir, even_splits(LAYERS, STAGES), job.steps, job.training,
         credentials=stage_credentials(STAGES, job="bench"), compression=compression, lora=LORA,
@@ -249,6 +269,7 @@ def train(job: Job, mode: str, *, limited: bool) -> ModeRun:
         gradient_tokens=job.gradient_tokens if compression == "delta" else 1.0,
         codec=codec_of(mode),
     )  # fmt: skip
+    links.removeHandler(bases)
     spe = job.setup.steps_per_epoch
     cumulative = run.step_boundary_bytes
     per_step = [
@@ -267,6 +288,7 @@ def train(job: Job, mode: str, *, limited: bool) -> ModeRun:
         step_bytes=per_step,
         drift=epoch_drift(run.step_params[spe - 1 :: spe], job.evaluator, job.train_rows),
         train_losses=run.losses,
+        basis_bytes=bases.sent,
     )
 
 
@@ -395,6 +417,15 @@ def report(
             f"| {m} | {down:.1f} | {up:.1f} | {down + up:.1f} | {ref[0] / down:.2f}x "
             f"| {ref[1] / up:.2f}x | {sum(ref) / (down + up):.2f}x |"
         )
+    tokens = setup.rows * SEQ * epochs * (STAGES - 1)  # a run's tokens over every boundary
+    for m, r in runs.items():
+        if r.basis_bytes:
+            down = overall[m][0]
+            share = r.basis_bytes / tokens
+            print(
+                f"\n{m}: of its {down:.1f} B/tok down, the bases sent took {share:.1f} "
+                f"({100 * share / down:.0f} %; {ref[0] / (down - share):.2f}x bf16 without them)"
+            )
     head = " | ".join(f"epoch {e + 1}" for e in range(epochs))
     for label, dirs in (
         ("total (down + up)", (0, 1)),

@@ -16,8 +16,8 @@ from relaytrain_operator.domain.planner.catalog import DEFAULT_CATALOG
 from relaytrain_operator.domain.planner.cost import (
     DELTA_FIRST_BYTES,
     CostSettings,
-    wire_bytes_per_value,
     pool_cost,
+    wire_bytes_per_value,
 )
 from relaytrain_operator.domain.stage_config import build_stage_configs, local_endpoints
 from relaytrain_operator.spec import SpecError, parse_job

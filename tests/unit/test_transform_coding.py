@@ -199,6 +199,40 @@ def test_a_row_is_coded_in_the_identity_where_the_held_basis_codes_it_worse() ->
     assert sizes[0] < 0.8 * sizes[1], sizes
 
 
+def test_a_basis_travels_in_the_bits_each_vectors_energy_asks_and_reads_back_the_same() -> None:
+    """Each vector of a basis gets the fewest bits (0-8) whose error, times its eigenvalue,
+    stays within int4's error of a coordinate of mean energy; one of next to no energy is
+    not sent (0 bits), and what is read back from the wire is what the sender installed."""
+    energies = torch.logspace(2, -6, 48, dtype=torch.float64)
+    bits = transform.vector_bits(energies)
+    room = DEEP[4] * float(energies.mean())
+    for e, b in zip(energies.tolist(), bits.tolist(), strict=True):
+        assert e * DEEP[b] <= room or b == transform.MAX_BITS, (e, b)
+        assert b == 0 or e * DEEP[b - 1] > room, (e, b)  # the fewest
+    assert bits[0] > 4 and bits[-1] == 0 and bool((bits[:-1] >= bits[1:]).all())
+    # A width that is not a multiple of a block (64): blocks hold parts of two vectors.
+    vectors = torch.linalg.qr(torch.randn(48, 48, generator=torch.Generator().manual_seed(4))).Q
+    msg = transform.BasisMessage.code(True, 3, vectors, energies)
+    parts = iter([msg.packed, msg.codes, msg.scales])
+    got = transform.BasisMessage.read(True, 3, 48, lambda n, dtype: next(parts)[:n])
+    assert torch.equal(got.values, msg.values) and torch.equal(got.bits, bits)
+    assert msg.nbytes < 0.5 * 2 * 48 * 48  # under half of bf16's bytes
+    # Vectors of 0 bits are not sent where their blocks hold no other (here the last ones;
+    # at a width that is a multiple of 64, every one); those sent point where they did.
+    assert not bool(msg.values[:, -1].any())
+    sent = msg.values.norm(dim=0) > 0
+    assert int(sent.sum()) < 48 and bool(sent[bits > 0].all())
+    cosine = (msg.values * vectors).sum(dim=0) / msg.values.norm(dim=0).clamp_min(1e-30)
+    assert float(cosine[bits >= 4].min()) > 0.99, cosine  # the energetic ones precisely
+    assert float(cosine[sent].min()) > 0.7, cosine
+    wide = transform.BasisMessage.code(False, 1, torch.eye(64), torch.logspace(2, -6, 64))
+    assert torch.equal(wide.values.norm(dim=0) > 0, wide.bits > 0)
+    held = transform.Bases()
+    held.install(got)
+    basis = held.use("probe", True, 3, torch.device("cpu"))
+    assert basis is not None and torch.allclose(basis.T @ basis, torch.eye(48), atol=1e-5)
+
+
 def _deep_error(bits: tuple[int, ...] | torch.Tensor, energy: torch.Tensor) -> float:
     return sum(DEEP[int(b)] * float(e) for b, e in zip(bits, energy, strict=True))
 

@@ -186,7 +186,8 @@ class PipelineSpec(SpecModel):
     """With `compression: delta` (or `auto`, where it takes delta): what each token's change
     of a training row is coded in, `identity` (blocks of its values as they are; the default)
     or `fitted`: a basis the sending stage fits to the changes it sent (their second moment's
-    eigenvectors), sent in bf16 after the first 4 frames and every 96 after, where a few
+    eigenvectors), sent after the first 4 frames and every 96 after (each vector in the 0-8 bits
+    its eigenvalue asks), where a few
     coordinates hold most of the energy and take the bits, within the same error. Fewer bytes
     for the same error (6-8 % of the activations' on the tiny fine-tune measured, more on wider
     models, where a basis weighs less against the rows it codes), at the memory of the bases

@@ -26,10 +26,10 @@ What is coded how in a frame under ``delta``:
   changed: nothing but the bit map (3 bits a block, 0.05 a value) while the row stays within
   int4's error of its last decode;
 - with ``DeltaConfig.transform`` (`transform.py`; ``pipeline.activationBasis: fitted``), the
-  same rows coded in a basis fitted to them, 0-8 bits a block: the entry's ``bases`` list the bases
-  fitted since the frame before (``[1 for deltas, version, width]``, each ``width^2`` bf16
-  values ahead of the rows), which the receiver installs before it decodes the rows, and
-  each row's message names its basis last;
+  same rows coded in a basis fitted to them, 0-8 bits a block: the entry's ``bases`` list
+  the bases fitted since the frame before (``[1 for deltas, version, width]``, each a map of
+  its vectors' bits, their codes and scales ahead of the rows), which the receiver installs
+  before it decodes the rows, and each row's message names its basis last;
 - ``hidden`` without ``rows`` (nothing to key it by): a full code at ``FULL_BITS``, cached
   nowhere;
 - any other floating tensor (the gradients of a boundary): a rotated code at
@@ -192,8 +192,8 @@ class BoundaryCodec:
         parts: list[torch.Tensor] = []
         # Bases fitted from earlier frames go first: this frame's rows are coded in them.
         bases = self.sender.fitter.due(self.sender.bases)
-        parts += [b.values.reshape(-1) for b in bases]
         for b in bases:  # one every `transform.REFIT` frames of a kind at most
+            parts += [b.packed, b.codes, b.scales]
             log.info(
                 "sending basis %d of the %s (%d values a token, %d bytes) with %s rows",
                 b.version, "deltas" if b.against else "full codes", b.values.shape[0],
@@ -248,8 +248,8 @@ class BoundaryCodec:
         if len(shape) < 1 or len(messages) != shape[0]:
             raise ValueError(f"{len(messages)} row codes for a tensor of shape {list(shape)}")
         for against, version, width in entry.get("bases", []):
-            values = read(int(width) ** 2, torch.bfloat16).reshape(int(width), int(width))
-            self.receiver.bases.install(BasisMessage(bool(against), int(version), values))
+            basis = BasisMessage.read(bool(against), int(version), int(width), read)
+            self.receiver.bases.install(basis)
             kinds = "deltas" if against else "full codes"
             log.info("installed basis %d of the %s (%d values a token)", version, kinds, width)
         out = torch.empty(shape, dtype=dtype, device=self.device)

@@ -8,13 +8,16 @@ each row's change, one for rows coded against zero (full codes) and one for rows
 their cache (deltas): the two differ (a row against zero holds the model's large fixed
 directions, a delta the adapters' small moving ones). After `FIRST_FIT` frames with rows of a
 kind, and every ``refit`` such frames after, it fits that kind's basis: the eigenvectors of
-the moment, largest eigenvalue first, sent as a `BasisMessage` in bf16 ahead of the rows coded
-in it. Both ends turn what was sent into the basis they use the same way: a QR in float64 on
-the CPU (`Bases.install`), so a bf16-rounded basis is orthonormal again and the two ends hold
-the same float32 values. A code names its basis by version (`DeltaMessage.basis`); version 0
-is the identity, which both ends hold from the start, so two ends that start again (a replaced
-stage, a re-link) code in the identity until the first fit. A code naming a basis this end
-does not hold is a broken link (`StaleBasisError`).
+the moment, largest eigenvalue first, sent as a `BasisMessage` ahead of the rows coded in it.
+Each vector is coded in the bits its eigenvalue asks (`vector_bits`: 0-8, the energetic ones
+at 7-8, those of next to no energy not at all), which took a basis from 16 bits a value (bf16,
+until 2026-11-30) to about 3.7 on the tiny fine-tune measured, its rows costing 1 % more.
+Both ends turn what was sent into the basis they use the same way: a QR in float64 on the
+CPU (`Bases.install`), so the decoded vectors are orthonormal again, the QR completes those
+not sent, and the two ends hold the same float32 values. A code names its basis by version
+(`DeltaMessage.basis`); version 0 is the identity, which both ends hold from the start, so two
+ends that start again (a replaced stage, a re-link) code in the identity until the first fit.
+A code naming a basis this end does not hold is a broken link (`StaleBasisError`).
 
 In a basis, each block of 64 coordinates gets 0-8 bits (`allocation.DEEP`): up to 4 a
 rotated Lloyd-Max code of the block (`lowbit.py`), above 4 that code and a 1-4-bit code of
@@ -35,7 +38,8 @@ row's norm).
 
 Memory: on the sender two moments of ``h x h`` float64 where the rows are coded (256 MiB on a
 4096-wide boundary), and on each end two bases of ``h x h`` float32 on the CPU and on the
-device that codes or decodes (64 MiB each at 4096). A basis on the wire is ``2 h^2`` bytes.
+device that codes or decodes (64 MiB each at 4096). A basis on the wire is at most
+``(8.5 h^2 + 4 h) / 8`` bytes (every vector at 8 bits), at 4096 about 17 MiB.
 
 Hand-written: the fit is torch's ``eigh`` and ``qr``; what is written here is which frames fit,
 the message that carries a basis, and the two-stage code of 5-8 bits, which no library has.
@@ -44,6 +48,7 @@ the message that carries a basis, and the two-stage code of 5-8 bits, which no l
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -65,6 +70,7 @@ MAX_BITS = 8
 """The most bits a block of coordinates gets."""
 MAP_BITS = 4
 """Bits a block's allocation (0-8) takes in a transformed code's bit map."""
+CPU = torch.device("cpu")
 _COST = torch.tensor(DEEP_COST, dtype=torch.float64)
 
 
@@ -81,19 +87,91 @@ class StaleBasisError(ValueError):
 
 @dataclass(frozen=True)
 class BasisMessage:
-    """One basis on the wire: its kind, its version and its vectors."""
+    """One basis on the wire: its kind, its version, its code and the vectors the code
+    decodes to (what both ends install)."""
 
     against: bool
     """True: the basis of deltas (rows coded against their cache); False: of full codes."""
     version: int
     """1, 2, ...: the name codes in it carry (0, the identity, is never sent)."""
     values: torch.Tensor
-    """``[h, h]`` bf16 CPU: the basis vectors as columns, largest eigenvalue first."""
+    """``[h, h]`` float32 CPU: the basis vectors as columns, largest eigenvalue first, as
+    decoded from the code (a vector of 0 bits decodes to zeros)."""
+    bits: torch.Tensor
+    """int64 ``[h]``: bits a value of each vector's code (`vector_bits`)."""
+    codes: torch.Tensor
+    """uint8 CPU: the vectors' code, one after the other (`quantise`)."""
+    scales: torch.Tensor
+    """bf16 CPU: its scales."""
+
+    @property
+    def packed(self) -> torch.Tensor:
+        """The vectors' bits on the wire (``MAP_BITS`` a vector)."""
+        return pack_map(self.bits)
 
     @property
     def nbytes(self) -> int:
         """Payload bytes on the wire."""
-        return 2 * self.values.numel()
+        return self.packed.numel() + self.codes.numel() + 2 * self.scales.numel()
+
+    @classmethod
+    def code(
+        cls, against: bool, version: int, vectors: torch.Tensor, energies: torch.Tensor
+    ) -> BasisMessage:
+        """The message of a basis whose float ``[h, h]`` ``vectors`` are columns, each vector
+        coded in the bits its share of the moment's ``energies`` (eigenvalues) asks."""
+        bits = vector_bits(energies)
+        blocks = to_blocks(vectors.T.float().cpu())  # vector after vector
+        codes, scales = quantise(blocks, _block_bits(bits), version)
+        values = _vectors(bits, codes, scales, version)
+        return cls(against, version, values, bits, codes, scales)
+
+    @classmethod
+    def read(
+        cls, against: bool, version: int, width: int, read: Callable[..., torch.Tensor]
+    ) -> BasisMessage:
+        """The message a frame entry's ``[against, version, width]`` names, its bit map and
+        code taken from ``read(count, dtype)`` (the frame's next parts)."""
+        if width < 1:
+            raise ValueError(f"a basis of width {width} cannot be read")
+        bits = unpack_map(read(MAP_BITS * -(-width // 8), torch.uint8), width).to(torch.int64)
+        each = _block_bits(bits)
+        codes = read(8 * int(each.sum()), torch.uint8)
+        scales = read(int((each > 0).sum() + (each > 4).sum()), torch.bfloat16)
+        return cls(against, version, _vectors(bits, codes, scales, version), bits, codes, scales)
+
+
+def vector_bits(energies: torch.Tensor) -> torch.Tensor:
+    """Bits a value of each basis vector gets (0-8): the fewest whose expected error, times
+    the vector's energy (its eigenvalue), stays within int4's error of a coordinate of mean
+    energy. An imprecise vector leaks that much of its energy into the others, where it
+    costs bits; a vector of 0 bits (next to no energy) is not sent, and the QR that installs
+    the basis completes it, the same on both ends."""
+    e = energies.to(torch.float64).clamp_min(0).cpu()
+    room = DEEP[4] * float(e.mean())
+    table = torch.tensor(DEEP, dtype=torch.float64)
+    # the fewest bits b with e * DEEP[b] <= room (DEEP falls with b)
+    return (e[:, None] * table[None, :] > room).sum(dim=1).clamp_max(MAX_BITS)
+
+
+def _block_bits(bits: torch.Tensor) -> torch.Tensor:
+    """Bits of each block of 64 values of the vectors laid one after the other: its vector's
+    (the most of those it holds, where a width is not a multiple of 64)."""
+    width = bits.numel()
+    each = bits.to(torch.uint8).repeat_interleave(width)
+    each = torch.nn.functional.pad(each, (0, (-each.numel()) % BLOCK))
+    return each.reshape(-1, BLOCK).amax(dim=1).to(torch.int64)
+
+
+def _vectors(
+    bits: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, version: int
+) -> torch.Tensor:
+    """The ``[width, width]`` float32 columns a basis's code decodes to (on the CPU)."""
+    width = bits.numel()
+    each = _block_bits(bits)
+    key = f"basis {version}"
+    flat = dequantise(key, each, codes=codes, scales=scales, version=version, device=CPU)
+    return from_blocks(flat, (width, width), torch.float32).T.contiguous()
 
 
 @dataclass
@@ -116,8 +194,8 @@ class Bases:
         self._held = {False: _Held(), True: _Held()}
 
     def install(self, msg: BasisMessage) -> None:
-        """Hold ``msg``'s basis: its bf16 vectors orthonormalised by a float64 QR on the CPU,
-        the same values on both ends."""
+        """Hold ``msg``'s basis: its decoded vectors orthonormalised (and those not sent
+        completed) by a float64 QR on the CPU, the same values on both ends."""
         held = self._held[msg.against]
         if msg.version <= held.version:
             raise ValueError(
@@ -214,12 +292,12 @@ class Fitter:
             if m is None:
                 continue
             # float64 on the CPU; a card's float32 (a consumer card's float64 is slow):
-            # a basis is sent in bf16 anyway.
+            # a basis is sent in at most 8 bits a value anyway.
             work = m if m.device.type == "cpu" else (m / m.diagonal().sum().clamp_min(1e-30))
             dtype = torch.float64 if m.device.type == "cpu" else torch.float32
-            _, vectors = torch.linalg.eigh(work.to(dtype))
-            values = vectors.flip(1).to(torch.bfloat16).cpu()
-            msg = BasisMessage(against, bases.held(against) + 1, values)
+            energies, vectors = torch.linalg.eigh(work.to(dtype))
+            version = bases.held(against) + 1
+            msg = BasisMessage.code(against, version, vectors.flip(1), energies.flip(0))
             bases.install(msg)
             out.append(msg)
             self._moments[against] = None
