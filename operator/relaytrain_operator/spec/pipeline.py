@@ -187,12 +187,12 @@ class PipelineSpec(SpecModel):
     of a training row is coded in, `identity` (blocks of its values as they are; the default)
     or `fitted`: a basis the sending stage fits to the changes it sent (their second moment's
     eigenvectors), sent after the first 4 frames and every 96 after (each vector in the 0-8 bits
-    its eigenvalue asks), where a few
-    coordinates hold most of the energy and take the bits, within the same error. Fewer bytes
-    for the same error (6-8 % of the activations' on the tiny fine-tune measured, more on wider
-    models, where a basis weighs less against the rows it codes), at the memory of the bases
-    and moments: 32 h^2 bytes on a middle stage's device (512 MiB at hidden 4096), which the
-    planner counts (docs/links-and-checkpoints.md, "Transform coding over real links")."""
+    its eigenvalue asks), where a few coordinates hold most of the energy and take the bits,
+    within the same error. Fewer bytes for the same error: 14-18 % of the activations' on the
+    tiny fine-tune measured, the bases' own bytes included (3-4 % of them; a basis weighs less
+    on wider models), at the memory of the bases and moments: 32 h^2 bytes on a middle stage's
+    device (512 MiB at hidden 4096), which the planner counts (docs/links-and-checkpoints.md,
+    "Bases coded per vector")."""
     sync: SyncSpec = Field(default_factory=SyncSpec)
     """How several pipelines keep their weights equal: `synchronous` (gradients reduced every
     step) or `periodic` (local steps, weights averaged every `everySteps` steps, for slow
