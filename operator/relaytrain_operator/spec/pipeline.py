@@ -29,20 +29,20 @@ MAX_REPLICAS = 64
 MAX_FORWARDS_AHEAD = 16
 
 
-def _stages(value: object) -> int | Literal["auto"]:
+def _auto_or_int(value: object, most: int) -> int | Literal["auto"]:
     if value == "auto":
         return "auto"
-    if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_STAGES:
+    if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= most:
         return value
-    raise ValueError(f'must be "auto" or an integer from 1 to {MAX_STAGES}, got {value!r}')
+    raise ValueError(f'must be "auto" or an integer from 1 to {most}, got {value!r}')
+
+
+def _stages(value: object) -> int | Literal["auto"]:
+    return _auto_or_int(value, MAX_STAGES)
 
 
 def _replicas(value: object) -> int | Literal["auto"]:
-    if value == "auto":
-        return "auto"
-    if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_REPLICAS:
-        return value
-    raise ValueError(f'must be "auto" or an integer from 1 to {MAX_REPLICAS}, got {value!r}')
+    return _auto_or_int(value, MAX_REPLICAS)
 
 
 def _auto_or_count(field: str, most: int) -> Rule:

@@ -82,12 +82,12 @@ DELTA_LATER_SHARE = 0.75
 #: on one CPU thread, where a CPU stage codes, 217 + 15 and 174 + 14). The other codes run
 #: on the stage's device (next to nothing) and are charged nothing.
 DELTA_FORWARD_CODEC_SECONDS = 17.3e-9
+DELTA_BACKWARD_CODEC_SECONDS = 0.3e-9
 #: ``delta`` with ``pipeline.activationBasis: fitted`` (relaytrain_worker.pipeline.transform),
 #: device bytes per h^2 (h the hidden size): a stage that sends activations holds two second
 #: moments in float64 and two bases in float32 (16 + 8), one that receives them two bases (8).
 BASIS_SEND_BYTES_PER_H2 = 24
 BASIS_RECEIVE_BYTES_PER_H2 = 8
-DELTA_BACKWARD_CODEC_SECONDS = 0.3e-9
 #: Labels and attention mask travel forward with the activations, int64 each.
 LABEL_BYTES_PER_TOKEN = 16
 #: 4-bit NF4 weight plus one fp32 absmax per block of 64 (bitsandbytes, no double quant).
