@@ -13,7 +13,13 @@ by side in one process, median of the repetitions:
   that error: most blocks not sent), and the gradients' 3-bit code. It encodes where the
   stage computes and decodes on the CPU (the link's reader), so the planner charges it
   (``cost.DELTA_FORWARD_CODEC_SECONDS``, ``cost.DELTA_BACKWARD_CODEC_SECONDS``, printed
-  beside the measurement).
+  beside the measurement);
+- the deflate ``delta`` frames get on top (frames.py, on the CPU wherever the codes were
+  made): the first crossing's and the gradients' parts deflated and inflated, in ns per
+  value and per byte of the codes (``cost.DEFLATE_SECONDS_PER_BYTE``,
+  ``INFLATE_SECONDS_PER_BYTE``). These Gaussian codes
+  hardly shrink; a real run's do (bench_delta_boundary.py), and DEFLATE's time grows little
+  with what it finds.
 
 ``--device cuda`` puts the tensor on the GPU, as on a GPU stage: every code encodes there
 (timed to the codes' arrival on the CPU for ``delta``, to the encode's end on the device for
@@ -41,7 +47,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "operator"), str(REPO / "worker_image")]
 
 from relaytrain_operator.domain.planner import cost  # noqa: E402
-from relaytrain_worker.pipeline import compression, lowbit  # noqa: E402
+from relaytrain_worker.pipeline import compression, frames, lowbit  # noqa: E402
 from relaytrain_worker.pipeline.boundary import GRADIENT_BITS, BoundaryCodec  # noqa: E402
 
 
@@ -61,6 +67,19 @@ def timed(fn: Callable[[], Any], reps: int) -> float:
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+def deflated(parts: list[torch.Tensor], reps: int) -> tuple[float, float, int]:
+    """Deflate and inflate seconds of a frame's ``parts`` (frames.py), and their bytes."""
+    views = [memoryview(p.contiguous().view(torch.uint8).numpy()).cast("B") for p in parts]
+    size = sum(len(v) for v in views)
+    packed = frames.deflate(views)
+    stream = torch.frombuffer(bytearray(packed), dtype=torch.uint8)
+    return (
+        timed(lambda: frames.deflate(views), reps),
+        timed(lambda: frames.Inflated(stream, size), reps),
+        size,
+    )
 
 
 def delta_rows(x: torch.Tensor, reps: int) -> dict[str, tuple[float, float]]:
@@ -125,6 +144,13 @@ def main(argv: list[str] | None = None) -> int:
         timed(lambda: lowbit.encode(x, GRADIENT_BITS), reps),
         timed(lambda: lowbit.decode(grad, there), reps),
     )
+    ((_, parts),) = BoundaryCodec().encode("activation", {"hidden": x, "rows": torch.arange(2)})
+    coded = {
+        "first crossing": deflated([p.cpu() for p in parts], reps),
+        "gradient": deflated([grad.codes, grad.scales], reps),
+    }
+    for name, (e, d, _) in coded.items():
+        rows[f"deflate of the delta {name}'s frame parts"] = (e, d)
     base = sum(rows["int4"])
     where = "the CPU" if x.device.type == "cpu" else _name(x.device)
     decode = "" if x.device.type == "cpu" else " (delta's decode there too)"
@@ -143,6 +169,13 @@ def main(argv: list[str] | None = None) -> int:
         f"{cost.DELTA_FORWARD_CODEC_SECONDS * 1e9:.0f} ns a value forward and "
         f"{cost.DELTA_BACKWARD_CODEC_SECONDS * 1e9:.0f} backward (encode + decode)."
     )
+    for name, (e, d, size) in coded.items():
+        print(
+            f"Deflate of the {name}'s parts: {e / size * 1e9:.1f} ns a byte of its codes, "
+            f"inflate {d / size * 1e9:.1f}; the planner charges "
+            f"{cost.DEFLATE_SECONDS_PER_BYTE * 1e9:.1f} and "
+            f"{cost.INFLATE_SECONDS_PER_BYTE * 1e9:.1f}."
+        )
     if args.json:
         args.json.write_text(json.dumps(
             {"shape": list(x.shape), "device": _name(x.device), "codes": figures}, indent=2

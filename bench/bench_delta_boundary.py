@@ -113,6 +113,8 @@ class ModeRun:
     basis_bytes: int = 0
     """Bytes of the fitted bases sent over every boundary (``+basis`` modes), from the
     links' log of each basis sent (`boundary.BoundaryCodec`)."""
+    deflate: list[list[list[int]]] = field(default_factory=list)
+    """Per boundary, down and up: [tensor bytes as coded, once deflated] (frames.py)."""
 
 
 class _Bases(logging.Handler):
@@ -289,6 +291,7 @@ def train(job: Job, mode: str, *, limited: bool) -> ModeRun:
         drift=epoch_drift(run.step_params[spe - 1 :: spe], job.evaluator, job.train_rows),
         train_losses=run.losses,
         basis_bytes=bases.sent,
+        deflate=run.boundary_deflate,
     )
 
 
@@ -425,6 +428,14 @@ def report(
             print(
                 f"\n{m}: of its {down:.1f} B/tok down, the bases sent took {share:.1f} "
                 f"({100 * share / down:.0f} %; {ref[0] / (down - share):.2f}x bf16 without them)"
+            )
+    for m, r in runs.items():
+        coded = [sum(b[d][0] for b in r.deflate) for d in range(2)]
+        wire = [sum(b[d][1] for b in r.deflate) for d in range(2)]
+        if wire != coded:
+            print(
+                f"\n{m}: deflating its frames took {100 * (1 - wire[0] / coded[0]):.1f} % off "
+                f"the tensors' coded bytes down, {100 * (1 - wire[1] / coded[1]):.1f} % up"
             )
     head = " | ".join(f"epoch {e + 1}" for e in range(epochs))
     for label, dirs in (

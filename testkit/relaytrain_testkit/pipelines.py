@@ -52,6 +52,9 @@ class PipelineRun:
     warm-up steps included."""
     boundary_bytes: list[list[int]] = field(default_factory=list)
     """Per boundary k (stage k to k+1): [bytes sent down, bytes sent up], on the wire."""
+    boundary_deflate: list[list[list[int]]] = field(default_factory=list)
+    """Per boundary k, down and up: [the tensors' coded bytes, their bytes once deflated]
+    (`transport.Link.coded_bytes_sent`, ``payload_bytes_sent``; equal but under ``delta``)."""
     step_params: list[dict[str, torch.Tensor]] = field(default_factory=list)
     """Per step: trainable parameters after the optimizer step (data-parallel runs only)."""
     grad_norms: list[float] = field(default_factory=list)
@@ -259,6 +262,7 @@ def _run_pipelines(
             grads=[{} for _ in steps[p]],
             stage_params=[{} for _ in split],
             boundary_bytes=[[0, 0] for _ in split[1:]],
+            boundary_deflate=[[[0, 0], [0, 0]] for _ in split[1:]],
             step_params=[{} for _ in steps[p]] if record_steps else [],
             step_boundary_bytes=[[[0, 0] for _ in split[1:]] for _ in steps[p]]
             if step_bytes
@@ -372,8 +376,12 @@ def _run_pipelines(
                 run.seconds = max(run.seconds, time.perf_counter() - started)
                 if nxt is not None:
                     run.boundary_bytes[k][0] = nxt.bytes_sent
+                    run.boundary_deflate[k][0] = [nxt.coded_bytes_sent, nxt.payload_bytes_sent]
                 if prev is not None:
                     run.boundary_bytes[k - 1][1] = prev.bytes_sent
+                    run.boundary_deflate[k - 1][1] = [
+                        prev.coded_bytes_sent, prev.payload_bytes_sent,
+                    ]  # fmt: skip
                 for name, param in trainable:
                     run.params[name] = param.detach().clone()
                     run.stage_params[k][name] = param.detach().clone()

@@ -73,13 +73,34 @@ def test_auto_weighs_the_cpu_time_of_the_delta_codec(monkeypatch: pytest.MonkeyP
     int4 = TrainingShape(**{**TRAINING.__dict__, "compression": "int4"})
     link = LinkCost.of(LLAMA, delta)
     values = TRAINING.tokens_per_micro_batch * LLAMA.hidden_size
-    assert link.forward_codec_seconds == pytest.approx(values * cost.DELTA_FORWARD_CODEC_SECONDS)
+    coded = link.forward_bytes - TRAINING.tokens_per_micro_batch * cost.LABEL_BYTES_PER_TOKEN
+    assert link.forward_codec_seconds == pytest.approx(
+        values * cost.DELTA_FORWARD_CODEC_SECONDS + coded * cost.INFLATE_SECONDS_PER_BYTE
+    )
     assert LinkCost.of(LLAMA, int4).forward_codec_seconds == 0
     assert plan(LLAMA, delta, pools).tokens_per_second < plan(LLAMA, int4, pools).tokens_per_second
     monkeypatch.setattr(cost, "DELTA_FORWARD_CODEC_SECONDS", 0.0)
     monkeypatch.setattr(cost, "DELTA_BACKWARD_CODEC_SECONDS", 0.0)
     chosen, _ = choose_compression(lambda t: plan(LLAMA, t, pools), TRAINING)
     assert chosen == "delta"
+
+
+def test_deflate_is_hidden_behind_a_slow_links_send_and_charged_beyond_a_fast_ones(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A link's encoder thread deflates a frame while its sender sends the one before: at
+    100 Mbit/s a byte takes longer to send than to deflate, and deflate costs the plan
+    nothing; at 10 Gbit/s the deflate outlasts the send, and the plan pays the difference."""
+    delta = replace(TRAINING, compression="delta")
+
+    def speeds() -> list[float]:
+        return [plan(LLAMA, delta, _fleet(m)).tokens_per_second for m in (100.0, 10_000.0)]
+
+    slow, fast = speeds()
+    monkeypatch.setattr(cost, "DEFLATE_SECONDS_PER_BYTE", 0.0)
+    free_slow, free_fast = speeds()
+    assert slow == free_slow
+    assert fast < free_fast
 
 
 def test_delta_is_priced_at_its_runs_mean_where_the_job_counts_epochs() -> None:

@@ -42,7 +42,10 @@ What is coded how in a frame under ``delta``:
   docs/links-and-checkpoints.md). Equal error is not equal learning for gradients. A
   gradient some of whose tokens are zero (`pipeline.gradientTokens` < 1, `sampling.py`, or
   padding) goes as a map of one bit a token and the other tokens' codes (``tokens``);
-- integer and bool tensors: lossless and narrowed, as every other mode (`compression.py`).
+- integer and bool tensors: lossless and narrowed, as every other mode (`compression.py`);
+- then all of a frame's parts, deflated as one stream where that is smaller (frames.py): a
+  link keeps deflating a kind of frame while it takes at least ``DEFLATE_PAYS`` off, and
+  otherwise tries again every ``DEFLATE_RETRY + 1``-th (`BoundaryCodec.deflate_due`).
 
 The sender encodes in the link's encoder thread and the receiver decodes in the thread that
 receives; frames on a link are applied in the order they were encoded, which is the order they
@@ -92,6 +95,12 @@ FULL_BITS: Bits = 4
 """Bits per value of a row's first code (int4's error: the first epoch trains as int4 does)."""
 GRADIENT_BITS: Bits = 3
 """Bits per value of every other floating tensor (the gradients going back)."""
+DEFLATE_PAYS = 0.05
+"""The least share of a frame's bytes deflate must take off for a link to keep deflating
+frames of that kind (frames.py; it costs some 40 ns a byte of one CPU thread)."""
+DEFLATE_RETRY = 16
+"""Frames of a kind a link sends as coded after a deflate that did not pay, before it tries
+again (the codes' statistics change as training goes on)."""
 ACTIVATION_ERRORS: dict[str, Bits] = {"int4": FULL_BITS, "int3": 3}
 """``pipeline.activationError``: the code whose expected error a row's code is held to."""
 
@@ -139,6 +148,22 @@ class BoundaryCodec:
         """Rows sent as full codes."""
         self.delta_codes = 0
         """Rows sent as deltas."""
+        self._undeflated: dict[str, int] = {}
+        """Per frame kind, how many more of its frames go without trying deflate."""
+
+    def deflate_due(self, kind: str) -> bool:
+        """Whether to try deflating this link's next frame of ``kind`` (frames.py): yes,
+        unless the last one tried shrank by less than ``DEFLATE_PAYS``, then not for the next
+        ``DEFLATE_RETRY`` of that kind (gradient codes barely shrink: 2 % in
+        bench_delta_boundary.py, where an activation frame loses a fifth)."""
+        left = self._undeflated.get(kind, 0)
+        self._undeflated[kind] = max(0, left - 1)
+        return left == 0
+
+    def deflated(self, kind: str, coded: int, deflated: int) -> None:
+        """What deflating a frame of ``kind`` made of its ``coded`` bytes."""
+        if deflated > (1 - DEFLATE_PAYS) * coded:
+            self._undeflated[kind] = DEFLATE_RETRY
 
     def encode(
         self, kind: str, tensors: dict[str, torch.Tensor]

@@ -2,25 +2,58 @@
 little JSON) and its wire encoding.
 
 `prepare` encodes a frame (compression included) into a JSON header and the tensor parts'
-bytes, viewed without a copy; `transport.Link` sends a prepared frame and, receiving,
-reads the header's layout back (`wire_dtype`, `MAX_HEADER`) straight into new tensors.
+bytes, viewed without a copy; `transport.Link` sends a prepared frame and, receiving, reads
+the header (`MAX_HEADER`) and hands `read_tensors` a reader of the parts that follow, which
+it reads straight into new tensors by the header's layout (`wire_dtype`).
+
+Under ``delta`` (`boundary.py`, the codec for slow links) the parts go **deflated** as one
+stream (zlib's raw DEFLATE at ``DEFLATE_LEVEL``; the header's ``deflated`` names its size
+before and after) wherever that is smaller. The codes, maps, scales, masks, positions and
+labels of a frame are not uniform bytes: codes of quiet coordinates repeat, a row's bit map is
+mostly runs, scales share their exponent bytes and a 0/1 mask is all ones, so DEFLATE's
+matches and Huffman codes take a fifth off an activation frame and a few percent off a
+gradient's (bench/bench_delta_boundary.py, docs/links-and-checkpoints.md). It is lossless:
+the delta caches at both ends see the same codes as without it. zlib is the standard
+library's and fast enough that a slow link, the only place ``delta`` is planned, waits
+longer for the bytes it saves than the link's encoder thread spends on them
+(`cost.DEFLATE_SECONDS_PER_BYTE`).
 """
 
 from __future__ import annotations
 
 import json
+import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from relaytrain_worker.pipeline.boundary import MODE, UNKEYED, BoundaryCodec
-from relaytrain_worker.pipeline.compression import Compression, encode
+from relaytrain_worker.pipeline.boundary import CODEC_MODES, MODE, UNKEYED, BoundaryCodec
+from relaytrain_worker.pipeline.compression import (
+    Compression,
+    EncodedTensor,
+    check_mode,
+    decode,
+    encode,
+)
 
-__all__ = ["MAX_HEADER", "Frame", "PreparedFrame", "prepare", "wire_dtype"]
+__all__ = [
+    "MAX_HEADER", "Frame", "Inflated", "PreparedFrame", "deflate", "prepare", "read_tensors",
+    "wire_dtype",
+]  # fmt: skip
 
 MAX_HEADER = 1 << 20
 """The largest frame header (JSON) a link sends or accepts."""
+DEFLATE_LEVEL = 1
+"""zlib's level for a ``delta`` frame's parts (1-9): on bench_delta_boundary.py's frames 1
+takes 13.0 % off, 6 and 9 13.2 %, at the same speed on one CPU thread (25 MB/s on the 2-core
+dev VM; `cost.DEFLATE_SECONDS_PER_BYTE`)."""
+MAX_INFLATED = 1 << 31
+"""The most bytes a deflated frame may say it holds (a frame of 2 GiB is a malformed one)."""
+
+Read = Callable[[int, torch.dtype], torch.Tensor]
+"""``read(nbytes, dtype)``: the frame's next part, ``nbytes`` bytes viewed as ``dtype``."""
 
 _DTYPES: dict[str, torch.dtype] = {
     str(d): d
@@ -58,7 +91,10 @@ class PreparedFrame:
     raw_bytes: int
     """Bytes of the tensors before compression."""
     payload_bytes: int
-    """Bytes of the tensors after compression."""
+    """Bytes of the tensors after compression (deflate included): what ``parts`` hold."""
+    coded_bytes: int
+    """Bytes of the tensors as their codes left them, before any deflate (``delta``'s own
+    bytes; ``payload_bytes`` where the frame is not deflated)."""
 
 
 def prepare(
@@ -94,10 +130,17 @@ def prepare(
         for x in tensors:
             parts.append(_bytes_view(x))
             payload += _nbytes(x)
-    header = {
+    header: dict[str, Any] = {
         "kind": frame.kind, "step": frame.step, "micro": frame.micro,
         "meta": frame.meta, "tensors": layout,
     }  # fmt: skip
+    coded_bytes = payload
+    if compression == MODE and codec is not None and payload and codec.deflate_due(frame.kind):
+        deflated = deflate(parts)
+        codec.deflated(frame.kind, payload, len(deflated))
+        if len(deflated) < payload:
+            header["deflated"] = [payload, len(deflated)]
+            parts, payload = [memoryview(deflated)], len(deflated)
     head = json.dumps(header, separators=(",", ":")).encode()
     if len(head) > MAX_HEADER:
         raise ValueError(f"frame header is {len(head)} bytes; meta must stay small")
@@ -106,7 +149,81 @@ def prepare(
         parts,
         raw_bytes=sum(t.numel() * t.element_size() for t in frame.tensors.values()),
         payload_bytes=payload,
+        coded_bytes=coded_bytes,
     )
+
+
+def read_tensors(
+    header: dict[str, Any], codec: BoundaryCodec, read: Read
+) -> dict[str, torch.Tensor]:
+    """The tensors of a frame whose ``header`` was read, from the parts ``read`` reads next
+    (inflating them first where the header says they were deflated). ValueError, KeyError or
+    TypeError where the header and the parts disagree."""
+    inflated = None
+    if header.get("deflated") is not None:
+        raw, packed = (int(n) for n in header["deflated"])
+        inflated = Inflated(read(packed, torch.uint8), raw)
+        read = inflated.read
+
+    def elements(count: int, dtype: torch.dtype) -> torch.Tensor:
+        return read(count * torch.empty((), dtype=dtype).element_size(), dtype)
+
+    tensors: dict[str, torch.Tensor] = {}
+    for entry in header["tensors"]:
+        if entry["mode"] in CODEC_MODES:
+            dtype = wire_dtype(entry["dtype"])
+            tensors[entry["name"]] = codec.decode(header["kind"], entry, dtype, elements)
+            continue
+        data = read(entry["data"], torch.uint8)
+        scales = None if entry["scales"] is None else read(entry["scales"], torch.bfloat16)
+        channels = entry.get("channels")
+        channels = None if channels is None else read(channels, torch.bfloat16)
+        wire = entry.get("wire")
+        enc = EncodedTensor(
+            check_mode(entry["mode"]), wire_dtype(entry["dtype"]), tuple(entry["shape"]),
+            data, scales, None if wire is None else wire_dtype(wire), channels,
+        )  # fmt: skip
+        tensors[entry["name"]] = decode(enc)
+    if inflated is not None:
+        inflated.check_read()
+    return tensors
+
+
+def deflate(parts: list[memoryview]) -> bytes:
+    """The parts as one raw DEFLATE stream (no zlib header or checksum: TLS already
+    authenticates every byte)."""
+    z = zlib.compressobj(DEFLATE_LEVEL, zlib.DEFLATED, -15)
+    return b"".join([*(z.compress(p) for p in parts), z.flush()])
+
+
+class Inflated:
+    """A deflated frame's parts, inflated, read in order (`Read`)."""
+
+    def __init__(self, packed: torch.Tensor, raw: int) -> None:
+        if not 0 < raw <= MAX_INFLATED:
+            raise ValueError(f"deflated frame of {raw} bytes is out of bounds")
+        z = zlib.decompressobj(-15)
+        try:
+            data = z.decompress(_bytes_view(packed), raw)
+        except zlib.error as e:
+            raise ValueError(f"deflated frame does not inflate: {e}") from None
+        if len(data) != raw or not z.eof or z.unconsumed_tail:
+            raise ValueError(f"deflated frame inflates to {len(data)} bytes, not the {raw} named")
+        self._data = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        self._at = 0
+
+    def read(self, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
+        end = self._at + nbytes
+        if nbytes < 0 or end > self._data.numel():
+            raise ValueError(f"frame part of {nbytes} bytes past the deflated frame's end")
+        part = self._data[self._at : end].clone()  # its own storage: aligned for any dtype
+        self._at = end
+        return part.view(dtype)
+
+    def check_read(self) -> None:
+        if self._at != self._data.numel():
+            left = self._data.numel() - self._at
+            raise ValueError(f"deflated frame holds {left} bytes its layout does not name")
 
 
 def _nbytes(t: torch.Tensor) -> int:

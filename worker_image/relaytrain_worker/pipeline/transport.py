@@ -11,7 +11,8 @@ through its own message types (gRPC, ZeroMQ), and torch.distributed and gloo car
 authentication. This stays small: TLS carries a byte stream, frames are laid on it.
 
 Wire format inside TLS: a frame is ``u32 length | header`` (JSON: kind, step, micro, meta
-and the layout of every tensor part) followed by each tensor part's bytes. Sends encrypt
+and the layout of every tensor part) followed by each tensor part's bytes (under ``delta``,
+all of them deflated as one, where that is smaller: frames.py). Sends encrypt
 in chunks of ``SEAL_BYTES`` straight from the tensor's memory; receives decrypt straight
 into the output tensor's memory.
 
@@ -36,11 +37,17 @@ from typing import Any
 
 import torch
 
-from relaytrain_worker.pipeline.boundary import CODEC_MODES, BoundaryCodec
-from relaytrain_worker.pipeline.compression import Compression, EncodedTensor, check_mode, decode
+from relaytrain_worker.pipeline.boundary import BoundaryCodec
+from relaytrain_worker.pipeline.compression import Compression
 from relaytrain_worker.pipeline.credentials import LinkCredentials
 from relaytrain_worker.pipeline.delayline import DelayLine
-from relaytrain_worker.pipeline.frames import MAX_HEADER, Frame, PreparedFrame, prepare, wire_dtype
+from relaytrain_worker.pipeline.frames import (
+    MAX_HEADER,
+    Frame,
+    PreparedFrame,
+    prepare,
+    read_tensors,
+)
 from relaytrain_worker.pipeline.linkauth import (
     AuthError,
     CertificateRefused,
@@ -106,7 +113,9 @@ class Link:
         self.raw_bytes_sent = 0
         """Bytes the sent tensors occupy uncompressed (for the compression ratio)."""
         self.payload_bytes_sent = 0
-        """Bytes the sent tensors occupy after compression."""
+        """Bytes the sent tensors occupy after compression (deflate included, frames.py)."""
+        self.coded_bytes_sent = 0
+        """Bytes the sent tensors occupy as their codes left them, before deflate."""
         self.frames_sent = 0
         self.frames_received = 0
         self._send_lock = threading.Lock()
@@ -168,6 +177,7 @@ class Link:
             self.frames_sent += 1
             self.raw_bytes_sent += prepared.raw_bytes
             self.payload_bytes_sent += prepared.payload_bytes
+            self.coded_bytes_sent += prepared.coded_bytes
 
     def recv(self, timeout: float | None = None) -> Frame:
         """Receive the next frame; TimeoutError if none starts within ``timeout`` seconds."""
@@ -180,27 +190,7 @@ class Link:
                 if size > MAX_HEADER:
                     raise ValueError(f"frame header of {size} bytes is out of bounds")
                 header = json.loads(bytes(self._recv_bytes(size)))
-                tensors: dict[str, torch.Tensor] = {}
-                for entry in header["tensors"]:
-                    if entry["mode"] in CODEC_MODES:
-                        tensors[entry["name"]] = self.codec.decode(
-                            header["kind"], entry, wire_dtype(entry["dtype"]), self._recv_elements
-                        )
-                        continue
-                    data = self._recv_part(entry["data"], torch.uint8)
-                    scales = None
-                    if entry["scales"] is not None:
-                        scales = self._recv_part(entry["scales"], torch.bfloat16)
-                    channels = None
-                    if entry.get("channels") is not None:
-                        channels = self._recv_part(entry["channels"], torch.bfloat16)
-                    wire = entry.get("wire")
-                    enc = EncodedTensor(
-                        check_mode(entry["mode"]), wire_dtype(entry["dtype"]),
-                        tuple(entry["shape"]), data, scales,
-                        None if wire is None else wire_dtype(wire), channels,
-                    )  # fmt: skip
-                    tensors[entry["name"]] = decode(enc)
+                tensors = read_tensors(header, self.codec, self._recv_part)
             except LinkBroken:
                 self._fail()
                 raise
@@ -268,9 +258,6 @@ class Link:
         view = memoryview(self._rbuf)[:n]
         self._recv_into(view)
         return view
-
-    def _recv_elements(self, count: int, dtype: torch.dtype) -> torch.Tensor:
-        return self._recv_part(count * torch.empty((), dtype=dtype).element_size(), dtype)
 
     def _recv_part(self, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
         out = torch.empty(nbytes, dtype=torch.uint8)  # not zero-filled: every byte is written

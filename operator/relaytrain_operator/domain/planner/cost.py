@@ -83,6 +83,18 @@ DELTA_LATER_SHARE = 0.75
 #: on the stage's device (next to nothing) and are charged nothing.
 DELTA_FORWARD_CODEC_SECONDS = 17.3e-9
 DELTA_BACKWARD_CODEC_SECONDS = 0.3e-9
+#: Seconds per byte of a ``delta`` frame's codes to deflate them on the sending host, and to
+#: inflate them on the receiving one (relaytrain_worker.pipeline.frames, zlib at its
+#: ``DEFLATE_LEVEL``, one CPU thread; `bench/bench_codec_speed.py`, the 2-core dev VM,
+#: 2026-11-30: 38.9 and 5.6 ns a byte of a first crossing's codes). A link's encoder thread
+#: deflates a frame while its sender thread sends the one before, so deflate costs a stage
+#: only what it takes beyond that send (nothing on the slow links delta is planned for: a
+#: byte takes 80 ns at 100 Mbit/s); the inflate is in the receiver's way and is charged as
+#: the codec's time is. What deflate saves is not counted: it depends on the codes (5 % of
+#: Gaussian noise's, a fifth of a fine-tune's activations in bench_delta_boundary.py), so
+#: delta's bytes stay priced as coded, an upper bound.
+DEFLATE_SECONDS_PER_BYTE = 38.9e-9
+INFLATE_SECONDS_PER_BYTE = 5.6e-9
 #: ``delta`` with ``pipeline.activationBasis: fitted`` (relaytrain_worker.pipeline.transform),
 #: device bytes per h^2 (h the hidden size): a stage that sends activations holds two second
 #: moments in float64 and two bases in float32 (16 + 8), one that receives them two bases (8).
@@ -282,6 +294,10 @@ class LinkCost:
     """CPU time to encode and decode the activations (``delta`` only)."""
     backward_codec_seconds: float = 0.0
     """CPU time to encode and decode their gradients (``delta`` only)."""
+    forward_deflate_seconds: float = 0.0
+    """CPU time to deflate the activations' codes, beside the send before (``delta`` only)."""
+    backward_deflate_seconds: float = 0.0
+    """CPU time to deflate the gradients' codes, beside the send before (``delta`` only)."""
 
     @classmethod
     def of(cls, model: ModelShape, training: TrainingShape) -> LinkCost:
@@ -289,11 +305,15 @@ class LinkCost:
         forward = values * wire_bytes_per_value(training)
         backward = values * wire_bytes_per_value(training, backward=True)
         delta = training.compression == "delta"
+        if not delta:
+            return cls(forward + training.tokens_per_micro_batch * LABEL_BYTES_PER_TOKEN, backward)
         return cls(
             forward + training.tokens_per_micro_batch * LABEL_BYTES_PER_TOKEN,
             backward,
-            values * DELTA_FORWARD_CODEC_SECONDS if delta else 0.0,
-            values * DELTA_BACKWARD_CODEC_SECONDS if delta else 0.0,
+            values * DELTA_FORWARD_CODEC_SECONDS + forward * INFLATE_SECONDS_PER_BYTE,
+            values * DELTA_BACKWARD_CODEC_SECONDS + backward * INFLATE_SECONDS_PER_BYTE,
+            forward * DEFLATE_SECONDS_PER_BYTE,
+            backward * DEFLATE_SECONDS_PER_BYTE,
         )
 
     def send_seconds(self, nbytes: float, a: PoolCost, b: PoolCost) -> float:
@@ -306,10 +326,13 @@ class LinkCost:
         the CPU time of coding it."""
         total = 0.0
         if nxt is not None:
-            total += self.send_seconds(self.forward_bytes, this, nxt) + self.forward_codec_seconds
+            send = self.send_seconds(self.forward_bytes, this, nxt)
+            total += send + self.forward_codec_seconds
+            total += max(0.0, self.forward_deflate_seconds - send)
         if prev is not None:
-            total += self.send_seconds(self.backward_bytes, this, prev)
-            total += self.backward_codec_seconds
+            send = self.send_seconds(self.backward_bytes, this, prev)
+            total += send + self.backward_codec_seconds
+            total += max(0.0, self.backward_deflate_seconds - send)
         return total
 
 
