@@ -83,16 +83,13 @@ DELTA_LATER_SHARE = 0.75
 #: on the stage's device (next to nothing) and are charged nothing.
 DELTA_FORWARD_CODEC_SECONDS = 17.3e-9
 DELTA_BACKWARD_CODEC_SECONDS = 0.3e-9
-#: Seconds per byte of a ``delta`` frame's codes to deflate them on the sending host, and to
-#: inflate them on the receiving one (relaytrain_worker.pipeline.frames, zlib at its
-#: ``DEFLATE_LEVEL``, one CPU thread; `bench/bench_codec_speed.py`, the 2-core dev VM,
-#: 2026-11-30: 38.9 and 5.6 ns a byte of a first crossing's codes). A link's encoder thread
-#: deflates a frame while its sender thread sends the one before, so deflate costs a stage
-#: only what it takes beyond that send (nothing on the slow links delta is planned for: a
-#: byte takes 80 ns at 100 Mbit/s); the inflate is in the receiver's way and is charged as
-#: the codec's time is. What deflate saves is not counted: it depends on the codes (5 % of
-#: Gaussian noise's, a fifth of a fine-tune's activations in bench_delta_boundary.py), so
-#: delta's bytes stay priced as coded, an upper bound.
+#: Seconds per byte of a ``delta`` frame's codes to deflate them on the sending host and to
+#: inflate them on the receiving one (relaytrain_worker.pipeline.frames, one CPU thread:
+#: `bench/bench_codec_speed.py`, the 2-core dev VM, 2026-11-30). A link's encoder thread
+#: deflates a frame while its sender sends the one before, so a stage pays only what deflate
+#: takes beyond that send (nothing where delta is planned: a byte takes 80 ns at 100 Mbit/s);
+#: the inflate as the codec's time. What deflate saves is not counted (5 % of Gaussian codes,
+#: 16 % of a fine-tune's activations): delta's bytes stay priced as coded, an upper bound.
 DEFLATE_SECONDS_PER_BYTE = 38.9e-9
 INFLATE_SECONDS_PER_BYTE = 5.6e-9
 #: ``delta`` with ``pipeline.activationBasis: fitted`` (relaytrain_worker.pipeline.transform),
@@ -304,17 +301,15 @@ class LinkCost:
         values = training.tokens_per_micro_batch * model.hidden_size
         forward = values * wire_bytes_per_value(training)
         backward = values * wire_bytes_per_value(training, backward=True)
-        delta = training.compression == "delta"
-        if not delta:
-            return cls(forward + training.tokens_per_micro_batch * LABEL_BYTES_PER_TOKEN, backward)
+        labels = training.tokens_per_micro_batch * LABEL_BYTES_PER_TOKEN
+        if training.compression != "delta":
+            return cls(forward + labels, backward)
         return cls(
-            forward + training.tokens_per_micro_batch * LABEL_BYTES_PER_TOKEN,
-            backward,
+            forward + labels, backward,
             values * DELTA_FORWARD_CODEC_SECONDS + forward * INFLATE_SECONDS_PER_BYTE,
             values * DELTA_BACKWARD_CODEC_SECONDS + backward * INFLATE_SECONDS_PER_BYTE,
-            forward * DEFLATE_SECONDS_PER_BYTE,
-            backward * DEFLATE_SECONDS_PER_BYTE,
-        )
+            forward * DEFLATE_SECONDS_PER_BYTE, backward * DEFLATE_SECONDS_PER_BYTE,
+        )  # fmt: skip
 
     def send_seconds(self, nbytes: float, a: PoolCost, b: PoolCost) -> float:
         """Time to send ``nbytes`` between a GPU of pool ``a`` and one of pool ``b``."""
