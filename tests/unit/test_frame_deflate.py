@@ -5,7 +5,8 @@ agree with its header is refused naming why."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import pytest
 import torch
@@ -89,7 +90,7 @@ def test_no_other_code_deflates(mode: str) -> None:
     assert prepared.payload_bytes == prepared.coded_bytes
 
 
-def _deflated() -> tuple[dict, list[memoryview]]:  # type: ignore[type-arg]
+def _deflated() -> tuple[dict[str, Any], list[memoryview]]:
     prepared = prepare(_activation(0, torch.randn(ROWS_N, SEQ, HIDDEN)), "delta", BoundaryCodec())
     return json.loads(prepared.head), prepared.parts
 
@@ -104,7 +105,9 @@ def _deflated() -> tuple[dict, list[memoryview]]:  # type: ignore[type-arg]
         (lambda raw, packed: [raw, packed - 9], r"inflates to|does not inflate"),
     ],
 )
-def test_a_deflated_frame_that_disagrees_with_its_header_is_refused(tamper, message) -> None:  # type: ignore[no-untyped-def]
+def test_a_deflated_frame_that_disagrees_with_its_header_is_refused(
+    tamper: Callable[[int, int], list[int]], message: str
+) -> None:
     header, parts = _deflated()
     header["deflated"] = tamper(*header["deflated"])
     with pytest.raises(ValueError, match=message):

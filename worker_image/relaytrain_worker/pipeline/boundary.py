@@ -155,7 +155,7 @@ class BoundaryCodec:
         """Whether to try deflating this link's next frame of ``kind`` (frames.py): yes,
         unless the last one tried shrank by less than ``DEFLATE_PAYS``, then not for the next
         ``DEFLATE_RETRY`` of that kind (gradient codes barely shrink: 2 % in
-        bench_delta_boundary.py, where an activation frame loses a fifth)."""
+        bench_delta_boundary.py, where an activation frame loses 11-16 %)."""
         left = self._undeflated.get(kind, 0)
         self._undeflated[kind] = max(0, left - 1)
         return left == 0

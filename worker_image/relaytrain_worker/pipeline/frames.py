@@ -11,12 +11,12 @@ stream (zlib's raw DEFLATE at ``DEFLATE_LEVEL``; the header's ``deflated`` names
 before and after) wherever that is smaller. The codes, maps, scales, masks, positions and
 labels of a frame are not uniform bytes: codes of quiet coordinates repeat, a row's bit map is
 mostly runs, scales share their exponent bytes and a 0/1 mask is all ones, so DEFLATE's
-matches and Huffman codes take a fifth off an activation frame and a few percent off a
-gradient's (bench/bench_delta_boundary.py, docs/links-and-checkpoints.md). It is lossless:
-the delta caches at both ends see the same codes as without it. zlib is the standard
-library's and fast enough that a slow link, the only place ``delta`` is planned, waits
-longer for the bytes it saves than the link's encoder thread spends on them
-(`cost.DEFLATE_SECONDS_PER_BYTE`).
+matches and Huffman codes take 11-16 % off an activation frame (bench/bench_delta_boundary.py,
+docs/links-and-checkpoints.md); a gradient's Lloyd-Max codes hardly shrink, and a link stops
+trying them (`BoundaryCodec.deflate_due`). It is lossless: the delta caches at both ends see
+the same codes as without it. zlib is the standard library's; a link's encoder thread
+deflates a frame while its sender sends the one before, which on the slow links ``delta`` is
+for takes longer (`cost.DEFLATE_SECONDS_PER_BYTE`).
 """
 
 from __future__ import annotations
