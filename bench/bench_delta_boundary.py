@@ -2,14 +2,15 @@
 
 Run: OMP_NUM_THREADS=1 .venv/bin/python bench/bench_delta_boundary.py [--quick] [--epochs E]
     [--base random|pretrained] [--shift S] [--gradient-tokens S] [--modes M,...] [--timed M]
-    [--json OUT]
+    [--seed N] [--json OUT]
 
 ``--modes``: the runs, of ``none``, ``bf16``, ``int8``, ``int4`` and ``delta`` (``none`` and
 ``bf16`` are always run: the references), where a ``delta`` may be written
 ``delta:int3`` (``pipeline.activationError: int3``) and end in ``+basis`` (rows coded in
 fitted bases, `DeltaConfig.transform`), e.g. ``delta+basis,delta:int3+basis``. ``--timed``:
 the delta run raced against ``int8`` over the emulated slow link (default ``delta``; ``off``:
-no slow-link runs).
+no slow-link runs). ``--seed``: the LoRA's initialisation, the sampled gradient tokens' draws
+and each epoch's row order (default 0); the language, its rows and the base stay.
 
 A tiny random Llama (4 layers, hidden 256, testkit) with LoRA r8 on every linear layer is
 fine-tuned through 4 stages (one layer each; `run_pipeline_threads`: the worker's
@@ -339,6 +340,9 @@ def main() -> None:
         "--modes", default=",".join(MODES), help="the runs (see above; none and bf16 always)"
     )
     parser.add_argument(
+        "--seed", type=int, default=0, help="the LoRA's init, the draws and the row order"
+    )
+    parser.add_argument(
         "--timed", default="delta", help="the delta run raced against int8 (off: no such runs)"
     )
     from relaytrain_testkit import bigram
@@ -366,7 +370,7 @@ def main() -> None:
     n_steps = setup.steps_per_epoch * setup.epochs
     training = TrainingSpec(
         steps=n_steps, micro_batch_size=MBS, micro_batches=setup.micros, learning_rate=5e-3,
-        schedule="cosine", warmup_steps=2, weight_decay=0.0, max_grad_norm=1.0, seed=0,
+        schedule="cosine", warmup_steps=2, weight_decay=0.0, max_grad_norm=1.0, seed=args.seed,
     )  # fmt: skip
     started = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
@@ -379,7 +383,7 @@ def main() -> None:
         train_rows = bigram.rows(setup.rows, SEQ, 2, perm)
         held = bigram.rows(setup.held_out, SEQ, 99, perm)
         evaluator = Evaluator(model_dir, held, training.seed)
-        steps = epoch_steps(train_rows, setup, seed=10)
+        steps = epoch_steps(train_rows, setup, seed=10 + 1000 * args.seed)
         job = Job(setup, model_dir, train_rows, steps, training, evaluator, args.gradient_tokens)
         base_loss = evaluator.loss()
         runs = {}
