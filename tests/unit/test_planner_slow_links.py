@@ -73,7 +73,7 @@ def test_auto_weighs_the_cpu_time_of_the_delta_codec(monkeypatch: pytest.MonkeyP
     int4 = TrainingShape(**{**TRAINING.__dict__, "compression": "int4"})
     link = LinkCost.of(LLAMA, delta)
     values = TRAINING.tokens_per_micro_batch * LLAMA.hidden_size
-    coded = link.forward_bytes - TRAINING.tokens_per_micro_batch * cost.LABEL_BYTES_PER_TOKEN
+    coded = values * cost.wire_bytes_per_value(delta)  # what the receiver inflates back
     assert link.forward_codec_seconds == pytest.approx(
         values * cost.DELTA_FORWARD_CODEC_SECONDS + coded * cost.INFLATE_SECONDS_PER_BYTE
     )
@@ -106,8 +106,9 @@ def test_deflate_is_hidden_behind_a_slow_links_send_and_charged_beyond_a_fast_on
 def test_delta_is_priced_at_its_runs_mean_where_the_job_counts_epochs() -> None:
     """A job of epochs pays delta's first-crossing rate for one of them and
     ``DELTA_LATER_SHARE`` of it for the rest; a job of steps (passes unknown) is priced at the
-    first epoch's rate. Gradients and the other codes do not depend on the epochs."""
-    first = cost.delta_first_bytes(4)
+    first epoch's rate; either less deflate's floor. Gradients and the other codes do not
+    depend on the epochs."""
+    first = cost.delta_first_bytes(4) * (1 - cost.DEFLATE_FORWARD_SAVES)
     share = cost.DELTA_LATER_SHARE
     delta = replace(TRAINING, compression="delta")
     values = TRAINING.tokens_per_micro_batch * LLAMA.hidden_size
@@ -120,8 +121,9 @@ def test_delta_is_priced_at_its_runs_mean_where_the_job_counts_epochs() -> None:
     assert four.backward_bytes == steps.backward_bytes
     int3 = LinkCost.of(LLAMA, replace(delta, epochs=4, activation_bits=3))
     assert int3.forward_bytes == pytest.approx(
-        values * cost.delta_first_bytes(3) * (1 + 3 * share) / 4 + labels
-    )
+        values * cost.delta_first_bytes(3) * (1 - cost.DEFLATE_FORWARD_SAVES)
+        * (1 + 3 * share) / 4 + labels
+    )  # fmt: skip
     int4 = replace(TRAINING, compression="int4")
     assert LinkCost.of(LLAMA, replace(int4, epochs=4)) == LinkCost.of(LLAMA, int4)
     with pytest.raises(ValueError, match="training epochs must be a positive integer"):

@@ -8,6 +8,7 @@ from typing import Any
 from relaytrain_operator.domain.membership import IfLeft
 from relaytrain_operator.domain.planner import FleetPlan, ModelShape, Plan, TrainingShape
 from relaytrain_operator.domain.planner.cost import (
+    DEFLATE_FORWARD_SAVES,
     DELTA_LATER_SHARE,
     GIB,
     delta_first_bytes,
@@ -66,7 +67,8 @@ def _code_price(training: TrainingShape) -> list[str]:
         how = f"its first epoch's rate, the dearest ({why})"
     return [
         f"Boundary code delta: activations priced at {forward:.2f} bits a value, {how}; "
-        f"gradients at {back:.2f}."
+        f"gradients at {back:.2f}; deflate counted as {100 * DEFLATE_FORWARD_SAVES:.0f} % off "
+        "the activations."
     ]
 
 

@@ -84,14 +84,15 @@ DELTA_LATER_SHARE = 0.75
 DELTA_FORWARD_CODEC_SECONDS = 17.3e-9
 DELTA_BACKWARD_CODEC_SECONDS = 0.3e-9
 #: Seconds per byte of a ``delta`` frame's codes to deflate them on the sending host and to
-#: inflate them on the receiving one (relaytrain_worker.pipeline.frames, one CPU thread:
-#: `bench/bench_codec_speed.py`, the 2-core dev VM, 2026-11-30). A link's encoder thread
-#: deflates a frame while its sender sends the one before, so a stage pays only what deflate
-#: takes beyond that send (nothing where delta is planned: a byte takes 80 ns at 100 Mbit/s);
-#: the inflate as the codec's time. What deflate saves is not counted (5 % of Gaussian codes,
-#: 16 % of a fine-tune's activations): delta's bytes stay priced as coded, an upper bound.
+#: inflate them on the receiving one (frames.py, one CPU thread: `bench/bench_codec_speed.py`,
+#: the 2-core dev VM, 2026-11-30). A stage pays what the deflate takes beyond the send it
+#: overlaps (a link's encoder thread deflates a frame while its sender sends the one before),
+#: the inflate as the codec's time. Of what deflate saves the plan counts its floor,
+#: ``DEFLATE_FORWARD_SAVES`` of the activations (5.6 % of Gaussian codes' frames: maps, scales,
+#: integers; a fine-tune's lose 11-16 %). Gradient frames do not shrink: sent as coded.
 DEFLATE_SECONDS_PER_BYTE = 38.9e-9
 INFLATE_SECONDS_PER_BYTE = 5.6e-9
+DEFLATE_FORWARD_SAVES = 0.05
 #: ``delta`` with ``pipeline.activationBasis: fitted`` (relaytrain_worker.pipeline.transform),
 #: device bytes per h^2 (h the hidden size): a stage that sends activations holds two second
 #: moments in float64 and two bases in float32 (16 + 8), one that receives them two bases (8).
@@ -291,10 +292,9 @@ class LinkCost:
     """CPU time to encode and decode the activations (``delta`` only)."""
     backward_codec_seconds: float = 0.0
     """CPU time to encode and decode their gradients (``delta`` only)."""
-    forward_deflate_seconds: float = 0.0
-    """CPU time to deflate the activations' codes, beside the send before (``delta`` only)."""
-    backward_deflate_seconds: float = 0.0
-    """CPU time to deflate the gradients' codes, beside the send before (``delta`` only)."""
+    deflate_seconds: float = 0.0
+    """CPU time to deflate the activations' codes beside the send before (``delta`` only;
+    its gradients' frames go as coded: they do not shrink, `boundary.DEFLATE_PAYS`)."""
 
     @classmethod
     def of(cls, model: ModelShape, training: TrainingShape) -> LinkCost:
@@ -305,10 +305,10 @@ class LinkCost:
         if training.compression != "delta":
             return cls(forward + labels, backward)
         return cls(
-            forward + labels, backward,
+            forward * (1 - DEFLATE_FORWARD_SAVES) + labels, backward,
             values * DELTA_FORWARD_CODEC_SECONDS + forward * INFLATE_SECONDS_PER_BYTE,
-            values * DELTA_BACKWARD_CODEC_SECONDS + backward * INFLATE_SECONDS_PER_BYTE,
-            forward * DEFLATE_SECONDS_PER_BYTE, backward * DEFLATE_SECONDS_PER_BYTE,
+            values * DELTA_BACKWARD_CODEC_SECONDS,
+            forward * DEFLATE_SECONDS_PER_BYTE,
         )  # fmt: skip
 
     def send_seconds(self, nbytes: float, a: PoolCost, b: PoolCost) -> float:
@@ -320,14 +320,13 @@ class LinkCost:
         """Link time a stage pays per micro-batch: its sends to both neighbours, each with
         the CPU time of coding it."""
         total = 0.0
-        if nxt is not None:
-            send = self.send_seconds(self.forward_bytes, this, nxt)
-            total += send + self.forward_codec_seconds
-            total += max(0.0, self.forward_deflate_seconds - send)
-        if prev is not None:
-            send = self.send_seconds(self.backward_bytes, this, prev)
-            total += send + self.backward_codec_seconds
-            total += max(0.0, self.backward_deflate_seconds - send)
+        for nbytes, codec, deflate, peer in (
+            (self.forward_bytes, self.forward_codec_seconds, self.deflate_seconds, nxt),
+            (self.backward_bytes, self.backward_codec_seconds, 0.0, prev),
+        ):
+            if peer is not None:
+                send = self.send_seconds(nbytes, this, peer)
+                total += send + codec + max(0.0, deflate - send)
         return total
 
 
