@@ -149,7 +149,7 @@ def test_int3_codes_take_fewer_bits_within_int3s_error_and_any_end_decodes_them(
                 for i, row in enumerate(index.tolist()):
                     err = (got[i] - rows[row]).square().sum() / rows[row].square().sum()
                     worst = max(worst, float(err))
-            sent[error] = up.payload_bytes_sent
+            sent[error] = up.coded_bytes_sent  # the codes, before deflate
         bits = int(error.removeprefix("int"))
         assert worst < 1.3 * DISTORTION[bits], (error, worst)
     values = rows.numel()

@@ -90,7 +90,7 @@ def test_a_gradient_with_zero_tokens_sends_only_the_others(link: tuple[Link, Lin
     got = down.recv(timeout=10).tensors["grad"]
     # A map of a bit a token, then the live tokens as every gradient is coded (3 bits).
     sent = int(live.sum())
-    assert up.payload_bytes_sent == 64 // 8 + sent * 128 * 3.25 / 8
+    assert up.coded_bytes_sent == 64 // 8 + sent * 128 * 3.25 / 8
     flat = got.reshape(-1, g.shape[-1])
     assert not bool(flat[~live].any())
     want = lowbit.decode(lowbit.encode(g.reshape(-1, g.shape[-1])[live], 3))

@@ -93,15 +93,15 @@ def test_bases_are_fitted_sent_once_held_alike_and_cut_the_bits_of_new_rows(
     # New rows coded in it cost fewer bits than the same rows coded without a basis, at
     # the same error bound.
     fresh = _rows(seed=1)
-    before = up.payload_bytes_sent
+    before = up.coded_bytes_sent  # the codes, before deflate
     errors.append(_epoch(up, down, fresh, 1, first_row=ROWS_TOTAL))
-    in_basis = up.payload_bytes_sent - before
+    in_basis = up.coded_bytes_sent - before
     plain_up, plain_down = _pair(ALLOCATED)
     with plain_up, plain_down:
         _epoch(plain_up, plain_down, data, 0)
-        before = plain_up.payload_bytes_sent
+        before = plain_up.coded_bytes_sent
         errors.append(_epoch(plain_up, plain_down, fresh, 1, first_row=ROWS_TOTAL))
-        plain = plain_up.payload_bytes_sent - before
+        plain = plain_up.coded_bytes_sent - before
     assert in_basis < 0.8 * plain, (in_basis, plain)
     assert max(errors) < 0.11, errors  # int4's expected error: sqrt(D_4) = 9.7 %
 
@@ -172,16 +172,16 @@ def test_a_row_is_coded_in_the_identity_where_the_held_basis_codes_it_worse() ->
         like = _rows(seed=6, count=PER_MICRO)  # the fitted basis's own kind of row
         sent = {}
         for name, data, first in (("spiky", spiky, 200), ("like", like, 300)):
-            before = up.payload_bytes_sent
+            before = up.coded_bytes_sent  # the codes' bytes: what deflate then takes is apart
             _epoch(up, down, data, 1, first_row=first)
-            sent[name] = up.payload_bytes_sent - before
+            sent[name] = up.coded_bytes_sent - before
             msg = up.codec.sender.encode(data[0], f"probe-{name}")
             assert msg.basis == (0 if name == "spiky" else 1), name
     plain_up, plain_down = _pair(ALLOCATED)
     with plain_up, plain_down:
-        before = plain_up.payload_bytes_sent
+        before = plain_up.coded_bytes_sent
         _epoch(plain_up, plain_down, spiky, 1, first_row=200)
-        plain = plain_up.payload_bytes_sent - before
+        plain = plain_up.coded_bytes_sent - before
     # In the identity the spiky rows cost about what the allocated code without a basis
     # costs (its bit map is a bit a block wider, its allocation weighs the scales), and less
     # than the same row's code in the basis.
