@@ -330,6 +330,32 @@ class KwokProcessRunner:
             f" {local.process.poll()}): {did}"
         )
 
+    def chronicle(self, namespace: str, prefix: str) -> str:
+        """Every process started for the pods in `namespace` named from `prefix`, in order,
+        one line each: when, the pod's uid and node, its exit (or "running"), what the
+        runner did to it (kubelet.log) and its log's first and last lines — for a test's
+        message when the processes a job ran are not the ones it expected."""
+        with self._lock:
+            started = [p for p in self.history if p.namespace == namespace]
+        lines = []
+        for p in started:
+            if not p.name.startswith(prefix):
+                continue
+            code = p.process.poll()
+            kubelet = p.log_path.with_name("kubelet.log")
+            did = kubelet.read_text().strip().replace("\n", "; ") if kubelet.exists() else ""
+            log = p.log_path.read_text(errors="replace").splitlines() if p.log_path.exists() else []
+            said = [line for line in log if " relaytrain." in line] or log  # not urllib3's
+            ends = [said[0][:200], said[-1][:200]] if said else []
+            lines.append(
+                f"{time.strftime('%H:%M:%S', time.localtime(p.started_at))} {p.name} "
+                f"uid {p.uid[:8]} on {p.node} (restart {p.restarts}): "
+                f"{'running' if code is None else f'exit {code}'}"
+                f"{f', killed by {p.killed_by}' if p.killed_by else ''}"
+                f"{f' [{did}]' if did else ''} | " + " ... ".join(ends)
+            )
+        return "\n".join(lines)
+
     # -- one pass ------------------------------------------------------------------------
     def sync(self) -> None:
         if self.namespace:
