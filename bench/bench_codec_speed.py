@@ -71,7 +71,7 @@ def _sync() -> None:
 
 def deflated(parts: list[torch.Tensor], reps: int) -> tuple[float, float, int]:
     """Deflate and inflate seconds of a frame's ``parts`` (frames.py), and their bytes."""
-    views = [memoryview(p.contiguous().view(torch.uint8).numpy()).cast("B") for p in parts]
+    views = [frames.bytes_view(p.contiguous()) for p in parts]
     size = sum(len(v) for v in views)
     packed = frames.deflate(views)
     stream = torch.frombuffer(bytearray(packed), dtype=torch.uint8)

@@ -41,11 +41,14 @@ step (16 steps an epoch), 6 epochs; ``--quick``: 64 rows, 3 epochs.
    ``int8`` reaches at the end); the time is the training wall time up to the end of the
    first step after which the eval loss is at or below the target (adapters evaluated after
    every step). Besides the measured time, a link-bound model of it (no compute):
-   per step ``4 (P - 1) latency`` (the first activation down and the last gradient up cross
-   P - 1 links each, then the step-end gradient norms go down and the total comes back
-   up, `schedule.StepRunner._finish`) plus the bytes of the step's busiest link direction
-   over the rate; and the bandwidth term alone, which is what the ratio tends to once
-   frames are large against the latency (big models, long sequences).
+   per step ``2 (P - 1) latency`` (the step's first activation crosses P - 1 links down and
+   its last gradient P - 1 up; with no more micro-batches than stages 1F1B's warm-up has
+   them all in flight at once, and the step-end norms ride behind the last gradients and
+   the total ahead of the next step's first activation, `schedule.StepRunner._finish`;
+   measured with int8 and 2 micro-batches: 50 ms each way adds 5.8 latencies a step, 100 ms
+   6.3) plus the bytes of the step's busiest link direction over the rate; and the
+   bandwidth term alone, which is what the ratio tends to once frames are large against the
+   latency (big models, long sequences).
 """
 
 from __future__ import annotations
@@ -80,6 +83,9 @@ LINK_RATE = 100e6 / 8
 """The emulated link's rate, bytes per second in each direction (100 Mbit/s)."""
 LINK_LATENCY = 0.05
 """The emulated link's one-way latency, seconds."""
+ROUND_TRIP = 2 * (STAGES - 1) * LINK_LATENCY
+"""A step's latency over the emulated link: its first activation down, its last gradient up
+(`link_model`; every micro-batch of a step is in flight at once: ``Setup.micros <= STAGES``)."""
 
 
 @dataclass
@@ -91,6 +97,10 @@ class Setup:
     epochs: int
     held_out: int
     """Held-out rows."""
+
+    def __post_init__(self) -> None:
+        if self.micros > STAGES:  # `ROUND_TRIP` would count one round trip too few
+            raise ValueError(f"{self.micros} micro-batches a step: at most {STAGES}")
 
     @property
     def steps_per_epoch(self) -> int:
@@ -317,7 +327,7 @@ def link_model(run: ModeRun, upto: int) -> tuple[float, float]:
         max(step[b][d] for b in range(STAGES - 1) for d in range(2)) / LINK_RATE
         for step in run.step_bytes[:upto]
     )
-    return bandwidth + upto * 4 * (STAGES - 1) * LINK_LATENCY, bandwidth
+    return bandwidth + upto * ROUND_TRIP, bandwidth
 
 
 def first_step_at(run: ModeRun, target: float) -> int | None:

@@ -39,8 +39,8 @@ from relaytrain_worker.pipeline.compression import (
 )
 
 __all__ = [
-    "MAX_HEADER", "Frame", "Inflated", "PreparedFrame", "deflate", "prepare", "read_tensors",
-    "wire_dtype",
+    "MAX_HEADER", "Frame", "Inflated", "PreparedFrame", "bytes_view", "deflate", "prepare",
+    "read_tensors", "wire_dtype",
 ]  # fmt: skip
 
 MAX_HEADER = 1 << 20
@@ -128,7 +128,7 @@ def prepare(
             tensors = [x for x in (enc.data, enc.scales, enc.channel_scales) if x is not None]
         layout.append(entry)
         for x in tensors:
-            parts.append(_bytes_view(x))
+            parts.append(bytes_view(x))
             payload += _nbytes(x)
     header: dict[str, Any] = {
         "kind": frame.kind, "step": frame.step, "micro": frame.micro,
@@ -204,7 +204,7 @@ class Inflated:
             raise ValueError(f"deflated frame of {raw} bytes is out of bounds")
         z = zlib.decompressobj(-15)
         try:
-            data = z.decompress(_bytes_view(packed), raw)
+            data = z.decompress(bytes_view(packed), raw)
         except zlib.error as e:
             raise ValueError(f"deflated frame does not inflate: {e}") from None
         if len(data) != raw or not z.eof or z.unconsumed_tail:
@@ -230,8 +230,8 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _bytes_view(t: torch.Tensor) -> memoryview:
-    """The tensor's bytes without a copy (CPU, contiguous, 1-D)."""
+def bytes_view(t: torch.Tensor) -> memoryview:
+    """The tensor's bytes without a copy (a CPU tensor, contiguous): what `deflate` takes."""
     if t.numel() == 0:
         return memoryview(b"")
     array: Any = t.view(torch.uint8).numpy()
