@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from relaytrain_contract import TrainingSpec
+from relaytrain_worker.pipeline.frames import parse_head
 from relaytrain_worker.pipeline.transport import Frame, Link, PreparedFrame
 from relaytrain_worker.state.data import MicroBatch
 
@@ -86,7 +87,7 @@ def _trace() -> None:
 
     def traced_send(self: Link, prepared: PreparedFrame) -> None:
         if self.peer_identity.endswith("/s1"):  # stage 0, sending down
-            head = json.loads(bytes(prepared.head))
+            head = parse_head(bytes(prepared.head))
             note("sent", head["kind"], head["step"], head["micro"])
         send(self, prepared)
 

@@ -5,6 +5,7 @@ agree with its header is refused naming why."""
 from __future__ import annotations
 
 import json
+import zlib
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -55,7 +56,7 @@ def test_a_delta_frame_travels_deflated_and_decodes_as_its_codes_do() -> None:
     for step in range(2):  # a row's first code, then its change (here: none, a map of zeros)
         sent = _activation(step, hidden)
         prepared = prepare(sent, "delta", sender)
-        header = json.loads(prepared.head)
+        header = frames.parse_head(prepared.head)
         assert header["deflated"] == [prepared.coded_bytes, prepared.payload_bytes]
         assert prepared.payload_bytes < prepared.coded_bytes
         got = read_tensors(header, receiver, _reader(prepared.parts))
@@ -75,7 +76,7 @@ def test_a_delta_frame_travels_deflated_and_decodes_as_its_codes_do() -> None:
 def test_bytes_that_do_not_deflate_go_as_they_are() -> None:
     noise = torch.randint(0, 256, (4096,), generator=torch.Generator().manual_seed(1))
     prepared = prepare(Frame("control", 0, -1, {"noise": noise}), "delta", BoundaryCodec())
-    header = json.loads(prepared.head)
+    header = frames.parse_head(prepared.head)
     assert "deflated" not in header
     assert prepared.payload_bytes == prepared.coded_bytes == noise.numel()  # narrowed to uint8
     got = read_tensors(header, BoundaryCodec(), _reader(prepared.parts))
@@ -86,13 +87,52 @@ def test_bytes_that_do_not_deflate_go_as_they_are() -> None:
 def test_no_other_code_deflates(mode: str) -> None:
     quiet = torch.zeros(ROWS_N, SEQ, HIDDEN)  # as compressible as a tensor gets
     prepared = prepare(Frame("activation", 0, 0, {"hidden": quiet}), mode)
-    assert "deflated" not in json.loads(prepared.head)
+    assert "deflated" not in json.loads(prepared.head)  # and the header is plain JSON
     assert prepared.payload_bytes == prepared.coded_bytes
+
+
+def test_a_delta_frames_header_goes_deflated_a_fraction_of_its_json() -> None:
+    """Its words repeat from frame to frame (`frames.HEAD_WORDS`): an activation frame's
+    header, about 800 bytes of JSON, goes in under a fifth of that, and reads back whole."""
+    gen = torch.Generator().manual_seed(3)
+    codec = BoundaryCodec()
+    for frame in (
+        _activation(0, torch.randn(ROWS_N, SEQ, HIDDEN, generator=gen)),
+        Frame("gradient", 0, 0, {"grad": torch.randn(ROWS_N, SEQ, HIDDEN, generator=gen)}),
+    ):
+        prepared = prepare(frame, "delta", codec)
+        header = frames.parse_head(prepared.head)
+        plain = frames.head_bytes(header, deflated=False)
+        assert prepared.head[:1] == frames.DEFLATED_HEAD and plain[:1] == b"{"
+        assert len(prepared.head) < len(plain) / 3, (len(prepared.head), len(plain))
+        assert (header["kind"], header["step"], header["micro"]) == (frame.kind, 0, 0)
+        assert frames.parse_head(plain) == header
+
+
+def _deflated_head(text: bytes) -> bytes:
+    z = zlib.compressobj(9, zlib.DEFLATED, -15, zdict=frames.HEAD_WORDS)
+    return frames.DEFLATED_HEAD + z.compress(text) + z.flush()
+
+
+@pytest.mark.parametrize(
+    ("head", "message"),
+    [
+        (frames.DEFLATED_HEAD + b"\xff" * 40, "does not inflate"),
+        (_deflated_head(b'{"kind":"gradient"}')[:-2], "does not end where its length says"),
+        (_deflated_head(b'{"kind":"gradient"}') + b"\x00", "does not end where its length says"),
+        (_deflated_head(b" " * (frames.MAX_HEADER + 1)), "inflates past"),
+        (_deflated_head(b"[1, 2]"), "a JSON list, not an object"),
+        (b"[1, 2]", "a JSON list, not an object"),
+    ],
+)
+def test_a_header_that_does_not_read_back_is_refused_naming_why(head: bytes, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        frames.parse_head(head)
 
 
 def _deflated() -> tuple[dict[str, Any], list[memoryview]]:
     prepared = prepare(_activation(0, torch.randn(ROWS_N, SEQ, HIDDEN)), "delta", BoundaryCodec())
-    return json.loads(prepared.head), prepared.parts
+    return frames.parse_head(prepared.head), prepared.parts
 
 
 @pytest.mark.parametrize(

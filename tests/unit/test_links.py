@@ -442,6 +442,20 @@ def test_a_peer_gone_mid_frame_raises_link_broken_and_does_not_spin(listener: Li
         down.close()
 
 
+def test_a_header_that_does_not_inflate_breaks_the_link_naming_why(listener: Listener) -> None:
+    """A `delta` frame's header goes deflated (frames.head_bytes); one whose bytes do not
+    inflate is a malformed frame, and the receiver says which part of it was wrong."""
+    up, down = _pair(listener)
+    head = b"\x00" + b"\xff" * 40  # the deflated mark, then no DEFLATE stream
+    up._send_bytes(struct.pack(">I", len(head)) + head)
+    try:
+        with pytest.raises(LinkBroken, match="malformed frame .*header does not inflate"):
+            down.recv(timeout=30)
+    finally:
+        up.close()
+        down.close()
+
+
 def test_a_killed_peer_process_raises_link_broken_promptly(
     listener: Listener, tmp_path: Path
 ) -> None:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import threading
 
 import pytest
+from relaytrain_worker.pipeline.frames import parse_head
 from relaytrain_worker.pipeline.peers import AsyncLink
 from relaytrain_worker.pipeline.transport import Frame, PreparedFrame
 
@@ -22,7 +22,7 @@ class SlowLink:
     def send_prepared(self, prepared: PreparedFrame) -> None:
         if not self.sent:
             self.gate.wait(30)
-        self.sent.append(json.loads(prepared.head)["step"])
+        self.sent.append(parse_head(prepared.head)["step"])
 
     def recv(self, timeout: float | None = None) -> Frame:
         raise NotImplementedError

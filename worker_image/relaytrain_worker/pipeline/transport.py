@@ -26,7 +26,6 @@ job (or refuses us); ``TimeoutError`` from ``recv``/``accept`` when nothing arri
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import select
 import socket
@@ -45,6 +44,7 @@ from relaytrain_worker.pipeline.frames import (
     MAX_HEADER,
     Frame,
     PreparedFrame,
+    parse_head,
     prepare,
     read_tensors,
 )
@@ -189,7 +189,7 @@ class Link:
                 size = _LEN.unpack(self._recv_bytes(_LEN.size))[0]
                 if size > MAX_HEADER:
                     raise ValueError(f"frame header of {size} bytes is out of bounds")
-                header = json.loads(bytes(self._recv_bytes(size)))
+                header = parse_head(bytes(self._recv_bytes(size)))
                 tensors = read_tensors(header, self.codec, self._recv_part)
             except LinkBroken:
                 self._fail()
