@@ -201,6 +201,29 @@ def test_a_stage_of_another_job_is_refused_naming_what_was_expected(
     down.close()
 
 
+def test_a_stage_of_the_link_protocol_before_is_refused_naming_this_one(
+    listener: Listener, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stage of the relaytrain before (relaytrain-link/3: `delta` frames' headers in plain
+    JSON, which it would misread) is refused at the handshake, naming the protocol spoken
+    here, and never exchanges a frame; the listener carries on."""
+    from relaytrain_worker.pipeline import credentials, linkauth
+
+    monkeypatch.setattr(credentials, "ALPN", "relaytrain-link/3")
+    older = LinkCredentials(*stage_pem(FILES, 0, 0))  # its contexts offer the old protocol
+    monkeypatch.undo()
+    assert linkauth.ALPN == "relaytrain-link/4"
+    t, out = _in_thread(lambda: listener.accept(timeout=10))
+    with pytest.raises(AuthError, match="does not speak relaytrain-link/4"):
+        _connect(_addr(listener), older, retry_for=0)
+    good = _connect(_addr(listener))
+    t.join(10)
+    down = out["value"]
+    assert isinstance(down, Link) and down.peer_identity == S0
+    good.close()
+    down.close()
+
+
 def test_a_listener_of_another_job_never_gets_a_frame() -> None:
     impostor_creds = stage_credentials(3, namespace=NS, job=JOB)  # same names, another CA
     with listen("127.0.0.1:0", credentials=impostor_creds[1], expect=S0) as impostor:
@@ -449,7 +472,7 @@ def test_a_header_that_does_not_inflate_breaks_the_link_naming_why(listener: Lis
     head = b"\x00" + b"\xff" * 40  # the deflated mark, then no DEFLATE stream
     up._send_bytes(struct.pack(">I", len(head)) + head)
     try:
-        with pytest.raises(LinkBroken, match="malformed frame .*header does not inflate"):
+        with pytest.raises(LinkBroken, match=r"malformed frame .*header does not inflate"):
             down.recv(timeout=30)
     finally:
         up.close()

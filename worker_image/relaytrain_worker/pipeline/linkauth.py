@@ -42,8 +42,10 @@ from typing import TYPE_CHECKING, Any, cast
 if TYPE_CHECKING:  # credentials.py imports this module's errors and ALPN
     from relaytrain_worker.pipeline.credentials import LinkCredentials
 
-ALPN = "relaytrain-link/3"
-"""The link protocol (TLS application protocol); a peer that does not speak it is refused."""
+ALPN = "relaytrain-link/4"
+"""The link protocol (TLS application protocol); a peer that does not speak it is refused.
+Its number moves with any change a peer of the last number would misread: 3, the plan in
+the verdicts; 4, ``delta`` frames' parts and headers deflated (frames.py)."""
 _HANDSHAKE_READ = 16 << 10
 _MAX_REASON = 1024
 _OK = 0
@@ -253,9 +255,12 @@ def _pull(sock: socket.socket, inc: ssl.MemoryBIO) -> None:
 def _check_peer(obj: ssl.SSLObject, rule: str, allowed: set[str]) -> tuple[str, str]:
     """('', identity) when the verified peer is one of `allowed` speaking our protocol, else
     (what is wrong, '')."""
-    if obj.selected_alpn_protocol() != ALPN:
-        offered = obj.selected_alpn_protocol()
-        return f"the peer does not speak {ALPN} (it offered {offered!r})", ""
+    if obj.selected_alpn_protocol() != ALPN:  # None: the two offered none in common
+        return (
+            f"the peer does not speak {ALPN}: a relaytrain stage of another version (the "
+            "stages of one job must run one worker image) or not a relaytrain stage",
+            "",
+        )
     names: Any = (obj.getpeercert() or {}).get("subjectAltName", ())
     uris = [value for kind, value in names if kind == "URI"]
     got = uris[0] if len(uris) == 1 else f"a certificate with URI names {uris}"
