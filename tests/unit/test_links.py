@@ -27,6 +27,7 @@ from relaytrain_operator.domain.linkcerts import StagePem, mint_link_credentials
 from relaytrain_testkit.harness.ports import free_port
 from relaytrain_testkit.harness.waiting import running, wait_for
 from relaytrain_testkit.linkcreds import stage_credentials
+from relaytrain_worker.pipeline import frames
 from relaytrain_worker.pipeline.transport import (
     AuthError,
     CertificateRefused,
@@ -469,7 +470,7 @@ def test_a_header_that_does_not_inflate_breaks_the_link_naming_why(listener: Lis
     """A `delta` frame's header goes deflated (frames.head_bytes); one whose bytes do not
     inflate is a malformed frame, and the receiver says which part of it was wrong."""
     up, down = _pair(listener)
-    head = b"\x00" + b"\xff" * 40  # the deflated mark, then no DEFLATE stream
+    head = frames.DEFLATED_HEAD + b"\xff" * 40  # the deflated mark, then no DEFLATE stream
     up._send_bytes(struct.pack(">I", len(head)) + head)
     try:
         with pytest.raises(LinkBroken, match=r"malformed frame .*header does not inflate"):
