@@ -53,7 +53,13 @@ Modes, per boundary and direction:
 
 Reported per epoch: bits per value of each direction (averaged over the three
 boundaries), ``x bf16`` (16 over them), the realised relative error of the allocated
-codes, and the held-out loss of the trained adapters on the uncompressed model.
+codes, and the held-out loss of the trained adapters on the uncompressed model. Per run:
+the steps until the held-out loss (evaluated after every step) is first within 1 % of the
+first mode's final one (`bench/bench_delta_boundary.py`'s target over the links), which is
+where a code that learns more slowly shows before the final loss does. The sampled codes'
+draws are seeded in the order the runs' codes are made, so they depend on the modes listed
+before (``--modes delta`` alone and ``--modes none,delta`` draw differently): another draw
+of the same setting.
 """
 
 from __future__ import annotations
@@ -288,7 +294,7 @@ class Fixed:
     def code(self, x: torch.Tensor, rows: list[int]) -> torch.Tensor:
         enc = lowbit.encode(x, self.bits_each)
         self.values += x.numel()
-        self.bits += 8 * (enc.codes.numel() + 2 * enc.scales.numel())
+        self.bits += 8 * enc.nbytes
         return lowbit.decode(enc).to(x.dtype)
 
 
@@ -369,15 +375,16 @@ class Sampled:
         left = lowbit.encode((u[:, :r] * s[:r]).contiguous(), 4)
         right = lowbit.encode(vh[:r].contiguous(), 4)
         for enc in (left, right):
-            self.bits += 8 * (enc.codes.numel() + 2 * enc.scales.numel())
+            self.bits += 8 * enc.nbytes
         shared = lowbit.decode(left).float() @ lowbit.decode(right).float()
         self.captured += float(shared.square().sum())
         return shared.to(tokens.dtype)
 
     def code(self, x: torch.Tensor, rows: list[int]) -> torch.Tensor:
         whole = x.reshape(-1, x.shape[-1])
-        shared = self._shared(whole) if self.lowrank else torch.zeros_like(whole)
-        tokens = whole - shared  # with `lowrank`, what is sampled is what the shared part missed
+        shared = self._shared(whole) if self.lowrank else None
+        # With `lowrank`, what is sampled is what the shared part missed.
+        tokens = whole if shared is None else whole - shared
         norms = tokens.norm(dim=1).double()
         if self.drifts is None:
             p = self._probabilities(norms, tokens)
@@ -388,12 +395,12 @@ class Sampled:
             if bool(calm.any()):
                 p[calm] = self._probabilities(norms[calm], tokens[calm])
         keep = torch.rand(p.shape, generator=self.gen, dtype=torch.float64) < p
-        out = shared.clone()
+        out = torch.zeros_like(whole) if shared is None else shared.clone()
         if bool(keep.any()):
             kept = tokens[keep] / p[keep, None].to(tokens.dtype)
             enc = lowbit.encode(kept, self.bits_each)
             out[keep] += lowbit.decode(enc).to(x.dtype)
-            self.bits += 8 * (enc.codes.numel() + 2 * enc.scales.numel())
+            self.bits += 8 * enc.nbytes
         live = p > 0
         self.spread += float(((1 / p[live] - 1) * norms[live].square()).sum())
         self.energy += float(whole.norm(dim=1).double().square().sum())
@@ -601,6 +608,7 @@ def run(
         return value
 
     epochs_out = []
+    step_held: list[float] = []
     order_gen = torch.Generator().manual_seed(10 + 100 * options.seed)
     # --gradient-noise-scale: the top layer's adapters (above every boundary: no code touches
     # their gradients) measure the micro-batch gradients' noise against their signal.
@@ -634,6 +642,7 @@ def run(
             optimizer.step()
             schedule.step()
             optimizer.zero_grad(set_to_none=True)
+            step_held.append(held_loss())
         down, up = (rate(pairs, marks, d) for d in (0, 1))
         values = (
             sum(p[0].values - m[0][1] for p, m in zip(pairs, marks, strict=True)) if pairs[0] else 1
@@ -646,7 +655,7 @@ def run(
             if pairs[0]
             else 0.0
         )
-        epochs_out.append({"down": down, "up": up, "held": held_loss(), "bases": basis / values})
+        epochs_out.append({"down": down, "up": up, "held": step_held[-1], "bases": basis / values})
         if noise is not None:
             print(f"{mode}: epoch {len(epochs_out)}: noise {noise.phi:.3f}", flush=True)
     errors = None
@@ -673,7 +682,13 @@ def run(
             sum(d.sent_bases for d in downs) / len(downs),
             math.sqrt(sum(d.error for d in downs) / sum(d.norm for d in downs)),
         )
-    return {"epochs": epochs_out, "errors": errors, "sampled": sampled, "basis": basis}
+    return {
+        "epochs": epochs_out,
+        "steps": step_held,
+        "errors": errors,
+        "sampled": sampled,
+        "basis": basis,
+    }
 
 
 def main() -> None:
@@ -830,6 +845,11 @@ def main() -> None:
         cells = " | ".join(f"{e['held']:.4f}" for e in r["epochs"])
         last = r["epochs"][-1]["held"] / results[modes[0]]["epochs"][-1]["held"] - 1
         print(f"| {m} | held-out loss | {cells} | {last * 100:+.2f} % vs {modes[0]} | |")
+    target = results[modes[0]]["steps"][-1] * 1.01
+    print(f"\nsteps to {target:.4f} ({modes[0]}'s final held-out loss + 1 %):")
+    for m, r in results.items():
+        reached = next((i + 1 for i, loss in enumerate(r["steps"]) if loss <= target), None)
+        print(f"- {m}: {'never' if reached is None else reached} of {len(r['steps'])}")
     for m, r in results.items():
         if r.get("sampled"):
             share, spread, captured = r["sampled"]
