@@ -276,20 +276,26 @@ class Inflated:
             raise ValueError(f"deflated frame does not inflate: {e}") from None
         if len(data) != raw or not z.eof or z.unconsumed_tail:
             raise ValueError(f"deflated frame inflates to {len(data)} bytes, not the {raw} named")
-        self._data = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        self._data = memoryview(data)
         self._at = 0
 
     def read(self, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
         end = self._at + nbytes
-        if nbytes < 0 or end > self._data.numel():
+        if nbytes < 0 or end > len(self._data):
             raise ValueError(f"frame part of {nbytes} bytes past the deflated frame's end")
-        part = self._data[self._at : end].clone()  # its own storage: aligned for any dtype
+        # One copy, into storage of the part's own (aligned for any dtype); torch.frombuffer
+        # refuses an empty buffer.
+        part = (
+            torch.frombuffer(bytearray(self._data[self._at : end]), dtype=torch.uint8)
+            if nbytes
+            else torch.empty(0, dtype=torch.uint8)
+        )
         self._at = end
         return part.view(dtype)
 
     def check_read(self) -> None:
-        if self._at != self._data.numel():
-            left = self._data.numel() - self._at
+        if self._at != len(self._data):
+            left = len(self._data) - self._at
             raise ValueError(f"deflated frame holds {left} bytes its layout does not name")
 
 
