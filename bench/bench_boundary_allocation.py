@@ -850,8 +850,9 @@ def main() -> None:
         cells = " | ".join(f"{e['held']:.4f}" for e in r["epochs"])
         last = r["epochs"][-1]["held"] / results[modes[0]]["epochs"][-1]["held"] - 1
         print(f"| {m} | held-out loss | {cells} | {last * 100:+.2f} % vs {modes[0]} | |")
-    target = args.target or results[modes[0]]["steps"][-1] * 1.01
-    named = "--target" if args.target else f"{modes[0]}'s final held-out loss + 1 %"
+    given = args.target is not None
+    target = args.target if given else results[modes[0]]["steps"][-1] * 1.01
+    named = "--target" if given else f"{modes[0]}'s final held-out loss + 1 %"
     print(f"\nsteps to {target:.4f} ({named}):")
     for m, r in results.items():
         reached = next((i + 1 for i, loss in enumerate(r["steps"]) if loss <= target), None)
