@@ -2,7 +2,7 @@
 
 Run: OMP_NUM_THREADS=1 .venv/bin/python bench/bench_delta_boundary.py [--quick] [--epochs E]
     [--base random|pretrained] [--shift S] [--gradient-tokens S] [--modes M,...] [--timed M]
-    [--seed N] [--json OUT]
+    [--link-mbit R] [--link-ms L] [--timed-stop end|target] [--seed N] [--json OUT]
 
 ``--modes``: the runs, of ``none``, ``bf16``, ``int8``, ``int4`` and ``delta`` (``none`` and
 ``bf16`` are always run: the references), where a ``delta`` may be written
@@ -36,19 +36,20 @@ step (16 steps an epoch), 6 epochs; ``--quick``: 64 rows, 3 epochs.
    in an epoch (unsplit model, adapters at the end of the epoch against the end of the one
    before, ||change|| / ||activation||), which is what a row's delta code has to carry.
 3. Time to a target eval loss over an emulated 100 Mbit/s link with 50 ms one-way latency
-   (``Link.limit_rate`` and ``Link.set_latency`` on every link, each direction), ``int8``
-   against ``delta``: the target is ``none``'s final eval loss + 1 % (and, second, what
-   ``int8`` reaches at the end); the time is the training wall time up to the end of the
-   first step after which the eval loss is at or below the target (adapters evaluated after
-   every step). Besides the measured time, a link-bound model of it (no compute):
-   per step ``2 (P - 1) latency`` (the step's first activation crosses P - 1 links down and
-   its last gradient P - 1 up; with no more micro-batches than stages 1F1B's warm-up has
-   them all in flight at once, and the step-end norms ride behind the last gradients and
-   the total ahead of the next step's first activation, `schedule.StepRunner._finish`;
-   measured with int8 and 2 micro-batches: 50 ms each way adds 5.8 latencies a step, 100 ms
-   6.3) plus the bytes of the step's busiest link direction over the rate; and the
-   bandwidth term alone, which is what the ratio tends to once frames are large against the
-   latency (big models, long sequences).
+   (``--link-mbit``, ``--link-ms``: `SlowLink`; ``Link.limit_rate`` and ``Link.set_latency``
+   on every link, each direction), ``int8`` against ``delta``: the target is ``none``'s
+   final eval loss + 1 % (and, second, what ``int8`` reaches at the end); the time is the
+   training wall time up to the end of the first step after which the eval loss is at or
+   below the target (adapters evaluated after every step). Besides the measured time, the
+   model of it: each step played out through 1F1B (`pipeline_time.step_seconds`), a
+   stage's compute taken from the same mode's step over loopback (its CPU codec inside),
+   each frame's send from the bytes the links counted in that step, each latency; and the
+   bandwidth term alone (the step's busiest link direction's bytes over the rate), which
+   is what the ratio tends to once frames are large against the latency and the compute
+   and a step has many micro-batches. ``--timed-stop target`` ends each timed run two
+   steps after the step at which its unlimited run first reached the first target (the runs
+   are deterministic; the schedule stays the whole run's): on a slow link the steps after
+   it cost minutes and change no time to the target.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ from typing import Any
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO), str(REPO / "worker_image"), str(REPO / "testkit")]
+sys.path[:0] = [str(REPO / "bench"), str(REPO), str(REPO / "worker_image"), str(REPO / "testkit")]
 
 MODES = ("none", "bf16", "int8", "int4", "delta")
 STAGES, LAYERS, HIDDEN = 4, 4, 256
@@ -79,13 +80,29 @@ LORA: dict[str, Any] = {
     "dropout": 0.0,
     "targets": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
 }
-LINK_RATE = 100e6 / 8
-"""The emulated link's rate, bytes per second in each direction (100 Mbit/s)."""
-LINK_LATENCY = 0.05
-"""The emulated link's one-way latency, seconds."""
-ROUND_TRIP = 2 * (STAGES - 1) * LINK_LATENCY
-"""A step's latency over the emulated link: its first activation down, its last gradient up
-(`link_model`; every micro-batch of a step is in flight at once: ``Setup.micros <= STAGES``)."""
+
+
+@dataclass(frozen=True)
+class SlowLink:
+    """The emulated link of the timed runs (``--link-mbit``, ``--link-ms``), every boundary,
+    each direction."""
+
+    mbit: float = 100.0
+    ms: float = 50.0
+    """One-way latency."""
+
+    @property
+    def rate(self) -> float:
+        """Bytes per second."""
+        return self.mbit * 1e6 / 8
+
+    @property
+    def latency(self) -> float:
+        return self.ms / 1e3
+
+    @property
+    def label(self) -> str:
+        return f"{self.mbit:g}Mbit/{self.ms:g}ms"
 
 
 @dataclass
@@ -98,10 +115,6 @@ class Setup:
     held_out: int
     """Held-out rows."""
 
-    def __post_init__(self) -> None:
-        if self.micros > STAGES:  # `ROUND_TRIP` would count one round trip too few
-            raise ValueError(f"{self.micros} micro-batches a step: at most {STAGES}")
-
     @property
     def steps_per_epoch(self) -> int:
         return self.rows // (MBS * self.micros)
@@ -111,7 +124,7 @@ class Setup:
 class ModeRun:
     mode: str
     link: str
-    """``unlimited`` (loopback) or ``100Mbit/50ms``."""
+    """``unlimited`` (loopback) or the slow link's `SlowLink.label`, e.g. ``100Mbit/50ms``."""
     seconds: float
     step_seconds: list[float]
     step_eval: list[float]
@@ -244,6 +257,7 @@ class Job:
     evaluator: Evaluator
     gradient_tokens: float = 1.0
     """``delta``'s share of gradient tokens (``--gradient-tokens``)."""
+    link: SlowLink = field(default_factory=SlowLink)
 
 
 def compression_of(mode: str) -> str:
@@ -263,8 +277,9 @@ def codec_of(mode: str) -> Callable[[], Any]:
     return lambda: codec_for(error, transform=mode.endswith("+basis"))
 
 
-def train(job: Job, mode: str, *, limited: bool) -> ModeRun:
-    """Train ``job`` through the pipeline with ``mode``; evaluate after every step."""
+def train(job: Job, mode: str, *, limited: bool, steps: int | None = None) -> ModeRun:
+    """Train ``job`` through the pipeline with ``mode``; evaluate after every step. ``steps``:
+    only the first that many (the learning-rate schedule stays the whole run's)."""
     from relaytrain_testkit.inputs import even_splits
     from relaytrain_testkit.linkcreds import stage_credentials
     from relaytrain_testkit.pipelines import run_pipeline_threads
@@ -275,10 +290,10 @@ def train(job: Job, mode: str, *, limited: bool) -> ModeRun:
     links.setLevel(logging.INFO)
     links.propagate = False  # counted, not printed
     run = run_pipeline_threads(
-        job.model_dir, even_splits(LAYERS, STAGES), job.steps, job.training,
+        job.model_dir, even_splits(LAYERS, STAGES), job.steps[:steps], job.training,
         credentials=stage_credentials(STAGES, job="bench"), compression=compression, lora=LORA,
-        link_rate=LINK_RATE if limited else None,
-        link_latency=LINK_LATENCY if limited else 0.0, per_step=True,
+        link_rate=job.link.rate if limited else None,
+        link_latency=job.link.latency if limited else 0.0, per_step=True,
         gradient_tokens=job.gradient_tokens if compression == "delta" else 1.0,
         codec=codec_of(mode),
     )  # fmt: skip
@@ -294,7 +309,7 @@ def train(job: Job, mode: str, *, limited: bool) -> ModeRun:
     ]
     return ModeRun(
         mode=mode,
-        link="100Mbit/50ms" if limited else "unlimited",
+        link=job.link.label if limited else "unlimited",
         seconds=run.seconds,
         step_seconds=run.step_seconds,
         step_eval=[job.evaluator.loss(p) for p in run.step_params],
@@ -321,13 +336,23 @@ def epoch_bytes(run: ModeRun, setup: Setup) -> list[list[float]]:
     return out
 
 
-def link_model(run: ModeRun, upto: int) -> tuple[float, float]:
-    """(link-bound seconds, bandwidth term alone) of the first ``upto`` steps."""
-    bandwidth = sum(
-        max(step[b][d] for b in range(STAGES - 1) for d in range(2)) / LINK_RATE
-        for step in run.step_bytes[:upto]
-    )
-    return bandwidth + upto * ROUND_TRIP, bandwidth
+def step_model(
+    run: ModeRun, loopback: ModeRun, upto: int, link: SlowLink, micros: int
+) -> tuple[float, float]:
+    """(the modelled seconds, the bandwidth term alone) of ``run``'s first ``upto`` steps:
+    each step through 1F1B with the compute of ``loopback``'s same step."""
+    from pipeline_time import StepShape, calibrate, step_seconds
+
+    model = bandwidth = 0.0
+    previous = 0.0
+    for s, step in enumerate(run.step_bytes[:upto]):
+        down, up = (max(step[b][d] for b in range(STAGES - 1)) / link.rate for d in range(2))
+        compute = calibrate(STAGES, micros, loopback.step_seconds[s] - previous)
+        previous = loopback.step_seconds[s]
+        shape = StepShape(STAGES, micros, compute, down / micros, up / micros, link.latency)
+        model += step_seconds(shape)
+        bandwidth += max(down, up)
+    return model, bandwidth
 
 
 def first_step_at(run: ModeRun, target: float) -> int | None:
@@ -355,6 +380,19 @@ def main() -> None:
     parser.add_argument(
         "--timed", default="delta", help="the delta run raced against int8 (off: no such runs)"
     )
+    parser.add_argument(
+        "--link-mbit", type=float, default=100.0, help="the timed runs' link rate, Mbit/s"
+    )
+    parser.add_argument(
+        "--link-ms", type=float, default=50.0, help="the timed runs' one-way latency, ms"
+    )
+    parser.add_argument(
+        "--timed-stop",
+        choices=("end", "target"),
+        default="end",
+        help="target: a timed run stops 2 steps after its unlimited run first reached none's "
+        "final + 1 %% (so the second target, int8's final, goes unreported)",
+    )
     from relaytrain_testkit import bigram
 
     bigram.add_base_arguments(parser, default="random", pretrain_steps=600)
@@ -367,6 +405,9 @@ def main() -> None:
     timed = [] if args.timed == "off" else ["int8", args.timed]
     if timed and args.timed not in modes:
         raise SystemExit(f"--timed {args.timed!r} must be one of --modes ({', '.join(modes)})")
+    if args.link_mbit <= 0 or args.link_ms < 0:
+        raise SystemExit("--link-mbit must be above 0 and --link-ms at least 0")
+    link = SlowLink(args.link_mbit, args.link_ms)
 
     from relaytrain_contract import TrainingSpec
     from relaytrain_testkit.tiny_models import tiny_model_dir
@@ -394,18 +435,30 @@ def main() -> None:
         held = bigram.rows(setup.held_out, SEQ, 99, perm)
         evaluator = Evaluator(model_dir, held, training.seed)
         steps = epoch_steps(train_rows, setup, seed=10 + 1000 * args.seed)
-        job = Job(setup, model_dir, train_rows, steps, training, evaluator, args.gradient_tokens)
+        job = Job(
+            setup, model_dir, train_rows, steps, training, evaluator, args.gradient_tokens, link
+        )
         base_loss = evaluator.loss()
         runs = {}
         for mode in modes:
             print(f"  training {mode} ...", file=sys.stderr, flush=True)
             runs[mode] = train(job, mode, limited=False)
         linked = {}
+        target = runs["none"].step_eval[-1] * 1.01
         for mode in timed:
-            print(f"  training {mode} over 100 Mbit/s, 50 ms ...", file=sys.stderr, flush=True)
-            linked[mode] = train(job, mode, limited=True)
+            upto = first_step_at(runs[mode], target) if args.timed_stop == "target" else None
+            # A run that never reached the target unlimited is timed to its end.
+            stop = None if upto is None else min(upto + 2, n_steps)
+            print(
+                f"  training {mode} over {link.mbit:g} Mbit/s, {link.ms:g} ms"
+                + ("" if stop is None else f", {stop} steps")
+                + " ...",
+                file=sys.stderr,
+                flush=True,
+            )
+            linked[mode] = train(job, mode, limited=True, steps=stop)
     wall = time.monotonic() - started
-    report(setup, runs, linked, base_loss, wall, args.json)
+    report(setup, runs, linked, base_loss, wall, args.json, link)
 
 
 def report(
@@ -415,6 +468,7 @@ def report(
     base_loss: float,
     wall: float,
     out: Path | None,
+    link: SlowLink,
 ) -> None:
     spe, epochs = setup.steps_per_epoch, setup.epochs
     print(
@@ -505,22 +559,26 @@ def report(
             )
         )
     if linked:
-        report_time(runs, linked, none_final, out)
+        report_time(runs, linked, none_final, out, link, setup.micros)
 
 
 def report_time(
-    runs: dict[str, ModeRun], linked: dict[str, ModeRun], none_final: float, out: Path | None
+    runs: dict[str, ModeRun],
+    linked: dict[str, ModeRun],
+    none_final: float,
+    out: Path | None,
+    link: SlowLink,
+    micros: int,
 ) -> None:
     """Time to a target eval loss over the emulated link, int8 against the timed delta."""
     timed = next(m for m in linked if m != "int8")
-    targets = {
-        "none's final + 1 %": none_final * 1.01,
-        "int8's final": linked["int8"].step_eval[-1],
-    }
+    targets = {"none's final + 1 %": none_final * 1.01}
+    if len(linked["int8"].step_eval) == len(runs["int8"].step_eval):  # run to its end
+        targets["int8's final"] = linked["int8"].step_eval[-1]
     print(
-        f"\nTime to a target eval loss over a {LINK_RATE * 8 / 1e6:.0f} Mbit/s link, "
-        f"{LINK_LATENCY * 1e3:.0f} ms one-way latency (measured wall time; link-bound model; "
-        "its bandwidth term alone)\n"
+        f"\nTime to a target eval loss over a {link.mbit:g} Mbit/s link, "
+        f"{link.ms:g} ms one-way latency (measured wall time; 1F1B's model of it, "
+        "`pipeline_time`; its bandwidth term alone)\n"
     )
     print(
         "| target | mode | steps | measured s | int8 / delta | model s | int8 / delta "
@@ -535,7 +593,7 @@ def report_time(
             if n is None:
                 rows[m] = {"steps": None, "measured": None, "model": None, "bandwidth": None}
                 continue
-            model_s, band_s = link_model(r, n)
+            model_s, band_s = step_model(r, runs[m], n, link, micros)
             rows[m] = {
                 "steps": n, "measured": r.step_seconds[n - 1], "model": model_s,
                 "bandwidth": band_s,

@@ -13,7 +13,7 @@ from relaytrain_testkit.pipelines import run_pipeline_threads
 from relaytrain_testkit.references import run_reference
 from relaytrain_testkit.tiny_models import tiny_model_dir
 from relaytrain_worker.model.model_slice import SliceSpec, build_stage_model
-from relaytrain_worker.pipeline.schedule import one_f_one_b
+from relaytrain_worker.pipeline.order import one_f_one_b
 from relaytrain_worker.state.data import MicroBatch
 
 pytestmark = pytest.mark.unit

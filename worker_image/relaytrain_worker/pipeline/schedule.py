@@ -62,6 +62,7 @@ from torch.nn import functional
 from relaytrain_worker.model.methods import TIED_HEAD_NAME
 from relaytrain_worker.model.model_slice import StageModel, device_of
 from relaytrain_worker.pipeline.boundary import MODE, ROWS
+from relaytrain_worker.pipeline.order import one_f_one_b
 from relaytrain_worker.pipeline.peers import Peers
 from relaytrain_worker.pipeline.sampling import sample_tokens, seed_of
 from relaytrain_worker.pipeline.stats import (
@@ -112,24 +113,6 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 def count_items(micros: list[MicroBatch]) -> int:
     """Label tokens of a step (what the loss is averaged over)."""
     return int(sum(int((m.labels[:, 1:] != -100).sum()) for m in micros))
-
-
-def one_f_one_b(
-    stage_index: int, stages: int, micro_batches: int, ahead: int = 0
-) -> list[tuple[str, int]]:
-    """The order of ("F"|"B", micro) this stage runs in one step. ``ahead``: forwards every
-    stage but the last runs before its first backward on top of 1F1B's (the backwards keep
-    micro-batch order, so the gradients are the same bits)."""
-    extra = ahead if stage_index < stages - 1 else 0
-    warmup = min(stages - stage_index - 1 + extra, micro_batches)
-    order: list[tuple[str, int]] = [("F", m) for m in range(warmup)]
-    backward = 0
-    for m in range(warmup, micro_batches):
-        order.append(("F", m))
-        order.append(("B", backward))
-        backward += 1
-    order.extend(("B", m) for m in range(backward, micro_batches))
-    return order
 
 
 class StepRunner:

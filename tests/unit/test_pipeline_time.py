@@ -1,0 +1,56 @@
+"""bench/pipeline_time.py: a step's time through 1F1B over slow links, the model the time-to-loss
+projection rests on (bench_pipeline_time.py measures it against the worker's real steps)."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.pipeline_time import StepShape, calibrate, step_seconds
+
+pytestmark = pytest.mark.unit
+
+
+def test_over_instant_links_a_step_is_one_f_one_bs_micro_batches_plus_its_fill_and_drain() -> None:
+    for micros in (1, 2, 4, 8, 16):
+        assert step_seconds(StepShape(4, micros, 1.0, 0.0, 0.0)) == pytest.approx(micros + 3)
+
+
+def test_a_step_over_slow_links_pays_the_last_activations_way_down_and_its_gradients_way_up() -> (
+    None
+):
+    # 2 micro-batches over 4 stages: the second activation leaves one frame after the first
+    # and crosses 3 links (4 frames down), then its gradient crosses 3 links up. The busiest
+    # direction carries only 2 frames: a step's bytes over the rate miss 5 of the 7.
+    assert step_seconds(StepShape(4, 2, 0.0, 1.0, 1.0)) == pytest.approx(7.0)
+    assert step_seconds(StepShape(4, 2, 0.0, 1.0, 0.5)) == pytest.approx(4 * 1.0 + 3 * 0.5)
+
+
+def test_latency_one_round_trip_while_every_micro_batch_is_in_flight_then_more() -> None:
+    for micros in (1, 2):
+        assert step_seconds(StepShape(4, micros, 0.0, 0.0, 0.0, 0.05)) == pytest.approx(0.3)
+    # A third micro-batch waits at the third stage for the first one's gradient (its 1F1B
+    # warm-up is one forward), and so on: each one more costs a round trip of two links.
+    assert step_seconds(StepShape(4, 3, 0.0, 0.0, 0.0, 0.05)) == pytest.approx(0.4)
+    assert step_seconds(StepShape(4, 4, 0.0, 0.0, 0.0, 0.05)) == pytest.approx(0.5)
+
+
+def test_forwards_ahead_widen_the_window_a_long_round_trip_starves() -> None:
+    """With more micro-batches than stages, 1F1B lets the first stage run a forward only once
+    a gradient has come back: a round trip long against the compute leaves it idle."""
+    slow = StepShape(4, 8, 0.1, 0.0, 0.0, 0.5)
+    ahead = StepShape(4, 8, 0.1, 0.0, 0.0, 0.5, ahead=4)
+    assert step_seconds(ahead) < 0.8 * step_seconds(slow)
+    # Over instant links the window costs nothing: 1F1B is already as fast as it gets.
+    assert step_seconds(StepShape(4, 8, 1.0, 0.0, 0.0, ahead=4)) == pytest.approx(11.0)
+
+
+def test_an_encoder_slower_than_the_compute_sets_the_pace() -> None:
+    fast = step_seconds(StepShape(4, 32, 0.1, 0.0, 0.0))
+    coded = step_seconds(StepShape(4, 32, 0.1, 0.0, 0.0, encode_down=0.5))
+    assert coded >= 32 * 0.5 > 2 * fast
+
+
+def test_calibrate_gives_the_compute_that_reproduces_a_measured_loopback_step() -> None:
+    for stages, micros in ((4, 2), (4, 8), (2, 3)):
+        compute = calibrate(stages, micros, 2.0)
+        assert step_seconds(StepShape(stages, micros, compute, 0.0, 0.0)) == pytest.approx(2.0)
