@@ -2,7 +2,8 @@
 models and GPUs: what issue 24's goal (3x faster over 100 Mbit/s with 50 ms each way) takes.
 
 Run: .venv/bin/python bench/time_to_loss_model.py [--steps-int8 N] [--steps-delta N]
-    [--bandwidth-ratio R] [--json OUT]
+    [--bandwidth-ratio R] [--tokens-per-second T] [--rows R] [--micro-batches M]
+    [--ahead K|best] [--json OUT]
 
 The inputs are what bench/bench_delta_boundary.py measured on 2026-11-30 (the fine-tune,
 ``delta:int3+basis`` with a quarter of the gradients' tokens, to none's final loss + 1 %):
@@ -10,19 +11,29 @@ int8 reached the target after 35 steps and ``delta`` after 47, and over those st
 ``delta``'s busiest link direction carried 3.57x fewer bytes than int8's (the ratio's
 bandwidth term: its bytes per step and its extra steps both in it).
 
-A step's time, in a pipeline whose stages compute while their links send (1F1B keeps the
-stages busy with other micro-batches), is taken as the slowest of its three resources, plus
-the latencies no schedule hides::
+A step's time is 1F1B played out event by event (`pipeline_time.step_seconds`): every
+stage computes its micro-batches in the worker's order, each frame queues on its link's
+direction for its bytes over the rate and arrives a latency later, a ``delta`` stage codes
+on its encoder beside its compute. Its inputs, per micro-batch and stage:
 
-    step = max(compute, codec, bytes / rate) + 2 (P - 1) latency
+- compute: the step's tokens over the pipeline's tokens/s (``--tokens-per-second``) over
+  the micro-batches (``--micro-batches``, default one row each);
+- a frame's send: int8's bytes (hidden x tokens x `cost.WIRE_BYTES`["int8"]) over the rate;
+  ``delta``'s, both directions, those over the bandwidth ratio spread over its steps (its
+  busiest direction's ratio: its gradients' frames, smaller at a quarter of the tokens,
+  are charged as much);
+- ``delta``'s encoder: the planner's `cost.DELTA_FORWARD_CODEC_SECONDS` (measured on an
+  H200) a value for an activation frame, `cost.DELTA_BACKWARD_CODEC_SECONDS` for a
+  gradient frame; int8's code is charged nothing.
 
-``compute`` is the step's tokens over the pipeline's tokens/s (``--tokens-per-second``),
-``codec`` the ``delta`` encoder's time for the step's activation values (the planner's
-`cost.DELTA_FORWARD_CODEC_SECONDS`, measured on an H200; 0 for int8), ``bytes`` the step's
-int8 bytes in the busiest direction of a boundary (hidden x tokens x
-`cost.WIRE_BYTES`["int8"]), and ``delta``'s those over the bandwidth ratio, spread over its
-steps. Both codes are given the overlap; the first row checks the model against the
-measured run, whose CPU stages were timed per step (``--step-compute``).
+The first row checks the model against the measured run (CPU stages, 2 micro-batches a
+step, each code's step over loopback as measured: 0.25 s and 0.61 s, its codec inside).
+Until 2026-12-01 the model was ``max(compute, codec, busiest direction's bytes / rate) +
+2 (P - 1) latency``; over a link slow enough that the bytes decide, a step also takes the
+last micro-batch's way down through every link and its gradient's way back up, and with
+more micro-batches than stages 1F1B's window (bench_delta_boundary.py at 2 Mbit/s: int8
+measured 38.7 s for 16 steps, 39.9 s this model, 13.8 s the old one;
+bench_pipeline_time.py).
 
 Each row: both times to the target and their ratio; then the ratio had ``delta`` reached
 the target in as many steps as int8 with the same bytes a step (its learning as fast; a
@@ -40,9 +51,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / "operator"), str(REPO / "worker_image")]
+sys.path[:0] = [str(REPO / "bench"), str(REPO / "operator"), str(REPO / "worker_image")]
 
+from pipeline_time import StepShape, calibrate, step_seconds  # noqa: E402
 from relaytrain_operator.domain.planner.cost import (  # noqa: E402
+    DELTA_BACKWARD_CODEC_SECONDS,
     DELTA_FORWARD_CODEC_SECONDS,
     WIRE_BYTES,
 )
@@ -61,10 +74,15 @@ class Case:
     hidden: int
     tokens: int
     """Tokens a step (every micro-batch's)."""
+    micros: int
     compute: tuple[float, float]
-    """Seconds of compute a step: (int8, delta), the codec's CPU time inside where measured."""
+    """A stage's seconds for one micro-batch, forward and backward: (int8, delta), the
+    codec's CPU time inside where measured."""
     codec: bool
-    """Whether ``delta``'s encoder is charged apart (a GPU stage's, overlapped)."""
+    """Whether ``delta``'s encoder is charged apart (a GPU stage's, beside its compute)."""
+    ahead: int | None = 0
+    """``pipeline.forwardsAhead``, both codes; None: each code its fastest (0 to the
+    micro-batches)."""
 
 
 @dataclass(frozen=True)
@@ -78,23 +96,34 @@ class Projection:
     int8_link_seconds_for_goal: float | None
 
 
-def step_seconds(compute: float, codec: float, link: float) -> float:
-    return max(compute, codec, link) + 2 * (STAGES - 1) * LATENCY
-
-
 def project(case: Case, steps_int8: int, steps_delta: int, bandwidth: float) -> Projection:
+    # int8's seconds a step in one direction of a link: its micro-batches' frames.
     link8 = case.hidden * case.tokens * WIRE_BYTES["int8"] / RATE
-    codec = case.hidden * case.tokens * DELTA_FORWARD_CODEC_SECONDS if case.codec else 0.0
+    values = case.hidden * case.tokens / case.micros
+    forward, backward = (
+        (values * DELTA_FORWARD_CODEC_SECONDS, values * DELTA_BACKWARD_CODEC_SECONDS)
+        if case.codec
+        else (0.0, 0.0)
+    )
+
+    def step(compute: float, frame: float, encode: tuple[float, float] = (0.0, 0.0)) -> float:
+        aheads = range(case.micros + 1) if case.ahead is None else (case.ahead,)
+        return min(
+            step_seconds(
+                StepShape(STAGES, case.micros, compute, frame, frame, LATENCY, *encode, ahead=a)
+            )
+            for a in aheads
+        )
 
     def times(link: float, steps: int = steps_delta) -> tuple[float, float]:
         linkd = steps_int8 * link / (bandwidth * steps_delta)  # delta's bytes a step, measured
-        t8 = steps_int8 * step_seconds(case.compute[0], 0.0, link)
-        return t8, steps * step_seconds(case.compute[1], codec, linkd)
+        t8 = steps_int8 * step(case.compute[0], link / case.micros)
+        return t8, steps * step(case.compute[1], linkd / case.micros, (forward, backward))
 
     t8, td = times(link8)
     e8, ed = times(link8, steps_int8)
     lo, hi = 0.0, 1e6  # the int8 link seconds a step at which the ratio reaches GOAL
-    for _ in range(200):
+    for _ in range(60):  # 1e6 s halved 60 times: below a picosecond
         mid = (lo + hi) / 2
         a, b = times(mid)
         lo, hi = (mid, hi) if a / b < GOAL else (lo, mid)
@@ -110,23 +139,31 @@ def project(case: Case, steps_int8: int, steps_delta: int, bandwidth: float) -> 
     )
 
 
-def cases(rate: float, rows: int) -> list[Case]:
+def cases(rate: float, rows: int, micros: int, ahead: int | None) -> list[Case]:
     """The measured run, then an 8B's frames over GPU stages computing ``rate`` tokens/s."""
     tokens = rows * 2048
-    gpu = tokens / rate
-    eight_b = f"Llama-3.1-8B shape, {rows} rows of 2048 a step, {rate:,.0f} tokens/s"
+    gpu = tokens / rate / micros  # a stage's share of the pipeline's throughput
+    eight_b = (
+        f"Llama-3.1-8B shape, {rows} rows of 2048 a step in {micros} micro-batches,"
+        f" {rate:,.0f} tokens/s"
+        + (", each code its best forwards ahead" if ahead is None else "")
+        + (f", {ahead} forwards ahead" if ahead else "")
+    )
+    # The measured run: tiny Llama (hidden 256), 2 micro-batches of 4 rows of 64 tokens, CPU
+    # stages: a step over loopback 0.25 s (int8) and 0.61 s (delta, its codec on the CPU
+    # inside), 1F1B's bubble included.
+    measured = (calibrate(STAGES, 2, 0.25), calibrate(STAGES, 2, 0.61))
     return [
-        # The measured run: tiny Llama (hidden 256), 2 micro-batches of 4 rows of 64 tokens,
-        # CPU stages: a step's compute over loopback 0.25 s (int8) and 0.61 s (delta, its
-        # codec on the CPU inside).
-        Case("bench_delta_boundary.py as run (CPU stages)", 256, 512, (0.25, 0.61), False),
-        Case(eight_b, 4096, tokens, (gpu, gpu), True),
+        Case("bench_delta_boundary.py as run (CPU stages)", 256, 512, 2, measured, False),
+        Case(eight_b, 4096, tokens, micros, (gpu, gpu), True, ahead),
         Case(
             f"the same, 4x the compute ({4 * rate:,.0f} tokens/s)",
             4096,
             tokens,
+            micros,
             (gpu / 4,) * 2,
             True,
+            ahead,
         ),
     ]
 
@@ -143,11 +180,24 @@ def main() -> None:
         help="the GPU pipeline's compute (default: issue 24's four RTX 4090s on an 8B LoRA)",
     )
     parser.add_argument("--rows", type=int, default=8, help="rows of 2048 tokens a step")
+    parser.add_argument(
+        "--micro-batches", type=int, help="the 8B's micro-batches a step (default: a row each)"
+    )
+    parser.add_argument(
+        "--ahead",
+        default="0",
+        help="the 8B's pipeline.forwardsAhead, both codes (best: each code its fastest)",
+    )
     parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args()
     rows = [
         project(c, args.steps_int8, args.steps_delta, args.bandwidth_ratio)
-        for c in cases(args.tokens_per_second, args.rows)
+        for c in cases(
+            args.tokens_per_second,
+            args.rows,
+            args.micro_batches or args.rows,
+            None if args.ahead == "best" else int(args.ahead),
+        )
     ]
     print(
         f"100 Mbit/s, {LATENCY * 1000:.0f} ms each way, {STAGES} stages; int8 {args.steps_int8}"
