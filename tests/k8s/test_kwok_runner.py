@@ -197,9 +197,18 @@ def test_a_secret_volume_is_mounted_when_its_secret_exists_and_follows_its_updat
     held = wait_for("the container held", waiting)
     said = 'MountVolume.SetUp failed for volume "link" : secret "job-link" not found'
     assert (held.reason, held.message) == ("ContainerCreating", said)
-    events = core.list_namespaced_event(namespace).items
-    warnings = [e for e in events if e.involved_object.name == "linked" and e.type == "Warning"]
-    assert [(e.reason, e.message) for e in warnings] == [("FailedMount", said)]
+
+    def warnings() -> list[tuple[str, str]]:
+        events = core.list_namespaced_event(namespace).items
+        return [
+            (e.reason, e.message)
+            for e in events
+            if e.involved_object.name == "linked" and e.type == "Warning"
+        ]
+
+    # The Event is posted beside the status, not before it: wait for it, then say what came.
+    wait_for("the held container's Warning", warnings)
+    assert warnings() == [("FailedMount", said)]
     data = {"ca.crt": "CA", "p0-s1.crt": "CRT1", "p0-s1.key": "KEY1", "p1-s0.key": "NOT MINE"}
     core.create_namespaced_secret(namespace, {"metadata": {"name": "job-link"}, "stringData": data})
     local = wait_for("the process to start", lambda: runner.local_pod(namespace, "linked"))
