@@ -446,6 +446,40 @@ def test_close_on_one_side_breaks_the_other_promptly(listener: Listener) -> None
         up.send(Frame("control", 0, -1))
 
 
+def test_a_link_closed_by_another_thread_as_recv_polls_raises_link_broken(
+    listener: Listener, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stage's sender thread closes its link when a send fails (peers.Peer._fail) while the
+    stage's own thread may be in recv on that link, past its check that the link is open.
+    That recv must raise LinkBroken, which a stage answers by linking again: it once raised
+    "ValueError: file descriptor cannot be a negative integer (-1)" from polling the closed
+    socket, and the stage died and was replaced for nothing (a chaos run's stage 1, whose
+    upstream had been killed). The close is made to land in that very gap."""
+    import select as real_select
+
+    import relaytrain_worker.pipeline.transport as transport
+
+    up, down = _pair(listener)
+    sock = down._sock
+
+    class ClosedMeanwhile:
+        POLLIN, POLLERR, POLLHUP = real_select.POLLIN, real_select.POLLERR, real_select.POLLHUP
+
+        @staticmethod
+        def poll() -> object:
+            sock.close()  # the other thread's close, after recv checked the link was open
+            return real_select.poll()
+
+    monkeypatch.setattr(transport, "select", ClosedMeanwhile)
+    try:
+        with pytest.raises(LinkBroken, match="closed"):
+            down.recv(timeout=5)
+        assert down.peer_gone()
+    finally:
+        up.close()
+        down.close()
+
+
 def test_a_peer_gone_mid_frame_raises_link_broken_and_does_not_spin(listener: Listener) -> None:
     """A peer that dies part-way through a frame (its TLS records end without a close):
     the receiver's recv raises LinkBroken. It once spun forever on the closed socket at

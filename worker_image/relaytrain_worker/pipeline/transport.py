@@ -292,8 +292,11 @@ class Link:
         neighbour right now learns that the neighbour died."""
         if self._closed:
             return True
-        if self._tls.buffered() or not self._wait_readable(0, socket_only=True):
-            return False  # a record to read, or open and quiet
+        try:
+            if self._tls.buffered() or not self._wait_readable(0, socket_only=True):
+                return False  # a record to read, or open and quiet
+        except LinkBroken:  # closed here meanwhile, by another thread
+            return True
         try:
             waiting = self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
         except BlockingIOError:
@@ -308,7 +311,10 @@ class Link:
         if not socket_only and self._tls.buffered():
             return True
         poller = select.poll()
-        poller.register(self._sock, select.POLLIN | select.POLLERR | select.POLLHUP)
+        try:
+            poller.register(self._sock, select.POLLIN | select.POLLERR | select.POLLHUP)
+        except ValueError:  # closed by another thread since the check above (fileno() is -1)
+            raise LinkBroken(f"link to {self.peer} is closed") from None
         return bool(poller.poll(None if timeout is None else max(0, int(timeout * 1000))))
 
 
