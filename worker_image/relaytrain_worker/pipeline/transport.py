@@ -239,16 +239,18 @@ class Link:
 
     def _send_bytes(self, plaintext: bytes | memoryview) -> None:
         sealed = self._tls.seal(plaintext)
-        if self._line is not None:
-            self._line.put(sealed)
-        else:
-            self._sock.sendall(sealed)
         if self._rate is not None:
-            # Token-bucket pacing: each chunk may leave only when the link would be free.
+            # Token-bucket pacing: a chunk is handed over when its last byte would have
+            # crossed the link, as a link delivers it, not when its first could start (a
+            # frame of one chunk then arrived a whole frame's time early).
             now = time.monotonic()
             self._paced_until = max(self._paced_until, now) + len(sealed) / self._rate
             if self._paced_until > now:
                 time.sleep(self._paced_until - now)
+        if self._line is not None:
+            self._line.put(sealed)
+        else:
+            self._sock.sendall(sealed)
         self.bytes_sent += len(sealed)
 
     def _recv_bytes(self, n: int) -> memoryview:
