@@ -75,7 +75,7 @@ from typing import Any
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO), str(REPO / "worker_image"), str(REPO / "testkit")]
+sys.path[:0] = [str(REPO / "bench"), str(REPO), str(REPO / "worker_image"), str(REPO / "testkit")]
 
 from relaytrain_testkit import bigram  # noqa: E402
 from relaytrain_testkit.tiny_models import tiny_model_dir  # noqa: E402
@@ -84,6 +84,7 @@ from relaytrain_worker.pipeline import boundary, lowbit  # noqa: E402
 from relaytrain_worker.pipeline.allocation import allocate_bits  # noqa: E402
 from relaytrain_worker.pipeline.deltacache import DeltaConfig, DeltaSender  # noqa: E402
 from relaytrain_worker.pipeline.sampling import probabilities  # noqa: E402
+from time_to_loss_model import steps_to  # noqa: E402
 
 LAYERS, HIDDEN, SEQ, MBS, MICROS, ROWS = 4, 256, 64, 4, 2, 128
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -855,7 +856,7 @@ def main() -> None:
     named = "--target" if given else f"{modes[0]}'s final held-out loss + 1 %"
     print(f"\nsteps to {target:.4f} ({named}):")
     for m, r in results.items():
-        reached = next((i + 1 for i, loss in enumerate(r["steps"]) if loss <= target), None)
+        reached = steps_to(r["steps"], target)
         print(f"- {m}: {'never' if reached is None else reached} of {len(r['steps'])}")
     for m, r in results.items():
         if r.get("sampled"):

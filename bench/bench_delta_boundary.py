@@ -71,6 +71,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "bench"), str(REPO), str(REPO / "worker_image"), str(REPO / "testkit")]
 
+from time_to_loss_model import steps_to  # noqa: E402
+
 MODES = ("none", "bf16", "int8", "int4", "delta")
 STAGES, LAYERS, HIDDEN = 4, 4, 256
 SEQ, MBS = 64, 4
@@ -355,11 +357,6 @@ def step_model(
     return model, bandwidth
 
 
-def first_step_at(run: ModeRun, target: float) -> int | None:
-    """Number of steps until the eval loss is first at or below ``target`` (None: never)."""
-    return next((s + 1 for s, loss in enumerate(run.step_eval) if loss <= target), None)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer rows and 3 epochs")
@@ -446,7 +443,7 @@ def main() -> None:
         linked = {}
         target = runs["none"].step_eval[-1] * 1.01
         for mode in timed:
-            upto = first_step_at(runs[mode], target) if args.timed_stop == "target" else None
+            upto = steps_to(runs[mode].step_eval, target) if args.timed_stop == "target" else None
             # A run that never reached the target unlimited is timed to its end.
             stop = None if upto is None else min(upto + 2, n_steps)
             print(
@@ -589,7 +586,7 @@ def report_time(
     for label, target in targets.items():
         rows: dict[str, Any] = {}
         for m, r in linked.items():
-            n = first_step_at(r, target)
+            n = steps_to(r.step_eval, target)
             if n is None:
                 rows[m] = {"steps": None, "measured": None, "model": None, "bandwidth": None}
                 continue

@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -66,6 +67,12 @@ LATENCY = 0.05
 """One way, seconds."""
 STAGES = 4
 GOAL = 3.0
+
+
+def steps_to(losses: Sequence[float], target: float) -> int | None:
+    """Steps until a run's eval loss (``losses``, one a step) is first at or below
+    ``target``; None: never. How the benches read the steps this model takes as input."""
+    return next((s + 1 for s, loss in enumerate(losses) if loss <= target), None)
 
 
 @dataclass(frozen=True)

@@ -103,6 +103,23 @@ def test_the_termination_message_is_what_the_process_wrote_or_the_end_of_its_log
     assert wait_for("quiet ended", lambda: ended("quiet")).message is None
 
 
+def _waiting(core: Any, namespace: str, name: str) -> Any:
+    """The pod's first container's waiting state while the pod is Pending, else None."""
+    p = core.read_namespaced_pod(name, namespace)
+    statuses = p.status.container_statuses or []
+    return p.status.phase == "Pending" and statuses and statuses[0].state.waiting
+
+
+def _warnings(core: Any, namespace: str, name: str) -> list[tuple[str, str]]:
+    """(reason, message) of each Warning Event about the pod."""
+    events = core.list_namespaced_event(namespace).items
+    return [
+        (e.reason, e.message)
+        for e in events
+        if e.involved_object.name == name and e.type == "Warning"
+    ]
+
+
 def test_a_missing_secret_holds_the_container_as_a_kubelet_does_until_it_exists(
     ns: Any, runner: KwokProcessRunner, tmp_path: Path
 ) -> None:
@@ -111,12 +128,7 @@ def test_a_missing_secret_holds_the_container_as_a_kubelet_does_until_it_exists(
     core.create_namespaced_pod(namespace, pod("held", "import time; time.sleep(600)", env))
     core.create_namespaced_pod(namespace, pod("free", "import time; time.sleep(600)", []))
 
-    def waiting() -> Any:
-        p = core.read_namespaced_pod("held", namespace)
-        statuses = p.status.container_statuses or []
-        return p.status.phase == "Pending" and statuses and statuses[0].state.waiting
-
-    held = wait_for("the container held", waiting)
+    held = wait_for("the container held", lambda: _waiting(core, namespace, "held"))
     assert (held.reason, held.message) == (
         "CreateContainerConfigError",
         'secret "late" not found',
@@ -124,17 +136,9 @@ def test_a_missing_secret_holds_the_container_as_a_kubelet_does_until_it_exists(
     # The runner's pass goes on for the other pods.
     wait_for("the other pod's process", lambda: runner.local_pod(namespace, "free"))
 
-    def warnings() -> list[tuple[str, str]]:
-        events = core.list_namespaced_event(namespace).items
-        return [
-            (e.reason, e.message)
-            for e in events
-            if e.involved_object.name == "held" and e.type == "Warning"
-        ]
-
     # The Event is posted beside the status, not before it: wait for it, then say what came.
-    wait_for("the held container's Warning", warnings)
-    assert warnings() == [("Failed", 'Error: secret "late" not found')]
+    wait_for("the held container's Warning", lambda: _warnings(core, namespace, "held"))
+    assert _warnings(core, namespace, "held") == [("Failed", 'Error: secret "late" not found')]
     core.create_namespaced_secret(
         namespace, {"metadata": {"name": "late"}, "stringData": {"token": "t"}}
     )
@@ -189,26 +193,13 @@ def test_a_secret_volume_is_mounted_when_its_secret_exists_and_follows_its_updat
     ]
     core.create_namespaced_pod(namespace, manifest)
 
-    def waiting() -> Any:
-        p = core.read_namespaced_pod("linked", namespace)
-        statuses = p.status.container_statuses or []
-        return p.status.phase == "Pending" and statuses and statuses[0].state.waiting
-
-    held = wait_for("the container held", waiting)
+    held = wait_for("the container held", lambda: _waiting(core, namespace, "linked"))
     said = 'MountVolume.SetUp failed for volume "link" : secret "job-link" not found'
     assert (held.reason, held.message) == ("ContainerCreating", said)
 
-    def warnings() -> list[tuple[str, str]]:
-        events = core.list_namespaced_event(namespace).items
-        return [
-            (e.reason, e.message)
-            for e in events
-            if e.involved_object.name == "linked" and e.type == "Warning"
-        ]
-
     # The Event is posted beside the status, not before it: wait for it, then say what came.
-    wait_for("the held container's Warning", warnings)
-    assert warnings() == [("FailedMount", said)]
+    wait_for("the held container's Warning", lambda: _warnings(core, namespace, "linked"))
+    assert _warnings(core, namespace, "linked") == [("FailedMount", said)]
     data = {"ca.crt": "CA", "p0-s1.crt": "CRT1", "p0-s1.key": "KEY1", "p1-s0.key": "NOT MINE"}
     core.create_namespaced_secret(namespace, {"metadata": {"name": "job-link"}, "stringData": data})
     local = wait_for("the process to start", lambda: runner.local_pod(namespace, "linked"))

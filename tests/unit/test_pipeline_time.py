@@ -54,3 +54,12 @@ def test_calibrate_gives_the_compute_that_reproduces_a_measured_loopback_step() 
     for stages, micros in ((4, 2), (4, 8), (2, 3)):
         compute = calibrate(stages, micros, 2.0)
         assert step_seconds(StepShape(stages, micros, compute, 0.0, 0.0)) == pytest.approx(2.0)
+
+
+def test_steps_to_a_target_counts_to_the_first_step_at_or_below_it_or_says_never() -> None:
+    from bench.time_to_loss_model import steps_to
+
+    losses = [3.0, 2.5, 2.0, 2.1, 1.9]
+    assert steps_to(losses, 2.0) == 3  # reached at the third step, left and reached again
+    assert steps_to(losses, 3.0) == 1
+    assert steps_to(losses, 1.0) is None

@@ -20,9 +20,10 @@ When a LoRA learns from a random model every token has a large gradient and the 
 noise keeps it from learning: +17 to +43 % held-out loss at a quarter
 (docs/links-and-checkpoints.md). Hence a job's choice, off (1) by default. The share
 trades bytes for steps: a quarter takes 47-63 steps to that fine-tune's target loss where
-int8 takes 35-39, a half 41 (simulated, the draw's variance falls from 0.25 of the
-gradients' energy to 0.05), at twice the bytes, which cost no time while a link's busiest
-direction is the activations' (2026-12-01).
+int8 takes 35-39, a half 41 in each of three seeds (the same runs, through the worker's
+links; bench/bench_boundary_allocation.py simulates the draw's variance falling from 0.25 of
+the gradients' energy to 0.05), at twice the bytes, which cost no time while a link's
+busiest direction is the activations' (2026-12-01).
 
 The draw is seeded by the job's seed, the step, the micro-batch and the stage, so a step
 redone after a rollback sends the same tokens. Hand-written: a few tensor operations no
