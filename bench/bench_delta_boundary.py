@@ -69,7 +69,13 @@ from typing import Any
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / "bench"), str(REPO), str(REPO / "worker_image"), str(REPO / "testkit")]
+sys.path[:0] = [
+    str(REPO / "bench"),
+    str(REPO),
+    str(REPO / "operator"),
+    str(REPO / "worker_image"),
+    str(REPO / "testkit"),
+]
 
 from time_to_loss_model import steps_to  # noqa: E402
 
@@ -343,7 +349,7 @@ def step_model(
 ) -> tuple[float, float]:
     """(the modelled seconds, the bandwidth term alone) of ``run``'s first ``upto`` steps:
     each step through 1F1B with the compute of ``loopback``'s same step."""
-    from pipeline_time import StepShape, calibrate, step_seconds
+    from relaytrain_operator.domain.planner.steptime import StepShape, calibrate, step_seconds
 
     model = bandwidth = 0.0
     previous = 0.0

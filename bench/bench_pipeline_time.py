@@ -30,9 +30,19 @@ from typing import Any
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / "bench"), str(REPO), str(REPO / "worker_image"), str(REPO / "testkit")]
+sys.path[:0] = [
+    str(REPO / "bench"),
+    str(REPO),
+    str(REPO / "operator"),
+    str(REPO / "worker_image"),
+    str(REPO / "testkit"),
+]
 
-from pipeline_time import StepShape, calibrate, step_seconds  # noqa: E402
+from relaytrain_operator.domain.planner.steptime import (  # noqa: E402
+    StepShape,
+    calibrate,
+    step_seconds,
+)
 
 STAGES, LAYERS, HIDDEN, SEQ, MBS = 4, 4, 256, 64, 4
 LORA = {"rank": 8, "alpha": 16.0, "dropout": 0.0, "targets": ["q_proj", "v_proj", "o_proj"]}

@@ -54,11 +54,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "bench"), str(REPO / "operator"), str(REPO / "worker_image")]
 
-from pipeline_time import StepShape, calibrate, step_seconds  # noqa: E402
 from relaytrain_operator.domain.planner.cost import (  # noqa: E402
     DELTA_BACKWARD_CODEC_SECONDS,
     DELTA_FORWARD_CODEC_SECONDS,
     WIRE_BYTES,
+)
+from relaytrain_operator.domain.planner.steptime import (  # noqa: E402
+    StepShape,
+    calibrate,
+    step_seconds,
 )
 
 RATE = 100e6 / 8

@@ -1,11 +1,11 @@
-"""bench/pipeline_time.py: a step's time through 1F1B over slow links, the model the time-to-loss
-projection rests on (bench_pipeline_time.py measures it against the worker's real steps)."""
+"""The planner's steptime: a step's time through 1F1B over slow links, the model the
+time-to-loss projection rests on (bench_pipeline_time.py measures it against the worker's real
+steps)."""
 
 from __future__ import annotations
 
 import pytest
-
-from bench.pipeline_time import StepShape, calibrate, step_seconds
+from relaytrain_operator.domain.planner.steptime import StepShape, calibrate, step_seconds
 
 pytestmark = pytest.mark.unit
 

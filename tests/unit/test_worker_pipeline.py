@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from relaytrain_contract.order import one_f_one_b
 from relaytrain_testkit.inputs import CLIPPED_TRAINING, even_splits
 from relaytrain_testkit.linkcreds import stage_credentials
 from relaytrain_testkit.pipelines import run_pipeline_threads
 from relaytrain_testkit.references import run_reference
 from relaytrain_testkit.tiny_models import tiny_model_dir
 from relaytrain_worker.model.model_slice import SliceSpec, build_stage_model
-from relaytrain_worker.pipeline.order import one_f_one_b
 from relaytrain_worker.state.data import MicroBatch
 
 pytestmark = pytest.mark.unit
@@ -128,7 +128,7 @@ def test_forward_of_slices_equals_the_unsplit_model(tmp_path: Path, arch: str) -
 
 @pytest.mark.parametrize("ahead", [0, 2])
 def test_one_f_one_b_order_bounds_activations_in_flight(ahead: int) -> None:
-    from relaytrain_operator.domain.planner.training import in_flight
+    from relaytrain_contract.order import in_flight
 
     for stages in (1, 2, 4):
         for k in range(stages):

@@ -56,13 +56,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from relaytrain_contract.order import one_f_one_b
 from torch import nn
 from torch.nn import functional
 
 from relaytrain_worker.model.methods import TIED_HEAD_NAME
 from relaytrain_worker.model.model_slice import StageModel, device_of
 from relaytrain_worker.pipeline.boundary import MODE, ROWS
-from relaytrain_worker.pipeline.order import one_f_one_b
 from relaytrain_worker.pipeline.peers import Peers
 from relaytrain_worker.pipeline.sampling import sample_tokens, seed_of
 from relaytrain_worker.pipeline.stats import (

@@ -29,8 +29,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from math import factorial
 
+from relaytrain_contract.order import in_flight
+
 from relaytrain_operator.domain.planner.cost import LinkCost, PoolCost
-from relaytrain_operator.domain.planner.training import in_flight
 
 #: Sequences evaluated before switching from exhaustive search to the heuristic.
 DEFAULT_EXHAUSTIVE_LIMIT = 20_000

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, get_args
 
+from relaytrain_contract.order import in_flight
+
 from relaytrain_operator.domain.planner.model_shape import EXPERT_NAMES, FUSED_NAMES, LINEAR_NAMES
 
 Method = Literal["lora", "qlora", "full"]
@@ -124,14 +126,6 @@ class TrainingShape:
     def dtype_bytes(self) -> int:
         """Bytes per element of the compute dtype."""
         return DTYPE_BYTES[self.dtype]
-
-
-def in_flight(k: int, stages: int, micro_batches: int, ahead: int) -> int:
-    """Micro-batches of activations stage ``k`` of ``stages`` holds at most: 1F1B's ``P - k``,
-    plus the ``ahead`` forwards run before the first backward on every stage but the last
-    (the worker's ``schedule.one_f_one_b``), never more than the step's micro-batches."""
-    extra = ahead if k < stages - 1 else 0
-    return min(stages - k + extra, micro_batches)
 
 
 def _expert_name(name: str) -> str:

@@ -1,10 +1,14 @@
 """The order a stage runs a step's micro-batches in: 1F1B, with forwards run ahead of it.
 
-Pure, and apart from `schedule.py`'s torch, so that what times a step without running one
-(bench/pipeline_time.py) plays the worker's own order.
+The worker runs it (`relaytrain_worker.pipeline.schedule`); the planner prices it: the
+activations a stage holds (`in_flight`) and a step's time over slow links
+(`relaytrain_operator.domain.planner.steptime`). Pure, so both play the same order.
 """
 
 from __future__ import annotations
+
+MAX_FORWARDS_AHEAD = 16
+"""The most forwards a stage runs ahead of 1F1B (`pipeline.forwardsAhead`)."""
 
 
 def one_f_one_b(
@@ -23,3 +27,11 @@ def one_f_one_b(
         backward += 1
     order.extend(("B", m) for m in range(backward, micro_batches))
     return order
+
+
+def in_flight(stage_index: int, stages: int, micro_batches: int, ahead: int = 0) -> int:
+    """Micro-batches of activations the stage holds at most in `one_f_one_b`'s order: its
+    forwards before the first backward (1F1B's ``P - k``, plus ``ahead`` on every stage but
+    the last), never more than the step's micro-batches."""
+    extra = ahead if stage_index < stages - 1 else 0
+    return min(stages - stage_index + extra, micro_batches)
