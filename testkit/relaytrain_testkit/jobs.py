@@ -248,6 +248,7 @@ class Job:
         replicas: int | str | None = None,
         schedule: str | None = None,
         compression: str | None = None,
+        forwards_ahead: int | str | None = None,
     ) -> Job:
         return self._section(
             "spec.pipeline",
@@ -255,6 +256,7 @@ class Job:
             replicas=replicas,
             schedule=schedule,
             compression=compression,
+            forwards_ahead=forwards_ahead,
         )
 
     def sync(

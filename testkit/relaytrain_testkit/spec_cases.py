@@ -92,6 +92,15 @@ INVALID_CASES = [
     Case("zero-replicas", "spec.pipeline.replicas", 0, "spec.pipeline.replicas"),
     Case("replicas-word", "spec.pipeline.replicas", "many", "spec.pipeline.replicas"),
     Case("replicas-above-64", "spec.pipeline.replicas", 65, "spec.pipeline.replicas"),
+    Case(
+        "forwards-ahead-negative", "spec.pipeline.forwardsAhead", -1, "spec.pipeline.forwardsAhead"
+    ),
+    Case(
+        "forwards-ahead-word", "spec.pipeline.forwardsAhead", "many", "spec.pipeline.forwardsAhead"
+    ),
+    Case(
+        "forwards-ahead-above-16", "spec.pipeline.forwardsAhead", 17, "spec.pipeline.forwardsAhead"
+    ),
     # The smallest job's 8 micro-batches (the default) cannot feed 9 pipelines.
     Case("more-replicas-than-micro-batches", "spec.pipeline.replicas", 9, "spec.pipeline.replicas"),
     Case("sync-word", "spec.pipeline.sync.mode", "sometimes", "spec.pipeline.sync.mode"),

@@ -117,7 +117,7 @@ def compare(
     meta = meta + found
     origin = typing.get_origin(base)
     # int or "auto", checked by a PlainValidator and CEL
-    if path in ("spec.pipeline.stages", "spec.pipeline.replicas"):
+    if path in ("spec.pipeline.stages", "spec.pipeline.replicas", "spec.pipeline.forwardsAhead"):
         if not node.get("x-kubernetes-int-or-string"):
             problems.append(f"{path}: CRD should be int-or-string")
         return
@@ -312,6 +312,7 @@ def test_every_cel_rule_is_kept_where_it_was() -> None:
             (".spec.pipeline", ".activationBasis"),
             (".spec.pipeline.stages", ""),
             (".spec.pipeline.replicas", ""),
+            (".spec.pipeline.forwardsAhead", ""),
             (".spec.pipeline.sync", ".everySteps"),
             (".spec.pipeline.sync", ".outerCode"),
             (".spec.checkpoint", ".endpoint"),

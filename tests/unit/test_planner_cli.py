@@ -424,3 +424,32 @@ def test_the_table_says_how_delta_is_priced(tmp_path, model_config, capsys, trai
         == 0
     )
     assert "Boundary code" not in capsys.readouterr().out
+
+
+def test_forwards_ahead_auto_is_chosen_over_slow_links_and_shown(tmp_path, model_config, capsys):
+    """Over 100 Mbit/s links with 50 ms each way the step played out through 1F1B is shorter
+    with forwards ahead: the table's header and --json say how many auto took, and the
+    played-out line gives the step with them, shorter than with none."""
+    pools = tmp_path / "pools.yaml"
+    pool = {"name": "rtx4090", "product": "NVIDIA-GeForce-RTX-4090", "nodes": 4}
+    pool |= {"gpusPerNode": 1, "gpuMemoryMiB": 24564, "cpu": "16", "memory": "64Gi"}
+    pool |= {"linkBandwidthMbps": 100, "linkLatencyMs": 50}
+    pools.write_text(yaml.safe_dump({"pools": [pool]}))
+    job = LORA.set("spec.training", {"microBatches": 16, "steps": 100})
+    argv = ("--nodes", str(pools), "--model-config", str(model_config))
+
+    def played_out(forwards_ahead: int | str) -> tuple[str, float]:
+        manifest = job.pipeline(stages=4, forwards_ahead=forwards_ahead).write(tmp_path / "j.yaml")
+        assert relaytrain("plan", str(manifest), *argv) == 0
+        lines = capsys.readouterr().out.splitlines()
+        (line,) = [line for line in lines if line.startswith("Played out over its links")]
+        return lines[0], float(line.split(": ")[1].split("s a step")[0])
+
+    header, auto_step = played_out("auto")
+    assert relaytrain("plan", str(tmp_path / "j.yaml"), *argv, "--json") == 0
+    chosen = json.loads(capsys.readouterr().out)["forwardsAhead"]
+    assert chosen > 0
+    assert f", 1F1B with {chosen} forward" in header, header
+    none_header, none_step = played_out(0)
+    assert ", 1F1B, 16 micro-batches" in none_header, none_header
+    assert auto_step < none_step

@@ -391,10 +391,10 @@ def test_replicas_1_is_todays_output(lab_job, capsys):
     today = plan(LLAMA, LAB_TRAINING, lab_pools(), DEFAULT_CATALOG)
     assert relaytrain(*plan_args(lab_job, "--replicas", "1", "--json")) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert {k: v for k, v in doc.items() if k not in ("job", "model", "compression")} == (
-        today.to_dict()
-    )
+    chosen = ("job", "model", "compression", "forwardsAhead")
+    assert {k: v for k, v in doc.items() if k not in chosen} == today.to_dict()
     assert doc["compression"] == "int8"  # the job's code, which the plan priced
+    assert doc["forwardsAhead"] == 0  # and its forwards ahead
     assert relaytrain(*plan_args(lab_job, "--replicas", "1")) == 0
     out = capsys.readouterr().out
     body = format_table("smollm-lora", LAB_TRAINING, today).split("\n")

@@ -1,6 +1,8 @@
 """The planner's settings for slow links. `pipeline.compression: auto` takes the most faithful
 code that costs at most 5 % of the fastest plan's tokens/s, and the stage documents carry its
-choice; `pipeline.forwardsAhead` is counted in every stage's memory but the last's."""
+choice; `pipeline.forwardsAhead` is counted in every stage's memory but the last's, and
+`forwardsAhead: auto` takes the fewest whose step, played out over the plan's links, is within
+5 % of the fastest that memory allows."""
 
 from __future__ import annotations
 
@@ -12,14 +14,17 @@ import pytest
 from relaytrain_operator.domain.planner import (
     AUTO_ORDER,
     ModelShape,
+    Plan,
     Pool,
     TrainingShape,
     choose_compression,
+    choose_forwards_ahead,
     cost,
     plan,
 )
-from relaytrain_operator.domain.planner.choose import AUTO_MARGIN
+from relaytrain_operator.domain.planner.choose import AHEAD_MARGIN, AUTO_MARGIN
 from relaytrain_operator.domain.planner.cost import LinkCost
+from relaytrain_operator.domain.planner.steptime import StepShape, step_seconds
 from relaytrain_operator.domain.planning import make_plan
 from relaytrain_operator.domain.stage_config import build_pipeline_configs, local_endpoints
 from relaytrain_operator.spec import parse_job
@@ -36,9 +41,9 @@ LLAMA = ModelShape.from_hf_config(CONFIG)
 TRAINING = TrainingShape(2, 16, 2048, method="qlora", lora_rank=16)
 
 
-def _fleet(mbps: float) -> list[Pool]:
-    """Four RTX 4090s, each on its own node behind a link of ``mbps``."""
-    return [Pool("rtx", "NVIDIA-GeForce-RTX-4090", 4, mbps, 20.0)]
+def _fleet(mbps: float, ms: float = 20.0) -> list[Pool]:
+    """Four RTX 4090s, each on its own node behind a link of ``mbps`` and ``ms`` one way."""
+    return [Pool("rtx", "NVIDIA-GeForce-RTX-4090", 4, mbps, ms)]
 
 
 @pytest.mark.parametrize("mbps", [100.0, 1_000.0, 100_000.0])
@@ -199,3 +204,105 @@ def test_forwards_ahead_are_held_in_every_stage_but_the_last() -> None:
             assert now.memory_bytes > was.memory_bytes
         else:  # the last stage's backward needs nothing from later: it runs none ahead
             assert (now.in_flight, now.memory_bytes) == (was.in_flight, was.memory_bytes)
+
+
+SHORT = replace(TRAINING, micro_batch_size=1, sequence_length=1024, compression="int8")
+"""Rows short enough that four RTX 4090s hold a few more micro-batches of activations."""
+
+
+def _steps(result: Plan) -> list[float]:
+    return [result.step_seconds_ahead(a) for a in range(result.most_ahead + 1)]
+
+
+def test_a_plans_timeline_is_its_own_stages_and_links_played_out_through_1f1b() -> None:
+    """The step `forwardsAhead: auto` chooses by: each stage's compute, each link's frames
+    over its bandwidth and both ends' latencies, 1F1B in the worker's order (`steptime`)."""
+    result = plan(LLAMA, SHORT, _fleet(100.0), stages=4)
+    link = LinkCost.of(LLAMA, SHORT)
+    rate = 100.0 * 1e6 / 8
+    shape = StepShape(
+        4,
+        16,
+        compute=tuple(s.compute_seconds for s in result.stages),
+        down=(link.forward_bytes / rate,) * 3,
+        up=(link.backward_bytes / rate,) * 3,
+        latency=(0.04,) * 3,  # 20 ms at each end
+    )
+    assert result.timeline == shape
+    for ahead in (0, 2):
+        assert result.step_seconds_ahead(ahead) == step_seconds(replace(shape, ahead=ahead))
+    # Over slow links the step pays the first activation's way down and the last gradient's
+    # way up on top of the busiest link's frames: more than those frames alone.
+    assert result.step_seconds_ahead(0) > 16 * max(link.forward_bytes, link.backward_bytes) / rate
+
+
+@pytest.mark.parametrize(("mbps", "ms"), [(100_000.0, 0.1), (100.0, 20.0), (100.0, 50.0)])
+def test_forwards_ahead_auto_takes_the_fewest_within_the_margin_of_the_fastest_step(
+    mbps: float, ms: float
+) -> None:
+    result = plan(LLAMA, SHORT, [Pool("rtx", "NVIDIA-GeForce-RTX-4090", 4, mbps, ms)], stages=4)
+    steps = _steps(result)
+    ahead = choose_forwards_ahead([result])
+    fastest = min(steps)
+    assert steps[ahead] <= (1 + AHEAD_MARGIN) * fastest
+    assert all(s > (1 + AHEAD_MARGIN) * fastest for s in steps[:ahead])
+    if mbps >= 100_000:  # no round trip worth hiding: none ahead, none of their memory
+        assert ahead == 0
+    else:  # a home connection: the stage before a link would wait a round trip a gradient
+        assert ahead >= 1 and steps[ahead] < 0.9 * steps[0]
+
+
+def test_forwards_ahead_auto_takes_none_where_the_stages_hold_no_more_activations() -> None:
+    """Four RTX 4090s full with 2 rows of 2,048 tokens: a slow link's round trips would be
+    worth hiding, but no stage has the memory for one more micro-batch."""
+    training = replace(TRAINING, compression="int8")
+    full = plan(LLAMA, training, _fleet(100.0), stages=4)
+    assert full.most_ahead == 0 and full.bottleneck.resource == "memory"
+    assert choose_forwards_ahead([full]) == 0
+    roomy = plan(LLAMA, SHORT, _fleet(100.0), stages=4)
+    assert 0 < roomy.most_ahead < 16  # held to what fits
+    more = plan(LLAMA, replace(SHORT, forwards_ahead=roomy.most_ahead + 1), _fleet(100.0), stages=4)
+    assert [(s.layer_start, s.layer_end) for s in more.stages] != [
+        (s.layer_start, s.layer_end) for s in roomy.stages
+    ]  # one more does not fit the split as it is: the search must move layers for it
+
+
+def test_a_job_with_forwards_ahead_auto_records_the_choice_its_memory_and_its_documents() -> None:
+    manifest = (
+        Job("ahead-auto")
+        .model("s3://models/llama-3.1-8b/", dtype="bfloat16")
+        .dataset("s3://data/train.jsonl", sequence_length=1024)
+        .method("qlora", rank=16)
+        .training(steps=10, micro_batch_size=1, micro_batches=16)
+        .pipeline(stages=4, compression="int8", forwards_ahead="auto")
+        .build()
+    )
+    job = parse_job(manifest, default_checkpoint_uri="s3://ckpt")
+    nodes = [node(f"rtx-{i}", "rtx") for i in range(4)]
+    slow = make_plan(job, CONFIG, nodes, [], default_link=(100.0, 50.0))
+    searched = plan(LLAMA, SHORT, _fleet(100.0, 50.0), stages=4)
+    assert slow["forwardsAhead"] == choose_forwards_ahead([searched]) > 0
+    # Its stages' memory counts the activations it holds ahead: planned again with them.
+    again = plan(
+        LLAMA, replace(SHORT, forwards_ahead=slow["forwardsAhead"]), _fleet(100.0, 50.0), stages=4
+    )
+    assert [s["predictedMemoryBytes"] for s in slow["stages"]] == [
+        s.memory_bytes for s in again.stages
+    ]
+    fast = make_plan(job, CONFIG, nodes, [], default_link=(100_000.0, 0.1))
+    assert fast["forwardsAhead"] == 0
+    ranges = [(s["layerStart"], s["layerEnd"]) for s in slow["stages"]]
+    ends = [local_endpoints(len(ranges), 9000, 9100)]
+    (docs,) = build_pipeline_configs(
+        job, [ranges], ends, [16], forwards_ahead=slow["forwardsAhead"]
+    )
+    assert {d["pipeline"]["forwardsAhead"] for d in docs} == {slow["forwardsAhead"]}
+    # Without the plan's choice there is no number to give the stages, and that is said.
+    with pytest.raises(ValueError, match=r"forwardsAhead is auto.*status\.plan\.forwardsAhead"):
+        build_pipeline_configs(job, [ranges], ends, [16])
+    # A job that names its number keeps it, and the plan says so.
+    named = parse_job(
+        manifest | {"spec": manifest["spec"] | {"pipeline": {"stages": 4, "forwardsAhead": 1}}},
+        default_checkpoint_uri="s3://ckpt",
+    )
+    assert make_plan(named, CONFIG, nodes, [], default_link=(100.0, 50.0))["forwardsAhead"] == 1

@@ -117,6 +117,19 @@ def test_replicas_take_a_number_up_to_the_micro_batches_or_auto(replicas: int | 
     assert parse_job(manifest).spec.pipeline.replicas == replicas
 
 
+@pytest.mark.parametrize("ahead", [0, 4, 16, "auto"])
+def test_forwards_ahead_take_a_number_up_to_16_or_auto(ahead: int | str) -> None:
+    assert parse_job(Job().pipeline(forwards_ahead=ahead).build()).spec.pipeline.forwards_ahead == (
+        ahead
+    )
+
+
+def test_forwards_ahead_errors_say_what_is_valid() -> None:
+    with pytest.raises(SpecError, match=r'spec.pipeline.forwardsAhead: must be "auto" or an '
+                       r"integer from 0 to 16, got 17"):  # fmt: skip
+        parse_job(Job().pipeline(forwards_ahead=17).build())
+
+
 def test_replicas_errors_say_what_is_valid() -> None:
     with pytest.raises(SpecError, match=r'spec.pipeline.replicas: must be "auto" or an integer '
                        r"from 1 to 64, got True"):  # fmt: skip

@@ -53,6 +53,7 @@ from relaytrain_operator.domain.planner import (
     choose_compression,
     plan,
     plan_fleet,
+    plan_forwards_ahead,
     plan_growth,
 )
 from relaytrain_operator.domain.planning import job_sync
@@ -266,6 +267,8 @@ class _Inputs:
     """The job's spec.training.steps (None: it counts epochs)."""
     auto: bool
     """Whether the job's spec.pipeline.compression is `auto` (the planner chooses)."""
+    auto_ahead: bool
+    """Whether its spec.pipeline.forwardsAhead is `auto` (the planner chooses)."""
 
 
 def _inputs(args: argparse.Namespace) -> _Inputs:
@@ -325,6 +328,7 @@ def _inputs(args: argparse.Namespace) -> _Inputs:
         leaving,
         spec.training.steps,
         spec.pipeline.compression == "auto",
+        spec.pipeline.forwards_ahead == "auto",
     )
 
 
@@ -351,6 +355,9 @@ def run(args: argparse.Namespace) -> int:
             inputs = replace(inputs, training=replace(inputs.training, compression=chosen))
         else:
             result = plan_with(inputs.training)
+        if inputs.auto_ahead:  # forwardsAhead: auto; the table and --json say how many
+            ahead, result = plan_forwards_ahead(plan_with, inputs.training, result)
+            inputs = replace(inputs, training=replace(inputs.training, forwards_ahead=ahead))
         growth = None
         if args.join is not None:
             growth = _growth(args, inputs, result, sync, replicas)
@@ -377,6 +384,7 @@ def run(args: argparse.Namespace) -> int:
         model = {**inputs.model_source.to_dict(), "layers": inputs.model.num_layers}
         doc = {"job": inputs.name, "model": model, **result.to_dict()}
         doc["compression"] = inputs.training.compression
+        doc["forwardsAhead"] = inputs.training.forwards_ahead
         if growth is not None:
             doc["growth"] = _growth_dict(growth)
         if left is not None:

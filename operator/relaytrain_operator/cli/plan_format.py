@@ -7,6 +7,7 @@ from typing import Any
 
 from relaytrain_operator.domain.membership import IfLeft
 from relaytrain_operator.domain.planner import FleetPlan, ModelShape, Plan, TrainingShape
+from relaytrain_operator.domain.planner.choose import AHEAD_MARGIN
 from relaytrain_operator.domain.planner.cost import (
     DEFLATE_FORWARD_SAVES,
     DELTA_LATER_SHARE,
@@ -83,9 +84,10 @@ def format_table(
     if isinstance(result, FleetPlan):
         return format_fleet(name, training, result, model, source)
     header = (
-        f"Plan for {name}: {len(result.stages)} stage(s), 1F1B, {result.micro_batches} "
-        f"micro-batches of {training.micro_batch_size}x{training.sequence_length} tokens "
-        f"({training.method}, {training.dtype}, compression {training.compression})"
+        f"Plan for {name}: {len(result.stages)} stage(s), {_schedule(training)}, "
+        f"{result.micro_batches} micro-batches of {training.micro_batch_size}x"
+        f"{training.sequence_length} tokens ({training.method}, {training.dtype}, "
+        f"compression {training.compression})"
     )
     price = _code_price(training) if len(result.stages) > 1 else []  # one stage: no boundary
     lines = [header, *_about(model, source), *price, "", *_stage_table(result)]
@@ -94,11 +96,35 @@ def format_table(
         "",
         f"Step {result.step_seconds:.3g}s, {result.tokens_per_second:,.0f} tokens/s, "
         f"bubble {100 * result.bubble_fraction:.0f}%.",
+        *_played_out(training, result),
         f"Bottleneck: stage {b.stage} ({b.resource}). {b.detail}",
         f"Search: {result.search} ({result.sequences_evaluated} sequences evaluated).",
     ]
     lines += [f"Note: {n}" for n in result.notes]
     return "\n".join(lines)
+
+
+def _schedule(training: TrainingShape) -> str:
+    ahead = training.forwards_ahead
+    return f"1F1B with {_forwards(ahead)} ahead" if ahead else "1F1B"
+
+
+def _played_out(training: TrainingShape, result: Plan) -> list[str]:
+    """The step played out event by event over the plan's links (its round trips counted,
+    which the step above, the search's model, does not), where a link is the bottleneck."""
+    if result.timeline is None or result.bottleneck.resource != "link":
+        return []
+    ahead = training.forwards_ahead
+    return [
+        f"Played out over its links, round trips counted: "
+        f"{result.step_seconds_ahead(ahead):.3g}s a step with {_forwards(ahead)} ahead "
+        f"(pipeline.forwardsAhead: auto takes the fewest within {100 * AHEAD_MARGIN:.0f} % "
+        f"of the fastest, up to the {_forwards(result.most_ahead)} its memory holds)."
+    ]
+
+
+def _forwards(count: int) -> str:
+    return f"{count} forward{'' if count == 1 else 's'}"
 
 
 def format_fleet(
@@ -111,7 +137,8 @@ def format_fleet(
     """Several pipelines: each one's stages, then the sync and the whole step."""
     header = (
         f"Plan for {name}: {len(fleet.pipelines)} pipelines on {fleet.gpus} of "
-        f"{fleet.usable_gpus} usable GPU(s), 1F1B, {fleet.micro_batches} micro-batches of "
+        f"{fleet.usable_gpus} usable GPU(s), {_schedule(training)}, {fleet.micro_batches} "
+        f"micro-batches of "
         f"{training.micro_batch_size}x{training.sequence_length} tokens per step "
         f"({training.method}, {training.dtype}, compression {training.compression})"
     )

@@ -82,7 +82,7 @@ def grow(
     assert plan.pipelines, "a job of one pipeline has no replicas to grow"
     nodes = list(nodes)
     model = ModelShape.from_hf_config(dict(model_config))
-    training = training_shape(job, plan.compression)
+    training = training_shape(job, plan.compression, plan.forwards_ahead)
     everything = job_pools(job, nodes, [], default_link=default_link, require_ready=False)
     training_now = [p for p in plan.pipelines if p.index not in out]
     running = [_priced(model, training, everything, catalog, p, held=held) for p in training_now]

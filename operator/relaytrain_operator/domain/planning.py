@@ -13,6 +13,7 @@ happens to the cluster meanwhile.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import Any
 
 from relaytrain_operator.domain.placement import job_pools
@@ -31,6 +32,7 @@ from relaytrain_operator.domain.planner import (
     choose_compression,
     plan,
     plan_fleet,
+    plan_forwards_ahead,
 )
 from relaytrain_operator.spec import FineTuneJob
 
@@ -48,14 +50,20 @@ def job_sync(job: FineTuneJob) -> Sync:
     return Sync(sync.mode, sync.every_steps or 1, sync.outer_code, exact)
 
 
-def training_shape(job: FineTuneJob, chosen: str | None = None) -> TrainingShape:
+def training_shape(
+    job: FineTuneJob, chosen: str | None = None, ahead: int | None = None
+) -> TrainingShape:
     """The settings of `job` the planner prices (with `compression: auto`, the code the plan
     `chosen` — status.plan.compression — or, before a plan, the first code the planner
-    tries: `choose_compression` tries them all)."""
+    tries: `choose_compression` tries them all; with `forwardsAhead: auto`, the plan's
+    `ahead` — status.plan.forwardsAhead — or, before a plan, none: the plan is searched
+    without, and `choose_forwards_ahead` plays its step with each)."""
     spec = job.spec
     compression: str = spec.pipeline.compression
     if compression == AUTO:
         compression = chosen or AUTO_ORDER[0]
+    given = spec.pipeline.forwards_ahead
+    forwards_ahead = (ahead or 0) if given == AUTO else int(given)
     return TrainingShape(
         micro_batch_size=spec.training.micro_batch_size,
         micro_batches=spec.training.micro_batches,
@@ -66,7 +74,7 @@ def training_shape(job: FineTuneJob, chosen: str | None = None) -> TrainingShape
         lora_dropout=spec.method.dropout,
         compression=compression,  # type: ignore[arg-type]  # TrainingShape checks it
         dtype=spec.model.dtype,
-        forwards_ahead=spec.pipeline.forwards_ahead,
+        forwards_ahead=forwards_ahead,
         gradient_tokens=spec.pipeline.gradient_tokens,
         epochs=spec.training.epochs,
         activation_bits=int(spec.pipeline.activation_error.removeprefix("int")),
@@ -144,12 +152,16 @@ def make_plan(
             compression, result = choose_compression(plan_with, training)
         else:
             compression, result = training.compression, plan_with(training)
+        ahead = training.forwards_ahead
+        if pipeline.forwards_ahead == AUTO:
+            chosen = replace(training, compression=compression)
+            ahead, result = plan_forwards_ahead(plan_with, chosen, result)
     except PlanError as err:
         if len(_REFUSED) >= _REFUSED_KEPT:
             _REFUSED.pop(next(iter(_REFUSED)))
         _REFUSED[key] = err
         raise
-    return {**result.to_status(), "compression": compression}
+    return {**result.to_status(), "compression": compression, "forwardsAhead": ahead}
 
 
 _REFUSED: dict[str, PlanError] = {}

@@ -220,6 +220,7 @@ def build_stage_configs(
     *,
     renewal_grace: float = 0.0,
     compression: str | None = None,
+    forwards_ahead: int | None = None,
     plan_epoch: int = 0,
 ) -> list[dict[str, Any]]:
     """One stage-contract document per stage, in stage order (each a fresh dict).
@@ -243,6 +244,7 @@ def build_stage_configs(
             ends,
             renewal_grace=renewal_grace,
             compression=compression,
+            forwards_ahead=forwards_ahead,
             plan_epoch=plan_epoch,
         ).to_dict()
         for k, (layers, ends) in enumerate(zip(ranges, endpoints, strict=True))
@@ -257,6 +259,7 @@ def build_pipeline_configs(
     *,
     renewal_grace: float = 0.0,
     compression: str | None = None,
+    forwards_ahead: int | None = None,
     plan_epoch: int = 0,
 ) -> list[list[dict[str, Any]]]:
     """The documents of every stage of R pipelines that train as one job: `[p][k]`.
@@ -290,6 +293,7 @@ def build_pipeline_configs(
                 endpoints[0],
                 renewal_grace=renewal_grace,
                 compression=compression,
+                forwards_ahead=forwards_ahead,
                 plan_epoch=plan_epoch,
             )
         ]
@@ -329,7 +333,8 @@ def build_pipeline_configs(
             )
             cfg = stage_config(
                 job, k, len(ranges), (start, end), mine, pipeline=p, replicas=replicas,
-                renewal_grace=renewal_grace, compression=compression, plan_epoch=plan_epoch,
+                renewal_grace=renewal_grace, compression=compression,
+                forwards_ahead=forwards_ahead, plan_epoch=plan_epoch,
             )  # fmt: skip
             documents.append(cfg.to_dict())
         out.append(documents)
@@ -383,19 +388,23 @@ def stage_config(
     replicas: ReplicasSpec | None = None,
     renewal_grace: float = 0.0,
     compression: str | None = None,
+    forwards_ahead: int | None = None,
     plan_epoch: int = 0,
 ) -> StageConfig:
     """The document of stage `k` of `count` of pipeline `pipeline`, holding `layers` and
     reached at `ends`; `replicas` says where the other pipelines are (None: there are none).
     `compression`: the plan's boundary code (status.plan.compression), which the spec's
-    `auto` needs; None takes the spec's. `plan_epoch`: the job's `status.planEpoch`."""
+    `auto` needs; None takes the spec's; `forwards_ahead` likewise
+    (status.plan.forwardsAhead). `plan_epoch`: the job's `status.planEpoch`."""
     spec = job.spec
     mode = compression or spec.pipeline.compression
-    if mode == "auto":
-        raise ValueError(
-            "spec.pipeline.compression is auto: the stage documents need the plan's choice "
-            "(status.plan.compression)"
-        )
+    ahead = spec.pipeline.forwards_ahead if forwards_ahead is None else forwards_ahead
+    for field, value in (("compression", mode), ("forwardsAhead", ahead)):
+        if value == "auto":
+            raise ValueError(
+                f"spec.pipeline.{field} is auto: the stage documents need the plan's choice "
+                f"(status.plan.{field})"
+            )
     ns, name = job.metadata.namespace, job.metadata.name
     # Without a credential Secret the stage uses AWS's standard credential chain.
     secret = spec.checkpoint.credentials_secret is not None
@@ -412,7 +421,7 @@ def stage_config(
         pipeline=PipelineSpec(
             schedule=spec.pipeline.schedule,
             compression=mode,  # type: ignore[arg-type]  # checked by the contract model
-            forwards_ahead=spec.pipeline.forwards_ahead,
+            forwards_ahead=ahead,  # type: ignore[arg-type]  # not auto: checked above
             # the share is delta's: a run on loopback (`relaytrain run --local`) sends none
             gradient_tokens=spec.pipeline.gradient_tokens if mode == "delta" else 1.0,
             activation_error=spec.pipeline.activation_error if mode == "delta" else "int4",

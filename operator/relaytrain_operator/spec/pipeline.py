@@ -10,6 +10,7 @@ from typing import Annotated, Literal
 
 from pydantic import ConfigDict, Field, PlainValidator, model_validator
 from relaytrain_contract import Compression, PipelineSchedule
+from relaytrain_contract.order import MAX_FORWARDS_AHEAD
 from relaytrain_contract.stage import (
     ActivationBasis,
     ActivationError,
@@ -26,15 +27,14 @@ __all__ = ["MAX_FORWARDS_AHEAD", "MAX_REPLICAS", "MAX_STAGES", "PipelineSpec", "
 
 MAX_STAGES = 64
 MAX_REPLICAS = 64
-MAX_FORWARDS_AHEAD = 16
 
 
-def _auto_or_int(value: object, most: int) -> int | Literal["auto"]:
+def _auto_or_int(value: object, most: int, least: int = 1) -> int | Literal["auto"]:
     if value == "auto":
         return "auto"
-    if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= most:
+    if isinstance(value, int) and not isinstance(value, bool) and least <= value <= most:
         return value
-    raise ValueError(f'must be "auto" or an integer from 1 to {most}, got {value!r}')
+    raise ValueError(f'must be "auto" or an integer from {least} to {most}, got {value!r}')
 
 
 def _stages(value: object) -> int | Literal["auto"]:
@@ -45,11 +45,15 @@ def _replicas(value: object) -> int | Literal["auto"]:
     return _auto_or_int(value, MAX_REPLICAS)
 
 
-def _auto_or_count(field: str, most: int) -> Rule:
-    """The CEL twin of _stages and _replicas."""
+def _forwards_ahead(value: object) -> int | Literal["auto"]:
+    return _auto_or_int(value, MAX_FORWARDS_AHEAD, least=0)
+
+
+def _auto_or_count(field: str, most: int, least: int = 1) -> Rule:
+    """The CEL twin of _stages, _replicas and _forwards_ahead."""
     return Rule(
-        f"type(self) == string ? self == 'auto' : (self >= 1 && self <= {most})",
-        f'spec.pipeline.{field} must be "auto" or an integer from 1 to {most}.',
+        f"type(self) == string ? self == 'auto' : (self >= {least} && self <= {most})",
+        f'spec.pipeline.{field} must be "auto" or an integer from {least} to {most}.',
     )
 
 
@@ -163,12 +167,22 @@ class PipelineSpec(SpecModel):
     epochs), or `auto`: the planner takes the most faithful
     of these whose predicted tokens/s is within 5 % of the fastest (status.plan.compression
     says which)."""
-    forwards_ahead: Annotated[int, Field(ge=0, le=MAX_FORWARDS_AHEAD)] = 0
+    forwards_ahead: Annotated[
+        int | Literal["auto"],
+        PlainValidator(_forwards_ahead),
+        Field(
+            json_schema_extra=int_or_string(
+                _auto_or_count("forwardsAhead", MAX_FORWARDS_AHEAD, least=0)
+            )
+        ),
+    ] = 0
     """Forwards each stage but the last runs ahead of 1F1B before its first backward (0 to
-    16): more activations cross a slow link while the previous micro-batches compute, at the
-    memory of that many more micro-batches in flight (the planner counts it). The gradients
-    are the same, in the same order. 1-2 lift a 50-200 Mbit/s link's use (docs/links-and-
-    checkpoints.md, "The link bound")."""
+    16), or `auto`: the planner plays each step out over the plan's links and takes the
+    fewest within 5 % of the fastest step that every stage's memory holds
+    (status.plan.forwardsAhead says which). More activations cross a slow link while the
+    previous micro-batches compute, at the memory of that many more micro-batches in flight
+    (the planner counts it). The gradients are the same, in the same order. 1-2 lift a
+    50-200 Mbit/s link's use (docs/links-and-checkpoints.md, "The link bound")."""
     gradient_tokens: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     """With `compression: delta`: the share of tokens whose gradients cross each boundary
     (above 0, at most 1; 1, the default: every token). Each micro-batch's tokens are drawn

@@ -145,6 +145,9 @@ class PlanStatus(_Status):
     """The stage and resource that limit throughput."""
     compression: str | None = None
     """The boundary code the stages use, the planner's choice under `compression: auto`."""
+    forwards_ahead: int | None = None
+    """The forwards each stage runs ahead of 1F1B, the planner's choice under
+    `forwardsAhead: auto`."""
     resplit_from: FormerPlan | None = None
     """Set while a job of one pipeline trains on a re-split (a replacement found no GPU
     where its stage was): the plan it had before. While set, the operator re-plans the job

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from relaytrain_operator.cli.local_run.layout import Layout, grown_layout
-from relaytrain_operator.cli.local_run.stages import local_compression, loopback_endpoints
+from relaytrain_operator.cli.local_run.stages import local_choices, loopback_endpoints
 from relaytrain_operator.domain.linkcerts import LinkCA
 from relaytrain_operator.domain.stage_config import (
     StageEndpoints,
@@ -58,7 +58,7 @@ def add_pipeline(
     mine = loopback_endpoints([len(grown.splits[q])], first=q)[0]
     every = [*endpoints, mine]
     documents = build_pipeline_configs(
-        job, grown.splits, every, grown.shares, compression=local_compression(job)
+        job, grown.splits, every, grown.shares, **local_choices(job)
     )[q]
     credentials = {name: pem for k in range(len(mine)) for name, pem in ca.issue(q, k).items()}
     fleet = fleet_document(job, grown.splits, every, added=[*added_before, q],
@@ -91,9 +91,7 @@ def grow_one(
     grown = grown_layout(layout, job.spec.training.micro_batches)
     mine = loopback_endpoints([len(grown.splits[1])], first=1)[0]
     every = [*endpoints, mine]
-    rows = build_pipeline_configs(
-        job, grown.splits, every, grown.shares, compression=local_compression(job)
-    )
+    rows = build_pipeline_configs(job, grown.splits, every, grown.shares, **local_choices(job))
     credentials = {name: pem for k in range(len(mine)) for name, pem in ca.issue(1, k).items()}
     fleet = fleet_document(job, grown.splits, every, added=[1], shares=grown.shares)
     return Regrown(grown, every, [d for row in rows for d in row], credentials, fleet)

@@ -156,7 +156,7 @@ def build_stages(job: FineTuneJob, layout: Layout) -> Built:
     counts = [len(split) for split in layout.splits]
     endpoints = loopback_endpoints(counts)
     configs = build_pipeline_configs(
-        job, layout.splits, endpoints, layout.shares, compression=local_compression(job)
+        job, layout.splits, endpoints, layout.shares, **local_choices(job)
     )
     meta = job.metadata
     lifetime = timedelta(seconds=job.spec.link_certificates.lifetime_seconds)
@@ -167,10 +167,15 @@ def build_stages(job: FineTuneJob, layout: Layout) -> Built:
     return Built(documents, pki, endpoints, ca)
 
 
-def local_compression(job: FineTuneJob) -> str | None:
-    """The boundary code the documents take: local links are loopback, every code is as
-    fast, so `auto` takes the exact one (None: the spec's)."""
-    return AUTO_ORDER[0] if job.spec.pipeline.compression == AUTO else None
+def local_choices(job: FineTuneJob) -> dict[str, Any]:
+    """What the documents take where the spec says `auto` (`build_pipeline_configs`'s
+    `compression` and `forwards_ahead`; None: the spec's). Local links are loopback: every
+    code is as fast, so the exact one, and no round trip is there to hide, so none ahead."""
+    pipeline = job.spec.pipeline
+    return {
+        "compression": AUTO_ORDER[0] if pipeline.compression == AUTO else None,
+        "forwards_ahead": 0 if pipeline.forwards_ahead == AUTO else None,
+    }
 
 
 def loopback_endpoints(counts: list[int], first: int = 0) -> list[list[StageEndpoints]]:

@@ -24,7 +24,13 @@ from relaytrain_operator.domain.planner.catalog import (
     GpuSpec,
     UnknownGpuError,
 )
-from relaytrain_operator.domain.planner.choose import AUTO, AUTO_ORDER, choose_compression
+from relaytrain_operator.domain.planner.choose import (
+    AUTO,
+    AUTO_ORDER,
+    choose_compression,
+    choose_forwards_ahead,
+    plan_forwards_ahead,
+)
 from relaytrain_operator.domain.planner.cost import CostSettings
 from relaytrain_operator.domain.planner.fleet import plan_fleet
 from relaytrain_operator.domain.planner.fleet_result import FleetPlan
@@ -69,8 +75,10 @@ __all__ = [
     "UnknownGpuError",
     "assess",
     "choose_compression",
+    "choose_forwards_ahead",
     "plan",
     "plan_fleet",
+    "plan_forwards_ahead",
     "plan_growth",
     "pools_from_file",
     "pools_from_nodes",

@@ -6,6 +6,8 @@ import itertools
 from collections.abc import Sequence
 from functools import partial
 
+from relaytrain_contract.order import MAX_FORWARDS_AHEAD, in_flight
+
 from relaytrain_operator.domain.planner.catalog import Catalog
 from relaytrain_operator.domain.planner.cost import CostSettings, PoolCost
 from relaytrain_operator.domain.planner.diagnose import (
@@ -23,6 +25,7 @@ from relaytrain_operator.domain.planner.problem import (
 )
 from relaytrain_operator.domain.planner.result import Bottleneck, Plan, PlanError, StagePlan
 from relaytrain_operator.domain.planner.search import DEFAULT_EXHAUSTIVE_LIMIT, Candidate
+from relaytrain_operator.domain.planner.steptime import StepShape
 from relaytrain_operator.domain.planner.training import TrainingShape
 
 
@@ -159,6 +162,7 @@ def to_plan(problem: Problem, best: Candidate, search: str, evaluated: int) -> P
             f"{stage.link_seconds:.3g}s per micro-batch."
         )
         bottleneck = Bottleneck(slow, "compute", detail)
+    pools = [costs[i] for i in seq]
     return Plan(
         stages=tuple(stages),
         micro_batches=problem.training.micro_batches,
@@ -167,7 +171,43 @@ def to_plan(problem: Problem, best: Candidate, search: str, evaluated: int) -> P
         search=search,  # type: ignore[arg-type]
         sequences_evaluated=evaluated,
         notes=problem.notes,
+        timeline=timeline(problem, pools, stages),
+        most_ahead=most_ahead(problem, pools, stages),
     )
+
+
+def timeline(problem: Problem, pools: Sequence[PoolCost], stages: Sequence[StagePlan]) -> StepShape:
+    """The plan's step as `steptime` plays it: each stage's compute, each link's frames over
+    its slower end's bandwidth and its two ends' latencies (`LinkCost.send_seconds`'s), and
+    the ``delta`` codec's time beside the compute (a GPU stage's side stream)."""
+    link, p = problem.link, len(stages)
+    pairs = list(itertools.pairwise(pools))
+    rates = [min(a.bandwidth_bytes_per_s, b.bandwidth_bytes_per_s) for a, b in pairs]
+    return StepShape(
+        p,
+        problem.training.micro_batches,
+        compute=tuple(s.compute_seconds for s in stages),
+        down=tuple(link.forward_bytes / r for r in rates),
+        up=tuple(link.backward_bytes / r for r in rates),
+        latency=tuple(a.latency_s + b.latency_s for a, b in pairs),
+        encode_down=link.forward_codec_seconds + link.deflate_seconds,
+        encode_up=link.backward_codec_seconds,
+    )
+
+
+def most_ahead(problem: Problem, pools: Sequence[PoolCost], stages: Sequence[StagePlan]) -> int:
+    """The most forwards ahead (to `MAX_FORWARDS_AHEAD`) whose activations fit every stage of
+    the plan: each holds `in_flight` micro-batches' more of them, the last stage none."""
+    m, p = problem.training.micro_batches, len(stages)
+
+    def fits(ahead: int) -> bool:
+        return all(
+            pool.stage_bytes(s.layers, k == 0, k == p - 1, in_flight(k, p, m, ahead))
+            <= s.memory_available_bytes
+            for k, (pool, s) in enumerate(zip(pools, stages, strict=True))
+        )
+
+    return max((a for a in range(MAX_FORWARDS_AHEAD + 1) if fits(a)), default=0)
 
 
 LINK_BOUND_MICRO_BATCHES = 32
@@ -189,9 +229,10 @@ def link_bound_advice(micro_batches: int, stages: int, ahead: int) -> str:
     return (
         f" With {micro_batches} micro-batches a step the link streams at most {share:.0%} of "
         f"it (fill and drain); more micro-batches (training.microBatches, "
-        f"{LINK_BOUND_MICRO_BATCHES} or so) and pipeline.forwardsAhead {LINK_BOUND_AHEAD}-4 "
-        f"(now {ahead}: one micro-batch's activations of memory each) keep it busy: 90-98 % "
-        f"of the link's bound measured so (docs/links-and-checkpoints.md)."
+        f"{LINK_BOUND_MICRO_BATCHES} or so) and pipeline.forwardsAhead {LINK_BOUND_AHEAD}-4, "
+        f"or auto to have the step played out over these links (now {ahead}: one "
+        f"micro-batch's activations of memory each), keep it busy: 90-98 % of the link's "
+        f"bound measured so (docs/links-and-checkpoints.md)."
     )
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
+
+from relaytrain_operator.domain.planner.steptime import StepShape, step_seconds
 
 Resource = Literal["compute", "memory", "link"]
 
@@ -82,6 +84,19 @@ class Plan:
     sequences_evaluated: int
     notes: tuple[str, ...] = field(default=())
     """Things the user should know (pools left out, and why)."""
+    timeline: StepShape | None = None
+    """The step as `steptime` plays it, event by event over the plan's own links (None: not
+    priced so). What ``pipeline.forwardsAhead: auto`` chooses by
+    (`choose.choose_forwards_ahead`); ``step_seconds`` is the search's model, which has no
+    round trips to hide and so no use for forwards ahead."""
+    most_ahead: int = 0
+    """The most forwards ahead whose activations every stage holds (its memory)."""
+
+    def step_seconds_ahead(self, ahead: int) -> float:
+        """The step's seconds with ``ahead`` forwards ahead, played out (`timeline`)."""
+        if self.timeline is None:
+            raise ValueError("this plan has no timeline to play")
+        return step_seconds(replace(self.timeline, ahead=ahead))
 
     @property
     def fits(self) -> bool:

@@ -15,9 +15,11 @@ slow, the first activation's ``P - 1`` sends down and the last gradient's ``P - 
 paid on top of the ``M`` frames the busiest link carries: with 2 micro-batches over 4
 stages an int8 step takes about 7 frame times, not 2. bench/bench_pipeline_time.py checks it
 against the worker's real steps over paced links (within -3 to +6 % on 2026-12-01, where
-the slowest resource plus the latencies was 47-65 % short). The time-to-loss projection
-(bench/time_to_loss_model.py) and bench_delta_boundary.py's model of its timed runs are
-built on it.
+the slowest resource plus the latencies was 47-65 % short). The planner plays a plan's step
+(`api.timeline`) to choose ``pipeline.forwardsAhead: auto`` (`choose.choose_forwards_ahead`)
+and to say what a link-bound plan would gain; the time-to-loss projection
+(bench/time_to_loss_model.py) and bench_delta_boundary.py's model of its timed runs are built
+on it.
 """
 
 from __future__ import annotations

@@ -80,7 +80,8 @@ def create_stages(
     epoch = ctx.status.plan_epoch or 0
     configs = build_pipeline_configs(
         spec, splits, job_pod_endpoints(ctx.name, ctx.namespace, counts), shares,
-        renewal_grace=grace, compression=plan.compression, plan_epoch=epoch,
+        renewal_grace=grace, compression=plan.compression,
+        forwards_ahead=plan.forwards_ahead, plan_epoch=epoch,
     )  # fmt: skip
     if epoch and is_s3(spec.spec.checkpoint.uri):  # a replaced plan's stages write no more
         ctx.actions.append(PutPlan(plan_document(spec.metadata.uid or "", epoch)))

@@ -298,7 +298,7 @@ def _price(
         ]
 
     try:
-        training = training_shape(spec, plan.compression)
+        training = training_shape(spec, plan.compression, plan.forwards_ahead)
         nodes = list(ctx.observed.nodes.values())
         return price_return(
             ModelShape.from_hf_config(model.config),
