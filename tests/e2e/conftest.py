@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import pytest
-from relaytrain_testkit.demo_job import MadeDemo, make_demo
+
+if TYPE_CHECKING:
+    from relaytrain_testkit.demo_job import MadeDemo
 
 
 @pytest.fixture(scope="session")
@@ -13,4 +17,8 @@ def made_demo() -> MadeDemo:
     (loss-history.json among it). test_doc_commands_e2e checks what it prints;
     test_loss_curves compares its losses with the committed curve. Each asserts that the
     run succeeded itself."""
+    # Imported here: relaytrain_testkit.demo_job imports torch (through the tiny models), and
+    # this conftest is loaded by every session that collects tests/, `make test-fast` too.
+    from relaytrain_testkit.demo_job import make_demo
+
     return make_demo(timeout=1800)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,6 +18,23 @@ from relaytrain_testkit.harness.waiting import wait_for
 from hack import toolpaths
 
 pytestmark = pytest.mark.k8s
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_the_built_binaries_report_their_pins() -> None:
+    """The cache this session's cluster runs from holds exactly the pinned builds (here, not
+    in the unit tier: `make test-fast` installs Python alone, `make deps` builds these)."""
+    env = {**os.environ, "RELAYTRAIN_CACHE": str(toolpaths.cache_dir())}
+    proc = subprocess.run(
+        ["bash", "hack/build-go-binaries.sh", "verify"],
+        check=False,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
 
 
 @pytest.fixture
