@@ -41,7 +41,7 @@ step (16 steps an epoch), 6 epochs; ``--quick``: 64 rows, 3 epochs.
    final eval loss + 1 % (and, second, what ``int8`` reaches at the end); the time is the
    training wall time up to the end of the first step after which the eval loss is at or
    below the target (adapters evaluated after every step). Besides the measured time, the
-   model of it: each step played out through 1F1B (`pipeline_time.step_seconds`), a
+   model of it: each step played out through 1F1B (`steptime.step_seconds`), a
    stage's compute taken from the same mode's step over loopback (its CPU codec inside),
    each frame's send from the bytes the links counted in that step, each latency; and the
    bandwidth term alone (the step's busiest link direction's bytes over the rate), which
@@ -581,7 +581,7 @@ def report_time(
     print(
         f"\nTime to a target eval loss over a {link.mbit:g} Mbit/s link, "
         f"{link.ms:g} ms one-way latency (measured wall time; 1F1B's model of it, "
-        "`pipeline_time`; its bandwidth term alone)\n"
+        "`steptime`; its bandwidth term alone)\n"
     )
     print(
         "| target | mode | steps | measured s | int8 / delta | model s | int8 / delta "

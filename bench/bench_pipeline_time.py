@@ -1,5 +1,5 @@
-"""A step's measured time through four stages over slow links, against `pipeline_time`'s model
-of it (and the model `time_to_loss_model.py` used until 2026-12-01).
+"""A step's measured time through four stages over slow links, against the planner's `steptime`
+model of it (and the model `time_to_loss_model.py` used until 2026-12-01).
 
 Run: OMP_NUM_THREADS=1 .venv/bin/python bench/bench_pipeline_time.py [--steps N] [--json OUT]
 
@@ -11,8 +11,8 @@ ahead of 1F1B (``pipeline.forwardsAhead``), it runs once over loopback and once 
 emulated link (``Link.limit_rate``, ``Link.set_latency``, every link, each direction); the
 first step is not timed (``warmup``), the mean of the rest is the measured step.
 
-The model (`pipeline_time.step_seconds`) takes the stage's compute per micro-batch from the
-loopback run of the same shape (`pipeline_time.calibrate`), and a frame's send from the bytes
+The model (`steptime.step_seconds`) takes the stage's compute per micro-batch from the
+loopback run of the same shape (`steptime.calibrate`), and a frame's send from the bytes
 the links counted; the old model is ``max(loopback step, busiest direction's bytes / rate)
 + 2 (P - 1) latency``. Each row: measured, model and old model seconds a step, and each
 model's error.

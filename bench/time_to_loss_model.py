@@ -11,7 +11,7 @@ int8 reached the target after 35 steps and ``delta`` after 47, and over those st
 ``delta``'s busiest link direction carried 3.57x fewer bytes than int8's (the ratio's
 bandwidth term: its bytes per step and its extra steps both in it).
 
-A step's time is 1F1B played out event by event (`pipeline_time.step_seconds`): every
+A step's time is 1F1B played out event by event (`steptime.step_seconds`): every
 stage computes its micro-batches in the worker's order, each frame queues on its link's
 direction for its bytes over the rate and arrives a latency later, a ``delta`` stage codes
 on its encoder beside its compute. Its inputs, per micro-batch and stage:
