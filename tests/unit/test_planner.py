@@ -224,6 +224,14 @@ def test_a_slow_link_counts():
     slow_only = [pools[1], Pool("one", "NVIDIA-A100-SXM4-80GB", 1, 10_000, 1)]
     busy = plan(LLAMA_8B, streaming, slow_only, stages=2)
     assert busy.bottleneck.resource == "link" and "forwardsAhead" not in busy.bottleneck.detail
+    # With forwardsAhead: auto the planner chose the forwards ahead: the advice names what it
+    # chose and asks for micro-batches alone, not for what the job already lets it choose.
+    chosen = TrainingShape(
+        4, 8, 2048, method="lora", compression="none", forwards_ahead=1, forwards_ahead_chosen=True
+    )
+    auto = plan(LLAMA_8B, chosen, slow_only, stages=2).bottleneck.detail
+    assert "more micro-batches (training.microBatches, 32 or so) keep it busy" in auto
+    assert "pipeline.forwardsAhead auto chose 1" in auto and "or auto" not in auto
 
 
 def test_step_time_tokens_and_bubble_follow_1f1b():

@@ -75,6 +75,7 @@ def training_shape(
         compression=compression,  # type: ignore[arg-type]  # TrainingShape checks it
         dtype=spec.model.dtype,
         forwards_ahead=forwards_ahead,
+        forwards_ahead_chosen=given == AUTO,
         gradient_tokens=spec.pipeline.gradient_tokens,
         epochs=spec.training.epochs,
         activation_bits=int(spec.pipeline.activation_error.removeprefix("int")),

@@ -152,7 +152,10 @@ def to_plan(problem: Problem, best: Candidate, search: str, evaluated: int) -> P
             f"Stage {slow} spends {stage.link_seconds:.3g}s sending boundary tensors and "
             f"{stage.compute_seconds:.3g}s computing per micro-batch."
             + link_bound_advice(
-                problem.training.micro_batches, len(stages), problem.training.forwards_ahead
+                problem.training.micro_batches,
+                len(stages),
+                problem.training.forwards_ahead,
+                chosen=problem.training.forwards_ahead_chosen,
             )
         )
         bottleneck = Bottleneck(slow, "link", detail)
@@ -216,23 +219,37 @@ LINK_BOUND_AHEAD = 2
 """Forwards ahead that hide a link's round trip (measured: docs/links-and-checkpoints.md)."""
 
 
-def link_bound_advice(micro_batches: int, stages: int, ahead: int) -> str:
+def link_bound_advice(micro_batches: int, stages: int, ahead: int, *, chosen: bool) -> str:
     """What keeps a link-bound pipeline's link busy, when the job has not asked for it: a
     1F1B step of m micro-batches over p stages streams at most m / (m + p - 1) of its time
     (the bubble: the first activation and the last gradient cross alone), and without
     forwards ahead the stage before the link also waits a round trip for each gradient,
     which the step time does not price. Measured over a kernel-shaped link with 32
-    micro-batches and four ahead: 90-98 % of the link's bound at 200, 50 and 10 Mbit/s."""
-    if micro_batches >= LINK_BOUND_MICRO_BATCHES and ahead >= LINK_BOUND_AHEAD:
+    micro-batches and four ahead: 90-98 % of the link's bound at 200, 50 and 10 Mbit/s.
+    ``chosen``: the planner chose ``ahead`` (``forwardsAhead: auto``), so the advice names
+    micro-batches alone."""
+    enough_ahead = chosen or ahead >= LINK_BOUND_AHEAD
+    if micro_batches >= LINK_BOUND_MICRO_BATCHES and enough_ahead:
         return ""
     share = micro_batches / (micro_batches + stages - 1)
+    more = f"more micro-batches (training.microBatches, {LINK_BOUND_MICRO_BATCHES} or so)"
+    if chosen:
+        ahead_advice = (
+            f"{more} keep it busy (pipeline.forwardsAhead auto chose {ahead}, from the step "
+            f"played out over these links)"
+        )
+    elif enough_ahead:
+        ahead_advice = f"{more} keep it busy (pipeline.forwardsAhead {ahead})"
+    else:
+        ahead_advice = (
+            f"{more} and pipeline.forwardsAhead {LINK_BOUND_AHEAD}-4, or auto to have the step "
+            f"played out over these links (now {ahead}: one micro-batch's activations of "
+            f"memory each), keep it busy"
+        )
     return (
         f" With {micro_batches} micro-batches a step the link streams at most {share:.0%} of "
-        f"it (fill and drain); more micro-batches (training.microBatches, "
-        f"{LINK_BOUND_MICRO_BATCHES} or so) and pipeline.forwardsAhead {LINK_BOUND_AHEAD}-4, "
-        f"or auto to have the step played out over these links (now {ahead}: one "
-        f"micro-batch's activations of memory each), keep it busy: 90-98 % of the link's "
-        f"bound measured so (docs/links-and-checkpoints.md)."
+        f"it (fill and drain); {ahead_advice}: 90-98 % of the link's bound measured so "
+        f"(docs/links-and-checkpoints.md)."
     )
 
 

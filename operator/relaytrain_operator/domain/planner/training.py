@@ -52,6 +52,9 @@ class TrainingShape:
     forwards_ahead: int = 0
     """Forwards every stage but the last runs ahead of 1F1B (``spec.pipeline.forwardsAhead``):
     that many more micro-batches of activations held (`in_flight`)."""
+    forwards_ahead_chosen: bool = False
+    """Whether the planner chose ``forwards_ahead`` (``forwardsAhead: auto``) rather than the
+    job: its advice then does not ask the job for what it already lets the planner choose."""
     gradient_tokens: float = 1.0
     """The share of tokens whose gradients cross a boundary (``spec.pipeline.gradientTokens``,
     `delta` only): the gradients' bytes are priced at that share."""
