@@ -38,7 +38,7 @@ AUTO_MARGIN = 0.05
 """A code is chosen over a smaller one when it is at most this much slower."""
 AHEAD_MARGIN = 0.05
 """Fewer forwards ahead are chosen over more when their step is at most this much slower:
-the played-out step is within -5 to +14 % of the worker's measured ones
+the played-out step is within -3 to +6 % of the worker's measured ones (2026-12-01)
 (bench/bench_pipeline_time.py), so a smaller gain is not worth a micro-batch's memory."""
 
 
