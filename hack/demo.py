@@ -42,6 +42,7 @@ from relaytrain_testkit.harness.chart_install import (  # noqa: E402
     chart_values,
     restricted_namespace,
 )
+from relaytrain_testkit.harness.cluster import established_args  # noqa: E402
 from relaytrain_testkit.harness.kwok_runner import KwokProcessRunner  # noqa: E402
 from relaytrain_testkit.harness.minio_server import start_minio, stop_minio  # noqa: E402
 
@@ -188,7 +189,7 @@ def run(args: argparse.Namespace, model_dir: Path, workdir: Path, stack: list[An
     pod, _ = release.ready_operator()
     kubectl = [str(toolpaths.binary("kubectl")), "--kubeconfig", kubeconfig]
     subprocess.run(
-        [*kubectl, "wait", "--for=condition=Established", "crd/finetunejobs.relaytrain.io"],
+        [*kubectl, "wait", *established_args("finetunejobs.relaytrain.io")],
         check=True,
         capture_output=True,
     )

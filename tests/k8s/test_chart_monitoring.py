@@ -128,12 +128,7 @@ def test_an_api_server_with_the_prometheus_operators_crds_takes_them_as_rendered
     for plural in ("servicemonitors", "podmonitors", "prometheusrules"):
         path = crds / f"monitoring.coreos.com_{plural}.yaml"
         kube_cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(path))
-        kube_cluster.kubectl(
-            "wait",
-            "--for=condition=Established",
-            f"crd/{plural}.monitoring.coreos.com",
-            "--timeout=60s",
-        )
+        kube_cluster.wait_established(f"{plural}.monitoring.coreos.com")
     namespace = f"rt-mon-{uuid.uuid4().hex[:6]}"
     kube_cluster.kubectl("create", "namespace", namespace)
     docs = [

@@ -161,9 +161,7 @@ def _install_rbac(kube_cluster: Any, *sets: str) -> tuple[str, str, list[dict[st
     # can-i answers "no" for a resource the API server does not know: install the CRD first.
     crd = REPO / "crds" / "finetunejobs.relaytrain.io.yaml"
     kube_cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(crd))
-    kube_cluster.kubectl(
-        "wait", "--for=condition=Established", "crd/finetunejobs.relaytrain.io", "--timeout=60s"
-    )
+    kube_cluster.wait_established("finetunejobs.relaytrain.io")
     namespace = f"rt-rbac-{uuid.uuid4().hex[:6]}"
     kube_cluster.kubectl("create", "namespace", namespace)
     rbac_kinds = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "RoleBinding"}
@@ -227,8 +225,7 @@ def test_the_peering_grants_are_exactly_what_peering_operators_call(
     itself there and stopped (withdrawing itself); the audit log must show a call for every
     peering grant the chart adds, and no refusal."""
     kube_cluster.kubectl("apply", "--server-side", "-f", str(PEERING_CRDS))
-    for crd in ("clusterkopfpeerings.kopf.dev", "kopfpeerings.kopf.dev"):
-        kube_cluster.kubectl("wait", "--for=condition=Established", f"crd/{crd}", "--timeout=60s")
+    kube_cluster.wait_established("clusterkopfpeerings.kopf.dev", "kopfpeerings.kopf.dev")
     _install_rbac(kube_cluster)  # the FineTuneJob CRD, which the operator watches
     tag = uuid.uuid4().hex[:6]
     watched = f"rtpeer-{tag}"

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import copy
 import json
+import subprocess
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,8 +27,12 @@ from relaytrain_operator.spec import (
     parse_job,
     status_patch,
 )
+from relaytrain_testkit.harness.cluster import established_args
+from relaytrain_testkit.harness.waiting import wait_for
 from relaytrain_testkit.jobs import Job
 from relaytrain_testkit.spec_cases import INVALID_CASES, Case
+
+from hack import toolpaths
 
 pytestmark = pytest.mark.k8s
 
@@ -40,9 +46,7 @@ def api(kube_cluster: Any) -> Any:
     from kubernetes import client
 
     kube_cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD))
-    kube_cluster.kubectl(
-        "wait", "--for=condition=Established", "crd/finetunejobs.relaytrain.io", "--timeout=60s"
-    )
+    kube_cluster.wait_established("finetunejobs.relaytrain.io")
     return client.CustomObjectsApi(kube_cluster.api_client())
 
 
@@ -252,7 +256,14 @@ def test_kubectl_get_shows_progress_columns(kube_cluster: Any, api: Any, namespa
 
 
 def test_kubectl_explain_teaches_the_api(kube_cluster: Any, api: Any) -> None:
-    out = kube_cluster.kubectl("explain", "ftj.spec.checkpoint.credentialsSecret").stdout
+    # The API server publishes a new CRD's OpenAPI a while after serving it.
+    field = "ftj.spec.checkpoint.credentialsSecret"
+    explained = wait_for(
+        f"kubectl explain {field}: the CRD's OpenAPI published",
+        lambda: kube_cluster.kubectl("explain", field, check=False).returncode == 0,
+    )
+    assert explained
+    out = kube_cluster.kubectl("explain", field).stdout
     assert "Secret in the job's namespace" in out
     assert "accessKeyKey" in out
     out = kube_cluster.kubectl("explain", "finetunejobs.spec.pipeline.compression").stdout
@@ -262,3 +273,75 @@ def test_kubectl_explain_teaches_the_api(kube_cluster: Any, api: Any) -> None:
 def test_short_name_and_category(kube_cluster: Any, api: Any) -> None:
     out = kube_cluster.kubectl("api-resources", "--api-group=relaytrain.io", "-o", "wide").stdout
     assert "ftj" in out and "relaytrain" in out
+
+
+def test_the_documented_wait_for_a_crd_outlasts_its_unwritten_status(
+    kube_cluster: Any, tmp_path: Path
+) -> None:
+    """A CRD the API server has just made reads `status.conditions: null` until its
+    controllers write it. `kubectl wait --for condition=Established` fails at once on that
+    (CI met it on a busy machine); the wait README.md shows (`established_args`: the accepted
+    names first, then the condition) waits it out. Played on an object of a throwaway kind
+    whose status is written by hand as a new CRD's is, then as its controllers write it."""
+    group = f"w{uuid.uuid4().hex[:8]}.example.com"
+    schema = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+    version = {"name": "v1", "served": True, "storage": True, "schema": {"openAPIV3Schema": schema}}
+    names = {"kind": "Thing", "plural": "things", "singular": "thing"}
+    crd = {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"things.{group}"},
+        "spec": {"group": group, "names": names, "scope": "Cluster", "versions": [version]},
+    }
+    (tmp_path / "crd.json").write_text(json.dumps(crd))
+    kube_cluster.kubectl("create", "-f", str(tmp_path / "crd.json"))
+    kube_cluster.wait_established(f"things.{group}")
+    unwritten = {"acceptedNames": {"plural": "", "kind": ""}, "conditions": None}
+    thing = {"apiVersion": f"{group}/v1", "kind": "Thing", "metadata": {"name": "new"}}
+    (tmp_path / "thing.json").write_text(json.dumps({**thing, "status": unwritten}))
+    # `create --raw` keeps the null, which kubectl create and apply would drop.
+    path = f"/apis/{group}/v1/things"
+    kube_cluster.kubectl("create", "--raw", path, "-f", str(tmp_path / "thing.json"))
+    target = f"things.{group}/new"
+
+    alone = kube_cluster.kubectl(
+        "wait", "--for=condition=Established", target, "--timeout=60s", check=False
+    )
+    assert alone.returncode != 0 and "accessor error" in alone.stderr, alone.stderr
+
+    args = established_args(f"things.{group}", timeout=60)
+    args[args.index(f"crd/things.{group}")] = target
+    kubectl = [str(toolpaths.binary("kubectl")), "--kubeconfig", str(kube_cluster.kubeconfig)]
+    log: list[str] = []
+
+    def watching(times: int) -> bool:
+        """Whether the wait has opened its ``times``-th watch (kubectl -v=6 logs each request:
+        a wait whose condition is not met yet watches), or ended."""
+        opened = sum("watch=true" in line for line in list(log))
+        return opened >= times or documented.poll() is not None
+
+    def write_status(*conditions: str) -> None:
+        names = {"plural": "things", "kind": "Thing"}
+        written = [{"type": c, "status": "True"} for c in conditions]
+        patch = {"status": {"acceptedNames": names, "conditions": written}}
+        kube_cluster.kubectl("patch", target, "--type=merge", "-p", json.dumps(patch))
+
+    with subprocess.Popen(
+        [*kubectl, "wait", *args, "-v=6"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as documented:
+        reader = threading.Thread(target=lambda: log.extend(documented.stderr or ()))
+        reader.start()
+        try:
+            wait_for("the documented wait watching the unwritten status", lambda: watching(1))
+            assert documented.poll() is None, log
+            write_status("NamesAccepted")  # the names and the first condition: one update
+            wait_for("the documented wait on to the condition, watching", lambda: watching(2))
+            assert documented.poll() is None, log
+            write_status("NamesAccepted", "Established")
+            documented.wait(timeout=60)
+        finally:
+            documented.kill()
+            reader.join()
+        out = documented.stdout.read() if documented.stdout else ""
+    assert documented.returncode == 0, log
+    assert out.count("condition met") == 2, out

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,6 +32,7 @@ from relaytrain_testkit.doc_commands import (
     clean_env,
     doc_blocks,
 )
+from relaytrain_testkit.harness.cluster import established_args
 from relaytrain_testkit.harness.waiting import wait_for
 
 from hack import toolpaths
@@ -160,8 +162,8 @@ def test_cluster_commands_run_as_written(path: str, cluster_shell: Shell, tmp_pa
         if path == "docs/api.md":
             # The page shows `kubectl get ftj` on a cluster that has the CRD and a job.
             shell.run("kubectl apply --server-side --force-conflicts -f crds/", timeout=120)
-            shell.run("kubectl wait --for condition=Established "
-                      "crd/finetunejobs.relaytrain.io", timeout=120)  # fmt: skip
+            wait = ["kubectl", "wait", *established_args("finetunejobs.relaytrain.io")]
+            shell.run(shlex.join(wait), timeout=150)
             shell.run("kubectl apply -f examples/finetunejob-lora.yaml", timeout=120)
         try:
             for block in shared:
