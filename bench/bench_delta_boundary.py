@@ -3,6 +3,7 @@
 Run: OMP_NUM_THREADS=1 .venv/bin/python bench/bench_delta_boundary.py [--quick] [--epochs E]
     [--base random|pretrained] [--shift S] [--gradient-tokens S] [--modes M,...] [--timed M]
     [--link-mbit R] [--link-ms L] [--timed-stop end|target] [--seed N] [--json OUT]
+    [--device D] [--weights saved|drawn] [--hidden H] [--seq S] [--rows N] [--dtype T]
 
 ``--modes``: the runs, of ``none``, ``bf16``, ``int8``, ``int4`` and ``delta`` (``none`` and
 ``bf16`` are always run: the references), where a ``delta`` may be written
@@ -11,6 +12,13 @@ fitted bases, `DeltaConfig.transform`), e.g. ``delta+basis,delta:int3+basis``. `
 the delta run raced against ``int8`` over the emulated slow link (default ``delta``; ``off``:
 no slow-link runs). ``--seed``: the LoRA's initialisation, the sampled gradient tokens' draws
 and each epoch's row order (default 0); the language, its rows and the base stay.
+
+On a GPU (``--device cuda``: `bash hack/gpu-check.sh time-to-loss`, an 8B's width and frames)
+the model is built on the card from a config alone, its weights drawn by name
+(``--weights drawn``: `relaytrain_testkit.random_models`; the unsplit evaluation draws the
+same ones, which the report checks: the first step's loss through the pipeline and unsplit),
+in bfloat16, with ``--base random`` only (the pretrained base is trained and saved on the CPU).
+Otherwise:
 
 A tiny random Llama (4 layers, hidden 256, testkit) with LoRA r8 on every linear layer is
 fine-tuned through 4 stages (one layer each; `run_pipeline_threads`: the worker's
@@ -55,7 +63,6 @@ step (16 steps an epoch), 6 epochs; ``--quick``: 64 rows, 3 epochs.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import logging
 import sys
@@ -122,6 +129,16 @@ class Setup:
     epochs: int
     held_out: int
     """Held-out rows."""
+    seq: int = SEQ
+    """Tokens a row."""
+    hidden: int = HIDDEN
+    device: str = "cpu"
+    dtype: str = "float32"
+    weights: str = "saved"
+    """``saved``: a tiny Llama saved to disk and loaded (transformers' initialisation, or
+    pretrained: ``--base``); ``drawn``: weights drawn by name straight on the device from a
+    config alone (`relaytrain_testkit.random_models`), how a GPU run builds a model of an
+    8B's width in seconds."""
 
     @property
     def steps_per_epoch(self) -> int:
@@ -164,7 +181,7 @@ class _Bases(logging.Handler):
 def micro_batch(ids: torch.Tensor, rows: torch.Tensor | None) -> Any:
     from relaytrain_worker.state.data import MicroBatch
 
-    pos = torch.arange(SEQ).expand(ids.shape[0], -1).contiguous()
+    pos = torch.arange(ids.shape[1]).expand(ids.shape[0], -1).contiguous()
     return MicroBatch(ids, torch.ones_like(ids), pos, ids.clone(), rows=rows)
 
 
@@ -184,15 +201,11 @@ def epoch_steps(train: torch.Tensor, setup: Setup, seed: int) -> list[list[Any]]
 class Evaluator:
     """The unsplit model with the same LoRA, evaluating given adapters on the held-out rows."""
 
-    def __init__(self, model_dir: Path, held: torch.Tensor, seed: int) -> None:
+    def __init__(self, model: Any, held: torch.Tensor, seed: int) -> None:
         from relaytrain_worker.model.methods import apply_lora, lora_config
-        from relaytrain_worker.model.model_slice import load_config
-        from transformers import AutoModelForCausalLM
 
-        config = load_config(model_dir)
-        self.model: Any = AutoModelForCausalLM.from_pretrained(
-            str(model_dir), config=config, dtype=torch.float32
-        )
+        self.model: Any = model
+        self.device = next(model.parameters()).device
         for p in self.model.parameters():
             p.requires_grad_(False)
         cfg = lora_config(LORA["rank"], LORA["alpha"], LORA["dropout"], LORA["targets"])
@@ -209,33 +222,39 @@ class Evaluator:
             for name, p in self.params.items():
                 p.copy_(values[name])
 
-    def loss(self, params: dict[str, torch.Tensor] | None = None) -> float:
+    def loss(self, params: dict[str, torch.Tensor] | None = None, micros: Any = None) -> float:
+        """The mean loss a token of ``micros`` (default: the held-out rows) with ``params``
+        (default: the adapters as initialised, which change nothing)."""
         from relaytrain_worker.pipeline.schedule import token_loss_sum
 
         self._load(params)
         total, items = 0.0, 0
         with torch.no_grad():
-            for mb in self.held:
+            for mb in self.held if micros is None else micros:
                 logits = self.model(
-                    input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False
+                    input_ids=mb.input_ids.to(self.device),
+                    position_ids=mb.position_ids.to(self.device),
+                    use_cache=False,
                 ).logits
-                total += float(token_loss_sum(logits, mb.labels))
+                total += float(token_loss_sum(logits.float(), mb.labels.to(self.device)))
                 items += int((mb.labels[:, 1:] != -100).sum())
         return total / items
 
     def boundary_states(self, params: dict[str, torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
-        """[boundaries, rows, SEQ, HIDDEN]: what each stage boundary carries for ``rows``
-        (one layer a stage: the hidden state after layers 1 to P - 1)."""
+        """[boundaries, rows, seq, hidden]: what each stage boundary carries for ``rows``
+        (one layer a stage: the hidden state after layers 1 to P - 1), float32."""
         self._load(params)
         out = []
         with torch.no_grad():
             for chunk in torch.split(rows, 16):
                 mb = micro_batch(chunk, None)
                 hidden = self.model(
-                    input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False,
+                    input_ids=mb.input_ids.to(self.device),
+                    position_ids=mb.position_ids.to(self.device),
+                    use_cache=False,
                     output_hidden_states=True,
-                ).hidden_states  # fmt: skip
-                out.append(torch.stack([hidden[k + 1] for k in range(STAGES - 1)]))
+                ).hidden_states
+                out.append(torch.stack([hidden[k + 1].float() for k in range(STAGES - 1)]))
         return torch.cat(out, dim=1)
 
 
@@ -245,11 +264,14 @@ def epoch_drift(
     """Per epoch after the first: a training row's boundary activations at the end of the
     epoch against the end of the one before, ||change|| / ||activation|| per row and
     boundary, averaged (about what a row's delta code has to carry)."""
-    states = [evaluator.boundary_states(p, train_rows) for p in params]
     out = []
-    for before, now in itertools.pairwise(states):
-        rel = (now - before).flatten(2).norm(dim=2) / now.flatten(2).norm(dim=2)
-        out.append(float(rel.mean()))
+    before = None  # one epoch's states at a time: at an 8B's width they take gigabytes
+    for p in params:
+        now = evaluator.boundary_states(p, train_rows)
+        if before is not None:
+            rel = (now - before).flatten(2).norm(dim=2) / now.flatten(2).norm(dim=2)
+            out.append(float(rel.mean()))
+        before = now
     return out
 
 
@@ -258,7 +280,9 @@ class Job:
     """What every run trains on and is evaluated with."""
 
     setup: Setup
-    model_dir: Path
+    model: Any
+    """What every stage builds its slice from: a model directory, or a function of a slice's
+    spec (`relaytrain_testkit.random_models.random_stage`: weights drawn on the device)."""
     train_rows: torch.Tensor
     steps: list[list[Any]]
     training: Any
@@ -266,6 +290,43 @@ class Job:
     gradient_tokens: float = 1.0
     """``delta``'s share of gradient tokens (``--gradient-tokens``)."""
     link: SlowLink = field(default_factory=SlowLink)
+
+
+def saved_model(model_dir: Path) -> Any:
+    """The unsplit model saved in ``model_dir``, float32, frozen."""
+    from relaytrain_worker.model.model_slice import load_config
+    from transformers import AutoModelForCausalLM
+
+    config = load_config(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), config=config, dtype=torch.float32)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
+def drawn_model(out: Path, setup: Setup) -> tuple[Callable[[Any], Any], Any]:
+    """A Llama of ``setup``'s width (heads of 128, or one, four queries a key; an MLP 3.5
+    times as wide, an 8B's ratio) over the language's tokens, from its config alone: the
+    stages' builder and the unsplit model, the same weights drawn by name on the device."""
+    from relaytrain_testkit import bigram
+    from relaytrain_testkit.random_models import config_dir, random_model, random_stage
+
+    heads = max(setup.hidden // 128, 1)
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": bigram.VOCAB, "hidden_size": setup.hidden,
+        "intermediate_size": setup.hidden * 7 // 2, "num_hidden_layers": LAYERS,
+        "num_attention_heads": heads, "num_key_value_heads": max(heads // 4, 1),
+        "max_position_embeddings": max(setup.seq, 128), "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0, "tie_word_embeddings": False, "initializer_range": 0.02,
+        "bos_token_id": 0, "eos_token_id": 0,
+    }  # fmt: skip
+    model_dir = config_dir(out, config)
+    where = {"dtype": setup.dtype, "device": setup.device}
+    return (
+        lambda spec: random_stage(model_dir, spec, **where),
+        random_model(model_dir, **where),
+    )
 
 
 def compression_of(mode: str) -> str:
@@ -298,7 +359,7 @@ def train(job: Job, mode: str, *, limited: bool, steps: int | None = None) -> Mo
     links.setLevel(logging.INFO)
     links.propagate = False  # counted, not printed
     run = run_pipeline_threads(
-        job.model_dir, even_splits(LAYERS, STAGES), job.steps[:steps], job.training,
+        job.model, even_splits(LAYERS, STAGES), job.steps[:steps], job.training,
         credentials=stage_credentials(STAGES, job="bench"), compression=compression, lora=LORA,
         link_rate=job.link.rate if limited else None,
         link_latency=job.link.latency if limited else 0.0, per_step=True,
@@ -331,7 +392,7 @@ def train(job: Job, mode: str, *, limited: bool, steps: int | None = None) -> Mo
 
 def epoch_bytes(run: ModeRun, setup: Setup) -> list[list[float]]:
     """Per epoch: [down, up] bytes per token per boundary (mean over the boundaries)."""
-    tokens = setup.rows * SEQ
+    tokens = setup.rows * setup.seq
     out = []
     for e in range(setup.epochs):
         span = run.step_bytes[e * setup.steps_per_epoch : (e + 1) * setup.steps_per_epoch]
@@ -396,10 +457,32 @@ def main() -> None:
         help="target: a timed run stops 2 steps after its unlimited run first reached none's "
         "final + 1 %% (so the second target, int8's final, goes unreported)",
     )
+    parser.add_argument(
+        "--device", default="cpu", help="where the stages and the evaluation run (cpu, cuda)"
+    )
+    parser.add_argument(
+        "--weights",
+        choices=("saved", "drawn"),
+        help="saved: a tiny Llama saved and loaded (the default on the CPU); drawn: weights "
+        "drawn by name on the device from a config alone (the default elsewhere)",
+    )
+    parser.add_argument("--hidden", type=int, default=HIDDEN, help="the model's width")
+    parser.add_argument("--seq", type=int, default=SEQ, help="tokens a row")
+    parser.add_argument("--dtype", help="float32 (the default on the CPU) or bfloat16 (elsewhere)")
+    parser.add_argument("--rows", type=int, help="training rows (default 128; --quick 64)")
     from relaytrain_testkit import bigram
 
     bigram.add_base_arguments(parser, default="random", pretrain_steps=600)
     args = parser.parse_args()
+    on_cpu = torch.device(args.device).type == "cpu"
+    weights = args.weights or ("saved" if on_cpu else "drawn")
+    dtype = args.dtype or ("float32" if on_cpu else "bfloat16")
+    if weights == "saved" and not on_cpu:
+        raise SystemExit("--weights saved loads its model on the CPU: use --weights drawn")
+    if weights == "drawn" and args.base == "pretrained":
+        raise SystemExit("--base pretrained trains a saved model: use --weights saved")
+    if args.hidden % 16 or args.hidden < 16 or args.seq < 2:
+        raise SystemExit("--hidden must be a multiple of 16 (at least 16), --seq at least 2")
     modes = list(dict.fromkeys(["none", "bf16", *args.modes.split(",")]))
     for mode in modes:
         if compression_of(mode) not in MODES:
@@ -416,11 +499,14 @@ def main() -> None:
     from relaytrain_testkit.tiny_models import tiny_model_dir
 
     torch.set_num_threads(1)
+    shape = {"seq": args.seq, "hidden": args.hidden, "device": args.device, "dtype": dtype}
     setup = (
-        Setup(rows=64, micros=2, epochs=args.epochs or 3, held_out=16)
+        Setup(args.rows or 64, 2, args.epochs or 3, 16, **shape, weights=weights)
         if args.quick
-        else Setup(rows=128, micros=2, epochs=args.epochs or 6, held_out=32)
+        else Setup(args.rows or 128, 2, args.epochs or 6, 32, **shape, weights=weights)
     )
+    if setup.steps_per_epoch < 1:
+        raise SystemExit(f"--rows must be at least {MBS * setup.micros} (a step's rows)")
     n_steps = setup.steps_per_epoch * setup.epochs
     training = TrainingSpec(
         steps=n_steps, micro_batch_size=MBS, micro_batches=setup.micros, learning_rate=5e-3,
@@ -428,24 +514,29 @@ def main() -> None:
     )  # fmt: skip
     started = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir, perm = bigram.base(
-            args,
-            tiny_model_dir(Path(tmp) / "llama", layers=LAYERS, hidden=HIDDEN, max_shard_size="2MB"),
-            Path(tmp) / "base",
-            seq=SEQ,
-        )
-        train_rows = bigram.rows(setup.rows, SEQ, 2, perm)
-        held = bigram.rows(setup.held_out, SEQ, 99, perm)
-        evaluator = Evaluator(model_dir, held, training.seed)
+        if weights == "drawn":
+            model, unsplit = drawn_model(Path(tmp) / "config", setup)
+            perm = None
+        else:
+            tiny = tiny_model_dir(
+                Path(tmp) / "llama", layers=LAYERS, hidden=setup.hidden, max_shard_size="2MB"
+            )
+            model, perm = bigram.base(args, tiny, Path(tmp) / "base", seq=SEQ)
+            unsplit = saved_model(model)
+        train_rows = bigram.rows(setup.rows, setup.seq, 2, perm)
+        held = bigram.rows(setup.held_out, setup.seq, 99, perm)
+        evaluator = Evaluator(unsplit, held, training.seed)
         steps = epoch_steps(train_rows, setup, seed=10 + 1000 * args.seed)
-        job = Job(
-            setup, model_dir, train_rows, steps, training, evaluator, args.gradient_tokens, link
-        )
+        job = Job(setup, model, train_rows, steps, training, evaluator, args.gradient_tokens, link)
         base_loss = evaluator.loss()
         runs = {}
         for mode in modes:
             print(f"  training {mode} ...", file=sys.stderr, flush=True)
             runs[mode] = train(job, mode, limited=False)
+        # The stages and the unsplit model must hold one model: the first step's loss (the
+        # adapters as initialised) through the pipeline and on the unsplit model.
+        first = {"pipeline": runs["none"].train_losses[0]}
+        first["unsplit"] = evaluator.loss(None, steps[0])
         linked = {}
         target = runs["none"].step_eval[-1] * 1.01
         for mode in timed:
@@ -461,7 +552,7 @@ def main() -> None:
             )
             linked[mode] = train(job, mode, limited=True, steps=stop)
     wall = time.monotonic() - started
-    report(setup, runs, linked, base_loss, wall, args.json, link)
+    report(setup, runs, linked, base_loss, wall, args.json, link, first)
 
 
 def report(
@@ -472,13 +563,19 @@ def report(
     wall: float,
     out: Path | None,
     link: SlowLink,
+    first: dict[str, float],
 ) -> None:
     spe, epochs = setup.steps_per_epoch, setup.epochs
     print(
-        f"\nTiny Llama ({LAYERS} layers, hidden {HIDDEN}), LoRA r{LORA['rank']} on every linear, "
-        f"{STAGES} stages; {setup.rows} training rows of {SEQ} tokens, {epochs} epochs of "
+        f"\nLlama ({LAYERS} layers, hidden {setup.hidden}, {setup.weights} weights, "
+        f"{setup.dtype} on {setup.device}), LoRA r{LORA['rank']} on every linear, "
+        f"{STAGES} stages; {setup.rows} training rows of {setup.seq} tokens, {epochs} epochs of "
         f"{spe} steps x {setup.micros} micro-batches x {MBS} rows; {setup.held_out} held-out "
         f"rows (eval loss before training {base_loss:.4f}); {wall:.0f} s\n"
+    )
+    print(
+        f"One model in the stages and unsplit: the first step's loss {first['pipeline']:.5f} "
+        f"through the pipeline, {first['unsplit']:.5f} on the unsplit model\n"
     )
     per_epoch = {m: epoch_bytes(r, setup) for m, r in runs.items()}
     overall = {m: [sum(e[d] for e in per_epoch[m]) / epochs for d in range(2)] for m in runs}
@@ -491,7 +588,7 @@ def report(
             f"| {m} | {down:.1f} | {up:.1f} | {down + up:.1f} | {ref[0] / down:.2f}x "
             f"| {ref[1] / up:.2f}x | {sum(ref) / (down + up):.2f}x |"
         )
-    tokens = setup.rows * SEQ * epochs * (STAGES - 1)  # a run's tokens over every boundary
+    tokens = setup.rows * setup.seq * epochs * (STAGES - 1)  # a run's tokens over every boundary
     for m, r in runs.items():
         if r.basis_bytes:
             down = overall[m][0]
@@ -551,6 +648,7 @@ def report(
                 {
                     "setup": asdict(setup),
                     "eval_loss_before": base_loss,
+                    "first_step_loss": first,
                     "bytes_per_token_per_boundary": {
                         m: {"per_epoch": per_epoch[m], "overall": overall[m]} for m in runs
                     },

@@ -8,6 +8,10 @@
 #   bash hack/gpu-check.sh run       there: installs .whl/ into /tmp/site, runs
 #                                    bench/gpu_check.py --device cuda (report in $OUT) and the
 #                                    gpu-marked tests, each under a timeout, 9 minutes in all
+#   bash hack/gpu-check.sh time-to-loss   there, as a call of its own: installs .whl/ and runs
+#                                    bench/bench_delta_boundary.py --device cuda (TIME_TO_LOSS
+#                                    below: an 8B's width, its frames over 100 Mbit/s, 50 ms),
+#                                    `delta` against int8 to a target eval loss (report in $OUT)
 #   bash hack/gpu-check.sh tests [pytest args]   the gpu-marked test modules alone, as `run`
 #                                    runs them (tests/unit/test_gpu_check.py collects them so
 #                                    on a path without the cluster packages)
@@ -29,6 +33,14 @@ LIMIT_MIB=64
 # The layout the check imports the repository's packages with, from its source tree.
 SOURCE_PATH=operator:worker_image:testkit:.
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-380}
+# Issue 24's time to a target eval loss over a 100 Mbit/s, 50 ms link, measured where the
+# stages' compute and the delta codec run at a GPU's speed: 4 layers of an 8B's width (4096),
+# one a stage, micro-batches of 4 rows of 512 tokens (an 8B's 2,048-token frames: 8.6 MB in
+# int8, 0.69 s on the link), weights drawn on the card, the runs timed to 2 steps past their
+# target. The CPU twin (tests/unit/test_bench_delta_boundary.py) runs the same path small.
+TIME_TO_LOSS=(--device cuda --hidden 4096 --seq 512 --quick --modes int8,delta:int3+basis
+  --timed delta:int3+basis --gradient-tokens 0.5 --timed-stop target)
+TIME_TO_LOSS_TIMEOUT=${TIME_TO_LOSS_TIMEOUT:-540}
 TESTS_TIMEOUT=${TESTS_TIMEOUT:-180}
 
 # requirements: one `name==version --hash=...` line per wheel, every hash the lock lists.
@@ -92,15 +104,33 @@ print(sum(os.lstat(n).st_size for n in names if n and os.path.lexists(n)))')
   fi
   echo "Run on the GPU host (the device tool: run, carry [\".whl\"], timeout_s 600):"
   echo "  bash hack/gpu-check.sh run"
+  echo "and, as a call of its own (issue 24's time to a target loss over 100 Mbit/s, 50 ms):"
+  echo "  bash hack/gpu-check.sh time-to-loss"
 }
 
-run() {
-  local site=/tmp/site out=${OUT:-$repo/out/gpu-check}
-  mkdir -p "$out"
+# install_wheels: the carried wheels into /tmp/site, first on the path before the sources.
+install_wheels() {
+  local site=/tmp/site
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target "$site" .whl/*.whl
   export PYTHONPATH=$site:$SOURCE_PATH PYTHONUNBUFFERED=1
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+}
+
+time_to_loss() {
+  local out=${OUT:-$repo/out/gpu-check} rc=0
+  mkdir -p "$out"
+  install_wheels
+  timeout "$TIME_TO_LOSS_TIMEOUT" python3 bench/bench_delta_boundary.py "${TIME_TO_LOSS[@]}" \
+    --json "$out/time-to-loss.json" 2>&1 | tee "$out/time-to-loss.log" || rc=$?
+  echo "gpu-check time-to-loss: rc=$rc (report: $out/time-to-loss.json)"
+  return "$rc"
+}
+
+run() {
+  local out=${OUT:-$repo/out/gpu-check}
+  mkdir -p "$out"
+  install_wheels
   local bench=0 tests=0
   timeout "$BENCH_TIMEOUT" python3 bench/gpu_check.py --device cuda --json "$out/gpu-check.json" \
     2>&1 | tee "$out/gpu-check.log" || bench=$?
@@ -122,12 +152,13 @@ gpu_tests() {
 case ${1:-} in
   prepare) prepare ;;
   run) run ;;
+  time-to-loss) time_to_loss ;;
   tests)
     shift
     gpu_tests "$@"
     ;;
   *)
-    echo "usage: $0 prepare|run|tests [pytest args]" >&2
+    echo "usage: $0 prepare|run|time-to-loss|tests [pytest args]" >&2
     exit 2
     ;;
 esac

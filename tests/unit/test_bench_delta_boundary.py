@@ -1,0 +1,76 @@
+"""The time-to-loss run a GPU host makes (`bash hack/gpu-check.sh time-to-loss`: issue 24's
+`delta` against int8 over a 100 Mbit/s, 50 ms link, at an 8B's width) has a CPU twin here, so
+the path it takes cannot rot before a card runs it: the same arguments, with the device, the
+width and the rows made small, through the same subprocess layout (the repository's packages
+from its source tree). The stages must hold the model the unsplit evaluation holds (weights
+drawn by name: the first step's loss is one number both ways), `delta` must send fewer bytes
+than int8 and int8 fewer than bf16, and both timed runs must reach the target.
+
+Marked torch by hand: the module imports no torch, but the script it runs trains with it."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+from relaytrain_testkit import REPO
+
+pytestmark = [pytest.mark.unit, pytest.mark.slow, pytest.mark.torch]
+
+SMALL = {"--device": "cpu", "--hidden": "64", "--seq": "16"}
+"""What the twin changes of the GPU host's arguments."""
+
+
+def gpu_arguments() -> list[str]:
+    """hack/gpu-check.sh's TIME_TO_LOSS, as bash splits it."""
+    script = (REPO / "hack" / "gpu-check.sh").read_text()
+    found = re.search(r"^TIME_TO_LOSS=\((.*?)\)$", script, re.MULTILINE | re.DOTALL)
+    assert found, "hack/gpu-check.sh defines no TIME_TO_LOSS=(...)"
+    return shlex.split(found.group(1))
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    args = gpu_arguments()
+    for flag, value in SMALL.items():
+        args[args.index(flag) + 1] = value
+    args += ["--weights", "drawn", "--rows", "16", "--epochs", "2"]
+    out = tmp_path_factory.mktemp("time-to-loss") / "time-to-loss.json"
+    env = {**os.environ, "PYTHONPATH": "operator:worker_image:testkit:.", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "bench/bench_delta_boundary.py", *args, "--json", str(out)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    loaded: dict[str, Any] = json.loads(out.read_text())
+    return loaded
+
+
+def test_the_gpu_host_runs_a_model_of_an_8bs_width_on_the_card() -> None:
+    args = gpu_arguments()
+    assert args[args.index("--device") + 1] == "cuda"
+    assert args[args.index("--hidden") + 1] == "4096"
+
+
+def test_the_stages_and_the_unsplit_evaluation_hold_one_model(report: dict[str, Any]) -> None:
+    assert report["setup"]["weights"] == "drawn"
+    assert report["setup"]["hidden"] == 64
+    first = report["first_step_loss"]
+    assert first["pipeline"] == pytest.approx(first["unsplit"], rel=1e-5)
+
+
+def test_delta_sends_less_than_int8_and_int8_less_than_bf16(report: dict[str, Any]) -> None:
+    overall = {m: sum(v["overall"]) for m, v in report["bytes_per_token_per_boundary"].items()}
+    assert overall["delta:int3+basis"] < overall["int8"] < overall["bf16"]
+
+
+def test_both_timed_runs_reach_the_target(report: dict[str, Any]) -> None:
+    (target,) = [v for k, v in report["time_to_target"].items() if k.startswith("none's")]
+    for mode in ("int8", "delta:int3+basis"):
+        assert target[mode]["steps"] is not None and target[mode]["measured"] > 0, target
