@@ -23,14 +23,7 @@ GROUP, VERSION, PLURAL = "relaytrain.io", "v1alpha1", "finetunejobs"
 def install_crd(cluster: Any, api: client.ApiClient) -> None:
     """Apply crds/ and wait until FineTuneJobs are served."""
     cluster.kubectl("apply", "--server-side", "-f", str(REPO / "crds"))
-    ext = client.ApiextensionsV1Api(api)
-
-    def established() -> bool:
-        status = ext.read_custom_resource_definition(f"{PLURAL}.{GROUP}").status
-        conditions = (status.conditions if status is not None else None) or []
-        return any(c.type == "Established" and c.status == "True" for c in conditions)
-
-    wait_for("the FineTuneJob CRD", established)
+    cluster.wait_established(f"{PLURAL}.{GROUP}")
 
     def served() -> bool:
         # Established comes before the API server's storage for the new kind is ready.
