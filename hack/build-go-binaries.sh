@@ -25,11 +25,11 @@ mkdir -p "$bin_root"
 folder() { echo "$bin_root/$1-$(component_version "$1")"; }
 
 # inputs NAME: the checksum of what a build of NAME depends on: its committed module (with
-# a main package of ours), its link flags and the pin.
+# a main package of ours), its link flags, its build tags and the pin.
 inputs() {
   cat "$here/gomod/$1/go.mod" "$here/gomod/$1/go.sum"
   find "$here/gomod/$1" -name '*.go' -type f | LC_ALL=C sort | xargs -r cat
-  echo "$(component_version "$1") $(component_ldflags "$1")"
+  echo "$(component_version "$1") $(component_ldflags "$1") tags: $(component_tags "$1")"
   local files
   files=$(component_files "$1")
   if [[ -n $files ]]; then echo "files: $files"; fi
@@ -57,7 +57,8 @@ build() {
   local ld
   ld="-s -w $(component_ldflags "$name")"
   for pkg in $(component_packages "$name"); do
-    (cd "$dir" && go build -trimpath -ldflags "$ld" -o "$out.tmp/$(component_binary "$pkg")" "$pkg") || return 1
+    (cd "$dir" && go build -trimpath -tags "$(component_tags "$name")" -ldflags "$ld" \
+      -o "$out.tmp/$(component_binary "$pkg")" "$pkg") || return 1
   done
   local files src path
   files=$(component_files "$name")

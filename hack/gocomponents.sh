@@ -69,6 +69,15 @@ component_binary() {  # component_binary PACKAGE: the binary's file name
   esac
 }
 
+# component_tags NAME: Go build tags. promtool's: without Prometheus's service discoveries
+# (its plugins package honours remove_all_sd), which the rule checks and rule tests never use;
+# they pull in the AWS, Azure, GCE, Kubernetes and a dozen more clients, the most of its build.
+component_tags() {
+  case $1 in
+    promtool) echo remove_all_sd ;;
+  esac
+}
+
 # component_ldflags NAME: -X flags so `--version` reports the pin (a module built with
 # `go build` outside its own repository gets none of the release build's stamps).
 component_ldflags() {
