@@ -275,14 +275,10 @@ def test_short_name_and_category(kube_cluster: Any, api: Any) -> None:
     assert "ftj" in out and "relaytrain" in out
 
 
-def test_the_documented_wait_for_a_crd_outlasts_its_unwritten_status(
-    kube_cluster: Any, tmp_path: Path
-) -> None:
-    """A CRD the API server has just made reads `status.conditions: null` until its
-    controllers write it. `kubectl wait --for condition=Established` fails at once on that
-    (CI met it on a busy machine); the wait README.md shows (`established_args`: the accepted
-    names first, then the condition) waits it out. Played on an object of a throwaway kind
-    whose status is written by hand as a new CRD's is, then as its controllers write it."""
+@pytest.fixture
+def things(kube_cluster: Any, tmp_path: Path) -> Iterator[str]:
+    """A throwaway cluster-scoped kind, Thing (``things.<group>``, any fields), served;
+    deleted after the test. Yields its group."""
     group = f"w{uuid.uuid4().hex[:8]}.example.com"
     schema = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
     version = {"name": "v1", "served": True, "storage": True, "schema": {"openAPIV3Schema": schema}}
@@ -296,6 +292,19 @@ def test_the_documented_wait_for_a_crd_outlasts_its_unwritten_status(
     (tmp_path / "crd.json").write_text(json.dumps(crd))
     kube_cluster.kubectl("create", "-f", str(tmp_path / "crd.json"))
     kube_cluster.wait_established(f"things.{group}")
+    yield group
+    kube_cluster.kubectl("delete", "crd", f"things.{group}", "--wait=false", check=False)
+
+
+def test_the_documented_wait_for_a_crd_outlasts_its_unwritten_status(
+    kube_cluster: Any, tmp_path: Path, things: str
+) -> None:
+    """A CRD the API server has just made reads `status.conditions: null` until its
+    controllers write it. `kubectl wait --for condition=Established` fails at once on that
+    (CI met it on a busy machine); the wait README.md shows (`established_args`: the accepted
+    names first, then the condition) waits it out. Played on an object of a throwaway kind
+    whose status is written by hand as a new CRD's is, then as its controllers write it."""
+    group = things
     unwritten = {"acceptedNames": {"plural": "", "kind": ""}, "conditions": None}
     thing = {"apiVersion": f"{group}/v1", "kind": "Thing", "metadata": {"name": "new"}}
     (tmp_path / "thing.json").write_text(json.dumps({**thing, "status": unwritten}))
