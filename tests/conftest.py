@@ -37,6 +37,18 @@ def pytest_configure(config: pytest.Config) -> None:
         "(tests/e2e/test_chaos_fleet.py, test_churn.py): run by `make chaos`, or when its "
         "module is named; skipped, saying so, in a session that names neither",
     )
+    config.addinivalue_line(
+        "markers",
+        "cluster: a test on a local control plane (the session's, or `make demo`'s own) or "
+        "the machine's container runtime; put here on every test that uses a control plane "
+        "(CLUSTER_FIXTURES), so that hack/test-tiers.sh can run the e2e tests that use "
+        "neither beside them",
+    )
+
+
+CLUSTER_FIXTURES = frozenset({"kube_cluster", "made_demo"})
+"""Fixtures that start a control plane: a test using one, directly or through another
+fixture, is marked `cluster`."""
 
 
 FLEET_CHAOS_SKIP = (
@@ -96,6 +108,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.path in torch_files:
             item.add_marker(pytest.mark.torch)
+        if CLUSTER_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.cluster)
         if item.get_closest_marker("fleet_chaos") and not _asked_for(config, item):
             item.add_marker(pytest.mark.skip(reason=FLEET_CHAOS_SKIP))
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]

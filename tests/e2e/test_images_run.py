@@ -18,7 +18,9 @@ from relaytrain_testkit.harness.containers import images_sh, podman, require_ima
 
 from hack import toolpaths
 
-pytestmark = [pytest.mark.e2e]
+# `cluster`: the machine's container runtime, which the real kubelet's tests use too; they
+# run in one session (hack/test-tiers.sh), one at a time.
+pytestmark = [pytest.mark.e2e, pytest.mark.cluster]
 
 REPO = Path(__file__).resolve().parents[2]
 IMAGES = {

@@ -121,7 +121,12 @@ def test_a_changed_step_is_reported() -> None:
     ]
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize(
+    "case",
+    # `demo` uses the session's `make demo` (its own control plane): marked as the tests
+    # that use a cluster are (tests/conftest.py), so that it runs in their session.
+    [pytest.param(c, marks=pytest.mark.cluster) if c == "demo" else c for c in sorted(CASES)],
+)
 def test_the_loss_curve_is_the_committed_one(
     case: str, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
