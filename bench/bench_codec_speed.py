@@ -12,11 +12,11 @@ by side in one process, median of the repetitions:
   allocated within int4's error: about 4 bits), a later crossing after a 5 % drift (within
   that error: most blocks not sent), and the gradients' 3-bit code. It encodes where the
   stage computes and decodes on the CPU (the link's reader), so the planner charges it
-  (``cost.DELTA_FORWARD_CODEC_SECONDS``, ``cost.DELTA_BACKWARD_CODEC_SECONDS``, printed
+  (``link_cost.DELTA_FORWARD_CODEC_SECONDS``, ``link_cost.DELTA_BACKWARD_CODEC_SECONDS``, printed
   beside the measurement);
 - the deflate ``delta`` frames get on top (frames.py, on the CPU wherever the codes were
   made): the first crossing's and the gradients' parts deflated and inflated, in ns per
-  value and per byte of the codes (``cost.DEFLATE_SECONDS_PER_BYTE``,
+  value and per byte of the codes (``link_cost.DEFLATE_SECONDS_PER_BYTE``,
   ``INFLATE_SECONDS_PER_BYTE``). These Gaussian codes
   hardly shrink; a real run's do (bench_delta_boundary.py), and DEFLATE's time grows little
   with what it finds.
@@ -46,7 +46,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "operator"), str(REPO / "worker_image")]
 
-from relaytrain_operator.domain.planner import cost  # noqa: E402
+from relaytrain_operator.domain.planner import link_cost  # noqa: E402
 from relaytrain_worker.pipeline import compression, frames, lowbit  # noqa: E402
 from relaytrain_worker.pipeline.boundary import GRADIENT_BITS, BoundaryCodec  # noqa: E402
 
@@ -166,15 +166,15 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(
         "The planner charges delta "
-        f"{cost.DELTA_FORWARD_CODEC_SECONDS * 1e9:.0f} ns a value forward and "
-        f"{cost.DELTA_BACKWARD_CODEC_SECONDS * 1e9:.0f} backward (encode + decode)."
+        f"{link_cost.DELTA_FORWARD_CODEC_SECONDS * 1e9:.0f} ns a value forward and "
+        f"{link_cost.DELTA_BACKWARD_CODEC_SECONDS * 1e9:.0f} backward (encode + decode)."
     )
     for name, (e, d, size) in coded.items():
         print(
             f"Deflate of the {name}'s parts: {e / size * 1e9:.1f} ns a byte of its codes, "
             f"inflate {d / size * 1e9:.1f}; the planner charges "
-            f"{cost.DEFLATE_SECONDS_PER_BYTE * 1e9:.1f} and "
-            f"{cost.INFLATE_SECONDS_PER_BYTE * 1e9:.1f}."
+            f"{link_cost.DEFLATE_SECONDS_PER_BYTE * 1e9:.1f} and "
+            f"{link_cost.INFLATE_SECONDS_PER_BYTE * 1e9:.1f}."
         )
     if args.json:
         args.json.write_text(json.dumps(

@@ -28,8 +28,9 @@ one-pipeline runs measured per micro-batch (median beat, seconds / (steps x (M +
 beat includes loopback sends, so the compute is over-, not under-stated). Efficiency 1 on that
 measured rate. ``replicas=1, stages=2`` gives (a)'s prediction, ``replicas=2, stages=2`` gives
 (b)'s: both pipelines' splits, the shares of the step (checked against
-`split_micro_batches`, and used by the run) and the price of the synchronous sync over the
-paced replica links. Nothing in the prediction is fitted to the paced runs.
+`split_micro_batches` over the pipelines' steps played out, and used by the run) and the price
+of the synchronous sync over the paced replica links. Nothing in the prediction is fitted to
+the paced runs.
 """
 
 from __future__ import annotations
@@ -62,12 +63,15 @@ from relaytrain_operator.domain.planner import (  # noqa: E402
     DEFAULT_CATALOG,
     CostSettings,
     FleetPlan,
+    Lane,
     ModelShape,
+    Plan,
     Pool,
     TrainingShape,
     plan_fleet,
     split_micro_batches,
 )
+from relaytrain_operator.domain.planner.steptime import PlannedSteps  # noqa: E402
 from relaytrain_testkit.inputs import random_batches  # noqa: E402
 from relaytrain_testkit.pipelines import run_data_parallel_threads, run_pipeline_threads  # noqa: E402
 from relaytrain_testkit.tiny_models import tiny_model_dir  # noqa: E402
@@ -196,6 +200,13 @@ def calibrate_tflops(shape: ModelShape, s: Setup, beat: float) -> float:
     return slowest / beat
 
 
+def lane_of(p: Plan) -> Lane:
+    """A pipeline's step for any share of the micro-batches, as the fleet planner prices it:
+    its own stages and links played out (a line under it at 0 fill: the split needs none)."""
+    assert p.timeline is not None
+    return Lane(PlannedSteps(p.timeline), 0.0, p.micro_batch_seconds)
+
+
 def splits_of(f: FleetPlan) -> list[list[tuple[int, int]]]:
     return [[(st.layer_start, st.layer_end) for st in p.stages] for p in f.pipelines]
 
@@ -240,7 +251,7 @@ def measure(s: Setup, tmp: Path) -> dict[str, Any]:
     # The planner's splits and shares (the stages are identical, so the compute does not
     # change them; checked again once the compute is calibrated).
     one_plan, two_plan = predict(shape, s, 1.0, s.mbit)
-    lanes = [(len(p.stages), p.micro_batch_seconds) for p in two_plan.pipelines]
+    lanes = [lane_of(p) for p in two_plan.pipelines]
     shares = split_micro_batches(lanes, s.micro_batches)
     if shares != [p.micro_batches for p in two_plan.pipelines]:
         raise RuntimeError(f"split_micro_batches gives {shares}, the plan {two_plan.pipelines}")
@@ -363,8 +374,9 @@ def measure(s: Setup, tmp: Path) -> dict[str, Any]:
         f"{step_one / send:.2f} of those (one pipeline; 1F1B on the link alone: "
         f"{s.micro_batches + 1}) and {step_two / send:.2f} (two; "
         f"{max(shares) + 1} + the sync); the planner's beat is {p1.micro_batch_seconds:.3f} s "
-        f"(stage {slow.index}: compute {slow.compute_seconds:.3f} + sends "
-        f"{slow.link_seconds:.3f}), its sync {two_plan.sync.per_step_seconds:.3f} s per step"
+        f"(stage {slow.index}: compute {slow.compute_seconds:.3f}, its busiest link direction "
+        f"{slow.side_seconds:.3f} beside it), its step {p1.step_seconds:.3f} s played out; its "
+        f"sync {two_plan.sync.per_step_seconds:.3f} s per step"
     )
     print()
     print("| | predicted tok/s | measured tok/s, median (range) | error | unpaced tok/s |")

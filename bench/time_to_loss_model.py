@@ -18,12 +18,12 @@ on its encoder beside its compute. Its inputs, per micro-batch and stage:
 
 - compute: the step's tokens over the pipeline's tokens/s (``--tokens-per-second``) over
   the micro-batches (``--micro-batches``, default one row each);
-- a frame's send: int8's bytes (hidden x tokens x `cost.WIRE_BYTES`["int8"]) over the rate;
+- a frame's send: int8's bytes (hidden x tokens x `link_cost.WIRE_BYTES`["int8"]) over the rate;
   ``delta``'s, both directions, those over the bandwidth ratio spread over its steps (its
   busiest direction's ratio: its gradients' frames, smaller at a quarter of the tokens,
   are charged as much);
-- ``delta``'s encoder: the planner's `cost.DELTA_FORWARD_CODEC_SECONDS` (measured on an
-  H200) a value for an activation frame, `cost.DELTA_BACKWARD_CODEC_SECONDS` for a
+- ``delta``'s encoder: the planner's `link_cost.DELTA_FORWARD_CODEC_SECONDS` (measured on an
+  H200) a value for an activation frame, `link_cost.DELTA_BACKWARD_CODEC_SECONDS` for a
   gradient frame; int8's code is charged nothing.
 
 The first row checks the model against the measured run (CPU stages, 2 micro-batches a
@@ -54,7 +54,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "bench"), str(REPO / "operator"), str(REPO / "worker_image")]
 
-from relaytrain_operator.domain.planner.cost import (  # noqa: E402
+from relaytrain_operator.domain.planner.link_cost import (  # noqa: E402
     DELTA_BACKWARD_CODEC_SECONDS,
     DELTA_FORWARD_CODEC_SECONDS,
     WIRE_BYTES,

@@ -85,7 +85,10 @@ FLAVORS = {
             "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
         },
     },
-    "fr": {"metadata": {"name": "fr"}, "spec": {"nodeLabels": {"relaytrain.io/pool": "rtx"}}},
+    "fr": {
+        "metadata": {"name": "fr"},
+        "spec": {"nodeLabels": {"relaytrain.io/pool": "rtx", "tier": "silver"}},
+    },
 }
 
 

@@ -13,12 +13,8 @@ import torch
 from relaytrain_contract import StageConfig
 from relaytrain_operator.domain.planner import ModelShape, Pool, TrainingShape
 from relaytrain_operator.domain.planner.catalog import DEFAULT_CATALOG
-from relaytrain_operator.domain.planner.cost import (
-    DELTA_FIRST_BYTES,
-    CostSettings,
-    pool_cost,
-    wire_bytes_per_value,
-)
+from relaytrain_operator.domain.planner.cost import CostSettings, pool_cost
+from relaytrain_operator.domain.planner.link_cost import DELTA_FIRST_BYTES, wire_bytes_per_value
 from relaytrain_operator.domain.stage_config import build_stage_configs, local_endpoints
 from relaytrain_operator.spec import SpecError, parse_job
 from relaytrain_testkit.jobs import Job

@@ -9,7 +9,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from relaytrain_operator.domain.planner import ModelShape, split_micro_batches
+from relaytrain_operator.domain.planner import ModelShape
+from relaytrain_operator.domain.planner.steptime import step_seconds
 from relaytrain_testkit.inputs import random_batches
 from relaytrain_testkit.pipelines import run_data_parallel_threads
 from relaytrain_testkit.tiny_models import tiny_model_dir
@@ -34,16 +35,15 @@ def test_planner_gets_the_measured_compute_and_the_paced_links() -> None:
     assert single.stages[0].link_seconds == pytest.approx(
         forward / (10.0 * fm.MBIT) + fm.LOOPBACK_MS / 1000
     )
-    assert one.step_seconds == pytest.approx((s.micro_batches + 1) * single.micro_batch_seconds)
-    # Two identical 2-stage pipelines share the step evenly, as split_micro_batches says.
-    lanes = [(len(p.stages), p.micro_batch_seconds) for p in two.pipelines]
-    assert (
-        [p.micro_batches for p in two.pipelines]
-        == split_micro_batches(lanes, s.micro_batches)
-        == [s.micro_batches // 2] * 2
-    )
+    # The step is 1F1B played out over the paced links (each frame's bytes over the rate, and
+    # the loopback's latency), at least M + 1 compute beats.
+    assert single.timeline is not None
+    assert one.step_seconds == pytest.approx(step_seconds(single.timeline))
+    assert one.step_seconds >= (s.micro_batches + 1) * beat
+    # Two identical 2-stage pipelines share the step evenly, each played out for its half.
+    assert [p.micro_batches for p in two.pipelines] == [s.micro_batches // 2] * 2
     assert [len(p.stages) for p in two.pipelines] == [2, 2]
-    half = (s.micro_batches // 2 + 1) * single.micro_batch_seconds
+    half = step_seconds(replace(single.timeline, micros=s.micro_batches // 2))
     assert two.step_seconds == pytest.approx(half + two.sync.per_step_seconds)
     # The sync of LoRA r4 on q/v moves one copy of a stage's gradients over a paced link.
     lora_bytes = 4 * 4 * ((512 + 512) + (512 + 256))

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from relaytrain_operator.domain.planner import TrainingShape
-from relaytrain_operator.domain.planner.cost import DELTA_GRADIENT_BYTES, wire_bytes_per_value
+from relaytrain_operator.domain.planner.link_cost import DELTA_GRADIENT_BYTES, wire_bytes_per_value
 from relaytrain_operator.domain.stage_config import build_stage_configs, local_endpoints
 from relaytrain_operator.spec import SpecError, parse_job
 from relaytrain_testkit import bigram

@@ -488,7 +488,7 @@ def test_kueue_admits_a_job_pipeline_by_pipeline_and_one_not_admitted_is_out() -
     assert words.index("given-up:1") < words.index("create:j-p0-s0")
     assert not [w for w in words if w.startswith("create:j-p1")]
     (admitted,) = [e for e in events(started) if e.reason == "Admitted"]
-    assert "Pipelines 1 wait for Kueue" in admitted.message and "pipeline 0: a100 → fa" in (
+    assert "Pipelines 1 wait for Kueue" in admitted.message and "pipeline 0: rtx → fr" in (
         admitted.message
     )
     out = started.status.pipelines[1]  # type: ignore[index]
@@ -496,7 +496,7 @@ def test_kueue_admits_a_job_pipeline_by_pipeline_and_one_not_admitted_is_out() -
     assert out.left_reason == f"its Workload waits for Kueue ({PENDING[0][3]})"
     (leaving,) = [e for e in events(started) if e.reason == "PipelineLeaving"]
     assert leaving.message.endswith("It comes back once Kueue admits its Workload.")
-    assert created(started, "j-p0-s0")["spec"]["nodeSelector"]["tier"] == "gold"
+    assert created(started, "j-p0-s0")["spec"]["nodeSelector"]["tier"] == "silver"  # rtx → fr
     # Kueue admits pipeline 1 too: it comes back; the store stops naming it first.
     on = QFLEET.status(to_manifest(started.status)).build()
     alive = run_pods(started)

@@ -78,7 +78,7 @@ def pipeline(decision: Decision, p: int) -> Any:
 
 
 def test_a_cordoned_node_takes_its_pipeline_out_without_a_failure_and_it_comes_back() -> None:
-    job, pods = fleet()  # pipeline 1 on a100-0 and rtx-0
+    job, pods = fleet()  # pipeline 1 on a100-1 and a100-0
     left = decide(observed(job, pods, nodes=cordoned("a100-0"), progress=progress(40)), SETTINGS)
     assert summary(left) == [
         "delete:j-p1-s0",
@@ -102,12 +102,13 @@ def test_a_cordoned_node_takes_its_pipeline_out_without_a_failure_and_it_comes_b
     assert summary(decide(observed(job, alive + going, nodes=cordoned("a100-0")), SETTINGS)) == [
         "given-up:1"
     ]
-    # Gone, and no a100 is free: it waits (the cordoned node is not eligible).
+    # Gone, and one GPU free (a100-1, its other stage's): it waits for a second (the
+    # cordoned node is not eligible).
     waiting = decide(observed(job, alive, nodes=cordoned("a100-0")), SETTINGS)
     assert summary(waiting) == ["given-up:1"]
     assert pipeline(waiting, 1).phase == "Left"
-    # A new a100 joins: the pipeline comes back there and on the rtx its stage left. The
-    # store stops naming it before its pods are created.
+    # A new a100 joins: the pipeline comes back there and on the a100 its other stage left.
+    # The store stops naming it before its pods are created.
     joined = [*cordoned("a100-0"), node("a100-9", "a100")]
     back = decide(observed(job, alive, nodes=joined, progress=progress(55)), SETTINGS)
     assert [s for s in summary(back) if s.startswith(("create:j-", "given-up"))] == [
@@ -118,8 +119,8 @@ def test_a_cordoned_node_takes_its_pipeline_out_without_a_failure_and_it_comes_b
     assert "Pipeline 1 comes back after step 55 (it left at step 40: node a100-0" in next(
         e.message for e in events(back) if e.reason == "PipelineAdded"
     )
-    assert created(back, "j-p1-s0")["spec"]["nodeSelector"]["relaytrain.io/pool"] == "a100"
-    assert created(back, "j-p1-s1")["spec"]["nodeSelector"]["relaytrain.io/pool"] == "rtx"
+    for k in (0, 1):
+        assert created(back, f"j-p1-s{k}")["spec"]["nodeSelector"]["relaytrain.io/pool"] == "a100"
     again = pipeline(back, 1)
     assert (again.phase, again.returns, again.returned_at_step) == ("Pending", 1, 55)
     assert again.left_at_step == 40  # its last departure stays on record
@@ -166,7 +167,7 @@ def test_a_drain_eviction_and_a_spot_taint_are_departures_too() -> None:
     assert gone.status is not None and gone.status.restarts == 0
     assert pipeline(gone, 0).left_reason == "node h100-0 is cordoned (a drain or maintenance)"
     spot = decide(observed(job, pods, nodes=tainted("rtx-0", SPOT)), SETTINGS)
-    assert pipeline(spot, 1).left_reason == (
+    assert pipeline(spot, 0).left_reason == (
         "node rtx-0 has the taint cloud.google.com/impending-node-termination: "
         "its spot or preemptible VM ends soon"
     )
@@ -271,7 +272,8 @@ def test_under_kueue_a_pipeline_comes_back_only_on_its_admitted_pools() -> None:
     job, alive = out_of_the_job(phase="Left", leftReason="node a100-0 is cordoned")
     queued = copy.deepcopy(job)
     queued["metadata"]["labels"] = {"kueue.x-k8s.io/queue-name": "q"}
-    # a100-0 is gone; an h100 is free, which fits but is not what Kueue admitted.
+    # a100-0 is gone; an h100 is free, which fits beside a100-1 but is not what Kueue
+    # admitted.
     nodes = [n for n in NODES if n["metadata"]["name"] != "a100-0"] + [node("h100-9", "h100")]
     plain = decide(observed(job, alive, nodes=nodes), SETTINGS)
     assert [s for s in summary(plain) if s.startswith("create:j-")] == [
@@ -279,7 +281,7 @@ def test_under_kueue_a_pipeline_comes_back_only_on_its_admitted_pools() -> None:
         "create:j-p1-s1",
     ]
     pools = [created(plain, f"j-p1-s{k}")["spec"]["nodeSelector"] for k in (0, 1)]
-    assert [p["relaytrain.io/pool"] for p in pools] == ["rtx", "h100"]
+    assert [p["relaytrain.io/pool"] for p in pools] == ["a100", "h100"]
     # Both pipelines' Workloads admitted: pipeline 1 waits for a GPU of the pools Kueue
     # granted it.
     workloads = {p: workload_of(queued, *ADMITTED, pipeline=p) for p in (0, 1)}

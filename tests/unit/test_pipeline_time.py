@@ -4,8 +4,19 @@ steps)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
-from relaytrain_operator.domain.planner.steptime import StepShape, calibrate, step_seconds
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from relaytrain_operator.domain.planner.problem import floor_lines, round_trip_floor
+from relaytrain_operator.domain.planner.steptime import (
+    PLAYED_MICROS,
+    StepShape,
+    calibrate,
+    planned_step_seconds,
+    step_seconds,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -63,3 +74,52 @@ def test_steps_to_a_target_counts_to_the_first_step_at_or_below_it_or_says_never
     assert steps_to(losses, 2.0) == 3  # reached at the third step, left and reached again
     assert steps_to(losses, 3.0) == 1
     assert steps_to(losses, 1.0) is None
+
+
+@st.composite
+def slow_shapes(draw: st.DrawFn) -> StepShape:
+    p = draw(st.integers(1, 6))
+    each = st.floats(0.0, 0.4)
+    return StepShape(
+        p,
+        draw(st.integers(1, 40)),
+        tuple(draw(st.floats(0.01, 0.5)) for _ in range(p)),
+        tuple(draw(each) for _ in range(p - 1)),
+        tuple(draw(each) for _ in range(p - 1)),
+        tuple(draw(st.floats(0.0, 0.3)) for _ in range(p - 1)),
+        ahead=draw(st.sampled_from([0, 1, 2, 5])),
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(slow_shapes())
+def test_the_planners_floors_are_never_above_the_step_played_out(shape: StepShape) -> None:
+    """What the planner's search prunes by (`problem.step_floor`) and the fleet's micro-batch
+    split and set bounds rely on (`Problem.lane`): each resource's M micro-batches after the
+    first reaches it, and the round trips 1F1B's window waits on, never exceed the step."""
+    step = step_seconds(shape)
+    for a, b in floor_lines(shape):
+        assert a + shape.micros * b <= step * (1 + 1e-9)
+    assert round_trip_floor(shape) <= step * (1 + 1e-9)
+
+
+def test_the_round_trip_floor_is_the_step_where_round_trips_alone_pace_it() -> None:
+    # No compute, no bytes: 2 stages, 1 ms a way; the first stage's window is 2 micro-batches,
+    # so 8 of them take 4 round trips of 4 ms (both ends' latency, there and back).
+    shape = StepShape(2, 8, 0.0, 0.0, 0.0, 0.002)
+    assert round_trip_floor(shape) == pytest.approx(step_seconds(shape)) == pytest.approx(0.016)
+
+
+@settings(max_examples=60, deadline=None)
+@given(slow_shapes(), st.sampled_from([65, 100, 300]))
+def test_the_planned_step_past_64_micro_batches_stays_within_2_percent_of_the_played(
+    shape: StepShape, micros: int
+) -> None:
+    """Past `PLAYED_MICROS` the planner extends a step at its mean slope over the last 32
+    micro-batches played (its window full, 1F1B's step grows by about the same time a
+    micro-batch): within 1.2 % of the played step on 150 random shapes on 2026-12-02."""
+    shape = replace(shape, micros=micros)
+    assert planned_step_seconds(shape) == pytest.approx(step_seconds(shape), rel=0.02)
+    assert planned_step_seconds(replace(shape, micros=PLAYED_MICROS)) == step_seconds(
+        replace(shape, micros=PLAYED_MICROS)
+    )

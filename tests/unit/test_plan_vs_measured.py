@@ -9,6 +9,7 @@ import time
 
 import pytest
 from relaytrain_operator.domain.planner import ModelShape
+from relaytrain_operator.domain.planner.steptime import step_seconds
 
 from bench import bench_plan_vs_measured as pvm
 
@@ -39,8 +40,14 @@ def test_calibrated_entry_prices_compute_by_the_measured_rate() -> None:
     fast = pvm.predict(case, SHAPE, split, _calibration(100.0))
     for a, b in zip(slow.stages, fast.stages, strict=True):
         assert a.compute_seconds == pytest.approx(2 * b.compute_seconds)
-    # 1F1B: (M + P - 1) beats of the slowest stage.
-    assert slow.step_seconds == pytest.approx(5 * max(s.seconds for s in slow.stages))
+    # 1F1B played out over the calibrated link: at least M beats of the slowest stage, at most
+    # M + P - 1 of them plus the first activation's and the last gradient's crossing.
+    assert slow.timeline is not None
+    assert slow.step_seconds == pytest.approx(step_seconds(slow.timeline))
+    crossing = 2 * max(s.link_seconds for s in slow.stages)
+    assert (
+        4 * slow.micro_batch_seconds < slow.step_seconds <= 5 * slow.micro_batch_seconds + crossing
+    )
 
 
 def test_a_send_over_the_calibrated_link_costs_bytes_over_rate_plus_one_way_time() -> None:

@@ -44,7 +44,7 @@ def test_table_names_every_stage_and_the_bottleneck(tmp_path, model_config, caps
     assert rc == 0
     assert out.startswith("Plan for smollm-lora: ")
     header = next(line for line in out.splitlines() if line.startswith("STAGE"))
-    for column in ("POOL", "GPU", "LAYERS", "COMPUTE", "LINK", "PER-MB", "MEMORY"):
+    for column in ("POOL", "GPU", "LAYERS", "COMPUTE", "LINK", "BEAT", "MEMORY"):
         assert column in header
     stage_lines = [line for line in out.splitlines() if line[:1].isdigit()]
     assert stage_lines and stage_lines[-1].split()[3].endswith("-31")
@@ -428,8 +428,8 @@ def test_the_table_says_how_delta_is_priced(tmp_path, model_config, capsys, trai
 
 def test_forwards_ahead_auto_is_chosen_over_slow_links_and_shown(tmp_path, model_config, capsys):
     """Over 100 Mbit/s links with 50 ms each way the step played out through 1F1B is shorter
-    with forwards ahead: the table's header and --json say how many auto took, and the
-    played-out line gives the step with them, shorter than with none."""
+    with forwards ahead: the table's header and --json say how many auto took, and its step
+    (played out) is shorter than with none, whose table says how many would help."""
     pools = tmp_path / "pools.yaml"
     pool = {"name": "rtx4090", "product": "NVIDIA-GeForce-RTX-4090", "nodes": 4}
     pool |= {"gpusPerNode": 1, "gpuMemoryMiB": 24564, "cpu": "16", "memory": "64Gi"}
@@ -442,8 +442,9 @@ def test_forwards_ahead_auto_is_chosen_over_slow_links_and_shown(tmp_path, model
         manifest = job.pipeline(stages=4, forwards_ahead=forwards_ahead).write(tmp_path / "j.yaml")
         assert relaytrain("plan", str(manifest), *argv) == 0
         lines = capsys.readouterr().out.splitlines()
-        (line,) = [line for line in lines if line.startswith("Played out over its links")]
-        return lines[0], float(line.split(": ")[1].split("s a step")[0])
+        (line,) = [line for line in lines if line.startswith("Step ")]
+        assert "(1F1B played out over its links)" in line
+        return lines[0], float(line.split()[1].rstrip("s"))
 
     header, auto_step = played_out("auto")
     assert relaytrain("plan", str(tmp_path / "j.yaml"), *argv, "--json") == 0
@@ -453,3 +454,7 @@ def test_forwards_ahead_auto_is_chosen_over_slow_links_and_shown(tmp_path, model
     none_header, none_step = played_out(0)
     assert ", 1F1B, 16 micro-batches" in none_header, none_header
     assert auto_step < none_step
+    manifest = job.pipeline(stages=4, forwards_ahead=0).write(tmp_path / "j.yaml")
+    assert relaytrain("plan", str(manifest), *argv) == 0
+    (gain,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("With ")]
+    assert float(gain.split(": ")[1].split("s a step")[0]) < none_step, gain

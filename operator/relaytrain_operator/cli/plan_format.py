@@ -8,14 +8,14 @@ from typing import Any
 from relaytrain_operator.domain.membership import IfLeft
 from relaytrain_operator.domain.planner import FleetPlan, ModelShape, Plan, TrainingShape
 from relaytrain_operator.domain.planner.choose import AHEAD_MARGIN
-from relaytrain_operator.domain.planner.cost import (
+from relaytrain_operator.domain.planner.cost import GIB
+from relaytrain_operator.domain.planner.growth import GROWTH_MARGIN
+from relaytrain_operator.domain.planner.link_cost import (
     DEFLATE_FORWARD_SAVES,
     DELTA_LATER_SHARE,
-    GIB,
     delta_first_bytes,
     wire_bytes_per_value,
 )
-from relaytrain_operator.domain.planner.growth import GROWTH_MARGIN
 from relaytrain_operator.store.model_config import Resolved
 
 
@@ -30,7 +30,7 @@ def _about(model: ModelShape | None, source: Resolved | None) -> list[str]:
 
 
 def _stage_table(result: Plan) -> list[str]:
-    rows = [("STAGE", "POOL", "GPU", "LAYERS", "N", "COMPUTE", "LINK", "PER-MB", "MEMORY")]
+    rows = [("STAGE", "POOL", "GPU", "LAYERS", "N", "COMPUTE", "LINK", "BEAT", "MEMORY")]
     for s in result.stages:
         used, avail = s.memory_bytes / GIB, s.memory_available_bytes / GIB
         rows.append(
@@ -41,8 +41,8 @@ def _stage_table(result: Plan) -> list[str]:
                 f"{s.layer_start}-{s.layer_end - 1}",
                 str(s.layers),
                 f"{s.compute_seconds:.3g}s",
-                f"{s.link_seconds:.3g}s",
-                f"{s.seconds:.3g}s",
+                f"{s.side_seconds:.3g}s",
+                f"{s.beat_seconds:.3g}s",
                 f"{used:.1f}/{avail:.1f} GiB ({100 * used / avail:.0f}%)",
             )
         )
@@ -94,9 +94,9 @@ def format_table(
     b = result.bottleneck
     lines += [
         "",
-        f"Step {result.step_seconds:.3g}s, {result.tokens_per_second:,.0f} tokens/s, "
-        f"bubble {100 * result.bubble_fraction:.0f}%.",
-        *_played_out(training, result),
+        f"Step {result.step_seconds:.3g}s (1F1B played out over its links), "
+        f"{result.tokens_per_second:,.0f} tokens/s, bubble {100 * result.bubble_fraction:.0f}%.",
+        *_ahead_gain(training, result),
         f"Bottleneck: stage {b.stage} ({b.resource}). {b.detail}",
         f"Search: {result.search} ({result.sequences_evaluated} sequences evaluated).",
     ]
@@ -109,17 +109,21 @@ def _schedule(training: TrainingShape) -> str:
     return f"1F1B with {_forwards(ahead)} ahead" if ahead else "1F1B"
 
 
-def _played_out(training: TrainingShape, result: Plan) -> list[str]:
-    """The step played out event by event over the plan's links (its round trips counted,
-    which the step above, the search's model, does not), where a link is the bottleneck."""
-    if result.timeline is None or result.bottleneck.resource != "link":
+def _ahead_gain(training: TrainingShape, result: Plan) -> list[str]:
+    """Where a link sets the pace and the job fixed its forwards ahead: the step with the
+    ones that would shorten it most (of those its memory holds), when they would."""
+    if result.bottleneck.resource != "link" or training.forwards_ahead_chosen:
         return []
-    ahead = training.forwards_ahead
+    if result.timeline is None or not result.most_ahead:
+        return []
+    steps = {a: result.step_seconds_ahead(a) for a in range(result.most_ahead + 1)}
+    best = min(steps, key=lambda a: (steps[a], a))
+    if steps[best] >= (1 - AHEAD_MARGIN) * result.step_seconds:
+        return []
     return [
-        f"Played out over its links, round trips counted: "
-        f"{result.step_seconds_ahead(ahead):.3g}s a step with {_forwards(ahead)} ahead "
-        f"(pipeline.forwardsAhead: auto takes the fewest within {100 * AHEAD_MARGIN:.0f} % "
-        f"of the fastest, up to the {_forwards(result.most_ahead)} its memory holds)."
+        f"With {_forwards(best)} ahead: {steps[best]:.3g}s a step (pipeline.forwardsAhead; "
+        f"auto takes the fewest within {100 * AHEAD_MARGIN:.0f} % of the fastest, up to the "
+        f"{_forwards(result.most_ahead)} its memory holds)."
     ]
 
 

@@ -16,7 +16,7 @@ docs/links-and-checkpoints.md); a gradient's Lloyd-Max codes hardly shrink, and 
 trying them (`BoundaryCodec.deflate_due`). It is lossless: the delta caches at both ends see
 the same codes as without it. zlib is the standard library's; a link's encoder thread
 deflates a frame while its sender sends the one before, which on the slow links ``delta`` is
-for takes longer (`cost.DEFLATE_SECONDS_PER_BYTE`).
+for takes longer (`link_cost.DEFLATE_SECONDS_PER_BYTE`).
 
 A ``delta`` frame's header goes deflated too (`head_bytes`: a zero byte, then raw DEFLATE
 primed with `HEAD_WORDS`, the words every such header repeats), which takes an activation
@@ -55,7 +55,7 @@ MAX_HEADER = 1 << 20
 DEFLATE_LEVEL = 1
 """zlib's level for a ``delta`` frame's parts (1-9): on bench_delta_boundary.py's frames 1
 takes 13.0 % off, 6 and 9 13.2 %, at the same speed on one CPU thread (25 MB/s on the 2-core
-dev VM; `cost.DEFLATE_SECONDS_PER_BYTE`)."""
+dev VM; `link_cost.DEFLATE_SECONDS_PER_BYTE`)."""
 HEAD_WORDS = (
     b'"mode":"lowbit","bits":3,"dtype":"torch.float32","shape":[],"data":,"scales":}],'
     b'"tensors":[{"name":"grad","mode":"tokens","bits":3,"dtype":"torch.float32","shape":[],'

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from relaytrain_operator.domain.planner import split_micro_batches
+from relaytrain_operator.domain.planner import Lane, split_micro_batches
 from relaytrain_operator.spec import FineTuneJob, SpecError
 
 DEFAULT_STAGES = 2
@@ -109,9 +109,10 @@ def grown_layout(layout: Layout, micro: int) -> Layout:
     return Layout(splits, shares)
 
 
-def _beats(splits: list[list[tuple[int, int]]]) -> list[tuple[int, float]]:
-    """Each pipeline's stage count and its slowest stage's layers: what its share goes by."""
-    return [(len(split), float(max(e - s for s, e in split))) for split in splits]
+def _beats(splits: list[list[tuple[int, int]]]) -> list[Lane]:
+    """Each pipeline's 1F1B over its stage count, its slowest stage's layers a beat: what its
+    share goes by."""
+    return [Lane.of_beats(len(split), float(max(e - s for s, e in split))) for split in splits]
 
 
 def _refused(field: str, message: str) -> SpecError:

@@ -43,7 +43,7 @@ from relaytrain_operator.domain.planner.pools import (
     pools_from_nodes,
 )
 from relaytrain_operator.domain.planner.result import Bottleneck, Plan, PlanError, StagePlan
-from relaytrain_operator.domain.planner.shares import split_micro_batches
+from relaytrain_operator.domain.planner.shares import Lane, split_micro_batches
 from relaytrain_operator.domain.planner.sync import OUTER_CODES, SYNC_MODES, Sync, SyncPrice
 from relaytrain_operator.domain.planner.targets import LoraTargetError
 from relaytrain_operator.domain.planner.training import TrainingShape
@@ -61,6 +61,7 @@ __all__ = [
     "FleetPlan",
     "GpuSpec",
     "Growth",
+    "Lane",
     "LoraTargetError",
     "ModelShape",
     "ModelShapeError",

@@ -25,7 +25,6 @@ from relaytrain_operator.domain.planner.problem import (
 )
 from relaytrain_operator.domain.planner.result import Bottleneck, Plan, PlanError, StagePlan
 from relaytrain_operator.domain.planner.search import DEFAULT_EXHAUSTIVE_LIMIT, Candidate
-from relaytrain_operator.domain.planner.steptime import StepShape
 from relaytrain_operator.domain.planner.training import TrainingShape
 
 
@@ -104,7 +103,7 @@ def assess(
         )
     seq = tuple(index[name] for name, _ in stages)
     terms = problem.evaluator(ignore_memory=True).stage_terms(seq)
-    seconds = tuple(a * n + c for (a, c, _), n in zip(terms, counts, strict=True))
+    seconds = tuple(t.beat(n) for t, n in zip(terms, counts, strict=True))
     candidate = Candidate(seq, 0, counts, seconds, training.micro_batches)
     return to_plan(problem, candidate, "fixed", 1)
 
@@ -131,6 +130,7 @@ def to_plan(problem: Problem, best: Candidate, search: str, evaluated: int) -> P
                 compute_seconds=best.counts[k] * cost.layer_seconds
                 + cost.fixed_seconds(first, last),
                 link_seconds=link.stage_seconds(prev, cost, nxt),
+                side_seconds=link.side_seconds(prev, cost, nxt),
                 memory_bytes=cost.stage_bytes(best.counts[k], first, last, in_flight),
                 memory_available_bytes=cost.available_bytes,
                 in_flight=in_flight,
@@ -147,10 +147,10 @@ def to_plan(problem: Problem, best: Candidate, search: str, evaluated: int) -> P
             f"{best.bottleneck:.3g}s per micro-batch."
         )
         bottleneck = Bottleneck(slow, "memory", detail)
-    elif stage.link_seconds > stage.compute_seconds:
+    elif stage.side_seconds > stage.compute_seconds:
         detail = (
-            f"Stage {slow} spends {stage.link_seconds:.3g}s sending boundary tensors and "
-            f"{stage.compute_seconds:.3g}s computing per micro-batch."
+            f"Stage {slow} computes {stage.compute_seconds:.3g}s per micro-batch, and beside "
+            f"it its busiest link direction takes {stage.side_seconds:.3g}s."
             + link_bound_advice(
                 problem.training.micro_batches,
                 len(stages),
@@ -160,9 +160,10 @@ def to_plan(problem: Problem, best: Candidate, search: str, evaluated: int) -> P
         )
         bottleneck = Bottleneck(slow, "link", detail)
     else:
-        detail = (
-            f"Stage {slow} computes {stage.compute_seconds:.3g}s and sends "
-            f"{stage.link_seconds:.3g}s per micro-batch."
+        detail = f"Stage {slow} computes {stage.compute_seconds:.3g}s per micro-batch" + (
+            f", and beside it its busiest link direction takes {stage.side_seconds:.3g}s."
+            if stage.side_seconds
+            else "."
         )
         bottleneck = Bottleneck(slow, "compute", detail)
     pools = [costs[i] for i in seq]
@@ -174,27 +175,8 @@ def to_plan(problem: Problem, best: Candidate, search: str, evaluated: int) -> P
         search=search,  # type: ignore[arg-type]
         sequences_evaluated=evaluated,
         notes=problem.notes,
-        timeline=timeline(problem, pools, stages),
+        timeline=problem.timeline(seq, best.counts),
         most_ahead=most_ahead(problem, pools, stages),
-    )
-
-
-def timeline(problem: Problem, pools: Sequence[PoolCost], stages: Sequence[StagePlan]) -> StepShape:
-    """The plan's step as `steptime` plays it: each stage's compute, each link's frames over
-    its slower end's bandwidth and its two ends' latencies (`LinkCost.send_seconds`'s), and
-    the ``delta`` codec's time beside the compute (a GPU stage's side stream)."""
-    link, p = problem.link, len(stages)
-    pairs = list(itertools.pairwise(pools))
-    rates = [min(a.bandwidth_bytes_per_s, b.bandwidth_bytes_per_s) for a, b in pairs]
-    return StepShape(
-        p,
-        problem.training.micro_batches,
-        compute=tuple(s.compute_seconds for s in stages),
-        down=tuple(link.forward_bytes / r for r in rates),
-        up=tuple(link.backward_bytes / r for r in rates),
-        latency=tuple(a.latency_s + b.latency_s for a, b in pairs),
-        encode_down=link.forward_codec_seconds + link.deflate_seconds,
-        encode_up=link.backward_codec_seconds,
     )
 
 
@@ -223,8 +205,8 @@ def link_bound_advice(micro_batches: int, stages: int, ahead: int, *, chosen: bo
     """What keeps a link-bound pipeline's link busy, when the job has not asked for it: a
     1F1B step of m micro-batches over p stages streams at most m / (m + p - 1) of its time
     (the bubble: the first activation and the last gradient cross alone), and without
-    forwards ahead the stage before the link also waits a round trip for each gradient,
-    which the step time does not price. Measured over a kernel-shaped link with 32
+    forwards ahead the stage before the link also waits a round trip for each gradient
+    (the played-out step counts both). Measured over a kernel-shaped link with 32
     micro-batches and four ahead: 90-98 % of the link's bound at 200, 50 and 10 Mbit/s.
     ``chosen``: the planner chose ``ahead`` (``forwardsAhead: auto``), so the advice names
     micro-batches alone."""

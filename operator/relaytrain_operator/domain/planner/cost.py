@@ -1,4 +1,4 @@
-"""The cost model: time and memory of a pipeline stage, and of sending its boundary tensors.
+"""The cost model: time and memory of a pipeline stage (its links' cost: link_cost.py).
 
 Everything is per micro-batch of T = micro_batch_size * sequence_length tokens, for one
 decoder layer unless said otherwise. All layers of a Llama-family model are identical, so a
@@ -23,11 +23,6 @@ weights + gradients in dtype + two fp32 Adam moments; activations saved for back
 micro-batch in flight (1F1B: stage k of P holds min(M, P - k)), the norms' inputs in fp32;
 the logits, the fp32 log-probabilities and two fp32 gradients on the last stage; a fixed
 reserve for the CUDA context and a margin of the GPU's memory.
-
-Links: a boundary carries activations forward (plus labels and mask, int64 per token) and
-their gradients backward, each compressed. A send takes bytes / min(bandwidth of both ends)
-plus the sum of both ends' latencies; a stage pays for what it sends (activations to k+1,
-gradients to k-1), which is conservative: the worker may overlap sends with compute.
 """
 
 from __future__ import annotations
@@ -49,57 +44,11 @@ MIB = 1 << 20
 lora_params_per_layer = targets.lora_params_per_layer
 GIB = 1 << 30
 
-#: Bytes per value on the wire (relaytrain_worker.pipeline.compression: blocks of 64 with a
-#: bf16 scale).
-WIRE_BYTES = {"bf16": 2.0, "int8": 1.0 + 2 / 64, "int4": 0.5 + 2 / 64}
-#: ``delta`` (relaytrain_worker.pipeline.boundary): each block of 64 activation values of a
-#: training row gets its own bits, 0-4, the fewest whose expected error stays within int4's
-#: (a bf16 scale per block sent, 3 bits a block for its bits). A row's first crossing costs
-#: about int4's rate, exactly 4 bits a value where its blocks are alike; later epochs code
-#: only what changed, so their rate falls with the drift (docs/links-and-checkpoints.md).
-#: Gradients at 3 bits always (a bf16 scale per 64 values). A job of steps is priced at the
-#: first epoch's rate, the slowest; with ``pipeline.activationError: int3``, at int3's
-#: (`delta_first_bytes`). A job of ``spec.training.epochs`` E is priced at its run's mean
-#: (`delta_forward_bytes`): the first epoch at that rate and each later one at
-#: ``DELTA_LATER_SHARE`` of it.
-DELTA_FIRST_BYTES = (4 + 16 / 64 + 3 / 64) / 8
-DELTA_GRADIENT_BYTES = (3 + 16 / 64) / 8
-#: What a later epoch's activations cost under ``delta`` as a share of the first's. The rows'
-#: drift decides it, which no plan knows before the run; this is the dearest mean measured
-#: (`bench/bench_delta_boundary.py`, tiny Llama LoRA, 4 stages, 6 epochs, 2026-11-29, the
-#: activations' bytes of epochs 2-6 against epoch 1's): 0.72 where the LoRA learns a language
-#: from a random base (rows moved 95-5 % an epoch), 0.46 on a fine-tune of a pretrained one
-#: (50-1.6 %), rounded up. Where the rows drift more, a later epoch costs at most what the
-#: first does (a row coded against zero), so a plan that took delta on this price is at
-#: worst delta's first-epoch speed: about int4's (docs/planner.md).
-DELTA_LATER_SHARE = 0.75
-#: Seconds per boundary value of the ``delta`` codec on a GPU stage, encode plus decode: it
-#: codes on the sending stage's card and decodes on the receiving one's (the rows' caches
-#: and the per-row choice of bits stay on the host, most of the forward's time). Forward a
-#: row's first code (a later one costs about as much), backward the gradients' 3-bit code.
-#: `bench/bench_codec_speed.py --device cuda --quick --tokens 4096 --hidden 4096` on an
-#: NVIDIA H200, 2026-11-30 (33.5 M values a frame: 15.6 + 1.7 ns forward, 0.2 + 0.1 back;
-#: on one CPU thread, where a CPU stage codes, 217 + 15 and 174 + 14). The other codes run
-#: on the stage's device (next to nothing) and are charged nothing.
-DELTA_FORWARD_CODEC_SECONDS = 17.3e-9
-DELTA_BACKWARD_CODEC_SECONDS = 0.3e-9
-#: Seconds per byte of a ``delta`` frame's codes to deflate them on the sending host and to
-#: inflate them on the receiving one (frames.py, one CPU thread: `bench/bench_codec_speed.py`,
-#: the 2-core dev VM, 2026-11-30). A stage pays what the deflate takes beyond the send it
-#: overlaps (a link's encoder thread deflates a frame while its sender sends the one before),
-#: the inflate as the codec's time. Of what deflate saves the plan counts its floor,
-#: ``DEFLATE_FORWARD_SAVES`` of the activations (5.6 % of Gaussian codes' frames: maps, scales,
-#: integers; a fine-tune's lose 11-16 %). Gradient frames do not shrink: sent as coded.
-DEFLATE_SECONDS_PER_BYTE = 38.9e-9
-INFLATE_SECONDS_PER_BYTE = 5.6e-9
-DEFLATE_FORWARD_SAVES = 0.05
 #: ``delta`` with ``pipeline.activationBasis: fitted`` (relaytrain_worker.pipeline.transform),
 #: device bytes per h^2 (h the hidden size): a stage that sends activations holds two second
 #: moments in float64 and two bases in float32 (16 + 8), one that receives them two bases (8).
 BASIS_SEND_BYTES_PER_H2 = 24
 BASIS_RECEIVE_BYTES_PER_H2 = 8
-#: Labels and attention mask travel forward with the activations, int64 each.
-LABEL_BYTES_PER_TOKEN = 16
 #: 4-bit NF4 weight plus one fp32 absmax per block of 64 (bitsandbytes, no double quant).
 QLORA_BYTES_PER_PARAM = 0.5 + 4 / 64
 #: Bytes of trainable state per parameter kept in fp32: weight, gradient, Adam m and v.
@@ -246,88 +195,6 @@ class PoolCost:
         room = self.available_bytes - self.fixed_bytes(first, last)
         per_layer = self.layer_static_bytes + in_flight * self.layer_activation_bytes
         return max(room // per_layer, 0) if room > 0 else 0
-
-
-def wire_bytes_per_value(training: TrainingShape, backward: bool = False) -> float:
-    """Bytes a boundary value costs on the wire as the plan prices it, forward (activations)
-    or ``backward`` (their gradients)."""
-    if training.compression == "none":
-        return float(training.dtype_bytes)
-    if training.compression == "delta":
-        if not backward:
-            return delta_forward_bytes(training.activation_bits, training.epochs)
-        if training.gradient_tokens >= 1.0:
-            return DELTA_GRADIENT_BYTES
-        # a share of the tokens coded, and a bit a token (at most 1/64 of a bit a value)
-        return DELTA_GRADIENT_BYTES * training.gradient_tokens + 1 / 64 / 8
-    return WIRE_BYTES[training.compression]
-
-
-def delta_first_bytes(bits: int) -> float:
-    """Wire bytes a value of a row's first crossing under ``delta`` held to a ``bits``-bit
-    code's error: that code's bits, its scales and the bit map."""
-    return DELTA_FIRST_BYTES - (4 - bits) / 8
-
-
-def delta_forward_bytes(bits: int, epochs: int | None) -> float:
-    """Wire bytes a value of a row's activations costs under ``delta``, the mean over a run of
-    ``epochs`` passes (None: a job of steps, whose passes the plan does not know: the first
-    epoch's rate): the first pass at `delta_first_bytes`, each later one at
-    ``DELTA_LATER_SHARE`` of it."""
-    first = delta_first_bytes(bits)
-    if epochs is None or epochs <= 1:
-        return first
-    return first * (1 + (epochs - 1) * DELTA_LATER_SHARE) / epochs
-
-
-@dataclass(frozen=True)
-class LinkCost:
-    """Bytes a boundary carries per micro-batch."""
-
-    forward_bytes: float
-    """Activations (compressed) plus labels and mask, sent from stage k to k+1."""
-    backward_bytes: float
-    """Gradients of those activations (compressed), sent from k+1 back to k."""
-    forward_codec_seconds: float = 0.0
-    """CPU time to encode and decode the activations (``delta`` only)."""
-    backward_codec_seconds: float = 0.0
-    """CPU time to encode and decode their gradients (``delta`` only)."""
-    deflate_seconds: float = 0.0
-    """CPU time to deflate the activations' codes beside the send before (``delta`` only;
-    its gradients' frames go as coded: they do not shrink, `boundary.DEFLATE_PAYS`)."""
-
-    @classmethod
-    def of(cls, model: ModelShape, training: TrainingShape) -> LinkCost:
-        values = training.tokens_per_micro_batch * model.hidden_size
-        forward = values * wire_bytes_per_value(training)
-        backward = values * wire_bytes_per_value(training, backward=True)
-        labels = training.tokens_per_micro_batch * LABEL_BYTES_PER_TOKEN
-        if training.compression != "delta":
-            return cls(forward + labels, backward)
-        return cls(
-            forward * (1 - DEFLATE_FORWARD_SAVES) + labels, backward,
-            values * DELTA_FORWARD_CODEC_SECONDS + forward * INFLATE_SECONDS_PER_BYTE,
-            values * DELTA_BACKWARD_CODEC_SECONDS,
-            forward * DEFLATE_SECONDS_PER_BYTE,
-        )  # fmt: skip
-
-    def send_seconds(self, nbytes: float, a: PoolCost, b: PoolCost) -> float:
-        """Time to send ``nbytes`` between a GPU of pool ``a`` and one of pool ``b``."""
-        bandwidth = min(a.bandwidth_bytes_per_s, b.bandwidth_bytes_per_s)
-        return nbytes / bandwidth + a.latency_s + b.latency_s
-
-    def stage_seconds(self, prev: PoolCost | None, this: PoolCost, nxt: PoolCost | None) -> float:
-        """Link time a stage pays per micro-batch: its sends to both neighbours, each with
-        the CPU time of coding it."""
-        total = 0.0
-        for nbytes, codec, deflate, peer in (
-            (self.forward_bytes, self.forward_codec_seconds, self.deflate_seconds, nxt),
-            (self.backward_bytes, self.backward_codec_seconds, 0.0, prev),
-        ):
-            if peer is not None:
-                send = self.send_seconds(nbytes, this, peer)
-                total += send + codec + max(0.0, deflate - send)
-        return total
 
 
 def step_flops(model: ModelShape, training: TrainingShape) -> tuple[float, float]:

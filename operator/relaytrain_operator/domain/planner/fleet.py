@@ -145,8 +145,9 @@ def plan_fleet(
             f"{replicas} pipelines need at least one micro-batch each, but a step has "
             f"{training.micro_batches}; use at most {training.micro_batches} or 'auto'."
         )
-    pipes = undominated(candidates(problem, grads, stages))
-    pipes = with_single(pipes, pipe_of_plan(problem, grads, single))
+    m = training.micro_batches
+    pipes = undominated(candidates(problem, grads, stages), m)
+    pipes = with_single(pipes, pipe_of_plan(problem, grads, single), m)
     combiner = Combiner(
         pipes,
         problem.gpus,
@@ -200,7 +201,11 @@ def _fleet_plan(
     training = problem.training
     # The split the search priced (every share at least one; the same optimum as the greedy).
     shares = split_fast([p.lane for p in chosen], training.micro_batches)
-    order = sorted(range(len(chosen)), key=lambda i: (-shares[i], chosen[i].beat))
+    # Most micro-batches first, then the fastest (beat, then step: links can tie the beats).
+    order = sorted(
+        range(len(chosen)),
+        key=lambda i: (-shares[i], chosen[i].beat, chosen[i].lane.seconds(shares[i])),
+    )
     plans = []
     for i in order:
         p, m = chosen[i], shares[i]

@@ -1,25 +1,26 @@
 """The candidate pipelines of the fleet planner (fleet.py, part 1 of its search).
 
 GPUs of a pool are identical, so a pipeline is a *multiset* of pools, a vector ``c`` of GPUs
-per pool, and its best order and split are those the splitter finds for exactly those GPUs
-(every order tried up to ``CANDIDATE_EXHAUSTIVE_LIMIT`` orders, the splitter's heuristic
-beyond). Vectors are enumerated by size, from 1 GPU up to the smallest size at which any fits
-plus ``EXTRA_STAGES`` (and at most ``MAX_VECTORS`` in all): longer pipelines only add links
-and bubble per GPU, where memory does not force them. The best single pipeline on the whole
+per pool, and its best order and split are those ``plan()``'s search finds for exactly those
+GPUs (`problem.solve`: every order tried up to ``CANDIDATE_EXHAUSTIVE_LIMIT`` orders, the
+heuristic beyond; the best played out over their links). Vectors are enumerated by size,
+from 1 GPU up to the smallest size at which any fits plus ``EXTRA_STAGES`` (and at most
+``MAX_VECTORS`` in all): longer pipelines only add links and bubble per GPU, where memory does
+not force them. The best single pipeline on the whole
 fleet (``plan()``, any length) is a candidate too. A candidate is dropped when one on a
-subset of its GPUs is at least as fast, with no more gradient load per link: it can replace
-it in any set without loss.
+subset of its GPUs is at least as fast for every share of the step's micro-batches, with no
+more gradient load per link: it can replace it in any set without loss.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
-from math import factorial, prod
+from dataclasses import dataclass
 
-from relaytrain_operator.domain.planner.problem import Problem
+from relaytrain_operator.domain.planner.problem import Problem, solve
 from relaytrain_operator.domain.planner.result import Plan
-from relaytrain_operator.domain.planner.search import Candidate, exhaustive, heuristic
+from relaytrain_operator.domain.planner.search import Candidate
+from relaytrain_operator.domain.planner.shares import Lane
 from relaytrain_operator.domain.planner.sync import (
     Gradients,
     pipeline_latency_seconds,
@@ -45,15 +46,12 @@ class Pipe:
     """max over its stages of gradient bytes / link bandwidth (sync.py)."""
     latency: float
     """Its slowest stage link's one-way latency."""
+    lane: Lane
+    """Its step for any share of the micro-batches, played out: what the split needs."""
     search: str = "exhaustive"
     """How its order of GPUs was found."""
     evaluated: int = 1
     """Orders evaluated for it."""
-    lane: tuple[int, float] = field(init=False)
-    """(stages, seconds per micro-batch): what the micro-batch split needs."""
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "lane", (len(self.cand.seq), self.cand.bottleneck))
 
     @property
     def stages(self) -> int:
@@ -68,6 +66,11 @@ class Pipe:
         """Micro-batches per second once full."""
         return 1.0 / self.beat
 
+    def no_slower(self, other: Pipe, micro_batches: int) -> bool:
+        """Whether its step is no longer than ``other``'s for every share, to
+        ``micro_batches`` (`Lane.no_slower`)."""
+        return self.lane.no_slower(other.lane, micro_batches)
+
 
 def _pipe_of_candidate(
     problem: Problem,
@@ -80,7 +83,7 @@ def _pipe_of_candidate(
 ) -> Pipe:
     load = pipeline_load_seconds(grads, problem.costs, cand.seq, cand.counts)
     latency = pipeline_latency_seconds(problem.costs, cand.seq)
-    return Pipe(tuple(counts), cand, load, latency, search, evaluated)
+    return Pipe(tuple(counts), cand, load, latency, problem.lane(cand), search, evaluated)
 
 
 def pipe_of_plan(problem: Problem, grads: Gradients, single: Plan) -> Pipe:
@@ -91,7 +94,7 @@ def pipe_of_plan(problem: Problem, grads: Gradients, single: Plan) -> Pipe:
         seq,
         0,
         tuple(s.layers for s in single.stages),
-        tuple(s.seconds for s in single.stages),
+        tuple(s.beat_seconds for s in single.stages),
         problem.training.micro_batches,
     )
     counts = [seq.count(i) for i in range(len(problem.costs))]
@@ -121,15 +124,12 @@ def candidates(problem: Problem, grads: Gradients, stages: int | None = None) ->
     found: list[Pipe] = []
 
     def price(counts: tuple[int, ...]) -> bool:
-        size, before = sum(counts), evaluator.calls
-        orders = factorial(size) // prod(factorial(n) for n in counts)  # distinct orders
-        if orders <= CANDIDATE_EXHAUSTIVE_LIMIT:
-            cand, search = exhaustive(evaluator, counts, [size]), "exhaustive"
-        else:
-            cand, search = heuristic(evaluator, counts, [size]), "heuristic"
+        size = sum(counts)
+        cand, search, evaluated = solve(
+            problem, [size], CANDIDATE_EXHAUSTIVE_LIMIT, gpus=counts, evaluator=evaluator
+        )
         if cand.deficit:
             return False
-        evaluated = evaluator.calls - before
         found.append(
             _pipe_of_candidate(problem, grads, counts, cand, search=search, evaluated=evaluated)
         )
@@ -161,25 +161,27 @@ def candidates(problem: Problem, grads: Gradients, stages: int | None = None) ->
     return found
 
 
-def undominated(pipes: Sequence[Pipe]) -> list[Pipe]:
-    """Drop a pipe when another on a subset of its GPUs is no slower and loads no link more."""
+def undominated(pipes: Sequence[Pipe], micro_batches: int) -> list[Pipe]:
+    """Drop a pipe when another on a subset of its GPUs is no slower for any share of the
+    ``micro_batches`` and loads no link more."""
 
     def beats(a: Pipe, b: Pipe) -> bool:
         subset = all(x <= y for x, y in zip(a.counts, b.counts, strict=True))
         return (
             subset
             and a.counts != b.counts
-            and a.beat <= b.beat
             and a.load <= b.load
             and a.latency <= b.latency
+            and a.no_slower(b, micro_batches)
         )
 
     return [p for p in pipes if not any(beats(q, p) for q in pipes)]
 
 
-def with_single(pipes: list[Pipe], single: Pipe) -> list[Pipe]:
-    """Add the whole-fleet single pipeline unless a candidate on the same GPUs is as good."""
+def with_single(pipes: list[Pipe], single: Pipe, micro_batches: int) -> list[Pipe]:
+    """Add the whole-fleet single pipeline unless a candidate on the same GPUs is as good
+    for every share of the ``micro_batches``."""
     same = [p for p in pipes if p.counts == single.counts]
-    if same and min(p.beat for p in same) <= single.beat:
+    if any(p.no_slower(single, micro_batches) for p in same):
         return pipes
     return [*pipes, single]

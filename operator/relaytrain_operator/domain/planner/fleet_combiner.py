@@ -9,8 +9,11 @@ candidate as fit; every prefix priced. Then local moves (add, drop or swap a pip
 every pipeline on a pool) while the step improves. Then a depth-first branch and bound over
 every multiset of candidates (fastest per GPU first) bounds a set and everything that extends
 it by its sync (which only grows as pipelines are added) plus ``(M + fill) / rate``: a valid
-set's slowest pipeline takes at least ``(M + sum(P - 1)) / sum(1 / b)``, and the GPUs left add
-at most their pool's best gain per GPU (:meth:`Combiner._gains`). When it finishes within
+set's slowest pipeline takes at least ``(M + sum(f / b)) / sum(1 / b)``, each pipeline's
+step of m micro-batches played out being at least its lane's line ``f + m * b`` (b its beat:
+`shares.Lane`), and the GPUs left add at most their pool's best gain per GPU
+(:meth:`Combiner._gains`). A set's step is its slowest pipeline's, played out for its share
+of the micro-batches (`shares.split_fast`, exact), plus its sync. When it finishes within
 ``SET_BUDGET`` sets looked at, the choice is exact over the candidates ("exhaustive");
 otherwise it is the best found ("heuristic").
 """
@@ -22,7 +25,7 @@ from collections.abc import Sequence
 
 from relaytrain_operator.domain.planner.cost import Collective
 from relaytrain_operator.domain.planner.fleet_candidates import Pipe
-from relaytrain_operator.domain.planner.shares import split_fast
+from relaytrain_operator.domain.planner.shares import slowest_seconds, split_fast
 from relaytrain_operator.domain.planner.sync import Sync, fold_rounds, sync_seconds, top_two
 
 #: Sets of pipelines the branch and bound may look at before it stops ("heuristic").
@@ -90,8 +93,7 @@ class Combiner:
         shares = split_fast(lanes, self.m)
         if min(shares) == 0:
             return None
-        slowest = max((m + n - 1) * b for (n, b), m in zip(lanes, shares, strict=True))
-        return slowest + self.sync_seconds(chosen, shares)
+        return slowest_seconds(lanes, shares) + self.sync_seconds(chosen, shares)
 
     def _wanted(self, size: int) -> bool:
         return size >= 2 and (self.replicas is None or size == self.replicas)
@@ -210,17 +212,18 @@ class Combiner:
 
     def _gains(self) -> list[float]:
         """Per pool, the most any of its GPUs can add to a set that beats the best step B:
-        max over candidates using the pool of (rate - (stages - 1) / B) / stages, at least
-        0. A set S extended by X steps at least (M + fill) / rate over S and X (module doc);
-        X beats B only if the sum over X of (rate - (stages - 1) / B) exceeds what S lacks,
-        and that sum is at most the GPUs left times these gains."""
+        max over candidates using the pool of (rate - fill / B) / stages, at least 0 (fill:
+        its lane's fill in beats, `Lane.fill_beats`). A set S extended by X steps at least
+        (M + fill) / rate over S and X (module doc); X beats B only if the sum over X of
+        (rate - fill / B) exceeds what S lacks, and that sum is at most the GPUs left times
+        these gains."""
         best = self.best[0] if self.best is not None else float("inf")
         if self._gains_for != best:
             self._gains_for = best
             self._gain = [
                 max(
                     (
-                        (p.rate - (p.stages - 1) / best) / p.stages
+                        (p.rate - p.lane.fill_beats / best) / p.stages
                         for p in self.pipes
                         if p.counts[i]
                     ),
@@ -235,7 +238,7 @@ class Combiner:
         """Lower bound on the step of ``chosen`` and of every set that extends it with the
         GPUs ``left`` while it could still beat the best (see :meth:`_gains`)."""
         rate = sum(p.rate for p in chosen)
-        fill = sum(p.stages - 1 for p in chosen)
+        fill = sum(p.lane.fill_beats for p in chosen)
         if len(chosen) < self.limit:
             rate += sum(n * g for n, g in zip(left, self._gains(), strict=True))
         return self.sync_seconds(chosen) + (self.m + fill) / rate
@@ -257,7 +260,8 @@ class Combiner:
                     return False
                 r = len(chosen) + 1
                 rest = [x - c for x, c in zip(left, p.counts, strict=True)]
-                g_rate, g_fill, g_load = rate + p.rate, fill + p.stages - 1, max(load, p.load)
+                g_rate, g_fill = rate + p.rate, fill + p.lane.fill_beats
+                g_load = max(load, p.load)
                 g_lat1, g_lat2 = (
                     (p.latency, lat1) if p.latency > lat1 else (lat1, max(lat2, p.latency))
                 )

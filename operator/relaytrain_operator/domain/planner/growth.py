@@ -115,7 +115,11 @@ def plan_growth(
     fixed = [pipe_of_plan(whole, grads, p) for p in running]
     limit = min(max_pipelines or training.micro_batches, training.micro_batches)
     extra = _free_problem(model, training, free, catalog, settings) if len(fixed) < limit else None
-    options = undominated(candidates(extra, grads, stages)) if extra is not None else []
+    options = (
+        undominated(candidates(extra, grads, stages), training.micro_batches)
+        if extra is not None
+        else []
+    )
     room = list(extra.gpus) if extra is not None else [0]
     combiner = Combiner(
         options,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from relaytrain_operator.domain.planner.steptime import StepShape, step_seconds
+from relaytrain_operator.domain.planner.steptime import StepShape, planned_step_seconds
 
 Resource = Literal["compute", "memory", "link"]
 
@@ -39,7 +39,12 @@ class StagePlan:
     compute_seconds: float
     """Forward + backward compute per micro-batch (layers, and the head on the last stage)."""
     link_seconds: float
-    """Time to send this stage's boundary tensors per micro-batch."""
+    """Time to send this stage's boundary tensors per micro-batch, one after the other,
+    latencies included: what it would pay if nothing overlapped."""
+    side_seconds: float
+    """The busiest of what runs beside its compute per micro-batch: its sends' link
+    directions, each a frame's bytes over its rate, and its encoder
+    (`link_cost.LinkCost.side_seconds`)."""
     memory_bytes: int
     """Predicted peak memory."""
     memory_available_bytes: int
@@ -49,8 +54,14 @@ class StagePlan:
 
     @property
     def seconds(self) -> float:
-        """Predicted time per micro-batch (compute plus sends)."""
+        """Predicted busy time per micro-batch: compute plus sends, in turn."""
         return self.compute_seconds + self.link_seconds
+
+    @property
+    def beat_seconds(self) -> float:
+        """Predicted time per micro-batch once the pipeline is full: its compute or, where
+        busier, a send's link direction or its encoder (the worker overlaps them)."""
+        return max(self.compute_seconds, self.side_seconds)
 
     @property
     def layers(self) -> int:
@@ -85,10 +96,10 @@ class Plan:
     notes: tuple[str, ...] = field(default=())
     """Things the user should know (pools left out, and why)."""
     timeline: StepShape | None = None
-    """The step as `steptime` plays it, event by event over the plan's own links (None: not
-    priced so). What ``pipeline.forwardsAhead: auto`` chooses by
-    (`choose.choose_forwards_ahead`); ``step_seconds`` is the search's model, which has no
-    round trips to hide and so no use for forwards ahead."""
+    """The step as `steptime` plays it, event by event over the plan's own links, with the
+    job's forwards ahead (None: not priced so; `step_seconds` is then 1F1B's M + P - 1
+    beats). What ``step_seconds`` is, and what ``pipeline.forwardsAhead: auto`` chooses by
+    (`choose.choose_forwards_ahead`)."""
     most_ahead: int = 0
     """The most forwards ahead whose activations every stage holds (its memory)."""
 
@@ -96,7 +107,7 @@ class Plan:
         """The step's seconds with ``ahead`` forwards ahead, played out (`timeline`)."""
         if self.timeline is None:
             raise ValueError("this plan has no timeline to play")
-        return step_seconds(replace(self.timeline, ahead=ahead))
+        return planned_step_seconds(replace(self.timeline, ahead=ahead))
 
     @property
     def fits(self) -> bool:
@@ -105,13 +116,16 @@ class Plan:
 
     @property
     def micro_batch_seconds(self) -> float:
-        """Time of the slowest stage per micro-batch: the pipeline's beat."""
-        return max(s.seconds for s in self.stages)
+        """The slowest stage's beat: the pipeline's, once full."""
+        return max(s.beat_seconds for s in self.stages)
 
     @property
     def step_seconds(self) -> float:
-        """Predicted optimizer step under 1F1B: (M + P - 1) beats."""
-        return (self.micro_batches + len(self.stages) - 1) * self.micro_batch_seconds
+        """Predicted optimizer step: 1F1B played out over the plan's links (`timeline`),
+        fill, drain and round trips counted."""
+        if self.timeline is None:
+            return (self.micro_batches + len(self.stages) - 1) * self.micro_batch_seconds
+        return planned_step_seconds(self.timeline)
 
     @property
     def tokens_per_second(self) -> float:
@@ -128,7 +142,7 @@ class Plan:
 
         Exactly the fields the CRD declares (the API server prunes others). A stage's
         ``predictedStepSeconds`` is its busy time per optimizer step: M micro-batches of
-        compute plus sends; the plan's is the whole 1F1B step, bubble included.
+        compute plus sends; the plan's is the whole 1F1B step played out, bubble included.
         """
         m = self.micro_batches
         return {
@@ -158,9 +172,10 @@ class Plan:
                 gpuProduct=s.gpu_product,
                 layers=s.layers,
                 microBatchesInFlight=s.in_flight,
-                predictedMicroBatchSeconds=_round(s.seconds),
+                predictedMicroBatchSeconds=_round(s.beat_seconds),
                 predictedComputeSeconds=_round(s.compute_seconds),
                 predictedLinkSeconds=_round(s.link_seconds),
+                predictedBusiestLinkSeconds=_round(s.side_seconds),
             )
         status["bottleneck"]["detail"] = self.bottleneck.detail
         status.update(

@@ -1,91 +1,127 @@
 """How a step's micro-batches are shared among pipelines that train together.
 
-A pipeline of P stages whose slowest stage takes b seconds per micro-batch finishes m
-micro-batches in ``(m + P - 1) * b`` seconds under 1F1B (P - 1 beats of fill and drain, then
-one micro-batch per beat), and 0 seconds when it gets none. The step's M micro-batches are
-split so that the slowest pipeline finishes first:
+A pipeline's `Lane` is its step time as a function of the micro-batches it gets: 0 for none,
+and for m of them its 1F1B step played out over its links (`Problem.lane`; for pipelines
+whose stages all take one beat b over instant links, ``(m + P - 1) * b``: `Lane.of_beats`).
+The step's M micro-batches are split so that the slowest pipeline finishes first:
 
 Give each next micro-batch to the pipeline that would finish it earliest. This is exact.
 Each pipeline's finish times ``f_i(1) < f_i(2) < ...`` increase, so a split whose slowest
 pipeline takes at most t holds at most ``#{(i, k): f_i(k) <= t}`` micro-batches: the best
 possible slowest time is the M-th smallest value of the union of those sequences, and the
 greedy, which takes the smallest next value every time, ends exactly there.
-(Shares proportional to speed are not: a pipeline's fill costs P - 1 beats however few
+(Shares proportional to speed are not: a pipeline's fill costs the same however few
 micro-batches it gets, so a long pipeline may deserve none.)
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 
-def pipeline_seconds(stages: int, beat_seconds: float, micro_batches: int) -> float:
-    """1F1B time of a pipeline of ``stages`` for ``micro_batches`` (0 when it gets none)."""
-    if micro_batches <= 0:
-        return 0.0
-    return (micro_batches + stages - 1) * beat_seconds
+@dataclass(frozen=True, eq=False)
+class Lane:
+    """A pipeline's step time for its share of the micro-batches, and a line under it."""
+
+    step: Callable[[int], float]
+    """Seconds of a step of m >= 1 micro-batches (increasing in m)."""
+    fill: float
+    """With `period`, a line no step is under: ``step(m) >= fill + m * period``."""
+    period: float
+    """Seconds per micro-batch once full: its slowest stage's beat."""
+    linear_after: int = 1
+    """From this many micro-batches on, the step grows by the same seconds each."""
+
+    @classmethod
+    def of_beats(cls, stages: int, beat_seconds: float) -> Lane:
+        """1F1B over instant links of ``stages`` whose slowest takes ``beat_seconds``."""
+        fill = (stages - 1) * beat_seconds
+        return cls(lambda m: fill + m * beat_seconds, fill, beat_seconds)
+
+    def no_slower(self, other: Lane, most: int) -> bool:
+        """Whether its step is no longer than ``other``'s for every share up to ``most``
+        micro-batches (the whole step first: most pairs differ there). Beyond both lanes'
+        ``linear_after`` both grow linearly, so their two ends decide."""
+        top = min(most, max(self.linear_after, other.linear_after))
+        shares = [most] if most > top else []
+        return all(self.seconds(m) <= other.seconds(m) for m in [*shares, *range(top, 0, -1)])
+
+    def seconds(self, micro_batches: int) -> float:
+        """The step for ``micro_batches`` (0 when it gets none)."""
+        return self.step(micro_batches) if micro_batches > 0 else 0.0
+
+    @property
+    def fill_beats(self) -> float:
+        """The line's fill in periods: ``P - 1`` for `of_beats`."""
+        return self.fill / self.period
+
+    def most_within(self, seconds: float, most: int) -> int:
+        """The most micro-batches, to ``most``, whose step takes at most ``seconds``."""
+        lo, hi = 0, min(most, max(int((seconds - self.fill) / self.period), 0))
+        while lo < hi:  # the line bounds it above; the step decides below that
+            mid = (lo + hi + 1) // 2
+            if self.step(mid) <= seconds:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
 
-def split_micro_batches(pipelines: Sequence[tuple[int, float]], micro_batches: int) -> list[int]:
-    """Micro-batches per pipeline that minimise the slowest pipeline's time.
-
-    ``pipelines`` is ``[(stages, seconds per micro-batch of its slowest stage), ...]``. Ties go
-    to the pipeline listed first, so the split is deterministic.
-    """
+def split_micro_batches(pipelines: Sequence[Lane], micro_batches: int) -> list[int]:
+    """Micro-batches per pipeline that minimise the slowest pipeline's time. Ties go to the
+    pipeline listed first, so the split is deterministic."""
     if micro_batches < 0:
         raise ValueError(f"micro_batches must be >= 0, got {micro_batches}")
     if not pipelines:
         if micro_batches:
             raise ValueError("micro-batches cannot be shared among no pipelines")
         return []
-    shares = [0] * len(pipelines)
-    heap = [(pipeline_seconds(p, b, 1), i) for i, (p, b) in enumerate(pipelines)]
-    heapq.heapify(heap)
-    for _ in range(micro_batches):
-        _, i = heapq.heappop(heap)
-        shares[i] += 1
-        p, b = pipelines[i]
-        heapq.heappush(heap, (pipeline_seconds(p, b, shares[i] + 1), i))
-    return shares
+    return _greedy(pipelines, [0] * len(pipelines), micro_batches)
 
 
-def slowest_seconds(pipelines: Sequence[tuple[int, float]], shares: Sequence[int]) -> float:
-    """Time of the slowest pipeline for a given split."""
-    return max(
-        (pipeline_seconds(p, b, m) for (p, b), m in zip(pipelines, shares, strict=True)),
-        default=0.0,
-    )
-
-
-def split_fast(pipelines: Sequence[tuple[int, float]], micro_batches: int) -> list[int]:
-    """The same optimum as :func:`split_micro_batches`, for the search's inner loop.
-
-    Starts every pipeline at the micro-batches it finishes by the continuous optimum
-    ``t0 = (M + sum(P - 1)) / sum(1 / b)`` (no split beats t0 when every pipeline gets a
-    micro-batch), finishes with the greedy, and checks the result: no micro-batch left out
-    may finish before the slowest one taken. If that check fails (some pipeline deserves
-    none), the greedy from nothing decides. Ties may fall differently.
-    """
-    if not pipelines or micro_batches <= 0:
-        return split_micro_batches(pipelines, micro_batches)
-    t0 = (micro_batches + sum(p - 1 for p, _ in pipelines)) / sum(1 / b for _, b in pipelines)
-    shares = []
-    for p, b in pipelines:
-        m = int(t0 / b) - p + 1
-        if m > 0 and (m + p - 1) * b > t0:
-            m -= 1  # rounding put it just past t0
-        shares.append(max(m, 0))
-    if sum(shares) > micro_batches:
-        return split_micro_batches(pipelines, micro_batches)
-    heap = [((m + p) * b, i) for i, ((p, b), m) in enumerate(zip(pipelines, shares, strict=True))]
+def _greedy(pipelines: Sequence[Lane], shares: list[int], micro_batches: int) -> list[int]:
+    """``shares`` given each next micro-batch, to ``micro_batches`` in all, where it would
+    finish earliest."""
+    heap = [
+        (lane.seconds(m + 1), i) for i, (lane, m) in enumerate(zip(pipelines, shares, strict=True))
+    ]
     heapq.heapify(heap)
     for _ in range(micro_batches - sum(shares)):
         _, i = heapq.heappop(heap)
         shares[i] += 1
-        p, b = pipelines[i]
-        heapq.heappush(heap, ((shares[i] + p) * b, i))
+        heapq.heappush(heap, (pipelines[i].seconds(shares[i] + 1), i))
+    return shares
+
+
+def slowest_seconds(pipelines: Sequence[Lane], shares: Sequence[int]) -> float:
+    """Time of the slowest pipeline for a given split."""
+    return max(
+        (lane.seconds(m) for lane, m in zip(pipelines, shares, strict=True)),
+        default=0.0,
+    )
+
+
+def split_fast(pipelines: Sequence[Lane], micro_batches: int) -> list[int]:
+    """The same optimum as :func:`split_micro_batches`, for the search's inner loop.
+
+    Starts every pipeline at the micro-batches it finishes by ``t0 = (M + sum(fill /
+    period)) / sum(1 / period)``, which no split beats (each step is on or above its lane's
+    line), finishes with the greedy, and checks the result: no micro-batch left out may
+    finish before the slowest one taken. If that check fails (some pipeline deserves none),
+    the greedy from nothing decides. Ties may fall differently.
+    """
+    if not pipelines or micro_batches <= 0:
+        return split_micro_batches(pipelines, micro_batches)
+    t0 = (micro_batches + sum(lane.fill_beats for lane in pipelines)) / sum(
+        1 / lane.period for lane in pipelines
+    )
+    shares = [lane.most_within(t0, micro_batches) for lane in pipelines]
+    if sum(shares) > micro_batches:
+        return split_micro_batches(pipelines, micro_batches)
+    shares = _greedy(pipelines, shares, micro_batches)
     slowest = slowest_seconds(pipelines, shares)
-    if heap[0][0] < slowest:
+    if min(lane.seconds(m + 1) for lane, m in zip(pipelines, shares, strict=True)) < slowest:
         return split_micro_batches(pipelines, micro_batches)
     return shares

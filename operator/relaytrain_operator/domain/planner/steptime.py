@@ -24,7 +24,7 @@ on it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from relaytrain_contract.order import one_f_one_b
 
@@ -70,45 +70,114 @@ def step_seconds(shape: StepShape) -> float:
     """The step's wall time: from the first stage's first forward to the last work done."""
     p, m = shape.stages, shape.micros
     compute = _each(shape.compute, p, "compute")
+    forward = [c * (1 - BACKWARD_SHARE) for c in compute]
+    backward = [c * BACKWARD_SHARE for c in compute]
     links = max(p - 1, 0)
-    send = {"F": _each(shape.down, links, "down"), "B": _each(shape.up, links, "up")}
+    down, up = _each(shape.down, links, "down"), _each(shape.up, links, "up")
     latency = _each(shape.latency, links, "latency")
-    encode = {
-        "F": _each(shape.encode_down, p, "encode_down"),
-        "B": _each(shape.encode_up, p, "encode_up"),
-    }
+    encode_down = _each(shape.encode_down, p, "encode_down")
+    encode_up = _each(shape.encode_up, p, "encode_up")
     orders = [one_f_one_b(k, p, m, shape.ahead) for k in range(p)]
-    nxt = [0] * p
-    free = [0.0] * p
-    encoder = [0.0] * p
-    # Per link k (between stages k and k + 1): when its direction is next free.
-    link = {("F", k): 0.0 for k in range(links)} | {("B", k): 0.0 for k in range(links)}
-    arrive: dict[tuple[str, int, int], float] = {}
-    """(F|B, stage, micro): when that op's input is at the stage."""
-    for i in range(m):
-        arrive["F", 0, i] = 0.0
-    left = p * 2 * m
+    # When micro-batch i's activation (ins[k][i]) or gradient (grads[k][i]) is at stage k.
+    ins: list[list[float | None]] = [[None] * m for _ in range(p)]
+    ins[0] = [0.0] * m
+    grads: list[list[float | None]] = [[None] * m for _ in range(p)]
+    # Per link k (between stages k and k + 1): when each direction is next free.
+    link_down, link_up = [0.0] * links, [0.0] * links
+    nxt, free, encoder = [0] * p, [0.0] * p, [0.0] * p
+    last, left = p - 1, p * 2 * m
     while left:
         progressed = False
         for k in range(p):
-            while nxt[k] < len(orders[k]):
-                op, i = orders[k][nxt[k]]
-                ready = arrive.get((op, k, i)) if op == "F" or k < p - 1 else free[k]
-                if ready is None:
-                    break
-                share = BACKWARD_SHARE if op == "B" else 1 - BACKWARD_SHARE
-                free[k] = max(free[k], ready) + compute[k] * share
-                nxt[k] += 1
-                left -= 1
-                progressed = True
-                to, edge = (k + 1, k) if op == "F" else (k - 1, k - 1)
-                if 0 <= to < p:
-                    encoder[k] = max(encoder[k], free[k]) + encode[op][k]
-                    link[op, edge] = max(link[op, edge], encoder[k]) + send[op][edge]
-                    arrive[op, to, i] = link[op, edge] + latency[edge]
+            order, j, busy, coder = orders[k], nxt[k], free[k], encoder[k]
+            while j < len(order):
+                op, i = order[j]
+                if op == "F":
+                    ready = ins[k][i]
+                    if ready is None:
+                        break
+                    busy = max(busy, ready) + forward[k]
+                    if k < last:
+                        coder = max(coder, busy) + encode_down[k]
+                        link_down[k] = max(link_down[k], coder) + down[k]
+                        ins[k + 1][i] = link_down[k] + latency[k]
+                else:
+                    ready = grads[k][i] if k < last else busy
+                    if ready is None:
+                        break
+                    busy = max(busy, ready) + backward[k]
+                    if k > 0:
+                        coder = max(coder, busy) + encode_up[k]
+                        link_up[k - 1] = max(link_up[k - 1], coder) + up[k - 1]
+                        grads[k - 1][i] = link_up[k - 1] + latency[k - 1]
+                j += 1
+            if j > nxt[k]:
+                left -= j - nxt[k]
+                nxt[k], free[k], encoder[k], progressed = j, busy, coder, True
         if not progressed:  # 1F1B cannot deadlock; a change that breaks it must not hang
             raise RuntimeError(f"the schedule is stuck: {nxt} of {[len(o) for o in orders]}")
     return max(free)
+
+
+PLAYED_MICROS = 64
+"""The most micro-batches the planner plays a step out for (`planned_step_seconds`)."""
+
+
+def planned_step_seconds(shape: StepShape) -> float:
+    """The step as the planner prices it (`PlannedSteps`)."""
+    return PlannedSteps(shape)(shape.micros)
+
+
+class PlannedSteps:
+    """A shape's step as the planner prices it, for any count of micro-batches, each count
+    played once: `step_seconds` to ``PLAYED_MICROS`` micro-batches; beyond, that step and then
+    each further micro-batch at its mean over the last half of those (at least the busiest
+    resource's time per micro-batch, `busiest_seconds`). A step of a thousand micro-batches
+    over 15 stages takes a fifth of a second to play, and the search plays many; once its
+    window is full, 1F1B's step grows by about the same time a micro-batch."""
+
+    def __init__(self, shape: StepShape) -> None:
+        self.shape = shape
+        self._played: dict[int, float] = {}
+        self._tail: tuple[float, float] | None = None
+        """Beyond ``PLAYED_MICROS``: (its step, the seconds of each further micro-batch)."""
+
+    def _play(self, micros: int) -> float:
+        if micros not in self._played:
+            self._played[micros] = step_seconds(replace(self.shape, micros=micros))
+        return self._played[micros]
+
+    def __call__(self, micros: int) -> float:
+        if micros <= PLAYED_MICROS:
+            return self._play(micros)
+        if self._tail is None:
+            half = PLAYED_MICROS // 2
+            full = self._play(PLAYED_MICROS)
+            slope = (full - self._play(half)) / (PLAYED_MICROS - half)
+            self._tail = (full, max(slope, busiest_seconds(self.shape)))
+        full, slope = self._tail
+        return full + (micros - PLAYED_MICROS) * slope
+
+
+def busiest_seconds(shape: StepShape) -> float:
+    """The busiest resource's time per micro-batch: a stage's compute or its encoder, or a
+    link direction's frame. No step grows by less a micro-batch."""
+    p = shape.stages
+    links = max(p - 1, 0)
+    encoders = [
+        a + b
+        for a, b in zip(
+            _each(shape.encode_down, p, "encode_down"),
+            _each(shape.encode_up, p, "encode_up"),
+            strict=True,
+        )
+    ]
+    return max(
+        *_each(shape.compute, p, "compute"),
+        *_each(shape.down, links, "down"),
+        *_each(shape.up, links, "up"),
+        *encoders,
+    )
 
 
 def calibrate(stages: int, micros: int, step: float) -> float:
