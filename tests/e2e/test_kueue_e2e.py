@@ -58,9 +58,12 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 POOL_LABEL = "relaytrain.io/pool"
 PLURALS = {(GROUP, "FineTuneJob"): PLURAL}
-STEPS = 60
+STEPS = 200
 """The low-priority job's steps: enough that it is still training when preempted and when
-suspended after the resume (measured 2026-11-27: preempted at step 10, suspended at 12)."""
+suspended after the resume (measured 2026-11-27: preempted at step 10, suspended at 12). On
+a quiet machine its steps take 80 ms: on 2026-12-02, with 60, it was preempted at step 12 and
+trained the 48 left in 6 s once readmitted, done before a pass of the operator saw it
+Running."""
 
 
 @pytest.fixture(scope="module")

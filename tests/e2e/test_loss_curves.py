@@ -21,7 +21,11 @@ pipeline) is compared step by step with tests/assets/losses/<case>.json:
   the comparison still stops at step 10, where the rounding drift between CPUs measured
   below was.
   (The demo's rows went from 64 tokens to 32 on 2026-11-27: every example still fits, and
-  steps 1–10 and the held-out losses gave the committed bits unchanged.)
+  steps 1–10 and the held-out losses gave the committed bits unchanged. On 2026-12-02 the
+  planner began pricing each plan's step played out over its links, and the demo's plan
+  changed: each pipeline's 30 layers split 8/22 with 2 + 2 micro-batches, where the sends
+  priced in turn had put them 19/11 with 3 + 1. The int8 boundary sits after another layer,
+  so even the held-out loss at step 0 moved, 4.935 to 4.926: the curve was written again.)
 - `three-pipelines`: a tiny Llama run through `relaytrain run --local` (real stage processes
   over real links) as three pipelines of two stages, each step's three micro-batches shared
   among them, no compression, 12 steps.
