@@ -72,9 +72,10 @@ def test_a_replacement_that_waited_as_long_as_a_resplit_costs_has_the_pipeline_r
     pods = [pod(0), _waiting(COST + 5)]
     decision = _decide(_job(), pods)
 
-    # The plan is written first, then every stage pod goes; no pod is created yet.
+    # The plan is written first, then every stage pod goes, the one waiting for a node
+    # first (it would take the GPU stage 0's frees); no pod is created yet.
     assert summary(decision) == [
-        "patch", "delete:j-stage-0", "delete:j-stage-1", "event:Replanned", "patch"
+        "patch", "delete:j-stage-1", "delete:j-stage-0", "event:Replanned", "patch"
     ]  # fmt: skip
     assert decision.status is not None and decision.status.plan is not None
     plan = decision.status.plan

@@ -344,8 +344,14 @@ class Pass:
         return (self.status.plan_epoch or 0) + 1
 
     def remove_pods(self, pipeline: int | None = None) -> None:
-        """Delete the job's stage pods (of `pipeline` only, if given)."""
-        for key, pod in sorted(self.observed.pods.items()):
+        """Delete the job's stage pods (of `pipeline` only, if given): those still waiting
+        for a node first, which would otherwise take a GPU the others free (a replacement
+        bound, started and killed at once, as a re-split once did)."""
+        pods = sorted(
+            self.observed.pods.items(),
+            key=lambda kp: (bool((kp[1].get("spec") or {}).get("nodeName")), kp[0]),
+        )
+        for key, pod in pods:
             if pipeline is not None and key[0] != pipeline:
                 continue
             meta = pod["metadata"]
