@@ -62,10 +62,10 @@ PLURALS = {(GROUP, "FineTuneJob"): PLURAL}
 STEPS = 600
 """The low-priority job's steps: enough that it is still training when preempted and when
 suspended after the resume (measured 2026-11-27: preempted at step 10, suspended at 12). Its
-steps take 80-150 ms on a quiet machine, and it is readmitted as soon as the high-priority job
-is done, while this test still checks the preemption (its processes gone, its last record):
-on 2026-12-02 that took 35 s under load, and with 60 and then 200 steps the job had resumed
-and finished before the test looked."""
+steps take 80-150 ms on a quiet machine. The high-priority job's processes are held while the
+test looks at the preemption (on 2026-12-02 it finished, and the low job was running again,
+before the test saw the preempted processes stop), so the resume comes after; from there, the
+job's phases are recorded every quarter second."""
 
 
 @pytest.fixture(scope="module")
@@ -215,6 +215,17 @@ def test_kueue_admits_waits_preempts_and_resumes(env: dict[str, Any], kube_clust
 
     low, high = "low-job", "high-job"
     watcher = ProgressWatcher(e["minio"], f"ckpt/{ns}/{low}/progress.json")
+    # The low job's phases, seen every quarter second from its eviction on.
+    phases: list[str] = []
+    watching = threading.Event()
+
+    def record() -> None:
+        while not watching.is_set():
+            with contextlib.suppress(Exception):
+                phases.append(status(low).get("phase") or "")
+            watching.wait(0.25)
+
+    recorder = threading.Thread(target=record, daemon=True)
     try:
         # 1. No quota yet: the job plans, submits its Workload and waits with Kueue's words.
         custom.create_namespaced_custom_object(
@@ -276,59 +287,53 @@ def test_kueue_admits_waits_preempts_and_resumes(env: dict[str, Any], kube_clust
             lambda: (c := watcher.latest().get("lastCommittedStep") or 0) > before_kill and c,
             timeout=180,
         )
-        custom.create_namespaced_custom_object(
-            GROUP, VERSION, ns, PLURAL, _job(high, e["minio"], lq, f"high-{tag}", steps=12)
-        )
-        evicted = wait_for(
-            "the low-priority job evicted",
-            lambda: ready(low) if ready(low).get("reason") == "Evicted" else None,
-            timeout=120,
-        )
-        assert "Preempted" in evicted["message"], evicted
-        # From here the phases the job goes through, seen every quarter second: it is
-        # readmitted as soon as the high-priority job is done, maybe before the test looks.
-        phases: list[str] = []
-        watching = threading.Event()
-
-        def record() -> None:
-            while not watching.is_set():
-                with contextlib.suppress(Exception):
-                    phases.append(status(low).get("phase") or "")
-                watching.wait(0.25)
-
-        recorder = threading.Thread(target=record, daemon=True)
-        recorder.start()
-        wait_for(
-            "the high-priority job admitted",
-            lambda: wl_condition(high, "Admitted").get("status") == "True",
-            timeout=120,
-        )
-        # Its quota was handed back only once its pods were gone (they held the GPUs).
-        assert core.list_namespaced_pod(ns, label_selector=f"relaytrain.io/job={low}").items == []
-        assert wl_condition(low, "QuotaReserved").get("status") == "False"
-        assert wl_condition(low, "Evicted").get("reason") == "Preempted"
-        # The API objects go before the processes do (kwok finalises a deletion while the
-        # process still has its grace period, in which a stage can still commit): wait for
-        # the processes, so that nothing below is written to after it is read.
-        wait_for(
-            "the preempted job's processes stopped",
-            lambda: runner.processes(ns, f"{low}-") == [],
-            timeout=60,
-        )
-        # The stopped run's last record, once the watcher has it too (its processes are
-        # gone, so the record no longer changes until the resume).
-        mc, bucket = e["minio"].client(), e["minio"].bucket
-        final = stored_json(mc, bucket, f"ckpt/{ns}/{low}/progress.json")
-        wait_for("the watcher at the stopped run's last record", lambda: watcher.latest() == final)
-        stopped_at = final.get("step") or 0
-        # The newest commit made before the preemption, as the store has it (progress.json
-        # can lag it by one: a committer stopped between its commit and its record).
-        last_commit = max(
-            int(found.group(1))
-            for o in mc.list_objects(bucket, f"ckpt/{ns}/{low}/", recursive=True)
-            if (found := re.search(r"/step-(\d+)/manifest\.json$", o.object_name))
-        )
-        assert last_commit >= committed
+        # Its processes are held until the preemption has been looked at: once they run, it
+        # trains its 12 steps and finishes, and the low job is admitted again at once.
+        with runner.hold(ns, f"{high}-"):
+            custom.create_namespaced_custom_object(
+                GROUP, VERSION, ns, PLURAL, _job(high, e["minio"], lq, f"high-{tag}", steps=12)
+            )
+            evicted = wait_for(
+                "the low-priority job evicted",
+                lambda: ready(low) if ready(low).get("reason") == "Evicted" else None,
+                timeout=120,
+            )
+            assert "Preempted" in evicted["message"], evicted
+            recorder.start()  # the phases it goes through from here
+            wait_for(
+                "the high-priority job admitted",
+                lambda: wl_condition(high, "Admitted").get("status") == "True",
+                timeout=120,
+            )
+            # Its quota was handed back only once its pods were gone (they held the GPUs).
+            pods_left = core.list_namespaced_pod(ns, label_selector=f"relaytrain.io/job={low}")
+            assert pods_left.items == []
+            assert wl_condition(low, "QuotaReserved").get("status") == "False"
+            assert wl_condition(low, "Evicted").get("reason") == "Preempted"
+            # The API objects go before the processes do (kwok finalises a deletion while the
+            # process still has its grace period, in which a stage can still commit): wait
+            # for the processes, so that nothing below is written to after it is read.
+            wait_for(
+                lambda: f"the preempted job's processes stopped: {runner.processes(ns, low)}",
+                lambda: runner.processes(ns, f"{low}-") == [],
+                timeout=60,
+            )
+            # The stopped run's last record, once the watcher has it too (its processes are
+            # gone, so the record no longer changes until the resume).
+            mc, bucket = e["minio"].client(), e["minio"].bucket
+            final = stored_json(mc, bucket, f"ckpt/{ns}/{low}/progress.json")
+            wait_for(
+                "the watcher at the stopped run's last record", lambda: watcher.latest() == final
+            )
+            stopped_at = final.get("step") or 0
+            # The newest commit made before the preemption, as the store has it (progress.json
+            # can lag it by one: a committer stopped between its commit and its record).
+            last_commit = max(
+                int(found.group(1))
+                for o in mc.list_objects(bucket, f"ckpt/{ns}/{low}/", recursive=True)
+                if (found := re.search(r"/step-(\d+)/manifest\.json$", o.object_name))
+            )
+            assert last_commit >= committed
 
         # 5. The high-priority job finishes; its Workload is Finished; the low one resumes.
         wait_for(
@@ -337,14 +342,12 @@ def test_kueue_admits_waits_preempts_and_resumes(env: dict[str, Any], kube_clust
             timeout=240,
         )
         assert wl_condition(high, "Finished").get("status") == "True"
-        try:
-            wait_for(
-                "the low-priority job running again",
-                lambda: "Running" in phases,  # recorded from the eviction on
-                timeout=120,
-            )
-        finally:
-            watching.set()
+        wait_for(
+            "the low-priority job running again",
+            lambda: "Running" in phases,  # recorded from the eviction on
+            timeout=120,
+        )
+        watching.set()
         resumed = wait_for(
             "a step after the resume",
             lambda: next(
@@ -422,6 +425,7 @@ def test_kueue_admits_waits_preempts_and_resumes(env: dict[str, Any], kube_clust
         print(e["kueue"].logs()[-6000:])
         raise
     finally:
+        watching.set()
         watcher.stop()
 
 

@@ -75,7 +75,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -215,6 +215,7 @@ class KwokProcessRunner:
         self.errors: list[str] = []
         self._restarts: dict[str, _Restart] = {}  # by pod uid: containers waiting to restart
         self._ending: dict[str, threading.Thread] = {}  # by pod uid: processes being stopped
+        self._held: set[tuple[str, str]] = set()  # (namespace, name prefix): `hold`
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -319,6 +320,28 @@ class KwokProcessRunner:
                 if p.namespace == namespace and p.name.startswith(prefix)
             )
 
+    @contextlib.contextmanager
+    def hold(self, namespace: str, prefix: str) -> Iterator[None]:
+        """Within it, the pods in `namespace` named from `prefix` get no process, as a
+        kubelet still pulling their image starts none: a test orders what follows (a job
+        that would otherwise start, train and finish while the test still looks at what
+        came before). Their processes start on the first pass after it."""
+        with self._lock:
+            self._held.add((namespace, prefix))
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._held.discard((namespace, prefix))
+
+    def _is_held(self, pod: Any) -> bool:
+        meta = pod.metadata
+        with self._lock:
+            return any(
+                meta.namespace == ns and str(meta.name).startswith(prefix)
+                for ns, prefix in self._held
+            )
+
     def describe(self, local: LocalPod) -> str:
         """What the runner did and saw, for a test's message when a wait on it times out:
         its passes, stalled reads and errors, and what it did to `local`'s process."""
@@ -385,6 +408,7 @@ class KwokProcessRunner:
                 local is None
                 and uid not in self.finished
                 and (pod.status.phase == "Running" or uid in self.config_errors)
+                and not self._is_held(pod)
             ):
                 if self._node_exists(pod.spec.node_name) and not self._address_held(pod):
                     self._try_start(pod)
@@ -440,6 +464,8 @@ class KwokProcessRunner:
             if not pod.spec.node_name or uid in self.finished:
                 return
             if not self._node_exists(pod.spec.node_name) or self._address_held(pod):
+                return
+            if self._is_held(pod):
                 return
             if waiting is not None and time.monotonic() < waiting.not_before:
                 return
