@@ -7,7 +7,6 @@ import functools
 import re
 import shlex
 import subprocess
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -29,7 +28,9 @@ from relaytrain_testkit.doc_commands import (
     missing_targets,
     undocumented,
     unregistered,
+    venv_bin,
 )
+from relaytrain_testkit.script_help import helps
 from relaytrain_testkit.tiers import needs_torch
 
 pytestmark = pytest.mark.unit
@@ -190,15 +191,23 @@ def _script(entry: Entry) -> str:
     return found.group(0)
 
 
+TORCH_PRELOAD = ["torch", "relaytrain_worker.pipeline.stage"]
+"""What the torch bench scripts' --help runs import first, once: torch, and the worker's
+stage with transformers, peft and bitsandbytes (26 s for twelve scripts with torch alone,
+9 s with these)."""
+
+
 @functools.cache
 def _bench_helps(torch: bool) -> dict[str, Result]:
     """`script --help` of every bench script that imports torch (or, `torch` False, does
-    not), each run once and two at a time: a run that imports torch takes seconds before it
-    parses, and make test-fast asks only for those that do not."""
-    scripts = sorted({_script(e) for e in _entries("bench") if _imports_torch(e) == torch})
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        done = pool.map(lambda s: Shell(clean_env(), REPO).run(s + " --help", timeout=120), scripts)
-        return dict(zip(scripts, done, strict=True))
+    not), by their command up to the script: each forked from one interpreter that imported
+    torch once (`script_help`, `TORCH_PRELOAD`), which saves the seconds a fresh one spends
+    on it before it parses; make test-fast asks only for those that do not."""
+    commands = sorted({_script(e) for e in _entries("bench") if _imports_torch(e) == torch})
+    paths = {c: next(a for a in shlex.split(c) if a.endswith(".py")) for c in commands}
+    preload = TORCH_PRELOAD if torch else []
+    found = helps(str(venv_bin() / "python"), paths.values(), preload, clean_env(), REPO)
+    return {c: Result(*found[path]) for c, path in paths.items()}
 
 
 @pytest.mark.parametrize("entry", _bench_entries())
