@@ -9,13 +9,17 @@ from dataclasses import replace
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from relaytrain_contract.order import one_f_one_b
 from relaytrain_operator.domain.planner.problem import floor_lines, round_trip_floor
 from relaytrain_operator.domain.planner.steptime import (
+    BACKWARD_SHARE,
     PLAYED_MICROS,
+    PlannedSteps,
     StepShape,
     calibrate,
     planned_step_seconds,
     step_seconds,
+    step_seconds_each,
 )
 
 pytestmark = pytest.mark.unit
@@ -123,3 +127,69 @@ def test_the_planned_step_past_64_micro_batches_stays_within_2_percent_of_the_pl
     assert planned_step_seconds(replace(shape, micros=PLAYED_MICROS)) == step_seconds(
         replace(shape, micros=PLAYED_MICROS)
     )
+
+
+def _each(value: float | tuple[float, ...], count: int) -> tuple[float, ...]:
+    return value if isinstance(value, tuple) else (value,) * count
+
+
+def played_by_polling(shape: StepShape) -> float:
+    """The step played as the worker runs it, the plain way: each stage takes the next
+    operation of its own `one_f_one_b` order as soon as its input has arrived, every stage in
+    turn until all are done (steptime's implementation until 2026-12-02)."""
+    p, m = shape.stages, shape.micros
+    compute = _each(shape.compute, p)
+    forward = [c * (1 - BACKWARD_SHARE) for c in compute]
+    backward = [c * BACKWARD_SHARE for c in compute]
+    links = max(p - 1, 0)
+    down, up, latency = (_each(v, links) for v in (shape.down, shape.up, shape.latency))
+    encode_down, encode_up = _each(shape.encode_down, p), _each(shape.encode_up, p)
+    orders = [one_f_one_b(k, p, m, shape.ahead) for k in range(p)]
+    ins: list[list[float | None]] = [[0.0] * m] + [[None] * m for _ in range(p - 1)]
+    grads: list[list[float | None]] = [[None] * m for _ in range(p)]
+    link_down, link_up = [0.0] * links, [0.0] * links
+    nxt, free, encoder = [0] * p, [0.0] * p, [0.0] * p
+    while sum(nxt) < sum(len(o) for o in orders):
+        before = list(nxt)
+        for k in range(p):
+            while nxt[k] < len(orders[k]):
+                op, i = orders[k][nxt[k]]
+                if op == "F":
+                    ready = ins[k][i]
+                    if ready is None:
+                        break
+                    free[k] = max(free[k], ready) + forward[k]
+                    if k < p - 1:
+                        encoder[k] = max(encoder[k], free[k]) + encode_down[k]
+                        link_down[k] = max(link_down[k], encoder[k]) + down[k]
+                        ins[k + 1][i] = link_down[k] + latency[k]
+                else:
+                    ready = grads[k][i] if k < p - 1 else free[k]
+                    if ready is None:
+                        break
+                    free[k] = max(free[k], ready) + backward[k]
+                    if k > 0:
+                        encoder[k] = max(encoder[k], free[k]) + encode_up[k]
+                        link_up[k - 1] = max(link_up[k - 1], encoder[k]) + up[k - 1]
+                        grads[k - 1][i] = link_up[k - 1] + latency[k - 1]
+                nxt[k] += 1
+        assert nxt != before, "the schedule is stuck"
+    return max(free)
+
+
+@settings(max_examples=300, deadline=None)
+@given(slow_shapes())
+def test_every_count_of_micro_batches_plays_the_same_floats_as_the_worker_order_played_alone(
+    shape: StepShape,
+) -> None:
+    """steptime plays 1F1B without polling, a stage's prefix per micro-batch and its drain,
+    and every count of micro-batches in one play (`step_seconds_each`, what each pipeline of
+    a fleet is priced by): each must be the step of the worker's own order played alone,
+    to the bit."""
+    each = step_seconds_each(shape)
+    assert len(each) == shape.micros
+    for m, seconds in enumerate(each, start=1):
+        assert seconds == played_by_polling(replace(shape, micros=m)), m
+    assert step_seconds(shape) == each[-1]
+    steps = PlannedSteps(shape)
+    assert [steps(m) for m in range(1, shape.micros + 1)] == each

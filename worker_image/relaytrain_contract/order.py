@@ -11,17 +11,24 @@ MAX_FORWARDS_AHEAD = 16
 """The most forwards a stage runs ahead of 1F1B (`pipeline.forwardsAhead`)."""
 
 
+def warmup(stage_index: int, stages: int, ahead: int = 0) -> int:
+    """The forwards this stage runs before its first backward, given enough micro-batches:
+    1F1B's ``P - k - 1``, plus ``ahead`` on every stage but the last. Then it alternates a
+    forward and a backward, and ends with the backwards left (`one_f_one_b`)."""
+    extra = ahead if stage_index < stages - 1 else 0
+    return stages - stage_index - 1 + extra
+
+
 def one_f_one_b(
     stage_index: int, stages: int, micro_batches: int, ahead: int = 0
 ) -> list[tuple[str, int]]:
     """The order of ("F"|"B", micro) this stage runs in one step. ``ahead``: forwards every
     stage but the last runs before its first backward on top of 1F1B's (the backwards keep
     micro-batch order, so the gradients are the same bits)."""
-    extra = ahead if stage_index < stages - 1 else 0
-    warmup = min(stages - stage_index - 1 + extra, micro_batches)
-    order: list[tuple[str, int]] = [("F", m) for m in range(warmup)]
+    warm = min(warmup(stage_index, stages, ahead), micro_batches)
+    order: list[tuple[str, int]] = [("F", m) for m in range(warm)]
     backward = 0
-    for m in range(warmup, micro_batches):
+    for m in range(warm, micro_batches):
         order.append(("F", m))
         order.append(("B", backward))
         backward += 1
@@ -33,5 +40,4 @@ def in_flight(stage_index: int, stages: int, micro_batches: int, ahead: int = 0)
     """Micro-batches of activations the stage holds at most in `one_f_one_b`'s order: its
     forwards before the first backward (1F1B's ``P - k``, plus ``ahead`` on every stage but
     the last), never more than the step's micro-batches."""
-    extra = ahead if stage_index < stages - 1 else 0
-    return min(stages - stage_index + extra, micro_batches)
+    return min(warmup(stage_index, stages, ahead) + 1, micro_batches)
