@@ -2,7 +2,7 @@
 planning them takes. Plain script; prints tables. Every figure is the cost model's prediction
 (operator/relaytrain_operator/domain/planner/), not a measured run.
 
-    .venv/bin/python bench/bench_fleet_plan.py            # about 15 s on the 2-core dev VM
+    .venv/bin/python bench/bench_fleet_plan.py            # about 40 s on the 2-core dev VM
     .venv/bin/python bench/bench_fleet_plan.py --quick    # fewer random fleets in section 4
     .venv/bin/python bench/bench_fleet_plan.py --json OUT # also every row as JSON
 
@@ -16,7 +16,8 @@ planning them takes. Plain script; prints tables. Every figure is the cost model
    drain, no sync), and every GPU alone (the whole model on it, memory ignored: DESIGN.md's
    fleet-use denominator).
 2. Six heterogeneous fleets (bench/bench_planner.py's): the same comparison.
-3. Plan time: 64 GPUs (4 kinds x 16) x 80 layers, and 4 kinds x 32 nodes (128 GPUs).
+3. Plan time: 64 GPUs (4 kinds x 16) x 80 layers, 4 kinds x 32 nodes (128 GPUs), and 64
+   GPUs of 16-24 GB (RTX 4090, RTX 3090, A10, V100-16GB; 70B QLoRA fp16: 7+ stages).
 4. The set search's greedy start (no branch and bound) against the exhaustive search on
    random small fleets.
 """
@@ -50,6 +51,7 @@ from bench_planner import (  # noqa: E402
     LLAMA3_8B,
     RTX3090,
     RTX4090,
+    V100_16,
 )
 from relaytrain_operator.domain.planner import (  # noqa: E402
     CostSettings,
@@ -230,10 +232,19 @@ def plan_time() -> list[dict[str, Any]]:
     _, _, model, training, pools = FLEETS[-1]
     big = [replace(p, gpus=32, nodes=32) for p in pools]
     more = replace(training, micro_batches=1024)
+    # The harder case: GPUs of 16-24 GB, so a pipeline of the 70B needs 7 stages or more.
+    small = [
+        Pool("4090", RTX4090, 16, 500, 30),
+        Pool("3090", RTX3090, 16, 500, 30),
+        Pool("a10", A10, 16, 1000, 10),
+        Pool("v100", V100_16, 16, 1000, 10),
+    ]
+    fp16 = replace(training, dtype="float16")
     cases = [
         ("64 GPUs (4 kinds x 16) x 80 layers, M=64", pools, training, 1.0),
         ("4 kinds x 32 nodes (128 GPUs) x 80 layers, M=64", big, training, 5.0),
         ("4 kinds x 32 nodes (128 GPUs) x 80 layers, M=1024", big, more, 5.0),
+        ("64 GPUs of 16-24 GB (4 kinds x 16) x 80 layers, fp16, M=64", small, fp16, 5.0),
     ]
     for label, fleet, shape, target in cases:
         for sync in (Sync(), Sync("periodic", 8)):
