@@ -37,7 +37,12 @@ from relaytrain_operator.domain.planner.fleet_candidates import pipe_of_plan
 from relaytrain_operator.domain.planner.growth import GROWTH_MARGIN
 from relaytrain_operator.domain.planner.problem import build_problem, floor_lines
 from relaytrain_operator.domain.planner.shares import Lane, slowest_seconds, split_fast
-from relaytrain_operator.domain.planner.steptime import StepShape, step_seconds
+from relaytrain_operator.domain.planner.steptime import (
+    PLAYED_MICROS,
+    PlannedSteps,
+    StepShape,
+    step_seconds,
+)
 from relaytrain_operator.domain.planner.sync import Gradients, fold_rounds, sync_seconds, top_two
 from relaytrain_testkit.jobs import Job
 
@@ -153,6 +158,40 @@ def test_split_of_played_out_steps_equals_brute_force(pipelines, m):
         shares = split(pipelines, m)
         assert sum(shares) == m and min(shares) >= 0
         assert slowest_seconds(pipelines, shares) == pytest.approx(optimum, rel=1e-12, abs=1e-12)
+
+
+@st.composite
+def planned_lanes(draw):
+    """Up to 24 lanes as the fleet planner builds them (`Problem.lane`): steps played out to
+    64 micro-batches and a line beyond (`PlannedSteps`), some with fills long enough that
+    they deserve none of a small step."""
+    lanes = []
+    for _ in range(draw(st.integers(1, 24))):
+        p = draw(st.integers(1, 12))
+        each = st.floats(0.0, 0.4)
+        shape = StepShape(
+            p,
+            1,
+            tuple(draw(st.floats(0.05, 0.5)) for _ in range(p)),
+            tuple(draw(each) for _ in range(p - 1)),
+            tuple(draw(each) for _ in range(p - 1)),
+            tuple(draw(st.sampled_from([0.0, 0.01, 0.5, 3.0])) for _ in range(p - 1)),
+            ahead=draw(st.sampled_from([0, 2])),
+        )
+        lines = floor_lines(shape)
+        period = max(b for _, b in lines)
+        fill = max(a for a, b in lines if b == period)
+        lanes.append(Lane(PlannedSteps(shape), fill, period, linear_after=PLAYED_MICROS))
+    return lanes
+
+
+@settings(max_examples=120, deadline=None)
+@given(planned_lanes(), st.sampled_from([1, 7, 64, 65, 300, 1024, 2500]))
+def test_the_fast_split_is_the_greedy_split_at_any_step_size(pipelines, m):
+    """`split_fast` starts near the M-th finish time (the lines' bound, then secant steps),
+    adds or gives back micro-batches one at a time, and must end on the greedy's own split:
+    the same shares, ties included."""
+    assert split_fast(pipelines, m) == split_micro_batches(pipelines, m)
 
 
 # --- the set of pipelines -------------------------------------------------------------------

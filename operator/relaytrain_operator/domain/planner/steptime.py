@@ -68,7 +68,7 @@ def _each(value: Each, count: int, what: str) -> tuple[float, ...]:
 
 def step_seconds(shape: StepShape) -> float:
     """The step's wall time: from the first stage's first forward to the last work done."""
-    played = _played(shape, every=False)
+    played = _played(shape, (shape.micros,))
     return played[-1] if played else 0.0
 
 
@@ -76,12 +76,12 @@ def step_seconds_each(shape: StepShape) -> list[float]:
     """`step_seconds` for 1, 2, ... ``shape.micros`` micro-batches (the same floats), in one
     play: about the cost of the longest step and ``M`` drains, where playing each count
     anew costs ``M / 2`` longest steps."""
-    return _played(shape, every=True)
+    return _played(shape, None)
 
 
-def _played(shape: StepShape, every: bool) -> list[float]:
-    """The step played out for ``shape.micros`` micro-batches (``every``: and for each count
-    below it).
+def _played(shape: StepShape, counts: tuple[int, ...] | None) -> list[float]:
+    """The step played out for each of ``counts`` micro-batches, in increasing order, up to
+    ``shape.micros`` (None: every count from 1), in one play.
 
     1F1B without polling (`relaytrain_contract.order`): with ``w_k`` the forwards stage k
     runs before its first backward (`warmup`), its order for m micro-batches is a prefix,
@@ -144,7 +144,7 @@ def _played(shape: StepShape, every: bool) -> list[float]:
                     sent = link_up[k - 1] = (sent if sent >= c else c) + up[k - 1]
                     grads_prev[j] = sent + latency[k - 1]
             busy[k] = b
-        if not every and m < m_total - 1:
+        if counts is not None and m + 1 not in counts:
             continue
         done = m + 1  # the drain of a step of `done` micro-batches
         end = busy[last]
@@ -196,18 +196,20 @@ class PlannedSteps:
         self._tail: tuple[float, float] | None = None
         """Beyond ``PLAYED_MICROS``: (its step, the seconds of each further micro-batch)."""
 
-    def _play(self, micros: int) -> float:
-        if self._steps is None:
-            self._steps = step_seconds_each(replace(self.shape, micros=PLAYED_MICROS))
-        return self._steps[micros - 1]
-
     def __call__(self, micros: int) -> float:
         if micros <= PLAYED_MICROS:
-            return self._play(micros)
+            if self._steps is None:
+                self._steps = step_seconds_each(replace(self.shape, micros=PLAYED_MICROS))
+            return self._steps[micros - 1]
         if self._tail is None:
             half = PLAYED_MICROS // 2
-            full = self._play(PLAYED_MICROS)
-            slope = (full - self._play(half)) / (PLAYED_MICROS - half)
+            if self._steps is None:  # a plan's step alone: two counts, not every one
+                at_half, full = _played(
+                    replace(self.shape, micros=PLAYED_MICROS), (half, PLAYED_MICROS)
+                )
+            else:
+                at_half, full = self._steps[half - 1], self._steps[-1]
+            slope = (full - at_half) / (PLAYED_MICROS - half)
             self._tail = (full, max(slope, busiest_seconds(self.shape)))
         full, slope = self._tail
         return full + (micros - PLAYED_MICROS) * slope
