@@ -59,13 +59,14 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 POOL_LABEL = "relaytrain.io/pool"
 PLURALS = {(GROUP, "FineTuneJob"): PLURAL}
-STEPS = 600
+STEPS = 300
 """The low-priority job's steps: enough that it is still training when preempted and when
 suspended after the resume (measured 2026-11-27: preempted at step 10, suspended at 12). Its
 steps take 80-150 ms on a quiet machine. The high-priority job's processes are held while the
-test looks at the preemption (on 2026-12-02 it finished, and the low job was running again,
-before the test saw the preempted processes stop), so the resume comes after; from there, the
-job's phases are recorded every quarter second."""
+test looks at the preemption, so the low job resumes only after that (on 2026-12-02, with 600
+steps and no hold, the high job had finished and the low one was running again before the
+test saw the preempted processes stop); from there, its phases are recorded every quarter
+second."""
 
 
 @pytest.fixture(scope="module")
