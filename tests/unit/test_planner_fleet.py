@@ -120,28 +120,34 @@ def test_pipeline_time_is_fill_and_drain_plus_one_beat_per_micro_batch():
     assert (lane.seconds(0), lane.seconds(1), lane.seconds(10)) == (0.0, 2.0, 6.5)
 
 
+def _drawn_lane(draw, most_stages, latencies, steps=None):
+    """One pipeline over slow links with the line of its slowest resource under its step:
+    ``steps`` (None: each count played alone) of a shape of up to ``most_stages`` stages."""
+    p = draw(st.integers(1, most_stages))
+    each = st.floats(0.0, 0.4)
+    shape = StepShape(
+        p,
+        1,
+        tuple(draw(st.floats(0.05, 0.5)) for _ in range(p)),
+        tuple(draw(each) for _ in range(p - 1)),
+        tuple(draw(each) for _ in range(p - 1)),
+        tuple(draw(latencies) for _ in range(p - 1)),
+        ahead=draw(st.sampled_from([0, 2])),
+    )
+    lines = floor_lines(shape)
+    period = max(b for _, b in lines)
+    fill = max(a for a, b in lines if b == period)
+    if steps is None:
+        return Lane(lambda m, s=shape: step_seconds(replace(s, micros=m)), fill, period)
+    return Lane(steps(shape), fill, period, linear_after=PLAYED_MICROS)
+
+
 @st.composite
 def played_lanes(draw):
     """Lanes of pipelines over slow links, played out (`steptime`), with the line of their
     slowest resource under them: what the fleet planner splits by."""
-    lanes = []
-    for _ in range(draw(st.integers(1, 4))):
-        p = draw(st.integers(1, 4))
-        each = st.floats(0.0, 0.4)
-        shape = StepShape(
-            p,
-            1,
-            tuple(draw(st.floats(0.05, 0.5)) for _ in range(p)),
-            tuple(draw(each) for _ in range(p - 1)),
-            tuple(draw(each) for _ in range(p - 1)),
-            tuple(draw(st.floats(0.0, 0.1)) for _ in range(p - 1)),
-            ahead=draw(st.sampled_from([0, 2])),
-        )
-        lines = floor_lines(shape)
-        period = max(b for _, b in lines)
-        fill = max(a for a, b in lines if b == period)
-        lanes.append(Lane(lambda m, s=shape: step_seconds(replace(s, micros=m)), fill, period))
-    return lanes
+    latencies = st.floats(0.0, 0.1)
+    return [_drawn_lane(draw, 4, latencies) for _ in range(draw(st.integers(1, 4)))]
 
 
 @settings(max_examples=150, deadline=None)
@@ -165,24 +171,9 @@ def planned_lanes(draw):
     """Up to 24 lanes as the fleet planner builds them (`Problem.lane`): steps played out to
     64 micro-batches and a line beyond (`PlannedSteps`), some with fills long enough that
     they deserve none of a small step."""
-    lanes = []
-    for _ in range(draw(st.integers(1, 24))):
-        p = draw(st.integers(1, 12))
-        each = st.floats(0.0, 0.4)
-        shape = StepShape(
-            p,
-            1,
-            tuple(draw(st.floats(0.05, 0.5)) for _ in range(p)),
-            tuple(draw(each) for _ in range(p - 1)),
-            tuple(draw(each) for _ in range(p - 1)),
-            tuple(draw(st.sampled_from([0.0, 0.01, 0.5, 3.0])) for _ in range(p - 1)),
-            ahead=draw(st.sampled_from([0, 2])),
-        )
-        lines = floor_lines(shape)
-        period = max(b for _, b in lines)
-        fill = max(a for a, b in lines if b == period)
-        lanes.append(Lane(PlannedSteps(shape), fill, period, linear_after=PLAYED_MICROS))
-    return lanes
+    latencies = st.sampled_from([0.0, 0.01, 0.5, 3.0])
+    count = draw(st.integers(1, 24))
+    return [_drawn_lane(draw, 12, latencies, PlannedSteps) for _ in range(count)]
 
 
 @settings(max_examples=120, deadline=None)
