@@ -37,7 +37,8 @@ Packed rows mask attention across documents; A still counts whole rows, as the p
 Also: (b)'s and (c)'s loss at every step and LoRA gradients and weights after the last step
 against (a)'s (max |Δ|), the ratios (b)/(a) and (a)/(c), and on a GPU the design targets
 (≥ 8,000 tokens/s for (a); (b)/(a) ≥ 0.90) and (b0): (b) with every frame encoded on the
-default stream, the baseline of the encoders' own streams (pipeline/peers.py), as (b)/(b0).
+default stream, the baseline of the encoders' own streams (pipeline/peers.py), as (b)/(b0);
+on a card in the catalog, the catalog entry it measured: (a)'s MFU as its `efficiency`.
 Exit status 1 when a set-up failed.
 """
 
@@ -497,6 +498,9 @@ def run_check(
     rb0 = rate("b0") if "b0" in runs else None
     if rb and rb0:
         report["ratios"]["b_over_b0"] = round(rb / rb0, 3)
+    entry = measured_entry(product, runs["a"])
+    if entry is not None:
+        report["catalog_entry"] = entry
     if device.type == "cuda":
         report["targets"] = {
             "a_tokens_per_s_at_least_8000": bool(ra and ra >= TOKENS_TARGET),
@@ -504,6 +508,17 @@ def run_check(
         }
     save(report)
     return report
+
+
+def measured_entry(product: str | None, row: dict[str, Any]) -> dict[str, Any] | None:
+    """The catalog entry this card measured, for chart values `gpuCatalog` or `relaytrain plan
+    --catalog`: (a)'s MFU as its `efficiency` (MFU counts the planner's own FLOPs over the
+    catalog's peak, which is what the planner's efficiency scales; docs/planner.md, "What a card
+    measured"). None without a catalog product or an MFU (a CPU, a failed run)."""
+    mfu = row.get("mfu")
+    if product is None or not mfu:
+        return None
+    return {product: {"efficiency": round(float(mfu), 3)}}
 
 
 def _versions() -> dict[str, str | None]:
@@ -553,6 +568,9 @@ def print_report(report: dict[str, Any]) -> None:
               f"{c['params_max_abs_diff']:.3g}")  # fmt: skip
     for name, met in report.get("targets", {}).items():
         print(f"target {name}: {'met' if met else 'NOT met'}")
+    if "catalog_entry" in report:
+        entry = json.dumps(report["catalog_entry"])
+        print(f"this card's catalog entry (gpuCatalog values): {entry}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -68,6 +68,23 @@ def test_every_setup_reports_speed_and_memory_beside_the_estimate(report: dict[s
     assert report["flops"]["model_flops_per_token"] > 0
 
 
+def test_a_card_s_one_stage_mfu_becomes_its_catalog_entry_s_efficiency(
+    report: dict[str, Any],
+) -> None:
+    """On a card the report gives the catalog entry it measured, (a)'s MFU as `efficiency`,
+    in the planner's override format; on the CPU (no catalog product, no MFU) none."""
+    from relaytrain_operator.domain.planner import DEFAULT_CATALOG
+
+    from bench.gpu_check import measured_entry
+
+    assert "catalog_entry" not in report
+    assert measured_entry(report["catalog_product"], report["runs"]["a"]) is None
+    on_card = {**report["runs"]["a"], "mfu": 0.30462}
+    entry = measured_entry("NVIDIA-H200", on_card)
+    assert entry == {"NVIDIA-H200": {"efficiency": 0.305}}
+    assert DEFAULT_CATALOG.with_overrides(entry)["NVIDIA-H200"].efficiency == 0.305
+
+
 def test_qlora_runs_where_bitsandbytes_imports(report: dict[str, Any]) -> None:
     row = report["runs"]["qlora"]
     if importlib.util.find_spec("bitsandbytes") is None:

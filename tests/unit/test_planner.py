@@ -364,3 +364,43 @@ def test_layer_overhead_adds_a_fixed_time_per_layer_and_micro_batch() -> None:
     assert slow.layer_seconds == pytest.approx(base.layer_seconds + 0.003)
     with pytest.raises(ValueError, match="layer_overhead_seconds must be >= 0"):
         CostSettings(layer_overhead_seconds=-0.001)
+
+
+def test_a_card_is_priced_at_the_efficiency_and_overhead_its_catalog_entry_measured() -> None:
+    """A catalog entry's measured `efficiency` replaces the cost model's for that card alone
+    (its compute time scales by their ratio), and its `layerOverheadMs` the settings'."""
+    model = ModelShape.from_hf_config(SMOLLM2_135M_CONFIG)
+    training = TrainingShape(1, 8, 256)
+    pool = Pool("h100", "NVIDIA-H100-80GB-HBM3", 1, 1000, 10)
+    gpu = DEFAULT_CATALOG[pool.product]
+    settings = CostSettings(layer_overhead_seconds=0.001)
+    base = pool_cost(model, training, pool, gpu, settings)
+    measured = replace(gpu, efficiency=0.3, layer_overhead_ms=0.25)
+    cost = pool_cost(model, training, pool, measured, settings)
+    flops_seconds = base.layer_seconds - 0.001
+    assert cost.layer_seconds == pytest.approx(flops_seconds * 0.45 / 0.3 + 0.00025)
+    # Set to what the settings say, the entry prices the card as before.
+    same = replace(gpu, efficiency=settings.efficiency, layer_overhead_ms=1.0)
+    assert pool_cost(model, training, pool, same, settings).layer_seconds == base.layer_seconds
+
+
+def test_a_card_that_measured_half_the_efficiency_gets_about_half_the_layers() -> None:
+    """Two cards of one datasheet peak (an H100 and an H200, both 989 TFLOPS): split evenly by
+    default; once the H200's entry says its stages reach half the H100's share of that peak,
+    it carries about half as many layers, and the plan's step is priced slower."""
+    pools = [
+        Pool("h100", "NVIDIA-H100-80GB-HBM3", 1, 100_000, 1),
+        Pool("h200", "NVIDIA-H200", 1, 100_000, 1),
+    ]
+    training = TrainingShape(1, 8, 1024, method="lora")
+    even = plan(LLAMA_8B, training, pools, stages=2)
+    halved = DEFAULT_CATALOG.with_overrides({"NVIDIA-H200": {"efficiency": 0.225}})
+    result = plan(LLAMA_8B, training, pools, halved, stages=2)
+
+    def layers(p: Plan) -> dict[str, int]:
+        return {s.pool: s.layers for s in p.stages}
+
+    assert abs(layers(even)["h100"] - layers(even)["h200"]) <= 2
+    assert layers(result)["h100"] + layers(result)["h200"] == LLAMA_8B.num_layers
+    assert 1.7 <= layers(result)["h100"] / layers(result)["h200"] <= 2.3
+    assert result.tokens_per_second < even.tokens_per_second

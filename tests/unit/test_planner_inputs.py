@@ -19,6 +19,7 @@ from relaytrain_operator.domain.planner import (
     pools_from_file,
     pools_from_nodes,
 )
+from relaytrain_testkit import REPO
 from relaytrain_testkit.shapes import LLAMA3_8B_CONFIG
 
 pytestmark = pytest.mark.unit
@@ -145,10 +146,40 @@ def test_catalog_overrides_take_numbers_a_yaml_1_1_reader_left_as_strings():
         DEFAULT_CATALOG.with_overrides({"NVIDIA-A10": {"tflops": "fast"}})
 
 
+def test_a_catalog_entry_carries_what_its_card_measured_and_can_drop_it_again():
+    """`efficiency` and `layerOverheadMs` are a card's measured figures: set on a known GPU
+    (the rest kept), not needed for a new one, and unset again by null."""
+    measured = DEFAULT_CATALOG.with_overrides(
+        {"NVIDIA-H200": {"efficiency": 0.3, "layerOverheadMs": "2e-1"}}
+    )
+    h200 = measured["NVIDIA-H200"]
+    assert (h200.efficiency, h200.layer_overhead_ms) == (0.3, 0.2)
+    assert h200.tflops == DEFAULT_CATALOG["NVIDIA-H200"].tflops
+    assert DEFAULT_CATALOG["NVIDIA-H200"].efficiency is None  # the built-in entries measured none
+    again = measured.with_overrides({"NVIDIA-H200": {"efficiency": None}})["NVIDIA-H200"]
+    assert (again.efficiency, again.layer_overhead_ms) == (None, 0.2)
+    datasheet = {"tflops": 50, "fp32Tflops": 10, "memoryMiB": 8192, "memoryBandwidthGBs": 400}
+    new = DEFAULT_CATALOG.with_overrides({"Acme-X1": {**datasheet, "bf16": True}})["Acme-X1"]
+    assert new.efficiency is None and new.layer_overhead_ms is None
+
+
+def test_the_planner_docs_catalog_example_is_a_valid_override():
+    text = (REPO / "docs" / "planner.md").read_text()
+    block = text.split("```yaml\ngpus:\n", 1)[1].split("```", 1)[0]
+    catalog = DEFAULT_CATALOG.with_overrides(yaml.safe_load("gpus:\n" + block))
+    assert catalog["NVIDIA-A10"].tflops == 100 and catalog["NVIDIA-H200"].efficiency == 0.30
+    assert catalog["Acme-X1"].memory_mib == 65536
+
+
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ({"Acme-X1": {"tflops": 50}}, "lacks fp32Tflops, memoryMiB, memoryBandwidthGBs, bf16"),
+        ({"Acme-X1": {"tflops": 50}}, "lacks fp32Tflops, memoryMiB, memoryBandwidthGBs, bf16$"),
+        ({"NVIDIA-A10": {"efficiency": 0}}, "efficiency must be a number above 0 and at most 1"),
+        ({"NVIDIA-A10": {"efficiency": 45}}, "efficiency must be .*, got 45$"),
+        ({"NVIDIA-A10": {"efficiency": True}}, "efficiency must be .*, got True$"),
+        ({"NVIDIA-A10": {"layerOverheadMs": -1}}, "layerOverheadMs must be a number of millisec"),
+        ({"NVIDIA-A10": {"layerOverheadMS": 1}}, "valid: .*efficiency, layerOverheadMs$"),
         ({"NVIDIA-A10": {"teraflops": 1}}, "unknown field(s) teraflops"),
         ({"NVIDIA-A10": {"tflops": -1}}, "tflops must be a positive number"),
         ({"NVIDIA-A10": {"bf16": "yes"}}, "bf16 must be true or false"),

@@ -13,6 +13,14 @@ Numbers are the vendor's published *dense* figures (no 2:4 sparsity):
   label wins over this value when present.
 - ``memory_bandwidth_gbs``: HBM/GDDR bandwidth, which bounds QLoRA's dequantisation.
 
+Two optional fields say what a card measured, not what its datasheet says, and are unset in
+the built-in entries: ``efficiency``, the fraction of that peak the card's stages reach (its
+model FLOPs utilisation, e.g. the MFU `make gpu-check` reports for one stage), and
+``layer_overhead_ms``, a fixed time per decoder layer and micro-batch that FLOPs do not see.
+Unset, the cost model's own settings price the card (``CostSettings.efficiency``, 0.45, and
+``CostSettings.layer_overhead_seconds``, 0). In a mixed fleet a card that reaches a smaller
+share of its peak than the others is otherwise given too many layers.
+
 The catalog is data, so users override or extend it: :meth:`Catalog.with_overrides` takes a
 mapping (from a YAML/JSON file for the CLI, or a ConfigMap / chart values for the operator).
 An unknown product is an error that lists the known ones, never a guess.
@@ -21,7 +29,7 @@ An unknown product is an error that lists the known ones, never a guess.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import MISSING, dataclass, fields, replace
 from typing import Any
 
 from relaytrain_operator.domain.planner.result import PlanError
@@ -50,16 +58,34 @@ class GpuSpec:
     """Memory bandwidth in GB/s (bounds 4-bit dequantisation under QLoRA)."""
     bf16: bool
     """Whether the GPU computes in bfloat16 natively (Ampere and newer)."""
+    efficiency: float | None = None
+    """Measured fraction of the peak this card's stages reach, in (0, 1]; None: the cost
+    model's (``CostSettings.efficiency``)."""
+    layer_overhead_ms: float | None = None
+    """Measured fixed milliseconds per decoder layer and micro-batch, at least 0; None: the
+    cost model's (``CostSettings.layer_overhead_seconds``)."""
 
     def __post_init__(self) -> None:
         for name in ("tflops", "fp32_tflops", "memory_mib", "memory_bandwidth_gbs"):
             value = getattr(self, name)
-            if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
+            if not _is_number(value) or value <= 0:
                 raise ValueError(
                     f"GPU {self.product!r}: {_camel(name)} must be a positive number, got {value!r}"
                 )
         if not isinstance(self.bf16, bool):
             raise ValueError(f"GPU {self.product!r}: bf16 must be true or false, got {self.bf16!r}")
+        eff = self.efficiency
+        if eff is not None and not (_is_number(eff) and 0 < eff <= 1):
+            raise ValueError(
+                f"GPU {self.product!r}: efficiency must be a number above 0 and at most 1 (the "
+                f"share of the card's peak its stages reach, e.g. 0.3), got {eff!r}"
+            )
+        overhead = self.layer_overhead_ms
+        if overhead is not None and not (_is_number(overhead) and overhead >= 0):
+            raise ValueError(
+                f"GPU {self.product!r}: layerOverheadMs must be a number of milliseconds, at "
+                f"least 0, got {overhead!r}"
+            )
 
     def peak_flops(self, dtype: str) -> float:
         """Peak FLOP/s for matmuls in ``dtype`` (``bfloat16``, ``float16`` or ``float32``)."""
@@ -68,6 +94,10 @@ class GpuSpec:
     def supports(self, dtype: str) -> bool:
         """Whether the GPU can train in ``dtype`` at its listed speed."""
         return self.bf16 or dtype != "bfloat16"
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _gpu(
@@ -111,7 +141,11 @@ _FIELD_ALIASES = {
     "memoryMiB": "memory_mib",
     "memoryBandwidthGBs": "memory_bandwidth_gbs",
     "bf16": "bf16",
+    "efficiency": "efficiency",
+    "layerOverheadMs": "layer_overhead_ms",
 }
+#: The fields a new GPU must give (the measured ones may be left out).
+_REQUIRED = tuple(f.name for f in fields(GpuSpec) if f.name != "product" and f.default is MISSING)
 
 
 def _number(value: Any) -> Any:
@@ -153,7 +187,8 @@ class Catalog(Mapping[str, GpuSpec]):
         raise UnknownGpuError(
             f"unknown GPU product {product!r} (label nvidia.com/gpu.product); known: "
             f"{', '.join(sorted(self._gpus))}. Add it with a catalog override "
-            f"(tflops, fp32Tflops, memoryMiB, memoryBandwidthGBs, bf16)."
+            f"(tflops, fp32Tflops, memoryMiB, memoryBandwidthGBs, bf16; optionally the measured "
+            f"efficiency and layerOverheadMs)."
         )
 
     def __iter__(self) -> Iterator[str]:
@@ -167,8 +202,10 @@ class Catalog(Mapping[str, GpuSpec]):
 
         ``doc`` is ``{"gpus": {PRODUCT: {field: value}}}`` or just ``{PRODUCT: {...}}``,
         with camelCase fields ``tflops``, ``fp32Tflops``, ``memoryMiB``,
-        ``memoryBandwidthGBs``, ``bf16``. A known product takes the given fields and keeps
-        the rest; a new product must give them all.
+        ``memoryBandwidthGBs``, ``bf16`` and the measured ``efficiency`` and
+        ``layerOverheadMs``. A known product takes the given fields and keeps the rest (a
+        measured field set to null is unset again); a new product must give all but the
+        measured ones.
         """
         entries = doc.get("gpus", doc) if isinstance(doc, Mapping) else None
         if not isinstance(entries, Mapping):
@@ -188,8 +225,7 @@ class Catalog(Mapping[str, GpuSpec]):
             if base is not None:
                 gpus[str(product)] = replace(base, **values)
                 continue
-            names = [f.name for f in fields(GpuSpec) if f.name != "product"]
-            missing = [_camel(n) for n in names if n not in values]
+            missing = [_camel(n) for n in _REQUIRED if n not in values]
             if missing:
                 raise ValueError(
                     f"catalog override adds new GPU {product!r} but lacks {', '.join(missing)}"

@@ -14,8 +14,10 @@ Compute (FLOPs; W = matmul weights of a layer, q = query width, b, s = batch, se
 - qlora: each 4-bit weight is dequantised in forward and again in backward: per pass it
   reads 0.5 B, writes a dtype copy and the matmul reads it back, bounded by memory bandwidth;
 - output head (last stage): 2·T·h·V forward, the same backward (+ weight gradient if full).
-Time = FLOPs / (peak · efficiency). The efficiency stands for everything a roofline misses
-(kernel launch, normalisations, the optimizer step) and is one number the user may tune.
+Time = FLOPs / (peak · efficiency) + layers · overhead. The efficiency stands for everything a
+roofline misses (kernel launch, normalisations, the optimizer step): one number the user may
+tune (``CostSettings.efficiency``), or a card's own where its catalog entry gives one it
+measured (``GpuSpec.efficiency``; likewise the overhead, ``GpuSpec.layer_overhead_ms``).
 
 Memory (bytes): weights in their precision (4-bit + a fp32 absmax per 64 for qlora), LoRA
 parameters with fp32 weight, gradient and two Adam moments (16 B each), or for full training
@@ -67,7 +69,8 @@ class CostSettings:
     """Knobs of the cost model that are not facts about the job or the hardware."""
 
     efficiency: float = 0.45
-    """Fraction of peak matmul FLOP/s a stage reaches (model FLOPs utilisation)."""
+    """Fraction of peak matmul FLOP/s a stage reaches (model FLOPs utilisation) on a card
+    whose catalog entry measured none (`GpuSpec.efficiency`)."""
     memory_efficiency: float = 0.7
     """Fraction of peak memory bandwidth reached by qlora dequantisation."""
     memory_margin: float = 0.10
@@ -76,11 +79,23 @@ class CostSettings:
     """Memory taken before training starts: CUDA context, allocator, libraries."""
     layer_overhead_seconds: float = 0.0
     """Fixed time per decoder layer per micro-batch that FLOPs do not see (kernel launches,
-    framework dispatch). 0 by default; bench/bench_plan_vs_measured.py fits about 3 ms on CPU
-    stages, where it brings held-out step-time error from 16-35 % to under 8 %."""
+    framework dispatch) on a card whose catalog entry measured none
+    (`GpuSpec.layer_overhead_ms`). 0 by default; bench/bench_plan_vs_measured.py fits about 3
+    ms on CPU stages, where it brings held-out step-time error from 16-35 % to under 8 %."""
     sync_collective: Collective = "all-gather"
     """How several pipelines reduce their gradients (planner/sync.py): ``all-gather``, what
     the worker does (every holder sends to every other holder), or ``ring``."""
+
+    def efficiency_of(self, gpu: GpuSpec) -> float:
+        """The share of ``gpu``'s peak its stages are priced at: its catalog entry's measured
+        one, else ``efficiency``."""
+        return self.efficiency if gpu.efficiency is None else gpu.efficiency
+
+    def layer_overhead_of(self, gpu: GpuSpec) -> float:
+        """Seconds per decoder layer and micro-batch beyond the FLOPs on ``gpu``: its catalog
+        entry's measured overhead, else ``layer_overhead_seconds``."""
+        measured = gpu.layer_overhead_ms
+        return self.layer_overhead_seconds if measured is None else measured / 1000
 
     def usable_bytes(self, memory_mib: int) -> int:
         """What a plan may use of a GPU of ``memory_mib``: less the margin and the reserve."""
@@ -291,11 +306,11 @@ def pool_cost(
     e = training.dtype_bytes
     h, v = model.hidden_size, model.vocab_size
     w = model.layer_matmul_params  # in memory: every expert
-    flops_per_s = gpu.peak_flops(training.dtype) * settings.efficiency
+    flops_per_s = gpu.peak_flops(training.dtype) * settings.efficiency_of(gpu)
     lora = lora_params_per_layer(model, training)
     experts = expert_lora_weights(model, training)
     layer_flops, head_flops = step_flops(model, training)
-    layer_seconds = layer_flops / flops_per_s + settings.layer_overhead_seconds
+    layer_seconds = layer_flops / flops_per_s + settings.layer_overhead_of(gpu)
     linear = model.layer_linear_params  # nn.Linear weights: what qlora quantises
     if training.method == "qlora":
         # Two dequantisations per step of each weight: read 0.5 B, write and re-read e bytes.
