@@ -136,6 +136,41 @@ def test_catalog_file_adds_a_gpu(tmp_path, model_config, capsys):
     assert "Acme-X1" in capsys.readouterr().out
 
 
+def test_a_catalog_file_prices_a_card_at_what_it_measured_and_the_plan_says_so(
+    tmp_path, model_config, capsys
+):
+    """An H100 whose entry measured a third of the default efficiency: the same job's plan
+    is priced slower, the table names the card and its figures, the JSON carries them."""
+    nodes = {
+        "pools": [
+            {"name": "h100", "product": "NVIDIA-H100-80GB-HBM3", "nodes": 2,
+             "linkBandwidthMbps": 10_000, "linkLatencyMs": 1},
+        ]
+    }  # fmt: skip
+    (tmp_path / "nodes.yaml").write_text(yaml.safe_dump(nodes))
+    job, pools = LORA.write(tmp_path / "job.yaml"), tmp_path / "nodes.yaml"
+    args = ["plan", str(job), "--nodes", str(pools), "--model-config", str(model_config), "--json"]
+    assert relaytrain(*args) == 0
+    default = json.loads(capsys.readouterr().out)
+    assert default["measured"] == {}
+    catalog = {"NVIDIA-H100-80GB-HBM3": {"efficiency": 0.15, "layerOverheadMs": 0.5}}
+    (tmp_path / "catalog.yaml").write_text(yaml.safe_dump(catalog))
+    assert relaytrain(*args, "--catalog", str(tmp_path / "catalog.yaml")) == 0
+    slow = json.loads(capsys.readouterr().out)
+    assert slow["measured"] == {"NVIDIA-H100-80GB-HBM3": {"efficiency": 0.15,
+                                                          "layerOverheadMs": 0.5}}  # fmt: skip
+    assert slow["predictedTokensPerSecond"] < default["predictedTokensPerSecond"] / 2
+    assert relaytrain(*args[:-1], "--catalog", str(tmp_path / "catalog.yaml")) == 0
+    assert (
+        "Priced as measured (their catalog entries): NVIDIA-H100-80GB-HBM3 efficiency 0.15, "
+        "0.5 ms a layer and micro-batch; any other GPU at the cost model's efficiency 0.45."
+    ) in capsys.readouterr().out
+    bad = {"NVIDIA-H100-80GB-HBM3": {"efficiency": 15}}
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(bad))
+    assert relaytrain(*args, "--catalog", str(tmp_path / "bad.yaml")) == 2
+    assert "efficiency must be a number above 0 and at most 1" in capsys.readouterr().err
+
+
 def test_a_job_that_does_not_fit_exits_1_and_says_why(tmp_path, model_config, capsys):
     nodes = {
         "pools": [{"name": "a10", "product": "NVIDIA-A10", "nodes": 1, "linkBandwidthMbps": 1000}]

@@ -30,7 +30,12 @@ from typing import TYPE_CHECKING, Any, Literal
 import yaml
 
 from relaytrain_operator import cli
-from relaytrain_operator.cli.plan_format import format_if_left, format_table, if_left_dict
+from relaytrain_operator.cli.plan_format import (
+    format_if_left,
+    format_table,
+    if_left_dict,
+    measured,
+)
 from relaytrain_operator.domain.membership import if_left
 from relaytrain_operator.domain.placement import file_pools, job_pools
 from relaytrain_operator.domain.planner import (
@@ -385,13 +390,15 @@ def run(args: argparse.Namespace) -> int:
         doc = {"job": inputs.name, "model": model, **result.to_dict()}
         doc["compression"] = inputs.training.compression
         doc["forwardsAhead"] = inputs.training.forwards_ahead
+        doc["measured"] = measured(result, inputs.catalog)
         if growth is not None:
             doc["growth"] = _growth_dict(growth)
         if left is not None:
             doc["ifLeft"] = if_left_dict(left)
         print(json.dumps(doc, indent=2))
     else:
-        print(format_table(inputs.name, inputs.training, result, inputs.model, inputs.model_source))
+        print(format_table(inputs.name, inputs.training, result, inputs.model, inputs.model_source,
+                           catalog=inputs.catalog))  # fmt: skip
         if growth is not None:
             print("\n" + format_growth(args.join, growth))
         if left is not None:

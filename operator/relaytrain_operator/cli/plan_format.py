@@ -6,7 +6,14 @@ from __future__ import annotations
 from typing import Any
 
 from relaytrain_operator.domain.membership import IfLeft
-from relaytrain_operator.domain.planner import FleetPlan, ModelShape, Plan, TrainingShape
+from relaytrain_operator.domain.planner import (
+    Catalog,
+    CostSettings,
+    FleetPlan,
+    ModelShape,
+    Plan,
+    TrainingShape,
+)
 from relaytrain_operator.domain.planner.choose import AHEAD_MARGIN
 from relaytrain_operator.domain.planner.cost import GIB
 from relaytrain_operator.domain.planner.growth import GROWTH_MARGIN
@@ -27,6 +34,38 @@ def _about(model: ModelShape | None, source: Resolved | None) -> list[str]:
         f"{model.num_heads} heads ({model.num_kv_heads} KV), vocab {model.vocab_size}."
     ]
     return about + [f"Not read: {why}." for why in source.skipped]
+
+
+def measured(result: Plan | FleetPlan, catalog: Catalog) -> dict[str, dict[str, float]]:
+    """The GPUs of the plan's stages whose catalog entries carry what the card measured, and
+    those figures (`efficiency`, `layerOverheadMs`), which priced them (docs/planner.md)."""
+    pipelines = result.pipelines if isinstance(result, FleetPlan) else (result,)
+    out: dict[str, dict[str, float]] = {}
+    for product in sorted({s.gpu_product for p in pipelines for s in p.stages}):
+        gpu = catalog[product]
+        figures = {"efficiency": gpu.efficiency, "layerOverheadMs": gpu.layer_overhead_ms}
+        kept = {k: v for k, v in figures.items() if v is not None}
+        if kept:
+            out[product] = kept
+    return out
+
+
+def _measured_lines(result: Plan | FleetPlan, catalog: Catalog | None) -> list[str]:
+    found = measured(result, catalog) if catalog is not None else {}
+    if not found:
+        return []
+    default = CostSettings()
+    cards = "; ".join(
+        f"{product} " + ", ".join(
+            f"efficiency {v:.3g}" if k == "efficiency" else f"{v:.3g} ms a layer and micro-batch"
+            for k, v in figures.items()
+        )
+        for product, figures in found.items()
+    )  # fmt: skip
+    return [
+        f"Priced as measured (their catalog entries): {cards}; any other GPU at the cost "
+        f"model's efficiency {default.efficiency:.2f}."
+    ]
 
 
 def _stage_table(result: Plan) -> list[str]:
@@ -79,10 +118,25 @@ def format_table(
     result: Plan | FleetPlan,
     model: ModelShape | None = None,
     source: Resolved | None = None,
+    *,
+    catalog: Catalog | None = None,
 ) -> str:
-    """The plan as a readable table; with `model` and `source`, the model and its origin."""
+    """The plan as a readable table; with `model` and `source`, the model and its origin;
+    with `catalog`, the cards it priced at what they measured."""
     if isinstance(result, FleetPlan):
-        return format_fleet(name, training, result, model, source)
+        text = format_fleet(name, training, result, model, source)
+    else:
+        text = _format_one(name, training, result, model, source)
+    return "\n".join([text, *_measured_lines(result, catalog)])
+
+
+def _format_one(
+    name: str,
+    training: TrainingShape,
+    result: Plan,
+    model: ModelShape | None,
+    source: Resolved | None,
+) -> str:
     header = (
         f"Plan for {name}: {len(result.stages)} stage(s), {_schedule(training)}, "
         f"{result.micro_batches} micro-batches of {training.micro_batch_size}x"
