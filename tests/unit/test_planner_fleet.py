@@ -467,10 +467,11 @@ def test_replicas_1_is_todays_output(lab_job, capsys):
     today = plan(LLAMA, LAB_TRAINING, lab_pools(), DEFAULT_CATALOG)
     assert relaytrain(*plan_args(lab_job, "--replicas", "1", "--json")) == 0
     doc = json.loads(capsys.readouterr().out)
-    chosen = ("job", "model", "compression", "forwardsAhead")
+    chosen = ("job", "model", "compression", "forwardsAhead", "measured")
     assert {k: v for k, v in doc.items() if k not in chosen} == today.to_dict()
     assert doc["compression"] == "int8"  # the job's code, which the plan priced
     assert doc["forwardsAhead"] == 0  # and its forwards ahead
+    assert doc["measured"] == {}  # the built-in catalog's cards measured nothing
     assert relaytrain(*plan_args(lab_job, "--replicas", "1")) == 0
     out = capsys.readouterr().out
     body = format_table("smollm-lora", LAB_TRAINING, today).split("\n")
