@@ -325,6 +325,17 @@ class ReplicaPeer(_Part):
         return self
 
 
+def check_sync(mode: SyncMode, every_steps: int | None, outer_code: OuterCode) -> None:
+    """The sync settings' cross-field rules, for the job's `spec.pipeline.sync` (the
+    operator's spec model, whose CEL rules are their twins) and a stage's document alike:
+    `everySteps` set exactly with `periodic`, and an outer code only where there are outer
+    steps. Raises a `field_error` naming the field."""
+    if (mode == "periodic") != (every_steps is not None):
+        raise field_error("everySteps", "must be set exactly when mode is periodic")
+    if outer_code != "float64" and mode != "periodic":
+        raise field_error("outerCode", f"is {outer_code}, but only periodic sync has outer steps")
+
+
 class SyncSpec(_Part):
     """How the pipelines keep their weights equal (docs/worker.md, "Periodic
     synchronisation"); the job's `spec.pipeline.sync`."""
@@ -350,12 +361,7 @@ class SyncSpec(_Part):
 
     @model_validator(mode="after")
     def _every(self) -> SyncSpec:
-        if (self.mode == "periodic") != (self.every_steps is not None):
-            raise field_error("everySteps", "must be set exactly when mode is periodic")
-        if self.outer_code != "float64" and self.mode != "periodic":
-            raise field_error(
-                "outerCode", f"is {self.outer_code}, but only periodic sync has outer steps"
-            )
+        check_sync(self.mode, self.every_steps, self.outer_code)
         return self
 
 

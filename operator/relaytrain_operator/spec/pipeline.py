@@ -17,6 +17,7 @@ from relaytrain_contract.stage import (
     LoraMerge,
     OuterCode,
     SyncMode,
+    check_sync,
 )
 
 from relaytrain_operator.spec.errors import field_error
@@ -102,12 +103,7 @@ class SyncSpec(SpecModel):
 
     @model_validator(mode="after")
     def _every(self) -> SyncSpec:
-        if (self.mode == "periodic") != (self.every_steps is not None):
-            raise field_error("everySteps", "must be set exactly when mode is periodic")
-        if self.outer_code != "float64" and self.mode != "periodic":
-            raise field_error(
-                "outerCode", f"is {self.outer_code}, but only periodic sync has outer steps"
-            )
+        check_sync(self.mode, self.every_steps, self.outer_code)
         return self
 
 
