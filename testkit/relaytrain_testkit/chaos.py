@@ -162,22 +162,50 @@ class PodWatch:
 
 class Progress:
     """progress.json of the job, read straight from MinIO (None while it cannot be read);
-    `seen` keeps every step read, in order, and `read_at` when each was read."""
+    `seen` keeps every step read, in order, and `read_at` when each was read; `failed`, when
+    a read failed and why."""
 
     def __init__(self, minio: Any, key: str) -> None:
         self.minio, self.key = minio, key
         self.mc = minio.client()
         self.seen: list[int] = []
         self.read_at: list[float] = []
+        self.failed: list[tuple[float, str]] = []
 
     def now(self) -> dict[str, Any] | None:
         try:
             doc: dict[str, Any] = stored_json(self.mc, self.minio.bucket, self.key)
-        except Exception:
+        except Exception as exc:
+            self.failed.append((time.time(), repr(exc)[:160]))
             return None
         self.seen.append(int(doc.get("step", 0)))
         self.read_at.append(time.time())
         return doc
+
+    def before(self, target: int, what: str, timeout: float) -> dict[str, Any]:
+        """Waits for the job to reach step `target`, where `what` (a fault, an event) is due,
+        and returns the record read; fails when the job finished first, saying what the reads
+        since the wait began saw."""
+        since = time.time()
+        doc: dict[str, Any] = self.wait(
+            f"step {target} before the {what}",
+            lambda d: d["step"] >= target or bool(d.get("done")),
+            timeout=timeout,
+        )
+        assert not doc.get("done"), (
+            f"the job finished before the {what} (due at step {target}): {self.reads_since(since)}"
+        )
+        return doc
+
+    def reads_since(self, t: float) -> str:
+        """What the reads since `t` (time.time()) saw, for a failed wait's message: how many
+        read and failed, the steps read last with when, and the last failure. A job that
+        finished unseen is told apart from a reader that could not read or did not ask."""
+        read = [(w, s) for s, w in zip(self.seen, self.read_at, strict=True) if w >= t]
+        failed = [(w, why) for w, why in self.failed if w >= t]
+        last = ", ".join(f"step {s} at +{w - t:.1f} s" for w, s in read[-4:]) or "none"
+        why = f"; the last failure at +{failed[-1][0] - t:.1f} s: {failed[-1][1]}" if failed else ""
+        return f"since then {len(read)} read(s) and {len(failed)} failed; the last: {last}{why}"
 
     def step_at(self, t: float) -> int:
         """The highest step read at or before `t` (time.time()); 0 before the first read."""

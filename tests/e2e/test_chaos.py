@@ -139,12 +139,7 @@ def test_a_chaos_schedule_with_real_training(env: dict[str, Any]) -> None:
                     # while the chaos job waits for its store.
                     calm_job = _job(e["calm_minio"], "s3-calm", "calm", [apart["name"]])
                     calm_run = Background(e, calm_job)
-                doc = progress.wait(
-                    f"step {fault.target} before the {fault.kind} fault",
-                    lambda d, f=fault: d["step"] >= f.target or d.get("done"),  # type: ignore[misc]
-                    timeout=RECOVER_SECONDS,
-                )
-                assert not doc.get("done"), f"the job finished before the {fault.kind} fault"
+                progress.before(fault.target, f"{fault.kind} fault", RECOVER_SECONDS)
                 fault.wall = time.time()
                 injected = _inject(e, fault, name, rng, progress, spare, created)
                 if fault.kind != "minio":  # the step the pipeline broke at, from its logs

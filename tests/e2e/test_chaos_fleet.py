@@ -148,12 +148,7 @@ def test_a_chaos_schedule_for_two_pipelines(env: dict[str, Any]) -> None:
                 if fault.kind == "minio":
                     calm_job = _job(e["calm_minio"], "s3-calm", "calm", [apart["name"]])
                     calm_run = Background(e, calm_job)
-                doc = progress.wait(
-                    f"step {fault.target} before the {fault.kind} fault",
-                    lambda d, f=fault: d["step"] >= f.target or d.get("done"),  # type: ignore[misc]
-                    timeout=RECOVER_SECONDS,
-                )
-                assert not doc.get("done"), f"the job finished before the {fault.kind} fault"
+                progress.before(fault.target, f"{fault.kind} fault", RECOVER_SECONDS)
                 fault.wall = time.time()
                 injected = _inject(e, fault, name, rng, progress, spare, created)
                 _recover(fault, progress, logs, injected)

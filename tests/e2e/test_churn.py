@@ -217,12 +217,7 @@ def test_the_job_follows_a_changing_fleet(env: dict[str, Any]) -> None:
         gone: dict[str, Any] = {}
         try:
             for event in events:
-                doc = progress.wait(
-                    f"step {event.target} before the {event.kind} event",
-                    lambda d, ev=event: d["step"] >= ev.target or d.get("done"),  # type: ignore[misc]
-                    timeout=WAIT,
-                )
-                assert not doc.get("done"), f"the job finished before the {event.kind} event"
+                doc = progress.before(event.target, f"{event.kind} event", WAIT)
                 event.at_step = int(doc["step"])
                 _happen(e, name, event, joined, created, gone)
                 _over(e, event, pipelines, logs)
