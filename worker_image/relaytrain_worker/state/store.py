@@ -7,7 +7,9 @@ That is what lets the checkpoint manifest, written last, act as the commit.
 An S3 store that does not answer — connections refused or reset, timeouts, 5xx, MinIO still
 starting — is waited for: each operation is retried with back-off for up to
 `RETRY_SECONDS` (a store restarting stalls the job; it does not fail its stages). Answers
-that will not change (no such key, access denied, bad credentials) fail at once.
+that will not change (no such key, access denied, bad credentials) fail at once. The
+server's Retry-After is not obeyed (`_http_client`): MinIO asks 60 s of every client that
+meets it starting up, where it is ready a second or two later.
 """
 
 from __future__ import annotations
@@ -209,6 +211,31 @@ def job_credentials(
     return aws_credentials(environ)
 
 
+def _http_client() -> Any:
+    """The minio client's connection pool as it makes it by default (five-minute timeouts,
+    ten connections, the CA bundle of SSL_CERT_FILE or certifi's, five quick retries of a
+    5xx), but deaf to the server's Retry-After. MinIO answers every request in the second or
+    two between its start and its storage being ready with 503 XMinioServerNotInitialized
+    and `Retry-After: 60`, which urllib3 obeys: a stage that met a restarted store there sat
+    out a minute after the store was back (the chaos schedule's reader did, and the job ran
+    to its end unseen). `S3Store._retrying` backs off on its own, by at most 10 s."""
+    import certifi
+    import urllib3
+
+    return urllib3.PoolManager(
+        timeout=urllib3.Timeout(connect=300.0, read=300.0),
+        maxsize=10,
+        cert_reqs="CERT_REQUIRED",
+        ca_certs=os.environ.get("SSL_CERT_FILE") or certifi.where(),
+        retries=urllib3.Retry(
+            total=5,
+            backoff_factor=0.2,
+            status_forcelist=[500, 502, 503, 504],
+            respect_retry_after_header=False,
+        ),
+    )
+
+
 class S3Store:
     """A bucket/prefix on S3 or MinIO through the minio client (which does multipart)."""
 
@@ -248,6 +275,7 @@ class S3Store:
             session_token=session_token,
             secure=secure,
             region=region,
+            http_client=_http_client(),
             **kwargs,
         )
         self.retry_seconds = RETRY_SECONDS
