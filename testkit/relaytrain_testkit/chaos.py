@@ -163,21 +163,34 @@ class PodWatch:
 class Progress:
     """progress.json of the job, read straight from MinIO (None while it cannot be read);
     `seen` keeps every step read, in order, and `read_at` when each was read; `failed`, when
-    a read failed and why."""
+    a read failed and why; `slow`, each read that took over a second (when it began, how
+    long); `waits`, what each wait waited for and when it began."""
+
+    SLOW = 1.0
+    """Seconds a read may take before it is worth telling (they take milliseconds)."""
+    TIMEOUT = 5.0
+    """Seconds one read may take: a request stuck on a store that went away and came back
+    (minio's default waits five minutes) fails, and the next poll asks again."""
 
     def __init__(self, minio: Any, key: str) -> None:
         self.minio, self.key = minio, key
-        self.mc = minio.client()
+        self.mc = minio.client(timeout=self.TIMEOUT)
         self.seen: list[int] = []
         self.read_at: list[float] = []
         self.failed: list[tuple[float, str]] = []
+        self.slow: list[tuple[float, float]] = []
+        self.waits: list[tuple[float, str]] = []
 
     def now(self) -> dict[str, Any] | None:
+        began = time.time()
         try:
             doc: dict[str, Any] = stored_json(self.mc, self.minio.bucket, self.key)
         except Exception as exc:
             self.failed.append((time.time(), repr(exc)[:160]))
             return None
+        finally:
+            if time.time() - began > self.SLOW:
+                self.slow.append((began, time.time() - began))
         self.seen.append(int(doc.get("step", 0)))
         self.read_at.append(time.time())
         return doc
@@ -185,8 +198,9 @@ class Progress:
     def before(self, target: int, what: str, timeout: float) -> dict[str, Any]:
         """Waits for the job to reach step `target`, where `what` (a fault, an event) is due,
         and returns the record read; fails when the job finished first, saying what the reads
-        since the wait began saw."""
-        since = time.time()
+        since the previous wait began saw (the fault before this one was injected and
+        recovered from in between)."""
+        since = self.waits[-1][0] if self.waits else time.time()
         doc: dict[str, Any] = self.wait(
             f"step {target} before the {what}",
             lambda d: d["step"] >= target or bool(d.get("done")),
@@ -198,14 +212,20 @@ class Progress:
         return doc
 
     def reads_since(self, t: float) -> str:
-        """What the reads since `t` (time.time()) saw, for a failed wait's message: how many
-        read and failed, the steps read last with when, and the last failure. A job that
-        finished unseen is told apart from a reader that could not read or did not ask."""
+        """What the reads since `t` (time.time()) saw, for a failed wait's message: the waits
+        begun, how many read and failed, the steps read last with when, the slow reads and
+        the last failure. A job that finished unseen is told apart from a reader that could
+        not read, was stuck in a read, or did not ask."""
         read = [(w, s) for s, w in zip(self.seen, self.read_at, strict=True) if w >= t]
         failed = [(w, why) for w, why in self.failed if w >= t]
+        waits = "; ".join(f"+{w - t:.1f} s {what}" for w, what in self.waits if w >= t)
         last = ", ".join(f"step {s} at +{w - t:.1f} s" for w, s in read[-4:]) or "none"
+        slow = ", ".join(f"{d:.1f} s at +{w - t:.1f} s" for w, d in self.slow if w >= t)
         why = f"; the last failure at +{failed[-1][0] - t:.1f} s: {failed[-1][1]}" if failed else ""
-        return f"since then {len(read)} read(s) and {len(failed)} failed; the last: {last}{why}"
+        return (
+            f"since then (waits: {waits or 'none'}) {len(read)} read(s) and {len(failed)} "
+            f"failed; the last: {last}; slow reads: {slow or 'none'}{why}"
+        )
 
     def step_at(self, t: float) -> int:
         """The highest step read at or before `t` (time.time()); 0 before the first read."""
@@ -229,6 +249,7 @@ class Progress:
             doc = self.now()
             return doc if doc is not None and until(doc) else None
 
+        self.waits.append((time.time(), what))
         return wait_for(what, ready, timeout=timeout, interval=interval)
 
 

@@ -32,19 +32,34 @@ class MinioServer:
     def url(self) -> str:
         return f"http://{self.endpoint}"
 
-    def client(self) -> Any:
+    def client(self, timeout: float | None = None) -> Any:
+        """A client of the server; `timeout`: seconds a request may take to connect or to
+        answer, and no retry of its own (minio's default: five minutes, five retries), for a
+        reader that polls on, whose one stuck request must not hold it up."""
         from minio import Minio
 
+        http = None
+        if timeout is not None:
+            import urllib3
+
+            http = urllib3.PoolManager(
+                timeout=urllib3.Timeout(connect=timeout, read=timeout), retries=False
+            )
         return Minio(
-            self.endpoint, access_key=self.access_key, secret_key=self.secret_key, secure=False
+            self.endpoint,
+            access_key=self.access_key,
+            secret_key=self.secret_key,
+            secure=False,
+            http_client=http,
         )
 
 
 def start_minio(
     data_dir: Path, log_path: Path, *, again: MinioServer | None = None
 ) -> tuple[subprocess.Popen[bytes], MinioServer]:
-    """Starts the server and waits until it answers its health check. `again`: a server
-    stopped before, started again at its address with its keys (an outage's end)."""
+    """Starts the server and waits until its storage is ready (its cluster health check).
+    `again`: a server stopped before, started again at its address with its keys (an
+    outage's end)."""
     port, console = free_port(), free_port()
     access, secret = "rt" + secrets.token_hex(6), secrets.token_hex(20)
     if again is not None:
@@ -78,16 +93,19 @@ def start_minio(
     server = MinioServer(f"127.0.0.1:{port}", access, secret, bucket, data_dir)
 
     def healthy() -> bool:
+        # The cluster check, not the liveness one: MinIO is live a second or two before its
+        # storage is ready, and answers S3 requests meanwhile with 503 (and Retry-After: 60).
         if proc.poll() is not None:
             raise RuntimeError(f"minio exited with {proc.returncode}; log: {log_path}")
         try:
-            with urllib.request.urlopen(f"{server.url}/minio/health/live", timeout=2):
+            with urllib.request.urlopen(f"{server.url}/minio/health/cluster", timeout=2):
                 return True
         except OSError:
             return False
 
     try:
-        wait_for(f"minio to answer its health check (log: {log_path})", healthy, interval=0.2)
+        wait_for(f"minio to answer its cluster health check (log: {log_path})", healthy,
+                 interval=0.2)  # fmt: skip
     except AssertionError:
         proc.kill()
         raise
