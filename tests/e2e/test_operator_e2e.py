@@ -400,7 +400,10 @@ def test_two_pipelines_train_one_job_export_what_the_chart_queries_and_survive_a
     assert drained not in {p.spec.node_name for p in back.values()}
     assert final["pipelines"][0]["returns"] == 1
     for k in range(2):
-        assert "left the job at step" in _log(e, f"{name}-p0-s{k}")
+        # How the runner stopped each process is in its kubelet.log (diagnostics).
+        assert "left the job at step" in _log(e, f"{name}-p0-s{k}"), (
+            f"p0/s{k} did not lead pipeline 0 out:\n{diagnostics(e)}"
+        )
         assert "from a pipeline that left" not in _log(e, f"{name}-p1-s{k}")
     assert "rejoined at step" in _log(e, f"{name}-p0-s0")
     reasons = {ev.reason for ev in core.list_namespaced_event(

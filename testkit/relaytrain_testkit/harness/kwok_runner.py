@@ -243,7 +243,7 @@ class KwokProcessRunner:
             for pod in list(self.pods.values()):
                 for probe in pod.probes:
                     probe.stop()
-                _stop(pod)
+                _stop(pod, why="the runner stops")
             self.pods.clear()
             ending = list(self._ending.values())
         for thread in ending:
@@ -398,7 +398,8 @@ class KwokProcessRunner:
             if pod.metadata.deletion_timestamp is not None:
                 remove = functools.partial(self._removed, pod) if _restarting(pod) else None
                 if local:
-                    self._end(local, pod.metadata.deletion_grace_period_seconds, then=remove)
+                    grace = pod.metadata.deletion_grace_period_seconds
+                    self._end(local, grace, then=remove, why=f"the pod was deleted (grace {grace})")
                 elif remove is not None:
                     remove()
                 continue
@@ -419,10 +420,17 @@ class KwokProcessRunner:
         with self._lock:
             gone = [p for uid, p in self.pods.items() if uid not in seen]
         for local in gone:  # a node deleted: its pods' processes die with it, with no grace
-            self._end(local, local.grace if self._node_exists(local.node) else 0)
+            if self._node_exists(local.node):
+                self._end(local, local.grace, why="the pod is gone from the API")
+            else:
+                self._end(local, 0, why=f"the pod is gone from the API, its node {local.node} too")
 
     def _end(
-        self, local: LocalPod, grace: float | None, then: Callable[[], None] | None = None
+        self,
+        local: LocalPod,
+        grace: float | None,
+        then: Callable[[], None] | None = None,
+        why: str = "",
     ) -> None:
         """Stops a deleted pod's process (SIGTERM, SIGKILL after `grace`), then runs `then`,
         in a thread of its own, as a kubelet's pod workers do: a process that uses its grace
@@ -432,15 +440,17 @@ class KwokProcessRunner:
             if local.uid in self._ending:
                 return
             thread = threading.Thread(
-                target=self._ended, args=(local, grace, then), name=f"end-{local.name}",
+                target=self._ended, args=(local, grace, then, why), name=f"end-{local.name}",
                 daemon=True,
             )  # fmt: skip
             self._ending[local.uid] = thread
         thread.start()
 
-    def _ended(self, local: LocalPod, grace: float | None, then: Callable[[], None] | None) -> None:
+    def _ended(
+        self, local: LocalPod, grace: float | None, then: Callable[[], None] | None, why: str
+    ) -> None:
         try:
-            self._forget(local, kill=True, grace=local.grace if grace is None else grace)
+            self._forget(local, kill=True, grace=local.grace if grace is None else grace, why=why)
             if then is not None:
                 then()
         except Exception as exc:  # reported as a pass's error would be
@@ -682,7 +692,7 @@ class KwokProcessRunner:
             for probe in local.probes:
                 if probe.spec.kind != kind:
                     probe.stop()
-            _stop(local, grace=_grace(pod))
+            _stop(local, grace=_grace(pod), why=f"its {kind} probe failed")
 
     def _event(self, pod: Any, type: str, reason: str, message: str) -> None:
         """An Event on the pod, from the kubelet, as `kubectl describe pod` shows them."""
@@ -853,12 +863,18 @@ class KwokProcessRunner:
         )
 
     def _forget(
-        self, local: LocalPod, *, kill: bool, grace: float | None = None, done: bool = True
+        self,
+        local: LocalPod,
+        *,
+        kill: bool,
+        grace: float | None = None,
+        done: bool = True,
+        why: str = "",
     ) -> None:
         for probe in local.probes:
             probe.stop()
         if kill:
-            _stop(local, grace=10 if grace is None else grace)
+            _stop(local, grace=10 if grace is None else grace, why=why)
         with self._lock:
             if self.pods.get(local.uid) is local:
                 self.pods.pop(local.uid, None)
@@ -1027,11 +1043,11 @@ def _base_env() -> dict[str, str]:
     return env
 
 
-def _stop(local: LocalPod, grace: float = 10) -> None:
+def _stop(local: LocalPod, grace: float = 10, why: str = "") -> None:
     """Stops a pod's process, and removes its container if it has one (a container whose
     podman client had to be killed would be left running). `kubelet.log`, beside the
-    container's log, says when the runner signalled it and how (a stage that ended without
-    a word of its own was killed by it, or crashed)."""
+    container's log, says when the runner signalled it, how and, where given, `why` (a
+    stage that ended without a word of its own was killed by it, or crashed)."""
 
     def said(line: str) -> None:
         with (
@@ -1041,7 +1057,8 @@ def _stop(local: LocalPod, grace: float = 10) -> None:
             log.write(f"--- kwok runner {time.strftime('%H:%M:%S')}: {line}\n".encode())
 
     if local.process.poll() is None:
-        said(f"SIGTERM (grace {grace:g} s)" if grace > 0 else "SIGKILL (grace 0)")
+        how = f"SIGTERM (grace {grace:g} s)" if grace > 0 else "SIGKILL (grace 0)"
+        said(f"{how}: {why}" if why else how)
         if _kill(local.process, grace=grace) and grace > 0:
             said(f"SIGKILL: still running {grace:g} s after SIGTERM")
     if local.container is not None:
