@@ -198,9 +198,9 @@ class Progress:
     def before(self, target: int, what: str, timeout: float) -> dict[str, Any]:
         """Waits for the job to reach step `target`, where `what` (a fault, an event) is due,
         and returns the record read; fails when the job finished first, saying what the reads
-        since the previous wait began saw (the fault before this one was injected and
-        recovered from in between)."""
-        since = self.waits[-1][0] if self.waits else time.time()
+        since the last wait but one began saw: in a schedule, the wait for the fault before
+        this one, its injection and the wait for the job to recover from it."""
+        since = self.waits[-2:][0][0] if self.waits else time.time()
         doc: dict[str, Any] = self.wait(
             f"step {target} before the {what}",
             lambda d: d["step"] >= target or bool(d.get("done")),
