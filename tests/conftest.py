@@ -17,6 +17,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+from relaytrain_testkit.doc_commands import AHEAD
 from relaytrain_testkit.tiers import can_select, needs_torch
 
 pytest_plugins = [
@@ -90,9 +91,10 @@ TIER_ORDER = ("unit", "contract", "e2e", "k8s")
 session's cluster, MinIO and registry exist (their background load slowed the thread-heavy
 unit tests by up to 2x when they ran last), then e2e, then k8s, whose session-long
 operators and releases would load the e2e tier's training (with e2e after k8s a whole
-session took 27 minutes instead of 21). Within a tier, the collection's order. `make test`
-runs three sessions instead (hack/test-tiers.sh: unit and contract beside k8s, then e2e),
-which this order serves as well."""
+session took 27 minutes instead of 21). Within a tier, the collection's order, but for
+RUN_AHEAD's checks, which come last. `make test` runs three sessions instead
+(hack/test-tiers.sh: unit and contract beside k8s, then e2e), which this order serves as
+well."""
 
 
 def _tier(item: pytest.Item) -> int:
@@ -102,8 +104,23 @@ def _tier(item: pytest.Item) -> int:
     return len(TIER_ORDER)
 
 
+RUN_AHEAD = "test_unit_command_runs_as_written"
+"""The test (tests/unit/test_doc_commands.py) whose commands start when collection ends, on
+the core the session leaves idle, and whose checks run last in their tier, by when the
+commands have run beside the tests before them (relaytrain_testkit.doc_commands.RunAhead)."""
+
+
+def _runs_ahead(item: pytest.Item) -> bool:
+    return isinstance(item, pytest.Function) and item.originalname == RUN_AHEAD
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    AHEAD.start(item.callspec.params["entry"] for item in session.items if _runs_ahead(item))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    items.sort(key=_tier)  # stable: each tier keeps its files' and tests' order
+    # Stable: each tier keeps its files' and tests' order, but for RUN_AHEAD's, its last.
+    items.sort(key=lambda item: (_tier(item), _runs_ahead(item)))
     torch_files = {path for path in {item.path for item in items} if needs_torch(path)}
     for item in items:
         if item.path in torch_files:

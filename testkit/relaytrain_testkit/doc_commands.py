@@ -17,7 +17,8 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -329,6 +330,57 @@ class Shell:
                 proc.stdout.close()
         rc = checked.rc if still_running else 125
         return Result(rc, "".join(chunks) + checked.output)
+
+
+UNIT_TIMEOUT = 120
+"""Seconds a unit-tier command may take."""
+
+
+def run_unit(entry: Entry, scratch: Path) -> Result:
+    """Runs a unit-tier command (and its `then`) as a fresh shell in the repository would, with
+    an empty Hugging Face cache under `scratch`, so that nothing it needs comes from a hub."""
+    env = clean_env(HF_HUB_CACHE=str(scratch / "empty-hf-cache"))
+    return Shell(env, REPO).run(entry.command, timeout=UNIT_TIMEOUT, then=entry.then)
+
+
+class RunAhead:
+    """The unit-tier commands a test session has selected, started as soon as it has collected
+    them: one at a time, in the session's order, on a background thread. pytest runs one test
+    at a time, so a second core sits idle; these are 16 s of subprocesses (`relaytrain plan`,
+    the decision module's coverage run, the time-to-loss model), a quarter of `make
+    test-fast`, which now run while the tests before them do. Each test still checks its own
+    command's result (`result`), and runs the command itself where nothing started it."""
+
+    def __init__(self) -> None:
+        self._started: dict[str, Future[Result]] = {}
+
+    def start(self, entries: Iterable[Entry]) -> None:
+        pending = [(e, Future[Result]()) for e in entries if e.command not in self._started]
+        self._started.update((entry.command, future) for entry, future in pending)
+        if pending:
+            threading.Thread(
+                target=self._work, args=(pending,), name="doc-commands-ahead", daemon=True
+            ).start()
+
+    @staticmethod
+    def _work(pending: list[tuple[Entry, Future[Result]]]) -> None:
+        for entry, future in pending:
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                with tempfile.TemporaryDirectory() as scratch:
+                    future.set_result(run_unit(entry, Path(scratch)))
+            except BaseException as exc:  # handed to the test that waits for it
+                future.set_exception(exc)
+
+    def result(self, entry: Entry, scratch: Path) -> Result:
+        """`entry`'s result: the one started ahead, or (where none was) run now."""
+        future = self._started.get(entry.command)
+        return future.result() if future is not None else run_unit(entry, scratch)
+
+
+AHEAD = RunAhead()
+"""The session's commands run ahead (tests/conftest.py starts them after collection)."""
 
 
 def venv_bin() -> Path:

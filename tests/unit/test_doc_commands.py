@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 from relaytrain_testkit.doc_commands import (
+    AHEAD,
     REGISTRY,
     REPO,
     SHELL_LANGUAGES,
     Entry,
     RegistryError,
     Result,
-    Shell,
     block_commands,
     check,
     clean_env,
@@ -175,8 +175,8 @@ def test_a_pytest_command_is_covered_by_the_tests_it_names(entry):
 
 @pytest.mark.parametrize("entry", _entries("unit"), ids=_id)
 def test_unit_command_runs_as_written(entry, tmp_path):
-    env = clean_env(HF_HUB_CACHE=str(tmp_path / "empty-hf-cache"))
-    result = Shell(env, REPO).run(entry.command, timeout=120, then=entry.then)
+    """Each command runs in a fresh shell; the session starts them ahead (`AHEAD`)."""
+    result = AHEAD.result(entry, tmp_path)
     assert check(entry, result) == [], result.output
 
 

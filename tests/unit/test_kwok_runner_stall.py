@@ -45,7 +45,7 @@ def silent_server() -> Iterator[str]:
 def test_a_pass_whose_read_gets_no_answer_is_retried_by_the_next(
     silent_server: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(kwok_runner, "REQUEST_TIMEOUT", 0.3)
+    monkeypatch.setattr(kwok_runner, "REQUEST_TIMEOUT", 0.1)
     api = client.ApiClient(client.Configuration(host=silent_server))
     runner = kwok_runner.KwokProcessRunner(api, tmp_path, "default")
     runner.start()
