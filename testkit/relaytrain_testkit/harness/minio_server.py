@@ -33,15 +33,17 @@ class MinioServer:
         return f"http://{self.endpoint}"
 
     def client(self, timeout: float | None = None) -> Any:
-        """A client of the server; `timeout`: seconds a request may take to connect or to
-        answer, and no retry of its own (minio's default: five minutes, five retries), for a
-        reader that polls on, whose one stuck request must not hold it up."""
+        """A client of the server, with the connection pool a stage's store uses (minio's
+        default, deaf to the Retry-After: 60 that MinIO answers while it starts:
+        relaytrain_worker.state.store.http_client); `timeout`: seconds a request may take to
+        connect or to answer, and no retry of its own, for a reader that polls on, whose one
+        stuck request must not hold it up."""
+        import urllib3
         from minio import Minio
+        from relaytrain_worker.state.store import http_client
 
-        http = None
+        http = http_client()
         if timeout is not None:
-            import urllib3
-
             http = urllib3.PoolManager(
                 timeout=urllib3.Timeout(connect=timeout, read=timeout), retries=False
             )

@@ -8,7 +8,7 @@ An S3 store that does not answer — connections refused or reset, timeouts, 5xx
 starting — is waited for: each operation is retried with back-off for up to
 `RETRY_SECONDS` (a store restarting stalls the job; it does not fail its stages). Answers
 that will not change (no such key, access denied, bad credentials) fail at once. The
-server's Retry-After is not obeyed (`_http_client`): MinIO asks 60 s of every client that
+server's Retry-After is not obeyed (`http_client`): MinIO asks 60 s of every client that
 meets it starting up, where it is ready a second or two later.
 """
 
@@ -211,7 +211,7 @@ def job_credentials(
     return aws_credentials(environ)
 
 
-def _http_client() -> Any:
+def http_client() -> Any:
     """The minio client's connection pool as it makes it by default (five-minute timeouts,
     ten connections, the CA bundle of SSL_CERT_FILE or certifi's, five quick retries of a
     5xx), but deaf to the server's Retry-After. MinIO answers every request in the second or
@@ -275,7 +275,7 @@ class S3Store:
             session_token=session_token,
             secure=secure,
             region=region,
-            http_client=_http_client(),
+            http_client=http_client(),
             **kwargs,
         )
         self.retry_seconds = RETRY_SECONDS
