@@ -115,7 +115,8 @@ def _runs_ahead(item: pytest.Item) -> bool:
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    AHEAD.start(item.callspec.params["entry"] for item in session.items if _runs_ahead(item))
+    if not session.config.option.collectonly:
+        AHEAD.start(item.callspec.params["entry"] for item in session.items if _runs_ahead(item))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -18,6 +18,7 @@ from relaytrain_testkit.doc_commands import (
     Entry,
     RegistryError,
     Result,
+    RunAhead,
     block_commands,
     check,
     clean_env,
@@ -178,6 +179,22 @@ def test_unit_command_runs_as_written(entry, tmp_path):
     """Each command runs in a fresh shell; the session starts them ahead (`AHEAD`)."""
     result = AHEAD.result(entry, tmp_path)
     assert check(entry, result) == [], result.output
+
+
+def test_commands_run_ahead_give_each_test_its_own_result_and_the_rest_run_when_asked(tmp_path):
+    """What RunAhead started is what the test gets, whatever order it is asked in; a command
+    it did not start runs when asked, in the test."""
+    marker = tmp_path / "ran"
+    slow = Entry(f"sleep 0.2; echo first >> {marker}; echo one", run=("unit",))
+    failing = Entry(f"echo second >> {marker}; echo two; exit 3", run=("unit",))
+    later = Entry(f"echo third >> {marker}; echo three", run=("unit",))
+    ahead = RunAhead()
+    ahead.start([slow, failing])
+    assert ahead.result(failing, tmp_path) == Result(3, "two\n")
+    assert ahead.result(slow, tmp_path) == Result(0, "one\n")
+    assert marker.read_text() == "first\nsecond\n"  # one at a time, in the order given
+    assert ahead.result(later, tmp_path) == Result(0, "three\n")
+    assert marker.read_text() == "first\nsecond\nthird\n"
 
 
 def _imports_torch(entry: Entry) -> bool:
