@@ -71,7 +71,7 @@ from relaytrain_operator.domain.planner import (  # noqa: E402
     plan_fleet,
     split_micro_batches,
 )
-from relaytrain_operator.domain.planner.steptime import PlannedSteps  # noqa: E402
+from relaytrain_operator.domain.planner.steptime import PLAYED_MICROS, PlannedSteps  # noqa: E402
 from relaytrain_testkit.inputs import random_batches  # noqa: E402
 from relaytrain_testkit.pipelines import run_data_parallel_threads, run_pipeline_threads  # noqa: E402
 from relaytrain_testkit.tiny_models import tiny_model_dir  # noqa: E402
@@ -202,9 +202,10 @@ def calibrate_tflops(shape: ModelShape, s: Setup, beat: float) -> float:
 
 def lane_of(p: Plan) -> Lane:
     """A pipeline's step for any share of the micro-batches, as the fleet planner prices it:
-    its own stages and links played out (a line under it at 0 fill: the split needs none)."""
+    its own stages and links played out (a line under it at 0 fill: the split needs none),
+    linear from where `PlannedSteps` goes on at its slope, as the planner's lanes are."""
     assert p.timeline is not None
-    return Lane(PlannedSteps(p.timeline), 0.0, p.micro_batch_seconds)
+    return Lane(PlannedSteps(p.timeline), 0.0, p.micro_batch_seconds, linear_after=PLAYED_MICROS)
 
 
 def splits_of(f: FleetPlan) -> list[list[tuple[int, int]]]:
