@@ -92,9 +92,9 @@ session's cluster, MinIO and registry exist (their background load slowed the th
 unit tests by up to 2x when they ran last), then e2e, then k8s, whose session-long
 operators and releases would load the e2e tier's training (with e2e after k8s a whole
 session took 27 minutes instead of 21). Within a tier, the collection's order, but for
-RUN_AHEAD's checks, which come last. `make test` runs three sessions instead
-(hack/test-tiers.sh: unit and contract beside k8s, then e2e), which this order serves as
-well."""
+RUN_AHEAD's checks, which come last. `make test` runs four sessions instead, two at a time
+(hack/test-tiers.sh: unit and contract beside k8s, then the e2e tests on a cluster beside
+the ones on neither), which this order serves as well."""
 
 
 def _tier(item: pytest.Item) -> int:
