@@ -196,20 +196,20 @@ def test_heuristic_plans_always_fit_memory(instance):
 
 
 CLEARLY = 0.10
-"""How much less time for a layer makes a GPU clearly faster: GPUs nearer than that are
-placed by the step played out (fill, drain, the first and last stages' extra work), which
-the planner comes within a few per cent of (test_plan_step_is_played_out_and_no_longer_than_
-the_beats_choice). An 8-layer case of GPUs 0.8 % apart gave the faster one fewer layers,
-on a plan 2.3 % longer than the best split."""
+"""How much more time for a layer the slower GPU must take (10 %) for the other to be clearly
+faster: GPUs nearer than that are placed by the step played out (fill, drain, the first and
+last stages' extra work), which the planner comes within a few per cent of
+(test_plan_step_is_played_out_and_no_longer_than_the_beats_choice). An 8-layer case of GPUs
+0.8 % apart gave the faster one fewer layers, on a plan 2.3 % longer than the best split."""
 
 
 @settings(max_examples=150, deadline=None)
 @given(instances(max_layers=16, max_gpus_per_pool=3, huge_memory=True, same_links=True, min_m=16))
 def test_faster_gpu_never_gets_fewer_layers(instance):
     """Among stages with the same fixed costs (the interior ones when every link is alike),
-    a stage on a clearly faster GPU (`CLEARLY` less time for a layer in the cost model:
-    FLOP/s, and memory bandwidth where it binds, as QLoRA's dequantisation does — not the
-    FLOP/s alone: a 13-layer QLoRA case had a GPU of more FLOP/s and less bandwidth take
+    a stage on a clearly faster GPU (the other taking `CLEARLY` more time for a layer in the
+    cost model: FLOP/s, and memory bandwidth where it binds, as QLoRA's dequantisation does —
+    not the FLOP/s alone: a 13-layer QLoRA case had a GPU of more FLOP/s and less bandwidth take
     longer for a layer and hold fewer) holds at least as many layers as one on a slower GPU
     — where compute decides: two stages whose compute both stay under their link's time take the
     link's time whatever their layers, so any split of those layers is as fast (a 13-layer

@@ -42,11 +42,13 @@ class MinioServer:
         from minio import Minio
         from relaytrain_worker.state.store import http_client
 
-        http = http_client()
-        if timeout is not None:
-            http = urllib3.PoolManager(
+        http = (
+            http_client()
+            if timeout is None
+            else urllib3.PoolManager(
                 timeout=urllib3.Timeout(connect=timeout, read=timeout), retries=False
             )
+        )
         return Minio(
             self.endpoint,
             access_key=self.access_key,
