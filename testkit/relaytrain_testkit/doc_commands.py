@@ -390,9 +390,10 @@ def venv_bin() -> Path:
 
 def clean_env(**extra: str) -> dict[str, str]:
     """This process's environment as a fresh shell would have it: no active virtualenv,
-    cluster, S3 or Hugging Face settings, no outer make's flags; the virtualenv's bin first
-    on PATH."""
-    drop = ("VIRTUAL_ENV", "KUBECONFIG", "PYTHONPATH", "MAKEFLAGS", "MFLAGS", "MAKELEVEL")
+    cluster, S3 or Hugging Face settings, no outer make's flags, no test session's prefork
+    server; the virtualenv's bin first on PATH."""
+    drop = ("VIRTUAL_ENV", "KUBECONFIG", "PYTHONPATH", "MAKEFLAGS", "MFLAGS", "MAKELEVEL",
+            "RELAYTRAIN_PREFORK_SOCKET")  # fmt: skip
     env = {
         k: v
         for k, v in os.environ.items()

@@ -14,12 +14,12 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
-from relaytrain_contract.prefork import SERVER_MODULE
+from relaytrain_contract.prefork import SERVER_MODULE, SOCKET_ENV, PreforkServer
 
 from relaytrain_testkit import REPO
 from relaytrain_testkit.jobs import Job
@@ -89,6 +89,32 @@ def run_env() -> dict[str, str]:
     return env
 
 
+@contextlib.contextmanager
+def shared_prefork(folder: Path) -> Iterator[PreforkServer]:
+    """A prefork server for every run a test session starts (in the environment a run's
+    stages get from `run_env()`, its output in `folder/prefork.log`; it dies with this
+    process): while it runs, SOCKET_ENV
+    names it in this process's environment, which `start_run` passes on, and each run forks
+    its stages from it instead of starting a server and importing torch, transformers and
+    peft again (about 7 s of a core each here). A run it cannot serve (one in a network
+    namespace of its own, a QLoRA job) starts its own server, as a run without it does."""
+    from relaytrain_operator.cli.local_run.stages import die_with_supervisor, stage_env
+
+    env = stage_env(1, run_env())  # a run's stages', whose PYTHONPATH attach compares
+    with (folder / "prefork.log").open("ab") as log:
+        server = PreforkServer.start(env, die_with_supervisor(os.getpid()), log, qlora=False)
+    os.environ[SOCKET_ENV] = str(server.socket_path)
+    try:
+        yield server
+    finally:
+        os.environ.pop(SOCKET_ENV, None)
+        server.stop()
+
+
+_WORKDIRS: dict[int, Path] = {}
+"""The working folder of each run `start_run` started, by the supervisor's PID."""
+
+
 def start_run(
     job: Path,
     workdir: Path | None,
@@ -106,7 +132,7 @@ def start_run(
     if workdir is not None:
         cmd += ["--workdir", str(workdir)]
     cmd += list(flags)
-    return subprocess.Popen(
+    proc = subprocess.Popen(
         cmd,
         env={**run_env(), **(env or {})},
         cwd=cwd,
@@ -114,6 +140,9 @@ def start_run(
         stderr=subprocess.STDOUT,
         text=True,
     )
+    if workdir is not None:
+        _WORKDIRS[proc.pid] = workdir
+    return proc
 
 
 OWN_NETWORK = ("unshare", "--user", "--map-root-user", "--net", "sh", "-c",
@@ -185,15 +214,18 @@ def _children(pid: int) -> list[int]:
 
 def _stage_processes(supervisor: int) -> list[int]:
     """The run's stage processes: the supervisor's children, and those of its prefork
-    server (relaytrain_contract/prefork.py) in its place."""
-    found = []
+    server (relaytrain_contract/prefork.py) in its place; for a run `start_run` started,
+    those of its working folder too (forked by a server the session shares)."""
+    found = set()
     for pid in _children(supervisor):
         try:
             command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        found += _children(pid) if SERVER_MODULE.encode() in command else [pid]
-    return found
+        found |= set(_children(pid)) if SERVER_MODULE.encode() in command else {pid}
+    if supervisor in _WORKDIRS:
+        found |= set(stages_left(_WORKDIRS[supervisor]))
+    return sorted(found)
 
 
 STACK_MARK = "most recent call first"

@@ -1,6 +1,7 @@
 """`relaytrain run --local` as a supervisor: stopping leaves no stage behind (also while a
-stage crash-loops), so does killing it (SIGKILL), a second run of a live job is refused, and
-each job keeps its own state.
+stage crash-loops), so does killing it (SIGKILL; whether the stages were forked by the
+run's own prefork server or by the one the test session shares), a second run of a live
+job is refused, and each job keeps its own state.
 
 Tiny random Llama models (no downloads); real `python -m relaytrain_worker` processes.
 """
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 from relaytrain_contract import PLAN_FILE
+from relaytrain_contract.prefork import SOCKET_ENV
 from relaytrain_testkit.jobs import Job
 from relaytrain_testkit.local_jobs import (
     NAMESPACE,
@@ -105,22 +107,35 @@ def test_sigterm_while_a_stage_crash_loops_restarts_nothing(workspace: Path) -> 
     assert stages_left(workdir) == []  # of every process it ever started
 
 
-def test_a_killed_supervisor_takes_its_stages_along(workspace: Path) -> None:
+@pytest.mark.parametrize("server", ["shared", "own"])
+def test_a_killed_supervisor_takes_its_stages_along(workspace: Path, server: str) -> None:
     from relaytrain_operator.cli.local_run import lock_workdir
     from relaytrain_operator.spec import parse_job
 
-    # SIGKILL: the supervisor cannot stop anything; the kernel stops the stages for it.
-    workdir = workspace / "wd-kill9"
-    job = _job(workspace, "kill9", 500).write(workspace)
-    proc = start_run(job, workdir)
-    wait_while_running("a step finished", lambda: progress(workspace / "ckpt", "kill9"), proc)
+    # SIGKILL: the supervisor cannot stop anything. Stages forked by the run's own prefork
+    # server die with it (death signals: supervisor, server, stage); those forked by the
+    # session's shared server are killed by that server when the supervisor's connections
+    # close.
+    name = f"kill9-{server}"
+    workdir = workspace / f"wd-{name}"
+    job = _job(workspace, name, 500).write(workspace)
+    proc = start_run(job, workdir, env={SOCKET_ENV: ""} if server == "own" else None)
+    wait_while_running("a step finished", lambda: progress(workspace / "ckpt", name), proc)
     pids = wait_while_running("both stages started", lambda: started_pids(workdir), proc)
     assert sorted(pid for pid, _ in stage_processes(workdir)) == sorted(pids)
+    forked_by = {_parent(_parent(pid)) for pid in pids}  # the prefork server's parent
+    assert forked_by == ({os.getpid()} if server == "shared" else {proc.pid})
+    assert (workdir / "prefork.log").exists() == (server == "own")
     proc.kill()
-    proc.communicate(timeout=30)
+    out, _ = proc.communicate(timeout=30)
+    assert "of its own" not in out  # the shared server served the run (or was not asked)
     wait_until_no_stage_is_left(workdir)
     # The kernel dropped the run's lock with it: the job may be run again in that directory.
     os.close(lock_workdir(workdir, parse_job(yaml.safe_load(job.read_text()))))
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
 def test_a_killed_supervisor_leaves_no_stage_of_a_crash_loop(workspace: Path) -> None:

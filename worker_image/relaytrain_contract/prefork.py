@@ -19,7 +19,12 @@ The protocol, over one Unix stream connection per process: the client sends one 
 and stderr descriptors attached (SCM_RIGHTS); the server forks and answers `pid N`, and
 once the child has ended and it has reaped it, `exit N` (Popen's returncode: negative for
 a signal), then closes the connection. The client cannot reap a process that is not its
-child, so its exit status is the server's to tell.
+child, so its exit status is the server's to tell. A client that closes the connection
+first (or dies) takes the process with it: the server kills it.
+
+A server started apart can serve several runs (`SOCKET_ENV`, `PreforkServer.attach`): a
+process forked from it lives in the server's namespaces, with the server's import path and
+what the server imported, so a client attaches only where those are its stages' own.
 """
 
 from __future__ import annotations
@@ -41,6 +46,17 @@ from typing import IO, Any
 
 SERVER_MODULE = "relaytrain_worker.prefork"
 READY = b"ready\n"
+SOCKET_ENV = "RELAYTRAIN_PREFORK_SOCKET"
+"""The socket of a prefork server already running (started apart, e.g. by a test session
+for all its runs): `relaytrain run --local` forks its stages from it instead of starting
+one, where `PreforkServer.attach` allows."""
+NAMESPACES = ("mnt", "net", "pid", "user", "ipc", "uts", "cgroup")
+"""A forked process's namespaces are its server's: a client in any other (a run in a
+network namespace of its own) cannot use that server."""
+WITHOUT_BITSANDBYTES = "--without-bitsandbytes"
+"""The server's flag for a job that is not QLoRA: peft imports bitsandbytes whenever it is
+installed (about a CPU-second), and only QLoRA's NF4 base uses it. The children cannot
+import it either."""
 START_SECONDS = 120.0
 """How long the server may take to import the worker and say it is ready."""
 
@@ -78,6 +94,11 @@ def read_line(conn: socket.socket, buffer: bytearray, timeout: float | None) -> 
     line, _, rest = bytes(buffer).partition(b"\n")
     buffer[:] = rest
     return line
+
+
+def _import_path(pythonpath: str) -> list[str]:
+    """What a PYTHONPATH puts on the import path: its folders in order, each once."""
+    return list(dict.fromkeys(p for p in pythonpath.split(os.pathsep) if p))
 
 
 class ForkedProcess:
@@ -146,7 +167,8 @@ class PreforkServer:
     """The server process, started by `start` (it imports the worker: seconds), and the
     processes it forks (`spawn`)."""
 
-    def __init__(self, socket_path: Path, process: subprocess.Popen[bytes]) -> None:
+    def __init__(self, socket_path: Path, process: subprocess.Popen[bytes] | None) -> None:
+        """`process`: the server, when we started it (None: one we attached to)."""
         self.socket_path = socket_path
         self.process = process
 
@@ -167,7 +189,7 @@ class PreforkServer:
         server (one built on `relaytrain_worker.prefork`)."""
         folder = Path(tempfile.mkdtemp(prefix="relaytrain-prefork-"))
         path = folder / "server.sock"
-        flags = [] if qlora else ["--without-bitsandbytes"]
+        flags = [] if qlora else [WITHOUT_BITSANDBYTES]
         process = subprocess.Popen(
             [sys.executable, "-m", module, *flags, str(path)],
             env=dict(env),
@@ -187,6 +209,55 @@ class PreforkServer:
                 + (f" (exit {process.returncode})" if process.returncode is not None else "")
             )
         return cls(path, process)
+
+    @classmethod
+    def attach(
+        cls, socket_path: str | os.PathLike[str], env: Mapping[str, str], *, qlora: bool
+    ) -> PreforkServer:
+        """The server already listening on `socket_path`, for stages whose environment is
+        `env` (`qlora`: whether they need bitsandbytes). Raises PreforkError saying why when
+        it cannot serve them: no server answers there, it runs in other namespaces than
+        ours, it was started with another PYTHONPATH than `env`'s (its children import from
+        the server's path), or without the bitsandbytes a QLoRA stage needs."""
+        path = Path(socket_path)
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            conn.connect(str(path))
+            creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+        except OSError as exc:
+            raise PreforkError(f"no prefork server answers at {path}: {exc}") from exc
+        finally:
+            conn.close()  # the server reads an empty request and refuses it
+        pid = int.from_bytes(creds[:4], sys.byteorder, signed=True)
+        for name in NAMESPACES:
+            try:
+                same = os.readlink(f"/proc/{pid}/ns/{name}") == os.readlink(f"/proc/self/ns/{name}")
+                why = "runs in another"
+            except OSError as exc:  # from a user namespace of our own, say
+                same, why = False, f"cannot be seen ({exc.strerror}) to run in this run's"
+            if not same:
+                raise PreforkError(
+                    f"the prefork server at {path} {why} {name} namespace, and the stages it "
+                    "forks would run in the server's"
+                )
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError as exc:
+            raise PreforkError(f"cannot read the prefork server at {path}: {exc}") from exc
+        theirs = next((e[len(b"PYTHONPATH="):] for e in environ
+                       if e.startswith(b"PYTHONPATH=")), b"").decode(errors="replace")  # fmt: skip
+        if _import_path(theirs) != _import_path(env.get("PYTHONPATH", "")):
+            raise PreforkError(
+                f"the prefork server at {path} imports from PYTHONPATH={theirs!r}, the stages "
+                f"from {env.get('PYTHONPATH', '')!r}"
+            )
+        if qlora and WITHOUT_BITSANDBYTES.encode() in cmdline:
+            raise PreforkError(
+                f"the prefork server at {path} was started {WITHOUT_BITSANDBYTES}, which a "
+                "QLoRA job's stages import"
+            )
+        return cls(path, None)
 
     def spawn(
         self,
@@ -220,7 +291,10 @@ class PreforkServer:
         return forked
 
     def stop(self) -> None:
-        """End the server (it kills what it forked and is still running) and its socket."""
+        """End the server (it kills what it forked and is still running) and its socket;
+        one we attached to is left running (what it forked for us ends as we hang up)."""
+        if self.process is None:
+            return
         if self.process.poll() is None:
             self.process.terminate()
             try:

@@ -13,6 +13,11 @@ signals the group), the kernel's SIGKILL if the server dies (which itself dies w
 supervisor), the given stdout and stderr, working folder and environment, default signal
 dispositions, and `sys.argv` as `python -m MODULE ARG...` would have it.
 
+A client that hangs up (closes its connection, as the kernel does for a client that dies,
+SIGKILL included) before its child ends takes the child with it: SIGKILL, to its process
+group when it has one of its own. So a server several supervisors share (one started
+apart, `RELAYTRAIN_PREFORK_SOCKET`) never keeps a stage whose supervisor is gone.
+
 SIGTERM or SIGINT ends the server, and with it every child still running (SIGKILL).
 """
 
@@ -30,6 +35,8 @@ import sys
 from collections.abc import Callable
 from typing import Any, NoReturn
 
+from relaytrain_contract.prefork import WITHOUT_BITSANDBYTES
+
 PR_SET_PDEATHSIG = 1
 PRELOAD = (
     "torch",
@@ -39,9 +46,6 @@ PRELOAD = (
     "transformers.models.llama.modeling_llama",
 )
 """What every stage imports (the worker's runtime pulls in the rest of its own modules)."""
-WITHOUT_BITSANDBYTES = "--without-bitsandbytes"
-"""For a job that is not QLoRA: peft imports bitsandbytes whenever it is installed (about a
-CPU-second), and only QLoRA's NF4 base uses it. The children cannot import it either."""
 
 
 class _StopError(Exception):
@@ -91,7 +95,7 @@ def main(argv: list[str], setup: Setup | None = None) -> int:
     listener.listen(16)
     signal.signal(signal.SIGTERM, _raise_stop)
     signal.signal(signal.SIGINT, _raise_stop)
-    children: dict[int, tuple[socket.socket, int]] = {}  # pidfd -> (connection, pid)
+    children: dict[int, _Child] = {}  # by pidfd
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ)
     sys.stdout.buffer.write(b"ready\n")
@@ -101,17 +105,19 @@ def main(argv: list[str], setup: Setup | None = None) -> int:
             for key, _ in selector.select():
                 if key.fileobj is listener:
                     _serve(listener, selector, children, setup)
+                elif isinstance(key.data, _Child):  # its client's connection: a hang-up
+                    _hung_up(key.data, selector)
                 else:
                     _reap(int(key.fd), selector, children)
     except _StopError:
         pass
     finally:
-        for _conn, pid in children.values():
+        for child in children.values():
             with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        for _conn, pid in children.values():
+                os.kill(child.pid, signal.SIGKILL)
+        for child in children.values():
             with contextlib.suppress(ChildProcessError):
-                os.waitpid(pid, 0)
+                os.waitpid(child.pid, 0)
         with contextlib.suppress(OSError):
             os.unlink(path)
     return 0
@@ -125,10 +131,22 @@ def _gpu_touched() -> bool:
     return bool(torch.cuda.is_initialized())
 
 
+class _Child:
+    """A forked child the server watches: its client's connection (where its exit is told),
+    its PID, whether it leads a process group of its own, and whether its client is still
+    there."""
+
+    def __init__(self, conn: socket.socket, pid: int, group: bool) -> None:
+        self.conn = conn
+        self.pid = pid
+        self.group = group
+        self.client = True
+
+
 def _serve(
     listener: socket.socket,
     selector: selectors.BaseSelector,
-    children: dict[int, tuple[socket.socket, int]],
+    children: dict[int, _Child],
     setup: Setup | None,
 ) -> None:
     conn, _ = listener.accept()
@@ -146,27 +164,51 @@ def _serve(
     server = os.getpid()
     pid = os.fork()
     if pid == 0:  # the child: never returns
-        inherited = [listener, conn, *(c for c, _ in children.values())]
+        inherited = [listener, conn, *(c.conn for c in children.values())]
         _child(server, inherited, list(children), body, fds, setup=setup)
     for fd in fds:
         os.close(fd)
     pidfd = os.pidfd_open(pid)
-    children[pidfd] = (conn, pid)
+    child = _Child(conn, pid, bool(body.get("new_session")))
+    children[pidfd] = child
     selector.register(pidfd, selectors.EVENT_READ)
+    selector.register(conn, selectors.EVENT_READ, child)
     conn.sendall(f"pid {pid}\n".encode())
 
 
-def _reap(
-    pidfd: int, selector: selectors.BaseSelector, children: dict[int, tuple[socket.socket, int]]
-) -> None:
-    conn, pid = children.pop(pidfd)
+def _hung_up(child: _Child, selector: selectors.BaseSelector) -> None:
+    """Something to read on a child's connection: the client sends nothing after its
+    request, so it is the end of the stream (a client that closed it or died) or a stray
+    byte, which is dropped. At the end the child is killed (its reaping tells nobody)."""
+    if not child.client:  # reaped in the same round, its connection closed
+        return
+    try:
+        data = child.conn.recv(4096)
+    except OSError:
+        data = b""
+    if data:
+        return
+    selector.unregister(child.conn)
+    child.client = False
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(child.pid, signal.SIGKILL)
+    if child.group:  # and what it started (before its setsid there is no such group yet)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(child.pid, signal.SIGKILL)
+
+
+def _reap(pidfd: int, selector: selectors.BaseSelector, children: dict[int, _Child]) -> None:
+    child = children.pop(pidfd)
     selector.unregister(pidfd)
     os.close(pidfd)
-    _, status = os.waitpid(pid, 0)
+    _, status = os.waitpid(child.pid, 0)
     code = os.waitstatus_to_exitcode(status)  # negative for a signal, as Popen's
-    with contextlib.suppress(OSError):
-        conn.sendall(f"exit {code}\n".encode())
-    conn.close()
+    if child.client:
+        selector.unregister(child.conn)
+        child.client = False
+        with contextlib.suppress(OSError):
+            child.conn.sendall(f"exit {code}\n".encode())
+    child.conn.close()
 
 
 def _child(

@@ -250,9 +250,10 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
-def stage_env(count: int) -> dict[str, str]:
-    """The environment `count` stage processes start in."""
-    env = dict(os.environ)
+def stage_env(count: int, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """The environment `count` stage processes of a supervisor whose own is `environ` start
+    in."""
+    env = dict(environ)
     # The stages share this machine's cores: without a cap each one starts a thread per
     # core and they spin against each other (several times slower on a small machine).
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // count)))

@@ -23,7 +23,7 @@ from typing import Any
 
 from relaytrain_contract import FLEET_FILE, GIVEN_UP_FILE, Progress
 from relaytrain_contract.exits import non_retryable
-from relaytrain_contract.prefork import ForkedProcess, PreforkError, PreforkServer
+from relaytrain_contract.prefork import SOCKET_ENV, ForkedProcess, PreforkError, PreforkServer
 
 from relaytrain_operator.cli.local_run import report, storage
 from relaytrain_operator.cli.local_run.grow import add_pipeline, grow_one
@@ -213,23 +213,40 @@ class LocalRun:
         self._write_state()
 
     def _forked(self, argv: list[str], log: int, env: dict[str, str]) -> ForkedProcess | None:
-        """`argv` forked by the prefork server (started with the first stage; docs/worker.md,
-        "Starting"), or None: RELAYTRAIN_PREFORK=0, or a server that failed (said once)."""
+        """`argv` forked by the prefork server (started with the first stage, or the one at
+        RELAYTRAIN_PREFORK_SOCKET where it can serve this run; docs/worker.md, "Starting"),
+        or None: RELAYTRAIN_PREFORK=0, or a server that failed (said once)."""
         if not self.prefork or not sys.platform.startswith("linux"):  # pidfds, death signals
             return None
         try:
             if self._prefork is None:
-                with (self.workdir / "prefork.log").open("ab") as own:
-                    self._prefork = PreforkServer.start(
-                        self.env, die_with_supervisor(os.getpid()), own,
-                        qlora=self.job.spec.method.type == "qlora",
-                    )  # fmt: skip
+                self._prefork = self._shared_prefork() or self._own_prefork()
             return self._prefork.spawn(argv, env, Path.cwd(), stdout=log, stderr=log)
         except PreforkError as err:
             print(f"relaytrain: {err}; each stage starts as a program of its own", file=sys.stderr)
             self.prefork = False
             self.stop_prefork()
             return None
+
+    def _shared_prefork(self) -> PreforkServer | None:
+        """The server at RELAYTRAIN_PREFORK_SOCKET, or None (not set, or it cannot serve
+        this run: said once, and the run starts its own)."""
+        path = os.environ.get(SOCKET_ENV)
+        if not path:
+            return None
+        try:
+            return PreforkServer.attach(path, self.env, qlora=self.job.spec.method.type == "qlora")
+        except PreforkError as err:
+            print(f"relaytrain: {err}; this run starts a prefork server of its own",
+                  file=sys.stderr)  # fmt: skip
+            return None
+
+    def _own_prefork(self) -> PreforkServer:
+        with (self.workdir / "prefork.log").open("ab") as own:
+            return PreforkServer.start(
+                self.env, die_with_supervisor(os.getpid()), own,
+                qlora=self.job.spec.method.type == "qlora",
+            )  # fmt: skip
 
     def stop_prefork(self) -> None:
         """End the prefork server, once no stage is left (it kills any it still runs)."""
