@@ -36,7 +36,8 @@ deps-binaries:
 deps-model: deps-python
 	@bash hack/bootstrap.sh model
 
-# Every tier: unit and contract beside k8s, then e2e (hack/test-tiers.sh says why). Tests
+# Every tier, in two lanes: k8s then e2e on a cluster, beside unit and contract then the
+# other e2e tests (hack/test-tiers.sh says why). Tests
 # marked gpu are reported as skipped where no CUDA exists.
 test: deps images
 	PY=$(PY) bash hack/test-tiers.sh $(PYTEST_ARGS)

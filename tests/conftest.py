@@ -45,9 +45,16 @@ def pytest_configure(config: pytest.Config) -> None:
         "(CLUSTER_FIXTURES), so that hack/test-tiers.sh can run the e2e tests that use "
         "neither beside them",
     )
+    config.addinivalue_line(
+        "markers",
+        "demo: a test on `make demo`'s run (DEMO_FIXTURE), which starts a cluster of its own; "
+        "hack/test-tiers.sh runs these with the e2e tests on no cluster",
+    )
 
 
-CLUSTER_FIXTURES = frozenset({"kube_cluster", "made_demo"})
+DEMO_FIXTURE = "made_demo"
+"""`make demo`'s run (tests/e2e/conftest.py): a test using it is marked `demo`."""
+CLUSTER_FIXTURES = frozenset({"kube_cluster", DEMO_FIXTURE})
 """Fixtures that start a control plane: a test using one, directly or through another
 fixture, is marked `cluster`."""
 
@@ -92,9 +99,9 @@ session's cluster, MinIO and registry exist (their background load slowed the th
 unit tests by up to 2x when they ran last), then e2e, then k8s, whose session-long
 operators and releases would load the e2e tier's training (with e2e after k8s a whole
 session took 27 minutes instead of 21). Within a tier, the collection's order, but for
-RUN_AHEAD's checks, which come last. `make test` runs four sessions instead, two at a time
-(hack/test-tiers.sh: unit and contract beside k8s, then the e2e tests on a cluster beside
-the ones on neither), which this order serves as well."""
+RUN_AHEAD's checks, which come last. `make test` runs four sessions instead, in two lanes
+side by side (hack/test-tiers.sh: k8s then the e2e tests on a cluster; unit and contract
+then the e2e tests on neither and `make demo`'s), which this order serves as well."""
 
 
 def _tier(item: pytest.Item) -> int:
@@ -126,8 +133,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.path in torch_files:
             item.add_marker(pytest.mark.torch)
-        if CLUSTER_FIXTURES & set(getattr(item, "fixturenames", ())):
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if CLUSTER_FIXTURES & fixtures:
             item.add_marker(pytest.mark.cluster)
+        if DEMO_FIXTURE in fixtures:
+            item.add_marker(pytest.mark.demo)
         if item.get_closest_marker("fleet_chaos") and not _asked_for(config, item):
             item.add_marker(pytest.mark.skip(reason=FLEET_CHAOS_SKIP))
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]

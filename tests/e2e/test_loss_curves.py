@@ -101,6 +101,7 @@ def _three_pipelines(request: pytest.FixtureRequest, root: Path) -> dict[str, An
 
 
 CASES = {"demo": _demo, "three-pipelines": _three_pipelines}
+DEMO_MARKS = [pytest.mark.cluster, pytest.mark.demo]
 
 
 def differences(got: dict[str, Any], want: dict[str, Any], rtol: float) -> list[str]:
@@ -128,8 +129,8 @@ def test_a_changed_step_is_reported() -> None:
 @pytest.mark.parametrize(
     "case",
     # `demo` uses the session's `make demo` (its own control plane): marked as the tests
-    # that use a cluster are (tests/conftest.py), so that it runs in their session.
-    [pytest.param(c, marks=pytest.mark.cluster) if c == "demo" else c for c in sorted(CASES)],
+    # that use it are (tests/conftest.py), so that it runs in their session.
+    [pytest.param(c, marks=DEMO_MARKS) if c == "demo" else c for c in sorted(CASES)],
 )
 def test_the_loss_curve_is_the_committed_one(
     case: str, request: pytest.FixtureRequest, tmp_path: Path
