@@ -23,9 +23,9 @@ from typing import Any
 
 from relaytrain_contract import FLEET_FILE, GIVEN_UP_FILE, Progress
 from relaytrain_contract.exits import non_retryable
-from relaytrain_contract.prefork import SOCKET_ENV, ForkedProcess, PreforkError, PreforkServer
 
 from relaytrain_operator.cli.local_run import report, storage
+from relaytrain_operator.cli.local_run.forks import StageForks
 from relaytrain_operator.cli.local_run.grow import add_pipeline, grow_one
 from relaytrain_operator.cli.local_run.layout import Layout, local_layout
 from relaytrain_operator.cli.local_run.stages import (
@@ -85,9 +85,11 @@ class LocalRun:
         self.endpoints = built.endpoints
         self.env = stage_env(len(self.documents))
         self.stages = stage_procs(self.workdir, layout)
-        self.prefork = forks_stages(os.environ, job.spec.method.type, self.stages)
-        """Whether stages are forked from the prefork server (`_forked`)."""
-        self._prefork: PreforkServer | None = None
+        self.forks = StageForks(
+            forks_stages(os.environ, job.spec.method.type, self.stages), self.env, self.workdir,
+            qlora=job.spec.method.type == "qlora",
+        )  # fmt: skip
+        """The prefork server the stages are forked from."""
         self._credentials = built.credentials
         self._ca = built.ca
         """The run's link CA (in memory only), which issues an added pipeline's certificates."""
@@ -195,7 +197,8 @@ class LocalRun:
             return
         argv = ["-m", "relaytrain_worker", "--config", str(stage.config_path)]
         with stage.log_path.open("ab") as log:
-            stage.proc = self._forked(argv, log.fileno(), stage.env(self.env)) or subprocess.Popen(
+            forked = self.forks.spawn(argv, log.fileno(), stage.env(self.env))
+            stage.proc = forked or subprocess.Popen(
                 [sys.executable, *argv],
                 env=stage.env(self.env),
                 stdout=log,
@@ -211,48 +214,6 @@ class LocalRun:
         stage.pids.append(stage.proc.pid)
         stage.failed_at = None
         self._write_state()
-
-    def _forked(self, argv: list[str], log: int, env: dict[str, str]) -> ForkedProcess | None:
-        """`argv` forked by the prefork server (started with the first stage, or the one at
-        RELAYTRAIN_PREFORK_SOCKET where it can serve this run; docs/worker.md, "Starting"),
-        or None: RELAYTRAIN_PREFORK=0, or a server that failed (said once)."""
-        if not self.prefork or not sys.platform.startswith("linux"):  # pidfds, death signals
-            return None
-        try:
-            if self._prefork is None:
-                self._prefork = self._shared_prefork() or self._own_prefork()
-            return self._prefork.spawn(argv, env, Path.cwd(), stdout=log, stderr=log)
-        except PreforkError as err:
-            print(f"relaytrain: {err}; each stage starts as a program of its own", file=sys.stderr)
-            self.prefork = False
-            self.stop_prefork()
-            return None
-
-    def _shared_prefork(self) -> PreforkServer | None:
-        """The server at RELAYTRAIN_PREFORK_SOCKET, or None (not set, or it cannot serve
-        this run: said once, and the run starts its own)."""
-        path = os.environ.get(SOCKET_ENV)
-        if not path:
-            return None
-        try:
-            return PreforkServer.attach(path, self.env, qlora=self.job.spec.method.type == "qlora")
-        except PreforkError as err:
-            print(f"relaytrain: {err}; this run starts a prefork server of its own",
-                  file=sys.stderr)  # fmt: skip
-            return None
-
-    def _own_prefork(self) -> PreforkServer:
-        with (self.workdir / "prefork.log").open("ab") as own:
-            return PreforkServer.start(
-                self.env, die_with_supervisor(os.getpid()), own,
-                qlora=self.job.spec.method.type == "qlora",
-            )  # fmt: skip
-
-    def stop_prefork(self) -> None:
-        """End the prefork server, once no stage is left (it kills any it still runs)."""
-        server, self._prefork = self._prefork, None
-        if server is not None:
-            server.stop()
 
     def _write_state(self) -> None:
         state = {
@@ -439,7 +400,7 @@ class LocalRun:
             return self._supervise(bar)
         finally:
             self.stop()  # after a success nothing is left; after anything else, no orphans
-            self.stop_prefork()
+            self.forks.stop()
             self.remove_credentials()  # no stage is left to read them
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
