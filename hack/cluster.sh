@@ -77,6 +77,12 @@ up() {
     # The API server also enforces what real clusters (OpenShift among them) enforce: a
     # child whose owner reference blocks owner deletion needs `update` on the owner's
     # finalizers. It writes an audit log of every ServiceAccount's requests (audit-policy.yaml).
+    # The controller manager and the scheduler are the only ones of their kind, so they hold
+    # no leader lease: with one, a stall of etcd longer than the lease's renew deadline (a
+    # busy disk: 2026-12-04, "etcdserver: request timed out" while images were pushed beside
+    # `make demo`) made each exit as a lost leader, and the cluster made no more ServiceAccounts,
+    # bindings or node-lifecycle changes for the rest of the session. etcd does not fsync: the
+    # cluster's state is thrown away when it stops, and an fsync on a busy disk is what stalls.
     mkdir -p "$KWOK_WORKDIR"
     local config="$KWOK_WORKDIR/$name.kwokctl.yaml"
     cat >"$config" <<YAML
@@ -94,9 +100,16 @@ componentsPatches:
       - {key: listen-peer-urls, value: "http://127.0.0.1:$peer", override: true}
       - {key: initial-advertise-peer-urls, value: "http://127.0.0.1:$peer", override: true}
       - {key: initial-cluster, value: "node0=http://127.0.0.1:$peer", override: true}
+      - {key: unsafe-no-fsync, value: "true"}
   - name: kube-apiserver
     extraArgs:
       - {key: enable-admission-plugins, value: OwnerReferencesPermissionEnforcement}
+  - name: kube-controller-manager
+    extraArgs:
+      - {key: leader-elect, value: "false"}
+  - name: kube-scheduler
+    extraArgs:
+      - {key: leader-elect, value: "false"}
   - name: kwok-controller
     extraArgs:
       - {key: manage-all-nodes, value: "false", override: true}

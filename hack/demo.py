@@ -259,7 +259,14 @@ def follow(
             if degraded.get("status") == "True" and not was_degraded:
                 was_degraded = True
                 say(f"Job Running but Degraded: {degraded.get('message')}")
-            if was_degraded and degraded.get("status") == "False" and not rejoined:
+            # Back means training again with every pipeline: a job that ends drops Degraded
+            # too, replacement or not.
+            if (
+                was_degraded
+                and degraded.get("status") == "False"
+                and phase == "Running"
+                and not rejoined
+            ):
                 rejoined = True
                 say(
                     f"Pipeline {args.kill_pipeline} is back: its stage's pod was replaced "
@@ -288,6 +295,11 @@ def follow(
     if killed_at is not None and stepped_back:
         say(f"THE JOB STEPPED BACK after the kill: {after_kill}")
         return 1
+    if was_degraded and not rejoined:
+        say(
+            f"The job ended before pipeline {args.kill_pipeline}'s replacement rejoined: the "
+            f"other pipeline trained the remaining steps alone"
+        )
     if killed_at is not None:
         say(
             f"After the kill at step {killed_step} the job went on to step "
