@@ -93,11 +93,11 @@ def run_env() -> dict[str, str]:
 def shared_prefork(folder: Path) -> Iterator[PreforkServer]:
     """A prefork server for every run a test session starts (in the environment a run's
     stages get from `run_env()`, its output in `folder/prefork.log`; it dies with this
-    process): while it runs, SOCKET_ENV
-    names it in this process's environment, which `start_run` passes on, and each run forks
-    its stages from it instead of starting a server and importing torch, transformers and
-    peft again (about 7 s of a core each here). A run it cannot serve (one in a network
-    namespace of its own, a QLoRA job) starts its own server, as a run without it does."""
+    process): while it runs, SOCKET_ENV names it in this process's environment, which
+    `start_run` passes on, and each run forks its stages from it instead of starting a server
+    and importing torch, transformers and peft again (about 7 s of a core each here). A run
+    it cannot serve (one in a network namespace of its own, a QLoRA job) starts its own
+    server, as a run without it does."""
     from relaytrain_operator.cli.local_run.stages import die_with_supervisor, stage_env
 
     env = stage_env(1, run_env())  # a run's stages', whose PYTHONPATH attach compares
@@ -112,7 +112,8 @@ def shared_prefork(folder: Path) -> Iterator[PreforkServer]:
 
 
 _WORKDIRS: dict[int, Path] = {}
-"""The working folder of each run `start_run` started, by the supervisor's PID."""
+"""The working folder of each run `start_run` started, by the supervisor's PID (a run
+started with none takes a reused PID's entry out: its stages are not that folder's)."""
 
 
 def start_run(
@@ -142,6 +143,8 @@ def start_run(
     )
     if workdir is not None:
         _WORKDIRS[proc.pid] = workdir
+    else:
+        _WORKDIRS.pop(proc.pid, None)
     return proc
 
 
