@@ -758,6 +758,9 @@ def test_a_cordoned_node_takes_its_pipeline_out_and_a_new_node_brings_it_back(
             .build()
         )
         pods = wait_for("4 running stage pods", lambda: kube.running("follow", 4))
+        # The pods can run before the status lists the pipelines (a probe that read
+        # status.pipelines as soon as they ran once found none, 2026-12-04).
+        wait_for("2/2 pipelines", lambda: kube.status("follow").get("readyPipelines") == "2/2")
         before = kube.uids("follow")
         drained = pods["follow-p1-s1"].spec.node_name
         kube.core.patch_node(drained, {"spec": {"unschedulable": True}})
