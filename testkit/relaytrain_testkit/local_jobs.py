@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -111,11 +112,6 @@ def shared_prefork(folder: Path) -> Iterator[PreforkServer]:
         server.stop()
 
 
-_WORKDIRS: dict[int, Path] = {}
-"""The working folder of each run `start_run` started, by the supervisor's PID (a run
-started with none takes a reused PID's entry out: its stages are not that folder's)."""
-
-
 def start_run(
     job: Path,
     workdir: Path | None,
@@ -141,10 +137,6 @@ def start_run(
         stderr=subprocess.STDOUT,
         text=True,
     )
-    if workdir is not None:
-        _WORKDIRS[proc.pid] = workdir
-    else:
-        _WORKDIRS.pop(proc.pid, None)
     return proc
 
 
@@ -215,10 +207,23 @@ def _children(pid: int) -> list[int]:
     return sorted(found)
 
 
+def _run_workdir(supervisor: int) -> Path | None:
+    """The working folder a live run's command line names (`--workdir DIR`, as `start_run`
+    writes it, against the process's working directory), or None."""
+    try:
+        args = [
+            os.fsdecode(a) for a in Path(f"/proc/{supervisor}/cmdline").read_bytes().split(b"\0")
+        ]
+        cwd = Path(os.readlink(f"/proc/{supervisor}/cwd"))
+    except OSError:  # gone
+        return None
+    return next((cwd / value for flag, value in pairwise(args) if flag == "--workdir"), None)
+
+
 def _stage_processes(supervisor: int) -> list[int]:
     """The run's stage processes: the supervisor's children, and those of its prefork
-    server (relaytrain_contract/prefork.py) in its place; for a run `start_run` started,
-    those of its working folder too (forked by a server the session shares)."""
+    server (relaytrain_contract/prefork.py) in its place; for a run with a `--workdir`,
+    those of that folder too (forked by a server the session shares)."""
     found = set()
     for pid in _children(supervisor):
         try:
@@ -226,8 +231,8 @@ def _stage_processes(supervisor: int) -> list[int]:
         except OSError:
             continue
         found |= set(_children(pid)) if SERVER_MODULE.encode() in command else {pid}
-    if supervisor in _WORKDIRS:
-        found |= set(stages_left(_WORKDIRS[supervisor]))
+    if (workdir := _run_workdir(supervisor)) is not None:
+        found |= set(stages_left(workdir))
     return sorted(found)
 
 
