@@ -17,8 +17,11 @@ On a GPU (``--device cuda``: `bash hack/gpu-check.sh time-to-loss`, an 8B's widt
 the model is built on the card from a config alone, its weights drawn by name
 (``--weights drawn``: `relaytrain_testkit.random_models`; the unsplit evaluation draws the
 same ones, which the report checks: the first step's loss through the pipeline and unsplit),
-in bfloat16, with ``--base random`` only (the pretrained base is trained and saved on the CPU).
-Otherwise:
+in bfloat16. With ``--base pretrained`` the drawn model is first trained in full on the base
+language there, in float32 (`bigram.fit`, at `bigram.fit_lr`'s rate for its width, rows of
+``--seq`` tokens, 4 a step), then cast to bfloat16, and every stage copies its slice of it
+(`random_models.copied_stage`); the report gives the pretraining's last loss against the
+language's entropy. Otherwise:
 
 A tiny random Llama (4 layers, hidden 256, testkit) with LoRA r8 on every linear layer is
 fine-tuned through 4 stages (one layer each; `run_pipeline_threads`: the worker's
@@ -304,12 +307,21 @@ def saved_model(model_dir: Path) -> Any:
     return model
 
 
-def drawn_model(out: Path, setup: Setup) -> tuple[Callable[[Any], Any], Any]:
+def drawn_model(
+    out: Path, setup: Setup, args: argparse.Namespace
+) -> tuple[Callable[[Any], Any], Any, torch.Tensor | None, dict[str, float] | None]:
     """A Llama of ``setup``'s width (heads of 128, or one, four queries a key; an MLP 3.5
     times as wide, an 8B's ratio) over the language's tokens, from its config alone: the
-    stages' builder and the unsplit model, the same weights drawn by name on the device."""
+    stages' builder, the unsplit model (the same weights drawn by name on the device), the
+    fine-tuning language's successors (None: the base language's) and, with ``--base
+    pretrained``, how the pretraining went (the model trained in full on the device first)."""
     from relaytrain_testkit import bigram
-    from relaytrain_testkit.random_models import config_dir, random_model, random_stage
+    from relaytrain_testkit.random_models import (
+        config_dir,
+        copied_stage,
+        random_model,
+        random_stage,
+    )
 
     heads = max(setup.hidden // 128, 1)
     config = {
@@ -322,10 +334,38 @@ def drawn_model(out: Path, setup: Setup) -> tuple[Callable[[Any], Any], Any]:
         "bos_token_id": 0, "eos_token_id": 0,
     }  # fmt: skip
     model_dir = config_dir(out, config)
-    where = {"dtype": setup.dtype, "device": setup.device}
+    if args.base != "pretrained":
+        where = {"dtype": setup.dtype, "device": setup.device}
+        return (
+            lambda spec: random_stage(model_dir, spec, **where),
+            random_model(model_dir, **where),
+            None,
+            None,
+        )
+    print(f"  pretraining the base ({args.pretrain_steps} steps) ...", file=sys.stderr, flush=True)
+    full = random_model(model_dir, dtype="float32", device=setup.device)
+    lr = bigram.fit_lr(setup.hidden)
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")  # TF32 on a card's tensor cores
+    try:
+        loss = bigram.fit(full, steps=args.pretrain_steps, rows_per_step=4, seq=setup.seq, lr=lr)
+    finally:
+        torch.set_float32_matmul_precision(precision)
+    # The parameters alone take the run's dtype: the buffers (the rotary frequencies) stay
+    # as a model built in that dtype has them, as each stage's own are.
+    for p in full.parameters():
+        p.requires_grad_(False)
+        p.data = p.data.to(getattr(torch, setup.dtype))
+    state = dict(full.named_parameters())
+    fitted = {
+        "steps": float(args.pretrain_steps), "lr": lr, "loss": loss,
+        "entropy": bigram.entropy(),
+    }  # fmt: skip
     return (
-        lambda spec: random_stage(model_dir, spec, **where),
-        random_model(model_dir, **where),
+        lambda spec: copied_stage(model_dir, spec, state, dtype=setup.dtype),
+        full,
+        bigram.successors(args.shift),
+        fitted,
     )
 
 
@@ -479,8 +519,6 @@ def main() -> None:
     dtype = args.dtype or ("float32" if on_cpu else "bfloat16")
     if weights == "saved" and not on_cpu:
         raise SystemExit("--weights saved loads its model on the CPU: use --weights drawn")
-    if weights == "drawn" and args.base == "pretrained":
-        raise SystemExit("--base pretrained trains a saved model: use --weights saved")
     if args.hidden % 16 or args.hidden < 16 or args.seq < 2:
         raise SystemExit("--hidden must be a multiple of 16 (at least 16), --seq at least 2")
     modes = list(dict.fromkeys(["none", "bf16", *args.modes.split(",")]))
@@ -513,10 +551,14 @@ def main() -> None:
         schedule="cosine", warmup_steps=2, weight_decay=0.0, max_grad_norm=1.0, seed=args.seed,
     )  # fmt: skip
     started = time.monotonic()
+
+    def clock() -> str:
+        return f"{time.monotonic() - started:.0f} s"
+
     with tempfile.TemporaryDirectory() as tmp:
+        fitted: dict[str, float] | None = None
         if weights == "drawn":
-            model, unsplit = drawn_model(Path(tmp) / "config", setup)
-            perm = None
+            model, unsplit, perm, fitted = drawn_model(Path(tmp) / "config", setup, args)
         else:
             tiny = tiny_model_dir(
                 Path(tmp) / "llama", layers=LAYERS, hidden=setup.hidden, max_shard_size="2MB"
@@ -531,8 +573,9 @@ def main() -> None:
         base_loss = evaluator.loss()
         runs = {}
         for mode in modes:
-            print(f"  training {mode} ...", file=sys.stderr, flush=True)
+            print(f"  [{clock()}] training {mode} ...", file=sys.stderr, flush=True)
             runs[mode] = train(job, mode, limited=False)
+            partial(args.json, setup, runs, {}, fitted)
         # The stages and the unsplit model must hold one model: the first step's loss (the
         # adapters as initialised) through the pipeline and on the unsplit model.
         first = {"pipeline": runs["none"].train_losses[0]}
@@ -544,15 +587,34 @@ def main() -> None:
             # A run that never reached the target unlimited is timed to its end.
             stop = None if upto is None else min(upto + 2, n_steps)
             print(
-                f"  training {mode} over {link.mbit:g} Mbit/s, {link.ms:g} ms"
+                f"  [{clock()}] training {mode} over {link.mbit:g} Mbit/s, {link.ms:g} ms"
                 + ("" if stop is None else f", {stop} steps")
                 + " ...",
                 file=sys.stderr,
                 flush=True,
             )
             linked[mode] = train(job, mode, limited=True, steps=stop)
+            partial(args.json, setup, runs, linked, fitted)
     wall = time.monotonic() - started
-    report(setup, runs, linked, base_loss, wall, args.json, link, first)
+    report(setup, runs, linked, base_loss, wall, args.json, link, first, fitted)
+
+
+def partial(
+    out: Path | None,
+    setup: Setup,
+    runs: dict[str, ModeRun],
+    linked: dict[str, ModeRun],
+    fitted: dict[str, float] | None,
+) -> None:
+    """The runs so far in ``out``, marked partial, so a run stopped at its time limit (a
+    device call's) still leaves what it measured; `report` writes the whole over it."""
+    if out is not None:
+        payload = {
+            "partial": True, "setup": asdict(setup), "pretrained": fitted,
+            "runs": {m: asdict(r) for m, r in runs.items()},
+            "linked_runs": {m: asdict(r) for m, r in linked.items()},
+        }  # fmt: skip
+        out.write_text(json.dumps(payload, indent=1))
 
 
 def report(
@@ -564,6 +626,7 @@ def report(
     out: Path | None,
     link: SlowLink,
     first: dict[str, float],
+    fitted: dict[str, float] | None = None,
 ) -> None:
     spe, epochs = setup.steps_per_epoch, setup.epochs
     print(
@@ -573,6 +636,12 @@ def report(
         f"{spe} steps x {setup.micros} micro-batches x {MBS} rows; {setup.held_out} held-out "
         f"rows (eval loss before training {base_loss:.4f}); {wall:.0f} s\n"
     )
+    if fitted is not None:
+        print(
+            f"The base, pretrained on the card's device: {fitted['steps']:.0f} steps at "
+            f"{fitted['lr']:.2g}, its last loss {fitted['loss']:.4f} against the language's "
+            f"entropy {fitted['entropy']:.4f}\n"
+        )
     print(
         f"One model in the stages and unsplit: the first step's loss {first['pipeline']:.5f} "
         f"through the pipeline, {first['unsplit']:.5f} on the unsplit model\n"
@@ -648,6 +717,7 @@ def report(
                 {
                     "setup": asdict(setup),
                     "eval_loss_before": base_loss,
+                    "pretrained": fitted,
                     "first_step_loss": first,
                     "bytes_per_token_per_boundary": {
                         m: {"per_epoch": per_epoch[m], "overall": overall[m]} for m in runs

@@ -65,33 +65,59 @@ def entropy() -> float:
 def pretrain(
     model_dir: Path, out: Path, *, steps: int, rows_per_step: int = 16, seq: int = 24
 ) -> Path:
-    """The model of `model_dir` trained in full on `successors()` (AdamW 3e-3, cosine to
-    zero, clipped at 1) for `steps` steps of `rows_per_step` rows, saved with its
-    tokenizer files in `out`."""
+    """The model of `model_dir` trained in full on `successors()` (`fit`, AdamW 3e-3) for
+    `steps` steps of `rows_per_step` rows, saved with its tokenizer files in `out`."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, steps)
-    data = rows(steps * rows_per_step, seq, seed=11)
-    positions = torch.arange(seq).expand(rows_per_step, -1)
-    for ids in torch.split(data, rows_per_step):
-        logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits
-        loss = torch.nn.functional.cross_entropy(
-            logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)
-        )
-        loss.backward()  # type: ignore[no-untyped-call]
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad(set_to_none=True)
+    fit(model, steps=steps, rows_per_step=rows_per_step, seq=seq)
     model.save_pretrained(str(out))
     for f in model_dir.iterdir():  # the tokenizer's files
         weights = f.name.startswith(("config", "model", "generation"))
         if f.is_file() and not weights and not (out / f.name).exists():
             (out / f.name).write_bytes(f.read_bytes())
     return out
+
+
+def fit(
+    model: torch.nn.Module, *, steps: int, rows_per_step: int = 16, seq: int = 24, lr: float = 3e-3
+) -> float:
+    """Train every parameter of `model`, in place on the device it lives on, on
+    `successors()`: AdamW at `lr`, cosine to zero, clipped at 1, `steps` steps of
+    `rows_per_step` rows of `seq` tokens. Returns the mean loss of the last tenth of the
+    steps (against `entropy()`, how well the model learnt the language)."""
+    device = next(model.parameters()).device
+    params = list(model.parameters())
+    for p in params:
+        p.requires_grad_(True)
+    model.train()
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, steps)
+    data = rows(steps * rows_per_step, seq, seed=11)
+    positions = torch.arange(seq, device=device).expand(rows_per_step, -1)
+    tail: list[torch.Tensor] = []
+    for step, batch in enumerate(torch.split(data, rows_per_step)):
+        ids = batch.to(device)
+        logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+        loss = torch.nn.functional.cross_entropy(
+            logits[:, :-1].float().reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)
+        )
+        loss.backward()  # type: ignore[no-untyped-call]
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step >= steps - max(steps // 10, 1):
+            tail.append(loss.detach())
+    return float(torch.stack(tail).mean())
+
+
+def fit_lr(hidden: int) -> float:
+    """`fit`'s learning rate for a model of width `hidden`: 3e-3 up to the width the CPU
+    benchmarks use (256), shrinking as 1 / width beyond it (Adam moves every weight by about
+    the rate, and a matmul's output by the width times that: 3e-3 at an 8B's width, 4096,
+    would throw the model about; 1.9e-4 moves its logits as far a step as 3e-3 does at 256)."""
+    return 3e-3 * min(1.0, 256 / hidden)
 
 
 def add_base_arguments(

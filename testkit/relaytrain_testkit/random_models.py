@@ -97,5 +97,33 @@ def fill_random(model: nn.Module, *, device: torch.device, seed: int) -> None:
                     module._buffers[key] = buffer.to(device)
 
 
+def copied_stage(
+    model_dir: Path, spec: SliceSpec, state: Mapping[str, torch.Tensor], *, dtype: str
+) -> StageModel:
+    """The slice `spec` of a model held in memory, `state` its parameters by global name
+    (an unsplit model's `named_parameters`, e.g. a `random_model` trained in place): each
+    stage holds copies of exactly those weights, on the device and in the dtype they have."""
+    return build_stage_model(model_dir, spec, dtype, fill=partial(fill_copied, state=state))
+
+
+def fill_copied(model: nn.Module, *, state: Mapping[str, torch.Tensor]) -> None:
+    """Put every parameter of `model` still on the meta device in place as a copy of
+    `state`'s tensor of its name, and its buffers on that tensors' device."""
+    device = next(iter(state.values())).device
+    with torch.no_grad():
+        for name, param in list(model.named_parameters()):
+            if param.device.type != "meta":
+                continue
+            if name not in state or state[name].shape != param.shape:
+                raise ValueError(f"{name} {tuple(param.shape)} is not among the given weights")
+            owner, _, attr = name.rpartition(".")
+            data = state[name].detach().to(param.dtype).clone()
+            setattr(model.get_submodule(owner), attr, nn.Parameter(data, requires_grad=False))
+        for module in model.modules():
+            for key, buffer in module._buffers.items():
+                if buffer is not None:
+                    module._buffers[key] = buffer.to(device)
+
+
 def _name_seed(seed: int, name: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)

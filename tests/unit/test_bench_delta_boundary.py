@@ -11,6 +11,7 @@ Marked torch by hand: the module imports no torch, but the script it runs trains
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shlex
@@ -63,6 +64,15 @@ def test_the_stages_and_the_unsplit_evaluation_hold_one_model(report: dict[str, 
     assert report["setup"]["hidden"] == 64
     first = report["first_step_loss"]
     assert first["pipeline"] == pytest.approx(first["unsplit"], rel=1e-5)
+
+
+def test_the_base_is_pretrained_on_the_device_before_the_fine_tune(report: dict[str, Any]) -> None:
+    """The card fine-tunes a base that knows most of its language, as the CPU figures do:
+    the drawn model, trained in full there, ends below a model that knows nothing."""
+    fitted = report["pretrained"]
+    assert fitted is not None and fitted["steps"] > 0
+    # 300: bigram.VOCAB, the loss of a model that knows nothing being its log
+    assert fitted["entropy"] < fitted["loss"] < math.log(300) - 0.5, fitted
 
 
 def test_delta_sends_less_than_int8_and_int8_less_than_bf16(report: dict[str, Any]) -> None:
