@@ -32,7 +32,9 @@ row once, in a seeded permutation of its own; micro-batches of 4 rows of 64 toke
 their rows' indices (``MicroBatch.rows``: the key the ``delta`` caches are kept under). The
 same data, steps and seeds for every compression mode (``none``, ``bf16``, ``int8``,
 ``int4``, ``delta``); AdamW, cosine schedule, learning rate 5e-3 (chosen on ``none`` alone:
-of 1e-3 to 2e-2 the lowest eval loss after 6 epochs). Default: 128 rows, 2 micro-batches a
+of 1e-3 to 2e-2 the lowest eval loss after 6 epochs) up to that width (256), shrinking as
+1 / width beyond it (`fine_tune_lr`; ``--lr`` sets it: at an 8B's width 5e-3 threw even
+``none`` about on the card, 2026-12-04). Default: 128 rows, 2 micro-batches a
 step (16 steps an epoch), 6 epochs; ``--quick``: 64 rows, 3 epochs.
 
 1. Bytes per token per boundary: what the links carried (TLS records, frame headers, masks,
@@ -138,6 +140,8 @@ class Setup:
     device: str = "cpu"
     dtype: str = "float32"
     weights: str = "saved"
+    lr: float = 5e-3
+    """The fine-tune's learning rate (`fine_tune_lr`, or ``--lr``)."""
     """``saved``: a tiny Llama saved to disk and loaded (transformers' initialisation, or
     pretrained: ``--base``); ``drawn``: weights drawn by name straight on the device from a
     config alone (`relaytrain_testkit.random_models`), how a GPU run builds a model of an
@@ -305,6 +309,14 @@ def saved_model(model_dir: Path) -> Any:
     for p in model.parameters():
         p.requires_grad_(False)
     return model
+
+
+def fine_tune_lr(hidden: int) -> float:
+    """The fine-tune's learning rate at width ``hidden``: 5e-3 up to 256 (chosen there on
+    ``none``), then as 1 / width (`bigram.fit_lr`'s reason): about 3e-4 at an 8B's 4096, where
+    LoRA fine-tunes of 8Bs run (1e-4 to 3e-4). At 5e-3 the first card run (2026-12-04) threw
+    even the uncompressed run's held-out loss from 2.66 to 3.23 in its third step."""
+    return 5e-3 * min(1.0, 256 / hidden)
 
 
 def drawn_model(
@@ -510,6 +522,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=SEQ, help="tokens a row")
     parser.add_argument("--dtype", help="float32 (the default on the CPU) or bfloat16 (elsewhere)")
     parser.add_argument("--rows", type=int, help="training rows (default 128; --quick 64)")
+    parser.add_argument("--lr", type=float, help="the fine-tune's learning rate (default by width)")
     from relaytrain_testkit import bigram
 
     bigram.add_base_arguments(parser, default="random", pretrain_steps=600)
@@ -526,7 +539,9 @@ def main() -> None:
         if compression_of(mode) not in MODES:
             raise SystemExit(f"--modes: {mode!r} is not one of {', '.join(MODES)} (or a delta)")
         codec_of(mode)
-    timed = [] if args.timed == "off" else ["int8", args.timed]
+    # The timed delta run first: int8's link-bound steps are what the step model predicts
+    # best (within 1 % on the card), so a run stopped at its time limit loses the lesser.
+    timed = [] if args.timed == "off" else [args.timed, "int8"]
     if timed and args.timed not in modes:
         raise SystemExit(f"--timed {args.timed!r} must be one of --modes ({', '.join(modes)})")
     if args.link_mbit <= 0 or args.link_ms < 0:
@@ -536,18 +551,22 @@ def main() -> None:
     from relaytrain_contract import TrainingSpec
     from relaytrain_testkit.tiny_models import tiny_model_dir
 
-    torch.set_num_threads(1)
+    if on_cpu:
+        # Side by side on a small machine; a GPU host's cores serve the codec's CPU work
+        # (a basis's float64 QR: 45 s a fit at an 8B's width on one thread, 2026-12-04).
+        torch.set_num_threads(1)
+    lr = args.lr or fine_tune_lr(args.hidden)
     shape = {"seq": args.seq, "hidden": args.hidden, "device": args.device, "dtype": dtype}
     setup = (
-        Setup(args.rows or 64, 2, args.epochs or 3, 16, **shape, weights=weights)
+        Setup(args.rows or 64, 2, args.epochs or 3, 16, **shape, weights=weights, lr=lr)
         if args.quick
-        else Setup(args.rows or 128, 2, args.epochs or 6, 32, **shape, weights=weights)
+        else Setup(args.rows or 128, 2, args.epochs or 6, 32, **shape, weights=weights, lr=lr)
     )
     if setup.steps_per_epoch < 1:
         raise SystemExit(f"--rows must be at least {MBS * setup.micros} (a step's rows)")
     n_steps = setup.steps_per_epoch * setup.epochs
     training = TrainingSpec(
-        steps=n_steps, micro_batch_size=MBS, micro_batches=setup.micros, learning_rate=5e-3,
+        steps=n_steps, micro_batch_size=MBS, micro_batches=setup.micros, learning_rate=lr,
         schedule="cosine", warmup_steps=2, weight_decay=0.0, max_grad_norm=1.0, seed=args.seed,
     )  # fmt: skip
     started = time.monotonic()
@@ -633,7 +652,8 @@ def report(
         f"\nLlama ({LAYERS} layers, hidden {setup.hidden}, {setup.weights} weights, "
         f"{setup.dtype} on {setup.device}), LoRA r{LORA['rank']} on every linear, "
         f"{STAGES} stages; {setup.rows} training rows of {setup.seq} tokens, {epochs} epochs of "
-        f"{spe} steps x {setup.micros} micro-batches x {MBS} rows; {setup.held_out} held-out "
+        f"{spe} steps x {setup.micros} micro-batches x {MBS} rows, learning rate "
+        f"{setup.lr:.2g}; {setup.held_out} held-out "
         f"rows (eval loss before training {base_loss:.4f}); {wall:.0f} s\n"
     )
     if fitted is not None:

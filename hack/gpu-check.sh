@@ -41,8 +41,10 @@ BENCH_TIMEOUT=${BENCH_TIMEOUT:-380}
 # language, as the CPU figures and the projection do (from a random base the lossy codes
 # cost loss: +8 % at a width of 512), 6 epochs of 64 rows (48 steps; in 3 epochs the loss
 # still falls to the last step and `delta`, +3.4 % there, never reaches the target), the runs
-# timed to 2 steps past their target. The CPU twin (tests/unit/test_bench_delta_boundary.py)
-# runs the same path small.
+# timed to 2 steps past their target, the delta run first. The fine-tune's learning rate is
+# the bench's by width (3.1e-4 here; the first card run, 2026-12-04, had 5e-3, which threw
+# even the uncompressed run about: docs/gpu-check.md). The CPU twin
+# (tests/unit/test_bench_delta_boundary.py) runs the same path small.
 TIME_TO_LOSS=(--device cuda --hidden 4096 --seq 512 --quick --epochs 6
   --modes int8,delta:int3+basis --timed delta:int3+basis --gradient-tokens 0.5
   --timed-stop target --base pretrained --pretrain-steps 400)

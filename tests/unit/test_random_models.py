@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from relaytrain_testkit.random_models import config_dir, random_model, random_stage
+from relaytrain_testkit.random_models import config_dir, copied_stage, random_model, random_stage
 from relaytrain_worker.model.model_slice import SliceSpec
 
 pytestmark = pytest.mark.unit
@@ -48,3 +48,23 @@ def test_another_seed_draws_other_weights(tmp_path: Path) -> None:
     b = random_stage(model_dir, spec, dtype="float32", device="cpu", seed=1)
     name = "model.layers.2.self_attn.q_proj.weight"
     assert not torch.equal(a.model.get_parameter(name), b.model.get_parameter(name))
+
+
+def test_slices_copy_a_model_trained_in_memory_and_name_a_weight_it_lacks(tmp_path: Path) -> None:
+    """`copied_stage`: a benchmark pretrains the drawn model on the card and splits that one:
+    each slice holds its copies (in the slice's dtype), and a weight the given state lacks is
+    named, not drawn."""
+    model_dir = config_dir(tmp_path, CONFIG)
+    whole = random_model(model_dir, dtype="float32", device="cpu")
+    with torch.no_grad():
+        for param in whole.parameters():
+            param.add_(1.0)  # trained: no longer what the names draw
+    state = dict(whole.named_parameters())
+    stage = copied_stage(model_dir, SliceSpec(1, 3, False, True), state, dtype="bfloat16")
+    for name, param in stage.model.named_parameters():
+        assert param.dtype == torch.bfloat16 and not param.requires_grad
+        assert torch.equal(param, state[name].to(torch.bfloat16)), name
+        assert param.data_ptr() != state[name].data_ptr()
+    del state["model.layers.2.mlp.up_proj.weight"]
+    with pytest.raises(ValueError, match=r"model\.layers\.2\.mlp\.up_proj\.weight"):
+        copied_stage(model_dir, SliceSpec(1, 3, False, True), state, dtype="float32")
