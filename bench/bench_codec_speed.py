@@ -10,10 +10,13 @@ by side in one process, median of the repetitions:
   cost next to nothing: the planner charges them nothing);
 - the ``delta`` codec (``boundary.py``): a row's first crossing (rotated, each block's bits
   allocated within int4's error: about 4 bits), a later crossing after a 5 % drift (within
-  that error: most blocks not sent), and the gradients' 3-bit code. It encodes where the
-  stage computes and decodes on the CPU (the link's reader), so the planner charges it
-  (``link_cost.DELTA_FORWARD_CODEC_SECONDS``, ``link_cost.DELTA_BACKWARD_CODEC_SECONDS``, printed
-  beside the measurement);
+  that error: most blocks not sent), and the gradients' 3-bit code; ``--activation-error
+  int3`` and ``--basis`` make it a job's `delta:int3+basis` (rows coded in fitted bases),
+  with a row more: the crossing that fits the deltas' basis and sends it (both ends: the
+  fit's ``eigh``, each end's float64 QR on the CPU), and the later crossings coded in it.
+  It encodes where the stage computes and decodes on the CPU (the link's reader), so the
+  planner charges it (``link_cost.DELTA_FORWARD_CODEC_SECONDS``,
+  ``link_cost.DELTA_BACKWARD_CODEC_SECONDS``, printed beside the measurement);
 - the deflate ``delta`` frames get on top (frames.py, on the CPU wherever the codes were
   made): the first crossing's and the gradients' parts deflated and inflated, in ns per
   value and per byte of the codes (``link_cost.DEFLATE_SECONDS_PER_BYTE``,
@@ -48,7 +51,13 @@ sys.path[:0] = [str(REPO / "operator"), str(REPO / "worker_image")]
 
 from relaytrain_operator.domain.planner import link_cost  # noqa: E402
 from relaytrain_worker.pipeline import compression, frames, lowbit  # noqa: E402
-from relaytrain_worker.pipeline.boundary import GRADIENT_BITS, BoundaryCodec  # noqa: E402
+from relaytrain_worker.pipeline.boundary import (  # noqa: E402
+    GRADIENT_BITS,
+    BoundaryCodec,
+    codec_for,
+    config_for,
+)
+from relaytrain_worker.pipeline.transform import FIRST_FIT  # noqa: E402
 
 
 def timed(fn: Callable[[], Any], reps: int) -> float:
@@ -82,33 +91,57 @@ def deflated(parts: list[torch.Tensor], reps: int) -> tuple[float, float, int]:
     )
 
 
-def delta_rows(x: torch.Tensor, reps: int) -> dict[str, tuple[float, float]]:
-    """Encode and decode seconds of a row's first crossing and of a later one (5 % drift)."""
+def delta_rows(
+    x: torch.Tensor, reps: int, codec: Callable[[], BoundaryCodec] = BoundaryCodec
+) -> dict[str, tuple[float, float]]:
+    """Encode and decode seconds of a row's first crossing and of a later one (5 % drift);
+    with a codec of fitted bases (``--basis``), also of the frame that fits them (``fit``:
+    the whole frame, both ends), which the later crossings' median leaves out."""
     rows = torch.arange(x.shape[0])
-    sender, receiver = BoundaryCodec(), BoundaryCodec()
+    sender, receiver = codec(), codec()
     receiver.device = None if x.device.type == "cpu" else x.device
     gen = torch.Generator().manual_seed(0)
 
-    def crossing(t: torch.Tensor) -> tuple[float, float]:
+    fits: list[tuple[float, float]] = []
+
+    def crossing(t: torch.Tensor) -> tuple[float, float] | None:
         start = time.perf_counter()
         ((entry, parts),) = sender.encode("activation", {"hidden": t, "rows": rows})
         middle = time.perf_counter()
         it = iter(parts)
         receiver.decode("activation", entry, t.dtype, lambda n, dtype: next(it))
         _sync()
-        return middle - start, time.perf_counter() - middle
+        took = middle - start, time.perf_counter() - middle
+        if "bases" in entry:
+            fits.append(took)
+            return None
+        return took
 
     first = crossing(x)
-    later = []
+    assert first is not None  # nothing fitted before the first frame
+    later: list[tuple[float, float]] = []
     y = x.float()
-    for _ in range(reps):
+    # ``reps`` crossings; with bases, ``reps`` after the deltas' first fit (which comes after
+    # `transform.FIRST_FIT` frames of deltas), so that they are coded in the fitted basis.
+    fitting = sender.sender.config.transform
+    frames_left = reps + FIRST_FIT + 1
+    while frames_left > 0 and (len(later) < reps or (fitting and not fits)):
+        frames_left -= 1
         y = y + 0.05 * y.std() * torch.randn(y.shape, generator=gen).to(y.device)
         _sync()
-        later.append(crossing(y.to(x.dtype)))
-    return {
+        took = crossing(y.to(x.dtype))
+        if took is None:
+            later.clear()
+            frames_left = reps
+        else:
+            later.append(took)
+    out = {
         "first": first,
         "later": (statistics.median(e for e, _ in later), statistics.median(d for _, d in later)),
     }
+    if fits:
+        out["fit"] = fits[0]
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,7 +151,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, default=1024, help="hidden size (default 1024)")
     parser.add_argument("--device", default="cpu", help="where the tensor is (cpu, cuda)")
     parser.add_argument("--json", type=Path, help="write the figures here")
+    parser.add_argument(
+        "--activation-error",
+        default="int4",
+        help="delta's pipeline.activationError (int4, the default, or int3)",
+    )
+    parser.add_argument(
+        "--basis",
+        action="store_true",
+        help="delta's rows coded in fitted bases (pipeline.activationBasis: fitted)",
+    )
     args = parser.parse_args(argv)
+    try:
+        config_for(args.activation_error, transform=args.basis)
+    except ValueError as err:
+        parser.error(f"--activation-error: {err}")
     torch.set_num_threads(1)
     reps = 3 if args.quick else 7
     x = torch.randn(2, args.tokens, args.hidden, generator=torch.Generator().manual_seed(0))
@@ -133,11 +180,13 @@ def main(argv: list[str] | None = None) -> int:
             timed(lambda enc=on_cpu: compression.decode(enc), reps),
         )
         del enc
-    delta = delta_rows(x, reps)
-    rows["delta, first crossing (about 4 bits a block)"] = delta["first"]
-    rows["delta, later crossing (5 % drift: most blocks within int4's error, not sent)"] = delta[
-        "later"
-    ]
+    label = args.activation_error + (", fitted bases" if args.basis else "")
+    delta = delta_rows(x, reps, lambda: codec_for(args.activation_error, transform=args.basis))
+    rows[f"delta ({label}), first crossing"] = delta["first"]
+    where_coded = "in the fitted basis" if args.basis else "most blocks within the error"
+    rows[f"delta ({label}), later crossing (5 % drift: {where_coded})"] = delta["later"]
+    if "fit" in delta:
+        rows[f"delta ({label}), the crossing that fits and sends a basis"] = delta["fit"]
     grad = lowbit.encode(x, GRADIENT_BITS)
     there = None if x.device.type == "cpu" else x.device
     rows[f"delta, gradient ({GRADIENT_BITS} bits)"] = (

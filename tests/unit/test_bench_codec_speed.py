@@ -1,0 +1,58 @@
+"""bench/bench_codec_speed.py prices a job's `delta:int3+basis` too (``--activation-error
+int3 --basis``): besides the first and later crossings, the crossing that fits the deltas'
+basis and sends it, whose cost at an 8B's width the first card run showed (2026-12-04), and
+the later crossings coded in that basis. Run small, in process."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from relaytrain_testkit import REPO
+
+pytestmark = [pytest.mark.unit, pytest.mark.torch]
+
+
+def run(tmp_path: Path, *args: str) -> dict[str, dict[str, float]]:
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import bench_codec_speed
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    import torch
+
+    out = tmp_path / "codec.json"
+    argv = ["--quick", "--tokens", "32", "--hidden", "128", "--json", str(out), *args]
+    threads = torch.get_num_threads()
+    try:  # the bench holds torch to one thread: the worker's later tests keep theirs
+        assert bench_codec_speed.main(argv) == 0
+    finally:
+        torch.set_num_threads(threads)
+    codes: dict[str, dict[str, float]] = json.loads(out.read_text())["codes"]
+    return codes
+
+
+def test_a_codec_of_fitted_bases_reports_the_fit_and_the_crossings_coded_in_it(
+    tmp_path: Path,
+) -> None:
+    codes = run(tmp_path, "--activation-error", "int3", "--basis")
+    fit = codes["delta (int3, fitted bases), the crossing that fits and sends a basis"]
+    later = codes["delta (int3, fitted bases), later crossing (5 % drift: in the fitted basis)"]
+    assert fit["encode_ns"] > 0 and later["encode_ns"] > 0
+    assert "delta (int3, fitted bases), first crossing" in codes
+
+
+def test_the_default_codec_fits_nothing(tmp_path: Path) -> None:
+    codes = run(tmp_path)
+    assert "delta (int4), first crossing" in codes
+    assert not [name for name in codes if "fits" in name]
+
+
+def test_an_unknown_activation_error_is_refused_by_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        run(tmp_path, "--activation-error", "int2")
+    assert "--activation-error" in capsys.readouterr().err
