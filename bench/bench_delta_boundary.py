@@ -523,6 +523,12 @@ def main() -> None:
     parser.add_argument("--dtype", help="float32 (the default on the CPU) or bfloat16 (elsewhere)")
     parser.add_argument("--rows", type=int, help="training rows (default 128; --quick 64)")
     parser.add_argument("--lr", type=float, help="the fine-tune's learning rate (default by width)")
+    parser.add_argument(
+        "--resume",
+        type=Path,
+        help="a report (--json) of an earlier call of the same arguments: its runs are taken "
+        "as measured and only the rest trained",
+    )
     from relaytrain_testkit import bigram
 
     bigram.add_base_arguments(parser, default="random", pretrain_steps=600)
@@ -565,6 +571,8 @@ def main() -> None:
     if setup.steps_per_epoch < 1:
         raise SystemExit(f"--rows must be at least {MBS * setup.micros} (a step's rows)")
     n_steps = setup.steps_per_epoch * setup.epochs
+    identity = {k: v for k, v in vars(args).items() if k not in ("json", "resume")}
+    resumed = resume(args.resume, setup, identity)
     training = TrainingSpec(
         steps=n_steps, micro_batch_size=MBS, micro_batches=setup.micros, learning_rate=lr,
         schedule="cosine", warmup_steps=2, weight_decay=0.0, max_grad_norm=1.0, seed=args.seed,
@@ -592,9 +600,13 @@ def main() -> None:
         base_loss = evaluator.loss()
         runs = {}
         for mode in modes:
+            if mode in resumed.runs:
+                print(f"  {mode}: taken from {args.resume}", file=sys.stderr, flush=True)
+                runs[mode] = resumed.runs[mode]
+                continue
             print(f"  [{clock()}] training {mode} ...", file=sys.stderr, flush=True)
             runs[mode] = train(job, mode, limited=False)
-            partial(args.json, setup, runs, {}, fitted)
+            partial(args.json, setup, identity, runs, {}, fitted)
         # The stages and the unsplit model must hold one model: the first step's loss (the
         # adapters as initialised) through the pipeline and on the unsplit model.
         first = {"pipeline": runs["none"].train_losses[0]}
@@ -605,6 +617,10 @@ def main() -> None:
             upto = steps_to(runs[mode].step_eval, target) if args.timed_stop == "target" else None
             # A run that never reached the target unlimited is timed to its end.
             stop = None if upto is None else min(upto + 2, n_steps)
+            if mode in resumed.linked:
+                print(f"  {mode} over the link: taken from {args.resume}", file=sys.stderr)
+                linked[mode] = resumed.linked[mode]
+                continue
             print(
                 f"  [{clock()}] training {mode} over {link.mbit:g} Mbit/s, {link.ms:g} ms"
                 + ("" if stop is None else f", {stop} steps")
@@ -613,23 +629,56 @@ def main() -> None:
                 flush=True,
             )
             linked[mode] = train(job, mode, limited=True, steps=stop)
-            partial(args.json, setup, runs, linked, fitted)
+            partial(args.json, setup, identity, runs, linked, fitted)
     wall = time.monotonic() - started
-    report(setup, runs, linked, base_loss, wall, args.json, link, first, fitted)
+    report(setup, runs, linked, base_loss, wall, args.json, link, first, fitted, identity)
+
+
+@dataclass
+class Resumed:
+    """Runs measured by an earlier call of the same arguments (``--resume``)."""
+
+    runs: dict[str, ModeRun] = field(default_factory=dict)
+    linked: dict[str, ModeRun] = field(default_factory=dict)
+
+
+def resume(path: Path | None, setup: Setup, identity: dict[str, Any]) -> Resumed:
+    """The runs a report of an earlier call (``--json``, partial or whole) holds, where it
+    was made with the same arguments and set-up: the runs are deterministic, so a call
+    stopped at a device's time limit is finished by another that trains only the rest."""
+    if path is None:
+        return Resumed()
+    try:
+        earlier = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"--resume {path}: not a report of this bench ({e})") from e
+    want = {"args": identity, "setup": asdict(setup)}
+    for key, value in want.items():
+        had = earlier.get(key) or {}
+        differ = sorted(k for k in set(value) | set(had) if value.get(k) != had.get(k))
+        if differ:
+            shown = ", ".join(f"{k}: {had.get(k)!r} there, {value.get(k)!r} here" for k in differ)
+            raise SystemExit(f"--resume {path}: made with other {key} ({shown})")
+    return Resumed(
+        {m: ModeRun(**r) for m, r in earlier.get("runs", {}).items()},
+        {m: ModeRun(**r) for m, r in earlier.get("linked_runs", {}).items()},
+    )
 
 
 def partial(
     out: Path | None,
     setup: Setup,
+    identity: dict[str, Any],
     runs: dict[str, ModeRun],
     linked: dict[str, ModeRun],
     fitted: dict[str, float] | None,
 ) -> None:
     """The runs so far in ``out``, marked partial, so a run stopped at its time limit (a
-    device call's) still leaves what it measured; `report` writes the whole over it."""
+    device call's) still leaves what it measured (``--resume`` takes it up); `report` writes
+    the whole over it."""
     if out is not None:
         payload = {
-            "partial": True, "setup": asdict(setup), "pretrained": fitted,
+            "partial": True, "args": identity, "setup": asdict(setup), "pretrained": fitted,
             "runs": {m: asdict(r) for m, r in runs.items()},
             "linked_runs": {m: asdict(r) for m, r in linked.items()},
         }  # fmt: skip
@@ -646,6 +695,7 @@ def report(
     link: SlowLink,
     first: dict[str, float],
     fitted: dict[str, float] | None = None,
+    identity: dict[str, Any] | None = None,
 ) -> None:
     spe, epochs = setup.steps_per_epoch, setup.epochs
     print(
@@ -735,6 +785,7 @@ def report(
         out.write_text(
             json.dumps(
                 {
+                    "args": identity,
                     "setup": asdict(setup),
                     "eval_loss_before": base_loss,
                     "pretrained": fitted,

@@ -11,7 +11,9 @@
 #   bash hack/gpu-check.sh time-to-loss   there, as a call of its own: installs .whl/ and runs
 #                                    bench/bench_delta_boundary.py --device cuda (TIME_TO_LOSS
 #                                    below: an 8B's width, its frames over 100 Mbit/s, 50 ms),
-#                                    `delta` against int8 to a target eval loss (report in $OUT)
+#                                    `delta` against int8 to a target eval loss (report in $OUT);
+#                                    with a stopped call's report in .ttl/ (carried), only the
+#                                    runs it lacks
 #   bash hack/gpu-check.sh tests [pytest args]   the gpu-marked test modules alone, as `run`
 #                                    runs them (tests/unit/test_gpu_check.py collects them so
 #                                    on a path without the cluster packages)
@@ -49,6 +51,7 @@ TIME_TO_LOSS=(--device cuda --hidden 4096 --seq 512 --quick --epochs 6
   --modes int8,delta:int3+basis --timed delta:int3+basis --gradient-tokens 0.5
   --timed-stop target --base pretrained --pretrain-steps 400)
 TIME_TO_LOSS_TIMEOUT=${TIME_TO_LOSS_TIMEOUT:-540}
+RESUME_REPORT=${RESUME_REPORT:-.ttl/time-to-loss.json}
 TESTS_TIMEOUT=${TESTS_TIMEOUT:-180}
 
 # requirements: one `name==version --hash=...` line per wheel, every hash the lock lists.
@@ -126,11 +129,17 @@ install_wheels() {
 }
 
 time_to_loss() {
-  local out=${OUT:-$repo/out/gpu-check} rc=0
+  local out=${OUT:-$repo/out/gpu-check} rc=0 resume=()
   mkdir -p "$out"
   install_wheels
+  # A call stopped at its limit left a partial report: put it in .ttl/ (git-ignored), carry
+  # it, and this call trains only the runs it lacks.
+  if [[ -f $RESUME_REPORT ]]; then
+    resume=(--resume "$RESUME_REPORT")
+    echo "Resuming the runs of $RESUME_REPORT"
+  fi
   timeout "$TIME_TO_LOSS_TIMEOUT" python3 bench/bench_delta_boundary.py "${TIME_TO_LOSS[@]}" \
-    --json "$out/time-to-loss.json" 2>&1 | tee "$out/time-to-loss.log" || rc=$?
+    "${resume[@]}" --json "$out/time-to-loss.json" 2>&1 | tee "$out/time-to-loss.log" || rc=$?
   echo "gpu-check time-to-loss: rc=$rc (report: $out/time-to-loss.json)"
   return "$rc"
 }

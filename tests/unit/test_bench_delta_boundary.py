@@ -17,6 +17,7 @@ import re
 import shlex
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -36,20 +37,33 @@ def gpu_arguments() -> list[str]:
     return shlex.split(found.group(1))
 
 
-@pytest.fixture(scope="module")
-def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def twin_arguments() -> list[str]:
+    """The GPU host's arguments with the device, the width and the rows made small."""
     args = gpu_arguments()
     for flag, value in SMALL.items():
         args[args.index(flag) + 1] = value
-    args += ["--weights", "drawn", "--rows", "16", "--epochs", "2"]
-    out = tmp_path_factory.mktemp("time-to-loss") / "time-to-loss.json"
+    return [*args, "--weights", "drawn", "--rows", "16", "--epochs", "2"]
+
+
+def bench(*args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": "operator:worker_image:testkit:.", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        [sys.executable, "bench/bench_delta_boundary.py", *args, "--json", str(out)],
+    return subprocess.run(
+        [sys.executable, "bench/bench_delta_boundary.py", *args],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def report_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("time-to-loss") / "time-to-loss.json"
+    done = bench(*twin_arguments(), "--json", str(out))
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    loaded: dict[str, Any] = json.loads(out.read_text())
+    return out
+
+
+@pytest.fixture(scope="module")
+def report(report_path: Path) -> dict[str, Any]:
+    loaded: dict[str, Any] = json.loads(report_path.read_text())
     return loaded
 
 
@@ -84,3 +98,36 @@ def test_both_timed_runs_reach_the_target(report: dict[str, Any]) -> None:
     (target,) = [v for k, v in report["time_to_target"].items() if k.startswith("none's")]
     for mode in ("int8", "delta:int3+basis"):
         assert target[mode]["steps"] is not None and target[mode]["measured"] > 0, target
+
+
+def test_a_call_stopped_at_its_limit_is_finished_by_another_that_trains_only_the_rest(
+    report: dict[str, Any], tmp_path: Path
+) -> None:
+    """A device call has 10 minutes; the time-to-loss run may need more. What a stopped call
+    wrote (its report, partial) is handed to the next with ``--resume``: the runs there are
+    taken as measured, only the missing one is trained, and the report is whole again."""
+    stopped = {k: v for k, v in report.items() if k != "time_to_target"}
+    stopped["linked_runs"] = {m: r for m, r in report["linked_runs"].items() if m != "int8"}
+    stopped["partial"] = True
+    earlier, out = tmp_path / "stopped.json", tmp_path / "finished.json"
+    earlier.write_text(json.dumps(stopped))
+    done = bench(*twin_arguments(), "--resume", str(earlier), "--json", str(out))
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert "training int8 over" in done.stderr
+    assert "training delta" not in done.stderr and "training none" not in done.stderr
+    finished = json.loads(out.read_text())
+    assert "partial" not in finished
+    for mode, run in report["runs"].items():
+        assert finished["runs"][mode]["step_eval"] == run["step_eval"], mode
+    # The int8 run over the link trained again: the same steps, the same losses.
+    assert (
+        finished["linked_runs"]["int8"]["step_eval"] == report["linked_runs"]["int8"]["step_eval"]
+    )
+    (target,) = [v for k, v in finished["time_to_target"].items() if k.startswith("none's")]
+    assert target["int8"]["steps"] is not None
+
+
+def test_a_report_of_other_arguments_is_not_resumed(report_path: Path) -> None:
+    done = bench(*twin_arguments(), "--seed", "1", "--resume", str(report_path))
+    assert done.returncode != 0
+    assert "seed: 0 there, 1 here" in done.stderr, done.stderr[-2000:]
