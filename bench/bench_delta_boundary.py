@@ -140,12 +140,12 @@ class Setup:
     device: str = "cpu"
     dtype: str = "float32"
     weights: str = "saved"
-    lr: float = 5e-3
-    """The fine-tune's learning rate (`fine_tune_lr`, or ``--lr``)."""
     """``saved``: a tiny Llama saved to disk and loaded (transformers' initialisation, or
     pretrained: ``--base``); ``drawn``: weights drawn by name straight on the device from a
     config alone (`relaytrain_testkit.random_models`), how a GPU run builds a model of an
     8B's width in seconds."""
+    lr: float = 5e-3
+    """The fine-tune's learning rate (`fine_tune_lr`, or ``--lr``)."""
 
     @property
     def steps_per_epoch(self) -> int:
@@ -550,6 +550,10 @@ def main() -> None:
     timed = [] if args.timed == "off" else [args.timed, "int8"]
     if timed and args.timed not in modes:
         raise SystemExit(f"--timed {args.timed!r} must be one of --modes ({', '.join(modes)})")
+    if args.base == "pretrained" and args.pretrain_steps < 1:
+        raise SystemExit(f"--pretrain-steps must be at least 1, got {args.pretrain_steps}")
+    if args.lr is not None and not args.lr > 0:
+        raise SystemExit(f"--lr must be above 0, got {args.lr}")
     if args.link_mbit <= 0 or args.link_ms < 0:
         raise SystemExit("--link-mbit must be above 0 and --link-ms at least 0")
     link = SlowLink(args.link_mbit, args.link_ms)
@@ -561,7 +565,7 @@ def main() -> None:
         # Side by side on a small machine; a GPU host's cores serve the codec's CPU work
         # (a basis's float64 QR: 45 s a fit at an 8B's width on one thread, 2026-12-04).
         torch.set_num_threads(1)
-    lr = args.lr or fine_tune_lr(args.hidden)
+    lr = fine_tune_lr(args.hidden) if args.lr is None else args.lr
     shape = {"seq": args.seq, "hidden": args.hidden, "device": args.device, "dtype": dtype}
     setup = (
         Setup(args.rows or 64, 2, args.epochs or 3, 16, **shape, weights=weights, lr=lr)
@@ -708,7 +712,7 @@ def report(
     )
     if fitted is not None:
         print(
-            f"The base, pretrained on the card's device: {fitted['steps']:.0f} steps at "
+            f"The base, pretrained on {setup.device}: {fitted['steps']:.0f} steps at "
             f"{fitted['lr']:.2g}, its last loss {fitted['loss']:.4f} against the language's "
             f"entropy {fitted['entropy']:.4f}\n"
         )

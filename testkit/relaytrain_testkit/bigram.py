@@ -86,6 +86,8 @@ def fit(
     `successors()`: AdamW at `lr`, cosine to zero, clipped at 1, `steps` steps of
     `rows_per_step` rows of `seq` tokens. Returns the mean loss of the last tenth of the
     steps (against `entropy()`, how well the model learnt the language)."""
+    if steps < 1:
+        raise ValueError(f"steps must be at least 1, got {steps}")
     device = next(model.parameters()).device
     params = list(model.parameters())
     for p in params:
