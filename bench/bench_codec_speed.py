@@ -17,6 +17,10 @@ by side in one process, median of the repetitions:
   It encodes where the stage computes and decodes on the CPU (the link's reader), so the
   planner charges it (``link_cost.DELTA_FORWARD_CODEC_SECONDS``,
   ``link_cost.DELTA_BACKWARD_CODEC_SECONDS``, printed beside the measurement);
+- the allocation of a ``delta`` row's blocks' bits alone (`allocation.allocate_bits`, a sort
+  of 8 breakpoints a block), part of each crossing's encode, timed where the rows are: until
+  2026-12-05 it ran on the CPU for a GPU stage's rows too (one thread's, in the first card
+  run of `hack/gpu-check.sh time-to-loss`), twice a row in a fitted basis;
 - the deflate ``delta`` frames get on top (frames.py, on the CPU wherever the codes were
   made): the first crossing's and the gradients' parts deflated and inflated, in ns per
   value and per byte of the codes (``link_cost.DEFLATE_SECONDS_PER_BYTE``,
@@ -24,7 +28,9 @@ by side in one process, median of the repetitions:
   hardly shrink; a real run's do (bench_delta_boundary.py), and DEFLATE's time grows little
   with what it finds.
 
-``--device cuda`` puts the tensor on the GPU, as on a GPU stage: every code encodes there
+``--device cuda`` puts the tensor on the GPU, as on a GPU stage, and leaves torch its CPU
+threads (what the stage's host does beside the card: the rows' caches, the frames' deflate,
+a basis's QR, `transform.Bases.install`): every code encodes there
 (timed to the codes' arrival on the CPU for ``delta``, to the encode's end on the device for
 the others); ``delta`` decodes there too, as a GPU stage's links do (`BoundaryCodec.device`),
 the other codes on the CPU, where a link decodes them.
@@ -51,12 +57,19 @@ sys.path[:0] = [str(REPO / "operator"), str(REPO / "worker_image")]
 
 from relaytrain_operator.domain.planner import link_cost  # noqa: E402
 from relaytrain_worker.pipeline import compression, frames, lowbit  # noqa: E402
+from relaytrain_worker.pipeline.allocation import (  # noqa: E402
+    DEEP,
+    DEEP_COST,
+    SHALLOW,
+    allocate_bits,
+)
 from relaytrain_worker.pipeline.boundary import (  # noqa: E402
     GRADIENT_BITS,
     BoundaryCodec,
     codec_for,
     config_for,
 )
+from relaytrain_worker.pipeline.lowbit import DISTORTION  # noqa: E402
 from relaytrain_worker.pipeline.transform import FIRST_FIT  # noqa: E402
 
 
@@ -144,6 +157,19 @@ def delta_rows(
     return out
 
 
+def allocation(x: torch.Tensor, activation_error: str, basis: bool) -> Callable[[], Any]:
+    """Each row's allocation of its blocks' bits where the rows are (`allocation.allocate_bits`,
+    as `deltacache.DeltaSender` calls it on a first crossing: a row against zero, within the
+    error of ``activation_error``'s code; 0-8 bits a block in a fitted basis, once for each
+    candidate basis a later crossing weighs, so twice there)."""
+    config = config_for(activation_error, transform=basis)
+    energies = [lowbit.to_blocks(row.float()).square().sum(dim=1) for row in x]
+    budgets = [DISTORTION[config.full_bits] * float(e.sum()) for e in energies]
+    table, cost = (DEEP, DEEP_COST) if basis else (SHALLOW, None)
+    pairs = list(zip(energies, budgets, strict=True))
+    return lambda: [allocate_bits(e, b, table=table, cost=cost) for e, b in pairs]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="3 repetitions, not 7")
@@ -166,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         config_for(args.activation_error, transform=args.basis)
     except ValueError as err:
         parser.error(f"--activation-error: {err}")
-    torch.set_num_threads(1)
+    if args.device == "cpu":  # what the planner charges a CPU stage: one thread's time
+        torch.set_num_threads(1)
     reps = 3 if args.quick else 7
     x = torch.randn(2, args.tokens, args.hidden, generator=torch.Generator().manual_seed(0))
     x = x.to(torch.bfloat16).to(args.device)
@@ -187,6 +214,10 @@ def main(argv: list[str] | None = None) -> int:
     rows[f"delta ({label}), later crossing (5 % drift: {where_coded})"] = delta["later"]
     if "fit" in delta:
         rows[f"delta ({label}), the crossing that fits and sends a basis"] = delta["fit"]
+    rows[f"delta ({label}), the blocks' bits allocated, a row at a time (in each encode)"] = (
+        timed(allocation(x, args.activation_error, args.basis), reps),
+        0.0,
+    )
     grad = lowbit.encode(x, GRADIENT_BITS)
     there = None if x.device.type == "cpu" else x.device
     rows[f"delta, gradient ({GRADIENT_BITS} bits)"] = (
@@ -203,7 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     base = sum(rows["int4"])
     where = "the CPU" if x.device.type == "cpu" else _name(x.device)
     decode = "" if x.device.type == "cpu" else " (delta's decode there too)"
-    print(f"Codec time, encode on {where}, decode on the CPU{decode}, one CPU thread, "
+    threads = torch.get_num_threads()
+    print(f"Codec time, encode on {where}, decode on the CPU{decode}, "
+          f"{threads} CPU thread{'s' if threads > 1 else ''}, "
           f"{list(x.shape)} bf16 ({n:,} values), median of {reps}")  # fmt: skip
     print()
     print("| code | encode ns/value | decode ns/value | both, x int4 |")
@@ -227,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.json:
         args.json.write_text(json.dumps(
-            {"shape": list(x.shape), "device": _name(x.device), "codes": figures}, indent=2
+            {"shape": list(x.shape), "device": _name(x.device), "threads": threads,
+             "codes": figures}, indent=2
         ))  # fmt: skip
     return 0
 

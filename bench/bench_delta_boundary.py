@@ -457,18 +457,28 @@ def epoch_bytes(run: ModeRun, setup: Setup) -> list[list[float]]:
     return out
 
 
+COLUMNS = ("measured", "model", "model_card_a_stage", "bandwidth")
+"""The time-to-target table's times (the report's ``time_to_target``), int8 against delta."""
+
+
 def step_model(
-    run: ModeRun, loopback: ModeRun, upto: int, link: SlowLink, micros: int
+    run: ModeRun, loopback: ModeRun, upto: int, link: SlowLink, micros: int, apart: bool = False
 ) -> tuple[float, float]:
     """(the modelled seconds, the bandwidth term alone) of ``run``'s first ``upto`` steps:
-    each step through 1F1B with the compute of ``loopback``'s same step."""
+    each step through 1F1B with the compute of ``loopback``'s same step: a stage's compute a
+    micro-batch the one at which 1F1B over instant links takes that step (`calibrate`), or,
+    ``apart``, that step's work shared out evenly, a ``STAGES x micros``-th to each stage's
+    micro-batch: what each stage would take on a card of its own where the loopback run's
+    stages ran in series on one (a GPU host's one card; not CPU stages, which run side by
+    side on their own cores)."""
     from relaytrain_operator.domain.planner.steptime import StepShape, calibrate, step_seconds
 
     model = bandwidth = 0.0
     previous = 0.0
     for s, step in enumerate(run.step_bytes[:upto]):
         down, up = (max(step[b][d] for b in range(STAGES - 1)) / link.rate for d in range(2))
-        compute = calibrate(STAGES, micros, loopback.step_seconds[s] - previous)
+        work = loopback.step_seconds[s] - previous
+        compute = work / (STAGES * micros) if apart else calibrate(STAGES, micros, work)
         previous = loopback.step_seconds[s]
         shape = StepShape(STAGES, micros, compute, down / micros, up / micros, link.latency)
         model += step_seconds(shape)
@@ -824,30 +834,32 @@ def report_time(
     print(
         f"\nTime to a target eval loss over a {link.mbit:g} Mbit/s link, "
         f"{link.ms:g} ms one-way latency (measured wall time; 1F1B's model of it, "
-        "`steptime`; its bandwidth term alone)\n"
+        "`steptime`; the same with each stage on a card of its own, the loopback step's "
+        "work shared out; its bandwidth term alone)\n"
     )
     print(
         "| target | mode | steps | measured s | int8 / delta | model s | int8 / delta "
-        "| bandwidth s | int8 / delta |"
+        "| a card a stage s | int8 / delta | bandwidth s | int8 / delta |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     results_t: dict[str, Any] = {}
     for label, target in targets.items():
         rows: dict[str, Any] = {}
         for m, r in linked.items():
             n = steps_to(r.step_eval, target)
             if n is None:
-                rows[m] = {"steps": None, "measured": None, "model": None, "bandwidth": None}
+                rows[m] = {"steps": None, **dict.fromkeys(COLUMNS)}
                 continue
             model_s, band_s = step_model(r, runs[m], n, link, micros)
+            apart_s, _ = step_model(r, runs[m], n, link, micros, apart=True)
             rows[m] = {
                 "steps": n, "measured": r.step_seconds[n - 1], "model": model_s,
-                "bandwidth": band_s,
+                "model_card_a_stage": apart_s, "bandwidth": band_s,
             }  # fmt: skip
         results_t[label] = {"target": target, **rows}
         for m, v in rows.items():
             parts = []
-            for key in ("measured", "model", "bandwidth"):
+            for key in COLUMNS:
                 a, b = rows["int8"][key], rows[timed][key]
                 ratio = "" if m != timed or a is None or b is None else f"{a / b:.2f}x"
                 parts.append(("never" if v[key] is None else f"{v[key]:.2f}") + f" | {ratio}")

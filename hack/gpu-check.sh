@@ -51,6 +51,12 @@ TIME_TO_LOSS=(--device cuda --hidden 4096 --seq 512 --quick --epochs 6
   --modes int8,delta:int3+basis --timed delta:int3+basis --gradient-tokens 0.5
   --timed-stop target --base pretrained --pretrain-steps 400)
 TIME_TO_LOSS_TIMEOUT=${TIME_TO_LOSS_TIMEOUT:-540}
+# Before the runs (not when resuming), the codec's own time at the run's width on the card
+# (bench/bench_codec_speed.py: a 2,048-token frame of 4096-wide rows coded as the run codes
+# them, a basis fitted, each crossing timed), under CODEC_TIMEOUT, out of the call's
+# TIME_TO_LOSS_TIMEOUT: what a `delta` step's stage work is made of.
+CODEC=(--device cuda --quick --tokens 1024 --hidden 4096 --activation-error int3 --basis)
+CODEC_TIMEOUT=${CODEC_TIMEOUT:-90}
 RESUME_REPORT=${RESUME_REPORT:-.ttl/time-to-loss.json}
 TESTS_TIMEOUT=${TESTS_TIMEOUT:-180}
 
@@ -134,13 +140,19 @@ time_to_loss() {
   install_wheels
   # A call stopped at its limit left a partial report: put it in .ttl/ (git-ignored), carry
   # it, and this call trains only the runs it lacks.
+  local deadline=$((SECONDS + TIME_TO_LOSS_TIMEOUT)) codec=skipped
   if [[ -f $RESUME_REPORT ]]; then
     resume=(--resume "$RESUME_REPORT")
     echo "Resuming the runs of $RESUME_REPORT"
+  else
+    codec=0
+    timeout "$CODEC_TIMEOUT" python3 bench/bench_codec_speed.py "${CODEC[@]}" \
+      --json "$out/codec-speed.json" 2>&1 | tee "$out/codec-speed.log" || codec=$?
   fi
-  timeout "$TIME_TO_LOSS_TIMEOUT" python3 bench/bench_delta_boundary.py "${TIME_TO_LOSS[@]}" \
+  timeout $((deadline - SECONDS)) python3 bench/bench_delta_boundary.py "${TIME_TO_LOSS[@]}" \
     "${resume[@]}" --json "$out/time-to-loss.json" 2>&1 | tee "$out/time-to-loss.log" || rc=$?
-  echo "gpu-check time-to-loss: rc=$rc (report: $out/time-to-loss.json)"
+  echo "gpu-check time-to-loss: rc=$rc, codec speed rc=$codec (reports: $out/time-to-loss.json," \
+    "$out/codec-speed.json)"
   return "$rc"
 }
 

@@ -1,11 +1,15 @@
 """bench/bench_codec_speed.py prices a job's `delta:int3+basis` too (``--activation-error
 int3 --basis``): besides the first and later crossings, the crossing that fits the deltas'
 basis and sends it, whose cost at an 8B's width the first card run showed (2026-12-04), and
-the later crossings coded in that basis. Run small, in process."""
+the later crossings coded in that basis. Run small, in process; the card's time-to-loss call
+runs it first with hack/gpu-check.sh's ``CODEC`` arguments, which the first test runs with
+the device and the sizes made small."""
 
 from __future__ import annotations
 
 import json
+import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -34,10 +38,22 @@ def run(tmp_path: Path, *args: str) -> dict[str, dict[str, float]]:
     return codes
 
 
+def card_arguments() -> list[str]:
+    """hack/gpu-check.sh's CODEC (the time-to-loss call's codec run), as bash splits it, with
+    the device and the sizes made small."""
+    script = (REPO / "hack" / "gpu-check.sh").read_text()
+    found = re.search(r"^CODEC=\((.*?)\)$", script, re.MULTILINE)
+    assert found, "hack/gpu-check.sh defines no CODEC=(...)"
+    args = shlex.split(found.group(1))
+    for flag, value in {"--device": "cpu", "--tokens": "32", "--hidden": "128"}.items():
+        args[args.index(flag) + 1] = value
+    return args
+
+
 def test_a_codec_of_fitted_bases_reports_the_fit_and_the_crossings_coded_in_it(
     tmp_path: Path,
 ) -> None:
-    codes = run(tmp_path, "--activation-error", "int3", "--basis")
+    codes = run(tmp_path, *card_arguments())
     fit = codes["delta (int3, fitted bases), the crossing that fits and sends a basis"]
     later = codes["delta (int3, fitted bases), later crossing (5 % drift: in the fitted basis)"]
     assert fit["encode_ns"] > 0 and later["encode_ns"] > 0

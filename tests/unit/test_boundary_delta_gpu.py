@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from relaytrain_worker.pipeline.allocation import DEEP, DEEP_COST, SHALLOW, allocate_bits
 from relaytrain_worker.pipeline.boundary import ROWS, BoundaryCodec, codec_for
 from relaytrain_worker.pipeline.lowbit import BLOCK, DISTORTION, dequantise_blocks, quantise_blocks
 
@@ -77,6 +78,27 @@ def test_a_code_decodes_to_the_same_bits_on_the_card_as_on_the_cpu(bits: int) ->
         cpu = dequantise_blocks(codes, scales, bits, variant)  # type: ignore[arg-type]
         card = dequantise_blocks(codes.cuda(), scales.cuda(), bits, variant)  # type: ignore[arg-type]
         assert torch.equal(card.cpu(), cpu), (bits, variant)
+
+
+@pytest.mark.parametrize("deep", [False, True])
+def test_a_row_is_allocated_on_the_card_within_its_budget_at_the_cpus_cost(deep: bool) -> None:
+    """The sender allocates a row's bits where the row is (`allocation.allocate_bits`): on a
+    GPU stage its card, not one CPU thread (the 2026-12-04 card run's 2.3-3 s steps). The
+    bits stay on the card, meet the budget and cost what the CPU's allocation costs (their
+    sums may round apart at a breakpoint: one block's step at most)."""
+    gen = torch.Generator().manual_seed(5)
+    energy = torch.randn(32768, generator=gen).square() * torch.rand(32768, generator=gen) ** 4
+    table, cost = (DEEP, DEEP_COST) if deep else (SHALLOW, None)
+    price = DEEP_COST if deep else tuple(range(len(SHALLOW)))  # wire bits a value, by bits
+    for share in (0.012, 0.05, 0.3):  # at 4 bits a block the error is about 0.01
+        budget = float(energy.sum()) * share
+        cpu = allocate_bits(energy, budget, table=table, cost=cost)
+        card = allocate_bits(energy.cuda(), budget, table=table, cost=cost)
+        assert card.device.type == "cuda"
+        error = float((torch.tensor(table, dtype=torch.float64)[card.cpu()] * energy).sum())
+        assert error <= budget * (1 + 1e-9), (share, error, budget)
+        wire = [sum(price[b] for b in bits.tolist()) for bits in (card, cpu)]
+        assert abs(wire[0] - wire[1]) <= max(price), (share, wire)
 
 
 @pytest.mark.parametrize(

@@ -54,20 +54,32 @@ def allocate_bits(
     saving meets the budget is ``lam`` (one sort, where a bisection over ``lam`` took some 70
     passes over the blocks: a third of a row's first code on the CPU). Blocks of equal energy
     share their breakpoints and so their bits: on a row whose blocks are alike the code is
-    the uniform one of ``budget``'s bits; a block with no energy gets ``floor``."""
+    the uniform one of ``budget``'s bits; a block with no energy gets ``floor``.
+
+    Runs where ``energy`` is and returns the bits there: on a GPU stage, its card. On one CPU
+    thread it costs 6-11 ns a value of the row (`bench/bench_codec_speed.py`, 2026-12-05),
+    twice a row coded in a fitted basis: about 1.1 s of each step of the first card run
+    (2026-12-04: 24 rows of 512 x 4096 a step, on the host then), whose `delta` steps took
+    2.3-3 s. Only the sender allocates and the bits travel in the code, so where it ran
+    does not matter to the two ends' agreement."""
+    device = energy.device
     e = energy.to(torch.float64).reshape(-1)
     budget *= 1 + 1e-12  # a budget met exactly is met, whatever the order of the sum
-    d = torch.tensor(table, dtype=torch.float64)
+    d = torch.tensor(table, dtype=torch.float64, device=device)
     live = e > 0
     # Block i's breakpoints, one a bit above the floor, increasing (the distortions are
     # convex): the multiplier times its energy above which b bits beat b - 1. At a
     # multiplier it has the bits of the breakpoints at or below it.
-    c = torch.arange(len(table), dtype=torch.float64) if cost is None else torch.tensor(cost)
+    c = (
+        torch.arange(len(table), dtype=torch.float64, device=device)
+        if cost is None
+        else torch.tensor(cost, device=device)
+    )
     steps = (c[1:] - c[:-1]).to(torch.float64) / (d[:-1] - d[1:])
     points = steps[floor:][None, :] / e[live, None]
 
     def pick(lam: float) -> torch.Tensor:
-        bits = torch.full(e.shape, floor, dtype=torch.int64)
+        bits = torch.full(e.shape, floor, dtype=torch.int64, device=device)
         bits[live] += (points <= lam).sum(dim=1)
         return bits
 
@@ -79,7 +91,7 @@ def allocate_bits(
     saving = (e[live, None] * (d[floor:-1] - d[floor + 1 :])[None, :]).reshape(-1)
     flat, order = torch.sort(points.reshape(-1), stable=True)
     left = error(pick(0.0)) - saving[order].cumsum(0)
-    k = int(torch.searchsorted(-left, torch.tensor([-budget], dtype=torch.float64)))
+    k = int(torch.searchsorted(-left, torch.tensor([-budget], dtype=torch.float64, device=device)))
     # The sums above are one order of adding; the breakpoint is checked with error()'s own
     # (and moved on where rounding put it one early).
     while k < flat.numel() and error(pick(float(flat[k]))) > budget:

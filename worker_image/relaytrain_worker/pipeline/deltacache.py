@@ -59,7 +59,8 @@ written once per epoch: 4 MiB per sample, far below a disk's rate), never in GPU
 Entries are kept as CPU tensors here; decode returns the value on the asked device. The
 sender codes where the tensor is (a GPU stage's card, with the row's entry copied there:
 the rotations and trial scales are most of the codec's time, 217 ns a value on one CPU
-thread) and brings only the codes to the CPU; its mirror decodes them where it coded, the
+thread; each block's bits are allocated there too, since 2026-12-05) and brings only the
+codes to the CPU; its mirror decodes them where it coded, the
 receiver where it is asked (a GPU stage's card, `boundary.BoundaryCodec.device`). A decode
 is a gather, one multiplication, the rotation's butterflies and an addition, no division
 and no reduction, so every device gets the same bits and the two ends stay in step
@@ -274,11 +275,17 @@ class _Side:
         return len(self._entries)
 
     def _apply(
-        self, msg: DeltaMessage, base: _Entry | None, device: torch.device | None = None
+        self,
+        msg: DeltaMessage,
+        base: _Entry | None,
+        device: torch.device | None = None,
+        base_value: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Apply ``msg`` and store the new entry (on the CPU); returns its float32 blocks,
         decoded on ``device`` (default the CPU): a gather, one multiplication, the rotation's
-        butterflies and an addition, the same bits on any device (`lowbit.dequantise_blocks`)."""
+        butterflies and an addition, the same bits on any device (`lowbit.dequantise_blocks`).
+        ``base_value``: ``base``'s value already in float32 on ``device`` (the sender's, which
+        coded against it there), instead of a second copy from the CPU."""
         device = device or torch.device("cpu")
         if msg.basis is not None:
             assert msg.block_bits is not None
@@ -297,7 +304,7 @@ class _Side:
         if msg.kind == "full" or base is None:
             new = decoded
         else:
-            new = base.value.to(device, torch.float32)
+            new = base.value.to(device, torch.float32) if base_value is None else base_value
             if msg.sent is None:
                 new = new + decoded
             else:
@@ -330,14 +337,15 @@ class DeltaSender(_Side):
         blocks = to_blocks(x.detach())  # coded where x is (a GPU stage's card); the codes,
         shape = tuple(x.shape)  # the mirror and the cache are on the CPU
         entry = self._entries.get(key)
+        finite = bool(torch.isfinite(blocks).all())
         full = (
             entry is None
             or entry.shape != shape
-            or not bool(torch.isfinite(blocks).all())
+            or not finite
             or not bool(torch.isfinite(entry.value).all())
         )
         version = 1 if entry is None else entry.version + 1
-        if cfg.allocate and bool(torch.isfinite(blocks).all()):
+        if cfg.allocate and finite:
             # (a non-finite input takes the uniform full code below, so that it decodes NaN)
             usable = entry if entry is not None and not full else None
             return self._encode_allocated(
@@ -401,7 +409,7 @@ class DeltaSender(_Side):
         cfg = self.config
         whole = float(blocks.square().sum())
         change = blocks
-        base = None
+        base = cached = None
         if entry is not None:  # same shape, finite
             cached = entry.value.to(blocks.device, torch.float32)
             delta = blocks - cached
@@ -416,17 +424,18 @@ class DeltaSender(_Side):
             candidates = self.bases.candidates(key, against, h, blocks.device)
             at, packed, code, scale = transform.code_row(tokens, candidates, budget, version)
         else:
-            bits = allocate_bits(change.square().sum(dim=1).cpu(), budget, cfg.floor)
+            bits = allocate_bits(change.square().sum(dim=1), budget, cfg.floor)  # where coded
             codes, scales = quantise_grouped(change, bits, version)
             code = torch.cat(codes) if codes else torch.zeros(0, dtype=torch.uint8)
             scale = torch.cat(scales) if scales else torch.zeros(0, dtype=torch.bfloat16)
+            bits = bits.cpu()
             packed = pack_bits(torch.nn.functional.pad(bits, (0, (-bits.numel()) % 8)), 3)
         msg = DeltaMessage(
             key, "full" if base is None else "delta", version,
             None if base is None else base.version, cfg.full_bits, dtype, shape, code, scale,
             None, packed, at,
         )  # fmt: skip
-        self._apply(msg, base, blocks.device)
+        self._apply(msg, base, blocks.device, None if base is None else cached)
         return msg
 
     def _bits(self, delta: torch.Tensor, blocks: torch.Tensor) -> Bits | None:

@@ -119,11 +119,13 @@ class BasisMessage:
         cls, against: bool, version: int, vectors: torch.Tensor, energies: torch.Tensor
     ) -> BasisMessage:
         """The message of a basis whose float ``[h, h]`` ``vectors`` are columns, each vector
-        coded in the bits its share of the moment's ``energies`` (eigenvalues) asks."""
+        coded in the bits its share of the moment's ``energies`` (eigenvalues) asks. Coded
+        and decoded where ``vectors`` are (the sender's card, where it fitted them; decoding
+        is bit-exact on any device), the code and the decoded vectors brought to the CPU."""
         bits = vector_bits(energies)
-        blocks = to_blocks(vectors.T.float().cpu())  # vector after vector
-        codes, scales = quantise(blocks, _block_bits(bits), version)
-        values = _vectors(bits, codes, scales, version)
+        blocks = to_blocks(vectors.T.float())  # vector after vector
+        codes, scales = quantise(blocks, _block_bits(bits).to(blocks.device), version)
+        values = _vectors(bits, codes, scales, version, blocks.device)
         return cls(against, version, values, bits, codes, scales)
 
     @classmethod
@@ -164,14 +166,19 @@ def _block_bits(bits: torch.Tensor) -> torch.Tensor:
 
 
 def _vectors(
-    bits: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, version: int
+    bits: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    version: int,
+    device: torch.device = CPU,
 ) -> torch.Tensor:
-    """The ``[width, width]`` float32 columns a basis's code decodes to (on the CPU)."""
+    """The ``[width, width]`` float32 columns a basis's code decodes to, decoded on ``device``
+    (the same bits anywhere) and returned on the CPU."""
     width = bits.numel()
-    each = _block_bits(bits)
+    each = _block_bits(bits).to(device)
     key = f"basis {version}"
-    flat = dequantise(key, each, codes=codes, scales=scales, version=version, device=CPU)
-    return from_blocks(flat, (width, width), torch.float32).T.contiguous()
+    flat = dequantise(key, each, codes=codes, scales=scales, version=version, device=device)
+    return from_blocks(flat, (width, width), torch.float32).T.contiguous().cpu()
 
 
 @dataclass
@@ -381,18 +388,26 @@ def code_row(
     Why a choice: a basis is fitted to what was sent before, and a row that changed otherwise
     (a delta of an epoch whose drift turned) may cost more in it than in the identity, which
     both ends always hold. Only the allocation runs per candidate (a sort of the blocks'
-    energies); the cheapest is quantised. Ties go to the earlier candidate."""
+    energies, where the rows are: a GPU stage's card); the cheapest is quantised. Ties go to
+    the earlier candidate."""
     best: tuple[float, int, torch.Tensor, torch.Tensor] | None = None
     for at, basis in candidates:
         blocks = to_blocks(change if basis is None else change @ basis)
-        bits = allocate_bits(blocks.square().sum(dim=1).cpu(), budget, table=DEEP, cost=DEEP_COST)
-        wire = float(_COST[bits].sum())
+        bits = allocate_bits(blocks.square().sum(dim=1), budget, table=DEEP, cost=DEEP_COST)
+        wire = wire_bits(bits)
         if best is None or wire < best[0]:
             best = (wire, at, blocks, bits)
     assert best is not None, "code_row needs a candidate"
     _, at, blocks, bits = best
     codes, scales = quantise(blocks, bits, version)
-    return at, pack_map(bits), codes, scales
+    return at, pack_map(bits.cpu()), codes, scales
+
+
+def wire_bits(bits: torch.Tensor) -> float:
+    """Wire bits of a code whose blocks got ``bits`` (0-8 each, on any device): a count of
+    each, brought to the CPU, times `DEEP_COST` (exact: the costs are quarters)."""
+    counts = torch.bincount(bits.reshape(-1), minlength=MAX_BITS + 1).cpu()
+    return float((counts.to(torch.float64) * _COST).sum())
 
 
 def decode_row(

@@ -45,8 +45,10 @@ DELTA_GRADIENT_BYTES = (3 + 16 / 64) / 8
 DELTA_LATER_SHARE = 0.75
 #: Seconds per boundary value of the ``delta`` codec on a GPU stage, encode plus decode: it
 #: codes on the sending stage's card and decodes on the receiving one's (the rows' caches
-#: and the per-row choice of bits stay on the host, most of the forward's time). Forward a
-#: row's first code (a later one costs about as much), backward the gradients' 3-bit code.
+#: stay on the host; so did the per-row choice of bits when this was measured, most of the
+#: forward's time: on the card since 2026-12-05, and re-measured by the next card run's
+#: codec probe, `hack/gpu-check.sh time-to-loss`). Forward a row's first code (a later one
+#: costs about as much), backward the gradients' 3-bit code.
 #: `bench/bench_codec_speed.py --device cuda --quick --tokens 4096 --hidden 4096` on an
 #: NVIDIA H200, 2026-11-30 (33.5 M values a frame: 15.6 + 1.7 ns forward, 0.2 + 0.1 back;
 #: on one CPU thread, where a CPU stage codes, 217 + 15 and 174 + 14). The other codes run
