@@ -44,12 +44,13 @@ BENCH_TIMEOUT=${BENCH_TIMEOUT:-380}
 # cost loss: +8 % at a width of 512), 6 epochs of 64 rows (48 steps; in 3 epochs the loss
 # still falls to the last step and `delta`, +3.4 % there, never reaches the target), the runs
 # timed to 2 steps past their target, the delta run first. The fine-tune's learning rate is
-# the bench's by width (3.1e-4 here; the first card run, 2026-12-04, had 5e-3, which threw
-# even the uncompressed run about: docs/gpu-check.md). The CPU twin
+# 5e-3, not the bench's by width (3.1e-4 here): on the CPU at a width of 1024 the scaled rate
+# (1.25e-3) left the uncompressed run at 1.294 after its 48 steps against 0.974 at 5e-3
+# (docs/gpu-check.md, 2026-12-05). The CPU twin
 # (tests/unit/test_bench_delta_boundary.py) runs the same path small.
 TIME_TO_LOSS=(--device cuda --hidden 4096 --seq 512 --quick --epochs 6
   --modes int8,delta:int3+basis --timed delta:int3+basis --gradient-tokens 0.5
-  --timed-stop target --base pretrained --pretrain-steps 400)
+  --timed-stop target --base pretrained --pretrain-steps 400 --lr 5e-3)
 TIME_TO_LOSS_TIMEOUT=${TIME_TO_LOSS_TIMEOUT:-540}
 # Before the runs (not when resuming), the codec's own time at the run's width on the card
 # (bench/bench_codec_speed.py: a 2,048-token frame of 4096-wide rows coded as the run codes
