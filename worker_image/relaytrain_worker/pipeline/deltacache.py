@@ -59,12 +59,11 @@ written once per epoch: 4 MiB per sample, far below a disk's rate), never in GPU
 Entries are kept as CPU tensors here; decode returns the value on the asked device. The
 sender codes where the tensor is (a GPU stage's card, with the row's entry copied there:
 the rotations and trial scales are most of the codec's time, 217 ns a value on one CPU
-thread; each block's bits are allocated there too, since 2026-12-05) and brings only the
-codes to the CPU; its mirror decodes them where it coded, the
-receiver where it is asked (a GPU stage's card, `boundary.BoundaryCodec.device`). A decode
-is a gather, one multiplication, the rotation's butterflies and an addition, no division
-and no reduction, so every device gets the same bits and the two ends stay in step
-(tests/unit/test_boundary_delta_gpu.py checks it on a card).
+thread; each block's bits are allocated there too) and brings only the codes to the CPU;
+its mirror decodes them where it coded, the receiver where it is asked (a GPU stage's card,
+`boundary.BoundaryCodec.device`). A decode is a gather, one multiplication, the rotation's
+butterflies and an addition, no division and no reduction, so every device gets the same
+bits and the two ends stay in step (tests/unit/test_boundary_delta_gpu.py checks it on a card).
 
 Hand-written for the same reason as lowbit.py: a self-describing byte format whose decode is
 bit-exact on both ends.
@@ -275,17 +274,13 @@ class _Side:
         return len(self._entries)
 
     def _apply(
-        self,
-        msg: DeltaMessage,
-        base: _Entry | None,
-        device: torch.device | None = None,
+        self, msg: DeltaMessage, base: _Entry | None, device: torch.device | None = None,
         base_value: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor:  # fmt: skip
         """Apply ``msg`` and store the new entry (on the CPU); returns its float32 blocks,
         decoded on ``device`` (default the CPU): a gather, one multiplication, the rotation's
         butterflies and an addition, the same bits on any device (`lowbit.dequantise_blocks`).
-        ``base_value``: ``base``'s value already in float32 on ``device`` (the sender's, which
-        coded against it there), instead of a second copy from the CPU."""
+        ``base_value``: ``base``'s value in float32 on ``device``, where the sender has it."""
         device = device or torch.device("cpu")
         if msg.basis is not None:
             assert msg.block_bits is not None
@@ -338,12 +333,8 @@ class DeltaSender(_Side):
         shape = tuple(x.shape)  # the mirror and the cache are on the CPU
         entry = self._entries.get(key)
         finite = bool(torch.isfinite(blocks).all())
-        full = (
-            entry is None
-            or entry.shape != shape
-            or not finite
-            or not bool(torch.isfinite(entry.value).all())
-        )
+        full = (entry is None or entry.shape != shape or not finite
+                or not bool(torch.isfinite(entry.value).all()))  # fmt: skip
         version = 1 if entry is None else entry.version + 1
         if cfg.allocate and finite:
             # (a non-finite input takes the uniform full code below, so that it decodes NaN)
