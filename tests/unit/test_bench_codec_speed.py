@@ -1,9 +1,9 @@
-"""bench/bench_codec_speed.py prices a job's `delta:int3+basis` too (``--activation-error
-int3 --basis``): besides the first and later crossings, the crossing that fits the deltas'
-basis and sends it, whose cost at an 8B's width the first card run showed (2026-12-04), and
-the later crossings coded in that basis. Run small, in process; the card's time-to-loss call
-runs it first with hack/gpu-check.sh's ``CODEC`` arguments, which the first test runs with
-the device and the sizes made small."""
+"""bench/bench_codec_speed.py prices a job's `delta` in fitted bases too (``--basis``, held
+to int4's or int3's error: ``--activation-error``): besides the first and later crossings, the
+crossing that fits the deltas' basis and sends it, whose cost at an 8B's width the first card
+run showed (2026-12-04), and the later crossings coded in that basis. Run small, in process;
+the card's time-to-loss call runs it first with hack/gpu-check.sh's ``CODEC`` arguments, which
+the first test runs with the device and the sizes made small (and with each error in theirs)."""
 
 from __future__ import annotations
 
@@ -50,14 +50,20 @@ def card_arguments() -> list[str]:
     return args
 
 
+@pytest.mark.parametrize("error", ["card", "int3", "int4"])
 def test_a_codec_of_fitted_bases_reports_the_fit_and_the_crossings_coded_in_it(
-    tmp_path: Path,
+    tmp_path: Path, error: str
 ) -> None:
-    codes = run(tmp_path, *card_arguments())
-    fit = codes["delta (int3, fitted bases), the crossing that fits and sends a basis"]
-    later = codes["delta (int3, fitted bases), later crossing (5 % drift: in the fitted basis)"]
+    """With the card's arguments as they are, and with each activation error in their place."""
+    args = card_arguments()
+    if error != "card":
+        args[args.index("--activation-error") + 1] = error
+    name = f"delta ({args[args.index('--activation-error') + 1]}, fitted bases)"
+    codes = run(tmp_path, *args)
+    fit = codes[f"{name}, the crossing that fits and sends a basis"]
+    later = codes[f"{name}, later crossing (5 % drift: in the fitted basis)"]
     assert fit["encode_ns"] > 0 and later["encode_ns"] > 0
-    assert "delta (int3, fitted bases), first crossing" in codes
+    assert f"{name}, first crossing" in codes
 
 
 def test_the_default_codec_fits_nothing(tmp_path: Path) -> None:
