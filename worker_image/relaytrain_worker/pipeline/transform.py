@@ -124,8 +124,9 @@ class BasisMessage:
         is bit-exact on any device), the code and the decoded vectors brought to the CPU."""
         bits = vector_bits(energies)
         blocks = to_blocks(vectors.T.float())  # vector after vector
-        codes, scales = quantise(blocks, _block_bits(bits).to(blocks.device), version)
-        values = _vectors(bits, codes, scales, version, blocks.device)
+        each = _block_bits(bits).to(blocks.device)
+        codes, scales = quantise(blocks, each, version)
+        values = _vectors(each, bits.numel(), codes, scales, version, device=blocks.device)
         return cls(against, version, values, bits, codes, scales)
 
     @classmethod
@@ -140,7 +141,8 @@ class BasisMessage:
         each = _block_bits(bits)
         codes = read(8 * int(each.sum()), torch.uint8)
         scales = read(int((each > 0).sum() + (each > 4).sum()), torch.bfloat16)
-        return cls(against, version, _vectors(bits, codes, scales, version), bits, codes, scales)
+        values = _vectors(each, width, codes, scales, version)
+        return cls(against, version, values, bits, codes, scales)
 
 
 def vector_bits(energies: torch.Tensor) -> torch.Tensor:
@@ -166,16 +168,18 @@ def _block_bits(bits: torch.Tensor) -> torch.Tensor:
 
 
 def _vectors(
-    bits: torch.Tensor,
+    each: torch.Tensor,
+    width: int,
     codes: torch.Tensor,
     scales: torch.Tensor,
     version: int,
+    *,
     device: torch.device = CPU,
 ) -> torch.Tensor:
-    """The ``[width, width]`` float32 columns a basis's code decodes to, decoded on ``device``
-    (the same bits anywhere) and returned on the CPU."""
-    width = bits.numel()
-    each = _block_bits(bits).to(device)
+    """The ``[width, width]`` float32 columns a basis's code decodes to (``each``, its blocks'
+    bits: `_block_bits`), decoded on ``device`` (the same bits anywhere) and returned on the
+    CPU."""
+    each = each.to(device)
     key = f"basis {version}"
     flat = dequantise(key, each, codes=codes, scales=scales, version=version, device=device)
     return from_blocks(flat, (width, width), torch.float32).T.contiguous().cpu()
