@@ -193,8 +193,9 @@ class PipelineSpec(SpecModel):
     `int3` code (about 19 %). The codes then take about two thirds of the bits, and the next
     stage trains on noisier activations: for fine-tunes of a pretrained base, like
     gradientTokens below 1, and costlier at width: within 1 % at a hidden size of 256 but
-    +2.8 % at 1024, where int4 ended +0.46 % (docs/links-and-checkpoints.md, "The delta
-    compression"; docs/gpu-check.md, "The loss gap at width")."""
+    +2.8 % at 1024, where int4 ended +0.46 and +1.19 % on two seeds
+    (docs/links-and-checkpoints.md, "The delta compression"; docs/gpu-check.md, "The loss gap
+    at width")."""
     activation_basis: ActivationBasis = "identity"
     """With `compression: delta` (or `auto`, where it takes delta): what each token's change
     of a training row is coded in, `identity` (blocks of its values as they are; the default)
