@@ -13,7 +13,9 @@ by side in one process, median of the repetitions:
   that error: most blocks not sent), and the gradients' 3-bit code; ``--activation-error
   int3`` and ``--basis`` make it a job's `delta:int3+basis` (rows coded in fitted bases),
   with a row more: the crossing that fits the deltas' basis and sends it (both ends: the
-  fit's ``eigh``, each end's float64 QR on the CPU), and the later crossings coded in it.
+  fit's ``eigh``, each end's float64 QR on the CPU), and the later crossings coded in it;
+  the fit alone, that crossing less a later one, is printed in seconds beside what the
+  planner charges (``link_cost.basis_fit_seconds``);
   It encodes where the stage computes and decodes on the CPU (the link's reader), so the
   planner charges it (``link_cost.DELTA_FORWARD_CODEC_SECONDS``,
   ``link_cost.DELTA_BACKWARD_CODEC_SECONDS``, printed beside the measurement);
@@ -157,6 +159,15 @@ def delta_rows(
     return out
 
 
+def fit_seconds(delta: dict[str, tuple[float, float]]) -> float | None:
+    """Both ends' seconds of a basis's fit alone (what the planner prices as
+    ``link_cost.basis_fit_seconds``): the crossing that fits and sends it less a later
+    crossing's, which codes its rows alike; None without a fit."""
+    if "fit" not in delta:
+        return None
+    return max(0.0, sum(delta["fit"]) - sum(delta["later"]))
+
+
 def allocation(x: torch.Tensor, activation_error: str, basis: bool) -> Callable[[], Any]:
     """Each row's allocation of its blocks' bits where the rows are (`allocation.allocate_bits`,
     as `deltacache.DeltaSender` calls it on a first crossing: a row against zero, within the
@@ -251,6 +262,14 @@ def main(argv: list[str] | None = None) -> int:
         f"{link_cost.DELTA_FORWARD_CODEC_SECONDS * 1e9:.0f} ns a value forward and "
         f"{link_cost.DELTA_BACKWARD_CODEC_SECONDS * 1e9:.0f} backward (encode + decode)."
     )
+    fit = fit_seconds(delta)
+    if fit is not None:
+        print(
+            f"The fit of a {args.hidden} x {args.hidden} basis, both ends (the crossing that "
+            f"fits and sends it less a later crossing's): {fit:.3f} s, "
+            f"the planner charges {link_cost.basis_fit_seconds(args.hidden):.3f} s "
+            f"(link_cost.basis_fit_seconds), one fit every {link_cost.BASIS_REFIT} frames."
+        )
     for name, (e, d, size) in coded.items():
         print(
             f"Deflate of the {name}'s parts: {e / size * 1e9:.1f} ns a byte of its codes, "
@@ -261,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(
             {"shape": list(x.shape), "device": _name(x.device), "threads": threads,
-             "codes": figures}, indent=2
+             "codes": figures, "fit_seconds": fit}, indent=2
         ))  # fmt: skip
     return 0
 

@@ -11,15 +11,20 @@ from dataclasses import replace
 import pytest
 import torch
 from relaytrain_contract import StageConfig
-from relaytrain_operator.domain.planner import ModelShape, Pool, TrainingShape
+from relaytrain_operator.domain.planner import ModelShape, Pool, TrainingShape, link_cost
 from relaytrain_operator.domain.planner.catalog import DEFAULT_CATALOG
 from relaytrain_operator.domain.planner.cost import CostSettings, pool_cost
-from relaytrain_operator.domain.planner.link_cost import DELTA_FIRST_BYTES, wire_bytes_per_value
+from relaytrain_operator.domain.planner.link_cost import (
+    DELTA_FIRST_BYTES,
+    LinkCost,
+    wire_bytes_per_value,
+)
 from relaytrain_operator.domain.stage_config import build_stage_configs, local_endpoints
 from relaytrain_operator.spec import SpecError, parse_job
 from relaytrain_testkit.jobs import Job
 from relaytrain_testkit.linkcreds import link_pair, stage_credentials
 from relaytrain_testkit.shapes import SMOLLM2_135M_CONFIG
+from relaytrain_worker.pipeline import transform
 from relaytrain_worker.pipeline.boundary import ROWS, codec_for
 from relaytrain_worker.pipeline.lowbit import DISTORTION
 from relaytrain_worker.pipeline.peers import link_chain
@@ -93,6 +98,46 @@ def test_the_spec_takes_a_fitted_basis_with_delta_or_auto_and_the_planner_counts
     assert fixed(int4, False, False) == fixed(replace(delta, compression="int4"), False, False)
     with pytest.raises(ValueError, match="activation_basis 'pca' is not one of identity, fitted"):
         replace(delta, activation_basis="pca")
+
+
+def test_the_planner_charges_each_frame_a_share_of_a_fitted_basis_bytes_and_fit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The planner refits as often as the worker, and prices a basis at what one of every
+    # vector at 8 bits costs on the wire: the most any basis the worker sends costs.
+    assert link_cost.BASIS_REFIT == transform.REFIT
+    h = 128
+    gen = torch.Generator().manual_seed(0)
+    vectors = torch.linalg.qr(torch.randn(h, h, generator=gen, dtype=torch.float64)).Q.float()
+    spread = torch.logspace(8, -8, h)
+    for energies in (torch.ones(h), spread, torch.cat([torch.tensor([1e6]), torch.ones(h - 1)])):
+        msg = transform.BasisMessage.code(True, 1, vectors, energies)
+        assert 0 < msg.nbytes <= link_cost.basis_bytes(h)
+    assert transform.vector_bits(spread).max() == transform.MAX_BITS
+    monkeypatch.setattr(transform, "vector_bits", lambda e: torch.full_like(e, 8).long())
+    assert transform.BasisMessage.code(True, 1, vectors, spread).nbytes == (
+        link_cost.basis_bytes(h)
+    )
+    # Each activation frame pays a REFIT-th of a basis's bytes (deflated like the rest) and of
+    # its fit; the rows, the gradients and the other codes cost what they cost without it.
+    model = ModelShape.from_hf_config(SMOLLM2_135M_CONFIG)
+    h = model.hidden_size
+    delta = TrainingShape(2, 4, 1024, compression="delta", epochs=3)
+    fitted = LinkCost.of(model, replace(delta, activation_basis="fitted"))
+    plain = LinkCost.of(model, delta)
+    share = link_cost.basis_bytes(h) / link_cost.BASIS_REFIT
+    assert fitted.forward_bytes - plain.forward_bytes == pytest.approx(
+        share * (1 - link_cost.DEFLATE_FORWARD_SAVES)
+    )
+    fit = link_cost.basis_fit_seconds(h) / link_cost.BASIS_REFIT
+    assert fit > 0
+    assert fitted.forward_codec_seconds - plain.forward_codec_seconds == pytest.approx(
+        fit + share * link_cost.INFLATE_SECONDS_PER_BYTE
+    )
+    assert fitted.backward_bytes == plain.backward_bytes
+    assert fitted.backward_codec_seconds == plain.backward_codec_seconds
+    int4 = TrainingShape(2, 4, 1024, compression="int4")
+    assert LinkCost.of(model, replace(int4, activation_basis="fitted")) == LinkCost.of(model, int4)
 
 
 @pytest.mark.parametrize(("error", "basis"), [("int3", "identity"), ("int4", "fitted")])

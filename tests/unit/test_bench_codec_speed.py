@@ -12,6 +12,7 @@ import re
 import shlex
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from relaytrain_testkit import REPO
@@ -19,7 +20,7 @@ from relaytrain_testkit import REPO
 pytestmark = [pytest.mark.unit, pytest.mark.torch]
 
 
-def run(tmp_path: Path, *args: str) -> dict[str, dict[str, float]]:
+def run(tmp_path: Path, *args: str) -> dict[str, Any]:
     sys.path.insert(0, str(REPO / "bench"))
     try:
         import bench_codec_speed
@@ -34,8 +35,8 @@ def run(tmp_path: Path, *args: str) -> dict[str, dict[str, float]]:
         assert bench_codec_speed.main(argv) == 0
     finally:
         torch.set_num_threads(threads)
-    codes: dict[str, dict[str, float]] = json.loads(out.read_text())["codes"]
-    return codes
+    report: dict[str, Any] = json.loads(out.read_text())
+    return report
 
 
 def card_arguments() -> list[str]:
@@ -59,16 +60,21 @@ def test_a_codec_of_fitted_bases_reports_the_fit_and_the_crossings_coded_in_it(
     if error != "card":
         args[args.index("--activation-error") + 1] = error
     name = f"delta ({args[args.index('--activation-error') + 1]}, fitted bases)"
-    codes = run(tmp_path, *args)
+    report = run(tmp_path, *args)
+    codes = report["codes"]
     fit = codes[f"{name}, the crossing that fits and sends a basis"]
     later = codes[f"{name}, later crossing (5 % drift: in the fitted basis)"]
     assert fit["encode_ns"] > 0 and later["encode_ns"] > 0
     assert f"{name}, first crossing" in codes
+    # the fit alone, what the planner prices a basis's fit against (link_cost)
+    assert report["fit_seconds"] > 0
 
 
 def test_the_default_codec_fits_nothing(tmp_path: Path) -> None:
-    codes = run(tmp_path)
+    report = run(tmp_path)
+    codes = report["codes"]
     assert "delta (int4), first crossing" in codes
+    assert report["fit_seconds"] is None
     assert not [name for name in codes if "fits" in name]
 
 

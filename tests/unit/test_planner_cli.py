@@ -461,6 +461,40 @@ def test_the_table_says_how_delta_is_priced(tmp_path, model_config, capsys, trai
     assert "Boundary code" not in capsys.readouterr().out
 
 
+def test_the_table_says_what_a_fitted_basis_costs_a_frame(tmp_path, model_config, capsys):
+    """With ``activationBasis: fitted`` each stage that sends activations pays a share of a
+    basis's fit and bytes: the table says how much, the stages' link time grows by it, and
+    where the encoder sets the pace the bottleneck names it and the basis's share."""
+    link = {}
+    for basis in ("identity", "fitted"):
+        job = (
+            LORA.pipeline(stages=4, compression="delta")
+            .set("spec.pipeline.activationBasis", basis)
+            .set("spec.training", {"microBatches": 8, "epochs": 3})
+        )
+        manifest = job.write(tmp_path / f"{basis}.yaml")
+        common = ("--nodes", str(HACK_POOLS), "--model-config", str(model_config))
+        assert relaytrain("plan", str(manifest), *common) == 0
+        out = capsys.readouterr().out.splitlines()
+        lines = [x for x in out if x.startswith("Fitted bases")]
+        (bottleneck,) = [x for x in out if x.startswith("Bottleneck")]
+        # 256 tokens a micro-batch over these links: delta's encoder sets the pace, and the
+        # table says so, with the basis's share where there is one
+        assert "its encoder (delta's codes) takes" in bottleneck, bottleneck
+        assert ("its share of the bases it fits" in bottleneck) is (basis == "fitted")
+        assert relaytrain("plan", str(manifest), *common, "--json") == 0
+        stages = json.loads(capsys.readouterr().out)["stages"]
+        link[basis] = [stage["predictedLinkSeconds"] for stage in stages]
+        if basis == "identity":
+            assert lines == []
+            continue
+        (line,) = lines
+        assert line.startswith("Fitted bases: one of 4096 x 4096 fitted and sent every 96 frames")
+        assert "at most 17.0 MiB" in line, line
+    # every stage but the last sends activations; each pays for the bases it fits and sends
+    assert all(f > i for f, i in zip(link["fitted"][:-1], link["identity"][:-1], strict=True))
+
+
 def test_forwards_ahead_auto_is_chosen_over_slow_links_and_shown(tmp_path, model_config, capsys):
     """Over 100 Mbit/s links with 50 ms each way the step played out through 1F1B is shorter
     with forwards ahead: the table's header and --json say how many auto took, and its step

@@ -18,8 +18,11 @@ from relaytrain_operator.domain.planner.choose import AHEAD_MARGIN
 from relaytrain_operator.domain.planner.cost import GIB
 from relaytrain_operator.domain.planner.growth import GROWTH_MARGIN
 from relaytrain_operator.domain.planner.link_cost import (
+    BASIS_REFIT,
     DEFLATE_FORWARD_SAVES,
     DELTA_LATER_SHARE,
+    basis_bytes,
+    basis_fit_seconds,
     delta_first_bytes,
     wire_bytes_per_value,
 )
@@ -89,9 +92,10 @@ def _stage_table(result: Plan) -> list[str]:
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
 
 
-def _code_price(training: TrainingShape) -> list[str]:
+def _code_price(training: TrainingShape, model: ModelShape | None) -> list[str]:
     """How `delta`'s bytes are priced (docs/planner.md): its activations at their run's mean
-    over the job's epochs, or at their first epoch's rate in a job of steps."""
+    over the job's epochs, or at their first epoch's rate in a job of steps; with fitted bases
+    (and the model's width known), what a frame pays for its share of a basis."""
     if training.compression != "delta":
         return []
     forward, back = (8 * wire_bytes_per_value(training, b) for b in (False, True))
@@ -108,7 +112,22 @@ def _code_price(training: TrainingShape) -> list[str]:
     return [
         f"Boundary code delta: activations priced at {forward:.2f} bits a value, {how}; "
         f"gradients at {back:.2f}; deflate counted as {100 * DEFLATE_FORWARD_SAVES:.0f} % off "
-        "the activations."
+        "the activations.",
+        *_basis_price(training, model),
+    ]
+
+
+def _basis_price(training: TrainingShape, model: ModelShape | None) -> list[str]:
+    if training.activation_basis != "fitted" or model is None:
+        return []
+    h = model.hidden_size
+    bits = 8 * basis_bytes(h) / BASIS_REFIT / (training.tokens_per_micro_batch * h)
+    fit = basis_fit_seconds(h)
+    return [
+        f"Fitted bases: one of {h} x {h} fitted and sent every {BASIS_REFIT} frames, at most "
+        f"{basis_bytes(h) / 2**20:.1f} MiB and {fit:.1f} s of both ends' work (one CPU thread); "
+        f"a frame pays {bits:.3f} bits a value and {1000 * fit / BASIS_REFIT:.0f} ms of it, "
+        "its rows priced as in the identity."
     ]
 
 
@@ -143,7 +162,7 @@ def _format_one(
         f"{training.sequence_length} tokens ({training.method}, {training.dtype}, "
         f"compression {training.compression})"
     )
-    price = _code_price(training) if len(result.stages) > 1 else []  # one stage: no boundary
+    price = _code_price(training, model) if len(result.stages) > 1 else []  # one stage: no boundary
     lines = [header, *_about(model, source), *price, "", *_stage_table(result)]
     b = result.bottleneck
     lines += [
@@ -201,7 +220,7 @@ def format_fleet(
         f"({training.method}, {training.dtype}, compression {training.compression})"
     )
     split = any(len(p.stages) > 1 for p in fleet.pipelines)
-    lines = [header, *_about(model, source), *(_code_price(training) if split else [])]
+    lines = [header, *_about(model, source), *(_code_price(training, model) if split else [])]
     for i, p in enumerate(fleet.pipelines):
         b = p.bottleneck
         lines += [

@@ -205,8 +205,11 @@ class PipelineSpec(SpecModel):
     within the same error. Fewer bytes for the same error: 14-18 % of the activations' on the
     tiny fine-tune measured, the bases' own bytes included (3-4 % of them; a basis weighs less
     on wider models), at the memory of the bases and moments: 32 h^2 bytes on a middle stage's
-    device (512 MiB at hidden 4096), which the planner counts (docs/links-and-checkpoints.md,
-    "Bases coded per vector")."""
+    device (512 MiB at hidden 4096), which the planner counts, and the fits: each frame pays a
+    96th of a basis's bytes and of both ends' work on it (at hidden 4096 up to 17 MiB and
+    about 29 s of one CPU thread a basis), priced by the planner, whose table says what
+    (docs/planner.md, "Fitted bases"; docs/links-and-checkpoints.md, "Bases coded per
+    vector")."""
     sync: SyncSpec = Field(default_factory=SyncSpec)
     """How several pipelines keep their weights equal: `synchronous` (gradients reduced every
     step) or `periodic` (local steps, weights averaged every `everySteps` steps, for slow

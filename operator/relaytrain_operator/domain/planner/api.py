@@ -15,6 +15,7 @@ from relaytrain_operator.domain.planner.diagnose import (
     infeasible_error,
     unusable_dtype_error,
 )
+from relaytrain_operator.domain.planner.link_cost import BASIS_REFIT, basis_fit_seconds
 from relaytrain_operator.domain.planner.model_shape import ModelShape
 from relaytrain_operator.domain.planner.pools import Pool
 from relaytrain_operator.domain.planner.problem import (
@@ -134,6 +135,7 @@ def to_plan(problem: Problem, best: Candidate, search: str, evaluated: int) -> P
                 memory_bytes=cost.stage_bytes(best.counts[k], first, last, in_flight),
                 memory_available_bytes=cost.available_bytes,
                 in_flight=in_flight,
+                encode_seconds=link.encode_seconds(prev, nxt),
             )
         )
     slow = max(range(p), key=lambda k: best.seconds[k])
@@ -147,6 +149,13 @@ def to_plan(problem: Problem, best: Candidate, search: str, evaluated: int) -> P
             f"{best.bottleneck:.3g}s per micro-batch."
         )
         bottleneck = Bottleneck(slow, "memory", detail)
+    elif stage.side_seconds > stage.compute_seconds and stage.encode_seconds >= (
+        stage.side_seconds
+    ):
+        detail = f"Stage {slow} computes {stage.compute_seconds:.3g}s per micro-batch, " + (
+            encoder_detail(problem, stage.encode_seconds, sends_activations=slow < p - 1)
+        )
+        bottleneck = Bottleneck(slow, "link", detail)
     elif stage.side_seconds > stage.compute_seconds:
         detail = (
             f"Stage {slow} computes {stage.compute_seconds:.3g}s per micro-batch, and beside "
@@ -232,6 +241,21 @@ def link_bound_advice(micro_batches: int, stages: int, ahead: int, *, chosen: bo
         f" With {micro_batches} micro-batches a step the link streams at most {share:.0%} of "
         f"it (fill and drain); {ahead_advice}: 90-98 % of the link's bound measured so "
         f"(docs/links-and-checkpoints.md)."
+    )
+
+
+def encoder_detail(problem: Problem, seconds: float, *, sends_activations: bool) -> str:
+    """Where a stage's encoder sets the pace (``delta``'s codes beside its compute, its link
+    directions less busy): what of it a fitted basis is, and what shrinks it."""
+    training = problem.training
+    text = f"and beside it its encoder (delta's codes) takes {seconds:.3g}s, more than its links."
+    if training.activation_basis != "fitted" or not sends_activations:
+        return text
+    fit = basis_fit_seconds(problem.model.hidden_size) / BASIS_REFIT
+    return text + (
+        f" Of that, {fit:.3g}s is its share of the bases it fits (pipeline.activationBasis "
+        f"fitted: one every {BASIS_REFIT} frames, whatever a frame's tokens): identity fits "
+        "none, and more tokens a micro-batch share each fit among more."
     )
 
 

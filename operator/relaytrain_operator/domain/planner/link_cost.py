@@ -65,6 +65,24 @@ DELTA_BACKWARD_CODEC_SECONDS = 0.3e-9
 DEFLATE_SECONDS_PER_BYTE = 38.9e-9
 INFLATE_SECONDS_PER_BYTE = 5.6e-9
 DEFLATE_FORWARD_SAVES = 0.05
+#: ``pipeline.activationBasis: fitted`` (relaytrain_worker.pipeline.transform): the sender fits
+#: an ``h x h`` basis for a kind of rows (full codes, deltas) after every ``BASIS_REFIT`` frames
+#: of it and sends it ahead of the rows coded in it. The rows in it are priced as the
+#: identity's (what a basis saves depends on the rows: 14-18 % of the activations' on the tiny
+#: fine-tune measured); each activation frame is charged a ``1 / BASIS_REFIT`` share of a
+#: basis: `basis_bytes` on the wire and `basis_fit_seconds` of both ends' work. A run's first
+#: fit of each kind, after `transform.FIRST_FIT` frames of it, is left out: a run of N frames
+#: a boundary fits about N / 96 + 2 times.
+BASIS_REFIT = 96
+#: A basis's fit, both ends, on one CPU thread, in two parts: per h^3 the sender's float64
+#: ``eigh`` of the moment and each end's float64 QR; per h^2 its code made and read, at about a
+#: row's first crossing's rate a value. Fitted to `bench/bench_codec_speed.py --quick --tokens
+#: 256 --hidden H --basis` at H = 1024, 2048 and 4096 (its line "The fit of a ... basis"; the
+#: 2-core dev VM beside a CI run, 2026-12-06): 0.88-0.97, 4.6-5.8 and 28.5-30.3 s, priced at
+#: 0.90, 4.8 and 28.6. A GPU stage runs its ``eigh`` in float32 on its card, not yet measured
+#: there, and its host's QR on more threads: priced as here, a bound.
+BASIS_FIT_SECONDS_PER_H3 = 2.74e-10
+BASIS_CODE_SECONDS_PER_H2 = 5.8e-7
 #: Labels and attention mask travel forward with the activations, int64 each.
 LABEL_BYTES_PER_TOKEN = 16
 
@@ -82,6 +100,19 @@ def wire_bytes_per_value(training: TrainingShape, backward: bool = False) -> flo
         # a share of the tokens coded, and a bit a token (at most 1/64 of a bit a value)
         return DELTA_GRADIENT_BYTES * training.gradient_tokens + 1 / 64 / 8
     return WIRE_BYTES[training.compression]
+
+
+def basis_bytes(width: int) -> float:
+    """The most a basis of ``width`` values a token costs on the wire: every vector at 8 bits,
+    two bf16 scales a block of 64 of its values, and 4 bits a vector naming its bits (where
+    ``width`` is a multiple of 64, as models' are; `transform.BasisMessage.nbytes`)."""
+    return (1 + 4 / 64) * width * width + width / 2
+
+
+def basis_fit_seconds(width: int) -> float:
+    """Seconds both ends of a link spend on one basis of ``width`` values a token: fitting,
+    coding, reading and installing it (one CPU thread; ``BASIS_FIT_SECONDS_PER_H3``)."""
+    return BASIS_FIT_SECONDS_PER_H3 * width**3 + BASIS_CODE_SECONDS_PER_H2 * width**2
 
 
 def delta_first_bytes(bits: int) -> float:
@@ -110,7 +141,8 @@ class LinkCost:
     backward_bytes: float
     """Gradients of those activations (compressed), sent from k+1 back to k."""
     forward_codec_seconds: float = 0.0
-    """CPU time to encode and decode the activations (``delta`` only)."""
+    """Time to encode and decode the activations (``delta`` only; in fitted bases with a
+    share of a basis's fit)."""
     backward_codec_seconds: float = 0.0
     """CPU time to encode and decode their gradients (``delta`` only)."""
     deflate_seconds: float = 0.0
@@ -119,15 +151,20 @@ class LinkCost:
 
     @classmethod
     def of(cls, model: ModelShape, training: TrainingShape) -> LinkCost:
-        values = training.tokens_per_micro_batch * model.hidden_size
+        h = model.hidden_size
+        values = training.tokens_per_micro_batch * h
         forward = values * wire_bytes_per_value(training)
         backward = values * wire_bytes_per_value(training, backward=True)
         labels = training.tokens_per_micro_batch * LABEL_BYTES_PER_TOKEN
         if training.compression != "delta":
             return cls(forward + labels, backward)
+        fit = 0.0
+        if training.activation_basis == "fitted":  # a share of a basis a frame
+            forward += basis_bytes(h) / BASIS_REFIT
+            fit = basis_fit_seconds(h) / BASIS_REFIT
         return cls(
             forward * (1 - DEFLATE_FORWARD_SAVES) + labels, backward,
-            values * DELTA_FORWARD_CODEC_SECONDS + forward * INFLATE_SECONDS_PER_BYTE,
+            values * DELTA_FORWARD_CODEC_SECONDS + fit + forward * INFLATE_SECONDS_PER_BYTE,
             values * DELTA_BACKWARD_CODEC_SECONDS,
             forward * DEFLATE_SECONDS_PER_BYTE,
         )  # fmt: skip
@@ -142,14 +179,20 @@ class LinkCost:
         plays it: its activations' frame down the link to ``nxt``, its gradients' frame up
         the link to ``prev`` (each direction its own queue) and its encoder (the ``delta``
         codes of both, and the activations' deflate)."""
-        down = encode = up = 0.0
+        down = frame_seconds(self.forward_bytes, this, nxt) if nxt is not None else 0.0
+        up = frame_seconds(self.backward_bytes, prev, this) if prev is not None else 0.0
+        return max(down, up, self.encode_seconds(prev, nxt))
+
+    def encode_seconds(self, prev: PoolCost | None, nxt: PoolCost | None) -> float:
+        """A stage's encoder per micro-batch (`side_seconds`): the codes of the activations it
+        sends to ``nxt`` and their deflate, and the codes of the gradients it sends to
+        ``prev`` (``delta`` only: 0 for the other codes)."""
+        encode = 0.0
         if nxt is not None:
-            down = frame_seconds(self.forward_bytes, this, nxt)
             encode += self.forward_codec_seconds + self.deflate_seconds
         if prev is not None:
-            up = frame_seconds(self.backward_bytes, prev, this)
             encode += self.backward_codec_seconds
-        return max(down, up, encode)
+        return encode
 
     def stage_seconds(self, prev: PoolCost | None, this: PoolCost, nxt: PoolCost | None) -> float:
         """Link time a stage pays per micro-batch: its sends to both neighbours, each with

@@ -51,6 +51,9 @@ class StagePlan:
     """Memory the plan may use on that GPU (after margin and reserve)."""
     in_flight: int
     """Micro-batches whose activations the stage holds at once under 1F1B."""
+    encode_seconds: float = 0.0
+    """Of what runs beside its compute, its encoder's time per micro-batch (``delta``'s codes,
+    with a share of each fitted basis: `link_cost.LinkCost.encode_seconds`)."""
 
     @property
     def seconds(self) -> float:

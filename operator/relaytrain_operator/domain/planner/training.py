@@ -66,8 +66,10 @@ class TrainingShape:
     int4 or int3): a row's first crossing is priced at about that code's bits."""
     activation_basis: ActivationBasis = "identity"
     """What `delta` codes a token's change in (``spec.pipeline.activationBasis``): ``fitted``
-    bases are counted in the stages' memory; their bytes are priced as the identity's (what a
-    basis saves depends on the rows, measured 14-18 % of the activations' on a tiny model)."""
+    bases are counted in the stages' memory, and each activation frame pays a share of a
+    basis's bytes and fit (`link_cost.BASIS_REFIT`); the rows in them are priced as in the
+    identity (what a basis saves depends on the rows, measured 14-18 % of the activations' on
+    a tiny model)."""
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "micro_batches", "sequence_length", "lora_rank"):
