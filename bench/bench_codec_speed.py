@@ -15,7 +15,8 @@ by side in one process, median of the repetitions:
   with a row more: the crossing that fits the deltas' basis and sends it (both ends: the
   fit's ``eigh``, each end's float64 QR on the CPU), and the later crossings coded in it;
   the fit alone, that crossing less a later one, is printed in seconds beside what the
-  planner charges (``link_cost.basis_fit_seconds``);
+  planner charges (``link_cost.basis_fit_seconds``), and each end's QR of the basis, which
+  runs beside the frames (`transform.Bases.install`);
   It encodes where the stage computes and decodes on the CPU (the link's reader), so the
   planner charges it (``link_cost.DELTA_FORWARD_CODEC_SECONDS``,
   ``link_cost.DELTA_BACKWARD_CODEC_SECONDS``, printed beside the measurement);
@@ -58,7 +59,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "operator"), str(REPO / "worker_image")]
 
 from relaytrain_operator.domain.planner import link_cost  # noqa: E402
-from relaytrain_worker.pipeline import compression, frames, lowbit  # noqa: E402
+from relaytrain_worker.pipeline import (  # noqa: E402
+    compression,
+    frames,
+    lowbit,
+    transform,
+)
 from relaytrain_worker.pipeline.allocation import (  # noqa: E402
     DEEP,
     DEEP_COST,
@@ -136,10 +142,13 @@ def delta_rows(
     assert first is not None  # nothing fitted before the first frame
     later: list[tuple[float, float]] = []
     y = x.float()
-    # ``reps`` crossings; with bases, ``reps`` after the deltas' first fit (which comes after
-    # `transform.FIRST_FIT` frames of deltas), so that they are coded in the fitted basis.
+    # ``reps`` crossings; with bases, ``reps`` once the rows are coded in the deltas' first
+    # basis: it is fitted after `transform.FIRST_FIT` frames of deltas, and the rows are coded
+    # in it `Fitter.switch` frames after the one that carries it (each end's QR beside them).
     fitting = sender.sender.config.transform
+    switch = sender.sender.fitter.switch
     frames_left = reps + FIRST_FIT + 1
+    skip = 0
     while frames_left > 0 and (len(later) < reps or (fitting and not fits)):
         frames_left -= 1
         y = y + 0.05 * y.std() * torch.randn(y.shape, generator=gen).to(y.device)
@@ -147,7 +156,9 @@ def delta_rows(
         took = crossing(y.to(x.dtype))
         if took is None:
             later.clear()
-            frames_left = reps
+            frames_left, skip = reps + switch, switch
+        elif skip:
+            skip -= 1
         else:
             later.append(took)
     out = {
@@ -263,12 +274,16 @@ def main(argv: list[str] | None = None) -> int:
         f"{link_cost.DELTA_BACKWARD_CODEC_SECONDS * 1e9:.0f} backward (encode + decode)."
     )
     fit = fit_seconds(delta)
+    qr = None
     if fit is not None:
+        square = torch.randn(args.hidden, args.hidden)
+        qr = timed(lambda: transform.orthonormal(square), 1)
         print(
-            f"The fit of a {args.hidden} x {args.hidden} basis, both ends (the crossing that "
-            f"fits and sends it less a later crossing's): {fit:.3f} s, "
+            f"The fit of a {args.hidden} x {args.hidden} basis on the frames' way, both ends "
+            f"(the crossing that fits and sends it less a later crossing's): {fit:.3f} s, "
             f"the planner charges {link_cost.basis_fit_seconds(args.hidden):.3f} s "
-            f"(link_cost.basis_fit_seconds), one fit every {link_cost.BASIS_REFIT} frames."
+            f"(link_cost.basis_fit_seconds), one fit every {link_cost.BASIS_REFIT} frames; "
+            f"beside the frames each end's QR of it, {qr:.3f} s (transform.Bases.install)."
         )
     for name, (e, d, size) in coded.items():
         print(
@@ -280,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(
             {"shape": list(x.shape), "device": _name(x.device), "threads": threads,
-             "codes": figures, "fit_seconds": fit}, indent=2
+             "codes": figures, "fit_seconds": fit, "qr_seconds": qr}, indent=2
         ))  # fmt: skip
     return 0
 

@@ -82,10 +82,12 @@ def test_a_job_on_s3_trains_from_and_writes_to_the_bucket(
     # Held-out rows crossed the delta links too, keyed apart from the training rows.
     assert progress["evalStep"] == 4 and math.isfinite(progress["evalLoss"]), progress
     # After 4 frames of full codes the first stage fitted a basis to them and sent it; the
-    # second installed it before decoding the rows coded in it (and trained on to the end).
+    # second installed it, and from 8 frames later the rows were coded in it, which the
+    # second decoded (and trained on to the end).
     logs = "".join(p.read_text(errors="replace") for p in written if p.name.endswith(".log"))
     assert "sending basis 1 of the full codes (32 values a token" in logs, logs[-3000:]
     assert "installed basis 1 of the full codes (32 values a token)" in logs, logs[-3000:]
+    assert "coding the full codes in basis 1 from this" in logs, logs[-3000:]
     # Both stages fetched into one cache directory for this model URI (which shards each
     # one fetches is tested in tests/unit/test_worker_loading.py).
     index = json.loads((model / "model.safetensors.index.json").read_text())["weight_map"]

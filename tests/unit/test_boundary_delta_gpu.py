@@ -117,6 +117,7 @@ def test_rows_coded_in_fitted_bases_decode_on_another_device_as_the_mirror_holds
     mix = torch.linalg.qr(torch.randn(256, 256, generator=gen)).Q
     scale = torch.logspace(1, -2, 256)  # energy in a few directions, as in a boundary
     sender, receiver = codec_for("int4", transform=True), codec_for("int4", transform=True)
+    sender.sender.fitter.switch = 0  # rows coded in a basis from the frame that carries it
     receiver.device = None if receiver_on == "cpu" else torch.device(receiver_on)
     rows = [torch.randn(3, 64, 256, generator=gen) * scale @ mix.T for _ in range(6)]
     frames = [(f, rows[f]) for f in range(6)]  # new rows: full codes, a basis after 4 frames

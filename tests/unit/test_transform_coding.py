@@ -6,6 +6,7 @@ the 0-8-bit allocation against its definition."""
 from __future__ import annotations
 
 import itertools
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -27,9 +28,13 @@ ROWS_TOTAL, PER_MICRO, SEQ, HIDDEN = 16, 2, 16, 128
 FRAMES = ROWS_TOTAL // PER_MICRO
 
 
-def _pair(config: DeltaConfig) -> tuple[Link, Link]:
+def _pair(config: DeltaConfig, switch: int = 0) -> tuple[Link, Link]:
+    """A link whose sender codes rows in a basis ``switch`` frames after the one that carries
+    it (0 here, where a test is about the bases' maths: the rows at once; the worker's
+    default, `transform.SWITCH`, in the test of the switch)."""
     up, down = link_pair(CREDS, "transform")
     up.codec, down.codec = BoundaryCodec(config), BoundaryCodec(config)
+    up.codec.sender.fitter.switch = switch
     return up, down
 
 
@@ -104,6 +109,41 @@ def test_bases_are_fitted_sent_once_held_alike_and_cut_the_bits_of_new_rows(
         plain = plain_up.coded_bytes_sent - before
     assert in_basis < 0.8 * plain, (in_basis, plain)
     assert max(errors) < 0.11, errors  # int4's expected error: sqrt(D_4) = 9.7 %
+
+
+def test_rows_are_coded_in_a_basis_some_frames_after_it_and_its_qr_runs_beside_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each end's QR of a basis runs beside the frames: the frame that carries it and the
+    `transform.SWITCH` - 1 after it cross while the QR has not ended, coded in the identity;
+    from the next the rows are coded in it at both ends, the same bits."""
+    released = threading.Event()
+    started: list[int] = []
+
+    def held_back(values: torch.Tensor) -> torch.Tensor:
+        started.append(values.shape[0])
+        assert released.wait(timeout=60), "the test never released the QR"
+        return orthonormal(values)
+
+    orthonormal = transform.orthonormal
+    monkeypatch.setattr(transform, "orthonormal", held_back)
+    up, down = _pair(TRANSFORMED, switch=transform.SWITCH)
+    data = _rows(count=PER_MICRO * (transform.FIRST_FIT + transform.SWITCH + 2))
+    sender, receiver = up.codec.sender.bases, down.codec.receiver.bases
+    seen = []
+    with up, down:
+        for m in range(len(data) // PER_MICRO):
+            if m == transform.FIRST_FIT + transform.SWITCH:
+                # both ends' QRs are still held back here: the frames crossed without them
+                assert started == [HIDDEN, HIDDEN]
+                released.set()
+            _epoch(up, down, data[m * PER_MICRO : (m + 1) * PER_MICRO], m, m * PER_MICRO)
+            seen.append((sender.held(False), sender.current(False, HIDDEN)))
+            assert receiver.current(False, HIDDEN) == sender.current(False, HIDDEN)
+    carried = transform.FIRST_FIT  # the frame after FIRST_FIT frames of full codes
+    assert seen[carried - 1] == (0, 0) and seen[carried] == (1, 0)
+    assert seen[carried + transform.SWITCH - 1] == (1, 0)
+    assert seen[carried + transform.SWITCH] == (1, 1)
 
 
 def test_a_restarted_link_codes_in_the_identity_and_a_missing_basis_breaks_the_link() -> None:

@@ -207,7 +207,9 @@ class PipelineSpec(SpecModel):
     on wider models), at the memory of the bases and moments: 32 h^2 bytes on a middle stage's
     device (512 MiB at hidden 4096), which the planner counts, and the fits: each frame pays a
     96th of a basis's bytes and of both ends' work on it (at hidden 4096 up to 17 MiB and
-    about 29 s of one CPU thread a basis), priced by the planner, whose table says what
+    about 20 s of one CPU thread a basis; each end's QR of it runs beside the frames, the rows
+    coded in it 8 frames after the one that carries it), priced by the planner, whose table
+    says what
     (docs/planner.md, "Fitted bases"; docs/links-and-checkpoints.md, "Bases coded per
     vector")."""
     sync: SyncSpec = Field(default_factory=SyncSpec)

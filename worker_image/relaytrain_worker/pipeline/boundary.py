@@ -29,7 +29,8 @@ What is coded how in a frame under ``delta``:
   same rows coded in a basis fitted to them, 0-8 bits a block: the entry's ``bases`` list
   the bases fitted since the frame before (``[1 for deltas, version, width]``, each a map of
   its vectors' bits, their codes and scales ahead of the rows), which the receiver installs
-  before it decodes the rows, and each row's message names its basis last;
+  (its QR beside the frames) before it decodes rows coded in it, which the sender does from
+  `transform.SWITCH` frames later; each row's message names its basis last;
 - ``hidden`` without ``rows`` (nothing to key it by): a full code at ``FULL_BITS``, cached
   nowhere;
 - any other floating tensor (the gradients of a boundary): a rotated code at
@@ -217,6 +218,9 @@ class BoundaryCodec:
         parts: list[torch.Tensor] = []
         # Bases fitted from earlier frames go first: this frame's rows are coded in them.
         bases = self.sender.fitter.due(self.sender.bases)
+        for against in self.sender.fitter.switched:
+            kinds, version = "deltas" if against else "full codes", self.sender.bases.held(against)
+            log.info("coding the %s in basis %d from this %s frame on", kinds, version, kind)
         for b in bases:  # one every `transform.REFIT` frames of a kind at most
             parts += [b.packed, b.codes, b.scales]
             log.info(

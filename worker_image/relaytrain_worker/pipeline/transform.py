@@ -14,9 +14,14 @@ at 7-8, those of next to no energy not at all), which took a basis from 16 bits 
 until 2026-11-30) to about 3.7 on the tiny fine-tune measured, its rows costing 1 % more.
 Both ends turn what was sent into the basis they use the same way: a QR in float64 on the
 CPU (`Bases.install`), so the decoded vectors are orthonormal again, the QR completes those
-not sent, and the two ends hold the same float32 values. A code names its basis by version
-(`DeltaMessage.basis`); version 0 is the identity, which both ends hold from the start, so two
-ends that start again (a replaced stage, a re-link) code in the identity until the first fit.
+not sent, and the two ends hold the same float32 values. The QR runs in a thread beside the
+frames (about 5.4 s of one CPU thread an end at a width of 4096): the sender codes rows in a
+basis from `SWITCH` frames after the one that carries it, each end waiting for its QR only
+where it has not ended by then (since 2026-12-06; until then both ends ran it in the frame
+that carried the basis, on the encoder's and the reader's way). A code names its basis by
+version (`DeltaMessage.basis`); version 0 is the identity, which both ends hold from the
+start, so two ends that start again (a replaced stage, a re-link) code in the identity until
+the first fit.
 A code naming a basis this end does not hold is a broken link (`StaleBasisError`).
 
 In a basis, each block of 64 coordinates gets 0-8 bits (`allocation.DEEP`): up to 4 a
@@ -38,17 +43,20 @@ row's norm).
 
 Memory: on the sender two moments of ``h x h`` float64 where the rows are coded (256 MiB on a
 4096-wide boundary), and on each end two bases of ``h x h`` float32 on the CPU and on the
-device that codes or decodes (64 MiB each at 4096). A basis on the wire is at most
-``(8.5 h^2 + 4 h) / 8`` bytes (every vector at 8 bits), at 4096 about 17 MiB.
+device that codes or decodes (64 MiB each at 4096), and on the CPU, for the `SWITCH` frames
+after one is sent, the newest of its kind and its QR's float64 work. A basis on the wire is at
+most ``(8.5 h^2 + 4 h) / 8`` bytes (every vector at 8 bits), at 4096 about 17 MiB.
 
-Hand-written: the fit is torch's ``eigh`` and ``qr``; what is written here is which frames fit,
-the message that carries a basis, and the two-stage code of 5-8 bits, which no library has.
+Hand-written: the fit is torch's ``eigh`` and ``qr`` (the QR in a `concurrent.futures` thread
+pool); what is written here is which frames fit, when the rows switch to a basis, the message
+that carries a basis, and the two-stage code of 5-8 bits, which no library has.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -66,12 +74,17 @@ FIRST_FIT = 4
 """Frames with rows of a kind coded in the identity before that kind's first basis."""
 REFIT = 96
 """Frames with rows of a kind between two bases of it (after the first)."""
+SWITCH = 8
+"""Frames of a link after the one that carries a basis before its rows are coded in it: each
+end's QR of it runs beside them (`Bases.install`), off the encoder's and the reader's way."""
 MAX_BITS = 8
 """The most bits a block of coordinates gets."""
 MAP_BITS = 4
 """Bits a block's allocation (0-8) takes in a transformed code's bit map."""
 CPU = torch.device("cpu")
 _COST = torch.tensor(DEEP_COST, dtype=torch.float64)
+_QR = ThreadPoolExecutor(max_workers=2, thread_name_prefix="relaytrain-basis")
+"""Where the bases' QRs run, beside the frames (a process's links share it)."""
 
 
 class StaleBasisError(ValueError):
@@ -194,30 +207,47 @@ class _Held:
     """The basis copied to each device that used it."""
 
 
+def orthonormal(values: torch.Tensor) -> torch.Tensor:
+    """A basis's decoded vectors orthonormalised, and those not sent completed: a float64 QR
+    on the CPU, cast to float32 (the same values on both ends)."""
+    q: torch.Tensor = torch.linalg.qr(values.to(torch.float64).cpu()).Q
+    return q.to(torch.float32)
+
+
 class Bases:
-    """The bases one end of a link holds: per kind, the identity or the last one sent."""
+    """The bases one end of a link holds: per kind, the identity or the last one switched to,
+    and the newest installed, whose QR runs beside the frames until it is switched to."""
 
     def __init__(self) -> None:
         self._held = {False: _Held(), True: _Held()}
+        self._pending: dict[bool, tuple[int, Future[torch.Tensor]]] = {}
 
     def reset(self) -> None:
-        """Back to the identity for both kinds (what a restarted end holds)."""
+        """Back to the identity for both kinds (what a restarted end holds); a QR still
+        running is left to end unread."""
         self._held = {False: _Held(), True: _Held()}
+        self._pending = {}
 
     def install(self, msg: BasisMessage) -> None:
-        """Hold ``msg``'s basis: its decoded vectors orthonormalised (and those not sent
-        completed) by a float64 QR on the CPU, the same values on both ends."""
-        held = self._held[msg.against]
-        if msg.version <= held.version:
+        """Take ``msg``'s basis (`orthonormal`), its QR in a thread beside the frames: rows
+        are coded in it once `switch`ed to, and a code naming it switches to it (`use`),
+        either waiting for the QR where it has not ended."""
+        newest = self.held(msg.against)
+        if msg.version <= newest:
             raise ValueError(
-                f"basis {msg.version} arrived after basis {held.version} of its kind: "
+                f"basis {msg.version} arrived after basis {newest} of its kind: "
                 "bases are numbered in the order they are sent"
             )
-        values = msg.values.to(torch.float64).cpu()
-        if values.dim() != 2 or values.shape[0] != values.shape[1]:
-            raise ValueError(f"a basis must be square, got shape {list(values.shape)}")
-        basis = torch.linalg.qr(values).Q.to(torch.float32)
-        self._held[msg.against] = _Held(msg.version, basis)
+        if msg.values.dim() != 2 or msg.values.shape[0] != msg.values.shape[1]:
+            raise ValueError(f"a basis must be square, got shape {list(msg.values.shape)}")
+        self.switch(msg.against)  # one installed before and never used: held from now
+        self._pending[msg.against] = (msg.version, _QR.submit(orthonormal, msg.values))
+
+    def switch(self, against: bool) -> None:
+        """Hold the newest basis installed of a kind, once its QR has ended (if one is)."""
+        pending = self._pending.pop(against, None)
+        if pending is not None:
+            self._held[against] = _Held(pending[0], pending[1].result())
 
     def current(self, against: bool, width: int) -> int:
         """The version a row of ``width`` values a token is coded in: the held basis where it
@@ -236,8 +266,9 @@ class Bases:
         return [(held, self.use(key, against, held, device)), (0, None)]
 
     def held(self, against: bool) -> int:
-        """The version held for a kind."""
-        return self._held[against].version
+        """The newest version of a kind this end holds (its QR perhaps still running)."""
+        pending = self._pending.get(against)
+        return self._held[against].version if pending is None else pending[0]
 
     def use(
         self, key: str, against: bool, version: int, device: torch.device
@@ -246,9 +277,11 @@ class Bases:
         StaleBasisError where this end holds another."""
         if version == 0:
             return None
+        if version == self.held(against):
+            self.switch(against)
         held = self._held[against]
         if held.version != version or held.basis is None:
-            raise StaleBasisError(key, against, version, held.version)
+            raise StaleBasisError(key, against, version, self.held(against))
         if device not in held.on:
             held.on[device] = held.basis.to(device)
         return held.on[device]
@@ -257,15 +290,23 @@ class Bases:
 class Fitter:
     """The sender's moments per kind and when each kind's next basis is due."""
 
-    def __init__(self, refit: int = REFIT, first_fit: int = FIRST_FIT) -> None:
-        if refit < 1 or first_fit < 1:
-            raise ValueError(f"refit and first_fit must be >= 1, got {refit} and {first_fit}")
+    def __init__(self, refit: int = REFIT, first_fit: int = FIRST_FIT, switch: int = SWITCH):
+        if refit < 1 or first_fit < 1 or switch < 0:
+            raise ValueError(
+                f"refit and first_fit must be >= 1 and switch >= 0, got {refit}, {first_fit} "
+                f"and {switch}"
+            )
         self.refit = refit
         self.first_fit = first_fit
+        self.switch = switch
+        """Frames after the one that carries a basis before the rows are coded in it."""
         self._moments: dict[bool, torch.Tensor | None] = {}
         self._frames: dict[bool, int] = {}
         self._in_frame: set[bool] = set()
         self._due: set[bool] = set()
+        self._switch_in: dict[bool, int] = {}
+        self.switched: list[bool] = []
+        """The kinds whose rows the last `due` switched to their newest basis."""
         self.reset()
 
     def reset(self) -> None:
@@ -274,6 +315,7 @@ class Fitter:
         self._frames = {False: 0, True: 0}
         self._in_frame.clear()
         self._due.clear()
+        self._switch_in = {}
 
     def add(self, against: bool, change: torch.Tensor) -> None:
         """Count one row's change (``[tokens, h]`` float32, where it was coded)."""
@@ -294,9 +336,18 @@ class Fitter:
         self._in_frame.clear()
 
     def due(self, bases: Bases) -> list[BasisMessage]:
-        """The bases due, fitted from their moments (which start again), numbered after what
-        ``bases`` holds and installed there: the caller sends each ahead of the rows coded in
-        it (the receiver `Bases.install`s it before decoding them)."""
+        """Called as a frame's rows are about to be coded: the bases due, fitted from their
+        moments (which start again), numbered after what ``bases`` holds and installed there,
+        for the caller to send in this frame (the receiver `Bases.install`s each before it
+        decodes the rows); ``switch`` frames later their rows are coded in them (the QR of
+        both ends has run beside those frames)."""
+        self.switched = []
+        for against in list(self._switch_in):
+            self._switch_in[against] -= 1
+            if self._switch_in[against] <= 0:
+                del self._switch_in[against]
+                bases.switch(against)
+                self.switched.append(against)
         out = []
         for against in sorted(self._due):
             m = self._moments[against]
@@ -310,6 +361,10 @@ class Fitter:
             version = bases.held(against) + 1
             msg = BasisMessage.code(against, version, vectors.flip(1), energies.flip(0))
             bases.install(msg)
+            if self.switch == 0:
+                bases.switch(against)
+            else:
+                self._switch_in[against] = self.switch
             out.append(msg)
             self._moments[against] = None
         self._due.clear()

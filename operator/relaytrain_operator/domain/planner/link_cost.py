@@ -70,19 +70,21 @@ DEFLATE_FORWARD_SAVES = 0.05
 #: of it and sends it ahead of the rows coded in it. The rows in it are priced as the
 #: identity's (what a basis saves depends on the rows: 14-18 % of the activations' on the tiny
 #: fine-tune measured); each activation frame is charged a ``1 / BASIS_REFIT`` share of a
-#: basis: `basis_bytes` on the wire and `basis_fit_seconds` of both ends' work. A run's first
-#: fit of each kind, after `transform.FIRST_FIT` frames of it, is left out: a run of N frames
-#: a boundary fits about N / 96 + 2 times.
+#: basis: `basis_bytes` on the wire and `basis_fit_seconds` of both ends' work on the frames'
+#: way. A run's first fit of each kind, after `transform.FIRST_FIT` frames of it, is left out:
+#: a run of N frames a boundary fits about N / 96 + 2 times.
 BASIS_REFIT = 96
-#: A basis's fit, both ends, on one CPU thread, in two parts: per h^3 the sender's float64
-#: ``eigh`` of the moment and each end's float64 QR; per h^2 its code made and read, at about a
-#: row's first crossing's rate a value. Fitted to `bench/bench_codec_speed.py --quick --tokens
-#: 256 --hidden H --basis` at H = 1024, 2048 and 4096 (its line "The fit of a ... basis"; the
-#: 2-core dev VM beside a CI run, 2026-12-06): 0.88-0.97, 4.6-5.8 and 28.5-30.3 s, priced at
-#: 0.90, 4.8 and 28.6. A GPU stage runs its ``eigh`` in float32 on its card, not yet measured
-#: there, and its host's QR on more threads: priced as here, a bound.
-BASIS_FIT_SECONDS_PER_H3 = 2.74e-10
-BASIS_CODE_SECONDS_PER_H2 = 5.8e-7
+#: A basis's work on the frames' way, both ends, on one CPU thread: the sender's float64
+#: ``eigh`` of the moment (h^3) and its code made and read (h^2), a curve of the two terms
+#: fitted to what was measured. Each end's float64 QR of it (5.4 s at 4096) runs beside the
+#: frames since 2026-12-06 (`transform.SWITCH`) and is not charged. Measured by
+#: `bench/bench_codec_speed.py --quick --tokens 256 --hidden H --basis` at H = 1024, 2048 and
+#: 4096 (its line "The fit of a ... basis"; the 2-core dev VM beside a CI run, 2026-12-06):
+#: 0.89, 4.7 and 18.8 s, priced at 0.94, 4.1 and 19.5 (until the QRs left the frames' way,
+#: 28.5-30.3 s at 4096). A GPU stage runs its ``eigh`` in float32 on its card, not yet
+#: measured there: priced as here, a bound.
+BASIS_FIT_SECONDS_PER_H3 = 8.7e-11
+BASIS_CODE_SECONDS_PER_H2 = 8.1e-7
 #: Labels and attention mask travel forward with the activations, int64 each.
 LABEL_BYTES_PER_TOKEN = 16
 
@@ -110,8 +112,9 @@ def basis_bytes(width: int) -> float:
 
 
 def basis_fit_seconds(width: int) -> float:
-    """Seconds both ends of a link spend on one basis of ``width`` values a token: fitting,
-    coding, reading and installing it (one CPU thread; ``BASIS_FIT_SECONDS_PER_H3``)."""
+    """Seconds both ends of a link spend on one basis of ``width`` values a token on the
+    frames' way: fitting, coding and reading it (one CPU thread; ``BASIS_FIT_SECONDS_PER_H3``;
+    the QRs that install it run beside)."""
     return BASIS_FIT_SECONDS_PER_H3 * width**3 + BASIS_CODE_SECONDS_PER_H2 * width**2
 
 
