@@ -16,7 +16,8 @@ by side in one process, median of the repetitions:
   fit's ``eigh``, each end's float64 QR on the CPU), and the later crossings coded in it;
   the fit alone, that crossing less a later one, is printed in seconds beside what the
   planner charges (``link_cost.basis_fit_seconds``), and each end's QR of the basis, which
-  runs beside the frames (`transform.Bases.install`);
+  runs beside the frames from a width of 2048 (`transform.switch_frames`) and in the fit's
+  frame under it;
   It encodes where the stage computes and decodes on the CPU (the link's reader), so the
   planner charges it (``link_cost.DELTA_FORWARD_CODEC_SECONDS``,
   ``link_cost.DELTA_BACKWARD_CODEC_SECONDS``, printed beside the measurement);
@@ -78,7 +79,7 @@ from relaytrain_worker.pipeline.boundary import (  # noqa: E402
     config_for,
 )
 from relaytrain_worker.pipeline.lowbit import DISTORTION  # noqa: E402
-from relaytrain_worker.pipeline.transform import FIRST_FIT  # noqa: E402
+from relaytrain_worker.pipeline.transform import FIRST_FIT, switch_frames  # noqa: E402
 
 
 def timed(fn: Callable[[], Any], reps: int) -> float:
@@ -144,9 +145,9 @@ def delta_rows(
     y = x.float()
     # ``reps`` crossings; with bases, ``reps`` once the rows are coded in the deltas' first
     # basis: it is fitted after `transform.FIRST_FIT` frames of deltas, and the rows are coded
-    # in it `Fitter.switch` frames after the one that carries it (each end's QR beside them).
+    # in it `Fitter.lag` frames after the one that carries it (each end's QR beside them).
     fitting = sender.sender.config.transform
-    switch = sender.sender.fitter.switch
+    switch = sender.sender.fitter.lag(x.shape[-1])
     frames_left = reps + FIRST_FIT + 1
     skip = 0
     while frames_left > 0 and (len(later) < reps or (fitting and not fits)):
@@ -283,7 +284,9 @@ def main(argv: list[str] | None = None) -> int:
             f"(the crossing that fits and sends it less a later crossing's): {fit:.3f} s, "
             f"the planner charges {link_cost.basis_fit_seconds(args.hidden):.3f} s "
             f"(link_cost.basis_fit_seconds), one fit every {link_cost.BASIS_REFIT} frames; "
-            f"beside the frames each end's QR of it, {qr:.3f} s (transform.Bases.install)."
+            f"each end's QR of it, {qr:.3f} s, "
+            + ("beside the frames" if switch_frames(args.hidden) else "in the fit's frame")
+            + " (transform.switch_frames)."
         )
     for name, (e, d, size) in coded.items():
         print(

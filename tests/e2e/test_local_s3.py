@@ -82,8 +82,8 @@ def test_a_job_on_s3_trains_from_and_writes_to_the_bucket(
     # Held-out rows crossed the delta links too, keyed apart from the training rows.
     assert progress["evalStep"] == 4 and math.isfinite(progress["evalLoss"]), progress
     # After 4 frames of full codes the first stage fitted a basis to them and sent it; the
-    # second installed it, and from 8 frames later the rows were coded in it, which the
-    # second decoded (and trained on to the end).
+    # second installed it, and the rows were coded in it (from that frame on at this width:
+    # transform.switch_frames), which the second decoded (and trained on to the end).
     logs = "".join(p.read_text(errors="replace") for p in written if p.name.endswith(".log"))
     assert "sending basis 1 of the full codes (32 values a token" in logs, logs[-3000:]
     assert "installed basis 1 of the full codes (32 values a token)" in logs, logs[-3000:]

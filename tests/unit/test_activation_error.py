@@ -106,6 +106,13 @@ def test_the_planner_charges_each_frame_a_share_of_a_fitted_basis_bytes_and_fit(
     # The planner refits as often as the worker, and prices a basis at what one of every
     # vector at 8 bits costs on the wire: the most any basis the worker sends costs.
     assert link_cost.BASIS_REFIT == transform.REFIT
+    # ... and charges both ends' QR of a basis where the worker runs it on the frames' way
+    beside = link_cost.BASIS_QR_BESIDE_WIDTH
+    assert transform.switch_frames(beside - 1) == 0 < transform.switch_frames(beside)
+    qr = 2 * link_cost.BASIS_QR_SECONDS_PER_H3
+    fit = link_cost.basis_fit_seconds
+    # (a basis a block wider costs less on the frames' way where its QRs leave them)
+    assert fit(beside - 64) - qr * (beside - 64) ** 3 < fit(beside) < fit(beside - 64)
     h = 128
     gen = torch.Generator().manual_seed(0)
     vectors = torch.linalg.qr(torch.randn(h, h, generator=gen, dtype=torch.float64)).Q.float()

@@ -28,10 +28,9 @@ ROWS_TOTAL, PER_MICRO, SEQ, HIDDEN = 16, 2, 16, 128
 FRAMES = ROWS_TOTAL // PER_MICRO
 
 
-def _pair(config: DeltaConfig, switch: int = 0) -> tuple[Link, Link]:
+def _pair(config: DeltaConfig, switch: int | None = None) -> tuple[Link, Link]:
     """A link whose sender codes rows in a basis ``switch`` frames after the one that carries
-    it (0 here, where a test is about the bases' maths: the rows at once; the worker's
-    default, `transform.SWITCH`, in the test of the switch)."""
+    it (None: the worker's rule, `transform.switch_frames`, which at this width is at once)."""
     up, down = link_pair(CREDS, "transform")
     up.codec, down.codec = BoundaryCodec(config), BoundaryCodec(config)
     up.codec.sender.fitter.switch = switch
@@ -115,8 +114,11 @@ def test_rows_are_coded_in_a_basis_some_frames_after_it_and_its_qr_runs_beside_t
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Each end's QR of a basis runs beside the frames: the frame that carries it and the
-    `transform.SWITCH` - 1 after it cross while the QR has not ended, coded in the identity;
-    from the next the rows are coded in it at both ends, the same bits."""
+    `transform.SWITCH` - 1 after it (at a width of 4096; set here at this one) cross while the
+    QR has not ended, coded in the identity; from the next the rows are coded in it at both
+    ends, the same bits. Under a width of 2048 the rows switch at once."""
+    assert transform.switch_frames(HIDDEN) == 0 == transform.switch_frames(2047)
+    assert transform.switch_frames(4096) == transform.SWITCH
     released = threading.Event()
     started: list[int] = []
 

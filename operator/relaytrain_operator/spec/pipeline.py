@@ -207,11 +207,10 @@ class PipelineSpec(SpecModel):
     on wider models), at the memory of the bases and moments: 32 h^2 bytes on a middle stage's
     device (512 MiB at hidden 4096), which the planner counts, and the fits: each frame pays a
     96th of a basis's bytes and of both ends' work on it (at hidden 4096 up to 17 MiB and
-    about 20 s of one CPU thread a basis; each end's QR of it runs beside the frames, the rows
-    coded in it 8 frames after the one that carries it), priced by the planner, whose table
-    says what
-    (docs/planner.md, "Fitted bases"; docs/links-and-checkpoints.md, "Bases coded per
-    vector")."""
+    about 33 s of one CPU thread a basis, a bound for a card; each end's QR of it runs beside
+    the frames, the rows coded in it 8 frames after the one that carries it at 4096, at once
+    under 2048), priced by the planner, whose table says what (docs/planner.md, "Fitted
+    bases"; docs/links-and-checkpoints.md, "Bases coded per vector")."""
     sync: SyncSpec = Field(default_factory=SyncSpec)
     """How several pipelines keep their weights equal: `synchronous` (gradients reduced every
     step) or `periodic` (local steps, weights averaged every `everySteps` steps, for slow

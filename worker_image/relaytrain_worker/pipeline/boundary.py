@@ -30,7 +30,8 @@ What is coded how in a frame under ``delta``:
   the bases fitted since the frame before (``[1 for deltas, version, width]``, each a map of
   its vectors' bits, their codes and scales ahead of the rows), which the receiver installs
   (its QR beside the frames) before it decodes rows coded in it, which the sender does from
-  `transform.SWITCH` frames later; each row's message names its basis last;
+  `transform.switch_frames` frames later (none under a width of 2048); each row's message
+  names its basis last;
 - ``hidden`` without ``rows`` (nothing to key it by): a full code at ``FULL_BITS``, cached
   nowhere;
 - any other floating tensor (the gradients of a boundary): a rotated code at

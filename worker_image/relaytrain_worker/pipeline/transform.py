@@ -15,13 +15,12 @@ until 2026-11-30) to about 3.7 on the tiny fine-tune measured, its rows costing 
 Both ends turn what was sent into the basis they use the same way: a QR in float64 on the
 CPU (`Bases.install`), so the decoded vectors are orthonormal again, the QR completes those
 not sent, and the two ends hold the same float32 values. The QR runs in a thread beside the
-frames (about 5.4 s of one CPU thread an end at a width of 4096): the sender codes rows in a
-basis from `SWITCH` frames after the one that carries it, each end waiting for its QR only
-where it has not ended by then (since 2026-12-06; until then both ends ran it in the frame
-that carried the basis, on the encoder's and the reader's way). A code names its basis by
-version (`DeltaMessage.basis`); version 0 is the identity, which both ends hold from the
-start, so two ends that start again (a replaced stage, a re-link) code in the identity until
-the first fit.
+frames (5.4-8.6 s of one CPU thread an end at 4096): the sender codes rows in a basis from
+`switch_frames` frames after the one that carries it (8 at 4096, none under 2048), each end
+waiting for its QR only where it has not ended by then (since 2026-12-06; until then both ran
+it in the frame that carried the basis). A code names its basis by version
+(`DeltaMessage.basis`); version 0 is the identity, which both ends hold from the start, so two
+ends that start again (a replaced stage, a re-link) code in the identity until the first fit.
 A code naming a basis this end does not hold is a broken link (`StaleBasisError`).
 
 In a basis, each block of 64 coordinates gets 0-8 bits (`allocation.DEEP`): up to 4 a
@@ -75,8 +74,17 @@ FIRST_FIT = 4
 REFIT = 96
 """Frames with rows of a kind between two bases of it (after the first)."""
 SWITCH = 8
-"""Frames of a link after the one that carries a basis before its rows are coded in it: each
-end's QR of it runs beside them (`Bases.install`), off the encoder's and the reader's way."""
+"""Frames after the one that carries a basis of width 4096 before its rows are coded in it:
+each end's QR of it runs beside them (`Bases.install`, `switch_frames`)."""
+
+
+def switch_frames(width: int) -> int:
+    """Frames between the one that carries a basis of ``width`` and the first coded in it: none
+    under 2048, where a QR takes a fifth of a second of one thread and the rows switch at once
+    (as all did until 2026-12-06); from 2048 growing with the width, ``SWITCH`` at 4096."""
+    return 0 if width < 2048 else SWITCH * width // 4096
+
+
 MAX_BITS = 8
 """The most bits a block of coordinates gets."""
 MAP_BITS = 4
@@ -290,16 +298,14 @@ class Bases:
 class Fitter:
     """The sender's moments per kind and when each kind's next basis is due."""
 
-    def __init__(self, refit: int = REFIT, first_fit: int = FIRST_FIT, switch: int = SWITCH):
-        if refit < 1 or first_fit < 1 or switch < 0:
-            raise ValueError(
-                f"refit and first_fit must be >= 1 and switch >= 0, got {refit}, {first_fit} "
-                f"and {switch}"
-            )
+    def __init__(self, refit: int = REFIT, first_fit: int = FIRST_FIT) -> None:
+        if refit < 1 or first_fit < 1:
+            raise ValueError(f"refit and first_fit must be >= 1, got {refit} and {first_fit}")
         self.refit = refit
         self.first_fit = first_fit
-        self.switch = switch
-        """Frames after the one that carries a basis before the rows are coded in it."""
+        self.switch: int | None = None
+        """Frames after the one that carries a basis before its rows are coded in it (None:
+        `switch_frames` of its width; a test may set its own)."""
         self._moments: dict[bool, torch.Tensor | None] = {}
         self._frames: dict[bool, int] = {}
         self._in_frame: set[bool] = set()
@@ -335,11 +341,15 @@ class Fitter:
                 self._due.add(against)
         self._in_frame.clear()
 
+    def lag(self, width: int) -> int:
+        """Frames after the one that carries a basis of ``width`` before its rows are in it."""
+        return switch_frames(width) if self.switch is None else self.switch
+
     def due(self, bases: Bases) -> list[BasisMessage]:
         """Called as a frame's rows are about to be coded: the bases due, fitted from their
         moments (which start again), numbered after what ``bases`` holds and installed there,
         for the caller to send in this frame (the receiver `Bases.install`s each before it
-        decodes the rows); ``switch`` frames later their rows are coded in them (the QR of
+        decodes the rows); `lag` frames later their rows are coded in them (the QR of
         both ends has run beside those frames)."""
         self.switched = []
         for against in list(self._switch_in):
@@ -361,10 +371,12 @@ class Fitter:
             version = bases.held(against) + 1
             msg = BasisMessage.code(against, version, vectors.flip(1), energies.flip(0))
             bases.install(msg)
-            if self.switch == 0:
+            lag = self.lag(msg.values.shape[0])
+            if lag == 0:
                 bases.switch(against)
+                self.switched.append(against)
             else:
-                self._switch_in[against] = self.switch
+                self._switch_in[against] = lag
             out.append(msg)
             self._moments[against] = None
         self._due.clear()

@@ -75,16 +75,22 @@ DEFLATE_FORWARD_SAVES = 0.05
 #: a run of N frames a boundary fits about N / 96 + 2 times.
 BASIS_REFIT = 96
 #: A basis's work on the frames' way, both ends, on one CPU thread: the sender's float64
-#: ``eigh`` of the moment (h^3) and its code made and read (h^2), a curve of the two terms
-#: fitted to what was measured. Each end's float64 QR of it (5.4 s at 4096) runs beside the
-#: frames since 2026-12-06 (`transform.SWITCH`) and is not charged. Measured by
-#: `bench/bench_codec_speed.py --quick --tokens 256 --hidden H --basis` at H = 1024, 2048 and
-#: 4096 (its line "The fit of a ... basis"; the 2-core dev VM beside a CI run, 2026-12-06):
-#: 0.89, 4.7 and 18.8 s, priced at 0.94, 4.1 and 19.5 (until the QRs left the frames' way,
-#: 28.5-30.3 s at 4096). A GPU stage runs its ``eigh`` in float32 on its card, not yet
-#: measured there: priced as here, a bound.
-BASIS_FIT_SECONDS_PER_H3 = 8.7e-11
-BASIS_CODE_SECONDS_PER_H2 = 8.1e-7
+#: ``eigh`` of the moment, ``BASIS_FIT_SECONDS_PER_H3`` h^3 (timed alone: 0.36, 2.6 and 24.8 s
+#: at 1024, 2048 and 4096), and its code made and read, ``BASIS_CODE_SECONDS_PER_H2`` h^2 (the
+#: rest); under a width of ``BASIS_QR_BESIDE_WIDTH`` each end's float64 QR of it too,
+#: ``BASIS_QR_SECONDS_PER_H3`` h^3 an end, which from that width runs beside the frames
+#: (`transform.switch_frames`, since 2026-12-06) and is not charged. Measured by
+#: `bench/bench_codec_speed.py --quick --tokens 256 --hidden H --basis` (its line "The fit of a
+#: ... basis"; the 2-core dev VM, 2026-12-06, quiet): 1.8-2.4, 5.0-5.1 and 30.8-33.5 s at 1024,
+#: 2048 and 4096, priced 1.3, 5.4 and 33.4. The VM ran 1.7-1.9x faster beside that day's CI
+#: run (18.8 s at 4096). A GPU stage runs its ``eigh`` in float32 on its card, not yet
+#: measured there (the first card run's fits, 45-56 s a step of three boundaries with both
+#: QRs on one thread, leave a card's eigh and code a few seconds at most): priced as a CPU
+#: stage's, a bound.
+BASIS_FIT_SECONDS_PER_H3 = 3.4e-10
+BASIS_CODE_SECONDS_PER_H2 = 6.0e-7
+BASIS_QR_SECONDS_PER_H3 = 1.5e-10
+BASIS_QR_BESIDE_WIDTH = 2048
 #: Labels and attention mask travel forward with the activations, int64 each.
 LABEL_BYTES_PER_TOKEN = 16
 
@@ -113,9 +119,10 @@ def basis_bytes(width: int) -> float:
 
 def basis_fit_seconds(width: int) -> float:
     """Seconds both ends of a link spend on one basis of ``width`` values a token on the
-    frames' way: fitting, coding and reading it (one CPU thread; ``BASIS_FIT_SECONDS_PER_H3``;
-    the QRs that install it run beside)."""
-    return BASIS_FIT_SECONDS_PER_H3 * width**3 + BASIS_CODE_SECONDS_PER_H2 * width**2
+    frames' way: fitting, coding and reading it, and under ``BASIS_QR_BESIDE_WIDTH`` the QRs
+    that install it (one CPU thread; ``BASIS_FIT_SECONDS_PER_H3``)."""
+    qr = 2 * BASIS_QR_SECONDS_PER_H3 * width**3 if width < BASIS_QR_BESIDE_WIDTH else 0.0
+    return BASIS_FIT_SECONDS_PER_H3 * width**3 + BASIS_CODE_SECONDS_PER_H2 * width**2 + qr
 
 
 def delta_first_bytes(bits: int) -> float:
