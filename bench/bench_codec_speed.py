@@ -79,7 +79,7 @@ from relaytrain_worker.pipeline.boundary import (  # noqa: E402
     config_for,
 )
 from relaytrain_worker.pipeline.lowbit import DISTORTION  # noqa: E402
-from relaytrain_worker.pipeline.transform import FIRST_FIT, switch_frames  # noqa: E402
+from relaytrain_worker.pipeline.transform import FIRST_FIT  # noqa: E402
 
 
 def timed(fn: Callable[[], Any], reps: int) -> float:
@@ -279,14 +279,13 @@ def main(argv: list[str] | None = None) -> int:
     if fit is not None:
         square = torch.randn(args.hidden, args.hidden)
         qr = timed(lambda: transform.orthonormal(square), 1)
+        where = "beside the frames" if transform.switch_frames(args.hidden) else "in its frame"
         print(
             f"The fit of a {args.hidden} x {args.hidden} basis on the frames' way, both ends "
             f"(the crossing that fits and sends it less a later crossing's): {fit:.3f} s, "
             f"the planner charges {link_cost.basis_fit_seconds(args.hidden):.3f} s "
             f"(link_cost.basis_fit_seconds), one fit every {link_cost.BASIS_REFIT} frames; "
-            f"each end's QR of it, {qr:.3f} s, "
-            + ("beside the frames" if switch_frames(args.hidden) else "in the fit's frame")
-            + " (transform.switch_frames)."
+            f"each end's QR of it, {qr:.3f} s, {where} (transform.switch_frames)."
         )
     for name, (e, d, size) in coded.items():
         print(

@@ -23,6 +23,7 @@ from relaytrain_operator.domain.planner.link_cost import (
     DELTA_LATER_SHARE,
     basis_bytes,
     basis_fit_seconds,
+    basis_share,
     delta_first_bytes,
     wire_bytes_per_value,
 )
@@ -121,13 +122,13 @@ def _basis_price(training: TrainingShape, model: ModelShape | None) -> list[str]
     if training.activation_basis != "fitted" or model is None:
         return []
     h = model.hidden_size
-    bits = 8 * basis_bytes(h) / BASIS_REFIT / (training.tokens_per_micro_batch * h)
-    fit = basis_fit_seconds(h)
+    share, seconds = basis_share(h)
+    bits = 8 * share / (training.tokens_per_micro_batch * h)
     return [
         f"Fitted bases: one of {h} x {h} fitted and sent every {BASIS_REFIT} frames, at most "
-        f"{basis_bytes(h) / 2**20:.1f} MiB and {fit:.1f} s of both ends' work (one CPU thread); "
-        f"a frame pays {bits:.3f} bits a value and {1000 * fit / BASIS_REFIT:.0f} ms of it, "
-        "its rows priced as in the identity."
+        f"{basis_bytes(h) / 2**20:.1f} MiB and {basis_fit_seconds(h):.1f} s of both ends' work "
+        f"(one CPU thread); a frame pays {bits:.3f} bits a value and {1000 * seconds:.0f} ms "
+        "of it, its rows priced as in the identity."
     ]
 
 

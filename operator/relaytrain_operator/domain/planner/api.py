@@ -15,7 +15,7 @@ from relaytrain_operator.domain.planner.diagnose import (
     infeasible_error,
     unusable_dtype_error,
 )
-from relaytrain_operator.domain.planner.link_cost import BASIS_REFIT, basis_fit_seconds
+from relaytrain_operator.domain.planner.link_cost import BASIS_REFIT, basis_share
 from relaytrain_operator.domain.planner.model_shape import ModelShape
 from relaytrain_operator.domain.planner.pools import Pool
 from relaytrain_operator.domain.planner.problem import (
@@ -251,7 +251,7 @@ def encoder_detail(problem: Problem, seconds: float, *, sends_activations: bool)
     text = f"and beside it its encoder (delta's codes) takes {seconds:.3g}s, more than its links."
     if training.activation_basis != "fitted" or not sends_activations:
         return text
-    fit = basis_fit_seconds(problem.model.hidden_size) / BASIS_REFIT
+    _, fit = basis_share(problem.model.hidden_size)
     return text + (
         f" Of that, {fit:.3g}s is its share of the bases it fits (pipeline.activationBasis "
         f"fitted: one every {BASIS_REFIT} frames, whatever a frame's tokens): identity fits "

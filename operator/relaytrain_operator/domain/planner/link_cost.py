@@ -125,6 +125,13 @@ def basis_fit_seconds(width: int) -> float:
     return BASIS_FIT_SECONDS_PER_H3 * width**3 + BASIS_CODE_SECONDS_PER_H2 * width**2 + qr
 
 
+def basis_share(width: int) -> tuple[float, float]:
+    """What each activation frame pays for fitted bases of ``width`` values a token: a
+    ``BASIS_REFIT``-th of a basis's bytes (`basis_bytes`) and of its seconds on the frames'
+    way (`basis_fit_seconds`)."""
+    return basis_bytes(width) / BASIS_REFIT, basis_fit_seconds(width) / BASIS_REFIT
+
+
 def delta_first_bytes(bits: int) -> float:
     """Wire bytes a value of a row's first crossing under ``delta`` held to a ``bits``-bit
     code's error: that code's bits, its scales and the bit map."""
@@ -169,9 +176,9 @@ class LinkCost:
         if training.compression != "delta":
             return cls(forward + labels, backward)
         fit = 0.0
-        if training.activation_basis == "fitted":  # a share of a basis a frame
-            forward += basis_bytes(h) / BASIS_REFIT
-            fit = basis_fit_seconds(h) / BASIS_REFIT
+        if training.activation_basis == "fitted":
+            share, fit = basis_share(h)
+            forward += share
         return cls(
             forward * (1 - DEFLATE_FORWARD_SAVES) + labels, backward,
             values * DELTA_FORWARD_CODEC_SECONDS + fit + forward * INFLATE_SECONDS_PER_BYTE,
