@@ -4,12 +4,14 @@ from full codes, and a stale delta breaking the link with a message naming the s
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 import pytest
 import torch
 from relaytrain_testkit.linkcreds import link_pair, stage_credentials
 from relaytrain_worker.pipeline.boundary import ROWS
+from relaytrain_worker.pipeline.lowbit import distortion
 from relaytrain_worker.pipeline.transport import Frame, Link, LinkBroken
 
 pytestmark = pytest.mark.unit
@@ -148,7 +150,31 @@ def test_a_row_that_changes_more_gets_more_bits_and_never_a_worse_code(
     bits = [(size - ints) * 8 / values for size in sizes]
     assert bits == sorted(bits) and bits[0] < 1.0 and 3.9 < bits[-1] <= 4.25 + 3 / 64, bits
     assert up.codec.full_codes == 2 * ROWS_TOTAL  # the first sight, and the row made anew
-    assert max(errors) < 0.0975, errors  # never worse than int4 is expected to code the row
+    # Never worse than int4 is expected to code the row (its unshrunk scale's D / (1 - D),
+    # 9.79 %; the bits' budget is that expectation, which a row may pass by a little).
+    assert max(errors) < 1.01 * math.sqrt(distortion(4, "unshrunk")), errors
+
+
+def _along(got: torch.Tensor, sent: torch.Tensor) -> float:
+    """How long ``got`` is along ``sent``, as a share of ``sent``: 1 where nothing shrank."""
+    return float((got.double() * sent.double()).sum() / sent.double().square().sum())
+
+
+def test_rows_and_gradients_cross_no_shorter_than_they_are(link: tuple[Link, Link]) -> None:
+    # A least-squares scale decodes every block shorter by its error: int4's rows about
+    # 1 % along themselves, int3's gradients 3.5 %, at every crossing, the same way, which
+    # cost a fine-tune at a width of 1024 2.2 % of its held-out loss. The worker's codes are
+    # unshrunk: a row's full code, a row without a key and each gradient are as long along
+    # themselves as they were sent (up to the bf16 scales' rounding, 2**-8 a block).
+    up, down = link
+    data = _rows()
+    up.send(_frame("activation", 0, 0, data, torch.arange(ROWS_TOTAL)), "delta")
+    assert abs(_along(down.recv(timeout=10).tensors["hidden"], data) - 1) < 2**-9
+    grad = torch.randn(PER_MICRO, SEQ, HIDDEN)
+    grad[1, SEQ // 2 :] = 0  # padding: the tokens' map, and the others' codes
+    for name, t in (("hidden", data[:2]), ("grad", torch.randn_like(grad)), ("grad", grad)):
+        up.send(Frame("eval" if name == "hidden" else "gradient", 0, 0, {name: t}), "delta")
+        assert abs(_along(down.recv(timeout=10).tensors[name], t) - 1) < 2**-9, name
 
 
 def test_a_held_out_row_and_a_training_row_of_one_index_are_different_samples(

@@ -8,34 +8,49 @@ import itertools
 
 import pytest
 import torch
-from relaytrain_worker.pipeline.allocation import allocate_bits
+from relaytrain_worker.pipeline.allocation import allocate_bits, hull, shallow
 from relaytrain_worker.pipeline.deltacache import DeltaConfig, DeltaReceiver, DeltaSender
-from relaytrain_worker.pipeline.lowbit import BLOCK, DISTORTION
+from relaytrain_worker.pipeline.lowbit import BLOCK, DISTORTION, Scale
 
 pytestmark = pytest.mark.unit
 
 D = (1.0, *(DISTORTION[b] for b in (1, 2, 3, 4)))
 
 
-def _error(bits: torch.Tensor | tuple[int, ...], energy: torch.Tensor) -> float:
-    return sum(D[int(b)] * float(e) for b, e in zip(bits, energy, strict=True))
+def _error(
+    bits: torch.Tensor | tuple[int, ...], energy: torch.Tensor, table: tuple[float, ...] = D
+) -> float:
+    return sum(table[int(b)] * float(e) for b, e in zip(bits, energy, strict=True))
 
 
-def test_no_allocation_with_as_few_bits_has_less_expected_error() -> None:
+@pytest.mark.parametrize("scale", ["least-squares", "unshrunk"])
+def test_no_allocation_with_as_few_bits_has_less_expected_error(scale: Scale) -> None:
+    # Unshrunk, the table is not convex (a first bit buys less than a second): 1 bit is
+    # never given, and the allocation still beats every one that uses it.
+    table = shallow(scale)
     gen = torch.Generator().manual_seed(0)
     for trial in range(20):
         energy = torch.exp(2 * torch.randn(5, generator=gen, dtype=torch.float64))
-        budget = [DISTORTION[4], DISTORTION[2], 0.3][trial % 3] * float(energy.sum())
-        bits = allocate_bits(energy, budget)
-        got = _error(bits, energy)
+        budget = [table[4], table[2], 0.3][trial % 3] * float(energy.sum())
+        bits = allocate_bits(energy, budget, table=table)
+        got = _error(bits, energy, table)
         assert got <= budget * (1 + 1e-9)
+        assert scale == "least-squares" or 1 not in bits.tolist(), bits
         # Against every one of the 5^5 allocations (the definition): one that spends no
         # more bits never leaves less error, and one that meets the budget never spends
         # fewer bits than the allocation does by more than the sweep's granularity.
         total = int(bits.sum())
         for other in itertools.product(range(5), repeat=5):
             if sum(other) <= total:
-                assert _error(other, energy) >= got * (1 - 1e-9), (trial, other, bits)
+                assert _error(other, energy, table) >= got * (1 - 1e-9), (trial, other, bits)
+
+
+def test_the_bits_given_are_the_tables_lower_convex_hull() -> None:
+    assert hull([0, 1, 2, 3, 4], D) == [0, 1, 2, 3, 4]  # least squares: convex
+    assert hull([0, 1, 2, 3, 4], shallow("unshrunk")) == [0, 2, 3, 4]
+    assert hull([0, 1, 2, 3, 4], shallow("unshrunk"), floor=1) == [1, 2, 3, 4]
+    # A point on a chord is beaten by its ends as much as it beats them: left out too.
+    assert hull([0, 1, 2, 3], (1.0, 0.5, 0.0, 0.0)) == [0, 2, 3]
 
 
 def test_alike_blocks_get_the_budgets_bits_and_the_floor_holds() -> None:

@@ -15,8 +15,11 @@ from relaytrain_worker.pipeline.lowbit import (
     SIGN_BITS,
     bits_per_value,
     decode,
+    dequantise_blocks,
+    distortion,
     encode,
     pack_bits,
+    quantise_blocks,
     rotate,
     sign_bits,
     to_blocks,
@@ -104,17 +107,23 @@ def test_gaussian_error_is_the_lloyd_max_distortion(bits: int) -> None:
     assert 0.75 * DISTORTION[bits] <= rel2 <= 1.0 * DISTORTION[bits]
 
 
+@pytest.mark.parametrize("scale", ["least-squares", "unshrunk"])
 @pytest.mark.parametrize("bits", BITS)
-def test_block_error_never_exceeds_the_block_norm(bits: int) -> None:
+def test_block_error_never_exceeds_the_block_norm(bits: int, scale: str) -> None:
     # The least-squares scale guarantees it for any input: spikes, heavy tails, constants.
+    # The unshrunk scale keeps to codes within 45 degrees of their block, where its error
+    # is at most the block's norm too (up to the scale's bf16 rounding); a constant block at
+    # 2 bits or a spike is farther: least squares there.
     g = torch.Generator().manual_seed(1)
     x = torch.randn(64, BLOCK, generator=g) ** 3
     x[0] = 0.0
     x[1, 3] = 1e4
     x[2] = 1.5
     x[3] = torch.linspace(-1, 1, BLOCK)
-    err = (decode(encode(x, bits)) - x).norm(dim=1)
-    assert (err <= x.norm(dim=1) * (1 + 1e-5) + 1e-30).all()
+    x[4] = torch.randn(BLOCK, generator=g).sign()
+    err = (decode(encode(x, bits, scale=scale)) - x).norm(dim=1)  # type: ignore[arg-type]
+    slack = 1e-5 if scale == "least-squares" else 2**-7
+    assert (err <= x.norm(dim=1) * (1 + slack) + 1e-30).all()
     assert err[0] == 0.0
 
 
@@ -223,7 +232,37 @@ def test_stochastic_rounding_is_unbiased_and_seeded(bits: int) -> None:
     assert (err <= gap * absmax * (1 + 2**-7) + 1e-6).all()
 
 
+@pytest.mark.parametrize("bits", BITS)
+def test_least_squares_codes_shrink_and_unshrunk_codes_do_not(bits: int) -> None:
+    # Least squares decodes each block as its projection onto its code: <decoded, y> =
+    # ||decoded||^2 = ||y||^2 - ||error||^2, shorter by the whole error (1 - D_b along y).
+    # Unshrunk keeps the decoded block's part along y equal to y (up to the scale's bf16
+    # rounding) and puts the error at right angles to y: D_b / (1 - D_b) of its energy.
+    x = to_blocks(_gaussian())
+    for scale, err2 in (
+        ("least-squares", DISTORTION[bits]),
+        ("unshrunk", DISTORTION[bits] / (1 - DISTORTION[bits])),
+    ):
+        assert distortion(bits, scale) == err2  # type: ignore[arg-type]
+        out = dequantise_blocks(*quantise_blocks(x, bits, scale=scale), bits)  # type: ignore[arg-type]
+        parallel = (out * x).sum(dim=1) / x.square().sum(dim=1)
+        rel2 = ((out - x).square().sum() / x.square().sum()).item()
+        if scale == "unshrunk":  # but for a 1-bit code farther than 45 degrees: 0.07 %
+            unshrunk = ((parallel - 1).abs() <= 2**-8).float().mean().item()
+            assert unshrunk == 1.0 if bits > 1 else unshrunk > 0.99, unshrunk
+        else:
+            assert parallel.mean().item() == pytest.approx(1 - rel2, abs=2**-8)
+            assert parallel.max().item() < 1.0
+        assert 0.75 * err2 <= rel2 <= 1.0 * err2, (scale, rel2)
+
+
 def test_rejects_bad_input() -> None:
+    with pytest.raises(
+        ValueError, match="unsupported scale 'longer'; valid: least-squares, unshrunk"
+    ):
+        encode(torch.zeros(64), 2, scale="longer")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="scale 'unshrunk' is for nearest codes"):
+        encode(torch.zeros(64), 2, seed=3, scale="unshrunk")
     with pytest.raises(ValueError, match="unsupported bits 5"):
         encode(torch.zeros(64), 5)
     with pytest.raises(TypeError):

@@ -15,17 +15,34 @@ import math
 import torch
 
 from relaytrain_worker.pipeline.lowbit import (
-    DISTORTION,
+    Scale,
     check_bits,
     dequantise_blocks,
+    distortion,
     quantise_blocks,
 )
 
-SHALLOW = (1.0, *(DISTORTION[b] for b in (1, 2, 3, 4)))
+
+def shallow(scale: Scale = "least-squares") -> tuple[float, ...]:
+    """Expected error of 0-4 bits over a block's energy, its scale fitted as ``scale`` says
+    (`lowbit.distortion`; 0 bits: the block is left out, its whole energy). Unshrunk, a
+    first bit buys less error (0.429) than a second (0.438): the table is not convex, and
+    `allocate_bits` gives a block 2 bits or none where least squares gave it 1."""
+    return (1.0, *(distortion(b, scale) for b in (1, 2, 3, 4)))
+
+
+def deep(scale: Scale = "least-squares") -> tuple[float, ...]:
+    """Expected error of 0-8 bits over a block's energy: 5-8 bits are a 4-bit code and a
+    1-4-bit code of its residual (convex in the bits at least-squares scales; unshrunk, 1
+    and 5 bits are off the hull, `shallow`)."""
+    four = distortion(4, scale)
+    return (*shallow(scale), *(four * distortion(b, scale) for b in (1, 2, 3, 4)))
+
+
+SHALLOW = shallow()
 """Lloyd-Max distortion of 0-4 bits (0 bits: the block is left out, its whole energy)."""
-DEEP = (*SHALLOW, *(DISTORTION[4] * DISTORTION[b] for b in (1, 2, 3, 4)))
-"""Expected error of 0-8 bits over a block's energy: 5-8 bits are a 4-bit code and a 1-4-bit
-code of its residual (still convex in the bits, as water-filling needs)."""
+DEEP = deep()
+"""`deep` with least-squares scales."""
 DEEP_COST = tuple(b + 16 / 64 * ((b > 0) + (b > 4)) for b in range(9))
 """Wire bits a value of a block of 0-8 bits: its codes and one bf16 scale per code (two
 above 4). In a fitted basis many blocks hold little: a first bit there costs a quarter more
@@ -46,8 +63,10 @@ def allocate_bits(
     default ``b``) with the smallest ``lam`` that meets the budget. So no allocation that
     costs as little in total has less expected error (a Lagrangian optimum; one a little
     cheaper may still meet the budget). Where even the most bits a block miss it, every
-    block with energy gets the most. ``table`` must be decreasing and convex against
-    ``cost``: each further bit must buy less error per cost than the one before.
+    block with energy gets the most. ``table`` must be decreasing; where it is not convex
+    against ``cost`` (a further bit buying more error per cost than the one before, as an
+    unshrunk 1-bit code's first bit does, `shallow`), only the bits on its lower convex hull
+    are given (`hull`): no block takes bits that a mix of its neighbours on the hull beats.
 
     Block i takes its b-th bit once ``lam energy_i >= STEPS[b]``, so the error only changes at
     the breakpoints ``STEPS[b] / energy_i``: they are sorted, and the first whose cumulative
@@ -67,20 +86,19 @@ def allocate_bits(
     budget *= 1 + 1e-12  # a budget met exactly is met, whatever the order of the sum
     d = torch.tensor(table, dtype=torch.float64, device=device)
     live = e > 0
-    # Block i's breakpoints, one a bit above the floor, increasing (the distortions are
-    # convex): the multiplier times its energy above which b bits beat b - 1. At a
-    # multiplier it has the bits of the breakpoints at or below it.
-    c = (
-        torch.arange(len(table), dtype=torch.float64, device=device)
-        if cost is None
-        else torch.tensor(cost, device=device)
-    )
-    steps = (c[1:] - c[:-1]).to(torch.float64) / (d[:-1] - d[1:])
-    points = steps[floor:][None, :] / e[live, None]
+    costs = [float(b) for b in range(len(table))] if cost is None else list(cost)
+    c = torch.tensor(costs, dtype=torch.float64, device=device)
+    given = torch.tensor(hull(costs, table, floor), device=device)
+    # Block i's breakpoints, one for each step along the hull from the floor, increasing
+    # (the hull is convex): the multiplier times its energy above which a step's bits beat
+    # the step before. At a multiplier it has the bits of the breakpoints at or below it.
+    gain = d[given[:-1]] - d[given[1:]]
+    steps = (c[given[1:]] - c[given[:-1]]) / gain
+    points = steps[None, :] / e[live, None]
 
     def pick(lam: float) -> torch.Tensor:
         bits = torch.full(e.shape, floor, dtype=torch.int64, device=device)
-        bits[live] += (points <= lam).sum(dim=1)
+        bits[live] = given[(points <= lam).sum(dim=1)]
         return bits
 
     def error(b: torch.Tensor) -> float:
@@ -88,7 +106,7 @@ def allocate_bits(
 
     if error(pick(0.0)) <= budget:
         return pick(0.0)
-    saving = (e[live, None] * (d[floor:-1] - d[floor + 1 :])[None, :]).reshape(-1)
+    saving = (e[live, None] * gain[None, :]).reshape(-1)
     flat, order = torch.sort(points.reshape(-1), stable=True)
     left = error(pick(0.0)) - saving[order].cumsum(0)
     k = int(torch.searchsorted(-left, torch.tensor([-budget], dtype=torch.float64, device=device)))
@@ -99,18 +117,39 @@ def allocate_bits(
     return pick(math.inf if k >= flat.numel() else float(flat[k]))  # inf: the most miss it
 
 
+def hull(cost: list[float], table: tuple[float, ...], floor: int = 0) -> list[int]:
+    """The bits, from ``floor``, on the lower convex hull of the points ``(cost[b],
+    table[b])``: those each of whose further steps buys less error per cost than the step
+    before (all of them where ``table`` is convex against ``cost``)."""
+    kept: list[int] = []
+    for b in range(floor, len(table)):
+        while len(kept) >= 2:
+            i, j = kept[-2], kept[-1]
+            # j is above the chord from i to b (or on it): a mix of i and b beats it.
+            if (table[j] - table[i]) * (cost[b] - cost[i]) >= (table[b] - table[i]) * (
+                cost[j] - cost[i]
+            ):
+                kept.pop()
+            else:
+                break
+        kept.append(b)
+    return kept
+
+
 def quantise_grouped(
-    blocks: torch.Tensor, bits: torch.Tensor, variant: int
+    blocks: torch.Tensor, bits: torch.Tensor, variant: int, scale: Scale = "least-squares"
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Codes and scales, on the CPU for the wire, of float32 ``[n, BLOCK]`` ``blocks`` at
     ``bits`` (0-4 a block; 0: not sent), grouped by bits, 1 to 4, in block order within a
-    group. Coded where ``blocks`` are (on a GPU stage, its card: 5 trial scales a block are
-    cheap there)."""
+    group, each block's scale fitted as ``scale`` says (`lowbit.Scale`). Coded where
+    ``blocks`` are (on a GPU stage, its card: 5 trial scales a block are cheap there)."""
     codes, scales = [], []
     for b in range(1, 5):
         chosen = (bits == b).nonzero().reshape(-1)
         if chosen.numel():
-            c, s = quantise_blocks(blocks[chosen.to(blocks.device)], check_bits(b), variant=variant)
+            c, s = quantise_blocks(
+                blocks[chosen.to(blocks.device)], check_bits(b), variant=variant, scale=scale
+            )
             codes.append(c.cpu())
             scales.append(s.cpu())
     return codes, scales

@@ -20,8 +20,13 @@ What is coded how in a frame under ``delta``:
   fewest in total whose expected error stays within what int4 leaves of the row
   (`DeltaConfig.allocate`, `allocation.allocate_bits`), coded against the row's last decode
   (a delta) or, where that is farther than zero, against zero (a full code, as on a row's
-  first sight). A block given 0 bits is not sent and keeps its last value. So a row is never
-  coded worse than int4 codes it; its first sight costs about int4's 4.25 bits a value (the
+  first sight). A block given 0 bits is not sent and keeps its last value. Each block's scale
+  is unshrunk (`lowbit.Scale`, `DeltaConfig.scale`): the decoded block is as long along the
+  block as the block, where least squares would shorten every row by its error at every
+  crossing; its error is a little larger (``D / (1 - D)`` of a block's energy for ``D``),
+  and budgets and bits price it so (a block gets 2 bits or none where least squares gave
+  it 1, `allocation.hull`). So a row is never coded worse than int4 codes it, unshrunk;
+  its first sight costs about int4's 4.25 bits a value (the
   blocks that hold outliers get more, the quiet ones fewer), and later crossings only what
   changed: nothing but the bit map (3 bits a block, 0.05 a value) while the row stays within
   int4's error of its last decode;
@@ -35,7 +40,8 @@ What is coded how in a frame under ``delta``:
 - ``hidden`` without ``rows`` (nothing to key it by): a full code at ``FULL_BITS``, cached
   nowhere;
 - any other floating tensor (the gradients of a boundary): a rotated code at
-  ``GRADIENT_BITS`` (`lowbit.py`, nearest; 3 bits: 17 % error; 2 bits cost 1.4 points of
+  ``GRADIENT_BITS`` (`lowbit.py`, nearest, each block's scale as the rows' are, unshrunk by
+  default: a gradient no shorter than it is; 3 bits: 17 % error; 2 bits cost 1.4 points of
   held-out loss in bench/bench_delta_boundary.py). A gradient depends on the whole later
   pipeline and on the labels and changes more between epochs than an activation does; a
   per-sample cache saved nothing on it (bench/bench_boundary_codec.py, part d), and bits
@@ -109,13 +115,14 @@ ACTIVATION_ERRORS: dict[str, Bits] = {"int4": FULL_BITS, "int3": 3}
 
 def config_for(activation_error: str = "int4", *, transform: bool = False) -> DeltaConfig:
     """The sender's config of a link of a job with ``pipeline.activationError``: each block
-    of a row's code gets its own bits (`DeltaConfig.allocate`), within that code's error;
+    of a row's code gets its own bits (`DeltaConfig.allocate`), within that code's error,
+    its scale unshrunk (`lowbit.Scale`: a row crosses the boundary no shorter than it is);
     ``transform``: rows coded in fitted bases (`DeltaConfig.transform`)."""
     if activation_error not in ACTIVATION_ERRORS:
         valid = ", ".join(ACTIVATION_ERRORS)
         raise ValueError(f"activation_error must be one of {valid}, got {activation_error!r}")
     bits = ACTIVATION_ERRORS[activation_error]
-    return DeltaConfig(full_bits=bits, allocate=True, transform=transform)
+    return DeltaConfig(full_bits=bits, allocate=True, transform=transform, scale="unshrunk")
 
 
 CONFIG = config_for()
@@ -141,6 +148,8 @@ class BoundaryCodec:
         self.sender = DeltaSender(config)
         self.receiver = DeltaReceiver(config)
         self.gradient_bits = lowbit.check_bits(gradient_bits)
+        self.scale = config.scale
+        """How every code this end sends fits its blocks' scales, the gradients' too."""
         self.device: torch.device | None = None
         """Where this end decodes what it receives (the stage's card; None: the CPU, where
         the frame arrives). A GPU stage sets it as it receives (`peers.AsyncLink.recv`): one
@@ -183,7 +192,9 @@ class BoundaryCodec:
             elif live is not None and not bool(live.all()):
                 out.append(self._encode_tokens(name, t, live))
             else:
-                enc = lowbit.encode(t, FULL_BITS if name == KEYED else self.gradient_bits)
+                enc = lowbit.encode(
+                    t, FULL_BITS if name == KEYED else self.gradient_bits, scale=self.scale
+                )
                 entry = {
                     "name": name, "mode": "lowbit", "bits": enc.bits, "dtype": str(t.dtype),
                     "shape": list(enc.shape), "data": enc.codes.numel(),
@@ -203,7 +214,7 @@ class BoundaryCodec:
                  "shape": list(t.shape), "map": token_map.numel()}  # fmt: skip
         if tokens.numel() == 0:
             return {**entry, "data": 0, "scales": 0}, [token_map]
-        enc = lowbit.encode(tokens, self.gradient_bits)
+        enc = lowbit.encode(tokens, self.gradient_bits, scale=self.scale)
         entry.update(data=enc.codes.numel(), scales=enc.scales.numel())
         return entry, [token_map, enc.codes, enc.scales]
 

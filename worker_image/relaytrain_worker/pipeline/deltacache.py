@@ -20,12 +20,14 @@ bit, 0.34 at 2), and on a sample drifting by ``d`` (RMS) per epoch, as
 Allocated codes (``allocate``, what the worker's ``delta`` compression uses): each block of
 64 gets its own bits, 0-4, by reverse water-filling (`allocation.allocate_bits`): the
 fewest in total whose expected error, ``sum_i D_(b_i) ||r_i||^2`` over the blocks ``r_i`` of
-what is coded, stays within a full code's, ``D_full ||x||^2``. What is coded is the change
-against the entry where that is smaller than the row, else the row itself (a full code). A
-block with 0 bits is not sent and keeps the reference's value; a map of 3 bits a block says
-which bits each got, and the codes travel grouped by bits. Unlike ``adaptive``, the error does not
-shrink epoch after epoch: it is held at the full code's, and a row that drifts less than
-that costs only its map. The error stays in the entry, so the next code carries it.
+what is coded, stays within a full code's, ``D_full ||x||^2`` (each ``D`` as the blocks'
+scales are fitted, `DeltaConfig.scale`: unshrunk, ``D / (1 - D)``, and no 1-bit blocks).
+What is coded is the change against the entry where that is smaller than the row, else the
+row itself (a full code). A block with 0 bits is not sent and keeps the reference's value;
+a map of 3 bits a block says which bits each got, and the codes travel grouped by bits.
+Unlike ``adaptive``, the error does not shrink epoch after epoch: it is held at the full
+code's, and a row that drifts less than that costs only its map. The error stays in the
+entry, so the next code carries it.
 
 Block skipping (``skip_below``): a block (64 consecutive values, as in lowbit.py) whose
 delta RMS is at most ``skip_below`` times the cached block's RMS is not sent; a bitmap with
@@ -82,13 +84,16 @@ from relaytrain_worker.pipeline.allocation import (
     allocate_bits,
     dequantise_grouped,
     quantise_grouped,
+    shallow,
 )
 from relaytrain_worker.pipeline.lowbit import (
     BLOCK,
-    DISTORTION,
     Bits,
+    Scale,
     check_bits,
+    check_scale,
     dequantise_blocks,
+    distortion,
     from_blocks,
     pack_bits,
     quantise_blocks,
@@ -145,9 +150,16 @@ class DeltaConfig:
     """With ``allocate``: code each row's change in a basis fitted to such changes, its blocks
     0-8 bits, within the same error (`transform.py`); the sender's `DeltaSender.fitter`
     says which bases to send ahead of the rows coded in them."""
+    scale: Scale = "least-squares"
+    """How each block's scale is fitted (`lowbit.Scale`): ``least-squares`` decodes every
+    block a little shorter than it is (by the whole of its error); ``unshrunk`` keeps a
+    block's length along itself, at a little more error (what the worker's ``delta``
+    compression uses, `boundary.config_for`). Only the sender reads it: the receiver
+    multiplies by whatever scale it is sent."""
 
     def __post_init__(self) -> None:
         check_bits(self.full_bits)
+        check_scale(self.scale)
         check_bits(self.delta_bits)
         if self.allocate and (self.adaptive or self.skip_below):
             raise ValueError("allocate replaces adaptive and skip_below: set only allocate")
@@ -343,7 +355,7 @@ class DeltaSender(_Side):
                 key=key, dtype=x.dtype, shape=shape, blocks=blocks, entry=usable, version=version
             )
         if full:
-            codes, scales = _quantise(blocks, cfg.full_bits, version)
+            codes, scales = _quantise(blocks, cfg.full_bits, version, cfg.scale)
             msg = DeltaMessage(
                 key, "full", version, None, cfg.full_bits, x.dtype, shape, codes, scales, None
             )
@@ -354,7 +366,7 @@ class DeltaSender(_Side):
         delta = blocks - cached
         bits = self._bits(delta, blocks) if cfg.adaptive else cfg.delta_bits
         if bits is None:  # changed as much as the row itself: a full code costs no more
-            codes, scales = _quantise(blocks, cfg.full_bits, version)
+            codes, scales = _quantise(blocks, cfg.full_bits, version, cfg.scale)
             msg = DeltaMessage(
                 key, "full", version, None, cfg.full_bits, x.dtype, shape, codes, scales, None
             )
@@ -368,7 +380,7 @@ class DeltaSender(_Side):
             delta = delta[keep]
             keep = keep.cpu()
             sent = pack_bits(torch.nn.functional.pad(keep, (0, (-keep.numel()) % 8)), 1)
-        codes, scales = _quantise(delta, bits, version)
+        codes, scales = _quantise(delta, bits, version, cfg.scale)
         msg = DeltaMessage(
             key,
             "delta",
@@ -406,17 +418,21 @@ class DeltaSender(_Side):
             delta = blocks - cached
             if float(delta.square().sum()) < whole:
                 change, base = delta, entry
-        budget = DISTORTION[cfg.full_bits] * whole
+        budget = distortion(cfg.full_bits, cfg.scale) * whole
         at = None
         if cfg.transform:
             h, against = transform.width(shape), base is not None
             tokens = from_blocks(change, shape, torch.float32).reshape(-1, h)
             self.fitter.add(against, tokens)
             candidates = self.bases.candidates(key, against, h, blocks.device)
-            at, packed, code, scale = transform.code_row(tokens, candidates, budget, version)
+            at, packed, code, scale = transform.code_row(
+                tokens, candidates, budget, version, cfg.scale
+            )
         else:
-            bits = allocate_bits(change.square().sum(dim=1), budget, cfg.floor)  # where coded
-            codes, scales = quantise_grouped(change, bits, version)
+            bits = allocate_bits(  # where coded
+                change.square().sum(dim=1), budget, cfg.floor, table=shallow(cfg.scale)
+            )
+            codes, scales = quantise_grouped(change, bits, version, cfg.scale)
             code = torch.cat(codes) if codes else torch.zeros(0, dtype=torch.uint8)
             scale = torch.cat(scales) if scales else torch.zeros(0, dtype=torch.bfloat16)
             bits = bits.cpu()
@@ -434,9 +450,9 @@ class DeltaSender(_Side):
         ``blocks`` (see DeltaConfig.adaptive); None when not even ``full_bits`` are."""
         cfg = self.config
         change, whole = float(delta.square().sum()), float(blocks.square().sum())
-        budget = DISTORTION[cfg.full_bits] * whole
+        budget = distortion(cfg.full_bits, cfg.scale) * whole
         for bits in range(cfg.delta_bits, cfg.full_bits + 1):
-            if DISTORTION[bits] * change <= budget:
+            if distortion(bits, cfg.scale) * change <= budget:
                 return check_bits(bits)
         return None
 
@@ -463,10 +479,12 @@ class DeltaReceiver(_Side):
         return from_blocks(value, msg.shape, msg.dtype)
 
 
-def _quantise(blocks: torch.Tensor, bits: int, version: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantise(
+    blocks: torch.Tensor, bits: int, version: int, scale: Scale
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`quantise_blocks` where ``blocks`` are (on a GPU stage, its card: 5 trial scales a
     block are cheap there), the codes and scales brought to the CPU, for the wire."""
-    codes, scales = quantise_blocks(blocks, check_bits(bits), variant=version)
+    codes, scales = quantise_blocks(blocks, check_bits(bits), variant=version, scale=scale)
     return codes.cpu(), scales.cpu()
 
 

@@ -64,10 +64,18 @@ from relaytrain_worker.pipeline.allocation import (
     DEEP,
     DEEP_COST,
     allocate_bits,
+    deep,
     dequantise_grouped,
     quantise_grouped,
 )
-from relaytrain_worker.pipeline.lowbit import BLOCK, from_blocks, pack_bits, to_blocks, unpack_bits
+from relaytrain_worker.pipeline.lowbit import (
+    BLOCK,
+    Scale,
+    from_blocks,
+    pack_bits,
+    to_blocks,
+    unpack_bits,
+)
 
 FIRST_FIT = 4
 """Frames with rows of a kind coded in the identity before that kind's first basis."""
@@ -384,18 +392,18 @@ class Fitter:
 
 
 def quantise(
-    blocks: torch.Tensor, bits: torch.Tensor, version: int
+    blocks: torch.Tensor, bits: torch.Tensor, version: int, scale: Scale = "least-squares"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes and scales (CPU, for the wire) of float32 ``[n, BLOCK]`` ``blocks`` at ``bits``
     (0-8 a block): first each block's code of up to 4 bits, grouped by bits 1 to 4
-    (`allocation.quantise_grouped`); then, for blocks of more than 4, a code of what the
-    first left, grouped alike."""
+    (`allocation.quantise_grouped`, each block's scale fitted as ``scale`` says); then, for
+    blocks of more than 4, a code of what the first left, grouped alike."""
     low = bits.clamp(0, 4)
-    codes, scales = quantise_grouped(blocks, low, 2 * version)
+    codes, scales = quantise_grouped(blocks, low, 2 * version, scale)
     if bool((bits > 4).any()):
         first = torch.zeros_like(blocks)
         dequantise_grouped(low, torch.cat(codes), torch.cat(scales), 2 * version, first)
-        more = quantise_grouped(blocks - first, (bits - 4).clamp(0, 4), 2 * version + 1)
+        more = quantise_grouped(blocks - first, (bits - 4).clamp(0, 4), 2 * version + 1, scale)
         codes, scales = codes + more[0], scales + more[1]
     return (
         torch.cat(codes) if codes else torch.zeros(0, dtype=torch.uint8),
@@ -451,6 +459,7 @@ def code_row(
     candidates: list[tuple[int, torch.Tensor | None]],
     budget: float,
     version: int,
+    scale: Scale = "least-squares",
 ) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A row's change (``[tokens, h]`` float32) in the cheapest of ``candidates`` (a basis's
     version and its vectors; None: the identity), its blocks' bits the fewest within ``budget``
@@ -462,15 +471,16 @@ def code_row(
     energies, where the rows are: a GPU stage's card); the cheapest is quantised. Ties go to
     the earlier candidate."""
     best: tuple[float, int, torch.Tensor, torch.Tensor] | None = None
+    table = deep(scale)
     for at, basis in candidates:
         blocks = to_blocks(change if basis is None else change @ basis)
-        bits = allocate_bits(blocks.square().sum(dim=1), budget, table=DEEP, cost=DEEP_COST)
+        bits = allocate_bits(blocks.square().sum(dim=1), budget, table=table, cost=DEEP_COST)
         wire = wire_bits(bits)
         if best is None or wire < best[0]:
             best = (wire, at, blocks, bits)
     assert best is not None, "code_row needs a candidate"
     _, at, blocks, bits = best
-    codes, scales = quantise(blocks, bits, version)
+    codes, scales = quantise(blocks, bits, version, scale)
     return at, pack_map(bits.cpu()), codes, scales
 
 
