@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 from relaytrain_testkit.linkcreds import link_pair, stage_credentials
-from relaytrain_worker.pipeline import transform
+from relaytrain_worker.pipeline import allocation, transform
 from relaytrain_worker.pipeline.allocation import DEEP, DEEP_COST, allocate_bits
 from relaytrain_worker.pipeline.boundary import FULL_BITS, ROWS, BoundaryCodec
 from relaytrain_worker.pipeline.deltacache import DeltaConfig, DeltaSender
@@ -301,14 +301,14 @@ def test_a_two_stage_code_decodes_to_its_expected_error_and_a_short_one_is_refus
     blocks = torch.randn(400, BLOCK, generator=gen)
     for b in (2, 4, 6, 8):
         bits = torch.full((400,), b, dtype=torch.int64)
-        codes, scales = transform.quantise(blocks, bits, version=3)
+        codes, scales = allocation.quantise_deep(blocks, bits, version=3)
         assert codes.numel() == 8 * b * 400
-        out = transform.dequantise(
+        out = allocation.dequantise_deep(
             "x", bits, codes=codes, scales=scales, version=3, device=torch.device("cpu")
         )
         relative = float((out - blocks).square().sum() / blocks.square().sum())
         assert relative < 1.2 * DEEP[b], (b, relative)
     with pytest.raises(ValueError, match=r"sample 'x'.*asks 3200 code bytes"):
-        transform.dequantise(
+        allocation.dequantise_deep(
             "x", bits[:50], codes=codes, scales=scales, version=3, device=torch.device("cpu")
         )

@@ -2,10 +2,13 @@
 fewest in total whose expected error stays within a budget, by reverse water-filling over the
 Lloyd-Max distortions of 0-4 bits (`lowbit.DISTORTION`; 0 bits: the block is left out and its
 whole energy is the error), or of 0-8 (`DEEP`: 5-8 bits are a 4-bit code and a 1-4-bit code
-of what it left, as transformed codes send them, `transform.py`).
+of what it left, as transformed codes send them, `transform.py`), each priced as the blocks'
+scales are fitted (`lowbit.distortion`), only the bits on a table's lower convex hull given
+(`hull`); and the codes of blocks so allocated, grouped by bits (`quantise_grouped`,
+`quantise_deep`, and their decodes).
 
 Hand-written: a Lagrangian allocation over five rates is a sort and a cumulative sum, and no
-library offers it over torch tensors.
+library offers it over torch tensors; nor the two-stage code of 5-8 bits.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import math
 import torch
 
 from relaytrain_worker.pipeline.lowbit import (
+    BLOCK,
     Scale,
     check_bits,
     dequantise_blocks,
@@ -176,3 +180,51 @@ def dequantise_grouped(
             out[chosen.to(out.device)] += dequantise_blocks(c, s, check_bits(b), variant)
             at_code, at_scale = at_code + 8 * b * n, at_scale + n
     return at_code, at_scale
+
+
+def quantise_deep(
+    blocks: torch.Tensor, bits: torch.Tensor, version: int, scale: Scale = "least-squares"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes and scales (CPU, for the wire) of float32 ``[n, BLOCK]`` ``blocks`` at ``bits``
+    (0-8 a block): first each block's code of up to 4 bits, grouped by bits 1 to 4
+    (`quantise_grouped`, each block's scale fitted as ``scale`` says); then, for
+    blocks of more than 4, a code of what the first left, grouped alike."""
+    low = bits.clamp(0, 4)
+    codes, scales = quantise_grouped(blocks, low, 2 * version, scale)
+    if bool((bits > 4).any()):
+        first = torch.zeros_like(blocks)
+        dequantise_grouped(low, torch.cat(codes), torch.cat(scales), 2 * version, first)
+        more = quantise_grouped(blocks - first, (bits - 4).clamp(0, 4), 2 * version + 1, scale)
+        codes, scales = codes + more[0], scales + more[1]
+    return (
+        torch.cat(codes) if codes else torch.zeros(0, dtype=torch.uint8),
+        torch.cat(scales) if scales else torch.zeros(0, dtype=torch.bfloat16),
+    )
+
+
+def dequantise_deep(
+    key: str,
+    bits: torch.Tensor,
+    *,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    version: int,
+    device: torch.device,
+) -> torch.Tensor:
+    """Float32 ``[n, BLOCK]`` blocks of a code `quantise_deep` made, on ``device``: 0 where a block
+    got no bits."""
+    want_codes = 8 * int(bits.sum())
+    want_scales = int((bits > 0).sum() + (bits > 4).sum())
+    if bool((bits >= len(DEEP_COST)).any()) or (want_codes, want_scales) != (
+        codes.numel(),
+        scales.numel(),
+    ):
+        raise ValueError(
+            f"transformed code for sample {key!r}: its bit map asks {want_codes} code bytes "
+            f"and {want_scales} scales, the message holds {codes.numel()} and {scales.numel()}"
+        )
+    out = torch.zeros(bits.numel(), BLOCK, dtype=torch.float32, device=device)
+    read = dequantise_grouped(bits.clamp(0, 4), codes, scales, 2 * version, out)
+    codes, scales = codes[read[0] :], scales[read[1] :]
+    dequantise_grouped((bits - 4).clamp(0, 4), codes, scales, 2 * version + 1, out)
+    return out

@@ -10,33 +10,23 @@ the input or the cached value holds NaN/inf) the sender sends a full code (lowbi
 Both sides set their entry to ``cache + decode(delta)`` and bump the version. What a decode
 left out is part of the next delta, so quantisation error never accumulates. Each code is
 rotated with the rotation variant of the version it creates (lowbit.sign_bits): the part a
-code left out is not Gaussian in that code's own basis (1-bit residuals re-coded in the same
-basis shrink by 0.6, then 0.67, 0.78, 0.87 per epoch), but it is in a fresh one. So on a
-static sample the error shrinks by ``sqrt(D_b)`` per epoch (lowbit.DISTORTION: 0.60 at 1
-bit, 0.34 at 2), and on a sample drifting by ``d`` (RMS) per epoch, as
-``e_k <= sqrt(D_b) (d + e_(k-1))``, it settles at most at ``d sqrt(D_b) / (1 - sqrt(D_b))``:
-1.5 d at 1 bit, 0.52 d at 2 (measured on Gaussian data: 1.1 d and 0.4 d).
+code left out is not Gaussian in that code's own basis, but it is in a fresh one. So on a
+static sample the error shrinks by ``sqrt(D_b)`` an epoch (lowbit.DISTORTION), and on one
+drifting by ``d`` (RMS) an epoch, as ``e_k <= sqrt(D_b) (d + e_(k-1))``, it settles at most
+at ``d sqrt(D_b) / (1 - sqrt(D_b))``: 1.5 d at 1 bit, 0.52 d at 2 (1.1 d and 0.4 d measured
+on Gaussian data).
 
-Allocated codes (``allocate``, what the worker's ``delta`` compression uses): each block of
-64 gets its own bits, 0-4, by reverse water-filling (`allocation.allocate_bits`): the
-fewest in total whose expected error, ``sum_i D_(b_i) ||r_i||^2`` over the blocks ``r_i`` of
-what is coded, stays within a full code's, ``D_full ||x||^2`` (each ``D`` as the blocks'
-scales are fitted, `DeltaConfig.scale`: unshrunk, ``D / (1 - D)``, and no 1-bit blocks).
-What is coded is the change against the entry where that is smaller than the row, else the
-row itself (a full code). A block with 0 bits is not sent and keeps the reference's value;
-a map of 3 bits a block says which bits each got, and the codes travel grouped by bits.
-Unlike ``adaptive``, the error does not shrink epoch after epoch: it is held at the full
-code's, and a row that drifts less than that costs only its map. The error stays in the
-entry, so the next code carries it.
+Allocated codes (``allocate``, what the worker's ``delta`` compression uses;
+`DeltaConfig.allocate`): unlike ``adaptive``, the error does not shrink epoch after epoch:
+it is held at the full code's, a row that drifts less than that costs only its map of bits,
+and the error stays in the entry, so the next code carries it.
 
-Block skipping (``skip_below``): a block (64 consecutive values, as in lowbit.py) whose
-delta RMS is at most ``skip_below`` times the cached block's RMS is not sent; a bitmap with
-one bit per block (set = sent) says which were. The skipped part stays in the cache's
-difference from the truth and so is in the next delta. With every block sent the bitmap is
-left out. Wire cost: ``ceil(blocks / 8)`` bitmap bytes plus ``8 * bits + 2`` bytes per sent
-block (``nbytes``; an allocated code: ``3 ceil(blocks / 8)`` map bytes plus ``8 b_i + 2`` per
-sent block); a frame also needs the key, the kind, the versions, bits and shape (see
-``DeltaMessage``).
+Block skipping (``skip_below``): a block (64 values, as in lowbit.py) whose delta RMS is at
+most ``skip_below`` times the cached block's is not sent; a bitmap of a bit a block (set =
+sent; left out when every block is) says which were, and the skipped part is in the next
+delta. Wire cost: ``ceil(blocks / 8)`` bitmap bytes plus ``8 * bits + 2`` bytes per sent
+block (``nbytes``; an allocated code: ``3 ceil(blocks / 8)`` map bytes plus ``8 b_i + 2``
+per sent block), and a frame's key, kind, versions, bits and shape (``DeltaMessage``).
 
 The decoded value is the cache entry, which is why both must be bit-identical: decode is
 adds, subtracts and multiplications by powers of two and by the block scales (lowbit.py),
@@ -47,25 +37,22 @@ sides (what a replaced stage or a reconnect does) makes the next messages full c
 The sender commits its entry when it encodes: a message that is lost must end in
 ``forget(key)`` or ``reset()`` on the sender.
 
-Cache dtype: bf16 by default. It halves the memory, and rounding the cache to bf16 does not
-accumulate either (both ends hold the same rounded value, and the rounding is in the next
-delta); it only sets a floor under the error of about bf16's own precision (0.1-0.2 % RMS),
-the precision bf16 training computes the activations with anyway. float32 is there for tests
-and for measuring the codec without that floor.
+Cache dtype: bf16 by default: half the memory, and its rounding does not accumulate either
+(both ends hold the same rounded value; the rounding is in the next delta), only a floor of
+bf16's own precision (0.1-0.2 % RMS) under the error. float32 is for tests and for measuring
+the codec without that floor.
 
-Memory: one entry per sample per boundary, on each side. Llama-3.1-8B-sized boundaries,
-4096 wide, 512 tokens a sample, 10k samples: 2.1e10 values, 4 MiB a sample, **42 GB** in
-bf16 (84 GB in float32) on the sender and again on the receiver of every boundary. That
-belongs in host memory or a memory-mapped file on local disk (each entry is read and
-written once per epoch: 4 MiB per sample, far below a disk's rate), never in GPU memory.
-Entries are kept as CPU tensors here; decode returns the value on the asked device. The
-sender codes where the tensor is (a GPU stage's card, with the row's entry copied there:
-the rotations and trial scales are most of the codec's time, 217 ns a value on one CPU
-thread; each block's bits are allocated there too) and brings only the codes to the CPU;
-its mirror decodes them where it coded, the receiver where it is asked (a GPU stage's card,
-`boundary.BoundaryCodec.device`). A decode is a gather, one multiplication, the rotation's
-butterflies and an addition, no division and no reduction, so every device gets the same
-bits and the two ends stay in step (tests/unit/test_boundary_delta_gpu.py checks it on a card).
+Memory: one entry per sample per boundary, on each side. Llama-3.1-8B-sized boundaries, 4096
+wide, 512 tokens a sample, 10k samples: 4 MiB a sample, **42 GB** in bf16 on the sender and
+again on the receiver of every boundary: host memory or a memory-mapped file on local disk
+(each entry is read and written once an epoch), never GPU memory. Entries are CPU tensors
+here. The sender codes where the tensor is (a GPU stage's card, the row's entry copied
+there: the rotations, trial scales and each block's bits, 217 ns a value on one CPU thread)
+and brings only the codes to the CPU; its mirror decodes them where it coded, the receiver
+where it is asked (`boundary.BoundaryCodec.device`). A decode is a gather, one
+multiplication, the rotation's butterflies and an addition, no division and no reduction, so
+every device gets the same bits and the two ends stay in step
+(tests/unit/test_boundary_delta_gpu.py checks it on a card).
 
 Hand-written for the same reason as lowbit.py: a self-describing byte format whose decode is
 bit-exact on both ends.
@@ -140,7 +127,8 @@ class DeltaConfig:
     allocate: bool = False
     """Give each block of a code its own bits, 0-4 (`allocation.allocate_bits`): the
     fewest in total whose expected error, ``sum_i D_(b_i) ||r_i||^2`` over the blocks ``r_i``
-    coded, is within a full code's, ``D_full ||x||^2``. A row is coded against its last
+    coded, is within a full code's, ``D_full ||x||^2`` (each ``D`` as ``scale`` fits the
+    blocks: unshrunk, ``D / (1 - D)``, and no 1-bit blocks). A row is coded against its last
     decode where that is nearer than zero (a delta), else against zero (a full code), and
     both are allocated; a block given 0 bits is not sent and keeps its reference's value.
     Instead of ``adaptive`` and ``skip_below``."""
@@ -151,11 +139,9 @@ class DeltaConfig:
     0-8 bits, within the same error (`transform.py`); the sender's `DeltaSender.fitter`
     says which bases to send ahead of the rows coded in them."""
     scale: Scale = "least-squares"
-    """How each block's scale is fitted (`lowbit.Scale`): ``least-squares`` decodes every
-    block a little shorter than it is (by the whole of its error); ``unshrunk`` keeps a
-    block's length along itself, at a little more error (what the worker's ``delta``
-    compression uses, `boundary.config_for`). Only the sender reads it: the receiver
-    multiplies by whatever scale it is sent."""
+    """How each block's scale is fitted (`lowbit.Scale`; the worker's ``delta``: unshrunk,
+    `boundary.config_for`). Only the sender reads it: the receiver multiplies by whatever
+    scale it is sent."""
 
     def __post_init__(self) -> None:
         check_bits(self.full_bits)
@@ -212,7 +198,7 @@ class DeltaMessage:
     """A transformed code (`DeltaConfig.transform`): the version of the basis it is in (0:
     the identity) of its kind (a delta's or a full code's); ``block_bits`` then holds 0-8
     bits a block, 4 a block (`transform.pack_map`), and ``codes`` and ``scales`` the two
-    stages' codes (`transform.quantise`). None: not transformed."""
+    stages' codes (`allocation.quantise_deep`). None: not transformed."""
 
     @property
     def nbytes(self) -> int:
@@ -354,7 +340,13 @@ class DeltaSender(_Side):
             return self._encode_allocated(
                 key=key, dtype=x.dtype, shape=shape, blocks=blocks, entry=usable, version=version
             )
-        if full:
+        bits: Bits | None = None
+        if not full:
+            assert entry is not None
+            cached = entry.value.to(blocks.device, torch.float32)
+            delta = blocks - cached
+            bits = self._bits(delta, blocks) if cfg.adaptive else cfg.delta_bits
+        if bits is None:  # first sight, or changed as much as the row: a full code, no dearer
             codes, scales = _quantise(blocks, cfg.full_bits, version, cfg.scale)
             msg = DeltaMessage(
                 key, "full", version, None, cfg.full_bits, x.dtype, shape, codes, scales, None
@@ -362,16 +354,6 @@ class DeltaSender(_Side):
             self._apply(msg, None, blocks.device)
             return msg
         assert entry is not None
-        cached = entry.value.to(blocks.device, torch.float32)
-        delta = blocks - cached
-        bits = self._bits(delta, blocks) if cfg.adaptive else cfg.delta_bits
-        if bits is None:  # changed as much as the row itself: a full code costs no more
-            codes, scales = _quantise(blocks, cfg.full_bits, version, cfg.scale)
-            msg = DeltaMessage(
-                key, "full", version, None, cfg.full_bits, x.dtype, shape, codes, scales, None
-            )
-            self._apply(msg, None, blocks.device)
-            return msg
         delta_rms = delta.square().mean(dim=1).sqrt_()
         keep = delta_rms > cached.square().mean(dim=1).sqrt_() * cfg.skip_below
         if bool(keep.all()):

@@ -23,7 +23,7 @@ it in the frame that carried the basis). A code names its basis by version
 ends that start again (a replaced stage, a re-link) code in the identity until the first fit.
 A code naming a basis this end does not hold is a broken link (`StaleBasisError`).
 
-In a basis, each block of 64 coordinates gets 0-8 bits (`allocation.DEEP`): up to 4 a
+In a basis, each block of 64 coordinates gets 0-8 bits (`allocation.deep`): up to 4 a
 rotated Lloyd-Max code of the block (`lowbit.py`), above 4 that code and a 1-4-bit code of
 what it left (variants ``2 v`` and ``2 v + 1`` of the entry's version ``v``), within the same
 expected error as the allocated code without a basis. On a fine-tune's boundary this gave the
@@ -47,8 +47,9 @@ after one is sent, the newest of its kind and its QR's float64 work. A basis on 
 most ``(8.5 h^2 + 4 h) / 8`` bytes (every vector at 8 bits), at 4096 about 17 MiB.
 
 Hand-written: the fit is torch's ``eigh`` and ``qr`` (the QR in a `concurrent.futures` thread
-pool); what is written here is which frames fit, when the rows switch to a basis, the message
-that carries a basis, and the two-stage code of 5-8 bits, which no library has.
+pool); what is written here is which frames fit, when the rows switch to a basis and the
+message that carries a basis, which no library has (the two-stage code of 5-8 bits:
+`allocation.quantise_deep`).
 """
 
 from __future__ import annotations
@@ -65,8 +66,8 @@ from relaytrain_worker.pipeline.allocation import (
     DEEP_COST,
     allocate_bits,
     deep,
-    dequantise_grouped,
-    quantise_grouped,
+    dequantise_deep,
+    quantise_deep,
 )
 from relaytrain_worker.pipeline.lowbit import (
     BLOCK,
@@ -129,7 +130,7 @@ class BasisMessage:
     bits: torch.Tensor
     """int64 ``[h]``: bits a value of each vector's code (`vector_bits`)."""
     codes: torch.Tensor
-    """uint8 CPU: the vectors' code, one after the other (`quantise`)."""
+    """uint8 CPU: the vectors' code, one after the other (`allocation.quantise_deep`)."""
     scales: torch.Tensor
     """bf16 CPU: its scales."""
 
@@ -154,7 +155,7 @@ class BasisMessage:
         bits = vector_bits(energies)
         blocks = to_blocks(vectors.T.float())  # vector after vector
         each = _block_bits(bits).to(blocks.device)
-        codes, scales = quantise(blocks, each, version)
+        codes, scales = quantise_deep(blocks, each, version)
         values = _vectors(each, bits.numel(), codes, scales, version, device=blocks.device)
         return cls(against, version, values, bits, codes, scales)
 
@@ -210,7 +211,7 @@ def _vectors(
     CPU."""
     each = each.to(device)
     key = f"basis {version}"
-    flat = dequantise(key, each, codes=codes, scales=scales, version=version, device=device)
+    flat = dequantise_deep(key, each, codes=codes, scales=scales, version=version, device=device)
     return from_blocks(flat, (width, width), torch.float32).T.contiguous().cpu()
 
 
@@ -391,54 +392,6 @@ class Fitter:
         return out
 
 
-def quantise(
-    blocks: torch.Tensor, bits: torch.Tensor, version: int, scale: Scale = "least-squares"
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Codes and scales (CPU, for the wire) of float32 ``[n, BLOCK]`` ``blocks`` at ``bits``
-    (0-8 a block): first each block's code of up to 4 bits, grouped by bits 1 to 4
-    (`allocation.quantise_grouped`, each block's scale fitted as ``scale`` says); then, for
-    blocks of more than 4, a code of what the first left, grouped alike."""
-    low = bits.clamp(0, 4)
-    codes, scales = quantise_grouped(blocks, low, 2 * version, scale)
-    if bool((bits > 4).any()):
-        first = torch.zeros_like(blocks)
-        dequantise_grouped(low, torch.cat(codes), torch.cat(scales), 2 * version, first)
-        more = quantise_grouped(blocks - first, (bits - 4).clamp(0, 4), 2 * version + 1, scale)
-        codes, scales = codes + more[0], scales + more[1]
-    return (
-        torch.cat(codes) if codes else torch.zeros(0, dtype=torch.uint8),
-        torch.cat(scales) if scales else torch.zeros(0, dtype=torch.bfloat16),
-    )
-
-
-def dequantise(
-    key: str,
-    bits: torch.Tensor,
-    *,
-    codes: torch.Tensor,
-    scales: torch.Tensor,
-    version: int,
-    device: torch.device,
-) -> torch.Tensor:
-    """Float32 ``[n, BLOCK]`` blocks of a code `quantise` made, on ``device``: 0 where a block
-    got no bits."""
-    want_codes = 8 * int(bits.sum())
-    want_scales = int((bits > 0).sum() + (bits > 4).sum())
-    if bool((bits > MAX_BITS).any()) or (want_codes, want_scales) != (
-        codes.numel(),
-        scales.numel(),
-    ):
-        raise ValueError(
-            f"transformed code for sample {key!r}: its bit map asks {want_codes} code bytes "
-            f"and {want_scales} scales, the message holds {codes.numel()} and {scales.numel()}"
-        )
-    out = torch.zeros(bits.numel(), BLOCK, dtype=torch.float32, device=device)
-    read = dequantise_grouped(bits.clamp(0, 4), codes, scales, 2 * version, out)
-    codes, scales = codes[read[0] :], scales[read[1] :]
-    dequantise_grouped((bits - 4).clamp(0, 4), codes, scales, 2 * version + 1, out)
-    return out
-
-
 def pack_map(bits: torch.Tensor) -> torch.Tensor:
     """A transformed code's bit map: ``MAP_BITS`` bits a block, zero-padded to 8 blocks."""
     return pack_bits(torch.nn.functional.pad(bits, (0, (-bits.numel()) % 8)), MAP_BITS)
@@ -480,7 +433,7 @@ def code_row(
             best = (wire, at, blocks, bits)
     assert best is not None, "code_row needs a candidate"
     _, at, blocks, bits = best
-    codes, scales = quantise(blocks, bits, version, scale)
+    codes, scales = quantise_deep(blocks, bits, version, scale)
     return at, pack_map(bits.cpu()), codes, scales
 
 
@@ -504,6 +457,6 @@ def decode_row(
 ) -> torch.Tensor:
     """The change a `code_row` code stands for, as float32 ``[tokens, h]`` on ``device``."""
     bits = unpack_map(packed, -(-math.prod(shape) // BLOCK))
-    blocks = dequantise(key, bits, codes=codes, scales=scales, version=version, device=device)
+    blocks = dequantise_deep(key, bits, codes=codes, scales=scales, version=version, device=device)
     coords = from_blocks(blocks, shape, torch.float32).reshape(-1, width(shape))
     return coords if basis is None else coords @ basis.T
