@@ -41,7 +41,10 @@ DELTA_GRADIENT_BYTES = (3 + 16 / 64) / 8
 #: from a random base (rows moved 95-5 % an epoch), 0.46 on a fine-tune of a pretrained one
 #: (50-1.6 %), rounded up. Where the rows drift more, a later epoch costs at most what the
 #: first does (a row coded against zero), so a plan that took delta on this price is at
-#: worst delta's first-epoch speed: about int4's (docs/planner.md).
+#: worst delta's first-epoch speed: about int4's (docs/planner.md). At a width of 1024 with
+#: int3's error and a fitted basis the share was 0.76 (2026-12-06, unshrunk codes, CPU),
+#: but of a first epoch that cost 0.44 of the identity's rate the plan prices it at: the
+#: later epochs cost 0.45 of their price there.
 DELTA_LATER_SHARE = 0.75
 #: Seconds per boundary value of the ``delta`` codec on a GPU stage, encode plus decode: it
 #: codes on the sending stage's card and decodes on the receiving one's (the rows' caches
