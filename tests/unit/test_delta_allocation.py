@@ -46,11 +46,11 @@ def test_no_allocation_with_as_few_bits_has_less_expected_error(scale: Scale) ->
 
 
 def test_the_bits_given_are_the_tables_lower_convex_hull() -> None:
-    assert hull([0, 1, 2, 3, 4], D) == [0, 1, 2, 3, 4]  # least squares: convex
-    assert hull([0, 1, 2, 3, 4], shallow("unshrunk")) == [0, 2, 3, 4]
-    assert hull([0, 1, 2, 3, 4], shallow("unshrunk"), floor=1) == [1, 2, 3, 4]
+    assert hull((0, 1, 2, 3, 4), D) == (0, 1, 2, 3, 4)  # least squares: convex
+    assert hull((0, 1, 2, 3, 4), shallow("unshrunk")) == (0, 2, 3, 4)
+    assert hull((0, 1, 2, 3, 4), shallow("unshrunk"), floor=1) == (1, 2, 3, 4)
     # A point on a chord is beaten by its ends as much as it beats them: left out too.
-    assert hull([0, 1, 2, 3], (1.0, 0.5, 0.0, 0.0)) == [0, 2, 3]
+    assert hull((0, 1, 2, 3), (1.0, 0.5, 0.0, 0.0)) == (0, 2, 3)
 
 
 def test_alike_blocks_get_the_budgets_bits_and_the_floor_holds() -> None:

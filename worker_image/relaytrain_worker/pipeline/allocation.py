@@ -13,6 +13,7 @@ library offers it over torch tensors; nor the two-stage code of 5-8 bits.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -27,6 +28,7 @@ from relaytrain_worker.pipeline.lowbit import (
 )
 
 
+@functools.cache
 def shallow(scale: Scale = "least-squares") -> tuple[float, ...]:
     """Expected error of 0-4 bits over a block's energy, its scale fitted as ``scale`` says
     (`lowbit.distortion`; 0 bits: the block is left out, its whole energy). Unshrunk, a
@@ -35,6 +37,7 @@ def shallow(scale: Scale = "least-squares") -> tuple[float, ...]:
     return (1.0, *(distortion(b, scale) for b in (1, 2, 3, 4)))
 
 
+@functools.cache
 def deep(scale: Scale = "least-squares") -> tuple[float, ...]:
     """Expected error of 0-8 bits over a block's energy: 5-8 bits are a 4-bit code and a
     1-4-bit code of its residual (convex in the bits at least-squares scales; unshrunk, 1
@@ -90,9 +93,9 @@ def allocate_bits(
     budget *= 1 + 1e-12  # a budget met exactly is met, whatever the order of the sum
     d = torch.tensor(table, dtype=torch.float64, device=device)
     live = e > 0
-    costs = [float(b) for b in range(len(table))] if cost is None else list(cost)
+    costs = tuple(float(b) for b in range(len(table))) if cost is None else tuple(cost)
     c = torch.tensor(costs, dtype=torch.float64, device=device)
-    given = torch.tensor(hull(costs, table, floor), device=device)
+    given = torch.tensor(hull(costs, tuple(table), floor), device=device)
     # Block i's breakpoints, one for each step along the hull from the floor, increasing
     # (the hull is convex): the multiplier times its energy above which a step's bits beat
     # the step before. At a multiplier it has the bits of the breakpoints at or below it.
@@ -121,10 +124,12 @@ def allocate_bits(
     return pick(math.inf if k >= flat.numel() else float(flat[k]))  # inf: the most miss it
 
 
-def hull(cost: list[float], table: tuple[float, ...], floor: int = 0) -> list[int]:
+@functools.cache
+def hull(cost: tuple[float, ...], table: tuple[float, ...], floor: int = 0) -> tuple[int, ...]:
     """The bits, from ``floor``, on the lower convex hull of the points ``(cost[b],
     table[b])``: those each of whose further steps buys less error per cost than the step
-    before (all of them where ``table`` is convex against ``cost``)."""
+    before (all of them where ``table`` is convex against ``cost``). Cached: a link asks
+    the same few tables for every row."""
     kept: list[int] = []
     for b in range(floor, len(table)):
         while len(kept) >= 2:
@@ -137,7 +142,7 @@ def hull(cost: list[float], table: tuple[float, ...], floor: int = 0) -> list[in
             else:
                 break
         kept.append(b)
-    return kept
+    return tuple(kept)
 
 
 def quantise_grouped(

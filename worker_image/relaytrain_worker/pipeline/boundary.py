@@ -148,8 +148,6 @@ class BoundaryCodec:
         self.sender = DeltaSender(config)
         self.receiver = DeltaReceiver(config)
         self.gradient_bits = lowbit.check_bits(gradient_bits)
-        self.scale = config.scale
-        """How every code this end sends fits its blocks' scales, the gradients' too."""
         self.device: torch.device | None = None
         """Where this end decodes what it receives (the stage's card; None: the CPU, where
         the frame arrives). A GPU stage sets it as it receives (`peers.AsyncLink.recv`): one
@@ -192,9 +190,8 @@ class BoundaryCodec:
             elif live is not None and not bool(live.all()):
                 out.append(self._encode_tokens(name, t, live))
             else:
-                enc = lowbit.encode(
-                    t, FULL_BITS if name == KEYED else self.gradient_bits, scale=self.scale
-                )
+                bits = FULL_BITS if name == KEYED else self.gradient_bits
+                enc = lowbit.encode(t, bits, scale=self.sender.config.scale)
                 entry = {
                     "name": name, "mode": "lowbit", "bits": enc.bits, "dtype": str(t.dtype),
                     "shape": list(enc.shape), "data": enc.codes.numel(),
@@ -214,7 +211,7 @@ class BoundaryCodec:
                  "shape": list(t.shape), "map": token_map.numel()}  # fmt: skip
         if tokens.numel() == 0:
             return {**entry, "data": 0, "scales": 0}, [token_map]
-        enc = lowbit.encode(tokens, self.gradient_bits, scale=self.scale)
+        enc = lowbit.encode(tokens, self.gradient_bits, scale=self.sender.config.scale)
         entry.update(data=enc.codes.numel(), scales=enc.scales.numel())
         return entry, [token_map, enc.codes, enc.scales]
 
