@@ -1,7 +1,8 @@
 """The ``delta`` boundary compression over epochs: bytes per token, eval loss, time to a loss.
 
 Run: OMP_NUM_THREADS=1 .venv/bin/python bench/bench_delta_boundary.py [--quick] [--epochs E]
-    [--base random|pretrained] [--shift S] [--gradient-tokens S] [--modes M,...] [--timed M]
+    [--base random|pretrained] [--shift S] [--gradient-tokens S] [--gradient-bits B]
+    [--modes M,...] [--timed M]
     [--link-mbit R] [--link-ms L] [--timed-stop end|target] [--seed N] [--json OUT]
     [--device D] [--weights saved|drawn] [--hidden H] [--seq S] [--rows N] [--dtype T]
 
@@ -10,8 +11,10 @@ Run: OMP_NUM_THREADS=1 .venv/bin/python bench/bench_delta_boundary.py [--quick] 
 ``delta:int3`` (``pipeline.activationError: int3``) and end in ``+basis`` (rows coded in
 fitted bases, `DeltaConfig.transform`), e.g. ``delta+basis,delta:int3+basis``. ``--timed``:
 the delta run raced against ``int8`` over the emulated slow link (default ``delta``; ``off``:
-no slow-link runs). ``--seed``: the LoRA's initialisation, the sampled gradient tokens' draws
-and each epoch's row order (default 0); the language, its rows and the base stay.
+no slow-link runs). ``--gradient-tokens`` and ``--gradient-bits``: the ``delta`` runs'
+``pipeline.gradientTokens`` and ``pipeline.gradientBits``. ``--seed``: the LoRA's
+initialisation, the sampled gradient tokens' draws and each epoch's row order (default 0);
+the language, its rows and the base stay.
 
 On a GPU (``--device cuda``: `bash hack/gpu-check.sh time-to-loss`, an 8B's width and frames)
 the model is built on the card from a config alone, its weights drawn by name
@@ -296,6 +299,8 @@ class Job:
     evaluator: Evaluator
     gradient_tokens: float = 1.0
     """``delta``'s share of gradient tokens (``--gradient-tokens``)."""
+    gradient_bits: int = 3
+    """``delta``'s bits a gradient value (``--gradient-bits``)."""
     link: SlowLink = field(default_factory=SlowLink)
 
 
@@ -386,8 +391,9 @@ def compression_of(mode: str) -> str:
     return "delta" if mode.startswith("delta") else mode
 
 
-def codec_of(mode: str) -> Callable[[], Any]:
-    """What makes each link's delta state for a ``--modes`` entry (`boundary.codec_for`)."""
+def codec_of(mode: str, gradient_bits: int = 3) -> Callable[[], Any]:
+    """What makes each link's delta state for a ``--modes`` entry (`boundary.codec_for`), its
+    gradients at ``gradient_bits``."""
     from relaytrain_worker.pipeline.boundary import ACTIVATION_ERRORS, codec_for
 
     if compression_of(mode) != "delta":
@@ -395,7 +401,8 @@ def codec_of(mode: str) -> Callable[[], Any]:
     error = mode.removeprefix("delta").removesuffix("+basis").removeprefix(":") or "int4"
     if error not in ACTIVATION_ERRORS:
         raise SystemExit(f"--modes: {mode!r} names activation error {error!r}")
-    return lambda: codec_for(error, transform=mode.endswith("+basis"))
+    transform = mode.endswith("+basis")
+    return lambda: codec_for(error, transform=transform, gradient_bits=gradient_bits)
 
 
 def train(job: Job, mode: str, *, limited: bool, steps: int | None = None) -> ModeRun:
@@ -416,7 +423,7 @@ def train(job: Job, mode: str, *, limited: bool, steps: int | None = None) -> Mo
         link_rate=job.link.rate if limited else None,
         link_latency=job.link.latency if limited else 0.0, per_step=True,
         gradient_tokens=job.gradient_tokens if compression == "delta" else 1.0,
-        codec=codec_of(mode),
+        codec=codec_of(mode, job.gradient_bits),
     )  # fmt: skip
     links.removeHandler(bases)
     spe = job.setup.steps_per_epoch
@@ -496,6 +503,13 @@ def main() -> None:
         type=float,
         default=1.0,
         help="delta: the share of tokens whose gradients go back (pipeline.gradientTokens)",
+    )
+    parser.add_argument(
+        "--gradient-bits",
+        type=int,
+        choices=(1, 2, 3, 4),
+        default=3,
+        help="delta: the bits a gradient value (pipeline.gradientBits)",
     )
     parser.add_argument(
         "--modes", default=",".join(MODES), help="the runs (see above; none and bf16 always)"
@@ -610,7 +624,10 @@ def main() -> None:
         held = bigram.rows(setup.held_out, setup.seq, 99, perm)
         evaluator = Evaluator(unsplit, held, training.seed)
         steps = epoch_steps(train_rows, setup, seed=10 + 1000 * args.seed)
-        job = Job(setup, model, train_rows, steps, training, evaluator, args.gradient_tokens, link)
+        job = Job(
+            setup, model, train_rows, steps, training, evaluator, args.gradient_tokens,
+            args.gradient_bits, link,
+        )  # fmt: skip
         base_loss = evaluator.loss()
         runs = {}
         for mode in modes:

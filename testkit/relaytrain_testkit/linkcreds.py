@@ -4,6 +4,8 @@ a stage loads them (the two packages never import each other; tests may use both
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime
 
 from relaytrain_operator.domain.linkcerts import mint_link_credentials, stage_pem
@@ -46,3 +48,14 @@ def link_pair(credentials: list[LinkCredentials], job: str) -> tuple[Link, Link]
     t.join(10)
     lst.close()
     return up, got["down"]
+
+
+@contextmanager
+def linked(job: str) -> Iterator[tuple[Link, Link]]:
+    """A `link_pair` of a job of its own (`stage_credentials`), both ends closed after."""
+    up, down = link_pair(stage_credentials(2, job=job), job)
+    try:
+        yield up, down
+    finally:
+        up.close()
+        down.close()

@@ -61,6 +61,14 @@ INVALID_CASES = [
         "spec.pipeline.gradientTokens",
         also=(("spec.pipeline.compression", "int8"),),
     ),
+    Case("gradient-bits-zero", "spec.pipeline.gradientBits", 0, "spec.pipeline.gradientBits"),
+    Case(
+        "gradient-bits-without-delta",
+        "spec.pipeline.gradientBits",
+        1,
+        "spec.pipeline.gradientBits",
+        also=(("spec.pipeline.compression", "int8"),),
+    ),
     Case(
         "unknown-activation-error",
         "spec.pipeline.activationError",

@@ -35,12 +35,13 @@ pytestmark = pytest.mark.unit
 RANGES = [(0, 2), (2, 4)]
 
 
-def _job(error: str, compression: str = "delta", basis: str = "identity") -> Job:
+def _job(error: str, compression: str = "delta", basis: str = "identity", bits: int = 3) -> Job:
     return (
         Job()
         .pipeline(compression=compression)
         .set("spec.pipeline.activationError", error)
         .set("spec.pipeline.activationBasis", basis)
+        .set("spec.pipeline.gradientBits", bits)
     )
 
 
@@ -147,17 +148,21 @@ def test_the_planner_charges_each_frame_a_share_of_a_fitted_basis_bytes_and_fit(
     assert LinkCost.of(model, replace(int4, activation_basis="fitted")) == LinkCost.of(model, int4)
 
 
-@pytest.mark.parametrize(("error", "basis"), [("int3", "identity"), ("int4", "fitted")])
-def test_a_stages_links_code_as_its_document_names(error: str, basis: str) -> None:
-    job = parse_job(_job(error, basis=basis).build())
+@pytest.mark.parametrize(
+    ("error", "basis", "bits"), [("int3", "identity", 1), ("int4", "fitted", 3)]
+)
+def test_a_stages_links_code_as_its_document_names(error: str, basis: str, bits: int) -> None:
+    job = parse_job(_job(error, basis=basis, bits=bits).build())
     ends = local_endpoints(2, 29500, 9400)
     docs = build_stage_configs(job, RANGES, ends)
     assert [d["pipeline"]["activationError"] for d in docs] == [error, error]
     assert [d["pipeline"]["activationBasis"] for d in docs] == [basis, basis]
+    assert [d["pipeline"]["gradientBits"] for d in docs] == [bits, bits]
     # `relaytrain run --local` sends nothing compressed over loopback: int4's error, no basis.
     plain = build_stage_configs(job, RANGES, ends, compression="none")
     assert [d["pipeline"]["activationError"] for d in plain] == ["int4", "int4"]
     assert [d["pipeline"]["activationBasis"] for d in plain] == ["identity", "identity"]
+    assert [d["pipeline"]["gradientBits"] for d in plain] == [3, 3]
     namespace, name = docs[0]["links"]["identity"].split("/")[2:4]
     creds = stage_credentials(2, namespace=namespace, job=name)
     listener = listen("127.0.0.1:0", credentials=creds[1], expect=creds[0].identity)
@@ -174,6 +179,7 @@ def test_a_stages_links_code_as_its_document_names(error: str, basis: str) -> No
             config = link.codec.sender.config
             assert config.full_bits == int(error.removeprefix("int"))
             assert config.transform is (basis == "fitted")
+            assert link.codec.gradient_bits == bits
     finally:
         down.close()
         up.close()

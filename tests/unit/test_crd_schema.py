@@ -124,8 +124,9 @@ def compare(
     if isinstance(base, type) and issubclass(base, BaseModel):
         kind = "object"
         compare_model(base, node, path, problems)
-    elif origin is typing.Literal:
-        kind = "string"
+    elif origin is typing.Literal:  # of strings, or of integers (pipeline.gradientBits)
+        ints = all(type(a) is int for a in typing.get_args(base))
+        kind = "integer" if ints else "string"
         if sorted(map(str, typing.get_args(base))) != sorted(map(str, node.get("enum", []))):
             problems.append(f"{path}: enum {typing.get_args(base)} vs CRD {node.get('enum')}")
     elif origin is list:
@@ -308,6 +309,7 @@ def test_every_cel_rule_is_kept_where_it_was() -> None:
             (".spec.training", ".warmupSteps"),
             (".spec.training", ".endOfData"),
             (".spec.pipeline", ".gradientTokens"),
+            (".spec.pipeline", ".gradientBits"),
             (".spec.pipeline", ".activationError"),
             (".spec.pipeline", ".activationBasis"),
             (".spec.pipeline.stages", ""),

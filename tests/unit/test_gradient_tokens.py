@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 from relaytrain_operator.domain.planner import TrainingShape
-from relaytrain_operator.domain.planner.link_cost import DELTA_GRADIENT_BYTES, wire_bytes_per_value
+from relaytrain_operator.domain.planner.link_cost import delta_gradient_bytes, wire_bytes_per_value
 from relaytrain_operator.domain.stage_config import build_stage_configs, local_endpoints
 from relaytrain_operator.spec import SpecError, parse_job
 from relaytrain_testkit import bigram
 from relaytrain_testkit.inputs import CLIPPED_TRAINING, even_splits
 from relaytrain_testkit.jobs import Job
-from relaytrain_testkit.linkcreds import link_pair, stage_credentials
+from relaytrain_testkit.linkcreds import linked, stage_credentials
 from relaytrain_testkit.pipelines import run_pipeline_threads
 from relaytrain_testkit.references import run_reference
 from relaytrain_testkit.tiny_models import tiny_model_dir
@@ -76,10 +76,8 @@ def test_the_draw_is_unbiased_and_keeps_the_share() -> None:
 
 @pytest.fixture
 def link() -> Iterator[tuple[Link, Link]]:
-    up, down = link_pair(stage_credentials(2, job="tokens"), "tokens")
-    yield up, down
-    up.close()
-    down.close()
+    with linked("tokens") as ends:
+        yield ends
 
 
 def test_a_gradient_with_zero_tokens_sends_only_the_others(link: tuple[Link, Link]) -> None:
@@ -94,7 +92,9 @@ def test_a_gradient_with_zero_tokens_sends_only_the_others(link: tuple[Link, Lin
     assert up.coded_bytes_sent == 64 // 8 + sent * 128 * 3.25 / 8
     flat = got.reshape(-1, g.shape[-1])
     assert not bool(flat[~live].any())
-    want = lowbit.decode(lowbit.encode(g.reshape(-1, g.shape[-1])[live], 3, scale="unshrunk"))
+    want = lowbit.decode(
+        lowbit.encode(g.reshape(-1, g.shape[-1])[live], 3, None, "unshrunk", up.codec.variant)
+    )
     assert torch.equal(flat[live], want)
     # A gradient of nothing but zeros is its map alone.
     up.send(Frame("gradient", 0, 1, {"grad": torch.zeros(2, 32, 128)}), "delta")
@@ -163,9 +163,9 @@ def test_the_spec_takes_a_share_only_with_delta_and_the_planner_prices_it() -> N
     assert "spec.pipeline.gradientTokens" in info.value.paths
     shape = TrainingShape(1, 4, 256, compression="delta", gradient_tokens=0.25)
     back = wire_bytes_per_value(shape, backward=True)
-    assert back == pytest.approx(DELTA_GRADIENT_BYTES / 4 + 1 / 512)
+    assert back == pytest.approx(delta_gradient_bytes(3) / 4 + 1 / 512)
     assert wire_bytes_per_value(TrainingShape(1, 4, 256, compression="delta"), True) == (
-        DELTA_GRADIENT_BYTES
+        delta_gradient_bytes(3)
     )
 
 

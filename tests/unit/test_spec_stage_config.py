@@ -73,6 +73,7 @@ def test_spec_reaches_the_worker_in_contract_names() -> None:
         "compression": "int4",
         "forwardsAhead": 0,
         "gradientTokens": 1.0,
+        "gradientBits": 3,
         "activationError": "int4",
         "activationBasis": "identity",
     }

@@ -30,6 +30,9 @@ Compression = Literal["none", "bf16", "int8", "int4", "delta"]
 ActivationError = Literal["int4", "int3"]
 """What the ``delta`` compression holds each row's activation code to: an int4 or an int3
 code's expected error."""
+GradientBits = Literal[1, 2, 3, 4]
+"""The bits a value of the ``delta`` compression's gradient codes (a bf16 scale a block of 64
+besides)."""
 ActivationBasis = Literal["identity", "fitted"]
 """What the ``delta`` compression codes each token's change of a row in: the identity (blocks
 of coordinates as they are) or a basis fitted to the changes sent (transform coding)."""
@@ -248,6 +251,9 @@ class PipelineSpec(_Part):
     gradient_tokens: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     """The share of tokens whose gradients cross each boundary, drawn in proportion to their
     norms and scaled to stay unbiased (relaytrain_worker.pipeline.sampling); 1: every token."""
+    gradient_bits: GradientBits = 3
+    """With ``delta``: the bits a value of the gradients' code, 1 to 4
+    (relaytrain_worker.pipeline.boundary.codec_for)."""
     activation_error: ActivationError = "int4"
     """With ``delta``: the expected error each row's activation code stays within, that of
     an int4 or an int3 code (relaytrain_worker.pipeline.boundary.codec_for)."""

@@ -39,15 +39,21 @@ What is coded how in a frame under ``delta``:
   names its basis last;
 - ``hidden`` without ``rows`` (nothing to key it by): a full code at ``FULL_BITS``, cached
   nowhere;
-- any other floating tensor (the gradients of a boundary): a rotated code at
-  ``GRADIENT_BITS`` (`lowbit.py`, nearest, each block's scale as the rows' are, unshrunk by
-  default: a gradient no shorter than it is; 3 bits: 17 % error; 2 bits cost 1.4 points of
-  held-out loss in bench/bench_delta_boundary.py). A gradient depends on the whole later
-  pipeline and on the labels and changes more between epochs than an activation does; a
-  per-sample cache saved nothing on it (bench/bench_boundary_codec.py, part d), and bits
-  allocated per block, within the same error, cost held-out loss: +9.5 % from a random
-  base with a cache per row, +3.5 % on a fine-tune without one (bench_boundary_allocation.py,
-  docs/links-and-checkpoints.md). Equal error is not equal learning for gradients. A
+- any other floating tensor (the gradients of a boundary): a rotated code at the job's
+  ``pipeline.gradientBits`` (``GRADIENT_BITS`` by default; `lowbit.py`, nearest, each
+  block's scale as the rows' are, unshrunk: a gradient no shorter than it is; 3 bits: 4 %
+  of its energy in error, 1 bit 57 %). With least squares' scales, which shrank each block
+  by its error, 2 bits cost 1.4 points of held-out loss (bench/bench_delta_boundary.py);
+  unshrunk, each frame in a rotation of its own (`variant_of`), 1 bit with 0.375 of the
+  tokens (`sampling.py`) ended +0.09 % held-out loss where 3 bits with 0.25 ended +0.31 %,
+  at 0.6 of their bytes (docs/links-and-checkpoints.md, "Gradients at one bit"). A gradient
+  depends on the whole later pipeline and on the labels and changes more between epochs
+  than an activation does; a per-sample cache saved nothing on it
+  (bench/bench_boundary_codec.py, part d), and bits allocated per block, within the same
+  error, cost held-out loss: +9.5 % from a random base with a cache per row, +3.5 % on a
+  fine-tune without one (bench_boundary_allocation.py, docs/links-and-checkpoints.md);
+  unshrunk, such an allocation of a quarter of the tokens took 2 % more bytes than 3 bits
+  each (their blocks are alike). Equal error is not equal learning for gradients. A
   gradient some of whose tokens are zero (`pipeline.gradientTokens` < 1, `sampling.py`, or
   padding) goes as a map of one bit a token and the other tokens' codes (``tokens``);
 - integer and bool tensors: lossless and narrowed, as every other mode (`compression.py`);
@@ -129,11 +135,13 @@ CONFIG = config_for()
 """A link's default: int4's error, no basis."""
 
 
-def codec_for(activation_error: str = "int4", *, transform: bool = False) -> BoundaryCodec:
-    """The codec a link of a job with ``pipeline.activationError`` keeps (`config_for`). Only
-    the sender reads its config (every code says how it was made), so the two ends of a link
-    need not agree on it."""
-    return BoundaryCodec(config_for(activation_error, transform=transform))
+def codec_for(
+    activation_error: str = "int4", *, transform: bool = False, gradient_bits: int = GRADIENT_BITS
+) -> BoundaryCodec:
+    """The codec a link of a job with ``pipeline.activationError`` keeps (`config_for`), its
+    gradients coded at ``pipeline.gradientBits``. Only the sender reads its config (every code
+    says how it was made), so the two ends of a link need not agree on it."""
+    return BoundaryCodec(config_for(activation_error, transform=transform), gradient_bits)
 
 
 def bytes_per_value(bits: int) -> float:
@@ -159,6 +167,9 @@ class BoundaryCodec:
         """Rows sent as deltas."""
         self._undeflated: dict[str, int] = {}
         """Per frame kind, how many more of its frames go without trying deflate."""
+        self.variant = 0
+        """The rotation (`lowbit.rotate`) the last frame's uncached tensors (its gradient)
+        were coded in (`variant_of`)."""
 
     def deflate_due(self, kind: str) -> bool:
         """Whether to try deflating this link's next frame of ``kind`` (frames.py): yes,
@@ -175,10 +186,11 @@ class BoundaryCodec:
             self._undeflated[kind] = DEFLATE_RETRY
 
     def encode(
-        self, kind: str, tensors: dict[str, torch.Tensor]
+        self, kind: str, tensors: dict[str, torch.Tensor], step: int = 0, micro: int = 0
     ) -> list[tuple[dict[str, Any], list[torch.Tensor]]]:
-        """The floating tensors of a frame of ``kind`` as layout entries and their parts
-        (integer tensors are left to the caller)."""
+        """The floating tensors of a frame of ``kind`` (of ``step`` and ``micro``) as layout
+        entries and their parts (integer tensors are left to the caller)."""
+        self.variant = variant_of(step, micro)
         rows = tensors.get(ROWS)
         out = []
         for name, t in tensors.items():
@@ -191,11 +203,11 @@ class BoundaryCodec:
                 out.append(self._encode_tokens(name, t, live))
             else:
                 bits = FULL_BITS if name == KEYED else self.gradient_bits
-                enc = lowbit.encode(t, bits, scale=self.sender.config.scale)
+                enc = lowbit.encode(t, bits, scale=self.sender.config.scale, variant=self.variant)
                 entry = {
                     "name": name, "mode": "lowbit", "bits": enc.bits, "dtype": str(t.dtype),
                     "shape": list(enc.shape), "data": enc.codes.numel(),
-                    "scales": enc.scales.numel(),
+                    "scales": enc.scales.numel(), "variant": enc.variant,
                 }  # fmt: skip
                 out.append((entry, [enc.codes, enc.scales]))
         return out
@@ -211,8 +223,10 @@ class BoundaryCodec:
                  "shape": list(t.shape), "map": token_map.numel()}  # fmt: skip
         if tokens.numel() == 0:
             return {**entry, "data": 0, "scales": 0}, [token_map]
-        enc = lowbit.encode(tokens, self.gradient_bits, scale=self.sender.config.scale)
-        entry.update(data=enc.codes.numel(), scales=enc.scales.numel())
+        enc = lowbit.encode(
+            tokens, self.gradient_bits, scale=self.sender.config.scale, variant=self.variant
+        )
+        entry.update(data=enc.codes.numel(), scales=enc.scales.numel(), variant=enc.variant)
         return entry, [token_map, enc.codes, enc.scales]
 
     def _encode_rows(
@@ -278,7 +292,10 @@ class BoundaryCodec:
         if entry["mode"] == "lowbit":
             codes = read(int(entry["data"]), torch.uint8)
             scales = read(int(entry["scales"]), torch.bfloat16)
-            enc = lowbit.LowBitTensor(lowbit.check_bits(entry["bits"]), dtype, shape, codes, scales)
+            enc = lowbit.LowBitTensor(
+                lowbit.check_bits(entry["bits"]), dtype, shape, codes, scales,
+                int(entry.get("variant", 0)),
+            )  # fmt: skip
             return lowbit.decode(enc, self.device)
         if entry["mode"] == TOKENS:
             return self._decode_tokens(entry, shape, dtype, read)
@@ -336,9 +353,21 @@ class BoundaryCodec:
         scales = read(int(entry["scales"]), torch.bfloat16)
         if sent:
             bits = lowbit.check_bits(entry["bits"])
-            enc = lowbit.LowBitTensor(bits, dtype, (sent, width), codes, scales)
+            variant = int(entry.get("variant", 0))
+            enc = lowbit.LowBitTensor(bits, dtype, (sent, width), codes, scales, variant)
             out[live.to(out.device)] = lowbit.decode(enc, self.device)
         return out.reshape(shape)
+
+
+def variant_of(step: int, micro: int) -> int:
+    """The rotation (`lowbit.rotate`) a frame's uncached tensors (its gradient) are coded in:
+    one of the step's and micro-batch's own, named in each entry. A fixed rotation makes a
+    code's error a function of the tensor's direction, the same step after step on
+    gradients that change little; one a frame makes the errors of steps unrelated, so they
+    average out in the adapters as the draw's noise does (tests/unit/test_gradient_bits.py;
+    what it did to held-out loss, within what seeds move a run: docs/links-and-checkpoints.md,
+    "Gradients at one bit"). A step redone after a rollback codes as it did."""
+    return (step << 16) + micro + 1
 
 
 def _live_tokens(t: torch.Tensor) -> torch.Tensor:

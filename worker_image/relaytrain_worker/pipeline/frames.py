@@ -142,7 +142,7 @@ def prepare(
             raise ValueError("the delta compression needs the link's BoundaryCodec")
         coded = {
             entry["name"]: (entry, parts)
-            for entry, parts in codec.encode(frame.kind, frame.tensors)
+            for entry, parts in codec.encode(frame.kind, frame.tensors, frame.step, frame.micro)
         }
     parts: list[memoryview] = []
     layout = []

@@ -147,6 +147,8 @@ class LowBitTensor:
     """1-D contiguous uint8 CPU tensor: ``8 * bits`` bytes per block."""
     scales: torch.Tensor
     """1-D contiguous bf16 CPU tensor, one scale per block."""
+    variant: int = 0
+    """The blocks' rotation (`rotate`)."""
 
     @property
     def nbytes(self) -> int:
@@ -160,26 +162,30 @@ class LowBitTensor:
 
 
 def encode(
-    t: torch.Tensor, bits: Bits | int, seed: int | None = None, scale: Scale = "least-squares"
+    t: torch.Tensor,
+    bits: Bits | int,
+    seed: int | None = None,
+    scale: Scale = "least-squares",
+    variant: int = 0,
 ) -> LowBitTensor:
     """Encode floating ``t`` (any device, any shape) with ``bits`` bits per value.
 
     ``seed`` None rounds to the nearest level, each block's scale fitted as ``scale`` says;
-    an int rounds stochastically (unbiased) with random numbers from that seed. The result
-    lives on the CPU.
+    an int rounds stochastically (unbiased) with random numbers from that seed. ``variant``:
+    the blocks' rotation (`rotate`). The result lives on the CPU.
     """
     bits = check_bits(bits)
     if not t.is_floating_point():
         raise TypeError(f"lowbit encodes floating tensors, got {t.dtype}")
-    codes, scales = quantise_blocks(to_blocks(t), bits, seed, scale=scale)
-    return LowBitTensor(bits, t.dtype, tuple(t.shape), codes.cpu(), scales.cpu())
+    codes, scales = quantise_blocks(to_blocks(t), bits, seed, variant, scale)
+    return LowBitTensor(bits, t.dtype, tuple(t.shape), codes.cpu(), scales.cpu(), variant)
 
 
 def decode(enc: LowBitTensor, device: torch.device | str | None = None) -> torch.Tensor:
     """Rebuild a tensor of the original shape and dtype (on ``device``, default CPU)."""
     codes = enc.codes if device is None else enc.codes.to(device)
     scales = enc.scales if device is None else enc.scales.to(device)
-    blocks = dequantise_blocks(codes, scales, enc.bits)
+    blocks = dequantise_blocks(codes, scales, enc.bits, enc.variant)
     return from_blocks(blocks, enc.shape, enc.dtype)
 
 

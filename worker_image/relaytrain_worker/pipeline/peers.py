@@ -310,5 +310,6 @@ def link_chain(
             link.codec = codec_for(
                 cfg.pipeline.activation_error,
                 transform=cfg.pipeline.activation_basis == "fitted",
+                gradient_bits=cfg.pipeline.gradient_bits,
             )
     return Peers(prev, nxt)

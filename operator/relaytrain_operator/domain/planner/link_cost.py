@@ -27,13 +27,13 @@ WIRE_BYTES = {"bf16": 2.0, "int8": 1.0 + 2 / 64, "int4": 0.5 + 2 / 64}
 #: (a bf16 scale per block sent, 3 bits a block for its bits). A row's first crossing costs
 #: about int4's rate, exactly 4 bits a value where its blocks are alike; later epochs code
 #: only what changed, so their rate falls with the drift (docs/links-and-checkpoints.md).
-#: Gradients at 3 bits always (a bf16 scale per 64 values). A job of steps is priced at the
-#: first epoch's rate, the slowest; with ``pipeline.activationError: int3``, at int3's
+#: Gradients at ``spec.pipeline.gradientBits`` (3 by default), a bf16 scale per 64 values
+#: (`delta_gradient_bytes`). A job of steps is priced at the first epoch's rate, the
+#: slowest; with ``pipeline.activationError: int3``, at int3's
 #: (`delta_first_bytes`). A job of ``spec.training.epochs`` E is priced at its run's mean
 #: (`delta_forward_bytes`): the first epoch at that rate and each later one at
 #: ``DELTA_LATER_SHARE`` of it.
 DELTA_FIRST_BYTES = (4 + 16 / 64 + 3 / 64) / 8
-DELTA_GRADIENT_BYTES = (3 + 16 / 64) / 8
 #: What a later epoch's activations cost under ``delta`` as a share of the first's. The rows'
 #: drift decides it, which no plan knows before the run; this is the dearest mean measured
 #: (`bench/bench_delta_boundary.py`, tiny Llama LoRA, 4 stages, 6 epochs, 2026-11-29, the
@@ -106,10 +106,11 @@ def wire_bytes_per_value(training: TrainingShape, backward: bool = False) -> flo
     if training.compression == "delta":
         if not backward:
             return delta_forward_bytes(training.activation_bits, training.epochs)
+        coded = delta_gradient_bytes(training.gradient_bits)
         if training.gradient_tokens >= 1.0:
-            return DELTA_GRADIENT_BYTES
+            return coded
         # a share of the tokens coded, and a bit a token (at most 1/64 of a bit a value)
-        return DELTA_GRADIENT_BYTES * training.gradient_tokens + 1 / 64 / 8
+        return coded * training.gradient_tokens + 1 / 64 / 8
     return WIRE_BYTES[training.compression]
 
 
@@ -139,6 +140,12 @@ def delta_first_bytes(bits: int) -> float:
     """Wire bytes a value of a row's first crossing under ``delta`` held to a ``bits``-bit
     code's error: that code's bits, its scales and the bit map."""
     return DELTA_FIRST_BYTES - (4 - bits) / 8
+
+
+def delta_gradient_bytes(bits: int) -> float:
+    """Wire bytes a gradient value sent under ``delta`` costs: ``bits`` and a bf16 scale a
+    block of 64."""
+    return (bits + 16 / 64) / 8
 
 
 def delta_forward_bytes(bits: int, epochs: int | None) -> float:

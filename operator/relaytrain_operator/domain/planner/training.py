@@ -58,6 +58,8 @@ class TrainingShape:
     gradient_tokens: float = 1.0
     """The share of tokens whose gradients cross a boundary (``spec.pipeline.gradientTokens``,
     `delta` only): the gradients' bytes are priced at that share."""
+    gradient_bits: int = 3
+    """The bits a value of `delta`'s gradient codes (``spec.pipeline.gradientBits``, 1-4)."""
     epochs: int | None = None
     """Passes over the data (``spec.training.epochs``; None: a job of steps, whose passes the
     plan does not know): `delta`'s activations are priced at the run's mean over them."""
@@ -87,6 +89,8 @@ class TrainingShape:
                 raise ValueError(f"training {name} {value!r} is not one of {', '.join(valid)}")
         if self.activation_bits not in (3, 4):
             raise ValueError(f"training activation_bits must be 3 or 4, got {self.activation_bits}")
+        if self.gradient_bits not in (1, 2, 3, 4):
+            raise ValueError(f"training gradient_bits must be 1 to 4, got {self.gradient_bits}")
         epochs = self.epochs
         if epochs is not None and (type(epochs) is not int or epochs < 1):
             raise ValueError(f"training epochs must be a positive integer or None, got {epochs!r}")
