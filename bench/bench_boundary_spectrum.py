@@ -1,7 +1,9 @@
 """How many bits a value a boundary's activations need at int4's error, in a rotated basis (what
-the links' codes use) and in a basis fitted to them (transform coding), on a real model.
+the links' codes use) and in a basis fitted to them (transform coding), on a real model; with
+``--gradients``, the same for the gradients that go back, at a 3-bit code's error.
 
 Run: OMP_NUM_THREADS=2 .venv/bin/python bench/bench_boundary_spectrum.py [--rows 16] [--seq 512]
+    [--gradients]
 
 SmolLM2-135M-Instruct (the model `make deps` prepares) reads rows of 512 tokens of this
 repository's own docs (English and code, nothing from a hub), and the hidden states at the
@@ -22,6 +24,12 @@ rate-distortion bounds of a Gaussian source at the error int4's code allows a to
 
 Bounds, not codes: a code of 0-8 bits a block of 64 with a scale each pays about a bit a
 value over them (bench/bench_boundary_allocation.py's ``transformed`` mode measures one).
+
+``--gradients``: the rows' language-model loss is backpropagated and each boundary's gradient
+taken instead, each token normalised alike (the gradients' tokens a share of which is drawn
+cross at equal norms, `sampling.py`), at ``D_3``, the gradients' 3-bit code's error. A basis
+fitted to them would save what ``rotated`` minus ``fitted, on other rows`` says
+(docs/links-and-checkpoints.md, "Gradients at one bit").
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ from relaytrain_testkit.demo_job import model_dir  # noqa: E402
 from relaytrain_worker.pipeline.lowbit import DISTORTION  # noqa: E402
 
 D4 = DISTORTION[4]
+D3 = DISTORTION[3]
 
 
 def water_filling(variances: torch.Tensor, distortion: float) -> float:
@@ -65,6 +74,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=16)
     parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument(
+        "--gradients", action="store_true", help="the gradients going back, at 3 bits' error"
+    )
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -80,16 +92,27 @@ def main() -> None:
     layers = model.model.layers
     picks = [len(layers) * k // 4 - 1 for k in (1, 2, 3)]
     seen: dict[int, list[torch.Tensor]] = {k: [] for k in picks}
+
+    def keep(k: int, out: torch.Tensor) -> None:
+        if not args.gradients:
+            seen[k].append(out.detach())
+        elif out.requires_grad:
+            out.register_hook(lambda g: seen[k].append(g.detach()))
+
     for k in picks:
         layers[k].register_forward_hook(
-            lambda _m, _a, out, k=k: seen[k].append(out[0] if isinstance(out, tuple) else out)
+            lambda _m, _a, out, k=k: keep(k, out[0] if isinstance(out, tuple) else out)
         )
-    with torch.no_grad():
-        for chunk in batch.split(4):
-            model(input_ids=chunk, use_cache=False)
-    white = 0.5 * math.log2(1 / D4)
+    for chunk in batch.split(4):
+        with torch.set_grad_enabled(args.gradients):
+            out = model(input_ids=chunk, labels=chunk, use_cache=False)
+        if args.gradients:
+            out.loss.backward()
+    error, what, code = (D3, "gradients", "a 3-bit") if args.gradients else (D4, "", "int4's")
+    white = 0.5 * math.log2(1 / error)
     print(f"\nSmolLM2-135M-Instruct, {rows} rows of {args.seq} tokens of docs/*.md; bits a value")
-    print("at int4's error (bounds); the fitted basis fitted on the first half of the rows\n")
+    print(f"of the boundaries' {what or 'activations'} at {code} error (bounds); the fitted")
+    print("basis fitted on the first half of the rows\n")
     print(
         "| boundary | rotated | per channel | fitted, on other rows | fitted, in-sample | 90 % in |"
     )
@@ -100,11 +123,11 @@ def main() -> None:
         x = x / x.square().mean(dim=-1, keepdim=True).sqrt().clamp_min(1e-30)
         first, second = x[: rows // 2].reshape(-1, h), x[rows // 2 :].reshape(-1, h)
         whole = x.reshape(-1, h)
-        channel = water_filling(whole.square().mean(dim=0), D4)
+        channel = water_filling(whole.square().mean(dim=0), error)
         _, vectors = basis(first)
-        outside = water_filling((second @ vectors).square().mean(dim=0), D4)
+        outside = water_filling((second @ vectors).square().mean(dim=0), error)
         values, _ = basis(whole)
-        inside = water_filling(values, D4)
+        inside = water_filling(values, error)
         share = values.cumsum(0) / values.sum()
         k90 = int((share < 0.9).sum()) + 1
         print(
