@@ -167,10 +167,9 @@ class PipelineSpec(SpecModel):
     (the model's dtype), `bf16`, `int8` (blockwise absmax), `int4`, `delta` (each training
     row's activation as a change against what the next stage decoded for it the epoch
     before, each block of 64 values in 0 to 4 bits, within int4's error; gradients at 3
-    bits; each frame deflated where that makes it smaller: for slow links and several
-    epochs), or `auto`: the planner takes the most faithful
-    of these whose predicted tokens/s is within 5 % of the fastest (status.plan.compression
-    says which)."""
+    bits, or gradientBits; each frame deflated where that makes it smaller: for slow links
+    and several epochs), or `auto`: the planner takes the most faithful of these whose
+    predicted tokens/s is within 5 % of the fastest (status.plan.compression says which)."""
     forwards_ahead: Annotated[
         int | Literal["auto"],
         PlainValidator(_forwards_ahead),
