@@ -205,17 +205,17 @@ def test_a_stage_of_another_job_is_refused_naming_what_was_expected(
 def test_a_stage_of_the_link_protocol_before_is_refused_naming_this_one(
     listener: Listener, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A stage of the relaytrain before (relaytrain-link/3: `delta` frames' headers in plain
-    JSON, which it would misread) is refused at the handshake, naming the protocol spoken
+    """A stage of the relaytrain before (relaytrain-link/4: each frame's gradient decoded in
+    rotation 0, the wrong direction) is refused at the handshake, naming the protocol spoken
     here, and never exchanges a frame; the listener carries on."""
     from relaytrain_worker.pipeline import credentials, linkauth
 
-    monkeypatch.setattr(credentials, "ALPN", "relaytrain-link/3")
+    monkeypatch.setattr(credentials, "ALPN", "relaytrain-link/4")
     older = LinkCredentials(*stage_pem(FILES, 0, 0))  # its contexts offer the old protocol
     monkeypatch.undo()
-    assert linkauth.ALPN == "relaytrain-link/4"
+    assert linkauth.ALPN == "relaytrain-link/5"
     t, out = _in_thread(lambda: listener.accept(timeout=10))
-    with pytest.raises(AuthError, match="does not speak relaytrain-link/4"):
+    with pytest.raises(AuthError, match="does not speak relaytrain-link/5"):
         _connect(_addr(listener), older, retry_for=0)
     good = _connect(_addr(listener))
     t.join(10)

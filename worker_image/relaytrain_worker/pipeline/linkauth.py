@@ -42,10 +42,13 @@ from typing import TYPE_CHECKING, Any, cast
 if TYPE_CHECKING:  # credentials.py imports this module's errors and ALPN
     from relaytrain_worker.pipeline.credentials import LinkCredentials
 
-ALPN = "relaytrain-link/4"
+ALPN = "relaytrain-link/5"
 """The link protocol (TLS application protocol); a peer that does not speak it is refused.
 Its number moves with any change a peer of the last number would misread: 3, the plan in
-the verdicts; 4, ``delta`` frames' parts and headers deflated (frames.py)."""
+the verdicts; 4, ``delta`` frames' parts and headers deflated (frames.py); 5, each frame's
+gradient coded in a rotation of its own (`boundary.variant_of`, the entry's ``variant``),
+which a stage of 4 would decode in rotation 0: a gradient of the right norm in the wrong
+direction. tests/unit/test_wire_format.py holds each number to what it was recorded with."""
 _HANDSHAKE_READ = 16 << 10
 _MAX_REASON = 1024
 _OK = 0
