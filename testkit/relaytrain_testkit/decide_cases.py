@@ -136,10 +136,12 @@ def pod(
     exit_code: int | None = None,
     message: str | None = None,
     waiting: tuple[str, str] | None = None,
+    image: str | None = None,
 ) -> dict[str, Any]:
     """Stage `k`'s pod of job `job`, on its plan's node unless `node_name` says otherwise;
     with `exit_code`, its container ended so (and left `message` as its termination
-    message); with `waiting` (the kubelet's reason and message), its container waits so."""
+    message); with `waiting` (the kubelet's reason and message), its container waits so;
+    with `image`, its worker container runs that image."""
     pool = pool or PLAN["stages"][k]["pool"] if k < 2 else "a100"
     meta: dict[str, Any] = {
         "name": f"{job}-stage-{k}",
@@ -173,7 +175,13 @@ def pod(
         "metadata": meta,
         "spec": {
             "nodeName": node_name if node_name is not None else default_node,
-            "containers": [{"resources": {"requests": {"nvidia.com/gpu": "1"}}}],
+            "containers": [
+                {
+                    "name": "worker",
+                    "resources": {"requests": {"nvidia.com/gpu": "1"}},
+                    **({"image": image} if image else {}),
+                }
+            ],
         },
         "status": status,
     }

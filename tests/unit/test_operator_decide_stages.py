@@ -177,6 +177,21 @@ def test_a_replacement_stays_on_its_pool_when_it_has_room() -> None:
     assert successor["metadata"]["annotations"][INCARNATION_ANNOTATION] == "1"
 
 
+def test_a_replacement_runs_the_image_its_job_s_stages_run() -> None:
+    """Its neighbours run the image the job started with; the operator's default has moved
+    since (an upgrade), or spec.image has: a replacement of either would speak another link
+    protocol, refused by its neighbours at every start. It runs theirs."""
+    assert SETTINGS.worker_image == "img:1"
+    for job in (REPLACING_JOB.build(), REPLACING_JOB.image("custom:3").build()):
+        decision = decide(observed(job, [pod(1, image="img:0")]), SETTINGS)
+        assert created(decision, "j-stage-0")["spec"]["containers"][0]["image"] == "img:0"
+    # A pod on its way out (every stage replaced at once) runs nothing the new ones link
+    # to: they take the job's image.
+    job = REPLACING_JOB.image("custom:3").build()
+    decision = decide(observed(job, [pod(1, image="img:0", deleting=True)]), SETTINGS)
+    assert created(decision, "j-stage-0")["spec"]["containers"][0]["image"] == "custom:3"
+
+
 def test_a_replacement_records_the_newest_committed_step() -> None:
     job = REPLACING_JOB.build()
     job["status"]["progress"] = {"step": 12, "lastCommittedStep": 10}

@@ -112,7 +112,11 @@ class FineTuneJobSpec(SpecModel):
     """True removes the stage pods and keeps the job (queueing systems such as Kueue hold jobs
     this way); false again resumes from the last checkpoint."""
     image: Annotated[str, Field(min_length=1, max_length=1024)] | None = None
-    """Worker image for the stage pods; empty uses the operator's default."""
+    """Worker image for the stage pods; empty uses the operator's default. A stage created
+    while others run (a stage replaced alone, a pipeline added) runs the image they run,
+    whose link protocol it must speak: a change here, or of the operator's default, reaches
+    a running job's stages when every one is replaced at once (a re-split, or spec.suspend
+    set and unset)."""
 
     @model_validator(mode="after")
     def _a_share_per_pipeline(self) -> FineTuneJobSpec:

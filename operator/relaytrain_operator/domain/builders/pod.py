@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +32,8 @@ from relaytrain_operator.domain.builders.labels import (
 )
 from relaytrain_operator.domain.linkcerts import CA_FILE, cert_file, key_file
 
+WORKER_CONTAINER = "worker"
+"""The stage pod's one container, which runs the worker image."""
 GPU_RESOURCE = "nvidia.com/gpu"
 MIB = 1024 * 1024
 # The worker image's numeric non-root user (worker_image/Dockerfile), so `runAsNonRoot`
@@ -181,7 +185,7 @@ def build_stage_pod(job: dict[str, Any], inputs: StagePodInputs) -> dict[str, An
         # Stages of pipelines above 0 accept the lower pipelines' stages here.
         ports.append({"name": "replica", "containerPort": REPLICA_PORT, "protocol": "TCP"})
     container: dict[str, Any] = {
-        "name": "worker",
+        "name": WORKER_CONTAINER,
         "image": inputs.image,
         "imagePullPolicy": inputs.image_pull_policy,
         "command": ["python", "-m", "relaytrain_worker"],
@@ -237,3 +241,26 @@ def build_stage_pod(job: dict[str, Any], inputs: StagePodInputs) -> dict[str, An
     if inputs.runtime_class_name:
         spec["runtimeClassName"] = inputs.runtime_class_name
     return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec}
+
+
+def stage_image(pods: Iterable[dict[str, Any]], job_image: str | None, default: str) -> str:
+    """The image a new stage pod of a job runs: the one its other stage pods run (the most
+    of them; `pods` being deleted do not count), else `job_image` (spec.image), else the
+    operator's `default`.
+
+    A stage created beside running ones (a stage replaced alone, a pipeline added) links
+    to them, and a worker of another version may speak another link protocol, refused at
+    the handshake (docs/links-and-checkpoints.md): an operator upgraded mid-job, its default
+    image moved, or a spec.image changed, would otherwise start a replacement its
+    neighbours refuse, again and again. A job's stages take a new image when every one is
+    replaced at once: a re-split, a suspension and resume."""
+    running = Counter(
+        container.get("image")
+        for pod in pods
+        if not pod.get("metadata", {}).get("deletionTimestamp")
+        for container in (pod.get("spec") or {}).get("containers", ())
+        if container.get("name") == WORKER_CONTAINER and container.get("image")
+    )
+    if running:
+        return str(min(running, key=lambda image: (-running[image], image)))
+    return job_image or default

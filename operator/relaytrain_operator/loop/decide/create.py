@@ -19,7 +19,12 @@ from typing import Any
 from relaytrain_contract.fence import plan_document
 
 from relaytrain_operator.domain.builders.labels import StageKey
-from relaytrain_operator.domain.builders.pod import CredentialsRef, StagePodInputs, build_stage_pod
+from relaytrain_operator.domain.builders.pod import (
+    CredentialsRef,
+    StagePodInputs,
+    build_stage_pod,
+    stage_image,
+)
 from relaytrain_operator.domain.builders.service import build_service
 from relaytrain_operator.domain.placement import Choice, place_replacements, pool_selector
 from relaytrain_operator.domain.recovery import (
@@ -281,7 +286,7 @@ def pod_inputs(
         node_selector=selector,
         memory_bytes=need,
         stage_config=config,
-        image=spec.spec.image or ctx.settings.worker_image,
+        image=stage_image(ctx.observed.pods.values(), spec.spec.image, ctx.settings.worker_image),
         device=ctx.settings.worker_device,
         credentials=CredentialsRef(ref.name, ref.access_key_key, ref.secret_key_key)
         if ref is not None
