@@ -167,9 +167,6 @@ class BoundaryCodec:
         """Rows sent as deltas."""
         self._undeflated: dict[str, int] = {}
         """Per frame kind, how many more of its frames go without trying deflate."""
-        self.variant = 0
-        """The rotation (`lowbit.rotate`) the last frame's uncached tensors (its gradient)
-        were coded in (`variant_of`)."""
 
     def deflate_due(self, kind: str) -> bool:
         """Whether to try deflating this link's next frame of ``kind`` (frames.py): yes,
@@ -189,8 +186,9 @@ class BoundaryCodec:
         self, kind: str, tensors: dict[str, torch.Tensor], step: int = 0, micro: int = 0
     ) -> list[tuple[dict[str, Any], list[torch.Tensor]]]:
         """The floating tensors of a frame of ``kind`` (of ``step`` and ``micro``) as layout
-        entries and their parts (integer tensors are left to the caller)."""
-        self.variant = variant_of(step, micro)
+        entries and their parts (integer tensors are left to the caller). Those not cached
+        (the gradient) are coded in the frame's own rotation, `variant_of`."""
+        variant = variant_of(step, micro)
         rows = tensors.get(ROWS)
         out = []
         for name, t in tensors.items():
@@ -200,10 +198,10 @@ class BoundaryCodec:
             if name == KEYED and rows is not None:
                 out.append(self._encode_rows(name, kind, t, rows))
             elif live is not None and not bool(live.all()):
-                out.append(self._encode_tokens(name, t, live))
+                out.append(self._encode_tokens(name, t, live, variant))
             else:
                 bits = FULL_BITS if name == KEYED else self.gradient_bits
-                enc = lowbit.encode(t, bits, scale=self.sender.config.scale, variant=self.variant)
+                enc = lowbit.encode(t, bits, scale=self.sender.config.scale, variant=variant)
                 entry = {
                     "name": name, "mode": "lowbit", "bits": enc.bits, "dtype": str(t.dtype),
                     "shape": list(enc.shape), "data": enc.codes.numel(),
@@ -213,7 +211,7 @@ class BoundaryCodec:
         return out
 
     def _encode_tokens(
-        self, name: str, t: torch.Tensor, live: torch.Tensor
+        self, name: str, t: torch.Tensor, live: torch.Tensor, variant: int
     ) -> tuple[dict[str, Any], list[torch.Tensor]]:
         """A gradient with zero tokens (``live``: `_live_tokens`): a map of one bit a token
         (set: sent), then the tokens that are not zero, coded as every gradient is."""
@@ -224,7 +222,7 @@ class BoundaryCodec:
         if tokens.numel() == 0:
             return {**entry, "data": 0, "scales": 0}, [token_map]
         enc = lowbit.encode(
-            tokens, self.gradient_bits, scale=self.sender.config.scale, variant=self.variant
+            tokens, self.gradient_bits, scale=self.sender.config.scale, variant=variant
         )
         entry.update(data=enc.codes.numel(), scales=enc.scales.numel(), variant=enc.variant)
         return entry, [token_map, enc.codes, enc.scales]
