@@ -285,6 +285,35 @@ def epoch_drift(
     return out
 
 
+def build_job(
+    args: argparse.Namespace, setup: Setup, training: Any, link: SlowLink, tmp: Path
+) -> tuple[Job, dict[str, float] | None]:
+    """The model (pretrained on the base language with ``--base pretrained``), the training
+    and held-out rows and each epoch's steps, in ``tmp``; and the drawn model's pretraining
+    report (``--weights drawn``)."""
+    from relaytrain_testkit import bigram
+    from relaytrain_testkit.tiny_models import tiny_model_dir
+
+    fitted: dict[str, float] | None = None
+    if setup.weights == "drawn":
+        model, unsplit, perm, fitted = drawn_model(tmp / "config", setup, args)
+    else:
+        tiny = tiny_model_dir(
+            tmp / "llama", layers=LAYERS, hidden=setup.hidden, max_shard_size="2MB"
+        )
+        model, perm = bigram.base(args, tiny, tmp / "base", seq=SEQ)
+        unsplit = saved_model(model)
+    train_rows = bigram.rows(setup.rows, setup.seq, 2, perm)
+    held = bigram.rows(setup.held_out, setup.seq, 99, perm)
+    evaluator = Evaluator(unsplit, held, training.seed)
+    steps = epoch_steps(train_rows, setup, seed=10 + 1000 * args.seed)
+    job = Job(
+        setup, model, train_rows, steps, training, evaluator, args.gradient_tokens,
+        args.gradient_bits, link,
+    )  # fmt: skip
+    return job, fitted
+
+
 @dataclass
 class Job:
     """What every run trains on and is evaluated with."""
@@ -405,9 +434,13 @@ def codec_of(mode: str, gradient_bits: int = 3) -> Callable[[], Any]:
     return lambda: codec_for(error, transform=transform, gradient_bits=gradient_bits)
 
 
-def train(job: Job, mode: str, *, limited: bool, steps: int | None = None) -> ModeRun:
+def train(
+    job: Job, mode: str, *, limited: bool, steps: int | None = None,
+    params: list[dict[str, torch.Tensor]] | None = None,
+) -> ModeRun:  # fmt: skip
     """Train ``job`` through the pipeline with ``mode``; evaluate after every step. ``steps``:
-    only the first that many (the learning-rate schedule stays the whole run's)."""
+    only the first that many (the learning-rate schedule stays the whole run's); ``params``
+    gets the adapters after each step."""
     from relaytrain_testkit.inputs import even_splits
     from relaytrain_testkit.linkcreds import stage_credentials
     from relaytrain_testkit.pipelines import run_pipeline_threads
@@ -426,6 +459,8 @@ def train(job: Job, mode: str, *, limited: bool, steps: int | None = None) -> Mo
         codec=codec_of(mode, job.gradient_bits),
     )  # fmt: skip
     links.removeHandler(bases)
+    if params is not None:
+        params.extend(run.step_params)
     spe = job.setup.steps_per_epoch
     cumulative = run.step_boundary_bytes
     per_step = [
@@ -583,7 +618,6 @@ def main() -> None:
     link = SlowLink(args.link_mbit, args.link_ms)
 
     from relaytrain_contract import TrainingSpec
-    from relaytrain_testkit.tiny_models import tiny_model_dir
 
     if on_cpu:
         # Side by side on a small machine; a GPU host's cores serve the codec's CPU work
@@ -611,23 +645,8 @@ def main() -> None:
         return f"{time.monotonic() - started:.0f} s"
 
     with tempfile.TemporaryDirectory() as tmp:
-        fitted: dict[str, float] | None = None
-        if weights == "drawn":
-            model, unsplit, perm, fitted = drawn_model(Path(tmp) / "config", setup, args)
-        else:
-            tiny = tiny_model_dir(
-                Path(tmp) / "llama", layers=LAYERS, hidden=setup.hidden, max_shard_size="2MB"
-            )
-            model, perm = bigram.base(args, tiny, Path(tmp) / "base", seq=SEQ)
-            unsplit = saved_model(model)
-        train_rows = bigram.rows(setup.rows, setup.seq, 2, perm)
-        held = bigram.rows(setup.held_out, setup.seq, 99, perm)
-        evaluator = Evaluator(unsplit, held, training.seed)
-        steps = epoch_steps(train_rows, setup, seed=10 + 1000 * args.seed)
-        job = Job(
-            setup, model, train_rows, steps, training, evaluator, args.gradient_tokens,
-            args.gradient_bits, link,
-        )  # fmt: skip
+        job, fitted = build_job(args, setup, training, link, Path(tmp))
+        evaluator, steps = job.evaluator, job.steps
         base_loss = evaluator.loss()
         runs = {}
         for mode in modes:
