@@ -3,7 +3,7 @@ loss over epochs, simulated in one unsplit model.
 
 Run: OMP_NUM_THREADS=1 .venv/bin/python bench/bench_boundary_allocation.py
     [--base random|pretrained] [--shift S] [--epochs E] [--modes none,int4,delta,...]
-    [--refit F] [--target LOSS]
+    [--refit F] [--target LOSS] [--weight-floor W]
     [--allocate both|activations|gradients] [--gradient-floor 0|1|2] [--gradient-rows P] [...]
 
 A design experiment, not the worker's code path: the codes are applied at the three
@@ -38,6 +38,10 @@ Modes, per boundary and direction:
   bits (`--gradient-floor 1`: none left out), stochastic rounding (`--unbiased-gradients`),
   no gradient cache (`--no-gradient-cache`), gradients for a share of the rows only
   (`--gradient-rows`).
+- ``weighted``: activations as ``allocated`` codes them, each token's error weighted by its
+  gradient's energy at the boundary the epoch before (`Weighted`, ``--weight-floor``);
+  gradients as ``delta`` codes them (a design experiment that failed: docs/links-and-
+  checkpoints.md, "the activations' error weighted by their tokens' gradients").
 - ``transformed``: activations as ``allocated`` (a cache per row, each row against it or
   zero), but each token's change is first turned into coordinates along the eigenvectors
   of the changes' second moment (a Karhunen-Loeve transform, one basis for rows against
@@ -88,7 +92,7 @@ from time_to_loss_model import steps_to  # noqa: E402
 
 LAYERS, HIDDEN, SEQ, MBS, MICROS, ROWS = 4, 256, 64, 4, 2, 128
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-MODES = ("none", "int4", "adaptive", "delta", "allocated", "transformed")
+MODES = ("none", "int4", "adaptive", "delta", "allocated", "transformed", "weighted")
 ADAPTIVE = DeltaConfig(full_bits=4, delta_bits=1, adaptive=True)
 """``delta``'s activations until 2026-11-29: each row's change at the fewest bits, 1-4, for
 the whole row, within the first code's error."""
@@ -115,6 +119,10 @@ class Allocated:
         self.error = 0.0
         self.norm = 0.0
 
+    def _allocate(self, energy: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+        """Each block's bits: water-filling within the frame's error budget."""
+        return allocate_bits(energy, self.target * float(whole.sum()), self.floor)
+
     def code(self, x: torch.Tensor, rows: list[int]) -> torch.Tensor:
         self.version += 1
         blocks = [lowbit.to_blocks(x[i]) for i in range(x.shape[0])]
@@ -129,7 +137,7 @@ class Allocated:
         ref = torch.cat(refs)
         change = stacked - ref
         whole = float(stacked.square().sum())
-        bits = allocate_bits(change.square().sum(1), self.target * whole, self.floor)
+        bits = self._allocate(change.square().sum(1), stacked.square().sum(1))
         decoded = ref.clone()
         for b in range(1, 5):
             chosen = bits == b
@@ -150,6 +158,49 @@ class Allocated:
         self.norm += whole
         per_row = decoded.reshape(x.shape[0], -1)[:, : x[0].numel()]
         return per_row.reshape(x.shape).to(x.dtype)
+
+
+class Weighted(Allocated):
+    """``weighted``: activations as `Allocated` codes them, each token's error weighted by how
+    much its gradient at the boundary made of the loss the epoch before (``||g_t||^2``,
+    `GradientNorms`, each row's over its mean, at least ``floor``): the blocks' bits by
+    water-filling over the weighted energies, the same weighted error as the uniform code's
+    (``D_b sum_t w_t ||x_t||^2``). To first order a token's error ``e_t`` changes the loss by
+    ``g_t . e_t``: a token the loss hardly depends on can take more of it."""
+
+    def __init__(self, target_bits: int, norms: dict[int, torch.Tensor], floor: float) -> None:
+        super().__init__(target_bits)
+        self.norms, self.weight_floor = norms, floor
+
+    def code(self, x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        per_token = x.shape[-1] // lowbit.BLOCK  # blocks a token (the width is a multiple)
+        weights = []
+        for row in rows:
+            norms = self.norms.get(row)
+            w = torch.ones(x.shape[1]) if norms is None else norms / norms.mean().clamp_min(1e-30)
+            weights.append(w.clamp_min(self.weight_floor).repeat_interleave(per_token))
+        self.weight = torch.cat(weights)
+        return super().code(x, rows)
+
+    def _allocate(self, energy: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        return allocate_bits(energy * w, self.target * float((whole * w).sum()), self.floor)
+
+
+class GradientNorms:
+    """The gradients' way of a boundary that also keeps each row's tokens' ``||g_t||^2``
+    (for `Weighted`, the epoch after): what the receiving stage measures before it codes."""
+
+    def __init__(self, inner: Any, norms: dict[int, torch.Tensor]) -> None:
+        self.inner, self.norms = inner, norms
+
+    def code(self, g: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        for i, row in enumerate(rows):
+            self.norms[row] = g[i].detach().float().square().sum(-1)
+        return self.inner.code(g, rows)
+
+    def __getattr__(self, name: str) -> Any:  # bits, values: the inner code's counts
+        return getattr(self.inner, name)
 
 
 FIRST_FIT = 4
@@ -538,6 +589,10 @@ def make_pair(mode: str, options: argparse.Namespace) -> Any:
         if isinstance(up, Sampled) and options.sample_below is not None:
             up.drifts, up.below = down.drifts, options.sample_below
         return (down, up)
+    if mode == "weighted":
+        norms: dict[int, torch.Tensor] = {}
+        up = GradientNorms(make_pair("delta", options)[1], norms)
+        return (Weighted(options.activation_budget, norms, options.weight_floor), up)
     if mode == "transformed":
         down = Transformed(options.activation_budget, options.refit)
         return (down, make_pair("delta", options)[1])
@@ -799,6 +854,13 @@ def main() -> None:
         default=1.0,
         help="the share of a micro-batch's rows whose gradients cross the boundaries (the same"
         " rows at each, chosen at random, scaled by its inverse; the others' are zero)",
+    )
+    parser.add_argument(
+        "--weight-floor",
+        type=float,
+        default=0.1,
+        help="weighted: the least weight a token's error gets (its gradient's energy over its"
+        " row's mean)",
     )
     parser.add_argument(
         "--no-gradient-cache",
