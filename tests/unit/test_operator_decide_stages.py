@@ -185,11 +185,17 @@ def test_a_replacement_runs_the_image_its_job_s_stages_run() -> None:
     for job in (REPLACING_JOB.build(), REPLACING_JOB.image("custom:3").build()):
         decision = decide(observed(job, [pod(1, image="img:0")]), SETTINGS)
         assert created(decision, "j-stage-0")["spec"]["containers"][0]["image"] == "img:0"
-    # A pod on its way out (every stage replaced at once) runs nothing the new ones link
-    # to: they take the job's image.
+    # A pod on its way out (every stage replaced at once), or one that never started (an
+    # image that cannot be pulled, since corrected in spec.image), runs nothing the new
+    # ones link to: they take the job's image.
     job = REPLACING_JOB.image("custom:3").build()
-    decision = decide(observed(job, [pod(1, image="img:0", deleting=True)]), SETTINGS)
-    assert created(decision, "j-stage-0")["spec"]["containers"][0]["image"] == "custom:3"
+    stuck = ("ImagePullBackOff", "Back-off pulling image")
+    for other in (
+        pod(1, image="img:0", deleting=True),
+        pod(1, "Pending", image="custm:3", waiting=stuck),
+    ):
+        decision = decide(observed(job, [other]), SETTINGS)
+        assert created(decision, "j-stage-0")["spec"]["containers"][0]["image"] == "custom:3"
 
 
 def test_a_replacement_records_the_newest_committed_step() -> None:

@@ -244,20 +244,23 @@ def build_stage_pod(job: dict[str, Any], inputs: StagePodInputs) -> dict[str, An
 
 
 def stage_image(pods: Iterable[dict[str, Any]], job_image: str | None, default: str) -> str:
-    """The image a new stage pod of a job runs: the one its other stage pods run (the most
-    of them; `pods` being deleted do not count), else `job_image` (spec.image), else the
-    operator's `default`.
+    """The image a new stage pod of a job runs: the one its running stage pods run (the most
+    of them; pods being deleted, or not running, do not count), else `job_image`
+    (spec.image), else the operator's `default`.
 
     A stage created beside running ones (a stage replaced alone, a pipeline added) links
     to them, and a worker of another version may speak another link protocol, refused at
     the handshake (docs/links-and-checkpoints.md): an operator upgraded mid-job, its default
     image moved, or a spec.image changed, would otherwise start a replacement its
     neighbours refuse, again and again. A job's stages take a new image when every one is
-    replaced at once: a re-split, a suspension and resume."""
+    replaced at once: a re-split, a suspension and resume. Pods that never started (an
+    image that cannot be pulled, which spec.image then corrects) link to nothing: a
+    replacement of one of them takes spec.image."""
     running = Counter(
         container.get("image")
         for pod in pods
         if not pod.get("metadata", {}).get("deletionTimestamp")
+        and (pod.get("status") or {}).get("phase") == "Running"
         for container in (pod.get("spec") or {}).get("containers", ())
         if container.get("name") == WORKER_CONTAINER and container.get("image")
     )
