@@ -16,8 +16,8 @@ change that forgets to move it, so tests/unit/test_wire_format.py checks two thi
   has not moved under the same number.
 
 When either differs, move `linkauth.ALPN` on and record the new protocol:
-``python -m relaytrain_testkit.wire_format tests/assets/wire_format.json``, which refuses
-to record over a protocol already recorded.
+``PYTHONPATH=testkit:worker_image:operator .venv/bin/python -m relaytrain_testkit.wire_format``,
+which refuses to record over a protocol already recorded.
 """
 
 from __future__ import annotations
@@ -37,9 +37,14 @@ from relaytrain_worker.pipeline.compression import COMPRESSIONS
 from relaytrain_worker.pipeline.frames import Frame, prepare, read_tensors
 from relaytrain_worker.pipeline.sampling import sample_tokens
 
-__all__ = ["RECORD", "decode_all", "fields", "record", "sample_frames", "summary"]
+from relaytrain_testkit import REPO
 
-RECORD = Path(__file__).resolve().parents[2] / "tests" / "assets" / "wire_format.json"
+__all__ = [
+    "RECORD", "constants", "current", "decode_all", "decode_changes", "field_changes", "fields",
+    "record", "sample_frames", "summary",
+]  # fmt: skip
+
+RECORD = REPO / "tests" / "assets" / "wire_format.json"
 NAMED = frozenset({"kind", "mode", "dtype", "wire", "name"})
 """Header fields whose string value is part of the format (what a reader dispatches on)."""
 ROWS_N, SEQ, HIDDEN, MICROS = 2, 4, 64, 6

@@ -19,7 +19,8 @@ pytestmark = pytest.mark.unit
 
 HOW = (
     "what a link carries changed under {alpn}: a stage of it would misread these frames. "
-    "Move linkauth.ALPN on and record it (python -m relaytrain_testkit.wire_format):\n"
+    "Move linkauth.ALPN on and record it (PYTHONPATH=testkit:worker_image:operator "
+    ".venv/bin/python -m relaytrain_testkit.wire_format):\n"
 )
 
 
