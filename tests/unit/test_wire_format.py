@@ -62,8 +62,9 @@ def test_a_field_an_older_stage_would_ignore_is_caught(
 
     monkeypatch.setattr(boundary.BoundaryCodec, "encode", without_variant)
     assert field_changes(recorded) == ["- .tensors[].variant: int"]
-    older = json.loads(RECORD.read_text())["relaytrain-link/4"]
-    assert field_changes(older) == []
+    book = json.loads(RECORD.read_text())
+    assert ".tensors[].variant: int" not in book["relaytrain-link/4"]["fields"]
+    assert ".tensors[].variant: int" in book["relaytrain-link/5"]["fields"]
 
 
 def test_a_decoder_whose_codes_mean_something_else_is_caught(
@@ -79,7 +80,7 @@ def test_a_decoder_whose_codes_mean_something_else_is_caught(
         for i, frame in enumerate(recorded["frames"])
         if frame["link"].startswith("delta") and frame["direction"] == "up"
     }
-    assert len(gradients) == 24 and flagged == gradients
+    assert len(gradients) >= 12 and flagged == gradients
 
 
 def test_a_recorded_protocol_is_not_recorded_over(tmp_path: Path) -> None:
