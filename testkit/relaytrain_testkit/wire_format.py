@@ -13,7 +13,9 @@ change that forgets to move it, so tests/unit/test_wire_format.py checks two thi
   ignore or trip on (as it would have ignored a gradient's rotation, ``variant``).
 - **the decoding**: the frames recorded when the protocol was recorded (their bytes) still
   decode to what they decoded to then, so the codes' meaning (levels, rotations, scales)
-  has not moved under the same number.
+  has not moved under the same number; and so do the outer steps' codes that pipelines
+  exchange (`replicas.outer_codec`, each low-bit code in the rotation of its step, and the
+  float64 rows of the exact LoRA merge), whose bytes travel as a frame's tensor.
 
 When either differs, move `linkauth.ALPN` on and record the new protocol:
 ``PYTHONPATH=testkit:worker_image:operator .venv/bin/python -m relaytrain_testkit.wire_format``,
@@ -36,6 +38,7 @@ from relaytrain_worker.pipeline.boundary import ROWS, BoundaryCodec, codec_for
 from relaytrain_worker.pipeline.compression import COMPRESSIONS
 from relaytrain_worker.pipeline.frames import Frame, prepare, read_tensors
 from relaytrain_worker.pipeline.sampling import sample_tokens
+from relaytrain_worker.replicas import outer_codec
 
 from relaytrain_testkit import REPO
 
@@ -48,6 +51,8 @@ RECORD = REPO / "tests" / "assets" / "wire_format.json"
 NAMED = frozenset({"kind", "mode", "dtype", "wire", "name"})
 """Header fields whose string value is part of the format (what a reader dispatches on)."""
 ROWS_N, SEQ, HIDDEN, MICROS = 2, 4, 64, 6
+OUTER = ((4, 24), (2, 48), (1, 72))
+"""The outer codes recorded: (bits, the outer step whose rotation codes it)."""
 
 
 def sample_frames() -> Iterator[tuple[str, str, Frame, frames.PreparedFrame]]:
@@ -102,6 +107,9 @@ def decode_all(
     ends: dict[tuple[str, str], BoundaryCodec] = {}
     out = []
     for item in recorded:
+        if "outer" in item:
+            out.append(_outer(item))
+            continue
         codec = ends.setdefault((item["link"], item["direction"]), BoundaryCodec())
         header = frames.parse_head(base64.b64decode(item["head"]))
         parts = _Parts(base64.b64decode(item["parts"]))
@@ -109,6 +117,30 @@ def decode_all(
         if parts.at != len(parts.data):
             raise ValueError(f"{len(parts.data) - parts.at} bytes of a frame were left unread")
     return out
+
+
+def sample_outer() -> Iterator[dict[str, Any]]:
+    """An outer step's update coded as each `OUTER` code, and as a float64 row, recorded."""
+    gen = torch.Generator().manual_seed(1)
+    update = torch.randn(3, 100, generator=gen) * 1e-3  # not a whole number of blocks
+    for bits, step in OUTER:
+        code, _ = outer_codec.encode(update, 1234.0, bits, step)
+        yield {"outer": bits, "step": step, "numel": update.numel(), "code": _b64(code)}
+    raw = outer_codec.raw(update, 1234.0)
+    yield {"outer": "float64", "step": 0, "numel": update.numel(), "code": _b64(raw)}
+
+
+def _outer(item: dict[str, Any]) -> dict[str, Any]:
+    code = torch.frombuffer(bytearray(base64.b64decode(item["code"])), dtype=torch.uint8)
+    if item["outer"] == "float64":
+        weight, values = outer_codec.unraw(code, item["numel"])
+    else:
+        weight, values = outer_codec.decode(code, item["numel"], item["outer"], item["step"])
+    return {"weight": weight, **summary({"update": values})}
+
+
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.numpy().tobytes()).decode()
 
 
 class _Parts:
@@ -179,6 +211,7 @@ def current() -> tuple[list[str], list[dict[str, Any]]]:
             "head": base64.b64encode(prepared.head).decode(),
             "parts": base64.b64encode(b"".join(bytes(p) for p in prepared.parts)).decode(),
         })  # fmt: skip
+    recorded += sample_outer()
     return sorted(seen), recorded
 
 
@@ -199,6 +232,11 @@ def decode_changes(recorded: dict[str, Any], rel: float = 1e-4) -> list[str]:
     out = []
     for i, (now, was) in enumerate(zip(got, recorded["decoded"], strict=True)):
         frame = recorded["frames"][i]
+        where = (
+            f"outer code {frame['outer']}"
+            if "outer" in frame
+            else f"{frame['link']}, {frame['direction']}"
+        )
         for name in sorted(set(now) | set(was)):
             a, b = now.get(name), was.get(name)
             same = (
@@ -207,7 +245,7 @@ def decode_changes(recorded: dict[str, Any], rel: float = 1e-4) -> list[str]:
                 else all(abs(x - y) <= rel * max(abs(y), 1e-30) for x, y in zip(a, b, strict=True))
             )
             if not same:
-                out.append(f"frame {i} ({frame['link']}, {frame['direction']}) {name}: {a} not {b}")
+                out.append(f"frame {i} ({where}) {name}: {a} not {b}")
     return out
 
 

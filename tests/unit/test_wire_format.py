@@ -71,16 +71,20 @@ def test_a_decoder_whose_codes_mean_something_else_is_caught(
     recorded: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A decode in another rotation (a stage of 4 reading 5's gradients, which it takes to be
-    in rotation 0) turns every ``delta`` gradient's direction: each is flagged."""
+    in rotation 0) turns every ``delta`` gradient's direction: each is flagged, and so is
+    each low-bit outer code (coded in its step's rotation)."""
     rotate = lowbit.rotate
     monkeypatch.setattr(lowbit, "rotate", lambda blocks, variant=0: rotate(blocks, 0))
-    flagged = {int(c.split()[1]) for c in decode_changes(recorded) if "up) grad" in c}
+    changes = decode_changes(recorded)
+    flagged = {int(c.split()[1]) for c in changes if "up) grad" in c}
     gradients = {
         i
         for i, frame in enumerate(recorded["frames"])
-        if frame["link"].startswith("delta") and frame["direction"] == "up"
+        if frame.get("link", "").startswith("delta") and frame.get("direction") == "up"
     }
     assert len(gradients) >= 12 and flagged == gradients
+    outer = {i for i, frame in enumerate(recorded["frames"]) if frame.get("outer") in (1, 2, 4)}
+    assert outer and outer <= {int(c.split()[1]) for c in changes if "outer code" in c}
 
 
 def test_a_recorded_protocol_is_not_recorded_over(tmp_path: Path) -> None:
