@@ -56,9 +56,11 @@ OUTER = ((4, 24), (2, 48), (1, 72))
 
 
 def sample_frames() -> Iterator[tuple[str, str, Frame, frames.PreparedFrame]]:
-    """(link, direction, frame, prepared): the frames of three links in the order sent, each
-    ``delta`` link's codec at both ends carrying its state from frame to frame. A link's
-    ``down`` frames are decoded by its far end, ``up`` ones (gradients) by its near end."""
+    """(link, direction, frame, prepared): an activation and a gradient frame under each
+    code, a control frame, a frame that deflates, then two ``delta`` links' frames over two
+    epochs in the order sent, each link's codec at both ends carrying its state from frame to
+    frame. A link's ``down`` frames are decoded by its far end, ``up`` ones (gradients) by
+    its near end."""
     gen = torch.Generator().manual_seed(0)
     mixing = torch.randn(HIDDEN, HIDDEN, generator=gen) * torch.logspace(0, -2, HIDDEN)
     data = torch.randn(MICROS * ROWS_N, SEQ, HIDDEN, generator=gen) @ mixing.T
