@@ -119,9 +119,9 @@ class Allocated:
         self.error = 0.0
         self.norm = 0.0
 
-    def _allocate(self, energy: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
-        """Each block's bits: water-filling within the frame's error budget."""
-        return allocate_bits(energy, self.target * float(whole.sum()), self.floor)
+    def _weights(self, x: torch.Tensor, rows: list[int]) -> torch.Tensor | None:
+        """Each block's weight in the frame's error (None: every block alike)."""
+        return None
 
     def code(self, x: torch.Tensor, rows: list[int]) -> torch.Tensor:
         self.version += 1
@@ -137,7 +137,11 @@ class Allocated:
         ref = torch.cat(refs)
         change = stacked - ref
         whole = float(stacked.square().sum())
-        bits = self._allocate(change.square().sum(1), stacked.square().sum(1))
+        # each block's bits: water-filling within the frame's (weighted) error budget
+        energy, w, budget = change.square().sum(1), self._weights(x, rows), whole
+        if w is not None:
+            energy, budget = energy * w, float((stacked.square().sum(1) * w).sum())
+        bits = allocate_bits(energy, self.target * budget, self.floor)
         decoded = ref.clone()
         for b in range(1, 5):
             chosen = bits == b
@@ -172,19 +176,14 @@ class Weighted(Allocated):
         super().__init__(target_bits)
         self.norms, self.weight_floor = norms, floor
 
-    def code(self, x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    def _weights(self, x: torch.Tensor, rows: list[int]) -> torch.Tensor:
         per_token = x.shape[-1] // lowbit.BLOCK  # blocks a token (the width is a multiple)
         weights = []
         for row in rows:
             norms = self.norms.get(row)
             w = torch.ones(x.shape[1]) if norms is None else norms / norms.mean().clamp_min(1e-30)
             weights.append(w.clamp_min(self.weight_floor).repeat_interleave(per_token))
-        self.weight = torch.cat(weights)
-        return super().code(x, rows)
-
-    def _allocate(self, energy: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
-        w = self.weight
-        return allocate_bits(energy * w, self.target * float((whole * w).sum()), self.floor)
+        return torch.cat(weights)
 
 
 class GradientNorms:
