@@ -28,7 +28,7 @@ import base64
 import hashlib
 import json
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +43,8 @@ from relaytrain_worker.replicas import outer_codec
 from relaytrain_testkit import REPO
 
 __all__ = [
-    "RECORD", "constants", "current", "decode_all", "decode_changes", "field_changes", "fields",
-    "record", "sample_frames", "summary",
+    "RECORD", "Parts", "constants", "current", "decode_all", "decode_changes", "field_changes",
+    "fields", "record", "sample_frames", "summary",
 ]  # fmt: skip
 
 RECORD = REPO / "tests" / "assets" / "wire_format.json"
@@ -114,7 +114,7 @@ def decode_all(
             continue
         codec = ends.setdefault((item["link"], item["direction"]), BoundaryCodec())
         header = frames.parse_head(base64.b64decode(item["head"]))
-        parts = _Parts(base64.b64decode(item["parts"]))
+        parts = Parts(base64.b64decode(item["parts"]))
         out.append(summary(read_tensors(header, codec, parts.read)))
         if parts.at != len(parts.data):
             raise ValueError(f"{len(parts.data) - parts.at} bytes of a frame were left unread")
@@ -145,11 +145,13 @@ def _b64(t: torch.Tensor) -> str:
     return base64.b64encode(t.numpy().tobytes()).decode()
 
 
-class _Parts:
-    """A recorded frame's parts read in order, as a link reads them off the wire."""
+class Parts:
+    """A frame's parts (their bytes, or the views `frames.prepare` made) read in order, as a
+    link reads them off the wire (`frames.Read`: ``Parts(...).read``)."""
 
-    def __init__(self, data: bytes) -> None:
-        self.data, self.at = data, 0
+    def __init__(self, data: bytes | Iterable[memoryview]) -> None:
+        self.data = data if isinstance(data, bytes) else b"".join(bytes(p) for p in data)
+        self.at = 0
 
     def read(self, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
         if nbytes < 0 or self.at + nbytes > len(self.data):

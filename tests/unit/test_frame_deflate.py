@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from relaytrain_testkit.wire_format import Parts
 from relaytrain_worker.pipeline import boundary, frames
 from relaytrain_worker.pipeline.boundary import ROWS, BoundaryCodec
 from relaytrain_worker.pipeline.frames import Frame, prepare, read_tensors
@@ -21,18 +22,7 @@ ROWS_N, SEQ, HIDDEN = 4, 32, 128
 
 def _reader(parts: Iterable[memoryview]) -> frames.Read:
     """Reads the parts' bytes in order, as a link reads them off the wire."""
-    data = b"".join(bytes(p) for p in parts)
-    at = 0
-
-    def read(nbytes: int, dtype: torch.dtype) -> torch.Tensor:
-        nonlocal at
-        if at + nbytes > len(data):
-            raise ValueError("past the frame's end")
-        out = torch.tensor(list(data[at : at + nbytes]), dtype=torch.uint8).view(dtype)
-        at += nbytes
-        return out
-
-    return read
+    return Parts(parts).read
 
 
 def _activation(step: int, hidden: torch.Tensor) -> Frame:
