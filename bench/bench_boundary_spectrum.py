@@ -30,6 +30,17 @@ taken instead, each token normalised alike (the gradients' tokens a share of whi
 cross at equal norms, `sampling.py`), at ``D_3``, the gradients' 3-bit code's error. A basis
 fitted to them would save what ``rotated`` minus ``fitted, on other rows`` says
 (docs/links-and-checkpoints.md, "Gradients at one bit").
+
+``--codes``: codes, not bounds. The worker's own ``delta`` codec (`boundary.codec_for`) codes
+each boundary's rows as a link does, in frames of ``--frame-rows`` rows, once in the identity
+and once in fitted bases (``pipeline.activationBasis: fitted``), at int4's and int3's error,
+the hidden states as they are (bf16, not normalised): a first crossing of every row (full
+codes), then a second, after the layers before the boundary moved by a random low-rank
+update of ``--drift`` of each weight's norm on every linear layer (an adapter's step: deltas
+against the first). Reported, of the frames coded after the first basis of their kind
+(`transform.FIRST_FIT` frames in): bits a value of the rows' codes (the bases' own left out)
+and the root of the mean of the tokens' squared relative errors as decoded; the rows in
+fitted bases as a share of the identity's.
 """
 
 from __future__ import annotations
@@ -37,6 +48,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -45,6 +57,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "worker_image"), str(REPO / "testkit")]
 
 from relaytrain_testkit.demo_job import model_dir  # noqa: E402
+from relaytrain_worker.pipeline import transform  # noqa: E402
+from relaytrain_worker.pipeline.boundary import codec_for  # noqa: E402
 from relaytrain_worker.pipeline.lowbit import DISTORTION  # noqa: E402
 
 D4 = DISTORTION[4]
@@ -70,6 +84,100 @@ def basis(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return values.flip(0), vectors.flip(1)
 
 
+@dataclass
+class Coded:
+    """What a link sent of the frames of one kind past its first basis (`coded`)."""
+
+    rows: int = 0
+    """Bytes of the rows' codes."""
+    bases: int = 0
+    """Bytes of the bases the frames carried."""
+    values: int = 0
+    tokens: int = 0
+    squared: float = 0.0
+    """The sum of the tokens' squared relative errors, as decoded."""
+
+    def bits(self) -> float:
+        return 8 * self.rows / max(1, self.values)
+
+    def error(self) -> float:
+        """The root of the mean of the tokens' squared relative errors."""
+        return math.sqrt(self.squared / max(1, self.tokens))
+
+
+def coded(crossings: list[torch.Tensor], error: str, fitted: bool, frame_rows: int) -> list[Coded]:
+    """Per crossing, what a link of ``error`` (``fitted``: in fitted bases) sent of the frames
+    of ``crossings`` past the first `transform.FIRST_FIT` of their kind (one tensor of rows
+    after another, the same rows each time: the first a full code of each, the later ones
+    deltas), and how near the receiver's decode came (it decodes every frame, and installs the
+    bases they carry)."""
+    sender, receiver = codec_for(error, transform=fitted), codec_for(error, transform=fitted)
+    out = []
+    for x in crossings:
+        got = Coded()
+        for i, frame in enumerate(x.split(frame_rows)):
+            rows = torch.arange(i * frame_rows, i * frame_rows + frame.shape[0])
+            ((entry, parts),) = sender.encode("activation", {"hidden": frame, "rows": rows})
+            sizes = [p.numel() * p.element_size() for p in parts]
+            held = len(entry.get("bases", [])) * 3  # a basis is three parts, ahead of the rows
+            it = iter(parts)
+            y = receiver.decode("activation", entry, frame.dtype, lambda _n, _d, it=it: next(it))
+            if i < transform.FIRST_FIT:
+                continue
+            truth = frame.float()
+            each = (y.float() - truth).norm(dim=-1) / truth.norm(dim=-1).clamp_min(1e-30)
+            got.rows += sum(sizes[held:])
+            got.bases += sum(sizes[:held])
+            got.values += frame.numel()
+            got.tokens += each.numel()
+            got.squared += float(each.square().sum())
+        out.append(got)
+    return out
+
+
+def drifted(model: torch.nn.Module, drift: float, seed: int) -> None:
+    """Adds to every linear weight of ``model``'s layers a random rank-8 update of ``drift``
+    of its norm, as a LoRA's step moves the layers (in place)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for module in model.model.layers.modules():
+            if isinstance(module, torch.nn.Linear):
+                w = module.weight
+                b = torch.randn(w.shape[0], 8, generator=gen)
+                a = torch.randn(8, w.shape[1], generator=gen)
+                update = b @ a
+                w += update * (drift * w.norm() / update.norm())
+
+
+def codes(args: argparse.Namespace, hidden: dict[int, list[torch.Tensor]]) -> None:
+    """``--codes``: the table of the worker's codes in the identity and in fitted bases."""
+    print(
+        f"\nThe worker's delta codes, frames of {args.frame_rows} rows, of the frames after the"
+        f" first {transform.FIRST_FIT} of each kind: bits a value of the rows' codes and the"
+        " root of the mean of the tokens' squared relative errors\n"
+    )
+    print(
+        "| boundary | the row's energy in its largest token | crossing | error | identity:"
+        " bits | tokens' error | fitted bases: bits | tokens' error | fitted / identity |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for k, (first, second) in hidden.items():
+        x = first.float()
+        norms = x.norm(dim=-1)
+        largest = float((norms.max(dim=-1).values.square() / norms.square().sum(dim=-1)).mean())
+        moved = (second.float() - x).norm(dim=-1) / norms
+        names = ("first (full codes)", f"second (deltas; tokens moved {moved.median():.1%})")
+        for error in ("int4", "int3"):
+            plain = coded([first, second], error, False, args.frame_rows)
+            basis = coded([first, second], error, True, args.frame_rows)
+            for name, a, b in zip(names, plain, basis, strict=True):
+                print(
+                    f"| after layer {k + 1} | {largest:.1%} | {name} | {error} | {a.bits():.3f} |"
+                    f" {a.error():.3f} | {b.bits():.3f} | {b.error():.3f} |"
+                    f" {b.bits() / a.bits():.3f} |"
+                )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=16)
@@ -77,7 +185,16 @@ def main() -> None:
     parser.add_argument(
         "--gradients", action="store_true", help="the gradients going back, at 3 bits' error"
     )
+    parser.add_argument(
+        "--codes", action="store_true", help="the worker's codes, identity and fitted bases"
+    )
+    parser.add_argument("--frame-rows", type=int, default=2, help="rows a frame (--codes)")
+    parser.add_argument(
+        "--drift", type=float, default=0.05, help="the layers' update before the second crossing"
+    )
     args = parser.parse_args()
+    if args.codes and args.gradients:
+        parser.error("--codes codes the activations; leave out --gradients")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     where = model_dir()
@@ -108,6 +225,19 @@ def main() -> None:
             out = model(input_ids=chunk, labels=chunk, use_cache=False)
         if args.gradients:
             out.loss.backward()
+    if args.codes:
+        passes = {k: [torch.cat(v).to(torch.bfloat16)] for k, v in seen.items()}
+        drifted(model, args.drift, seed=0)
+        for v in seen.values():
+            v.clear()
+        with torch.no_grad():
+            for chunk in batch.split(4):
+                model(input_ids=chunk, use_cache=False)
+        for k, v in seen.items():
+            passes[k].append(torch.cat(v).to(torch.bfloat16))
+        print(f"\nSmolLM2-135M-Instruct, {rows} rows of {args.seq} tokens of docs/*.md")
+        codes(args, passes)
+        return
     error, what, code = (D3, "gradients", "a 3-bit") if args.gradients else (D4, "", "int4's")
     white = 0.5 * math.log2(1 / error)
     print(f"\nSmolLM2-135M-Instruct, {rows} rows of {args.seq} tokens of docs/*.md; bits a value")

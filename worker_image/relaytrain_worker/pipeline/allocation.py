@@ -124,6 +124,27 @@ def allocate_bits(
     return pick(math.inf if k >= flat.numel() else float(flat[k]))  # inf: the most miss it
 
 
+def token_weights(value: torch.Tensor, width: int) -> torch.Tensor:
+    """Each block's weight in the allocation of a row of tokens of ``width`` values: the
+    blocks' energy ``value`` (`lowbit.to_blocks` of the row's value, squared, summed a block)
+    over its token's, times the row's mean token's; where ``width`` is not a multiple of
+    ``BLOCK``, the fewest whole tokens that hold the block stand for its token. Weighted,
+    `allocate_bits` holds the mean of the tokens' relative errors within the budget's share
+    instead of the row's error: without, a token of massive activations (a pretrained
+    model's first token, at the middle layers thousands of times the energy of the others)
+    held most of the budget and let every other token be left out (SmolLM2-135M, 2026-12-07:
+    `bench/bench_boundary_spectrum.py --codes`). A token with no energy weighs as one a
+    millionth of the mean's."""
+    k = math.lcm(max(1, width), BLOCK) // BLOCK
+    flat = value.reshape(-1).to(torch.float64)
+    tokens = torch.nn.functional.pad(flat, (0, (-flat.numel()) % k)).reshape(-1, k).sum(dim=1)
+    mean = tokens.mean()
+    if not float(mean) > 0:  # nothing to weigh (on a card, one sync a row)
+        return torch.ones_like(value)
+    weight = mean / tokens.clamp_min(1e-6 * mean)
+    return weight.repeat_interleave(k)[: flat.numel()].to(value.dtype)
+
+
 @functools.cache
 def hull(cost: tuple[float, ...], table: tuple[float, ...], floor: int = 0) -> tuple[int, ...]:
     """The bits, from ``floor``, on the lower convex hull of the points ``(cost[b],

@@ -18,8 +18,8 @@ on Gaussian data).
 
 Allocated codes (``allocate``, what the worker's ``delta`` compression uses;
 `DeltaConfig.allocate`): unlike ``adaptive``, the error does not shrink epoch after epoch:
-it is held at the full code's, a row that drifts less than that costs only its map of bits,
-and the error stays in the entry, so the next code carries it.
+it is held at the full code's (each token's against its own energy, in the row's mean), a
+row that drifts less than that costs only its map, and the next code carries the error.
 
 Block skipping (``skip_below``): a block (64 values, as in lowbit.py) whose delta RMS is at
 most ``skip_below`` times the cached block's is not sent; a bitmap of a bit a block (set =
@@ -72,6 +72,7 @@ from relaytrain_worker.pipeline.allocation import (
     dequantise_grouped,
     quantise_grouped,
     shallow,
+    token_weights,
 )
 from relaytrain_worker.pipeline.lowbit import (
     BLOCK,
@@ -125,12 +126,12 @@ class DeltaConfig:
     cache_dtype: CacheDtype = "bfloat16"
     """dtype the cache entries are kept in (both sides must agree)."""
     allocate: bool = False
-    """Give each block of a code its own bits, 0-4 (`allocation.allocate_bits`): the
-    fewest in total whose expected error, ``sum_i D_(b_i) ||r_i||^2`` over the blocks ``r_i``
-    coded, is within a full code's, ``D_full ||x||^2`` (each ``D`` as ``scale`` fits the
-    blocks: unshrunk, ``D / (1 - D)``, and no 1-bit blocks). A row is coded against its last
-    decode where that is nearer than zero (a delta), else against zero (a full code), and
-    both are allocated; a block given 0 bits is not sent and keeps its reference's value.
+    """Give each block of a code its own bits, 0-4 (`allocation.allocate_bits`): the fewest
+    whose expected error, ``sum_i D_(b_i) ||r_i||^2 / ||x_t||^2`` over the blocks ``r_i`` coded
+    (``x_t`` its token, `allocation.token_weights`), is within a full code's, ``D_full`` a token
+    (each ``D`` as ``scale`` fits: unshrunk, ``D / (1 - D)``, no 1-bit blocks). A row is coded
+    against its last decode where that is nearer than zero (a delta), else against zero (a full
+    code), both allocated; a block given 0 bits is not sent and keeps its reference's value.
     Instead of ``adaptive`` and ``skip_below``."""
     floor: int = 0
     """With ``allocate``: the fewest bits a block gets (1: every block is sent)."""
@@ -392,27 +393,28 @@ class DeltaSender(_Side):
         (of the same shape, finite, or None) where it is nearer than zero; with
         ``DeltaConfig.transform``, in the held basis of its kind (`transform.py`)."""
         cfg = self.config
-        whole = float(blocks.square().sum())
+        value = blocks.square().sum(dim=1)
         change = blocks
         base = cached = None
         if entry is not None:  # same shape, finite
             cached = entry.value.to(blocks.device, torch.float32)
             delta = blocks - cached
-            if float(delta.square().sum()) < whole:
+            if float(delta.square().sum()) < float(value.sum()):
                 change, base = delta, entry
-        budget = distortion(cfg.full_bits, cfg.scale) * whole
-        at = None
+        h, at = transform.width(shape), None
+        weight = token_weights(value, h)  # each token's error against its own energy
+        budget = distortion(cfg.full_bits, cfg.scale) * float((value * weight).sum())
         if cfg.transform:
-            h, against = transform.width(shape), base is not None
+            against = base is not None
             tokens = from_blocks(change, shape, torch.float32).reshape(-1, h)
             self.fitter.add(against, tokens)
             candidates = self.bases.candidates(key, against, h, blocks.device)
             at, packed, code, scale = transform.code_row(
-                tokens, candidates, budget, version, cfg.scale
+                tokens, candidates, budget, version, cfg.scale, weight=weight
             )
         else:
             bits = allocate_bits(  # where coded
-                change.square().sum(dim=1), budget, cfg.floor, table=shallow(cfg.scale)
+                change.square().sum(dim=1) * weight, budget, cfg.floor, table=shallow(cfg.scale)
             )
             codes, scales = quantise_grouped(change, bits, version, cfg.scale)
             code = torch.cat(codes) if codes else torch.zeros(0, dtype=torch.uint8)

@@ -413,10 +413,14 @@ def code_row(
     budget: float,
     version: int,
     scale: Scale = "least-squares",
+    *,
+    weight: torch.Tensor | None = None,
 ) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A row's change (``[tokens, h]`` float32) in the cheapest of ``candidates`` (a basis's
     version and its vectors; None: the identity), its blocks' bits the fewest within ``budget``
-    of expected error: the version it is coded in, the packed bit map, codes, scales.
+    of expected error, each block's weighted by ``weight`` (`allocation.token_weights`: its
+    token's, which a basis, orthonormal, keeps): the version it is coded in, the packed bit
+    map, codes, scales.
 
     Why a choice: a basis is fitted to what was sent before, and a row that changed otherwise
     (a delta of an epoch whose drift turned) may cost more in it than in the identity, which
@@ -427,7 +431,8 @@ def code_row(
     table = deep(scale)
     for at, basis in candidates:
         blocks = to_blocks(change if basis is None else change @ basis)
-        bits = allocate_bits(blocks.square().sum(dim=1), budget, table=table, cost=DEEP_COST)
+        energy = blocks.square().sum(dim=1) * (1.0 if weight is None else weight)
+        bits = allocate_bits(energy, budget, table=table, cost=DEEP_COST)
         wire = wire_bits(bits)
         if best is None or wire < best[0]:
             best = (wire, at, blocks, bits)
