@@ -176,6 +176,26 @@ def test_a_token_of_massive_activations_leaves_no_other_token_out(error: str, fi
         assert sender.sender.bases.held(False) == sender.sender.bases.held(True) == 1
 
 
+def test_a_basis_is_fitted_to_the_tokens_as_the_allocation_weighs_them() -> None:
+    """The fitted basis is the eigenvectors of the tokens' moment weighed as the allocation
+    weighs them (`transform.Fitter.add`): its first vector is the direction the ordinary
+    tokens share, not the massive token's, which holds most of the rows' energy."""
+    sender = codec_for("int3", transform=True)
+    gen = torch.Generator().manual_seed(4)
+    h = 2 * BLOCK
+    shared = torch.nn.functional.normalize(torch.randn(h, generator=gen), dim=0)
+    for i in range(transform.FIRST_FIT + 1):
+        x = torch.randn(2, 64, h, generator=gen)
+        x += 3 * torch.randn(2, 64, 1, generator=gen) * shared  # what ordinary tokens share
+        x[:, 0] = 0.0
+        x[:, 0, 0] = 3000.0  # the massive token: 99.8 % of the energy, along channel 0
+        sender.encode("activation", {"hidden": x, ROWS: torch.arange(2 * i, 2 * i + 2)})
+    basis = sender.sender.bases.use("test", False, 1, torch.device("cpu"))
+    assert basis is not None
+    assert abs(float(basis[:, 0] @ shared)) > 0.95, basis[:, 0] @ shared
+    assert abs(float(basis[0, 0])) < 0.2  # channel 0 is not its first direction
+
+
 def test_tokens_weigh_as_their_energy_says_where_blocks_hold_parts_of_tokens() -> None:
     value = torch.tensor([4.0, 4.0, 1.0, 1.0])  # two tokens of two blocks each
     assert token_weights(value, 2 * BLOCK).tolist() == [0.625, 0.625, 2.5, 2.5]

@@ -90,9 +90,14 @@ def test_bases_are_fitted_sent_once_held_alike_and_cut_the_bits_of_new_rows(
     assert torch.equal(basis, sender.use("test", False, 1, torch.device("cpu")))
     assert torch.allclose(basis.T @ basis, torch.eye(HIDDEN), atol=1e-5)
     # Its first vector is the rows' largest direction (the definition: the top eigenvector
-    # of the second moment of what was coded in the first FIRST_FIT frames).
-    first = data[: transform.FIRST_FIT * PER_MICRO].reshape(-1, HIDDEN).double()
-    top = torch.linalg.eigh(first.T @ first).eigenvectors[:, -1]
+    # of the second moment of what was coded in the first FIRST_FIT frames, each token
+    # weighed as the allocation weighs it, by its row's mean token energy over its own).
+    first = data[: transform.FIRST_FIT * PER_MICRO].double()
+    energy = first.square().sum(dim=-1, keepdim=True)
+    weighed = first * (energy.mean(dim=1, keepdim=True) / energy)
+    top = torch.linalg.eigh(weighed.reshape(-1, HIDDEN).T @ first.reshape(-1, HIDDEN)).eigenvectors[
+        :, -1
+    ]
     assert abs(float(basis[:, 0].double() @ top)) > 0.99
     # New rows coded in it cost fewer bits than the same rows coded without a basis, at
     # the same error bound.

@@ -407,7 +407,7 @@ class DeltaSender(_Side):
         if cfg.transform:
             against = base is not None
             tokens = from_blocks(change, shape, torch.float32).reshape(-1, h)
-            self.fitter.add(against, tokens)
+            self.fitter.add(against, tokens, weight)
             candidates = self.bases.candidates(key, against, h, blocks.device)
             at, packed, code, scale = transform.code_row(
                 tokens, candidates, budget, version, cfg.scale, weight=weight

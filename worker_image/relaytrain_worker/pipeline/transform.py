@@ -332,9 +332,16 @@ class Fitter:
         self._due.clear()
         self._switch_in = {}
 
-    def add(self, against: bool, change: torch.Tensor) -> None:
-        """Count one row's change (``[tokens, h]`` float32, where it was coded)."""
-        m = (change.T @ change).to(torch.float64)
+    def add(self, against: bool, change: torch.Tensor, weight: torch.Tensor | None = None) -> None:
+        """Count one row's change (``[tokens, h]`` float32, where it was coded), each block of
+        it (`lowbit.to_blocks`) weighed by ``weight`` as the allocation weighs it
+        (`allocation.token_weights`): the basis that best codes a row is the eigenvectors of
+        its tokens' moment weighed so, not one that a token of massive activations decides."""
+        weighed = change
+        if weight is not None:
+            each = weight.to(change.dtype).repeat_interleave(BLOCK)[: change.numel()]
+            weighed = change * each.reshape(change.shape)
+        m = (weighed.T @ change).to(torch.float64)
         held = self._moments[against]
         if held is not None and held.shape != m.shape:
             held = None  # a row of another width: start the moment again
