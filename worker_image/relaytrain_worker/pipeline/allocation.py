@@ -128,12 +128,13 @@ def token_weights(value: torch.Tensor, width: int) -> torch.Tensor:
     """Each block's weight in the allocation of a row of tokens of ``width`` values: the
     blocks' energy ``value`` (`lowbit.to_blocks` of the row's value, squared, summed a block)
     over its token's, times the row's mean token's; where ``width`` is not a multiple of
-    ``BLOCK``, the fewest whole tokens that hold the block stand for its token. Weighted,
-    `allocate_bits` holds the mean of the tokens' relative errors within the budget's share
-    instead of the row's error: without, a token of massive activations (a pretrained
-    model's first token, at the middle layers thousands of times the energy of the others)
-    held most of the budget and let every other token be left out (SmolLM2-135M, 2026-12-07:
-    `bench/bench_boundary_spectrum.py --codes`). A token with no energy weighs as one a
+    ``BLOCK``, the fewest whole tokens that hold the block stand for its token. Given the
+    blocks' energies so weighed and a budget of ``D`` times the weighed value's energy,
+    `allocate_bits` holds the mean of the tokens' relative errors within ``D``, where it held
+    the row's error: a token of massive activations (a pretrained model's first token, at the
+    middle layers thousands of times the energy of the others) then held most of the budget
+    and let every other token be left out (SmolLM2-135M, 2026-12-07:
+    `bench/bench_boundary_spectrum.py --codes`). A token with no energy weighs as one of a
     millionth of the mean's."""
     k = math.lcm(max(1, width), BLOCK) // BLOCK
     flat = value.reshape(-1).to(torch.float64)

@@ -425,7 +425,7 @@ def code_row(
 ) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A row's change (``[tokens, h]`` float32) in the cheapest of ``candidates`` (a basis's
     version and its vectors; None: the identity), its blocks' bits the fewest within ``budget``
-    of expected error, each block's weighted by ``weight`` (`allocation.token_weights`: its
+    of expected error, each block's weighed by ``weight`` (`allocation.token_weights`: its
     token's, which a basis, orthonormal, keeps): the version it is coded in, the packed bit
     map, codes, scales.
 
