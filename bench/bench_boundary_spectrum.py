@@ -41,15 +41,24 @@ against the first). Reported, of the frames coded after the first basis of their
 (`transform.FIRST_FIT` frames in): bits a value of the rows' codes (the bases' own left out)
 and the root of the mean of the tokens' squared relative errors as decoded; the rows in
 fitted bases as a share of the identity's.
+
+``--loss``: what a code's error costs the model itself. The language-model loss of the rows
+(no training) with the hidden states at the three boundaries of the stage split a 4-stage
+pipeline makes of the 30 layers (`relaytrain_testkit.inputs.even_splits`: after layers 8, 15
+and 22) replaced by the receiving stage's decode of each row's first crossing (full codes, in
+frames of ``--frame-rows`` rows), at int4's and at int3's error, in the identity and in
+fitted bases, each against the loss of the rows as they are.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -178,6 +187,69 @@ def codes(args: argparse.Namespace, hidden: dict[int, list[torch.Tensor]]) -> No
                 )
 
 
+class Link:
+    """One boundary's link, a first crossing of each row (full codes) in frames of
+    ``frame_rows`` rows: what the receiving stage decodes."""
+
+    def __init__(self, error: str, fitted: bool, frame_rows: int) -> None:
+        self.ends = codec_for(error, transform=fitted), codec_for(error, transform=fitted)
+        self.frame_rows, self.sent = frame_rows, 0
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        sender, receiver = self.ends
+        out = []
+        for frame in x.to(torch.bfloat16).split(self.frame_rows):
+            rows = torch.arange(self.sent, self.sent + frame.shape[0])
+            self.sent += frame.shape[0]
+            ((entry, parts),) = sender.encode("activation", {"hidden": frame, "rows": rows})
+            it = iter(parts)
+            y = receiver.decode("activation", entry, frame.dtype, lambda _n, _d, it=it: next(it))
+            out.append(y)
+        return torch.cat(out).to(x.dtype)
+
+
+def losses(args: argparse.Namespace, model: torch.nn.Module, batch: torch.Tensor) -> None:
+    """``--loss``: the rows' loss with the boundaries' hidden states decoded (see above)."""
+    from relaytrain_testkit.inputs import even_splits
+
+    layers = model.model.layers  # type: ignore[union-attr]
+    cuts = [end for _, end in even_splits(len(layers), 4)[:-1]]
+    print(
+        f"\nThe rows' loss, the hidden states after layers {', '.join(map(str, cuts))} decoded"
+        f" (first crossings, frames of {args.frame_rows} rows)\n"
+    )
+    print("| boundaries | loss | against the rows as they are |")
+    print("|---|---|---|")
+    plain = None
+    for error, fitted in ((None, False), ("int4", False), ("int4", True), ("int3", False),
+                          ("int3", True)):  # fmt: skip
+        links = {} if error is None else {c: Link(error, fitted, args.frame_rows) for c in cuts}
+
+        def code(_m: object, _a: object, out: Any, link: Link) -> Any:
+            if isinstance(out, tuple):
+                return (link(out[0]), *out[1:])
+            return link(out)
+
+        hooks = [
+            layers[c - 1].register_forward_hook(functools.partial(code, link=link))
+            for c, link in links.items()
+        ]
+        total = 0.0
+        with torch.no_grad():
+            for chunk in batch.split(8):
+                total += float(model(input_ids=chunk, labels=chunk, use_cache=False).loss)
+        for hook in hooks:
+            hook.remove()
+        loss = total / len(batch.split(8))
+        plain = loss if plain is None else plain
+        name = (
+            "as they are"
+            if error is None
+            else f"{error}, {'fitted bases' if fitted else 'identity'}"
+        )
+        print(f"| {name} | {loss:.4f} | {100 * (loss / plain - 1):+.2f} % |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=16)
@@ -188,13 +260,16 @@ def main() -> None:
     parser.add_argument(
         "--codes", action="store_true", help="the worker's codes, identity and fitted bases"
     )
-    parser.add_argument("--frame-rows", type=int, default=2, help="rows a frame (--codes)")
+    parser.add_argument(
+        "--loss", action="store_true", help="the loss with the boundaries decoded (no training)"
+    )
+    parser.add_argument("--frame-rows", type=int, default=2, help="rows a frame (--codes, --loss)")
     parser.add_argument(
         "--drift", type=float, default=0.05, help="the layers' update before the second crossing"
     )
     args = parser.parse_args()
-    if args.codes and args.gradients:
-        parser.error("--codes codes the activations; leave out --gradients")
+    if args.gradients and (args.codes or args.loss):
+        parser.error("--codes and --loss code the activations; leave out --gradients")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     where = model_dir()
@@ -206,6 +281,10 @@ def main() -> None:
     rows = min(args.rows, ids.numel() // args.seq)
     batch = ids[: rows * args.seq].view(rows, args.seq)
     model = AutoModelForCausalLM.from_pretrained(str(where), dtype=torch.float32)
+    if args.loss:
+        print(f"\nSmolLM2-135M-Instruct, {rows} rows of {args.seq} tokens of docs/*.md")
+        losses(args, model.eval(), batch)
+        return
     layers = model.model.layers
     picks = [len(layers) * k // 4 - 1 for k in (1, 2, 3)]
     seen: dict[int, list[torch.Tensor]] = {k: [] for k in picks}

