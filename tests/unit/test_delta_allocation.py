@@ -10,7 +10,13 @@ import math
 import pytest
 import torch
 from relaytrain_worker.pipeline import transform
-from relaytrain_worker.pipeline.allocation import allocate_bits, hull, shallow, token_weights
+from relaytrain_worker.pipeline.allocation import (
+    MASSIVE,
+    allocate_bits,
+    hull,
+    shallow,
+    token_weights,
+)
 from relaytrain_worker.pipeline.boundary import ROWS, codec_for
 from relaytrain_worker.pipeline.deltacache import DeltaConfig, DeltaReceiver, DeltaSender
 from relaytrain_worker.pipeline.lowbit import BLOCK, DISTORTION, Scale, distortion
@@ -179,7 +185,8 @@ def test_a_token_of_massive_activations_leaves_no_other_token_out(error: str, fi
 def test_a_basis_is_fitted_to_the_tokens_as_the_allocation_weighs_them() -> None:
     """The fitted basis is the eigenvectors of the tokens' moment weighed as the allocation
     weighs them (`transform.Fitter.add`): its first vector is the direction the ordinary
-    tokens share, not the massive token's, which holds most of the rows' energy."""
+    tokens share, not the massive token's, which holds most of the rows' energy (a massive
+    token weighs nothing: its blocks take the most bits outside the allocation)."""
     sender = codec_for("int3", transform=True)
     gen = torch.Generator().manual_seed(4)
     h = 2 * BLOCK
@@ -188,7 +195,8 @@ def test_a_basis_is_fitted_to_the_tokens_as_the_allocation_weighs_them() -> None
         x = torch.randn(2, 64, h, generator=gen)
         x += 3 * torch.randn(2, 64, 1, generator=gen) * shared  # what ordinary tokens share
         x[:, 0] = 0.0
-        x[:, 0, 0] = 3000.0  # the massive token: 99.8 % of the energy, along channel 0
+        # the massive token, along channel 0: 2 MASSIVE times the median token's energy
+        x[:, 0, 0] = math.sqrt(2 * MASSIVE * float(x[:, 1:].square().sum(-1).median()))
         sender.encode("activation", {"hidden": x, ROWS: torch.arange(2 * i, 2 * i + 2)})
     basis = sender.sender.bases.use("test", False, 1, torch.device("cpu"))
     assert basis is not None
@@ -198,13 +206,49 @@ def test_a_basis_is_fitted_to_the_tokens_as_the_allocation_weighs_them() -> None
 
 def test_tokens_weigh_as_their_energy_says_where_blocks_hold_parts_of_tokens() -> None:
     value = torch.tensor([4.0, 4.0, 1.0, 1.0])  # two tokens of two blocks each
-    assert token_weights(value, 2 * BLOCK).tolist() == [0.625, 0.625, 2.5, 2.5]
+    weighed = token_weights(value, 2 * BLOCK)
+    assert weighed.weight.tolist() == [0.625, 0.625, 2.5, 2.5]
+    assert weighed.energy == pytest.approx(float((value * weighed.weight).sum()))
+    assert not bool(weighed.massive.any())
     # 48 values a token: 3 blocks hold 4 tokens, and weigh as those; a row of no energy
     # weighs alike.
-    assert token_weights(torch.tensor([1.0, 1.0, 1.0, 3.0, 3.0, 3.0]), 48).tolist() == (
-        pytest.approx([2.0, 2.0, 2.0, 2 / 3, 2 / 3, 2 / 3])
-    )
-    assert token_weights(torch.zeros(4), BLOCK).tolist() == [1.0] * 4
+    weighed = token_weights(torch.tensor([1.0, 1.0, 1.0, 3.0, 3.0, 3.0]), 48)
+    assert weighed.weight.tolist() == pytest.approx([2.0, 2.0, 2.0, 2 / 3, 2 / 3, 2 / 3])
+    weighed = token_weights(torch.zeros(4), BLOCK)
+    assert weighed.weight.tolist() == [1.0] * 4 and weighed.energy == 0.0
+    # A token above MASSIVE times the median's energy weighs nothing and is marked; the mean
+    # and the budget's energy are the others'.
+    weighed = token_weights(torch.tensor([1.0, 2.0, 1.0, 1.5 * MASSIVE]), BLOCK)
+    assert weighed.massive.tolist() == [False, False, False, True]
+    assert weighed.weight.tolist() == pytest.approx([4 / 3, 2 / 3, 4 / 3, 0.0])
+    assert weighed.energy == pytest.approx(4.0)
+
+
+@pytest.mark.parametrize("fitted", [False, True], ids=["identity", "fitted-bases"])
+def test_a_massive_token_crosses_at_the_codes_most_bits(fitted: bool) -> None:
+    """A token of more than ``MASSIVE`` times the median token's energy (a pretrained model's
+    attention sink) takes the code's most bits, 4 a value in the identity, 8 in a basis: at
+    int3's error it crosses at about int4's error in the identity and near exactly in a
+    basis, first and after a change, while the others keep int3's. Weighed as the others
+    (2026-12-07) it crossed at their 0.17, which at SmolLM2-135M's first boundary kept it from
+    becoming the sink: the rows' loss +23.7 %."""
+    sender, receiver = codec_for("int3", transform=fitted), codec_for("int3", transform=fitted)
+    gen = torch.Generator().manual_seed(5)
+    d3, d4 = (math.sqrt(distortion(b, "unshrunk")) for b in (3, 4))
+    base = torch.randn(transform.FIRST_FIT + 2, 2, 64, 2 * BLOCK, generator=gen)
+    base[:, :, 0] *= 8  # 64 times the others' energy: 50 % of a row's
+    for crossing, x in enumerate((base, base + 0.3 * torch.randn(base.shape, generator=gen))):
+        for i, frame in enumerate(x):
+            rows = torch.arange(2 * i, 2 * i + 2)
+            ((entry, parts),) = sender.encode("activation", {"hidden": frame, ROWS: rows})
+            it = iter(parts)
+            y = receiver.decode("activation", entry, frame.dtype, lambda _n, _d, it=it: next(it))
+            each = (y - frame).norm(dim=-1) / frame.norm(dim=-1)
+            first = float(each[:, 0].max())
+            assert first < (0.01 if fitted and i >= transform.FIRST_FIT else 1.05 * d4), (
+                crossing, i, first,
+            )  # fmt: skip
+            assert float(each[:, 1:].square().mean().sqrt()) < 1.05 * d3
 
 
 def test_an_unchanged_row_sends_only_its_bit_map_and_a_changed_one_is_coded_anew() -> None:

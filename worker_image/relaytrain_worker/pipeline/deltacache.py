@@ -18,8 +18,9 @@ on Gaussian data).
 
 Allocated codes (``allocate``, what the worker's ``delta`` compression uses;
 `DeltaConfig.allocate`): unlike ``adaptive``, the error does not shrink epoch after epoch:
-it is held at the full code's (each token's against its own energy, in the row's mean), a
-row that drifts less than that costs only its map, and the next code carries the error.
+it is held at the full code's (each token's against its own energy, in the row's mean; a
+massive token, `allocation.MASSIVE`, at the code's most bits), a row that drifts less than
+that costs only its map, and the next code carries the error.
 
 Block skipping (``skip_below``): a block (64 values, as in lowbit.py) whose delta RMS is at
 most ``skip_below`` times the cached block's is not sent; a bitmap of a bit a block (set =
@@ -402,20 +403,19 @@ class DeltaSender(_Side):
             if float(delta.square().sum()) < float(value.sum()):
                 change, base = delta, entry
         h, at = transform.width(shape), None
-        weight = token_weights(value, h)  # each token's error against its own energy
-        budget = distortion(cfg.full_bits, cfg.scale) * float((value * weight).sum())
+        weighed = token_weights(value, h)  # each token's error against its own energy
+        budget, weight = distortion(cfg.full_bits, cfg.scale) * weighed.energy, weighed.weight
         if cfg.transform:
             against = base is not None
             tokens = from_blocks(change, shape, torch.float32).reshape(-1, h)
             self.fitter.add(against, tokens, weight)
             candidates = self.bases.candidates(key, against, h, blocks.device)
-            at, packed, code, scale = transform.code_row(
-                tokens, candidates, budget, version, cfg.scale, weight=weight
-            )
+            at, packed, code, scale = transform.code_row(tokens, candidates, budget, version,
+                cfg.scale, weight=weight, massive=weighed.massive)  # fmt: skip
         else:
-            bits = allocate_bits(  # where coded
-                change.square().sum(dim=1) * weight, budget, cfg.floor, table=shallow(cfg.scale)
-            )
+            energy, table = change.square().sum(dim=1) * weight, shallow(cfg.scale)
+            bits = allocate_bits(energy, budget, cfg.floor, table=table)
+            bits[weighed.massive] = len(table) - 1  # a massive token at the code's most bits
             codes, scales = quantise_grouped(change, bits, version, cfg.scale)
             code = torch.cat(codes) if codes else torch.zeros(0, dtype=torch.uint8)
             scale = torch.cat(scales) if scales else torch.zeros(0, dtype=torch.bfloat16)

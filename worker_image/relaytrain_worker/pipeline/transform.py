@@ -422,12 +422,14 @@ def code_row(
     scale: Scale = "least-squares",
     *,
     weight: torch.Tensor | None = None,
+    massive: torch.Tensor | None = None,
 ) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A row's change (``[tokens, h]`` float32) in the cheapest of ``candidates`` (a basis's
     version and its vectors; None: the identity), its blocks' bits the fewest within ``budget``
     of expected error, each block's weighed by ``weight`` (`allocation.token_weights`: its
-    token's, which a basis, orthonormal, keeps): the version it is coded in, the packed bit
-    map, codes, scales.
+    token's, which a basis, orthonormal, keeps), the blocks ``massive`` marks at the most bits
+    (a basis keeps a token's blocks its own): the version it is coded in, the packed bit map,
+    codes, scales.
 
     Why a choice: a basis is fitted to what was sent before, and a row that changed otherwise
     (a delta of an epoch whose drift turned) may cost more in it than in the identity, which
@@ -440,6 +442,8 @@ def code_row(
         blocks = to_blocks(change if basis is None else change @ basis)
         energy = blocks.square().sum(dim=1) * (1.0 if weight is None else weight)
         bits = allocate_bits(energy, budget, table=table, cost=DEEP_COST)
+        if massive is not None:
+            bits[massive] = MAX_BITS
         wire = wire_bits(bits)
         if best is None or wire < best[0]:
             best = (wire, at, blocks, bits)
