@@ -127,11 +127,13 @@ def allocate_bits(
 
 MASSIVE = 20.0
 """A token of more than this many times the energy of its row's median token is massive: a
-pretrained model's attention sink (SmolLM2-135M's first token, 20-90 times the median before
-its middle layers and thousands of times after) and its like. Its blocks take a code's most
-bits, outside the budget (`token_weights`): at int3's error such a token lost at SmolLM2's
-first boundary does not become the sink it is (the rows' loss +23.7 %; +3.4 % with the tokens
-over 20 times the median as they are), and in fitted bases at int4's error +3.1 % (+0.74 %)."""
+pretrained model's attention sink (SmolLM2-135M's first token, 20-90 times the median before its
+middle layers and thousands of times after) and its like. Its blocks take a code's most bits,
+outside the budget (`token_weights`): 8, its row's full code at 0-8 bits a block in the identity
+too (`deltacache`; a change, small against it, 4 there): at int3's error such a token lost at
+SmolLM2's first boundary does not become the sink it is (the rows' loss +23.7 %; +3.4 % with the
+tokens over 20 times the median as they are), in fitted bases at int4's error +3.1 % (+0.74 %),
+and at int4's error in the identity, 4 bits a value, +0.68 % (at 8, +0.27 %)."""
 
 
 class Weighed(NamedTuple):
