@@ -404,12 +404,14 @@ class DeltaSender(_Side):
             # In a basis; or a full code of a row with a massive token (a sink, which 4 bits
             # left at up to 5 % of its norm: SmolLM2-135M's loss +0.68 %, at 8 +0.27 %) in the
             # identity at 0-8. Its change, small against it, takes 4 in the identity's deltas.
-            tokens, candidates = from_blocks(change, shape, torch.float32).reshape(-1, h), None
+            tokens = from_blocks(change, shape, torch.float32).reshape(-1, h)
+            candidates: list[tuple[int, torch.Tensor | None]] = [(0, None)]  # the identity
             if cfg.transform:
-                self.fitter.add(base is not None, tokens, weight)
-                candidates = self.bases.candidates(key, base is not None, h, blocks.device)
-            at, packed, code, scale = transform.code_row(tokens, candidates or [(0, None)],
-                budget, version, cfg.scale, weight=weight, massive=weighed.massive)  # fmt: skip
+                against = base is not None
+                self.fitter.add(against, tokens, weight)
+                candidates = self.bases.candidates(key, against, h, blocks.device)
+            at, packed, code, scale = transform.code_row(tokens, candidates, budget, version,
+                cfg.scale, weight=weight, massive=weighed.massive)  # fmt: skip
         else:
             energy, table = change.square().sum(dim=1) * weight, shallow(cfg.scale)
             bits = allocate_bits(energy, budget, cfg.floor, table=table)
