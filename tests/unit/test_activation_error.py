@@ -56,12 +56,12 @@ def test_the_spec_takes_int3_only_with_delta_and_the_planner_prices_it() -> None
     with pytest.raises(SpecError, match="int3 needs compression: delta") as info:
         parse_job(_job("int3", compression="int8").build())
     assert "spec.pipeline.activationError" in info.value.paths
-    # A row's first crossing is priced at int3's bits instead of int4's: a bit a value less.
+    # A row's first crossing is priced at int3's bits instead of int4's: a bit a value less,
+    # but for its sink's token, at 8 bits in either (5 bits more than int3's, 4 than int4's).
     int3 = TrainingShape(1, 4, 256, compression="delta", activation_bits=3)
-    assert wire_bytes_per_value(int3) == pytest.approx(DELTA_FIRST_BYTES - 1 / 8)
-    assert wire_bytes_per_value(TrainingShape(1, 4, 256, compression="delta")) == (
-        DELTA_FIRST_BYTES
-    )
+    int4 = TrainingShape(1, 4, 256, compression="delta")
+    assert wire_bytes_per_value(int3) == pytest.approx(DELTA_FIRST_BYTES - 1 / 8 + 5 / 8 / 256)
+    assert wire_bytes_per_value(int4) == pytest.approx(DELTA_FIRST_BYTES + 4 / 8 / 256)
     with pytest.raises(ValueError, match="activation_bits must be 3 or 4"):
         TrainingShape(1, 4, 256, compression="delta", activation_bits=2)
 

@@ -126,7 +126,8 @@ def test_delta_is_priced_at_its_runs_mean_where_the_job_counts_epochs() -> None:
     ``DELTA_LATER_SHARE`` of it for the rest; a job of steps (passes unknown) is priced at the
     first epoch's rate; either less deflate's floor. Gradients and the other codes do not
     depend on the epochs."""
-    first = link_cost.delta_first_bytes(4) * (1 - link_cost.DEFLATE_FORWARD_SAVES)
+    saves = 1 - link_cost.DEFLATE_FORWARD_SAVES
+    first = link_cost.delta_first_bytes(4, TRAINING.sequence_length) * saves
     share = link_cost.DELTA_LATER_SHARE
     delta = replace(TRAINING, compression="delta")
     values = TRAINING.tokens_per_micro_batch * LLAMA.hidden_size
@@ -139,7 +140,7 @@ def test_delta_is_priced_at_its_runs_mean_where_the_job_counts_epochs() -> None:
     assert four.backward_bytes == steps.backward_bytes
     int3 = LinkCost.of(LLAMA, replace(delta, epochs=4, activation_bits=3))
     assert int3.forward_bytes == pytest.approx(
-        values * link_cost.delta_first_bytes(3) * (1 - link_cost.DEFLATE_FORWARD_SAVES)
+        values * link_cost.delta_first_bytes(3, TRAINING.sequence_length) * saves
         * (1 + 3 * share) / 4 + labels
     )  # fmt: skip
     int4 = replace(TRAINING, compression="int4")
@@ -348,3 +349,20 @@ def test_a_fitted_basis_costs_delta_its_share_of_each_fit_at_every_link_speed() 
                 if basis == "fitted" and epochs == 6 and mbps <= 20.0:
                     assert chosen == "delta", mbps
             assert ratio["fitted"] < ratio["identity"], (epochs, mbps, ratio)
+
+
+def test_a_rows_sink_is_priced_at_eight_bits_on_its_first_crossing() -> None:
+    """A pretrained model's first token crosses at 8 bits a value (its massive activations,
+    `allocation.MASSIVE`), the row's other tokens at the code's: a short row pays more a value
+    than a long one, by the sink's share. The plan cannot know whether the model has a sink
+    and always prices one."""
+    for bits in (3, 4):
+        row = {}
+        for tokens in (32, 512):
+            shape = replace(TRAINING, compression="delta", activation_bits=bits)
+            shape = replace(shape, sequence_length=tokens)
+            row[tokens] = link_cost.wire_bytes_per_value(shape) * tokens
+        # Each row: its tokens at the code's rate, and one token (8 - bits) bits a value dearer.
+        rate = (row[512] - row[32]) / (512 - 32)
+        assert row[32] - 32 * rate == pytest.approx((8 - bits) / 8)
+        assert rate == pytest.approx(link_cost.DELTA_FIRST_BYTES - (4 - bits) / 8)

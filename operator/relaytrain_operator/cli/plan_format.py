@@ -100,7 +100,7 @@ def _code_price(training: TrainingShape, model: ModelShape | None) -> list[str]:
     if training.compression != "delta":
         return []
     forward, back = (8 * wire_bytes_per_value(training, b) for b in (False, True))
-    first = 8 * delta_first_bytes(training.activation_bits)
+    first = 8 * delta_first_bytes(training.activation_bits, training.sequence_length)
     if training.epochs is not None and training.epochs > 1:
         how = (
             f"the mean of its {training.epochs} epochs: the first at {first:.2f}, each later "
@@ -112,7 +112,7 @@ def _code_price(training: TrainingShape, model: ModelShape | None) -> list[str]:
         how = f"its first epoch's rate, the dearest ({why})"
     return [
         f"Boundary code delta: activations priced at {forward:.2f} bits a value, {how}; "
-        f"gradients at {back:.2f}; deflate counted as {100 * DEFLATE_FORWARD_SAVES:.0f} % off "
+        f"gradients at {back:.2f}; deflate counted as {100 * DEFLATE_FORWARD_SAVES:.1f} % off "
         "the activations.",
         *_basis_price(training, model),
     ]

@@ -29,11 +29,24 @@ WIRE_BYTES = {"bf16": 2.0, "int8": 1.0 + 2 / 64, "int4": 0.5 + 2 / 64}
 #: only what changed, so their rate falls with the drift (docs/links-and-checkpoints.md).
 #: Gradients at ``spec.pipeline.gradientBits`` (3 by default), a bf16 scale per 64 values
 #: (`delta_gradient_bytes`). A job of steps is priced at the first epoch's rate, the
-#: slowest; with ``pipeline.activationError: int3``, at int3's
-#: (`delta_first_bytes`). A job of ``spec.training.epochs`` E is priced at its run's mean
-#: (`delta_forward_bytes`): the first epoch at that rate and each later one at
+#: slowest; with ``pipeline.activationError: int3``, at int3's, and a row's sink at
+#: ``SINK_BITS`` (`delta_first_bytes`). A job of ``spec.training.epochs`` E is priced at its
+#: run's mean (`delta_forward_bytes`): the first epoch at that rate and each later one at
 #: ``DELTA_LATER_SHARE`` of it.
 DELTA_FIRST_BYTES = (4 + 16 / 64 + 3 / 64) / 8
+#: Bits a value of a row's first token on its first crossing: a pretrained model's attention
+#: sink, whose massive activations (more than `relaytrain_worker.pipeline.allocation.MASSIVE`
+#: times the row's median token's energy) cross at the code's most bits, 8
+#: (`deltacache.DeltaConfig.allocate`). Every pretrained language model measured has one from
+#: its middle layers on (SmolLM2-135M: 93-99.8 % of a row's energy after its layer 15); the
+#: plan cannot know whether a job's model has it, so it always prices it, a bound: ``8 - b``
+#: bits more a row's value of it, for a ``b``-bit code. Measured first crossings of SmolLM2's
+#: boundaries in the identity (`bench/bench_boundary_spectrum.py --codes --seq 32 --rows 64`
+#: and ``--seq 512 --rows 24``, the 2-core dev VM, 2026-12-07): 4.27-4.44 bits a value at
+#: int4's error in rows of 32 tokens, priced 4.42; 4.20-4.26 in rows of 512, priced 4.30; at
+#: int3's 3.19-3.39 in rows of 32, priced 3.45. The rest of a row's blocks take fewer bits for
+#: it (0-8 a block, each within the row's budget): so 512 tokens cost less than 4.30.
+SINK_BITS = 8
 #: What a later epoch's activations cost under ``delta`` as a share of the first's. The rows'
 #: drift decides it, which no plan knows before the run; this is the dearest mean measured
 #: (`bench/bench_delta_boundary.py`, tiny Llama LoRA, 4 stages, 6 epochs, 2026-11-29, the
@@ -63,11 +76,13 @@ DELTA_BACKWARD_CODEC_SECONDS = 0.3e-9
 #: the 2-core dev VM, 2026-11-30). A stage pays what the deflate takes beyond the send it
 #: overlaps (a link's encoder thread deflates a frame while its sender sends the one before),
 #: the inflate as the codec's time. Of what deflate saves the plan counts its floor,
-#: ``DEFLATE_FORWARD_SAVES`` of the activations (5.6 % of Gaussian codes' frames: maps, scales,
-#: integers; a fine-tune's lose 11-16 %). Gradient frames do not shrink: sent as coded.
+#: ``DEFLATE_FORWARD_SAVES`` of the activations: a real model's frames lose least, 1.3-2.7 %
+#: a boundary (SmolLM2-135M's fine-tune, 1.8 % over its run, `bench/bench_delta_boundary.py
+#: --model smollm2`, 2026-12-07), where Gaussian codes' lose 5.6 % (maps, scales, integers)
+#: and a tiny model's fine-tune 11-16 %. Gradient frames do not shrink: sent as coded.
 DEFLATE_SECONDS_PER_BYTE = 38.9e-9
 INFLATE_SECONDS_PER_BYTE = 5.6e-9
-DEFLATE_FORWARD_SAVES = 0.05
+DEFLATE_FORWARD_SAVES = 0.013
 #: ``pipeline.activationBasis: fitted`` (relaytrain_worker.pipeline.transform): the sender fits
 #: an ``h x h`` basis for a kind of rows (full codes, deltas) after every ``BASIS_REFIT`` frames
 #: of it and sends it ahead of the rows coded in it. The rows in it are priced as the
@@ -105,7 +120,9 @@ def wire_bytes_per_value(training: TrainingShape, backward: bool = False) -> flo
         return float(training.dtype_bytes)
     if training.compression == "delta":
         if not backward:
-            return delta_forward_bytes(training.activation_bits, training.epochs)
+            return delta_forward_bytes(
+                training.activation_bits, training.epochs, training.sequence_length
+            )
         coded = delta_gradient_bytes(training.gradient_bits)
         if training.gradient_tokens >= 1.0:
             return coded
@@ -136,10 +153,11 @@ def basis_share(width: int) -> tuple[float, float]:
     return basis_bytes(width) / BASIS_REFIT, basis_fit_seconds(width) / BASIS_REFIT
 
 
-def delta_first_bytes(bits: int) -> float:
-    """Wire bytes a value of a row's first crossing under ``delta`` held to a ``bits``-bit
-    code's error: that code's bits, its scales and the bit map."""
-    return DELTA_FIRST_BYTES - (4 - bits) / 8
+def delta_first_bytes(bits: int, tokens: int) -> float:
+    """Wire bytes a value of a row of ``tokens`` tokens on its first crossing under ``delta``
+    held to a ``bits``-bit code's error: that code's bits, its scales and the bit map, and its
+    sink's token at ``SINK_BITS``."""
+    return DELTA_FIRST_BYTES - (4 - bits) / 8 + (SINK_BITS - bits) / 8 / tokens
 
 
 def delta_gradient_bytes(bits: int) -> float:
@@ -148,12 +166,12 @@ def delta_gradient_bytes(bits: int) -> float:
     return (bits + 16 / 64) / 8
 
 
-def delta_forward_bytes(bits: int, epochs: int | None) -> float:
-    """Wire bytes a value of a row's activations costs under ``delta``, the mean over a run of
-    ``epochs`` passes (None: a job of steps, whose passes the plan does not know: the first
-    epoch's rate): the first pass at `delta_first_bytes`, each later one at
+def delta_forward_bytes(bits: int, epochs: int | None, tokens: int) -> float:
+    """Wire bytes a value of a row of ``tokens`` tokens costs under ``delta``, the mean over a
+    run of ``epochs`` passes (None: a job of steps, whose passes the plan does not know: the
+    first epoch's rate): the first pass at `delta_first_bytes`, each later one at
     ``DELTA_LATER_SHARE`` of it."""
-    first = delta_first_bytes(bits)
+    first = delta_first_bytes(bits, tokens)
     if epochs is None or epochs <= 1:
         return first
     return first * (1 + (epochs - 1) * DELTA_LATER_SHARE) / epochs
