@@ -9,11 +9,11 @@ import pytest
 import torch
 from relaytrain_worker.pipeline.deltacache import (
     DeltaConfig,
-    DeltaMessage,
     DeltaReceiver,
     DeltaSender,
     StaleCacheError,
 )
+from relaytrain_worker.pipeline.deltamessage import DeltaMessage
 from relaytrain_worker.pipeline.lowbit import BLOCK, DISTORTION
 
 pytestmark = pytest.mark.unit

@@ -81,12 +81,8 @@ from typing import Any
 import torch
 
 from relaytrain_worker.pipeline import lowbit, transform
-from relaytrain_worker.pipeline.deltacache import (
-    DeltaConfig,
-    DeltaMessage,
-    DeltaReceiver,
-    DeltaSender,
-)
+from relaytrain_worker.pipeline.deltacache import DeltaConfig, DeltaReceiver, DeltaSender
+from relaytrain_worker.pipeline.deltamessage import DeltaMessage
 from relaytrain_worker.pipeline.lowbit import Bits
 from relaytrain_worker.pipeline.transform import BasisMessage
 
