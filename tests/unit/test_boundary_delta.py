@@ -101,13 +101,18 @@ def test_later_epochs_send_only_what_changed_and_both_caches_agree(
     ints = ROWS_TOTAL * SEQ * (1 + 4) + ROWS_TOTAL  # mask uint8, labels int32, rows uint8
     bits = [(size - ints) * 8 / values for size in sizes]
     # Epoch 1 codes every row within int4's error: about int4's 4.25 bits a value, plus
-    # 3 bits a block of 64 for its bits. Later, a 1 % drift keeps every row within that
-    # error, so no block needs bits: only the bit maps cross, 340x fewer bytes than bf16.
+    # 3 bits a block of 64 for its bits. Epoch 2 takes that error down to a quarter
+    # (`boundary.CHANGE_ERRORS`: about a bit a value); later, a 1 % drift keeps every row
+    # within it, so few blocks need bits: the bit maps and a few codes cross, 190x fewer
+    # bytes than bf16.
     assert 3.9 < bits[0] <= 4.25 + 3 / 64, bits
-    assert bits[1:] == [3 / 64] * 3, bits
+    assert 0.5 < bits[1] < 1.25, bits
+    assert all(3 / 64 <= b < 0.1 for b in bits[2:]), bits
     assert (up.codec.full_codes, up.codec.delta_codes) == (ROWS_TOTAL, 3 * ROWS_TOTAL)
-    # The error stays within what int4 is expected to leave (sqrt(D_4) = 9.7 %).
-    assert max(errors) < 0.0975, errors
+    # The error: what int4 is expected to leave (sqrt(D_4) = 9.7 %), then half of it (its
+    # unshrunk scale's D / (1 - D): 9.79 %, which a row may pass by a little).
+    half = 0.5 * math.sqrt(distortion(4, "unshrunk"))
+    assert errors[0] < 0.0975 and max(errors[1:]) < 1.01 * half, errors
 
 
 def test_gradients_and_rows_without_keys_are_coded_alone_and_cached_nowhere(
@@ -150,7 +155,8 @@ def test_a_row_that_changes_more_gets_more_bits_and_never_a_worse_code(
     values = ROWS_TOTAL * SEQ * HIDDEN
     ints = ROWS_TOTAL * SEQ * (1 + 4) + ROWS_TOTAL
     bits = [(size - ints) * 8 / values for size in sizes]
-    assert bits == sorted(bits) and bits[0] < 1.0 and 3.9 < bits[-1] <= 4.25 + 3 / 64, bits
+    # (a change is held to a quarter of a full code's error, `boundary.CHANGE_ERRORS`)
+    assert bits == sorted(bits) and bits[0] < 2.5 and 3.9 < bits[-1] <= 4.25 + 3 / 64, bits
     assert up.codec.full_codes == 2 * ROWS_TOTAL  # the first sight, and the row made anew
     # Never worse than int4 is expected to code the row (its unshrunk scale's D / (1 - D),
     # 9.79 %; the bits' budget is that expectation, which a row may pass by a little).

@@ -42,7 +42,9 @@ def test_a_delta_frame_travels_deflated_and_decodes_as_its_codes_do() -> None:
     sender, receiver = BoundaryCodec(), BoundaryCodec()
     gen = torch.Generator().manual_seed(0)
     hidden = torch.randn(ROWS_N, SEQ, HIDDEN, generator=gen)
-    for step in range(2):  # a row's first code, then its change (here: none, a map of zeros)
+    # A row's first code, that code's error taken down to a quarter (`boundary.CHANGE_ERRORS`),
+    # then its change (here: none, a map of zeros).
+    for step in range(3):
         sent = _activation(step, hidden)
         prepared = prepare(sent, "delta", sender)
         header = frames.parse_head(prepared.head)
@@ -57,7 +59,7 @@ def test_a_delta_frame_travels_deflated_and_decodes_as_its_codes_do() -> None:
             assert theirs is not None
             assert torch.equal(sender.sender.cached(key), theirs)  # type: ignore[arg-type]
             assert torch.equal(got["hidden"][row], theirs.float())
-    # The second frame's codes are bit maps of zeros and its masks ones: on the wire they take
+    # The third frame's codes are bit maps of zeros and its masks ones: on the wire they take
     # next to nothing, and what is left is mostly the random labels.
     assert prepared.payload_bytes < 0.6 * prepared.coded_bytes
 

@@ -18,10 +18,11 @@ on Gaussian data).
 
 Allocated codes (``allocate``, what the worker's ``delta`` compression uses;
 `DeltaConfig.allocate`): unlike ``adaptive``, the error does not shrink epoch after epoch:
-it is held at the full code's (each token's against its own energy, in the row's mean; a
+a full code's is held at its bits' (each token's against its own energy, in the row's mean; a
 massive token, `allocation.MASSIVE`, at the code's most bits: 8 on a full code, its row's
-blocks then 0-8), a row that drifts less than that costs only its map, and the next code
-carries the error.
+blocks then 0-8), a change's at ``change_error`` of that (the worker's default: a quarter,
+a bit finer), a row that drifts less than that costs only its map, and the next code carries the
+error.
 
 Block skipping (``skip_below``): a block (64 values, as in lowbit.py) whose delta RMS is at
 most ``skip_below`` times the cached block's is not sent; a bitmap of a bit a block (set =
@@ -140,6 +141,9 @@ class DeltaConfig:
     Instead of ``adaptive`` and ``skip_below``."""
     floor: int = 0
     """With ``allocate``: the fewest bits a block gets (1: every block is sent)."""
+    change_error: float = 1.0
+    """With ``allocate``: a change's (a delta's) error budget as a share of a full code's, each
+    token's against its own energy alike (the worker's: `boundary.CHANGE_ERRORS`)."""
     transform: bool = False
     """With ``allocate``: code each row's change in a basis fitted to such changes, its blocks
     0-8 bits, within the same error (`transform.py`); the sender's `DeltaSender.fitter`
@@ -157,6 +161,11 @@ class DeltaConfig:
             raise ValueError("allocate replaces adaptive and skip_below: set only allocate")
         if self.floor not in range(0, 5) or (self.floor and not self.allocate):
             raise ValueError(f"floor must be 0-4 and needs allocate, got {self.floor}")
+        if not 0.0 < self.change_error <= 1.0 or (self.change_error < 1 and not self.allocate):
+            raise ValueError(
+                f"change_error must be above 0 and at most 1, below 1 only with allocate, "
+                f"got {self.change_error}"
+            )
         if self.transform and (not self.allocate or self.floor):
             raise ValueError("transform needs allocate and no floor")
         if not (self.skip_below >= 0.0 and math.isfinite(self.skip_below)):
@@ -342,6 +351,8 @@ class DeltaSender(_Side):
         h, at = transform.width(shape), None
         weighed = token_weights(value, h)  # each token's error against its own energy
         budget, weight = distortion(cfg.full_bits, cfg.scale) * weighed.energy, weighed.weight
+        if base is not None:
+            budget *= cfg.change_error
         if cfg.transform or (base is None and not cfg.floor and bool(weighed.massive.any())):
             # In a basis; or a full code of a row with a massive token (a sink, which 4 bits
             # left at up to 5 % of its norm: SmolLM2-135M's loss +0.68 %, at 8 +0.27 %) in the
