@@ -431,12 +431,12 @@ def test_an_explicit_exact_merge_of_float64_weights_prices_a_gather(tmp_path, mo
 @pytest.mark.parametrize(
     ("training", "says"),
     [
-        ({"epochs": 6}, "priced at 3.41 bits a value, the mean of its 6 epochs: the first at 4.31"),
+        ({"epochs": 6}, "priced at 3.77 bits a value, the mean of its 6 epochs: the first at 4.31"),
         ({"steps": 100}, "priced at 4.31 bits a value, its first epoch's rate, the dearest (a job"),
     ],
 )
 def test_the_table_says_how_delta_is_priced(tmp_path, model_config, capsys, training, says):
-    """A job of epochs pays delta's first-crossing rate once and 0.75 of it after; a job of
+    """A job of epochs pays delta's first-crossing rate once and 0.85 of it after; a job of
     steps, whose passes the plan cannot know, its first epoch's rate throughout."""
     manifest = (
         LORA.pipeline(stages=4, compression="delta")

@@ -47,18 +47,20 @@ DELTA_FIRST_BYTES = (4 + 16 / 64 + 3 / 64) / 8
 #: int3's 3.19-3.39 in rows of 32, priced 3.45. The rest of a row's blocks take fewer bits for
 #: it (0-8 a block, each within the row's budget): so 512 tokens cost less than 4.30.
 SINK_BITS = 8
-#: What a later epoch's activations cost under ``delta`` as a share of the first's. The rows'
-#: drift decides it, which no plan knows before the run; this is the dearest mean measured
-#: (`bench/bench_delta_boundary.py`, tiny Llama LoRA, 4 stages, 6 epochs, 2026-11-29, the
-#: activations' bytes of epochs 2-6 against epoch 1's): 0.72 where the LoRA learns a language
-#: from a random base (rows moved 95-5 % an epoch), 0.46 on a fine-tune of a pretrained one
-#: (50-1.6 %), rounded up. Where the rows drift more, a later epoch costs at most what the
-#: first does (a row coded against zero), so a plan that took delta on this price is at
-#: worst delta's first-epoch speed: about int4's (docs/planner.md). At a width of 1024 with
-#: int3's error and a fitted basis the share was 0.76 (2026-12-06, unshrunk codes, CPU),
-#: but of a first epoch that cost 0.44 of the identity's rate the plan prices it at: the
-#: later epochs cost 0.45 of their price there.
-DELTA_LATER_SHARE = 0.75
+#: What a later epoch's activations cost under ``delta`` as a share of the first's price
+#: (`delta_first_bytes`). The rows' drift decides it, which no plan knows before the run, and
+#: since 2026-12-07 a row's change at int4's error is held to a quarter of its first code's
+#: (relaytrain_worker.pipeline.boundary.CHANGE_ERRORS): its second crossing pays to halve the
+#: first's error even where the row did not move. This is the dearest mean measured, rounded
+#: up (`bench/bench_delta_boundary.py`, 4 stages, the activations' bits a value of the later
+#: epochs against the first's price, 2026-12-07): 0.82 where a tiny Llama's LoRA learns a
+#: language from a random base (6 epochs, rows moving 95-5 % an epoch; 0.91 of what its first
+#: epoch cost), 0.57 on a fine-tune of a pretrained one (50-1.6 %; 0.80 of its first epoch),
+#: 0.49 on SmolLM2-135M's (3 epochs of rows of 32 tokens). Held to the first code's error
+#: they were 0.72 and 0.46 of the first epoch (2026-11-29). A later crossing in the identity
+#: costs at most the first's price (a change's blocks take 0-4 bits), so a plan that took
+#: delta on this price is at worst delta's first-epoch speed: about int4's (docs/planner.md).
+DELTA_LATER_SHARE = 0.85
 #: Seconds per boundary value of the ``delta`` codec on a GPU stage, encode plus decode: it
 #: codes on the sending stage's card and decodes on the receiving one's (the rows' caches
 #: stay on the host; so did the per-row choice of bits when this was measured, most of the
