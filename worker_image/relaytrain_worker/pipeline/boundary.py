@@ -123,9 +123,9 @@ uncompressed training (seeds 0 and 1) at 5.72x and 5.77x fewer bytes than bf16, 
 its first epoch, all full codes; at a quarter +0.34 % and +0.14 % at 5.14x and 5.19x, within
 int8's +0.50 and +0.79 % (bf16's +0.54 % on seed 1). int3's, the setting that trades loss for
 bytes on a model without massive activations, its own: the tiny fine-tune's
-``delta:int3+basis`` with a quarter of the gradients' tokens is 16.59x at +0.44 % so and
-12.74x at +0.03 % at a quarter. `bench/bench_delta_boundary.py`, 2026-12-07
-(docs/links-and-checkpoints.md)."""
+``delta:int3+basis`` with a quarter of the gradients' tokens is 16.59x at +0.44 % with its
+changes held at int3's error, 12.74x at +0.03 % at a quarter of it.
+`bench/bench_delta_boundary.py`, 2026-12-07 (docs/links-and-checkpoints.md)."""
 
 
 def config_for(activation_error: str = "int4", *, transform: bool = False) -> DeltaConfig:
