@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -30,6 +32,19 @@ def _error(
     bits: torch.Tensor | tuple[int, ...], energy: torch.Tensor, table: tuple[float, ...] = D
 ) -> float:
     return sum(table[int(b)] * float(e) for b, e in zip(bits, energy, strict=True))
+
+
+def _crossed(sender: Any, receiver: Any, frames: torch.Tensor) -> Iterator[torch.Tensor]:
+    """Each frame of ``frames`` ([frames, rows, tokens, width]) sent from the link end
+    ``sender`` to ``receiver`` (`boundary.BoundaryCodec`s), its rows keyed by their place in
+    all the frames: each token's relative error as decoded ([rows, tokens])."""
+    for i, frame in enumerate(frames):
+        n = frame.shape[0]
+        rows = torch.arange(n * i, n * i + n)
+        ((entry, parts),) = sender.encode("activation", {"hidden": frame, ROWS: rows})
+        it = iter(parts)
+        y = receiver.decode("activation", entry, frame.dtype, lambda _n, _d, it=it: next(it))
+        yield (y - frame).norm(dim=-1) / frame.norm(dim=-1)
 
 
 @pytest.mark.parametrize("scale", ["least-squares", "unshrunk"])
@@ -170,12 +185,7 @@ def test_a_token_of_massive_activations_leaves_no_other_token_out(error: str, fi
     moved = base + 0.3 * torch.randn(base.shape, generator=gen)
     moved[:, :, 0] = base[:, :, 0]  # the massive token stays where it was
     for crossing, x in enumerate((base, moved)):
-        for i in range(frames):
-            rows = torch.arange(2 * i, 2 * i + 2)
-            ((entry, parts),) = sender.encode("activation", {"hidden": x[i], ROWS: rows})
-            it = iter(parts)
-            y = receiver.decode("activation", entry, x.dtype, lambda _n, _d, it=it: next(it))
-            each = (y - x[i]).norm(dim=-1) / x[i].norm(dim=-1)  # a token's relative error
+        for i, each in enumerate(_crossed(sender, receiver, x)):
             rms = each.square().mean(dim=-1).sqrt()  # over a row's tokens
             assert float(rms.max()) < bound, (crossing, i, rms, bound)
     if fitted:
@@ -240,12 +250,7 @@ def test_a_massive_token_crosses_at_the_codes_most_bits(fitted: bool) -> None:
     base = torch.randn(transform.FIRST_FIT + 2, 2, 64, 2 * BLOCK, generator=gen)
     base[:, :, 0] *= 8  # 64 times the others' energy: 50 % of a row's
     for crossing, x in enumerate((base, base + 0.3 * torch.randn(base.shape, generator=gen))):
-        for i, frame in enumerate(x):
-            rows = torch.arange(2 * i, 2 * i + 2)
-            ((entry, parts),) = sender.encode("activation", {"hidden": frame, ROWS: rows})
-            it = iter(parts)
-            y = receiver.decode("activation", entry, frame.dtype, lambda _n, _d, it=it: next(it))
-            each = (y - frame).norm(dim=-1) / frame.norm(dim=-1)
+        for i, each in enumerate(_crossed(sender, receiver, x)):
             first = float(each[:, 0].max())
             assert first < 0.01, (crossing, i, first)
             assert float(each[:, 1:].square().mean().sqrt()) < 1.05 * d3
@@ -268,12 +273,7 @@ def test_a_rows_change_crosses_a_bit_finer_than_its_first_code(fitted: bool) -> 
     moved = base + 0.6 * d4 * torch.randn(base.shape, generator=gen)  # 0.6 of that error
     for crossing, x in enumerate((base, moved)):
         bound = 1.05 * d4 * (1 if crossing == 0 else 0.5)  # a quarter of its square
-        for i, frame in enumerate(x):
-            rows = torch.arange(2 * i, 2 * i + 2)
-            ((entry, parts),) = sender.encode("activation", {"hidden": frame, ROWS: rows})
-            it = iter(parts)
-            y = receiver.decode("activation", entry, frame.dtype, lambda _n, _d, it=it: next(it))
-            each = (y - frame).norm(dim=-1) / frame.norm(dim=-1)
+        for i, each in enumerate(_crossed(sender, receiver, x)):
             assert float(each.square().mean().sqrt()) < bound, (crossing, i, bound)
     again = {}
     for error in ("int4", "int3"):
