@@ -102,7 +102,7 @@ def test_later_epochs_send_only_what_changed_and_both_caches_agree(
     bits = [(size - ints) * 8 / values for size in sizes]
     # Epoch 1 codes every row within int4's error: about int4's 4.25 bits a value, plus
     # 3 bits a block of 64 for its bits. Epoch 2 takes that error down to a quarter
-    # (`boundary.CHANGE_ERRORS`: about a bit a value); later, a 1 % drift keeps every row
+    # (`boundary.ACTIVATION_ERRORS`: about a bit a value); later, a 1 % drift keeps every row
     # within it, so few blocks need bits: the bit maps and a few codes cross, 190x fewer
     # bytes than bf16.
     assert 3.9 < bits[0] <= 4.25 + 3 / 64, bits
@@ -155,7 +155,7 @@ def test_a_row_that_changes_more_gets_more_bits_and_never_a_worse_code(
     values = ROWS_TOTAL * SEQ * HIDDEN
     ints = ROWS_TOTAL * SEQ * (1 + 4) + ROWS_TOTAL
     bits = [(size - ints) * 8 / values for size in sizes]
-    # (a change is held to a quarter of a full code's error, `boundary.CHANGE_ERRORS`)
+    # (a change is held to a quarter of a full code's error, `boundary.ACTIVATION_ERRORS`)
     assert bits == sorted(bits) and bits[0] < 2.5 and 3.9 < bits[-1] <= 4.25 + 3 / 64, bits
     assert up.codec.full_codes == 2 * ROWS_TOTAL  # the first sight, and the row made anew
     # Never worse than int4 is expected to code the row (its unshrunk scale's D / (1 - D),

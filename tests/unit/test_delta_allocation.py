@@ -259,7 +259,7 @@ def test_a_massive_token_crosses_at_the_codes_most_bits(fitted: bool) -> None:
 @pytest.mark.parametrize("fitted", [False, True], ids=["identity", "fitted-bases"])
 def test_a_rows_change_crosses_a_bit_finer_than_its_first_code(fitted: bool) -> None:
     """At int4's error, the default, every crossing of a row after its first is held to a
-    quarter of its first code's squared error (`boundary.CHANGE_ERRORS`): a row that moved by
+    quarter of its first code's squared error (`boundary.ACTIVATION_ERRORS`): a row that moved by
     less than that error (an adapter's epoch) reaches the next stage within half of it, not as
     it was an epoch before. Held at the first's (until 2026-12-07), such a change crossed as
     the row's map alone, and the next stage trained on the stale row: SmolLM2-135M's

@@ -42,7 +42,7 @@ def test_a_delta_frame_travels_deflated_and_decodes_as_its_codes_do() -> None:
     sender, receiver = BoundaryCodec(), BoundaryCodec()
     gen = torch.Generator().manual_seed(0)
     hidden = torch.randn(ROWS_N, SEQ, HIDDEN, generator=gen)
-    # A row's first code, that code's error taken down to a quarter (`boundary.CHANGE_ERRORS`),
+    # A row's first code, that code's error taken down to a quarter (`boundary.ACTIVATION_ERRORS`),
     # then its change (here: none, a map of zeros).
     for step in range(3):
         sent = _activation(step, hidden)

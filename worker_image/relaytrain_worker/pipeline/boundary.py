@@ -111,12 +111,11 @@ frames of that kind (frames.py; it costs some 40 ns a byte of one CPU thread).""
 DEFLATE_RETRY = 16
 """Frames of a kind a link sends as coded after a deflate that did not pay, before it tries
 again (the codes' statistics change as training goes on)."""
-ACTIVATION_ERRORS: dict[str, Bits] = {"int4": FULL_BITS, "int3": 3}
-"""``pipeline.activationError``: the code whose expected error a row's first code is held to."""
-CHANGE_ERRORS: dict[str, float] = {"int4": 0.25, "int3": 1.0}
-"""Per ``pipeline.activationError``, the share of a row's first code's squared error its change
-(a delta, every crossing after its first) is held to. int4's, the default, a quarter: a bit
-finer (each bit quarters a code's error). Held at the first's, a row that drifted less than
+ACTIVATION_ERRORS: dict[str, tuple[Bits, float]] = {"int4": (FULL_BITS, 0.25), "int3": (3, 1.0)}
+"""``pipeline.activationError``: the code whose expected error a row's first code is held to, and
+the share of that squared error its change (a delta, every crossing after its first) is held
+to (`DeltaConfig.change_error`). int4's, the default, a quarter: a bit finer (each bit
+quarters a code's error). Held at the first's, a row that drifted less than
 that error crossed as its map alone, and the next stage trained on what it was an epoch or
 more before: SmolLM2-135M's fine-tune through 4 stages ended +1.36 % and +2.13 % above
 uncompressed training (seeds 0 and 1) at 5.72x and 5.77x fewer bytes than bf16, +0.28 % after
@@ -131,17 +130,16 @@ changes held at int3's error, 12.74x at +0.03 % at a quarter of it.
 def config_for(activation_error: str = "int4", *, transform: bool = False) -> DeltaConfig:
     """The sender's config of a link of a job with ``pipeline.activationError``: each block
     of a row's code gets its own bits (`DeltaConfig.allocate`), within that code's error (a
-    change of the row within its ``CHANGE_ERRORS`` share of it), its scale unshrunk
+    change of the row within its ``ACTIVATION_ERRORS`` share of it), its scale unshrunk
     (`lowbit.Scale`: a row crosses the boundary no shorter than it is); ``transform``: rows
     coded in fitted bases (`DeltaConfig.transform`)."""
     if activation_error not in ACTIVATION_ERRORS:
         valid = ", ".join(ACTIVATION_ERRORS)
         raise ValueError(f"activation_error must be one of {valid}, got {activation_error!r}")
-    bits = ACTIVATION_ERRORS[activation_error]
+    bits, change = ACTIVATION_ERRORS[activation_error]
     return DeltaConfig(
-        full_bits=bits, allocate=True, transform=transform, scale="unshrunk",
-        change_error=CHANGE_ERRORS[activation_error],
-    )  # fmt: skip
+        full_bits=bits, allocate=True, transform=transform, scale="unshrunk", change_error=change
+    )
 
 
 CONFIG = config_for()

@@ -143,7 +143,7 @@ class DeltaConfig:
     """With ``allocate``: the fewest bits a block gets (1: every block is sent)."""
     change_error: float = 1.0
     """With ``allocate``: a change's (a delta's) error budget as a share of a full code's, each
-    token's against its own energy alike (the worker's: `boundary.CHANGE_ERRORS`)."""
+    token's against its own energy alike (the worker's: `boundary.ACTIVATION_ERRORS`)."""
     transform: bool = False
     """With ``allocate``: code each row's change in a basis fitted to such changes, its blocks
     0-8 bits, within the same error (`transform.py`); the sender's `DeltaSender.fitter`
