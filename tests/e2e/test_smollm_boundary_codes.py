@@ -9,10 +9,10 @@ boundaries decoded (docs/links-and-checkpoints.md, "A real model through the lin
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
+from relaytrain_testkit.prose import prose
 from relaytrain_worker.pipeline import transform
 from relaytrain_worker.pipeline.boundary import ROWS, codec_for
 from relaytrain_worker.pipeline.lowbit import distortion
@@ -20,21 +20,19 @@ from relaytrain_worker.prepare_model import default_dir, prepare
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-REPO = Path(__file__).resolve().parents[2]
 SEQ = 256
 FRAMES = transform.FIRST_FIT + 2  # a row a frame; rows coded in a basis from the fifth
 
 
 @pytest.fixture(scope="module")
 def hidden() -> torch.Tensor:
-    """[FRAMES, SEQ, 576] bf16: the hidden states after layer 15 of rows of this repository's
-    docs, as a link gets them."""
+    """[FRAMES, SEQ, 576] bf16: the hidden states after layer 15 of rows of pinned packages'
+    READMEs (`relaytrain_testkit.prose`), as a link gets them."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     where = prepare(default_dir())
     tokenizer = AutoTokenizer.from_pretrained(str(where))
-    text = "\n".join(p.read_text() for p in sorted((REPO / "docs").glob("*.md")))
-    ids = tokenizer(text, return_tensors="pt").input_ids[0][: FRAMES * SEQ].view(FRAMES, SEQ)
+    ids = tokenizer(prose(), return_tensors="pt").input_ids[0][: FRAMES * SEQ].view(FRAMES, SEQ)
     model = AutoModelForCausalLM.from_pretrained(str(where), dtype=torch.float32)
     with torch.no_grad():
         out = model(input_ids=ids, output_hidden_states=True, use_cache=False)
@@ -79,18 +77,17 @@ def test_every_token_of_a_real_boundary_crosses_at_its_codes_error(
 def test_int4s_codes_at_a_real_models_boundaries_keep_its_loss(fitted: bool) -> None:
     """The default code (int4's error) at the three boundaries of SmolLM2-135M split in four
     stages (after layers 8, 15 and 22), each row's first crossing, frames of 2 rows: the
-    rows' loss within 1.5 % of the rows' own (measured 2026-12-07: +0.27 % in the identity,
-    +0.35 % in fitted bases). In fitted bases it was +2.6 % while the first token, the
-    attention sink, crossed at the others' relative error (`allocation.MASSIVE`: it takes 8
-    bits now; in the identity it took 4, +0.68 %), and before that every token but the first
-    was left out."""
+    rows' loss within 3 % of the rows' own. Measured on these rows (pinned packages'
+    READMEs, 2026-12-07): +2.02 % in the identity, +1.99 % in fitted bases, where with the
+    first token, the attention sink, crossing at the others' relative error (no
+    `allocation.MASSIVE`) fitted bases cost +7.1 % (the identity, whose full codes give every
+    block 4 bits, +2.19 %); and before that every token but the first was left out."""
     from relaytrain_testkit.inputs import even_splits
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     where = prepare(default_dir())
     tokenizer = AutoTokenizer.from_pretrained(str(where))
-    text = "\n".join(p.read_text() for p in sorted((REPO / "docs").glob("*.md")))
-    ids = tokenizer(text, return_tensors="pt").input_ids[0][: 48 * 32].view(48, 32)
+    ids = tokenizer(prose(), return_tensors="pt").input_ids[0][: 48 * 32].view(48, 32)
     model = AutoModelForCausalLM.from_pretrained(str(where), dtype=torch.float32).eval()
     layers = model.model.layers
     cuts = [end for _, end in even_splits(len(layers), 4)[:-1]]
@@ -129,4 +126,4 @@ def test_int4s_codes_at_a_real_models_boundaries_keep_its_loss(fitted: bool) -> 
     assert all(n == len(ids) for n in sent.values()), sent  # every boundary coded every row
     if fitted:
         assert all(sender.sender.bases.held(False) == 1 for sender, _ in links.values())
-    assert coded < 1.015 * plain, (plain, coded)
+    assert coded < 1.03 * plain, (plain, coded)
