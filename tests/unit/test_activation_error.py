@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from relaytrain_contract import StageConfig
+from relaytrain_contract import GRADIENT_BITS, StageConfig
 from relaytrain_operator.domain.planner import ModelShape, Pool, TrainingShape, link_cost
 from relaytrain_operator.domain.planner.catalog import DEFAULT_CATALOG
 from relaytrain_operator.domain.planner.cost import CostSettings, pool_cost
@@ -162,7 +162,7 @@ def test_a_stages_links_code_as_its_document_names(error: str, basis: str, bits:
     plain = build_stage_configs(job, RANGES, ends, compression="none")
     assert [d["pipeline"]["activationError"] for d in plain] == ["int4", "int4"]
     assert [d["pipeline"]["activationBasis"] for d in plain] == ["identity", "identity"]
-    assert [d["pipeline"]["gradientBits"] for d in plain] == [3, 3]
+    assert [d["pipeline"]["gradientBits"] for d in plain] == [GRADIENT_BITS, GRADIENT_BITS]
     namespace, name = docs[0]["links"]["identity"].split("/")[2:4]
     creds = stage_credentials(2, namespace=namespace, job=name)
     listener = listen("127.0.0.1:0", credentials=creds[1], expect=creds[0].identity)

@@ -10,6 +10,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from relaytrain_contract import GRADIENT_BITS
 from relaytrain_operator.domain.planner import TrainingShape
 from relaytrain_operator.domain.planner.link_cost import delta_gradient_bytes, wire_bytes_per_value
 from relaytrain_operator.spec import SpecError, parse_job
@@ -127,15 +128,23 @@ def _bits(job: Job, bits: int) -> Job:
 def test_the_spec_takes_bits_only_with_delta_and_the_planner_prices_them() -> None:
     job = parse_job(_bits(Job().pipeline(compression="delta"), 1).build())
     assert job.spec.pipeline.gradient_bits == 1
-    assert parse_job(Job().build()).spec.pipeline.gradient_bits == 3
+    # 2 by default since 2026-12-07 (3 before): one constant, the contract's, for all of them.
+    assert parse_job(Job().build()).spec.pipeline.gradient_bits == GRADIENT_BITS == 2
+    assert TrainingShape(1, 4, 256).gradient_bits == GRADIENT_BITS
+    assert codec_for().gradient_bits == GRADIENT_BITS
     for bad in (0, 5, "one"):
         with pytest.raises(SpecError) as info:
             parse_job(_bits(Job().pipeline(compression="delta"), bad).build())  # type: ignore[arg-type]
         assert "spec.pipeline.gradientBits" in info.value.paths
         assert "1, 2, 3 or 4" in str(info.value) or "1, 2, 3, 4" in str(info.value), info.value
-    with pytest.raises(SpecError, match="needs compression: delta") as info:
-        parse_job(_bits(Job().pipeline(compression="int8"), 1).build())
-    assert "spec.pipeline.gradientBits" in info.value.paths
+    for bits in (1, 4):
+        with pytest.raises(SpecError, match="needs compression: delta") as info:
+            parse_job(_bits(Job().pipeline(compression="int8"), bits).build())
+        assert "spec.pipeline.gradientBits" in info.value.paths
+    # A job created before holds the old default, 3, stored by the API server: it still
+    # parses without delta (and ignores it), as the CRD's rule lets it.
+    old = parse_job(_bits(Job().pipeline(compression="int8"), 3).build())
+    assert old.spec.pipeline.gradient_bits == 3
     # Priced at its bits and a bf16 scale a block; with a share, that share and a bit a token.
     for bits in (1, 3):
         every = TrainingShape(1, 4, 256, compression="delta", gradient_bits=bits)

@@ -21,7 +21,7 @@ from relaytrain_testkit.pipelines import run_pipeline_threads
 from relaytrain_testkit.references import run_reference
 from relaytrain_testkit.tiny_models import tiny_model_dir
 from relaytrain_worker.pipeline import lowbit
-from relaytrain_worker.pipeline.boundary import variant_of
+from relaytrain_worker.pipeline.boundary import GRADIENT_BITS, variant_of
 from relaytrain_worker.pipeline.sampling import probabilities, sample_tokens, seed_of
 from relaytrain_worker.pipeline.transport import Frame, Link
 from relaytrain_worker.state.data import MicroBatch
@@ -87,14 +87,16 @@ def test_a_gradient_with_zero_tokens_sends_only_the_others(link: tuple[Link, Lin
     live = g.reshape(-1, g.shape[-1]).ne(0).any(dim=1)
     up.send(Frame("gradient", 0, 0, {"grad": g}), "delta")
     got = down.recv(timeout=10).tensors["grad"]
-    # A map of a bit a token, then the live tokens as every gradient is coded (3 bits,
-    # each block's scale unshrunk).
+    # A map of a bit a token, then the live tokens as every gradient is coded (2 bits by
+    # default, each block's scale unshrunk).
     sent = int(live.sum())
-    assert up.coded_bytes_sent == 64 // 8 + sent * 128 * 3.25 / 8
+    assert up.coded_bytes_sent == 64 // 8 + sent * 128 * (GRADIENT_BITS + 0.25) / 8
     flat = got.reshape(-1, g.shape[-1])
     assert not bool(flat[~live].any())
     want = lowbit.decode(
-        lowbit.encode(g.reshape(-1, g.shape[-1])[live], 3, None, "unshrunk", variant_of(0, 0))
+        lowbit.encode(
+            g.reshape(-1, g.shape[-1])[live], GRADIENT_BITS, None, "unshrunk", variant_of(0, 0)
+        )
     )
     assert torch.equal(flat[live], want)
     # A gradient of nothing but zeros is its map alone.
@@ -164,9 +166,9 @@ def test_the_spec_takes_a_share_only_with_delta_and_the_planner_prices_it() -> N
     assert "spec.pipeline.gradientTokens" in info.value.paths
     shape = TrainingShape(1, 4, 256, compression="delta", gradient_tokens=0.25)
     back = wire_bytes_per_value(shape, backward=True)
-    assert back == pytest.approx(delta_gradient_bytes(3) / 4 + 1 / 512)
+    assert back == pytest.approx(delta_gradient_bytes(GRADIENT_BITS) / 4 + 1 / 512)
     assert wire_bytes_per_value(TrainingShape(1, 4, 256, compression="delta"), True) == (
-        delta_gradient_bytes(3)
+        delta_gradient_bytes(GRADIENT_BITS)
     )
 
 

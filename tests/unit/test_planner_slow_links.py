@@ -186,9 +186,10 @@ def test_a_job_with_auto_records_the_choice_in_its_plan_and_its_stage_documents(
     nodes = [node(f"rtx-{i}", "rtx") for i in range(4)]
     status = make_plan(job, CONFIG, nodes, [], default_link=(100.0, 20.0))  # home links
     assert status["compression"] == "int4"
-    # Over 20 Mbit/s links the job of steps keeps int4; counting 3 epochs, it takes delta,
-    # priced at its run's mean.
-    assert make_plan(job, CONFIG, nodes, [], default_link=(20.0, 20.0))["compression"] == "int4"
+    # Over 20 Mbit/s links the job of steps takes delta (priced at its first epoch's rate,
+    # its gradients at 2 bits: with 3, before 2026-12-07, it kept int4), and so does a job
+    # of 3 epochs, priced at its run's mean.
+    assert make_plan(job, CONFIG, nodes, [], default_link=(20.0, 20.0))["compression"] == "delta"
     by_epochs = manifest | {"spec": manifest["spec"] | {"training": {
         **{k: v for k, v in manifest["spec"]["training"].items() if k != "steps"}, "epochs": 3,
     }}}  # fmt: skip
@@ -330,8 +331,9 @@ def test_a_fitted_basis_costs_delta_its_share_of_each_fit_at_every_link_speed() 
     """With ``activationBasis: fitted`` every activation frame pays a 96th of a basis's fit and
     bytes (rows priced as in the identity): delta plans slower against int4 than without it
     at every speed, enough at 1 Mbit/s that auto takes int4 for a job of steps (within 5 %),
-    and at 20 Mbit/s for a job of 6 epochs, whose later epochs cost less, which still takes
-    delta at 1 Mbit/s (docs/planner.md, "Fitted bases")."""
+    where a job of 6 epochs, whose later epochs cost less, takes delta; at 20 Mbit/s both take
+    delta, the gradients' bytes at 2 bits (3 until 2026-12-07) deciding, and at 100 neither
+    (docs/planner.md, "Fitted bases")."""
     for epochs in (None, 6):
         for mbps in (1.0, 20.0, 100.0):
             pools = _fleet(mbps)
@@ -344,10 +346,9 @@ def test_a_fitted_basis_costs_delta_its_share_of_each_fit_at_every_link_speed() 
                 }
                 ratio[basis] = tokens["delta"] / tokens["int4"]
                 chosen, _ = choose_compression(lambda t, p=pools: plan(LLAMA, t, p), training)
-                if basis == "fitted" and mbps == 1.0:
-                    assert chosen == ("int4" if epochs is None else "delta"), (epochs, mbps)
-                if basis == "fitted" and epochs == 6 and mbps > 1.0:
-                    assert chosen == "int4", mbps
+                if basis == "fitted":
+                    delta = mbps == 20.0 or (mbps == 1.0 and epochs is not None)
+                    assert chosen == ("delta" if delta else "int4"), (epochs, mbps)
             assert ratio["fitted"] < ratio["identity"], (epochs, mbps, ratio)
 
 

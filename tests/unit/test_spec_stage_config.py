@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass
 
 import pytest
+from relaytrain_contract import GRADIENT_BITS
 from relaytrain_operator.domain.stage_config import (
     LINK_CREDENTIALS_DIR,
     build_stage_configs,
@@ -73,7 +74,7 @@ def test_spec_reaches_the_worker_in_contract_names() -> None:
         "compression": "int4",
         "forwardsAhead": 0,
         "gradientTokens": 1.0,
-        "gradientBits": 3,
+        "gradientBits": GRADIENT_BITS,
         "activationError": "int4",
         "activationBasis": "identity",
     }

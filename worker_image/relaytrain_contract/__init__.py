@@ -37,6 +37,7 @@ from relaytrain_contract.names import (
 )
 from relaytrain_contract.progress import Progress
 from relaytrain_contract.stage import (
+    GRADIENT_BITS,
     CheckpointSpec,
     Compression,
     DatasetFormat,
@@ -78,6 +79,7 @@ __all__ = [
     "DEVICE_ENV",
     "FLEET_FILE",
     "GIVEN_UP_FILE",
+    "GRADIENT_BITS",
     "LINK_CA_FILE",
     "LINK_CERT_FILE",
     "LINK_CREDENTIALS_DIR",

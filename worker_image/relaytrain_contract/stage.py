@@ -33,6 +33,11 @@ code's expected error."""
 GradientBits = Literal[1, 2, 3, 4]
 """The bits a value of the ``delta`` compression's gradient codes (a bf16 scale a block of 64
 besides)."""
+GRADIENT_BITS: GradientBits = 2
+"""``pipeline.gradientBits`` where a job leaves it out (3 until 2026-12-07: 2 bits, each frame
+in a rotation of its own, ended as near uncompressed training on SmolLM2-135M and the tiny
+benchmarks at 17-20 % fewer bytes both ways; docs/links-and-checkpoints.md, "Gradients at two
+bits by default")."""
 ActivationBasis = Literal["identity", "fitted"]
 """What the ``delta`` compression codes each token's change of a row in: the identity (blocks
 of coordinates as they are) or a basis fitted to the changes sent (transform coding)."""
@@ -251,7 +256,7 @@ class PipelineSpec(_Part):
     gradient_tokens: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     """The share of tokens whose gradients cross each boundary, drawn in proportion to their
     norms and scaled to stay unbiased (relaytrain_worker.pipeline.sampling); 1: every token."""
-    gradient_bits: GradientBits = 3
+    gradient_bits: GradientBits = GRADIENT_BITS
     """With ``delta``: the bits a value of the gradients' code, 1 to 4
     (relaytrain_worker.pipeline.boundary.codec_for)."""
     activation_error: ActivationError = "int4"

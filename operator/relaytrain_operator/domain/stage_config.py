@@ -23,6 +23,7 @@ from pydantic import BaseModel
 from relaytrain_contract import (
     ACCESS_KEY_ENV,
     API_VERSION,
+    GRADIENT_BITS,
     LINK_CREDENTIALS_DIR,
     LINK_PORT,
     METRICS_PORT,
@@ -424,7 +425,7 @@ def stage_config(
             forwards_ahead=ahead,  # type: ignore[arg-type]  # not auto: checked above
             # the share is delta's: a run on loopback (`relaytrain run --local`) sends none
             gradient_tokens=spec.pipeline.gradient_tokens if mode == "delta" else 1.0,
-            gradient_bits=spec.pipeline.gradient_bits if mode == "delta" else 3,
+            gradient_bits=spec.pipeline.gradient_bits if mode == "delta" else GRADIENT_BITS,
             activation_error=spec.pipeline.activation_error if mode == "delta" else "int4",
             activation_basis=spec.pipeline.activation_basis if mode == "delta" else "identity",
         ),

@@ -6,12 +6,13 @@ that is its pydantic twin."""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
 
 from pydantic import ConfigDict, Field, PlainValidator, model_validator
 from relaytrain_contract import Compression, PipelineSchedule
 from relaytrain_contract.order import MAX_FORWARDS_AHEAD
 from relaytrain_contract.stage import (
+    GRADIENT_BITS,
     ActivationBasis,
     ActivationError,
     GradientBits,
@@ -108,6 +109,14 @@ class SyncSpec(SpecModel):
         return self
 
 
+_STORED_BITS = (GRADIENT_BITS, 3)
+"""The ``gradientBits`` a job without ``compression: delta`` may hold: the default, and 3, the
+default until 2026-12-07, which the API server stored in every job created before (a job
+with `delta` keeps its 3 bits; one without ignores them)."""
+_DELTA_BITS = " or ".join(str(b) for b in get_args(GradientBits) if b not in _STORED_BITS)
+"""The ``gradientBits`` only `delta` takes, for the error that says so."""
+
+
 class PipelineSpec(SpecModel):
     """How the model is split into stages and what crosses the links between them."""
 
@@ -121,10 +130,10 @@ class PipelineSpec(SpecModel):
                 field=".gradientTokens",
             ),
             Rule(
-                "!has(self.gradientBits) || self.gradientBits == 3"
+                f"!has(self.gradientBits) || self.gradientBits in {list(_STORED_BITS)}"
                 " || (has(self.compression) && self.compression == 'delta')",
-                "spec.pipeline.gradientBits other than 3 needs compression: delta; set "
-                "compression: delta, or leave gradientBits at 3.",
+                f"spec.pipeline.gradientBits {_DELTA_BITS} needs compression: delta; set "
+                "compression: delta, or leave gradientBits out.",
                 field=".gradientBits",
             ),
             Rule(
@@ -166,7 +175,7 @@ class PipelineSpec(SpecModel):
     """Compression of activations and their gradients on the links between stages: `none`
     (the model's dtype), `bf16`, `int8` (blockwise absmax), `int4`, `delta` (each training
     row's activation as a change against what the next stage decoded for it the epoch
-    before, each block of 64 values in 0 to 4 bits, within int4's error; gradients at 3
+    before, each block of 64 values in 0 to 4 bits, within int4's error; gradients at 2
     bits, or gradientBits; each frame deflated where that makes it smaller: for slow links
     and several epochs), or `auto`: the planner takes the most faithful of these whose
     predicted tokens/s is within 5 % of the fastest (status.plan.compression says which)."""
@@ -194,17 +203,19 @@ class PipelineSpec(SpecModel):
     pretrained base, where most tokens' gradients are small: at 0.25 the gradients took 19x
     fewer bytes than bf16 and the held-out loss ended within 1 % of uncompressed training; a
     LoRA that learns from a random model lost 17-43 % (docs/links-and-checkpoints.md)."""
-    gradient_bits: GradientBits = 3
-    """With `compression: delta`: the bits a value of the gradients' code, 1 to 4 (3, the
-    default; a bf16 scale a block of 64 besides). Fewer bits, more noise: a 1-bit code's
-    error is about 57 % of a token's energy, a 3-bit code's 4 %. Below a gradientTokens of 1
-    the tokens sent are divided by their probability, their codes' error with them, and the
-    draw's own noise is the larger where the tokens' norms are alike: there, for the same
-    bytes, more tokens at fewer bits add less noise than fewer tokens at more. On a fine-tune
-    of a pretrained base, 1 bit with 0.375 of the tokens (gradients 33x fewer bytes than
-    bf16) ended +0.09 % held-out loss (three seeds' mean) where 3 bits with 0.18 (as many
-    bytes) ended +0.57 % and 3 bits with 0.25 (20x) +0.31 % (docs/links-and-checkpoints.md,
-    "Gradients at one bit")."""
+    gradient_bits: GradientBits = GRADIENT_BITS
+    """With `compression: delta`: the bits a value of the gradients' code, 1 to 4 (2, the
+    default since 2026-12-07, 3 before; a bf16 scale a block of 64 besides). 2 bits ended as
+    near uncompressed training as 3 on SmolLM2-135M (held-out loss, three seeds' mean:
+    +0.14 % against +0.16 %) at 17-20 % fewer bytes both ways. Fewer bits, more noise: a
+    1-bit code's error is about 57 % of a token's energy, a 2-bit code's 13 %, a 3-bit's 4 %.
+    Below a gradientTokens of 1 the tokens sent are divided by their probability, their
+    codes' error with them, and the draw's own noise is the larger where the tokens' norms
+    are alike: there, for the same bytes, more tokens at fewer bits add less noise than
+    fewer tokens at more. On a fine-tune of a pretrained base, 1 bit with 0.375 of the
+    tokens (gradients 33x fewer bytes than bf16) ended +0.09 % held-out loss (three seeds'
+    mean) where 3 bits with 0.18 (as many bytes) ended +0.57 % and 3 bits with 0.25 (20x)
+    +0.31 % (docs/links-and-checkpoints.md, "Gradients at one bit")."""
     activation_error: ActivationError = "int4"
     """With `compression: delta`: the expected error each training row's activation code is
     held to, what an `int4` code leaves (about 10 % of the row's norm; the default) or an
@@ -242,11 +253,11 @@ class PipelineSpec(SpecModel):
                 f"a share below 1 needs compression: delta (got {self.compression}); "
                 "set compression: delta, or leave gradientTokens at 1",
             )
-        if self.gradient_bits != 3 and self.compression != "delta":
+        if self.gradient_bits not in _STORED_BITS and self.compression != "delta":
             raise field_error(
                 "gradientBits",
                 f"{self.gradient_bits} bits needs compression: delta (got {self.compression}); "
-                "set compression: delta, or leave gradientBits at 3",
+                "set compression: delta, or leave gradientBits out",
             )
         if self.activation_error != "int4" and self.compression != "delta":
             raise field_error(

@@ -79,6 +79,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from relaytrain_contract import GRADIENT_BITS  # the gradients' bits a value, unless a job says
 
 from relaytrain_worker.pipeline import lowbit, transform
 from relaytrain_worker.pipeline.deltacache import DeltaConfig, DeltaReceiver, DeltaSender
@@ -103,8 +104,6 @@ UNKEYED = "int8"
 ones (labels, masks, rows) narrowed losslessly as under every code, floating ones as int8."""
 FULL_BITS: Bits = 4
 """Bits per value of a row's first code (int4's error: the first epoch trains as int4 does)."""
-GRADIENT_BITS: Bits = 3
-"""Bits per value of every other floating tensor (the gradients going back)."""
 DEFLATE_PAYS = 0.05
 """The least share of a frame's bytes deflate must take off for a link to keep deflating
 frames of that kind (frames.py; it costs some 40 ns a byte of one CPU thread)."""

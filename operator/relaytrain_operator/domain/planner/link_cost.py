@@ -27,7 +27,7 @@ WIRE_BYTES = {"bf16": 2.0, "int8": 1.0 + 2 / 64, "int4": 0.5 + 2 / 64}
 #: (a bf16 scale per block sent, 3 bits a block for its bits). A row's first crossing costs
 #: about int4's rate, exactly 4 bits a value where its blocks are alike; later epochs code
 #: only what changed, so their rate falls with the drift (docs/links-and-checkpoints.md).
-#: Gradients at ``spec.pipeline.gradientBits`` (3 by default), a bf16 scale per 64 values
+#: Gradients at ``spec.pipeline.gradientBits`` (2 by default), a bf16 scale per 64 values
 #: (`delta_gradient_bytes`). A job of steps is priced at the first epoch's rate, the
 #: slowest; with ``pipeline.activationError: int3``, at int3's, and a row's sink at
 #: ``SINK_BITS`` (`delta_first_bytes`). A job of ``spec.training.epochs`` E is priced at its

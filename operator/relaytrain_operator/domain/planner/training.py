@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 from relaytrain_contract.order import in_flight
+from relaytrain_contract.stage import GRADIENT_BITS
 
 from relaytrain_operator.domain.planner.model_shape import EXPERT_NAMES, FUSED_NAMES, LINEAR_NAMES
 
@@ -58,7 +59,7 @@ class TrainingShape:
     gradient_tokens: float = 1.0
     """The share of tokens whose gradients cross a boundary (``spec.pipeline.gradientTokens``,
     `delta` only): the gradients' bytes are priced at that share."""
-    gradient_bits: int = 3
+    gradient_bits: int = GRADIENT_BITS
     """The bits a value of `delta`'s gradient codes (``spec.pipeline.gradientBits``, 1-4)."""
     epochs: int | None = None
     """Passes over the data (``spec.training.epochs``; None: a job of steps, whose passes the
