@@ -153,10 +153,14 @@ def test_delta_is_priced_at_its_runs_mean_where_the_job_counts_epochs() -> None:
     (50.0, None, "int4"),  # a job of steps: delta at its first epoch's rate, about int4's
     (50.0, 1, "int4"),
     # Later epochs code what changed: fewer bytes than int4 at the link. At 50 Mbit/s the
-    # step's round trips (no forwards ahead: these cards hold none) leave that 1-2 % of it.
+    # step's round trips (no forwards ahead: these cards hold none) leave that 4-5 % of it.
     (50.0, 6, "int4"),
     (20.0, 3, "delta"),
     (20.0, 6, "delta"),
+    # At 1 Mbit/s the activations' direction alone sets the pace: a job of steps, priced at
+    # the first epoch's rate (int4's and the sink), keeps int4; one of 3 epochs takes delta.
+    (1.0, None, "int4"),
+    (1.0, 3, "delta"),
     (1_000.0, 6, "int4"),  # the link waits less than delta's codec costs on the card
     (100_000.0, 3, "none"),  # no link waits: exact boundaries whatever the epochs
 ])  # fmt: skip
