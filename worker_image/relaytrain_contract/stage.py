@@ -36,7 +36,7 @@ besides)."""
 GRADIENT_BITS: GradientBits = 2
 """``pipeline.gradientBits`` where a job leaves it out (3 until 2026-12-07: 2 bits, each frame
 in a rotation of its own, ended as near uncompressed training on SmolLM2-135M and the tiny
-benchmarks at 17-20 % fewer bytes both ways; docs/links-and-checkpoints.md, "Gradients at two
+benchmarks at 14-17 % fewer bytes both ways; docs/links-and-checkpoints.md, "Gradients at two
 bits by default")."""
 ActivationBasis = Literal["identity", "fitted"]
 """What the ``delta`` compression codes each token's change of a row in: the identity (blocks

@@ -207,7 +207,7 @@ class PipelineSpec(SpecModel):
     """With `compression: delta`: the bits a value of the gradients' code, 1 to 4 (2, the
     default since 2026-12-07, 3 before; a bf16 scale a block of 64 besides). 2 bits ended as
     near uncompressed training as 3 on SmolLM2-135M (held-out loss, three seeds' mean:
-    +0.14 % against +0.16 %) at 17-20 % fewer bytes both ways. Fewer bits, more noise: a
+    +0.14 % against +0.16 %) at 14-17 % fewer bytes both ways. Fewer bits, more noise: a
     1-bit code's error is about 57 % of a token's energy, a 2-bit code's 13 %, a 3-bit's 4 %.
     Below a gradientTokens of 1 the tokens sent are divided by their probability, their
     codes' error with them, and the draw's own noise is the larger where the tokens' norms
