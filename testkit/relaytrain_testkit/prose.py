@@ -13,5 +13,11 @@ PACKAGES = ("accelerate", "huggingface-hub", "peft", "pydantic", "regex", "token
 
 
 def prose() -> str:
-    """English prose and code: the long descriptions of ``PACKAGES``, in that order."""
-    return "\n".join(metadata.metadata(name).get_payload() or "" for name in PACKAGES)
+    """English prose and code: the long descriptions of ``PACKAGES``, in that order (each
+    package's metadata body, as PEP 566's JSON form names it)."""
+    return "\n".join(_description(name) for name in PACKAGES)
+
+
+def _description(name: str) -> str:
+    text = metadata.metadata(name).json.get("description", "")
+    return text if isinstance(text, str) else "\n".join(text)
