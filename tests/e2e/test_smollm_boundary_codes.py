@@ -25,14 +25,23 @@ FRAMES = transform.FIRST_FIT + 2  # a row a frame; rows coded in a basis from th
 
 
 @pytest.fixture(scope="module")
-def hidden() -> torch.Tensor:
-    """[FRAMES, SEQ, 576] bf16: the hidden states after layer 15 of rows of pinned packages'
-    READMEs (`relaytrain_testkit.prose`), as a link gets them."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def tokens() -> torch.Tensor:
+    """Pinned packages' READMEs (`relaytrain_testkit.prose`) in SmolLM2's tokens, once for the
+    module's tests."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(prepare(default_dir())))
+    return tokenizer(prose(), return_tensors="pt").input_ids[0]
+
+
+@pytest.fixture(scope="module")
+def hidden(tokens: torch.Tensor) -> torch.Tensor:
+    """[FRAMES, SEQ, 576] bf16: the hidden states after layer 15 of rows of `tokens`, as a link
+    gets them."""
+    from transformers import AutoModelForCausalLM
 
     where = prepare(default_dir())
-    tokenizer = AutoTokenizer.from_pretrained(str(where))
-    ids = tokenizer(prose(), return_tensors="pt").input_ids[0][: FRAMES * SEQ].view(FRAMES, SEQ)
+    ids = tokens[: FRAMES * SEQ].view(FRAMES, SEQ)
     model = AutoModelForCausalLM.from_pretrained(str(where), dtype=torch.float32)
     with torch.no_grad():
         out = model(input_ids=ids, output_hidden_states=True, use_cache=False)
@@ -74,7 +83,9 @@ def test_every_token_of_a_real_boundary_crosses_at_its_codes_error(
 
 
 @pytest.mark.parametrize("fitted", [False, True], ids=["identity", "fitted-bases"])
-def test_int4s_codes_at_a_real_models_boundaries_keep_its_loss(fitted: bool) -> None:
+def test_int4s_codes_at_a_real_models_boundaries_keep_its_loss(
+    tokens: torch.Tensor, fitted: bool
+) -> None:
     """The default code (int4's error) at the three boundaries of SmolLM2-135M split in four
     stages (after layers 8, 15 and 22), each row's first crossing, frames of 2 rows: the
     rows' loss within 3 % of the rows' own. Measured on these rows (pinned packages'
@@ -83,11 +94,10 @@ def test_int4s_codes_at_a_real_models_boundaries_keep_its_loss(fitted: bool) -> 
     `allocation.MASSIVE`) fitted bases cost +7.1 % (the identity, whose full codes give every
     block 4 bits, +2.19 %); and before that every token but the first was left out."""
     from relaytrain_testkit.inputs import even_splits
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     where = prepare(default_dir())
-    tokenizer = AutoTokenizer.from_pretrained(str(where))
-    ids = tokenizer(prose(), return_tensors="pt").input_ids[0][: 48 * 32].view(48, 32)
+    ids = tokens[: 48 * 32].view(48, 32)
     model = AutoModelForCausalLM.from_pretrained(str(where), dtype=torch.float32).eval()
     layers = model.model.layers
     cuts = [end for _, end in even_splits(len(layers), 4)[:-1]]
