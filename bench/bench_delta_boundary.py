@@ -2,7 +2,7 @@
 
 Run: OMP_NUM_THREADS=1 .venv/bin/python bench/bench_delta_boundary.py [--quick] [--epochs E]
     [--base random|pretrained] [--shift S] [--gradient-tokens S] [--gradient-bits B]
-    [--modes M,...] [--timed M]
+    [--gradient-fill none|activations] [--modes M,...] [--timed M]
     [--link-mbit R] [--link-ms L] [--timed-stop end|target] [--seed N] [--json OUT]
     [--device D] [--weights saved|drawn] [--hidden H] [--seq S] [--rows N] [--dtype T]
     [--model tiny|smollm2]
@@ -13,7 +13,8 @@ Run: OMP_NUM_THREADS=1 .venv/bin/python bench/bench_delta_boundary.py [--quick] 
 fitted bases, `DeltaConfig.transform`), e.g. ``delta+basis,delta:int3+basis``. ``--timed``:
 the delta run raced against ``int8`` over the emulated slow link (default ``delta``; ``off``:
 no slow-link runs). ``--gradient-tokens`` and ``--gradient-bits``: the ``delta`` runs'
-``pipeline.gradientTokens`` and ``pipeline.gradientBits``. ``--seed``: the LoRA's
+``pipeline.gradientTokens`` and ``pipeline.gradientBits``, ``--gradient-fill`` their
+``pipeline.gradientFill``. ``--seed``: the LoRA's
 initialisation, the sampled gradient tokens' draws and each epoch's row order (default 0);
 the language, its rows and the base stay.
 
@@ -342,7 +343,7 @@ def build_job(
     steps = epoch_steps(train_rows, setup, seed=10 + 1000 * args.seed)
     job = Job(
         setup, model, train_rows, steps, training, evaluator, args.gradient_tokens,
-        args.gradient_bits, link,
+        args.gradient_bits, link, args.gradient_fill == "activations",
     )  # fmt: skip
     return job, fitted
 
@@ -364,6 +365,9 @@ class Job:
     gradient_bits: int = 3
     """``delta``'s bits a gradient value (``--gradient-bits``)."""
     link: SlowLink = field(default_factory=SlowLink)
+    gradient_fill: bool = False
+    """``delta``'s gradients take more tokens while they fit in the activations' bytes
+    (``--gradient-fill activations``)."""
 
 
 def smollm2_rows(setup: Setup) -> tuple[Path, torch.Tensor, torch.Tensor]:
@@ -508,6 +512,7 @@ def train(
         link_rate=job.link.rate if limited else None,
         link_latency=job.link.latency if limited else 0.0, per_step=True,
         gradient_tokens=job.gradient_tokens if compression == "delta" else 1.0,
+        gradient_fill=job.gradient_fill and compression == "delta",
         codec=codec_of(mode, job.gradient_bits),
     )  # fmt: skip
     links.removeHandler(bases)
@@ -598,6 +603,13 @@ def main() -> None:
         default=3,
         help="delta: the bits a gradient value (pipeline.gradientBits; 3, what the figures in"
         " docs/ were measured with; a job's default is 2 since 2026-12-07)",
+    )
+    parser.add_argument(
+        "--gradient-fill",
+        choices=("none", "activations"),
+        default="none",
+        help="delta: activations lifts --gradient-tokens, up to every token, while the "
+        "gradients fit in their activations' bytes (pipeline.gradientFill)",
     )
     parser.add_argument(
         "--modes", default=",".join(MODES), help="the runs (see above; none and bf16 always)"

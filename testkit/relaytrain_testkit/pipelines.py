@@ -86,6 +86,7 @@ def run_pipeline_threads(
     per_step: bool = False,
     ahead: int = 0,
     gradient_tokens: float = 1.0,
+    gradient_fill: bool = False,
     codec: Callable[[], BoundaryCodec] = codec_for,
 ) -> PipelineRun:
     """Run a P-stage pipeline as P threads over real loopback links (tests, benches).
@@ -105,8 +106,9 @@ def run_pipeline_threads(
     flushes its sends after each step, so they count exactly that step's frames) and the
     seconds to each step's end (``step_seconds``). ``ahead``: the stages' forwards ahead of
     1F1B (``spec.pipeline.forwardsAhead``). ``gradient_tokens``: the share of tokens whose
-    gradients go back (``spec.pipeline.gradientTokens``). ``codec``: makes each link's
-    ``delta`` state (`boundary.codec_for`, as a stage's links take it).
+    gradients go back (``spec.pipeline.gradientTokens``), ``gradient_fill``: more of them
+    while they fit in their activations' bytes (``gradientFill: activations``). ``codec``:
+    makes each link's ``delta`` state (`boundary.codec_for`, as a stage's links take it).
     """
     if len(credentials) != len(splits):
         raise ValueError(f"{len(credentials)} link credentials for {len(splits)} stages")
@@ -116,6 +118,7 @@ def run_pipeline_threads(
         lora=lora, link_rate=link_rate, overlap_encode=overlap_encode, record_steps=per_step,
         side_stream=side_stream, warmup=warmup, grads=grads, link_latency=link_latency,
         step_bytes=per_step, ahead=ahead, gradient_tokens=gradient_tokens, codec=codec,
+        gradient_fill=gradient_fill,
     )[0]  # fmt: skip
 
 
@@ -244,6 +247,7 @@ def _run_pipelines(
     step_bytes: bool = False,
     ahead: int = 0,
     gradient_tokens: float = 1.0,
+    gradient_fill: bool = False,
     codec: Callable[[], BoundaryCodec] = codec_for,
 ) -> list[PipelineRun]:
     """Every stage of every pipeline as a thread; ``steps[p]``: pipeline p's micro-batches.
@@ -324,6 +328,7 @@ def _run_pipelines(
                 ordered_terms=method != "full",
                 ahead=ahead,
                 gradient_tokens=gradient_tokens,
+                gradient_fill=gradient_fill,
                 seed=training.seed,
             )
             outer = None

@@ -61,6 +61,16 @@ INVALID_CASES = [
         "spec.pipeline.gradientTokens",
         also=(("spec.pipeline.compression", "int8"),),
     ),
+    Case(
+        "unknown-gradient-fill", "spec.pipeline.gradientFill", "idle", "spec.pipeline.gradientFill"
+    ),
+    Case(
+        "gradient-fill-with-every-token",
+        "spec.pipeline.gradientFill",
+        "activations",
+        "spec.pipeline.gradientFill",
+        also=(("spec.pipeline.compression", "delta"),),
+    ),
     Case("gradient-bits-zero", "spec.pipeline.gradientBits", 0, "spec.pipeline.gradientBits"),
     Case(
         "gradient-bits-without-delta",

@@ -22,7 +22,8 @@ DOC: dict[str, Any] = {
                  "maxGradNorm": 1.0, "seed": 42},
     "pipeline": {
         "schedule": "1f1b", "compression": "int8", "forwardsAhead": 0, "gradientTokens": 1.0,
-        "gradientBits": 2, "activationError": "int4", "activationBasis": "identity",
+        "gradientBits": 2, "gradientFill": "none", "activationError": "int4",
+        "activationBasis": "identity",
     },
     "links": {"listen": "0.0.0.0:29500", "next": "job-stage-2.job.default.svc:29500",
               "identity": "relaytrain://default/smollm-lora/p0/s1",

@@ -309,6 +309,7 @@ def test_every_cel_rule_is_kept_where_it_was() -> None:
             (".spec.training", ".warmupSteps"),
             (".spec.training", ".endOfData"),
             (".spec.pipeline", ".gradientTokens"),
+            (".spec.pipeline", ".gradientFill"),
             (".spec.pipeline", ".gradientBits"),
             (".spec.pipeline", ".activationError"),
             (".spec.pipeline", ".activationBasis"),

@@ -4,7 +4,9 @@ token code, a pipeline that trains with it, and the spec and the planner that ta
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import dataclasses
+from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -17,12 +19,25 @@ from relaytrain_testkit import bigram
 from relaytrain_testkit.inputs import CLIPPED_TRAINING, even_splits
 from relaytrain_testkit.jobs import Job
 from relaytrain_testkit.linkcreds import linked, stage_credentials
-from relaytrain_testkit.pipelines import run_pipeline_threads
+from relaytrain_testkit.pipelines import PipelineRun, run_pipeline_threads
 from relaytrain_testkit.references import run_reference
 from relaytrain_testkit.tiny_models import tiny_model_dir
 from relaytrain_worker.pipeline import lowbit
-from relaytrain_worker.pipeline.boundary import GRADIENT_BITS, variant_of
-from relaytrain_worker.pipeline.sampling import probabilities, sample_tokens, seed_of
+from relaytrain_worker.pipeline.boundary import (
+    GRADIENT_BITS,
+    BoundaryCodec,
+    bytes_per_value,
+    codec_for,
+    variant_of,
+)
+from relaytrain_worker.pipeline.frames import prepare
+from relaytrain_worker.pipeline.sampling import (
+    FRAME_BYTES,
+    probabilities,
+    sample_tokens,
+    seed_of,
+    share_within,
+)
 from relaytrain_worker.pipeline.transport import Frame, Link
 from relaytrain_worker.state.data import MicroBatch
 
@@ -180,3 +195,77 @@ def test_the_stages_are_given_the_share_only_where_they_run_delta() -> None:
     # `relaytrain run --local` sends nothing compressed over loopback, so no token is dropped.
     docs = build_stage_configs(job, ranges, ends, compression="none")
     assert [d["pipeline"]["gradientTokens"] for d in docs] == [1.0, 1.0]
+
+
+# -- gradientFill: activations -------------------------------------------------------------
+
+
+def test_the_filled_share_is_what_fits_in_the_room_between_the_floor_and_every_token() -> None:
+    g = _gradient(2)
+    g[1, 8:] = 0  # 40 of the 64 tokens have a gradient
+    value = bytes_per_value(2)
+    codes = 40 * 128 * value  # every live token's code
+    fixed = FRAME_BYTES + 64 / 8  # the header and a bit a token
+    assert share_within(g, 0.25, int(fixed + 0.5 * codes), value) == pytest.approx(0.5, abs=1e-3)
+    assert share_within(g, 0.25, int(fixed + 0.1 * codes), value) == 0.25  # the floor
+    assert share_within(g, 0.25, int(fixed + 2 * codes), value) == 1.0  # all, no more
+    assert share_within(g, 1.0, 0, value) == 1.0  # every token already
+    assert share_within(torch.zeros(2, 4, 8), 0.25, 10, value) == 1.0  # nothing to send
+
+
+def test_a_received_frame_knows_its_bytes_on_the_link(link: tuple[Link, Link]) -> None:
+    up, down = link
+    frame = Frame("activation", 0, 0, {"hidden": _gradient(3)}, {"items": 5})
+    prepared = prepare(frame, "int8")
+    up.send(frame, "int8")
+    assert down.recv(timeout=10).wire_bytes == 4 + len(prepared.head) + prepared.payload_bytes
+
+
+def test_the_gradients_fill_what_their_activations_left_of_the_link(tmp_path: Path) -> None:
+    model = tiny_model_dir(tmp_path / "wide", layers=4, hidden=256)
+    steps = _bigram_steps(12)
+    training = CLIPPED_TRAINING.model_copy(update={"steps": 12, "max_grad_norm": 1.0})
+
+    def run(share: float, fill: bool, codec: Callable[[], BoundaryCodec]) -> PipelineRun:
+        return run_pipeline_threads(
+            model, even_splits(4, 2), steps, training, credentials=stage_credentials(2),
+            compression="delta", gradient_tokens=share, gradient_fill=fill, codec=codec,
+        )  # fmt: skip
+
+    # Rows at int3's error, gradients at 4 bits: every token's gradient takes more bytes
+    # than its activation, so the activations' bytes are what the gradients fill.
+    dear = partial(codec_for, "int3", gradient_bits=4)
+    floor, filled, every = run(0.1, False, dear), run(0.1, True, dear), run(1.0, False, dear)
+    down, up = filled.boundary_bytes[0]
+    assert floor.boundary_bytes[0][1] < 0.3 * down < every.boundary_bytes[0][1]
+    assert 0.85 * down < up < 1.1 * down, (up, down)  # what was left, and about no more
+    assert filled.losses[-1] < 0.97 * filled.losses[0], filled.losses
+    assert floor.losses[-1] > filled.losses[-1] > every.losses[-1] - 0.01
+    # With the defaults every token's gradient fits in its activation's bytes: all are
+    # sent, bit for bit as with a share of 1.
+    cheap = codec_for
+    assert run(0.1, True, cheap).losses == run(1.0, False, cheap).losses
+
+
+def test_the_spec_takes_a_fill_only_below_every_token_and_the_planner_prices_it() -> None:
+    job = _tokens(Job().pipeline(compression="delta"), 0.25)
+    parsed = parse_job(job.set("spec.pipeline.gradientFill", "activations").build())
+    assert parsed.spec.pipeline.gradient_fill == "activations"
+    with pytest.raises(SpecError, match="set gradientTokens below 1") as info:
+        parse_job(Job().pipeline(compression="delta").set("spec.pipeline.gradientFill",
+                                                          "activations").build())  # fmt: skip
+    assert "spec.pipeline.gradientFill" in info.value.paths
+    docs = build_stage_configs(parsed, [(0, 2), (2, 4)], local_endpoints(2, 29500, 9400))
+    assert [d["pipeline"]["gradientFill"] for d in docs] == ["activations"] * 2
+    # Priced at the share the activations' bytes leave room for: all of the tokens where a
+    # row's first crossing (about 4.3 bits a value) outweighs every token's 2 bits, none
+    # above; at int3's error and 4 bits, the activations' bytes themselves.
+    quarter = TrainingShape(1, 4, 256, compression="delta", gradient_tokens=0.25)
+    filled = TrainingShape(1, 4, 256, compression="delta", gradient_tokens=0.25,
+                           gradient_fill=True)  # fmt: skip
+    assert wire_bytes_per_value(filled, True) == delta_gradient_bytes(GRADIENT_BITS)
+    assert wire_bytes_per_value(quarter, True) < wire_bytes_per_value(filled, True)
+    dear = dataclasses.replace(filled, gradient_bits=4, activation_bits=3)
+    forward = wire_bytes_per_value(dear)
+    assert forward < delta_gradient_bytes(4)
+    assert wire_bytes_per_value(dear, True) == pytest.approx(forward + 1 / 512)

@@ -75,6 +75,7 @@ def test_spec_reaches_the_worker_in_contract_names() -> None:
         "forwardsAhead": 0,
         "gradientTokens": 1.0,
         "gradientBits": GRADIENT_BITS,
+        "gradientFill": "none",
         "activationError": "int4",
         "activationBasis": "identity",
     }

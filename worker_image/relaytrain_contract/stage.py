@@ -38,6 +38,10 @@ GRADIENT_BITS: GradientBits = 2
 in a rotation of its own, ended as near uncompressed training on SmolLM2-135M and the tiny
 benchmarks at 14-17 % fewer bytes both ways; docs/links-and-checkpoints.md, "Gradients at two
 bits by default")."""
+GradientFill = Literal["none", "activations"]
+"""Whether the ``delta`` compression's gradients take more of their tokens than
+``gradientTokens`` while they fit in the bytes their activations took the other way
+(``activations``) or keep that share (``none``)."""
 ActivationBasis = Literal["identity", "fitted"]
 """What the ``delta`` compression codes each token's change of a row in: the identity (blocks
 of coordinates as they are) or a basis fitted to the changes sent (transform coding)."""
@@ -259,6 +263,10 @@ class PipelineSpec(_Part):
     gradient_bits: GradientBits = GRADIENT_BITS
     """With ``delta``: the bits a value of the gradients' code, 1 to 4
     (relaytrain_worker.pipeline.boundary.codec_for)."""
+    gradient_fill: GradientFill = "none"
+    """With ``delta`` and ``gradient_tokens`` below 1: ``activations`` sends more tokens, up to
+    all, while a micro-batch's gradients fit in the bytes its activations took on the link
+    (relaytrain_worker.pipeline.sampling.share_within)."""
     activation_error: ActivationError = "int4"
     """With ``delta``: the expected error each row's activation code stays within, that of
     an int4 or an int3 code (relaytrain_worker.pipeline.boundary.codec_for)."""

@@ -78,6 +78,7 @@ def training_shape(
         forwards_ahead_chosen=given == AUTO,
         gradient_tokens=spec.pipeline.gradient_tokens,
         gradient_bits=spec.pipeline.gradient_bits,
+        gradient_fill=spec.pipeline.gradient_fill == "activations",
         epochs=spec.training.epochs,
         activation_bits=int(spec.pipeline.activation_error.removeprefix("int")),
         activation_basis=spec.pipeline.activation_basis,

@@ -426,6 +426,7 @@ def stage_config(
             # the share is delta's: a run on loopback (`relaytrain run --local`) sends none
             gradient_tokens=spec.pipeline.gradient_tokens if mode == "delta" else 1.0,
             gradient_bits=spec.pipeline.gradient_bits if mode == "delta" else GRADIENT_BITS,
+            gradient_fill=spec.pipeline.gradient_fill if mode == "delta" else "none",
             activation_error=spec.pipeline.activation_error if mode == "delta" else "int4",
             activation_basis=spec.pipeline.activation_basis if mode == "delta" else "identity",
         ),

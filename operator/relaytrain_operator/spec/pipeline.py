@@ -16,6 +16,7 @@ from relaytrain_contract.stage import (
     ActivationBasis,
     ActivationError,
     GradientBits,
+    GradientFill,
     LoraMerge,
     OuterCode,
     SyncMode,
@@ -130,6 +131,14 @@ class PipelineSpec(SpecModel):
                 field=".gradientTokens",
             ),
             Rule(
+                "!has(self.gradientFill) || self.gradientFill == 'none'"
+                " || (has(self.gradientTokens) && self.gradientTokens < 1.0)",
+                "spec.pipeline.gradientFill: activations sends more than gradientTokens' share "
+                "of the tokens, and at 1 every token goes already; set gradientTokens below 1 "
+                "(with compression: delta), or leave gradientFill out.",
+                field=".gradientFill",
+            ),
+            Rule(
                 f"!has(self.gradientBits) || self.gradientBits in {list(_STORED_BITS)}"
                 " || (has(self.compression) && self.compression == 'delta')",
                 f"spec.pipeline.gradientBits {_DELTA_BITS} needs compression: delta; set "
@@ -216,6 +225,15 @@ class PipelineSpec(SpecModel):
     tokens (gradients 33x fewer bytes than bf16) ended +0.09 % held-out loss (three seeds'
     mean) where 3 bits with 0.18 (as many bytes) ended +0.57 % and 3 bits with 0.25 (20x)
     +0.31 % (docs/links-and-checkpoints.md, "Gradients at one bit")."""
+    gradient_fill: GradientFill = "none"
+    """With gradientTokens below 1: `activations` sends more of a micro-batch's tokens than
+    that share, up to all of them, while their gradients' code fits in the bytes the
+    micro-batch's activations took on the same link the other way, which a link otherwise
+    leaves idle: the slower direction stays the activations', and the gradients lose less to
+    the draw. `none` (the default) keeps the share. A micro-batch's share then follows what
+    its activations cost, so a step redone after a failure, whose rows cross as full codes
+    again, may draw other tokens (docs/links-and-checkpoints.md, "Gradients that fill the
+    link")."""
     activation_error: ActivationError = "int4"
     """With `compression: delta`: the expected error each training row's activation code is
     held to, what an `int4` code leaves (about 10 % of the row's norm; the default) or an
@@ -252,6 +270,13 @@ class PipelineSpec(SpecModel):
                 "gradientTokens",
                 f"a share below 1 needs compression: delta (got {self.compression}); "
                 "set compression: delta, or leave gradientTokens at 1",
+            )
+        if self.gradient_fill != "none" and self.gradient_tokens >= 1.0:
+            raise field_error(
+                "gradientFill",
+                f"{self.gradient_fill} sends more than gradientTokens' share of the tokens, "
+                "and at 1 every token goes already; set gradientTokens below 1 (with "
+                "compression: delta), or leave gradientFill out",
             )
         if self.gradient_bits not in _STORED_BITS and self.compression != "delta":
             raise field_error(

@@ -112,6 +112,9 @@ class Frame:
     """Named tensors; floating ones are compressed with the mode given to ``send``."""
     meta: dict[str, Any] = field(default_factory=dict)
     """Small JSON-serialisable extras."""
+    wire_bytes: int = 0
+    """What the frame took on the link (its length word, header and parts, before TLS), set
+    by the link that received it; 0 on a frame not received."""
 
 
 @dataclass(frozen=True)

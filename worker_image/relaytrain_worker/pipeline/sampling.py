@@ -25,9 +25,18 @@ links; bench/bench_boundary_allocation.py simulates the draw's variance falling 
 the gradients' energy to 0.05), at twice the bytes, which cost no time while a link's
 busiest direction is the activations' (2026-12-01).
 
+With `pipeline.gradientFill: activations` the share is a floor: a micro-batch's gradient
+takes as many more tokens, up to all, as fit in the bytes its activations took on the same
+link the other way (`share_within`). A link carries both directions at once and a step waits
+for the busier, so those bytes cost no time while the activations' direction is the busier,
+and the draw's noise, which costs steps, falls; the share then follows what the rows cost
+(all of them while their first crossings are dear, fewer as their changes get cheap).
+
 The draw is seeded by the job's seed, the step, the micro-batch and the stage, so a step
-redone after a rollback sends the same tokens. Hand-written: a few tensor operations no
-library offers in this form (torch.multinomial samples without the inverse weights).
+redone after a rollback sends the same tokens (with a fill, the same share too where the
+activations took the same bytes; after a failure their rows cross as full codes again).
+Hand-written: a few tensor operations no library offers in this form (torch.multinomial
+samples without the inverse weights).
 """
 
 from __future__ import annotations
@@ -72,6 +81,30 @@ def sample_tokens(grad: torch.Tensor, share: float, seed: int) -> torch.Tensor:
     weights = p[kept].to(tokens.device)[:, None]
     out[kept.to(tokens.device)] = (tokens[kept.to(tokens.device)].double() / weights).to(grad.dtype)
     return out.reshape(grad.shape)
+
+
+def share_within(grad: torch.Tensor, floor: float, room: int, value_bytes: float) -> float:
+    """The share of ``grad``'s tokens to send (`pipeline.gradientFill: activations`): the
+    most whose code fits in ``room`` bytes, the bytes the micro-batch's activations took on
+    the same link in the other direction, which a link leaves idle otherwise; never below
+    ``floor`` (`pipeline.gradientTokens`), never above 1 (every token, sent without a map).
+    A share ``s`` of the ``live`` tokens with a gradient costs about ``s live hidden
+    value_bytes`` (``boundary.bytes_per_value`` of the gradients' bits), a bit a token for
+    the map and ``FRAME_BYTES`` for the frame's header (deflate takes about 2 % off a
+    gradient's codes: not counted, so the sum errs on the side of the room)."""
+    tokens = grad.detach().reshape(-1, grad.shape[-1])
+    live = int(tokens.ne(0).any(dim=1).sum())
+    if floor >= 1.0 or live == 0:
+        return 1.0
+    codes = live * tokens.shape[1] * value_bytes
+    fits = (room - FRAME_BYTES - tokens.shape[0] / 8) / codes
+    return min(1.0, max(floor, fits))
+
+
+FRAME_BYTES = 96
+"""What a gradient frame holds besides its token map and codes, about: its length word and
+deflated header (about 50 bytes, docs/links-and-checkpoints.md) and the codes' block scales'
+rounding."""
 
 
 def seed_of(job_seed: int, step: int, micro: int, stage: int) -> int:

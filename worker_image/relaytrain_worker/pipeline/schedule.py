@@ -62,9 +62,9 @@ from torch.nn import functional
 
 from relaytrain_worker.model.methods import TIED_HEAD_NAME
 from relaytrain_worker.model.model_slice import StageModel, device_of
-from relaytrain_worker.pipeline.boundary import MODE, ROWS
+from relaytrain_worker.pipeline.boundary import MODE, ROWS, bytes_per_value
 from relaytrain_worker.pipeline.peers import Peers
-from relaytrain_worker.pipeline.sampling import sample_tokens, seed_of
+from relaytrain_worker.pipeline.sampling import sample_tokens, seed_of, share_within
 from relaytrain_worker.pipeline.stats import (
     ITEMS_KEY,
     LOSS_KEY,
@@ -136,6 +136,7 @@ class StepRunner:
         device: torch.device | None = None,
         ahead: int = 0,
         gradient_tokens: float = 1.0,
+        gradient_fill: bool = False,
         seed: int = 0,
     ) -> None:
         self.stage = stage
@@ -148,6 +149,13 @@ class StepRunner:
         """Forwards run ahead of 1F1B (`one_f_one_b`)."""
         self.gradient_tokens = gradient_tokens
         """The share of tokens whose gradients go back (`sampling.py`; 1: all)."""
+        self.gradient_fill = gradient_fill
+        """Whether a micro-batch's gradients take more tokens than that share, up to all,
+        while their code fits in the bytes its activations took on the link
+        (`pipeline.gradientFill: activations`, `sampling.share_within`)."""
+        self._room: dict[tuple[int, int], int] = {}
+        """With ``gradient_fill``: each micro-batch's activation frame's bytes, until its
+        gradient goes back."""
         self.seed = seed
         """The job's seed, which the token draws are derived from."""
         self.max_grad_norm = max_grad_norm
@@ -195,6 +203,7 @@ class StepRunner:
         losses: list[float] = []
         self._input_tokens = 0
         self._step_input_tokens = -1
+        self._room.clear()  # a step cut short leaves its rooms behind
         # Terms apart, except in the step's first member pipeline, whose accumulated sum
         # opens the fold (one that trains nothing gives no term at all).
         group = None if self.periodic or not self.ordered_terms else self.group
@@ -244,6 +253,8 @@ class StepRunner:
             assert self.peers.prev is not None
             frame = self.peers.prev.recv("activation", step, m, self.device)
             items = int(frame.meta["items"])
+            if self.gradient_fill:
+                self._room[step, m] = frame.wire_bytes
             got = frame.tensors
             hidden, mask, pos, labels = self._here(
                 got["hidden"], got["attention_mask"], got["position_ids"], got["labels"]
@@ -281,9 +292,13 @@ class StepRunner:
             assert self.peers.prev is not None and inp is not None
             assert inp.grad is not None
             grad = inp.grad
-            if self.gradient_tokens < 1.0:
-                seed = seed_of(self.seed, step, m, self.index)
-                grad = sample_tokens(grad, self.gradient_tokens, seed)
+            share = self.gradient_tokens
+            if self.gradient_fill:
+                bits = self.peers.prev.link.codec.gradient_bits
+                room = self._room.pop((step, m))
+                share = share_within(grad, share, room, bytes_per_value(bits))
+            if share < 1.0:
+                grad = sample_tokens(grad, share, seed_of(self.seed, step, m, self.index))
             self.peers.prev.send(Frame("gradient", step, m, {"grad": grad}), self.compression)
         if self._terms is not None:  # this micro-batch's gradients, as a term of their own
             for name, param in self.trainable:

@@ -325,6 +325,7 @@ class StageRuntime:
             compression=self.cfg.pipeline.compression,
             ahead=self.cfg.pipeline.forwards_ahead,
             gradient_tokens=self.cfg.pipeline.gradient_tokens,
+            gradient_fill=self.cfg.pipeline.gradient_fill == "activations",
             seed=t.seed,
             max_grad_norm=t.max_grad_norm,
             tied_name=self._tied_name(),

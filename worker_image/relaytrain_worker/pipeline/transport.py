@@ -118,6 +118,8 @@ class Link:
         """Bytes the sent tensors occupy as their codes left them, before deflate."""
         self.frames_sent = 0
         self.frames_received = 0
+        self._parts_received = 0
+        """Bytes of tensor parts read (plaintext), for each frame's ``wire_bytes``."""
         self._send_lock = threading.Lock()
         self._recv_lock = threading.Lock()
         self._rate: float | None = None
@@ -190,6 +192,7 @@ class Link:
                 if size > MAX_HEADER:
                     raise ValueError(f"frame header of {size} bytes is out of bounds")
                 header = parse_head(bytes(self._recv_bytes(size)))
+                parts = self._parts_received
                 tensors = read_tensors(header, self.codec, self._recv_part)
             except LinkBroken:
                 self._fail()
@@ -204,7 +207,9 @@ class Link:
                 self._fail()  # interrupted mid-frame: the stream position is lost
                 raise
             self.frames_received += 1
-            return Frame(header["kind"], header["step"], header["micro"], tensors, header["meta"])
+            wire = _LEN.size + size + self._parts_received - parts
+            kind, step, micro = header["kind"], header["step"], header["micro"]
+            return Frame(kind, step, micro, tensors, header["meta"], wire_bytes=wire)
 
     def close(self) -> None:
         """Close the link; the peer sees LinkBroken on its next recv. Idempotent. With a
@@ -263,6 +268,7 @@ class Link:
 
     def _recv_part(self, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
         out = torch.empty(nbytes, dtype=torch.uint8)  # not zero-filled: every byte is written
+        self._parts_received += nbytes
         if nbytes:
             array: Any = out.numpy()
             self._recv_into(memoryview(array).cast("B"))

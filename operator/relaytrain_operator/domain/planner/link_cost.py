@@ -126,10 +126,13 @@ def wire_bytes_per_value(training: TrainingShape, backward: bool = False) -> flo
                 training.activation_bits, training.epochs, training.sequence_length
             )
         coded = delta_gradient_bytes(training.gradient_bits)
-        if training.gradient_tokens >= 1.0:
+        share = training.gradient_tokens
+        if training.gradient_fill:  # as many as the activations' bytes leave room for
+            share = min(1.0, max(share, wire_bytes_per_value(training) / coded))
+        if share >= 1.0:
             return coded
         # a share of the tokens coded, and a bit a token (at most 1/64 of a bit a value)
-        return coded * training.gradient_tokens + 1 / 64 / 8
+        return coded * share + 1 / 64 / 8
     return WIRE_BYTES[training.compression]
 
 

@@ -61,6 +61,10 @@ class TrainingShape:
     `delta` only): the gradients' bytes are priced at that share."""
     gradient_bits: int = GRADIENT_BITS
     """The bits a value of `delta`'s gradient codes (``spec.pipeline.gradientBits``, 1-4)."""
+    gradient_fill: bool = False
+    """Whether `delta`'s gradients take more tokens than ``gradient_tokens``, up to all, while
+    they fit in their activations' bytes (``spec.pipeline.gradientFill: activations``): priced
+    at the share the activations' price leaves room for."""
     epochs: int | None = None
     """Passes over the data (``spec.training.epochs``; None: a job of steps, whose passes the
     plan does not know): `delta`'s activations are priced at the run's mean over them."""
