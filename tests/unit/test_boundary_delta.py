@@ -4,13 +4,14 @@ from full codes, and a stale delta breaking the link with a message naming the s
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator
 
 import pytest
 import torch
 from relaytrain_testkit.linkcreds import link_pair, stage_credentials
-from relaytrain_worker.pipeline.boundary import GRADIENT_BITS, ROWS
+from relaytrain_worker.pipeline.boundary import CONFIG, GRADIENT_BITS, ROWS, BoundaryCodec
 from relaytrain_worker.pipeline.lowbit import distortion
 from relaytrain_worker.pipeline.transport import Frame, Link, LinkBroken
 
@@ -164,6 +165,30 @@ def test_a_row_that_changes_more_gets_more_bits_and_never_a_worse_code(
     # Never worse than int4 is expected to code the row (its unshrunk scale's D / (1 - D),
     # 9.79 %; the bits' budget is that expectation, which a row may pass by a little).
     assert max(errors) < 1.01 * math.sqrt(distortion(4, "unshrunk")), errors
+
+
+def test_a_row_that_moved_far_takes_a_fresh_code_at_its_first_codes_error() -> None:
+    # A row that moved by half its norm again takes int4's error, a fresh code's, where a
+    # row that stayed near its last decode is taken down to half of it (the tests above):
+    # held to a quarter of its square whatever it moved, the same change costs a bit more
+    # a value (each bit quarters a code's error).
+    base = _rows()
+    gen = torch.Generator().manual_seed(3)
+    moved = base + 0.5 * base.norm() / base.numel() ** 0.5 * torch.randn(base.shape, generator=gen)
+    bits, errors = {}, {}
+    for name, moved_at in (("moved", CONFIG.moved), ("a quarter always", 0.0)):
+        up, down = _pair()
+        up.codec = BoundaryCodec(dataclasses.replace(CONFIG, moved=moved_at))
+        _epoch(up, down, base, 0)
+        size, errors[name] = _epoch(up, down, moved, 1)
+        bits[name] = size * 8 / (ROWS_TOTAL * SEQ * HIDDEN)
+        assert up.codec.delta_codes == ROWS_TOTAL  # changes, not rows made anew
+        up.close()
+        down.close()
+    assert CONFIG.moved > 0 and bits["a quarter always"] - bits["moved"] > 0.7, bits
+    full = math.sqrt(distortion(4, "unshrunk"))
+    assert 0.7 * full < errors["moved"] < 1.01 * full, errors
+    assert errors["a quarter always"] < 1.05 * 0.5 * full, errors  # a row may pass it a little
 
 
 def _along(got: torch.Tensor, sent: torch.Tensor) -> float:

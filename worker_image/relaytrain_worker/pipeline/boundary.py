@@ -110,17 +110,26 @@ frames of that kind (frames.py; it costs some 40 ns a byte of one CPU thread).""
 DEFLATE_RETRY = 16
 """Frames of a kind a link sends as coded after a deflate that did not pay, before it tries
 again (the codes' statistics change as training goes on)."""
-ACTIVATION_ERRORS: dict[str, tuple[Bits, float]] = {"int4": (FULL_BITS, 0.25), "int3": (3, 1.0)}
-"""``pipeline.activationError``: the code whose expected error a row's first code is held to, and
-the share of that squared error its change (a delta, every crossing after its first) is held
-to (`DeltaConfig.change_error`). int4's, the default, a quarter: a bit finer (each bit
-quarters a code's error). Held at the first's, a row that drifted less than
-that error crossed as its map alone, and the next stage trained on what it was an epoch or
-more before: SmolLM2-135M's fine-tune through 4 stages ended +1.36 % and +2.13 % above
-uncompressed training (seeds 0 and 1) at 5.72x and 5.77x fewer bytes than bf16, +0.28 % after
-its first epoch, all full codes; at a quarter +0.34 % and +0.14 % at 5.14x and 5.19x, within
-int8's +0.50 and +0.79 % (bf16's +0.54 % on seed 1). int3's, the setting that trades loss for
-bytes on a model without massive activations, its own: the tiny fine-tune's
+ACTIVATION_ERRORS: dict[str, tuple[Bits, float, float]] = {
+    "int4": (FULL_BITS, 0.25, 16.0),
+    "int3": (3, 1.0, 0.0),
+}
+"""``pipeline.activationError``: the code whose expected error a row's first code is held to, the
+share of that squared error its change (a delta, every crossing after its first) is held to
+(`DeltaConfig.change_error`), and from how far a row counts as moved, its change then held to
+the first code's error (`DeltaConfig.moved`, in that code's expected errors). int4's, the
+default, a quarter: a bit finer (each bit quarters a code's error), up to a change of 4 such
+errors (twice the code's error in norm), rising to all of it at 16 (since 2026-12-07, later
+still: a row that moved that far gets a fresh code's error, not an old one's again; at a width
+of 1024 the card run's settings then carried 2.95x fewer bytes than int8 to their target where
+they carried 2.37x, and SmolLM2-135M ended where it did, docs/links-and-checkpoints.md, "A moved
+row's change at its first code's error"). Held at the first's whatever it moved, a row that
+drifted less than that error crossed as its map alone, and the next stage trained on what it was
+an epoch or more before: SmolLM2-135M's fine-tune through 4 stages ended +1.36 % and +2.13 %
+above uncompressed training (seeds 0 and 1) at 5.72x and 5.77x fewer bytes than bf16, +0.28 %
+after its first epoch, all full codes; at a quarter +0.34 % and +0.14 % at 5.14x and 5.19x,
+within int8's +0.50 and +0.79 % (bf16's +0.54 % on seed 1). int3's, the setting that trades loss
+for bytes on a model without massive activations, its own: the tiny fine-tune's
 ``delta:int3+basis`` with a quarter of the gradients' tokens is 16.59x at +0.44 % with its
 changes held at int3's error, 12.74x at +0.03 % at a quarter of it.
 `bench/bench_delta_boundary.py`, 2026-12-07 (docs/links-and-checkpoints.md)."""
@@ -135,10 +144,11 @@ def config_for(activation_error: str = "int4", *, transform: bool = False) -> De
     if activation_error not in ACTIVATION_ERRORS:
         valid = ", ".join(ACTIVATION_ERRORS)
         raise ValueError(f"activation_error must be one of {valid}, got {activation_error!r}")
-    bits, change = ACTIVATION_ERRORS[activation_error]
+    bits, change, moved = ACTIVATION_ERRORS[activation_error]
     return DeltaConfig(
-        full_bits=bits, allocate=True, transform=transform, scale="unshrunk", change_error=change
-    )
+        full_bits=bits, allocate=True, transform=transform, scale="unshrunk",
+        change_error=change, moved=moved,
+    )  # fmt: skip
 
 
 CONFIG = config_for()

@@ -144,6 +144,11 @@ class DeltaConfig:
     change_error: float = 1.0
     """With ``allocate``: a change's (a delta's) error budget as a share of a full code's, each
     token's against its own energy alike (the worker's: `boundary.ACTIVATION_ERRORS`)."""
+    moved: float = 0.0
+    """With ``change_error`` below 1: the change, in full codes' expected errors of the row
+    (its energy weighed as the budget's), at which a row counts as moved and its change takes
+    a full code's budget; ``change_error`` up to ``change_error * moved`` of them, rising in
+    proportion between (`change_share`). 0: ``change_error`` whatever the change."""
     transform: bool = False
     """With ``allocate``: code each row's change in a basis fitted to such changes, its blocks
     0-8 bits, within the same error (`transform.py`); the sender's `DeltaSender.fitter`
@@ -165,6 +170,11 @@ class DeltaConfig:
             raise ValueError(
                 f"change_error must be above 0 and at most 1, below 1 only with allocate, "
                 f"got {self.change_error}"
+            )
+        if not (0.0 <= self.moved < math.inf) or (self.moved and self.change_error >= 1):
+            raise ValueError(
+                f"moved must be finite and >= 0, above 0 only with change_error below 1, "
+                f"got {self.moved}"
             )
         if self.transform and (not self.allocate or self.floor):
             raise ValueError("transform needs allocate and no floor")
@@ -352,7 +362,8 @@ class DeltaSender(_Side):
         weighed = token_weights(value, h)  # each token's error against its own energy
         budget, weight = distortion(cfg.full_bits, cfg.scale) * weighed.energy, weighed.weight
         if base is not None:
-            budget *= cfg.change_error
+            moved = float((delta.square().sum(dim=1) * weight).sum())
+            budget *= change_share(cfg, moved / max(budget, _TINY))
         if cfg.transform or (base is None and not cfg.floor and bool(weighed.massive.any())):
             # In a basis; or a full code of a row with a massive token (a sink, which 4 bits
             # left at up to 5 % of its norm: SmolLM2-135M's loss +0.68 %, at 8 +0.27 %) in the
@@ -414,6 +425,21 @@ class DeltaReceiver(_Side):
                 )
         value = self._apply(msg, entry, None if device is None else torch.device(device))
         return from_blocks(value, msg.shape, msg.dtype)
+
+
+def change_share(config: DeltaConfig, errors: float) -> float:
+    """The share of a full code's error budget a row's change is held to, where the change
+    is ``errors`` full codes' expected errors of the row (`DeltaConfig.moved`): the row's
+    ``change_error`` while it stayed near its last decode, where the receiver would otherwise
+    keep an old code's error, the same each epoch; a full code's once it moved so far that
+    its new code's error is fresh; in proportion between."""
+    if not config.moved:
+        return config.change_error
+    return min(1.0, max(config.change_error, errors / config.moved))
+
+
+_TINY = 1e-30
+"""A budget's least divisor (a row of zeros has none)."""
 
 
 def _quantise(
