@@ -55,7 +55,8 @@ def test_every_token_of_a_real_boundary_crosses_at_its_codes_error(
     hidden: torch.Tensor, error: str, fitted: bool
 ) -> None:
     """At int4's error, the default, a row's change (its second crossing) comes within half of
-    it (`boundary.ACTIVATION_ERRORS`: a quarter of its square); at int3's within int3's."""
+    it (`boundary.ACTIVATION_ERRORS`: a quarter of its square, for a row that moved about
+    that error, as here); at int3's within int3's."""
     x = hidden.float()
     energy = x.square().sum(dim=-1)
     first = float((energy[:, 0] / energy.sum(dim=-1)).min())

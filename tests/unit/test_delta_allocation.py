@@ -20,7 +20,12 @@ from relaytrain_worker.pipeline.allocation import (
     token_weights,
 )
 from relaytrain_worker.pipeline.boundary import ROWS, codec_for, config_for
-from relaytrain_worker.pipeline.deltacache import DeltaConfig, DeltaReceiver, DeltaSender
+from relaytrain_worker.pipeline.deltacache import (
+    DeltaConfig,
+    DeltaReceiver,
+    DeltaSender,
+    change_share,
+)
 from relaytrain_worker.pipeline.lowbit import BLOCK, DISTORTION, Scale, distortion
 
 pytestmark = pytest.mark.unit
@@ -259,7 +264,8 @@ def test_a_massive_token_crosses_at_the_codes_most_bits(fitted: bool) -> None:
 @pytest.mark.parametrize("fitted", [False, True], ids=["identity", "fitted-bases"])
 def test_a_rows_change_crosses_a_bit_finer_than_its_first_code(fitted: bool) -> None:
     """At int4's error, the default, every crossing of a row after its first is held to a
-    quarter of its first code's squared error (`boundary.ACTIVATION_ERRORS`): a row that moved by
+    quarter of its first code's squared error (`boundary.ACTIVATION_ERRORS`; one that moved
+    several times that error, up to all of it: `DeltaConfig.moved`): a row that moved by
     less than that error (an adapter's epoch) reaches the next stage within half of it, not as
     it was an epoch before. Held at the first's (until 2026-12-07), such a change crossed as
     the row's map alone, and the next stage trained on the stale row: SmolLM2-135M's
@@ -331,3 +337,12 @@ def test_allocation_is_configured_alone() -> None:
         DeltaConfig(change_error=0.5)
     with pytest.raises(ValueError, match=r"change_error must be above 0 .* got 0\.0"):
         DeltaConfig(allocate=True, change_error=0.0)
+    with pytest.raises(ValueError, match=r"moved .* only with change_error below 1, got 4\.0"):
+        DeltaConfig(allocate=True, moved=4.0)
+    with pytest.raises(ValueError, match=r"moved must be finite and >= 0"):
+        DeltaConfig(allocate=True, change_error=0.25, moved=-1.0)
+    # The share a change is held to: its own below the knee, a full code's past it.
+    config = DeltaConfig(allocate=True, change_error=0.25, moved=16.0)
+    shares = [change_share(config, errors) for errors in (0.5, 4.0, 8.0, 16.0, 40.0)]
+    assert shares == [0.25, 0.25, 0.5, 1.0, 1.0]
+    assert change_share(DeltaConfig(allocate=True, change_error=0.25), 40.0) == 0.25

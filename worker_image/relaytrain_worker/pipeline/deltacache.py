@@ -21,8 +21,8 @@ Allocated codes (``allocate``, what the worker's ``delta`` compression uses;
 a full code's is held at its bits' (each token's against its own energy, in the row's mean; a
 massive token, `allocation.MASSIVE`, at the code's most bits: 8 on a full code, its row's
 blocks then 0-8), a change's at ``change_error`` of that (the worker's default: a quarter,
-a bit finer), a row that drifts less than that costs only its map, and the next code carries the
-error.
+a bit finer) up to all of it for a row that moved far (``moved``, `change_share`), a row that
+drifts less than that costs only its map, and the next code carries the error.
 
 Block skipping (``skip_below``): a block (64 values, as in lowbit.py) whose delta RMS is at
 most ``skip_below`` times the cached block's is not sent; a bitmap of a bit a block (set =

@@ -51,7 +51,8 @@ SINK_BITS = 8
 #: (`delta_first_bytes`). The rows' drift decides it, which no plan knows before the run, and
 #: since 2026-12-07 a row's change at int4's error is held to a quarter of its first code's
 #: (relaytrain_worker.pipeline.boundary.ACTIVATION_ERRORS): its second crossing pays to halve the
-#: first's error even where the row did not move. This is the dearest mean measured, rounded
+#: first's error even where the row did not move (a row that moved far, since later that day, at
+#: up to the first's error again: cheaper). This is the dearest mean measured, rounded
 #: up (`bench/bench_delta_boundary.py`, 4 stages, the activations' bits a value of the later
 #: epochs against the first's price, 2026-12-07): 0.82 where a tiny Llama's LoRA learns a
 #: language from a random base (6 epochs, rows moving 95-5 % an epoch; 0.91 of what its first
