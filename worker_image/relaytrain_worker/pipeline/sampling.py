@@ -92,9 +92,11 @@ def share_within(grad: torch.Tensor, floor: float, room: int, value_bytes: float
     value_bytes`` (``boundary.bytes_per_value`` of the gradients' bits), a bit a token for
     the map and ``FRAME_BYTES`` for the frame's header (deflate takes about 2 % off a
     gradient's codes: not counted, so the sum errs on the side of the room)."""
+    if floor >= 1.0:
+        return 1.0
     tokens = grad.detach().reshape(-1, grad.shape[-1])
     live = int(tokens.ne(0).any(dim=1).sum())
-    if floor >= 1.0 or live == 0:
+    if live == 0:
         return 1.0
     codes = live * tokens.shape[1] * value_bytes
     fits = (room - FRAME_BYTES - tokens.shape[0] / 8) / codes
