@@ -64,16 +64,26 @@ def probabilities(norms: torch.Tensor, share: float) -> torch.Tensor:
     return torch.clamp(hi * n, max=1.0)
 
 
-def sample_tokens(grad: torch.Tensor, share: float, seed: int) -> torch.Tensor:
+def token_norms(grad: torch.Tensor) -> torch.Tensor:
+    """Each token's norm of ``grad`` (``[..., hidden]``), float32 on the CPU: what
+    `sample_tokens` draws by and `share_within` counts the live tokens of."""
+    norms: torch.Tensor = grad.detach().reshape(-1, grad.shape[-1]).float().norm(dim=1)
+    return norms.cpu()
+
+
+def sample_tokens(
+    grad: torch.Tensor, share: float, seed: int, norms: torch.Tensor | None = None
+) -> torch.Tensor:
     """``grad`` (``[..., hidden]``) with only a random ``share`` of its tokens (in
     expectation), each divided by its probability (`probabilities`), the others zero; the
-    same tensor when ``share`` is 1. Same device and dtype."""
+    same tensor when ``share`` is 1. Same device and dtype. ``norms``: its `token_norms`,
+    where the caller has them already."""
     if not 0.0 < share <= 1.0:
         raise ValueError(f"gradient token share must be above 0 and at most 1, got {share}")
     if share >= 1.0:
         return grad
     tokens = grad.detach().reshape(-1, grad.shape[-1])
-    p = probabilities(tokens.float().norm(dim=1).cpu(), share)
+    p = probabilities(token_norms(grad) if norms is None else norms, share)
     draw = torch.rand(p.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
     kept = (draw < p).nonzero().reshape(-1)
     out = torch.zeros_like(tokens)
@@ -83,7 +93,13 @@ def sample_tokens(grad: torch.Tensor, share: float, seed: int) -> torch.Tensor:
     return out.reshape(grad.shape)
 
 
-def share_within(grad: torch.Tensor, floor: float, room: int, value_bytes: float) -> float:
+def share_within(
+    grad: torch.Tensor,
+    floor: float,
+    room: int,
+    value_bytes: float,
+    norms: torch.Tensor | None = None,
+) -> float:
     """The share of ``grad``'s tokens to send (`pipeline.gradientFill: activations`): the
     most whose code fits in ``room`` bytes, the bytes the micro-batch's activations took on
     the same link in the other direction, which a link leaves idle otherwise; never below
@@ -91,15 +107,17 @@ def share_within(grad: torch.Tensor, floor: float, room: int, value_bytes: float
     A share ``s`` of the ``live`` tokens with a gradient costs about ``s live hidden
     value_bytes`` (``boundary.bytes_per_value`` of the gradients' bits), a bit a token for
     the map and ``FRAME_BYTES`` for the frame's header (deflate takes about 2 % off a
-    gradient's codes: not counted, so the sum errs on the side of the room)."""
+    gradient's codes: not counted, so the sum errs on the side of the room). ``norms``: its
+    `token_norms`, where the caller has them already (a token is live where its norm is
+    above 0, as `probabilities` counts them)."""
     if floor >= 1.0:
         return 1.0
-    tokens = grad.detach().reshape(-1, grad.shape[-1])
-    live = int(tokens.ne(0).any(dim=1).sum())
+    norms = token_norms(grad) if norms is None else norms
+    live = int((norms > 0).sum())
     if live == 0:
         return 1.0
-    codes = live * tokens.shape[1] * value_bytes
-    fits = (room - FRAME_BYTES - tokens.shape[0] / 8) / codes
+    codes = live * grad.shape[-1] * value_bytes
+    fits = (room - FRAME_BYTES - norms.numel() / 8) / codes
     return min(1.0, max(floor, fits))
 
 

@@ -64,7 +64,7 @@ from relaytrain_worker.model.methods import TIED_HEAD_NAME
 from relaytrain_worker.model.model_slice import StageModel, device_of
 from relaytrain_worker.pipeline.boundary import MODE, ROWS, bytes_per_value
 from relaytrain_worker.pipeline.peers import Peers
-from relaytrain_worker.pipeline.sampling import sample_tokens, seed_of, share_within
+from relaytrain_worker.pipeline.sampling import sample_tokens, seed_of, share_within, token_norms
 from relaytrain_worker.pipeline.stats import (
     ITEMS_KEY,
     LOSS_KEY,
@@ -292,13 +292,16 @@ class StepRunner:
             assert self.peers.prev is not None and inp is not None
             assert inp.grad is not None
             grad = inp.grad
-            share = self.gradient_tokens
+            share, norms = self.gradient_tokens, None
+            if share < 1.0:  # the norms the fill counts and the draw draws by, taken once
+                norms = token_norms(grad)
             if self.gradient_fill:
                 bits = self.peers.prev.link.codec.gradient_bits
                 room = self._room.pop((step, m))
-                share = share_within(grad, share, room, bytes_per_value(bits))
+                share = share_within(grad, share, room, bytes_per_value(bits), norms)
             if share < 1.0:
-                grad = sample_tokens(grad, share, seed_of(self.seed, step, m, self.index))
+                seed = seed_of(self.seed, step, m, self.index)
+                grad = sample_tokens(grad, share, seed, norms)
             self.peers.prev.send(Frame("gradient", step, m, {"grad": grad}), self.compression)
         if self._terms is not None:  # this micro-batch's gradients, as a term of their own
             for name, param in self.trainable:
