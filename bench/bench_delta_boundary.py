@@ -922,11 +922,13 @@ def report(
     for m, r in runs.items():
         print(f"| {m} | " + " | ".join(f"{100 * d:.1f} %" for d in r.drift) + " |")
 
+    to_target = report_to_target(runs, none_final * 1.01)
     if out is not None:
         out.write_text(
             json.dumps(
                 {
                     "args": identity,
+                    "to_target": to_target,
                     "setup": asdict(setup),
                     "eval_loss_before": base_loss,
                     "pretrained": fitted,
@@ -944,6 +946,53 @@ def report(
         )
     if linked:
         report_time(runs, linked, none_final, out, link, setup.micros)
+
+
+def to_target_bytes(run: ModeRun, steps: int) -> tuple[float, float]:
+    """(its busiest link direction's bytes, its gradients' direction's) over a run's first
+    ``steps``: each step's most loaded boundary in that direction, summed; what a link's
+    time to a loss follows where the bytes decide (`time_to_loss_model`'s ratios)."""
+    span = run.step_bytes[:steps]
+    busiest = sum(max(b[d] for b in step for d in range(2)) for step in span)
+    return busiest, sum(max(b[1] for b in step) for step in span)
+
+
+def report_to_target(runs: dict[str, ModeRun], target: float) -> dict[str, Any]:
+    """Each unlimited run's steps to ``target`` (none's final + 1 %) and its bytes over them,
+    against int8's where it ran; and the projection's command for each mode."""
+    print(
+        f"\nTo none's final + 1 % ({target:.4f}) over the unlimited links: the steps, the "
+        "busiest link direction's bytes over them (each step's most loaded boundary) and the "
+        "gradients' direction's, int8's over the mode's\n"
+    )
+    print(
+        "| mode | steps | busiest B | gradients B | int8 / mode, busiest | int8 / mode, gradients |"
+    )
+    print("|---|---|---|---|---|---|")
+    rows: dict[str, Any] = {}
+    for m, r in runs.items():
+        n = steps_to(r.step_eval, target)
+        busiest, gradients = to_target_bytes(r, n) if n is not None else (None, None)
+        rows[m] = {"steps": n, "busiest_bytes": busiest, "gradient_bytes": gradients}
+    ref = rows.get("int8", {})
+    for m, v in rows.items():
+        ratios = ["", ""]
+        if m != "int8" and ref.get("steps") and v["steps"]:
+            v["busiest_ratio"] = ref["busiest_bytes"] / v["busiest_bytes"]
+            v["gradient_ratio"] = ref["gradient_bytes"] / v["gradient_bytes"]
+            ratios = [f"{v['busiest_ratio']:.2f}x", f"{v['gradient_ratio']:.2f}x"]
+        cells = ["never", "", ""] if v["steps"] is None else [
+            str(v["steps"]), f"{v['busiest_bytes']:.0f}", f"{v['gradient_bytes']:.0f}"
+        ]  # fmt: skip
+        print(f"| {m} | " + " | ".join(cells + ratios) + " |")
+    for m, v in rows.items():
+        if "busiest_ratio" in v:
+            print(
+                f"\n{m}, projected to an 8B's frames: .venv/bin/python bench/time_to_loss_model.py"
+                f" --steps-int8 {ref['steps']} --steps-delta {v['steps']} --bandwidth-ratio "
+                f"{v['busiest_ratio']:.2f} --gradient-ratio {v['gradient_ratio']:.2f} --ahead best"
+            )
+    return rows
 
 
 def report_time(

@@ -2,8 +2,8 @@
 models and GPUs: what issue 24's goal (3x faster over 100 Mbit/s with 50 ms each way) takes.
 
 Run: .venv/bin/python bench/time_to_loss_model.py [--steps-int8 N] [--steps-delta N]
-    [--bandwidth-ratio R] [--tokens-per-second T] [--rows R] [--micro-batches M]
-    [--ahead K|best] [--json OUT]
+    [--bandwidth-ratio R] [--gradient-ratio G] [--tokens-per-second T] [--rows R]
+    [--micro-batches M] [--ahead K|best] [--json OUT]
 
 The inputs are what bench/bench_delta_boundary.py measured on 2026-11-30 (the fine-tune,
 ``delta:int3+basis`` with a quarter of the gradients' tokens, to none's final loss + 1 %):
@@ -20,8 +20,10 @@ on its encoder beside its compute. Its inputs, per micro-batch and stage:
   the micro-batches (``--micro-batches``, default one row each);
 - a frame's send: int8's bytes (hidden x tokens x `link_cost.WIRE_BYTES`["int8"]) over the rate;
   ``delta``'s, both directions, those over the bandwidth ratio spread over its steps (its
-  busiest direction's ratio: its gradients' frames, smaller at a quarter of the tokens,
-  are charged as much);
+  busiest direction's ratio: its gradients' frames, smaller at a share of the tokens, are
+  charged as much), or with ``--gradient-ratio`` the gradients' frames over a ratio of their
+  own (int8's gradients' bytes over delta's, each over its steps to the target: the
+  backward's way up the links and 1F1B's gradient sends take their own bytes' time);
 - ``delta``'s encoder: the planner's `link_cost.DELTA_FORWARD_CODEC_SECONDS` (measured on an
   H200) a value for an activation frame, `link_cost.DELTA_BACKWARD_CODEC_SECONDS` for a
   gradient frame; int8's code is charged nothing.
@@ -107,7 +109,12 @@ class Projection:
     int8_link_seconds_for_goal: float | None
 
 
-def project(case: Case, steps_int8: int, steps_delta: int, bandwidth: float) -> Projection:
+def project(
+    case: Case, steps_int8: int, steps_delta: int, bandwidth: float, gradients: float | None = None
+) -> Projection:
+    """``bandwidth``: int8's busiest direction's bytes over delta's, each over its steps to the
+    target; ``gradients``: the same of the gradients' direction alone (None: ``bandwidth``)."""
+    up_ratio = bandwidth if gradients is None else gradients
     # int8's seconds a step in one direction of a link: its micro-batches' frames.
     link8 = case.hidden * case.tokens * WIRE_BYTES["int8"] / RATE
     values = case.hidden * case.tokens / case.micros
@@ -117,19 +124,24 @@ def project(case: Case, steps_int8: int, steps_delta: int, bandwidth: float) -> 
         else (0.0, 0.0)
     )
 
-    def step(compute: float, frame: float, encode: tuple[float, float] = (0.0, 0.0)) -> float:
+    def step(
+        compute: float, down: float, up: float, encode: tuple[float, float] = (0.0, 0.0)
+    ) -> float:
         aheads = range(case.micros + 1) if case.ahead is None else (case.ahead,)
         return min(
             step_seconds(
-                StepShape(STAGES, case.micros, compute, frame, frame, LATENCY, *encode, ahead=a)
+                StepShape(STAGES, case.micros, compute, down, up, LATENCY, *encode, ahead=a)
             )
             for a in aheads
         )
 
     def times(link: float, steps: int = steps_delta) -> tuple[float, float]:
-        linkd = steps_int8 * link / (bandwidth * steps_delta)  # delta's bytes a step, measured
-        t8 = steps_int8 * step(case.compute[0], link / case.micros)
-        return t8, steps * step(case.compute[1], linkd / case.micros, (forward, backward))
+        # delta's bytes a step in each direction, measured: int8's over the ratio, spread over
+        # delta's steps
+        down, up = (steps_int8 * link / (r * steps_delta) for r in (bandwidth, up_ratio))
+        t8 = steps_int8 * step(case.compute[0], link / case.micros, link / case.micros)
+        micros = case.micros
+        return t8, steps * step(case.compute[1], down / micros, up / micros, (forward, backward))
 
     t8, td = times(link8)
     e8, ed = times(link8, steps_int8)
@@ -185,6 +197,12 @@ def main() -> None:
     parser.add_argument("--steps-delta", type=int, default=47)
     parser.add_argument("--bandwidth-ratio", type=float, default=3.57)
     parser.add_argument(
+        "--gradient-ratio",
+        type=float,
+        help="int8's gradients' bytes over delta's to the target (default: the bandwidth ratio,"
+        " the gradients charged as much as the busiest direction)",
+    )
+    parser.add_argument(
         "--tokens-per-second",
         type=float,
         default=12_000.0,
@@ -202,7 +220,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args()
     rows = [
-        project(c, args.steps_int8, args.steps_delta, args.bandwidth_ratio)
+        project(c, args.steps_int8, args.steps_delta, args.bandwidth_ratio, args.gradient_ratio)
         for c in cases(
             args.tokens_per_second,
             args.rows,
@@ -213,7 +231,9 @@ def main() -> None:
     print(
         f"100 Mbit/s, {LATENCY * 1000:.0f} ms each way, {STAGES} stages; int8 {args.steps_int8}"
         f" steps to the target, delta {args.steps_delta}, bandwidth ratio"
-        f" {args.bandwidth_ratio:.2f}\n"
+        f" {args.bandwidth_ratio:.2f}"
+        + ("" if args.gradient_ratio is None else f", gradients {args.gradient_ratio:.2f}")
+        + "\n"
     )
     print(
         "| case | int8 link a step | int8 | delta | delta vs int8 | at equal steps |"

@@ -142,3 +142,31 @@ def test_a_report_of_other_arguments_is_not_resumed(report_path: Path) -> None:
     done = bench(*twin_arguments(), "--seed", "1", "--resume", str(report_path))
     assert done.returncode != 0
     assert "seed: 0 there, 1 here" in done.stderr, done.stderr[-2000:]
+
+
+def test_the_bytes_to_a_target_are_each_steps_most_loaded_boundary_summed() -> None:
+    """What the projection's ratios are made of: a link's time follows, each step, its most
+    loaded boundary in its busiest direction; the gradients' direction is counted apart."""
+    from bench.bench_delta_boundary import ModeRun, to_target_bytes
+
+    # per step, per boundary: [down, up]
+    steps = [[[10, 3], [7, 9]], [[5, 6], [8, 2]], [[100, 100], [100, 100]]]
+    run = ModeRun("delta", "unlimited", 1.0, [0.1] * 3, [2.0, 1.0, 0.5], steps, [])
+    assert to_target_bytes(run, 2) == (10 + 8, 9 + 6)  # the third step is past the target
+    assert to_target_bytes(run, 3) == (118, 115)
+
+
+def test_the_report_gives_each_modes_steps_and_bytes_to_the_target(
+    report: dict[str, Any],
+) -> None:
+    from bench.time_to_loss_model import steps_to
+
+    runs, to_target = report["runs"], report["to_target"]
+    target = 1.01 * runs["none"]["step_eval"][-1]
+    for mode, run in runs.items():
+        assert to_target[mode]["steps"] == steps_to(run["step_eval"], target), mode
+    delta, int8 = to_target[timed_delta()], to_target["int8"]
+    assert delta["busiest_ratio"] == pytest.approx(int8["busiest_bytes"] / delta["busiest_bytes"])
+    assert delta["gradient_ratio"] == pytest.approx(
+        int8["gradient_bytes"] / delta["gradient_bytes"]
+    )

@@ -80,6 +80,20 @@ def test_steps_to_a_target_counts_to_the_first_step_at_or_below_it_or_says_never
     assert steps_to(losses, 1.0) is None
 
 
+def test_the_projection_charges_the_gradients_their_own_bytes_when_measured_apart() -> None:
+    from bench.time_to_loss_model import cases, project
+
+    eight_b = cases(12_000.0, 8, 8, None)[1]
+    charged_alike = project(eight_b, 21, 22, 2.95)
+    assert project(eight_b, 21, 22, 2.95, 2.95) == charged_alike
+    # Gradients 8x smaller than int8's: the backward's way up and 1F1B's gradient sends take
+    # less time, so delta is sooner, but never sooner than with both directions that small.
+    apart = project(eight_b, 21, 22, 2.95, 8.0)
+    assert apart.delta_seconds < charged_alike.delta_seconds
+    assert apart.int8_seconds == charged_alike.int8_seconds
+    assert apart.delta_seconds > project(eight_b, 21, 22, 8.0).delta_seconds
+
+
 @st.composite
 def slow_shapes(draw: st.DrawFn) -> StepShape:
     p = draw(st.integers(1, 6))
