@@ -46,23 +46,26 @@ BENCH_TIMEOUT=${BENCH_TIMEOUT:-380}
 # timed to 2 steps past their target, the delta run first. The fine-tune's learning rate is
 # 5e-3, not the bench's by width (3.1e-4 here): on the CPU at a width of 1024 the scaled rate
 # (1.25e-3) left the uncompressed run at 1.294 after its 48 steps against 0.974 at 5e-3
-# (docs/gpu-check.md, 2026-12-05). `delta` is held to int4's error, not int3's: at a width of
-# 1024 on the CPU int3's error alone kept it 2.8-3.1 % above the uncompressed run (with half or
-# all of the gradients' tokens), int4's ended +0.46 % and, on a second seed, +1.19 %
-# (docs/gpu-check.md, "The loss gap at width", 2026-12-05), and since a row's change crosses at
-# half of int4's error +0.11 % and +0.01 % at 7.4x bf16's bytes (2026-12-07, "The card run's
-# settings since"), and with the gradients at 2 bits, the jobs' default since that day, +0.00 %
-# and +0.15 % at 8.5x; the first card run, at int3, ended +2.2 % and never reached the target.
+# (docs/gpu-check.md, 2026-12-05). `delta` is held to int3's error, a quarter of the gradients'
+# tokens at 2 bits, lifted while they fit in their activations' bytes (gradientFill): at a width
+# of 1024 on the CPU these reach none's final + 1 % in 23 and 20 steps against int8's 21 and 18
+# (seeds 0 and 1) with their busiest direction 4.65x and 4.60x fewer bytes than int8's over
+# them, 3.22x and 3.18x int8's time projected to an 8B's frames, ending +0.90 % and +0.65 %
+# (2026-12-07, docs/links-and-checkpoints.md, "int3 to the target at a width of 1024"); int4's
+# error with half the tokens, raced until that day, ends within 0.15 % but carries 2.95x, 2.87x
+# projected. int3's least-squares scales kept the first card run
+# (2026-12-04) +2.2 % above uncompressed, never at the target; unshrunk since 2026-12-06.
 # The CPU twin (tests/unit/test_bench_delta_boundary.py) runs the same path small.
 TIME_TO_LOSS=(--device cuda --hidden 4096 --seq 512 --quick --epochs 6
-  --modes int8,delta:int4+basis --timed delta:int4+basis --gradient-tokens 0.5 --gradient-bits 2
+  --modes int8,delta:int3+basis --timed delta:int3+basis --gradient-tokens 0.25
+  --gradient-fill activations --gradient-bits 2
   --timed-stop target --base pretrained --pretrain-steps 400 --lr 5e-3)
 TIME_TO_LOSS_TIMEOUT=${TIME_TO_LOSS_TIMEOUT:-540}
 # Before the runs (not when resuming), the codec's own time at the run's width on the card
 # (bench/bench_codec_speed.py: a 2,048-token frame of 4096-wide rows coded as the run codes
 # them, a basis fitted, each crossing timed), under CODEC_TIMEOUT, out of the call's
 # TIME_TO_LOSS_TIMEOUT: what a `delta` step's stage work is made of.
-CODEC=(--device cuda --quick --tokens 1024 --hidden 4096 --activation-error int4 --basis)
+CODEC=(--device cuda --quick --tokens 1024 --hidden 4096 --activation-error int3 --basis)
 CODEC_TIMEOUT=${CODEC_TIMEOUT:-90}
 RESUME_REPORT=${RESUME_REPORT:-.ttl/time-to-loss.json}
 TESTS_TIMEOUT=${TESTS_TIMEOUT:-180}
