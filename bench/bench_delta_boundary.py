@@ -572,8 +572,7 @@ def step_model(
     side on their own cores)."""
     from relaytrain_operator.domain.planner.steptime import StepShape, calibrate, step_seconds
 
-    model = bandwidth = 0.0
-    previous = 0.0
+    model = previous = 0.0
     for s, step in enumerate(run.step_bytes[:upto]):
         down, up = (max(step[b][d] for b in range(STAGES - 1)) / link.rate for d in range(2))
         work = loopback.step_seconds[s] - previous
@@ -581,8 +580,7 @@ def step_model(
         previous = loopback.step_seconds[s]
         shape = StepShape(STAGES, micros, compute, down / micros, up / micros, link.latency)
         model += step_seconds(shape)
-        bandwidth += max(down, up)
-    return model, bandwidth
+    return model, to_target_bytes(run, upto)[0] / link.rate
 
 
 def main() -> None:
