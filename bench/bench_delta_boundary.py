@@ -84,6 +84,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import tempfile
 import time
@@ -445,13 +446,17 @@ def drawn_model(
             None,
             None,
         )
-    print(f"  pretraining the base ({args.pretrain_steps} steps) ...", file=sys.stderr, flush=True)
+    cache = None if args.base_cache == "off" else Path(args.base_cache)
+    print(f"  pretraining the base ({args.pretrain_steps} steps; kept in {cache}) ...",
+          file=sys.stderr, flush=True)  # fmt: skip
     full = random_model(model_dir, dtype="float32", device=setup.device)
     lr = bigram.fit_lr(setup.hidden)
     precision = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("high")  # TF32 on a card's tensor cores
     try:
-        loss = bigram.fit(full, steps=args.pretrain_steps, rows_per_step=4, seq=setup.seq, lr=lr)
+        loss = bigram.fit_cached(
+            full, cache, steps=args.pretrain_steps, rows_per_step=4, seq=setup.seq, lr=lr
+        )
     finally:
         torch.set_float32_matmul_precision(precision)
     # The parameters alone take the run's dtype: the buffers (the rotary frequencies) stay
@@ -658,6 +663,13 @@ def main() -> None:
         help="a report (--json) of an earlier call of the same arguments: its runs are taken "
         "as measured and only the rest trained",
     )
+    parser.add_argument(
+        "--base-cache",
+        default=str(Path(os.environ.get("RELAYTRAIN_CACHE", Path.home() / ".cache" / "relaytrain"))
+                    / "bases"),
+        help="with --weights drawn --base pretrained: the folder of pretrained bases kept by "
+        "what made them (off: pretrain each call; default $RELAYTRAIN_CACHE/bases)",
+    )  # fmt: skip
     from relaytrain_testkit import bigram
 
     bigram.add_base_arguments(parser, default="random", pretrain_steps=600)
@@ -710,7 +722,7 @@ def main() -> None:
     if setup.steps_per_epoch < 1:
         raise SystemExit(f"--rows must be at least {MBS * setup.micros} (a step's rows)")
     n_steps = setup.steps_per_epoch * setup.epochs
-    identity = {k: v for k, v in vars(args).items() if k not in ("json", "resume")}
+    identity = {k: v for k, v in vars(args).items() if k not in ("json", "resume", "base_cache")}
     resumed = resume(args.resume, setup, identity)
     training = TrainingSpec(
         steps=n_steps, micro_batch_size=MBS, micro_batches=setup.micros, learning_rate=lr,

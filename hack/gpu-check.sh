@@ -59,7 +59,7 @@ BENCH_TIMEOUT=${BENCH_TIMEOUT:-380}
 TIME_TO_LOSS=(--device cuda --hidden 4096 --seq 512 --quick --epochs 6
   --modes int8,delta:int3+basis --timed delta:int3+basis --gradient-tokens 0.25
   --gradient-fill activations --gradient-bits 2
-  --timed-stop target --base pretrained --pretrain-steps 400 --lr 5e-3)
+  --timed-stop target --base pretrained --pretrain-steps 400 --lr 5e-3 --base-cache off)
 TIME_TO_LOSS_TIMEOUT=${TIME_TO_LOSS_TIMEOUT:-540}
 # Before the runs (not when resuming), the codec's own time at the run's width on the card
 # (bench/bench_codec_speed.py: a 2,048-token frame of 4096-wide rows coded as the run codes

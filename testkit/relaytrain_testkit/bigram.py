@@ -114,6 +114,59 @@ def fit(
     return float(torch.stack(tail).mean())
 
 
+def fit_cached(
+    model: torch.nn.Module,
+    cache: Path | None,
+    *,
+    steps: int,
+    rows_per_step: int = 16,
+    seq: int = 24,
+    lr: float = 3e-3,
+) -> float:
+    """`fit`, or the parameters a `fit` of the same model left in `cache` (a folder; None:
+    always fit): a width of 1024 takes 17 minutes of a CPU thread to pretrain, the same
+    each call. The key is everything the result depends on: the parameters as drawn, the
+    arguments, this file (the language and `fit` itself), torch's version, the device's
+    type and the float32 matmul precision. Returns `fit`'s loss, stored beside them."""
+    import hashlib
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    if cache is None:
+        return fit(model, steps=steps, rows_per_step=rows_per_step, seq=seq, lr=lr)
+    params = dict(model.named_parameters())
+    key = hashlib.sha256(Path(__file__).read_bytes())
+    for name, p in sorted(params.items()):
+        key.update(name.encode())
+        key.update(p.detach().float().cpu().contiguous().numpy().tobytes())
+    device = next(model.parameters()).device
+    key.update(
+        json.dumps(
+            [steps, rows_per_step, seq, lr, torch.__version__, device.type,
+             torch.get_float32_matmul_precision()]
+        ).encode()
+    )  # fmt: skip
+    where = cache / key.hexdigest()[:32]
+    weights, meta = where.with_suffix(".safetensors"), where.with_suffix(".json")
+    if weights.is_file() and meta.is_file():
+        stored = load_file(str(weights), device=str(device))
+        with torch.no_grad():
+            for name, p in params.items():
+                p.copy_(stored[name])
+                p.requires_grad_(True)  # as `fit` leaves them
+        model.train()
+        return float(json.loads(meta.read_text())["loss"])
+    loss = fit(model, steps=steps, rows_per_step=rows_per_step, seq=seq, lr=lr)
+    cache.mkdir(parents=True, exist_ok=True)
+    state = {n: p.detach().cpu().contiguous() for n, p in params.items()}
+    part = weights.with_suffix(".part")
+    save_file(state, str(part))
+    part.replace(weights)  # the weights whole before the file that says they are there
+    meta.write_text(json.dumps({"loss": loss, "steps": steps, "seq": seq, "lr": lr}))
+    return loss
+
+
 def fit_lr(hidden: int) -> float:
     """`fit`'s learning rate for a model of width `hidden`: 3e-3 up to the width the CPU
     benchmarks use (256), shrinking as 1 / width beyond it (Adam moves every weight by about
