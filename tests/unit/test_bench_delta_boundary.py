@@ -156,6 +156,31 @@ def test_the_bytes_to_a_target_are_each_steps_most_loaded_boundary_summed() -> N
     assert to_target_bytes(run, 3) == (118, 115)
 
 
+def test_the_step_model_gives_each_link_its_own_boundarys_bytes() -> None:
+    """The timed runs' model: each link carries its own boundary's frames of the step. Under
+    `delta` one boundary can carry most of a step's bytes; priced as if every link carried
+    them, the model put a measured step 6-9 % too slow (2026-12-08)."""
+    from relaytrain_operator.domain.planner.steptime import StepShape, step_seconds
+
+    from bench.bench_delta_boundary import STAGES, ModeRun, SlowLink, step_model
+
+    link, micros = SlowLink(1.0, 10.0), 4
+    heavy, light = [400_000, 200_000], [1_000, 3_000]
+    loaded = [[heavy] + [light] * (STAGES - 2)]  # one step: the first boundary loaded
+    every = [[heavy] * (STAGES - 1)]
+    loopback = ModeRun("delta", "unlimited", 0.8, [0.8], [1.0], loaded, [])
+
+    def model(step_bytes: list[list[list[int]]]) -> float:
+        run = ModeRun("delta", link.label, 9.0, [9.0], [1.0], step_bytes, [])
+        return step_model(run, loopback, 1, link, micros, apart=True)[0]
+
+    frame = [[b[d] / link.rate / micros for b in loaded[0]] for d in range(2)]
+    compute = 0.8 / (STAGES * micros)  # `apart`: the loopback step's work shared out
+    want = StepShape(STAGES, micros, compute, tuple(frame[0]), tuple(frame[1]), link.latency)
+    assert model(loaded) == step_seconds(want)
+    assert model(loaded) < 0.9 * model(every)  # the light links fill and drain sooner
+
+
 def test_the_report_gives_each_modes_steps_and_bytes_to_the_target(
     report: dict[str, Any],
 ) -> None:
