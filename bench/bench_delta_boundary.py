@@ -971,6 +971,17 @@ def to_target_bytes(run: ModeRun, steps: int) -> tuple[float, float]:
     return busiest, sum(max(b[1] for b in step) for step in span)
 
 
+def link_bytes(run: ModeRun, steps: int) -> list[tuple[int, int]]:
+    """Each boundary's (activations', gradients') bytes over a run's first ``steps``: what
+    each link carries to a loss, where `to_target_bytes` charges every link at the busiest
+    boundary of each step."""
+    span = run.step_bytes[:steps]
+    return [
+        (sum(step[b][0] for step in span), sum(step[b][1] for step in span))
+        for b in range(len(span[0]) if span else 0)
+    ]
+
+
 def report_to_target(runs: dict[str, ModeRun], target: float) -> dict[str, Any]:
     """Each unlimited run's steps to ``target`` (none's final + 1 %) and its bytes over them,
     against int8's where it ran; and the projection's command for each mode."""
@@ -988,12 +999,17 @@ def report_to_target(runs: dict[str, ModeRun], target: float) -> dict[str, Any]:
         n = steps_to(r.step_eval, target)
         busiest, gradients = to_target_bytes(r, n) if n is not None else (None, None)
         rows[m] = {"steps": n, "busiest_bytes": busiest, "gradient_bytes": gradients}
+        rows[m]["link_bytes"] = link_bytes(r, n) if n is not None else None
     ref = rows.get("int8", {})
     for m, v in rows.items():
         ratios = ["", ""]
         if m != "int8" and ref.get("steps") and v["steps"]:
             v["busiest_ratio"] = ref["busiest_bytes"] / v["busiest_bytes"]
             v["gradient_ratio"] = ref["gradient_bytes"] / v["gradient_bytes"]
+            v["link_ratios"] = [
+                [a / b for a, b in zip(mine, theirs, strict=True)]
+                for mine, theirs in zip(ref["link_bytes"], v["link_bytes"], strict=True)
+            ]
             ratios = [f"{v['busiest_ratio']:.2f}x", f"{v['gradient_ratio']:.2f}x"]
         cells = ["never", "", ""] if v["steps"] is None else [
             str(v["steps"]), f"{v['busiest_bytes']:.0f}", f"{v['gradient_bytes']:.0f}"
@@ -1001,10 +1017,17 @@ def report_to_target(runs: dict[str, ModeRun], target: float) -> dict[str, Any]:
         print(f"| {m} | " + " | ".join(cells + ratios) + " |")
     for m, v in rows.items():
         if m.startswith("delta") and "busiest_ratio" in v:  # what the model projects
-            print(
-                f"\n{m}, projected to an 8B's frames: .venv/bin/python bench/time_to_loss_model.py"
+            each = [",".join(f"{link[d]:.2f}" for link in v["link_ratios"]) for d in range(2)]
+            command = (
+                ".venv/bin/python bench/time_to_loss_model.py"
                 f" --steps-int8 {ref['steps']} --steps-delta {v['steps']} --bandwidth-ratio "
-                f"{v['busiest_ratio']:.2f} --gradient-ratio {v['gradient_ratio']:.2f} --ahead best"
+            )
+            print(
+                f"\n{m}, each link's own bytes, int8's over the mode's: activations {each[0]},"
+                f" gradients {each[1]}\n{m}, projected to an 8B's frames, every link at the "
+                f"busiest boundary's bytes: {command}{v['busiest_ratio']:.2f} --gradient-ratio "
+                f"{v['gradient_ratio']:.2f} --ahead best\n{m}, the same, each link at its own: "
+                f"{command}{each[0]} --gradient-ratio {each[1]} --ahead best"
             )
     return rows
 

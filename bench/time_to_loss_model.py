@@ -2,7 +2,7 @@
 models and GPUs: what issue 24's goal (3x faster over 100 Mbit/s with 50 ms each way) takes.
 
 Run: .venv/bin/python bench/time_to_loss_model.py [--steps-int8 N] [--steps-delta N]
-    [--bandwidth-ratio R] [--gradient-ratio G] [--tokens-per-second T] [--rows R]
+    [--bandwidth-ratio R|R,R,R] [--gradient-ratio G|G,G,G] [--tokens-per-second T] [--rows R]
     [--micro-batches M] [--ahead K|best] [--json OUT]
 
 The inputs are what bench/bench_delta_boundary.py measured on 2026-11-30 (the fine-tune,
@@ -23,7 +23,11 @@ on its encoder beside its compute. Its inputs, per micro-batch and stage:
   busiest direction's ratio: its gradients' frames, smaller at a share of the tokens, are
   charged as much), or with ``--gradient-ratio`` the gradients' frames over a ratio of their
   own (int8's gradients' bytes over delta's, each over its steps to the target: the
-  backward's way up the links and 1F1B's gradient sends take their own bytes' time);
+  backward's way up the links and 1F1B's gradient sends take their own bytes' time); with
+  one ratio a link (``5.66,5.07,4.90``, as bench_delta_boundary.py prints them) each link
+  carries its own boundary's bytes, where one ratio charges every link at the busiest
+  boundary's, a bound from below on ``delta``'s gain where its boundaries differ (its
+  timed runs' model, each link at its own bytes, came within 1.4 % of them, 2026-12-08);
 - ``delta``'s encoder: the planner's `link_cost.DELTA_FORWARD_CODEC_SECONDS` (measured on an
   H200) a value for an activation frame, `link_cost.DELTA_BACKWARD_CODEC_SECONDS` for a
   gradient frame; int8's code is charged nothing.
@@ -109,12 +113,25 @@ class Projection:
     int8_link_seconds_for_goal: float | None
 
 
+Ratio = float | tuple[float, ...]
+"""One ratio for every link, or one each (link ``k`` between stages ``k`` and ``k + 1``)."""
+
+
 def project(
-    case: Case, steps_int8: int, steps_delta: int, bandwidth: float, gradients: float | None = None
+    case: Case, steps_int8: int, steps_delta: int, bandwidth: Ratio, gradients: Ratio | None = None
 ) -> Projection:
     """``bandwidth``: int8's busiest direction's bytes over delta's, each over its steps to the
-    target; ``gradients``: the same of the gradients' direction alone (None: ``bandwidth``)."""
-    up_ratio = bandwidth if gradients is None else gradients
+    target, every link charged at it (each step's most loaded boundary: a bound from below
+    on delta's gain where its boundaries differ); or one a link, int8's activations' bytes
+    on that link over delta's. ``gradients``: the same of the gradients' direction alone
+    (None: ``bandwidth``)."""
+    links = STAGES - 1
+    down_ratio, up_ratio = (
+        r if isinstance(r, tuple) else (r,) * links
+        for r in (bandwidth, bandwidth if gradients is None else gradients)
+    )
+    if len(down_ratio) != links or len(up_ratio) != links:
+        raise ValueError(f"a ratio a link: {links} links, not {len(down_ratio)} or {len(up_ratio)}")
     # int8's seconds a step in one direction of a link: its micro-batches' frames.
     link8 = case.hidden * case.tokens * WIRE_BYTES["int8"] / RATE
     values = case.hidden * case.tokens / case.micros
@@ -125,7 +142,7 @@ def project(
     )
 
     def step(
-        compute: float, down: float, up: float, encode: tuple[float, float] = (0.0, 0.0)
+        compute: float, down: Ratio, up: Ratio, encode: tuple[float, float] = (0.0, 0.0)
     ) -> float:
         aheads = range(case.micros + 1) if case.ahead is None else (case.ahead,)
         return min(
@@ -136,12 +153,15 @@ def project(
         )
 
     def times(link: float, steps: int = steps_delta) -> tuple[float, float]:
-        # delta's bytes a step in each direction, measured: int8's over the ratio, spread over
-        # delta's steps
-        down, up = (steps_int8 * link / (r * steps_delta) for r in (bandwidth, up_ratio))
-        t8 = steps_int8 * step(case.compute[0], link / case.micros, link / case.micros)
+        # delta's frames on each link in each direction, measured: int8's over the link's
+        # ratio, spread over delta's steps and a step's micro-batches
         micros = case.micros
-        return t8, steps * step(case.compute[1], down / micros, up / micros, (forward, backward))
+        down, up = (
+            tuple(steps_int8 * link / (r * steps_delta * micros) for r in ratios)
+            for ratios in (down_ratio, up_ratio)
+        )
+        t8 = steps_int8 * step(case.compute[0], link / micros, link / micros)
+        return t8, steps * step(case.compute[1], down, up, (forward, backward))
 
     t8, td = times(link8)
     e8, ed = times(link8, steps_int8)
@@ -191,16 +211,40 @@ def cases(rate: float, rows: int, micros: int, ahead: int | None) -> list[Case]:
     ]
 
 
+def ratio(text: str) -> Ratio:
+    """``--bandwidth-ratio`` and ``--gradient-ratio``: one ratio, or one a link, commas
+    between (``5.66,5.07,4.90``)."""
+    try:
+        values = tuple(float(v) for v in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or not all(v > 0 for v in values) or len(values) not in (1, STAGES - 1):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: a ratio above 0, or {STAGES - 1} of them, one a link, commas between"
+        )
+    return values[0] if len(values) == 1 else values
+
+
+def shown(r: Ratio) -> str:
+    return "/".join(f"{v:.2f}" for v in r) if isinstance(r, tuple) else f"{r:.2f}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps-int8", type=int, default=35)
     parser.add_argument("--steps-delta", type=int, default=47)
-    parser.add_argument("--bandwidth-ratio", type=float, default=3.57)
+    parser.add_argument(
+        "--bandwidth-ratio",
+        type=ratio,
+        default=3.57,
+        help="int8's busiest direction's bytes over delta's to the target, every link charged"
+        " at it; or one a link, int8's activations' bytes on it over delta's (a,b,c)",
+    )
     parser.add_argument(
         "--gradient-ratio",
-        type=float,
-        help="int8's gradients' bytes over delta's to the target (default: the bandwidth ratio,"
-        " the gradients charged as much as the busiest direction)",
+        type=ratio,
+        help="int8's gradients' bytes over delta's to the target, or one a link (default: the"
+        " bandwidth ratio, the gradients charged as much as the activations)",
     )
     parser.add_argument(
         "--tokens-per-second",
@@ -231,8 +275,8 @@ def main() -> None:
     print(
         f"100 Mbit/s, {LATENCY * 1000:.0f} ms each way, {STAGES} stages; int8 {args.steps_int8}"
         f" steps to the target, delta {args.steps_delta}, bandwidth ratio"
-        f" {args.bandwidth_ratio:.2f}"
-        + ("" if args.gradient_ratio is None else f", gradients {args.gradient_ratio:.2f}")
+        f" {shown(args.bandwidth_ratio)}"
+        + ("" if args.gradient_ratio is None else f", gradients {shown(args.gradient_ratio)}")
         + "\n"
     )
     print(

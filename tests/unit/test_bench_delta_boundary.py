@@ -147,13 +147,14 @@ def test_a_report_of_other_arguments_is_not_resumed(report_path: Path) -> None:
 def test_the_bytes_to_a_target_are_each_steps_most_loaded_boundary_summed() -> None:
     """What the projection's ratios are made of: a link's time follows, each step, its most
     loaded boundary in its busiest direction; the gradients' direction is counted apart."""
-    from bench.bench_delta_boundary import ModeRun, to_target_bytes
+    from bench.bench_delta_boundary import ModeRun, link_bytes, to_target_bytes
 
     # per step, per boundary: [down, up]
     steps = [[[10, 3], [7, 9]], [[5, 6], [8, 2]], [[100, 100], [100, 100]]]
     run = ModeRun("delta", "unlimited", 1.0, [0.1] * 3, [2.0, 1.0, 0.5], steps, [])
     assert to_target_bytes(run, 2) == (10 + 8, 9 + 6)  # the third step is past the target
     assert to_target_bytes(run, 3) == (118, 115)
+    assert link_bytes(run, 2) == [(15, 9), (15, 11)]  # each boundary's own, both directions
 
 
 def test_the_step_model_gives_each_link_its_own_boundarys_bytes() -> None:
@@ -195,3 +196,7 @@ def test_the_report_gives_each_modes_steps_and_bytes_to_the_target(
     assert delta["gradient_ratio"] == pytest.approx(
         int8["gradient_bytes"] / delta["gradient_bytes"]
     )
+    # Each link's own: no link of delta's carries more than the busiest boundary's bytes.
+    for link, (mine, ours) in enumerate(zip(delta["link_bytes"], int8["link_bytes"], strict=True)):
+        assert delta["link_ratios"][link] == pytest.approx([ours[0] / mine[0], ours[1] / mine[1]])
+        assert delta["link_ratios"][link][0] >= delta["busiest_ratio"] * (1 - 1e-9)

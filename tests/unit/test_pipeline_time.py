@@ -4,6 +4,7 @@ steps)."""
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import replace
 
 import pytest
@@ -92,6 +93,27 @@ def test_the_projection_charges_the_gradients_their_own_bytes_when_measured_apar
     assert apart.delta_seconds < charged_alike.delta_seconds
     assert apart.int8_seconds == charged_alike.int8_seconds
     assert apart.delta_seconds > project(eight_b, 21, 22, 8.0).delta_seconds
+
+
+def test_the_projection_gives_each_link_its_own_ratio() -> None:
+    """Every link at the busiest boundary's bytes is a bound from below on delta's gain where
+    its boundaries differ: each link at its own ratio, lighter links fill and drain sooner."""
+    from bench.time_to_loss_model import cases, project, ratio
+
+    eight_b = cases(12_000.0, 8, 8, None)[1]
+    alike = project(eight_b, 19, 20, 4.75, 6.13)
+    assert project(eight_b, 19, 20, (4.75,) * 3, (6.13,) * 3) == alike
+    each = project(eight_b, 19, 20, (5.66, 5.07, 4.90), (7.12, 6.59, 6.39))
+    assert each.int8_seconds == alike.int8_seconds
+    assert each.delta_seconds < alike.delta_seconds
+    # ...but no sooner than with every link as light as the lightest.
+    assert each.delta_seconds > project(eight_b, 19, 20, 5.66, 7.12).delta_seconds
+    with pytest.raises(ValueError, match="3 links"):
+        project(eight_b, 19, 20, (5.0, 5.0))
+    assert ratio("5.66,5.07,4.90") == (5.66, 5.07, 4.90) and ratio("4.75") == 4.75
+    for bad in ("5,5", "0", "x", "5,-1,2"):
+        with pytest.raises(argparse.ArgumentTypeError, match="one a link"):
+            ratio(bad)
 
 
 @st.composite
