@@ -48,10 +48,12 @@ BENCH_TIMEOUT=${BENCH_TIMEOUT:-380}
 # (1.25e-3) left the uncompressed run at 1.294 after its 48 steps against 0.974 at 5e-3
 # (docs/gpu-check.md, 2026-12-05). `delta` is held to int3's error, a quarter of the gradients'
 # tokens at 2 bits, lifted while they fit in their activations' bytes (gradientFill): at a width
-# of 1024 on the CPU these reach none's final + 1 % in 23 and 20 steps against int8's 21 and 18
-# (seeds 0 and 1) with their busiest direction 4.65x and 4.60x fewer bytes than int8's over
-# them, 3.22x and 3.18x int8's time projected to an 8B's frames, ending +0.90 % and +0.65 %
-# (2026-12-07, docs/links-and-checkpoints.md, "int3 to the target at a width of 1024"); int4's
+# of 1024 on the CPU these reach none's final + 1 % in 23, 20 and 20 steps against int8's 21,
+# 18 and 19 (seeds 0-2) with their busiest direction 4.65x, 4.60x and 4.75x fewer bytes than
+# int8's over them, 3.22x, 3.18x and 3.34x int8's time projected to an 8B's frames, ending
+# +0.90, +0.65 and +0.63 % (2026-12-07 and -08, docs/links-and-checkpoints.md, "int3 to the
+# target at a width of 1024"); over paced links where the bytes decide, 3.63x and 4.07x
+# measured on the tiny model (2026-12-08); int4's
 # error with half the tokens, raced until that day, ends within 0.15 % but carries 2.95x, 2.87x
 # projected. int3's least-squares scales kept the first card run
 # (2026-12-04) +2.2 % above uncompressed, never at the target; unshrunk since 2026-12-06.
